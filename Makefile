@@ -1,0 +1,43 @@
+# hplan: `make demo` and `make test` work on a fresh machine (they set up .venv/ first).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+HPLAN := $(VENV)/bin/hplan
+# Installed only when the environment has no torch; bring your own torch to skip it.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_OUT ?= out/demo
+
+.PHONY: setup demo test lint typecheck unit bench clean
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,hf]"
+	@touch $@
+
+demo: setup
+	$(HPLAN) solve examples/gpt/model.py --cluster examples/clusters/mixed-3090-4090.yaml -o $(DEMO_OUT)
+	$(HPLAN) show $(DEMO_OUT)/plan.json
+	$(HPLAN) rehearse $(DEMO_OUT)/plan.json --steps 20 --verify
+
+lint: setup
+	$(VENV)/bin/ruff check planner runtime templates tests bench examples
+	$(VENV)/bin/ruff format --check planner runtime templates tests bench examples
+
+typecheck: setup
+	$(VENV)/bin/mypy planner runtime
+
+unit: setup
+	$(VENV)/bin/pytest
+
+test: lint typecheck unit
+
+bench: setup
+	$(PY) bench/solver.py
+	$(PY) bench/plan_quality.py
+	$(PY) bench/rehearsal.py
+
+clean:
+	rm -rf out .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,114 @@
+"""A GPT-2-style decoder, sized to rehearse in about a minute on two CPU cores.
+
+Model-file convention (see README): build_model, sample_batch, loss_fn, optional
+make_optimizer and dataset. Sizes can be changed with environment variables so the same
+file serves the demo, the tests and the benchmarks:
+
+    HPLAN_GPT_LAYERS (4), HPLAN_GPT_WIDTH (64), HPLAN_GPT_HEADS (4), HPLAN_GPT_SEQ (64)
+
+The vocabulary is bytes (256 tokens); dataset() trains on the text files shipped with
+hplan (README, CHANGELOG, the design notes), so no download is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB_SIZE = 256
+NUM_LAYERS = int(os.environ.get("HPLAN_GPT_LAYERS", "4"))
+WIDTH = int(os.environ.get("HPLAN_GPT_WIDTH", "64"))
+NUM_HEADS = int(os.environ.get("HPLAN_GPT_HEADS", "4"))
+SEQ_LEN = int(os.environ.get("HPLAN_GPT_SEQ", "64"))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        head = width // self.num_heads
+        q = q.view(batch, seq, self.num_heads, head).transpose(1, 2)
+        k = k.view(batch, seq, self.num_heads, head).transpose(1, 2)
+        v = v.view(batch, seq, self.num_heads, head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, num_heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, num_heads)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, num_layers: int = NUM_LAYERS, width: int = WIDTH,
+                 num_heads: int = NUM_HEADS, seq_len: int = SEQ_LEN) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(VOCAB_SIZE, width)
+        self.pos_emb = nn.Embedding(seq_len, width)
+        self.blocks = nn.ModuleList(Block(width, num_heads) for _ in range(num_layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, VOCAB_SIZE, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def build_model() -> nn.Module:
+    return GPT()
+
+
+def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB_SIZE, (batch_size, SEQ_LEN + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+
+
+def make_optimizer(params):
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+
+
+class _ByteWindows(torch.utils.data.Dataset):
+    """Non-overlapping windows of SEQ_LEN + 1 bytes; item = (input ids, next-byte targets)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.tokens = torch.tensor(list(data), dtype=torch.long)
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // SEQ_LEN
+
+    def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.tokens[idx * SEQ_LEN : idx * SEQ_LEN + SEQ_LEN + 1]
+        return window[:-1], window[1:]
+
+
+def dataset() -> torch.utils.data.Dataset:
+    root = Path(__file__).resolve().parents[2]
+    files = sorted(root.glob("*.md")) + sorted((root / "examples").rglob("*.py"))
+    data = b"\n".join(f.read_bytes() for f in files)
+    return _ByteWindows(data)

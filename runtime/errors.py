@@ -1,0 +1,74 @@
+"""Typed errors for every user-facing failure in hplan.
+
+The planner and the runtime both raise these; the CLI turns each into one line on stderr
+and the exit code carried by the class. The module lives in the runtime package because
+the runtime must run on a cluster node without the planner (the planner imports from here,
+never the reverse).
+
+Exit codes (see the design card): 0 ok, 2 usage or invalid input, 3 infeasible,
+4 environment (missing solver, no driver), 1 anything else.
+
+Every message names the bad value and says what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class HplanError(Exception):
+    """Base of all hplan errors; ``exit_code`` is what the CLI exits with."""
+
+    exit_code: int = 1
+
+
+class ConfigError(HplanError):
+    """A user input file (cluster.yaml, a profile, CLI options) is invalid."""
+
+    exit_code = 2
+
+
+class ModelFileError(HplanError):
+    """``model.py`` cannot be loaded or does not follow the model-file convention."""
+
+    exit_code = 2
+
+
+class TraceError(HplanError):
+    """The model cannot be turned into a graph by any tracing method."""
+
+    exit_code = 2
+
+
+class PlanFileError(HplanError):
+    """``plan.json`` is malformed, from another schema version, or fails validation."""
+
+    exit_code = 2
+
+
+class PlanMismatchError(HplanError):
+    """The running model or a received tensor differs from what the plan recorded."""
+
+    exit_code = 2
+
+
+class InfeasiblePlanError(HplanError):
+    """No layout satisfies the constraints; the message names the binding one."""
+
+    exit_code = 3
+
+
+class SolverUnavailableError(HplanError):
+    """No working MILP solver is installed."""
+
+    exit_code = 4
+
+
+class EnvironmentProblemError(HplanError):
+    """The machine lacks something hplan needs (a driver, a free port, a backend)."""
+
+    exit_code = 4
+
+
+class PeerFailureError(HplanError):
+    """A peer rank died or stopped answering within the process-group timeout."""
+
+    exit_code = 1

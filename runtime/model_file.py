@@ -1,0 +1,119 @@
+"""Load a user's ``model.py`` and check it follows the model-file convention.
+
+Convention (also in README.md):
+
+- ``build_model() -> torch.nn.Module`` (required). Called after ``torch.manual_seed``, so
+  every rank builds the same initial weights.
+- ``sample_batch(batch_size: int) -> (inputs, targets)`` (required). ``inputs`` is a
+  tensor (the first ``forward`` argument), a tuple (positional arguments) or a dict
+  (keyword arguments by name); every tensor's dim 0 is the sample dimension.
+- ``loss_fn(outputs, targets) -> scalar tensor`` (required): the *mean* over the samples of
+  the batch it is given (hplan weights micro-batches by their sample counts).
+- ``make_optimizer(params) -> torch.optim.Optimizer`` (optional; default AdamW, lr 1e-3).
+  It must update each parameter from its own gradient only (no global-norm clipping), so
+  that per-stage optimizers equal one optimizer over the whole model.
+- ``dataset() -> Sequence[(inputs, targets)]`` (optional): real training data, one sample
+  per item; without it hplan trains on ``sample_batch``.
+- ``LEAF_MODULES`` (optional): module paths (``"blocks.1"``) or class names to keep whole
+  when tracing.
+
+Loading a model file executes its code, with the same rights as the user running hplan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hplan.runtime.errors import ModelFileError
+
+REQUIRED = ("build_model", "sample_batch", "loss_fn")
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """The callables a model file provides."""
+
+    path: Path
+    sha256: str
+    build_model: Callable[[], Any]
+    sample_batch: Callable[[int], tuple[Any, Any]]
+    loss_fn: Callable[[Any, Any], Any]
+    make_optimizer: Callable[[Any], Any] | None
+    dataset: Callable[[], Sequence[Any]] | None
+    leaf_modules: tuple[str, ...]
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import ``path`` as a module and return its convention functions.
+
+    Raises:
+        ModelFileError: the file is missing, raises while importing (the message gives the
+            exception and the line in the file), or lacks a required function.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ModelFileError(f"model file {str(path)!r} does not exist; pass a path to model.py")
+    text = file.read_bytes()
+    digest = hashlib.sha256(text).hexdigest()
+    module_name = f"hplan_user_model_{digest[:16]}"
+    if module_name in sys.modules:
+        module = sys.modules[module_name]
+    else:
+        module = _import(file, module_name)
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise ModelFileError(
+            f"model file {str(path)!r} lacks {', '.join(missing)}; define "
+            + ", ".join(f"{m}()" for m in missing)
+            + " (see README: model-file convention)"
+        )
+    leaves = getattr(module, "LEAF_MODULES", ())
+    if isinstance(leaves, str) or not all(isinstance(x, str) for x in leaves):
+        raise ModelFileError(
+            f"LEAF_MODULES in {str(path)!r} must be a list of module paths or class names"
+        )
+    return ModelFile(
+        path=file,
+        sha256=digest,
+        build_model=module.build_model,
+        sample_batch=module.sample_batch,
+        loss_fn=module.loss_fn,
+        make_optimizer=_optional(module, "make_optimizer"),
+        dataset=_optional(module, "dataset"),
+        leaf_modules=tuple(leaves),
+    )
+
+
+def _optional(module: Any, name: str) -> Callable[..., Any] | None:
+    value = getattr(module, name, None)
+    return value if callable(value) else None
+
+
+def _import(file: Path, module_name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"cannot import {str(file)!r} as Python; is it a .py file?")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        line = _line_in(file, exc)
+        raise ModelFileError(
+            f"model file {str(file)!r} raised {type(exc).__name__}: {exc}{line} while "
+            "importing; fix the file so `python model.py` imports cleanly"
+        ) from None
+    return module
+
+
+def _line_in(file: Path, exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == file]
+    return f" (line {frames[-1].lineno})" if frames else ""

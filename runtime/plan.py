@@ -1,0 +1,473 @@
+"""The plan: the only contract between the planner and the runtime.
+
+A ``Plan`` says *what to run* (which rank runs which partition units of which replica, with
+which micro-batch size, which tensors cross each stage boundary, how gradients are
+synchronised) and, apart from that, *why* (the ``report``: predicted times and memory,
+solver status, efficiency). The runtime reads only the "what"; it ignores ``report``.
+
+All types are frozen dataclasses with JSON-native fields and ``StrEnum``s. ``to_json`` is
+deterministic (same plan, same bytes) and ``from_json(to_json(p)) == p``. Loading
+validates with pydantic (unknown keys and wrong types rejected) and then checks the
+plan's internal consistency with :func:`Plan.verify`.
+
+This module must not import torch: a plan can be read and shown anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cache
+from typing import Any
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from hplan.runtime.errors import PlanFileError
+
+SCHEMA_VERSION = 1
+_STRICT = ConfigDict(extra="forbid")
+
+
+class Schedule(StrEnum):
+    """Pipeline schedule of micro-batches within one replica."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+
+
+class TraceMethod(StrEnum):
+    """How the model was turned into a graph (the runtime re-traces the same way)."""
+
+    SYMBOLIC = "fx_symbolic_trace"
+    EXPORT = "torch_export"
+    MODULES = "module_boundaries"
+
+
+class MemoryStrategy(StrEnum):
+    """What a rank does with activations between forward and backward."""
+
+    KEEP = "keep_activations"
+    RECOMPUTE = "recompute"
+
+
+class SyncMode(StrEnum):
+    """How data-parallel replicas keep their parameters in step."""
+
+    ALL_REDUCE = "all_reduce"
+    LOCAL_SGD = "local_sgd"
+
+
+class Backend(StrEnum):
+    """torch.distributed backend for point-to-point and collectives."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class SolverStatus(StrEnum):
+    """What the planner can say about the layout it returned."""
+
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"
+    HEURISTIC = "heuristic"
+
+
+def _frozen(cls: type) -> type:
+    cls.__pydantic_config__ = _STRICT  # type: ignore[attr-defined]
+    return dataclass(frozen=True, slots=True, kw_only=True)(cls)
+
+
+@_frozen
+class TensorSpec:
+    """A tensor that crosses a stage boundary or enters the graph as an input."""
+
+    name: str
+    """Name of the fx node that produces it (graph inputs: the placeholder name)."""
+    shape: tuple[int, ...]
+    """Shape for a micro-batch of one sample; see ``batch_dim``."""
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix, e.g. ``float32``, ``int64``, ``bool``."""
+    batch_dim: int | None
+    """Dimension whose size is ``shape[batch_dim] * micro_batch_size``; None: not batched."""
+    requires_grad: bool
+    """True when a gradient flows back across the boundary (float tensors only)."""
+
+    def shape_for(self, micro_batch_size: int) -> tuple[int, ...]:
+        """Concrete shape of this tensor for a micro-batch of ``micro_batch_size`` samples."""
+        if self.batch_dim is None:
+            return self.shape
+        dims = list(self.shape)
+        dims[self.batch_dim] *= micro_batch_size
+        return tuple(dims)
+
+
+@_frozen
+class InputSpec:
+    """A graph input (a ``forward`` argument that the model file feeds)."""
+
+    tensor: TensorSpec
+    read_by_units: tuple[str, ...]
+    """Partition units whose nodes read this input (the runtime delivers it to them)."""
+
+
+@_frozen
+class UnitSpec:
+    """A partition unit: the smallest piece a stage boundary may fall between."""
+
+    name: str
+    nodes: tuple[str, ...]
+    """Names of the fx graph nodes (not placeholders, not output) that belong to the unit."""
+    params: tuple[str, ...]
+    """Canonical names (``named_parameters()``) of the parameters the unit uses."""
+    buffers: tuple[str, ...]
+    """Canonical names of the buffers the unit reads (each stage holds its own copy)."""
+
+
+@_frozen
+class CutSpec:
+    """The tensors that cross a stage boundary placed after unit ``after_unit``."""
+
+    after_unit: str
+    tensors: tuple[TensorSpec, ...]
+
+
+@_frozen
+class ModelSpec:
+    """Which model the plan is for, and how to rebuild its graph."""
+
+    path: str
+    """model.py path as given to ``hplan solve``; ``hplan run --model`` overrides it."""
+    sha256: str
+    """Digest of model.py at solve time; a different file only warns."""
+    trace_method: TraceMethod
+    leaf_modules: tuple[str, ...]
+    """Module paths traced as single nodes (kept whole)."""
+    graph_fingerprint: str
+    """Digest of the traced graph's node names and ops; the runtime checks it."""
+    inputs: tuple[InputSpec, ...]
+    """Graph inputs fed by ``sample_batch``/``dataset``, in forward-signature order."""
+    param_dtype: str
+
+
+@_frozen
+class DeviceSpec:
+    """One accelerator (or CPU) in the cluster."""
+
+    name: str
+    """Unique device name, ``<node>/<local_index>``."""
+    node: str
+    local_index: int
+    """GPU index on the node in PCI bus order (CPU devices: a process index)."""
+    kind: str
+    """Device catalog key, e.g. ``rtx4090``, ``a100-80gb``, ``cpu``."""
+    memory_bytes: int
+    peak_flops: float
+    """Peak FLOP/s for the model's dtype (used for emulation and reports)."""
+    memory_bandwidth_bytes_per_s: float
+    consumer_card: bool
+    """GeForce-class card: peer-to-peer over PCIe is unreliable, NCCL P2P is disabled."""
+
+
+@_frozen
+class NodeSpec:
+    """One machine: its name, its address, its devices (by name)."""
+
+    name: str
+    host: str
+    devices: tuple[str, ...]
+
+
+@_frozen
+class LinkSpec:
+    """Alpha-beta model of the link between two devices (symmetric)."""
+
+    a: str
+    b: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+
+@_frozen
+class ClusterSpec:
+    """The hardware the plan was made for."""
+
+    name: str
+    nodes: tuple[NodeSpec, ...]
+    devices: tuple[DeviceSpec, ...]
+    links: tuple[LinkSpec, ...]
+    """One entry per unordered pair of distinct devices."""
+
+
+@_frozen
+class RankPlan:
+    """What one process runs."""
+
+    rank: int
+    node: str
+    local_rank: int
+    device: str
+    """Device name (see ``DeviceSpec.name``)."""
+    device_kind: str
+    replica: int
+    stage: int
+    units: tuple[str, ...]
+    micro_batch_size: int
+    num_microbatches: int
+    num_samples: int
+    """Samples this replica processes per optimizer step (its batch share)."""
+    memory_strategy: MemoryStrategy = MemoryStrategy.KEEP
+
+
+@_frozen
+class TrainingSpec:
+    """How the runtime trains."""
+
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    backend: Backend = Backend.GLOO
+    sync_mode: SyncMode = SyncMode.ALL_REDUCE
+    seed: int = 0
+    process_group_timeout_s: float = 300.0
+    master_host: str = "127.0.0.1"
+    master_port: int = 29500
+
+
+@_frozen
+class RankReport:
+    """Predictions for one rank (ignored by the runtime)."""
+
+    rank: int
+    stage_time_per_microbatch_s: float
+    """Forward + backward + boundary transfers of one full micro-batch on this rank."""
+    busy_time_s: float
+    """Predicted compute time of one optimizer step."""
+    memory_bytes: int
+    """Predicted peak memory: parameters, gradients, optimizer state, activations in flight."""
+    memory_capacity_bytes: int
+
+
+@_frozen
+class BaselineReport:
+    """Predicted throughput of what other tools would do on the same cluster."""
+
+    name: str
+    samples_per_s: float | None
+    """None when the baseline does not fit in memory."""
+    note: str
+
+
+@_frozen
+class Report:
+    """Why this plan: predictions and solver facts. The runtime ignores it."""
+
+    predicted_step_time_s: float
+    predicted_samples_per_s: float
+    physical_bound_samples_per_s: float
+    """Sum over devices of each device's standalone samples/s at its best fitting batch."""
+    efficiency: float
+    """predicted_samples_per_s / physical_bound_samples_per_s."""
+    bottleneck_rank: int
+    ranks: tuple[RankReport, ...]
+    solver_status: SolverStatus
+    optimality_gap: float | None
+    """Relative gap between the returned step time and the best lower bound; None if unknown."""
+    solver_backend: str
+    cost_source: str
+    baselines: tuple[BaselineReport, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+@_frozen
+class Plan:
+    """A complete, runnable training plan. See the module docstring."""
+
+    schema_version: int = SCHEMA_VERSION
+    model: ModelSpec
+    global_batch_size: int
+    units: tuple[UnitSpec, ...]
+    cuts: tuple[CutSpec, ...]
+    """Only the cuts some replica uses, in unit order."""
+    cluster: ClusterSpec
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    ranks: tuple[RankPlan, ...]
+    report: Report
+
+    # ----------------------------------------------------------------- derived views
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_replicas(self) -> int:
+        return 1 + max(r.replica for r in self.ranks)
+
+    def replica_ranks(self, replica: int) -> tuple[RankPlan, ...]:
+        """Ranks of one replica in stage order."""
+        return tuple(sorted((r for r in self.ranks if r.replica == replica), key=_stage_key))
+
+    def cut_after(self, unit: str) -> CutSpec:
+        """The boundary after ``unit``; raises ``PlanFileError`` if the plan lacks it."""
+        for cut in self.cuts:
+            if cut.after_unit == unit:
+                return cut
+        raise PlanFileError(f"plan has no cut after unit {unit!r}; re-run `hplan solve`")
+
+    def unit(self, name: str) -> UnitSpec:
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise PlanFileError(f"plan has no unit {name!r}; re-run `hplan solve`")
+
+    def device(self, name: str) -> DeviceSpec:
+        for device in self.cluster.devices:
+            if device.name == name:
+                return device
+        raise PlanFileError(f"plan has no device {name!r}; re-run `hplan solve`")
+
+    def node(self, name: str) -> NodeSpec:
+        for node in self.cluster.nodes:
+            if node.name == name:
+                return node
+        raise PlanFileError(f"plan has no node {name!r}; re-run `hplan solve`")
+
+    def sample_offset(self, replica: int) -> int:
+        """Index of this replica's first sample within the global batch."""
+        firsts = [self.replica_ranks(r)[0] for r in range(replica)]
+        return sum(r.num_samples for r in firsts)
+
+    def link(self, a: str, b: str) -> LinkSpec:
+        for link in self.cluster.links:
+            if {link.a, link.b} == {a, b}:
+                return link
+        raise PlanFileError(f"plan has no link between {a!r} and {b!r}; re-run `hplan solve`")
+
+    # ----------------------------------------------------------------- (de)serialisation
+    def to_json(self) -> str:
+        """Deterministic JSON text (2-space indent, field order as declared, newline at end)."""
+        data = _adapter().dump_python(self, mode="json")
+        return json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        """Parse and validate plan JSON.
+
+        Raises:
+            PlanFileError: not JSON, wrong schema version, unknown keys, wrong types, or an
+                inconsistent plan (see :meth:`verify`). The message names the field.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFileError(f"plan is not valid JSON ({exc}); re-run `hplan solve`") from None
+        if not isinstance(data, dict):
+            raise PlanFileError("plan JSON must be an object; re-run `hplan solve`")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanFileError(
+                f"plan schema_version is {version!r}, this hplan reads {SCHEMA_VERSION}; "
+                "re-run `hplan solve` with this version"
+            )
+        try:
+            plan = _adapter().validate_python(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise PlanFileError(
+                f"plan field {where!r}: {first['msg']}; re-run `hplan solve`"
+            ) from None
+        plan.verify()
+        return plan
+
+    @staticmethod
+    def json_schema() -> dict[str, Any]:
+        """The JSON Schema of plan.json (draft 2020-12), generated from these types."""
+        return _adapter().json_schema()
+
+    # ----------------------------------------------------------------- consistency
+    def verify(self) -> None:
+        """Check internal consistency; raise ``PlanFileError`` naming the first problem.
+
+        Checks: ranks numbered 0..n-1; every rank's device and node exist; each replica's
+        stages are 0..k-1 and hold contiguous, in-order runs of units that cover every unit
+        exactly once; every replica-internal cut exists in ``cuts``; micro-batch fields agree
+        within a replica; batch shares sum to ``global_batch_size``.
+        """
+        _verify_plan(self)
+
+
+def _stage_key(rank: RankPlan) -> int:
+    return rank.stage
+
+
+@cache
+def _adapter() -> TypeAdapter[Plan]:
+    return TypeAdapter(Plan)
+
+
+def _fail(msg: str) -> None:
+    raise PlanFileError(f"invalid plan: {msg}")
+
+
+def _verify_plan(plan: Plan) -> None:
+    if [r.rank for r in plan.ranks] != list(range(len(plan.ranks))):
+        _fail("ranks must be listed in order 0..n-1")
+    if not plan.ranks:
+        _fail("plan has no ranks")
+    device_names = {d.name for d in plan.cluster.devices}
+    node_names = {n.name for n in plan.cluster.nodes}
+    used_devices = [r.device for r in plan.ranks]
+    if len(set(used_devices)) != len(used_devices):
+        _fail("two ranks share one device")
+    for rank in plan.ranks:
+        if rank.device not in device_names:
+            _fail(f"rank {rank.rank} uses unknown device {rank.device!r}")
+        if rank.node not in node_names:
+            _fail(f"rank {rank.rank} is on unknown node {rank.node!r}")
+        if rank.micro_batch_size < 1 or rank.num_microbatches < 1:
+            _fail(f"rank {rank.rank} needs micro_batch_size >= 1 and num_microbatches >= 1")
+    unit_order = [u.name for u in plan.units]
+    if len(set(unit_order)) != len(unit_order):
+        _fail("unit names repeat")
+    cut_units = {c.after_unit for c in plan.cuts}
+    total = 0
+    for replica in range(plan.num_replicas):
+        ranks = plan.replica_ranks(replica)
+        if not ranks:
+            _fail(f"replica {replica} has no ranks")
+        _verify_replica(replica, ranks, unit_order, cut_units)
+        total += ranks[0].num_samples
+    if total != plan.global_batch_size:
+        _fail(f"batch shares sum to {total}, global_batch_size is {plan.global_batch_size}")
+
+
+def _verify_replica(
+    replica: int, ranks: tuple[RankPlan, ...], unit_order: list[str], cut_units: set[str]
+) -> None:
+    if [r.stage for r in ranks] != list(range(len(ranks))):
+        _fail(f"replica {replica} stages must be 0..{len(ranks) - 1}")
+    held = [u for r in ranks for u in r.units]
+    if held != unit_order:
+        _fail(f"replica {replica} must hold every unit once, in order and contiguously")
+    if any(not r.units for r in ranks):
+        _fail(f"replica {replica} has an empty stage")
+    first = ranks[0]
+    for rank in ranks:
+        same = (rank.micro_batch_size, rank.num_microbatches, rank.num_samples)
+        if same != (first.micro_batch_size, first.num_microbatches, first.num_samples):
+            _fail(f"replica {replica} ranks disagree on micro-batching")
+    if not (first.num_microbatches - 1) * first.micro_batch_size < first.num_samples:
+        _fail(f"replica {replica} has an empty micro-batch")
+    if first.num_samples > first.micro_batch_size * first.num_microbatches:
+        _fail(f"replica {replica} cannot fit its samples in its micro-batches")
+    for rank in ranks[:-1]:
+        if rank.units[-1] not in cut_units:
+            _fail(f"cut after unit {rank.units[-1]!r} (replica {replica}) is missing")
+
+
+def microbatch_sizes(num_samples: int, micro_batch_size: int) -> tuple[int, ...]:
+    """Sizes of a replica's micro-batches: full ones, then one smaller remainder if any.
+
+    Example: 8 samples at micro-batch size 3 -> (3, 3, 2).
+    """
+    full, rest = divmod(num_samples, micro_batch_size)
+    return (micro_batch_size,) * full + ((rest,) if rest else ())
