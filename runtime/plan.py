@@ -273,6 +273,10 @@ class Report:
     """Relative gap between the returned step time and the best lower bound; None if unknown."""
     solver_backend: str
     cost_source: str
+    reference_time_per_sample_s: float
+    """Forward + backward time of one sample through the whole model on the plan's fastest
+    device (at its best micro-batch size). Rehearsal divides predictions by it to express
+    them in emulated time."""
     baselines: tuple[BaselineReport, ...] = ()
     notes: tuple[str, ...] = ()
 
