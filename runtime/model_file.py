@@ -63,10 +63,7 @@ def load_model_file(path: str | Path) -> ModelFile:
     text = file.read_bytes()
     digest = hashlib.sha256(text).hexdigest()
     module_name = f"hplan_user_model_{digest[:16]}"
-    if module_name in sys.modules:
-        module = sys.modules[module_name]
-    else:
-        module = _import(file, module_name)
+    module = sys.modules[module_name] if module_name in sys.modules else _import(file, module_name)
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise ModelFileError(

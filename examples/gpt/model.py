@@ -50,7 +50,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(width)
         self.attn = CausalSelfAttention(width, num_heads)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -58,8 +60,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, num_layers: int = NUM_LAYERS, width: int = WIDTH,
-                 num_heads: int = NUM_HEADS, seq_len: int = SEQ_LEN) -> None:
+    def __init__(
+        self,
+        num_layers: int = NUM_LAYERS,
+        width: int = WIDTH,
+        num_heads: int = NUM_HEADS,
+        seq_len: int = SEQ_LEN,
+    ) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(VOCAB_SIZE, width)
         self.pos_emb = nn.Embedding(seq_len, width)
