@@ -1,0 +1,88 @@
+"""Unit conversions, in one place.
+
+hplan computes in SI base units (bytes, seconds, FLOP, FLOP/s, bytes/s). User-facing
+files use the units people quote (GB, GiB, Gbit/s, TFLOP/s, microseconds); they are
+converted here and nowhere else.
+
+Conventions (see the style guide): "GB" means 10^9 bytes and "GiB" 2^30 bytes; link
+speeds in "Gbit/s" are decimal bits (10 GbE = 10 * 10^9 bit/s = 1.25 * 10^9 bytes/s).
+"""
+
+from __future__ import annotations
+
+BYTES_PER_KB = 1e3
+BYTES_PER_MB = 1e6
+BYTES_PER_GB = 1e9
+BYTES_PER_KIB = 2**10
+BYTES_PER_MIB = 2**20
+BYTES_PER_GIB = 2**30
+BITS_PER_BYTE = 8
+FLOPS_PER_TFLOP = 1e12
+FLOPS_PER_GFLOP = 1e9
+US_PER_S = 1e6
+MS_PER_S = 1e3
+
+
+def gb_to_bytes(gb: float) -> float:
+    """Decimal gigabytes to bytes (1 GB = 10^9 bytes)."""
+    return gb * BYTES_PER_GB
+
+
+def gib_to_bytes(gib: float) -> float:
+    """Binary gibibytes to bytes (1 GiB = 2^30 bytes)."""
+    return gib * BYTES_PER_GIB
+
+
+def mib_to_bytes(mib: float) -> float:
+    """Binary mebibytes to bytes (1 MiB = 2^20 bytes)."""
+    return mib * BYTES_PER_MIB
+
+
+def bytes_to_gb(num_bytes: float) -> float:
+    """Bytes to decimal gigabytes, for messages."""
+    return num_bytes / BYTES_PER_GB
+
+
+def bytes_to_gib(num_bytes: float) -> float:
+    """Bytes to binary gibibytes, for messages."""
+    return num_bytes / BYTES_PER_GIB
+
+
+def gb_per_s_to_bytes_per_s(gb_per_s: float) -> float:
+    """GB/s (10^9 bytes per second) to bytes/s."""
+    return gb_per_s * BYTES_PER_GB
+
+
+def gbit_per_s_to_bytes_per_s(gbit_per_s: float) -> float:
+    """Gbit/s (10^9 bits per second, as in "10 GbE") to bytes/s."""
+    return gbit_per_s * BYTES_PER_GB / BITS_PER_BYTE
+
+
+def tflops_to_flops(tflops: float) -> float:
+    """TFLOP/s to FLOP/s (1 TFLOP/s = 10^12 FLOP/s)."""
+    return tflops * FLOPS_PER_TFLOP
+
+
+def gflops_to_flops(gflops: float) -> float:
+    """GFLOP/s to FLOP/s (1 GFLOP/s = 10^9 FLOP/s)."""
+    return gflops * FLOPS_PER_GFLOP
+
+
+def flops_to_tflops(flops: float) -> float:
+    """FLOP/s to TFLOP/s, for messages."""
+    return flops / FLOPS_PER_TFLOP
+
+
+def us_to_s(us: float) -> float:
+    """Microseconds to seconds."""
+    return us / US_PER_S
+
+
+def ms_to_s(ms: float) -> float:
+    """Milliseconds to seconds."""
+    return ms / MS_PER_S
+
+
+def s_to_us(seconds: float) -> float:
+    """Seconds to microseconds, for messages."""
+    return seconds * US_PER_S
