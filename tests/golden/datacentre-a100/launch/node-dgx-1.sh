@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# hplan launch script for node dgx-1 (host 10.1.0.5), node rank 0 of 1.
+# Generated from plan.json by `hplan solve`; do not edit: re-run `hplan solve` instead.
+# Ranks on this node (2 of 2):
+#   rank 0 (local 0): dgx-1/0 a100-80gb, replica 0 stage 0, units tok_emb, blocks.0-blocks.11, lm_head
+#   rank 1 (local 1): dgx-1/1 a100-80gb, replica 1 stage 0, units tok_emb, blocks.0-blocks.11, lm_head
+# The model file is examples/gpt/model.py as given to `hplan solve` (relative paths are
+# relative to the directory you run this script from); pass --model PATH to override it.
+# Extra arguments are passed on to `python -m hplan.runtime run` (for example --steps N).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+PLAN="$HERE"/../plan.json
+
+# Number GPUs in PCI bus order, as the plan does (device local_index).
+export CUDA_DEVICE_ORDER=PCI_BUS_ID
+# Backend from plan.json: nccl.
+
+exec torchrun \
+  --nnodes 1 \
+  --node-rank 0 \
+  --nproc-per-node 2 \
+  --master-addr 10.1.0.5 \
+  --master-port 29600 \
+  -m hplan.runtime run "$PLAN" \
+  --node dgx-1 \
+  --model examples/gpt/model.py \
+  "$@"

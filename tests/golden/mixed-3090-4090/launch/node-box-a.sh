@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# hplan launch script for node box-a (host 10.0.0.1), node rank 0 of 2.
+# Generated from plan.json by `hplan solve`; do not edit: re-run `hplan solve` instead.
+# Ranks on this node (2 of 5):
+#   rank 0 (local 0): box-a/0 rtx4090, replica 0 stage 0, units tok_emb, blocks.0-blocks.6
+#   rank 1 (local 1): box-a/1 rtx4090, replica 0 stage 1, units blocks.7-blocks.11, lm_head
+# The model file is examples/gpt/model.py as given to `hplan solve` (relative paths are
+# relative to the directory you run this script from); pass --model PATH to override it.
+# Extra arguments are passed on to `python -m hplan.runtime run` (for example --steps N).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+PLAN="$HERE"/../plan.json
+
+# Number GPUs in PCI bus order, as the plan does (device local_index).
+export CUDA_DEVICE_ORDER=PCI_BUS_ID
+# Backend from plan.json: nccl.
+# GeForce cards on this node (rtx4090): PCIe peer-to-peer
+# between GeForce cards is unsupported or unreliable and can hang NCCL or corrupt its
+# transfers, so NCCL P2P is disabled. Set NCCL_P2P_DISABLE=0 before running to override.
+export NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}"
+
+exec torchrun \
+  --nnodes 2 \
+  --node-rank 0 \
+  --nproc-per-node 2 \
+  --master-addr 10.0.0.1 \
+  --master-port 29500 \
+  -m hplan.runtime run "$PLAN" \
+  --node box-a \
+  --model examples/gpt/model.py \
+  "$@"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# hplan launch script for node box-b (host 10.0.0.2), node rank 1 of 2.
+# Generated from plan.json by `hplan solve`; do not edit: re-run `hplan solve` instead.
+# Ranks on this node (3 of 5):
+#   rank 2 (local 0): box-b/0 rtx3090, replica 1 stage 0, units tok_emb, blocks.0-blocks.4
+#   rank 3 (local 1): box-b/1 rtx3090, replica 1 stage 1, units blocks.5-blocks.9
+#   rank 4 (local 2): box-b/2 rtx3060, replica 1 stage 2, units blocks.10-blocks.11, lm_head
+# The model file is examples/gpt/model.py as given to `hplan solve` (relative paths are
+# relative to the directory you run this script from); pass --model PATH to override it.
+# Extra arguments are passed on to `python -m hplan.runtime run` (for example --steps N).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+PLAN="$HERE"/../plan.json
+
+# Number GPUs in PCI bus order, as the plan does (device local_index).
+export CUDA_DEVICE_ORDER=PCI_BUS_ID
+# Backend from plan.json: nccl.
+# GeForce cards on this node (rtx3060, rtx3090): PCIe peer-to-peer
+# between GeForce cards is unsupported or unreliable and can hang NCCL or corrupt its
+# transfers, so NCCL P2P is disabled. Set NCCL_P2P_DISABLE=0 before running to override.
+export NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}"
+
+exec torchrun \
+  --nnodes 2 \
+  --node-rank 1 \
+  --nproc-per-node 3 \
+  --master-addr 10.0.0.1 \
+  --master-port 29500 \
+  -m hplan.runtime run "$PLAN" \
+  --node box-b \
+  --model examples/gpt/model.py \
+  "$@"
