@@ -1,0 +1,108 @@
+"""``python -m hplan.runtime run PLAN ...``: what the launch scripts run on every rank.
+
+Thin: parse the options, load the plan, find this process's rank, call
+:func:`hplan.runtime.worker.run_rank`. An hplan error ends the process with one line on
+stderr and the error class's exit code (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from hplan.runtime.errors import ConfigError, HplanError
+from hplan.runtime.plan import Plan
+from hplan.runtime.worker import Emulation, RunOptions, resolve_rank, run_rank
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hplan.runtime")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run this process's rank of a plan")
+    run.add_argument("plan", type=Path, help="plan.json")
+    run.add_argument("--model", help="model.py (default: the path recorded in the plan)")
+    run.add_argument("--node", help="this node's name in the plan (rank from LOCAL_RANK)")
+    run.add_argument("--rank", type=int, help="plan rank (instead of --node)")
+    run.add_argument("--steps", type=int, default=1, help="optimizer steps to run")
+    run.add_argument("--metrics-dir", type=Path, help="write rank-<r>.jsonl here")
+    run.add_argument("--checkpoint-dir", type=Path, help="resume from and save to here")
+    run.add_argument(
+        "--emulate",
+        action="store_true",
+        help="rehearsal: run on CPU with gloo on 127.0.0.1, emulating the plan's hardware",
+    )
+    run.add_argument("--dilation", type=float, help="emulation: global time-dilation factor")
+    run.add_argument(
+        "--link-time-scale", type=float, help="emulation: emulated s per s of plan hardware"
+    )
+    run.add_argument("--master-port", type=int, help="override the plan's master port")
+    run.add_argument("--verify-dir", type=Path, help="dump grads and params after step one")
+    return parser
+
+
+def _options(args: argparse.Namespace, plan: Plan) -> RunOptions:
+    from hplan.runtime.rehearse import default_dilation
+
+    emulation = None
+    if args.emulate:
+        dilation = args.dilation or default_dilation(plan, len(os.sched_getaffinity(0)))
+        emulation = Emulation(dilation, args.link_time_scale or dilation)
+    return RunOptions(
+        steps=args.steps,
+        metrics_dir=args.metrics_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        emulation=emulation,
+        verify_dir=args.verify_dir,
+        device="cpu" if args.emulate else None,
+        backend="gloo" if args.emulate else None,
+        master_host="127.0.0.1" if args.emulate else None,
+        master_port=args.master_port,
+    )
+
+
+def _load_plan(path: Path) -> Plan:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read plan {str(path)!r} ({exc.strerror}); check the path"
+        ) from None
+    return Plan.from_json(text)
+
+
+def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
+    if args.emulate:
+        torch.set_num_threads(1)
+    run_rank(plan, rank, args.model, _options(args, plan))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code (hplan errors: one line on stderr)."""
+    args = _parser().parse_args(argv)
+    where = f" (node {args.node})" if args.node else ""
+    try:
+        plan = _load_plan(args.plan)
+        local_rank = os.environ.get("LOCAL_RANK")
+        rank = resolve_rank(plan, rank=args.rank, node=args.node, local_rank=local_rank)
+        where = f" (rank {rank})"
+        _run(args, plan, rank)
+    except HplanError as exc:
+        print(f"hplan run{where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown after a failure: a broken process group can hang in it.
+    if code:
+        os._exit(code)
+    sys.exit(code)

@@ -1,0 +1,238 @@
+"""One optimizer step of one rank: its pipeline schedule, loss, and backward passes.
+
+:class:`StepRunner` walks the rank's action list (``schedule.py``): a forward receives the
+previous stage's boundary tensors, runs the stage on the graph inputs it reads and sends
+its outputs on (the last stage computes the weighted loss instead); a backward receives the
+gradients of those outputs, runs autograd and sends the gradients of what it received
+back. Then gradients are summed among their holders (``grad_sync.py``) and the optimizer
+steps.
+
+Memory strategy ``recompute``: the forward runs without autograd and keeps only its inputs;
+the backward re-runs it (same RNG state) with autograd, then backpropagates.
+
+Emulation: every forward and backward is stretched to ``stretch`` times its CPU time by
+sleeping after it (``RankState.stretch``; see ``_ComputeTimer``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from hplan.runtime.data import MicroBatch, stage_inputs
+from hplan.runtime.errors import PlanMismatchError
+from hplan.runtime.grad_sync import loss_weight
+from hplan.runtime.plan import MemoryStrategy, RankPlan, microbatch_sizes
+from hplan.runtime.schedule import Action, ActionKind, build_schedule
+
+if TYPE_CHECKING:
+    from hplan.runtime.worker import RankState
+
+
+def stage_label(rank_plan: RankPlan) -> str:
+    """E.g. ``"stage 2 of replica 0 (rank 2, units blocks.3..head)"``."""
+    units = (
+        rank_plan.units[0]
+        if len(rank_plan.units) == 1
+        else (f"{rank_plan.units[0]}..{rank_plan.units[-1]}")
+    )
+    return (
+        f"stage {rank_plan.stage} of replica {rank_plan.replica} "
+        f"(rank {rank_plan.rank}, units {units})"
+    )
+
+
+@dataclass
+class _InFlight:
+    """What a micro-batch's forward left for its backward."""
+
+    received: dict[str, Tensor]
+    inputs: dict[str, Tensor]
+    outputs: dict[str, Any] | None = None
+    loss: Tensor | None = None
+    rng_state: tuple[Tensor, Tensor | None] | None = None
+    """CPU and (on a GPU) device RNG state before the forward, for recomputation."""
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in one step, by kind (see ``metrics.py``)."""
+
+    compute_s: float = 0.0
+    allreduce_s: float = 0.0
+    optimizer_s: float = 0.0
+
+
+class StepRunner:
+    """Runs one optimizer step of one rank: its schedule, gradient sync and optimizer."""
+
+    def __init__(self, state: RankState) -> None:
+        self.state = state
+        rank_plan = state.rank_plan
+        self.sizes = microbatch_sizes(rank_plan.num_samples, rank_plan.micro_batch_size)
+        num_stages = len(state.plan.replica_ranks(rank_plan.replica))
+        self.actions = build_schedule(state.plan.training.schedule, num_stages, len(self.sizes))[
+            rank_plan.stage
+        ]
+        self.offset = state.plan.sample_offset(rank_plan.replica)
+        self.label = stage_label(rank_plan)
+        self.recompute = rank_plan.memory_strategy is MemoryStrategy.RECOMPUTE
+        self.times = StepTimes()
+        self._flight: dict[int, _InFlight] = {}
+        self._losses: list[Tensor] = []
+        self._batches: list[MicroBatch] = []
+
+    def run(self, step: int) -> float | None:
+        """Run step ``step``; return this replica's mean loss on a last stage, else None."""
+        state = self.state
+        self.times = StepTimes()
+        self._losses = []
+        self._batches = state.source.microbatches(
+            step, self.offset, state.rank_plan.num_samples, self.sizes
+        )
+        for action in self.actions:
+            self._run_action(action)
+        state.comm.wait_sends()
+        start_s = time.monotonic()
+        for bucket in state.buckets:
+            bucket.all_reduce()
+        self.times.allreduce_s = time.monotonic() - start_s
+        if not self._losses:
+            return None
+        total = torch.stack([loss.float() for loss in self._losses]).sum()
+        return float(total) * state.plan.global_batch_size / state.rank_plan.num_samples
+
+    def optimizer_step(self) -> None:
+        """Apply the optimizer to the synced gradients, then drop them."""
+        start_s = time.monotonic()
+        self.state.optimizer.step()
+        self.state.optimizer.zero_grad(set_to_none=True)
+        self.times.optimizer_s = time.monotonic() - start_s
+
+    def _run_action(self, action: Action) -> None:
+        if action.kind is ActionKind.FORWARD:
+            self._forward(self._batches[action.microbatch])
+        else:
+            self._backward(self._batches[action.microbatch])
+
+    def _forward(self, mb: MicroBatch) -> None:
+        state = self.state
+        received = state.comm.recv_activations(mb.index, mb.num_samples) if state.comm.prev else {}
+        inputs = {
+            name: tensor.to(state.device)
+            for name, tensor in stage_inputs(
+                mb.inputs, state.stage.input_names, stage_label=self.label
+            ).items()
+        }
+        flight = _InFlight(received, inputs)
+        if self.recompute:
+            flight.rng_state = _rng_state(state.device)
+        with self._timed_compute(), torch.set_grad_enabled(not self.recompute):
+            outputs = state.stage(inputs, received)
+            if state.stage.is_last:
+                flight.loss = self._loss(outputs, mb)
+                self._losses.append(flight.loss.detach())
+        if not self.recompute and not state.stage.is_last:
+            flight.outputs = outputs
+        self._flight[mb.index] = flight
+        if state.comm.next is not None:
+            state.comm.send_activations(mb.index, mb.num_samples, outputs)
+
+    def _loss(self, outputs: dict[str, Any], mb: MicroBatch) -> Tensor:
+        targets = _to_device(mb.targets, self.state.device)
+        loss = self.state.model_file.loss_fn(outputs["output"], targets)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise PlanMismatchError(
+                f"loss_fn returned {type(loss).__name__} "
+                f"{tuple(loss.shape) if isinstance(loss, Tensor) else ''}; it must return a "
+                "scalar tensor (the mean loss of the batch it is given)"
+            )
+        return loss.reshape(()) * loss_weight(mb.num_samples, self.state.plan.global_batch_size)
+
+    def _backward(self, mb: MicroBatch) -> None:
+        state = self.state
+        flight = self._flight.pop(mb.index)
+        grads = state.comm.recv_grads(mb.index, mb.num_samples) if state.comm.next else {}
+        with self._timed_compute():
+            if self.recompute:
+                self._recompute(flight, mb)
+            tensors, grad_tensors = self._backward_pairs(flight, grads)
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+        if state.comm.prev is not None:
+            state.comm.send_grads(mb.index, mb.num_samples, flight.received)
+
+    def _recompute(self, flight: _InFlight, mb: MicroBatch) -> None:
+        assert flight.rng_state is not None
+        device = self.state.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            _set_rng_state(device, flight.rng_state)
+            flight.outputs = self.state.stage(flight.inputs, flight.received)
+            if self.state.stage.is_last:
+                flight.loss = self._loss(flight.outputs, mb)
+
+    def _backward_pairs(
+        self, flight: _InFlight, grads: dict[str, Tensor]
+    ) -> tuple[list[Tensor], list[Tensor | None]]:
+        if self.state.stage.is_last:
+            assert flight.loss is not None
+            return ([flight.loss], [None]) if flight.loss.requires_grad else ([], [])
+        assert flight.outputs is not None
+        pairs = [
+            (flight.outputs[name], grad)
+            for name, grad in grads.items()
+            if isinstance(flight.outputs[name], Tensor) and flight.outputs[name].requires_grad
+        ]
+        return [t for t, _ in pairs], [g for _, g in pairs]
+
+    def _timed_compute(self) -> _ComputeTimer:
+        return _ComputeTimer(self)
+
+
+class _ComputeTimer:
+    """Context manager: adds the block's time to compute time and applies the stretch.
+
+    The stretch is applied to the *CPU time* of the block (``time.thread_time``: torch runs
+    on the calling thread with one intra-op thread), not to its wall time: the block lasts
+    ``stretch * cpu_time`` in total, so that time lost to other processes on the machine
+    is not stretched as well.
+    """
+
+    def __init__(self, runner: StepRunner) -> None:
+        self.runner = runner
+        self.start_s = 0.0
+        self.start_cpu_s = 0.0
+
+    def __enter__(self) -> None:
+        self.start_s = time.monotonic()
+        self.start_cpu_s = time.thread_time()
+
+    def __exit__(self, *exc: object) -> None:
+        stretch = self.runner.state.stretch
+        if stretch > 1.0 and exc[0] is None:
+            cpu_s = time.thread_time() - self.start_cpu_s
+            remaining_s = stretch * cpu_s - (time.monotonic() - self.start_s)
+            if remaining_s > 0:
+                time.sleep(remaining_s)
+        self.runner.times.compute_s += time.monotonic() - self.start_s
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, value)
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple[Tensor, Tensor | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)

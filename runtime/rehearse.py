@@ -1,0 +1,435 @@
+"""Rehearsal: run every rank of a plan as a local CPU process, emulating the plan's hardware.
+
+Each rank runs ``python -m hplan.runtime run PLAN --rank R --emulate`` (gloo on 127.0.0.1,
+one thread), whatever the plan's device kinds. Emulation (see ``worker.py``, ``comm.py``,
+``grad_sync.py``):
+
+- compute: each forward/backward is stretched to ``dilation * peak_max / peak_device`` times
+  its measured CPU time;
+- links: a point-to-point transfer reaches its receiver no sooner than
+  ``scale * (latency + bytes / bandwidth)`` after it was sent; an all-reduce takes at least
+  ``scale *`` the ring time over its group's slowest link;
+- ``scale = dilation * cpu_time_per_sample / report.reference_time_per_sample_s``: emulated
+  seconds per second of the plan's hardware. This keeps links and compute in the plan's
+  proportions (with a placeholder report, ``reference_time_per_sample_s == 0``, the scale is
+  just ``dilation``).
+
+``dilation`` is one global factor that makes the ranks' total CPU demand fit this machine:
+rank ``r`` computes a fraction ``speed_r / (speed_max * dilation)`` of the time, so
+``dilation >= margin * sum_r(speed_r / speed_max) / cores`` (and >= 1); otherwise the run
+would measure contention instead of the plan.
+
+The prediction in emulated units is ``predicted_step_time_s * scale``. ``verify=True`` also
+runs the first step as one process on the whole global batch and compares every updated
+parameter by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from hplan.runtime.errors import ConfigError, HplanError, PeerFailureError
+from hplan.runtime.metrics import (
+    RankSummary,
+    StepMetrics,
+    StepSummary,
+    metrics_path,
+    step_summary,
+    summarize_metrics,
+)
+from hplan.runtime.model_file import ModelFile, load_model_file
+from hplan.runtime.plan import Plan
+from hplan.runtime.trace import bind_inputs
+from hplan.runtime.verify import VERIFY_TOLERANCE, verify_first_step
+
+DILATION_MARGIN = 1.25
+"""Head-room over the exact CPU demand (interpreter, communication threads, the parent)."""
+
+_POLL_S = 0.05
+_SETTLE_S = 2.0
+"""How long to wait for a root cause once only consequences of a failure are seen."""
+
+
+class RehearsalChildError(HplanError):
+    """A rank of the rehearsal failed; carries that rank's one-line error and exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class RehearsalResult:
+    """What a rehearsal measured, and what the plan predicted, in emulated units."""
+
+    losses: tuple[float | None, ...]
+    """Global-batch mean loss of each step."""
+    steps: tuple[StepSummary, ...]
+    measured_samples_per_s: float
+    predicted_samples_per_s: float | None
+    """Plan prediction in emulated units; None when the report has no reference time."""
+    dilation: float
+    link_time_scale: float
+    cpu_time_per_sample_s: float
+    """Forward + backward of one sample through the whole model here, on one thread."""
+    max_relative_diff: float | None
+    """verify: largest relative difference of an updated parameter; None without verify."""
+    verify_passed: bool | None
+    ranks: tuple[RankSummary, ...]
+    metrics_dir: Path
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-native view (for ``hplan rehearse --json``)."""
+        data = dataclasses.asdict(self)
+        data["metrics_dir"] = str(self.metrics_dir)
+        return data
+
+
+# --------------------------------------------------------------------------- emulation
+def device_speeds(plan: Plan) -> list[float]:
+    """``peak_flops`` of each rank's device over the fastest used device, rank order."""
+    peaks = [plan.device(r.device).peak_flops for r in plan.ranks]
+    fastest = max(peaks)
+    return [peak / fastest for peak in peaks]
+
+
+def default_dilation(plan: Plan, num_cores: int, margin: float = DILATION_MARGIN) -> float:
+    """Smallest dilation (>= 1) at which all ranks' CPU demand fits ``num_cores``."""
+    return max(1.0, margin * sum(device_speeds(plan)) / max(num_cores, 1))
+
+
+def link_time_scale(plan: Plan, dilation: float, cpu_time_per_sample_s: float) -> float:
+    """Emulated seconds per second of plan hardware (``dilation`` alone without a reference)."""
+    reference_s = plan.report.reference_time_per_sample_s
+    if reference_s <= 0:
+        return dilation
+    return dilation * cpu_time_per_sample_s / reference_s
+
+
+def predicted_samples_per_s(plan: Plan, scale: float) -> float | None:
+    """The plan's throughput in emulated units; None when the report lacks a reference."""
+    if plan.report.reference_time_per_sample_s <= 0 or plan.report.predicted_step_time_s <= 0:
+        return None
+    return plan.global_batch_size / (plan.report.predicted_step_time_s * scale)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: int = 3) -> float:
+    """Forward + backward seconds per sample of the whole model on this CPU, one thread.
+
+    CPU time of the calling thread (``time.thread_time``, like the ranks' stretch), at the
+    plan's largest micro-batch size; the minimum over ``repeats`` timed runs after one
+    warm-up run.
+    """
+    batch_size = max(r.micro_batch_size for r in plan.ranks)
+    with _one_thread(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(plan.training.seed)
+        model = model_file.build_model()
+        inputs, targets = model_file.sample_batch(batch_size)
+        bound = bind_inputs(model, inputs)
+        times_s = []
+        for _ in range(repeats + 1):
+            start_s = time.thread_time()
+            model_file.loss_fn(model(**bound), targets).backward()
+            times_s.append(time.thread_time() - start_s)
+            model.zero_grad(set_to_none=True)
+    return min(times_s[1:]) / batch_size
+
+
+# --------------------------------------------------------------------------- processes
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class _ChildCommand:
+    """The ``python -m hplan.runtime run`` command line shared by every rank."""
+
+    plan_path: Path
+    model: str
+    steps: int
+    metrics_dir: Path
+    dilation: float
+    scale: float
+    verify_dir: Path | None
+
+    def for_rank(self, rank: int, master_port: int) -> list[str]:
+        """The command of one rank."""
+        command = [
+            sys.executable, "-m", "hplan.runtime", "run", str(self.plan_path),
+            "--rank", str(rank), "--model", self.model, "--steps", str(self.steps),
+            "--metrics-dir", str(self.metrics_dir), "--emulate",
+            "--dilation", repr(self.dilation), "--link-time-scale", repr(self.scale),
+            "--master-port", str(master_port),
+        ]  # fmt: skip
+        if self.verify_dir is not None:
+            command += ["--verify-dir", str(self.verify_dir)]
+        return command
+
+
+def _prepare_dir(metrics_dir: Path, plan: Plan) -> Path:
+    """Clear what an earlier run left in ``metrics_dir``; write the plan; return its path."""
+    metrics_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in ("rank-*.jsonl", "rank-*.log", "verify/*.pt"):
+        for stale in metrics_dir.glob(pattern):
+            stale.unlink()
+    plan_path = metrics_dir / "plan.json"
+    plan_path.write_text(plan.to_json(), encoding="utf-8")
+    return plan_path
+
+
+def _run_children(
+    world_size: int, command: _ChildCommand, timeout_s: float, console: Console
+) -> None:
+    """Start every rank (a free port, one thread each), supervise, and reap them all."""
+    master_port = free_port() - 1  # the ranks join on master_port + 1
+    logs = [command.metrics_dir / f"rank-{r}.log" for r in range(world_size)]
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(world_size):
+            with logs[rank].open("wb") as log:
+                children.append(
+                    subprocess.Popen(
+                        command.for_rank(rank, master_port),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=_child_env(),
+                    )
+                )
+        progress = _Progress(command.metrics_dir, world_size, console)
+        _supervise(children, logs, timeout_s, progress)
+    finally:
+        _kill_all(children)
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["MKL_NUM_THREADS"] = "1"
+    env.pop("LOCAL_RANK", None)
+    return env
+
+
+def _last_error_line(log: Path) -> str:
+    lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln]
+    tagged = [ln for ln in lines if ln.startswith("hplan run")]
+    if tagged:
+        return tagged[-1]
+    return lines[-1] if lines else "(no output)"
+
+
+def _root_cause(failed: list[tuple[int, int]], logs: list[Path]) -> RehearsalChildError:
+    """The failing rank to report: prefer one that is not a consequence of another's death."""
+    lines = {rank: _last_error_line(logs[rank]) for rank, _ in failed}
+    first = failed[0]
+    for rank, code in failed:
+        if "PeerFailureError" not in lines[rank]:
+            first = (rank, code)
+            break
+    rank, code = first
+    return RehearsalChildError(
+        f"rank {rank} failed (exit {code}): {lines[rank]} (full log: {logs[rank]})", code
+    )
+
+
+class _Progress:
+    """Prints each step once every rank has reported it (reads only new complete lines)."""
+
+    def __init__(self, metrics_dir: Path, world_size: int, console: Console) -> None:
+        self.paths = [metrics_path(metrics_dir, r) for r in range(world_size)]
+        self.offsets = [0] * world_size
+        self.records: list[list[StepMetrics]] = [[] for _ in range(world_size)]
+        self.console = console
+        self.printed = 0
+
+    def poll(self) -> None:
+        """Print the steps that every rank has reported since the last poll."""
+        for rank, path in enumerate(self.paths):
+            self._read_new(rank, path)
+        ready = min(len(records) for records in self.records)
+        for i in range(self.printed, ready):
+            summary = step_summary([records[i] for records in self.records])
+            loss = "n/a" if summary.loss is None else f"{summary.loss:.4f}"
+            self.console.print(
+                f"step {summary.step}: loss {loss}, {summary.samples_per_s:.2f} samples/s "
+                f"(step {summary.step_time_s:.3f} s)"
+            )
+        self.printed = max(self.printed, ready)
+
+    def _read_new(self, rank: int, path: Path) -> None:
+        if not path.exists():
+            return
+        with path.open("rb") as file:
+            file.seek(self.offsets[rank])
+            chunk = file.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offsets[rank] += len(complete)
+        for line in complete.decode("utf-8").splitlines():
+            self.records[rank].append(StepMetrics(**json.loads(line)))
+
+
+def _settle(
+    children: Sequence[subprocess.Popen[bytes]], failed: list[tuple[int, int]], logs: list[Path]
+) -> list[tuple[int, int]]:
+    """If only peer-failure errors are in, give the real culprit a moment to exit too."""
+    deadline_s = time.monotonic() + _SETTLE_S
+    while time.monotonic() < deadline_s:
+        if any("PeerFailureError" not in _last_error_line(logs[r]) for r, _ in failed):
+            break
+        time.sleep(_POLL_S)
+        codes = [child.poll() for child in children]
+        failed = [(r, c) for r, c in enumerate(codes) if c is not None and c != 0]
+    return failed
+
+
+def _kill_all(children: Sequence[subprocess.Popen[bytes]]) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=10)
+
+
+def _supervise(
+    children: Sequence[subprocess.Popen[bytes]],
+    logs: list[Path],
+    timeout_s: float,
+    progress: _Progress,
+) -> None:
+    """Wait for every child; on the first failure or at the timeout, kill the rest."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        codes = [child.poll() for child in children]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code is not None and code != 0]
+        if failed:
+            failed = _settle(children, failed, logs)
+            _kill_all(children)
+            raise _root_cause(failed, logs)
+        progress.poll()
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline_s:
+            running = [rank for rank, code in enumerate(codes) if code is None]
+            _kill_all(children)
+            raise PeerFailureError(
+                f"rehearsal timed out after {timeout_s:.0f} s with ranks {running} still "
+                f"running (killed); see their logs in {logs[0].parent} and raise --timeout "
+                "if the model is just slow"
+            )
+        time.sleep(_POLL_S)
+
+
+# --------------------------------------------------------------------------- rehearse
+def rehearse(
+    plan: Plan,
+    *,
+    model_path: str | Path | None = None,
+    steps: int,
+    verify: bool = False,
+    metrics_dir: Path | None = None,
+    dilation: float | None = None,
+    timeout_s: float = 600.0,
+    console: Console | None = None,
+) -> RehearsalResult:
+    """Run every rank of ``plan`` on this machine, emulating its hardware.
+
+    Args:
+        model_path: model.py (default: the plan's recorded path).
+        steps: optimizer steps.
+        verify: also run the first step as one process and compare updated parameters.
+        metrics_dir: where ranks write metrics and logs (default: a new temporary dir).
+        dilation: global time-dilation factor (default: :func:`default_dilation`).
+        timeout_s: the whole run is killed after this many seconds.
+        console: where progress goes (default: rich on stderr).
+
+    Raises:
+        RehearsalChildError: a rank failed; its one-line error and exit code are kept.
+        PeerFailureError: the run exceeded ``timeout_s`` (every rank is killed).
+        ModelFileError, ConfigError: bad inputs.
+    """
+    if steps < 1:
+        raise ConfigError(f"steps is {steps}; rehearse at least one step")
+    if dilation is not None and dilation < 1:
+        raise ConfigError(f"dilation is {dilation}; it must be >= 1 (1 = real time)")
+    console = console or Console(stderr=True)
+    model = str(model_path or plan.model.path)
+    model_file = load_model_file(model)
+    metrics_dir = Path(metrics_dir or tempfile.mkdtemp(prefix="hplan-rehearse-"))
+    cores = len(os.sched_getaffinity(0))
+    dilation = dilation or default_dilation(plan, cores)
+    cpu_time_per_sample_s = measure_cpu_time_per_sample(model_file, plan)
+    scale = link_time_scale(plan, dilation, cpu_time_per_sample_s)
+    predicted = predicted_samples_per_s(plan, scale)
+    console.print(
+        f"rehearsing {plan.world_size} ranks on {cores} cores: dilation {dilation:.2f}, "
+        f"1 s of plan hardware = {scale:.3g} s here"
+    )
+    verify_dir = metrics_dir / "verify" if verify else None
+    plan_path = _prepare_dir(metrics_dir, plan)
+    command = _ChildCommand(plan_path, model, steps, metrics_dir, dilation, scale, verify_dir)
+    _run_children(plan.world_size, command, timeout_s, console)
+    summary = summarize_metrics(metrics_dir)
+    diff = verify_first_step(plan, model_file, verify_dir) if verify_dir is not None else None
+    result = RehearsalResult(
+        losses=tuple(s.loss for s in summary.steps),
+        steps=summary.steps,
+        measured_samples_per_s=summary.samples_per_s,
+        predicted_samples_per_s=predicted,
+        dilation=dilation,
+        link_time_scale=scale,
+        cpu_time_per_sample_s=cpu_time_per_sample_s,
+        max_relative_diff=diff,
+        verify_passed=None if diff is None else diff <= VERIFY_TOLERANCE,
+        ranks=summary.ranks,
+        metrics_dir=metrics_dir,
+    )
+    _print_result(result, console)
+    return result
+
+
+def _print_result(result: RehearsalResult, console: Console) -> None:
+    console.print(
+        f"measured: {result.measured_samples_per_s:.2f} samples/s "
+        f"(median step {statistics.median(s.step_time_s for s in result.steps):.3f} s)"
+    )
+    if result.predicted_samples_per_s is not None:
+        ratio = result.measured_samples_per_s / result.predicted_samples_per_s
+        console.print(
+            f"predicted: {result.predicted_samples_per_s:.2f} samples/s in emulated units "
+            f"(measured / predicted = {ratio:.2f})"
+        )
+    if result.max_relative_diff is not None:
+        verdict = "[green]pass[/green]" if result.verify_passed else "[red]FAIL[/red]"
+        console.print(
+            f"verify: largest relative difference of an updated parameter "
+            f"{result.max_relative_diff:.2e} (tolerance {VERIFY_TOLERANCE:g}): {verdict}"
+        )

@@ -1,0 +1,437 @@
+"""One rank of a plan: build its stage, run its schedule, sync gradients, step.
+
+:func:`build_rank` loads the model file, seeds, builds the model, re-traces it the way the
+plan says, checks the graph fingerprint, builds only this rank's ``StageModule`` and drops
+the rest. :func:`run_rank` then runs ``steps`` optimizer steps: the micro-batches of this
+rank's replica go through the pipeline schedule (``schedule.py``), boundary tensors travel
+point-to-point (``comm.py``), gradients are summed among the ranks holding each parameter
+(``grad_sync.py``), and metrics are written per step (``metrics.py``).
+
+Emulation (rehearsal) stretches each forward and backward to the device's speed: it lasts
+``dilation * peak_max / peak_device`` times its CPU time (``pipeline.py``), and the links
+of the plan delay point-to-point transfers and all-reduces (``comm.py``, ``grad_sync.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hplan.runtime.checkpoint import load_checkpoint, save_checkpoint
+from hplan.runtime.comm import Boundary, EmulatedLink, StageComm, error_reason
+from hplan.runtime.data import BatchSource, Binder
+from hplan.runtime.errors import ConfigError, ModelFileError, PeerFailureError, PlanMismatchError
+from hplan.runtime.grad_sync import GradBucket, build_buckets
+from hplan.runtime.metrics import MetricsWriter, StepMetrics, peak_memory_bytes
+from hplan.runtime.model_file import ModelFile, load_model_file
+from hplan.runtime.pipeline import StepRunner, stage_label
+from hplan.runtime.plan import Plan, RankPlan, SyncMode
+from hplan.runtime.stage import StageModule, build_stage
+from hplan.runtime.trace import TracedModel, bind_inputs, trace_model
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How a rehearsal slows this machine down to look like the plan's hardware."""
+
+    dilation: float
+    """Global time-dilation factor (>= 1) so that all ranks' CPU demand fits the cores."""
+    link_time_scale: float
+    """Emulated seconds per second of plan hardware, for links and all-reduce."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What ``hplan run`` was asked to do beyond the plan."""
+
+    steps: int
+    metrics_dir: Path | None = None
+    checkpoint_dir: Path | None = None
+    emulation: Emulation | None = None
+    verify_dir: Path | None = None
+    """Rehearsal ``--verify``: dump parameters, gradients and loss after the first step."""
+    device: str | None = None
+    """Override the plan's device (rehearsal runs every rank on ``cpu``)."""
+    backend: str | None = None
+    master_host: str | None = None
+    master_port: int | None = None
+
+
+@dataclass
+class RankState:
+    """Everything one rank holds while training."""
+
+    plan: Plan
+    rank_plan: RankPlan
+    device: torch.device
+    model_file: ModelFile
+    stage: StageModule
+    params: list[tuple[str, nn.Parameter]]
+    optimizer: torch.optim.Optimizer
+    source: BatchSource
+    comm: StageComm
+    buckets: list[GradBucket] = field(default_factory=list)
+    stretch: float = 1.0
+    """Compute stretch factor (1: no emulation)."""
+
+
+# --------------------------------------------------------------------------- process group
+def init_distributed(plan: Plan, rank: int, options: RunOptions) -> None:
+    """Join the world: ``tcp://<master_host>:<master_port + 1>`` with the plan's timeout.
+
+    ``master_port + 1`` because torchrun's own rendezvous store listens on ``master_port``.
+
+    Raises:
+        PeerFailureError: the other ranks did not join within the timeout.
+    """
+    training = plan.training
+    host = options.master_host or training.master_host
+    port = options.master_port if options.master_port is not None else training.master_port
+    backend = options.backend or training.backend.value
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{host}:{port + 1}",
+            rank=rank,
+            world_size=plan.world_size,
+            timeout=timedelta(seconds=training.process_group_timeout_s),
+        )
+    except (RuntimeError, TimeoutError) as exc:
+        raise PeerFailureError(
+            f"rank {rank} could not join the {plan.world_size}-rank job at {host}:{port + 1}: "
+            f"{error_reason(exc)}; check that every node started and that the port is reachable"
+        ) from None
+
+
+def rank_device(plan: Plan, rank_plan: RankPlan, override: str | None) -> torch.device:
+    """``cuda:<local_index>`` for GPU kinds, ``cpu`` for kind ``cpu`` (or ``override``).
+
+    Raises:
+        ConfigError: the plan wants a GPU that this machine does not have.
+    """
+    if override is not None:
+        return torch.device(override)
+    spec = plan.device(rank_plan.device)
+    if spec.kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available() or spec.local_index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"rank {rank_plan.rank} needs GPU {spec.local_index} ({spec.kind}) on node "
+            f"{rank_plan.node}, but torch sees {torch.cuda.device_count()} GPUs; check "
+            "CUDA_VISIBLE_DEVICES or run `hplan rehearse` to run on CPU"
+        )
+    torch.cuda.set_device(spec.local_index)
+    return torch.device("cuda", spec.local_index)
+
+
+# --------------------------------------------------------------------------- building
+def _boundaries(plan: Plan, rank_plan: RankPlan) -> tuple[Boundary | None, Boundary | None]:
+    replica = plan.replica_ranks(rank_plan.replica)
+    unit_names = [u.name for u in plan.units]
+    prev = next_ = None
+    if rank_plan.stage > 0:
+        before = unit_names[unit_names.index(rank_plan.units[0]) - 1]
+        cut = plan.cut_after(before)
+        prev = Boundary(replica[rank_plan.stage - 1].rank, cut.tensors, f"cut after {before}")
+    if rank_plan.stage < len(replica) - 1:
+        cut = plan.cut_after(rank_plan.units[-1])
+        peer = replica[rank_plan.stage + 1].rank
+        next_ = Boundary(peer, cut.tensors, f"cut after {rank_plan.units[-1]}")
+    return prev, next_
+
+
+def device_stretch(plan: Plan, device_name: str) -> float:
+    """Fastest device's peak FLOP/s in the plan over this device's (>= 1)."""
+    used = {r.device for r in plan.ranks}
+    fastest = max(plan.device(name).peak_flops for name in used)
+    return fastest / plan.device(device_name).peak_flops
+
+
+def _emulated_links(
+    plan: Plan, rank_plan: RankPlan, emulation: Emulation | None
+) -> dict[int, EmulatedLink]:
+    if emulation is None:
+        return {}
+    links = {}
+    for side in _boundaries(plan, rank_plan):
+        if side is None:
+            continue
+        spec = plan.link(rank_plan.device, plan.ranks[side.peer_rank].device)
+        links[side.peer_rank] = EmulatedLink(
+            spec.latency_s, spec.bandwidth_bytes_per_s, emulation.link_time_scale
+        )
+    return links
+
+
+def _example_inputs(model_file: ModelFile, model: nn.Module, seed: int) -> dict[str, Tensor]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inputs, _ = model_file.sample_batch(2)
+    return bind_inputs(model, inputs)
+
+
+def _retrace(plan: Plan, model_file: ModelFile) -> tuple[TracedModel, Binder]:
+    """Build the model with the plan's seed and re-trace it exactly as the planner did.
+
+    Raises:
+        ModelFileError: ``build_model`` raises.
+        PlanMismatchError: an input the plan feeds is missing, or the graph differs.
+    """
+    if model_file.sha256 != plan.model.sha256:
+        print(
+            f"hplan: warning: {model_file.path} differs from the file the plan was made for; "
+            "the graph fingerprint is checked next",
+            file=sys.stderr,
+        )
+    torch.manual_seed(plan.training.seed)
+    try:
+        model = model_file.build_model()
+    except Exception as exc:
+        raise ModelFileError(
+            f"build_model() in {str(model_file.path)!r} raised {type(exc).__name__}: "
+            f"{error_reason(exc)}; fix model.py"
+        ) from None
+    example = _example_inputs(model_file, model, plan.training.seed)
+    check_fed_inputs(plan, example)
+    traced = trace_model(
+        model, example, leaf_modules=plan.model.leaf_modules, method=plan.model.trace_method
+    )
+    if traced.fingerprint() != plan.model.graph_fingerprint:
+        raise PlanMismatchError(
+            f"the model traced from {model_file.path} has graph fingerprint "
+            f"{traced.fingerprint()[:12]}, the plan was made for "
+            f"{plan.model.graph_fingerprint[:12]}; re-run `hplan solve` with this model file"
+        )
+    return traced, _binder(model)
+
+
+def build_rank(
+    plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions
+) -> RankState:
+    """Build this rank's stage, optimizer, data source and communication (no collectives).
+
+    Raises:
+        ModelFileError: the model file cannot be loaded.
+        PlanMismatchError: the re-traced graph differs from the plan's fingerprint, or the
+            stage's parameters differ from the plan's.
+        ConfigError: the plan asks for a GPU this machine lacks, or for a sync mode this
+            runtime does not implement.
+    """
+    rank_plan = plan.ranks[rank]
+    if plan.training.sync_mode is not SyncMode.ALL_REDUCE:
+        raise ConfigError(
+            f"plan asks for sync mode {plan.training.sync_mode.value!r}; this runtime runs "
+            "only 'all_reduce'; re-run `hplan solve` with synchronous all-reduce"
+        )
+    model_file = load_model_file(model_path or plan.model.path)
+    device = rank_device(plan, rank_plan, options.device)
+    traced, binder = _retrace(plan, model_file)
+    prev, next_ = _boundaries(plan, rank_plan)
+    stage = build_stage(
+        traced,
+        plan.units,
+        rank_plan.units,
+        recv=[t.name for t in prev.specs] if prev else [],
+        send=[t.name for t in next_.specs] if next_ else [],
+    )
+    del traced
+    stage.to(device)
+    params = stage.canonical_parameters()
+    trainable = [p for _, p in params if p.requires_grad]
+    optimizer = (
+        model_file.make_optimizer(trainable)
+        if model_file.make_optimizer is not None
+        else torch.optim.AdamW(trainable, lr=1e-3)
+    )
+    source = BatchSource(
+        model_file, binder, plan.training.seed, plan.global_batch_size, plan.model.inputs
+    )
+    comm = StageComm(
+        rank, device, prev, next_, links=_emulated_links(plan, rank_plan, options.emulation)
+    )
+    stretch = 1.0
+    if options.emulation is not None:
+        stretch = options.emulation.dilation * device_stretch(plan, rank_plan.device)
+    return RankState(
+        plan, rank_plan, device, model_file, stage, params, optimizer, source, comm, [], stretch
+    )
+
+
+def check_fed_inputs(plan: Plan, fed: Mapping[str, Any]) -> None:
+    """Check that the model file feeds every graph input the plan was made with.
+
+    Raises:
+        PlanMismatchError: naming the missing input and the first stage that reads it.
+    """
+    for spec in plan.model.inputs:
+        name = spec.tensor.name
+        if name in fed:
+            continue
+        readers = [r for r in plan.ranks if set(r.units) & set(spec.read_by_units)]
+        where = stage_label(readers[0]) if readers else "no stage"
+        raise PlanMismatchError(
+            f"graph input {name!r} is read by {where}, but sample_batch()/dataset() does not "
+            f"return it (it returns {sorted(fed)}); return {name!r} with the inputs or "
+            "re-run `hplan solve` with this model file"
+        )
+
+
+def _binder(model: nn.Module) -> Binder:
+    """Bind inputs by ``forward``'s signature without keeping the model's weights alive."""
+    shell = _SignatureShell(model)
+    return lambda inputs: bind_inputs(shell, inputs)
+
+
+class _SignatureShell(nn.Module):
+    """An empty module whose ``forward`` has the user model's signature (for binding)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        signature = inspect.signature(model.forward)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("signature shell is never called")
+
+        forward.__signature__ = signature  # type: ignore[attr-defined]
+        self.forward = forward  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- the run
+def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions) -> None:
+    """Join the job, build this rank and train ``options.steps`` optimizer steps.
+
+    Every rank of the plan must call this with the same plan and options (except the rank).
+
+    Raises:
+        HplanError subclasses: see :func:`build_rank`, :func:`init_distributed`; a peer
+            that dies or stops answering raises ``PeerFailureError``.
+    """
+    if options.steps < 1:
+        raise ConfigError(f"--steps is {options.steps}; run at least one step")
+    init_distributed(plan, rank, options)
+    state = build_rank(plan, rank, model_path, options)
+    scale = options.emulation.link_time_scale if options.emulation else 0.0
+    state.buckets = build_buckets(plan, rank, state.params, time_scale=scale)
+    first_step = 0
+    if options.checkpoint_dir is not None:
+        first_step = load_checkpoint(state, options.checkpoint_dir)
+    writer = MetricsWriter(options.metrics_dir, rank) if options.metrics_dir else None
+    runner = StepRunner(state)
+    _barrier(rank, "start of training")
+    for step in range(first_step, first_step + options.steps):
+        record = _train_step(
+            state, runner, step, verify=options.verify_dir if step == first_step else None
+        )
+        if writer is not None:
+            writer.write(record)
+    if writer is not None:
+        writer.close()
+    if options.checkpoint_dir is not None:
+        save_checkpoint(
+            state,
+            options.checkpoint_dir,
+            first_step + options.steps,
+            barrier=lambda: _barrier(rank, "checkpoint"),
+        )
+    _barrier(rank, "end of training")
+    dist.destroy_process_group()
+
+
+def _train_step(
+    state: RankState, runner: StepRunner, step: int, verify: Path | None
+) -> StepMetrics:
+    start_s = time.monotonic()
+    state.comm.reset_times()
+    loss = runner.run(step)
+    if verify is not None:
+        _dump_verify(state, verify, "grads", loss)
+    runner.optimizer_step()
+    if verify is not None:
+        _dump_verify(state, verify, "params", loss)
+    step_s = time.monotonic() - start_s
+    comm = state.comm.reset_times()
+    times = runner.times
+    accounted = times.compute_s + comm.p2p_s + comm.wait_s + times.allreduce_s + times.optimizer_s
+    rp = state.rank_plan
+    return StepMetrics(
+        rank=rp.rank,
+        replica=rp.replica,
+        stage=rp.stage,
+        step=step,
+        step_time_s=step_s,
+        compute_time_s=times.compute_s,
+        p2p_time_s=comm.p2p_s,
+        wait_time_s=comm.wait_s,
+        allreduce_time_s=times.allreduce_s,
+        optimizer_time_s=times.optimizer_s,
+        other_time_s=max(0.0, step_s - accounted),
+        loss=loss,
+        samples=rp.num_samples,
+        peak_memory_bytes=peak_memory_bytes(state.device),
+    )
+
+
+def _barrier(rank: int, what: str) -> None:
+    try:
+        dist.barrier()
+    except RuntimeError as exc:
+        raise PeerFailureError(
+            f"rank {rank}: a peer failed before the {what}: {error_reason(exc)}; check the other "
+            "ranks' logs (one probably failed first)"
+        ) from None
+
+
+def _dump_verify(state: RankState, directory: Path, kind: str, loss: float | None) -> None:
+    """Write ``<dir>/<kind>-rank-<r>.pt``: {name: tensor} of grads or updated params."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if kind == "grads":
+        tensors = {n: p.grad.detach().cpu().clone() for n, p in state.params if p.grad is not None}
+    else:
+        tensors = {n: p.detach().cpu().clone() for n, p in state.params}
+    payload = {"tensors": tensors, "loss": loss, "samples": state.rank_plan.num_samples}
+    torch.save(payload, directory / f"{kind}-rank-{state.rank_plan.rank}.pt")
+
+
+def resolve_rank(plan: Plan, *, rank: int | None, node: str | None, local_rank: str | None) -> int:
+    """The plan rank of this process: ``rank`` if given, else (``node``, ``LOCAL_RANK``).
+
+    torchrun's own ``RANK`` ordering is never used: the launch scripts start one torchrun
+    per node and every process finds itself by node name and local rank.
+
+    Raises:
+        ConfigError: no way to tell the rank, or no rank of the plan matches.
+    """
+    if rank is not None:
+        if not 0 <= rank < plan.world_size:
+            raise ConfigError(f"--rank {rank} is outside the plan's ranks 0..{plan.world_size - 1}")
+        return rank
+    if node is None:
+        raise ConfigError("pass --node NAME (with LOCAL_RANK set, as torchrun does) or --rank R")
+    on_node = [r for r in plan.ranks if r.node == node]
+    if not on_node:
+        names = sorted({r.node for r in plan.ranks})
+        raise ConfigError(f"--node {node!r} runs no rank of this plan; nodes with ranks: {names}")
+    if local_rank is None and len(on_node) == 1:
+        return on_node[0].rank
+    if local_rank is None or not local_rank.strip().isdigit():
+        raise ConfigError(
+            f"node {node!r} runs {len(on_node)} ranks; set LOCAL_RANK (torchrun does) "
+            f"to 0..{len(on_node) - 1}, got {local_rank!r}"
+        )
+    for rank_plan in on_node:
+        if rank_plan.local_rank == int(local_rank):
+            return rank_plan.rank
+    raise ConfigError(
+        f"LOCAL_RANK={local_rank} but node {node!r} runs local ranks 0..{len(on_node) - 1}; "
+        f"start torchrun with --nproc-per-node {len(on_node)}"
+    )

@@ -1,0 +1,153 @@
+"""Boundary tensors: checks against the plan, byte transport, and a real 2-process exchange."""
+
+from __future__ import annotations
+
+import multiprocessing
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hplan.runtime.comm import (
+    Boundary,
+    EmulatedLink,
+    StageComm,
+    check_boundary_tensors,
+    from_wire,
+    to_wire,
+    wire_buffer,
+)
+from hplan.runtime.errors import PlanMismatchError
+from hplan.runtime.plan import TensorSpec
+from hplan.runtime.rehearse import free_port
+
+HIDDEN = TensorSpec(name="h", shape=(1, 4, 3), dtype="float32", batch_dim=0, requires_grad=True)
+MASK = TensorSpec(name="mask", shape=(1, 4), dtype="bool", batch_dim=0, requires_grad=False)
+POS = TensorSpec(name="pos", shape=(1, 4), dtype="int64", batch_dim=0, requires_grad=False)
+HALF = TensorSpec(name="hb", shape=(3, 1), dtype="bfloat16", batch_dim=1, requires_grad=True)
+TABLE = TensorSpec(name="table", shape=(5,), dtype="float32", batch_dim=None, requires_grad=False)
+SPECS = (HIDDEN, MASK, POS, HALF, TABLE)
+
+
+def _tensors(mb_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """Boundary tensors as a stage would produce them: several of them non-contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(mb_size, 3, 4, generator=g)
+    return {
+        "h": base.transpose(1, 2),  # non-contiguous
+        "mask": torch.randn(mb_size, 8, generator=g)[:, ::2] > 0,  # strided slice
+        "pos": torch.arange(mb_size * 4).reshape(mb_size, 4).cumsum(1),
+        "hb": torch.randn(mb_size, 3, generator=g).t().to(torch.bfloat16),
+        "table": torch.randn(10, generator=g)[::2],
+    }
+
+
+def test_tensors_matching_the_plan_pass_the_check() -> None:
+    check_boundary_tensors(SPECS, _tensors(3, 0), 3, where="cut after a")
+
+
+def test_a_shape_mismatch_names_the_tensor_expected_and_actual_shape() -> None:
+    tensors = _tensors(3, 0)
+    tensors["h"] = torch.zeros(3, 4, 2)
+    with pytest.raises(PlanMismatchError, match=r"'h' has shape \(3, 4, 2\).*expects \(3, 4, 3\)"):
+        check_boundary_tensors(SPECS, tensors, 3, where="cut after a")
+
+
+def test_a_dtype_mismatch_names_the_tensor_expected_and_actual_dtype() -> None:
+    tensors = _tensors(2, 0)
+    tensors["pos"] = tensors["pos"].int()
+    with pytest.raises(PlanMismatchError, match="'pos' has dtype int32, the plan expects int64"):
+        check_boundary_tensors(SPECS, tensors, 2, where="cut after a")
+
+
+def test_a_missing_tensor_or_an_unplanned_gradient_is_a_mismatch() -> None:
+    tensors = _tensors(2, 0)
+    del tensors["mask"]
+    with pytest.raises(PlanMismatchError, match="'mask' is not produced"):
+        check_boundary_tensors(SPECS, tensors, 2, where="cut")
+    tensors = _tensors(2, 0)
+    tensors["table"] = tensors["table"].clone().requires_grad_(True)
+    with pytest.raises(PlanMismatchError, match="'table' needs a gradient"):
+        check_boundary_tensors(SPECS, tensors, 2, where="cut")
+
+
+@pytest.mark.parametrize("mb_size", [1, 3])
+def test_bytes_on_the_wire_rebuild_every_dtype_and_layout_exactly(mb_size: int) -> None:
+    for spec in SPECS:
+        sent = _tensors(mb_size, 1)[spec.name]
+        buffer = wire_buffer(spec, mb_size, torch.device("cpu"))
+        buffer.copy_(to_wire(sent))
+        received = from_wire(buffer, spec, mb_size)
+        assert received.dtype == sent.dtype
+        assert torch.equal(received, sent)
+
+
+# --------------------------------------------------------------------------- 2 processes
+def _exchange(rank: int, port: int, out_dir: str) -> None:
+    """Rank 0 is a stage that sends; rank 1 the next stage that receives and sends grads."""
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=30),
+        )
+        link = {1 - rank: EmulatedLink(1e-4, 1e8, time_scale=1.0)}
+        cpu = torch.device("cpu")
+        if rank == 0:
+            comm = StageComm(0, cpu, None, Boundary(1, SPECS, "cut after a"), links=link)
+            sizes = (3, 1)
+            for mb, size in enumerate(sizes):
+                comm.send_activations(mb, size, _tensors(size, mb))
+            grads = [comm.recv_grads(mb, size) for mb, size in enumerate(sizes)]
+            comm.wait_sends()
+            torch.save(grads, Path(out_dir) / "grads.pt")
+        else:
+            comm = StageComm(1, cpu, Boundary(0, SPECS, "cut after a"), None, links=link)
+            received = [comm.recv_activations(mb, size) for mb, size in enumerate((3, 1))]
+            for mb, (size, got) in enumerate(zip((3, 1), received, strict=True)):
+                (got["h"].sum() * 2 + got["hb"].float().sum() * 3).backward()
+                comm.send_grads(mb, size, got)
+            comm.wait_sends()
+            detached = [{k: v.detach() for k, v in r.items()} for r in received]
+            flags = [{k: v.requires_grad for k, v in r.items()} for r in received]
+            torch.save((detached, flags), Path(out_dir) / "received.pt")
+        dist.destroy_process_group()
+    except Exception:
+        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_two_processes_exchange_boundary_tensors_bit_exactly_with_gradients_for_floats(
+    tmp_path: Path,
+) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_exchange, args=(r, port, str(tmp_path))) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    errors = [p.read_text() for p in tmp_path.glob("error-*.txt")]
+    assert not errors, errors
+    assert [p.exitcode for p in procs] == [0, 0]
+    received, flags = torch.load(tmp_path / "received.pt")
+    for mb, size in enumerate((3, 1)):
+        expected = _tensors(size, mb)
+        for name, tensor in expected.items():
+            assert received[mb][name].dtype == tensor.dtype
+            assert torch.equal(received[mb][name], tensor), name
+        assert flags[mb] == {"h": True, "mask": False, "pos": False, "hb": True, "table": False}
+    grads = torch.load(tmp_path / "grads.pt")
+    for mb, size in enumerate((3, 1)):
+        assert set(grads[mb]) == {"h", "hb"}  # only tensors that need a gradient get one
+        assert torch.equal(grads[mb]["h"], torch.full((size, 4, 3), 2.0))
+        assert grads[mb]["hb"].dtype == torch.bfloat16
+        assert torch.equal(grads[mb]["hb"], torch.full((3, size), 3.0, dtype=torch.bfloat16))

@@ -1,0 +1,87 @@
+"""Metrics lines and their summary."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hplan.runtime.errors import ConfigError
+from hplan.runtime.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    read_rank_metrics,
+    summarize_metrics,
+)
+
+_BASE = StepMetrics(
+    rank=0,
+    replica=0,
+    stage=0,
+    step=0,
+    step_time_s=1.0,
+    compute_time_s=0.5,
+    p2p_time_s=0.1,
+    wait_time_s=0.2,
+    allreduce_time_s=0.1,
+    optimizer_time_s=0.05,
+    other_time_s=0.05,
+    loss=None,
+    samples=6,
+    peak_memory_bytes=100,
+)
+
+
+def _write(directory: Path, records: list[StepMetrics]) -> None:
+    writer = MetricsWriter(directory, records[0].rank)
+    for record in records:
+        writer.write(record)
+    writer.close()
+
+
+def test_metrics_round_trip_through_json_lines(tmp_path: Path) -> None:
+    records = [replace(_BASE, step=i, loss=None) for i in range(3)]
+    _write(tmp_path, records)
+    assert read_rank_metrics(tmp_path / "rank-0.jsonl") == records
+
+
+def test_summary_weights_replica_losses_by_samples_and_uses_the_slowest_rank(
+    tmp_path: Path,
+) -> None:
+    # replica 0: two stages, 6 samples, loss on its last stage (rank 1); replica 1: 2 samples
+    _write(tmp_path, [replace(_BASE, step=s, step_time_s=2.0) for s in range(3)])
+    _write(
+        tmp_path,
+        [replace(_BASE, rank=1, stage=1, step=s, loss=1.0, step_time_s=1.0) for s in range(3)],
+    )
+    _write(
+        tmp_path,
+        [
+            replace(_BASE, rank=2, replica=1, step=s, loss=3.0, samples=2, step_time_s=4.0 - s)
+            for s in range(3)
+        ],
+    )
+    summary = summarize_metrics(tmp_path)
+    assert [s.loss for s in summary.steps] == [pytest.approx(1.5)] * 3  # (6*1 + 2*3) / 8
+    assert [s.step_time_s for s in summary.steps] == [4.0, 3.0, 2.0]
+    assert summary.steps[0].samples == 8
+    # median over steps after the first: (3.0, 2.0) -> 2.5 s for 8 samples
+    assert summary.samples_per_s == pytest.approx(8 / 2.5)
+    assert [r.rank for r in summary.ranks] == [0, 1, 2]
+    assert summary.ranks[2].step_time_s == pytest.approx(2.5)
+
+
+def test_a_partial_last_line_is_ignored_and_garbage_is_an_error(tmp_path: Path) -> None:
+    _write(tmp_path, [_BASE])
+    path = tmp_path / "rank-0.jsonl"
+    path.write_text(path.read_text() + '{"rank": 0, "rep')
+    assert len(read_rank_metrics(path)) == 1
+    path.write_text("not json\n")
+    with pytest.raises(ConfigError, match="not a metrics line"):
+        read_rank_metrics(path)
+
+
+def test_an_empty_metrics_dir_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no rank-"):
+        summarize_metrics(tmp_path)

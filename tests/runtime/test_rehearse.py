@@ -1,0 +1,135 @@
+"""Rehearsal: every rank as a local process, emulated hardware, verify, failures.
+
+The main equivalence test lives here: a GPT plan (tied embeddings) with two replicas that
+differ in batch share and layer split, one pipelined over two stages.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from hplan.runtime.errors import PeerFailureError
+from hplan.runtime.plan import Backend, Plan
+from hplan.runtime.rehearse import (
+    RehearsalChildError,
+    default_dilation,
+    device_speeds,
+    link_time_scale,
+    predicted_samples_per_s,
+    rehearse,
+)
+from tests.fixtures.plans import (
+    GPT_MODEL,
+    NUMBERED_DATASET,
+    ReplicaShape,
+    compare_first_step,
+    make_plan,
+    placeholder_report,
+    write_model,
+)
+
+TIMEOUT_S = 120.0
+
+
+def _gpt_plan(report_step_s: float = 0.0, reference_s: float = 0.0) -> Plan:
+    # replica 0: 2 stages, micro-batches of 2, 3 of them, 6 samples; replica 1: 1 stage, 2.
+    return make_plan(
+        GPT_MODEL,
+        [
+            ReplicaShape((3, -1), micro_batch_size=2, num_samples=6),
+            ReplicaShape((-1,), micro_batch_size=2, num_samples=2),
+        ],
+        peak_flops=[1e12, 1e12, 0.5e12],
+        report=placeholder_report(
+            3, predicted_step_time_s=report_step_s, reference_time_per_sample_s=reference_s
+        ),
+    )
+
+
+def _as_gpu_plan(plan: Plan) -> Plan:
+    """The same plan for NCCL on GeForce cards (rehearsal must still run it on CPU/gloo)."""
+    kinds = {d.name: "rtx4090" if d.peak_flops >= 1e12 else "rtx3090" for d in plan.cluster.devices}
+    devices = tuple(replace(d, kind=kinds[d.name]) for d in plan.cluster.devices)
+    ranks = tuple(replace(r, device_kind=kinds[r.device]) for r in plan.ranks)
+    return replace(
+        plan,
+        cluster=replace(plan.cluster, devices=devices),
+        ranks=ranks,
+        training=replace(plan.training, backend=Backend.NCCL),
+    )
+
+
+def test_two_different_gpt_replicas_equal_one_single_process_step(tmp_path: Path) -> None:
+    plan = _as_gpu_plan(_gpt_plan(report_step_s=0.01, reference_s=1e-4))
+    assert plan.replica_ranks(0)[0].units != plan.replica_ranks(1)[0].units
+    out = io.StringIO()
+    result = rehearse(
+        plan,
+        steps=2,
+        verify=True,
+        metrics_dir=tmp_path,
+        timeout_s=TIMEOUT_S,
+        console=Console(file=out, width=200),
+    )
+    assert result.verify_passed is True
+    assert result.max_relative_diff is not None and result.max_relative_diff <= 1e-4
+    comparison = compare_first_step(plan, GPT_MODEL, tmp_path / "verify")
+    assert comparison.missing == ()
+    assert comparison.loss == pytest.approx(comparison.reference_loss, rel=1e-5)
+    assert comparison.grad_rel < 1e-5  # every gradient, every copy (tied weight included)
+    assert comparison.param_rel < 1e-5  # every updated parameter (see StepComparison)
+    assert comparison.noise_abs <= 3e-3 * 1.01  # AdamW lr of the GPT example
+    assert result.losses[0] == pytest.approx(comparison.reference_loss, rel=1e-5)
+    assert len(result.losses) == 2 and len(result.ranks) == 3
+    assert result.measured_samples_per_s > 0
+    # emulated prediction: global batch / (predicted step time * emulated s per plan s)
+    scale = result.dilation * result.cpu_time_per_sample_s / 1e-4
+    assert result.link_time_scale == pytest.approx(scale)
+    assert result.predicted_samples_per_s == pytest.approx(8 / (0.01 * scale))
+    text = out.getvalue()
+    assert "step 1: loss" in text and "predicted:" in text and "verify:" in text
+    assert result.to_dict()["metrics_dir"] == str(tmp_path)
+
+
+def test_dilation_fits_the_cpu_demand_of_all_ranks_into_the_cores() -> None:
+    plan = _gpt_plan()
+    assert device_speeds(plan) == [1.0, 1.0, 0.5]
+    assert default_dilation(plan, 2, margin=1.0) == pytest.approx(2.5 / 2)
+    assert default_dilation(plan, 16) == 1.0  # never faster than real time
+    assert link_time_scale(plan, 2.0, 0.5) == 2.0  # placeholder report: dilation alone
+    assert predicted_samples_per_s(plan, 2.0) is None
+
+
+def test_a_boundary_shape_that_differs_from_the_plan_fails_the_rehearsal_clearly(
+    tmp_path: Path,
+) -> None:
+    path = write_model(tmp_path, NUMBERED_DATASET)
+    plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=4)])
+    cut = plan.cuts[0]
+    wrong = replace(cut, tensors=(replace(cut.tensors[0], shape=(1, 5)),))
+    plan = replace(plan, cuts=(wrong,))
+    with pytest.raises(RehearsalChildError) as info:
+        rehearse(plan, steps=1, metrics_dir=tmp_path / "m", timeout_s=TIMEOUT_S)
+    message = str(info.value)
+    assert info.value.exit_code == 2
+    assert "rank 0 failed (exit 2)" in message and "PlanMismatchError" in message
+    assert "'relu' has shape (2, 4), the plan expects (2, 5)" in message
+
+
+def test_a_hung_rank_is_killed_at_the_timeout(tmp_path: Path) -> None:
+    source = NUMBERED_DATASET.replace(
+        "    def build_model():\n",
+        "    def build_model():\n"
+        "        import sys, time\n"
+        "        if '--rank' in sys.argv and sys.argv[sys.argv.index('--rank') + 1] == '1':\n"
+        "            time.sleep(3600)\n",
+    )
+    path = write_model(tmp_path, source)
+    plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=4)])
+    with pytest.raises(PeerFailureError, match=r"timed out after 5 s with ranks \[.*1.*\]"):
+        rehearse(plan, steps=1, metrics_dir=tmp_path / "m", timeout_s=5.0)

@@ -1,0 +1,289 @@
+"""Ranks of real plans, run as gloo processes on CPU, against single-process autograd.
+
+Every multi-process test runs under a timeout (``run_ranks`` kills what is left).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from hplan.runtime.__main__ import main
+from hplan.runtime.errors import ConfigError, PlanMismatchError
+from hplan.runtime.model_file import load_model_file
+from hplan.runtime.plan import MemoryStrategy, Schedule, SyncMode, TrainingSpec
+from hplan.runtime.rehearse import free_port
+from hplan.runtime.verify import reference_steps
+from hplan.runtime.worker import RunOptions, build_rank, resolve_rank
+from tests.fixtures.plans import (
+    BF16_MLP,
+    LATE_INPUTS,
+    NUMBERED_DATASET,
+    WEIGHT_USED_TWICE,
+    ReplicaShape,
+    compare_first_step,
+    load_dumps,
+    make_plan,
+    rank_command,
+    run_ranks,
+    write_model,
+)
+
+TIMEOUT_S = 90.0
+
+
+def _assert_all_ok(outcomes: list) -> None:
+    for outcome in outcomes:
+        assert outcome.returncode == 0, f"rank {outcome.rank}: {outcome.stderr[-2000:]}"
+
+
+def _metrics(directory: Path, rank: int) -> list[dict]:
+    lines = (directory / f"rank-{rank}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+# --------------------------------------------------------------------------- late inputs
+@pytest.fixture(scope="module")
+def late_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    path = write_model(tmp_path_factory.mktemp("late"), LATE_INPUTS)
+    # units: inp, blocks.0..3, head -> stages [inp, blocks.0] [blocks.1, blocks.2] [blocks.3, head]
+    plan = make_plan(path, [ReplicaShape((2, 2, 2), micro_batch_size=3, num_samples=8)])
+    return path, plan
+
+
+def test_late_inputs_mixed_dtype_cuts_and_uneven_microbatches_equal_one_process(
+    late_inputs: tuple[Path, object], tmp_path: Path
+) -> None:
+    path, plan = late_inputs
+    cut = plan.cut_after("blocks.0")
+    dtypes = {t.dtype: t.requires_grad for t in cut.tensors}
+    assert dtypes == {"float32": True, "bool": False, "int64": False}
+    readers = {i.tensor.name: set(i.read_by_units) for i in plan.model.inputs}
+    assert readers["mask"] == {"blocks.0", "blocks.1", "blocks.2", "blocks.3"}
+    assert readers["labels"] == {"head"}
+    assert plan.ranks[0].num_microbatches == 3  # micro-batches of 3, 3 and 2 samples
+    # stages 1 and 2 recompute activations in the backward pass; stage 0 keeps them
+    recompute = [replace(r, memory_strategy=MemoryStrategy.RECOMPUTE) for r in plan.ranks[1:]]
+    plan = replace(plan, ranks=(plan.ranks[0], *recompute))
+
+    outcomes = run_ranks(
+        plan,
+        tmp_path,
+        "--steps", "1", "--verify-dir", str(tmp_path / "verify"),
+        "--metrics-dir", str(tmp_path / "metrics"),
+        timeout_s=TIMEOUT_S,
+    )  # fmt: skip
+    _assert_all_ok(outcomes)
+    result = compare_first_step(plan, path, tmp_path / "verify")
+    assert result.missing == ()
+    assert result.loss == pytest.approx(result.reference_loss, rel=1e-5)
+    assert result.grad_rel < 1e-5
+    assert result.param_rel < 1e-5
+    assert result.noise_abs <= 1e-2 * 1.01  # AdamW lr
+    losses = [m["loss"] for r in range(3) for m in _metrics(tmp_path / "metrics", r)]
+    assert losses[:2] == [None, None] and losses[2] == pytest.approx(result.loss)
+
+
+def test_a_missing_graph_input_names_the_input_and_the_stage_that_reads_it(
+    late_inputs: tuple[Path, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, plan = late_inputs
+    monkeypatch.setenv("HPLAN_TEST_DROP_LABELS", "1")
+    with pytest.raises(PlanMismatchError, match=r"'labels' is read by stage 2 of replica 0"):
+        build_rank(plan, 0, path, RunOptions(steps=1))
+
+
+def test_a_different_graph_is_a_plan_mismatch_before_anything_runs(
+    late_inputs: tuple[Path, object],
+) -> None:
+    path, plan = late_inputs
+    changed = replace(plan, model=replace(plan.model, graph_fingerprint="0" * 64))
+    with pytest.raises(PlanMismatchError, match="graph fingerprint"):
+        build_rank(changed, 1, path, RunOptions(steps=1))
+
+
+def test_local_sgd_plans_are_rejected_with_a_clear_message(
+    late_inputs: tuple[Path, object],
+) -> None:
+    path, plan = late_inputs
+    local = replace(plan, training=TrainingSpec(sync_mode=SyncMode.LOCAL_SGD))
+    with pytest.raises(ConfigError, match="'local_sgd'"):
+        build_rank(local, 0, path, RunOptions(steps=1))
+
+
+# --------------------------------------------------------------------------- weight twice
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.GPIPE])
+def test_a_weight_used_in_two_stages_gets_plain_autograds_gradient(
+    schedule: Schedule, tmp_path: Path
+) -> None:
+    path = write_model(tmp_path, WEIGHT_USED_TWICE)
+    plan = make_plan(
+        path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=6)], schedule=schedule
+    )
+    assert {t.name for t in plan.cut_after("a").tensors} == {"transpose", "getitem"}
+    outcomes = run_ranks(
+        plan, tmp_path, "--steps", "1", "--verify-dir", str(tmp_path / "v"), timeout_s=TIMEOUT_S
+    )
+    _assert_all_ok(outcomes)
+    grads = load_dumps(tmp_path / "v", "grads", 2)
+    reference = reference_steps(plan, load_model_file(path))
+    for dump in grads:  # both stages hold w; each ends with the full gradient
+        torch.testing.assert_close(
+            dump["tensors"]["w"], reference.first_grads["w"], rtol=1e-5, atol=1e-7
+        )
+    result = compare_first_step(plan, path, tmp_path / "v")
+    assert result.grad_rel < 1e-5 and result.param_rel < 1e-5 and result.noise_abs < 1e-6
+
+
+# --------------------------------------------------------------------------- bf16 on gloo
+def test_a_bf16_model_trains_through_a_pipeline_boundary_and_gradient_averaging(
+    tmp_path: Path,
+) -> None:
+    path = write_model(tmp_path, BF16_MLP)
+    plan = make_plan(
+        path,
+        [
+            ReplicaShape((2, -1), micro_batch_size=2, num_samples=4),
+            ReplicaShape((-1,), micro_batch_size=2, num_samples=2),
+        ],
+    )
+    assert plan.model.param_dtype == "bfloat16"
+    assert all(t.dtype == "bfloat16" for c in plan.cuts for t in c.tensors)
+    outcomes = run_ranks(
+        plan,
+        tmp_path,
+        "--steps", "3", "--verify-dir", str(tmp_path / "v"),
+        "--metrics-dir", str(tmp_path / "m"),
+        timeout_s=TIMEOUT_S,
+    )  # fmt: skip
+    _assert_all_ok(outcomes)
+    params = load_dumps(tmp_path / "v", "params", 3)
+    for name, value in params[2]["tensors"].items():  # replica 1 holds everything
+        assert value.dtype == torch.bfloat16
+        copies = [p["tensors"][name] for p in params[:2] if name in p["tensors"]]
+        assert copies and all(torch.equal(c, value) for c in copies), name
+    result = compare_first_step(plan, path, tmp_path / "v")
+    assert result.grad_rel < 2e-2  # bf16: ~3 significant digits
+    assert result.param_rel < 2e-2
+    losses = [m["loss"] for m in _metrics(tmp_path / "m", 2)]
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in losses)
+
+
+# --------------------------------------------------------------------------- data parallel
+def test_replicas_with_shares_seven_and_three_take_the_same_steps_across_an_epoch(
+    tmp_path: Path,
+) -> None:
+    path = write_model(tmp_path, NUMBERED_DATASET)
+    plan = make_plan(
+        path,
+        [
+            ReplicaShape((-1,), micro_batch_size=4, num_samples=7),
+            ReplicaShape((-1,), micro_batch_size=3, num_samples=3),
+        ],
+    )
+    outcomes = run_ranks(
+        plan, tmp_path, "--steps", "11", "--metrics-dir", str(tmp_path / "m"), timeout_s=TIMEOUT_S
+    )
+    _assert_all_ok(outcomes)
+    steps = [[m["step"] for m in _metrics(tmp_path / "m", r)] for r in range(2)]
+    assert steps == [list(range(11))] * 2  # 100 samples / 10 per step: epoch 2 starts at 10
+    assert [m["samples"] for m in _metrics(tmp_path / "m", 0)] == [7] * 11
+
+
+def test_a_killed_peer_ends_the_other_rank_with_a_one_line_error(tmp_path: Path) -> None:
+    path = write_model(tmp_path, NUMBERED_DATASET)
+    plan = make_plan(
+        path,
+        [ReplicaShape((-1,), 4, 7), ReplicaShape((-1,), 3, 3)],
+        timeout_s=20.0,
+    )
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json())
+    args = ("--steps", "100000", "--metrics-dir", str(tmp_path / "m"))
+    port = ("--master-port", str(free_port() - 1))
+    procs = []
+    for local_rank in range(2):  # the torchrun way: --node plus LOCAL_RANK
+        command = rank_command(plan_path, 0, *args, *port)
+        command[command.index("--rank") : command.index("--rank") + 2] = ["--node", "n0"]
+        env = {**os.environ, "LOCAL_RANK": str(local_rank), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(command, stderr=subprocess.PIPE, env=env))
+    try:
+        deadline = time.monotonic() + 60
+        metrics = tmp_path / "m" / "rank-1.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline, "rank 1 never finished a step"
+            assert procs[1].poll() is None, procs[1].stderr.read().decode()
+            time.sleep(0.1)
+        procs[0].kill()
+        _, stderr = procs[1].communicate(timeout=45)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    lines = stderr.decode().strip().splitlines()
+    assert procs[1].returncode == 1
+    assert len(lines) == 1, lines
+    assert "PeerFailureError" in lines[0] and "rank 1" in lines[0]
+    assert "Traceback" not in stderr.decode()
+
+
+# --------------------------------------------------------------------------- checkpoints
+def test_a_checkpoint_written_under_one_plan_resumes_under_another(tmp_path: Path) -> None:
+    path = write_model(tmp_path, NUMBERED_DATASET)
+    pipeline = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=5, num_samples=10)])
+    data_parallel = make_plan(path, [ReplicaShape((-1,), 4, 4), ReplicaShape((-1,), 3, 6)])
+    ckpt = tmp_path / "ckpt"
+    _assert_all_ok(
+        run_ranks(pipeline, tmp_path / "a", "--steps", "1", "--checkpoint-dir", str(ckpt))
+    )
+    shards = [torch.load(p, weights_only=True) for p in sorted((ckpt / "step-1").glob("*.pt"))]
+    names = [n for shard in shards for n in shard["params"]]
+    assert sorted(names) == sorted(set(names)) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    resume_args = [
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--verify-dir",
+        str(tmp_path / "v"),
+    ]
+    _assert_all_ok(run_ranks(data_parallel, tmp_path / "b", *resume_args))
+    assert (ckpt / "latest").read_text().strip() == "step-2"
+    reference = reference_steps(pipeline, load_model_file(path), num_steps=2)
+    for dump in load_dumps(tmp_path / "v", "params", 2):
+        for name, value in dump["tensors"].items():
+            torch.testing.assert_close(value, reference.params[name], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- ranks
+def test_the_rank_comes_from_node_and_local_rank_never_from_launch_order(
+    late_inputs: tuple[Path, object],
+) -> None:
+    _, plan = late_inputs
+    assert resolve_rank(plan, rank=None, node="n0", local_rank="2") == 2
+    assert resolve_rank(plan, rank=1, node=None, local_rank=None) == 1
+    with pytest.raises(ConfigError, match="set LOCAL_RANK"):
+        resolve_rank(plan, rank=None, node="n0", local_rank=None)
+    with pytest.raises(ConfigError, match="'n9' runs no rank"):
+        resolve_rank(plan, rank=None, node="n9", local_rank="0")
+    with pytest.raises(ConfigError, match="LOCAL_RANK=5"):
+        resolve_rank(plan, rank=None, node="n0", local_rank="5")
+    with pytest.raises(ConfigError, match="--rank 3 is outside"):
+        resolve_rank(plan, rank=3, node=None, local_rank=None)
+
+
+def test_the_entry_point_turns_errors_into_one_line_and_an_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["run", str(tmp_path / "missing.json"), "--rank", "0"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "ConfigError: cannot read plan" in err
