@@ -29,6 +29,11 @@ def model_spec(graph: ModelGraph, *, path: str, sha256: str) -> ModelSpec:
     )
 
 
+def rank_of_device(layout: Layout) -> dict[int, int]:
+    """Global rank of each used device index: ranks follow device order (node by node)."""
+    return {d: rank for rank, d in enumerate(sorted(layout.device_indices))}
+
+
 def build_plan(
     *,
     graph: ModelGraph,
@@ -82,9 +87,7 @@ def build_plan(
                 num_samples=replica.num_samples,
             )
         )
-    cuts = tuple(
-        CutSpec(after_unit=unit_names[i], tensors=graph.cuts[i]) for i in sorted(cut_idx)
-    )
+    cuts = tuple(CutSpec(after_unit=unit_names[i], tensors=graph.cuts[i]) for i in sorted(cut_idx))
     plan = Plan(
         model=model,
         global_batch_size=global_batch_size,

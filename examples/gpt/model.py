@@ -20,10 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB_SIZE = 256
-NUM_LAYERS = int(os.environ.get("HPLAN_GPT_LAYERS", "4"))
-WIDTH = int(os.environ.get("HPLAN_GPT_WIDTH", "64"))
-NUM_HEADS = int(os.environ.get("HPLAN_GPT_HEADS", "4"))
-SEQ_LEN = int(os.environ.get("HPLAN_GPT_SEQ", "64"))
+
+
+def _size(name: str, default: int) -> int:
+    """A model dimension from the environment, read at call time (not import time)."""
+    return int(os.environ.get(f"HPLAN_GPT_{name}", str(default)))
+
+
+def seq_len() -> int:
+    return _size("SEQ", 64)
 
 
 class CausalSelfAttention(nn.Module):
@@ -60,13 +65,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(
-        self,
-        num_layers: int = NUM_LAYERS,
-        width: int = WIDTH,
-        num_heads: int = NUM_HEADS,
-        seq_len: int = SEQ_LEN,
-    ) -> None:
+    def __init__(self, num_layers: int, width: int, num_heads: int, seq_len: int) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(VOCAB_SIZE, width)
         self.pos_emb = nn.Embedding(seq_len, width)
@@ -84,11 +83,11 @@ class GPT(nn.Module):
 
 
 def build_model() -> nn.Module:
-    return GPT()
+    return GPT(_size("LAYERS", 4), _size("WIDTH", 64), _size("HEADS", 4), seq_len())
 
 
 def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, VOCAB_SIZE, (batch_size, SEQ_LEN + 1))
+    tokens = torch.randint(0, VOCAB_SIZE, (batch_size, seq_len() + 1))
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -101,16 +100,18 @@ def make_optimizer(params):
 
 
 class _ByteWindows(torch.utils.data.Dataset):
-    """Non-overlapping windows of SEQ_LEN + 1 bytes; item = (input ids, next-byte targets)."""
+    """Non-overlapping windows of seq_len + 1 bytes; item = (input ids, next-byte targets)."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, length: int) -> None:
         self.tokens = torch.tensor(list(data), dtype=torch.long)
+        self.length = length
 
     def __len__(self) -> int:
-        return (len(self.tokens) - 1) // SEQ_LEN
+        return (len(self.tokens) - 1) // self.length
 
     def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window = self.tokens[idx * SEQ_LEN : idx * SEQ_LEN + SEQ_LEN + 1]
+        start = idx * self.length
+        window = self.tokens[start : start + self.length + 1]
         return window[:-1], window[1:]
 
 
@@ -118,4 +119,4 @@ def dataset() -> torch.utils.data.Dataset:
     root = Path(__file__).resolve().parents[2]
     files = sorted(root.glob("*.md")) + sorted((root / "examples").rglob("*.py"))
     data = b"\n".join(f.read_bytes() for f in files)
-    return _ByteWindows(data)
+    return _ByteWindows(data, seq_len())

@@ -1,0 +1,87 @@
+"""Plan quality: hplan's predicted throughput against what other tools would do.
+
+For each example cluster and model size, prints hplan's predicted samples/s and its ratio
+to (a) equal-batch data parallel (plain DDP; '-' where the model does not fit the smallest
+device), (b) the best equal-layer, equal-batch pipeline (Megatron/DeepSpeed `uniform`), and
+(c) the physical bound (sum of each device's standalone samples/s). All from one `hplan
+solve` run per row, under the same cost model. Target: efficiency >= 0.90 wherever data
+parallel fits.
+
+    python bench/plan_quality.py
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from common import CLUSTERS, GPT, console, gpt_env, solve, table
+
+MODELS = {
+    "gpt 4x64 (demo)": gpt_env(layers=4, width=64, heads=4, seq=64),
+    "gpt 12x768 (124M-class)": gpt_env(layers=12, width=768, heads=12, seq=1024),
+    "gpt 24x1024 (350M-class)": gpt_env(layers=24, width=1024, heads=16, seq=1024),
+}
+CLUSTER_MODELS = {
+    "mixed-3090-4090": ["gpt 12x768 (124M-class)", "gpt 24x1024 (350M-class)"],
+    "two-site": ["gpt 12x768 (124M-class)", "gpt 24x1024 (350M-class)"],
+    "cpu-rehearsal": ["gpt 4x64 (demo)"],
+}
+
+
+def _ratio(ours: float, other: float | None) -> str:
+    return "-" if not other else f"{ours / other:.2f}x"
+
+
+def main() -> None:
+    out = table(
+        "hplan plan quality (predicted, same cost model)",
+        [
+            "cluster",
+            "model",
+            "hplan samples/s",
+            "vs DDP",
+            "vs uniform",
+            "efficiency",
+            "status",
+            "verdict",
+        ],
+    )
+    for cluster, models in CLUSTER_MODELS.items():
+        for model in models:
+            with tempfile.TemporaryDirectory() as tmp:
+                result = solve(
+                    GPT,
+                    CLUSTERS / f"{cluster}.yaml",
+                    Path(tmp),
+                    env=MODELS[model],
+                    args=["-b", "64", "--time-limit", "60"],
+                )
+            if "error" in result:
+                out.add_row(cluster, model, "error", "-", "-", "-", "-", result["error"])
+                continue
+            report = result["report"]
+            ours = report["predicted_samples_per_s"]
+            base = {b["name"].split(",")[0]: b["samples_per_s"] for b in report["baselines"]}
+            ddp, uniform = base.get("data parallel"), base.get("uniform pipeline")
+            efficiency = report["efficiency"]
+            verdict = (
+                "n/a (DDP does not fit)"
+                if ddp is None
+                else ("ok" if efficiency >= 0.90 else "BELOW 0.90")
+            )
+            out.add_row(
+                cluster,
+                model,
+                f"{ours:.1f}",
+                _ratio(ours, ddp),
+                _ratio(ours, uniform),
+                f"{efficiency:.2f}",
+                report["solver_status"],
+                verdict,
+            )
+    console.print(out)
+
+
+if __name__ == "__main__":
+    main()

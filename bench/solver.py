@@ -1,0 +1,78 @@
+"""Solver benchmark: wall time and proven gap by model depth and device count.
+
+Targets (issue 2): 24 units x 8 devices in <= 5 s; 96 units x 32 devices of 4 types in
+<= 60 s. Runs the real CLI (`hplan solve --json`) on GPT models of the right depth
+(units = layers + token embedding + position embedding + final norm + head).
+
+    python bench/solver.py
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from common import GPT, console, gpt_env, solve, table, write_cluster
+
+EIGHT = """\
+name: bench-8
+nodes:
+  - {name: n1, host: 10.0.0.1, devices: [{type: rtx4090, count: 4}]}
+  - {name: n2, host: 10.0.0.2, devices: [{type: rtx3090, count: 2}, {type: rtx3060, count: 2}]}
+links:
+  inter_node: {bandwidth_gbit_per_s: 10, latency_us: 50}
+"""
+
+THIRTY_TWO = """\
+name: bench-32
+nodes:
+  - {name: n1, host: 10.0.0.1, devices: [{type: a100-80gb, count: 8}]}
+  - {name: n2, host: 10.0.0.2, devices: [{type: rtx4090, count: 8}]}
+  - {name: n3, host: 10.0.0.3, devices: [{type: rtx3090, count: 8}]}
+  - {name: n4, host: 10.0.0.4, devices: [{type: rtx3060, count: 8}]}
+links:
+  inter_node: {bandwidth_gbit_per_s: 25, latency_us: 20}
+"""
+
+CASES = [
+    ("24 units x 8 devices", 20, EIGHT, 64, 5.0),
+    ("96 units x 32 devices, 4 types", 92, THIRTY_TWO, 256, 60.0),
+]
+
+
+def main() -> None:
+    out = table(
+        "hplan solver benchmark",
+        ["case", "solve s", "target s", "status", "gap", "replicas", "verdict"],
+    )
+    for name, layers, cluster_text, batch, target_s in CASES:
+        cluster = write_cluster(cluster_text)
+        with tempfile.TemporaryDirectory() as tmp:
+            env = gpt_env(layers=layers, width=256, heads=4, seq=256)
+            result = solve(
+                GPT,
+                cluster,
+                Path(tmp),
+                env=env,
+                args=["-b", str(batch), "--time-limit", str(target_s)],
+            )
+        if "error" in result:
+            out.add_row(name, "-", f"{target_s:g}", "error", "-", "-", result["error"])
+            continue
+        report = result["report"]
+        gap = report["optimality_gap"]
+        verdict = "ok" if result["solve_time_s"] <= target_s else "SLOW"
+        out.add_row(
+            name,
+            f"{result['solve_time_s']:.2f}",
+            f"{target_s:g}",
+            report["solver_status"],
+            "-" if gap is None else f"{gap:.1%}",
+            f"{result['num_replicas']} ({result['num_ranks']} devices)",
+            verdict,
+        )
+    console.print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The compiler pipeline as one function: model file + cluster file -> verified Plan.
+
+Each step is a pure function of the previous step's value (see the design card):
+load -> trace and cost graph -> cluster -> planning problem -> solve -> report -> plan.
+The CLI calls ``plan_training`` and ``hplan.planner.emit.emit``; nothing else plans.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from hplan.planner.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.build import build_plan, model_spec
+from hplan.planner.catalog import DeviceClass
+from hplan.planner.cluster import Cluster, load_cluster, to_cluster_spec
+from hplan.planner.costgraph import ModelGraph, build_model_graph
+from hplan.planner.costmodel import RooflineSource, build_problem, optimizer_state_factor
+from hplan.planner.evaluate import evaluate
+from hplan.planner.problem import PlanningProblem
+from hplan.planner.report import build_report
+from hplan.planner.search import SolveOptions
+from hplan.planner.solve import SolveResult, solve
+from hplan.runtime.errors import ConfigError, InfeasiblePlanError
+from hplan.runtime.model_file import load_model_file
+from hplan.runtime.plan import Backend, Plan, Schedule, SolverStatus, TrainingSpec
+
+
+class Strategy(StrEnum):
+    """Who decides the layout."""
+
+    HPLAN = "hplan"
+    DATA_PARALLEL = "ddp"
+    """Equal-batch data parallel on every device (what DDP does)."""
+    UNIFORM_PIPELINE = "uniform"
+    """Equal-layer pipelines with equal batches (Megatron/DeepSpeed ``uniform``)."""
+
+
+@dataclass(frozen=True)
+class SolveRequest:
+    """What ``hplan solve`` was asked for."""
+
+    model_path: Path
+    cluster_path: Path
+    global_batch_size: int = 32
+    micro_batch_sizes: tuple[int, ...] | None = None
+    time_limit_s: float = 60.0
+    solver: str | None = None
+    max_stages: int = 8
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    seed: int = 0
+    master_port: int = 29500
+    leaf_modules: tuple[str, ...] = ()
+    strategy: Strategy = Strategy.HPLAN
+    """``hplan`` solves; the others emit a baseline layout (for side-by-side runs)."""
+
+
+@dataclass(frozen=True)
+class PlanningOutcome:
+    """The plan and the intermediate values that produced it."""
+
+    plan: Plan
+    graph: ModelGraph
+    problem: PlanningProblem
+    result: SolveResult
+    solve_time_s: float
+
+
+def plan_training(
+    request: SolveRequest, progress: Callable[[str], None] | None = None
+) -> PlanningOutcome:
+    """Plan ``request.model_path`` on ``request.cluster_path``.
+
+    Raises:
+        ModelFileError, TraceError, ConfigError: bad model file, model or cluster file.
+        InfeasiblePlanError: nothing fits; names the binding constraint.
+        SolverUnavailableError: a requested solver does not work here.
+    """
+    say = progress or (lambda _msg: None)
+    _check_request(request)
+    cluster = load_cluster(request.cluster_path)
+    _check_device_mix(cluster)
+    say("loading and tracing the model")
+    model_file = load_model_file(request.model_path)
+    graph = build_model_graph(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
+    source = RooflineSource()
+    problem = build_problem(
+        graph,
+        cluster,
+        global_batch_size=request.global_batch_size,
+        micro_batch_sizes=request.micro_batch_sizes,
+        optimizer_state_bytes_per_param_byte=optimizer_state_factor(
+            model_file, param_dtype=graph.param_dtype
+        ),
+        time_source=source,
+    )
+    say(
+        f"solving ({problem.num_units} units, {problem.num_devices} devices, limit {request.time_limit_s:g} s)"
+    )
+    started = time.monotonic()
+    result = _decide(problem, request)
+    solve_time_s = time.monotonic() - started
+    report = build_report(problem, result, cost_source=source.name, notes=graph.notes)
+    plan = build_plan(
+        graph=graph,
+        model=model_spec(graph, path=str(request.model_path), sha256=model_file.sha256),
+        cluster=to_cluster_spec(cluster, graph.param_dtype),
+        device_names=problem.device_names,
+        layout=result.layout,
+        global_batch_size=request.global_batch_size,
+        report=report,
+        training=_training_spec(request, cluster, result),
+    )
+    return PlanningOutcome(plan, graph, problem, result, solve_time_s)
+
+
+def _decide(problem: PlanningProblem, request: SolveRequest) -> SolveResult:
+    if request.strategy is Strategy.HPLAN:
+        options = SolveOptions(
+            time_limit_s=request.time_limit_s, backend=request.solver, max_stages=request.max_stages
+        )
+        return solve(problem, options)
+    make = data_parallel_equal if request.strategy is Strategy.DATA_PARALLEL else uniform_pipeline
+    layout = make(problem)
+    if layout is None:
+        raise InfeasiblePlanError(
+            f"the {request.strategy.value} baseline does not fit this cluster's memory; "
+            "use the hplan strategy"
+        )
+    return SolveResult(
+        layout=layout,
+        evaluation=evaluate(problem, layout),
+        status=SolverStatus.HEURISTIC,
+        gap=None,
+        backend="none",
+        source=f"baseline: {request.strategy.value}",
+        notes=(f"{request.strategy.value} baseline requested; the layout was not optimised",),
+    )
+
+
+def _check_request(request: SolveRequest) -> None:
+    if request.global_batch_size < 1:
+        raise ConfigError(f"global batch size {request.global_batch_size} must be >= 1")
+    if request.time_limit_s <= 0:
+        raise ConfigError(f"time limit {request.time_limit_s} s must be > 0")
+    if request.max_stages < 1:
+        raise ConfigError(f"max stages {request.max_stages} must be >= 1")
+    if not 1 <= request.master_port <= 65534:
+        raise ConfigError(f"master port {request.master_port} must be in 1..65534")
+
+
+def _check_device_mix(cluster: Cluster) -> None:
+    kinds = {d.type.device_class is DeviceClass.CPU for d in cluster.devices}
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"cluster {cluster.source!r} mixes cpu and GPU devices; one plan runs on one backend "
+            "(gloo for cpu, NCCL for GPUs): remove the cpu devices or make every device cpu"
+        )
+
+
+def _training_spec(request: SolveRequest, cluster: Cluster, result: SolveResult) -> TrainingSpec:
+    used = sorted(result.layout.device_indices)
+    first = cluster.devices[used[0]]
+    backend = Backend.GLOO if first.type.device_class is DeviceClass.CPU else Backend.NCCL
+    return TrainingSpec(
+        schedule=request.schedule,
+        backend=backend,
+        seed=request.seed,
+        master_host=cluster.node(first.node).host,
+        master_port=request.master_port,
+    )

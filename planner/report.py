@@ -1,0 +1,91 @@
+"""The plan's ``report``: predictions, solver facts and baselines (the "why" of a plan)."""
+
+from __future__ import annotations
+
+from hplan.planner.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.build import rank_of_device
+from hplan.planner.evaluate import (
+    evaluate,
+    physical_bound_samples_per_s,
+    standalone_samples_per_s,
+)
+from hplan.planner.layout import Layout
+from hplan.planner.problem import PlanningProblem
+from hplan.planner.solve import SolveResult
+from hplan.runtime.plan import BaselineReport, RankReport, Report
+
+_BASELINES = (
+    ("data parallel, equal batches (DDP)", data_parallel_equal),
+    ("uniform pipeline, equal layers and batches (Megatron/DeepSpeed)", uniform_pipeline),
+)
+
+
+def baseline_reports(problem: PlanningProblem) -> tuple[BaselineReport, ...]:
+    """Predicted samples/s of each baseline on the same cluster (None: it does not fit)."""
+    out = []
+    for name, make in _BASELINES:
+        layout = make(problem)
+        if layout is None:
+            out.append(BaselineReport(name=name, samples_per_s=None, note="does not fit in memory"))
+            continue
+        ev = evaluate(problem, layout)
+        devices = len(layout.device_indices)
+        note = f"{len(layout.replicas)} replicas x {layout.replicas[0].num_stages} stages, {devices} devices"
+        out.append(BaselineReport(name=name, samples_per_s=ev.samples_per_s, note=note))
+    return tuple(out)
+
+
+def _rank_reports(
+    problem: PlanningProblem, layout: Layout, result: SolveResult
+) -> tuple[RankReport, ...]:
+    ranks = rank_of_device(layout)
+    reports = []
+    for replica_costs in result.evaluation.stages:
+        for cost in replica_costs:
+            reports.append(
+                RankReport(
+                    rank=ranks[cost.device_idx],
+                    stage_time_per_microbatch_s=cost.compute_time_s + cost.link_time_s,
+                    busy_time_s=cost.busy_time_s,
+                    memory_bytes=round(cost.memory_bytes),
+                    memory_capacity_bytes=round(
+                        float(problem.memory_capacity_bytes[cost.device_idx])
+                    ),
+                )
+            )
+    return tuple(sorted(reports, key=lambda r: r.rank))
+
+
+def build_report(
+    problem: PlanningProblem,
+    result: SolveResult,
+    *,
+    cost_source: str,
+    notes: tuple[str, ...] = (),
+) -> Report:
+    """The report of the plan made from ``result``.
+
+    ``reference_time_per_sample_s`` is 1 / the best standalone samples/s of any device of
+    the plan (the fastest device training alone), which rehearsal uses as its time unit.
+    """
+    layout = result.layout
+    ev = result.evaluation
+    bound = physical_bound_samples_per_s(problem)
+    replica, stage = ev.bottleneck
+    bottleneck_device = layout.replicas[replica].stages[stage].device_idx
+    fastest = max(standalone_samples_per_s(problem, d) for d in layout.device_indices)
+    return Report(
+        predicted_step_time_s=ev.step_time_s,
+        predicted_samples_per_s=ev.samples_per_s,
+        physical_bound_samples_per_s=bound,
+        efficiency=ev.samples_per_s / bound if bound > 0 else 0.0,
+        bottleneck_rank=rank_of_device(layout)[bottleneck_device],
+        ranks=_rank_reports(problem, layout, result),
+        solver_status=result.status,
+        optimality_gap=result.gap,
+        solver_backend=result.backend,
+        cost_source=cost_source,
+        reference_time_per_sample_s=1.0 / fastest if fastest > 0 else 0.0,
+        baselines=baseline_reports(problem),
+        notes=(*notes, f"layout from: {result.source}", *result.notes),
+    )

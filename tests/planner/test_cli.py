@@ -1,0 +1,198 @@
+"""The `hplan` command line: end to end on the examples, and one-line errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hplan.planner.cli import main
+from hplan.runtime.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = ROOT / "examples" / "mlp" / "model.py"
+GPT = ROOT / "examples" / "gpt" / "model.py"
+CLUSTERS = ROOT / "examples" / "clusters"
+
+GOOD_CLUSTER = """\
+name: tiny
+nodes:
+  - name: a
+    host: 127.0.0.1
+    devices:
+      - type: rtx3090
+        count: 2
+"""
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(exit_info.value.code or 0), out, err
+
+
+def _assert_one_line_error(err: str, *needles: str) -> None:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_solve_writes_plan_and_scripts_and_4090s_get_larger_shares(tmp_path, capsys, monkeypatch):
+    # A 124M-class GPT: big enough that the roofline, not kernel launches, sets the speed.
+    for name, value in {"LAYERS": "12", "WIDTH": "768", "HEADS": "12", "SEQ": "1024"}.items():
+        monkeypatch.setenv(f"HPLAN_GPT_{name}", value)
+    code, out, err = _run(
+        [
+            "solve",
+            str(GPT),
+            "--cluster",
+            str(CLUSTERS / "mixed-3090-4090.yaml"),
+            "-o",
+            str(tmp_path),
+            "-b",
+            "512",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    summary = json.loads(out)
+    plan = Plan.from_json((tmp_path / "plan.json").read_text())
+    assert summary["predicted_samples_per_s"] == pytest.approx(plan.report.predicted_samples_per_s)
+    assert (tmp_path / "launch" / "node-box-a.sh").is_file()
+    shares = {}
+    for rank in plan.ranks:
+        per_device = rank.num_samples / len(plan.replica_ranks(rank.replica))
+        shares.setdefault(rank.device_kind, []).append(per_device)
+    assert min(shares["rtx4090"]) > max(shares["rtx3090"])
+    for report in plan.report.ranks:
+        assert report.memory_bytes <= report.memory_capacity_bytes
+    assert {r.device_kind for r in plan.ranks} >= {"rtx4090", "rtx3090"}
+
+
+def test_show_renders_text_json_and_dot(tmp_path, capsys):
+    code, _, err = _run(
+        [
+            "solve",
+            str(MLP),
+            "--cluster",
+            str(CLUSTERS / "cpu-rehearsal.yaml"),
+            "-o",
+            str(tmp_path),
+            "-b",
+            "8",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    plan_path = str(tmp_path / "plan.json")
+    code, text, _ = _run(["show", plan_path], capsys)
+    assert code == 0 and "samples/s" in text
+    code, as_json, _ = _run(["show", plan_path, "--format", "json"], capsys)
+    assert Plan.from_json(as_json) == Plan.from_json((tmp_path / "plan.json").read_text())
+    code, dot, _ = _run(["show", plan_path, "--format", "dot"], capsys)
+    assert dot.lstrip().startswith(("digraph", "strict digraph"))
+
+
+BAD_CLUSTERS = {
+    "unknown key": (GOOD_CLUSTER + "colour: blue\n", "colour"),
+    "negative memory": (
+        GOOD_CLUSTER.replace("count: 2", "count: 2\n        memory_gb: -4"),
+        "memory_gb",
+    ),
+    "unknown device": (GOOD_CLUSTER.replace("rtx3090", "rtx9999"), "rtx9999"),
+    "shell in host": (GOOD_CLUSTER.replace("127.0.0.1", "'a; rm -rf /'"), "host"),
+    "link to unknown node": (
+        GOOD_CLUSTER
+        + "links:\n  pairs:\n    - nodes: [a, ghost]\n      bandwidth_gbit_per_s: 10\n",
+        "ghost",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CLUSTERS))
+def test_bad_cluster_file_is_one_line_exit_2(case, tmp_path, capsys):
+    text, needle = BAD_CLUSTERS[case]
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(text)
+    code, _, err = _run(
+        ["solve", str(MLP), "--cluster", str(cluster), "-o", str(tmp_path / "out")], capsys
+    )
+    assert code == 2
+    _assert_one_line_error(err, needle)
+
+
+BAD_MODELS = {
+    "missing function": (
+        "import torch\ndef build_model():\n    return torch.nn.Linear(2, 2)\n",
+        "sample_batch",
+    ),
+    "raises on import": ("import torch\nraise RuntimeError('no GPU found')\n", "no GPU found"),
+    "untraceable": (
+        textwrap.dedent(
+            """
+            import torch
+            class M(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.l = torch.nn.Linear(4, 4)
+                def forward(self, x):
+                    if x.sum() > 0:
+                        return self.l(x)
+                    return -self.l(x)
+            def build_model():
+                return M()
+            def sample_batch(n):
+                return torch.randn(n, 4), torch.randn(n, 4)
+            def loss_fn(out, y):
+                return ((out - y) ** 2).mean()
+            """
+        ),
+        "model.py",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MODELS))
+def test_bad_model_file_is_one_line_exit_2(case, tmp_path, capsys):
+    text, needle = BAD_MODELS[case]
+    model = tmp_path / "model.py"
+    model.write_text(text)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(GOOD_CLUSTER)
+    code, _, err = _run(
+        ["solve", str(model), "--cluster", str(cluster), "-o", str(tmp_path / "out")], capsys
+    )
+    assert code == 2
+    _assert_one_line_error(err, needle)
+
+
+def test_missing_plan_and_usage_errors_exit_2(tmp_path, capsys):
+    code, _, err = _run(["show", str(tmp_path / "nope.json")], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "nope.json")
+    code, _, _ = _run(["solve", str(MLP)], capsys)  # --cluster missing
+    assert code == 2
+
+
+def test_infeasible_cluster_exits_3_naming_the_device(tmp_path, capsys):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(GOOD_CLUSTER.replace("count: 2", "count: 1\n        memory_gb: 0.001"))
+    code, _, err = _run(
+        ["solve", str(MLP), "--cluster", str(cluster), "-o", str(tmp_path / "out")], capsys
+    )
+    assert code == 3
+    _assert_one_line_error(err, "a/0")
+
+
+def test_console_script_reports_version_and_help():
+    exe = Path(sys.executable).with_name("hplan")
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True)
+    assert "solve" in out.stdout and "rehearse" in out.stdout
