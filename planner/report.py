@@ -6,7 +6,9 @@ from hplan.planner.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.build import rank_of_device
 from hplan.planner.evaluate import (
     evaluate,
+    mbs_index,
     physical_bound_samples_per_s,
+    stage_compute_time_s,
     standalone_samples_per_s,
 )
 from hplan.planner.layout import Layout
@@ -65,15 +67,19 @@ def build_report(
 ) -> Report:
     """The report of the plan made from ``result``.
 
-    ``reference_time_per_sample_s`` is 1 / the best standalone samples/s of any device of
-    the plan (the fastest device training alone), which rehearsal uses as its time unit.
+    ``reference_time_per_sample_s``: forward + backward per sample of the whole model on the
+    plan's fastest device at the plan's largest micro-batch size (rehearsal's time unit).
     """
     layout = result.layout
     ev = result.evaluation
     bound = physical_bound_samples_per_s(problem)
     replica, stage = ev.bottleneck
     bottleneck_device = layout.replicas[replica].stages[stage].device_idx
-    fastest = max(standalone_samples_per_s(problem, d) for d in layout.device_indices)
+    fastest = max(layout.device_indices, key=lambda d: (standalone_samples_per_s(problem, d), -d))
+    reference_mbs = max(r.micro_batch_size for r in layout.replicas)
+    reference_s = stage_compute_time_s(
+        problem, fastest, 0, problem.num_units, mbs_index(problem, reference_mbs)
+    )
     return Report(
         predicted_step_time_s=ev.step_time_s,
         predicted_samples_per_s=ev.samples_per_s,
@@ -85,7 +91,8 @@ def build_report(
         optimality_gap=result.gap,
         solver_backend=result.backend,
         cost_source=cost_source,
-        reference_time_per_sample_s=1.0 / fastest if fastest > 0 else 0.0,
+        reference_time_per_sample_s=reference_s / reference_mbs,
+        reference_micro_batch_size=reference_mbs,
         baselines=baseline_reports(problem),
         notes=(*notes, f"layout from: {result.source}", *result.notes),
     )

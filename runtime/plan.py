@@ -244,6 +244,9 @@ class RankReport:
     memory_bytes: int
     """Predicted peak memory: parameters, gradients, optimizer state, activations in flight."""
     memory_capacity_bytes: int
+    relative_speed: float = 1.0
+    """This rank's device speed on this model relative to the plan's fastest device
+    (standalone samples/s ratio, 1.0 = fastest); rehearsal stretches compute by its inverse."""
 
 
 @_frozen
@@ -274,9 +277,11 @@ class Report:
     solver_backend: str
     cost_source: str
     reference_time_per_sample_s: float
-    """Forward + backward time of one sample through the whole model on the plan's fastest
-    device (at its best micro-batch size). Rehearsal divides predictions by it to express
-    them in emulated time."""
+    """Forward + backward time per sample of the whole model on the plan's fastest device, at
+    ``reference_micro_batch_size``. Rehearsal times the same work on its CPU to convert
+    predictions into emulated time."""
+    reference_micro_batch_size: int = 1
+    """The plan's largest micro-batch size (where the reference time is taken)."""
     baselines: tuple[BaselineReport, ...] = ()
     notes: tuple[str, ...] = ()
 

@@ -4,8 +4,9 @@ Each rank runs ``python -m hplan.runtime run PLAN --rank R --emulate`` (gloo on 
 one thread), whatever the plan's device kinds. Emulation (see ``worker.py``, ``comm.py``,
 ``grad_sync.py``):
 
-- compute: each forward/backward is stretched to ``dilation * peak_max / peak_device`` times
-  its measured CPU time;
+- compute: each forward/backward is stretched to ``dilation / relative_speed`` times its
+  measured CPU time, where ``relative_speed`` is the rank's device speed on this model
+  relative to the plan's fastest device (``worker.rank_speeds``);
 - links: a point-to-point transfer reaches its receiver no sooner than
   ``scale * (latency + bytes / bandwidth)`` after it was sent; an all-reduce takes at least
   ``scale *`` the ring time over its group's slowest link;
@@ -57,6 +58,7 @@ from hplan.runtime.model_file import ModelFile, load_model_file
 from hplan.runtime.plan import Plan
 from hplan.runtime.trace import bind_inputs
 from hplan.runtime.verify import VERIFY_TOLERANCE, verify_first_step
+from hplan.runtime.worker import rank_speeds
 
 DILATION_MARGIN = 1.25
 """Head-room over the exact CPU demand (interpreter, communication threads, the parent)."""
@@ -102,16 +104,9 @@ class RehearsalResult:
 
 
 # --------------------------------------------------------------------------- emulation
-def device_speeds(plan: Plan) -> list[float]:
-    """``peak_flops`` of each rank's device over the fastest used device, rank order."""
-    peaks = [plan.device(r.device).peak_flops for r in plan.ranks]
-    fastest = max(peaks)
-    return [peak / fastest for peak in peaks]
-
-
 def default_dilation(plan: Plan, num_cores: int, margin: float = DILATION_MARGIN) -> float:
     """Smallest dilation (>= 1) at which all ranks' CPU demand fits ``num_cores``."""
-    return max(1.0, margin * sum(device_speeds(plan)) / max(num_cores, 1))
+    return max(1.0, margin * sum(rank_speeds(plan)) / max(num_cores, 1))
 
 
 def link_time_scale(plan: Plan, dilation: float, cpu_time_per_sample_s: float) -> float:
@@ -143,10 +138,10 @@ def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: i
     """Forward + backward seconds per sample of the whole model on this CPU, one thread.
 
     CPU time of the calling thread (``time.thread_time``, like the ranks' stretch), at the
-    plan's largest micro-batch size; the minimum over ``repeats`` timed runs after one
-    warm-up run.
+    micro-batch size where the report's reference time was taken; the minimum over
+    ``repeats`` timed runs after one warm-up run.
     """
-    batch_size = max(r.micro_batch_size for r in plan.ranks)
+    batch_size = plan.report.reference_micro_batch_size
     with _one_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.training.seed)
         model = model_file.build_model()

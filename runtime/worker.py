@@ -150,11 +150,23 @@ def _boundaries(plan: Plan, rank_plan: RankPlan) -> tuple[Boundary | None, Bound
     return prev, next_
 
 
-def device_stretch(plan: Plan, device_name: str) -> float:
-    """Fastest device's peak FLOP/s in the plan over this device's (>= 1)."""
-    used = {r.device for r in plan.ranks}
-    fastest = max(plan.device(name).peak_flops for name in used)
-    return fastest / plan.device(device_name).peak_flops
+def rank_speeds(plan: Plan) -> list[float]:
+    """Speed of each rank's device on this model relative to the fastest (rank order).
+
+    From the report's per-rank ``relative_speed`` (the planner's cost model for this model,
+    launch overheads included) when every rank has one; otherwise from the catalog's peak
+    FLOP/s ratio.
+    """
+    by_rank = {r.rank: r.relative_speed for r in plan.report.ranks}
+    if len(by_rank) == len(plan.ranks) and all(v > 0 for v in by_rank.values()):
+        return [by_rank[r.rank] / max(by_rank.values()) for r in plan.ranks]
+    peaks = [plan.device(r.device).peak_flops for r in plan.ranks]
+    return [peak / max(peaks) for peak in peaks]
+
+
+def device_stretch(plan: Plan, rank: int) -> float:
+    """How many times slower than the fastest device this rank's device runs (>= 1)."""
+    return 1.0 / rank_speeds(plan)[rank]
 
 
 def _emulated_links(
@@ -261,7 +273,7 @@ def build_rank(
     )
     stretch = 1.0
     if options.emulation is not None:
-        stretch = options.emulation.dilation * device_stretch(plan, rank_plan.device)
+        stretch = options.emulation.dilation * device_stretch(plan, rank_plan.rank)
     return RankState(
         plan, rank_plan, device, model_file, stage, params, optimizer, source, comm, [], stretch
     )

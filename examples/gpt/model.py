@@ -64,6 +64,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2 initialisation: weights N(0, 0.02), biases zero."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class GPT(nn.Module):
     def __init__(self, num_layers: int, width: int, num_heads: int, seq_len: int) -> None:
         super().__init__()
@@ -73,6 +81,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(width)
         self.lm_head = nn.Linear(width, VOCAB_SIZE, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied, as in GPT-2
+        self.apply(_init_weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.size(1), device=idx.device)

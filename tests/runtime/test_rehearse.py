@@ -18,11 +18,11 @@ from hplan.runtime.plan import Backend, Plan
 from hplan.runtime.rehearse import (
     RehearsalChildError,
     default_dilation,
-    device_speeds,
     link_time_scale,
     predicted_samples_per_s,
     rehearse,
 )
+from hplan.runtime.worker import rank_speeds
 from tests.fixtures.plans import (
     GPT_MODEL,
     NUMBERED_DATASET,
@@ -98,7 +98,7 @@ def test_two_different_gpt_replicas_equal_one_single_process_step(tmp_path: Path
 
 def test_dilation_fits_the_cpu_demand_of_all_ranks_into_the_cores() -> None:
     plan = _gpt_plan()
-    assert device_speeds(plan) == [1.0, 1.0, 0.5]
+    assert rank_speeds(plan) == [1.0, 1.0, 0.5]
     assert default_dilation(plan, 2, margin=1.0) == pytest.approx(2.5 / 2)
     assert default_dilation(plan, 16) == 1.0  # never faster than real time
     assert link_time_scale(plan, 2.0, 0.5) == 2.0  # placeholder report: dilation alone
