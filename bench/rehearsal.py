@@ -1,0 +1,75 @@
+"""Rehearsal benchmark: measured samples/s of hplan's plan against plain DDP, same emulation.
+
+Plans the GPT example for a cluster twice — hplan's layout, and equal-batch data parallel on
+every device (`--strategy ddp`, what DDP does) — then rehearses both on this machine with the
+same global time-dilation factor, one after the other in the same run, and prints measured
+(and predicted) samples/s side by side. Target (issue 2): >= 1.2x on mixed-3090-4090.
+
+    python bench/rehearsal.py [--cluster mixed-3090-4090] [--steps 20] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from common import CLUSTERS, GPT, HPLAN, console, solve, table
+
+from hplan.runtime.plan import Plan
+from hplan.runtime.rehearse import default_dilation
+
+
+def _rehearse(plan_path: Path, steps: int, dilation: float) -> dict:
+    cmd = [*HPLAN, "rehearse", str(plan_path), "--steps", str(steps), "--dilation", f"{dilation:.6g}", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"rehearsal of {plan_path} failed: {proc.stderr.strip().splitlines()[-1]}")
+    return json.loads(proc.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", default="mixed-3090-4090")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    cluster = CLUSTERS / f"{args.cluster}.yaml"
+    with tempfile.TemporaryDirectory() as tmp:
+        plans = {}
+        for strategy in ("hplan", "ddp"):
+            out = Path(tmp) / strategy
+            result = solve(GPT, cluster, out, env={}, args=["-b", str(args.batch), "--strategy", strategy])
+            if "error" in result:
+                raise SystemExit(f"{strategy}: {result['error']}")
+            plans[strategy] = out / "plan.json"
+        cores = len(os.sched_getaffinity(0))
+        dilation = max(default_dilation(Plan.from_json(p.read_text()), cores) for p in plans.values())
+        results = {name: _rehearse(path, args.steps, dilation) for name, path in plans.items()}
+    out = table(
+        f"rehearsal on {args.cluster}: GPT example, global batch {args.batch}, "
+        f"{args.steps} steps, dilation {dilation:.2f}",
+        ["plan", "ranks", "predicted samples/s", "measured samples/s", "measured / predicted"],
+    )
+    for name, res in results.items():
+        ranks = len(res["ranks"])
+        predicted = res["predicted_samples_per_s"]
+        measured = res["measured_samples_per_s"]
+        out.add_row(
+            name,
+            str(ranks),
+            "-" if predicted is None else f"{predicted:.1f}",
+            f"{measured:.1f}",
+            "-" if not predicted else f"{measured / predicted:.2f}",
+        )
+    console.print(out)
+    ratio = results["hplan"]["measured_samples_per_s"] / results["ddp"]["measured_samples_per_s"]
+    verdict = "ok" if ratio >= 1.2 else "BELOW 1.2x"
+    console.print(f"hplan / DDP measured samples/s: {ratio:.2f}x (target >= 1.2x): {verdict}")
+
+
+if __name__ == "__main__":
+    main()
