@@ -13,37 +13,49 @@ tried in this order when none is given:
    expanded), run eagerly as a chain; accepted only when the chain reproduces the eager
    forward on the example inputs.
 
-Forward parameters that the example does not feed are constants (their default, else
-None). Tracing runs user code; it never changes the model's buffers or the RNG state.
+Methods 2 and 3 live in ``trace_fallbacks.py``. Forward parameters that the example does
+not feed are constants (their default, else None). Tracing runs user code; it never
+changes the model's buffers or the RNG state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
-import io
-import logging
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from hplan.runtime.errors import ModelFileError, TraceError
 from hplan.runtime.plan import TraceMethod
+from hplan.runtime.trace_fallbacks import (
+    chain_paths,
+    export_graph,
+    module_chain,
+    outputs_match,
+    preserved,
+)
+
+__all__ = [
+    "CONTAINER_CLASSES",
+    "TracedModel",
+    "bind_inputs",
+    "outputs_match",
+    "repeated_containers",
+    "target_name",
+    "trace_model",
+]
 
 CONTAINER_CLASSES = frozenset(
     f"torch.nn.modules.container.{name}" for name in ("ModuleList", "Sequential", "ModuleDict")
 )
 _MAX_AUTO_LEAVES = 16
-_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _HPLAN_DIR = str(Path(__file__).resolve().parent)
 
@@ -199,14 +211,14 @@ def trace_model(
     failure = traced
     notes = [f"symbolic trace failed {failure.describe()}"]
     try:
-        gm = _export(context)
+        gm = export_graph(context.model, context.fed, context.constants)
     except Exception as exc:
         export_error = _one_line(exc)
     else:
         notes.append("used torch.export" + ("; LEAF_MODULES ignored by it" if leaves else ""))
         return context.finish(gm, TraceMethod.EXPORT, (), notes)
-    paths = _chain_paths(model)
-    chain = _module_chain(context, paths, reference)
+    paths = chain_paths(model)
+    chain = module_chain(model, context.fed, paths, reference)
     if chain is not None:
         notes.append(f"torch.export failed ({export_error}); ran child modules as a chain")
         return context.finish(chain, TraceMethod.MODULES, tuple(paths), notes)
@@ -305,21 +317,6 @@ def _resolve_leaves(model: nn.Module, leaf_modules: Sequence[str]) -> tuple[str,
     return tuple(dict.fromkeys(paths))
 
 
-@contextlib.contextmanager
-def _preserved(model: nn.Module) -> Iterator[None]:
-    """Run user code without leaving traces: buffers and RNG state are restored."""
-    saved = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            yield
-        finally:
-            buffers = dict(model.named_buffers())
-            with torch.no_grad():
-                for name, value in saved.items():
-                    buffers[name].copy_(value)
-
-
 def _user_location(exc: BaseException) -> str:
     """file:line (and the statement) of the innermost frame outside torch and hplan."""
     frames = [
@@ -342,7 +339,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _eager_reference(context: _Context) -> Any:
     try:
-        with _preserved(context.model), torch.no_grad():
+        with preserved(context.model), torch.no_grad():
             return context.model(**context.fed, **context.constants)
     except Exception as exc:
         const = [n for n, v in context.constants.items() if v is not None]
@@ -439,169 +436,6 @@ def _symbolic_auto(
     return failure
 
 
-# ----------------------------------------------------------------------- torch.export
-def _export(context: _Context) -> torch.fx.GraphModule:
-    model = context.model
-    signature = inspect.signature(model.forward).parameters
-    extra = {
-        name: value
-        for name, value in context.constants.items()
-        if value is not signature[name].default and value is not None
-    }
-    given = {**context.fed, **extra}
-    ordered = {name: given[name] for name in signature if name in given}
-    dim = torch.export.Dim.AUTO
-    dynamic = {
-        name: ({0: dim} if isinstance(v, torch.Tensor) and v.dim() >= 1 else None)
-        for name, v in ordered.items()
-    }
-    with _preserved(model), _quiet_export_logs():
-        program = torch.export.export(model, (), ordered, dynamic_shapes=dynamic, strict=False)
-    gm = program.module()
-    assert isinstance(gm, torch.fx.GraphModule)
-    _check_batch_dynamic(gm, list(ordered))
-    _drop_export_extras(gm, list(ordered), set(context.fed))
-    _devices_from_input(gm)
-    return gm
-
-
-def _devices_from_input(gm: torch.fx.GraphModule) -> None:
-    """Replace the device constants export bakes in (``arange(..., device=cpu)``) by the
-    device of the first graph input, so a stage moved to another device still runs."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    users = [n for n in gm.graph.nodes if n.op == "call_function" and _has_device(n)]
-    if not placeholders or not users:
-        return
-    with gm.graph.inserting_after(placeholders[-1]):
-        device = gm.graph.call_function(getattr, (placeholders[0], "device"))
-
-    def swap(value: Any) -> Any:
-        return device if isinstance(value, torch.device) else value
-
-    for node in users:
-        node.args = torch.fx.node.map_aggregate(node.args, swap)
-        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
-    gm.recompile()
-
-
-def _has_device(node: torch.fx.Node) -> bool:
-    values = pytree.tree_leaves((node.args, node.kwargs))
-    return any(isinstance(v, torch.device) for v in values)
-
-
-@contextlib.contextmanager
-def _quiet_export_logs() -> Iterator[None]:
-    """torch.export logs and prints (to stderr) whole graphs when it gives up; hplan
-    reports one line instead."""
-    loggers = [logging.getLogger(n) for n in _EXPORT_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
-def _check_batch_dynamic(gm: torch.fx.GraphModule, names: list[str]) -> None:
-    """Raise when export fixed the batch size (e.g. ``len(x)``): the graph would be wrong
-    for every other micro-batch size."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, name in zip(placeholders, names, strict=True):
-        value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            continue
-        if is_concrete_int(value.shape[0]):
-            raise RuntimeError(
-                f"torch.export fixed the batch size of input {name!r} to {int(value.shape[0])} "
-                "(a Python int from the batch dimension, e.g. len(x))"
-            )
-
-
-def _drop_export_extras(gm: torch.fx.GraphModule, names: list[str], fed: set[str]) -> None:
-    """Drop the input-guard call and the placeholders of specialised constants.
-
-    Args:
-        names: the forward parameter of each placeholder, in graph order.
-    """
-    for node in list(gm.graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn":
-            gm.graph.erase_node(node)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, name in zip(placeholders, names, strict=True):
-        if name in fed:
-            continue
-        if node.users:
-            raise TraceError(
-                f"torch.export kept constant input {name!r} as a graph input; "
-                "feed it as a tensor or leave it at its default"
-            )
-        gm.graph.erase_node(node)
-    gm.recompile()
-
-
-# ----------------------------------------------------------------------- module chain
-def _chain_paths(model: nn.Module) -> list[str]:
-    """Child module paths in registration order, containers expanded."""
-    paths: list[str] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}{name}"
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-                visit(f"{path}.", child)
-            else:
-                paths.append(path)
-
-    visit("", model)
-    return paths
-
-
-def _module_chain(
-    context: _Context, paths: Sequence[str], reference: Any
-) -> torch.fx.GraphModule | None:
-    """The chain graph, or None when it is empty, fails, or differs from ``reference``."""
-    if not paths:
-        return None
-    graph = torch.fx.Graph()
-    value: Any = tuple(graph.placeholder(name) for name in context.fed)
-    for path in paths:
-        args = value if isinstance(value, tuple) else (value,)
-        value = graph.call_module(path, args)
-    graph.output(value)
-    gm = torch.fx.GraphModule(context.model, graph, type(context.model).__name__)
-    if reference is None:
-        return gm
-    try:
-        with _preserved(context.model), torch.no_grad():
-            out = gm(*context.fed.values())
-    except Exception:
-        return None
-    return gm if outputs_match(out, reference) else None
-
-
-def outputs_match(a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
-    """Same pytree structure, close tensors, equal other leaves; meta tensors never match."""
-    flat_a, spec_a = pytree.tree_flatten(a)
-    flat_b, spec_b = pytree.tree_flatten(b)
-    if spec_a != spec_b:
-        return False
-    for x, y in zip(flat_a, flat_b, strict=True):
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return False
-        if not isinstance(x, torch.Tensor):
-            if x != y:
-                return False
-            continue
-        if x.is_meta or y.is_meta or x.shape != y.shape or x.dtype != y.dtype:
-            return False
-        if not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
-            return False
-    return True
-
-
 # ----------------------------------------------------------------------- given method
 def _trace_given(
     context: _Context, method: TraceMethod, leaves: tuple[str, ...]
@@ -610,7 +444,7 @@ def _trace_given(
         if method is TraceMethod.SYMBOLIC:
             return _symbolic(context, leaves), method, leaves, []
         if method is TraceMethod.EXPORT:
-            return _export(context), method, (), []
+            return export_graph(context.model, context.fed, context.constants), method, (), []
     except _SymbolicFailure as exc:
         raise TraceError(_given_message(method, exc.failure.describe())) from None
     except TraceError:
@@ -619,7 +453,7 @@ def _trace_given(
         raise TraceError(_given_message(method, _one_line(exc))) from None
     is_meta = any(getattr(v, "is_meta", False) for v in context.fed.values())
     reference = None if is_meta else _eager_reference(context)
-    chain = _module_chain(context, leaves, reference)
+    chain = module_chain(context.model, context.fed, leaves, reference)
     if chain is None:
         raise TraceError(_given_message(method, "the module chain differs from forward"))
     return chain, method, leaves, []
