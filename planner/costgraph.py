@@ -18,7 +18,7 @@ from hplan.planner.measure import NodeCost, measure_node_costs, one_line, tensor
 from hplan.planner.units import assign_units, module_path
 from hplan.runtime.errors import HplanError, ModelFileError
 from hplan.runtime.model_file import ModelFile
-from hplan.runtime.plan import InputSpec, TensorSpec, UnitSpec
+from hplan.runtime.plan import DTYPE_BYTES, InputSpec, TensorSpec, UnitSpec
 from hplan.runtime.stage import crossing_values, node_units, replicable_nodes
 from hplan.runtime.trace import TracedModel, bind_inputs, trace_model
 
@@ -65,38 +65,16 @@ class ModelGraph:
 
     def cut_bytes_per_sample(self, cut_idx: int) -> float:
         """Bytes per sample crossing cut ``cut_idx`` (batched tensors only), forward."""
-        return float(sum(_bytes_per_sample(t) for t in self.cuts[cut_idx]))
+        return float(sum(t.num_bytes(1) for t in self.cuts[cut_idx]))
 
     def cut_grad_bytes_per_sample(self, cut_idx: int) -> float:
         """Bytes per sample of gradients sent back across cut ``cut_idx``."""
-        return float(sum(_bytes_per_sample(t) for t in self.cuts[cut_idx] if t.requires_grad))
-
-
-_DTYPE_BYTES = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-    "complex64": 8,
-}
+        return float(sum(t.num_bytes(1) for t in self.cuts[cut_idx] if t.requires_grad))
 
 
 def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a torch dtype name (``float32`` -> 4)."""
-    return _DTYPE_BYTES[dtype]
-
-
-def _bytes_per_sample(spec: TensorSpec) -> float:
-    numel = 1
-    for dim in spec.shape:
-        numel *= dim
-    return float(numel * dtype_bytes(spec.dtype))
+    """Bytes per element of a torch dtype name (``float32`` -> 4; see ``plan.DTYPE_BYTES``)."""
+    return DTYPE_BYTES[dtype]
 
 
 # ----------------------------------------------------------------------- the builder

@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hplan.planner.quantities import BYTES_PER_GB, BYTES_PER_KB, BYTES_PER_MB, MS_PER_S
-from hplan.runtime.errors import ConfigError, PlanFileError
+from hplan.runtime.errors import ConfigError
 from hplan.runtime.plan import (
     BaselineReport,
     CutSpec,
@@ -38,11 +38,6 @@ TEXT_WIDTH = 100
 """Columns of the deterministic text view (``summary.txt``, ``hplan show``)."""
 
 _DECIMAL_UNITS = ((BYTES_PER_GB, "GB"), (BYTES_PER_MB, "MB"), (BYTES_PER_KB, "kB"))
-_DTYPE_BYTES = {  # bytes per element; torch-free so that a plan renders without torch
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
-    "float8_e5m2": 1, "complex64": 8, "complex128": 16, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-}  # fmt: skip
 _NUMBERED = re.compile(r"^(?P<prefix>.*)\.(?P<idx>\d+)$")
 
 
@@ -129,20 +124,9 @@ def boundary_bytes(cut: CutSpec, micro_batch_size: int) -> int:
     shape ``TensorSpec.shape_for(micro_batch_size)``.
 
     Raises:
-        PlanFileError: a tensor has a dtype this module does not know.
+        PlanFileError: a tensor has a dtype that ``plan.DTYPE_BYTES`` does not know.
     """
-    total_bytes = 0
-    for tensor in cut.tensors:
-        if tensor.dtype not in _DTYPE_BYTES:
-            raise PlanFileError(
-                f"boundary tensor {tensor.name!r} has unknown dtype {tensor.dtype!r}; "
-                f"expected one of {', '.join(sorted(_DTYPE_BYTES))}"
-            )
-        numel = 1
-        for dim in tensor.shape_for(micro_batch_size):
-            numel *= dim
-        total_bytes += numel * _DTYPE_BYTES[tensor.dtype]
-    return total_bytes
+    return sum(tensor.num_bytes(micro_batch_size) for tensor in cut.tensors)
 
 
 def _count(number: int, noun: str) -> str:

@@ -107,11 +107,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def spec_nbytes(spec: TensorSpec, micro_batch_size: int) -> int:
-    """Bytes of one boundary tensor for a micro-batch of ``micro_batch_size`` samples."""
-    numel = 1
-    for dim in spec.shape_for(micro_batch_size):
-        numel *= dim
-    return numel * torch_dtype(spec.dtype).itemsize
+    """Bytes of one boundary tensor for a micro-batch of ``micro_batch_size`` samples.
+
+    Raises:
+        PlanMismatchError: torch has no dtype of that name.
+        PlanFileError: ``plan.DTYPE_BYTES`` does not know the dtype.
+    """
+    torch_dtype(spec.dtype)
+    return spec.num_bytes(micro_batch_size)
 
 
 def to_wire(tensor: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ This module must not import torch: a plan can be read and shown anywhere.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
@@ -27,6 +28,14 @@ from hplan.runtime.errors import PlanFileError
 
 SCHEMA_VERSION = 1
 _STRICT = ConfigDict(extra="forbid")
+
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "complex64": 8, "complex128": 16, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
+"""Bytes per element of each torch dtype name a plan may carry (``float32`` -> 4); a plain
+table, so that a plan can be sized without torch."""
 
 
 class Schedule(StrEnum):
@@ -100,6 +109,21 @@ class TensorSpec:
         dims = list(self.shape)
         dims[self.batch_dim] *= micro_batch_size
         return tuple(dims)
+
+    def num_bytes(self, micro_batch_size: int) -> int:
+        """Bytes of this tensor for a micro-batch of ``micro_batch_size`` samples.
+
+        The element count of ``shape_for(micro_batch_size)`` times ``DTYPE_BYTES[dtype]``.
+
+        Raises:
+            PlanFileError: ``dtype`` is not a key of ``DTYPE_BYTES``.
+        """
+        if self.dtype not in DTYPE_BYTES:
+            raise PlanFileError(
+                f"boundary tensor {self.name!r} has unknown dtype {self.dtype!r}; "
+                f"expected one of {', '.join(sorted(DTYPE_BYTES))}"
+            )
+        return math.prod(self.shape_for(micro_batch_size)) * DTYPE_BYTES[self.dtype]
 
 
 @_frozen

@@ -17,11 +17,12 @@ from hplan.runtime.comm import (
     StageComm,
     check_boundary_tensors,
     from_wire,
+    spec_nbytes,
     to_wire,
     wire_buffer,
 )
-from hplan.runtime.errors import PlanMismatchError
-from hplan.runtime.plan import TensorSpec
+from hplan.runtime.errors import PlanFileError, PlanMismatchError
+from hplan.runtime.plan import DTYPE_BYTES, TensorSpec
 from hplan.runtime.rehearse import free_port
 
 HIDDEN = TensorSpec(name="h", shape=(1, 4, 3), dtype="float32", batch_dim=0, requires_grad=True)
@@ -83,6 +84,34 @@ def test_bytes_on_the_wire_rebuild_every_dtype_and_layout_exactly(mb_size: int) 
         received = from_wire(buffer, spec, mb_size)
         assert received.dtype == sent.dtype
         assert torch.equal(received, sent)
+
+
+def test_the_plan_dtype_table_agrees_with_torch_element_sizes() -> None:
+    for name, num_bytes in DTYPE_BYTES.items():
+        dtype = getattr(torch, name)
+        assert isinstance(dtype, torch.dtype), name
+        assert dtype.itemsize == num_bytes, name
+
+
+@pytest.mark.parametrize("mb_size", [1, 3])
+def test_num_bytes_is_the_byte_size_of_the_tensor_at_that_micro_batch_size(mb_size: int) -> None:
+    for spec in SPECS:
+        sent = _tensors(mb_size, 1)[spec.name]
+        assert spec.num_bytes(mb_size) == sent.numel() * sent.element_size()
+        assert spec_nbytes(spec, mb_size) == spec.num_bytes(mb_size)
+    assert TABLE.num_bytes(mb_size) == 5 * 4  # not batched: same size at every micro-batch
+
+
+def test_num_bytes_of_an_unknown_dtype_is_a_plan_file_error_naming_it() -> None:
+    odd = TensorSpec(name="odd", shape=(1, 2), dtype="float4", batch_dim=0, requires_grad=False)
+    with pytest.raises(PlanFileError, match=r"'odd'.*'float4'"):
+        odd.num_bytes(2)
+
+
+def test_a_dtype_torch_lacks_is_a_plan_mismatch_on_the_wire() -> None:
+    odd = TensorSpec(name="odd", shape=(1, 2), dtype="float4", batch_dim=0, requires_grad=False)
+    with pytest.raises(PlanMismatchError, match="'float4', which this torch does not have"):
+        wire_buffer(odd, 2, torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------- 2 processes
