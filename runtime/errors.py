@@ -72,3 +72,14 @@ class PeerFailureError(HplanError):
     """A peer rank died or stopped answering within the process-group timeout."""
 
     exit_code = 1
+
+
+class RehearsalChildError(HplanError):
+    """A rank of the rehearsal failed; carries that rank's one-line error and exit code.
+
+    Unlike the other errors, ``exit_code`` is set per instance: the failed rank's own.
+    """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from hplan.runtime.errors import ConfigError, HplanError, PeerFailureError
+from hplan.runtime.errors import ConfigError, PeerFailureError, RehearsalChildError
 from hplan.runtime.metrics import (
     RankSummary,
     StepMetrics,
@@ -66,14 +66,6 @@ DILATION_MARGIN = 1.25
 _POLL_S = 0.05
 _SETTLE_S = 2.0
 """How long to wait for a root cause once only consequences of a failure are seen."""
-
-
-class RehearsalChildError(HplanError):
-    """A rank of the rehearsal failed; carries that rank's one-line error and exit code."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from hplan.runtime.errors import PeerFailureError
+from hplan.runtime.errors import PeerFailureError, RehearsalChildError
 from hplan.runtime.plan import Backend, Plan
 from hplan.runtime.rehearse import (
-    RehearsalChildError,
     default_dilation,
     link_time_scale,
     predicted_samples_per_s,
