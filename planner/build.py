@@ -56,6 +56,28 @@ def build_plan(
     Raises:
         PlanFileError: the assembled plan is inconsistent (a bug upstream).
     """
+    ranks, cut_idx = _rank_plans(graph, cluster, device_names, layout)
+    unit_names = [u.name for u in graph.units]
+    cuts = tuple(CutSpec(after_unit=unit_names[i], tensors=graph.cuts[i]) for i in cut_idx)
+    plan = Plan(
+        model=model,
+        global_batch_size=global_batch_size,
+        units=graph.units,
+        cuts=cuts,
+        cluster=cluster,
+        training=training,
+        ranks=ranks,
+        report=report,
+    )
+    plan.verify()
+    return plan
+
+
+def _rank_plans(
+    graph: ModelGraph, cluster: ClusterSpec, device_names: tuple[str, ...], layout: Layout
+) -> tuple[tuple[RankPlan, ...], tuple[int, ...]]:
+    """Every stage of every replica as a rank (in cluster device order), and the sorted
+    indices of the cuts that fall between two stages."""
     unit_names = [u.name for u in graph.units]
     device_order = {d.name: i for i, d in enumerate(cluster.devices)}
     placed = []
@@ -87,16 +109,4 @@ def build_plan(
                 num_samples=replica.num_samples,
             )
         )
-    cuts = tuple(CutSpec(after_unit=unit_names[i], tensors=graph.cuts[i]) for i in sorted(cut_idx))
-    plan = Plan(
-        model=model,
-        global_batch_size=global_batch_size,
-        units=graph.units,
-        cuts=cuts,
-        cluster=cluster,
-        training=training,
-        ranks=tuple(ranks),
-        report=report,
-    )
-    plan.verify()
-    return plan
+    return tuple(ranks), tuple(sorted(cut_idx))

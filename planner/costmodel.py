@@ -252,9 +252,7 @@ def build_problem(
     """
     _check_global_batch(global_batch_size)
     sizes = _micro_batch_candidates(global_batch_size, micro_batch_sizes)
-    factor = optimizer_state_bytes_per_param_byte
-    if not (math.isfinite(factor) and factor >= 0):
-        raise ConfigError(f"optimizer state factor {factor!r} must be a finite number >= 0")
+    factor = _checked_optimizer_factor(optimizer_state_bytes_per_param_byte)
     source = time_source if time_source is not None else RooflineSource()
     costs = graph.unit_costs
     num_units = len(costs)
@@ -262,6 +260,7 @@ def build_problem(
     devices = cluster.devices
     fwd, bwd = _unit_time_arrays(source, devices, costs, sizes, graph.param_dtype)
     bandwidth, latency = _link_arrays(cluster)
+    cut_bytes, cut_grad_bytes = _cut_arrays(graph)
     problem = PlanningProblem(
         unit_names=tuple(u.name for u in graph.units),
         device_names=tuple(d.name for d in devices),
@@ -277,16 +276,28 @@ def build_problem(
         ),
         static_memory_bytes=_array([static_memory_bytes(c, factor) for c in costs]),
         activation_bytes_per_sample=_array([c.activation_bytes_per_sample for c in costs]),
-        cut_bytes_per_sample=_array([graph.cut_bytes_per_sample(i) for i in range(num_units - 1)]),
-        cut_grad_bytes_per_sample=_array(
-            [graph.cut_grad_bytes_per_sample(i) for i in range(num_units - 1)]
-        ),
+        cut_bytes_per_sample=cut_bytes,
+        cut_grad_bytes_per_sample=cut_grad_bytes,
         grad_bytes=_array([c.trainable_param_bytes for c in costs]),
         bandwidth_bytes_per_s=bandwidth,
         latency_s=latency,
     )
     problem.verify()
     return problem
+
+
+def _checked_optimizer_factor(factor: float) -> float:
+    if not (math.isfinite(factor) and factor >= 0):
+        raise ConfigError(f"optimizer state factor {factor!r} must be a finite number >= 0")
+    return factor
+
+
+def _cut_arrays(graph: ModelGraph) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample bytes crossing each cut: forward (activations), backward (gradients)."""
+    num_cuts = len(graph.unit_costs) - 1
+    forward = _array([graph.cut_bytes_per_sample(i) for i in range(num_cuts)])
+    backward = _array([graph.cut_grad_bytes_per_sample(i) for i in range(num_cuts)])
+    return forward, backward
 
 
 def _check_global_batch(global_batch_size: int) -> None:

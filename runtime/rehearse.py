@@ -363,10 +363,7 @@ def rehearse(
         PeerFailureError: the run exceeded ``timeout_s`` (every rank is killed).
         ModelFileError, ConfigError: bad inputs.
     """
-    if steps < 1:
-        raise ConfigError(f"steps is {steps}; rehearse at least one step")
-    if dilation is not None and dilation < 1:
-        raise ConfigError(f"dilation is {dilation}; it must be >= 1 (1 = real time)")
+    _check_options(steps, dilation)
     console = console or Console(stderr=True)
     model = str(model_path or plan.model.path)
     model_file = load_model_file(model)
@@ -401,6 +398,13 @@ def rehearse(
     )
     _print_result(result, console)
     return result
+
+
+def _check_options(steps: int, dilation: float | None) -> None:
+    if steps < 1:
+        raise ConfigError(f"steps is {steps}; rehearse at least one step")
+    if dilation is not None and dilation < 1:
+        raise ConfigError(f"dilation is {dilation}; it must be >= 1 (1 = real time)")
 
 
 def _print_result(result: RehearsalResult, console: Console) -> None:
