@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt" / "model.py"
 CLUSTERS = ROOT / "examples" / "clusters"
 HPLAN = [sys.executable, "-c", "from hplan.planner.cli import main; main()"]
-console = Console()
+console = Console(width=160)
 
 
 def gpt_env(*, layers: int, width: int, heads: int, seq: int) -> dict[str, str]:

@@ -12,6 +12,7 @@ parallel fits.
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -34,53 +35,56 @@ def _ratio(ours: float, other: float | None) -> str:
 
 
 def main() -> None:
-    out = table(
-        "hplan plan quality (predicted, same cost model)",
-        [
-            "cluster",
-            "model",
-            "hplan samples/s",
-            "vs DDP",
-            "vs uniform",
-            "efficiency",
-            "status",
-            "verdict",
-        ],
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=[64, 512], help="global batch sizes"
     )
-    for cluster, models in CLUSTER_MODELS.items():
-        for model in models:
-            with tempfile.TemporaryDirectory() as tmp:
-                result = solve(
-                    GPT,
-                    CLUSTERS / f"{cluster}.yaml",
-                    Path(tmp),
-                    env=MODELS[model],
-                    args=["-b", "64", "--time-limit", "60"],
-                )
-            if "error" in result:
-                out.add_row(cluster, model, "error", "-", "-", "-", "-", result["error"])
-                continue
-            report = result["report"]
-            ours = report["predicted_samples_per_s"]
-            base = {b["name"].split(",")[0]: b["samples_per_s"] for b in report["baselines"]}
-            ddp, uniform = base.get("data parallel"), base.get("uniform pipeline")
-            efficiency = report["efficiency"]
-            verdict = (
-                "n/a (DDP does not fit)"
-                if ddp is None
-                else ("ok" if efficiency >= 0.90 else "BELOW 0.90")
+    args = parser.parse_args()
+    columns = [
+        "cluster",
+        "model",
+        "batch",
+        "hplan samples/s",
+        "vs DDP",
+        "vs uniform",
+        "efficiency",
+        "status",
+        "verdict",
+    ]
+    out = table("hplan plan quality (predicted, same cost model)", columns)
+    rows = [(c, m, b) for c, models in CLUSTER_MODELS.items() for m in models for b in args.batch]
+    for cluster, model, batch in rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = solve(
+                GPT,
+                CLUSTERS / f"{cluster}.yaml",
+                Path(tmp),
+                env=MODELS[model],
+                args=["-b", str(batch), "--time-limit", "60"],
             )
-            out.add_row(
-                cluster,
-                model,
-                f"{ours:.1f}",
-                _ratio(ours, ddp),
-                _ratio(ours, uniform),
-                f"{efficiency:.2f}",
-                report["solver_status"],
-                verdict,
-            )
+        if "error" in result:
+            out.add_row(cluster, model, str(batch), "error", "-", "-", "-", "-", result["error"])
+            continue
+        out.add_row(cluster, model, str(batch), *_cells(result["report"]))
     console.print(out)
+
+
+def _cells(report: dict) -> list[str]:
+    ours = report["predicted_samples_per_s"]
+    base = {b["name"].split(",")[0]: b["samples_per_s"] for b in report["baselines"]}
+    ddp, uniform = base.get("data parallel"), base.get("uniform pipeline")
+    efficiency = report["efficiency"]
+    verdict = (
+        "n/a (DDP does not fit)" if ddp is None else "ok" if efficiency >= 0.9 else "BELOW 0.90"
+    )
+    return [
+        f"{ours:.1f}",
+        _ratio(ours, ddp),
+        _ratio(ours, uniform),
+        f"{efficiency:.2f}",
+        report["solver_status"],
+        verdict,
+    ]
 
 
 if __name__ == "__main__":

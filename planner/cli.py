@@ -257,6 +257,12 @@ def run(ctx: click.Context, plan_path: Path) -> None:
     help="Global time-dilation factor (default: chosen so the emulation fits this machine's cores).",
 )
 @click.option(
+    "--time-scale",
+    type=float,
+    help="Emulated seconds per second of the plan's hardware (default: from the dilation and "
+    "a CPU timing); give two rehearsals the same value to compare plans under one emulation.",
+)
+@click.option(
     "--timeout",
     "timeout_s",
     type=float,
@@ -272,6 +278,7 @@ def rehearse(
     verify: bool,
     metrics_dir: Path | None,
     dilation: float | None,
+    time_scale: float | None,
     timeout_s: float,
     as_json: bool,
 ) -> None:
@@ -288,6 +295,7 @@ def rehearse(
         verify=verify,
         metrics_dir=metrics_dir,
         dilation=dilation,
+        time_scale=time_scale,
         timeout_s=timeout_s,
     )
     if as_json:

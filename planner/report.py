@@ -41,18 +41,25 @@ def _rank_reports(
     problem: PlanningProblem, layout: Layout, result: SolveResult
 ) -> tuple[RankReport, ...]:
     ranks = rank_of_device(layout)
+    speed = {d: standalone_samples_per_s(problem, d) for d in layout.device_indices}
+    fastest = max(speed.values())
     reports = []
-    for replica_costs in result.evaluation.stages:
-        for cost in replica_costs:
+    for replica, replica_costs in zip(layout.replicas, result.evaluation.stages, strict=True):
+        for stage, cost in zip(replica.stages, replica_costs, strict=True):
+            device = stage.device_idx
+            units = slice(stage.unit_start, stage.unit_stop)
+            k = mbs_index(problem, replica.micro_batch_size)
             reports.append(
                 RankReport(
-                    rank=ranks[cost.device_idx],
+                    rank=ranks[device],
                     stage_time_per_microbatch_s=cost.compute_time_s + cost.link_time_s,
                     busy_time_s=cost.busy_time_s,
                     memory_bytes=round(cost.memory_bytes),
-                    memory_capacity_bytes=round(
-                        float(problem.memory_capacity_bytes[cost.device_idx])
-                    ),
+                    memory_capacity_bytes=round(float(problem.memory_capacity_bytes[device])),
+                    relative_speed=speed[device] / fastest if fastest > 0 else 1.0,
+                    forward_time_s=float(problem.fwd_time_s[device, units, k].sum()),
+                    backward_time_s=float(problem.bwd_time_s[device, units, k].sum()),
+                    optimizer_time_s=float(problem.optimizer_time_s[device, units].sum()),
                 )
             )
     return tuple(sorted(reports, key=lambda r: r.rank))

@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--dilation", type=float, help="emulation: global time-dilation factor")
     run.add_argument(
-        "--link-time-scale", type=float, help="emulation: emulated s per s of plan hardware"
+        "--time-scale", type=float, help="emulation: emulated s per s of plan hardware"
     )
     run.add_argument("--master-port", type=int, help="override the plan's master port")
     run.add_argument("--verify-dir", type=Path, help="dump grads and params after step one")
@@ -50,7 +50,7 @@ def _options(args: argparse.Namespace, plan: Plan) -> RunOptions:
     emulation = None
     if args.emulate:
         dilation = args.dilation or default_dilation(plan, len(os.sched_getaffinity(0)))
-        emulation = Emulation(dilation, args.link_time_scale or dilation)
+        emulation = Emulation(dilation, args.time_scale or dilation)
     return RunOptions(
         steps=args.steps,
         metrics_dir=args.metrics_dir,

@@ -10,8 +10,9 @@ steps.
 Memory strategy ``recompute``: the forward runs without autograd and keeps only its inputs;
 the backward re-runs it (same RNG state) with autograd, then backpropagates.
 
-Emulation: every forward and backward is stretched to ``stretch`` times its CPU time by
-sleeping after it (``RankState.stretch``; see ``_ComputeTimer``).
+Emulation (``RankState.compute``, see ``worker.ComputeEmulation``): every forward and
+backward either lasts ``stretch`` times its CPU time, or at least its modelled duration,
+by sleeping after it (``_ComputeTimer``); the optimizer step likewise.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class StepRunner:
         start_s = time.monotonic()
         self.state.optimizer.step()
         self.state.optimizer.zero_grad(set_to_none=True)
+        _sleep_until(start_s + self.state.compute.optimizer_s)
         self.times.optimizer_s = time.monotonic() - start_s
 
     def _run_action(self, action: Action) -> None:
@@ -132,7 +134,7 @@ class StepRunner:
         flight = _InFlight(received, inputs)
         if self.recompute:
             flight.rng_state = _rng_state(state.device)
-        with self._timed_compute(), torch.set_grad_enabled(not self.recompute):
+        with self._timed_compute(ActionKind.FORWARD), torch.set_grad_enabled(not self.recompute):
             outputs = state.stage(inputs, received)
             if state.stage.is_last:
                 flight.loss = self._loss(outputs, mb)
@@ -158,7 +160,7 @@ class StepRunner:
         state = self.state
         flight = self._flight.pop(mb.index)
         grads = state.comm.recv_grads(mb.index, mb.num_samples) if state.comm.next else {}
-        with self._timed_compute():
+        with self._timed_compute(ActionKind.BACKWARD):
             if self.recompute:
                 self._recompute(flight, mb)
             tensors, grad_tensors = self._backward_pairs(flight, grads)
@@ -190,21 +192,25 @@ class StepRunner:
         ]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
-    def _timed_compute(self) -> _ComputeTimer:
-        return _ComputeTimer(self)
+    def _timed_compute(self, kind: ActionKind) -> _ComputeTimer:
+        compute = self.state.compute
+        floor_s = compute.forward_s if kind is ActionKind.FORWARD else compute.backward_s
+        return _ComputeTimer(self, compute.stretch, floor_s)
 
 
 class _ComputeTimer:
-    """Context manager: adds the block's time to compute time and applies the stretch.
+    """Context manager: adds the block's time to compute time and applies the emulation.
 
-    The stretch is applied to the *CPU time* of the block (``time.thread_time``: torch runs
-    on the calling thread with one intra-op thread), not to its wall time: the block lasts
-    ``stretch * cpu_time`` in total, so that time lost to other processes on the machine
-    is not stretched as well.
+    The block lasts at least ``floor_s`` (modelled emulation) and at least ``stretch`` x
+    its *CPU time* (``time.thread_time``: torch runs on the calling thread with one
+    intra-op thread), so that time lost to other processes on the machine is not
+    stretched as well.
     """
 
-    def __init__(self, runner: StepRunner) -> None:
+    def __init__(self, runner: StepRunner, stretch: float, floor_s: float) -> None:
         self.runner = runner
+        self.stretch = stretch
+        self.floor_s = floor_s
         self.start_s = 0.0
         self.start_cpu_s = 0.0
 
@@ -213,13 +219,16 @@ class _ComputeTimer:
         self.start_cpu_s = time.thread_time()
 
     def __exit__(self, *exc: object) -> None:
-        stretch = self.runner.state.stretch
-        if stretch > 1.0 and exc[0] is None:
+        if exc[0] is None:
             cpu_s = time.thread_time() - self.start_cpu_s
-            remaining_s = stretch * cpu_s - (time.monotonic() - self.start_s)
-            if remaining_s > 0:
-                time.sleep(remaining_s)
+            _sleep_until(self.start_s + max(self.floor_s, self.stretch * cpu_s))
         self.runner.times.compute_s += time.monotonic() - self.start_s
+
+
+def _sleep_until(deadline_s: float) -> None:
+    remaining_s = deadline_s - time.monotonic()
+    if remaining_s > 0:
+        time.sleep(remaining_s)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -270,7 +270,14 @@ class RankReport:
     memory_capacity_bytes: int
     relative_speed: float = 1.0
     """This rank's device speed on this model relative to the plan's fastest device
-    (standalone samples/s ratio, 1.0 = fastest); rehearsal stretches compute by its inverse."""
+    (standalone samples/s ratio, 1.0 = fastest); rehearsal stretches CPU compute by its
+    inverse."""
+    forward_time_s: float = 0.0
+    """Predicted forward compute of one full micro-batch on this rank (0: not predicted)."""
+    backward_time_s: float = 0.0
+    """Predicted backward compute of one full micro-batch on this rank."""
+    optimizer_time_s: float = 0.0
+    """Predicted optimizer step of this rank's parameters."""
 
 
 @_frozen

@@ -4,9 +4,13 @@ Each rank runs ``python -m hplan.runtime run PLAN --rank R --emulate`` (gloo on 
 one thread), whatever the plan's device kinds. Emulation (see ``worker.py``, ``comm.py``,
 ``grad_sync.py``):
 
-- compute: each forward/backward is stretched to ``dilation / relative_speed`` times its
-  measured CPU time, where ``relative_speed`` is the rank's device speed on this model
-  relative to the plan's fastest device (``worker.rank_speeds``);
+- compute, cpu plans: each forward/backward is stretched to ``dilation / relative_speed``
+  times its measured CPU time, where ``relative_speed`` is the rank's device speed on this
+  model relative to the plan's fastest device (``worker.rank_speeds``);
+- compute, GPU plans: each forward, backward and optimizer step lasts at least ``scale``
+  times the planner's prediction for that rank (``worker.ComputeEmulation``): a CPU cannot
+  reproduce a GPU's speed curve, so the plan's hardware model is replayed and the runtime's
+  schedule, transfers and synchronisation are measured on top of it;
 - links: a point-to-point transfer reaches its receiver no sooner than
   ``scale * (latency + bytes / bandwidth)`` after it was sent; an all-reduce takes at least
   ``scale *`` the ring time over its group's slowest link;
@@ -58,7 +62,7 @@ from hplan.runtime.model_file import ModelFile, load_model_file
 from hplan.runtime.plan import Plan
 from hplan.runtime.trace import bind_inputs
 from hplan.runtime.verify import VERIFY_TOLERANCE, verify_first_step
-from hplan.runtime.worker import rank_speeds
+from hplan.runtime.worker import modelled_emulation, rank_speeds
 
 DILATION_MARGIN = 1.25
 """Head-room over the exact CPU demand (interpreter, communication threads, the parent)."""
@@ -79,7 +83,7 @@ class RehearsalResult:
     predicted_samples_per_s: float | None
     """Plan prediction in emulated units; None when the report has no reference time."""
     dilation: float
-    link_time_scale: float
+    time_scale: float
     cpu_time_per_sample_s: float
     """Forward + backward of one sample through the whole model here, on one thread."""
     max_relative_diff: float | None
@@ -101,7 +105,7 @@ def default_dilation(plan: Plan, num_cores: int, margin: float = DILATION_MARGIN
     return max(1.0, margin * sum(rank_speeds(plan)) / max(num_cores, 1))
 
 
-def link_time_scale(plan: Plan, dilation: float, cpu_time_per_sample_s: float) -> float:
+def default_time_scale(plan: Plan, dilation: float, cpu_time_per_sample_s: float) -> float:
     """Emulated seconds per second of plan hardware (``dilation`` alone without a reference)."""
     reference_s = plan.report.reference_time_per_sample_s
     if reference_s <= 0:
@@ -174,7 +178,7 @@ class _ChildCommand:
             sys.executable, "-m", "hplan.runtime", "run", str(self.plan_path),
             "--rank", str(rank), "--model", self.model, "--steps", str(self.steps),
             "--metrics-dir", str(self.metrics_dir), "--emulate",
-            "--dilation", repr(self.dilation), "--link-time-scale", repr(self.scale),
+            "--dilation", repr(self.dilation), "--time-scale", repr(self.scale),
             "--master-port", str(master_port),
         ]  # fmt: skip
         if self.verify_dir is not None:
@@ -344,6 +348,7 @@ def rehearse(
     verify: bool = False,
     metrics_dir: Path | None = None,
     dilation: float | None = None,
+    time_scale: float | None = None,
     timeout_s: float = 600.0,
     console: Console | None = None,
 ) -> RehearsalResult:
@@ -355,6 +360,9 @@ def rehearse(
         verify: also run the first step as one process and compare updated parameters.
         metrics_dir: where ranks write metrics and logs (default: a new temporary dir).
         dilation: global time-dilation factor (default: :func:`default_dilation`).
+        time_scale: emulated seconds per second of plan hardware (default:
+            :func:`default_time_scale`); give two rehearsals the same value to compare
+            plans under one emulation.
         timeout_s: the whole run is killed after this many seconds.
         console: where progress goes (default: rich on stderr).
 
@@ -363,7 +371,7 @@ def rehearse(
         PeerFailureError: the run exceeded ``timeout_s`` (every rank is killed).
         ModelFileError, ConfigError: bad inputs.
     """
-    _check_options(steps, dilation)
+    _check_options(steps, dilation, time_scale)
     console = console or Console(stderr=True)
     model = str(model_path or plan.model.path)
     model_file = load_model_file(model)
@@ -371,11 +379,12 @@ def rehearse(
     cores = len(os.sched_getaffinity(0))
     dilation = dilation or default_dilation(plan, cores)
     cpu_time_per_sample_s = measure_cpu_time_per_sample(model_file, plan)
-    scale = link_time_scale(plan, dilation, cpu_time_per_sample_s)
+    scale = time_scale or default_time_scale(plan, dilation, cpu_time_per_sample_s)
     predicted = predicted_samples_per_s(plan, scale)
     console.print(
         f"rehearsing {plan.world_size} ranks on {cores} cores: dilation {dilation:.2f}, "
-        f"1 s of plan hardware = {scale:.3g} s here"
+        f"1 s of plan hardware = {scale:.3g} s here, compute "
+        + ("replayed from the plan's model" if modelled_emulation(plan) else "stretched")
     )
     verify_dir = metrics_dir / "verify" if verify else None
     plan_path = _prepare_dir(metrics_dir, plan)
@@ -389,7 +398,7 @@ def rehearse(
         measured_samples_per_s=summary.samples_per_s,
         predicted_samples_per_s=predicted,
         dilation=dilation,
-        link_time_scale=scale,
+        time_scale=scale,
         cpu_time_per_sample_s=cpu_time_per_sample_s,
         max_relative_diff=diff,
         verify_passed=None if diff is None else diff <= VERIFY_TOLERANCE,
@@ -400,11 +409,13 @@ def rehearse(
     return result
 
 
-def _check_options(steps: int, dilation: float | None) -> None:
+def _check_options(steps: int, dilation: float | None, time_scale: float | None) -> None:
     if steps < 1:
         raise ConfigError(f"steps is {steps}; rehearse at least one step")
     if dilation is not None and dilation < 1:
         raise ConfigError(f"dilation is {dilation}; it must be >= 1 (1 = real time)")
+    if time_scale is not None and time_scale <= 0:
+        raise ConfigError(f"time scale is {time_scale}; it must be > 0 (emulated s per plan s)")
 
 
 def _print_result(result: RehearsalResult, console: Console) -> None:

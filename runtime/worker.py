@@ -35,7 +35,7 @@ from hplan.runtime.grad_sync import GradBucket, build_buckets
 from hplan.runtime.metrics import MetricsWriter, StepMetrics, peak_memory_bytes
 from hplan.runtime.model_file import ModelFile, load_model_file
 from hplan.runtime.pipeline import StepRunner, stage_label
-from hplan.runtime.plan import Plan, RankPlan, SyncMode
+from hplan.runtime.plan import Backend, Plan, RankPlan, SyncMode
 from hplan.runtime.stage import StageModule, build_stage
 from hplan.runtime.trace import TracedModel, bind_inputs, trace_model
 
@@ -46,8 +46,9 @@ class Emulation:
 
     dilation: float
     """Global time-dilation factor (>= 1) so that all ranks' CPU demand fits the cores."""
-    link_time_scale: float
-    """Emulated seconds per second of plan hardware, for links and all-reduce."""
+    time_scale: float
+    """Emulated seconds per second of plan hardware: links, all-reduce and, for GPU plans,
+    compute (see ComputeEmulation)."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ class RankState:
     source: BatchSource
     comm: StageComm
     buckets: list[GradBucket] = field(default_factory=list)
-    stretch: float = 1.0
-    """Compute stretch factor (1: no emulation)."""
+    compute: ComputeEmulation = field(default_factory=lambda: ComputeEmulation())
+    """How long compute lasts under emulation (no emulation by default)."""
 
 
 # --------------------------------------------------------------------------- process group
@@ -169,6 +170,51 @@ def device_stretch(plan: Plan, rank: int) -> float:
     return 1.0 / rank_speeds(plan)[rank]
 
 
+@dataclass(frozen=True)
+class ComputeEmulation:
+    """How long a rank's compute blocks last under emulation.
+
+    Two modes. *Stretch* (plans for cpu devices, gloo): each forward/backward lasts
+    ``stretch`` x its measured CPU time; the emulated device is a CPU, so its real compute
+    is the right model. *Modelled* (GPU plans, NCCL): each forward, backward and optimizer
+    step lasts at least ``time_scale`` x the planner's prediction for this rank
+    (``RankReport.forward_time_s`` ...). A CPU cannot show a GPU's behaviour (launch
+    overhead amortised by larger micro-batches, tensor-core peaks), so the plan's hardware
+    model is replayed and the runtime's schedule, transfers and synchronisation are
+    measured on top of it.
+    """
+
+    stretch: float = 1.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+
+
+def modelled_emulation(plan: Plan) -> bool:
+    """True for GPU plans whose report predicts every rank's compute (see ComputeEmulation)."""
+    ranks = plan.report.ranks
+    return (
+        plan.training.backend is Backend.NCCL
+        and len(ranks) == len(plan.ranks)
+        and all(r.forward_time_s > 0 and r.backward_time_s > 0 for r in ranks)
+    )
+
+
+def compute_emulation(plan: Plan, rank: int, emulation: Emulation | None) -> ComputeEmulation:
+    """This rank's compute emulation (none when not rehearsing)."""
+    if emulation is None:
+        return ComputeEmulation()
+    if not modelled_emulation(plan):
+        return ComputeEmulation(stretch=emulation.dilation * device_stretch(plan, rank))
+    report = next(r for r in plan.report.ranks if r.rank == rank)
+    scale = emulation.time_scale
+    return ComputeEmulation(
+        forward_s=scale * report.forward_time_s,
+        backward_s=scale * report.backward_time_s,
+        optimizer_s=scale * report.optimizer_time_s,
+    )
+
+
 def _emulated_links(
     plan: Plan, rank_plan: RankPlan, emulation: Emulation | None
 ) -> dict[int, EmulatedLink]:
@@ -180,7 +226,7 @@ def _emulated_links(
             continue
         spec = plan.link(rank_plan.device, plan.ranks[side.peer_rank].device)
         links[side.peer_rank] = EmulatedLink(
-            spec.latency_s, spec.bandwidth_bytes_per_s, emulation.link_time_scale
+            spec.latency_s, spec.bandwidth_bytes_per_s, emulation.time_scale
         )
     return links
 
@@ -271,11 +317,9 @@ def build_rank(
     comm = StageComm(
         rank, device, prev, next_, links=_emulated_links(plan, rank_plan, options.emulation)
     )
-    stretch = 1.0
-    if options.emulation is not None:
-        stretch = options.emulation.dilation * device_stretch(plan, rank_plan.rank)
+    compute = compute_emulation(plan, rank_plan.rank, options.emulation)
     return RankState(
-        plan, rank_plan, device, model_file, stage, params, optimizer, source, comm, [], stretch
+        plan, rank_plan, device, model_file, stage, params, optimizer, source, comm, [], compute
     )
 
 
@@ -332,7 +376,7 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
         raise ConfigError(f"--steps is {options.steps}; run at least one step")
     init_distributed(plan, rank, options)
     state = build_rank(plan, rank, model_path, options)
-    scale = options.emulation.link_time_scale if options.emulation else 0.0
+    scale = options.emulation.time_scale if options.emulation else 0.0
     state.buckets = build_buckets(plan, rank, state.params, time_scale=scale)
     first_step = 0
     if options.checkpoint_dir is not None:

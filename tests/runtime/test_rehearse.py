@@ -17,7 +17,7 @@ from hplan.runtime.errors import PeerFailureError, RehearsalChildError
 from hplan.runtime.plan import Backend, Plan
 from hplan.runtime.rehearse import (
     default_dilation,
-    link_time_scale,
+    default_time_scale,
     predicted_samples_per_s,
     rehearse,
 )
@@ -88,7 +88,7 @@ def test_two_different_gpt_replicas_equal_one_single_process_step(tmp_path: Path
     assert result.measured_samples_per_s > 0
     # emulated prediction: global batch / (predicted step time * emulated s per plan s)
     scale = result.dilation * result.cpu_time_per_sample_s / 1e-4
-    assert result.link_time_scale == pytest.approx(scale)
+    assert result.time_scale == pytest.approx(scale)
     assert result.predicted_samples_per_s == pytest.approx(8 / (0.01 * scale))
     text = out.getvalue()
     assert "step 1: loss" in text and "predicted:" in text and "verify:" in text
@@ -100,7 +100,7 @@ def test_dilation_fits_the_cpu_demand_of_all_ranks_into_the_cores() -> None:
     assert rank_speeds(plan) == [1.0, 1.0, 0.5]
     assert default_dilation(plan, 2, margin=1.0) == pytest.approx(2.5 / 2)
     assert default_dilation(plan, 16) == 1.0  # never faster than real time
-    assert link_time_scale(plan, 2.0, 0.5) == 2.0  # placeholder report: dilation alone
+    assert default_time_scale(plan, 2.0, 0.5) == 2.0  # placeholder report: dilation alone
     assert predicted_samples_per_s(plan, 2.0) is None
 
 

@@ -1,0 +1,60 @@
+"""Rehearsal emulation: GPU plans replay the planner's compute model; cpu plans stretch real compute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hplan.planner.api import SolveRequest, plan_training
+from hplan.runtime.rehearse import rehearse
+from hplan.runtime.worker import Emulation, compute_emulation, modelled_emulation, rank_speeds
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT = ROOT / "examples" / "gpt" / "model.py"
+CLUSTERS = ROOT / "examples" / "clusters"
+
+
+def _plan(cluster: str, batch: int):
+    request = SolveRequest(
+        model_path=GPT, cluster_path=CLUSTERS / f"{cluster}.yaml", global_batch_size=batch
+    )
+    return plan_training(request).plan
+
+
+def test_gpu_plan_replays_the_predicted_forward_backward_and_optimizer_times():
+    plan = _plan("mixed-3090-4090", 32)
+    assert modelled_emulation(plan)
+    for report in plan.report.ranks:
+        emulated = compute_emulation(plan, report.rank, Emulation(dilation=2.0, time_scale=30.0))
+        assert emulated.forward_s == pytest.approx(30.0 * report.forward_time_s)
+        assert emulated.backward_s == pytest.approx(30.0 * report.backward_time_s)
+        assert emulated.optimizer_s == pytest.approx(30.0 * report.optimizer_time_s)
+        assert emulated.backward_s > emulated.forward_s > 0
+    assert compute_emulation(plan, 0, None).forward_s == 0.0  # not rehearsing: no emulation
+
+
+def test_cpu_plan_stretches_real_compute_by_the_planned_relative_speed():
+    plan = _plan("cpu-rehearsal", 16)
+    assert not modelled_emulation(plan)
+    speeds = rank_speeds(plan)
+    assert max(speeds) == 1.0
+    for rank in plan.ranks:
+        emulated = compute_emulation(plan, rank.rank, Emulation(dilation=2.0, time_scale=5.0))
+        assert emulated.stretch == pytest.approx(2.0 / speeds[rank.rank])
+        assert emulated.forward_s == 0.0
+
+
+def test_rehearsed_gpu_plan_spends_at_least_the_modelled_compute_time(tmp_path):
+    plan = _plan("mixed-3090-4090", 16)
+    scale = 200.0  # emulated seconds per plan second: long enough to dominate the CPU work
+    result = rehearse(plan, steps=2, metrics_dir=tmp_path, time_scale=scale, timeout_s=240)
+    for summary in result.ranks:
+        report = next(r for r in plan.report.ranks if r.rank == summary.rank)
+        rank = plan.ranks[summary.rank]
+        floor_s = scale * (report.forward_time_s + report.backward_time_s) * rank.num_microbatches
+        assert summary.compute_time_s >= floor_s
+        assert summary.optimizer_time_s >= scale * report.optimizer_time_s
+    assert result.predicted_samples_per_s == pytest.approx(
+        plan.global_batch_size / (plan.report.predicted_step_time_s * scale)
+    )
