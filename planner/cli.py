@@ -24,16 +24,6 @@ from hplan.runtime.plan import Plan, Schedule
 stderr = Console(stderr=True, highlight=False)
 
 
-def _load_plan(path: Path) -> Plan:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot read plan {str(path)!r} ({exc.strerror}); check the path"
-        ) from None
-    return Plan.from_json(text)
-
-
 def _sizes(text: str | None) -> tuple[int, ...] | None:
     if not text:
         return None
@@ -212,7 +202,7 @@ def show(plan_path: Path, fmt: str) -> None:
     """Show a plan: devices, stages, units, batch shares, predicted time and memory."""
     from hplan.planner.render import print_text, render_dot, render_json, wide_console
 
-    plan = _load_plan(plan_path)
+    plan = Plan.load(plan_path)
     if fmt == "text":
         print_text(plan, wide_console(stderr=False))
     elif fmt == "json":
@@ -287,7 +277,7 @@ def rehearse(
 
     if steps < 1:
         raise ConfigError(f"--steps {steps} must be >= 1")
-    plan = _load_plan(plan_path)
+    plan = Plan.load(plan_path)
     result = run_rehearsal(
         plan,
         model_path=str(model_path) if model_path else None,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hplan.runtime.errors import ConfigError, HplanError
+from hplan.runtime.errors import HplanError
 from hplan.runtime.plan import Plan
 from hplan.runtime.worker import Emulation, RunOptions, resolve_rank, run_rank
 
@@ -64,16 +64,6 @@ def _options(args: argparse.Namespace, plan: Plan) -> RunOptions:
     )
 
 
-def _load_plan(path: Path) -> Plan:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot read plan {str(path)!r} ({exc.strerror}); check the path"
-        ) from None
-    return Plan.from_json(text)
-
-
 def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     if args.emulate:
         torch.set_num_threads(1)
@@ -85,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     where = f" (node {args.node})" if args.node else ""
     try:
-        plan = _load_plan(args.plan)
+        plan = Plan.load(args.plan)
         local_rank = os.environ.get("LOCAL_RANK")
         rank = resolve_rank(plan, rank=args.rank, node=args.node, local_rank=local_rank)
         where = f" (rank {rank})"

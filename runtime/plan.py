@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
@@ -386,6 +387,21 @@ class Plan:
         """Deterministic JSON text (2-space indent, field order as declared, newline at end)."""
         data = _adapter().dump_python(self, mode="json")
         return json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        """Read and validate ``plan.json``.
+
+        Raises:
+            PlanFileError: unreadable file, or see :meth:`from_json`.
+        """
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PlanFileError(
+                f"cannot read plan {str(path)!r} ({exc.strerror}); check the path"
+            ) from None
+        return Plan.from_json(text)
 
     @staticmethod
     def from_json(text: str) -> Plan:

@@ -196,3 +196,24 @@ def test_console_script_reports_version_and_help():
     exe = Path(sys.executable).with_name("hplan")
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True)
     assert "solve" in out.stdout and "rehearse" in out.stdout
+
+
+def test_rehearse_verifies_a_plan_of_replicas_with_different_shares_and_splits(tmp_path, capsys):
+    cluster = CLUSTERS / "cpu-small-memory.yaml"
+    code, _, err = _run(
+        ["solve", str(GPT), "--cluster", str(cluster), "-o", str(tmp_path), "-b", "32"], capsys
+    )
+    assert code == 0, err
+    plan = Plan.from_json((tmp_path / "plan.json").read_text())
+    replicas = [plan.replica_ranks(r) for r in range(plan.num_replicas)]
+    assert len({r[0].num_samples for r in replicas}) >= 2
+    assert len({tuple(len(rank.units) for rank in r) for r in replicas}) >= 2
+    assert max(len(r) for r in replicas) >= 2
+    code, out, err = _run(
+        ["rehearse", str(tmp_path / "plan.json"), "--steps", "3", "--verify", "--json"], capsys
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["verify_passed"] is True
+    assert result["max_relative_diff"] <= 1e-4
+    assert len(result["losses"]) == 3

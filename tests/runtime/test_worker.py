@@ -286,4 +286,4 @@ def test_the_entry_point_turns_errors_into_one_line_and_an_exit_code(
     code = main(["run", str(tmp_path / "missing.json"), "--rank", "0"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.count("\n") == 1 and "ConfigError: cannot read plan" in err
+    assert err.count("\n") == 1 and "PlanFileError: cannot read plan" in err
