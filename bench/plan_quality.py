@@ -16,14 +16,25 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from common import CLUSTERS, GPT, console, gpt_env, solve, table
+from common import CLUSTERS, GPT, console, gpt_env, solve, table, write_cluster
 
 MODELS = {
     "gpt 4x64 (demo)": gpt_env(layers=4, width=64, heads=4, seq=64),
     "gpt 12x768 (124M-class)": gpt_env(layers=12, width=768, heads=12, seq=1024),
     "gpt 24x1024 (350M-class)": gpt_env(layers=24, width=1024, heads=16, seq=1024),
 }
+ONE_BOX = """\
+name: one-box
+nodes:
+  - name: box
+    host: 10.0.0.1
+    devices: [{type: rtx4090, count: 2}, {type: rtx3090, count: 2}]
+"""
+"""A mixed box whose GPUs share PCIe: data parallel fits and links are fast, so hplan's plan
+should come close to the physical bound here."""
+
 CLUSTER_MODELS = {
+    "one-box": ["gpt 12x768 (124M-class)"],
     "mixed-3090-4090": ["gpt 12x768 (124M-class)", "gpt 24x1024 (350M-class)"],
     "two-site": ["gpt 12x768 (124M-class)", "gpt 24x1024 (350M-class)"],
     "cpu-rehearsal": ["gpt 4x64 (demo)"],
@@ -55,9 +66,10 @@ def main() -> None:
     rows = [(c, m, b) for c, models in CLUSTER_MODELS.items() for m in models for b in args.batch]
     for cluster, model, batch in rows:
         with tempfile.TemporaryDirectory() as tmp:
+            path = write_cluster(ONE_BOX) if cluster == "one-box" else CLUSTERS / f"{cluster}.yaml"
             result = solve(
                 GPT,
-                CLUSTERS / f"{cluster}.yaml",
+                path,
                 Path(tmp),
                 env=MODELS[model],
                 args=["-b", str(batch), "--time-limit", "60"],
