@@ -7,6 +7,7 @@ The CLI calls ``plan_training`` and ``hplan.planner.emit.emit``; nothing else pl
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ class SolveRequest:
     leaf_modules: tuple[str, ...] = ()
     strategy: Strategy = Strategy.HPLAN
     """``hplan`` solves; the others emit a baseline layout (for side-by-side runs)."""
+    out_dir: Path | None = None
+    """Where plan.json will be written: the plan records the model path relative to it
+    (the runtime resolves it against plan.json's folder). None: record it as given."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,11 @@ def plan_training(
     report = build_report(problem, result, cost_source=source.name, notes=graph.notes)
     plan = build_plan(
         graph=graph,
-        model=model_spec(graph, path=str(request.model_path), sha256=model_file.sha256),
+        model=model_spec(
+            graph,
+            path=recorded_model_path(request.model_path, request.out_dir),
+            sha256=model_file.sha256,
+        ),
         cluster=to_cluster_spec(cluster, graph.param_dtype),
         device_names=problem.device_names,
         layout=result.layout,
@@ -115,6 +123,20 @@ def plan_training(
         training=_training_spec(request, cluster, result),
     )
     return PlanningOutcome(plan, graph, problem, result, solve_time_s)
+
+
+def recorded_model_path(model_path: Path, out_dir: Path | None) -> str:
+    """The model path a plan records: relative to ``out_dir`` (POSIX separators).
+
+    ``examples/gpt/model.py`` planned into ``out/demo`` -> ``../../examples/gpt/model.py``,
+    whatever the current directory, so the same inputs give the same plan bytes and the
+    runtime finds the file from plan.json's folder. Symbolic links in the folders are
+    resolved; the file name is kept. ``out_dir`` None: the path as given.
+    """
+    if out_dir is None:
+        return model_path.as_posix()
+    model_abs = model_path.absolute().parent.resolve() / model_path.name
+    return Path(os.path.relpath(model_abs, out_dir.absolute().resolve())).as_posix()
 
 
 def _decide(problem: PlanningProblem, request: SolveRequest) -> SolveResult:

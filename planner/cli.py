@@ -164,6 +164,7 @@ def solve(
         master_port=master_port,
         leaf_modules=leaf_modules,
         strategy=Strategy(strategy),
+        out_dir=out_dir,
     )
     with stderr.status("planning...") as status:
         outcome = plan_training(request, progress=lambda msg: status.update(f"{msg}..."))
@@ -273,6 +274,7 @@ def rehearse(
     as_json: bool,
 ) -> None:
     """Run every rank of a plan on this machine (CPU, gloo), emulating its hardware."""
+    from hplan.runtime.model_file import plan_model_path
     from hplan.runtime.rehearse import rehearse as run_rehearsal
 
     if steps < 1:
@@ -280,7 +282,7 @@ def rehearse(
     plan = Plan.load(plan_path)
     result = run_rehearsal(
         plan,
-        model_path=str(model_path) if model_path else None,
+        model_path=plan_model_path(plan.model.path, plan_path, model_path),
         steps=steps,
         verify=verify,
         metrics_dir=metrics_dir,

@@ -3,20 +3,33 @@
 Thin: parse the options, load the plan, find this process's rank, call
 :func:`hplan.runtime.worker.run_rank`. An hplan error ends the process with one line on
 stderr and the error class's exit code (no traceback).
+
+The node comes from ``--node`` or the ``HPLAN_NODE`` environment variable (the launch
+scripts export it: under torchrun an option spelled ``--node`` would be taken for an
+abbreviation of torchrun's ``--node-rank``). torch's C++ warnings (``TORCH_CPP_LOG_LEVEL``)
+are limited to errors unless the user set the variable: a rank that waits for its peers
+would otherwise print a stack trace per connection retry.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
 
-import torch
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from hplan.runtime.errors import HplanError
+import torch  # after TORCH_CPP_LOG_LEVEL: torch reads it when it loads
+
+from hplan.runtime.errors import ConfigError, HplanError
+from hplan.runtime.model_file import plan_model_path
 from hplan.runtime.plan import Plan
 from hplan.runtime.worker import Emulation, RunOptions, resolve_rank, run_rank
+
+NODE_ENV = "HPLAN_NODE"
+"""Environment variable naming this node when ``--node`` is not given."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,8 +37,15 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run this process's rank of a plan")
     run.add_argument("plan", type=Path, help="plan.json")
-    run.add_argument("--model", help="model.py (default: the path recorded in the plan)")
-    run.add_argument("--node", help="this node's name in the plan (rank from LOCAL_RANK)")
+    run.add_argument(
+        "--model",
+        help="model.py (default: the path recorded in the plan, relative to plan.json's folder)",
+    )
+    run.add_argument(
+        "--node",
+        default=os.environ.get(NODE_ENV) or None,
+        help=f"this node's name in the plan, rank from LOCAL_RANK (default: ${NODE_ENV})",
+    )
     run.add_argument("--rank", type=int, help="plan rank (instead of --node)")
     run.add_argument("--steps", type=int, default=1, help="optimizer steps to run")
     run.add_argument("--metrics-dir", type=Path, help="write rank-<r>.jsonl here")
@@ -44,9 +64,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Reject option values that cannot mean anything (NaN, infinities, out of range)."""
+    if args.dilation is not None and not (math.isfinite(args.dilation) and args.dilation >= 1):
+        raise ConfigError(f"--dilation {args.dilation} must be a finite number >= 1")
+    if args.time_scale is not None and not (math.isfinite(args.time_scale) and args.time_scale > 0):
+        raise ConfigError(f"--time-scale {args.time_scale} must be a finite number > 0")
+    if args.master_port is not None and not 1 <= args.master_port <= 65534:
+        raise ConfigError(f"--master-port {args.master_port} must be in 1..65534")
+
+
 def _options(args: argparse.Namespace, plan: Plan) -> RunOptions:
     from hplan.runtime.rehearse import default_dilation
 
+    _check_numbers(args)
     emulation = None
     if args.emulate:
         dilation = args.dilation or default_dilation(plan, len(os.sched_getaffinity(0)))
@@ -67,7 +98,8 @@ def _options(args: argparse.Namespace, plan: Plan) -> RunOptions:
 def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     if args.emulate:
         torch.set_num_threads(1)
-    run_rank(plan, rank, args.model, _options(args, plan))
+    model = plan_model_path(plan.model.path, args.plan, args.model)
+    run_rank(plan, rank, model, _options(args, plan))
 
 
 def main(argv: list[str] | None = None) -> int:

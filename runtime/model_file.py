@@ -58,6 +58,10 @@ def load_model_file(path: str | Path) -> ModelFile:
             exception and the line in the file), or lacks a required function.
     """
     file = Path(path)
+    if file.is_dir():
+        raise ModelFileError(
+            f"model file {str(path)!r} is a directory; pass the path to the model.py inside it"
+        )
     if not file.is_file():
         raise ModelFileError(f"model file {str(path)!r} does not exist; pass a path to model.py")
     text = file.read_bytes()
@@ -86,6 +90,31 @@ def load_model_file(path: str | Path) -> ModelFile:
         dataset=_optional(module, "dataset"),
         leaf_modules=tuple(leaves),
     )
+
+
+def plan_model_path(
+    recorded: str, plan_path: str | Path, override: str | Path | None = None
+) -> Path:
+    """The model file to run a plan with: ``override`` if given, else the plan's own.
+
+    ``hplan solve`` records the model path relative to the folder it writes plan.json to,
+    so a relative ``recorded`` path is taken relative to ``plan_path``'s folder (wherever
+    the command runs from); an absolute one is used as it is.
+
+    Raises:
+        ModelFileError: the resulting file does not exist (naming ``--model``).
+    """
+    if override is not None:
+        return Path(override)
+    path = Path(recorded)
+    if not path.is_absolute():
+        path = Path(plan_path).parent / path
+    if not path.is_file():
+        raise ModelFileError(
+            f"model file {recorded!r} recorded in {str(plan_path)!r} is not at {str(path)!r}; "
+            "copy model.py there or pass --model PATH"
+        )
+    return path
 
 
 def _optional(module: Any, name: str) -> Callable[..., Any] | None:

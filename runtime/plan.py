@@ -162,7 +162,8 @@ class ModelSpec:
     """Which model the plan is for, and how to rebuild its graph."""
 
     path: str
-    """model.py path as given to ``hplan solve``; ``hplan run --model`` overrides it."""
+    """model.py path; ``hplan solve`` writes it relative to the folder of plan.json, and a
+    relative path is read relative to that folder. ``--model`` overrides it."""
     sha256: str
     """Digest of model.py at solve time; a different file only warns."""
     trace_method: TraceMethod

@@ -30,7 +30,13 @@ from torch import Tensor, nn
 from hplan.runtime.checkpoint import load_checkpoint, save_checkpoint
 from hplan.runtime.comm import Boundary, EmulatedLink, StageComm, error_reason
 from hplan.runtime.data import BatchSource, Binder
-from hplan.runtime.errors import ConfigError, ModelFileError, PeerFailureError, PlanMismatchError
+from hplan.runtime.errors import (
+    ConfigError,
+    EnvironmentProblemError,
+    ModelFileError,
+    PeerFailureError,
+    PlanMismatchError,
+)
 from hplan.runtime.grad_sync import GradBucket, build_buckets
 from hplan.runtime.metrics import MetricsWriter, StepMetrics, peak_memory_bytes
 from hplan.runtime.model_file import ModelFile, load_model_file
@@ -88,28 +94,48 @@ class RankState:
 
 # --------------------------------------------------------------------------- process group
 def init_distributed(plan: Plan, rank: int, options: RunOptions) -> None:
-    """Join the world: ``tcp://<master_host>:<master_port + 1>`` with the plan's timeout.
+    """Join the world through a TCP store at ``<master_host>:<master_port + 1>``.
 
-    ``master_port + 1`` because torchrun's own rendezvous store listens on ``master_port``.
+    Rank 0 hosts the store, the others connect to it, everyone within the plan's timeout.
+    ``master_port + 1`` because torchrun's own rendezvous store listens on ``master_port``;
+    the store is made here (not by ``init_method="tcp://..."``) because under torchrun
+    that would look for torchrun's agent store instead (``TORCHELASTIC_USE_AGENT_STORE``)
+    and every rank would wait for a server that never starts.
 
     Raises:
         PeerFailureError: the other ranks did not join within the timeout.
     """
     training = plan.training
     host = options.master_host or training.master_host
-    port = options.master_port if options.master_port is not None else training.master_port
-    backend = options.backend or training.backend.value
+    port = (options.master_port if options.master_port is not None else training.master_port) + 1
+    timeout = timedelta(seconds=training.process_group_timeout_s)
+    if plan.world_size > 1:
+        peers = plan.world_size - 1
+        print(
+            f"hplan: rank {rank} waiting for {peers} peer{'s' if peers > 1 else ''} at "
+            f"{host}:{port} (timeout {training.process_group_timeout_s:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
+        store = dist.TCPStore(
+            host,
+            port,
+            plan.world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
         dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{host}:{port + 1}",
+            backend=options.backend or training.backend.value,
+            store=store,
             rank=rank,
             world_size=plan.world_size,
-            timeout=timedelta(seconds=training.process_group_timeout_s),
+            timeout=timeout,
         )
     except (RuntimeError, TimeoutError) as exc:
         raise PeerFailureError(
-            f"rank {rank} could not join the {plan.world_size}-rank job at {host}:{port + 1}: "
+            f"rank {rank} could not join the {plan.world_size}-rank job at {host}:{port}: "
             f"{error_reason(exc)}; check that every node started and that the port is reachable"
         ) from None
 
@@ -118,7 +144,7 @@ def rank_device(plan: Plan, rank_plan: RankPlan, override: str | None) -> torch.
     """``cuda:<local_index>`` for GPU kinds, ``cpu`` for kind ``cpu`` (or ``override``).
 
     Raises:
-        ConfigError: the plan wants a GPU that this machine does not have.
+        EnvironmentProblemError: the plan wants a GPU that this machine does not have.
     """
     if override is not None:
         return torch.device(override)
@@ -126,7 +152,7 @@ def rank_device(plan: Plan, rank_plan: RankPlan, override: str | None) -> torch.
     if spec.kind == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available() or spec.local_index >= torch.cuda.device_count():
-        raise ConfigError(
+        raise EnvironmentProblemError(
             f"rank {rank_plan.rank} needs GPU {spec.local_index} ({spec.kind}) on node "
             f"{rank_plan.node}, but torch sees {torch.cuda.device_count()} GPUs; check "
             "CUDA_VISIBLE_DEVICES or run `hplan rehearse` to run on CPU"
@@ -136,6 +162,22 @@ def rank_device(plan: Plan, rank_plan: RankPlan, override: str | None) -> torch.
 
 
 # --------------------------------------------------------------------------- building
+def check_environment(plan: Plan, rank: int, options: RunOptions) -> None:
+    """Check, before joining the job, that this machine can run ``rank`` of the plan.
+
+    Raises:
+        EnvironmentProblemError: the plan needs NCCL or a GPU that this machine lacks.
+    """
+    backend = options.backend or plan.training.backend.value
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise EnvironmentProblemError(
+            f"the plan runs on NCCL (GPUs), but torch here has "
+            f"{'no CUDA device' if not torch.cuda.is_available() else 'no NCCL'}; run it on "
+            "the plan's GPU nodes, or run `hplan rehearse` to try it on CPU"
+        )
+    rank_device(plan, plan.ranks[rank], options.device)
+
+
 def _boundaries(plan: Plan, rank_plan: RankPlan) -> tuple[Boundary | None, Boundary | None]:
     replica = plan.replica_ranks(rank_plan.replica)
     unit_names = [u.name for u in plan.units]
@@ -245,12 +287,6 @@ def _retrace(plan: Plan, model_file: ModelFile) -> tuple[TracedModel, Binder]:
         ModelFileError: ``build_model`` raises.
         PlanMismatchError: an input the plan feeds is missing, or the graph differs.
     """
-    if model_file.sha256 != plan.model.sha256:
-        print(
-            f"hplan: warning: {model_file.path} differs from the file the plan was made for; "
-            "the graph fingerprint is checked next",
-            file=sys.stderr,
-        )
     torch.manual_seed(plan.training.seed)
     try:
         model = model_file.build_model()
@@ -282,8 +318,8 @@ def build_rank(
         ModelFileError: the model file cannot be loaded.
         PlanMismatchError: the re-traced graph differs from the plan's fingerprint, or the
             stage's parameters differ from the plan's.
-        ConfigError: the plan asks for a GPU this machine lacks, or for a sync mode this
-            runtime does not implement.
+        ConfigError: the plan asks for a sync mode this runtime does not implement.
+        EnvironmentProblemError: the plan asks for a GPU this machine lacks.
     """
     rank_plan = plan.ranks[rank]
     if plan.training.sync_mode is not SyncMode.ALL_REDUCE:
@@ -293,6 +329,8 @@ def build_rank(
         )
     model_file = load_model_file(model_path or plan.model.path)
     device = rank_device(plan, rank_plan, options.device)
+    if options.emulation is None and rank_plan.local_rank == 0:
+        warn_if_model_changed(plan, model_file)
     traced, binder = _retrace(plan, model_file)
     prev, next_ = _boundaries(plan, rank_plan)
     stage = build_stage(
@@ -320,6 +358,23 @@ def build_rank(
     compute = compute_emulation(plan, rank_plan.rank, options.emulation)
     return RankState(
         plan, rank_plan, device, model_file, stage, params, optimizer, source, comm, [], compute
+    )
+
+
+def warn_if_model_changed(plan: Plan, model_file: ModelFile) -> None:
+    """One warning line on stderr when model.py is not the file the plan was made for.
+
+    Not an error: an edit that leaves the graph alone (a new data path, a comment) is fine,
+    and a change to the graph fails the fingerprint check that follows.
+    """
+    if model_file.sha256 == plan.model.sha256:
+        return
+    print(
+        f"hplan: warning: {model_file.path} differs from the model file the plan was made for "
+        f"(sha256 {model_file.sha256[:12]}, plan {plan.model.sha256[:12]}); the traced graph "
+        "is checked against the plan next",
+        file=sys.stderr,
+        flush=True,
     )
 
 
@@ -374,6 +429,7 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
     """
     if options.steps < 1:
         raise ConfigError(f"--steps is {options.steps}; run at least one step")
+    check_environment(plan, rank, options)
     init_distributed(plan, rank, options)
     state = build_rank(plan, rank, model_path, options)
     scale = options.emulation.time_scale if options.emulation else 0.0

@@ -217,3 +217,33 @@ def test_rehearse_verifies_a_plan_of_replicas_with_different_shares_and_splits(t
     assert result["verify_passed"] is True
     assert result["max_relative_diff"] <= 1e-4
     assert len(result["losses"]) == 3
+
+
+def test_plan_records_the_model_path_relative_to_the_output_folder(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out" / "demo"
+    argv = ["solve", str(MLP), "--cluster", str(CLUSTERS / "cpu-rehearsal.yaml"), "-b", "8"]
+    texts = []
+    for cwd in (ROOT, tmp_path):  # the same inputs from two directories: the same bytes
+        monkeypatch.chdir(cwd)
+        code, _, err = _run([*argv, "-o", str(out)], capsys)
+        assert code == 0, err
+        texts.append((out / "plan.json").read_bytes())
+    assert texts[0] == texts[1]
+    recorded = Plan.from_json(texts[0].decode()).model.path
+    assert not Path(recorded).is_absolute()
+    assert (out / recorded).resolve() == MLP.resolve()
+
+
+def test_a_plan_whose_model_file_is_gone_names_the_model_option(tmp_path, capsys):
+    model = tmp_path / "model.py"
+    model.write_text(MLP.read_text())
+    cluster = CLUSTERS / "cpu-rehearsal.yaml"
+    code, _, err = _run(
+        ["solve", str(model), "--cluster", str(cluster), "-o", str(tmp_path / "o"), "-b", "8"],
+        capsys,
+    )
+    assert code == 0, err
+    model.unlink()
+    code, _, err = _run(["rehearse", str(tmp_path / "o" / "plan.json")], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "'../model.py'", "--model")

@@ -42,10 +42,12 @@ needs_bash = pytest.mark.skipif(BASH is None, reason="bash is not installed")
 P2P_EXPORT = 'export NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}"'
 SCRIPT_TIMEOUT_S = 30
 
-# Stand-ins: record argv (NUL-separated) and NCCL_P2P_DISABLE into $HPLAN_TEST_RECORD.
+# Stand-ins: record argv (NUL-separated), NCCL_P2P_DISABLE and HPLAN_NODE into
+# $HPLAN_TEST_RECORD, .p2p and .node.
 _RECORDER = """#!/usr/bin/env bash
 printf '%s\\0' "$(basename "$0")" "$@" > "$HPLAN_TEST_RECORD"
 printf '%s' "${NCCL_P2P_DISABLE-unset}" > "$HPLAN_TEST_RECORD.p2p"
+printf '%s' "${HPLAN_NODE-unset}" > "$HPLAN_TEST_RECORD.node"
 """
 # srun stand-in: drop srun's own options, run the command as this node's only task.
 _FAKE_SRUN = """#!/usr/bin/env bash
@@ -145,10 +147,10 @@ def test_node_script_runs_torchrun_with_the_node_rank_and_sizes() -> None:
     assert "set -euo pipefail" in script
     assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID" in script
     flat = " ".join(line.rstrip("\\").strip() for line in script.splitlines())
+    assert "export HPLAN_NODE=box-b" in script.splitlines()
     assert (
         "exec torchrun --nnodes 2 --node-rank 1 --nproc-per-node 3 --master-addr 10.0.0.1 "
-        '--master-port 29500 -m hplan.runtime run "$PLAN" --node box-b '
-        '--model examples/gpt/model.py "$@"'
+        '--master-port 29500 -m hplan.runtime run "$PLAN" "$@"'
     ) in flat
 
 
@@ -287,6 +289,10 @@ def _run(script: Path, env: dict[str, str], cwd: Path, *args: str) -> list[str]:
     return record.split("\0")[:-1]
 
 
+def _recorded_node(env: dict[str, str]) -> str:
+    return Path(env["HPLAN_TEST_RECORD"] + ".node").read_bytes().decode("utf-8")
+
+
 def _copied_out_dir(plan: Plan, tmp_path: Path) -> Path:
     """Emit, then move the output elsewhere: scripts must find plan.json relative to themselves."""
     emit(plan, tmp_path / "first")
@@ -304,10 +310,10 @@ def test_node_script_passes_plan_path_and_arguments_to_torchrun(tmp_path: Path) 
     assert argv == [
         "torchrun", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "2",
         "--master-addr", "10.0.0.1", "--master-port", "29500", "-m", "hplan.runtime", "run",
-        f"{out / 'launch'}/../plan.json", "--node", "box-a", "--model", "examples/gpt/model.py",
-        "--steps", "3",
+        f"{out / 'launch'}/../plan.json", "--steps", "3",
     ]  # fmt: skip
     assert Path(argv[argv.index("run") + 1]).resolve() == (out / "plan.json").resolve()
+    assert _recorded_node(env) == "box-a"
 
 
 @needs_bash
@@ -344,7 +350,7 @@ def test_slurm_task_runs_the_script_of_its_node(
     out = _copied_out_dir(mixed_plan(), tmp_path)
     env = {**_fake_tools(tmp_path), **slurm_env}
     argv = _run(out / "launch" / "slurm.sbatch", env, tmp_path, "--steps", "5")
-    assert argv[argv.index("--node") + 1] == node
+    assert _recorded_node(env) == node
     assert argv[-2:] == ["--steps", "5"]
 
 
@@ -371,9 +377,9 @@ def test_hostile_names_arrive_intact_and_execute_nothing(tmp_path: Path) -> None
     out = _copied_out_dir(plan, tmp_path)
     env = {**_fake_tools(tmp_path), "SLURM_NODEID": "1"}
     argv = _run(out / "launch" / "slurm.sbatch", env, tmp_path, "--steps", "1")
-    assert argv[argv.index("--node") + 1] == "box-b" + payload
+    assert _recorded_node(env) == "box-b" + payload
     assert argv[argv.index("--master-addr") + 1] == "10.0.0.1" + payload
-    assert argv[argv.index("--model") + 1] == "examples/gpt/model.py" + payload
+    assert "--model" not in argv  # the runtime reads the model path from plan.json
     argv = _run(out / "launch" / "rehearse.sh", env, tmp_path)
     assert argv[0] == "hplan"
     leftovers = [p.name for p in tmp_path.rglob("pwned*")]

@@ -230,8 +230,9 @@ def test_a_killed_peer_ends_the_other_rank_with_a_one_line_error(tmp_path: Path)
                 proc.wait()
     lines = stderr.decode().strip().splitlines()
     assert procs[1].returncode == 1
-    assert len(lines) == 1, lines
-    assert "PeerFailureError" in lines[0] and "rank 1" in lines[0]
+    assert len(lines) == 2, lines  # "waiting for 1 peer ..." while joining, then the error
+    assert lines[0].startswith("hplan: rank 1 waiting for 1 peer at 127.0.0.1:")
+    assert "PeerFailureError" in lines[1] and "rank 1" in lines[1]
     assert "Traceback" not in stderr.decode()
 
 

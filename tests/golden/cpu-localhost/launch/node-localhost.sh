@@ -5,13 +5,16 @@
 #   rank 0 (local 0): localhost/0 cpu, replica 0 stage 0, units tok_emb, blocks.0
 #   rank 1 (local 1): localhost/1 cpu, replica 0 stage 1, units blocks.1-blocks.2
 #   rank 2 (local 2): localhost/2 cpu, replica 0 stage 2, units blocks.3, lm_head
-# The model file is examples/masked_gpt/model.py as given to `hplan solve` (relative paths are
-# relative to the directory you run this script from); pass --model PATH to override it.
+# The model file is examples/masked_gpt/model.py as recorded by `hplan solve` (a relative path is
+# relative to the directory of plan.json); pass --model PATH to override it.
 # Extra arguments are passed on to `python -m hplan.runtime run` (for example --steps N).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PLAN="$HERE"/../plan.json
+# The runtime finds this node's ranks by HPLAN_NODE and torchrun's LOCAL_RANK (an option
+# such as --node would be taken by torchrun as an abbreviation of its own --node-rank).
+export HPLAN_NODE=localhost
 
 # Number GPUs in PCI bus order, as the plan does (device local_index).
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
@@ -24,6 +27,4 @@ exec torchrun \
   --master-addr 127.0.0.1 \
   --master-port 29500 \
   -m hplan.runtime run "$PLAN" \
-  --node localhost \
-  --model examples/masked_gpt/model.py \
   "$@"

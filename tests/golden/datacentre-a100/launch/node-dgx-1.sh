@@ -4,13 +4,16 @@
 # Ranks on this node (2 of 2):
 #   rank 0 (local 0): dgx-1/0 a100-80gb, replica 0 stage 0, units tok_emb, blocks.0-blocks.11, lm_head
 #   rank 1 (local 1): dgx-1/1 a100-80gb, replica 1 stage 0, units tok_emb, blocks.0-blocks.11, lm_head
-# The model file is examples/gpt/model.py as given to `hplan solve` (relative paths are
-# relative to the directory you run this script from); pass --model PATH to override it.
+# The model file is examples/gpt/model.py as recorded by `hplan solve` (a relative path is
+# relative to the directory of plan.json); pass --model PATH to override it.
 # Extra arguments are passed on to `python -m hplan.runtime run` (for example --steps N).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PLAN="$HERE"/../plan.json
+# The runtime finds this node's ranks by HPLAN_NODE and torchrun's LOCAL_RANK (an option
+# such as --node would be taken by torchrun as an abbreviation of its own --node-rank).
+export HPLAN_NODE=dgx-1
 
 # Number GPUs in PCI bus order, as the plan does (device local_index).
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
@@ -23,6 +26,4 @@ exec torchrun \
   --master-addr 10.1.0.5 \
   --master-port 29600 \
   -m hplan.runtime run "$PLAN" \
-  --node dgx-1 \
-  --model examples/gpt/model.py \
   "$@"

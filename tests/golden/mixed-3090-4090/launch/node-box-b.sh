@@ -5,13 +5,16 @@
 #   rank 2 (local 0): box-b/0 rtx3090, replica 1 stage 0, units tok_emb, blocks.0-blocks.4
 #   rank 3 (local 1): box-b/1 rtx3090, replica 1 stage 1, units blocks.5-blocks.9
 #   rank 4 (local 2): box-b/2 rtx3060, replica 1 stage 2, units blocks.10-blocks.11, lm_head
-# The model file is examples/gpt/model.py as given to `hplan solve` (relative paths are
-# relative to the directory you run this script from); pass --model PATH to override it.
+# The model file is examples/gpt/model.py as recorded by `hplan solve` (a relative path is
+# relative to the directory of plan.json); pass --model PATH to override it.
 # Extra arguments are passed on to `python -m hplan.runtime run` (for example --steps N).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PLAN="$HERE"/../plan.json
+# The runtime finds this node's ranks by HPLAN_NODE and torchrun's LOCAL_RANK (an option
+# such as --node would be taken by torchrun as an abbreviation of its own --node-rank).
+export HPLAN_NODE=box-b
 
 # Number GPUs in PCI bus order, as the plan does (device local_index).
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
@@ -28,6 +31,4 @@ exec torchrun \
   --master-addr 10.0.0.1 \
   --master-port 29500 \
   -m hplan.runtime run "$PLAN" \
-  --node box-b \
-  --model examples/gpt/model.py \
   "$@"

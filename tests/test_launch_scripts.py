@@ -1,0 +1,128 @@
+"""The launch scripts that `hplan solve` writes really train under the real torchrun.
+
+A two-node all-cpu plan (both "nodes" on 127.0.0.1) is solved through the CLI, and every
+node's ``launch/node-<node>.sh`` runs at the same time, from another directory, with the
+real ``torchrun`` of this environment. Every script must exit 0 and every rank must write
+its metrics. (test_emit.py checks the scripts' text and quoting with stand-ins for
+torchrun; this test checks that torchrun and the runtime accept what the scripts pass.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hplan.planner.cli import main
+from hplan.runtime.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = ROOT / "examples" / "mlp" / "model.py"
+BIN_DIR = Path(sys.executable).parent
+TIMEOUT_S = 180.0
+
+TWO_NODES = """\
+name: two-cpu-nodes
+nodes:
+  - name: left
+    host: 127.0.0.1
+    devices: [{type: cpu}]
+  - name: right
+    host: 127.0.0.1
+    devices: [{type: cpu}]
+links:
+  inter_node: {bandwidth_gbit_per_s: 10}
+"""
+
+needs_torchrun = pytest.mark.skipif(
+    not (BIN_DIR / "torchrun").exists() or shutil.which("bash") is None,
+    reason="needs bash and torchrun next to this Python",
+)
+
+
+def _two_free_ports() -> int:
+    """A port ``p`` such that ``p`` (torchrun's store) and ``p + 1`` (hplan's) are free."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            if port >= 65535:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+def _solve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(TWO_NODES, encoding="utf-8")
+    out = tmp_path / "out"
+    argv = [
+        "solve", str(MLP), "--cluster", str(cluster), "-o", str(out), "-b", "8",
+        "--strategy", "ddp", "--master-port", str(_two_free_ports()),
+    ]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    return out
+
+
+def _run_all(scripts: list[Path], cwd: Path, *args: str) -> list[tuple[int | None, str]]:
+    """Start every script at once; kill what is left at the timeout; (exit code, output)."""
+    env = {**os.environ, "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("LOCAL_RANK", None)
+    logs = [cwd / f"{script.stem}.log" for script in scripts]
+    procs = []
+    for script, log in zip(scripts, logs, strict=True):
+        with log.open("wb") as sink:
+            procs.append(
+                subprocess.Popen(
+                    ["bash", str(script), *args],
+                    cwd=cwd,
+                    env=env,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    deadline_s = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline_s and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    return [
+        (None if p.returncode == -9 else p.returncode, log.read_text())
+        for p, log in zip(procs, logs, strict=True)
+    ]
+
+
+@needs_torchrun
+def test_every_node_script_trains_under_torchrun(tmp_path: Path, capsys) -> None:
+    out = _solve(tmp_path, capsys)
+    plan = Plan.load(out / "plan.json")
+    assert sorted({r.node for r in plan.ranks}) == ["left", "right"]
+    scripts = sorted((out / "launch").glob("node-*.sh"))
+    assert [s.name for s in scripts] == ["node-left.sh", "node-right.sh"]
+    elsewhere = tmp_path / "elsewhere"  # the plan's model path must not depend on the cwd
+    elsewhere.mkdir()
+    metrics = tmp_path / "metrics"
+    results = _run_all(scripts, elsewhere, "--steps", "1", "--metrics-dir", str(metrics))
+    for script, (code, output) in zip(scripts, results, strict=True):
+        assert code == 0, f"{script.name} exited {code}:\n{output[-3000:]}"
+    for rank in plan.ranks:
+        lines = (metrics / f"rank-{rank.rank}.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [0]
