@@ -26,7 +26,13 @@ import torch  # after TORCH_CPP_LOG_LEVEL: torch reads it when it loads
 from hplan.runtime.errors import ConfigError, HplanError
 from hplan.runtime.model_file import plan_model_path
 from hplan.runtime.plan import Plan
-from hplan.runtime.worker import Emulation, RunOptions, resolve_rank, run_rank
+from hplan.runtime.worker import (
+    Emulation,
+    RunOptions,
+    check_environment,
+    resolve_rank,
+    run_rank,
+)
 
 NODE_ENV = "HPLAN_NODE"
 """Environment variable naming this node when ``--node`` is not given."""
@@ -98,8 +104,10 @@ def _options(args: argparse.Namespace, plan: Plan) -> RunOptions:
 def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     if args.emulate:
         torch.set_num_threads(1)
+    options = _options(args, plan)
+    check_environment(plan, rank, options)  # before anything waits or loads user code
     model = plan_model_path(plan.model.path, args.plan, args.model)
-    run_rank(plan, rank, model, _options(args, plan))
+    run_rank(plan, rank, model, options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ of the plan delay point-to-point transfers and all-reduces (``comm.py``, ``grad_
 from __future__ import annotations
 
 import inspect
+import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -44,6 +45,9 @@ from hplan.runtime.pipeline import StepRunner, stage_label
 from hplan.runtime.plan import Backend, Plan, RankPlan, SyncMode
 from hplan.runtime.stage import StageModule, build_stage
 from hplan.runtime.trace import TracedModel, bind_inputs, trace_model
+
+_CONNECT_TIMEOUT_S = 2.0
+_CONNECT_RETRY_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,8 @@ def init_distributed(plan: Plan, rank: int, options: RunOptions) -> None:
             flush=True,
         )
     try:
+        if rank != 0:
+            _wait_for_port(host, port, training.process_group_timeout_s)
         store = dist.TCPStore(
             host,
             port,
@@ -138,6 +144,28 @@ def init_distributed(plan: Plan, rank: int, options: RunOptions) -> None:
             f"rank {rank} could not join the {plan.world_size}-rank job at {host}:{port}: "
             f"{error_reason(exc)}; check that every node started and that the port is reachable"
         ) from None
+
+
+def _wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    """Wait until ``host:port`` accepts a TCP connection (rank 0's store is up).
+
+    Done here, quietly, because torch's store client logs a C++ stack trace for every
+    connection attempt that times out.
+
+    Raises:
+        TimeoutError: nothing accepted a connection within ``timeout_s``.
+    """
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline_s:
+                raise TimeoutError(
+                    f"nothing answered at {host}:{port} within {timeout_s:g} s ({exc})"
+                ) from None
+        time.sleep(_CONNECT_RETRY_S)
 
 
 def rank_device(plan: Plan, rank_plan: RankPlan, override: str | None) -> torch.device:
