@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -315,8 +317,19 @@ def _report_crash(exc: BaseException) -> int:
     return 1
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    """SIGTERM handler: unwind like Ctrl-C, so that ``finally`` blocks stop child processes."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: maps hplan errors to one line and an exit code."""
+    """Console-script entry point: maps hplan errors to one line and an exit code.
+
+    SIGTERM raises ``SystemExit(143)`` in the main thread, so a terminated ``hplan rehearse``
+    (or ``solve``) runs its clean-up and stops the processes it started.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     code = _invoke(lambda: cli.main(args=argv, prog_name="hplan", standalone_mode=False))
     sys.exit(code)
 

@@ -1,0 +1,86 @@
+"""A terminated `hplan rehearse` stops every rank process it started (no orphans)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.plans import NUMBERED_DATASET, ReplicaShape, make_plan, write_model
+
+HPLAN = Path(sys.executable).with_name("hplan")
+TIMEOUT_S = 60.0
+
+# Ranks hang in build_model; the parent (which has no --rank) builds normally.
+HANGING_RANKS = NUMBERED_DATASET.replace(
+    "    def build_model():\n",
+    "    def build_model():\n"
+    "        import sys, time\n"
+    "        if '--rank' in sys.argv:\n"
+    "            time.sleep(3600)\n",
+)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_sigterm_to_rehearse_kills_every_rank(tmp_path: Path) -> None:
+    path = write_model(tmp_path, HANGING_RANKS)
+    plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=4)])
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json())
+    parent = subprocess.Popen(
+        [str(HPLAN), "rehearse", str(plan_path), "--metrics-dir", str(tmp_path / "m")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    ranks: list[int] = []
+    try:
+        deadline_s = time.monotonic() + TIMEOUT_S
+        while len(ranks) < plan.world_size:
+            assert time.monotonic() < deadline_s, "the ranks never started"
+            assert parent.poll() is None, parent.communicate()[1]
+            time.sleep(0.2)
+            ranks = _children(parent.pid)
+        parent.send_signal(signal.SIGTERM)
+        _, err = parent.communicate(timeout=TIMEOUT_S)
+        deadline_s = time.monotonic() + 10
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline_s:
+            time.sleep(0.1)
+        survivors = [pid for pid in ranks if _alive(pid)]
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for pid in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    assert survivors == [], "rank processes outlived a terminated rehearse"
+    assert parent.returncode == 128 + signal.SIGTERM
+    assert b"Traceback" not in err
