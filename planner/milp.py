@@ -154,6 +154,11 @@ def solve_cover(
     return _read_cover(model, n, capacity, demand)
 
 
+def copy_upper_bounds(usage: np.ndarray, available: np.ndarray) -> np.ndarray:
+    """Most copies of each template the classes allow, shape (T,) (huge where unused)."""
+    return _upper_bounds(usage, available)
+
+
 def _upper_bounds(usage: np.ndarray, available: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         ratio = np.where(

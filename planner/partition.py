@@ -1,8 +1,8 @@
 """Pipeline templates: an ordered list of device classes, a micro-batch size, and the best
 contiguous split of the partition units over them.
 
-A *device class* is a set of interchangeable devices: same node, same kind, same memory and
-the same unit times. A *template* is a pipeline shape ``(c_0, ..., c_{S-1})`` of classes
+A *device class* is a set of interchangeable devices (``hplan.planner.devclasses``). A
+*template* is a pipeline shape ``(c_0, ..., c_{S-1})`` of classes
 (a class may repeat up to its size) with a micro-batch size; the solver decides how many
 copies of each template to run. For one template the split of units over stages is
 solved exactly here, by a dynamic program over cut positions that minimises the period
@@ -15,28 +15,14 @@ brute-force search exactly.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from hplan.planner.devclasses import DeviceClass, pair_devices
 from hplan.planner.evaluate import in_flight_microbatches, link_time_s
 from hplan.planner.problem import PlanningProblem
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceClass:
-    """Interchangeable devices (indices into the problem) on one node."""
-
-    devices: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return len(self.devices)
-
-    @property
-    def rep(self) -> int:
-        return self.devices[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,43 +46,6 @@ class Template:
     def time_s(self, num_microbatches: int, allreduce_s: float) -> float:
         """Step time of one copy running ``num_microbatches`` micro-batches."""
         return (num_microbatches - 1) * self.period_s + self.fill_s + self.optimizer_s + allreduce_s
-
-
-def device_classes(problem: PlanningProblem) -> tuple[DeviceClass, ...]:
-    """Group devices that are interchangeable for planning, in device order."""
-    groups: dict[tuple[object, ...], list[int]] = {}
-    for d in range(problem.num_devices):
-        key = (
-            problem.device_nodes[d],
-            problem.device_kinds[d],
-            float(problem.memory_capacity_bytes[d]),
-            problem.fwd_time_s[d].tobytes(),
-            problem.bwd_time_s[d].tobytes(),
-        )
-        groups.setdefault(key, []).append(d)
-    return tuple(DeviceClass(tuple(devs)) for devs in groups.values())
-
-
-def pair_devices(classes: Sequence[DeviceClass], sequence: Sequence[int]) -> list[int]:
-    """Concrete devices for a class sequence: the next unused device of each class."""
-    used = {c: 0 for c in set(sequence)}
-    devices = []
-    for c in sequence:
-        devices.append(classes[c].devices[used[c]])
-        used[c] += 1
-    return devices
-
-
-def multisets(sizes: Sequence[int], length: int) -> Iterator[tuple[int, ...]]:
-    """Sorted class tuples of ``length`` using class c at most ``sizes[c]`` times."""
-    for combo in itertools.combinations_with_replacement(range(len(sizes)), length):
-        if all(combo.count(c) <= sizes[c] for c in set(combo)):
-            yield combo
-
-
-def distinct_orders(multiset: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    """Every distinct ordering of a multiset (no duplicates)."""
-    return iter(sorted(set(itertools.permutations(multiset))))
 
 
 class Partitioner:

@@ -3,25 +3,25 @@
 Formulation (an outer enumeration plus an inner integer program, as the design card
 allows):
 
-1. Devices are grouped into interchangeable classes; *templates* are pipeline shapes (an
-   ordered list of classes) with a micro-batch size, each split optimally by
-   ``hplan.planner.partition`` (period P_t, fill F_t, optimizer time O_t).
+1. Devices are grouped into interchangeable classes (``devclasses``); *templates* are
+   pipeline shapes (an ordered list of classes) with a micro-batch size, each split
+   optimally by ``partition`` (period P_t, fill F_t, optimizer time O_t).
 2. A copy of template t running m micro-batches takes ``(m - 1) P_t + F_t + O_t + A_t``,
-   where A_t is the gradient all-reduce time estimated for a *sync scenario* (one replica;
-   or data parallel over the devices joined by links of at least some bandwidth). For a
-   target step time T a copy can therefore process
+   where A_t is the gradient all-reduce time estimated for a sync *scenario*
+   (``scenarios``). For a target step time T a copy can therefore process
    ``cap_t(T) = mbs_t * (floor((T - F_t - O_t - A_t) / P_t) + 1)`` samples.
 3. T is found by bisection over the finite set of possible copy times: T is feasible iff
-   integer copy counts n_t exist with ``sum_t cap_t(T) n_t >= global batch`` and no class
-   over-used — a small covering MILP (``hplan.planner.milp.solve_cover``). Products of
-   decisions (batch share x stage time) never appear, so the MILP is linear.
-4. Each scenario's layout, the baselines and the single-replica layout are re-costed with
-   the exact evaluator (``hplan.planner.evaluate``) and the fastest one is returned after
-   an independent validation.
+   integer copy counts n_t exist with ``sum_t cap_t(T) n_t >= global batch``, no class
+   over-used and at most the scenario's replica count — a small covering MILP
+   (``milp.solve_cover``). Products of decisions (batch share x stage time) never appear,
+   so the MILP is linear.
+4. Each scenario's layout is pruned by the exact evaluator (``evaluate``); ``solve``
+   re-costs every candidate and the baselines and returns the fastest valid one.
 
-The answer is proven optimal under the planning model when every bisection step was
-proven by the MILP and the template space was enumerated exhaustively; otherwise the
-report gives the gap to the best lower bound found.
+On clusters of several nodes, each distinct node is also searched alone first, so that the
+answer is never worse than the best single-node layout. The answer is proven optimal under
+the planning model when every bisection step was proven by the MILP and the template space
+was enumerated exhaustively; otherwise the report gives the gap to the best lower bound.
 """
 
 from __future__ import annotations
@@ -29,32 +29,33 @@ from __future__ import annotations
 import contextlib
 import heapq
 import math
-import multiprocessing as mp
-import os
-import signal
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hplan.planner.evaluate import evaluate, ring_allreduce_time_s
+from hplan.planner.devclasses import DeviceClass, device_classes, node_groups
+from hplan.planner.evaluate import evaluate
 from hplan.planner.layout import Layout, ReplicaLayout, StageLayout
-from hplan.planner.milp import CoverStatus, MilpBackend, select_backend, solve_cover
-from hplan.planner.partition import (
-    DeviceClass,
-    Partitioner,
-    Template,
-    device_classes,
-    distinct_orders,
-    multisets,
-    pareto,
+from hplan.planner.milp import (
+    CoverStatus,
+    MilpBackend,
+    copy_upper_bounds,
+    select_backend,
+    solve_cover,
 )
+from hplan.planner.partition import Template
 from hplan.planner.problem import PlanningProblem
-from hplan.runtime.errors import HplanError, InfeasiblePlanError
+from hplan.planner.scenarios import Scenario, allreduce_estimate_s, make_scenarios
+from hplan.planner.templates import enumerate_templates
+from hplan.planner.watchdog import run_with_deadline
+from hplan.runtime.errors import InfeasiblePlanError
+
+TEMPLATE_BUDGET_SHARE = 0.4
+"""Share of the remaining time the heuristic template enumeration may use."""
+NODE_SEARCH_SHARE = 0.15
+"""Share of the remaining time each single-node search may use."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ class SolveOptions:
     """``highs``, ``cbc`` or ``heuristic``; None picks the first that works."""
     max_stages: int = 8
     exhaustive_limit: int = 4000
-    """Enumerate every class order and every split when the count of (order, split) pairs
-    stays under this; otherwise order classes by heuristics and split by DP."""
+    """Enumerate every class order and every split when the count of (order, split,
+    micro-batch size) triples stays under this; otherwise use heuristics."""
     watchdog: bool = True
     """Run the search in a child process that is killed at the deadline (no leftovers)."""
 
@@ -82,6 +83,8 @@ class Candidate:
     model_time_s: float
     lower_bound_s: float
     proven: bool
+    main: bool = True
+    """False for candidates of a single-node sub-search (they prove nothing globally)."""
 
 
 @dataclass
@@ -90,205 +93,12 @@ class SearchOutcome:
 
     candidates: list[Candidate] = field(default_factory=list)
     exhaustive: bool = False
+    complete: bool = False
     finished: bool = False
     backend: str = ""
     notes: list[str] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------------------- templates
-def enumerate_templates(
-    problem: PlanningProblem, classes: Sequence[DeviceClass], options: SolveOptions
-) -> tuple[list[Template], bool]:
-    """All costed templates worth considering, and whether the enumeration is exhaustive."""
-    partitioner = Partitioner(problem, classes)
-    sizes = [c.size for c in classes]
-    max_stages = min(options.max_stages, problem.num_units, problem.num_devices)
-    sequences = [
-        order
-        for s in range(1, max_stages + 1)
-        for ms in multisets(sizes, s)
-        for order in distinct_orders(ms)
-    ]
-    splits = sum(math.comb(problem.num_units - 1, len(seq) - 1) for seq in sequences)
-    exhaustive = splits * len(problem.micro_batch_sizes) <= options.exhaustive_limit
-    if exhaustive:
-        found = [
-            t
-            for seq in sequences
-            for k in range(len(problem.micro_batch_sizes))
-            for t in partitioner.all_splits(seq, k)
-        ]
-        return found, True
-    return _heuristic_templates(problem, partitioner, sizes, max_stages), False
-
-
-def _heuristic_templates(
-    problem: PlanningProblem, partitioner: Partitioner, sizes: Sequence[int], max_stages: int
-) -> list[Template]:
-    found: list[Template] = []
-    smallest_fit: int | None = None
-    for s in range(1, max_stages + 1):
-        if smallest_fit is not None and s > smallest_fit + 3:
-            break
-        for ms in multisets(sizes, s):
-            for k in range(len(problem.micro_batch_sizes)):
-                costed = [
-                    t
-                    for seq in _heuristic_orders(problem, partitioner, ms)
-                    if (t := partitioner.best_split(seq, k))
-                ]
-                if costed:
-                    smallest_fit = s if smallest_fit is None else smallest_fit
-                    found.extend(pareto(costed))
-    return found
-
-
-def _heuristic_orders(
-    problem: PlanningProblem, partitioner: Partitioner, ms: tuple[int, ...]
-) -> list[tuple[int, ...]]:
-    """Stage orders worth trying: most memory first (stage 0 holds the most activations),
-    node-grouped (fewest slow hops), and fastest first."""
-    classes = partitioner.classes
-
-    def memory(c: int) -> float:
-        return float(problem.memory_capacity_bytes[classes[c].rep])
-
-    def speed(c: int) -> float:
-        return -float(problem.fwd_time_s[classes[c].rep].sum())
-
-    def node(c: int) -> str:
-        return problem.device_nodes[classes[c].rep]
-
-    node_memory: dict[str, float] = {}
-    for c in ms:
-        node_memory[node(c)] = node_memory.get(node(c), 0.0) + memory(c)
-    orders = {
-        tuple(sorted(ms, key=lambda c: (-memory(c), c))),
-        tuple(sorted(ms, key=lambda c: (-node_memory[node(c)], node(c), -memory(c), c))),
-        tuple(sorted(ms, key=lambda c: (-speed(c), -memory(c), c))),
-    }
-    if len(ms) <= 3:
-        orders.update(distinct_orders(ms))
-    return sorted(orders)
-
-
-# ---------------------------------------------------------------------------- scenarios
-class SyncEstimate(StrEnum):
-    """How a scenario estimates a copy's gradient all-reduce time."""
-
-    WHOLE_MODEL = "whole_model"
-    """Some device syncs every unit (e.g. a one-stage replica is in the group)."""
-    PER_STAGE = "per_stage"
-    """Each stage syncs only its own units, over the scenario's slowest link."""
-    STAGE_LOCAL = "stage_local"
-    """Replicas are aligned: each stage syncs its units inside its own device class."""
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """A gradient-sync assumption under which copy times are linear."""
-
-    name: str
-    classes: frozenset[int]
-    single_replica: bool
-    bandwidth_bytes_per_s: float
-    latency_s: float
-    group_size: int
-    sync: SyncEstimate
-
-
-def _class_link(
-    problem: PlanningProblem, classes: Sequence[DeviceClass], a: int, b: int
-) -> tuple[float, float]:
-    if a == b:
-        devs = classes[a].devices
-        if len(devs) < 2:
-            return math.inf, 0.0
-        return float(problem.bandwidth_bytes_per_s[devs[0], devs[1]]), float(
-            problem.latency_s[devs[0], devs[1]]
-        )
-    da, db = classes[a].rep, classes[b].rep
-    return float(problem.bandwidth_bytes_per_s[da, db]), float(problem.latency_s[da, db])
-
-
-def make_scenarios(problem: PlanningProblem, classes: Sequence[DeviceClass]) -> list[Scenario]:
-    """One replica; and for each bandwidth level, data parallel inside each set of classes
-    joined by links at least that fast (conservative and per-stage-local estimates)."""
-    everyone = frozenset(range(len(classes)))
-    scenarios = [Scenario("one replica", everyone, True, math.inf, 0.0, 1, SyncEstimate.PER_STAGE)]
-    links = {(a, b): _class_link(problem, classes, a, b) for a in everyone for b in everyone}
-    levels = sorted({bw for bw, _ in links.values() if math.isfinite(bw)}, reverse=True)
-    seen: set[frozenset[int]] = set()
-    for level in levels:
-        for component in _components(everyone, _at_least(links, level)):
-            size = sum(classes[c].size for c in component)
-            if size < 2 or component in seen:
-                continue
-            seen.add(component)
-            bw = min(
-                links[(a, b)][0]
-                for a in component
-                for b in component
-                if math.isfinite(links[(a, b)][0])
-            )
-            lat = max(links[(a, b)][1] for a in component for b in component)
-            label = "+".join(sorted({problem.device_nodes[classes[c].rep] for c in component}))
-            multi_node = len({problem.device_nodes[classes[c].rep] for c in component}) > 1
-            for sync in SyncEstimate:
-                if sync is SyncEstimate.STAGE_LOCAL and not multi_node:
-                    continue
-                name = f"data parallel on {label} ({sync.value.replace('_', ' ')} sync)"
-                scenarios.append(Scenario(name, component, False, bw, lat, size, sync))
-    return scenarios
-
-
-def _at_least(
-    links: dict[tuple[int, int], tuple[float, float]], level: float
-) -> Callable[[int, int], bool]:
-    return lambda a, b: links[(a, b)][0] >= level
-
-
-def _components(nodes: frozenset[int], joined: Callable[[int, int], bool]) -> list[frozenset[int]]:
-    left = set(nodes)
-    out = []
-    while left:
-        frontier = [left.pop()]
-        comp = set(frontier)
-        while frontier:
-            a = frontier.pop()
-            for b in list(left):
-                if joined(a, b):
-                    left.discard(b)
-                    comp.add(b)
-                    frontier.append(b)
-        out.append(frozenset(comp))
-    return out
-
-
-def _allreduce_estimate_s(
-    problem: PlanningProblem, classes: Sequence[DeviceClass], scenario: Scenario, t: Template
-) -> float:
-    if scenario.single_replica:
-        return 0.0
-    if scenario.sync is SyncEstimate.WHOLE_MODEL:
-        return ring_allreduce_time_s(
-            sum(t.stage_grad_bytes),
-            max(scenario.group_size, 2),
-            scenario.bandwidth_bytes_per_s,
-            scenario.latency_s,
-        )
-    times = []
-    for s, c in enumerate(t.classes):
-        bw, lat, n = scenario.bandwidth_bytes_per_s, scenario.latency_s, scenario.group_size
-        if scenario.sync is SyncEstimate.STAGE_LOCAL:
-            local_bw, local_lat = _class_link(problem, classes, c, c)
-            if math.isfinite(local_bw):
-                bw, lat, n = local_bw, local_lat, classes[c].size
-        times.append(ring_allreduce_time_s(t.stage_grad_bytes[s], max(n, 2), bw, lat))
-    return max(times, default=0.0)
-
-
-# ---------------------------------------------------------------------------- bisection
 @dataclass
 class _Bisection:
     """Arrays of one scenario's templates and the covering check at a target time."""
@@ -300,7 +110,7 @@ class _Bisection:
     mbs: np.ndarray
     usage: np.ndarray
     available: np.ndarray
-    max_copies: int | None
+    max_copies: int
     backend: MilpBackend
 
     def capacity(self, target_s: float) -> np.ndarray:
@@ -317,8 +127,7 @@ class _Bisection:
     def check(self, target_s: float, deadline: float, minimize: bool = False):  # type: ignore[no-untyped-def]
         cap = self.capacity(target_s)
         demand = self.problem.global_batch_size
-        upper = np.minimum(self.available[:, None] // np.maximum(self.usage, 1), 10**9).min(axis=0)
-        copies_bound = np.minimum(upper, self.max_copies or 10**9)
+        copies_bound = np.minimum(copy_upper_bounds(self.usage, self.available), self.max_copies)
         if float(np.dot(cap, copies_bound)) < demand:
             return CoverStatus.INFEASIBLE, None, True
         if not minimize:
@@ -340,21 +149,33 @@ class _Bisection:
         return result.status, result.counts, result.proven_optimal
 
 
-def _bisect(bis: _Bisection, deadline: float) -> tuple[float, tuple[int, ...], float, bool] | None:
-    """Smallest feasible target time over the finite set of possible copy times.
+MAX_CANDIDATE_TIMES = 2_000_000
+"""Above this many possible copy times, bisect on the real line instead of the list."""
 
-    Feasibility is monotone in the target time (capacities only grow), so bisection finds
-    the optimum when every check is definitive. Returns (time, copy counts, lower bound,
-    proven) or None when nothing is feasible.
-    """
+
+def _candidate_times(bis: _Bisection) -> np.ndarray | None:
+    """Every possible copy time, sorted; None when there are too many to list."""
     b = bis.problem.global_batch_size
-    values = [
-        bis.base_s[i] + np.arange(math.ceil(b / bis.mbs[i])) * bis.period_s[i]
-        for i in range(len(bis.templates))
-    ]
-    if not values:
+    counts = np.ceil(b / bis.mbs).astype(np.int64)
+    if int(counts.sum()) > MAX_CANDIDATE_TIMES:
         return None
-    candidates = np.unique(np.concatenate(values))
+    values = [bis.base_s[i] + np.arange(counts[i]) * bis.period_s[i] for i in range(len(counts))]
+    return np.unique(np.concatenate(values)) if values else np.empty(0)
+
+
+def _bisect(bis: _Bisection, deadline: float) -> tuple[float, tuple[int, ...], float, bool] | None:
+    """Smallest feasible target time.
+
+    Feasibility is monotone in the target time (capacities only grow), so bisection over
+    the finite set of possible copy times finds the optimum when every check is
+    definitive. Returns (time, copy counts, lower bound, proven) or None when nothing is
+    feasible.
+    """
+    candidates = _candidate_times(bis)
+    if candidates is None:
+        return _bisect_real(bis, deadline)
+    if candidates.size == 0:
+        return None
     lo, hi = 0, len(candidates) - 1
     status, counts, _ = bis.check(float(candidates[hi]), deadline)
     if status is not CoverStatus.FEASIBLE or counts is None:
@@ -372,12 +193,42 @@ def _bisect(bis: _Bisection, deadline: float) -> tuple[float, tuple[int, ...], f
         else:
             definitive = False
     proven = definitive and lo >= hi
-    if time.monotonic() < deadline:
-        status, counts, _ = bis.check(float(candidates[hi]), deadline, minimize=True)
-        if status is CoverStatus.FEASIBLE and counts is not None:
-            best_counts = counts
+    best_counts = _fewest_copies(bis, float(candidates[hi]), deadline, best_counts)
     lower = float(candidates[hi]) if proven else float(candidates[proven_infeasible + 1])
     return float(candidates[hi]), best_counts, lower, proven
+
+
+def _bisect_real(
+    bis: _Bisection, deadline: float
+) -> tuple[float, tuple[int, ...], float, bool] | None:
+    """Bisection on the real line (huge batches): stops at a relative width of 1e-6."""
+    b = bis.problem.global_batch_size
+    hi = float(np.max(bis.base_s + (np.ceil(b / bis.mbs) - 1) * bis.period_s))
+    lo = float(np.min(bis.base_s))
+    status, counts, _ = bis.check(hi, deadline)
+    if status is not CoverStatus.FEASIBLE or counts is None:
+        return None
+    best_counts, lower = counts, lo
+    while hi - lo > 1e-6 * hi and time.monotonic() < deadline:
+        mid = (lo + hi) / 2
+        status, counts, _ = bis.check(mid, deadline)
+        if status is CoverStatus.FEASIBLE and counts is not None:
+            hi, best_counts = mid, counts
+        else:
+            lo = mid
+            lower = mid if status is CoverStatus.INFEASIBLE else lower
+    best_counts = _fewest_copies(bis, hi, deadline, best_counts)
+    return hi, best_counts, lower, False
+
+
+def _fewest_copies(
+    bis: _Bisection, target_s: float, deadline: float, counts: tuple[int, ...]
+) -> tuple[int, ...]:
+    """Among the layouts that meet ``target_s``, one with the fewest replicas."""
+    if time.monotonic() >= deadline:
+        return counts
+    status, fewest, _ = bis.check(target_s, deadline, minimize=True)
+    return fewest if status is CoverStatus.FEASIBLE and fewest is not None else counts
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -416,11 +267,18 @@ def _copy_time(copy: _Copy, samples: int) -> float:
 
 
 def share_batch(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
-    """Samples per copy minimising the slowest copy's time (water-filling by micro-batch)."""
-    samples = [0] * len(copies)
-    heap = [(_copy_time(c, c.template.micro_batch_size), i) for i, c in enumerate(copies)]
+    """Samples per copy minimising the slowest copy's time (water-filling by micro-batch).
+
+    Bulk first: bisection finds the latest time by which the copies' completed
+    micro-batches still fit in the batch; a heap then hands out the rest one micro-batch
+    at a time to the copy that would finish it first.
+    """
+    samples = _bulk_shares(copies, global_batch_size)
+    heap = [
+        (_copy_time(c, samples[i] + c.template.micro_batch_size), i) for i, c in enumerate(copies)
+    ]
     heapq.heapify(heap)
-    left = global_batch_size
+    left = global_batch_size - sum(samples)
     while left > 0 and heap:
         _, i = heapq.heappop(heap)
         add = min(copies[i].template.micro_batch_size, left)
@@ -429,6 +287,30 @@ def share_batch(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
         nxt = samples[i] + copies[i].template.micro_batch_size
         heapq.heappush(heap, (_copy_time(copies[i], nxt), i))
     return samples
+
+
+def _bulk_shares(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
+    def done_by(time_s: float) -> list[int]:
+        out = []
+        for c in copies:
+            t = c.template
+            if time_s < c.base_s:
+                out.append(0)
+                continue
+            steps = math.floor((time_s - c.base_s) / t.period_s) + 1 if t.period_s > 0 else math.inf
+            out.append(int(min(steps, global_batch_size)) * t.micro_batch_size)
+        return out
+
+    if not copies:
+        return []
+    lo, hi = 0.0, max(_copy_time(c, global_batch_size) for c in copies)
+    for _ in range(64):
+        mid = (lo + hi) / 2
+        if sum(done_by(mid)) <= global_batch_size:
+            lo = mid
+        else:
+            hi = mid
+    return done_by(lo) if sum(done_by(lo)) <= global_batch_size else [0] * len(copies)
 
 
 def layout_from_copies(copies: Sequence[_Copy], samples: Sequence[int]) -> Layout:
@@ -471,34 +353,6 @@ def _prune_copies(problem: PlanningProblem, copies: list[_Copy], deadline: float
     return layout
 
 
-# ---------------------------------------------------------------------------- search
-def search(
-    problem: PlanningProblem,
-    options: SolveOptions,
-    deadline: float,
-    report: Callable[[object], None],
-) -> None:
-    """Run every scenario; ``report`` receives Candidates, then the final SearchOutcome."""
-    backend = select_backend(options.backend)
-    classes = device_classes(problem)
-    templates, exhaustive = enumerate_templates(problem, classes, options)
-    if not templates:
-        raise InfeasiblePlanError(diagnose_infeasible(problem))
-    outcome = SearchOutcome(exhaustive=exhaustive, backend=backend.value)
-    if backend is MilpBackend.HEURISTIC:
-        outcome.notes.append("no MILP solver works here; used the greedy planner (install highspy)")
-    for scenario in make_scenarios(problem, classes):
-        if time.monotonic() >= deadline:
-            outcome.notes.append("time limit reached before every scenario was searched")
-            break
-        candidate = _solve_scenario(problem, classes, templates, scenario, backend, deadline)
-        if candidate is not None:
-            report(candidate)
-            outcome.candidates.append(candidate)
-    outcome.finished = time.monotonic() < deadline
-    report(outcome)
-
-
 def _solve_scenario(
     problem: PlanningProblem,
     classes: Sequence[DeviceClass],
@@ -512,7 +366,7 @@ def _solve_scenario(
         return None
     base = np.array(
         [
-            t.fill_s + t.optimizer_s + _allreduce_estimate_s(problem, classes, scenario, t)
+            t.fill_s + t.optimizer_s + allreduce_estimate_s(problem, classes, scenario, t)
             for t in chosen
         ]
     )
@@ -520,7 +374,6 @@ def _solve_scenario(
     for j, t in enumerate(chosen):
         for c in t.classes:
             usage[c, j] += 1
-    available = np.array([c.size for c in classes], dtype=np.int64)
     bis = _Bisection(
         problem=problem,
         templates=list(chosen),
@@ -528,8 +381,8 @@ def _solve_scenario(
         period_s=np.array([t.period_s for t in chosen]),
         mbs=np.array([t.micro_batch_size for t in chosen], dtype=float),
         usage=usage,
-        available=available,
-        max_copies=1 if scenario.single_replica else None,
+        available=np.array([c.size for c in classes], dtype=np.int64),
+        max_copies=scenario.max_copies,
         backend=backend,
     )
     found = _bisect(bis, deadline)
@@ -541,9 +394,137 @@ def _solve_scenario(
     return Candidate(layout, scenario.name, model_time, lower, proven)
 
 
+def search_problem(
+    problem: PlanningProblem,
+    options: SolveOptions,
+    backend: MilpBackend,
+    deadline: float,
+    report: Callable[[Candidate], None],
+) -> tuple[bool, bool]:
+    """Search one problem; report each candidate. Returns (exhaustive, complete)."""
+    classes = device_classes(problem)
+    budget = time.monotonic() + TEMPLATE_BUDGET_SHARE * max(deadline - time.monotonic(), 0.0)
+    found = enumerate_templates(
+        problem,
+        classes,
+        max_stages=options.max_stages,
+        exhaustive_limit=options.exhaustive_limit,
+        budget_deadline=budget,
+    )
+    if not found.templates:
+        if not found.complete:
+            return False, False
+        raise InfeasiblePlanError(diagnose_infeasible(problem))
+    complete = found.complete
+    for scenario in make_scenarios(problem, classes):
+        if time.monotonic() >= deadline:
+            complete = False
+            break
+        candidate = _solve_scenario(problem, classes, found.templates, scenario, backend, deadline)
+        if candidate is not None:
+            report(candidate)
+    return found.exhaustive, complete
+
+
+def search(
+    problem: PlanningProblem,
+    options: SolveOptions,
+    deadline: float,
+    report: Callable[[object], None],
+) -> None:
+    """Single-node searches, then the whole cluster; ``report`` receives Candidates, then
+    the final SearchOutcome."""
+    backend = select_backend(options.backend)
+    outcome = SearchOutcome(backend=backend.value)
+    if backend is MilpBackend.HEURISTIC:
+        outcome.notes.append(
+            "greedy planner (as requested): no optimality claim"
+            if options.backend == MilpBackend.HEURISTIC.value
+            else "no MILP solver works here; used the greedy planner (install highspy)"
+        )
+    for node in _single_nodes(problem):
+        sub, devices = subproblem(problem, node)
+        sub_deadline = time.monotonic() + NODE_SEARCH_SHARE * max(deadline - time.monotonic(), 0.0)
+        # The model may not fit one node alone; the whole cluster may still hold it.
+        with contextlib.suppress(InfeasiblePlanError):
+            search_problem(sub, options, backend, sub_deadline, _mapped(report, devices, node))
+    outcome.exhaustive, outcome.complete = search_problem(
+        problem, options, backend, deadline, report
+    )
+    outcome.finished = time.monotonic() < deadline
+    if not outcome.complete:
+        outcome.notes.append(
+            "the time limit cut the search short; the plan may improve with a longer --time-limit"
+        )
+    report(outcome)
+
+
+def _single_nodes(problem: PlanningProblem) -> list[str]:
+    """One node of each group of interchangeable nodes (none on a one-node cluster)."""
+    if len(set(problem.device_nodes)) < 2:
+        return []
+    return [group[0] for group in node_groups(problem)]
+
+
+def _mapped(
+    report: Callable[[object], None], devices: Sequence[int], node: str
+) -> Callable[[Candidate], None]:
+    def forward(candidate: Candidate) -> None:
+        layout = Layout(
+            tuple(
+                replace(
+                    r, stages=tuple(replace(s, device_idx=devices[s.device_idx]) for s in r.stages)
+                )
+                for r in candidate.layout.replicas
+            )
+        )
+        report(
+            replace(
+                candidate, layout=layout, scenario=f"{node} alone: {candidate.scenario}", main=False
+            )
+        )
+
+    return forward
+
+
+def subproblem(problem: PlanningProblem, node: str) -> tuple[PlanningProblem, tuple[int, ...]]:
+    """The problem restricted to one node's devices, and their indices in ``problem``."""
+    devices = tuple(d for d, n in enumerate(problem.device_nodes) if n == node)
+    idx = np.array(devices)
+    sub = replace(
+        problem,
+        device_names=tuple(problem.device_names[d] for d in devices),
+        device_nodes=tuple(problem.device_nodes[d] for d in devices),
+        device_kinds=tuple(problem.device_kinds[d] for d in devices),
+        memory_capacity_bytes=problem.memory_capacity_bytes[idx],
+        fwd_time_s=problem.fwd_time_s[idx],
+        bwd_time_s=problem.bwd_time_s[idx],
+        optimizer_time_s=problem.optimizer_time_s[idx],
+        bandwidth_bytes_per_s=problem.bandwidth_bytes_per_s[np.ix_(idx, idx)],
+        latency_s=problem.latency_s[np.ix_(idx, idx)],
+    )
+    return sub, devices
+
+
+def run_search(problem: PlanningProblem, options: SolveOptions) -> SearchOutcome:
+    """``search`` under the wall-clock limit (a watchdog child process by default)."""
+    items, finished = run_with_deadline(
+        lambda deadline, report: search(problem, options, deadline, report),
+        options.time_limit_s,
+        use_child=options.watchdog,
+    )
+    candidates = [item for item in items if isinstance(item, Candidate)]
+    outcomes = [item for item in items if isinstance(item, SearchOutcome)]
+    outcome = outcomes[-1] if outcomes else SearchOutcome()
+    outcome.candidates = candidates
+    if not finished or not outcomes:
+        outcome.finished = False
+        outcome.notes.append(f"solver stopped at the {options.time_limit_s:g} s limit")
+    return outcome
+
+
 def diagnose_infeasible(problem: PlanningProblem) -> str:
     """One line naming the binding memory constraint and what to change."""
-    gb = 1e9
     smallest_mbs = problem.micro_batch_sizes[0]
     biggest = int(np.argmax(problem.memory_capacity_bytes))
     capacity = float(problem.memory_capacity_bytes[biggest])
@@ -551,117 +532,21 @@ def diagnose_infeasible(problem: PlanningProblem) -> str:
     worst = int(np.argmax(need))
     if need[worst] > capacity:
         return (
-            f"unit `{problem.unit_names[worst]}` needs {need[worst] / gb:.1f} GB on every "
-            "device of its stage (parameters, gradients, optimizer state and activations of "
-            f"{smallest_mbs} sample); the largest device ({problem.device_names[biggest]}) "
-            f"has {capacity / gb:.1f} GB usable; add a device with at least "
-            f"{math.ceil(need[worst] / gb)} GB"
+            f"unit `{problem.unit_names[worst]}` needs {_size(need[worst])} on every device of "
+            "its stage (parameters, gradients, optimizer state and activations of "
+            f"{smallest_mbs} sample); the largest device ({problem.device_names[biggest]}) has "
+            f"{_size(capacity)} usable; add a device with more memory than that"
         )
     total = float(problem.static_memory_bytes.sum())
-    pooled = float(np.sort(problem.memory_capacity_bytes)[::-1][: problem.num_units].sum())
     return (
-        f"the model needs {total / gb:.1f} GB for parameters, gradients and optimizer state plus "
-        f"activations, and no pipeline of at most {problem.num_devices} devices holds it "
-        f"(their usable memory adds up to {pooled / gb:.1f} GB); add devices or memory, or reduce "
-        "the micro-batch size"
+        f"the model needs {_size(total)} for parameters, gradients and optimizer state plus "
+        f"activations, and no pipeline of at most {problem.num_devices} devices holds it; add "
+        "devices or memory, or reduce the micro-batch size"
     )
 
 
-# ---------------------------------------------------------------------------- watchdog
-def run_search(problem: PlanningProblem, options: SolveOptions) -> SearchOutcome:
-    """Run ``search`` under the wall-clock limit; a child process is killed at the deadline."""
-    deadline = time.monotonic() + options.time_limit_s
-    if not options.watchdog or "fork" not in mp.get_all_start_methods():
-        return _collect_in_process(problem, options, deadline)
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_child_main, args=(problem, options, deadline, queue), daemon=True)
-    child.start()
-    outcome = SearchOutcome()
-    grace_s = 2.0
-    while True:
-        remaining = deadline + grace_s - time.monotonic()
-        item = _get(queue, remaining)
-        if item is None:
-            break
-        if isinstance(item, BaseException):
-            _kill(child)
-            raise item
-        if isinstance(item, Candidate):
-            outcome.candidates.append(item)
-        elif isinstance(item, SearchOutcome):
-            item.candidates = outcome.candidates
-            outcome = item
-            break
-    _kill(child)
-    if not outcome.finished:
-        outcome.notes.append(f"solver stopped at the {options.time_limit_s:g} s limit")
-    return outcome
-
-
-def _get(queue: mp.Queue, timeout_s: float) -> object | None:  # type: ignore[type-arg]
-    if timeout_s <= 0:
-        return None
-    try:
-        return queue.get(timeout=timeout_s)
-    except Exception:
-        return None
-
-
-@contextlib.contextmanager
-def _stdout_to_devnull() -> Iterator[None]:
-    """Silence native solver banners on fd 1 (HiGHS prints one per process), which would
-    otherwise corrupt ``--json`` output on stdout."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
-
-
-def _child_main(
-    problem: PlanningProblem, options: SolveOptions, deadline: float, queue: mp.Queue
-) -> None:  # type: ignore[type-arg]
-    os.setsid()
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    try:
-        search(problem, options, deadline, queue.put)
-    except HplanError as exc:
-        queue.put(exc)
-    except Exception as exc:  # an unexpected solver crash must reach the parent, not hang it
-        queue.put(RuntimeError(f"solver crashed: {type(exc).__name__}: {exc}"))
-    queue.close()
-    queue.join_thread()
-
-
-def _kill(child: Any) -> None:
-    if child.is_alive() and child.pid is not None:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            child.kill()
-    child.join(timeout=5)
-
-
-def _collect_in_process(
-    problem: PlanningProblem, options: SolveOptions, deadline: float
-) -> SearchOutcome:
-    outcome = SearchOutcome()
-
-    def report(item: object) -> None:
-        nonlocal outcome
-        if isinstance(item, Candidate):
-            outcome.candidates.append(item)
-        elif isinstance(item, SearchOutcome):
-            item.candidates = outcome.candidates
-            outcome = item
-
-    with _stdout_to_devnull():
-        search(problem, options, deadline, report)
-    return outcome
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes:.0f} bytes"

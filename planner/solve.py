@@ -67,18 +67,22 @@ def solve(problem: PlanningProblem, options: SolveOptions | None = None) -> Solv
     notes = list(outcome.notes)
     if not outcome.exhaustive:
         notes.append(
-            "large instance: stage orders chosen by heuristics, splits by dynamic programming"
+            "too many candidate pipelines to enumerate: stage orders chosen by heuristics, "
+            "unit splits by dynamic programming; the gap is measured within that search"
         )
     return SolveResult(layout, ev, status, gap, outcome.backend or "none", source, tuple(notes))
 
 
 def _status(outcome: SearchOutcome) -> tuple[SolverStatus, float | None]:
-    if outcome.backend == "heuristic" or not outcome.candidates:
+    """Optimal when the whole-cluster search was exhaustive, finished, and every bisection
+    was proven; otherwise the gap of the best model time to the best lower bound."""
+    main = [c for c in outcome.candidates if c.main]
+    if outcome.backend == "heuristic" or not main:
         return SolverStatus.HEURISTIC, None
     best_model = min(c.model_time_s for c in outcome.candidates)
-    lower = min(c.lower_bound_s for c in outcome.candidates)
+    lower = min(c.lower_bound_s for c in main)
     gap = max(0.0, (best_model - lower) / best_model) if best_model > 0 else 0.0
-    proven = outcome.finished and outcome.exhaustive and all(c.proven for c in outcome.candidates)
-    if proven:
+    proven = outcome.finished and outcome.complete and all(c.proven for c in main)
+    if proven and outcome.exhaustive:
         return SolverStatus.OPTIMAL, 0.0
-    return SolverStatus.FEASIBLE, gap if outcome.finished else None
+    return SolverStatus.FEASIBLE, gap if outcome.finished and outcome.complete else None
