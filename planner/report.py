@@ -65,6 +65,12 @@ def _rank_reports(
     return tuple(sorted(reports, key=lambda r: r.rank))
 
 
+def _source_note(source: str) -> str:
+    if source.startswith("baseline"):
+        return f"the {source} was the fastest layout found"
+    return f"found by the search scenario: {source}"
+
+
 def build_report(
     problem: PlanningProblem,
     result: SolveResult,
@@ -101,5 +107,5 @@ def build_report(
         reference_time_per_sample_s=reference_s / reference_mbs,
         reference_micro_batch_size=reference_mbs,
         baselines=baseline_reports(problem),
-        notes=(*notes, f"layout from: {result.source}", *result.notes),
+        notes=(*notes, _source_note(result.source), *result.notes),
     )
