@@ -21,6 +21,7 @@ from hplan.planner.cluster import Cluster, load_cluster, to_cluster_spec
 from hplan.planner.costgraph import ModelGraph, build_model_graph
 from hplan.planner.costmodel import RooflineSource, build_problem, optimizer_state_factor
 from hplan.planner.evaluate import evaluate
+from hplan.planner.modelcheck import check_trains
 from hplan.planner.problem import PlanningProblem
 from hplan.planner.report import build_report
 from hplan.planner.search import SolveOptions
@@ -90,6 +91,8 @@ def plan_training(
     say("loading and tracing the model")
     model_file = load_model_file(request.model_path)
     graph = build_model_graph(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
+    say("checking that the model trains")
+    check_trains(model_file, seed=request.seed)
     source = RooflineSource()
     problem = build_problem(
         graph,

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
+
 from hplan.runtime.errors import ModelFileError
 
 REQUIRED = ("build_model", "sample_batch", "loss_fn")
@@ -92,6 +94,53 @@ def load_model_file(path: str | Path) -> ModelFile:
     )
 
 
+def checked_loss(
+    model_file: ModelFile, outputs: Any, targets: Any, *, require_grad: bool = False
+) -> Tensor:
+    """``model_file.loss_fn(outputs, targets)``, checked: a scalar tensor.
+
+    Args:
+        require_grad: also require that the loss needs a gradient (true when the whole
+            model ran with autograd on; a pipeline stage without trainable parameters
+            legitimately returns a loss without one).
+
+    Raises:
+        ModelFileError: ``loss_fn`` raised, or returned something other than a
+            one-element tensor (or, with ``require_grad``, one that needs no gradient).
+    """
+    where = f"loss_fn in {str(model_file.path)!r}"
+    try:
+        loss = model_file.loss_fn(outputs, targets)
+    except Exception as exc:
+        raise ModelFileError(
+            f"{where} raised {_first_line(exc)} on (model outputs, targets from "
+            "sample_batch/dataset); fix loss_fn in model.py"
+        ) from None
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, Tensor)
+            else (f"a {type(loss).__name__}")
+        )
+        raise ModelFileError(
+            f"{where} returned {got}; fix loss_fn to return a scalar tensor, the mean loss "
+            "over the samples it is given (for example `.mean()`)"
+        )
+    if require_grad and not loss.requires_grad:
+        raise ModelFileError(
+            f"{where} returned a loss that needs no gradient, so nothing would train; fix "
+            "loss_fn to compute it from the model outputs (no .detach(), .item() or "
+            "torch.no_grad())"
+        )
+    return loss
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0][:200] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def plan_model_path(
     recorded: str, plan_path: str | Path, override: str | Path | None = None
 ) -> Path:
@@ -130,6 +179,13 @@ def _import(file: Path, module_name: str) -> Any:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        del sys.modules[module_name]
+        raise ModelFileError(
+            f"model file {str(file)!r} called sys.exit({exc.code!r}){_line_in(file, exc)} while "
+            "importing; hplan imports model.py as a module, so put script code under "
+            "`if __name__ == '__main__':`"
+        ) from None
     except Exception as exc:
         del sys.modules[module_name]
         line = _line_in(file, exc)

@@ -26,8 +26,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from hplan.runtime.data import MicroBatch, stage_inputs
-from hplan.runtime.errors import PlanMismatchError
 from hplan.runtime.grad_sync import loss_weight
+from hplan.runtime.model_file import checked_loss
 from hplan.runtime.plan import MemoryStrategy, RankPlan, microbatch_sizes
 from hplan.runtime.schedule import Action, ActionKind, build_schedule
 
@@ -147,13 +147,7 @@ class StepRunner:
 
     def _loss(self, outputs: dict[str, Any], mb: MicroBatch) -> Tensor:
         targets = _to_device(mb.targets, self.state.device)
-        loss = self.state.model_file.loss_fn(outputs["output"], targets)
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise PlanMismatchError(
-                f"loss_fn returned {type(loss).__name__} "
-                f"{tuple(loss.shape) if isinstance(loss, Tensor) else ''}; it must return a "
-                "scalar tensor (the mean loss of the batch it is given)"
-            )
+        loss = checked_loss(self.state.model_file, outputs["output"], targets)
         return loss.reshape(()) * loss_weight(mb.num_samples, self.state.plan.global_batch_size)
 
     def _backward(self, mb: MicroBatch) -> None:

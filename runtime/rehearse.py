@@ -58,7 +58,7 @@ from hplan.runtime.metrics import (
     step_summary,
     summarize_metrics,
 )
-from hplan.runtime.model_file import ModelFile, load_model_file
+from hplan.runtime.model_file import ModelFile, checked_loss, load_model_file
 from hplan.runtime.plan import Plan
 from hplan.runtime.trace import bind_inputs
 from hplan.runtime.verify import VERIFY_TOLERANCE, verify_first_step
@@ -146,7 +146,7 @@ def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: i
         times_s = []
         for _ in range(repeats + 1):
             start_s = time.thread_time()
-            model_file.loss_fn(model(**bound), targets).backward()
+            checked_loss(model_file, model(**bound), targets, require_grad=True).backward()
             times_s.append(time.thread_time() - start_s)
             model.zero_grad(set_to_none=True)
     return min(times_s[1:]) / batch_size

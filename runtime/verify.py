@@ -16,7 +16,7 @@ import torch
 
 from hplan.runtime.data import BatchSource
 from hplan.runtime.errors import ConfigError
-from hplan.runtime.model_file import ModelFile
+from hplan.runtime.model_file import ModelFile, checked_loss
 from hplan.runtime.plan import Plan
 from hplan.runtime.trace import bind_inputs
 
@@ -62,7 +62,8 @@ def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> Re
         first_grads: dict[str, torch.Tensor] = {}
         for step in range(num_steps):
             inputs, targets = source.global_batch(step)
-            loss = model_file.loss_fn(model(**bind_inputs(model, inputs)), targets)
+            outputs = model(**bind_inputs(model, inputs))
+            loss = checked_loss(model_file, outputs, targets, require_grad=True)
             loss.backward()
             losses.append(float(loss.detach()))
             if step == 0:

@@ -160,6 +160,39 @@ BAD_MODELS = {
 }
 
 
+LINEAR_MODEL = """\
+import torch
+def build_model():
+    return torch.nn.Linear(4, 4)
+def sample_batch(n):
+    return torch.randn(n, 4), torch.randn(n, 4)
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+"""
+BAD_MODELS.update(
+    {
+        "loss raises": (
+            LINEAR_MODEL.replace("return ((out - y) ** 2).mean()", "return {}['labels']"),
+            "loss_fn",
+        ),
+        "loss not a scalar": (
+            LINEAR_MODEL.replace("((out - y) ** 2).mean()", "(out - y) ** 2"),
+            "shape (2, 4); fix loss_fn",
+        ),
+        "loss detached": (
+            LINEAR_MODEL.replace("((out - y) ** 2).mean()", "((out - y) ** 2).mean().detach()"),
+            "needs no gradient",
+        ),
+        "no parameters": (
+            LINEAR_MODEL.replace("torch.nn.Linear(4, 4)", "torch.nn.ReLU()"),
+            "without trainable parameters",
+        ),
+        "exits while importing": ("import sys\nsys.exit(0)\n", "sys.exit"),
+        "exits 1 while importing": ("raise SystemExit(1)\n", "sys.exit"),
+    }
+)
+
+
 @pytest.mark.parametrize("case", sorted(BAD_MODELS))
 def test_bad_model_file_is_one_line_exit_2(case, tmp_path, capsys):
     text, needle = BAD_MODELS[case]

@@ -11,9 +11,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
-from hplan.runtime.errors import PeerFailureError, RehearsalChildError
+from hplan.runtime.errors import ModelFileError, PeerFailureError, RehearsalChildError
+from hplan.runtime.model_file import checked_loss, load_model_file
 from hplan.runtime.plan import Backend, Plan
 from hplan.runtime.rehearse import (
     default_dilation,
@@ -132,3 +134,33 @@ def test_a_hung_rank_is_killed_at_the_timeout(tmp_path: Path) -> None:
     plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=4)])
     with pytest.raises(PeerFailureError, match=r"timed out after 5 s with ranks \[.*1.*\]"):
         rehearse(plan, steps=1, metrics_dir=tmp_path / "m", timeout_s=5.0)
+
+
+def test_a_loss_fn_that_fails_is_a_model_file_error_not_a_crash(tmp_path: Path) -> None:
+    source = NUMBERED_DATASET.replace(
+        "return torch.nn.functional.mse_loss(pred, target)",
+        "return torch.nn.functional.mse_loss(pred, target, reduction='none')",
+    )
+    path = write_model(tmp_path, source)
+    plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=4)])
+    with pytest.raises(RehearsalChildError) as info:  # caught by the rank holding the loss
+        rehearse(plan, steps=1, metrics_dir=tmp_path / "m", timeout_s=TIMEOUT_S)
+    assert info.value.exit_code == 2
+    assert "rank 1 failed (exit 2)" in str(info.value)
+    assert "ModelFileError: loss_fn in" in str(info.value)
+    assert "returned a tensor of shape (2, 1); fix loss_fn" in str(info.value)
+
+
+def test_the_runtime_checks_what_loss_fn_returns(tmp_path: Path) -> None:
+    path = write_model(tmp_path, NUMBERED_DATASET.replace("mse_loss(pred, target)", "x"))
+    model_file = load_model_file(path)
+    with pytest.raises(ModelFileError, match=r"loss_fn in .* raised AttributeError"):
+        checked_loss(model_file, torch.zeros(2, 1), torch.zeros(2, 1))
+    model_file = replace(model_file, loss_fn=lambda out, y: (out - y).sum().item())
+    with pytest.raises(ModelFileError, match=r"returned a float; fix loss_fn"):
+        checked_loss(model_file, torch.zeros(2, 1), torch.zeros(2, 1))
+    model_file = replace(model_file, loss_fn=lambda out, y: (out - y).sum())
+    loss = checked_loss(model_file, torch.zeros(2, 1), torch.ones(2, 1))
+    assert float(loss) == -2.0
+    with pytest.raises(ModelFileError, match="needs no gradient"):
+        checked_loss(model_file, torch.zeros(2, 1), torch.ones(2, 1), require_grad=True)
