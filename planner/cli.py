@@ -150,7 +150,7 @@ def solve(
 ) -> None:
     """Plan training of MODEL (a model.py) on a cluster and write the plan and launch scripts."""
     from hplan.planner.api import SolveRequest, Strategy, plan_training
-    from hplan.planner.emit import emit
+    from hplan.planner.emit import check_out_dir, emit
     from hplan.planner.render import print_text, wide_console
 
     request = SolveRequest(
@@ -168,6 +168,7 @@ def solve(
         strategy=Strategy(strategy),
         out_dir=out_dir,
     )
+    check_out_dir(out_dir)
     with stderr.status("planning...") as status:
         outcome = plan_training(request, progress=lambda msg: status.update(f"{msg}..."))
     written = emit(outcome.plan, out_dir)

@@ -16,6 +16,7 @@ Layout of ``out_dir`` after :func:`emit`::
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from pathlib import Path
 import jinja2
 
 from hplan.planner.render import compact_unit_groups, render_dot, render_json, render_text
-from hplan.runtime.errors import PlanFileError
+from hplan.runtime.errors import ConfigError, PlanFileError
 from hplan.runtime.plan import Backend, Plan
 
 LAUNCH_DIR = "launch"
@@ -34,6 +35,8 @@ _PLAN_FROM_LAUNCH_DIR = f"../{PLAN_FILE}"
 _CPU_KIND = "cpu"
 _UNSAFE_FILE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _EXECUTE_BITS = 0o111
+_NODE_SCRIPT_MARK = b"\n# hplan launch script for node "
+"""Second line of every node script (``templates/node.sh.j2``): marks the files emit owns."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,25 +233,70 @@ def render_artifacts(plan: Plan) -> dict[str, str]:
     return artifacts
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """Check, before planning, that ``out_dir`` is or can become a writable folder.
+
+    Raises:
+        ConfigError: ``out_dir`` or a folder above it is a file, or the nearest existing
+            folder cannot be written.
+    """
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == out_dir else f"is inside {str(existing)!r}, a file"
+        raise ConfigError(
+            f"output folder {str(out_dir)!r} {what}; pass -o a folder (new or existing)"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"output folder {str(out_dir)!r} cannot be written ({str(existing)!r} is not "
+            "writable); pass -o a folder you can write to"
+        )
+
+
 def emit(plan: Plan, out_dir: Path) -> list[Path]:
     """Write the plan's artifacts under ``out_dir`` and return their paths in a stable order.
 
     Files: ``plan.json``, ``plan.schema.json``, ``plan.dot``, ``summary.txt`` and the launch
-    scripts under ``launch/`` (executable). Existing files of the same names are replaced;
-    other files are left alone. Everything is rendered before anything is written.
+    scripts under ``launch/`` (executable). Existing files of the same names are replaced,
+    and node scripts that an earlier plan wrote for nodes this plan does not use are
+    removed; other files are left alone. Everything is rendered before anything is written.
 
     Raises:
         PlanFileError: the plan cannot be rendered (clashing node script names, a boundary
             tensor of unknown dtype).
-        OSError: ``out_dir`` cannot be written.
+        ConfigError: ``out_dir`` cannot be written (the message names the file and why).
     """
     artifacts = render_artifacts(plan)
     written = []
-    for relpath, text in artifacts.items():
-        path = out_dir / relpath
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(text.encode("utf-8"))
-        if relpath.startswith(f"{LAUNCH_DIR}/"):
-            path.chmod(path.stat().st_mode | _EXECUTE_BITS)
-        written.append(path)
+    try:
+        _remove_stale_node_scripts(out_dir, set(artifacts))
+        for relpath, text in artifacts.items():
+            path = out_dir / relpath
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(text.encode("utf-8"))
+            if relpath.startswith(f"{LAUNCH_DIR}/"):
+                path.chmod(path.stat().st_mode | _EXECUTE_BITS)
+            written.append(path)
+    except OSError as exc:
+        where = exc.filename or out_dir
+        raise ConfigError(
+            f"cannot write the plan to {str(out_dir)!r}: {str(where)!r}: "
+            f"{exc.strerror or type(exc).__name__}; pass -o a folder you can write to"
+        ) from None
     return written
+
+
+def _remove_stale_node_scripts(out_dir: Path, keep: set[str]) -> None:
+    """Delete ``launch/node-*.sh`` files that hplan wrote and this plan does not (re)write."""
+    launch = out_dir / LAUNCH_DIR
+    if not launch.is_dir():
+        return
+    for path in sorted(launch.glob("node-*.sh")):
+        if f"{LAUNCH_DIR}/{path.name}" in keep or not path.is_file():
+            continue
+        with path.open("rb") as file:
+            head = file.read(len(_NODE_SCRIPT_MARK) + 64)
+        if _NODE_SCRIPT_MARK in head:
+            path.unlink()

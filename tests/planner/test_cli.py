@@ -280,3 +280,16 @@ def test_a_plan_whose_model_file_is_gone_names_the_model_option(tmp_path, capsys
     code, _, err = _run(["rehearse", str(tmp_path / "o" / "plan.json")], capsys)
     assert code == 2
     _assert_one_line_error(err, "'../model.py'", "--model")
+
+
+@pytest.mark.parametrize("where", ["a file", "below a file", "in /proc"])
+def test_an_output_folder_that_cannot_be_written_is_one_line_exit_2(where, tmp_path, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    out = {"a file": blocker, "below a file": blocker / "out", "in /proc": Path("/proc/hplan")}
+    if where == "in /proc" and not Path("/proc/self").exists():
+        pytest.skip("needs /proc")
+    cluster = CLUSTERS / "cpu-rehearsal.yaml"
+    code, _, err = _run(["solve", str(MLP), "-c", str(cluster), "-o", str(out[where])], capsys)
+    assert code == 2
+    _assert_one_line_error(err, str(out[where]))

@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 
 from hplan.planner.emit import (
+    check_out_dir,
     emit,
     launch_nodes,
     node_script_name,
     render_launch_scripts,
     schema_text,
 )
-from hplan.runtime.errors import PlanFileError
+from hplan.runtime.errors import ConfigError, PlanFileError
 from hplan.runtime.plan import NodeSpec, Plan
 from tests.fixtures.sample_plans import (
     SAMPLE_PLANS,
@@ -384,3 +385,24 @@ def test_hostile_names_arrive_intact_and_execute_nothing(tmp_path: Path) -> None
     assert argv[0] == "hplan"
     leftovers = [p.name for p in tmp_path.rglob("pwned*")]
     assert leftovers == []
+
+
+def test_re_emitting_removes_node_scripts_of_the_old_plan_only(tmp_path: Path) -> None:
+    emit(mixed_plan(), tmp_path)  # node-box-a.sh, node-box-b.sh
+    mine = tmp_path / "launch" / "node-mine.sh"
+    mine.write_text("#!/usr/bin/env bash\necho my own script\n")
+    written = emit(cpu_plan(), tmp_path)  # node-localhost.sh
+    scripts = sorted(p.name for p in (tmp_path / "launch").glob("node-*.sh"))
+    assert scripts == ["node-localhost.sh", "node-mine.sh"]
+    assert all(p.exists() for p in written)
+
+
+def test_an_output_folder_that_cannot_be_written_is_a_config_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a folder")
+    for out in (blocker, blocker / "sub"):
+        with pytest.raises(ConfigError, match="pass -o a folder"):
+            check_out_dir(out)
+        with pytest.raises(ConfigError, match="cannot write the plan to"):
+            emit(cpu_plan(), out)
+    check_out_dir(tmp_path / "new" / "folder")  # may be created
