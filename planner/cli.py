@@ -27,13 +27,19 @@ stderr = Console(stderr=True, highlight=False)
 
 
 def _sizes(text: str | None) -> tuple[int, ...] | None:
-    if not text:
+    """``--micro-batch-sizes``: None when not given; otherwise comma-separated integers >= 1."""
+    if text is None:
         return None
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise ConfigError(
+            f"--micro-batch-sizes {text!r} has an empty item; give integers like 1,2,4"
+        )
     try:
-        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+        sizes = tuple(sorted({int(x) for x in items}))
     except ValueError:
         raise ConfigError(f"--micro-batch-sizes {text!r} must be integers like 1,2,4") from None
-    if not sizes or sizes[0] < 1:
+    if sizes[0] < 1:
         raise ConfigError(f"--micro-batch-sizes {text!r} must be integers >= 1")
     return sizes
 

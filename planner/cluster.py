@@ -196,6 +196,11 @@ def load_cluster(path: str | Path) -> Cluster:
             a matrix of the wrong size). One line: file, key path, what is allowed.
     """
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError(
+            f"cluster file {str(path)!r} is a directory; pass the path to a cluster.yaml "
+            "(examples in examples/clusters/)"
+        )
     if not file.is_file():
         raise ConfigError(
             f"cluster file {str(path)!r} does not exist; pass the path to a cluster.yaml "

@@ -10,6 +10,7 @@ the problem, what is allowed). ``cluster.py`` turns a validated ``ClusterFile`` 
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import re
 from enum import StrEnum
@@ -201,15 +202,23 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 def pydantic_message(exc: ValidationError) -> str:
-    """One line for the first validation error: key path, problem, what is allowed."""
-    error = exc.errors(include_url=False)[0]
+    """One line for the first validation error: key path, problem, what is allowed.
+
+    An unknown key is reported before any other error: a misspelt key (``devcies:``) also
+    makes the key it was meant to be missing, and the misspelling is the thing to fix.
+    """
+    errors = exc.errors(include_url=False)
+    error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = error["loc"]
     path = _key_path(loc)
     kind = error["type"]
     if kind == "extra_forbidden":
         model = _model_at(loc[:-1])
-        allowed = ", ".join(model.model_fields) if model is not None else "see the README"
-        return f"{path}: unknown key; allowed keys here: {allowed}"
+        if model is None:
+            return f"{path}: unknown key; see examples/clusters/README.md for the keys"
+        close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return f"{path}: unknown key; {hint}allowed keys here: {', '.join(model.model_fields)}"
     if not loc:
         return (
             "(top level): the file must be a mapping with a `nodes:` list (see examples/clusters/)"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import socket
 import statistics
@@ -371,7 +372,7 @@ def rehearse(
         PeerFailureError: the run exceeded ``timeout_s`` (every rank is killed).
         ModelFileError, ConfigError: bad inputs.
     """
-    _check_options(steps, dilation, time_scale)
+    _check_options(steps, dilation, time_scale, timeout_s)
     console = console or Console(stderr=True)
     model = str(model_path or plan.model.path)
     model_file = load_model_file(model)
@@ -409,13 +410,21 @@ def rehearse(
     return result
 
 
-def _check_options(steps: int, dilation: float | None, time_scale: float | None) -> None:
+def _check_options(
+    steps: int, dilation: float | None, time_scale: float | None, timeout_s: float
+) -> None:
     if steps < 1:
         raise ConfigError(f"steps is {steps}; rehearse at least one step")
-    if dilation is not None and dilation < 1:
-        raise ConfigError(f"dilation is {dilation}; it must be >= 1 (1 = real time)")
-    if time_scale is not None and time_scale <= 0:
-        raise ConfigError(f"time scale is {time_scale}; it must be > 0 (emulated s per plan s)")
+    if dilation is not None and not (math.isfinite(dilation) and dilation >= 1):
+        raise ConfigError(
+            f"dilation is {dilation}; it must be a finite number >= 1 (1 = real time)"
+        )
+    if time_scale is not None and not (math.isfinite(time_scale) and time_scale > 0):
+        raise ConfigError(
+            f"time scale is {time_scale}; it must be a finite number > 0 (emulated s per plan s)"
+        )
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ConfigError(f"timeout is {timeout_s} s; it must be a finite number of seconds > 0")
 
 
 def _print_result(result: RehearsalResult, console: Console) -> None:

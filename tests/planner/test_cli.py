@@ -293,3 +293,61 @@ def test_an_output_folder_that_cannot_be_written_is_one_line_exit_2(where, tmp_p
     code, _, err = _run(["solve", str(MLP), "-c", str(cluster), "-o", str(out[where])], capsys)
     assert code == 2
     _assert_one_line_error(err, str(out[where]))
+
+
+@pytest.fixture(scope="module")
+def mlp_plan(tmp_path_factory) -> Path:
+    """A solved cpu plan of the MLP example (plan.json path)."""
+    out = tmp_path_factory.mktemp("mlp-plan")
+    cluster = CLUSTERS / "cpu-rehearsal.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["solve", str(MLP), "--cluster", str(cluster), "-o", str(out), "-b", "8"])
+    assert exit_info.value.code == 0
+    return out / "plan.json"
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--dilation", "nan"),
+        ("--dilation", "inf"),
+        ("--dilation", "0.5"),
+        ("--time-scale", "nan"),
+        ("--time-scale", "0"),
+        ("--timeout", "0"),
+        ("--timeout", "-5"),
+        ("--timeout", "nan"),
+    ],
+)
+def test_rehearse_rejects_meaningless_numbers_with_exit_2(option, value, mlp_plan, capsys):
+    code, _, err = _run(["rehearse", str(mlp_plan), option, value], capsys)
+    assert code == 2
+    _assert_one_line_error(err, value)
+
+
+@pytest.mark.parametrize("sizes", ["1,,2", "", ",", "1,x", "0,2"])
+def test_bad_micro_batch_sizes_are_one_line_exit_2(sizes, tmp_path, capsys):
+    cluster = CLUSTERS / "cpu-rehearsal.yaml"
+    argv = ["solve", str(MLP), "-c", str(cluster), "-o", str(tmp_path), "--micro-batch-sizes"]
+    code, _, err = _run([*argv, sizes], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "--micro-batch-sizes")
+
+
+def test_a_misspelt_cluster_key_is_reported_before_the_key_it_hides(tmp_path, capsys):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(GOOD_CLUSTER.replace("devices:", "devcies:"))
+    code, _, err = _run(["solve", str(MLP), "-c", str(cluster), "-o", str(tmp_path)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "nodes[0].devcies: unknown key", "did you mean 'devices'?")
+
+
+def test_a_directory_given_as_cluster_or_model_file_is_named_a_directory(tmp_path, capsys):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(GOOD_CLUSTER)
+    code, _, err = _run(["solve", str(MLP), "-c", str(tmp_path), "-o", str(tmp_path)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "is a directory")
+    code, _, err = _run(["solve", str(tmp_path), "-c", str(cluster), "-o", str(tmp_path)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "is a directory")
