@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from hplan.runtime.errors import PlanFileError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 _STRICT = ConfigDict(extra="forbid")
 
 DTYPE_BYTES: dict[str, int] = {
@@ -323,7 +323,8 @@ class Report:
 class Plan:
     """A complete, runnable training plan. See the module docstring."""
 
-    schema_version: int = SCHEMA_VERSION
+    schema_version: Literal[1] = SCHEMA_VERSION
+    """Version of this format; a reader rejects other versions (see ``from_json``)."""
     model: ModelSpec
     global_batch_size: int
     units: tuple[UnitSpec, ...]
@@ -444,10 +445,11 @@ class Plan:
     def verify(self) -> None:
         """Check internal consistency; raise ``PlanFileError`` naming the first problem.
 
-        Checks: ranks numbered 0..n-1; every rank's device and node exist; each replica's
-        stages are 0..k-1 and hold contiguous, in-order runs of units that cover every unit
-        exactly once; every replica-internal cut exists in ``cuts``; micro-batch fields agree
-        within a replica; batch shares sum to ``global_batch_size``.
+        Checks: a process-group timeout > 0 s and a master port in 1..65534; ranks numbered
+        0..n-1; every rank's device and node exist; each replica's stages are 0..k-1 and
+        hold contiguous, in-order runs of units that cover every unit exactly once; every
+        replica-internal cut exists in ``cuts``; micro-batch fields agree within a replica;
+        batch shares sum to ``global_batch_size``.
         """
         _verify_plan(self)
 
@@ -465,7 +467,18 @@ def _fail(msg: str) -> None:
     raise PlanFileError(f"invalid plan: {msg}")
 
 
+def _verify_training(training: TrainingSpec) -> None:
+    timeout_s = training.process_group_timeout_s
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        _fail(
+            f"training.process_group_timeout_s is {timeout_s}; it must be a number of seconds > 0"
+        )
+    if not 1 <= training.master_port <= 65534:
+        _fail(f"training.master_port is {training.master_port}; it must be in 1..65534")
+
+
 def _verify_plan(plan: Plan) -> None:
+    _verify_training(plan.training)
     if [r.rank for r in plan.ranks] != list(range(len(plan.ranks))):
         _fail("ranks must be listed in order 0..n-1")
     if not plan.ranks:

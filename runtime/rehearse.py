@@ -63,7 +63,7 @@ from hplan.runtime.model_file import ModelFile, checked_loss, load_model_file
 from hplan.runtime.plan import Plan
 from hplan.runtime.trace import bind_inputs
 from hplan.runtime.verify import VERIFY_TOLERANCE, verify_first_step
-from hplan.runtime.worker import modelled_emulation, rank_speeds
+from hplan.runtime.worker import modelled_emulation, rank_speeds, warn_if_model_changed
 
 DILATION_MARGIN = 1.25
 """Head-room over the exact CPU demand (interpreter, communication threads, the parent)."""
@@ -376,6 +376,7 @@ def rehearse(
     console = console or Console(stderr=True)
     model = str(model_path or plan.model.path)
     model_file = load_model_file(model)
+    warn_if_model_changed(plan, model_file)  # once here; the ranks do not repeat it
     metrics_dir = Path(metrics_dir or tempfile.mkdtemp(prefix="hplan-rehearse-"))
     cores = len(os.sched_getaffinity(0))
     dilation = dilation or default_dilation(plan, cores)

@@ -288,3 +288,19 @@ def test_the_entry_point_turns_errors_into_one_line_and_an_exit_code(
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and "PlanFileError: cannot read plan" in err
+
+
+def test_a_changed_model_file_warns_once_on_local_rank_zero_only(
+    late_inputs: tuple[Path, object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, plan = late_inputs
+    edited = tmp_path / "edited.py"
+    edited.write_text(path.read_text() + "\n# an edit that leaves the graph alone\n")
+    build_rank(plan, 1, edited, RunOptions(steps=1))  # local rank 1: quiet
+    assert "warning" not in capsys.readouterr().err
+    build_rank(plan, 0, edited, RunOptions(steps=1))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hplan: warning: ")
+    assert "differs from the model file the plan was made for" in err[0]
+    build_rank(plan, 0, path, RunOptions(steps=1))  # the same file: no warning
+    assert capsys.readouterr().err == ""

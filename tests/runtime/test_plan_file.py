@@ -1,0 +1,42 @@
+"""plan.json as a contract: hand edits that cannot run are rejected when the plan loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hplan.planner.emit import schema_text
+from hplan.runtime.errors import PlanFileError
+from hplan.runtime.plan import SCHEMA_VERSION, Plan
+from tests.fixtures.sample_plans import cpu_plan
+
+
+def _edited(**training: object) -> str:
+    data = json.loads(cpu_plan().to_json())
+    data["training"].update(training)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("timeout_s", [-1, 0, 1e400])
+def test_a_process_group_timeout_that_is_not_positive_is_rejected(timeout_s: float) -> None:
+    with pytest.raises(PlanFileError, match=r"process_group_timeout_s .* > 0"):
+        Plan.from_json(_edited(process_group_timeout_s=timeout_s))
+
+
+def test_a_master_port_out_of_range_is_rejected() -> None:
+    with pytest.raises(PlanFileError, match=r"master_port is 70000"):
+        Plan.from_json(_edited(master_port=70000))
+
+
+def test_the_published_schema_pins_the_schema_version() -> None:
+    schema = json.loads(schema_text())
+    plan = schema["$defs"]["Plan"] if "$defs" in schema and "Plan" in schema["$defs"] else schema
+    assert plan["properties"]["schema_version"]["const"] == SCHEMA_VERSION
+
+
+def test_another_schema_version_says_to_re_solve() -> None:
+    data = json.loads(cpu_plan().to_json())
+    data["schema_version"] = 999
+    with pytest.raises(PlanFileError, match=r"schema_version is 999, this hplan reads 1"):
+        Plan.from_json(json.dumps(data))
