@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -83,6 +84,9 @@ class RehearsalResult:
     measured_samples_per_s: float
     predicted_samples_per_s: float | None
     """Plan prediction in emulated units; None when the report has no reference time."""
+    plan_samples_per_s: float | None
+    """The plan's own prediction on its hardware (``report.predicted_samples_per_s``);
+    None when there is no emulated prediction."""
     dilation: float
     time_scale: float
     cpu_time_per_sample_s: float
@@ -91,12 +95,13 @@ class RehearsalResult:
     """verify: largest relative difference of an updated parameter; None without verify."""
     verify_passed: bool | None
     ranks: tuple[RankSummary, ...]
-    metrics_dir: Path
+    metrics_dir: Path | None
+    """Where the metrics and logs are; None when they were in a temporary folder, deleted."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-native view (for ``hplan rehearse --json``)."""
         data = dataclasses.asdict(self)
-        data["metrics_dir"] = str(self.metrics_dir)
+        data["metrics_dir"] = None if self.metrics_dir is None else str(self.metrics_dir)
         return data
 
 
@@ -359,7 +364,8 @@ def rehearse(
         model_path: model.py (default: the plan's recorded path).
         steps: optimizer steps.
         verify: also run the first step as one process and compare updated parameters.
-        metrics_dir: where ranks write metrics and logs (default: a new temporary dir).
+        metrics_dir: where ranks write metrics and logs (default: a new temporary folder,
+            deleted at the end unless the ranks failed: then the error names its logs).
         dilation: global time-dilation factor (default: :func:`default_dilation`).
         time_scale: emulated seconds per second of plan hardware (default:
             :func:`default_time_scale`); give two rehearsals the same value to compare
@@ -373,42 +379,86 @@ def rehearse(
         ModelFileError, ConfigError: bad inputs.
     """
     _check_options(steps, dilation, time_scale, timeout_s)
-    console = console or Console(stderr=True)
-    model = str(model_path or plan.model.path)
-    model_file = load_model_file(model)
-    warn_if_model_changed(plan, model_file)  # once here; the ranks do not repeat it
-    metrics_dir = Path(metrics_dir or tempfile.mkdtemp(prefix="hplan-rehearse-"))
-    cores = len(os.sched_getaffinity(0))
-    dilation = dilation or default_dilation(plan, cores)
-    cpu_time_per_sample_s = measure_cpu_time_per_sample(model_file, plan)
-    scale = time_scale or default_time_scale(plan, dilation, cpu_time_per_sample_s)
-    predicted = predicted_samples_per_s(plan, scale)
-    console.print(
-        f"rehearsing {plan.world_size} ranks on {cores} cores: dilation {dilation:.2f}, "
-        f"1 s of plan hardware = {scale:.3g} s here, compute "
-        + ("replayed from the plan's model" if modelled_emulation(plan) else "stretched")
-    )
-    verify_dir = metrics_dir / "verify" if verify else None
-    plan_path = _prepare_dir(metrics_dir, plan)
-    command = _ChildCommand(plan_path, model, steps, metrics_dir, dilation, scale, verify_dir)
-    _run_children(plan.world_size, command, timeout_s, console)
-    summary = summarize_metrics(metrics_dir)
-    diff = verify_first_step(plan, model_file, verify_dir) if verify_dir is not None else None
-    result = RehearsalResult(
-        losses=tuple(s.loss for s in summary.steps),
-        steps=summary.steps,
-        measured_samples_per_s=summary.samples_per_s,
-        predicted_samples_per_s=predicted,
+    run = _Run(
+        plan=plan,
+        model=str(model_path or plan.model.path),
+        steps=steps,
+        verify=verify,
         dilation=dilation,
-        time_scale=scale,
-        cpu_time_per_sample_s=cpu_time_per_sample_s,
-        max_relative_diff=diff,
-        verify_passed=None if diff is None else diff <= VERIFY_TOLERANCE,
-        ranks=summary.ranks,
-        metrics_dir=metrics_dir,
+        time_scale=time_scale,
+        timeout_s=timeout_s,
+        console=console or Console(stderr=True, soft_wrap=True),
     )
-    _print_result(result, console)
-    return result
+    if metrics_dir is not None:
+        return run.into(Path(metrics_dir))
+    temporary = Path(tempfile.mkdtemp(prefix="hplan-rehearse-"))
+    keep = False
+    try:
+        return dataclasses.replace(run.into(temporary), metrics_dir=None)
+    except (RehearsalChildError, PeerFailureError):
+        keep = True  # the message names the rank logs in it
+        raise
+    finally:
+        if not keep:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One rehearsal's settings (see :func:`rehearse`)."""
+
+    plan: Plan
+    model: str
+    steps: int
+    verify: bool
+    dilation: float | None
+    time_scale: float | None
+    timeout_s: float
+    console: Console
+
+    def into(self, metrics_dir: Path) -> RehearsalResult:
+        """Rehearse with metrics and logs in ``metrics_dir``; print and return the result."""
+        plan, console = self.plan, self.console
+        model_file = load_model_file(self.model)
+        warn_if_model_changed(plan, model_file)  # once here; the ranks do not repeat it
+        cores = len(os.sched_getaffinity(0))
+        dilation = self.dilation or default_dilation(plan, cores)
+        cpu_time_per_sample_s = measure_cpu_time_per_sample(model_file, plan)
+        scale = self.time_scale or default_time_scale(plan, dilation, cpu_time_per_sample_s)
+        console.print(
+            f"rehearsing {_count(plan.world_size, 'rank')} on {_count(cores, 'core')}: "
+            f"dilation {dilation:.2f}, 1 s of plan hardware = {scale:.3g} s here, compute "
+            + ("replayed from the plan's model" if modelled_emulation(plan) else "stretched")
+        )
+        verify_dir = metrics_dir / "verify" if self.verify else None
+        plan_path = _prepare_dir(metrics_dir, plan)
+        command = _ChildCommand(
+            plan_path, self.model, self.steps, metrics_dir, dilation, scale, verify_dir
+        )
+        _run_children(plan.world_size, command, self.timeout_s, console)
+        summary = summarize_metrics(metrics_dir)
+        diff = verify_first_step(plan, model_file, verify_dir) if verify_dir else None
+        predicted = predicted_samples_per_s(plan, scale)
+        result = RehearsalResult(
+            losses=tuple(s.loss for s in summary.steps),
+            steps=summary.steps,
+            measured_samples_per_s=summary.samples_per_s,
+            predicted_samples_per_s=predicted,
+            plan_samples_per_s=None if predicted is None else plan.report.predicted_samples_per_s,
+            dilation=dilation,
+            time_scale=scale,
+            cpu_time_per_sample_s=cpu_time_per_sample_s,
+            max_relative_diff=diff,
+            verify_passed=None if diff is None else diff <= VERIFY_TOLERANCE,
+            ranks=summary.ranks,
+            metrics_dir=metrics_dir,
+        )
+        _print_result(result, console)
+        return result
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 def _check_options(
@@ -435,9 +485,15 @@ def _print_result(result: RehearsalResult, console: Console) -> None:
     )
     if result.predicted_samples_per_s is not None:
         ratio = result.measured_samples_per_s / result.predicted_samples_per_s
+        hardware = (
+            ""
+            if result.plan_samples_per_s is None
+            else f"{result.plan_samples_per_s:.1f} samples/s on the plan's hardware; "
+        )
         console.print(
             f"predicted: {result.predicted_samples_per_s:.2f} samples/s in emulated units "
-            f"(measured / predicted = {ratio:.2f})"
+            f"({hardware}1 s there = {result.time_scale:.3g} s here); "
+            f"measured / predicted = {ratio:.2f}"
         )
     if result.max_relative_diff is not None:
         verdict = "[green]pass[/green]" if result.verify_passed else "[red]FAIL[/red]"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -351,3 +352,28 @@ def test_a_directory_given_as_cluster_or_model_file_is_named_a_directory(tmp_pat
     code, _, err = _run(["solve", str(tmp_path), "-c", str(cluster), "-o", str(tmp_path)], capsys)
     assert code == 2
     _assert_one_line_error(err, "is a directory")
+
+
+def test_rehearse_prints_both_predictions_warns_once_and_cleans_up(
+    mlp_plan, tmp_path, capsys, monkeypatch
+):
+    edited = tmp_path / "model.py"
+    edited.write_text(MLP.read_text() + "\n# an edit that keeps the graph\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    code, out, err = _run(
+        ["rehearse", str(mlp_plan), "--steps", "1", "--model", str(edited), "--json"], capsys
+    )
+    assert code == 0, err
+    lines = err.splitlines()
+    assert len([line for line in lines if "warning" in line]) == 1
+    assert "differs from the model file the plan was made for" in err
+    plan = Plan.load(mlp_plan)
+    rehearsing = next(line for line in lines if line.startswith("rehearsing "))
+    assert rehearsing.startswith(f"rehearsing {plan.world_size} rank")
+    predicted = next(line for line in lines if line.startswith("predicted: "))
+    on_hardware = f"{plan.report.predicted_samples_per_s:.1f} samples/s on the plan's hardware"
+    assert on_hardware in predicted and "1 s there = " in predicted
+    assert json.loads(out)["metrics_dir"] is None
+    assert list(scratch.iterdir()) == []  # the temporary metrics folder is gone

@@ -7,6 +7,7 @@ differ in batch share and layer split, one pipelined over two stages.
 from __future__ import annotations
 
 import io
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -94,6 +95,7 @@ def test_two_different_gpt_replicas_equal_one_single_process_step(tmp_path: Path
     assert result.predicted_samples_per_s == pytest.approx(8 / (0.01 * scale))
     text = out.getvalue()
     assert "step 1: loss" in text and "predicted:" in text and "verify:" in text
+    assert "samples/s on the plan's hardware; 1 s there = " in text
     assert result.to_dict()["metrics_dir"] == str(tmp_path)
 
 
@@ -164,3 +166,30 @@ def test_the_runtime_checks_what_loss_fn_returns(tmp_path: Path) -> None:
     assert float(loss) == -2.0
     with pytest.raises(ModelFileError, match="needs no gradient"):
         checked_loss(model_file, torch.zeros(2, 1), torch.ones(2, 1), require_grad=True)
+
+
+def test_a_temporary_metrics_folder_is_kept_only_when_the_ranks_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hplan.runtime import rehearse as module
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plan = _gpt_plan()
+
+    def failing(self: object, metrics_dir: Path) -> None:
+        (metrics_dir / "rank-0.log").write_text("boom\n")
+        raise RehearsalChildError(f"rank 0 failed (full log: {metrics_dir / 'rank-0.log'})", 2)
+
+    monkeypatch.setattr(module._Run, "into", failing)
+    with pytest.raises(RehearsalChildError, match="full log") as info:
+        rehearse(plan, steps=1)
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("hplan-rehearse-")]
+    assert len(kept) == 1 and str(kept[0]) in str(info.value)
+
+    def bad_model(self: object, metrics_dir: Path) -> None:
+        raise ModelFileError("model file is broken")
+
+    monkeypatch.setattr(module._Run, "into", bad_model)
+    with pytest.raises(ModelFileError):
+        rehearse(plan, steps=1)
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("hplan-rehearse-")] == kept
