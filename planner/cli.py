@@ -23,7 +23,7 @@ from rich.console import Console
 from hplan.runtime.errors import ConfigError, HplanError
 from hplan.runtime.plan import Plan, Schedule
 
-stderr = Console(stderr=True, highlight=False)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _sizes(text: str | None) -> tuple[int, ...] | None:
@@ -210,11 +210,19 @@ def solve(
 )
 def show(plan_path: Path, fmt: str) -> None:
     """Show a plan: devices, stages, units, batch shares, predicted time and memory."""
-    from hplan.planner.render import print_text, render_dot, render_json, wide_console
+    from hplan.planner.render import (
+        print_text,
+        render_dot,
+        render_json,
+        render_text,
+        wide_console,
+    )
 
     plan = Plan.load(plan_path)
-    if fmt == "text":
+    if fmt == "text" and sys.stdout.isatty():
         print_text(plan, wide_console(stderr=False))
+    elif fmt == "text":
+        click.echo(render_text(plan), nl=False)  # the bytes of summary.txt
     elif fmt == "json":
         click.echo(render_json(plan), nl=False)
     else:

@@ -130,7 +130,7 @@ def build_model_graph(
         inputs=_input_specs(traced, units, node_unit, costs, replicable),
         param_dtype=_param_dtype(model),
         graph=_nx_graph(traced, units, node_unit, costs),
-        notes=(*traced.notes, *unit_notes, *measure_notes),
+        notes=tuple(dict.fromkeys((*traced.notes, *unit_notes, *measure_notes))),  # no repeats
     )
 
 

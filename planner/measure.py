@@ -175,8 +175,13 @@ def _measure(
     """Node runs at each batch size: on the meta device if possible, else on CPU."""
     try:
         return _measure_meta(model_file, traced, inputs, seed), []
+    except _MetaGraphDiffers:
+        note = "costs measured with CPU tensors: the model traces differently on the meta device"
     except Exception as exc:
-        note = f"measured on CPU tensors: the meta device failed ({one_line(exc)})"
+        note = (
+            "costs measured with CPU tensors: the model does not run on the meta device "
+            f"({_reason(exc)})"
+        )
     runs = {}
     gm = traced.graph_module
     saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
@@ -196,6 +201,16 @@ def _measure(
     return runs, [note]
 
 
+class _MetaGraphDiffers(Exception):
+    """The graph traced on the meta device is not the one traced on CPU."""
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception's first line; its class name only where the text needs it."""
+    text = one_line(exc)
+    return text.removeprefix("RuntimeError: ")
+
+
 def _measure_meta(
     model_file: ModelFile,
     traced: TracedModel,
@@ -210,7 +225,7 @@ def _measure_meta(
     first = metas[min(metas)]
     meta_traced = trace_model(model, first, leaf_modules=traced.leaf_modules, method=traced.method)
     if meta_traced.fingerprint() != traced.fingerprint():
-        raise RuntimeError("the graph traced on the meta device differs")
+        raise _MetaGraphDiffers
     return {
         b: _Meter(meta_traced.graph_module).measure([feed[n] for n in traced.input_names])
         for b, feed in metas.items()

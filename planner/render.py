@@ -14,11 +14,12 @@ from __future__ import annotations
 import io
 import itertools
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 
 import pydot
 from rich import box
-from rich.console import Console, Group, JustifyMethod, RenderableType
+from rich.console import Console, JustifyMethod, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -137,33 +138,73 @@ def _percent(fraction: float) -> str:
     return f"{100.0 * fraction:.1f}%"
 
 
-# --------------------------------------------------------------------------- text view
-def plan_renderables(plan: Plan) -> list[RenderableType]:
-    """The text view as rich renderables (header, rank table, notes), with styles.
+# --------------------------------------------------------------------------- wrapping
+_PHRASE_BREAKS = re.compile(r"(?<=; )|(?<=: )|(?<=, )|(?<= · )|(?= — )")
+"""Where a long line may break: after ``; ``, ``: ``, ``, `` and `` · ``, before `` — ``."""
 
-    :func:`render_text` prints them without colour; :func:`print_text` with colour.
+
+def wrap_phrases(text: str, width: int) -> list[str]:
+    """Lines of at most ``width`` columns, broken between phrases rather than inside one.
+
+    Phrases end at ``; ``, ``: ``, ``, `` or `` · ``, or before `` — ``; lines are filled
+    greedily. A phrase longer than ``width`` is broken at spaces instead (a word longer
+    than ``width`` stays whole). ``"a · b"`` with width 3 -> ``["a ·", "b"]``.
     """
-    parts: list[RenderableType] = [
-        _header(plan),
-        Text(""),
-        _rank_table(plan),
-        Text(_table_legend(plan)),
-    ]
+    lines: list[str] = []
+    current = ""
+    for phrase in _PHRASE_BREAKS.split(text):
+        candidate = current + phrase
+        if not current or len(candidate.rstrip()) <= width or len(phrase.strip()) > width:
+            current = candidate
+            continue
+        wrapped = _wrap_words(current, width)
+        lines.extend(wrapped[:-1])
+        last = wrapped[-1] + current[len(current.rstrip()) :]
+        if len((last + phrase).rstrip()) <= width:
+            current = last + phrase
+        else:
+            lines.append(wrapped[-1])
+            current = phrase.lstrip()
+    lines.extend(_wrap_words(current, width))
+    return lines
+
+
+def _wrap_words(text: str, width: int) -> list[str]:
+    text = text.rstrip()
+    if len(text) <= width:
+        return [text]
+    return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)
+
+
+# --------------------------------------------------------------------------- text view
+_LABEL_WIDTH = 11
+"""Columns of the header's label (``baselines`` and two spaces)."""
+
+
+def plan_renderables(plan: Plan, *, width: int = TEXT_WIDTH) -> list[RenderableType]:
+    """The text view as rich renderables (header, rank table, legend, notes), with styles.
+
+    Every part but the table is a list of lines already wrapped to ``width`` at phrase
+    boundaries (print them with ``soft_wrap=True``). :func:`render_text` prints them
+    without colour; :func:`print_text` with colour.
+    """
+    parts: list[RenderableType] = [*_header(plan, width), Text(""), _rank_table(plan)]
+    parts += [Text(line) for line in _table_legend(plan).splitlines()]
     if plan.report.notes:
-        notes = Table.grid(padding=(0, 1))
-        notes.add_column(no_wrap=True)
-        notes.add_column()
+        parts += [Text(""), Text("notes", style="bold")]
         for note in plan.report.notes:
-            notes.add_row("-", Text(note))
-        parts += [Text(""), Text("notes", style="bold"), notes]
+            lines = wrap_phrases(note, width - 2)
+            parts += [Text(f"- {lines[0]}"), *(Text(f"  {line}") for line in lines[1:])]
     return parts
 
 
 def render_text(plan: Plan, *, width: int = TEXT_WIDTH) -> str:
     """What ``hplan show`` prints: the plan as plain text, ``width`` columns, no colour.
 
-    Deterministic: the console is configured explicitly (no terminal, colour or Jupyter
-    detection, no ``COLUMNS``), so the same plan gives the same bytes everywhere.
+    Lines break between phrases; the rank table is as wide as ``width`` or, when its
+    columns cannot fit without breaking a value, as wide as they need. Deterministic: the
+    console is configured explicitly (no terminal, colour or Jupyter detection, no
+    ``COLUMNS``), so the same plan gives the same bytes everywhere.
     """
     buffer = io.StringIO()
     console = Console(
@@ -179,14 +220,27 @@ def render_text(plan: Plan, *, width: int = TEXT_WIDTH) -> str:
         emoji=False,
         soft_wrap=False,
     )
-    console.print(Group(*plan_renderables(plan)))
+    _print_parts(console, plan_renderables(plan, width=width))
     return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
 
 
 def print_text(plan: Plan, console: Console | None = None) -> None:
     """Print the text view with colour to ``console`` (default: a rich console on stderr)."""
     target = console if console is not None else wide_console(stderr=True)
-    target.print(Group(*plan_renderables(plan)))
+    _print_parts(target, plan_renderables(plan))
+
+
+def _print_parts(console: Console, parts: Sequence[RenderableType]) -> None:
+    for part in parts:
+        if isinstance(part, Table):  # wider than the console rather than break a value
+            width = console.width
+            console.width = max(width, part.min_width or 0)
+            try:
+                console.print(part)
+            finally:
+                console.width = width
+        else:
+            console.print(part, soft_wrap=True)
 
 
 def wide_console(*, stderr: bool) -> Console:
@@ -195,74 +249,104 @@ def wide_console(*, stderr: bool) -> Console:
     return Console(stderr=stderr, highlight=False, width=max(detected, TEXT_WIDTH))
 
 
-def _header(plan: Plan) -> RenderableType:
+def _header(plan: Plan, width: int) -> list[Text]:
     report = plan.report
     nodes = {r.node for r in plan.ranks}
     title = Text.assemble(
         ("hplan plan", "bold"), f" for {plan.model.path} on cluster {plan.cluster.name}"
     )
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold", no_wrap=True)
-    grid.add_column()
-    grid.add_row(
-        "layout",
-        f"global batch {plan.global_batch_size} · {_count(plan.world_size, 'rank')} on "
-        f"{_count(len(nodes), 'node')} · {_count(plan.num_replicas, 'replica')} · "
-        f"{plan.training.schedule} · sync {plan.training.sync_mode} · "
-        f"backend {plan.training.backend}",
-    )
-    grid.add_row(
-        "predicted",
-        f"{format_seconds(report.predicted_step_time_s)} per step · "
-        f"{report.predicted_samples_per_s:.1f} samples/s",
-    )
-    grid.add_row(
-        "bound",
-        f"{report.physical_bound_samples_per_s:.1f} samples/s (sum of standalone devices) · "
-        f"efficiency {_percent(report.efficiency)}",
-    )
     gap = (
         "gap unknown" if report.optimality_gap is None else f"gap {_percent(report.optimality_gap)}"
     )
-    grid.add_row(
-        "solver",
-        f"{report.solver_status} ({gap}) · {report.solver_backend} · "
-        f"costs from {report.cost_source}",
-    )
+    rows = [
+        (
+            "layout",
+            f"global batch {plan.global_batch_size} · {_count(plan.world_size, 'rank')} on "
+            f"{_count(len(nodes), 'node')} · {_count(plan.num_replicas, 'replica')} · "
+            f"{plan.training.schedule} · sync {plan.training.sync_mode} · "
+            f"backend {plan.training.backend}",
+        ),
+        (
+            "predicted",
+            f"{format_seconds(report.predicted_step_time_s)} per step · "
+            f"{report.predicted_samples_per_s:.1f} samples/s",
+        ),
+        (
+            "bound",
+            f"{report.physical_bound_samples_per_s:.1f} samples/s (sum of standalone devices) · "
+            f"efficiency {_percent(report.efficiency)}",
+        ),
+        (
+            "solver",
+            f"{report.solver_status} ({gap}) · {report.solver_backend} · "
+            f"costs from {report.cost_source}",
+        ),
+    ]
+    lines = [title]
+    for label, value in rows:
+        lines += _labelled(label, value, width)
     for idx, baseline in enumerate(report.baselines):
-        grid.add_row("baselines" if idx == 0 else "", _baseline_line(plan, baseline))
-    return Group(title, grid)
+        value, lead, style = _baseline_line(plan, baseline)
+        row = _labelled("baselines" if idx == 0 else "", value, width)
+        row[0].stylize(style, _LABEL_WIDTH, _LABEL_WIDTH + len(lead))
+        lines += row
+    return lines
 
 
-def _baseline_line(plan: Plan, baseline: BaselineReport) -> Text:
+def _labelled(label: str, value: str, width: int) -> list[Text]:
+    """A header row: the label in bold, the value wrapped between phrases and indented."""
+    wrapped = wrap_phrases(value, width - _LABEL_WIDTH)
+    first = Text.assemble((label.ljust(_LABEL_WIDTH), "bold"), wrapped[0])
+    return [first, *(Text(" " * _LABEL_WIDTH + line) for line in wrapped[1:])]
+
+
+def _baseline_line(plan: Plan, baseline: BaselineReport) -> tuple[str, str, str]:
+    """(the line, its lead to style, the style) for one baseline."""
     name = baseline.name
     if baseline.samples_per_s is None or baseline.samples_per_s <= 0:
-        return Text.assemble((f"{name}: does not fit", "yellow"), f" — {baseline.note}")
+        lead = f"{name}: does not fit"
+        return f"{lead} — {baseline.note}", lead, "yellow"
     ratio = plan.report.predicted_samples_per_s / baseline.samples_per_s
-    return Text.assemble(
-        (f"{ratio:.2f}×", "bold green" if ratio >= 1.0 else "bold red"),
-        f" vs {name} ({baseline.samples_per_s:.1f} samples/s) — {baseline.note}",
-    )
+    lead = f"{ratio:.2f}×"
+    line = f"{lead} vs {name} ({baseline.samples_per_s:.1f} samples/s) — {baseline.note}"
+    return line, lead, "bold green" if ratio >= 1.0 else "bold red"
 
 
 def _rank_table(plan: Plan) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
-    for header, justify in _COLUMNS:
-        wraps = header == "units"
+    """The rank table. Only ``units`` wraps, and only between unit groups (``a, b``): its
+    minimum width is its longest group, so no name or ``all 8 units`` is ever broken."""
+    reports = {r.rank: r for r in plan.report.ranks}
+    bottleneck = plan.report.bottleneck_rank
+    rows = [
+        _rank_cells(rank, reports.get(rank.rank), rank.rank == bottleneck, plan.units)
+        for rank in plan.ranks
+    ]
+    headers = [Text(header) for header, _ in _COLUMNS]
+    units_idx = [h.plain for h in headers].index("units")
+    groups = [g for row in rows for g in row[units_idx].plain.replace(", ", ",\n").splitlines()]
+    longest_group = max((len(g) for g in groups), default=1)
+    widths = [
+        longest_group if idx == units_idx else max(len(r[idx].plain) for r in [headers, *rows])
+        for idx in range(len(_COLUMNS))
+    ]
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+        collapse_padding=True,
+        min_width=sum(widths) + 2 * (len(widths) - 1),  # every value whole, padding 1 | 1
+    )
+    for idx, (header, justify) in enumerate(_COLUMNS):
+        wraps = idx == units_idx
         table.add_column(
             header,
             justify=justify,
             no_wrap=not wraps,
             overflow="fold" if wraps else "ellipsis",
+            min_width=longest_group if wraps else None,
         )
-    reports = {r.rank: r for r in plan.report.ranks}
-    bottleneck = plan.report.bottleneck_rank
-    for rank in plan.ranks:
-        marked = rank.rank == bottleneck
-        table.add_row(
-            *_rank_cells(rank, reports.get(rank.rank), marked, plan.units),
-            style="bold red" if marked else None,
-        )
+    for rank, cells in zip(plan.ranks, rows, strict=True):
+        table.add_row(*cells, style="bold red" if rank.rank == bottleneck else None)
     return table
 
 

@@ -209,18 +209,21 @@ def trace_model(
         gm, final_leaves, notes = traced
         return context.finish(gm, TraceMethod.SYMBOLIC, final_leaves, notes)
     failure = traced
-    notes = [f"symbolic trace failed {failure.describe()}"]
+    failed = f"symbolic trace failed {failure.describe()}"
     try:
         gm = export_graph(context.model, context.fed, context.constants)
     except Exception as exc:
         export_error = _one_line(exc)
     else:
-        notes.append("used torch.export" + ("; LEAF_MODULES ignored by it" if leaves else ""))
+        ignored = " (it ignores LEAF_MODULES)" if leaves else ""
+        notes = [f"{failed}; used torch.export instead{ignored}"]
         return context.finish(gm, TraceMethod.EXPORT, (), notes)
     paths = chain_paths(model)
     chain = module_chain(model, context.fed, paths, reference)
     if chain is not None:
-        notes.append(f"torch.export failed ({export_error}); ran child modules as a chain")
+        notes = [
+            f"{failed}; torch.export failed too ({export_error}); ran child modules as a chain"
+        ]
         return context.finish(chain, TraceMethod.MODULES, tuple(paths), notes)
     raise TraceError(_failure_message(context, failure, export_error))
 
@@ -255,9 +258,49 @@ class _Failure:
     location: str
     message: str
 
-    def describe(self) -> str:
-        where = f"in module {self.module_path!r}" if self.module_path else "in the top forward"
-        return f"{where} at {self.location} ({self.message})"
+    def describe(self, where: str | None = None) -> str:
+        """``in module 'blocks.0' at model.py:9 `if x.sum() > 0:` (control flow ...)``."""
+        if where is None:
+            where = f"in module {self.module_path!r}" if self.module_path else "in the forward"
+        at = "" if self.location == _UNKNOWN_LINE else f" at {self.location}"
+        return f"{where}{at} ({_readable(self.message)})"
+
+
+_UNKNOWN_LINE = "an unknown line"
+_FX_CONTROL_FLOW = "symbolically traced variables cannot be used as inputs to control flow"
+
+
+def _readable(message: str) -> str:
+    """fx's control-flow error in plain words; other messages as they are."""
+    if _FX_CONTROL_FLOW in message:
+        return "its control flow depends on tensor values"
+    return message
+
+
+def _kept_whole_notes(kept: Sequence[tuple[str, _Failure]]) -> list[str]:
+    """One note per distinct failure, naming every module kept whole because of it.
+
+    Repeated blocks usually fail at the same line: six notes that differ only in the block
+    index become one (``in modules 'blocks.0' … 'blocks.5' (6)``).
+    """
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path, failure in kept:
+        groups.setdefault((failure.location, failure.message), []).append(path)
+    notes = []
+    for (location, message), paths in groups.items():
+        failure = _Failure(paths[0], location, message)
+        if len(paths) == 1:
+            notes.append(f"symbolic trace failed {failure.describe()}; kept {paths[0]!r} whole")
+            continue
+        named = (
+            ", ".join(repr(p) for p in paths)
+            if len(paths) <= 3
+            else (f"{paths[0]!r} … {paths[-1]!r} ({len(paths)})")
+        )
+        notes.append(
+            f"symbolic trace failed {failure.describe(f'in modules {named}')}; kept each whole"
+        )
+    return notes
 
 
 def _split_inputs(
@@ -325,7 +368,7 @@ def _user_location(exc: BaseException) -> str:
         if not f.filename.startswith((_TORCH_DIR, _HPLAN_DIR)) and "<" not in f.filename
     ]
     if not frames:
-        return "an unknown line"
+        return _UNKNOWN_LINE
     frame = frames[-1]
     code = f" `{frame.line.strip()}`" if frame.line else ""
     return f"{frame.filename}:{frame.lineno}{code}"
@@ -419,8 +462,8 @@ def _symbolic_auto(
 ) -> tuple[torch.fx.GraphModule, tuple[str, ...], list[str]] | _Failure:
     """Symbolic trace, keeping failing submodules whole; the last failure if it gives up."""
     current = list(leaves)
-    notes: list[str] = []
-    failure = _Failure("", "an unknown line", "too many modules to keep whole")
+    kept: list[tuple[str, _Failure]] = []
+    failure = _Failure("", _UNKNOWN_LINE, "too many modules to keep whole")
     for _ in range(_MAX_AUTO_LEAVES):
         try:
             gm = _symbolic(context, current)
@@ -430,9 +473,9 @@ def _symbolic_auto(
             if path in current or not _keepable(path, context.module_classes):
                 return failure
             current.append(path)
-            notes.append(f"symbolic trace failed {failure.describe()}; kept {path!r} whole")
+            kept.append((path, failure))
             continue
-        return gm, tuple(current), notes
+        return gm, tuple(current), _kept_whole_notes(kept)
     return failure
 
 

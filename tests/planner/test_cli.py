@@ -96,6 +96,7 @@ def test_show_renders_text_json_and_dot(tmp_path, capsys):
     plan_path = str(tmp_path / "plan.json")
     code, text, _ = _run(["show", plan_path], capsys)
     assert code == 0 and "samples/s" in text
+    assert text == (tmp_path / "summary.txt").read_text(encoding="utf-8")  # not padded
     code, as_json, _ = _run(["show", plan_path, "--format", "json"], capsys)
     assert Plan.from_json(as_json) == Plan.from_json((tmp_path / "plan.json").read_text())
     code, dot, _ = _run(["show", plan_path, "--format", "dot"], capsys)

@@ -193,6 +193,14 @@ def test_slurm_file_asks_one_task_per_node_and_the_most_gpus_on_a_node() -> None
     assert "The hosts in plan.json must match the allocation" in script
 
 
+def test_one_node_plans_say_node_not_nodes() -> None:
+    scripts = render_launch_scripts(cpu_plan())
+    assert '"exactly" 1 node >&2' in scripts["launch/slurm.sbatch"]
+    assert "1 nodes" not in scripts["launch/slurm.sbatch"]
+    one_rank = replace(cpu_plan(), ranks=cpu_plan().ranks[:1])
+    assert "runs its one rank" in render_launch_scripts(one_rank)["launch/rehearse.sh"]
+
+
 def test_slurm_file_for_a_cpu_plan_asks_no_gpus() -> None:
     script = render_launch_scripts(cpu_plan())["launch/slurm.sbatch"]
     assert "--gpus-per-node" not in script

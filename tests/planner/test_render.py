@@ -27,6 +27,7 @@ from hplan.planner.render import (
     render_dot,
     render_json,
     render_text,
+    wrap_phrases,
 )
 from hplan.runtime.errors import ConfigError, PlanFileError
 from hplan.runtime.plan import Plan, TensorSpec
@@ -290,3 +291,51 @@ def test_views_tolerate_a_placeholder_report_without_rank_predictions() -> None:
     assert row.split()[-2:] == ["-", "-"]
     assert "bottleneck rank 7 is not in the plan" in text
     assert "rank0 -> rank1" in render_dot(plan)
+
+
+# --------------------------------------------------------------------------- wrapping
+def test_long_lines_break_between_phrases_not_inside_them() -> None:
+    text = "2.36× vs ddp (115442.4 samples/s) — 5 replicas x 1 stages, 5 devices"
+    assert wrap_phrases(text, 40) == [
+        "2.36× vs ddp (115442.4 samples/s)",
+        "— 5 replicas x 1 stages, 5 devices",
+    ]
+    assert wrap_phrases("a · b · c", 5) == ["a ·", "b · c"]
+    assert wrap_phrases("one phrase that is too long for the line", 12) == [
+        "one phrase",
+        "that is too",
+        "long for the",
+        "line",
+    ]
+    assert wrap_phrases("short", 40) == ["short"]
+
+
+def test_header_keeps_every_baseline_phrase_on_one_line() -> None:
+    plan = mixed_plan()
+    long_name = "data parallel, equal batches (DDP) on every device"
+    note = "5 replicas x 1 stages, 5 devices"
+    baselines = (replace(plan.report.baselines[0], name=long_name, note=note),)
+    plan = replace(plan, report=replace(plan.report, baselines=baselines))
+    lines = render_text(plan).splitlines()
+    assert any(line.strip() == f"— {note}" or line.endswith(f"— {note}") for line in lines)
+    assert max(len(line) for line in lines[:8]) <= 100
+
+
+def test_a_huge_batch_widens_the_table_instead_of_breaking_values() -> None:
+    plan = mixed_plan()
+    ranks = tuple(
+        replace(r, num_samples=2369152, micro_batch_size=8192, num_microbatches=290)
+        for r in plan.ranks
+    )
+    plan = replace(plan, ranks=ranks)
+    text = render_text(plan)
+    for rank in plan.ranks:
+        row = next(
+            line
+            for line in text.splitlines()
+            if re.match(rf"^\s*{rank.rank}( \*)?\s+{rank.node}\s", line)
+        )
+        assert "2369152 (8192×289+1664)" in row
+        assert re.search(r"\d+%( R)?$", row), row  # the memory cell is whole
+    for group in ("tok_emb,", "blocks.0-blocks.6", "blocks.10-blocks.11,", "lm_head"):
+        assert group in text.split()  # unit groups are never broken inside

@@ -197,7 +197,8 @@ def test_python_ints_from_shapes_in_submodules_keep_them_whole():
     model, _, traced = _traced("shape_ints_in_submodules")
     assert traced.method is TraceMethod.SYMBOLIC
     assert set(traced.leaf_modules) == {"pos", "blocks.0", "blocks.1", "scale"}
-    assert len(traced.notes) == 4
+    assert len(traced.notes) == 3  # blocks.0 and blocks.1 fail at the same line: one note
+    assert any("in modules 'blocks.0', 'blocks.1' at" in note for note in traced.notes)
     for batch_size, seq in ((2, 4), (3, 4), (2, 7)):  # seq 7: the table is resized
         x = torch.randn(batch_size, seq, 8)
         assert torch.equal(traced.graph_module(x), model(x))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Rehearse this plan on this machine: `hplan rehearse` runs each of the 3 ranks as a local
-# CPU process (gloo) and emulates the speed, memory and links of the devices of the plan.
+# Rehearse this plan on this machine: `hplan rehearse` runs each of its 3 ranks as a local CPU
+# process (gloo) and emulates the speed, memory and links of the devices of the plan.
 # Generated from plan.json by `hplan solve`; do not edit: re-run `hplan solve` instead.
 # Extra arguments are passed on to `hplan rehearse` (for example --steps 20 --verify).
 set -euo pipefail
