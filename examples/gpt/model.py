@@ -7,7 +7,8 @@ file serves the demo, the tests and the benchmarks:
     HPLAN_GPT_LAYERS (4), HPLAN_GPT_WIDTH (64), HPLAN_GPT_HEADS (4), HPLAN_GPT_SEQ (64)
 
 The vocabulary is bytes (256 tokens); dataset() trains on the text files shipped with
-hplan (README, CHANGELOG, the design notes), so no download is needed.
+hplan (the Markdown files at the top of the repository and the example model files), so no
+download is needed.
 """
 
 from __future__ import annotations
