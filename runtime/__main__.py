@@ -24,15 +24,10 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import torch  # after TORCH_CPP_LOG_LEVEL: torch reads it when it loads
 
 from hplan.runtime.errors import ConfigError, HplanError
+from hplan.runtime.join import resolve_rank
 from hplan.runtime.model_file import plan_model_path
 from hplan.runtime.plan import Plan
-from hplan.runtime.worker import (
-    Emulation,
-    RunOptions,
-    check_environment,
-    resolve_rank,
-    run_rank,
-)
+from hplan.runtime.worker import Emulation, RunOptions, check_environment, run_rank
 
 NODE_ENV = "HPLAN_NODE"
 """Environment variable naming this node when ``--node`` is not given."""

@@ -15,12 +15,10 @@ of the plan delay point-to-point transfers and all-reduces (``comm.py``, ``grad_
 from __future__ import annotations
 
 import inspect
-import socket
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +31,18 @@ from hplan.runtime.comm import Boundary, EmulatedLink, StageComm, error_reason
 from hplan.runtime.data import BatchSource, Binder
 from hplan.runtime.errors import (
     ConfigError,
-    EnvironmentProblemError,
     ModelFileError,
     PeerFailureError,
     PlanMismatchError,
 )
 from hplan.runtime.grad_sync import GradBucket, build_buckets
+from hplan.runtime.join import check_machine, join_job, rank_device
 from hplan.runtime.metrics import MetricsWriter, StepMetrics, peak_memory_bytes
 from hplan.runtime.model_file import ModelFile, load_model_file
 from hplan.runtime.pipeline import StepRunner, stage_label
 from hplan.runtime.plan import Backend, Plan, RankPlan, SyncMode
 from hplan.runtime.stage import StageModule, build_stage
 from hplan.runtime.trace import TracedModel, bind_inputs, trace_model
-
-_CONNECT_TIMEOUT_S = 2.0
-_CONNECT_RETRY_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -98,114 +93,34 @@ class RankState:
 
 # --------------------------------------------------------------------------- process group
 def init_distributed(plan: Plan, rank: int, options: RunOptions) -> None:
-    """Join the world through a TCP store at ``<master_host>:<master_port + 1>``.
-
-    Rank 0 hosts the store, the others connect to it, everyone within the plan's timeout.
-    ``master_port + 1`` because torchrun's own rendezvous store listens on ``master_port``;
-    the store is made here (not by ``init_method="tcp://..."``) because under torchrun
-    that would look for torchrun's agent store instead (``TORCHELASTIC_USE_AGENT_STORE``)
-    and every rank would wait for a server that never starts.
+    """Join the job at ``<master_host>:<master_port + 1>`` (see :func:`join.join_job`).
 
     Raises:
-        PeerFailureError: the other ranks did not join within the timeout.
+        PeerFailureError: the other ranks did not join within the plan's timeout.
     """
     training = plan.training
-    host = options.master_host or training.master_host
-    port = (options.master_port if options.master_port is not None else training.master_port) + 1
-    timeout = timedelta(seconds=training.process_group_timeout_s)
-    if plan.world_size > 1:
-        peers = plan.world_size - 1
-        print(
-            f"hplan: rank {rank} waiting for {peers} peer{'s' if peers > 1 else ''} at "
-            f"{host}:{port} (timeout {training.process_group_timeout_s:g} s)",
-            file=sys.stderr,
-            flush=True,
-        )
-    try:
-        if rank != 0:
-            _wait_for_port(host, port, training.process_group_timeout_s)
-        store = dist.TCPStore(
-            host,
-            port,
-            plan.world_size,
-            is_master=rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-        dist.init_process_group(
-            backend=options.backend or training.backend.value,
-            store=store,
-            rank=rank,
-            world_size=plan.world_size,
-            timeout=timeout,
-        )
-    except (RuntimeError, TimeoutError) as exc:
-        raise PeerFailureError(
-            f"rank {rank} could not join the {plan.world_size}-rank job at {host}:{port}: "
-            f"{error_reason(exc)}; check that every node started and that the port is reachable"
-        ) from None
+    port = options.master_port if options.master_port is not None else training.master_port
+    join_job(
+        plan,
+        rank,
+        host=options.master_host or training.master_host,
+        port=port + 1,
+        backend=options.backend or training.backend.value,
+    )
 
 
-def _wait_for_port(host: str, port: int, timeout_s: float) -> None:
-    """Wait until ``host:port`` accepts a TCP connection (rank 0's store is up).
-
-    Done here, quietly, because torch's store client logs a C++ stack trace for every
-    connection attempt that times out.
-
-    Raises:
-        TimeoutError: nothing accepted a connection within ``timeout_s``.
-    """
-    deadline_s = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S):
-                return
-        except OSError as exc:
-            if time.monotonic() >= deadline_s:
-                raise TimeoutError(
-                    f"nothing answered at {host}:{port} within {timeout_s:g} s ({exc})"
-                ) from None
-        time.sleep(_CONNECT_RETRY_S)
-
-
-def rank_device(plan: Plan, rank_plan: RankPlan, override: str | None) -> torch.device:
-    """``cuda:<local_index>`` for GPU kinds, ``cpu`` for kind ``cpu`` (or ``override``).
-
-    Raises:
-        EnvironmentProblemError: the plan wants a GPU that this machine does not have.
-    """
-    if override is not None:
-        return torch.device(override)
-    spec = plan.device(rank_plan.device)
-    if spec.kind == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available() or spec.local_index >= torch.cuda.device_count():
-        raise EnvironmentProblemError(
-            f"rank {rank_plan.rank} needs GPU {spec.local_index} ({spec.kind}) on node "
-            f"{rank_plan.node}, but torch sees {torch.cuda.device_count()} GPUs; check "
-            "CUDA_VISIBLE_DEVICES or run `hplan rehearse` to run on CPU"
-        )
-    torch.cuda.set_device(spec.local_index)
-    return torch.device("cuda", spec.local_index)
-
-
-# --------------------------------------------------------------------------- building
 def check_environment(plan: Plan, rank: int, options: RunOptions) -> None:
-    """Check, before joining the job, that this machine can run ``rank`` of the plan.
+    """Check, before joining, that this machine can run ``rank`` (see :func:`join.check_machine`).
 
     Raises:
         EnvironmentProblemError: the plan needs NCCL or a GPU that this machine lacks.
     """
-    backend = options.backend or plan.training.backend.value
-    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
-        raise EnvironmentProblemError(
-            f"the plan runs on NCCL (GPUs), but torch here has "
-            f"{'no CUDA device' if not torch.cuda.is_available() else 'no NCCL'}; run it on "
-            "the plan's GPU nodes, or run `hplan rehearse` to try it on CPU"
-        )
-    rank_device(plan, plan.ranks[rank], options.device)
+    check_machine(
+        plan, rank, backend=options.backend or plan.training.backend.value, device=options.device
+    )
 
 
+# --------------------------------------------------------------------------- building
 def _boundaries(plan: Plan, rank_plan: RankPlan) -> tuple[Boundary | None, Boundary | None]:
     replica = plan.replica_ranks(rank_plan.replica)
     unit_names = [u.name for u in plan.units]
@@ -540,38 +455,3 @@ def _dump_verify(state: RankState, directory: Path, kind: str, loss: float | Non
         tensors = {n: p.detach().cpu().clone() for n, p in state.params}
     payload = {"tensors": tensors, "loss": loss, "samples": state.rank_plan.num_samples}
     torch.save(payload, directory / f"{kind}-rank-{state.rank_plan.rank}.pt")
-
-
-def resolve_rank(plan: Plan, *, rank: int | None, node: str | None, local_rank: str | None) -> int:
-    """The plan rank of this process: ``rank`` if given, else (``node``, ``LOCAL_RANK``).
-
-    torchrun's own ``RANK`` ordering is never used: the launch scripts start one torchrun
-    per node and every process finds itself by node name and local rank.
-
-    Raises:
-        ConfigError: no way to tell the rank, or no rank of the plan matches.
-    """
-    if rank is not None:
-        if not 0 <= rank < plan.world_size:
-            raise ConfigError(f"--rank {rank} is outside the plan's ranks 0..{plan.world_size - 1}")
-        return rank
-    if node is None:
-        raise ConfigError("pass --node NAME (with LOCAL_RANK set, as torchrun does) or --rank R")
-    on_node = [r for r in plan.ranks if r.node == node]
-    if not on_node:
-        names = sorted({r.node for r in plan.ranks})
-        raise ConfigError(f"--node {node!r} runs no rank of this plan; nodes with ranks: {names}")
-    if local_rank is None and len(on_node) == 1:
-        return on_node[0].rank
-    if local_rank is None or not local_rank.strip().isdigit():
-        raise ConfigError(
-            f"node {node!r} runs {len(on_node)} ranks; set LOCAL_RANK (torchrun does) "
-            f"to 0..{len(on_node) - 1}, got {local_rank!r}"
-        )
-    for rank_plan in on_node:
-        if rank_plan.local_rank == int(local_rank):
-            return rank_plan.rank
-    raise ConfigError(
-        f"LOCAL_RANK={local_rank} but node {node!r} runs local ranks 0..{len(on_node) - 1}; "
-        f"start torchrun with --nproc-per-node {len(on_node)}"
-    )
