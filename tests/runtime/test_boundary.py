@@ -22,8 +22,8 @@ from hplan.runtime.comm import (
     wire_buffer,
 )
 from hplan.runtime.errors import PlanFileError, PlanMismatchError
+from hplan.runtime.local_ranks import free_port
 from hplan.runtime.plan import DTYPE_BYTES, TensorSpec
-from hplan.runtime.rehearse import free_port
 
 HIDDEN = TensorSpec(name="h", shape=(1, 4, 3), dtype="float32", batch_dim=0, requires_grad=True)
 MASK = TensorSpec(name="mask", shape=(1, 4), dtype="bool", batch_dim=0, requires_grad=False)

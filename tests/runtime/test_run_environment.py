@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hplan.runtime.__main__ import main
-from hplan.runtime.rehearse import free_port
+from hplan.runtime.local_ranks import free_port
 from tests.fixtures.plans import (
     NUMBERED_DATASET,
     ReplicaShape,

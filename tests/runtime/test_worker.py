@@ -18,9 +18,9 @@ import torch
 from hplan.runtime.__main__ import main
 from hplan.runtime.errors import ConfigError, PlanMismatchError
 from hplan.runtime.join import resolve_rank
+from hplan.runtime.local_ranks import free_port
 from hplan.runtime.model_file import load_model_file
 from hplan.runtime.plan import MemoryStrategy, Schedule, SyncMode, TrainingSpec
-from hplan.runtime.rehearse import free_port
 from hplan.runtime.verify import reference_steps
 from hplan.runtime.worker import RunOptions, build_rank
 from tests.fixtures.plans import (
