@@ -25,7 +25,8 @@ from pathlib import Path
 
 import jinja2
 
-from hplan.planner.render import compact_unit_groups, render_dot, render_json, render_text
+from hplan.planner.render import render_dot, render_json, render_text
+from hplan.planner.textfmt import compact_unit_groups
 from hplan.runtime.errors import ConfigError, PlanFileError
 from hplan.runtime.plan import Backend, Plan
 

@@ -17,16 +17,18 @@ from rich.console import Console
 
 from hplan.planner.render import (
     RENDERERS,
-    batch_share,
-    boundary_bytes,
-    compact_units,
-    format_bytes,
-    format_seconds,
     print_text,
     render,
     render_dot,
     render_json,
     render_text,
+)
+from hplan.planner.textfmt import (
+    batch_share,
+    boundary_bytes,
+    compact_units,
+    format_bytes,
+    format_seconds,
     wrap_phrases,
 )
 from hplan.runtime.errors import ConfigError, PlanFileError
