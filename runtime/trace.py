@@ -41,6 +41,13 @@ from hplan.runtime.trace_fallbacks import (
     outputs_match,
     preserved,
 )
+from hplan.runtime.trace_notes import (
+    UNKNOWN_LINE,
+    Failure,
+    failure_message,
+    given_message,
+    kept_whole_notes,
+)
 
 __all__ = [
     "CONTAINER_CLASSES",
@@ -225,7 +232,7 @@ def trace_model(
             f"{failed}; torch.export failed too ({export_error}); ran child modules as a chain"
         ]
         return context.finish(chain, TraceMethod.MODULES, tuple(paths), notes)
-    raise TraceError(_failure_message(context, failure, export_error))
+    raise TraceError(failure_message(type(context.model).__name__, failure, export_error))
 
 
 # ----------------------------------------------------------------------- shared state
@@ -250,57 +257,6 @@ class _Context:
             param_names=_param_names(self.model),
             module_classes=self.module_classes,
         )
-
-
-@dataclass(frozen=True)
-class _Failure:
-    module_path: str
-    location: str
-    message: str
-
-    def describe(self, where: str | None = None) -> str:
-        """``in module 'blocks.0' at model.py:9 `if x.sum() > 0:` (control flow ...)``."""
-        if where is None:
-            where = f"in module {self.module_path!r}" if self.module_path else "in the forward"
-        at = "" if self.location == _UNKNOWN_LINE else f" at {self.location}"
-        return f"{where}{at} ({_readable(self.message)})"
-
-
-_UNKNOWN_LINE = "an unknown line"
-_FX_CONTROL_FLOW = "symbolically traced variables cannot be used as inputs to control flow"
-
-
-def _readable(message: str) -> str:
-    """fx's control-flow error in plain words; other messages as they are."""
-    if _FX_CONTROL_FLOW in message:
-        return "its control flow depends on tensor values"
-    return message
-
-
-def _kept_whole_notes(kept: Sequence[tuple[str, _Failure]]) -> list[str]:
-    """One note per distinct failure, naming every module kept whole because of it.
-
-    Repeated blocks usually fail at the same line: six notes that differ only in the block
-    index become one (``in modules 'blocks.0' … 'blocks.5' (6)``).
-    """
-    groups: dict[tuple[str, str], list[str]] = {}
-    for path, failure in kept:
-        groups.setdefault((failure.location, failure.message), []).append(path)
-    notes = []
-    for (location, message), paths in groups.items():
-        failure = _Failure(paths[0], location, message)
-        if len(paths) == 1:
-            notes.append(f"symbolic trace failed {failure.describe()}; kept {paths[0]!r} whole")
-            continue
-        named = (
-            ", ".join(repr(p) for p in paths)
-            if len(paths) <= 3
-            else (f"{paths[0]!r} … {paths[-1]!r} ({len(paths)})")
-        )
-        notes.append(
-            f"symbolic trace failed {failure.describe(f'in modules {named}')}; kept each whole"
-        )
-    return notes
 
 
 def _split_inputs(
@@ -368,7 +324,7 @@ def _user_location(exc: BaseException) -> str:
         if not f.filename.startswith((_TORCH_DIR, _HPLAN_DIR)) and "<" not in f.filename
     ]
     if not frames:
-        return _UNKNOWN_LINE
+        return UNKNOWN_LINE
     frame = frames[-1]
     code = f" `{frame.line.strip()}`" if frame.line else ""
     return f"{frame.filename}:{frame.lineno}{code}"
@@ -418,7 +374,7 @@ class _Tracer(torch.fx.Tracer):
 
 
 class _SymbolicFailure(Exception):
-    def __init__(self, failure: _Failure) -> None:
+    def __init__(self, failure: Failure) -> None:
         super().__init__(failure.describe())
         self.failure = failure
 
@@ -430,7 +386,7 @@ def _symbolic(context: _Context, leaves: Sequence[str]) -> torch.fx.GraphModule:
             warnings.simplefilter("ignore")
             graph = tracer.trace(context.model, concrete_args=context.constants)
     except Exception as exc:
-        failure = _Failure(tracer.failed_module or "", _user_location(exc), _one_line(exc))
+        failure = Failure(tracer.failed_module or "", _user_location(exc), _one_line(exc))
         raise _SymbolicFailure(failure) from exc
     gm = torch.fx.GraphModule(tracer.root, graph, type(context.model).__name__)
     _drop_unfed_placeholders(gm, set(context.fed))
@@ -459,11 +415,11 @@ def _keepable(path: str, module_classes: Mapping[str, str]) -> bool:
 
 def _symbolic_auto(
     context: _Context, leaves: Sequence[str]
-) -> tuple[torch.fx.GraphModule, tuple[str, ...], list[str]] | _Failure:
+) -> tuple[torch.fx.GraphModule, tuple[str, ...], list[str]] | Failure:
     """Symbolic trace, keeping failing submodules whole; the last failure if it gives up."""
     current = list(leaves)
-    kept: list[tuple[str, _Failure]] = []
-    failure = _Failure("", _UNKNOWN_LINE, "too many modules to keep whole")
+    kept: list[tuple[str, Failure]] = []
+    failure = Failure("", UNKNOWN_LINE, "too many modules to keep whole")
     for _ in range(_MAX_AUTO_LEAVES):
         try:
             gm = _symbolic(context, current)
@@ -475,7 +431,7 @@ def _symbolic_auto(
             current.append(path)
             kept.append((path, failure))
             continue
-        return gm, tuple(current), _kept_whole_notes(kept)
+        return gm, tuple(current), kept_whole_notes(kept)
     return failure
 
 
@@ -489,42 +445,14 @@ def _trace_given(
         if method is TraceMethod.EXPORT:
             return export_graph(context.model, context.fed, context.constants), method, (), []
     except _SymbolicFailure as exc:
-        raise TraceError(_given_message(method, exc.failure.describe())) from None
+        raise TraceError(given_message(method, exc.failure.describe())) from None
     except TraceError:
         raise
     except Exception as exc:
-        raise TraceError(_given_message(method, _one_line(exc))) from None
+        raise TraceError(given_message(method, _one_line(exc))) from None
     is_meta = any(getattr(v, "is_meta", False) for v in context.fed.values())
     reference = None if is_meta else _eager_reference(context)
     chain = module_chain(context.model, context.fed, leaves, reference)
     if chain is None:
-        raise TraceError(_given_message(method, "the module chain differs from forward"))
+        raise TraceError(given_message(method, "the module chain differs from forward"))
     return chain, method, leaves, []
-
-
-def _given_message(method: TraceMethod, detail: str) -> str:
-    return (
-        f"re-tracing with {method.value} failed: {detail}; the model differs from the one "
-        "planned: re-run `hplan solve`"
-    )
-
-
-def _failure_message(context: _Context, failure: _Failure, export_error: str) -> str:
-    model_name = type(context.model).__name__
-    if failure.module_path:
-        module = f"module {failure.module_path!r}"
-        remedy = (
-            f"keep it whole with LEAF_MODULES = [{failure.module_path!r}] in model.py, or "
-            "make the branch depend on a constant"
-        )
-    else:
-        module = f"module '' (the top-level forward of {model_name})"
-        remedy = (
-            "move that code into a submodule and list it in LEAF_MODULES in model.py, or make "
-            "the branch depend on a constant"
-        )
-    return (
-        f"cannot trace {model_name}: {module} fails at {failure.location} "
-        f"({failure.message}); torch.export: {export_error}; module boundaries: the chain "
-        f"of child modules differs from forward; {remedy}"
-    )
