@@ -18,6 +18,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
@@ -33,9 +34,16 @@ NODE_ENV = "HPLAN_NODE"
 """Environment variable naming this node when ``--node`` is not given."""
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hplan.runtime")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _OneLineErrors(prog="python -m hplan.runtime")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
     run = commands.add_parser("run", help="run this process's rank of a plan")
     run.add_argument("plan", type=Path, help="plan.json")
     run.add_argument(

@@ -137,7 +137,10 @@ def resolve_rank(plan: Plan, *, rank: int | None, node: str | None, local_rank: 
             raise ConfigError(f"--rank {rank} is outside the plan's ranks 0..{plan.world_size - 1}")
         return rank
     if node is None:
-        raise ConfigError("pass --node NAME (with LOCAL_RANK set, as torchrun does) or --rank R")
+        raise ConfigError(
+            "pass --node NAME or set HPLAN_NODE=NAME (with LOCAL_RANK set, as torchrun does), "
+            "or pass --rank R"
+        )
     on_node = [r for r in plan.ranks if r.node == node]
     if not on_node:
         names = sorted({r.node for r in plan.ranks})

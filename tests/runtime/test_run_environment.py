@@ -50,3 +50,22 @@ def test_a_rank_whose_peers_never_come_says_so_once_and_fails_in_one_line(tmp_pa
     assert lines[0].startswith("hplan: rank 1 waiting for 1 peer at 127.0.0.1:")
     assert lines[0].endswith("(timeout 3 s)")
     assert "PeerFailureError" in lines[1] and "could not join" in lines[1]
+
+
+def test_usage_errors_and_a_missing_node_are_one_line_exit_2(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(mixed_plan().to_json())
+    with pytest.raises(SystemExit) as info:
+        main(["run", str(plan_path), "--bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unrecognized arguments: --bogus" in err[0]
+    monkeypatch.delenv("HPLAN_NODE", raising=False)
+    assert main(["run", str(plan_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "HPLAN_NODE" in err[0]
+    monkeypatch.setenv("HPLAN_NODE", "nowhere")
+    assert main(["run", str(plan_path)]) == 2
+    assert "--node 'nowhere' runs no rank of this plan" in capsys.readouterr().err
