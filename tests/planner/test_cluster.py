@@ -245,7 +245,8 @@ BAD_CASES = {
     ),
     "unknown device key": (
         lambda d: d["nodes"][1]["devices"][0].update(memroy_gb=3),
-        r"nodes\[1\]\.devices\[0\]\.memroy_gb: unknown key; allowed keys here: type, custom",
+        r"nodes\[1\]\.devices\[0\]\.memroy_gb: unknown key; did you mean 'memory_gb'\? "
+        r"allowed keys here: type, custom",
     ),
     "unknown link key": (
         lambda d: d["links"]["inter_node"].update(speed=3),
