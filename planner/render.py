@@ -10,6 +10,7 @@ helpers (decimal byte sizes, durations, unit lists, phrase wrapping) in ``textfm
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable, Sequence
 
 from rich import box
@@ -151,15 +152,26 @@ def _header(plan: Plan, width: int) -> list[Text]:
         lines += _labelled(label, value, width)
     for idx, baseline in enumerate(report.baselines):
         value, lead, style = _baseline_line(plan, baseline)
-        row = _labelled("baselines" if idx == 0 else "", value, width)
+        row = _labelled("baselines" if idx == 0 else "", value, width, _BASELINE_BREAKS)
         row[0].stylize(style, _LABEL_WIDTH, _LABEL_WIDTH + len(lead))
         lines += row
     return lines
 
 
-def _labelled(label: str, value: str, width: int) -> list[Text]:
+_BASELINE_BREAKS = re.compile(r"(?= \([\d.]+ samples/s\))|(?= — )")
+"""A baseline line breaks only before its throughput and before its note: its name and its
+note may hold commas (``uniform pipeline, equal layers ...``)."""
+
+
+def _labelled(
+    label: str, value: str, width: int, breaks: re.Pattern[str] | None = None
+) -> list[Text]:
     """A header row: the label in bold, the value wrapped between phrases and indented."""
-    wrapped = wrap_phrases(value, width - _LABEL_WIDTH)
+    wrapped = (
+        wrap_phrases(value, width - _LABEL_WIDTH)
+        if breaks is None
+        else wrap_phrases(value, width - _LABEL_WIDTH, breaks=breaks)
+    )
     first = Text.assemble((label.ljust(_LABEL_WIDTH), "bold"), wrapped[0])
     return [first, *(Text(" " * _LABEL_WIDTH + line) for line in wrapped[1:])]
 

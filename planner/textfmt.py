@@ -120,16 +120,17 @@ _PHRASE_BREAKS = re.compile(r"(?<=; )|(?<=: )|(?<=, )|(?<= · )|(?= — )")
 """Where a long line may break: after ``; ``, ``: ``, ``, `` and `` · ``, before `` — ``."""
 
 
-def wrap_phrases(text: str, width: int) -> list[str]:
+def wrap_phrases(text: str, width: int, *, breaks: re.Pattern[str] = _PHRASE_BREAKS) -> list[str]:
     """Lines of at most ``width`` columns, broken between phrases rather than inside one.
 
     Phrases end at ``; ``, ``: ``, ``, `` or `` · ``, or before `` — ``; lines are filled
-    greedily. A phrase longer than ``width`` is broken at spaces instead (a word longer
-    than ``width`` stays whole). ``"a · b"`` with width 3 -> ``["a ·", "b"]``.
+    greedily; ``breaks`` (a pattern of zero-width split points) may choose other places.
+    A phrase longer than ``width`` is broken at spaces instead (a word longer than
+    ``width`` stays whole). ``"a · b"`` with width 3 -> ``["a ·", "b"]``.
     """
     lines: list[str] = []
     current = ""
-    for phrase in _PHRASE_BREAKS.split(text):
+    for phrase in breaks.split(text):
         candidate = current + phrase
         if not current or len(candidate.rstrip()) <= width or len(phrase.strip()) > width:
             current = candidate

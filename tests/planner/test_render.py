@@ -314,13 +314,27 @@ def test_long_lines_break_between_phrases_not_inside_them() -> None:
 
 def test_header_keeps_every_baseline_phrase_on_one_line() -> None:
     plan = mixed_plan()
-    long_name = "data parallel, equal batches (DDP) on every device"
+    first = plan.report.baselines[0]
     note = "5 replicas x 1 stages, 5 devices"
-    baselines = (replace(plan.report.baselines[0], name=long_name, note=note),)
+    baselines = (
+        replace(first, name="data parallel, equal batches (DDP) on every device", note=note),
+        replace(
+            first,
+            name="uniform pipeline, equal layers and batches (Megatron/DeepSpeed)",
+            samples_per_s=12632.3,
+            note="2 replicas x 2 stages, 4 devices",
+        ),
+    )
     plan = replace(plan, report=replace(plan.report, baselines=baselines))
     lines = render_text(plan).splitlines()
-    assert any(line.strip() == f"— {note}" or line.endswith(f"— {note}") for line in lines)
-    assert max(len(line) for line in lines[:8]) <= 100
+    assert f"           — {note}" in lines
+    assert "           uniform pipeline, equal layers and batches (Megatron/DeepSpeed)" not in lines
+    assert any(
+        line.endswith("vs uniform pipeline, equal layers and batches (Megatron/DeepSpeed)")
+        for line in lines
+    )
+    assert "           (12632.3 samples/s) — 2 replicas x 2 stages, 4 devices" in lines
+    assert max(len(line) for line in lines[:10]) <= 100
 
 
 def test_a_huge_batch_widens_the_table_instead_of_breaking_values() -> None:
