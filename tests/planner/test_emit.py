@@ -414,3 +414,27 @@ def test_an_output_folder_that_cannot_be_written_is_a_config_error(tmp_path: Pat
         with pytest.raises(ConfigError, match="cannot write the plan to"):
             emit(cpu_plan(), out)
     check_out_dir(tmp_path / "new" / "folder")  # may be created
+
+
+@needs_bash
+def test_scripts_say_to_activate_the_environment_when_tools_are_missing(tmp_path: Path) -> None:
+    out = _copied_out_dir(cpu_plan(), tmp_path)
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    for tool in ("dirname", "env"):  # what the scripts need besides hplan and torchrun
+        found = shutil.which(tool)
+        assert found is not None
+        (empty / tool).symlink_to(found)
+    env = {"PATH": str(empty), "HOME": str(tmp_path)}
+    for script, tool in (("rehearse.sh", "hplan"), ("node-localhost.sh", "torchrun")):
+        assert BASH is not None
+        result = subprocess.run(
+            [BASH, str(out / "launch" / script)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=SCRIPT_TIMEOUT_S,
+        )
+        assert result.returncode == 4, result.stderr
+        assert f"'{tool}' is not on PATH" in result.stderr
+        assert "source .venv/bin/activate" in result.stderr

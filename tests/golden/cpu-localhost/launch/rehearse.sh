@@ -6,4 +6,8 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
+if ! command -v hplan >/dev/null 2>&1; then
+  echo "hplan: 'hplan' is not on PATH; activate the environment hplan is installed in (for example: source .venv/bin/activate)" >&2
+  exit 4
+fi
 exec hplan rehearse "$HERE"/../plan.json "$@"

@@ -19,6 +19,10 @@ export HPLAN_NODE=dgx-1
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
 # Backend from plan.json: nccl.
 
+if ! command -v torchrun >/dev/null 2>&1; then
+  echo "hplan: 'torchrun' is not on PATH; activate the environment hplan and torch are installed in (for example: source .venv/bin/activate)" >&2
+  exit 4
+fi
 exec torchrun \
   --nnodes 1 \
   --node-rank 0 \

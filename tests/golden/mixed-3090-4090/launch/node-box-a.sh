@@ -23,6 +23,10 @@ export CUDA_DEVICE_ORDER=PCI_BUS_ID
 # transfers, so NCCL P2P is disabled. Set NCCL_P2P_DISABLE=0 before running to override.
 export NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}"
 
+if ! command -v torchrun >/dev/null 2>&1; then
+  echo "hplan: 'torchrun' is not on PATH; activate the environment hplan and torch are installed in (for example: source .venv/bin/activate)" >&2
+  exit 4
+fi
 exec torchrun \
   --nnodes 2 \
   --node-rank 0 \
