@@ -235,8 +235,9 @@ def show(plan_path: Path, fmt: str) -> None:
 def run(ctx: click.Context, plan_path: Path) -> None:
     """Run this process's rank of a plan (what the launch scripts call under torchrun).
 
-    Options are those of `python -m hplan.runtime run` (--node, --rank, --model, --steps,
-    --metrics-dir, --checkpoint-dir); see `python -m hplan.runtime run --help`.
+    Options are those of `python -m hplan.runtime run` (--node, default $HPLAN_NODE;
+    --rank, --model, --steps, --metrics-dir, --checkpoint-dir); see
+    `python -m hplan.runtime run --help`.
     """
     from hplan.runtime.__main__ import main as runtime_main
 
