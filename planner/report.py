@@ -14,6 +14,7 @@ from hplan.planner.evaluate import (
 from hplan.planner.layout import Layout
 from hplan.planner.problem import PlanningProblem
 from hplan.planner.solve import SolveResult
+from hplan.planner.textfmt import count
 from hplan.runtime.plan import BaselineReport, RankReport, Report
 
 _BASELINES = (
@@ -32,7 +33,8 @@ def baseline_reports(problem: PlanningProblem) -> tuple[BaselineReport, ...]:
             continue
         ev = evaluate(problem, layout)
         devices = len(layout.device_indices)
-        note = f"{len(layout.replicas)} replicas x {layout.replicas[0].num_stages} stages, {devices} devices"
+        replicas, stages = len(layout.replicas), layout.replicas[0].num_stages
+        note = f"{count(replicas, 'replica')} x {count(stages, 'stage')}, {count(devices, 'device')}"
         out.append(BaselineReport(name=name, samples_per_s=ev.samples_per_s, note=note))
     return tuple(out)
 
