@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from hplan.planner.bandwidth import load_measured_links
 from hplan.planner.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.build import build_plan, model_spec
 from hplan.planner.catalog import DeviceClass
@@ -61,6 +62,9 @@ class SolveRequest:
     out_dir: Path | None = None
     """Where plan.json will be written: the plan records the model path relative to it
     (the runtime resolves it against plan.json's folder). None: record it as given."""
+    bandwidth_path: Path | None = None
+    """A measured link matrix (``hplan bandwidth``); its device pairs override the cluster
+    file's links. None: the cluster file's links only."""
 
 
 @dataclass(frozen=True)
@@ -80,14 +84,14 @@ def plan_training(
     """Plan ``request.model_path`` on ``request.cluster_path``.
 
     Raises:
-        ModelFileError, TraceError, ConfigError: bad model file, model or cluster file.
+        ModelFileError, TraceError, ConfigError: bad model file, model, cluster file or
+            bandwidth file (one naming devices the cluster lacks).
         InfeasiblePlanError: nothing fits; names the binding constraint.
         SolverUnavailableError: a requested solver does not work here.
     """
     say = progress or (lambda _msg: None)
     _check_request(request)
-    cluster = load_cluster(request.cluster_path)
-    _check_device_mix(cluster)
+    cluster, link_notes = _cluster(request)
     say("loading and tracing the model")
     model_file = load_model_file(request.model_path)
     graph = build_model_graph(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
@@ -110,7 +114,9 @@ def plan_training(
     started = time.monotonic()
     result = _decide(problem, request)
     solve_time_s = time.monotonic() - started
-    report = build_report(problem, result, cost_source=source.name, notes=graph.notes)
+    report = build_report(
+        problem, result, cost_source=source.name, notes=(*graph.notes, *link_notes)
+    )
     plan = build_plan(
         graph=graph,
         model=model_spec(
@@ -175,6 +181,17 @@ def _check_request(request: SolveRequest) -> None:
         raise ConfigError(f"max stages {request.max_stages} must be >= 1")
     if not 1 <= request.master_port <= 65534:
         raise ConfigError(f"master port {request.master_port} must be in 1..65534")
+
+
+def _cluster(request: SolveRequest) -> tuple[Cluster, tuple[str, ...]]:
+    """The cluster, with measured links over the file's when ``bandwidth_path`` is given,
+    and the report's note on where the links came from."""
+    cluster = load_cluster(request.cluster_path)
+    _check_device_mix(cluster)
+    if request.bandwidth_path is None:
+        return cluster, ()
+    measured = load_measured_links(cluster, request.bandwidth_path)
+    return measured.cluster, (measured.note,)
 
 
 def _check_device_mix(cluster: Cluster) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from hplan.planner.cli_bandwidth import bandwidth
 from hplan.runtime.errors import ConfigError, HplanError
 from hplan.runtime.plan import Plan, Schedule
 
@@ -137,6 +138,12 @@ def cli() -> None:
     show_default=True,
     help="Rendezvous port on the first node.",
 )
+@click.option(
+    "--bandwidth",
+    "bandwidth_path",
+    type=click.Path(path_type=Path),
+    help="Measured link matrix (from `hplan bandwidth`); overrides the cluster's links it covers.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def solve(
     model: Path,
@@ -152,6 +159,7 @@ def solve(
     strategy: str,
     seed: int,
     master_port: int,
+    bandwidth_path: Path | None,
     as_json: bool,
 ) -> None:
     """Plan training of MODEL (a model.py) on a cluster and write the plan and launch scripts."""
@@ -173,6 +181,7 @@ def solve(
         leaf_modules=leaf_modules,
         strategy=Strategy(strategy),
         out_dir=out_dir,
+        bandwidth_path=bandwidth_path,
     )
     check_out_dir(out_dir)
     with stderr.status("planning...") as status:
@@ -312,6 +321,9 @@ def rehearse(
         click.echo(json.dumps(result.to_dict(), indent=2))
     if verify and not result.verify_passed:
         raise SystemExit(1)
+
+
+cli.add_command(bandwidth)
 
 
 def _one_line(message: str) -> str:
