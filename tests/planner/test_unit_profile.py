@@ -1,0 +1,163 @@
+"""Per-unit profiling: every unit timed on its real inputs, identical units shared, memory
+measured; and `hplan profile --model` -> `hplan solve --profile` end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from hplan.planner.cli import main
+from hplan.planner.costgraph import build_model_graph
+from hplan.planner.profile import Profile
+from hplan.planner.unit_memory import LiveBytes, measure_unit_memory
+from hplan.planner.unit_profile import UnitProfileOptions, profile_units
+from hplan.runtime.model_file import load_model_file
+from hplan.runtime.plan import Plan
+from tests.fixtures.models import REPO_ROOT, write_model_file
+
+GPT = REPO_ROOT / "examples" / "gpt" / "model.py"
+FAST = UnitProfileOptions(
+    micro_batch_sizes=(1, 2), num_warmup=1, min_samples=2, max_samples=3, min_time_s=0.0
+)
+CPU_CLUSTER = """\
+name: two-cpus
+nodes:
+  - name: a
+    host: 127.0.0.1
+    devices:
+      - type: cpu
+        count: 2
+"""
+
+
+@pytest.fixture
+def tiny_gpt(monkeypatch):
+    for name, value in {"LAYERS": "3", "WIDTH": "16", "HEADS": "2", "SEQ": "8"}.items():
+        monkeypatch.setenv(f"HPLAN_GPT_{name}", value)
+    return GPT
+
+
+def test_every_unit_is_timed_and_identical_blocks_are_timed_once(tiny_gpt):
+    model_file = load_model_file(tiny_gpt)
+    graph = build_model_graph(model_file)
+    steps = []
+    result = profile_units(
+        model_file, graph, torch.device("cpu"), "cpu", FAST, lambda *a: steps.append(a)
+    )
+    names = [u.name for u in graph.units]
+    assert [(t.unit, t.micro_batch_size) for t in result.timings] == [
+        (n, s) for n in names for s in (1, 2)
+    ]
+    assert result.shared_with == {"blocks.1": "blocks.0", "blocks.2": "blocks.0"}
+    assert len(steps) == 2 * len(names) and all(total == len(steps) for *_, total in steps)
+    assert [timed for unit, timed, _ in steps if unit == "blocks.2"] == [False, False]
+    by_key = {(t.unit, t.micro_batch_size): t for t in result.timings}
+    for timing in result.timings:
+        assert timing.device == "cpu"
+        assert timing.forward_s.median > 0 and timing.backward_s.median > 0
+        assert timing.optimizer_s is not None and timing.optimizer_s > 0
+        assert timing.peak_bytes >= timing.activation_bytes
+    block_1, block_2 = by_key[("blocks.0", 1)], by_key[("blocks.0", 2)]
+    assert block_2.activation_bytes == 2 * block_1.activation_bytes > 0
+    assert by_key[("blocks.2", 2)].forward_s == block_2.forward_s
+
+
+def test_units_receive_int_ids_and_bool_masks_across_their_cuts(tmp_path):
+    model_file = load_model_file(write_model_file(tmp_path, "mixed_dtype_boundary"))
+    graph = build_model_graph(model_file)
+    crossing = {t.dtype for cut in graph.cuts for t in cut}
+    assert {"int64", "bool"} <= crossing  # the case really sends non-float tensors
+    result = profile_units(model_file, graph, torch.device("cpu"), "cpu", FAST)
+    assert len(result.timings) == 2 * len(graph.units)
+    assert all(t.forward_s.median > 0 for t in result.timings)
+
+
+def test_live_bytes_follow_allocations_and_frees():
+    mib = 2**20
+    with LiveBytes() as live:
+        big = torch.ones(mib // 4)  # 1 MiB
+        del big
+        small = torch.ones(1024)  # the big storage is found freed at this op
+        assert live.current_bytes == small.untyped_storage().nbytes()
+    assert live.peak_bytes >= mib
+
+
+def test_activations_count_what_backward_keeps_but_not_parameters():
+    layer = nn.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    memory = measure_unit_memory(
+        lambda: torch.relu(layer(x)).sum(),
+        lambda loss: loss.backward(),
+        device=torch.device("cpu"),
+        resident=[x, *layer.parameters()],
+    )
+    out_bytes = 32 * 64 * 4
+    assert memory.activation_bytes == out_bytes  # relu's output; x and the weight excluded
+    resident_bytes = x.numel() * 4 + sum(p.numel() * 4 for p in layer.parameters())
+    assert memory.peak_bytes >= resident_bytes + out_bytes
+
+
+def _run(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(info.value.code or 0), out, err
+
+
+def test_profile_then_solve_uses_the_measurements_and_says_so(tiny_gpt, tmp_path, capsys):
+    prof = tmp_path / "prof"
+    code, out, err = _run(
+        ["profile", "--model", str(tiny_gpt), "-o", str(prof), "--micro-batch-sizes", "1,2",
+         "--no-benchmark", "--json"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    (written,) = prof.glob("*-cpu.json")
+    profile = Profile.load(written)
+    assert Profile.from_json(out) == profile
+    assert profile.model is not None and profile.model.units[0] == "tok_emb"
+    assert "blocks.0" in err and "reuse the timings of blocks.0" in err
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CPU_CLUSTER)
+    out_dir = tmp_path / "out"
+    code, _, err = _run(
+        ["solve", str(tiny_gpt), "--cluster", str(cluster), "--profile", str(prof),
+         "-b", "8", "--micro-batch-sizes", "2,4,8", "-o", str(out_dir)],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    plan = Plan.load(out_dir / "plan.json")
+    report = plan.report
+    assert report.cost_source.startswith(f"profile {prof.as_posix()}: ")
+    sources = {r.cost_source for r in report.ranks}
+    assert sources and all(s.startswith("measured") for s in sources)
+    size = plan.ranks[0].micro_batch_size
+    assert (size == 2) == (sources == {"measured"})
+    raw = json.loads((out_dir / "plan.json").read_text())
+    assert all("cost_source" in r for r in raw["report"]["ranks"])
+
+
+def test_a_profile_of_another_model_is_refused_naming_both(tiny_gpt, tmp_path, capsys, monkeypatch):
+    prof = tmp_path / "prof"
+    args = ["profile", "--model", str(tiny_gpt), "-o", str(prof), "--micro-batch-sizes", "1"]
+    assert _run([*args, "--no-benchmark"], capsys)[0] == 0
+    monkeypatch.setenv("HPLAN_GPT_LAYERS", "2")  # another model from the same file
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CPU_CLUSTER)
+    code, _, err = _run(
+        ["solve", str(tiny_gpt), "--cluster", str(cluster), "--profile", str(prof), "-o",
+         str(tmp_path / "out")],
+        capsys,
+    )  # fmt: skip
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "was measured on model" in lines[0]
+    path = tiny_gpt.as_posix()
+    assert f"was measured on model {path} (graph" in lines[0]
+    assert f"not on {path} (graph" in lines[0]
+    graphs = re.findall(r"\(graph ([0-9a-f]{12})\)", lines[0])
+    assert len(graphs) == 2 and graphs[0] != graphs[1]
