@@ -20,12 +20,19 @@ from hplan.planner.build import build_plan, model_spec
 from hplan.planner.catalog import DeviceClass
 from hplan.planner.cluster import Cluster, load_cluster, to_cluster_spec
 from hplan.planner.costgraph import ModelGraph, build_model_graph
-from hplan.planner.costmodel import RooflineSource, build_problem, optimizer_state_factor
+from hplan.planner.costmodel import (
+    RooflineSource,
+    UnitTimeSource,
+    build_problem,
+    optimizer_state_factor,
+)
 from hplan.planner.evaluate import evaluate
+from hplan.planner.measured import load_measured_source, source_labels
 from hplan.planner.modelcheck import check_trains
 from hplan.planner.problem import PlanningProblem
-from hplan.planner.report import build_report
+from hplan.planner.report import build_report, with_cost_sources
 from hplan.planner.search import SolveOptions
+from hplan.planner.simspec import param_wire_bytes, with_simulation
 from hplan.planner.solve import SolveResult, solve
 from hplan.runtime.errors import ConfigError, InfeasiblePlanError
 from hplan.runtime.model_file import load_model_file
@@ -62,6 +69,9 @@ class SolveRequest:
     out_dir: Path | None = None
     """Where plan.json will be written: the plan records the model path relative to it
     (the runtime resolves it against plan.json's folder). None: record it as given."""
+    profile_path: Path | None = None
+    """A measured profile (``hplan profile``: a file or a directory of them); its unit
+    timings take precedence over the roofline. None: the roofline only."""
     bandwidth_path: Path | None = None
     """A measured link matrix (``hplan bandwidth``); its device pairs override the cluster
     file's links. None: the cluster file's links only."""
@@ -97,7 +107,7 @@ def plan_training(
     graph = build_model_graph(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
     say("checking that the model trains")
     check_trains(model_file, seed=request.seed)
-    source = RooflineSource()
+    source = _time_source(request, graph)
     problem = build_problem(
         graph,
         cluster,
@@ -117,6 +127,9 @@ def plan_training(
     report = build_report(
         problem, result, cost_source=source.name, notes=(*graph.notes, *link_notes)
     )
+    if request.profile_path is not None:
+        labels = source_labels(source, cluster.devices, graph.unit_costs, problem.micro_batch_sizes)
+        report = with_cost_sources(report, problem, result.layout, labels, source_name=source.name)
     plan = build_plan(
         graph=graph,
         model=model_spec(
@@ -131,6 +144,7 @@ def plan_training(
         report=report,
         training=_training_spec(request, cluster, result),
     )
+    plan = with_simulation(plan, param_wire_bytes(graph))
     return PlanningOutcome(plan, graph, problem, result, solve_time_s)
 
 
@@ -153,7 +167,7 @@ def _decide(problem: PlanningProblem, request: SolveRequest) -> SolveResult:
         options = SolveOptions(
             time_limit_s=request.time_limit_s, backend=request.solver, max_stages=request.max_stages
         )
-        return solve(problem, options)
+        return solve(problem, options, schedule=request.schedule)
     make = data_parallel_equal if request.strategy is Strategy.DATA_PARALLEL else uniform_pipeline
     layout = make(problem)
     if layout is None:
@@ -170,6 +184,13 @@ def _decide(problem: PlanningProblem, request: SolveRequest) -> SolveResult:
         source=f"baseline: {request.strategy.value}",
         notes=(f"{request.strategy.value} baseline requested; the layout was not optimised",),
     )
+
+
+def _time_source(request: SolveRequest, graph: ModelGraph) -> UnitTimeSource:
+    """The roofline, or the measured profile (checked to be of this model)."""
+    if request.profile_path is None:
+        return RooflineSource()
+    return load_measured_source(request.profile_path, graph, model_path=request.model_path)
 
 
 def _check_request(request: SolveRequest) -> None:

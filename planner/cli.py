@@ -21,6 +21,8 @@ import click
 from rich.console import Console
 
 from hplan.planner.cli_bandwidth import bandwidth
+from hplan.planner.cli_profile import profile
+from hplan.planner.cli_simulate import simulate
 from hplan.runtime.errors import ConfigError, HplanError
 from hplan.runtime.plan import Plan, Schedule
 
@@ -144,6 +146,12 @@ def cli() -> None:
     type=click.Path(path_type=Path),
     help="Measured link matrix (from `hplan bandwidth`); overrides the cluster's links it covers.",
 )
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(path_type=Path),
+    help="Measured profile (file or directory, from `hplan profile --model`); replaces catalog estimates.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def solve(
     model: Path,
@@ -159,6 +167,7 @@ def solve(
     strategy: str,
     seed: int,
     master_port: int,
+    profile_path: Path | None,
     bandwidth_path: Path | None,
     as_json: bool,
 ) -> None:
@@ -181,6 +190,7 @@ def solve(
         leaf_modules=leaf_modules,
         strategy=Strategy(strategy),
         out_dir=out_dir,
+        profile_path=profile_path,
         bandwidth_path=bandwidth_path,
     )
     check_out_dir(out_dir)
@@ -202,6 +212,7 @@ def solve(
             "efficiency": report.efficiency,
             "solver_status": report.solver_status.value,
             "optimality_gap": report.optimality_gap,
+            "simulated_step_time_s": report.simulated_step_time_s,
             "solve_time_s": outcome.solve_time_s,
         }
         click.echo(json.dumps(summary, indent=2))
@@ -212,13 +223,17 @@ def solve(
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["text", "json", "dot"]),
+    type=click.Choice(["text", "json", "dot", "svg", "png"]),
     default="text",
     show_default=True,
-    help="text: a summary table; json: plan.json; dot: graphviz.",
+    help="text: a summary table; json: plan.json; dot: graphviz; svg / png: the simulated "
+    "per-rank timeline (redirect stdout to a file).",
 )
 def show(plan_path: Path, fmt: str) -> None:
     """Show a plan: devices, stages, units, batch shares, predicted time and memory."""
+    if fmt in ("svg", "png"):
+        _show_image(Plan.load(plan_path), fmt)
+        return
     from hplan.planner.render import (
         print_text,
         render_dot,
@@ -236,6 +251,21 @@ def show(plan_path: Path, fmt: str) -> None:
         click.echo(render_json(plan), nl=False)
     else:
         click.echo(render_dot(plan), nl=False)
+
+
+def _show_image(plan: Plan, fmt: str) -> None:
+    """Write the simulated timeline image to stdout (PNG only when stdout is not a terminal)."""
+    from hplan.planner.cli_simulate import plan_timeline_image
+
+    if fmt == "png" and sys.stdout.isatty():
+        raise ConfigError("--format png writes binary data; redirect stdout to a file (> t.png)")
+    image = plan_timeline_image(plan, fmt)
+    if fmt == "svg":
+        click.echo(image.decode("utf-8"), nl=False)
+        return
+    sys.stdout.flush()
+    sys.stdout.buffer.write(image)
+    sys.stdout.buffer.flush()
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -288,6 +318,13 @@ def run(ctx: click.Context, plan_path: Path) -> None:
     show_default=True,
     help="Kill the rehearsal after this many seconds.",
 )
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(path_type=Path),
+    help="Write the last step's measured per-rank timeline as Chrome trace JSON, in seconds "
+    "of the plan's hardware (compare with `hplan simulate --trace`).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def rehearse(
     plan_path: Path,
@@ -298,6 +335,7 @@ def rehearse(
     dilation: float | None,
     time_scale: float | None,
     timeout_s: float,
+    trace_path: Path | None,
     as_json: bool,
 ) -> None:
     """Run every rank of a plan on this machine (CPU, gloo), emulating its hardware."""
@@ -316,6 +354,7 @@ def rehearse(
         dilation=dilation,
         time_scale=time_scale,
         timeout_s=timeout_s,
+        trace_path=trace_path,
     )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
@@ -324,6 +363,12 @@ def rehearse(
 
 
 cli.add_command(bandwidth)
+
+
+cli.add_command(profile)
+
+
+cli.add_command(simulate)
 
 
 def _one_line(message: str) -> str:

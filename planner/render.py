@@ -35,6 +35,7 @@ from hplan.runtime.plan import (
     Plan,
     RankPlan,
     RankReport,
+    Report,
 )
 
 TEXT_WIDTH = 100
@@ -131,11 +132,7 @@ def _header(plan: Plan, width: int) -> list[Text]:
             f"{plan.training.schedule} · sync {plan.training.sync_mode} · "
             f"backend {plan.training.backend}",
         ),
-        (
-            "predicted",
-            f"{format_seconds(report.predicted_step_time_s)} per step · "
-            f"{report.predicted_samples_per_s:.1f} samples/s",
-        ),
+        ("predicted", _predicted(report)),
         (
             "bound",
             f"{report.physical_bound_samples_per_s:.1f} samples/s (sum of standalone devices) · "
@@ -156,6 +153,17 @@ def _header(plan: Plan, width: int) -> list[Text]:
         row[0].stylize(style, _LABEL_WIDTH, _LABEL_WIDTH + len(lead))
         lines += row
     return lines
+
+
+def _predicted(report: Report) -> str:
+    """The cost model's step time and throughput, and the simulator's step time if any."""
+    text = (
+        f"{format_seconds(report.predicted_step_time_s)} per step · "
+        f"{report.predicted_samples_per_s:.1f} samples/s"
+    )
+    if report.simulated_step_time_s is None:
+        return text
+    return f"{text} · simulated {format_seconds(report.simulated_step_time_s)} per step"
 
 
 _BASELINE_BREAKS = re.compile(r"(?= \([\d.]+ samples/s\))|(?= — )")

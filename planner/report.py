@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 from hplan.planner.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.build import rank_of_device
 from hplan.planner.evaluate import (
@@ -34,7 +37,9 @@ def baseline_reports(problem: PlanningProblem) -> tuple[BaselineReport, ...]:
         ev = evaluate(problem, layout)
         devices = len(layout.device_indices)
         replicas, stages = len(layout.replicas), layout.replicas[0].num_stages
-        note = f"{count(replicas, 'replica')} x {count(stages, 'stage')}, {count(devices, 'device')}"
+        note = (
+            f"{count(replicas, 'replica')} x {count(stages, 'stage')}, {count(devices, 'device')}"
+        )
         out.append(BaselineReport(name=name, samples_per_s=ev.samples_per_s, note=note))
     return tuple(out)
 
@@ -111,3 +116,39 @@ def build_report(
         baselines=baseline_reports(problem),
         notes=(*notes, _source_note(result.source), *result.notes),
     )
+
+
+def with_cost_sources(
+    report: Report,
+    problem: PlanningProblem,
+    layout: Layout,
+    labels: Sequence[Sequence[Sequence[str]]],
+    *,
+    source_name: str,
+) -> Report:
+    """``report`` with each rank's ``cost_source`` and an overall summary filled in.
+
+    Args:
+        labels: where each number came from, indexed (device, unit, micro-batch size index)
+            like ``problem.fwd_time_s``.
+        source_name: the time source's name (``profile prof/``).
+
+    Returns:
+        The report; a rank's ``cost_source`` joins the distinct labels of its units at its
+        micro-batch size with ``"; "``, and ``Report.cost_source`` is ``"<source_name>:
+        <every label used>"``.
+    """
+    ranks = rank_of_device(layout)
+    by_rank: dict[int, list[str]] = {}
+    for replica in layout.replicas:
+        k = mbs_index(problem, replica.micro_batch_size)
+        for stage in replica.stages:
+            device = stage.device_idx
+            units = range(stage.unit_start, stage.unit_stop)
+            by_rank[ranks[device]] = list(dict.fromkeys(labels[device][u][k] for u in units))
+    rank_reports = tuple(
+        replace(r, cost_source="; ".join(by_rank[r.rank])) if r.rank in by_rank else r
+        for r in report.ranks
+    )
+    used = dict.fromkeys(label for rank in sorted(by_rank) for label in by_rank[rank])
+    return replace(report, ranks=rank_reports, cost_source=f"{source_name}: {'; '.join(used)}")

@@ -13,6 +13,10 @@ the backward re-runs it (same RNG state) with autograd, then backpropagates.
 Emulation (``RankState.compute``, see ``worker.ComputeEmulation``): every forward and
 backward either lasts ``stretch`` times its CPU time, or at least its modelled duration,
 by sleeping after it (``_ComputeTimer``); the optimizer step likewise.
+
+Timeline: each step records, on ``StepRunner.timeline``, when every forward, backward,
+blocking receive, send completion, all-reduce and optimizer step started and ended
+(``runtime/timeline.py``; names like the schedule's ``s1.F.mb3``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from hplan.runtime.grad_sync import loss_weight
 from hplan.runtime.model_file import checked_loss
 from hplan.runtime.plan import MemoryStrategy, RankPlan, microbatch_sizes
 from hplan.runtime.schedule import Action, ActionKind, build_schedule
+from hplan.runtime.timeline import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
 
 if TYPE_CHECKING:
     from hplan.runtime.worker import RankState
@@ -84,6 +89,7 @@ class StepRunner:
         self.label = stage_label(rank_plan)
         self.recompute = rank_plan.memory_strategy is MemoryStrategy.RECOMPUTE
         self.times = StepTimes()
+        self.timeline = TimelineRecorder(rank_plan.rank)
         self._flight: dict[int, _InFlight] = {}
         self._losses: list[Tensor] = []
         self._batches: list[MicroBatch] = []
@@ -92,16 +98,20 @@ class StepRunner:
         """Run step ``step``; return this replica's mean loss on a last stage, else None."""
         state = self.state
         self.times = StepTimes()
+        self.timeline = TimelineRecorder(state.rank_plan.rank)
         self._losses = []
         self._batches = state.source.microbatches(
             step, self.offset, state.rank_plan.num_samples, self.sizes
         )
         for action in self.actions:
             self._run_action(action)
-        state.comm.wait_sends()
+        with self.timeline.span(WAIT, "send completion"):
+            state.comm.wait_sends()
         start_s = time.monotonic()
         for bucket in state.buckets:
-            bucket.all_reduce()
+            label = "all-reduce ranks " + ",".join(str(r) for r in bucket.ranks)
+            with self.timeline.span(ALL_REDUCE, label):
+                bucket.all_reduce()
         self.times.allreduce_s = time.monotonic() - start_s
         if not self._losses:
             return None
@@ -115,6 +125,7 @@ class StepRunner:
         self.state.optimizer.zero_grad(set_to_none=True)
         _sleep_until(start_s + self.state.compute.optimizer_s)
         self.times.optimizer_s = time.monotonic() - start_s
+        self.timeline.add(COMPUTE, "optimizer", start_s, start_s + self.times.optimizer_s)
 
     def _run_action(self, action: Action) -> None:
         if action.kind is ActionKind.FORWARD:
@@ -124,7 +135,11 @@ class StepRunner:
 
     def _forward(self, mb: MicroBatch) -> None:
         state = self.state
-        received = state.comm.recv_activations(mb.index, mb.num_samples) if state.comm.prev else {}
+        received = {}
+        if state.comm.prev:
+            stage = state.rank_plan.stage
+            with self.timeline.span(WAIT, f"wait F.mb{mb.index} from s{stage - 1}"):
+                received = state.comm.recv_activations(mb.index, mb.num_samples)
         inputs = {
             name: tensor.to(state.device)
             for name, tensor in stage_inputs(
@@ -134,7 +149,8 @@ class StepRunner:
         flight = _InFlight(received, inputs)
         if self.recompute:
             flight.rng_state = _rng_state(state.device)
-        with self._timed_compute(ActionKind.FORWARD), torch.set_grad_enabled(not self.recompute):
+        forward = self._timed_compute(ActionKind.FORWARD, mb.index)
+        with forward, torch.set_grad_enabled(not self.recompute):
             outputs = state.stage(inputs, received)
             if state.stage.is_last:
                 flight.loss = self._loss(outputs, mb)
@@ -153,8 +169,12 @@ class StepRunner:
     def _backward(self, mb: MicroBatch) -> None:
         state = self.state
         flight = self._flight.pop(mb.index)
-        grads = state.comm.recv_grads(mb.index, mb.num_samples) if state.comm.next else {}
-        with self._timed_compute(ActionKind.BACKWARD):
+        grads = {}
+        if state.comm.next:
+            stage = state.rank_plan.stage
+            with self.timeline.span(WAIT, f"wait B.mb{mb.index} from s{stage + 1}"):
+                grads = state.comm.recv_grads(mb.index, mb.num_samples)
+        with self._timed_compute(ActionKind.BACKWARD, mb.index):
             if self.recompute:
                 self._recompute(flight, mb)
             tensors, grad_tensors = self._backward_pairs(flight, grads)
@@ -186,10 +206,11 @@ class StepRunner:
         ]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
-    def _timed_compute(self, kind: ActionKind) -> _ComputeTimer:
+    def _timed_compute(self, kind: ActionKind, microbatch: int) -> _ComputeTimer:
         compute = self.state.compute
         floor_s = compute.forward_s if kind is ActionKind.FORWARD else compute.backward_s
-        return _ComputeTimer(self, compute.stretch, floor_s)
+        label = str(Action(self.state.rank_plan.stage, kind, microbatch))
+        return _ComputeTimer(self, compute.stretch, floor_s, label)
 
 
 class _ComputeTimer:
@@ -201,10 +222,11 @@ class _ComputeTimer:
     stretched as well.
     """
 
-    def __init__(self, runner: StepRunner, stretch: float, floor_s: float) -> None:
+    def __init__(self, runner: StepRunner, stretch: float, floor_s: float, label: str) -> None:
         self.runner = runner
         self.stretch = stretch
         self.floor_s = floor_s
+        self.label = label
         self.start_s = 0.0
         self.start_cpu_s = 0.0
 
@@ -216,7 +238,9 @@ class _ComputeTimer:
         if exc[0] is None:
             cpu_s = time.thread_time() - self.start_cpu_s
             _sleep_until(self.start_s + max(self.floor_s, self.stretch * cpu_s))
-        self.runner.times.compute_s += time.monotonic() - self.start_s
+        end_s = time.monotonic()
+        self.runner.times.compute_s += end_s - self.start_s
+        self.runner.timeline.add(COMPUTE, self.label, self.start_s, end_s)
 
 
 def _sleep_until(deadline_s: float) -> None:

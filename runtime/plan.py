@@ -280,6 +280,10 @@ class RankReport:
     """Predicted backward compute of one full micro-batch on this rank."""
     optimizer_time_s: float = 0.0
     """Predicted optimizer step of this rank's parameters."""
+    cost_source: str = "roofline"
+    """Where this rank's forward/backward times came from: ``roofline``, ``measured``,
+    ``measured (interpolated)``, ``roofline x 0.42 (scaled by measured devices)``,
+    ``calibrated`` ... (distinct sources of its units joined by ``; ``)."""
 
 
 @_frozen
@@ -290,6 +294,16 @@ class BaselineReport:
     samples_per_s: float | None
     """None when the baseline does not fit in memory."""
     note: str
+
+
+@_frozen
+class GradSyncReport:
+    """Gradients that one holder set of ranks sums every step (one all-reduce bucket)."""
+
+    ranks: tuple[int, ...]
+    """Sorted ranks whose units use the parameters."""
+    num_bytes: int
+    """Bytes all-reduced per step: the gradients in the wire dtype (float32 or wider)."""
 
 
 @_frozen
@@ -317,6 +331,11 @@ class Report:
     """The plan's largest micro-batch size (where the reference time is taken)."""
     baselines: tuple[BaselineReport, ...] = ()
     notes: tuple[str, ...] = ()
+    simulated_step_time_s: float | None = None
+    """Step time of the event-driven simulation of this plan (``hplan simulate``); None:
+    not simulated."""
+    grad_sync: tuple[GradSyncReport, ...] | None = None
+    """The gradient all-reduce groups of the plan, sorted by ranks; None: not recorded."""
 
 
 @_frozen

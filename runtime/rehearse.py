@@ -26,7 +26,9 @@ would measure contention instead of the plan.
 
 The prediction in emulated units is ``predicted_step_time_s * scale``. ``verify=True`` also
 runs the first step as one process on the whole global batch and compares every updated
-parameter by name.
+parameter by name. ``trace_path`` writes the last step's measured per-rank timeline as a
+Chrome trace in seconds of the plan's hardware (``runtime/timeline.py``), the unit of
+``hplan simulate --trace``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from hplan.runtime.metrics import (
 )
 from hplan.runtime.model_file import ModelFile, checked_loss, load_model_file
 from hplan.runtime.plan import Plan
+from hplan.runtime.timeline import write_measured_trace
 from hplan.runtime.trace import bind_inputs
 from hplan.runtime.verify import VERIFY_TOLERANCE, verify_first_step
 from hplan.runtime.worker import modelled_emulation, rank_speeds, warn_if_model_changed
@@ -160,6 +163,7 @@ def rehearse(
     time_scale: float | None = None,
     timeout_s: float = 600.0,
     console: Console | None = None,
+    trace_path: Path | None = None,
 ) -> RehearsalResult:
     """Run every rank of ``plan`` on this machine, emulating its hardware.
 
@@ -175,6 +179,7 @@ def rehearse(
             plans under one emulation.
         timeout_s: the whole run is killed after this many seconds.
         console: where progress goes (default: rich on stderr).
+        trace_path: write the last step's measured timeline here (Chrome trace JSON).
 
     Raises:
         RehearsalChildError: a rank failed; its one-line error and exit code are kept.
@@ -191,6 +196,7 @@ def rehearse(
         time_scale=time_scale,
         timeout_s=timeout_s,
         console=console or Console(stderr=True, soft_wrap=True),
+        trace_path=trace_path,
     )
     if metrics_dir is not None:
         return run.into(Path(metrics_dir))
@@ -218,6 +224,7 @@ class _Run:
     time_scale: float | None
     timeout_s: float
     console: Console
+    trace_path: Path | None = None
 
     def into(self, metrics_dir: Path) -> RehearsalResult:
         """Rehearse with metrics and logs in ``metrics_dir``; print and return the result."""
@@ -257,6 +264,9 @@ class _Run:
             metrics_dir=metrics_dir,
         )
         _print_result(result, console)
+        if self.trace_path is not None:
+            step = write_measured_trace(plan, metrics_dir, self.trace_path, time_scale=scale)
+            console.print(f"wrote step {step}'s measured timeline to {self.trace_path}")
         return result
 
 

@@ -42,6 +42,7 @@ from hplan.runtime.model_file import ModelFile, load_model_file
 from hplan.runtime.pipeline import StepRunner, stage_label
 from hplan.runtime.plan import Backend, Plan, RankPlan, SyncMode
 from hplan.runtime.stage import StageModule, build_stage
+from hplan.runtime.timeline import TimelineWriter
 from hplan.runtime.trace import TracedModel, bind_inputs, trace_model
 
 
@@ -381,6 +382,7 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
     if options.checkpoint_dir is not None:
         first_step = load_checkpoint(state, options.checkpoint_dir)
     writer = MetricsWriter(options.metrics_dir, rank) if options.metrics_dir else None
+    timeline = TimelineWriter(options.metrics_dir, rank) if options.metrics_dir else None
     runner = StepRunner(state)
     _barrier(rank, "start of training")
     for step in range(first_step, first_step + options.steps):
@@ -389,8 +391,12 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
         )
         if writer is not None:
             writer.write(record)
+        if timeline is not None:
+            timeline.write(step, runner.timeline.events)
     if writer is not None:
         writer.close()
+    if timeline is not None:
+        timeline.close()
     if options.checkpoint_dir is not None:
         save_checkpoint(
             state,
