@@ -325,6 +325,13 @@ def run(ctx: click.Context, plan_path: Path) -> None:
     help="Write the last step's measured per-rank timeline as Chrome trace JSON, in seconds "
     "of the plan's hardware (compare with `hplan simulate --trace`).",
 )
+@click.option(
+    "--slowdown",
+    "slowdowns",
+    multiple=True,
+    metavar="DEVICE=FACTOR",
+    help="Emulate a straggler: DEVICE's compute runs FACTOR times slower (box-b/1=1.4; repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def rehearse(
     plan_path: Path,
@@ -336,10 +343,12 @@ def rehearse(
     time_scale: float | None,
     timeout_s: float,
     trace_path: Path | None,
+    slowdowns: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Run every rank of a plan on this machine (CPU, gloo), emulating its hardware."""
     from hplan.runtime.model_file import plan_model_path
+    from hplan.runtime.rehearse import parse_slowdown
     from hplan.runtime.rehearse import rehearse as run_rehearsal
 
     if steps < 1:
@@ -355,6 +364,7 @@ def rehearse(
         time_scale=time_scale,
         timeout_s=timeout_s,
         trace_path=trace_path,
+        slowdown=parse_slowdown(slowdowns),
     )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))

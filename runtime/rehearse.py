@@ -24,6 +24,11 @@ rank ``r`` computes a fraction ``speed_r / (speed_max * dilation)`` of the time,
 ``dilation >= margin * sum_r(speed_r / speed_max) / cores`` (and >= 1); otherwise the run
 would measure contention instead of the plan.
 
+``slowdown`` (``--slowdown box-b/1=1.4``) emulates a straggler: that device's compute lasts
+its factor times longer than the plan says, in both modes (``worker.compute_emulation``).
+The rehearsal records dilation, time scale and slowdowns in ``<metrics_dir>/emulation.json``
+(the ranks read the slowdowns from it; ``hplan calibrate`` reads the time scale).
+
 The prediction in emulated units is ``predicted_step_time_s * scale``. ``verify=True`` also
 runs the first step as one process on the whole global batch and compares every updated
 parameter by name. ``trace_path`` writes the last step's measured per-rank timeline as a
@@ -35,13 +40,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +67,12 @@ from hplan.runtime.plan import Plan
 from hplan.runtime.timeline import write_measured_trace
 from hplan.runtime.trace import bind_inputs
 from hplan.runtime.verify import VERIFY_TOLERANCE, verify_first_step
-from hplan.runtime.worker import modelled_emulation, rank_speeds, warn_if_model_changed
+from hplan.runtime.worker import (
+    EMULATION_FILE,
+    modelled_emulation,
+    rank_speeds,
+    warn_if_model_changed,
+)
 
 DILATION_MARGIN = 1.25
 """Head-room over the exact CPU demand (interpreter, communication threads, the parent)."""
@@ -90,6 +101,8 @@ class RehearsalResult:
     ranks: tuple[RankSummary, ...]
     metrics_dir: Path | None
     """Where the metrics and logs are; None when they were in a temporary folder, deleted."""
+    slowdown: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Emulated stragglers: device name -> compute slowdown factor (``--slowdown``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-native view (for ``hplan rehearse --json``)."""
@@ -164,6 +177,7 @@ def rehearse(
     timeout_s: float = 600.0,
     console: Console | None = None,
     trace_path: Path | None = None,
+    slowdown: Mapping[str, float] | None = None,
 ) -> RehearsalResult:
     """Run every rank of ``plan`` on this machine, emulating its hardware.
 
@@ -180,6 +194,7 @@ def rehearse(
         timeout_s: the whole run is killed after this many seconds.
         console: where progress goes (default: rich on stderr).
         trace_path: write the last step's measured timeline here (Chrome trace JSON).
+        slowdown: device name -> factor (> 0) its compute is slowed by (a straggler).
 
     Raises:
         RehearsalChildError: a rank failed; its one-line error and exit code are kept.
@@ -187,6 +202,8 @@ def rehearse(
         ModelFileError, ConfigError: bad inputs.
     """
     _check_options(steps, dilation, time_scale, timeout_s)
+    slowdown = dict(slowdown or {})
+    check_slowdown(plan, slowdown)
     run = _Run(
         plan=plan,
         model=str(model_path or plan.model.path),
@@ -197,6 +214,7 @@ def rehearse(
         timeout_s=timeout_s,
         console=console or Console(stderr=True, soft_wrap=True),
         trace_path=trace_path,
+        slowdown=slowdown,
     )
     if metrics_dir is not None:
         return run.into(Path(metrics_dir))
@@ -225,6 +243,7 @@ class _Run:
     timeout_s: float
     console: Console
     trace_path: Path | None = None
+    slowdown: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def into(self, metrics_dir: Path) -> RehearsalResult:
         """Rehearse with metrics and logs in ``metrics_dir``; print and return the result."""
@@ -239,9 +258,12 @@ class _Run:
             f"rehearsing {_count(plan.world_size, 'rank')} on {_count(cores, 'core')}: "
             f"dilation {dilation:.2f}, 1 s of plan hardware = {scale:.3g} s here, compute "
             + ("replayed from the plan's model" if modelled_emulation(plan) else "stretched")
+            + "".join(f"; {name} {factor:g}x slower" for name, factor in self.slowdown.items())
         )
         verify_dir = metrics_dir / "verify" if self.verify else None
         plan_path = prepare_dir(metrics_dir, plan)
+        record = {"dilation": dilation, "time_scale": scale, "slowdown": self.slowdown}
+        (metrics_dir / EMULATION_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
         command = ChildCommand(
             plan_path, self.model, self.steps, metrics_dir, dilation, scale, verify_dir
         )
@@ -262,6 +284,7 @@ class _Run:
             verify_passed=None if diff is None else diff <= VERIFY_TOLERANCE,
             ranks=summary.ranks,
             metrics_dir=metrics_dir,
+            slowdown=dict(self.slowdown),
         )
         _print_result(result, console)
         if self.trace_path is not None:
@@ -289,6 +312,50 @@ def _check_options(
         )
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise ConfigError(f"timeout is {timeout_s} s; it must be a finite number of seconds > 0")
+
+
+def parse_slowdown(values: Sequence[str]) -> dict[str, float]:
+    """``["box-b/1=1.4", ...]`` -> ``{"box-b/1": 1.4}`` (the last ``=`` splits).
+
+    Raises:
+        ConfigError: an item without ``=``, a factor that is not a finite number > 0, or a
+            device given twice.
+    """
+    slowdown: dict[str, float] = {}
+    for item in values:
+        name, sep, text = item.rpartition("=")
+        if not sep or not name:
+            raise ConfigError(f"--slowdown {item!r} is not DEVICE=FACTOR; write e.g. box-b/1=1.4")
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = math.nan
+        if not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(
+                f"--slowdown {item!r}: factor {text!r} must be a finite number > 0 "
+                "(1.4 = 40% slower)"
+            )
+        if name in slowdown:
+            raise ConfigError(f"--slowdown names {name!r} twice; give each device once")
+        slowdown[name] = factor
+    return slowdown
+
+
+def check_slowdown(plan: Plan, slowdown: Mapping[str, float]) -> None:
+    """Check that every slowed device is one of the plan's ranks' devices.
+
+    Raises:
+        ConfigError: naming the unknown device and the plan's devices.
+    """
+    used = [r.device for r in plan.ranks]
+    for name, factor in slowdown.items():
+        if name not in used:
+            raise ConfigError(
+                f"--slowdown {name}={factor:g}: the plan runs no rank on {name!r}; "
+                f"use one of {', '.join(used)}"
+            )
+        if not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(f"--slowdown {name}={factor}: the factor must be finite and > 0")
 
 
 def _print_result(result: RehearsalResult, console: Console) -> None:

@@ -15,10 +15,11 @@ of the plan delay point-to-point transfers and all-reduces (``comm.py``, ``grad_
 from __future__ import annotations
 
 import inspect
+import json
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,29 @@ class Emulation:
     time_scale: float
     """Emulated seconds per second of plan hardware: links, all-reduce and, for GPU plans,
     compute (see ComputeEmulation)."""
+    slowdown: Mapping[str, float] = field(default_factory=dict)
+    """Straggler emulation: cluster device name -> factor its compute is slowed by
+    (1.4 = 40% slower than the plan says), in both compute modes."""
+
+
+EMULATION_FILE = "emulation.json"
+"""Written by a rehearsal into its metrics folder: dilation, time scale and slowdowns."""
+
+
+def recorded_slowdown(metrics_dir: Path | None) -> dict[str, float]:
+    """The ``slowdown`` a rehearsal recorded in ``<metrics_dir>/emulation.json`` ({} if none).
+
+    Raises:
+        ConfigError: the file exists but is not a rehearsal's record.
+    """
+    path = None if metrics_dir is None else metrics_dir / EMULATION_FILE
+    if path is None or not path.is_file():
+        return {}
+    try:
+        slowdown = json.loads(path.read_text(encoding="utf-8")).get("slowdown", {})
+        return {str(name): float(factor) for name, factor in slowdown.items()}
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a rehearsal's emulation record ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -190,10 +214,11 @@ def compute_emulation(plan: Plan, rank: int, emulation: Emulation | None) -> Com
     """This rank's compute emulation (none when not rehearsing)."""
     if emulation is None:
         return ComputeEmulation()
+    slowdown = emulation.slowdown.get(plan.ranks[rank].device, 1.0)
     if not modelled_emulation(plan):
-        return ComputeEmulation(stretch=emulation.dilation * device_stretch(plan, rank))
+        return ComputeEmulation(stretch=emulation.dilation * device_stretch(plan, rank) * slowdown)
     report = next(r for r in plan.report.ranks if r.rank == rank)
-    scale = emulation.time_scale
+    scale = emulation.time_scale * slowdown
     return ComputeEmulation(
         forward_s=scale * report.forward_time_s,
         backward_s=scale * report.backward_time_s,
@@ -373,6 +398,9 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
     """
     if options.steps < 1:
         raise ConfigError(f"--steps is {options.steps}; run at least one step")
+    if options.emulation is not None:
+        slowdown = recorded_slowdown(options.metrics_dir)
+        options = replace(options, emulation=replace(options.emulation, slowdown=slowdown))
     check_environment(plan, rank, options)
     init_distributed(plan, rank, options)
     state = build_rank(plan, rank, model_path, options)
