@@ -33,6 +33,7 @@ import numpy as np
 
 from hplan.planner.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.problem import PlanningProblem
+from hplan.runtime.collectives import ring_all_reduce_time_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,16 +81,6 @@ def link_time_s(problem: PlanningProblem, a: int, b: int, num_bytes: float) -> f
     if a == b or num_bytes <= 0:
         return 0.0
     return float(problem.latency_s[a, b] + num_bytes / problem.bandwidth_bytes_per_s[a, b])
-
-
-def ring_allreduce_time_s(
-    num_bytes: float, num_ranks: int, bandwidth: float, latency: float
-) -> float:
-    """Ring all-reduce time (Patarasuk and Yuan 2009); 0 for a group of one."""
-    if num_ranks <= 1 or num_bytes <= 0:
-        return 0.0
-    steps = 2 * (num_ranks - 1)
-    return steps / num_ranks * num_bytes / bandwidth + steps * latency
 
 
 def stage_compute_time_s(
@@ -195,8 +186,8 @@ def _group_allreduce_time_s(
     sub_bw = problem.bandwidth_bytes_per_s[np.ix_(idx, idx)]
     sub_lat = problem.latency_s[np.ix_(idx, idx)]
     off = ~np.eye(len(group), dtype=bool)
-    return ring_allreduce_time_s(
-        num_bytes, len(group), float(sub_bw[off].min()), float(sub_lat[off].max())
+    return ring_all_reduce_time_s(
+        len(group), num_bytes, float(sub_bw[off].min()), float(sub_lat[off].max())
     )
 
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hplan.planner.devclasses import DeviceClass, class_link
-from hplan.planner.evaluate import ring_allreduce_time_s
 from hplan.planner.partition import Template
 from hplan.planner.problem import PlanningProblem
+from hplan.runtime.collectives import ring_all_reduce_time_s
 
 
 class SyncEstimate(StrEnum):
@@ -139,7 +139,7 @@ def allreduce_estimate_s(
     n = scenario.max_copies
     if scenario.sync is SyncEstimate.WHOLE_MODEL:
         total = sum(t.stage_grad_bytes)
-        return ring_allreduce_time_s(total, n, scenario.bandwidth_bytes_per_s, scenario.latency_s)
+        return ring_all_reduce_time_s(n, total, scenario.bandwidth_bytes_per_s, scenario.latency_s)
     times = []
     for s, c in enumerate(t.classes):
         bw, lat = scenario.bandwidth_bytes_per_s, scenario.latency_s
@@ -147,5 +147,5 @@ def allreduce_estimate_s(
             local_bw, local_lat = class_link(problem, classes, c, c)
             if math.isfinite(local_bw):
                 bw, lat = local_bw, local_lat
-        times.append(ring_allreduce_time_s(t.stage_grad_bytes[s], n, bw, lat))
+        times.append(ring_all_reduce_time_s(n, t.stage_grad_bytes[s], bw, lat))
     return max(times, default=0.0)

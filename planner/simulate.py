@@ -15,6 +15,10 @@ step the way the runtime runs it (``runtime/pipeline.py``, ``comm.py``, ``grad_s
    ``bytes / bandwidth`` and arrives ``latency`` after it leaves it (alpha-beta model,
    Hockney, "The communication challenge for MPP", Parallel Computing 1994; the same rule
    as the rehearsal's ``comm.EmulatedLink``). Channels that share a ``key`` share one queue.
+   With ``SimSpec.blocking_p2p`` (runtimes with blocking ``send``/``recv`` such as
+   DeepSpeed's pipeline engine) the sender waits in its send until the message has left the
+   wire, and a receive lasts at least the wire time from when it is posted: neither end
+   computes while a message moves.
 3. After its last action a rank waits until its sends are complete: arrived, and the
    receiver has posted the matching receive.
 4. Gradients are summed group by group in the runtime's order (holder sets sorted), each a
@@ -54,6 +58,7 @@ from hplan.planner.simtypes import (
     SimSyncGroup,
     SimulationResult,
 )
+from hplan.runtime.collectives import ring_all_reduce_time_s
 from hplan.runtime.plan import Schedule
 from hplan.runtime.schedule import Action, ActionKind, build_schedule
 
@@ -71,7 +76,6 @@ __all__ = [
     "SimSyncGroup",
     "SimulationResult",
     "critical_path",
-    "ring_allreduce_time_s",
     "simulate",
 ]
 
@@ -102,6 +106,8 @@ class _Rank:
 class _Message:
     event: int
     posted_s: float
+    wire_s: float = 0.0
+    """Time the message occupies its channel (bytes / bandwidth)."""
 
 
 class _Engine:
@@ -180,6 +186,8 @@ class _Engine:
                 rank.clock_s = time_s
                 return
             arrival_s = self.events[message.event].end_s
+            if self.spec.blocking_p2p:
+                arrival_s = max(arrival_s, time_s + message.wire_s)
             if arrival_s > time_s:
                 self._wait(rank, key, message, time_s, arrival_s)
                 time_s, cause = arrival_s, message.event
@@ -213,11 +221,28 @@ class _Engine:
         action = rank.actions[rank.pos]
         rank.pos += 1
         rank.clock_s = time_s
-        self._send(rank, action, time_s)
+        free_s = self._send(rank, action, time_s)
+        if free_s > time_s:
+            self._blocked_send(rank, action, time_s, free_s)
+            if rank.pos < len(rank.actions):
+                self._push(free_s, _FREE, rank.rank)
+            return
         if rank.pos < len(rank.actions):
             self._try_next(rank, time_s)
 
-    def _send(self, rank: _Rank, action: Action, time_s: float) -> None:
+    def _blocked_send(self, rank: _Rank, action: Action, start_s: float, end_s: float) -> None:
+        """``blocking_p2p``: the sender sits in ``send`` until its message left the wire."""
+        rank.last = self._add(
+            SimEvent(
+                EventKind.WAIT, rank.rank, rank.replica, rank.stage, start_s, end_s,
+                f"send {action}", action.microbatch, None, rank.last,
+            )
+        )  # fmt: skip
+        rank.comm_s += end_s - start_s
+        rank.clock_s = end_s
+
+    def _send(self, rank: _Rank, action: Action, time_s: float) -> float:
+        """Post the message ``action`` produces; return when the sender may go on."""
         replica = self.spec.replicas[rank.replica]
         mb = action.microbatch
         if action.kind is ActionKind.FORWARD and rank.stage < len(replica.stages) - 1:
@@ -227,9 +252,9 @@ class _Engine:
             link = replica.links[rank.stage - 1]
             channel, num_bytes, dst, direction = link.backward, link.backward_bytes[mb], -1, 1
         else:
-            return
+            return time_s
         if num_bytes <= 0:
-            return
+            return time_s
         key = (rank.replica, direction, rank.stage, mb)
         peer = replica.stages[rank.stage + dst].rank
         queue = channel.key or f"{rank.rank}->{peer}"
@@ -246,11 +271,12 @@ class _Engine:
             )
         )  # fmt: skip
         self.channel_last[queue] = event
-        self.messages[key] = _Message(event, time_s)
+        self.messages[key] = _Message(event, time_s, wire_end_s - start_s)
         rank.sent.append(key)
         waiting = self.blocked.pop(key, None)
         if waiting is not None:
             self._push(self.ranks[waiting].clock_s, _FREE, waiting)
+        return wire_end_s if self.spec.blocking_p2p else time_s
 
     # ----------------------------------------------------------------- after the schedule
     def _complete_sends(self, rank: _Rank) -> None:
@@ -282,8 +308,8 @@ class _Engine:
             members = [self.ranks[r] for r in group.ranks]
             latest = max(members, key=lambda m: (m.clock_s, -m.rank))
             start_s = latest.clock_s
-            duration_s = ring_allreduce_time_s(
-                group.num_bytes, len(members), group.bandwidth_bytes_per_s, group.latency_s
+            duration_s = ring_all_reduce_time_s(
+                len(members), group.num_bytes, group.bandwidth_bytes_per_s, group.latency_s
             )
             label = "all-reduce ranks " + ",".join(str(r) for r in group.ranks)
             cause = latest.last
@@ -316,20 +342,6 @@ class _Engine:
         )  # fmt: skip
         rank.clock_s += duration_s
         rank.compute_s += duration_s
-
-
-def ring_allreduce_time_s(
-    num_bytes: float, num_ranks: int, bandwidth_bytes_per_s: float, latency_s: float
-) -> float:
-    """Ring all-reduce: ``2 (n-1)/n * bytes / bandwidth + 2 (n-1) * latency``; 0 for n < 2.
-
-    Source: Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
-    workstations", JPDC 2009 (the same formula as ``evaluate.ring_allreduce_time_s``).
-    """
-    if num_ranks < 2 or num_bytes <= 0:
-        return 0.0
-    steps = 2 * (num_ranks - 1)
-    return steps / num_ranks * num_bytes / bandwidth_bytes_per_s + steps * latency_s
 
 
 # --------------------------------------------------------------------------- entry point

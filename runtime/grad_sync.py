@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hplan.runtime.collectives import ring_all_reduce_time_s
 from hplan.runtime.comm import error_reason
 from hplan.runtime.errors import PeerFailureError, PlanMismatchError
 from hplan.runtime.plan import Plan
@@ -64,21 +65,6 @@ def _holders(plan: Plan, names_of: Callable[[str], Sequence[str]]) -> dict[str, 
 def holder_sets(plan: Plan) -> tuple[RankSet, ...]:
     """Distinct holder sets of more than one rank, sorted: the process groups to create."""
     return tuple(sorted({ranks for ranks in parameter_holders(plan).values() if len(ranks) > 1}))
-
-
-def ring_all_reduce_time_s(
-    num_ranks: int, nbytes: int, bandwidth_bytes_per_s: float, latency_s: float
-) -> float:
-    """Time of a ring all-reduce of ``nbytes`` over ``num_ranks`` ranks, in seconds.
-
-    ``2 (n - 1) / n * bytes / bandwidth + 2 (n - 1) * latency`` (reduce-scatter then
-    all-gather; Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
-    workstations", 2009).
-    """
-    if num_ranks < 2:
-        return 0.0
-    steps = 2 * (num_ranks - 1)
-    return steps / num_ranks * nbytes / bandwidth_bytes_per_s + steps * latency_s
 
 
 def group_ring_time_s(plan: Plan, ranks: RankSet, nbytes: int) -> float:

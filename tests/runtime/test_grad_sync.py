@@ -6,6 +6,7 @@ from fractions import Fraction
 
 import pytest
 
+from hplan.runtime.collectives import ring_all_reduce_time_s
 from hplan.runtime.errors import PlanMismatchError
 from hplan.runtime.grad_sync import (
     check_stage_parameters,
@@ -13,7 +14,6 @@ from hplan.runtime.grad_sync import (
     holder_sets,
     loss_weight,
     parameter_holders,
-    ring_all_reduce_time_s,
 )
 from hplan.runtime.plan import microbatch_sizes
 from tests.fixtures.sample_plans import mixed_plan
