@@ -161,6 +161,20 @@ def pipeline_time_s(costs: tuple[StageCost, ...], num_microbatches: int) -> floa
 def allreduce_time_s(problem: PlanningProblem, layout: Layout) -> float:
     """Gradient all-reduce time: groups of devices holding the same unit, merged by holder
     set; each device runs its groups one after another; the slowest device decides."""
+    per_device: dict[int, float] = defaultdict(float)
+    for group, num_bytes in grad_sync_groups(problem, layout).items():
+        bandwidth_bytes_per_s, latency_s = slowest_link(problem, group)
+        t = ring_all_reduce_time_s(len(group), num_bytes, bandwidth_bytes_per_s, latency_s)
+        for d in group:
+            per_device[d] += t
+    return max(per_device.values(), default=0.0)
+
+
+def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int, ...], float]:
+    """Sorted device indices holding the same units -> gradient bytes they all-reduce.
+
+    Only holder sets of two or more devices (a unit on one device needs no sync).
+    """
     holders: dict[int, list[int]] = defaultdict(list)
     for replica in layout.replicas:
         for stage in replica.stages:
@@ -168,27 +182,18 @@ def allreduce_time_s(problem: PlanningProblem, layout: Layout) -> float:
                 holders[u].append(stage.device_idx)
     group_bytes: dict[tuple[int, ...], float] = defaultdict(float)
     for u, devices in holders.items():
-        group_bytes[tuple(sorted(devices))] += float(problem.grad_bytes[u])
-    per_device: dict[int, float] = defaultdict(float)
-    for group, num_bytes in group_bytes.items():
-        t = _group_allreduce_time_s(problem, group, num_bytes)
-        for d in group:
-            per_device[d] += t
-    return max(per_device.values(), default=0.0)
+        if len(devices) > 1:
+            group_bytes[tuple(sorted(devices))] += float(problem.grad_bytes[u])
+    return dict(group_bytes)
 
 
-def _group_allreduce_time_s(
-    problem: PlanningProblem, group: tuple[int, ...], num_bytes: float
-) -> float:
-    if len(group) <= 1:
-        return 0.0
+def slowest_link(problem: PlanningProblem, group: tuple[int, ...]) -> tuple[float, float]:
+    """(lowest bandwidth in bytes/s, highest latency in s) over the pairs of ``group``."""
     idx = np.array(group)
+    off = ~np.eye(len(group), dtype=bool)
     sub_bw = problem.bandwidth_bytes_per_s[np.ix_(idx, idx)]
     sub_lat = problem.latency_s[np.ix_(idx, idx)]
-    off = ~np.eye(len(group), dtype=bool)
-    return ring_all_reduce_time_s(
-        len(group), num_bytes, float(sub_bw[off].min()), float(sub_lat[off].max())
-    )
+    return float(sub_bw[off].min()), float(sub_lat[off].max())
 
 
 def optimizer_time_s(problem: PlanningProblem, layout: Layout) -> float:

@@ -26,6 +26,7 @@ from dataclasses import replace
 from itertools import combinations, pairwise
 from typing import TYPE_CHECKING
 
+from hplan.planner.evaluate import grad_sync_groups, slowest_link
 from hplan.planner.layout import Layout, ReplicaLayout
 from hplan.planner.problem import PlanningProblem
 from hplan.planner.simulate import (
@@ -230,26 +231,15 @@ def _problem_channel(problem: PlanningProblem, a: int, b: int) -> SimChannel:
 def _layout_groups(
     problem: PlanningProblem, layout: Layout, rank_of: Mapping[int, int]
 ) -> tuple[SimSyncGroup, ...]:
-    holders: dict[int, list[int]] = defaultdict(list)
-    for replica in layout.replicas:
-        for stage in replica.stages:
-            for u in range(stage.unit_start, stage.unit_stop):
-                holders[u].append(stage.device_idx)
-    group_bytes: dict[tuple[int, ...], float] = defaultdict(float)
-    for u, held_by in holders.items():
-        if len(held_by) > 1:
-            group_bytes[tuple(sorted(held_by))] += float(problem.grad_bytes[u])
     groups = []
-    for devices, num_bytes in group_bytes.items():
-        pairs = list(combinations(devices, 2))
+    for devices, num_bytes in grad_sync_groups(problem, layout).items():
+        bandwidth_bytes_per_s, latency_s = slowest_link(problem, devices)
         groups.append(
             SimSyncGroup(
                 ranks=tuple(sorted(rank_of[d] for d in devices)),
                 num_bytes=num_bytes,
-                bandwidth_bytes_per_s=min(
-                    float(problem.bandwidth_bytes_per_s[a, b]) for a, b in pairs
-                ),
-                latency_s=max(float(problem.latency_s[a, b]) for a, b in pairs),
+                bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+                latency_s=latency_s,
             )
         )
     return tuple(sorted(groups, key=lambda g: g.ranks))
