@@ -88,6 +88,11 @@ class SimSpec:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     notes: tuple[str, ...] = ()
     """Caveats of the builder (e.g. a plan without gradient sizes), passed to the result."""
+    blocking_p2p: bool = False
+    """False (hplan's runtime): a send is posted and the rank goes on (``isend``). True
+    (runtimes with blocking ``send``/``recv``, e.g. DeepSpeed's pipeline engine): a transfer
+    costs both ends its wire time; the sender is blocked until its message has left the wire,
+    and a receive takes at least the wire time from when it is posted."""
 
     def verify(self) -> None:
         """Check the spec's shapes and values.
