@@ -197,7 +197,10 @@ class Profile:
             try:
                 text = file.read_text(encoding="utf-8")
             except OSError as exc:
-                raise ConfigError(f"cannot read profile {str(file)!r} ({exc.strerror})") from None
+                raise ConfigError(
+                    f"cannot read profile {str(file)!r} ({exc.strerror}); pass a file or folder "
+                    "written by `hplan profile --model MODEL -o DIR`"
+                ) from None
             merged = merged.merge(Profile.from_json(text, source=str(file)))
         return merged
 

@@ -78,7 +78,7 @@ def plot_timeline(
         if title:
             ax.set_title(title, fontsize=10)
         handles = [Patch(color=c, label=k) for k, c in _COLOURS.items()]
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=6)
+        ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.005, 0.5), fontsize="small")
         fig.tight_layout()
         buffer = io.BytesIO()
         metadata = {"Date": None} if fmt == "svg" else {"Software": None}
