@@ -1,0 +1,115 @@
+"""Simulator fidelity against real runs: every measured plan of the Sailor study.
+
+For each ``plans/<cluster>/plan_config_*.json`` under the data folder: import it as an hplan
+``Plan`` (``hplan.planner.sailor_plan``), simulate one iteration with hplan's simulator as the
+study's runtime runs it (blocking point-to-point, fp32 gradient all-reduce after the last
+backward, then the optimizer), and print the measured iteration time (``real``), the
+prediction and the relative error; then the median and worst |error| per cluster. Targets
+(issue 4): median <= 10 % and worst <= 25 % on the heterogeneous consumer-GPU plans (``mit``).
+
+Extra columns: the busiest rank's compute; the simulated time ranks spend in the gradient
+all-reduce call, waiting included (min-max over ranks), next to the study's ``red_grads``;
+the predicted peak memory of the busiest GPU next to the study's ``max_mem``.
+
+    python bench/fidelity.py [--data ../shared/data/sailor]
+
+Exits 0 with a note when the data folder is absent (a clone without the study's data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from hplan.planner.sailor import load_sailor
+from hplan.planner.sailor_plan import (
+    StudyPlan,
+    import_study_plan,
+    read_study_plan,
+    study_plan_paths,
+    study_sim_spec,
+)
+from hplan.planner.simtypes import EventKind, SimulationResult
+from hplan.planner.simulate import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "sailor"
+TARGETS = {"mit": (0.10, 0.25)}
+"""cluster -> (median, worst) |relative error| targets."""
+GB = 1e9
+
+
+def describe(study: StudyPlan) -> str:
+    """``2st x dp1 tp2 [RTX-3090 | Titan-RTX]``: stages, replicas, tp and the GPUs per stage."""
+    tps = sorted({m.tp for stage in study.machines for m in stage})
+    gpus = " | ".join("+".join(sorted({m.gpu for m in stage}, key=str)) for stage in study.machines)
+    tp = "/".join(str(t) for t in tps)
+    return f"{study.num_stages}st x dp{study.dp} tp{tp} [{gpus}]"
+
+
+def allreduce_call_s(result: SimulationResult) -> tuple[float, float]:
+    """Min and max over ranks of the time spent in the all-reduce call, waiting included."""
+    per_rank: dict[int, float] = defaultdict(float)
+    for event in result.events:
+        waiting = event.kind is EventKind.WAIT and event.label.startswith("wait for all-reduce")
+        if event.kind is EventKind.ALLREDUCE or waiting:
+            per_rank[event.rank] += event.end_s - event.start_s
+    values = [per_rank.get(r.rank, 0.0) for r in result.ranks]
+    return min(values), max(values)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    args = parser.parse_args()
+    if not (args.data / "plans").is_dir():
+        print(f"no Sailor data folder at {args.data}; nothing to check")
+        return 0
+    data = load_sailor(args.data)
+    header = (
+        f"{'plan':<34} {'layout':<44} {'mbs':>3} {'gbs':>5} {'real s':>9} {'pred s':>9} "
+        f"{'error':>7} {'compute s':>9} {'AR call s (sim)':>16} {'red_grads':>9} "
+        f"{'mem GB':>6} {'max_mem':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    errors: dict[str, list[float]] = defaultdict(list)
+    for path in study_plan_paths(data):
+        study = read_study_plan(path)
+        plan = import_study_plan(data, study)
+        result = simulate(study_sim_spec(data, study, plan))
+        error = (result.step_time_s - study.real_s) / study.real_s
+        errors[study.cluster].append(error)
+        lo, hi = allreduce_call_s(result)
+        busiest = max(r.compute_s for r in result.ranks)
+        memory = max(r.memory_bytes for r in plan.report.ranks)
+        print(
+            f"{study.name:<34} {describe(study):<44} {study.mbs:>3} {study.gbs:>5} "
+            f"{study.real_s:>9.3f} {result.step_time_s:>9.3f} {error:>+7.1%} {busiest:>9.3f} "
+            f"{lo:>7.2f}-{hi:<8.2f} {study.red_grads_s:>9.3f} {memory / GB:>6.1f} "
+            f"{study.max_mem_bytes / GB:>7.1f}"
+        )
+    print()
+    failed = False
+    for cluster, values in sorted(errors.items()):
+        median = statistics.median(abs(e) for e in values)
+        worst = max(abs(e) for e in values)
+        line = (
+            f"{cluster:<9} plans {len(values):>2}  median |error| {median:6.1%}  worst {worst:6.1%}"
+        )
+        if cluster in TARGETS:
+            want_median, want_worst = TARGETS[cluster]
+            ok = median <= want_median and worst <= want_worst
+            failed |= not ok
+            line += (
+                f"  target <= {want_median:.0%} / <= {want_worst:.0%}: {'met' if ok else 'MISSED'}"
+            )
+        print(line)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

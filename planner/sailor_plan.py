@@ -1,0 +1,414 @@
+"""Import the study's measured plans (``plans/*/plan_config_*.json``) as hplan ``Plan`` s.
+
+A study plan lists, per pipeline stage, its layers and its data-parallel replicas, each a
+machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
+
+- one node per (stage, replica) machine, holding one *logical* device: the tp group
+  (kind ``rtx3090-tp2``, memory = tp x the GPU's memory; see ``sailor.py``);
+- replica r of the hplan plan is the pipeline of the r-th machine of every stage (the study
+  requires the same ``dp`` for every stage of these plans; others are refused);
+- each replica processes ``gbs / dp`` samples in micro-batches of ``mbs``;
+- the cut after a stage carries what the study's runtime (Megatron-DeepSpeed's
+  ``GPTModelPipe`` on DeepSpeed's pipeline engine) sends: the fp16 hidden state
+  ``(mbs, 2048, 1024)`` (partitioned over the tp ranks, so one copy per machine) and the
+  causal attention mask ``(1, 1, 2048, 2048)`` cast to fp16, which every tp rank sends;
+- links: alpha-beta fits of the study's inter-node curves over the message sizes the plan
+  sends (``sailor.fit_alpha_beta``);
+- the report: per-rank forward/backward/optimizer times summed over the stage's layers from
+  the imported profile at ``(mbs, tp)``; gradient all-reduce groups with fp32 gradients of
+  the stage's parameters.
+
+:func:`study_sim_spec` is the simulator's view: ``spec_from_plan`` plus what a plan cannot
+say: the extra mask copies of tp > 1 senders and blocking point-to-point transfers
+(DeepSpeed's ``p2p.send``/``recv`` are blocking; ``SimSpec.blocking_p2p``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hplan.planner.sailor import (
+    ADAM_MIXED_BYTES_PER_PARAM,
+    MODEL,
+    SailorData,
+    device_kind,
+    fit_alpha_beta,
+    inter_node_curve,
+    kind_figures,
+    unit_name,
+)
+from hplan.planner.simspec import spec_from_plan
+from hplan.planner.simtypes import SimReplica, SimSpec
+from hplan.runtime.errors import ConfigError
+from hplan.runtime.plan import (
+    ClusterSpec,
+    CutSpec,
+    DeviceSpec,
+    GradSyncReport,
+    LinkSpec,
+    ModelSpec,
+    NodeSpec,
+    Plan,
+    RankPlan,
+    RankReport,
+    Report,
+    SolverStatus,
+    TensorSpec,
+    TraceMethod,
+    TrainingSpec,
+    UnitSpec,
+)
+
+GRAD_WIRE_BYTES = 4
+"""Gradients are all-reduced in fp32 (checked: the study's ``red_grads`` of
+``mit/plan_config_N4_D4`` is the ring time of 4 bytes per parameter)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """One machine of a study plan: a GPU type running one stage with ``tp`` GPUs."""
+
+    gpu: str
+    tp: int
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    """One measured plan of the study, as read from its file."""
+
+    name: str
+    """``<cluster>/<file stem>``, e.g. ``mit/plan_config_N2_D1``."""
+    zone: str
+    stage_layers: tuple[tuple[int, ...], ...]
+    machines: tuple[tuple[Machine, ...], ...]
+    """``machines[stage][replica]``."""
+    mbs: int
+    gbs: int
+    real_s: float
+    red_grads_s: float
+    max_mem_bytes: int
+
+    @property
+    def cluster(self) -> str:
+        return self.name.split("/")[0]
+
+    @property
+    def dp(self) -> int:
+        return len(self.machines[0])
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+
+def read_study_plan(path: str | Path) -> StudyPlan:
+    """Parse one ``plan_config_*.json``.
+
+    Raises:
+        ConfigError: unreadable, several pipelines, or stages with different ``dp`` (hplan
+            replicas are whole pipelines).
+    """
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        (pipeline,) = raw["pipeline_list"]
+        machines = tuple(
+            tuple(Machine(str(m[0][0][0]), int(m[1])) for m in stage)
+            for stage in pipeline["tmp_per_stage"]
+        )
+        plan = StudyPlan(
+            name=f"{path.parent.name}/{path.stem}",
+            zone=str(raw["zone"]),
+            stage_layers=tuple(tuple(int(x) for x in s) for s in pipeline["layers_per_stage"]),
+            machines=machines,
+            mbs=int(raw["mbs"]),
+            gbs=int(raw["gbs"]),
+            real_s=float(raw["real"]),
+            red_grads_s=float(raw["red_grads"]),
+            max_mem_bytes=int(raw["max_mem"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ConfigError(
+            f"cannot read study plan {str(path)!r} ({exc!r}); check the file"
+        ) from None
+    if len({len(s) for s in plan.machines}) != 1:
+        raise ConfigError(
+            f"study plan {plan.name} gives its stages different data-parallel degrees "
+            f"{[len(s) for s in plan.machines]}; hplan replicas are whole pipelines"
+        )
+    return plan
+
+
+def study_plan_paths(data: SailorData) -> list[Path]:
+    """Every measured plan under ``plans/``, sorted by cluster and name."""
+    return sorted((data.root / "plans").glob("*/plan_config_*.json"))
+
+
+# --------------------------------------------------------------------------- sizes
+def hidden_state(data: SailorData) -> TensorSpec:
+    return TensorSpec(
+        name="hidden_states",
+        shape=(1, data.seq_len, data.hidden),
+        dtype="float16",
+        batch_dim=0,
+        requires_grad=True,
+    )
+
+
+def attention_mask(data: SailorData) -> TensorSpec:
+    return TensorSpec(
+        name="attention_mask",
+        shape=(1, 1, data.seq_len, data.seq_len),
+        dtype="float16",
+        batch_dim=None,
+        requires_grad=False,
+    )
+
+
+def grad_bytes(data: SailorData, layers: tuple[int, ...]) -> int:
+    """fp32 gradient bytes of ``layers`` (the whole tp group's shards together)."""
+    return sum(data.params_floats(layer, 1) for layer in layers) * GRAD_WIRE_BYTES
+
+
+def stage_times_s(
+    data: SailorData, machine: Machine, mbs: int, layers: tuple[int, ...]
+) -> tuple[float, float, float]:
+    """(forward, backward, optimizer) seconds of ``layers`` for one micro-batch.
+
+    Raises:
+        ConfigError: the study did not profile this GPU at this (mbs, tp).
+    """
+    times = data.layer_times(machine.gpu, mbs, machine.tp)
+    if times is None:
+        raise ConfigError(
+            f"the study has no profile of {machine.gpu} at micro-batch size {mbs} and tp "
+            f"{machine.tp}; choose a measured combination"
+        )
+    rows = [times[str(layer)] for layer in layers]
+    return (sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows))
+
+
+def stage_memory_bytes(
+    data: SailorData, machine: Machine, mbs: int, layers: tuple[int, ...], in_flight: int
+) -> int:
+    """Predicted peak of one GPU of the tp group: mixed-precision Adam state of its shard
+    plus ``in_flight`` micro-batches of the study's per-layer activation memory."""
+    info = data.llm_info[str(machine.tp)]
+    state = sum(int(info[str(x)]["params_floats"]) for x in layers) * ADAM_MIXED_BYTES_PER_PARAM
+    acts = sum(int(info[str(x)]["act_mem_bytes"]) for x in layers) * mbs * in_flight
+    return state + acts
+
+
+# --------------------------------------------------------------------------- plan
+def import_study_plan(data: SailorData, study: StudyPlan) -> Plan:
+    """The study plan as a verified hplan ``Plan`` (see the module docstring).
+
+    Raises:
+        ConfigError: a GPU, (mbs, tp) or network pair the study did not measure.
+    """
+    cluster, device_of = _cluster(data, study)
+    ranks: list[RankPlan] = []
+    reports: list[RankReport] = []
+    samples = study.gbs // study.dp
+    if samples * study.dp != study.gbs:
+        raise ConfigError(f"{study.name}: gbs {study.gbs} is not a multiple of dp {study.dp}")
+    for replica in range(study.dp):
+        for stage, layers in enumerate(study.stage_layers):
+            machine = study.machines[stage][replica]
+            device = device_of[(stage, replica)]
+            ranks.append(_rank(len(ranks), device, machine, replica, stage, layers, study))
+            reports.append(_rank_report(data, len(reports), machine, stage, layers, study))
+    cuts = tuple(
+        CutSpec(
+            after_unit=unit_name(layers[-1]), tensors=(hidden_state(data), attention_mask(data))
+        )
+        for layers in study.stage_layers[:-1]
+    )
+    plan = Plan(
+        model=_model_spec(),
+        global_batch_size=study.gbs,
+        units=tuple(
+            UnitSpec(name=unit_name(i), nodes=(), params=(), buffers=())
+            for i in range(data.num_layers)
+        ),
+        cuts=cuts,
+        cluster=cluster,
+        training=TrainingSpec(),
+        ranks=tuple(ranks),
+        report=_report(data, study, tuple(ranks), tuple(reports)),
+    )
+    plan.verify()
+    return plan
+
+
+def _model_spec() -> ModelSpec:
+    return ModelSpec(
+        path=f"sailor:{MODEL}",
+        sha256="",
+        trace_method=TraceMethod.MODULES,
+        leaf_modules=(),
+        graph_fingerprint=f"sailor-{MODEL}",
+        inputs=(),
+        param_dtype="float16",
+    )
+
+
+def _rank(
+    rank: int,
+    device: DeviceSpec,
+    machine: Machine,
+    replica: int,
+    stage: int,
+    layers: tuple[int, ...],
+    study: StudyPlan,
+) -> RankPlan:
+    samples = study.gbs // study.dp
+    return RankPlan(
+        rank=rank,
+        node=device.node,
+        local_rank=0,
+        device=device.name,
+        device_kind=device_kind(machine.gpu, machine.tp),
+        replica=replica,
+        stage=stage,
+        units=tuple(unit_name(x) for x in layers),
+        micro_batch_size=study.mbs,
+        num_microbatches=math.ceil(samples / study.mbs),
+        num_samples=samples,
+    )
+
+
+def _rank_report(
+    data: SailorData,
+    rank: int,
+    machine: Machine,
+    stage: int,
+    layers: tuple[int, ...],
+    study: StudyPlan,
+) -> RankReport:
+    fwd_s, bwd_s, opt_s = stage_times_s(data, machine, study.mbs, layers)
+    num_mb = math.ceil(study.gbs // study.dp / study.mbs)
+    in_flight = min(study.num_stages - stage, num_mb)
+    return RankReport(
+        rank=rank,
+        stage_time_per_microbatch_s=fwd_s + bwd_s,
+        busy_time_s=(fwd_s + bwd_s) * num_mb + opt_s,
+        memory_bytes=stage_memory_bytes(data, machine, study.mbs, layers, in_flight),
+        memory_capacity_bytes=data.memory_per_gpu_bytes(machine.gpu),
+        forward_time_s=fwd_s,
+        backward_time_s=bwd_s,
+        optimizer_time_s=opt_s,
+        cost_source="imported (Sailor profile)",
+    )
+
+
+def _report(
+    data: SailorData,
+    study: StudyPlan,
+    ranks: tuple[RankPlan, ...],
+    reports: tuple[RankReport, ...],
+) -> Report:
+    groups = []
+    for stage, layers in enumerate(study.stage_layers):
+        holders = tuple(r.rank for r in ranks if r.stage == stage)
+        if len(holders) > 1:
+            groups.append(GradSyncReport(ranks=holders, num_bytes=grad_bytes(data, layers)))
+    busiest = max(reports, key=lambda r: r.busy_time_s)
+    return Report(
+        predicted_step_time_s=0.0,
+        predicted_samples_per_s=0.0,
+        physical_bound_samples_per_s=0.0,
+        efficiency=0.0,
+        bottleneck_rank=busiest.rank,
+        ranks=reports,
+        solver_status=SolverStatus.HEURISTIC,
+        optimality_gap=None,
+        solver_backend="sailor (imported)",
+        cost_source="imported (Sailor profile)",
+        reference_time_per_sample_s=0.0,
+        reference_micro_batch_size=study.mbs,
+        notes=(
+            f"imported from the Sailor study plan {study.name}: measured {study.real_s:g} s "
+            "per iteration",
+        ),
+        grad_sync=tuple(sorted(groups, key=lambda g: g.ranks)),
+    )
+
+
+# --------------------------------------------------------------------------- cluster
+def _cluster(
+    data: SailorData, study: StudyPlan
+) -> tuple[ClusterSpec, dict[tuple[int, int], DeviceSpec]]:
+    nodes, device_of = [], {}
+    for replica in range(study.dp):
+        for stage in range(study.num_stages):
+            machine = study.machines[stage][replica]
+            node = f"s{stage}r{replica}-{machine.gpu.lower()}"
+            device = _device(data, node, machine)
+            nodes.append(NodeSpec(name=node, host=node, devices=(device.name,)))
+            device_of[(stage, replica)] = device
+    devices = tuple(device_of[k] for k in sorted(device_of, key=lambda k: (k[1], k[0])))
+    machine_of = {device_of[k].name: study.machines[k[0]][k[1]] for k in device_of}
+    lo_bytes, hi_bytes = message_size_range(data, study)
+    links = []
+    for i, a in enumerate(devices):
+        for b in devices[i + 1 :]:
+            ma, mb = machine_of[a.name], machine_of[b.name]
+            curves = [
+                inter_node_curve(data, study.zone, (ma.gpu, ma.tp), (mb.gpu, mb.tp)),
+                inter_node_curve(data, study.zone, (mb.gpu, mb.tp), (ma.gpu, ma.tp)),
+            ]
+            bandwidth, latency = fit_alpha_beta(curves, lo_bytes, hi_bytes)
+            links.append(
+                LinkSpec(a=a.name, b=b.name, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+            )
+    name = f"sailor-{study.name.replace('/', '-')}"
+    return ClusterSpec(
+        name=name, nodes=tuple(nodes), devices=devices, links=tuple(links)
+    ), device_of
+
+
+def _device(data: SailorData, node: str, machine: Machine) -> DeviceSpec:
+    flops, bandwidth, consumer = kind_figures(device_kind(machine.gpu))
+    return DeviceSpec(
+        name=f"{node}/0",
+        node=node,
+        local_index=0,
+        kind=device_kind(machine.gpu, machine.tp),
+        memory_bytes=machine.tp * data.memory_per_gpu_bytes(machine.gpu),
+        peak_flops=machine.tp * flops,
+        memory_bandwidth_bytes_per_s=machine.tp * bandwidth,
+        consumer_card=consumer,
+    )
+
+
+def message_size_range(data: SailorData, study: StudyPlan) -> tuple[float, float]:
+    """Smallest and largest message (bytes) of the plan: a micro-batch's boundary gradient
+    and the largest ring all-reduce chunk (the stage's gradients / dp)."""
+    smallest = hidden_state(data).num_bytes(study.mbs)
+    largest = max(grad_bytes(data, layers) / max(study.dp, 1) for layers in study.stage_layers)
+    return float(smallest), float(max(largest, smallest))
+
+
+# --------------------------------------------------------------------------- simulation
+def study_sim_spec(data: SailorData, study: StudyPlan, plan: Plan) -> SimSpec:
+    """The simulator's view of an imported study plan as the study's runtime runs it.
+
+    ``spec_from_plan(plan)`` with blocking point-to-point transfers and, for a sender with
+    tp > 1, the attention mask once per tp rank (the hidden state is partitioned, the mask
+    is not).
+    """
+    spec = spec_from_plan(plan)
+    mask_bytes = float(attention_mask(data).num_bytes(1))
+    replicas = []
+    for r, replica in enumerate(spec.replicas):
+        links = []
+        for stage, link in enumerate(replica.links):
+            extra = (study.machines[stage][r].tp - 1) * mask_bytes
+            forward = tuple(b + extra for b in link.forward_bytes)
+            links.append(replace(link, forward_bytes=forward))
+        replicas.append(SimReplica(replica.stages, tuple(links), replica.microbatch_sizes))
+    return replace(spec, replicas=tuple(replicas), blocking_p2p=True)

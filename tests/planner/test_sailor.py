@@ -1,0 +1,234 @@
+"""Import of the published Sailor measurements: profiles, network fit, plans, and the
+simulator's blocking point-to-point mode they need.
+
+Tests that read the study's data skip when ``../shared/data/sailor`` is absent (a clone
+without it); the simulator and error-path tests always run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hplan.planner.profile import MeasurementSource, Profile
+from hplan.planner.simulate import SimChannel, SimLink, SimReplica, SimSpec, SimStage, simulate
+from hplan.runtime.errors import ConfigError
+from hplan.runtime.plan import Plan
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "sailor"
+needs_data = pytest.mark.skipif(
+    not (DATA / "plans").is_dir(), reason="Sailor data folder ../shared/data/sailor absent"
+)
+
+
+@pytest.fixture(scope="module")
+def data():  # type: ignore[no-untyped-def]
+    from hplan.planner.sailor import load_sailor
+
+    return load_sailor(DATA)
+
+
+# --------------------------------------------------------------------------- simulator
+def _two_stage(blocking: bool, num_mb: int = 2) -> SimSpec:
+    """Two stages, forward and backward 1 s each, messages that take 1 s on the wire."""
+    stages = tuple(SimStage(r, "gpu", (1.0,) * num_mb, (1.0,) * num_mb, 0.0) for r in (0, 1))
+    channel = SimChannel(1.0, 0.0)
+    link = SimLink(channel, channel, (1.0,) * num_mb, (1.0,) * num_mb)
+    replica = SimReplica(stages, (link,), (1,) * num_mb)
+    return SimSpec(replicas=(replica,), blocking_p2p=blocking)
+
+
+def test_isend_overlaps_transfers_with_compute() -> None:
+    # s0: F0 [0,1] F1 [1,2]; s1: F0 [2,3] B0 [3,4] F1 [4,5] B1 [5,6]; s0: B0 [5,6] B1 [7,8].
+    assert simulate(_two_stage(blocking=False)).step_time_s == pytest.approx(8.0)
+
+
+def test_blocking_p2p_charges_the_wire_time_to_both_ends() -> None:
+    # s0: F0 [0,1] send [1,2] F1 [2,3] send [3,4]; s1: F0 [2,3] B0 [3,4] send [4,5],
+    # receive F1 posted at 5 takes 1 s -> F1 [6,7] B1 [7,8] send [8,9]; s0: B0 [5,6], B1 [9,10].
+    result = simulate(_two_stage(blocking=True))
+    assert result.step_time_s == pytest.approx(10.0)
+    s1 = [e for e in result.events if e.rank == 1 and e.label == "s1.F.mb1"]
+    assert [(e.start_s, e.end_s) for e in s1] == [(6.0, 7.0)]
+
+
+def test_blocking_p2p_ranks_never_compute_while_sending() -> None:
+    result = simulate(_two_stage(blocking=True, num_mb=5))
+    for rank in (0, 1):
+        spans = sorted(
+            (e.start_s, e.end_s)
+            for e in result.events
+            if e.rank == rank and (e.kind.value in ("forward", "backward") or "send" in e.label)
+        )
+        for (_, end), (start, _) in pairwise(spans):
+            assert start >= end - 1e-12
+
+
+def test_not_a_study_folder_is_a_config_error(tmp_path: Path) -> None:
+    from hplan.planner.sailor import load_sailor
+
+    with pytest.raises(ConfigError, match="not the Sailor data folder"):
+        load_sailor(tmp_path)
+
+
+def test_study_plan_with_uneven_data_parallel_stages_is_refused(tmp_path: Path) -> None:
+    from hplan.planner.sailor_plan import read_study_plan
+
+    machine = [[["RTX-3090", 1, "z"]], 1]
+    raw = {
+        "zone": "z",
+        "pipeline_list": [
+            {
+                "num_stages": 2,
+                "layers_per_stage": [[0], [1]],
+                "tmp_per_stage": [[machine, machine], [machine]],
+                "dp": [2, 1],
+            }
+        ],
+        "mbs": 1,
+        "gbs": 2,
+        "real": 1.0,
+        "red_grads": 0.0,
+        "max_mem": 1,
+    }
+    path = tmp_path / "mit" / "plan_config_X.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="different data-parallel degrees"):
+        read_study_plan(path)
+
+
+# --------------------------------------------------------------------------- profiles
+@needs_data
+def test_imported_profile_round_trips_and_is_marked_imported(data) -> None:  # type: ignore[no-untyped-def]
+    from hplan.planner.sailor import import_profile
+
+    profile = import_profile(data)
+    assert Profile.from_json(profile.to_json()) == profile
+    assert {t.source for t in profile.unit_timings} == {MeasurementSource.IMPORTED}
+    assert profile.model is not None and profile.model.units[-1] == "layer25"
+
+
+@needs_data
+@pytest.mark.parametrize(
+    ("device", "unit", "mbs", "expected"),
+    [
+        # hand-copied from profiles/OPT-350_RTX-3090.json ["4"]["1"]["1"]
+        ("rtx3090", "layer1", 4, (0.017052, 0.047222, 0.0049)),
+        # profiles/OPT-350_Titan-RTX.json ["1"]["2"]["25"]
+        ("titan-rtx-tp2", "layer25", 1, (0.009597, 0.016243, 0.004278)),
+        # profiles/OPT-350_V100-16.json ["1"]["8"]["0"]
+        ("v100-16gb-tp8", "layer0", 1, (0.001044, 3e-06, 0.00086)),
+    ],
+)
+def test_imported_profile_numbers_equal_the_source_files(  # type: ignore[no-untyped-def]
+    data, device: str, unit: str, mbs: int, expected: tuple[float, float, float]
+) -> None:
+    from hplan.planner.sailor import import_profile
+
+    (timing,) = [
+        t
+        for t in import_profile(data).unit_timings
+        if (t.device, t.unit, t.micro_batch_size) == (device, unit, mbs)
+    ]
+    assert (timing.forward_s.median, timing.backward_s.median, timing.optimizer_s) == expected
+
+
+@needs_data
+def test_model_sizes_match_opt350_shapes(data) -> None:  # type: ignore[no-untyped-def]
+    hidden, seq, padded_vocab = 1024, 2048, 50304  # 50272 padded to a multiple of 128
+    block = 12 * hidden**2 + 13 * hidden  # qkv, out, 4x MLP with biases, two LayerNorms
+    assert data.params_floats(1, 1) == block
+    assert data.params_floats(0, 1) == padded_vocab * hidden + seq * hidden
+    assert data.params_floats(25, 1) == padded_vocab * hidden + 2 * hidden
+    assert data.llm_info["1"]["1"]["act_output_floats"] == seq * hidden
+    assert data.llm_info["1"]["1"]["act_output_bytes"] == 4 * seq * hidden  # fp32-sized
+
+
+# --------------------------------------------------------------------------- network
+@needs_data
+@pytest.mark.parametrize(
+    ("src", "dst", "lo_bytes", "hi_bytes"),
+    [
+        (("RTX-3090", 2), ("Titan-RTX", 2), 4e6, 8e8),
+        (("Titan-RTX", 8), ("RTX-2080", 8), 4e6, 8e8),
+        (("GH-96", 4), ("GH-96", 4), 3e7, 4e8),
+    ],
+)
+def test_alpha_beta_fit_reproduces_the_curve_within_3_percent(  # type: ignore[no-untyped-def]
+    data, src: tuple[str, int], dst: tuple[str, int], lo_bytes: float, hi_bytes: float
+) -> None:
+    from hplan.planner.sailor import fit_alpha_beta, inter_node_curve
+
+    curves = [
+        inter_node_curve(data, "us-central1-a", src, dst),
+        inter_node_curve(data, "us-central1-a", dst, src),
+    ]
+    bandwidth, latency = fit_alpha_beta(curves, lo_bytes, hi_bytes)
+    assert latency >= 0
+    for size in np.geomspace(lo_bytes, hi_bytes, 5):
+        curve_s = max(c.time_s(size) for c in curves)
+        assert latency + size / bandwidth == pytest.approx(curve_s, rel=0.03)
+
+
+@needs_data
+def test_curve_matches_the_readme_formula_by_hand(data) -> None:  # type: ignore[no-untyped-def]
+    from hplan.planner.sailor import inter_node_curve
+
+    curve = inter_node_curve(data, "us-central1-a", ("RTX-3090", 2), ("Titan-RTX", 2))
+    c2, c1, c0 = curve.c2, curve.c1, curve.c0
+    m = math.log2(16e6 / 1e6)
+    assert curve.time_s(16e6) == pytest.approx((16e6 / 1e9) / (c2 * m * m + c1 * m + c0))
+
+
+# --------------------------------------------------------------------------- plans
+@needs_data
+def test_every_study_plan_imports_as_a_valid_plan(data) -> None:  # type: ignore[no-untyped-def]
+    from hplan.planner.sailor_plan import import_study_plan, read_study_plan, study_plan_paths
+
+    paths = study_plan_paths(data)
+    assert len(paths) >= 3
+    for path in paths:
+        study = read_study_plan(path)
+        plan = import_study_plan(data, study)
+        plan.verify()
+        assert Plan.from_json(plan.to_json()) == plan
+        assert plan.global_batch_size == study.gbs
+        assert len(plan.ranks) == study.dp * study.num_stages
+
+
+@needs_data
+def test_imported_plan_carries_the_profile_times_of_its_stages(data) -> None:  # type: ignore[no-untyped-def]
+    from hplan.planner.sailor_plan import import_study_plan, read_study_plan
+
+    study = read_study_plan(DATA / "plans" / "mit" / "plan_config_N2_D1.json")
+    plan = import_study_plan(data, study)
+    titan = data.layer_times("Titan-RTX", 2, 2)
+    stage1 = plan.report.ranks[1]
+    assert plan.ranks[1].device_kind == "titan-rtx-tp2"
+    assert plan.ranks[1].num_microbatches == 128
+    assert stage1.forward_time_s == pytest.approx(sum(titan[str(x)][0] for x in range(12, 26)))
+    assert plan.cluster.devices[1].memory_bytes == 2 * data.memory_per_gpu_bytes("Titan-RTX")
+
+
+@needs_data
+def test_study_layout_costs_the_same_as_a_plan_or_a_problem(data) -> None:  # type: ignore[no-untyped-def]
+    from hplan.planner.sailor_plan import import_study_plan, read_study_plan, study_sim_spec
+    from hplan.planner.sailor_solve import (
+        Granularity,
+        layout_sim_spec,
+        study_layout,
+        study_problem,
+    )
+
+    for name in ("plan_config_N2_D1", "plan_config_N2_D2"):
+        study = read_study_plan(DATA / "plans" / "mit" / f"{name}.json")
+        as_plan = simulate(study_sim_spec(data, study, import_study_plan(data, study)))
+        problem = study_problem(data, study, Granularity.MACHINE)
+        spec = layout_sim_spec(data, problem, study_layout(study), study_runtime=True)
+        assert simulate(spec).step_time_s == pytest.approx(as_plan.step_time_s, rel=0.01)
