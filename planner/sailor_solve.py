@@ -45,7 +45,7 @@ from hplan.planner.sailor_plan import (
     hidden_state,
 )
 from hplan.planner.simspec import spec_from_layout
-from hplan.planner.simtypes import SimChannel, SimSpec
+from hplan.planner.simtypes import SimChannel, SimSpec, SimSyncGroup
 from hplan.runtime.errors import ConfigError
 
 UNMEASURED_S = 1e6
@@ -65,15 +65,36 @@ def study_machines(study: StudyPlan) -> list[Machine]:
 
 
 def study_problem(
-    data: SailorData, study: StudyPlan, granularity: Granularity = Granularity.GPU
+    data: SailorData,
+    study: StudyPlan,
+    granularity: Granularity = Granularity.GPU,
+    *,
+    micro_batch_size: int | None = None,
 ) -> PlanningProblem:
     """The planning problem of OPT-350 on the machines of ``study``.
 
+    Args:
+        micro_batch_size: plan for the study's runtime at this one micro-batch size: the
+            attention mask every tp rank sends with each micro-batch is charged to the cut,
+            per sample (``tp x mask bytes / micro_batch_size``; exact because the size is
+            fixed). None: every profiled size, hplan's runtime (no mask on the wire).
+
     Raises:
-        ConfigError: no micro-batch size was profiled on every device kind.
+        ConfigError: no micro-batch size was profiled on every device kind, or
+            ``micro_batch_size`` is not one of them.
     """
     devices = _devices(study, granularity)
     sizes = _micro_batch_sizes(data, devices, study.gbs)
+    mask_per_sample = 0.0
+    if micro_batch_size is not None:
+        if micro_batch_size not in sizes:
+            raise ConfigError(
+                f"micro-batch size {micro_batch_size} was not profiled on every device kind; "
+                f"choose one of {sizes}"
+            )
+        sizes = (micro_batch_size,)
+        max_tp = max(m.tp for _, m in devices)
+        mask_per_sample = max_tp * attention_mask(data).num_bytes(1) / micro_batch_size
     num_units = data.num_layers
     fwd = np.full((len(devices), num_units, len(sizes)), UNMEASURED_S)
     bwd = np.full_like(fwd, UNMEASURED_S)
@@ -103,7 +124,7 @@ def study_problem(
         optimizer_time_s=opt,
         static_memory_bytes=params * ADAM_MIXED_BYTES_PER_PARAM,
         activation_bytes_per_sample=act.astype(float),
-        cut_bytes_per_sample=np.full(num_units - 1, cut),
+        cut_bytes_per_sample=np.full(num_units - 1, cut + mask_per_sample),
         cut_grad_bytes_per_sample=np.full(num_units - 1, cut),
         grad_bytes=params * GRAD_WIRE_BYTES,
         bandwidth_bytes_per_s=bandwidth,
@@ -111,6 +132,17 @@ def study_problem(
     )
     problem.verify()
     return problem
+
+
+def profiled_micro_batch_sizes(
+    data: SailorData, study: StudyPlan, granularity: Granularity
+) -> tuple[int, ...]:
+    """Micro-batch sizes (<= the global batch) the study profiled on every device kind.
+
+    Raises:
+        ConfigError: there is none.
+    """
+    return _micro_batch_sizes(data, _devices(study, granularity), study.gbs)
 
 
 def _devices(study: StudyPlan, granularity: Granularity) -> list[tuple[str, Machine]]:
@@ -169,8 +201,8 @@ def _links(
 def _curves(
     data: SailorData, zone: str, a: Machine, b: Machine, same_node: bool
 ) -> list[BandwidthCurve]:
-    if same_node:
-        return [intra_node_curve(data, a.gpu, 2)]
+    if same_node:  # the node's every GPU at once: what a node-wide all-reduce sees
+        return [intra_node_curve(data, a.gpu, data.gpus_per_node(a.gpu))]
     return [
         inter_node_curve(data, zone, (a.gpu, a.tp), (b.gpu, b.tp)),
         inter_node_curve(data, zone, (b.gpu, b.tp), (a.gpu, a.tp)),
@@ -217,7 +249,31 @@ def layout_sim_spec(
             sizes = tuple(x + extra for x in link.forward_bytes)
             links.append(replace(link, forward=forward, backward=backward, forward_bytes=sizes))
         replicas.append(replace(sim, links=tuple(links)))
-    return replace(spec, replicas=tuple(replicas), blocking_p2p=study_runtime)
+    groups = _share_network_cards(problem, layout, spec.sync_groups)
+    return replace(spec, replicas=tuple(replicas), sync_groups=groups, blocking_p2p=study_runtime)
+
+
+def _share_network_cards(
+    problem: PlanningProblem, layout: Layout, groups: tuple[SimSyncGroup, ...]
+) -> tuple[SimSyncGroup, ...]:
+    """Divide an inter-node all-reduce group's bandwidth by the number of inter-node groups
+    that share one of its machines' network card (they run at the same time after the last
+    backward; fair sharing)."""
+    devices = sorted(layout.device_indices)
+    node_of = {rank: problem.device_nodes[d] for rank, d in enumerate(devices)}
+    nodes = {g.ranks: {node_of[r] for r in g.ranks} for g in groups}
+    crossing = [g for g in groups if len(nodes[g.ranks]) > 1]
+    users: dict[str, int] = {}
+    for group in crossing:
+        for node in nodes[group.ranks]:
+            users[node] = users.get(node, 0) + 1
+    out = []
+    for group in groups:
+        share = max((users.get(n, 1) for n in nodes[group.ranks]), default=1)
+        if len(nodes[group.ranks]) > 1 and share > 1:
+            group = replace(group, bandwidth_bytes_per_s=group.bandwidth_bytes_per_s / share)
+        out.append(group)
+    return tuple(out)
 
 
 def _nic(channel: SimChannel, problem: PlanningProblem, src: int, dst: int) -> SimChannel:

@@ -1,0 +1,157 @@
+"""Plan against the study: hplan's solver on the machines of every heterogeneous Sailor plan.
+
+For each measured plan under ``plans/mit`` (consumer GPUs, 1 GbE-class links between
+machines): build the planning problem of OPT-350 on the same machines, the same global batch
+and the micro-batch sizes the study profiled on every device kind
+(``hplan.planner.sailor_solve.study_problem``), solve it with ``hplan.planner.solve.solve``,
+and simulate hplan's layout. Two views of the machines:
+
+- ``gpu``: every GPU is an hplan device (tp 1), as hplan's runtime would run it;
+- ``machine``: each machine is one tensor-parallel device with the study's tp, so hplan only
+  chooses the layout over the study's own devices.
+
+Each hplan layout is simulated twice: as hplan's runtime runs it (``isend``, graph inputs
+delivered to the stages that read them) and as the study's runtime would (blocking
+point-to-point, the fp16 attention mask sent with every micro-batch by every tp rank). Both
+views queue a machine's outgoing transfers on its one network card. Printed next to the
+study's measured iteration time and the study's plan simulated the same way (apples to
+apples). Target (issue 4): never slower, faster wherever a better layout exists.
+
+    python bench/study_plans.py [--data ../shared/data/sailor] [--time-limit 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hplan.planner.layout import Layout
+from hplan.planner.problem import PlanningProblem
+from hplan.planner.sailor import SailorData, load_sailor
+from hplan.planner.sailor_plan import (
+    StudyPlan,
+    import_study_plan,
+    read_study_plan,
+    study_plan_paths,
+    study_sim_spec,
+)
+from hplan.planner.sailor_solve import (
+    Granularity,
+    layout_sim_spec,
+    profiled_micro_batch_sizes,
+    study_problem,
+)
+from hplan.planner.search import SolveOptions
+from hplan.planner.simulate import simulate
+from hplan.planner.solve import solve
+from hplan.runtime.errors import InfeasiblePlanError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "sailor"
+
+
+def describe_layout(problem: PlanningProblem, layout: Layout) -> str:
+    """``2 x [rtx3090 0-8 | titan-rtx 9-25] mbs 1 x 64``: replicas grouped when identical."""
+    parts: dict[str, int] = {}
+    for replica in layout.replicas:
+        stages = " | ".join(
+            f"{problem.device_kinds[s.device_idx]} {s.unit_start}-{s.unit_stop - 1}"
+            for s in replica.stages
+        )
+        key = f"[{stages}] mbs {replica.micro_batch_size} x {replica.num_microbatches}"
+        parts[key] = parts.get(key, 0) + 1
+    return "; ".join(f"{n} x {k}" if n > 1 else k for k, n in parts.items())
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """hplan's plan for one target runtime."""
+
+    step_s: float
+    layout: str
+    solve_s: float
+
+
+def plan_for_hplan_runtime(
+    data: SailorData, study: StudyPlan, granularity: Granularity, time_limit_s: float
+) -> Outcome:
+    """One solve over every profiled micro-batch size, simulated as hplan's runtime runs it."""
+    problem = study_problem(data, study, granularity)
+    start = time.monotonic()
+    layout = solve(problem, SolveOptions(time_limit_s=time_limit_s)).layout
+    wall_s = time.monotonic() - start
+    spec = layout_sim_spec(data, problem, layout, study_runtime=False)
+    return Outcome(simulate(spec).step_time_s, describe_layout(problem, layout), wall_s)
+
+
+def plan_for_study_runtime(
+    data: SailorData, study: StudyPlan, granularity: Granularity, time_limit_s: float
+) -> Outcome:
+    """One solve per profiled micro-batch size (the per-micro-batch mask charged exactly),
+    each simulated as the study's runtime runs it; the fastest wins."""
+    best: Outcome | None = None
+    start = time.monotonic()
+    for mbs in profiled_micro_batch_sizes(data, study, granularity):
+        problem = study_problem(data, study, granularity, micro_batch_size=mbs)
+        try:
+            layout = solve(problem, SolveOptions(time_limit_s=time_limit_s)).layout
+        except InfeasiblePlanError:
+            continue  # this micro-batch size does not fit in memory
+        step_s = simulate(layout_sim_spec(data, problem, layout, study_runtime=True)).step_time_s
+        if best is None or step_s < best.step_s:
+            best = Outcome(step_s, describe_layout(problem, layout), 0.0)
+    if best is None:
+        raise InfeasiblePlanError(f"{study.name}: no micro-batch size fits ({granularity})")
+    return Outcome(best.step_s, best.layout, time.monotonic() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--time-limit", type=float, default=30.0, help="solver limit, s")
+    args = parser.parse_args()
+    if not (args.data / "plans" / "mit").is_dir():
+        print(f"no Sailor data folder at {args.data}; nothing to compare")
+        return 0
+    data = load_sailor(args.data)
+    header = (
+        f"{'study plan':<22} {'real s':>7} {'sim s':>7} {'runtime':<7} {'view':<7} "
+        f"{'hplan s':>8} {'vs real':>8} {'vs sim':>7} {'solve s':>7}  layout"
+    )
+    print(header)
+    print("-" * len(header))
+    slower = False
+    for path in study_plan_paths(data):
+        study = read_study_plan(path)
+        if study.cluster != "mit":
+            continue
+        study_sim_s = simulate(
+            study_sim_spec(data, study, import_study_plan(data, study))
+        ).step_time_s
+        for runtime, planner in (
+            ("hplan", plan_for_hplan_runtime),
+            ("study", plan_for_study_runtime),
+        ):
+            for granularity in Granularity:
+                out = planner(data, study, granularity, args.time_limit)
+                slower |= out.step_s > study_sim_s
+                print(
+                    f"{study.name:<22} {study.real_s:>7.2f} {study_sim_s:>7.2f} {runtime:<7} "
+                    f"{granularity.value:<7} {out.step_s:>8.2f} {study.real_s / out.step_s:>7.2f}x "
+                    f"{study_sim_s / out.step_s:>6.2f}x {out.solve_s:>7.1f}  {out.layout}"
+                )
+    print()
+    print(
+        "real s: the study's plan, measured; sim s: the study's plan simulated by hplan (the "
+        "study's runtime); hplan s: hplan's plan for that runtime, simulated; vs real = real / "
+        "hplan s; vs sim = sim s / hplan s"
+    )
+    print("never slower than the study's plan simulated the same way:", not slower)
+    return 1 if slower else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
