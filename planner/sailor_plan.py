@@ -38,6 +38,7 @@ from hplan.planner.sailor import (
     fit_alpha_beta,
     inter_node_curve,
     kind_figures,
+    load_sailor,
     unit_name,
 )
 from hplan.planner.simspec import spec_from_plan
@@ -412,3 +413,25 @@ def study_sim_spec(data: SailorData, study: StudyPlan, plan: Plan) -> SimSpec:
             links.append(replace(link, forward_bytes=forward))
         replicas.append(SimReplica(replica.stages, tuple(links), replica.microbatch_sizes))
     return replace(spec, replicas=tuple(replicas), blocking_p2p=True)
+
+
+def load_study_plan(
+    plan_path: str | Path, data_root: str | Path | None = None
+) -> tuple[SailorData, StudyPlan, Plan, SimSpec]:
+    """Read one measured plan and its data folder; return the data, the study plan, the
+    imported ``Plan`` and its simulator spec (what ``hplan simulate --import-study`` runs).
+
+    Args:
+        data_root: the Sailor data folder; None: the folder two levels above the plan's
+            (``<root>/plans/<cluster>/plan_config_*.json``).
+
+    Raises:
+        ConfigError: see :func:`load_sailor`, :func:`read_study_plan`,
+            :func:`import_study_plan`.
+    """
+    plan_path = Path(plan_path)
+    root = Path(data_root) if data_root is not None else plan_path.resolve().parents[2]
+    data = load_sailor(root)
+    study = read_study_plan(plan_path)
+    plan = import_study_plan(data, study)
+    return data, study, plan, study_sim_spec(data, study, plan)

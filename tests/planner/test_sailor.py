@@ -232,3 +232,35 @@ def test_study_layout_costs_the_same_as_a_plan_or_a_problem(data) -> None:  # ty
         problem = study_problem(data, study, Granularity.MACHINE)
         spec = layout_sim_spec(data, problem, study_layout(study), study_runtime=True)
         assert simulate(spec).step_time_s == pytest.approx(as_plan.step_time_s, rel=0.01)
+
+
+# --------------------------------------------------------------------------- CLI
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from hplan.planner.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(exit_info.value.code or 0), out, err
+
+
+def test_simulate_needs_a_plan_or_a_study_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _cli(["simulate"], capsys)
+    assert code == 2
+    assert "--import-study" in err
+
+
+@needs_data
+def test_simulate_imports_a_study_plan_and_prints_its_measured_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    study = DATA / "plans" / "mit" / "plan_config_N2_D2.json"
+    written = tmp_path / "plan.json"
+    argv = ["simulate", "--import-study", str(study), "--profiles", str(DATA), "--json"]
+    code, out, err = _cli([*argv, "--write-plan", str(written)], capsys)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["measured_step_time_s"] == pytest.approx(91.78)
+    assert abs(summary["step_time_s"] / 91.78 - 1) < 0.25
+    assert "measured" in err
+    assert Plan.load(written).global_batch_size == 256
