@@ -11,8 +11,10 @@ One optimizer step of a layout takes (see ``evaluate``)::
 where, for a pipeline of stages s with compute time c_s per micro-batch (forward +
 backward of its units) and link time l_s between stage s and s+1 per micro-batch
 (activations forward plus gradients back, latency + bytes / bandwidth):
-``period = max(max_s c_s, max_s l_s)`` is the steady-state time per micro-batch of 1F1B
-and ``fill_time = sum_s c_s + sum_s l_s`` is the time one micro-batch takes through the
+``period = max(max_s c_s, max_s l_s, max_s sum_{t>=s} (c_t + l_t) / (S - s))`` is the
+steady-state time per micro-batch of 1F1B (the last term: stage s holds at most S - s
+micro-batches while each makes the round trip through the later stages; see
+``pipeline_period_s``) and ``fill_time = sum_s c_s + sum_s l_s`` is the time one micro-batch takes through the
 whole pipeline and back (Narayanan et al., "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM", SC 2021, section 2.2: bubble = (p - 1) stage times).
 
@@ -27,6 +29,7 @@ b * (S - s) * activation bytes per sample + send/receive buffers.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,9 +156,31 @@ def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[St
 
 def pipeline_time_s(costs: tuple[StageCost, ...], num_microbatches: int) -> float:
     """(m - 1) * period + fill time; see the module docstring."""
-    period = max(max(c.compute_time_s for c in costs), max(c.link_time_s for c in costs))
-    fill = sum(c.compute_time_s + c.link_time_s for c in costs)
-    return (num_microbatches - 1) * period + fill
+    computes = [c.compute_time_s for c in costs]
+    links = [c.link_time_s for c in costs]
+    fill = sum(computes) + sum(links)
+    return (num_microbatches - 1) * pipeline_period_s(computes, links) + fill
+
+
+def pipeline_period_s(compute_times_s: Sequence[float], link_times_s: Sequence[float]) -> float:
+    """Steady-state seconds per micro-batch of a 1F1B pipeline.
+
+    ``compute_times_s[s]``: forward + backward of stage s per micro-batch;
+    ``link_times_s[s]``: activations from s to s + 1 plus gradients back (0 for the last).
+    The period is the largest of the slowest stage, the slowest link, and for every stage
+    s its round trip divided by the micro-batches 1F1B lets it hold,
+    ``sum_{t >= s} (c_t + l_t) / (S - s)``: a micro-batch's forward on stage s cannot be
+    followed by its backward there before it has gone through the later stages and links
+    and back, and at most ``S - s`` are on that trip at once (Little's law; the bound that
+    makes slow links between stages cost more than their own transfer time).
+    """
+    num_stages = len(compute_times_s)
+    period = max(max(compute_times_s), max(link_times_s))
+    round_trip = 0.0
+    for s in reversed(range(num_stages)):
+        round_trip += compute_times_s[s] + link_times_s[s]
+        period = max(period, round_trip / in_flight_microbatches(s, num_stages))
+    return period
 
 
 def allreduce_time_s(problem: PlanningProblem, layout: Layout) -> float:

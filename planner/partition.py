@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hplan.planner.devclasses import DeviceClass, pair_devices
-from hplan.planner.evaluate import in_flight_microbatches, link_time_s
+from hplan.planner.evaluate import in_flight_microbatches, link_time_s, pipeline_period_s
 from hplan.planner.problem import PlanningProblem
 
 
@@ -172,7 +172,7 @@ class Partitioner:
             k=k,
             micro_batch_size=self.problem.micro_batch_sizes[k],
             bounds=bounds,
-            period_s=max(max(computes), max(links)),
+            period_s=pipeline_period_s(computes, links),
             fill_s=sum(computes) + sum(links),
             optimizer_s=optimizer,
             stage_grad_bytes=grads,

@@ -19,7 +19,7 @@ from hplan.planner.search import SolveOptions
 from hplan.planner.simspec import grad_sync_reports, spec_from_layout, spec_from_plan
 from hplan.planner.simulate import simulate
 from hplan.planner.solve import second_opinion, solve
-from hplan.runtime.plan import GradSyncReport, Plan, SyncMode
+from hplan.runtime.plan import GradSyncReport, Plan, Schedule, SyncMode
 from tests.fixtures.plans import GPT_MODEL, ReplicaShape, make_plan
 from tests.fixtures.problems import Dev, make_problem
 from tests.fixtures.sample_plans import cpu_plan, mixed_plan
@@ -160,8 +160,10 @@ def test_the_solver_reports_the_simulated_time_of_its_layout() -> None:
 
 
 def test_the_second_opinion_prefers_what_the_simulator_finds_faster() -> None:
-    # A latency-bound 2-stage pipeline looks fastest to the linear cost model; plain data
-    # parallel with a costly all-reduce looks slower there but is faster when simulated.
+    # A latency-bound 2-stage pipeline: the cost model charges 1F1B's round trip per two
+    # micro-batches (45 ms each) and ranks it behind data parallel with a 90 ms all-reduce;
+    # run under GPipe, which keeps every micro-batch in flight, the simulator finds the
+    # pipeline faster (30 ms per micro-batch).
     problem = make_problem(
         [Dev("a", 1.0, 80e9), Dev("b", 1.0, 80e9)],
         unit_work=[0.01, 0.01],
@@ -170,14 +172,15 @@ def test_the_second_opinion_prefers_what_the_simulator_finds_faster() -> None:
         cut_bytes_per_sample=1.0,
         inter_bandwidth=1e30,
         latency_s=0.015,
-        grad_bytes=2.25e28,  # a 75 ms all-reduce: 2 x 2.25e28 B / 1e30 B/s + 2 x 15 ms
+        grad_bytes=3e28,  # a 90 ms all-reduce: 2 x 3e28 B / 1e30 B/s + 2 x 15 ms
     )
     pipeline = Layout((ReplicaLayout((StageLayout(0, 0, 1), StageLayout(1, 1, 2)), 1, 16, 16),))
     data_parallel = Layout(tuple(ReplicaLayout((StageLayout(d, 0, 2),), 1, 8, 8) for d in range(2)))
-    assert evaluate(problem, pipeline).step_time_s < evaluate(problem, data_parallel).step_time_s
-    chosen, simulated = second_opinion(problem, [pipeline, data_parallel])
+    assert evaluate(problem, data_parallel).step_time_s < evaluate(problem, pipeline).step_time_s
+    chosen, simulated = second_opinion(problem, [data_parallel, pipeline], Schedule.GPIPE)
     assert chosen == 1
-    assert simulated[1] < simulated[0]
+    assert simulated == pytest.approx((0.57, 0.54))
+    assert second_opinion(problem, [data_parallel, pipeline], Schedule.ONE_F_ONE_B)[0] == 0
 
 
 def test_local_sgd_plans_are_simulated_with_their_synchronous_all_reduce() -> None:
