@@ -21,6 +21,7 @@ import click
 from rich.console import Console
 
 from hplan.planner.cli_bandwidth import bandwidth
+from hplan.planner.cli_calibrate import calibrate
 from hplan.planner.cli_profile import profile
 from hplan.planner.cli_simulate import simulate
 from hplan.runtime.errors import ConfigError, HplanError
@@ -379,6 +380,9 @@ cli.add_command(profile)
 
 
 cli.add_command(simulate)
+
+
+cli.add_command(calibrate)
 
 
 def _one_line(message: str) -> str:

@@ -1,0 +1,264 @@
+"""hplan calibrate: error table math, the 15% straggler rule, the corrected profile, --slowdown."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hplan.planner.api import SolveRequest, Strategy, plan_training
+from hplan.planner.calibrate import (
+    Run,
+    calibrate,
+    corrected_profile,
+    find_stragglers,
+    kind_corrections,
+    load_runs,
+    rank_errors,
+    relative_error,
+    write_profile,
+)
+from hplan.planner.cli import cli
+from hplan.planner.profile import DeviceFactor, MeasurementSource, Profile, Stat, UnitTiming
+from hplan.runtime.errors import ConfigError
+from hplan.runtime.metrics import StepMetrics
+from hplan.runtime.plan import Plan
+from hplan.runtime.rehearse import check_slowdown, parse_slowdown, rehearse
+from hplan.runtime.worker import Emulation, compute_emulation, recorded_slowdown
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = ROOT / "examples" / "mlp" / "model.py"
+THREE_CPUS = """\
+name: three-cpu
+nodes:
+  - name: box
+    host: 127.0.0.1
+    devices:
+      - type: cpu
+        count: 3
+"""
+
+
+def _solve(
+    tmp_path: Path,
+    profile: Path | None = None,
+    name: str = "plan",
+    strategy: Strategy = Strategy.HPLAN,
+    model: Path = MLP,
+) -> Plan:
+    cluster = tmp_path / "three.yaml"
+    cluster.write_text(THREE_CPUS, encoding="utf-8")
+    request = SolveRequest(
+        model_path=model,
+        cluster_path=cluster,
+        global_batch_size=48,
+        micro_batch_sizes=(4, 8, 16),
+        strategy=strategy,
+        profile_path=profile,
+        out_dir=tmp_path / name,
+    )
+    return plan_training(request).plan
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
+    return _solve(tmp_path_factory.mktemp("calibrate"))
+
+
+def _records(plan: Plan, compute_ratio: dict[str, float], scale: float) -> tuple[StepMetrics, ...]:
+    """Two steps per rank; step 0 (warm-up, ignored) is 100x off."""
+    out = []
+    for rank in plan.ranks:
+        report = plan.report.ranks[rank.rank]
+        compute_s = report.busy_time_s * compute_ratio.get(rank.device, 1.0) * scale
+        for step, warm in ((0, 100.0), (1, 1.0)):
+            out.append(
+                StepMetrics(
+                    rank=rank.rank,
+                    replica=rank.replica,
+                    stage=rank.stage,
+                    step=step,
+                    step_time_s=warm * (compute_s + 0.5 * scale),
+                    compute_time_s=warm * compute_s,
+                    p2p_time_s=0.0,
+                    wait_time_s=0.0,
+                    allreduce_time_s=0.4 * scale,
+                    optimizer_time_s=0.1 * scale,
+                    other_time_s=0.0,
+                    loss=1.0,
+                    samples=rank.num_samples,
+                    peak_memory_bytes=1,
+                )
+            )
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------- error math
+def test_relative_error_is_signed_and_relative_to_the_prediction():
+    assert relative_error(1.1, 1.0) == pytest.approx(0.1)
+    assert relative_error(0.5, 2.0) == pytest.approx(-0.75)
+    assert math.isnan(relative_error(1.0, 0.0))
+
+
+def test_rank_errors_convert_emulated_seconds_with_the_time_scale_and_skip_warm_up(plan):
+    scale = 7.0
+    run = Run(Path("run"), scale, _records(plan, {"box/2": 1.5}, scale))
+    errors = {e.device: e for e in rank_errors(plan, [run])}
+    for e in errors.values():
+        report = plan.report.ranks[e.rank]
+        assert e.predicted_compute_s == pytest.approx(report.busy_time_s)
+        assert e.measured_rest_s == pytest.approx(0.4)  # step - compute - optimizer
+        assert e.predicted_step_s == plan.report.predicted_step_time_s
+    assert errors["box/0"].compute_ratio == pytest.approx(1.0)
+    assert errors["box/2"].compute_ratio == pytest.approx(1.5)
+
+
+def test_a_run_missing_a_rank_of_the_plan_is_a_config_error(plan):
+    records = tuple(r for r in _records(plan, {}, 1.0) if r.rank != 1)
+    with pytest.raises(ConfigError, match="no metrics of rank 1"):
+        rank_errors(plan, [Run(Path("run"), 1.0, records)])
+
+
+# ---------------------------------------------------------------------------- stragglers
+KINDS = {"a/0": "cpu", "a/1": "cpu", "b/0": "cpu", "g/0": "rtx3090"}
+
+
+def test_a_device_40_percent_slower_than_its_siblings_is_a_straggler():
+    ratios = {"a/0": 1.2, "a/1": 1.2, "b/0": 1.68, "g/0": 3.0}
+    stragglers = find_stragglers(ratios, KINDS)
+    assert stragglers == {"b/0": pytest.approx(1.4)}
+    corrections = kind_corrections(ratios, KINDS, stragglers)
+    assert corrections == {"cpu": pytest.approx(1.2), "rtx3090": pytest.approx(3.0)}
+
+
+def test_a_device_10_percent_slower_is_not_a_straggler():
+    ratios = {"a/0": 1.0, "a/1": 1.0, "b/0": 1.1}
+    assert find_stragglers(ratios, KINDS) == {}
+    assert kind_corrections(ratios, KINDS, {}) == {"cpu": pytest.approx(1.0)}
+
+
+def test_of_two_devices_the_slow_one_is_the_straggler():
+    assert find_stragglers({"a/0": 1.0, "b/0": 1.4}, KINDS) == {"b/0": pytest.approx(1.4)}
+
+
+# ---------------------------------------------------------------------------- the profile
+def _timing(device: str, seconds: float) -> UnitTiming:
+    return UnitTiming(
+        device=device,
+        unit="blocks.0",
+        micro_batch_size=4,
+        forward_s=Stat.of([seconds]),
+        backward_s=Stat.of([2 * seconds]),
+        activation_bytes=1,
+        peak_bytes=2,
+    )
+
+
+def test_corrected_profile_scales_the_kind_and_multiplies_old_factors(tmp_path):
+    old = DeviceFactor(device="b/0", kind="cpu", time_factor=1.5, reason="earlier run")
+    base = Profile(unit_timings=(_timing("cpu", 0.01), _timing("rtx3090", 0.001)))
+    base = Profile(unit_timings=base.unit_timings, device_factors=(old,))
+    new = DeviceFactor(device="b/0", kind="cpu", time_factor=1.2, reason="this run")
+    profile = corrected_profile(base, {"cpu": 1.1}, [new], {"a/0": "cpu", "b/0": "cpu"})
+    cpu, gpu = profile.unit_timings
+    assert cpu.forward_s.median == pytest.approx(0.011)
+    assert cpu.backward_s.median == pytest.approx(0.022)
+    assert cpu.source is MeasurementSource.CALIBRATED
+    assert gpu == base.unit_timings[1]  # no correction measured for that kind
+    (factor,) = profile.device_factors
+    assert factor.time_factor == pytest.approx(1.8)
+    path = write_profile(profile, tmp_path / "cal")
+    assert Profile.load(path.parent) == profile
+
+
+def test_a_kind_without_unit_timings_carries_its_correction_on_every_device():
+    profile = corrected_profile(Profile(), {"cpu": 2.0}, [], {"a/0": "cpu", "g/0": "rtx3090"})
+    assert [(f.device, f.time_factor) for f in profile.device_factors] == [("a/0", 2.0)]
+
+
+def test_write_profile_refuses_a_folder_with_other_profiles(tmp_path):
+    (tmp_path / "host-cpu.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(ConfigError, match="new directory"):
+        write_profile(Profile(), tmp_path)
+
+
+def test_calibrate_cli_prints_the_table_and_writes_the_profile(plan, tmp_path):
+    runs = tmp_path / "runs" / "run-1"
+    runs.mkdir(parents=True)
+    records = _records(plan, {}, 3.0)
+    for rank in plan.ranks:
+        lines = [json.dumps(asdict(r)) for r in records if r.rank == rank.rank]
+        (runs / f"rank-{rank.rank}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (runs / "emulation.json").write_text(json.dumps({"time_scale": 3.0}), encoding="utf-8")
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json(), encoding="utf-8")
+    assert len(load_runs(tmp_path / "runs")) == 1
+    out = tmp_path / "cal"
+    result = CliRunner().invoke(
+        cli, ["calibrate", str(plan_path), str(tmp_path / "runs"), "-o", str(out), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["kind_corrections"] == {"cpu": pytest.approx(1.0)}
+    assert summary["stragglers"] == []
+    assert (out / "calibrated.json").is_file()
+
+
+# ---------------------------------------------------------------------------- --slowdown
+def test_slowdown_parsing_names_the_bad_item():
+    assert parse_slowdown(["box-b/1=1.4", "a=b=2"]) == {"box-b/1": 1.4, "a=b": 2.0}
+    for bad in ("box-b/1", "=1.4", "x=slow", "x=0", "x=inf"):
+        with pytest.raises(ConfigError, match="--slowdown"):
+            parse_slowdown([bad])
+    with pytest.raises(ConfigError, match="twice"):
+        parse_slowdown(["x=1.2", "x=1.3"])
+
+
+def test_slowdown_of_a_device_the_plan_does_not_use_is_rejected(plan):
+    check_slowdown(plan, {"box/1": 1.4})
+    with pytest.raises(ConfigError, match="box/1"):
+        check_slowdown(plan, {"box/9": 1.4})
+
+
+def test_slowdown_stretches_only_the_slowed_device(plan):
+    emulation = Emulation(dilation=2.0, time_scale=5.0, slowdown={"box/1": 1.4})
+    stretch = [compute_emulation(plan, r.rank, emulation).stretch for r in plan.ranks]
+    plain = [compute_emulation(plan, r.rank, Emulation(2.0, 5.0)).stretch for r in plan.ranks]
+    slowed = next(r.rank for r in plan.ranks if r.device == "box/1")
+    for rank, (s, p) in enumerate(zip(stretch, plain, strict=True)):
+        assert s == pytest.approx(p * (1.4 if rank == slowed else 1.0))
+
+
+def test_the_ranks_read_the_recorded_slowdown(tmp_path):
+    assert recorded_slowdown(None) == {}
+    assert recorded_slowdown(tmp_path) == {}
+    (tmp_path / "emulation.json").write_text(json.dumps({"slowdown": {"x": 1.4}}))
+    assert recorded_slowdown(tmp_path) == {"x": 1.4}
+
+
+# ---------------------------------------------------------------------------- end to end
+def _work_share(plan: Plan, device: str) -> float:
+    """The device's share of samples x units (the MLP's blocks cost the same)."""
+    work = {r.device: r.num_samples * len(r.units) for r in plan.ranks}
+    return work.get(device, 0) / sum(work.values())
+
+
+def test_calibrating_a_rehearsal_with_a_straggler_moves_work_off_it(tmp_path):
+    model = tmp_path / "wide_mlp.py"  # a wider MLP: compute well above timer noise
+    text = MLP.read_text(encoding="utf-8")
+    model.write_text(text.replace('"HPLAN_MLP_WIDTH", "128"', '"HPLAN_MLP_WIDTH", "512"'))
+    slow = "box/2"
+    plan = _solve(tmp_path, strategy=Strategy.DATA_PARALLEL, model=model)  # 1/3 each
+    run = tmp_path / "run"
+    options = {"steps": 6, "dilation": 4.0, "timeout_s": 240.0}  # dilation: head-room on 2 cores
+    result = rehearse(plan, model_path=model, metrics_dir=run, slowdown={slow: 1.4}, **options)
+    assert result.slowdown == {slow: 1.4}
+    calibration = calibrate([(plan, load_runs(run))])
+    assert [f.device for f in calibration.factors] == [slow]
+    write_profile(calibration.profile, tmp_path / "cal")
+    replanned = _solve(tmp_path, profile=tmp_path / "cal", name="replanned", model=model)
+    assert _work_share(replanned, slow) < _work_share(plan, slow) == pytest.approx(1 / 3)
