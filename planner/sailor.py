@@ -134,9 +134,43 @@ class SailorData:
         """``{layer: [fwd_s, bwd_s, update_s]}``; None where the study did not measure it."""
         return self.profiles.get(gpu, {}).get(str(mbs), {}).get(str(tp))
 
+    def fitted_layer_times(self, gpu: str, mbs: int, tp: int) -> dict[str, list[float]] | None:
+        """Like :meth:`layer_times`; an unmeasured ``mbs`` comes from a least-squares line
+        ``time = a + b * mbs`` (a, b >= 0) through the sizes measured at the same ``tp``
+        (one measured size: time proportional to ``mbs``); ``update_s`` is independent of
+        ``mbs``. None: nothing measured at this ``tp``."""
+        exact = self.layer_times(gpu, mbs, tp)
+        if exact is not None:
+            return exact
+        measured = {
+            int(m): per_tp[str(tp)]
+            for m, per_tp in self.profiles.get(gpu, {}).items()
+            if str(tp) in per_tp
+        }
+        if not measured:
+            return None
+        sizes = np.array(sorted(measured), dtype=float)
+        out = {}
+        for layer in measured[int(sizes[0])]:
+            rows = np.array([measured[int(m)][layer] for m in sizes])
+            fwd, bwd = (_line_at(sizes, rows[:, i], mbs) for i in (0, 1))
+            out[layer] = [fwd, bwd, float(rows[:, 2].mean())]
+        return out
+
     def params_floats(self, layer: int, tp: int) -> int:
         """Parameters of ``layer`` on one GPU of a tensor-parallel group of ``tp``."""
         return int(self.llm_info[str(tp)][str(layer)]["params_floats"])
+
+
+def _line_at(sizes: np.ndarray, times: np.ndarray, size: float) -> float:
+    """Least-squares ``a + b * size`` (a, b >= 0) through ``(sizes, times)`` at ``size``."""
+    if len(sizes) == 1:
+        return float(times[0] * size / sizes[0])
+    slope, intercept = np.polyfit(sizes, times, 1)
+    if intercept < 0 or slope < 0:
+        slope = max(float(np.sum(sizes * times) / np.sum(sizes * sizes)), 0.0)
+        intercept = 0.0
+    return float(intercept + slope * size)
 
 
 def _read_json(path: Path) -> Any:
@@ -297,21 +331,33 @@ class BandwidthCurve:
         return num_bytes / self.bandwidth_bytes_per_s(num_bytes)
 
 
-def inter_node_curve(
-    data: SailorData, zone: str, src: tuple[str, int], dst: tuple[str, int]
-) -> BandwidthCurve:
+Endpoint = tuple[str, str, int]
+"""(zone, study GPU name, tp degree) of one end of an inter-node transfer."""
+
+
+def inter_node_curve(data: SailorData, src: Endpoint, dst: Endpoint) -> BandwidthCurve:
     """Curve from a ``tp``-group of ``src`` GPUs to one of ``dst`` GPUs in another machine.
 
+    The study did not measure every pair: without the exact entry, the reverse direction is
+    used, then the entry of the same two GPU types and zones whose tp degrees are closest
+    (the machines' network cards are the same whatever the tp).
+
     Raises:
-        ConfigError: the study has no curve for that pair.
+        ConfigError: the study has no curve between these GPU types and zones.
     """
-    try:
-        entry = data.inter_node[zone][src[0]][str(src[1])][zone][dst[0]][str(dst[1])]
-    except KeyError:
+    candidates = []
+    for a, b in ((src, dst), (dst, src)):
+        by_tp = data.inter_node.get(a[0], {}).get(a[1], {})
+        for tp_a, by_zone in by_tp.items():
+            for tp_b, entry in by_zone.get(b[0], {}).get(b[1], {}).items():
+                distance = abs(int(tp_a) - a[2]) + abs(int(tp_b) - b[2])
+                candidates.append((distance, a is dst, int(tp_a), int(tp_b), entry))
+    if not candidates:
         raise ConfigError(
-            f"the study has no inter-node curve {src[0]} tp{src[1]} -> {dst[0]} tp{dst[1]} in "
-            f"{zone}; choose GPUs the study measured"
-        ) from None
+            f"the study has no inter-node curve between {src[1]} ({src[0]}) and {dst[1]} "
+            f"({dst[0]}); choose GPUs the study measured"
+        )
+    *_, entry = min(candidates, key=lambda c: c[:4])
     return BandwidthCurve.of(entry)
 
 

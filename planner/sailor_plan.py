@@ -29,10 +29,12 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from hplan.planner.sailor import (
     ADAM_MIXED_BYTES_PER_PARAM,
     MODEL,
+    BandwidthCurve,
     SailorData,
     device_kind,
     fit_alpha_beta,
@@ -74,6 +76,16 @@ class Machine:
 
     gpu: str
     tp: int
+    zone: str = ""
+    """Cloud zone of the machine ("": the plan's zone)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StudyStage:
+    """One stage of one replica: its layers and its machine."""
+
+    layers: tuple[int, ...]
+    machine: Machine
 
 
 @dataclass(frozen=True)
@@ -83,9 +95,9 @@ class StudyPlan:
     name: str
     """``<cluster>/<file stem>``, e.g. ``mit/plan_config_N2_D1``."""
     zone: str
-    stage_layers: tuple[tuple[int, ...], ...]
-    machines: tuple[tuple[Machine, ...], ...]
-    """``machines[stage][replica]``."""
+    replicas: tuple[tuple[StudyStage, ...], ...]
+    """Every data-parallel replica's pipeline: the file's pipelines in order, each one's
+    ``dp`` replicas (replica r of a pipeline runs on the r-th machine of every stage)."""
     mbs: int
     gbs: int
     real_s: float
@@ -98,33 +110,34 @@ class StudyPlan:
 
     @property
     def dp(self) -> int:
-        return len(self.machines[0])
+        return len(self.replicas)
 
     @property
-    def num_stages(self) -> int:
-        return len(self.stage_layers)
+    def samples_per_replica(self) -> int:
+        """The global batch split evenly over the replicas (the study's data loader)."""
+        return self.gbs // self.dp
+
+    def zone_of(self, machine: Machine) -> str:
+        return machine.zone or self.zone
 
 
 def read_study_plan(path: str | Path) -> StudyPlan:
     """Parse one ``plan_config_*.json``.
 
     Raises:
-        ConfigError: unreadable, several pipelines, or stages with different ``dp`` (hplan
-            replicas are whole pipelines).
+        ConfigError: unreadable; a pipeline whose stages have different ``dp`` (hplan
+            replicas are whole pipelines); a tensor-parallel group over several machines;
+            a global batch that the replicas cannot share evenly.
     """
     path = Path(path)
+    name = f"{path.parent.name}/{path.stem}"
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-        (pipeline,) = raw["pipeline_list"]
-        machines = tuple(
-            tuple(Machine(str(m[0][0][0]), int(m[1])) for m in stage)
-            for stage in pipeline["tmp_per_stage"]
-        )
+        replicas = [r for p in raw["pipeline_list"] for r in _pipeline_replicas(name, p)]
         plan = StudyPlan(
-            name=f"{path.parent.name}/{path.stem}",
+            name=name,
             zone=str(raw["zone"]),
-            stage_layers=tuple(tuple(int(x) for x in s) for s in pipeline["layers_per_stage"]),
-            machines=machines,
+            replicas=tuple(replicas),
             mbs=int(raw["mbs"]),
             gbs=int(raw["gbs"]),
             real_s=float(raw["real"]),
@@ -135,12 +148,35 @@ def read_study_plan(path: str | Path) -> StudyPlan:
         raise ConfigError(
             f"cannot read study plan {str(path)!r} ({exc!r}); check the file"
         ) from None
-    if len({len(s) for s in plan.machines}) != 1:
-        raise ConfigError(
-            f"study plan {plan.name} gives its stages different data-parallel degrees "
-            f"{[len(s) for s in plan.machines]}; hplan replicas are whole pipelines"
-        )
+    if not plan.replicas or plan.gbs % plan.dp:
+        raise ConfigError(f"{name}: gbs {plan.gbs} cannot be shared by {plan.dp} replicas")
     return plan
+
+
+def _pipeline_replicas(name: str, pipeline: dict[str, Any]) -> list[tuple[StudyStage, ...]]:
+    layers = [tuple(int(x) for x in s) for s in pipeline["layers_per_stage"]]
+    stages = pipeline["tmp_per_stage"]
+    degrees = [len(stage) for stage in stages]
+    if len(set(degrees)) != 1:
+        raise ConfigError(
+            f"study plan {name} gives its stages different data-parallel degrees {degrees}; "
+            "hplan replicas are whole pipelines"
+        )
+    return [
+        tuple(StudyStage(layers[s], _machine(name, stages[s][r])) for s in range(len(stages)))
+        for r in range(degrees[0])
+    ]
+
+
+def _machine(name: str, entry: list[Any]) -> Machine:
+    hosts, tp = entry
+    if len(hosts) != 1:
+        raise ConfigError(
+            f"study plan {name} runs a tensor-parallel group over {len(hosts)} machines; "
+            "the importer takes one machine per group"
+        )
+    gpu, _, zone = hosts[0]
+    return Machine(str(gpu), int(tp), str(zone))
 
 
 def study_plan_paths(data: SailorData) -> list[Path]:
@@ -177,16 +213,17 @@ def grad_bytes(data: SailorData, layers: tuple[int, ...]) -> int:
 def stage_times_s(
     data: SailorData, machine: Machine, mbs: int, layers: tuple[int, ...]
 ) -> tuple[float, float, float]:
-    """(forward, backward, optimizer) seconds of ``layers`` for one micro-batch.
+    """(forward, backward, optimizer) seconds of ``layers`` for one micro-batch (a size the
+    study did not profile at this tp is fitted, see ``SailorData.fitted_layer_times``).
 
     Raises:
         ConfigError: the study did not profile this GPU at this (mbs, tp).
     """
-    times = data.layer_times(machine.gpu, mbs, machine.tp)
+    times = data.fitted_layer_times(machine.gpu, mbs, machine.tp)
     if times is None:
         raise ConfigError(
-            f"the study has no profile of {machine.gpu} at micro-batch size {mbs} and tp "
-            f"{machine.tp}; choose a measured combination"
+            f"the study has no profile of {machine.gpu} at tp {machine.tp}; choose a "
+            "measured combination"
         )
     rows = [times[str(layer)] for layer in layers]
     return (sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows))
@@ -213,20 +250,15 @@ def import_study_plan(data: SailorData, study: StudyPlan) -> Plan:
     cluster, device_of = _cluster(data, study)
     ranks: list[RankPlan] = []
     reports: list[RankReport] = []
-    samples = study.gbs // study.dp
-    if samples * study.dp != study.gbs:
-        raise ConfigError(f"{study.name}: gbs {study.gbs} is not a multiple of dp {study.dp}")
-    for replica in range(study.dp):
-        for stage, layers in enumerate(study.stage_layers):
-            machine = study.machines[stage][replica]
-            device = device_of[(stage, replica)]
-            ranks.append(_rank(len(ranks), device, machine, replica, stage, layers, study))
-            reports.append(_rank_report(data, len(reports), machine, stage, layers, study))
+    for r, replica in enumerate(study.replicas):
+        for s, stage in enumerate(replica):
+            device = device_of[(r, s)]
+            ranks.append(_rank(len(ranks), device, stage, r, s, study))
+            reports.append(_rank_report(data, len(reports), stage, len(replica) - s, study))
+    cut_after = sorted({stage.layers[-1] for replica in study.replicas for stage in replica[:-1]})
     cuts = tuple(
-        CutSpec(
-            after_unit=unit_name(layers[-1]), tensors=(hidden_state(data), attention_mask(data))
-        )
-        for layers in study.stage_layers[:-1]
+        CutSpec(after_unit=unit_name(x), tensors=(hidden_state(data), attention_mask(data)))
+        for x in cut_after
     )
     plan = Plan(
         model=_model_spec(),
@@ -258,24 +290,18 @@ def _model_spec() -> ModelSpec:
 
 
 def _rank(
-    rank: int,
-    device: DeviceSpec,
-    machine: Machine,
-    replica: int,
-    stage: int,
-    layers: tuple[int, ...],
-    study: StudyPlan,
+    rank: int, device: DeviceSpec, stage: StudyStage, replica: int, stage_idx: int, study: StudyPlan
 ) -> RankPlan:
-    samples = study.gbs // study.dp
+    samples = study.samples_per_replica
     return RankPlan(
         rank=rank,
         node=device.node,
         local_rank=0,
         device=device.name,
-        device_kind=device_kind(machine.gpu, machine.tp),
+        device_kind=device_kind(stage.machine.gpu, stage.machine.tp),
         replica=replica,
-        stage=stage,
-        units=tuple(unit_name(x) for x in layers),
+        stage=stage_idx,
+        units=tuple(unit_name(x) for x in stage.layers),
         micro_batch_size=study.mbs,
         num_microbatches=math.ceil(samples / study.mbs),
         num_samples=samples,
@@ -283,27 +309,41 @@ def _rank(
 
 
 def _rank_report(
-    data: SailorData,
-    rank: int,
-    machine: Machine,
-    stage: int,
-    layers: tuple[int, ...],
-    study: StudyPlan,
+    data: SailorData, rank: int, stage: StudyStage, stages_left: int, study: StudyPlan
 ) -> RankReport:
-    fwd_s, bwd_s, opt_s = stage_times_s(data, machine, study.mbs, layers)
-    num_mb = math.ceil(study.gbs // study.dp / study.mbs)
-    in_flight = min(study.num_stages - stage, num_mb)
+    """``stages_left``: this stage and those after it (its 1F1B in-flight micro-batches)."""
+    fwd_s, bwd_s, opt_s = stage_times_s(data, stage.machine, study.mbs, stage.layers)
+    source = "imported (Sailor profile)"
+    if data.layer_times(stage.machine.gpu, study.mbs, stage.machine.tp) is None:
+        source = "imported (Sailor profile, fitted in micro-batch size)"
+    num_mb = math.ceil(study.samples_per_replica / study.mbs)
+    in_flight = min(stages_left, num_mb)
     return RankReport(
         rank=rank,
         stage_time_per_microbatch_s=fwd_s + bwd_s,
         busy_time_s=(fwd_s + bwd_s) * num_mb + opt_s,
-        memory_bytes=stage_memory_bytes(data, machine, study.mbs, layers, in_flight),
-        memory_capacity_bytes=data.memory_per_gpu_bytes(machine.gpu),
+        memory_bytes=stage_memory_bytes(data, stage.machine, study.mbs, stage.layers, in_flight),
+        memory_capacity_bytes=data.memory_per_gpu_bytes(stage.machine.gpu),
         forward_time_s=fwd_s,
         backward_time_s=bwd_s,
         optimizer_time_s=opt_s,
-        cost_source="imported (Sailor profile)",
+        cost_source=source,
     )
+
+
+def grad_sync_groups(data: SailorData, ranks: tuple[RankPlan, ...]) -> tuple[GradSyncReport, ...]:
+    """The fp32 gradient all-reduce groups: per layer the ranks that hold it, merged by
+    holder set (sorted by ranks), as hplan's runtime buckets them."""
+    holders: dict[int, list[int]] = {}
+    for rank in ranks:
+        for unit in rank.units:
+            holders.setdefault(int(unit.removeprefix("layer")), []).append(rank.rank)
+    group_bytes: dict[tuple[int, ...], int] = {}
+    for layer, held_by in holders.items():
+        if len(held_by) > 1:
+            key = tuple(sorted(held_by))
+            group_bytes[key] = group_bytes.get(key, 0) + grad_bytes(data, (layer,))
+    return tuple(GradSyncReport(ranks=k, num_bytes=v) for k, v in sorted(group_bytes.items()))
 
 
 def _report(
@@ -312,11 +352,6 @@ def _report(
     ranks: tuple[RankPlan, ...],
     reports: tuple[RankReport, ...],
 ) -> Report:
-    groups = []
-    for stage, layers in enumerate(study.stage_layers):
-        holders = tuple(r.rank for r in ranks if r.stage == stage)
-        if len(holders) > 1:
-            groups.append(GradSyncReport(ranks=holders, num_bytes=grad_bytes(data, layers)))
     busiest = max(reports, key=lambda r: r.busy_time_s)
     return Report(
         predicted_step_time_s=0.0,
@@ -335,7 +370,7 @@ def _report(
             f"imported from the Sailor study plan {study.name}: measured {study.real_s:g} s "
             "per iteration",
         ),
-        grad_sync=tuple(sorted(groups, key=lambda g: g.ranks)),
+        grad_sync=grad_sync_groups(data, ranks),
     )
 
 
@@ -343,33 +378,37 @@ def _report(
 def _cluster(
     data: SailorData, study: StudyPlan
 ) -> tuple[ClusterSpec, dict[tuple[int, int], DeviceSpec]]:
-    nodes, device_of = [], {}
-    for replica in range(study.dp):
-        for stage in range(study.num_stages):
-            machine = study.machines[stage][replica]
-            node = f"s{stage}r{replica}-{machine.gpu.lower()}"
-            device = _device(data, node, machine)
+    """One node per (replica, stage) machine; ``device_of[(replica, stage)]``."""
+    nodes, device_of, machine_of = [], {}, {}
+    for r, replica in enumerate(study.replicas):
+        for s, stage in enumerate(replica):
+            node = f"r{r}s{s}-{stage.machine.gpu.lower()}"
+            device = _device(data, node, stage.machine)
             nodes.append(NodeSpec(name=node, host=node, devices=(device.name,)))
-            device_of[(stage, replica)] = device
-    devices = tuple(device_of[k] for k in sorted(device_of, key=lambda k: (k[1], k[0])))
-    machine_of = {device_of[k].name: study.machines[k[0]][k[1]] for k in device_of}
+            device_of[(r, s)] = device
+            machine_of[device.name] = stage.machine
+    devices = tuple(device_of.values())
     lo_bytes, hi_bytes = message_size_range(data, study)
     links = []
     for i, a in enumerate(devices):
         for b in devices[i + 1 :]:
             ma, mb = machine_of[a.name], machine_of[b.name]
-            curves = [
-                inter_node_curve(data, study.zone, (ma.gpu, ma.tp), (mb.gpu, mb.tp)),
-                inter_node_curve(data, study.zone, (mb.gpu, mb.tp), (ma.gpu, ma.tp)),
-            ]
+            curves = [_curve(data, study, ma, mb), _curve(data, study, mb, ma)]
             bandwidth, latency = fit_alpha_beta(curves, lo_bytes, hi_bytes)
             links.append(
                 LinkSpec(a=a.name, b=b.name, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
             )
     name = f"sailor-{study.name.replace('/', '-')}"
-    return ClusterSpec(
-        name=name, nodes=tuple(nodes), devices=devices, links=tuple(links)
-    ), device_of
+    cluster = ClusterSpec(name=name, nodes=tuple(nodes), devices=devices, links=tuple(links))
+    return cluster, device_of
+
+
+def _curve(data: SailorData, study: StudyPlan, src: Machine, dst: Machine) -> BandwidthCurve:
+    return inter_node_curve(
+        data,
+        (study.zone_of(src), src.gpu, src.tp),
+        (study.zone_of(dst), dst.gpu, dst.tp),
+    )
 
 
 def _device(data: SailorData, node: str, machine: Machine) -> DeviceSpec:
@@ -388,9 +427,10 @@ def _device(data: SailorData, node: str, machine: Machine) -> DeviceSpec:
 
 def message_size_range(data: SailorData, study: StudyPlan) -> tuple[float, float]:
     """Smallest and largest message (bytes) of the plan: a micro-batch's boundary gradient
-    and the largest ring all-reduce chunk (the stage's gradients / dp)."""
+    and the largest ring all-reduce chunk (a stage's gradients / replicas)."""
     smallest = hidden_state(data).num_bytes(study.mbs)
-    largest = max(grad_bytes(data, layers) / max(study.dp, 1) for layers in study.stage_layers)
+    stages = [stage.layers for replica in study.replicas for stage in replica]
+    largest = max(grad_bytes(data, layers) / study.dp for layers in stages)
     return float(smallest), float(max(largest, smallest))
 
 
@@ -408,7 +448,7 @@ def study_sim_spec(data: SailorData, study: StudyPlan, plan: Plan) -> SimSpec:
     for r, replica in enumerate(spec.replicas):
         links = []
         for stage, link in enumerate(replica.links):
-            extra = (study.machines[stage][r].tp - 1) * mask_bytes
+            extra = (study.replicas[r][stage].machine.tp - 1) * mask_bytes
             forward = tuple(b + extra for b in link.forward_bytes)
             links.append(replace(link, forward_bytes=forward))
         replicas.append(SimReplica(replica.stages, tuple(links), replica.microbatch_sizes))

@@ -61,7 +61,7 @@ class Granularity(StrEnum):
 
 def study_machines(study: StudyPlan) -> list[Machine]:
     """The plan's machines, replica by replica, stage by stage (the import's node order)."""
-    return [study.machines[s][r] for r in range(study.dp) for s in range(study.num_stages)]
+    return [stage.machine for replica in study.replicas for stage in replica]
 
 
 def study_problem(
@@ -153,7 +153,7 @@ def _devices(study: StudyPlan, granularity: Granularity) -> list[tuple[str, Mach
         if granularity is Granularity.MACHINE:
             out.append((node, machine))
         else:
-            out.extend((node, Machine(machine.gpu, 1)) for _ in range(machine.tp))
+            out.extend((node, Machine(machine.gpu, 1, machine.zone)) for _ in range(machine.tp))
     return out
 
 
@@ -203,26 +203,21 @@ def _curves(
 ) -> list[BandwidthCurve]:
     if same_node:  # the node's every GPU at once: what a node-wide all-reduce sees
         return [intra_node_curve(data, a.gpu, data.gpus_per_node(a.gpu))]
-    return [
-        inter_node_curve(data, zone, (a.gpu, a.tp), (b.gpu, b.tp)),
-        inter_node_curve(data, zone, (b.gpu, b.tp), (a.gpu, a.tp)),
-    ]
+    ends = ((a.zone or zone, a.gpu, a.tp), (b.zone or zone, b.gpu, b.tp))
+    return [inter_node_curve(data, *ends), inter_node_curve(data, *reversed(ends))]
 
 
 def study_layout(study: StudyPlan) -> Layout:
     """The study's own layout on ``study_problem(..., Granularity.MACHINE)`` devices."""
-    order = {
-        (s, r): r * study.num_stages + s for r in range(study.dp) for s in range(study.num_stages)
-    }
-    samples = study.gbs // study.dp
-    replicas = []
-    for r in range(study.dp):
-        stages = tuple(
-            StageLayout(order[(s, r)], layers[0], layers[-1] + 1)
-            for s, layers in enumerate(study.stage_layers)
-        )
-        num_mb = -(-samples // study.mbs)
-        replicas.append(ReplicaLayout(stages, study.mbs, num_mb, samples))
+    samples = study.samples_per_replica
+    num_mb = -(-samples // study.mbs)
+    replicas, device_idx = [], 0
+    for replica in study.replicas:
+        stages = []
+        for stage in replica:
+            stages.append(StageLayout(device_idx, stage.layers[0], stage.layers[-1] + 1))
+            device_idx += 1
+        replicas.append(ReplicaLayout(tuple(stages), study.mbs, num_mb, samples))
     return Layout(tuple(replicas))
 
 

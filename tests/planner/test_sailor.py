@@ -165,9 +165,10 @@ def test_alpha_beta_fit_reproduces_the_curve_within_3_percent(  # type: ignore[n
 ) -> None:
     from hplan.planner.sailor import fit_alpha_beta, inter_node_curve
 
+    zone = "us-central1-a"
     curves = [
-        inter_node_curve(data, "us-central1-a", src, dst),
-        inter_node_curve(data, "us-central1-a", dst, src),
+        inter_node_curve(data, (zone, *src), (zone, *dst)),
+        inter_node_curve(data, (zone, *dst), (zone, *src)),
     ]
     bandwidth, latency = fit_alpha_beta(curves, lo_bytes, hi_bytes)
     assert latency >= 0
@@ -180,7 +181,8 @@ def test_alpha_beta_fit_reproduces_the_curve_within_3_percent(  # type: ignore[n
 def test_curve_matches_the_readme_formula_by_hand(data) -> None:  # type: ignore[no-untyped-def]
     from hplan.planner.sailor import inter_node_curve
 
-    curve = inter_node_curve(data, "us-central1-a", ("RTX-3090", 2), ("Titan-RTX", 2))
+    zone = "us-central1-a"
+    curve = inter_node_curve(data, (zone, "RTX-3090", 2), (zone, "Titan-RTX", 2))
     c2, c1, c0 = curve.c2, curve.c1, curve.c0
     m = math.log2(16e6 / 1e6)
     assert curve.time_s(16e6) == pytest.approx((16e6 / 1e9) / (c2 * m * m + c1 * m + c0))
@@ -199,7 +201,7 @@ def test_every_study_plan_imports_as_a_valid_plan(data) -> None:  # type: ignore
         plan.verify()
         assert Plan.from_json(plan.to_json()) == plan
         assert plan.global_batch_size == study.gbs
-        assert len(plan.ranks) == study.dp * study.num_stages
+        assert len(plan.ranks) == sum(len(replica) for replica in study.replicas)
 
 
 @needs_data
@@ -264,3 +266,62 @@ def test_simulate_imports_a_study_plan_and_prints_its_measured_time(
     assert abs(summary["step_time_s"] / 91.78 - 1) < 0.25
     assert "measured" in err
     assert Plan.load(written).global_batch_size == 256
+
+
+@needs_data
+def test_unprofiled_micro_batch_size_is_fitted_between_its_neighbours(data) -> None:  # type: ignore[no-untyped-def]
+    # RTX-3090 at tp 1 was profiled at 1, 2, 4, 8 but not 16 or 3.
+    assert data.layer_times("RTX-3090", 3, 1) is None
+    exact = data.fitted_layer_times("RTX-3090", 4, 1)
+    assert exact == data.layer_times("RTX-3090", 4, 1)
+    at_3 = data.fitted_layer_times("RTX-3090", 3, 1)["5"]
+    at_2, at_4 = data.layer_times("RTX-3090", 2, 1)["5"], exact["5"]
+    assert at_2[0] < at_3[0] < at_4[0]
+    assert at_2[1] < at_3[1] < at_4[1]
+    assert (
+        data.fitted_layer_times("RTX-3090", 16, 1)["5"][1]
+        > data.layer_times("RTX-3090", 8, 1)["5"][1]
+    )
+
+
+@needs_data
+def test_plan_of_two_pipelines_with_an_unmeasured_link_imports(  # type: ignore[no-untyped-def]
+    data, tmp_path: Path
+) -> None:
+    from hplan.planner.sailor_plan import import_study_plan, read_study_plan, study_sim_spec
+
+    def machine(gpu: str, tp: int) -> list[object]:
+        return [[[gpu, 8, "us-central1-a"]], tp]
+
+    raw = {
+        "zone": "us-central1-a",
+        "pipeline_list": [
+            {  # RTX-2080 tp2 -> Titan-RTX tp2: the study measured no such inter-node curve
+                "num_stages": 2,
+                "layers_per_stage": [list(range(13)), list(range(13, 26))],
+                "tmp_per_stage": [[machine("RTX-2080", 2)], [machine("Titan-RTX", 2)]],
+                "dp": [1, 1],
+            },
+            {
+                "num_stages": 1,
+                "layers_per_stage": [list(range(26))],
+                "tmp_per_stage": [[machine("RTX-3090", 4)]],
+                "dp": [1],
+            },
+        ],
+        "mbs": 2,
+        "gbs": 16,
+        "real": 1.0,
+        "red_grads": 0.0,
+        "max_mem": 1,
+    }
+    path = tmp_path / "mit" / "plan_config_two.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(raw))
+    study = read_study_plan(path)
+    plan = import_study_plan(data, study)
+    assert plan.num_replicas == 2 and [r.num_samples for r in plan.ranks] == [8, 8, 8]
+    groups = plan.report.grad_sync or ()
+    assert {g.ranks for g in groups} == {(0, 2), (1, 2)}
+    assert sum(g.num_bytes for g in groups) == sum(data.params_floats(u, 1) for u in range(26)) * 4
+    assert simulate(study_sim_spec(data, study, plan)).step_time_s > 0
