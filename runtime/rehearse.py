@@ -5,8 +5,8 @@ one thread), whatever the plan's device kinds. Emulation (see ``worker.py``, ``c
 ``grad_sync.py``):
 
 - compute, cpu plans: each forward/backward is stretched to ``dilation / relative_speed``
-  times its measured CPU time, where ``relative_speed`` is the rank's device speed on this
-  model relative to the plan's fastest device (``worker.rank_speeds``);
+  times its measured CPU time, where ``relative_speed`` is the rank's declared peak FLOP/s
+  relative to the plan's fastest device (``worker.rank_speeds``);
 - compute, GPU plans: each forward, backward and optimizer step lasts at least ``scale``
   times the planner's prediction for that rank (``worker.ComputeEmulation``): a CPU cannot
   reproduce a GPU's speed curve, so the plan's hardware model is replayed and the runtime's

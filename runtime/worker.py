@@ -164,12 +164,20 @@ def _boundaries(plan: Plan, rank_plan: RankPlan) -> tuple[Boundary | None, Bound
 def rank_speeds(plan: Plan) -> list[float]:
     """Speed of each rank's device on this model relative to the fastest (rank order).
 
-    From the report's per-rank ``relative_speed`` (the planner's cost model for this model,
-    launch overheads included) when every rank has one; otherwise from the catalog's peak
-    FLOP/s ratio.
+    Plans whose compute is stretched (cpu devices, see ComputeEmulation): the ratio of the
+    devices' declared peak FLOP/s, i.e. the hardware the cluster file describes. Not the
+    report's ``relative_speed``: that is a standalone throughput, lower for a device whose
+    memory only fits small micro-batches, and it includes calibrated factors (a straggler
+    is emulated with ``slowdown``, not by replaying the planner's estimate of it).
+    Modelled plans: the report's per-rank ``relative_speed`` when every rank has one;
+    otherwise the peak FLOP/s ratio.
     """
     by_rank = {r.rank: r.relative_speed for r in plan.report.ranks}
-    if len(by_rank) == len(plan.ranks) and all(v > 0 for v in by_rank.values()):
+    if (
+        modelled_emulation(plan)
+        and len(by_rank) == len(plan.ranks)
+        and all(v > 0 for v in by_rank.values())
+    ):
         return [by_rank[r.rank] / max(by_rank.values()) for r in plan.ranks]
     peaks = [plan.device(r.device).peak_flops for r in plan.ranks]
     return [peak / max(peaks) for peak in peaks]
