@@ -70,10 +70,16 @@ def study_problem(
     granularity: Granularity = Granularity.GPU,
     *,
     micro_batch_size: int | None = None,
+    shared_nic: bool = False,
 ) -> PlanningProblem:
     """The planning problem of OPT-350 on the machines of ``study``.
 
     Args:
+        shared_nic: divide every inter-node link's bandwidth by the number of the problem's
+            devices on the busier of its two machines (they share its network card). For the
+            solver, whose cost model times each link alone: it then sees that 8 GPUs
+            all-reducing across machines at once get 1/8 of the card each. Simulate the
+            layout on the problem without it (``layout_sim_spec`` queues the real card).
         micro_batch_size: plan for the study's runtime at this one micro-batch size: the
             attention mask every tp rank sends with each micro-batch is charged to the cut,
             per sample (``tp x mask bytes / micro_batch_size``; exact because the size is
@@ -109,6 +115,8 @@ def study_problem(
     act = np.array([int(data.llm_info["1"][str(u)]["act_mem_bytes"]) for u in range(num_units)])
     cut = float(hidden_state(data).num_bytes(1))
     bandwidth, latency = _links(data, study, devices, cut * sizes[0], params)
+    if shared_nic:
+        bandwidth = _share_cards(bandwidth, [node for node, _ in devices])
     problem = PlanningProblem(
         unit_names=tuple(unit_name(u) for u in range(num_units)),
         device_names=tuple(f"{node}/{i}" for i, (node, _) in enumerate(devices)),
@@ -196,6 +204,16 @@ def _links(
                 fits[key] = fit_alpha_beta(curves, smallest_bytes, largest_bytes)
             bandwidth[i, j], latency[i, j] = fits[key]
     return bandwidth, latency
+
+
+def _share_cards(bandwidth: np.ndarray, nodes: list[str]) -> np.ndarray:
+    per_node = {node: nodes.count(node) for node in nodes}
+    out = bandwidth.copy()
+    for i, a in enumerate(nodes):
+        for j, b in enumerate(nodes):
+            if a != b:
+                out[i, j] /= max(per_node[a], per_node[b])
+    return out
 
 
 def _curves(
