@@ -25,14 +25,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from hplan.planner.sailor import load_sailor
-from hplan.planner.sailor_plan import (
-    StudyPlan,
-    StudyStage,
-    import_study_plan,
-    read_study_plan,
-    study_plan_paths,
-    study_sim_spec,
-)
+from hplan.planner.sailor_plan import import_study_plan, study_sim_spec
+from hplan.planner.sailor_study import StudyPlan, StudyStage, read_study_plan, study_plan_paths
 from hplan.planner.simtypes import EventKind, SimulationResult
 from hplan.planner.simulate import simulate
 from hplan.runtime.errors import ConfigError

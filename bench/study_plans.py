@@ -34,19 +34,14 @@ from pathlib import Path
 from hplan.planner.layout import Layout
 from hplan.planner.problem import PlanningProblem
 from hplan.planner.sailor import SailorData, load_sailor
-from hplan.planner.sailor_plan import (
-    StudyPlan,
-    import_study_plan,
-    read_study_plan,
-    study_plan_paths,
-    study_sim_spec,
-)
+from hplan.planner.sailor_plan import import_study_plan, study_sim_spec
 from hplan.planner.sailor_solve import (
     Granularity,
     layout_sim_spec,
     profiled_micro_batch_sizes,
     study_problem,
 )
+from hplan.planner.sailor_study import StudyPlan, read_study_plan, study_plan_paths
 from hplan.planner.search import SolveOptions
 from hplan.planner.simulate import simulate
 from hplan.planner.solve import solve

@@ -37,13 +37,8 @@ from hplan.planner.sailor import (
     intra_node_curve,
     unit_name,
 )
-from hplan.planner.sailor_plan import (
-    GRAD_WIRE_BYTES,
-    Machine,
-    StudyPlan,
-    attention_mask,
-    hidden_state,
-)
+from hplan.planner.sailor_plan import GRAD_WIRE_BYTES, attention_mask, hidden_state
+from hplan.planner.sailor_study import Machine, StudyPlan
 from hplan.planner.simspec import spec_from_layout
 from hplan.planner.simtypes import SimChannel, SimSpec, SimSyncGroup
 from hplan.runtime.errors import ConfigError

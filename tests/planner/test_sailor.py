@@ -77,7 +77,7 @@ def test_not_a_study_folder_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_study_plan_with_uneven_data_parallel_stages_is_refused(tmp_path: Path) -> None:
-    from hplan.planner.sailor_plan import read_study_plan
+    from hplan.planner.sailor_study import read_study_plan
 
     machine = [[["RTX-3090", 1, "z"]], 1]
     raw = {
@@ -191,7 +191,8 @@ def test_curve_matches_the_readme_formula_by_hand(data) -> None:  # type: ignore
 # --------------------------------------------------------------------------- plans
 @needs_data
 def test_every_study_plan_imports_as_a_valid_plan(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.sailor_plan import import_study_plan, read_study_plan, study_plan_paths
+    from hplan.planner.sailor_plan import import_study_plan
+    from hplan.planner.sailor_study import read_study_plan, study_plan_paths
 
     paths = study_plan_paths(data)
     assert len(paths) >= 3
@@ -206,7 +207,8 @@ def test_every_study_plan_imports_as_a_valid_plan(data) -> None:  # type: ignore
 
 @needs_data
 def test_imported_plan_carries_the_profile_times_of_its_stages(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.sailor_plan import import_study_plan, read_study_plan
+    from hplan.planner.sailor_plan import import_study_plan
+    from hplan.planner.sailor_study import read_study_plan
 
     study = read_study_plan(DATA / "plans" / "mit" / "plan_config_N2_D1.json")
     plan = import_study_plan(data, study)
@@ -220,13 +222,14 @@ def test_imported_plan_carries_the_profile_times_of_its_stages(data) -> None:  #
 
 @needs_data
 def test_study_layout_costs_the_same_as_a_plan_or_a_problem(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.sailor_plan import import_study_plan, read_study_plan, study_sim_spec
+    from hplan.planner.sailor_plan import import_study_plan, study_sim_spec
     from hplan.planner.sailor_solve import (
         Granularity,
         layout_sim_spec,
         study_layout,
         study_problem,
     )
+    from hplan.planner.sailor_study import read_study_plan
 
     for name in ("plan_config_N2_D1", "plan_config_N2_D2"):
         study = read_study_plan(DATA / "plans" / "mit" / f"{name}.json")
@@ -288,7 +291,8 @@ def test_unprofiled_micro_batch_size_is_fitted_between_its_neighbours(data) -> N
 def test_plan_of_two_pipelines_with_an_unmeasured_link_imports(  # type: ignore[no-untyped-def]
     data, tmp_path: Path
 ) -> None:
-    from hplan.planner.sailor_plan import import_study_plan, read_study_plan, study_sim_spec
+    from hplan.planner.sailor_plan import import_study_plan, study_sim_spec
+    from hplan.planner.sailor_study import read_study_plan
 
     def machine(gpu: str, tp: int) -> list[object]:
         return [[[gpu, 8, "us-central1-a"]], tp]
