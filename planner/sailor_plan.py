@@ -3,11 +3,12 @@
 A study plan lists, per pipeline stage, its layers and its data-parallel replicas, each a
 machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
 
-- one node per (stage, replica) machine, holding one *logical* device: the tp group
+- one node per (replica, stage) machine, holding one *logical* device: the tp group
   (kind ``rtx3090-tp2``, memory = tp x the GPU's memory; see ``sailor.py``);
-- replica r of the hplan plan is the pipeline of the r-th machine of every stage (the study
-  requires the same ``dp`` for every stage of these plans; others are refused);
-- each replica processes ``gbs / dp`` samples in micro-batches of ``mbs``;
+- the hplan replicas are the study's pipeline replicas (``sailor_study.StudyPlan``; a
+  pipeline whose stages have different ``dp`` is refused: hplan replicas are whole
+  pipelines);
+- each replica processes ``gbs / replicas`` samples in micro-batches of ``mbs``;
 - the cut after a stage carries what the study's runtime (Megatron-DeepSpeed's
   ``GPTModelPipe`` on DeepSpeed's pipeline engine) sends: the fp16 hidden state
   ``(mbs, 2048, 1024)`` (partitioned over the tp ranks, so one copy per machine) and the
@@ -15,8 +16,8 @@ machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
 - links: alpha-beta fits of the study's inter-node curves over the message sizes the plan
   sends (``sailor.fit_alpha_beta``);
 - the report: per-rank forward/backward/optimizer times summed over the stage's layers from
-  the imported profile at ``(mbs, tp)``; gradient all-reduce groups with fp32 gradients of
-  the stage's parameters.
+  the imported profile at ``(mbs, tp)``; gradient all-reduce groups per holder set of
+  layers, fp32 gradients (4 bytes per parameter).
 
 :func:`study_sim_spec` is the simulator's view: ``spec_from_plan`` plus what a plan cannot
 say: the extra mask copies of tp > 1 senders and blocking point-to-point transfers
