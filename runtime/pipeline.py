@@ -119,11 +119,18 @@ class StepRunner:
         return float(total) * state.plan.global_batch_size / state.rank_plan.num_samples
 
     def optimizer_step(self) -> None:
-        """Apply the optimizer to the synced gradients, then drop them."""
+        """Apply the optimizer to the synced gradients, then drop them.
+
+        Emulated like forward and backward: at least ``optimizer_s`` (modelled) and at
+        least ``stretch`` x its CPU time (stretched: the optimizer is device compute too).
+        """
         start_s = time.monotonic()
+        start_cpu_s = time.thread_time()
         self.state.optimizer.step()
         self.state.optimizer.zero_grad(set_to_none=True)
-        _sleep_until(start_s + self.state.compute.optimizer_s)
+        compute = self.state.compute
+        stretched_s = compute.stretch * (time.thread_time() - start_cpu_s)
+        _sleep_until(start_s + max(compute.optimizer_s, stretched_s))
         self.times.optimizer_s = time.monotonic() - start_s
         self.timeline.add(COMPUTE, "optimizer", start_s, start_s + self.times.optimizer_s)
 
