@@ -107,7 +107,9 @@ def heuristic_orders(
     problem: PlanningProblem, classes: Sequence[DeviceClass], ms: tuple[int, ...]
 ) -> list[tuple[int, ...]]:
     """Stage orders worth trying: most memory first (stage 0 holds the most activations),
-    grouped by node (fewest slow hops), and fastest first; all orders of short pipelines."""
+    grouped by node (fewest slow hops; nodes by memory, then fastest node first and slowest
+    node first), and fastest first; all orders of short pipelines. Ties go by node name
+    and class index, so that the order of the cluster file decides as little as possible."""
 
     def memory(c: int) -> float:
         return float(problem.memory_capacity_bytes[classes[c].rep])
@@ -119,11 +121,15 @@ def heuristic_orders(
         return problem.device_nodes[classes[c].rep]
 
     node_memory: dict[str, float] = {}
+    node_time: dict[str, float] = {}
     for c in ms:
         node_memory[node(c)] = node_memory.get(node(c), 0.0) + memory(c)
+        node_time[node(c)] = node_time.get(node(c), 0.0) - speed(c)
     orders = {
         tuple(sorted(ms, key=lambda c: (-memory(c), c))),
         tuple(sorted(ms, key=lambda c: (-node_memory[node(c)], node(c), -memory(c), c))),
+        tuple(sorted(ms, key=lambda c: (node_time[node(c)], node(c), -speed(c), c))),
+        tuple(sorted(ms, key=lambda c: (-node_time[node(c)], node(c), speed(c), c))),
         tuple(sorted(ms, key=lambda c: (-speed(c), -memory(c), c))),
     }
     if len(ms) <= 3:
