@@ -164,7 +164,10 @@ def main() -> None:
     observations = [(plan, load_runs(runs)) for plan, _, _, runs in before.values()]
     calibration = calibrate(observations, Profile.load(work / "prof"))
     write_profile(calibration.profile, work / "calibrated")
-    corrections = ", ".join(f"{k} x {v:.3f}" for k, v in calibration.kind_corrections.items())
+    corrections = ", ".join(
+        f"{k} x {v:.3f} (optimizer x {calibration.optimizer_corrections.get(k, 1.0):.3f})"
+        for k, v in calibration.kind_corrections.items()
+    )
     stragglers = ", ".join(f"{f.device} x {f.time_factor:.2f}" for f in calibration.factors)
     console.print(f"calibration: {corrections}; stragglers: {stragglers or 'none'}")
     after = _measure(work, "after", work / "calibrated", args)

@@ -14,9 +14,10 @@ and the plan's report, and
    ``STRAGGLER_THRESHOLD`` (15%) and gives it a ``DeviceFactor`` (its ratio over the
    kind correction), with a reason naming the numbers;
 4. writes a corrected profile: the input profile's unit timings of each kind scaled by the
-   kind correction (source ``calibrated``), existing device factors multiplied by the new
-   ones. A kind without unit timings in the profile (a plan solved from the roofline)
-   carries its correction as a factor on every cluster device of that kind.
+   kind correction and their optimizer times by the kind's measured/predicted optimizer
+   ratio (source ``calibrated``), existing device factors multiplied by the new ones. A
+   kind without unit timings in the profile (a plan solved from the roofline) carries its
+   compute correction as a factor on every cluster device of that kind.
 
 Units: the metrics of a rehearsal are emulated seconds; they are divided by the time scale
 the rehearsal recorded in ``emulation.json`` (emulated seconds per second of the plan's
@@ -69,6 +70,8 @@ class RankError:
     measured_rest_s: float
     predicted_step_s: float
     measured_step_s: float
+    predicted_optimizer_s: float = 0.0
+    measured_optimizer_s: float = 0.0
 
     @property
     def compute_ratio(self) -> float:
@@ -83,6 +86,8 @@ class Calibration:
     errors: tuple[RankError, ...]
     kind_corrections: dict[str, float]
     """Device kind -> median measured/predicted compute ratio of its non-straggler devices."""
+    optimizer_corrections: dict[str, float]
+    """Device kind -> the same for the optimizer step (applied to the profile's timings)."""
     device_ratios: dict[str, float]
     """Cluster device name -> its median measured/predicted compute ratio."""
     factors: tuple[DeviceFactor, ...]
@@ -223,7 +228,7 @@ def rank_errors(plan: Plan, runs: Sequence[Run]) -> tuple[RankError, ...]:
     step_s = plan.report.predicted_step_time_s
     errors = []
     for rank_plan in plan.ranks:
-        samples: dict[str, list[float]] = {"compute": [], "rest": [], "step": []}
+        samples: dict[str, list[float]] = {"compute": [], "rest": [], "step": [], "opt": []}
         for run in runs:
             mine = [r for r in run.records if r.rank == rank_plan.rank]
             if not mine:
@@ -236,6 +241,7 @@ def rank_errors(plan: Plan, runs: Sequence[Run]) -> tuple[RankError, ...]:
                 rest_s = r.step_time_s - r.compute_time_s - r.optimizer_time_s
                 samples["rest"].append(rest_s / run.time_scale)
                 samples["step"].append(r.step_time_s / run.time_scale)
+                samples["opt"].append(r.optimizer_time_s / run.time_scale)
         report = predicted.get(rank_plan.rank)
         compute_s = report.busy_time_s if report is not None else 0.0
         optimizer_s = report.optimizer_time_s if report is not None else 0.0
@@ -250,6 +256,8 @@ def rank_errors(plan: Plan, runs: Sequence[Run]) -> tuple[RankError, ...]:
                 measured_rest_s=statistics.median(samples["rest"]),
                 predicted_step_s=step_s,
                 measured_step_s=statistics.median(samples["step"]),
+                predicted_optimizer_s=optimizer_s,
+                measured_optimizer_s=statistics.median(samples["opt"]),
             )
         )
     _check_ranks(plan, runs)
@@ -284,11 +292,24 @@ def _scaled_stat(stat: Stat, factor: float) -> Stat:
     return replace(stat, median=stat.median * factor, p10=stat.p10 * factor, p90=stat.p90 * factor)
 
 
-def _scaled_timing(timing: UnitTiming, factor: float) -> UnitTiming:
+def optimizer_corrections(
+    errors: Sequence[RankError], stragglers: Mapping[str, float]
+) -> dict[str, float]:
+    """Per kind, the median measured/predicted optimizer step of its non-straggler ranks."""
+    by_kind: dict[str, list[float]] = {}
+    for e in errors:
+        if e.device not in stragglers and e.predicted_optimizer_s > 0:
+            by_kind.setdefault(e.kind, []).append(e.measured_optimizer_s / e.predicted_optimizer_s)
+    return {kind: statistics.median(values) for kind, values in sorted(by_kind.items())}
+
+
+def _scaled_timing(timing: UnitTiming, factor: float, optimizer_factor: float) -> UnitTiming:
+    optimizer_s = timing.optimizer_s
     return replace(
         timing,
         forward_s=_scaled_stat(timing.forward_s, factor),
         backward_s=_scaled_stat(timing.backward_s, factor),
+        optimizer_s=None if optimizer_s is None else optimizer_s * optimizer_factor,
         source=MeasurementSource.CALIBRATED,
     )
 
@@ -298,12 +319,15 @@ def corrected_profile(
     corrections: Mapping[str, float],
     stragglers: Sequence[DeviceFactor],
     cluster_devices: Mapping[str, str],
+    optimizer: Mapping[str, float] | None = None,
 ) -> Profile:
     """``base`` with unit times of each kind scaled and straggler factors applied.
 
     Args:
         base: the profile the plan was solved with (an empty ``Profile()`` for the roofline).
         corrections: kind -> measured/predicted compute ratio.
+        optimizer: kind -> measured/predicted optimizer ratio, applied to the optimizer
+            times of unit timings (a kind without timings keeps the roofline's).
         stragglers: this calibration's device factors (relative to their kind).
         cluster_devices: every cluster device name -> its kind (kinds without unit timings
             put their correction on each of these devices).
@@ -312,9 +336,10 @@ def corrected_profile(
         The corrected profile; device factors of ``base`` are multiplied, not replaced.
     """
     timed_kinds = {_kind_of_key(t.device) for t in base.unit_timings}
+    optimizer = optimizer or {}
     timings = tuple(
-        _scaled_timing(t, corrections[_kind_of_key(t.device)])
-        if _kind_of_key(t.device) in corrections
+        _scaled_timing(t, corrections[kind], optimizer.get(kind, 1.0))
+        if (kind := _kind_of_key(t.device)) in corrections
         else t
         for t in base.unit_timings
     )
@@ -381,8 +406,9 @@ def calibrate(
         for name, value in sorted(relative.items())
     )
     cluster = {d.name: d.kind for plan, _ in observations for d in plan.cluster.devices}
-    profile = corrected_profile(base or Profile(), corrections, stragglers, cluster)
-    return Calibration(errors, corrections, ratios, stragglers, profile)
+    optimizer = optimizer_corrections(errors, relative)
+    profile = corrected_profile(base or Profile(), corrections, stragglers, cluster, optimizer)
+    return Calibration(errors, corrections, optimizer, ratios, stragglers, profile)
 
 
 def write_profile(profile: Profile, out_dir: Path) -> Path:

@@ -108,7 +108,9 @@ def print_calibration(result: Calibration, console: Console) -> None:
         table.add_row(*error_row(e))
     console.print(table)
     for kind, value in result.kind_corrections.items():
-        console.print(f"{kind}: unit times x {value:.3f} (median measured / predicted compute)")
+        optimizer = result.optimizer_corrections.get(kind)
+        also = "" if optimizer is None else f", optimizer steps x {optimizer:.3f}"
+        console.print(f"{kind}: unit times x {value:.3f}{also} (median measured / predicted)")
     if not result.factors:
         console.print("no device differs from its kind by more than 15%")
     for factor in result.factors:
@@ -135,6 +137,7 @@ def calibration_summary(result: Calibration) -> dict[str, object]:
             for e in result.errors
         ],
         "kind_corrections": result.kind_corrections,
+        "optimizer_corrections": result.optimizer_corrections,
         "device_ratios": result.device_ratios,
         "stragglers": [
             {"device": f.device, "time_factor": f.time_factor, "reason": f.reason}

@@ -18,6 +18,7 @@ from hplan.planner.calibrate import (
     find_stragglers,
     kind_corrections,
     load_runs,
+    optimizer_corrections,
     rank_errors,
     relative_error,
     write_profile,
@@ -117,6 +118,20 @@ def test_rank_errors_convert_emulated_seconds_with_the_time_scale_and_skip_warm_
     assert errors["box/2"].compute_ratio == pytest.approx(1.5)
 
 
+def test_optimizer_corrections_are_measured_over_predicted_optimizer_steps(plan):
+    run = Run(Path("run"), 2.0, _records(plan, {"box/2": 1.5}, 2.0))
+    errors = rank_errors(plan, [run])
+    measured = {e.device: e.measured_optimizer_s for e in errors}
+    assert measured == {
+        "box/0": pytest.approx(0.1),
+        "box/1": pytest.approx(0.1),
+        "box/2": pytest.approx(0.1),
+    }
+    predicted_s = plan.report.ranks[0].optimizer_time_s
+    corrections = optimizer_corrections(errors, {"box/2": 1.5})
+    assert corrections == {"cpu": pytest.approx(0.1 / predicted_s)}
+
+
 def test_a_run_missing_a_rank_of_the_plan_is_a_config_error(plan):
     records = tuple(r for r in _records(plan, {}, 1.0) if r.rank != 1)
     with pytest.raises(ConfigError, match="no metrics of rank 1"):
@@ -153,6 +168,7 @@ def _timing(device: str, seconds: float) -> UnitTiming:
         micro_batch_size=4,
         forward_s=Stat.of([seconds]),
         backward_s=Stat.of([2 * seconds]),
+        optimizer_s=seconds / 10,
         activation_bytes=1,
         peak_bytes=2,
     )
@@ -163,10 +179,12 @@ def test_corrected_profile_scales_the_kind_and_multiplies_old_factors(tmp_path):
     base = Profile(unit_timings=(_timing("cpu", 0.01), _timing("rtx3090", 0.001)))
     base = Profile(unit_timings=base.unit_timings, device_factors=(old,))
     new = DeviceFactor(device="b/0", kind="cpu", time_factor=1.2, reason="this run")
-    profile = corrected_profile(base, {"cpu": 1.1}, [new], {"a/0": "cpu", "b/0": "cpu"})
+    cluster = {"a/0": "cpu", "b/0": "cpu"}
+    profile = corrected_profile(base, {"cpu": 1.1}, [new], cluster, optimizer={"cpu": 2.0})
     cpu, gpu = profile.unit_timings
     assert cpu.forward_s.median == pytest.approx(0.011)
     assert cpu.backward_s.median == pytest.approx(0.022)
+    assert cpu.optimizer_s == pytest.approx(0.002)
     assert cpu.source is MeasurementSource.CALIBRATED
     assert gpu == base.unit_timings[1]  # no correction measured for that kind
     (factor,) = profile.device_factors
