@@ -64,7 +64,7 @@ def solve(
         ("data parallel", data_parallel_equal(problem)),
         ("uniform pipeline", uniform_pipeline(problem)),
     ):
-        if baseline is not None:
+        if baseline is not None and _within_max_stages(baseline, options.max_stages):
             pool.append((f"baseline: {name}", baseline))
     ranked = _ranked(problem, pool)
     if not ranked:
@@ -92,6 +92,11 @@ def solve(
         tuple(notes),
         simulated_step_time_s=simulated[chosen],
     )
+
+
+def _within_max_stages(layout: Layout, max_stages: int) -> bool:
+    """True when no replica of ``layout`` has more than ``max_stages`` stages."""
+    return all(replica.num_stages <= max_stages for replica in layout.replicas)
 
 
 def _ranked(

@@ -222,3 +222,21 @@ def test_watchdog_stops_a_hanging_solver_and_returns_the_best_plan_found(monkeyp
     assert result.status is not SolverStatus.OPTIMAL
     assert layout_problems(problem, result.layout) == []
     assert mp.active_children() == []
+
+
+def test_max_stages_also_bounds_the_baselines_in_the_pool() -> None:
+    # Three equal devices on three nodes, a costly all-reduce and tiny cuts: the uniform
+    # 3-stage pipeline baseline is the fastest layout, but --max-stages 1 forbids it.
+    problem = make_problem(
+        [Dev(f"n{i}", 1.0, 80e9) for i in range(3)],
+        unit_work=[0.01, 0.01, 0.01],
+        global_batch_size=12,
+        micro_batch_sizes=(1,),
+        cut_bytes_per_sample=1.0,
+        grad_bytes=1e9,
+        inter_bandwidth=1e8,
+    )
+    unbounded = solve(problem, SolveOptions(time_limit_s=10))
+    assert max(r.num_stages for r in unbounded.layout.replicas) == 3
+    bounded = solve(problem, SolveOptions(time_limit_s=10, max_stages=1))
+    assert all(r.num_stages == 1 for r in bounded.layout.replicas)
