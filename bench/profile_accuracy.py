@@ -20,9 +20,9 @@ machine's cores at the catalog cpu speed, so rehearsal runs real compute):
 
 Prints, per plan, the cost model's prediction (``report.predicted_step_time_s``), the
 event-driven simulation of the plan (``report.simulated_step_time_s``), the measured step
-time and both errors, before and after. Targets: within 15%
-before calibration, within 10% after. Numbers depend on the machine's load: run it alone. The rehearsal's compute after each
-sleep runs colder than the profile's back-to-back timing (``bench/cold_compute.py``:
+time and both errors, before and after. Targets: within 15% before calibration, within
+10% after. Numbers depend on the machine's load: run it alone. The rehearsal's compute
+after each sleep runs colder than the profile's back-to-back timing (``bench/cold_compute.py``:
 1.24-1.28x CPU time after a sleep of 3x, i.e. at D = 4), which is most of the error before
 calibration; ``hplan calibrate`` learns it like any other device factor.
 
