@@ -115,6 +115,34 @@ def kind_reference(ratios: Sequence[float]) -> float:
     return statistics.median_low(sorted(ratios))
 
 
+def sibling_group(plan: Plan, device: str) -> str:
+    """The devices ``device`` is compared with: its kind, with the cluster's declared peak
+    FLOP/s and memory bandwidth (a ``cpu`` declared at 0.2 TFLOP/s is not a sibling of a
+    catalog ``cpu``: their predictions and emulations differ by design)."""
+    spec = plan.device(device)
+    return (
+        f"{spec.kind} ({spec.peak_flops:.4g} FLOP/s, {spec.memory_bandwidth_bytes_per_s:.4g} B/s)"
+    )
+
+
+def check_runs_of_plan(plan: Plan, runs: Sequence[Run]) -> None:
+    """Refuse runs whose recorded ``plan.json`` (rehearsals write one) places ranks otherwise.
+
+    Raises:
+        ConfigError: a run folder holds the plan of another layout.
+    """
+    for run in runs:
+        recorded = run.path / "plan.json"
+        if not recorded.is_file():
+            continue
+        ran = Plan.load(recorded)
+        if ran.ranks != plan.ranks:
+            raise ConfigError(
+                f"{run.path} is a run of another plan (its plan.json places ranks otherwise); "
+                "give the plan that ran, or the runs of this plan"
+            )
+
+
 def find_stragglers(
     device_ratios: Mapping[str, float],
     device_kinds: Mapping[str, str],
@@ -391,10 +419,15 @@ def calibrate(
     Raises:
         ConfigError: see :func:`rank_errors`.
     """
-    errors = tuple(e for plan, runs in observations for e in rank_errors(plan, runs))
+    errors: list[RankError] = []
+    siblings: dict[str, str] = {}
+    for plan, runs in observations:
+        check_runs_of_plan(plan, runs)
+        errors.extend(plan_errors := rank_errors(plan, runs))
+        siblings.update({e.device: sibling_group(plan, e.device) for e in plan_errors})
     kinds = {e.device: e.kind for e in errors}
     ratios = device_ratios(errors)
-    relative = find_stragglers(ratios, kinds, threshold)
+    relative = find_stragglers(ratios, siblings, threshold)
     corrections = kind_corrections(ratios, kinds, relative)
     stragglers = tuple(
         DeviceFactor(
@@ -408,7 +441,7 @@ def calibrate(
     cluster = {d.name: d.kind for plan, _ in observations for d in plan.cluster.devices}
     optimizer = optimizer_corrections(errors, relative)
     profile = corrected_profile(base or Profile(), corrections, stragglers, cluster, optimizer)
-    return Calibration(errors, corrections, optimizer, ratios, stragglers, profile)
+    return Calibration(tuple(errors), corrections, optimizer, ratios, stragglers, profile)
 
 
 def write_profile(profile: Profile, out_dir: Path) -> Path:

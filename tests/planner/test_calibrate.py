@@ -280,3 +280,36 @@ def test_calibrating_a_rehearsal_with_a_straggler_moves_work_off_it(tmp_path):
     write_profile(calibration.profile, tmp_path / "cal")
     replanned = _solve(tmp_path, profile=tmp_path / "cal", name="replanned", model=model)
     assert _work_share(replanned, slow) < _work_share(plan, slow) == pytest.approx(1 / 3)
+
+
+def test_devices_of_a_kind_declared_with_other_peaks_are_not_siblings(plan):
+    # box/2 is a cpu declared 2x faster in the cluster file: its ratio differing from the
+    # catalog cpus' is by design, not a straggler; a true sibling 40% slower still is.
+    from dataclasses import replace
+
+    devices = tuple(
+        replace(d, peak_flops=d.peak_flops * 2) if d.name == "box/2" else d
+        for d in plan.cluster.devices
+    )
+    declared = replace(plan, cluster=replace(plan.cluster, devices=devices))
+    run = Run(Path("run"), 1.0, _records(declared, {"box/2": 1.5}, 1.0))
+    assert calibrate([(declared, [run])]).factors == ()
+    slowed = Run(Path("run"), 1.0, _records(plan, {"box/2": 1.5}, 1.0))
+    assert [s.device for s in calibrate([(plan, [slowed])]).factors] == ["box/2"]
+
+
+def test_runs_of_another_plan_are_refused(plan, tmp_path):
+    from dataclasses import replace
+
+    swap = {"box/0": "box/1", "box/1": "box/0"}
+    other = replace(
+        plan, ranks=tuple(replace(r, device=swap.get(r.device, r.device)) for r in plan.ranks)
+    )
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (folder / "plan.json").write_text(other.to_json(), encoding="utf-8")
+    run = Run(folder, 1.0, _records(plan, {}, 1.0))
+    with pytest.raises(ConfigError, match="run of another plan"):
+        calibrate([(plan, [run])])
+    (folder / "plan.json").write_text(plan.to_json(), encoding="utf-8")
+    assert calibrate([(plan, [run])]).factors == ()
