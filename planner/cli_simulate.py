@@ -66,7 +66,10 @@ def simulate(
         simulation_summary,
         timeline_events,
     )
-    from hplan.runtime.timeline import write_chrome_trace
+    from hplan.runtime.timeline import check_trace_path, write_chrome_trace
+
+    if trace_path is not None:
+        check_trace_path(trace_path)
 
     if (plan_path is None) == (study_path is None):
         raise click.UsageError("give either PLAN_PATH or --import-study (one of them)")

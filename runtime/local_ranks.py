@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from hplan.runtime.errors import PeerFailureError, RehearsalChildError
+from hplan.runtime.errors import ConfigError, PeerFailureError, RehearsalChildError
 from hplan.runtime.metrics import StepMetrics, metrics_path, step_summary
 from hplan.runtime.plan import Plan
 
@@ -65,9 +65,21 @@ class ChildCommand:
 
 
 def prepare_dir(metrics_dir: Path, plan: Plan) -> Path:
-    """Clear what an earlier run left in ``metrics_dir``; write the plan; return its path."""
-    metrics_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in ("rank-*.jsonl", "rank-*.log", "verify/*.pt"):
+    """Clear what an earlier run left in ``metrics_dir``; write the plan; return its path.
+
+    Raises:
+        ConfigError: ``metrics_dir`` is a file or cannot be created.
+    """
+    if metrics_dir.exists() and not metrics_dir.is_dir():
+        raise ConfigError(f"metrics folder {str(metrics_dir)!r} is a file; give a directory")
+    try:
+        metrics_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create metrics folder {str(metrics_dir)!r} ({exc.strerror}); "
+            "choose a writable directory"
+        ) from None
+    for pattern in ("rank-*.jsonl", "rank-*.log", "timeline-rank-*.jsonl", "verify/*.pt"):
         for stale in metrics_dir.glob(pattern):
             stale.unlink()
     plan_path = metrics_dir / "plan.json"

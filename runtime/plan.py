@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from functools import cache
 from pathlib import Path
@@ -496,8 +496,40 @@ def _verify_training(training: TrainingSpec) -> None:
         _fail(f"training.master_port is {training.master_port}; it must be in 1..65534")
 
 
+def _verify_numbers(plan: Plan) -> None:
+    """Report figures are finite and >= 0; links and devices have finite positive speeds."""
+    report = plan.report
+    parts: list[tuple[str, Any]] = [("report", report)]
+    parts += [(f"report.ranks[{i}]", r) for i, r in enumerate(report.ranks)]
+    parts += [(f"report.baselines[{i}]", b) for i, b in enumerate(report.baselines)]
+    for where, part in parts:
+        for item in fields(part):
+            value = getattr(part, item.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if not (math.isfinite(value) and value >= 0):
+                _fail(f"{where}.{item.name} is {value}; it must be a finite number >= 0")
+    for link in plan.cluster.links:
+        bandwidth, latency = link.bandwidth_bytes_per_s, link.latency_s
+        if not (
+            math.isfinite(bandwidth) and bandwidth > 0 and math.isfinite(latency) and latency >= 0
+        ):
+            _fail(
+                f"link {link.a}-{link.b} has bandwidth {bandwidth} B/s and latency {latency} s; "
+                "bandwidth must be finite and > 0, latency finite and >= 0"
+            )
+    for device in plan.cluster.devices:
+        speeds = (device.peak_flops, device.memory_bandwidth_bytes_per_s)
+        if not all(math.isfinite(v) and v > 0 for v in speeds):
+            _fail(
+                f"device {device.name} has peak {device.peak_flops} FLOP/s and memory bandwidth "
+                f"{device.memory_bandwidth_bytes_per_s} B/s; both must be finite and > 0"
+            )
+
+
 def _verify_plan(plan: Plan) -> None:
     _verify_training(plan.training)
+    _verify_numbers(plan)
     if [r.rank for r in plan.ranks] != list(range(len(plan.ranks))):
         _fail("ranks must be listed in order 0..n-1")
     if not plan.ranks:

@@ -64,7 +64,7 @@ from hplan.runtime.metrics import (
 )
 from hplan.runtime.model_file import ModelFile, checked_loss, load_model_file
 from hplan.runtime.plan import Plan
-from hplan.runtime.timeline import write_measured_trace
+from hplan.runtime.timeline import check_trace_path, write_measured_trace
 from hplan.runtime.trace import bind_inputs
 from hplan.runtime.verify import VERIFY_TOLERANCE, verify_first_step
 from hplan.runtime.worker import (
@@ -202,6 +202,10 @@ def rehearse(
         ModelFileError, ConfigError: bad inputs.
     """
     _check_options(steps, dilation, time_scale, timeout_s)
+    if trace_path is not None:
+        check_trace_path(trace_path)
+    if metrics_dir is not None and Path(metrics_dir).exists() and not Path(metrics_dir).is_dir():
+        raise ConfigError(f"metrics folder {str(metrics_dir)!r} is a file; give a directory")
     slowdown = dict(slowdown or {})
     check_slowdown(plan, slowdown)
     run = _Run(

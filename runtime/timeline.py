@@ -125,6 +125,22 @@ def chrome_trace(
     return trace
 
 
+def check_trace_path(path: str | Path) -> None:
+    """Fail before any work when a trace could not be written to ``path``.
+
+    Raises:
+        ConfigError: ``path`` is a directory, or its folder does not exist.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"trace path {str(target)!r} is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise ConfigError(
+            f"cannot write trace {str(target)!r}: folder {str(target.parent)!r} does not "
+            "exist; create it or choose another path"
+        )
+
+
 def write_chrome_trace(
     path: str | Path,
     events: Iterable[TimelineEvent],

@@ -40,3 +40,34 @@ def test_another_schema_version_says_to_re_solve() -> None:
     data["schema_version"] = 999
     with pytest.raises(PlanFileError, match=r"schema_version is 999, this hplan reads 1"):
         Plan.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (
+            ("report", "ranks", 0, "forward_time_s"),
+            float("nan"),
+            r"report.ranks\[0\].forward_time_s is nan",
+        ),
+        (("report", "ranks", 0, "optimizer_time_s"), -1.0, r"optimizer_time_s is -1.0"),
+        (("report", "predicted_step_time_s"), -1.0, r"report.predicted_step_time_s is -1.0"),
+        (
+            ("cluster", "links", 0, "bandwidth_bytes_per_s"),
+            0.0,
+            r"bandwidth must be finite and > 0",
+        ),
+        (("cluster", "links", 0, "latency_s"), -1.0, r"latency finite and >= 0"),
+        (("cluster", "devices", 0, "peak_flops"), float("inf"), r"both must be finite and > 0"),
+    ],
+)
+def test_hand_edited_figures_that_are_not_finite_or_are_negative_are_rejected(
+    path: tuple[object, ...], value: float, message: str
+) -> None:
+    data = json.loads(cpu_plan().to_json())
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(PlanFileError, match=message):
+        Plan.from_json(json.dumps(data))

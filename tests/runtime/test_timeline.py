@@ -19,6 +19,7 @@ from hplan.runtime.timeline import (
     WAIT,
     TimelineEvent,
     TimelineWriter,
+    check_trace_path,
     chrome_trace,
     read_step_events,
     write_chrome_trace,
@@ -98,3 +99,26 @@ def test_a_rehearsal_writes_every_action_of_every_rank_on_one_clock(tmp_path: Pa
     assert "wait F.mb0 from s0" in waits and "wait B.mb2 from s1" in waits
     assert any(e["name"] == "all-reduce ranks 0,1" for e in spans)  # GPT's tied embedding
     assert min(e["ts"] for e in spans) == 0.0
+
+
+def test_a_trace_path_that_cannot_be_written_is_refused_before_any_work(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a directory"):
+        check_trace_path(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_trace_path(tmp_path / "missing" / "trace.json")
+    check_trace_path(tmp_path / "trace.json")
+
+
+def test_a_metrics_folder_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
+    from hplan.runtime.local_ranks import prepare_dir
+    from tests.fixtures.sample_plans import cpu_plan
+
+    afile = tmp_path / "metrics"
+    afile.write_text("x", encoding="utf-8")
+    with pytest.raises(ConfigError, match="is a file"):
+        prepare_dir(afile, cpu_plan())
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (folder / "timeline-rank-7.jsonl").write_text("{}", encoding="utf-8")
+    prepare_dir(folder, cpu_plan())
+    assert not (folder / "timeline-rank-7.jsonl").exists()
