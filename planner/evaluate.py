@@ -265,9 +265,11 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
 def standalone_samples_per_s(problem: PlanningProblem, device_idx: int) -> float:
     """Samples/s of one device training the whole model alone at its best micro-batch size.
 
-    When the whole model does not fit the device, its compute-only rate at the largest
-    micro-batch whose activations fit is used instead (an upper bound on what the device
-    can add to any layout), so the physical bound stays an upper bound.
+    When the whole model does not fit the device, its compute-only rate at the best
+    micro-batch whose activations fit is used instead. This is the design card's bound
+    ("the best batch that fits its memory"), not a strict upper bound: a device holding
+    part of the model in a pipeline can run larger micro-batches than fit it alone, and a
+    layout doing that with very large batches can report an efficiency above 1.
     """
     best = 0.0
     fallback = 0.0
