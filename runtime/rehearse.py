@@ -207,7 +207,7 @@ def rehearse(
     if metrics_dir is not None and Path(metrics_dir).exists() and not Path(metrics_dir).is_dir():
         raise ConfigError(f"metrics folder {str(metrics_dir)!r} is a file; give a directory")
     slowdown = dict(slowdown or {})
-    check_slowdown(plan, slowdown)
+    unused = check_slowdown(plan, slowdown)
     run = _Run(
         plan=plan,
         model=str(model_path or plan.model.path),
@@ -220,6 +220,8 @@ def rehearse(
         trace_path=trace_path,
         slowdown=slowdown,
     )
+    for name in unused:
+        run.console.print(f"note: --slowdown {name}: this plan runs no rank on it (no effect)")
     if metrics_dir is not None:
         return run.into(Path(metrics_dir))
     temporary = Path(tempfile.mkdtemp(prefix="hplan-rehearse-"))
@@ -345,21 +347,28 @@ def parse_slowdown(values: Sequence[str]) -> dict[str, float]:
     return slowdown
 
 
-def check_slowdown(plan: Plan, slowdown: Mapping[str, float]) -> None:
-    """Check that every slowed device is one of the plan's ranks' devices.
+def check_slowdown(plan: Plan, slowdown: Mapping[str, float]) -> tuple[str, ...]:
+    """Check that every slowed device is one of the plan's cluster devices.
+
+    Returns:
+        The slowed devices that run no rank of this plan (a re-solved plan may have moved
+        off a slow device; its slowdown then has no effect).
 
     Raises:
-        ConfigError: naming the unknown device and the plan's devices.
+        ConfigError: naming the unknown device and the cluster's devices, or a factor that
+            is not finite and > 0.
     """
-    used = [r.device for r in plan.ranks]
+    known = [d.name for d in plan.cluster.devices]
+    used = {r.device for r in plan.ranks}
     for name, factor in slowdown.items():
-        if name not in used:
+        if name not in known:
             raise ConfigError(
-                f"--slowdown {name}={factor:g}: the plan runs no rank on {name!r}; "
-                f"use one of {', '.join(used)}"
+                f"--slowdown {name}={factor:g}: the cluster has no device {name!r}; "
+                f"use one of {', '.join(known)}"
             )
         if not (math.isfinite(factor) and factor > 0):
             raise ConfigError(f"--slowdown {name}={factor}: the factor must be finite and > 0")
+    return tuple(name for name in slowdown if name not in used)
 
 
 def _print_result(result: RehearsalResult, console: Console) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -236,10 +236,12 @@ def test_slowdown_parsing_names_the_bad_item():
         parse_slowdown(["x=1.2", "x=1.3"])
 
 
-def test_slowdown_of_a_device_the_plan_does_not_use_is_rejected(plan):
-    check_slowdown(plan, {"box/1": 1.4})
-    with pytest.raises(ConfigError, match="box/1"):
+def test_slowdown_of_a_device_the_cluster_lacks_is_rejected_and_an_unused_one_reported(plan):
+    assert check_slowdown(plan, {"box/1": 1.4}) == ()
+    with pytest.raises(ConfigError, match="no device 'box/9'; use one of box/0, box/1"):
         check_slowdown(plan, {"box/9": 1.4})
+    fewer = replace(plan, ranks=plan.ranks[:1], global_batch_size=plan.ranks[0].num_samples)
+    assert check_slowdown(fewer, {"box/1": 1.4, plan.ranks[0].device: 2.0}) == ("box/1",)
 
 
 def test_slowdown_stretches_only_the_slowed_device(plan):
@@ -285,7 +287,6 @@ def test_calibrating_a_rehearsal_with_a_straggler_moves_work_off_it(tmp_path):
 def test_devices_of_a_kind_declared_with_other_peaks_are_not_siblings(plan):
     # box/2 is a cpu declared 2x faster in the cluster file: its ratio differing from the
     # catalog cpus' is by design, not a straggler; a true sibling 40% slower still is.
-    from dataclasses import replace
 
     devices = tuple(
         replace(d, peak_flops=d.peak_flops * 2) if d.name == "box/2" else d
@@ -299,7 +300,6 @@ def test_devices_of_a_kind_declared_with_other_peaks_are_not_siblings(plan):
 
 
 def test_runs_of_another_plan_are_refused(plan, tmp_path):
-    from dataclasses import replace
 
     swap = {"box/0": "box/1", "box/1": "box/0"}
     other = replace(
