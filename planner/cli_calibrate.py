@@ -57,6 +57,11 @@ def calibrate(
     result = run_calibration([(plan, load_runs(runs_dir))], base)
     stderr = wide_console(stderr=True)
     print_calibration(result, stderr)
+    if base is None and result.optimizer_corrections:
+        stderr.print(
+            "note: the optimizer corrections apply to a profile's unit timings; without "
+            "--profile the corrected profile carries the compute corrections only"
+        )
     if out_dir is not None:
         path = write_profile(result.profile, out_dir)
         stderr.print(f"wrote {path}; re-solve with `hplan solve ... --profile {out_dir}`")
