@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from hplan.planner.bandwidth import load_measured_links
 from hplan.planner.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.build import build_plan, model_spec
 from hplan.planner.catalog import DeviceClass
-from hplan.planner.cluster import Cluster, load_cluster, to_cluster_spec
+from hplan.planner.cluster import Cluster, Device, load_cluster, to_cluster_spec
 from hplan.planner.costgraph import ModelGraph, build_model_graph
 from hplan.planner.costmodel import (
     RooflineSource,
@@ -130,6 +130,13 @@ def plan_training(
     if request.profile_path is not None:
         labels = source_labels(source, cluster.devices, graph.unit_costs, problem.micro_batch_sizes)
         report = with_cost_sources(report, problem, result.layout, labels, source_name=source.name)
+        unmeasured = _unmeasured_kinds(cluster.devices, labels)
+        if unmeasured:
+            note = (
+                f"profile {request.profile_path} has no measurement for "
+                f"{', '.join(unmeasured)} and none to scale from: the roofline stands for them"
+            )
+            report = replace(report, notes=(*report.notes, note))
     plan = build_plan(
         graph=graph,
         model=model_spec(
@@ -184,6 +191,18 @@ def _decide(problem: PlanningProblem, request: SolveRequest) -> SolveResult:
         source=f"baseline: {request.strategy.value}",
         notes=(f"{request.strategy.value} baseline requested; the layout was not optimised",),
     )
+
+
+def _unmeasured_kinds(
+    devices: Sequence[Device], labels: tuple[tuple[tuple[str, ...], ...], ...]
+) -> tuple[str, ...]:
+    """Device kinds whose every number came from the plain roofline (``labels``: D x U x K)."""
+    kinds = {
+        device.kind
+        for device, per_unit in zip(devices, labels, strict=True)
+        if all(label == "roofline" for sizes in per_unit for label in sizes)
+    }
+    return tuple(sorted(kinds))
 
 
 def _time_source(request: SolveRequest, graph: ModelGraph) -> UnitTimeSource:

@@ -225,3 +225,20 @@ def test_problem_built_from_a_profile_has_measured_entries_and_labels():
     assert labels[0][0] == ("measured", "measured (extrapolated)")
     assert labels[1][0][0].startswith("roofline x ")
     assert source_labels(ROOFLINE, cluster.devices, graph.unit_costs, (1,))[1][1] == ("roofline",)
+
+
+def test_a_profile_that_measured_none_of_the_clusters_kinds_says_so(tmp_path):
+    from pathlib import Path
+
+    from hplan.planner.api import SolveRequest, plan_training
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "empty.json").write_text(Profile().to_json(), encoding="utf-8")
+    request = SolveRequest(
+        model_path=root / "examples" / "mlp" / "model.py",
+        cluster_path=root / "examples" / "clusters" / "mixed-3090-4090.yaml",
+        global_batch_size=16,
+        profile_path=tmp_path / "empty.json",
+    )
+    notes = plan_training(request).plan.report.notes
+    assert any("no measurement for rtx3060, rtx3090, rtx4090" in n for n in notes), notes
