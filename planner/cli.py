@@ -24,7 +24,7 @@ from hplan.planner.cli_bandwidth import bandwidth
 from hplan.planner.cli_calibrate import calibrate
 from hplan.planner.cli_profile import profile
 from hplan.planner.cli_simulate import simulate
-from hplan.runtime.errors import ConfigError, HplanError
+from hplan.runtime.errors import ConfigError, HplanError, Terminated
 from hplan.runtime.plan import Plan, Schedule
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -406,7 +406,7 @@ def _report_crash(exc: BaseException) -> int:
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
     """SIGTERM handler: unwind like Ctrl-C, so that ``finally`` blocks stop child processes."""
-    raise SystemExit(128 + signum)
+    raise Terminated(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -83,3 +83,8 @@ class RehearsalChildError(HplanError):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Terminated(SystemExit):
+    """Raised by hplan's own SIGTERM handler (code 128 + signal), so that code catching a
+    model file's ``sys.exit`` can tell a termination from the model's own exit."""

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import Tensor
 
-from hplan.runtime.errors import ModelFileError
+from hplan.runtime.errors import ModelFileError, Terminated
 
 REQUIRED = ("build_model", "sample_batch", "loss_fn")
 
@@ -181,6 +181,8 @@ def _import(file: Path, module_name: str) -> Any:
         spec.loader.exec_module(module)
     except SystemExit as exc:
         del sys.modules[module_name]
+        if isinstance(exc, Terminated):
+            raise
         raise ModelFileError(
             f"model file {str(file)!r} called sys.exit({exc.code!r}){_line_in(file, exc)} while "
             "importing; hplan imports model.py as a module, so put script code under "

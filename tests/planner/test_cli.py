@@ -378,3 +378,13 @@ def test_rehearse_prints_both_predictions_warns_once_and_cleans_up(
     assert on_hardware in predicted and "1 s there = " in predicted
     assert json.loads(out)["metrics_dir"] is None
     assert list(scratch.iterdir()) == []  # the temporary metrics folder is gone
+
+
+def test_a_termination_while_importing_the_model_is_not_blamed_on_the_model(tmp_path: Path) -> None:
+    from hplan.runtime.errors import Terminated
+    from hplan.runtime.model_file import load_model_file
+
+    model = tmp_path / "model.py"
+    model.write_text("from hplan.runtime.errors import Terminated\nraise Terminated(143)\n")
+    with pytest.raises(Terminated):
+        load_model_file(model)
