@@ -422,7 +422,10 @@ class Plan:
             raise PlanFileError(
                 f"cannot read plan {str(path)!r} ({exc.strerror}); check the path"
             ) from None
-        return Plan.from_json(text)
+        try:
+            return Plan.from_json(text)
+        except PlanFileError as exc:
+            raise PlanFileError(f"{path}: {exc}") from None
 
     @staticmethod
     def from_json(text: str) -> Plan:
