@@ -52,6 +52,10 @@ def _local_names(cluster_path: Path | None, num_local: int) -> list[tuple[str, i
     return names
 
 
+MAX_LOCAL_RANKS = 32
+"""``--local`` above this is refused: N (N - 1) pairs are timed one after another."""
+
+
 @click.command()
 @click.option(
     "--local",
@@ -149,6 +153,12 @@ def bandwidth(
         )
     if not 1 <= timeout_s < float("inf"):
         raise ConfigError(f"--timeout {timeout_s} must be a finite number >= 1")
+    if num_local > MAX_LOCAL_RANKS:
+        raise ConfigError(
+            f"--local {num_local}: at most {MAX_LOCAL_RANKS} ranks on one machine (every one of "
+            f"the {num_local * (num_local - 1)} ordered pairs is timed alone); measure a "
+            "large cluster on its nodes with --cluster cluster.yaml --write-scripts DIR"
+        )
     names = _local_names(cluster_path, num_local)
     argv = _sweep_argv(min_size_bytes, max_size_bytes, repeats, warmup, size_budget_s)
     from hplan.runtime.bandwidth_local import measure_local

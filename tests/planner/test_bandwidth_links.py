@@ -152,6 +152,14 @@ def test_solve_with_a_bandwidth_file_of_another_cluster_exits_2_in_one_line(tmp_
     assert len(err) == 1 and "'x/0', 'y/0'" in err[0]
 
 
+def test_too_many_local_ranks_are_refused_at_once(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bandwidth", "--local", "99"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2
+    assert len(err) == 1 and "--local 99: at most 32 ranks" in err[0]
+
+
 # ----------------------------------------------------------------------------- scripts
 def test_scripts_name_each_node_and_disable_p2p_only_on_geforce_nodes():
     cluster = cluster_from_dict(
