@@ -258,7 +258,16 @@ class _Run:
         warn_if_model_changed(plan, model_file)  # once here; the ranks do not repeat it
         cores = len(os.sched_getaffinity(0))
         dilation = self.dilation or default_dilation(plan, cores)
+        console.print(
+            "timing the whole model on this CPU at micro-batch "
+            f"{plan.report.reference_micro_batch_size} (the emulation's reference)"
+        )
         cpu_time_per_sample_s = measure_cpu_time_per_sample(model_file, plan)
+        steps_mb = max(r.num_microbatches for r in plan.ranks)
+        if steps_mb > 10_000:
+            console.print(
+                f"note: a rank runs {steps_mb} micro-batches per step; each step will take long"
+            )
         scale = self.time_scale or default_time_scale(plan, dilation, cpu_time_per_sample_s)
         console.print(
             f"rehearsing {_count(plan.world_size, 'rank')} on {_count(cores, 'core')}: "
