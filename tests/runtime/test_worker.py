@@ -86,7 +86,7 @@ def test_late_inputs_mixed_dtype_cuts_and_uneven_microbatches_equal_one_process(
     assert result.missing == ()
     assert result.loss == pytest.approx(result.reference_loss, rel=1e-5)
     assert result.grad_rel < 1e-5
-    assert result.param_rel < 1e-4  # --verify's tolerance; Adam amplifies round-off (see above)
+    assert result.param_rel < 1e-4  # --verify tolerance: Adam amplifies near-zero grads
     assert result.noise_abs <= 1e-2 * 1.01  # AdamW lr
     losses = [m["loss"] for r in range(3) for m in _metrics(tmp_path / "metrics", r)]
     assert losses[:2] == [None, None] and losses[2] == pytest.approx(result.loss)
