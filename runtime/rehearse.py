@@ -164,6 +164,44 @@ def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: i
     return min(times_s[1:]) / batch_size
 
 
+COLD_REPEATS = 5
+"""Timed calls per condition in :func:`measure_cold_factor`."""
+
+
+def measure_cold_factor(model_file: ModelFile, plan: Plan, dilation: float) -> float:
+    """CPU time of the whole model's forward + backward right after a sleep of ``dilation
+    - 1`` times its duration, over that right after another call (median of
+    ``COLD_REPEATS`` each, interleaved; at least 1).
+
+    A stretched rank sleeps that long after every compute, and a call after a sleep runs
+    with cold caches (``bench/cold_compute.py``: 1.24-1.28x at dilation 4 on a 2-core VM);
+    the ranks divide their stretch by this factor so that the emulated device runs at its
+    declared speed, as a profile measures it (back to back).
+    """
+    if dilation <= 1:
+        return 1.0
+    with _one_thread(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(plan.training.seed)
+        model = model_file.build_model()
+        inputs, targets = model_file.sample_batch(plan.report.reference_micro_batch_size)
+        bound = bind_inputs(model, inputs)
+
+        def call() -> tuple[float, float]:
+            start_s, start_wall_s = time.thread_time(), time.perf_counter()
+            checked_loss(model_file, model(**bound), targets, require_grad=True).backward()
+            model.zero_grad(set_to_none=True)
+            return time.thread_time() - start_s, time.perf_counter() - start_wall_s
+
+        call()
+        hot, cold = [], []
+        for _ in range(COLD_REPEATS):
+            _, wall_s = call()
+            hot.append(call()[0])
+            time.sleep((dilation - 1) * wall_s)
+            cold.append(call()[0])
+    return max(1.0, statistics.median(cold) / statistics.median(hot))
+
+
 # --------------------------------------------------------------------------- rehearse
 def rehearse(
     plan: Plan,
@@ -263,6 +301,7 @@ class _Run:
             f"{plan.report.reference_micro_batch_size} (the emulation's reference)"
         )
         cpu_time_per_sample_s = measure_cpu_time_per_sample(model_file, plan)
+        cold = 1.0 if modelled_emulation(plan) else measure_cold_factor(model_file, plan, dilation)
         steps_mb = max(r.num_microbatches for r in plan.ranks)
         if steps_mb > 10_000:
             console.print(
@@ -272,12 +311,21 @@ class _Run:
         console.print(
             f"rehearsing {_count(plan.world_size, 'rank')} on {_count(cores, 'core')}: "
             f"dilation {dilation:.2f}, 1 s of plan hardware = {scale:.3g} s here, compute "
-            + ("replayed from the plan's model" if modelled_emulation(plan) else "stretched")
+            + (
+                "replayed from the plan's model"
+                if modelled_emulation(plan)
+                else f"stretched (/ {cold:.2f}: a call after a sleep runs colder)"
+            )
             + "".join(f"; {name} {factor:g}x slower" for name, factor in self.slowdown.items())
         )
         verify_dir = metrics_dir / "verify" if self.verify else None
         plan_path = prepare_dir(metrics_dir, plan)
-        record = {"dilation": dilation, "time_scale": scale, "slowdown": self.slowdown}
+        record = {
+            "dilation": dilation,
+            "time_scale": scale,
+            "slowdown": self.slowdown,
+            "cold_factor": cold,
+        }
         (metrics_dir / EMULATION_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
         command = ChildCommand(
             plan_path, self.model, self.steps, metrics_dir, dilation, scale, verify_dir

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -59,10 +60,32 @@ class Emulation:
     slowdown: Mapping[str, float] = field(default_factory=dict)
     """Straggler emulation: cluster device name -> factor its compute is slowed by
     (1.4 = 40% slower than the plan says), in both compute modes."""
+    cold_factor: float = 1.0
+    """Stretched (cpu) compute: CPU time of a call right after the emulation's sleep over
+    that of a call right after another (``rehearse.measure_cold_factor``); the stretch is
+    divided by it, so that the sleeps do not slow the emulated device down."""
 
 
 EMULATION_FILE = "emulation.json"
 """Written by a rehearsal into its metrics folder: dilation, time scale and slowdowns."""
+
+
+def recorded_cold_factor(metrics_dir: Path | None) -> float:
+    """The ``cold_factor`` a rehearsal recorded in ``<metrics_dir>/emulation.json`` (1.0 if none).
+
+    Raises:
+        ConfigError: the recorded value is not a finite number > 0.
+    """
+    path = None if metrics_dir is None else metrics_dir / EMULATION_FILE
+    if path is None or not path.is_file():
+        return 1.0
+    try:
+        factor = float(json.loads(path.read_text(encoding="utf-8")).get("cold_factor", 1.0))
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a rehearsal's emulation record ({exc})") from None
+    if not (math.isfinite(factor) and factor > 0):
+        raise ConfigError(f"{path}: cold_factor {factor} must be a finite number > 0")
+    return factor
 
 
 def recorded_slowdown(metrics_dir: Path | None) -> dict[str, float]:
@@ -224,7 +247,8 @@ def compute_emulation(plan: Plan, rank: int, emulation: Emulation | None) -> Com
         return ComputeEmulation()
     slowdown = emulation.slowdown.get(plan.ranks[rank].device, 1.0)
     if not modelled_emulation(plan):
-        return ComputeEmulation(stretch=emulation.dilation * device_stretch(plan, rank) * slowdown)
+        stretch = emulation.dilation * device_stretch(plan, rank) * slowdown
+        return ComputeEmulation(stretch=stretch / emulation.cold_factor)
     report = next(r for r in plan.report.ranks if r.rank == rank)
     scale = emulation.time_scale * slowdown
     return ComputeEmulation(
@@ -408,7 +432,9 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
         raise ConfigError(f"--steps is {options.steps}; run at least one step")
     if options.emulation is not None:
         slowdown = recorded_slowdown(options.metrics_dir)
-        options = replace(options, emulation=replace(options.emulation, slowdown=slowdown))
+        cold = recorded_cold_factor(options.metrics_dir)
+        emulation = replace(options.emulation, slowdown=slowdown, cold_factor=cold)
+        options = replace(options, emulation=emulation)
     check_environment(plan, rank, options)
     init_distributed(plan, rank, options)
     state = build_rank(plan, rank, model_path, options)
