@@ -9,7 +9,7 @@ interleaved in one run, and prints the ratios. On the 2-core VM this project is 
 (2026-11-29, three runs): 1.03-1.07x after 1x, 1.24-1.28x after 3x (caches and the
 idle vCPU go cold) - most of the 1.35x that ``hplan calibrate`` learned from a rehearsal
 at dilation 4 of a plan profiled back to back. The rehearsal now measures this factor
-itself before it starts the ranks (``rehearse.measure_cold_factor``) and divides the
+itself before it starts the ranks (``rehearse.cold_factor``) and divides the
 stretch of cpu plans by it.
 
     python bench/cold_compute.py [--batch 8] [--repeats 15]

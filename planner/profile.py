@@ -25,9 +25,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal, TypeVar, dataclass_transform
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import ConfigDict, TypeAdapter
 
 from hplan.runtime.errors import ConfigError
+from hplan.runtime.versioned_json import parse_versioned
 
 PROFILE_SCHEMA_VERSION = 1
 _STRICT = ConfigDict(extra="forbid")
@@ -160,24 +161,14 @@ class Profile:
             ConfigError: not JSON, another schema version, unknown keys or wrong types;
                 the message names the file and the field.
         """
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"profile {source!r} is not valid JSON ({exc}); re-run `hplan profile`"
-            ) from None
-        version = data.get("schema_version") if isinstance(data, dict) else None
-        if version != PROFILE_SCHEMA_VERSION:
-            raise ConfigError(
-                f"profile {source!r} has schema_version {version!r}, this hplan reads "
-                f"{PROFILE_SCHEMA_VERSION}; re-run `hplan profile`"
-            )
-        try:
-            return _adapter().validate_python(data)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ConfigError(f"profile {source!r} field {where!r}: {first['msg']}") from None
+        return parse_versioned(
+            text,
+            _adapter(),
+            what="profile",
+            source=source,
+            version=PROFILE_SCHEMA_VERSION,
+            fix="re-run `hplan profile`",
+        )
 
     @staticmethod
     def load(path: str | Path) -> Profile:

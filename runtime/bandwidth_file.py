@@ -30,9 +30,10 @@ from functools import cache
 from pathlib import Path
 from typing import Final, Literal, TypeVar, dataclass_transform
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import ConfigDict, TypeAdapter
 
 from hplan.runtime.errors import ConfigError
+from hplan.runtime.versioned_json import parse_versioned
 
 BANDWIDTH_SCHEMA_VERSION: Final = 1
 _STRICT = ConfigDict(extra="forbid")
@@ -183,27 +184,14 @@ class BandwidthFile:
             ConfigError: not JSON, another schema version, unknown keys, wrong types, or
                 pairs that name ranks the file does not list. Names the file and field.
         """
-        fix = "re-measure with `python -m hplan.runtime.bandwidth` or `hplan bandwidth`"
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"bandwidth file {source!r} is not valid JSON ({exc}); {fix}"
-            ) from None
-        version = data.get("schema_version") if isinstance(data, dict) else None
-        if version != BANDWIDTH_SCHEMA_VERSION:
-            raise ConfigError(
-                f"bandwidth file {source!r} has schema_version {version!r}, this hplan reads "
-                f"{BANDWIDTH_SCHEMA_VERSION}; {fix}"
-            )
-        try:
-            result = _adapter().validate_python(data)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ConfigError(
-                f"bandwidth file {source!r} field {where!r}: {first['msg']}; {fix}"
-            ) from None
+        result = parse_versioned(
+            text,
+            _adapter(),
+            what="bandwidth file",
+            source=source,
+            version=BANDWIDTH_SCHEMA_VERSION,
+            fix="re-measure with `python -m hplan.runtime.bandwidth` or `hplan bandwidth`",
+        )
         _check_consistent(result, source)
         return result
 

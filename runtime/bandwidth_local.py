@@ -9,32 +9,21 @@ rank 0 wrote.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from hplan.runtime.bandwidth_file import BandwidthFile
 from hplan.runtime.errors import ConfigError, PeerFailureError, RehearsalChildError
-from hplan.runtime.local_ranks import free_port
-
-_POLL_S = 0.05
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def child_env() -> dict[str, str]:
-    """This environment without torchrun's rank variables or HPLAN_NODE, one thread each."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _TORCHRUN_ENV and k != "HPLAN_NODE" and not k.startswith("TORCHELASTIC_")
-    }
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
+from hplan.runtime.local_ranks import (
+    free_port,
+    kill_all,
+    new_complete_lines,
+    start_ranks,
+    supervise,
+)
 
 
 def rank_command(
@@ -85,58 +74,33 @@ def measure_local(
     master = ("127.0.0.1", free_port())
     with tempfile.TemporaryDirectory(prefix="hplan-bandwidth-") as tmp:
         logs = [Path(tmp) / f"rank-{r}.log" for r in range(num_ranks)]
+        commands = [
+            rank_command(
+                rank, num_ranks, master=master, out=out, sweep_args=sweep_args,
+                name=names[rank] if names else None,
+            )
+            for rank in range(num_ranks)
+        ]  # fmt: skip
         children: list[subprocess.Popen[bytes]] = []
         try:
-            for rank in range(num_ranks):
-                command = rank_command(
-                    rank, num_ranks, master=master, out=out, sweep_args=sweep_args,
-                    name=names[rank] if names else None,
-                )  # fmt: skip
-                with logs[rank].open("wb") as log:
-                    children.append(
-                        subprocess.Popen(
-                            command, stdout=log, stderr=subprocess.STDOUT, env=child_env()
-                        )
-                    )
-            _supervise(children, logs, timeout_s)
-        finally:
-            _stop(children)
-    return BandwidthFile.load(out)
-
-
-def _supervise(
-    children: Sequence[subprocess.Popen[bytes]], logs: list[Path], timeout_s: float
-) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    echo = _Echo(logs)
-    while True:
-        echo.poll()
-        codes = [child.poll() for child in children]
-        failed = [(rank, code) for rank, code in enumerate(codes) if code is not None and code != 0]
-        if failed:
-            time.sleep(0.5)  # let a peer whose death caused this one's print its own reason
-            echo.poll()
-            raise _failure(failed, logs)
-        if all(code == 0 for code in codes):
-            return
-        if time.monotonic() > deadline_s:
-            raise PeerFailureError(
-                f"the local link measurement timed out after {timeout_s:g} s; pass smaller "
-                "--max-size-bytes or fewer ranks"
+            children = start_ranks(commands, logs)
+            supervise(
+                children,
+                logs,
+                timeout_s,
+                on_poll=_Echo(logs).poll,
+                is_error_line=lambda line: line.startswith("hplan bandwidth: ") and "Error" in line,
+                failure=lambda rank, code, line: RehearsalChildError(
+                    f"rank {rank} failed (exit {code}): {line}", max(code, 1)
+                ),
+                timeout=lambda _running: PeerFailureError(
+                    f"the local link measurement timed out after {timeout_s:g} s; pass smaller "
+                    "--max-size-bytes or fewer ranks"
+                ),
             )
-        time.sleep(_POLL_S)
-
-
-def _failure(failed: list[tuple[int, int]], logs: list[Path]) -> RehearsalChildError:
-    lines = {rank: _last_line(logs[rank]) for rank, _ in failed}
-    rank, code = next(((r, c) for r, c in failed if "PeerFailureError" not in lines[r]), failed[0])
-    return RehearsalChildError(f"rank {rank} failed (exit {code}): {lines[rank]}", max(code, 1))
-
-
-def _last_line(log: Path) -> str:
-    lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln]
-    tagged = [ln for ln in lines if ln.startswith("hplan bandwidth: ") and "Error" in ln]
-    return (tagged or lines or ["(no output)"])[-1]
+        finally:
+            kill_all(children)
+    return BandwidthFile.load(out)
 
 
 class _Echo:
@@ -148,22 +112,8 @@ class _Echo:
 
     def poll(self) -> None:
         for idx, log in enumerate(self.logs):
-            if not log.exists():
-                continue
-            with log.open("rb") as file:
-                file.seek(self.offsets[idx])
-                chunk = file.read()
-            complete = chunk[: chunk.rfind(b"\n") + 1]
+            complete = new_complete_lines(log, self.offsets[idx])
             self.offsets[idx] += len(complete)
             if complete:
                 sys.stderr.write(complete.decode("utf-8", errors="replace"))
                 sys.stderr.flush()
-
-
-def _stop(children: Sequence[subprocess.Popen[bytes]]) -> None:
-    for child in children:
-        if child.poll() is None:
-            child.kill()
-    for child in children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.wait(timeout=10)

@@ -5,6 +5,10 @@ Each rank runs ``python -m hplan.runtime run PLAN --rank R --emulate ...`` with 
 prints each step once every rank has reported it, and on the first failure or at the
 timeout kills every rank and raises one error: the failing rank's own last ``hplan run``
 line (preferring a root cause over the peer failures it causes), or the timeout.
+
+:func:`start_ranks`, :func:`supervise` and :func:`kill_all` are shared with the local link
+measurement (``bandwidth_local.py``), which differs only in its commands, its progress
+output and its messages.
 """
 
 from __future__ import annotations
@@ -16,13 +20,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
-from hplan.runtime.errors import ConfigError, PeerFailureError, RehearsalChildError
+from hplan.runtime.errors import ConfigError, HplanError, PeerFailureError, RehearsalChildError
 from hplan.runtime.metrics import StepMetrics, metrics_path, step_summary
 from hplan.runtime.plan import Plan
 
@@ -93,52 +97,73 @@ def run_children(
     """Start every rank (a free port, one thread each), supervise, and reap them all."""
     master_port = free_port() - 1  # the ranks join on master_port + 1
     logs = [command.metrics_dir / f"rank-{r}.log" for r in range(world_size)]
+    commands = [command.for_rank(rank, master_port) for rank in range(world_size)]
     children: list[subprocess.Popen[bytes]] = []
     try:
-        for rank in range(world_size):
-            with logs[rank].open("wb") as log:
-                children.append(
-                    subprocess.Popen(
-                        command.for_rank(rank, master_port),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=_child_env(),
-                    )
-                )
+        children = start_ranks(commands, logs)
         progress = _Progress(command.metrics_dir, world_size, console)
-        _supervise(children, logs, timeout_s, progress)
+        supervise(
+            children,
+            logs,
+            timeout_s,
+            on_poll=progress.poll,
+            is_error_line=lambda line: line.startswith("hplan run"),
+            failure=lambda rank, code, line: RehearsalChildError(
+                f"rank {rank} failed (exit {code}): {line} (full log: {logs[rank]})", code
+            ),
+            timeout=lambda running: PeerFailureError(
+                f"rehearsal timed out after {timeout_s:.0f} s with ranks {running} still "
+                f"running (killed); see their logs in {logs[0].parent} and raise --timeout "
+                "if the model is just slow"
+            ),
+        )
     finally:
-        _kill_all(children)
+        kill_all(children)
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["MKL_NUM_THREADS"] = "1"
-    env.pop("LOCAL_RANK", None)
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env() -> dict[str, str]:
+    """This environment without torchrun's rank variables or HPLAN_NODE, one thread each."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _TORCHRUN_ENV and k != "HPLAN_NODE" and not k.startswith("TORCHELASTIC_")
+    }
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 
 
-def _last_error_line(log: Path) -> str:
+def start_ranks(
+    commands: Sequence[Sequence[str]], logs: Sequence[Path]
+) -> list[subprocess.Popen[bytes]]:
+    """Start one process per command (``child_env``), its output into the matching log."""
+    children = []
+    for command, log_path in zip(commands, logs, strict=True):
+        with log_path.open("wb") as log:
+            children.append(
+                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+            )
+    return children
+
+
+def new_complete_lines(path: Path, offset: int) -> bytes:
+    """The whole lines a growing file gained after byte ``offset`` (b"" if it is absent);
+    a partial last line is left for the next read."""
+    if not path.exists():
+        return b""
+    with path.open("rb") as file:
+        file.seek(offset)
+        chunk = file.read()
+    return chunk[: chunk.rfind(b"\n") + 1]
+
+
+def last_error_line(log: Path, is_error_line: Callable[[str], bool]) -> str:
+    """The last line of ``log`` that ``is_error_line`` accepts, else its last line."""
     lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln]
-    tagged = [ln for ln in lines if ln.startswith("hplan run")]
-    if tagged:
-        return tagged[-1]
-    return lines[-1] if lines else "(no output)"
-
-
-def _root_cause(failed: list[tuple[int, int]], logs: list[Path]) -> RehearsalChildError:
-    """The failing rank to report: prefer one that is not a consequence of another's death."""
-    lines = {rank: _last_error_line(logs[rank]) for rank, _ in failed}
-    first = failed[0]
-    for rank, code in failed:
-        if "PeerFailureError" not in lines[rank]:
-            first = (rank, code)
-            break
-    rank, code = first
-    return RehearsalChildError(
-        f"rank {rank} failed (exit {code}): {lines[rank]} (full log: {logs[rank]})", code
-    )
+    tagged = [ln for ln in lines if is_error_line(ln)]
+    return (tagged or lines or ["(no output)"])[-1]
 
 
 class _Progress:
@@ -166,24 +191,21 @@ class _Progress:
         self.printed = max(self.printed, ready)
 
     def _read_new(self, rank: int, path: Path) -> None:
-        if not path.exists():
-            return
-        with path.open("rb") as file:
-            file.seek(self.offsets[rank])
-            chunk = file.read()
-        complete = chunk[: chunk.rfind(b"\n") + 1]
+        complete = new_complete_lines(path, self.offsets[rank])
         self.offsets[rank] += len(complete)
         for line in complete.decode("utf-8").splitlines():
             self.records[rank].append(StepMetrics(**json.loads(line)))
 
 
 def _settle(
-    children: Sequence[subprocess.Popen[bytes]], failed: list[tuple[int, int]], logs: list[Path]
+    children: Sequence[subprocess.Popen[bytes]],
+    failed: list[tuple[int, int]],
+    lines: Callable[[int], str],
 ) -> list[tuple[int, int]]:
     """If only peer-failure errors are in, give the real culprit a moment to exit too."""
     deadline_s = time.monotonic() + _SETTLE_S
     while time.monotonic() < deadline_s:
-        if any("PeerFailureError" not in _last_error_line(logs[r]) for r, _ in failed):
+        if any("PeerFailureError" not in lines(r) for r, _ in failed):
             break
         time.sleep(_POLL_S)
         codes = [child.poll() for child in children]
@@ -191,7 +213,8 @@ def _settle(
     return failed
 
 
-def _kill_all(children: Sequence[subprocess.Popen[bytes]]) -> None:
+def kill_all(children: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Kill the children still running and reap them all."""
     for child in children:
         if child.poll() is None:
             child.kill()
@@ -200,30 +223,44 @@ def _kill_all(children: Sequence[subprocess.Popen[bytes]]) -> None:
             child.wait(timeout=10)
 
 
-def _supervise(
+def supervise(
     children: Sequence[subprocess.Popen[bytes]],
-    logs: list[Path],
+    logs: Sequence[Path],
     timeout_s: float,
-    progress: _Progress,
+    *,
+    on_poll: Callable[[], None],
+    is_error_line: Callable[[str], bool],
+    failure: Callable[[int, int, str], HplanError],
+    timeout: Callable[[list[int]], HplanError],
 ) -> None:
-    """Wait for every child; on the first failure or at the timeout, kill the rest."""
+    """Wait for every child; on the first failure or at the timeout, kill them all and raise.
+
+    Raises:
+        ``failure(rank, exit code, its last error line)``: for the failed rank to report,
+            preferring one whose error is not a peer failure (a consequence of another's).
+        ``timeout(ranks still running)``: at the timeout.
+    """
     deadline_s = time.monotonic() + timeout_s
+
+    def line(rank: int) -> str:
+        return last_error_line(logs[rank], is_error_line)
+
     while True:
         codes = [child.poll() for child in children]
         failed = [(rank, code) for rank, code in enumerate(codes) if code is not None and code != 0]
         if failed:
-            failed = _settle(children, failed, logs)
-            _kill_all(children)
-            raise _root_cause(failed, logs)
-        progress.poll()
+            failed = _settle(children, failed, line)
+            kill_all(children)
+            on_poll()
+            rank, code = next(
+                ((r, c) for r, c in failed if "PeerFailureError" not in line(r)), failed[0]
+            )
+            raise failure(rank, code, line(rank))
+        on_poll()
         if all(code == 0 for code in codes):
             return
         if time.monotonic() > deadline_s:
             running = [rank for rank, code in enumerate(codes) if code is None]
-            _kill_all(children)
-            raise PeerFailureError(
-                f"rehearsal timed out after {timeout_s:.0f} s with ranks {running} still "
-                f"running (killed); see their logs in {logs[0].parent} and raise --timeout "
-                "if the model is just slow"
-            )
+            kill_all(children)
+            raise timeout(running)
         time.sleep(_POLL_S)

@@ -47,7 +47,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,44 +142,16 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: int = 3) -> float:
-    """Forward + backward seconds per sample of the whole model on this CPU, one thread.
+StepTimer = Callable[[], tuple[float, float]]
+"""One forward + backward of the reference micro-batch: (CPU seconds, wall seconds)."""
 
-    CPU time of the calling thread (``time.thread_time``, like the ranks' stretch), at the
-    micro-batch size where the report's reference time was taken; the minimum over
-    ``repeats`` timed runs after one warm-up run.
+
+@contextlib.contextmanager
+def reference_step(model_file: ModelFile, plan: Plan) -> Iterator[StepTimer]:
+    """The whole model at the report's reference micro-batch size, one thread, seeded.
+
+    CPU time is the calling thread's (``time.thread_time``, like the ranks' stretch).
     """
-    batch_size = plan.report.reference_micro_batch_size
-    with _one_thread(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(plan.training.seed)
-        model = model_file.build_model()
-        inputs, targets = model_file.sample_batch(batch_size)
-        bound = bind_inputs(model, inputs)
-        times_s = []
-        for _ in range(repeats + 1):
-            start_s = time.thread_time()
-            checked_loss(model_file, model(**bound), targets, require_grad=True).backward()
-            times_s.append(time.thread_time() - start_s)
-            model.zero_grad(set_to_none=True)
-    return min(times_s[1:]) / batch_size
-
-
-COLD_REPEATS = 5
-"""Timed calls per condition in :func:`measure_cold_factor`."""
-
-
-def measure_cold_factor(model_file: ModelFile, plan: Plan, dilation: float) -> float:
-    """CPU time of the whole model's forward + backward right after a sleep of ``dilation
-    - 1`` times its duration, over that right after another call (median of
-    ``COLD_REPEATS`` each, interleaved; at least 1).
-
-    A stretched rank sleeps that long after every compute, and a call after a sleep runs
-    with cold caches (``bench/cold_compute.py``: 1.24-1.28x at dilation 4 on a 2-core VM);
-    the ranks divide their stretch by this factor so that the emulated device runs at its
-    declared speed, as a profile measures it (back to back).
-    """
-    if dilation <= 1:
-        return 1.0
     with _one_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.training.seed)
         model = model_file.build_model()
@@ -192,13 +164,46 @@ def measure_cold_factor(model_file: ModelFile, plan: Plan, dilation: float) -> f
             model.zero_grad(set_to_none=True)
             return time.thread_time() - start_s, time.perf_counter() - start_wall_s
 
-        call()
-        hot, cold = [], []
-        for _ in range(COLD_REPEATS):
-            _, wall_s = call()
-            hot.append(call()[0])
-            time.sleep((dilation - 1) * wall_s)
-            cold.append(call()[0])
+        yield call
+
+
+def cpu_time_per_sample_s(step: StepTimer, batch_size: int, *, repeats: int = 3) -> float:
+    """Forward + backward CPU seconds per sample: the minimum over ``repeats`` timed calls
+    of ``step`` after one warm-up call."""
+    step()
+    return min(step()[0] for _ in range(repeats)) / batch_size
+
+
+def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: int = 3) -> float:
+    """Forward + backward seconds per sample of the whole model on this CPU, one thread, at
+    the micro-batch size where the report's reference time was taken (see
+    :func:`reference_step`, :func:`cpu_time_per_sample_s`)."""
+    with reference_step(model_file, plan) as step:
+        batch_size = plan.report.reference_micro_batch_size
+        return cpu_time_per_sample_s(step, batch_size, repeats=repeats)
+
+
+COLD_REPEATS = 5
+"""Timed calls per condition in :func:`cold_factor`."""
+
+
+def cold_factor(step: StepTimer, dilation: float) -> float:
+    """CPU time of ``step`` right after a sleep of ``dilation - 1`` times its duration, over
+    that right after another call (median of ``COLD_REPEATS`` each, interleaved; at least 1).
+
+    A stretched rank sleeps that long after every compute, and a call after a sleep runs
+    with cold caches (``bench/cold_compute.py``: 1.24-1.28x at dilation 4 on a 2-core VM);
+    the ranks divide their stretch by this factor so that the emulated device runs at its
+    declared speed, as a profile measures it (back to back).
+    """
+    if dilation <= 1:
+        return 1.0
+    hot, cold = [], []
+    for _ in range(COLD_REPEATS):
+        _, wall_s = step()
+        hot.append(step()[0])
+        time.sleep((dilation - 1) * wall_s)
+        cold.append(step()[0])
     return max(1.0, statistics.median(cold) / statistics.median(hot))
 
 
@@ -300,14 +305,15 @@ class _Run:
             "timing the whole model on this CPU at micro-batch "
             f"{plan.report.reference_micro_batch_size} (the emulation's reference)"
         )
-        cpu_time_per_sample_s = measure_cpu_time_per_sample(model_file, plan)
-        cold = 1.0 if modelled_emulation(plan) else measure_cold_factor(model_file, plan, dilation)
+        with reference_step(model_file, plan) as step:
+            per_sample_s = cpu_time_per_sample_s(step, plan.report.reference_micro_batch_size)
+            cold = 1.0 if modelled_emulation(plan) else cold_factor(step, dilation)
         steps_mb = max(r.num_microbatches for r in plan.ranks)
         if steps_mb > 10_000:
             console.print(
                 f"note: a rank runs {steps_mb} micro-batches per step; each step will take long"
             )
-        scale = self.time_scale or default_time_scale(plan, dilation, cpu_time_per_sample_s)
+        scale = self.time_scale or default_time_scale(plan, dilation, per_sample_s)
         console.print(
             f"rehearsing {_count(plan.world_size, 'rank')} on {_count(cores, 'core')}: "
             f"dilation {dilation:.2f}, 1 s of plan hardware = {scale:.3g} s here, compute "
@@ -342,7 +348,7 @@ class _Run:
             plan_samples_per_s=None if predicted is None else plan.report.predicted_samples_per_s,
             dilation=dilation,
             time_scale=scale,
-            cpu_time_per_sample_s=cpu_time_per_sample_s,
+            cpu_time_per_sample_s=per_sample_s,
             max_relative_diff=diff,
             verify_passed=None if diff is None else diff <= VERIFY_TOLERANCE,
             ranks=summary.ranks,

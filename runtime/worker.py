@@ -62,7 +62,7 @@ class Emulation:
     (1.4 = 40% slower than the plan says), in both compute modes."""
     cold_factor: float = 1.0
     """Stretched (cpu) compute: CPU time of a call right after the emulation's sleep over
-    that of a call right after another (``rehearse.measure_cold_factor``); the stretch is
+    that of a call right after another (``rehearse.cold_factor``); the stretch is
     divided by it, so that the sleeps do not slow the emulated device down."""
 
 
@@ -70,38 +70,38 @@ EMULATION_FILE = "emulation.json"
 """Written by a rehearsal into its metrics folder: dilation, time scale and slowdowns."""
 
 
-def recorded_cold_factor(metrics_dir: Path | None) -> float:
-    """The ``cold_factor`` a rehearsal recorded in ``<metrics_dir>/emulation.json`` (1.0 if none).
+def recorded_emulation(emulation: Emulation, metrics_dir: Path | None) -> Emulation:
+    """``emulation`` with the slowdowns and cold factor a rehearsal recorded in
+    ``<metrics_dir>/emulation.json`` (unchanged without one); the file is read once.
 
     Raises:
-        ConfigError: the recorded value is not a finite number > 0.
+        ConfigError: the file is not a rehearsal's record, or its cold factor is not a
+            finite number > 0.
     """
     path = None if metrics_dir is None else metrics_dir / EMULATION_FILE
     if path is None or not path.is_file():
-        return 1.0
+        return emulation
     try:
-        factor = float(json.loads(path.read_text(encoding="utf-8")).get("cold_factor", 1.0))
+        record = json.loads(path.read_text(encoding="utf-8"))
+        slowdown = {str(name): float(f) for name, f in record.get("slowdown", {}).items()}
+        cold_factor = float(record.get("cold_factor", 1.0))
     except (ValueError, AttributeError, TypeError) as exc:
         raise ConfigError(f"{path}: not a rehearsal's emulation record ({exc})") from None
-    if not (math.isfinite(factor) and factor > 0):
-        raise ConfigError(f"{path}: cold_factor {factor} must be a finite number > 0")
-    return factor
+    if not (math.isfinite(cold_factor) and cold_factor > 0):
+        raise ConfigError(f"{path}: cold_factor {cold_factor} must be a finite number > 0")
+    return replace(emulation, slowdown=slowdown, cold_factor=cold_factor)
+
+
+def recorded_cold_factor(metrics_dir: Path | None) -> float:
+    """The ``cold_factor`` a rehearsal recorded in ``metrics_dir`` (1.0 if none); see
+    :func:`recorded_emulation`."""
+    return recorded_emulation(Emulation(1.0, 1.0), metrics_dir).cold_factor
 
 
 def recorded_slowdown(metrics_dir: Path | None) -> dict[str, float]:
-    """The ``slowdown`` a rehearsal recorded in ``<metrics_dir>/emulation.json`` ({} if none).
-
-    Raises:
-        ConfigError: the file exists but is not a rehearsal's record.
-    """
-    path = None if metrics_dir is None else metrics_dir / EMULATION_FILE
-    if path is None or not path.is_file():
-        return {}
-    try:
-        slowdown = json.loads(path.read_text(encoding="utf-8")).get("slowdown", {})
-        return {str(name): float(factor) for name, factor in slowdown.items()}
-    except (ValueError, AttributeError, TypeError) as exc:
-        raise ConfigError(f"{path}: not a rehearsal's emulation record ({exc})") from None
+    """The ``slowdown`` a rehearsal recorded in ``metrics_dir`` ({} if none); see
+    :func:`recorded_emulation`."""
+    return dict(recorded_emulation(Emulation(1.0, 1.0), metrics_dir).slowdown)
 
 
 @dataclass(frozen=True)
@@ -431,9 +431,7 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
     if options.steps < 1:
         raise ConfigError(f"--steps is {options.steps}; run at least one step")
     if options.emulation is not None:
-        slowdown = recorded_slowdown(options.metrics_dir)
-        cold = recorded_cold_factor(options.metrics_dir)
-        emulation = replace(options.emulation, slowdown=slowdown, cold_factor=cold)
+        emulation = recorded_emulation(options.emulation, options.metrics_dir)
         options = replace(options, emulation=emulation)
     check_environment(plan, rank, options)
     init_distributed(plan, rank, options)
