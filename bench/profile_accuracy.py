@@ -156,7 +156,10 @@ def main() -> None:
     work = args.keep or Path(tempfile.mkdtemp(prefix="hplan-accuracy-"))
     work.mkdir(parents=True, exist_ok=True)
     console.print(f"load average before: {os.getloadavg()[0]:.2f}; files in {work}")
-    _run([*HPLAN, "profile", "--model", str(GPT), "-o", str(work / "prof")], "profile")
+    _run(
+        [*HPLAN, "profile", "--model", str(GPT), "-o", str(work / "prof"), "--device", "cpu"],
+        "profile",
+    )
     for name, groups, _extra in CLUSTERS.values():
         cluster = work / f"{name}.yaml"
         cluster.write_text(_cluster_yaml(name, groups), encoding="utf-8")

@@ -94,7 +94,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     (work / "cluster.yaml").write_text(CLUSTER, encoding="utf-8")
     console.print(f"load average before: {os.getloadavg()[0]:.2f}; files in {work}")
-    _run([*HPLAN, "profile", "--model", str(GPT), "-o", str(work / "prof")], "profile")
+    _run(
+        [*HPLAN, "profile", "--model", str(GPT), "-o", str(work / "prof"), "--device", "cpu"],
+        "profile",
+    )
     plan_a = _solve(work, "plan-a", work / "prof", args.batch)
     equal_s = _rehearse(work, "plan-a", "runs-a-equal", args, slow=False)
     before_s = _rehearse(work, "plan-a", "runs-a", args, slow=True)

@@ -181,6 +181,12 @@ _GPUS = (
          aliases=("h100-pcie-80gb",),
          source="NVIDIA H100 Tensor Core GPU datasheet, PCIe column (51 TFLOPS FP32; 756 TF32 "
                 "and 1513 FP16/BF16 TFLOPS with sparsity, halved here; 2 TB/s)"),
+    _gpu("h200", "H200 SXM 141 GB", memory_gib=140, fp32_tflops=67.0, tf32_tflops=494.5,
+         fp16_tflops=989.5, bf16_tflops=989.5, bandwidth_gb_per_s=4800, consumer=False,
+         aliases=("h200-sxm", "h200-sxm-141gb"),
+         source="NVIDIA H200 Tensor Core GPU datasheet, SXM column (67 TFLOPS FP32; 989 TF32 "
+                "and 1979 FP16/BF16 TFLOPS with sparsity, halved here; 4.8 TB/s); memory "
+                "143771 MiB as nvidia-smi reports it on one card (140 GiB)"),
 )
 # fmt: on
 

@@ -18,6 +18,8 @@ import pulp
 
 from hplan.runtime.errors import SolverUnavailableError
 
+HIGHS_THREADS = 1
+"""HiGHS worker threads; see :func:`_make_solver`."""
 INSTALL_HINT = "install a MILP solver: `pip install highspy` (HiGHS) or PuLP's bundled CBC"
 
 
@@ -47,7 +49,11 @@ class CoverResult:
 def _make_solver(backend: MilpBackend, time_limit_s: float) -> pulp.LpSolver:
     limit = max(0.05, float(time_limit_s))
     if backend is MilpBackend.HIGHS:
-        return pulp.HiGHS(msg=False, timeLimit=limit)
+        # One thread: HiGHS's default (half the cores) starts a worker pool that a forked
+        # watchdog child inherits without its threads, and the child's first solve then
+        # dies or spins (seen on a 16-core machine; with one thread there is no pool).
+        # Our MILPs are small; HiGHS's branch and bound gains little from more threads.
+        return pulp.HiGHS(msg=False, timeLimit=limit, threads=HIGHS_THREADS)
     if backend is MilpBackend.CBC:
         coin = pulp.COIN_CMD(msg=False, timeLimit=limit)
         if coin.available():

@@ -157,7 +157,8 @@ def test_peer_access_is_recorded_between_gpus_that_allow_it(monkeypatch):
     [
         ("NVIDIA GeForce RTX 3090", ("rtx3090", True)),
         ("NVIDIA A100-SXM4-80GB", ("a100-80gb", True)),
-        ("NVIDIA H200", ("h200", False)),
+        ("NVIDIA H200", ("h200", True)),
+        ("NVIDIA B200", ("b200", False)),
     ],
 )
 def test_gpu_names_map_to_catalog_kinds_or_keep_their_own(name, expected):

@@ -71,3 +71,12 @@ def test_the_watchdog_child_solves_after_the_parent_used_highs_in_process():
     solve(_identical_nodes(2, global_batch_size=64, grad_bytes=2 * GB), FAST)
     result = solve(_identical_nodes(1, global_batch_size=16), SolveOptions(time_limit_s=30))
     assert not any("limit" in note for note in result.notes)
+
+
+def test_highs_runs_single_threaded_so_a_forked_watchdog_child_can_solve():
+    # With HiGHS's default of half the cores, the parent's in-process solve leaves a worker
+    # pool the forked child cannot use: the previous test failed on a 16-core machine
+    # (the child died; "solver stopped at the limit"). On 2 cores the default is one thread.
+    from hplan.planner.milp import MilpBackend, _make_solver
+
+    assert _make_solver(MilpBackend.HIGHS, 5.0).threads == 1

@@ -112,7 +112,7 @@ def test_profile_then_solve_uses_the_measurements_and_says_so(tiny_gpt, tmp_path
     prof = tmp_path / "prof"
     code, out, err = _run(
         ["profile", "--model", str(tiny_gpt), "-o", str(prof), "--micro-batch-sizes", "1,2",
-         "--no-benchmark", "--json"],
+         "--no-benchmark", "--json", "--device", "cpu"],  # the cluster below is of cpus
         capsys,
     )  # fmt: skip
     assert code == 0, err
