@@ -238,8 +238,7 @@ class _Profiler:
         if not params:
             return 0.0
         run.backward(run.forward())
-        make = self.model_file.make_optimizer
-        optimizer = make(params) if make is not None else torch.optim.AdamW(params, lr=1e-3)
+        optimizer = self.model_file.optimizer(params)
         optimizer.step()  # creates the state
         samples = [self.watch.laps([optimizer.step])[0] for _ in range(self.options.min_samples)]
         optimizer.zero_grad(set_to_none=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from hplan.runtime.errors import ModelFileError, Terminated
@@ -50,6 +51,12 @@ class ModelFile:
     make_optimizer: Callable[[Any], Any] | None
     dataset: Callable[[], Sequence[Any]] | None
     leaf_modules: tuple[str, ...]
+
+    def optimizer(self, params: Sequence[Any]) -> Any:
+        """The model file's ``make_optimizer(params)``, else AdamW with lr 1e-3."""
+        if self.make_optimizer is not None:
+            return self.make_optimizer(params)
+        return torch.optim.AdamW(params, lr=1e-3)
 
 
 def load_model_file(path: str | Path) -> ModelFile:

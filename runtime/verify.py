@@ -53,11 +53,7 @@ def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> Re
             plan.model.inputs,
         )
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = (
-            model_file.make_optimizer(params)
-            if model_file.make_optimizer is not None
-            else torch.optim.AdamW(params, lr=1e-3)
-        )
+        optimizer = model_file.optimizer(params)
         losses = []
         first_grads: dict[str, torch.Tensor] = {}
         for step in range(num_steps):

@@ -345,11 +345,7 @@ def build_rank(
     stage.to(device)
     params = stage.canonical_parameters()
     trainable = [p for _, p in params if p.requires_grad]
-    optimizer = (
-        model_file.make_optimizer(trainable)
-        if model_file.make_optimizer is not None
-        else torch.optim.AdamW(trainable, lr=1e-3)
-    )
+    optimizer = model_file.optimizer(trainable)
     source = BatchSource(
         model_file, binder, plan.training.seed, plan.global_batch_size, plan.model.inputs
     )
