@@ -8,9 +8,10 @@ after a sleep of 1x and 3x a call's duration (a rehearsal at dilation 4 sleeps 3
 interleaved in one run, and prints the ratios. On the 2-core VM this project is built on
 (2026-11-29, three runs): 1.03-1.07x after 1x, 1.24-1.28x after 3x (caches and the
 idle vCPU go cold) - most of the 1.35x that ``hplan calibrate`` learned from a rehearsal
-at dilation 4 of a plan profiled back to back. The rehearsal now measures this factor
-itself before it starts the ranks (``rehearse.cold_factor``) and divides the
-stretch of cpu plans by it.
+at dilation 4 of a plan profiled back to back. A single factor measured this way did not
+hold inside a rehearsal (forwards ran colder than backwards, and the other ranks evict the
+caches too), so from the second step each rank stretches the warm CPU time of its own
+stage, measured back to back after the first step (``runtime/warm_compute.py``).
 
     python bench/cold_compute.py [--batch 8] [--repeats 15]
 """

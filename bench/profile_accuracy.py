@@ -21,13 +21,14 @@ machine's cores at the catalog cpu speed, so rehearsal runs real compute):
 Prints, per plan, the cost model's prediction (``report.predicted_step_time_s``), the
 event-driven simulation of the plan (``report.simulated_step_time_s``), the measured step
 time and both errors, before and after. Targets: within 15% before calibration, within
-10% after. Numbers depend on the machine's load: run it alone. The rehearsal's compute
-after each sleep runs colder than the profile's back-to-back timing (``bench/cold_compute.py``:
-1.24-1.28x CPU time after a sleep of 3x, i.e. at D = 4); the rehearsal measures that
-factor and divides its stretch by it (before it did, the error before calibration was
-+38..+44%).
+10% after. Numbers depend on the machine's load: run it alone. Compute after each of the
+emulation's sleeps runs colder than the profile's back-to-back timing
+(``bench/cold_compute.py``: 1.24-1.28x CPU time after a sleep of 3x, i.e. at D = 4), so from
+the second step each rank stretches its own stage's warm CPU time, timed back to back after
+the first step (``runtime/warm_compute.py``; before, stretching each block's own CPU time
+put the error before calibration at +38..+44%).
 
-    python bench/profile_accuracy.py [--steps 10] [--batch 24] [--keep DIR]
+    python bench/profile_accuracy.py [--steps 16] [--batch 24] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def _print(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--batch", type=int, default=24)
     parser.add_argument("--dilation", type=float, default=4.0, help="at least this dilation")
     parser.add_argument("--keep", type=Path, help="keep profiles, plans and metrics here")

@@ -35,6 +35,7 @@ from hplan.runtime.model_file import checked_loss
 from hplan.runtime.plan import MemoryStrategy, RankPlan, microbatch_sizes
 from hplan.runtime.schedule import Action, ActionKind, build_schedule
 from hplan.runtime.timeline import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
+from hplan.runtime.warm_compute import Sample, WarmTimes, measure_warm_times
 
 if TYPE_CHECKING:
     from hplan.runtime.worker import RankState
@@ -93,6 +94,8 @@ class StepRunner:
         self._flight: dict[int, _InFlight] = {}
         self._losses: list[Tensor] = []
         self._batches: list[MicroBatch] = []
+        self._samples: dict[int, Sample] = {}
+        """Stretched emulation, until timed: one micro-batch of each size (warm_compute)."""
 
     def run(self, step: int) -> float | None:
         """Run step ``step``; return this replica's mean loss on a last stage, else None."""
@@ -129,8 +132,12 @@ class StepRunner:
         self.state.optimizer.step()
         self.state.optimizer.zero_grad(set_to_none=True)
         compute = self.state.compute
-        stretched_s = compute.stretch * (time.thread_time() - start_cpu_s)
-        _sleep_until(start_s + max(compute.optimizer_s, stretched_s))
+        if compute.warm is not None:
+            floor_s, stretched_s = compute.stretch * compute.warm.optimizer_s, 0.0
+        else:
+            floor_s = compute.optimizer_s
+            stretched_s = compute.stretch * (time.thread_time() - start_cpu_s)
+        _sleep_until(start_s + max(floor_s, stretched_s))
         self.times.optimizer_s = time.monotonic() - start_s
         self.timeline.add(COMPUTE, "optimizer", start_s, start_s + self.times.optimizer_s)
 
@@ -156,7 +163,8 @@ class StepRunner:
         flight = _InFlight(received, inputs)
         if self.recompute:
             flight.rng_state = _rng_state(state.device)
-        forward = self._timed_compute(ActionKind.FORWARD, mb.index)
+        self._record_sample(mb, inputs, received)
+        forward = self._timed_compute(ActionKind.FORWARD, mb)
         with forward, torch.set_grad_enabled(not self.recompute):
             outputs = state.stage(inputs, received)
             if state.stage.is_last:
@@ -181,7 +189,10 @@ class StepRunner:
             stage = state.rank_plan.stage
             with self.timeline.span(WAIT, f"wait B.mb{mb.index} from s{stage + 1}"):
                 grads = state.comm.recv_grads(mb.index, mb.num_samples)
-        with self._timed_compute(ActionKind.BACKWARD, mb.index):
+        sample = self._samples.get(mb.num_samples)
+        if sample is not None and sample.extra is mb:
+            sample.grads = {name: g.detach().clone() for name, g in grads.items()}
+        with self._timed_compute(ActionKind.BACKWARD, mb):
             if self.recompute:
                 self._recompute(flight, mb)
             tensors, grad_tensors = self._backward_pairs(flight, grads)
@@ -213,11 +224,56 @@ class StepRunner:
         ]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
-    def _timed_compute(self, kind: ActionKind, microbatch: int) -> _ComputeTimer:
+    def _timed_compute(self, kind: ActionKind, mb: MicroBatch) -> _ComputeTimer:
         compute = self.state.compute
-        floor_s = compute.forward_s if kind is ActionKind.FORWARD else compute.backward_s
-        label = str(Action(self.state.rank_plan.stage, kind, microbatch))
+        forward = kind is ActionKind.FORWARD
+        label = str(Action(self.state.rank_plan.stage, kind, mb.index))
+        warm = (
+            None
+            if compute.warm is None
+            else compute.warm.forward_s
+            if forward
+            else (compute.warm.backward_s)
+        )
+        if warm is not None and mb.num_samples in warm:
+            return _ComputeTimer(self, 0.0, compute.stretch * warm[mb.num_samples], label)
+        floor_s = compute.forward_s if forward else compute.backward_s
         return _ComputeTimer(self, compute.stretch, floor_s, label)
+
+    def _record_sample(
+        self, mb: MicroBatch, inputs: dict[str, Tensor], received: dict[str, Tensor]
+    ) -> None:
+        """Keep the first micro-batch of each size while the warm compute is to be timed."""
+        compute = self.state.compute
+        if not compute.measure_warm or compute.warm is not None or mb.num_samples in self._samples:
+            return
+        kept = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in received.items()}
+        self._samples[mb.num_samples] = Sample(inputs, kept, extra=mb)
+
+    def measure_warm(self) -> WarmTimes:
+        """Time this rank's stage back to back on the micro-batches kept from the first
+        step (``warm_compute.measure_warm_times``); the kept micro-batches are dropped."""
+        state = self.state
+
+        def forward(stage: Any, sample: Sample, received: dict[str, Tensor]) -> Any:
+            with torch.enable_grad():
+                outputs = stage(sample.inputs, received)
+                loss = self._loss(outputs, sample.extra) if stage.is_last else None
+            return outputs, loss
+
+        def pairs(outputs: Any, loss: Any, grads: dict[str, Tensor]) -> Any:
+            return self._backward_pairs(_InFlight({}, {}, outputs, loss), grads)
+
+        samples, self._samples = self._samples, {}
+        return measure_warm_times(
+            state.stage,
+            samples,
+            forward,
+            pairs,
+            state.model_file.optimizer,
+            recompute=self.recompute,
+            device=state.device,
+        )
 
 
 class _ComputeTimer:

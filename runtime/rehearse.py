@@ -47,7 +47,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,69 +142,26 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-StepTimer = Callable[[], tuple[float, float]]
-"""One forward + backward of the reference micro-batch: (CPU seconds, wall seconds)."""
-
-
-@contextlib.contextmanager
-def reference_step(model_file: ModelFile, plan: Plan) -> Iterator[StepTimer]:
-    """The whole model at the report's reference micro-batch size, one thread, seeded.
-
-    CPU time is the calling thread's (``time.thread_time``, like the ranks' stretch).
-    """
+def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: int = 3) -> float:
+    """Forward + backward CPU seconds per sample of the whole model on this CPU, one
+    thread, seeded, at the micro-batch size where the report's reference time was taken:
+    the minimum over ``repeats`` timed calls after one warm-up call. CPU time is the
+    calling thread's (``time.thread_time``, like the ranks' stretch)."""
+    batch_size = plan.report.reference_micro_batch_size
     with _one_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.training.seed)
         model = model_file.build_model()
-        inputs, targets = model_file.sample_batch(plan.report.reference_micro_batch_size)
+        inputs, targets = model_file.sample_batch(batch_size)
         bound = bind_inputs(model, inputs)
 
-        def call() -> tuple[float, float]:
-            start_s, start_wall_s = time.thread_time(), time.perf_counter()
+        def call() -> float:
+            start_s = time.thread_time()
             checked_loss(model_file, model(**bound), targets, require_grad=True).backward()
             model.zero_grad(set_to_none=True)
-            return time.thread_time() - start_s, time.perf_counter() - start_wall_s
+            return time.thread_time() - start_s
 
-        yield call
-
-
-def cpu_time_per_sample_s(step: StepTimer, batch_size: int, *, repeats: int = 3) -> float:
-    """Forward + backward CPU seconds per sample: the minimum over ``repeats`` timed calls
-    of ``step`` after one warm-up call."""
-    step()
-    return min(step()[0] for _ in range(repeats)) / batch_size
-
-
-def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: int = 3) -> float:
-    """Forward + backward seconds per sample of the whole model on this CPU, one thread, at
-    the micro-batch size where the report's reference time was taken (see
-    :func:`reference_step`, :func:`cpu_time_per_sample_s`)."""
-    with reference_step(model_file, plan) as step:
-        batch_size = plan.report.reference_micro_batch_size
-        return cpu_time_per_sample_s(step, batch_size, repeats=repeats)
-
-
-COLD_REPEATS = 5
-"""Timed calls per condition in :func:`cold_factor`."""
-
-
-def cold_factor(step: StepTimer, dilation: float) -> float:
-    """CPU time of ``step`` right after a sleep of ``dilation - 1`` times its duration, over
-    that right after another call (median of ``COLD_REPEATS`` each, interleaved; at least 1).
-
-    A stretched rank sleeps that long after every compute, and a call after a sleep runs
-    with cold caches (``bench/cold_compute.py``: 1.24-1.28x at dilation 4 on a 2-core VM);
-    the ranks divide their stretch by this factor so that the emulated device runs at its
-    declared speed, as a profile measures it (back to back).
-    """
-    if dilation <= 1:
-        return 1.0
-    hot, cold = [], []
-    for _ in range(COLD_REPEATS):
-        _, wall_s = step()
-        hot.append(step()[0])
-        time.sleep((dilation - 1) * wall_s)
-        cold.append(step()[0])
-    return max(1.0, statistics.median(cold) / statistics.median(hot))
+        call()
+        return min(call() for _ in range(repeats)) / batch_size
 
 
 # --------------------------------------------------------------------------- rehearse
@@ -305,9 +262,7 @@ class _Run:
             "timing the whole model on this CPU at micro-batch "
             f"{plan.report.reference_micro_batch_size} (the emulation's reference)"
         )
-        with reference_step(model_file, plan) as step:
-            per_sample_s = cpu_time_per_sample_s(step, plan.report.reference_micro_batch_size)
-            cold = 1.0 if modelled_emulation(plan) else cold_factor(step, dilation)
+        per_sample_s = measure_cpu_time_per_sample(model_file, plan)
         steps_mb = max(r.num_microbatches for r in plan.ranks)
         if steps_mb > 10_000:
             console.print(
@@ -320,7 +275,7 @@ class _Run:
             + (
                 "replayed from the plan's model"
                 if modelled_emulation(plan)
-                else f"stretched (/ {cold:.2f}: a call after a sleep runs colder)"
+                else "stretched (from the second step: each rank's warm compute times)"
             )
             + "".join(f"; {name} {factor:g}x slower" for name, factor in self.slowdown.items())
         )
@@ -330,7 +285,6 @@ class _Run:
             "dilation": dilation,
             "time_scale": scale,
             "slowdown": self.slowdown,
-            "cold_factor": cold,
         }
         (metrics_dir / EMULATION_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
         command = ChildCommand(

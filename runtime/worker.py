@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import sys
 import time
 from collections.abc import Mapping
@@ -46,6 +45,7 @@ from hplan.runtime.plan import Backend, Plan, RankPlan, SyncMode
 from hplan.runtime.stage import StageModule, build_stage
 from hplan.runtime.timeline import TimelineWriter
 from hplan.runtime.trace import TracedModel, bind_inputs, trace_model
+from hplan.runtime.warm_compute import WarmTimes
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,6 @@ class Emulation:
     slowdown: Mapping[str, float] = field(default_factory=dict)
     """Straggler emulation: cluster device name -> factor its compute is slowed by
     (1.4 = 40% slower than the plan says), in both compute modes."""
-    cold_factor: float = 1.0
-    """Stretched (cpu) compute: CPU time of a call right after the emulation's sleep over
-    that of a call right after another (``rehearse.cold_factor``); the stretch is
-    divided by it, so that the sleeps do not slow the emulated device down."""
 
 
 EMULATION_FILE = "emulation.json"
@@ -71,12 +67,11 @@ EMULATION_FILE = "emulation.json"
 
 
 def recorded_emulation(emulation: Emulation, metrics_dir: Path | None) -> Emulation:
-    """``emulation`` with the slowdowns and cold factor a rehearsal recorded in
-    ``<metrics_dir>/emulation.json`` (unchanged without one); the file is read once.
+    """``emulation`` with the slowdowns a rehearsal recorded in
+    ``<metrics_dir>/emulation.json`` (unchanged without one).
 
     Raises:
-        ConfigError: the file is not a rehearsal's record, or its cold factor is not a
-            finite number > 0.
+        ConfigError: the file is not a rehearsal's record.
     """
     path = None if metrics_dir is None else metrics_dir / EMULATION_FILE
     if path is None or not path.is_file():
@@ -84,18 +79,9 @@ def recorded_emulation(emulation: Emulation, metrics_dir: Path | None) -> Emulat
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         slowdown = {str(name): float(f) for name, f in record.get("slowdown", {}).items()}
-        cold_factor = float(record.get("cold_factor", 1.0))
     except (ValueError, AttributeError, TypeError) as exc:
         raise ConfigError(f"{path}: not a rehearsal's emulation record ({exc})") from None
-    if not (math.isfinite(cold_factor) and cold_factor > 0):
-        raise ConfigError(f"{path}: cold_factor {cold_factor} must be a finite number > 0")
-    return replace(emulation, slowdown=slowdown, cold_factor=cold_factor)
-
-
-def recorded_cold_factor(metrics_dir: Path | None) -> float:
-    """The ``cold_factor`` a rehearsal recorded in ``metrics_dir`` (1.0 if none); see
-    :func:`recorded_emulation`."""
-    return recorded_emulation(Emulation(1.0, 1.0), metrics_dir).cold_factor
+    return replace(emulation, slowdown=slowdown)
 
 
 def recorded_slowdown(metrics_dir: Path | None) -> dict[str, float]:
@@ -215,9 +201,12 @@ def device_stretch(plan: Plan, rank: int) -> float:
 class ComputeEmulation:
     """How long a rank's compute blocks last under emulation.
 
-    Two modes. *Stretch* (plans for cpu devices, gloo): each forward/backward lasts
-    ``stretch`` x its measured CPU time; the emulated device is a CPU, so its real compute
-    is the right model. *Modelled* (GPU plans, NCCL): each forward, backward and optimizer
+    Two modes. *Stretch* (plans for cpu devices, gloo): in the first step each forward,
+    backward and optimizer step lasts ``stretch`` x its measured CPU time; after it, the
+    rank times its own stage back to back (``warm_compute.py``) and each block lasts
+    ``stretch`` x that warm time of its phase and micro-batch size (a block after the
+    emulation's sleeps runs colder than on a dedicated core). The emulated device is a
+    CPU, so its real compute is the right model. *Modelled* (GPU plans, NCCL): each forward, backward and optimizer
     step lasts at least ``time_scale`` x the planner's prediction for this rank
     (``RankReport.forward_time_s`` ...). A CPU cannot show a GPU's behaviour (launch
     overhead amortised by larger micro-batches, tensor-core peaks), so the plan's hardware
@@ -229,6 +218,10 @@ class ComputeEmulation:
     forward_s: float = 0.0
     backward_s: float = 0.0
     optimizer_s: float = 0.0
+    measure_warm: bool = False
+    """Stretched mode: time the stage back to back after the first step."""
+    warm: WarmTimes | None = None
+    """Stretched mode, after the first step: the stage's warm CPU times."""
 
 
 def modelled_emulation(plan: Plan) -> bool:
@@ -248,7 +241,7 @@ def compute_emulation(plan: Plan, rank: int, emulation: Emulation | None) -> Com
     slowdown = emulation.slowdown.get(plan.ranks[rank].device, 1.0)
     if not modelled_emulation(plan):
         stretch = emulation.dilation * device_stretch(plan, rank) * slowdown
-        return ComputeEmulation(stretch=stretch / emulation.cold_factor)
+        return ComputeEmulation(stretch=stretch, measure_warm=True)
     report = next(r for r in plan.report.ranks if r.rank == rank)
     scale = emulation.time_scale * slowdown
     return ComputeEmulation(
@@ -441,7 +434,8 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
     timeline = TimelineWriter(options.metrics_dir, rank) if options.metrics_dir else None
     runner = StepRunner(state)
     _barrier(rank, "start of training")
-    for step in range(first_step, first_step + options.steps):
+    last_step = first_step + options.steps - 1
+    for step in range(first_step, last_step + 1):
         record = _train_step(
             state, runner, step, verify=options.verify_dir if step == first_step else None
         )
@@ -449,6 +443,8 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
             writer.write(record)
         if timeline is not None:
             timeline.write(step, runner.timeline.events)
+        if state.compute.measure_warm and state.compute.warm is None and step < last_step:
+            _time_warm_compute(state, runner)
     if writer is not None:
         writer.close()
     if timeline is not None:
@@ -462,6 +458,18 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
         )
     _barrier(rank, "end of training")
     dist.destroy_process_group()
+
+
+def _time_warm_compute(state: RankState, runner: StepRunner) -> None:
+    """The ranks take turns timing their stage back to back (``warm_compute.py``)."""
+    rank = state.rank_plan.rank
+    _barrier(rank, "warm compute timing")  # every rank idle before the first turn
+    for turn in range(state.plan.world_size):
+        if turn == rank:
+            warm = runner.measure_warm()
+            state.compute = replace(state.compute, warm=warm)
+            print(f"rank {rank}: {warm.describe()}", file=sys.stderr, flush=True)
+        _barrier(rank, "warm compute timing")
 
 
 def _train_step(

@@ -313,18 +313,3 @@ def test_runs_of_another_plan_are_refused(plan, tmp_path):
         calibrate([(plan, [run])])
     (folder / "plan.json").write_text(plan.to_json(), encoding="utf-8")
     assert calibrate([(plan, [run])]).factors == ()
-
-
-def test_the_stretch_is_divided_by_the_recorded_cold_factor(plan, tmp_path):
-    from hplan.runtime.worker import recorded_cold_factor
-
-    assert recorded_cold_factor(tmp_path) == 1.0
-    (tmp_path / "emulation.json").write_text(json.dumps({"cold_factor": 1.25}))
-    assert recorded_cold_factor(tmp_path) == 1.25
-    cold = Emulation(2.0, 5.0, cold_factor=1.25)
-    for r in plan.ranks:
-        plain = compute_emulation(plan, r.rank, Emulation(2.0, 5.0)).stretch
-        assert compute_emulation(plan, r.rank, cold).stretch == pytest.approx(plain / 1.25)
-    (tmp_path / "emulation.json").write_text(json.dumps({"cold_factor": -1}))
-    with pytest.raises(ConfigError, match=r"cold_factor -1\.0 must be"):
-        recorded_cold_factor(tmp_path)
