@@ -9,7 +9,7 @@ records the tensors that would cross each possible cut between units.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 import torch
@@ -62,6 +62,10 @@ class ModelGraph:
     """One node per fx node (attributes: op, unit, flops, output_bytes, module_path)."""
     notes: tuple[str, ...]
     """Human-readable notes (trace fallbacks, merged units)."""
+    tied_trainable_bytes: Mapping[tuple[int, ...], int] = field(default_factory=dict)
+    """Indices of units sharing trainable parameters (a parameter listed by several
+    units' ``UnitSpec.params``; GPT-2 ties its token embedding to its LM head) -> bytes
+    of those parameters, counted once."""
 
     def cut_bytes_per_sample(self, cut_idx: int) -> float:
         """Bytes per sample crossing cut ``cut_idx`` (batched tensors only), forward."""
@@ -131,7 +135,24 @@ def build_model_graph(
         param_dtype=_param_dtype(model),
         graph=_nx_graph(traced, units, node_unit, costs),
         notes=tuple(dict.fromkeys((*traced.notes, *unit_notes, *measure_notes))),  # no repeats
+        tied_trainable_bytes=_tied_trainable_bytes(model, units),
     )
+
+
+def _tied_trainable_bytes(
+    model: torch.nn.Module, units: Sequence[UnitSpec]
+) -> dict[tuple[int, ...], int]:
+    params = dict(model.named_parameters())
+    users: dict[str, set[int]] = {}
+    for idx, unit in enumerate(units):
+        for name in unit.params:
+            users.setdefault(name, set()).add(idx)
+    tied: dict[tuple[int, ...], int] = {}
+    for name, idxs in users.items():
+        if len(idxs) > 1 and params[name].requires_grad:
+            key = tuple(sorted(idxs))
+            tied[key] = tied.get(key, 0) + tensor_nbytes(params[name])
+    return tied
 
 
 def _check_batch_sizes(batch_sizes: tuple[int, int]) -> tuple[int, int]:

@@ -36,7 +36,7 @@ import numpy as np
 
 from hplan.planner.catalog import DeviceClass, DeviceType, peak_flops_per_s
 from hplan.planner.cluster import Cluster, Device
-from hplan.planner.problem import PlanningProblem
+from hplan.planner.problem import PlanningProblem, TiedParams
 from hplan.planner.quantities import gib_to_bytes
 from hplan.runtime.errors import ConfigError, ModelFileError
 
@@ -281,6 +281,10 @@ def build_problem(
         grad_bytes=_array([c.trainable_param_bytes for c in costs]),
         bandwidth_bytes_per_s=bandwidth,
         latency_s=latency,
+        tied_params=tuple(
+            TiedParams(units, float(num_bytes))
+            for units, num_bytes in sorted(graph.tied_trainable_bytes.items())
+        ),
     )
     problem.verify()
     return problem

@@ -196,19 +196,28 @@ def allreduce_time_s(problem: PlanningProblem, layout: Layout) -> float:
 
 
 def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int, ...], float]:
-    """Sorted device indices holding the same units -> gradient bytes they all-reduce.
+    """Sorted device indices holding the same parameters -> gradient bytes they all-reduce.
 
-    Only holder sets of two or more devices (a unit on one device needs no sync).
+    A unit's own parameters are held by the devices holding the unit; parameters tied
+    across units (``PlanningProblem.tied_params``) by every device holding one of those
+    units, in one group, as the runtime buckets them. Only holder sets of two or more
+    devices (a parameter on one device needs no sync).
     """
-    holders: dict[int, list[int]] = defaultdict(list)
+    holders: dict[int, set[int]] = defaultdict(set)
     for replica in layout.replicas:
         for stage in replica.stages:
             for u in range(stage.unit_start, stage.unit_stop):
-                holders[u].append(stage.device_idx)
+                holders[u].add(stage.device_idx)
+    own_bytes = problem.grad_bytes.astype(float)
     group_bytes: dict[tuple[int, ...], float] = defaultdict(float)
-    for u, devices in holders.items():
+    for tie in problem.tied_params:
+        own_bytes[list(tie.units)] -= tie.num_bytes
+        devices = set().union(*(holders[u] for u in tie.units))
         if len(devices) > 1:
-            group_bytes[tuple(sorted(devices))] += float(problem.grad_bytes[u])
+            group_bytes[tuple(sorted(devices))] += tie.num_bytes
+    for u, devices in holders.items():
+        if len(devices) > 1 and own_bytes[u] > 0:
+            group_bytes[tuple(sorted(devices))] += float(own_bytes[u])
     return dict(group_bytes)
 
 

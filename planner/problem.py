@@ -7,12 +7,28 @@ partition unit, ``k`` micro-batch-size candidate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
 FloatArray = NDArray[np.float64]
+
+
+@dataclass(frozen=True, slots=True)
+class TiedParams:
+    """Trainable parameters that several units share (GPT-2's token embedding and LM head).
+
+    Every device holding one of ``units`` holds a copy, and their gradients are summed
+    over all those devices in one all-reduce (the runtime's ``grad_sync``).
+    """
+
+    units: tuple[int, ...]
+    """Indices of the units using the parameters, ascending, at least two."""
+    num_bytes: float
+    """Bytes of those parameters' gradients, counted once; each unit's ``grad_bytes``
+    includes them too."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +69,8 @@ class PlanningProblem:
     """Link bandwidth between devices, shape (D, D); the diagonal is unused."""
     latency_s: FloatArray
     """Link latency between devices, shape (D, D)."""
+    tied_params: tuple[TiedParams, ...] = ()
+    """Parameters shared by several units, one entry per set of units."""
 
     @property
     def num_devices(self) -> int:
@@ -94,3 +112,11 @@ class PlanningProblem:
             raise ValueError(f"global_batch_size {self.global_batch_size} must be >= 1")
         if d == 0 or u == 0:
             raise ValueError("a problem needs at least one device and one unit")
+        for tie in self.tied_params:
+            units = list(tie.units)
+            if len(units) < 2 or units != sorted(set(units)) or not 0 <= units[0] < units[-1] < u:
+                raise ValueError(f"tied_params units {tie.units} must be >= 2 ascending indices")
+            if not (math.isfinite(tie.num_bytes) and tie.num_bytes >= 0):
+                raise ValueError(f"tied_params bytes {tie.num_bytes} must be finite and >= 0")
+            if any(self.grad_bytes[i] < tie.num_bytes for i in units):
+                raise ValueError(f"tied_params bytes {tie.num_bytes} exceed a unit's grad_bytes")

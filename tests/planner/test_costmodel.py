@@ -423,3 +423,65 @@ def test_traced_logits_heavy_head_is_charged_its_logits(tmp_path):
     assert problem.static_memory_bytes[head] == pytest.approx(problem.static_memory_bytes[embed])
     assert np.all(problem.fwd_time_s[:, head, :] > problem.fwd_time_s[:, embed, :])
     assert np.all(problem.fwd_time_s[:, head, -1] > problem.fwd_time_s[:, block, -1])
+
+
+def test_tied_parameters_sync_in_one_group_as_the_runtime_buckets_them(tmp_path):
+    # GPT-2 ties its token embedding to its LM head: with the two on different stages,
+    # every holder of either unit sums that gradient in one all-reduce. The cost model's
+    # groups must be the plan's (the runtime's) groups, for pipelines and mixed replicas.
+    from hplan.planner.api import SolveRequest, Strategy, plan_training
+    from hplan.planner.evaluate import grad_sync_groups
+
+    root = Path(__file__).resolve().parents[2]
+    cluster = tmp_path / "four.yaml"
+    cluster.write_text(
+        "name: four\nnodes:\n  - name: box\n    host: 127.0.0.1\n    devices:\n"
+        "      - type: cpu\n        count: 2\n      - type: cpu\n        count: 2\n"
+        "        memory_gb: 0.006\n"
+    )
+    spans_stages = False
+    for strategy in (Strategy.HPLAN, Strategy.UNIFORM_PIPELINE):
+        request = SolveRequest(
+            model_path=root / "examples" / "gpt" / "model.py",
+            cluster_path=cluster,
+            global_batch_size=24,
+            strategy=strategy,
+        )
+        outcome = plan_training(request)
+        problem, layout, plan = outcome.problem, outcome.result.layout, outcome.plan
+        assert [t.units[0] for t in problem.tied_params] == [0]  # tok_emb, tied to lm_head
+        rank_of = {problem.device_names.index(r.device): r.rank for r in plan.ranks}
+        modelled = {
+            tuple(sorted(rank_of[d] for d in devices)): num_bytes
+            for devices, num_bytes in grad_sync_groups(problem, layout).items()
+        }
+        assert modelled == {g.ranks: float(g.num_bytes) for g in plan.report.grad_sync}
+        stages = {r.rank: (r.replica, r.stage) for r in plan.ranks}
+        spans_stages |= any(
+            len({stages[r] for r in ranks}) > len({stages[r][0] for r in ranks})
+            for ranks in modelled
+        )
+    assert spans_stages  # some group holds two stages of one replica: the tie
+
+
+@pytest.mark.parametrize(
+    ("units", "num_bytes", "message"),
+    [
+        ((1,), 1.0, "must be >= 2 ascending"),
+        ((1, 0), 1.0, "must be >= 2 ascending"),
+        ((0, 9), 1.0, "must be >= 2 ascending"),
+        ((0, 1), float("nan"), "must be finite"),
+        ((0, 1), 1e30, "exceed a unit's grad_bytes"),
+    ],
+)
+def test_a_problem_refuses_tied_parameters_it_cannot_hold(units, num_bytes, message):
+    from dataclasses import replace
+
+    from hplan.planner.problem import TiedParams
+    from tests.fixtures.problems import Dev, make_problem
+
+    problem = make_problem(
+        [Dev("box", 1.0, 8e9)], unit_work=[1.0, 1.0, 1.0], global_batch_size=4, grad_bytes=10.0
+    )
+    with pytest.raises(ValueError, match=message):
+        replace(problem, tied_params=(TiedParams(units, num_bytes),)).verify()
