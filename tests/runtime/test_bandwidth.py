@@ -51,6 +51,8 @@ def test_fit_takes_bandwidth_from_large_and_latency_from_small_messages():
     sizes[0] = size_samples(4096, [sizes[0].median_s + 3e-3])
     fit = fit_alpha_beta(sizes)
     assert fit.bandwidth_bytes_per_s == pytest.approx(1e9, rel=0.05)
+    # ... nor the latency: 16 KiB took 36 us, so 4 KiB took no more (was 3 ms before).
+    assert 20e-6 <= fit.latency_s <= 36.4e-6
     sizes = _exact(20e-6, 1e9, [4096, 16384, 65536, 1 << 26])
     sizes[-1] = size_samples(1 << 26, [sizes[-1].median_s * 1.1])
     fit = fit_alpha_beta(sizes)
@@ -73,6 +75,7 @@ def test_fit_does_not_believe_a_line_through_noise():
     assert fit.method is FitMethod.LARGEST_MESSAGE
     assert fit.r_squared < 0.5
     assert fit.bandwidth_bytes_per_s == pytest.approx(262144 / 4.1e-3)
+    assert fit.latency_s == pytest.approx(1e-4)  # the least median: 16 KiB in 0.1 ms
 
 
 def test_fit_needs_two_message_sizes():
