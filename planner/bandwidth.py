@@ -6,7 +6,9 @@ every ordered pair of measured ranks, named by cluster device (``<node>/<local_i
 :func:`apply_measured_links` turns each measured device pair into a device-pair link of the
 cluster, in place of what cluster.yaml said: the slower of the two directions (a ``Link``
 is symmetric; the pipeline sends activations one way and gradients the other), and the
-larger latency. Pairs the file does not cover keep the cluster file's links.
+larger latency. Pairs the file does not cover keep the cluster file's links. Each node's
+measured all-reduce becomes that node's ``CollectiveSpec``: an all-reduce among its devices
+is then no faster than the one measured (``Plan.ring_channel``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from pathlib import Path
 
 from hplan.planner.cluster import Cluster, Link
 from hplan.planner.textfmt import count
-from hplan.runtime.bandwidth_file import BandwidthFile, PairLink
+from hplan.runtime.bandwidth_file import BandwidthFile, NodeAllReduce, PairLink
 from hplan.runtime.errors import ConfigError
+from hplan.runtime.plan import CollectiveSpec
 
 _SHOWN_NAMES = 5
 
@@ -82,7 +85,35 @@ def apply_measured_links(
         + (f", the rest from {cluster.source}" if len(links) < total else "")
     )
     merged = {**cluster.device_links, **links}
-    return MeasuredLinks(dataclasses.replace(cluster, device_links=merged), len(links), note)
+    collectives = node_collectives(measured.all_reduce, {n.name for n in cluster.nodes})
+    if collectives:
+        note += "; all-reduce measured on " + ", ".join(
+            f"{name} ({c.latency_per_step_s * 1e3:.3g} ms per ring step, bus "
+            f"{c.bus_bandwidth_bytes_per_s / 1e9:.3g} GB/s)"
+            for name, c in sorted(collectives.items())
+        )
+    updated = dataclasses.replace(
+        cluster,
+        device_links=merged,
+        node_collectives={**cluster.node_collectives, **collectives},
+    )
+    return MeasuredLinks(updated, len(links), note)
+
+
+def node_collectives(
+    measured: Iterable[NodeAllReduce], nodes: set[str]
+) -> dict[str, CollectiveSpec]:
+    """Each measured all-reduce of two ranks or more on a cluster node, as a ring: the fit's
+    latency over its ``2 (K - 1)`` steps, and its bus bandwidth."""
+    out = {}
+    for entry in measured:
+        if entry.node in nodes and len(entry.ranks) > 1:
+            steps = 2 * (len(entry.ranks) - 1)
+            out[entry.node] = CollectiveSpec(
+                latency_per_step_s=entry.fit.latency_s / steps,
+                bus_bandwidth_bytes_per_s=entry.bus_bandwidth_bytes_per_s,
+            )
+    return out
 
 
 def _ends(pair: PairLink) -> tuple[int, int]:

@@ -65,7 +65,7 @@ from hplan.planner.quantities import (
     us_to_s,
 )
 from hplan.runtime.errors import ConfigError
-from hplan.runtime.plan import ClusterSpec, DeviceSpec, LinkSpec, NodeSpec
+from hplan.runtime.plan import ClusterSpec, CollectiveSpec, DeviceSpec, LinkSpec, NodeSpec
 
 _PCIE4_X16_GB_PER_S = 31.5
 _INTRA_DEFAULTS_GB_PER_S_US = {
@@ -127,6 +127,8 @@ class Cluster:
     """Link between every pair of distinct nodes, keyed by the sorted pair of node names."""
     device_links: Mapping[tuple[str, str], Link]
     """Per-device-pair links from a device matrix (sorted name pairs); empty otherwise."""
+    node_collectives: Mapping[str, CollectiveSpec] = dataclasses.field(default_factory=dict)
+    """Node name -> its measured all-reduce among its devices (from a bandwidth file)."""
 
     @cached_property
     def devices(self) -> tuple[Device, ...]:
@@ -466,7 +468,12 @@ def to_cluster_spec(cluster: Cluster, param_dtype: str, *, allow_tf32: bool = Fa
         for d in devices
     )
     node_specs = tuple(
-        NodeSpec(name=n.name, host=n.host, devices=tuple(d.name for d in n.devices))
+        NodeSpec(
+            name=n.name,
+            host=n.host,
+            devices=tuple(d.name for d in n.devices),
+            collective=cluster.node_collectives.get(n.name),
+        )
         for n in cluster.nodes
     )
     link_specs = tuple(

@@ -285,6 +285,7 @@ def build_problem(
             TiedParams(units, float(num_bytes))
             for units, num_bytes in sorted(graph.tied_trainable_bytes.items())
         ),
+        **_collective_arrays(cluster),
     )
     problem.verify()
     return problem
@@ -346,6 +347,20 @@ def _unit_time_arrays(
                 fwd[d, u, k] = times.fwd_time_s
                 bwd[d, u, k] = times.bwd_time_s
     return fwd, bwd
+
+
+def _collective_arrays(cluster: Cluster) -> dict[str, np.ndarray]:
+    """Per device, its node's measured all-reduce ring (latency per step, bus bandwidth);
+    no entries when no node was measured."""
+    if not cluster.node_collectives:
+        return {}
+    rings = [cluster.node_collectives.get(d.node) for d in cluster.devices]
+    return {
+        "collective_latency_s": _array([0.0 if r is None else r.latency_per_step_s for r in rings]),
+        "collective_bus_bandwidth_bytes_per_s": _array(
+            [np.inf if r is None else r.bus_bandwidth_bytes_per_s for r in rings]
+        ),
+    }
 
 
 def _link_arrays(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:

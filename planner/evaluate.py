@@ -28,6 +28,7 @@ b * (S - s) * activation bytes per sample + send/receive buffers.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -222,12 +223,27 @@ def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int
 
 
 def slowest_link(problem: PlanningProblem, group: tuple[int, ...]) -> tuple[float, float]:
-    """(lowest bandwidth in bytes/s, highest latency in s) over the pairs of ``group``."""
+    """(lowest bandwidth in bytes/s, highest latency in s) of a ring over ``group``: over
+    its device pairs, and no faster than the measured all-reduce of any member's node
+    (``PlanningProblem.collective_*``; ``Plan.ring_channel`` on a plan)."""
     idx = np.array(group)
     off = ~np.eye(len(group), dtype=bool)
-    sub_bw = problem.bandwidth_bytes_per_s[np.ix_(idx, idx)]
-    sub_lat = problem.latency_s[np.ix_(idx, idx)]
-    return float(sub_bw[off].min()), float(sub_lat[off].max())
+    ring_bandwidth, ring_latency = measured_ring(problem, group)
+    bandwidth = float(problem.bandwidth_bytes_per_s[np.ix_(idx, idx)][off].min())
+    latency = float(problem.latency_s[np.ix_(idx, idx)][off].max())
+    return min(bandwidth, ring_bandwidth), max(latency, ring_latency)
+
+
+def measured_ring(problem: PlanningProblem, devices: Sequence[int]) -> tuple[float, float]:
+    """(lowest bus bandwidth, highest latency per step) of the measured all-reduces of the
+    nodes of ``devices``; (inf, 0) when none was measured."""
+    idx = list(devices)
+    bus = problem.collective_bus_bandwidth_bytes_per_s
+    step = problem.collective_latency_s
+    return (
+        math.inf if bus is None else float(bus[idx].min()),
+        0.0 if step is None else float(step[idx].max()),
+    )
 
 
 def optimizer_time_s(problem: PlanningProblem, layout: Layout) -> float:

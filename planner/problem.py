@@ -71,6 +71,11 @@ class PlanningProblem:
     """Link latency between devices, shape (D, D)."""
     tied_params: tuple[TiedParams, ...] = ()
     """Parameters shared by several units, one entry per set of units."""
+    collective_latency_s: FloatArray | None = None
+    """Per ring step of an all-reduce on each device's node, as measured, shape (D,);
+    0 where not measured; None: nothing measured (see ``CollectiveSpec``)."""
+    collective_bus_bandwidth_bytes_per_s: FloatArray | None = None
+    """The measured bus bandwidth of that all-reduce, shape (D,); inf where not measured."""
 
     @property
     def num_devices(self) -> int:
@@ -112,6 +117,18 @@ class PlanningProblem:
             raise ValueError(f"global_batch_size {self.global_batch_size} must be >= 1")
         if d == 0 or u == 0:
             raise ValueError("a problem needs at least one device and one unit")
+        for name in ("collective_latency_s", "collective_bus_bandwidth_bytes_per_s"):
+            value = getattr(self, name)
+            if value is not None and (value.shape != (d,) or np.any(np.isnan(value))):
+                raise ValueError(f"PlanningProblem.{name} must have shape {(d,)}, no NaN")
+        if self.collective_latency_s is not None and not np.all(
+            np.isfinite(self.collective_latency_s) & (self.collective_latency_s >= 0)
+        ):
+            raise ValueError("PlanningProblem.collective_latency_s must be finite and >= 0")
+        if self.collective_bus_bandwidth_bytes_per_s is not None and np.any(
+            self.collective_bus_bandwidth_bytes_per_s <= 0
+        ):
+            raise ValueError("PlanningProblem.collective_bus_bandwidth_bytes_per_s must be > 0")
         for tie in self.tied_params:
             units = list(tie.units)
             if len(units) < 2 or units != sorted(set(units)) or not 0 <= units[0] < units[-1] < u:

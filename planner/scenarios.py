@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hplan.planner.devclasses import DeviceClass, class_link
+from hplan.planner.evaluate import measured_ring
 from hplan.planner.partition import Template
 from hplan.planner.problem import PlanningProblem
 from hplan.runtime.collectives import ring_all_reduce_time_s
@@ -136,10 +137,14 @@ def allreduce_estimate_s(
     """The all-reduce time one copy of ``t`` is charged under ``scenario``."""
     if scenario.single_replica:
         return 0.0
+    ring_bw, ring_lat = measured_ring(
+        problem, [d for c in scenario.classes for d in classes[c].devices]
+    )
     n = scenario.max_copies
     if scenario.sync is SyncEstimate.WHOLE_MODEL:
         total = sum(t.stage_grad_bytes)
-        return ring_all_reduce_time_s(n, total, scenario.bandwidth_bytes_per_s, scenario.latency_s)
+        bw = min(scenario.bandwidth_bytes_per_s, ring_bw)
+        return ring_all_reduce_time_s(n, total, bw, max(scenario.latency_s, ring_lat))
     times = []
     for s, c in enumerate(t.classes):
         bw, lat = scenario.bandwidth_bytes_per_s, scenario.latency_s
@@ -147,5 +152,6 @@ def allreduce_estimate_s(
             local_bw, local_lat = class_link(problem, classes, c, c)
             if math.isfinite(local_bw):
                 bw, lat = local_bw, local_lat
+        bw, lat = min(bw, ring_bw), max(lat, ring_lat)
         times.append(ring_all_reduce_time_s(n, t.stage_grad_bytes[s], bw, lat))
     return max(times, default=0.0)

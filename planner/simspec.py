@@ -23,7 +23,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from itertools import combinations, pairwise
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from hplan.planner.evaluate import grad_sync_groups, slowest_link
@@ -157,13 +157,14 @@ def _plan_link(plan: Plan, a: RankPlan, b: RankPlan, sizes: Sequence[int]) -> Si
 
 
 def _plan_group(plan: Plan, group: GradSyncReport) -> SimSyncGroup:
-    devices = [plan.ranks[r].device for r in group.ranks]
-    links = [plan.link(a, b) for a, b in combinations(devices, 2)]
+    bandwidth_bytes_per_s, latency_s = plan.ring_channel(
+        [plan.ranks[r].device for r in group.ranks]
+    )
     return SimSyncGroup(
         ranks=tuple(sorted(group.ranks)),
         num_bytes=float(group.num_bytes),
-        bandwidth_bytes_per_s=min(link.bandwidth_bytes_per_s for link in links),
-        latency_s=max(link.latency_s for link in links),
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        latency_s=latency_s,
     )
 
 

@@ -70,11 +70,9 @@ def holder_sets(plan: Plan) -> tuple[RankSet, ...]:
 def group_ring_time_s(plan: Plan, ranks: RankSet, nbytes: int) -> float:
     """Ring all-reduce time over the slowest link among ``ranks``' devices (plan hardware)."""
     devices = [plan.ranks[r].device for r in ranks]
-    links = [plan.link(a, b) for i, a in enumerate(devices) for b in devices[i + 1 :]]
-    if not links:
+    if len(devices) < 2:
         return 0.0
-    bandwidth = min(link.bandwidth_bytes_per_s for link in links)
-    latency = max(link.latency_s for link in links)
+    bandwidth, latency = plan.ring_channel(devices)
     return ring_all_reduce_time_s(len(ranks), nbytes, bandwidth, latency)
 
 

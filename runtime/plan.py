@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from functools import cache
@@ -196,12 +197,31 @@ class DeviceSpec:
 
 
 @_frozen
+class CollectiveSpec:
+    """A node's all-reduce among its devices as measured (``hplan bandwidth``), as a ring.
+
+    An all-reduce of ``n`` ranks on the node takes at least
+    ``2 (n - 1) * latency_per_step_s + 2 (n - 1) / n * bytes / bus_bandwidth_bytes_per_s``
+    (``collectives.ring_all_reduce_time_s``), whatever its point-to-point links allow: a
+    collective library adds its own per-step cost (gloo among processes sharing a few cores
+    measured 1-5 ms per all-reduce where a point-to-point message took 0.06 ms).
+    """
+
+    latency_per_step_s: float
+    """The measured all-reduce's latency over its ``2 (K - 1)`` ring steps (K ranks)."""
+    bus_bandwidth_bytes_per_s: float
+    """Its bus bandwidth (nccl-tests' convention: algorithm bandwidth x 2 (K - 1) / K)."""
+
+
+@_frozen
 class NodeSpec:
     """One machine: its name, its address, its devices (by name)."""
 
     name: str
     host: str
     devices: tuple[str, ...]
+    collective: CollectiveSpec | None = None
+    """Its measured all-reduce, when a bandwidth file measured one."""
 
 
 @_frozen
@@ -403,6 +423,26 @@ class Plan:
                 return link
         raise PlanFileError(f"plan has no link between {a!r} and {b!r}; re-run `hplan solve`")
 
+    def ring_channel(self, devices: Sequence[str]) -> tuple[float, float]:
+        """(bandwidth in bytes/s, latency per step in s) of a ring all-reduce over
+        ``devices``: the slowest link among them, and no faster than the measured
+        all-reduce of any of their nodes (``NodeSpec.collective``).
+
+        Raises:
+            PlanFileError: fewer than two devices, or a pair without a link.
+        """
+        if len(devices) < 2:
+            raise PlanFileError(f"a ring needs two devices or more, got {list(devices)}")
+        links = [self.link(a, b) for i, a in enumerate(devices) for b in devices[i + 1 :]]
+        node_of = {d.name: d.node for d in self.cluster.devices}
+        nodes = {n.name: n for n in self.cluster.nodes}
+        measured = [c for c in (nodes[node_of[d]].collective for d in devices) if c is not None]
+        return (
+            min([link.bandwidth_bytes_per_s for link in links]
+                + [c.bus_bandwidth_bytes_per_s for c in measured]),
+            max([link.latency_s for link in links] + [c.latency_per_step_s for c in measured]),
+        )  # fmt: skip
+
     # ----------------------------------------------------------------- (de)serialisation
     def to_json(self) -> str:
         """Deterministic JSON text (2-space indent, field order as declared, newline at end)."""
@@ -520,6 +560,19 @@ def _verify_numbers(plan: Plan) -> None:
             _fail(
                 f"link {link.a}-{link.b} has bandwidth {bandwidth} B/s and latency {latency} s; "
                 "bandwidth must be finite and > 0, latency finite and >= 0"
+            )
+    for node in plan.cluster.nodes:
+        ring = node.collective
+        if ring is not None and not (
+            math.isfinite(ring.bus_bandwidth_bytes_per_s)
+            and ring.bus_bandwidth_bytes_per_s > 0
+            and math.isfinite(ring.latency_per_step_s)
+            and ring.latency_per_step_s >= 0
+        ):
+            _fail(
+                f"node {node.name}'s collective has bus bandwidth "
+                f"{ring.bus_bandwidth_bytes_per_s} B/s and latency {ring.latency_per_step_s} s "
+                "per step; bandwidth must be finite and > 0, latency finite and >= 0"
             )
     for device in plan.cluster.devices:
         speeds = (device.peak_flops, device.memory_bandwidth_bytes_per_s)

@@ -254,3 +254,55 @@ def test_the_written_scripts_measure_every_device_pair_under_torchrun(tmp_path):
     assert len(result.pairs) == 6
     assert [(a.node, a.ranks) for a in result.all_reduce] == [("right", (1, 2))]
     assert apply_measured_links(cluster, result, source="bw.json").num_pairs == 3
+
+
+def test_a_measured_node_all_reduce_bounds_every_ring_on_that_node(tmp_path):
+    # gloo among processes sharing cores measured milliseconds per all-reduce where a
+    # point-to-point message took tens of microseconds: the plan, the cost model and the
+    # rehearsal's emulation all charge a ring on the node no less than the measurement.
+    from dataclasses import replace
+
+    from hplan.planner.bandwidth import node_collectives
+    from hplan.planner.evaluate import slowest_link
+    from hplan.runtime.bandwidth_file import NodeAllReduce
+    from hplan.runtime.grad_sync import group_ring_time_s
+
+    ring = NodeAllReduce(
+        node="box",
+        ranks=(0, 1, 2),
+        fit=AlphaBetaFit(latency_s=4e-3, bandwidth_bytes_per_s=1e9, r_squared=0.99),
+        bus_bandwidth_bytes_per_s=0.75e9,
+        sizes=(size_samples(4096, [4e-3]), size_samples(1 << 20, [5e-3])),
+    )
+    rings = node_collectives([ring, replace(ring, node="elsewhere")], {"box"})
+    assert set(rings) == {"box"}
+    assert rings["box"].latency_per_step_s == pytest.approx(4e-3 / 4)  # 2 (K - 1) steps
+    assert rings["box"].bus_bandwidth_bytes_per_s == 0.75e9
+    assert node_collectives([replace(ring, ranks=(0,))], {"box"}) == {}
+
+    cluster = tmp_path / "three.yaml"
+    cluster.write_text(
+        "name: three\nnodes:\n  - name: box\n    host: 127.0.0.1\n    devices:\n"
+        "      - type: cpu\n        count: 3\n"
+    )
+    pairs = [_pair(a, b, 2e9, 5e-5) for a in range(3) for b in range(3) if a != b]
+    measured = replace(_measured(["box/0", "box/1", "box/2"], pairs), all_reduce=(ring,))
+    (tmp_path / "bw.json").write_text(measured.to_json(), encoding="utf-8")
+    request = SolveRequest(
+        model_path=GPT, cluster_path=cluster, global_batch_size=24,
+        bandwidth_path=tmp_path / "bw.json",
+    )  # fmt: skip
+    outcome = plan_training(request)
+    plan = Plan.from_json(outcome.plan.to_json())  # the measurement survives the plan file
+    assert plan.cluster.nodes[0].collective == rings["box"]
+    assert any("all-reduce measured on box (1 ms per ring step" in n for n in plan.report.notes)
+    groups = plan.report.grad_sync
+    assert groups
+    for group in groups:
+        devices = [plan.ranks[r].device for r in group.ranks]
+        bandwidth, latency = plan.ring_channel(devices)
+        assert (bandwidth, latency) == (0.75e9, 1e-3)  # the measurement, not the 2 GB/s links
+        problem_devices = tuple(outcome.problem.device_names.index(d) for d in devices)
+        assert slowest_link(outcome.problem, problem_devices) == (bandwidth, latency)
+        steps = 2 * (len(devices) - 1)
+        assert group_ring_time_s(plan, group.ranks, group.num_bytes) >= steps * 1e-3

@@ -71,3 +71,19 @@ def test_hand_edited_figures_that_are_not_finite_or_are_negative_are_rejected(
     target[path[-1]] = value
     with pytest.raises(PlanFileError, match=message):
         Plan.from_json(json.dumps(data))
+
+
+def test_a_nodes_measured_collective_round_trips_and_bad_figures_are_rejected() -> None:
+    data = json.loads(cpu_plan().to_json())
+    data["cluster"]["nodes"][0]["collective"] = {
+        "latency_per_step_s": 1e-3,
+        "bus_bandwidth_bytes_per_s": 7.5e8,
+    }
+    plan = Plan.from_json(json.dumps(data))
+    assert plan.cluster.nodes[0].collective is not None
+    assert Plan.from_json(plan.to_json()) == plan
+    devices = [d.name for d in plan.cluster.devices if d.node == plan.cluster.nodes[0].name]
+    assert len(devices) > 1 and plan.ring_channel(devices[:2])[1] >= 1e-3
+    data["cluster"]["nodes"][0]["collective"]["latency_per_step_s"] = -1.0
+    with pytest.raises(PlanFileError, match=r"collective has bus bandwidth .* latency finite"):
+        Plan.from_json(json.dumps(data))
