@@ -6,7 +6,11 @@ real inputs: the model runs once per micro-batch size as a chain of one-unit sta
 every unit receives the boundary tensors its predecessor sends (hidden states, int
 position ids, masks ...). Per (unit, micro-batch size):
 
-- forward and backward seconds (warm-up, then repeated timing; median and spread). The
+- forward and backward seconds (warm-up, then repeated timing; median and spread), in
+  ``rounds`` sweeps over all sizes (alternately ascending and descending) whose medians
+  are combined by their median: a machine whose speed drifts during the profile (clocks,
+  neighbours; on this project's 2-core VM one sweep measured micro-batches 1-4 25-40%
+  faster than the next minutes ran) then skews no size by more than one round. The
   last unit's forward includes the model file's ``loss_fn`` and its backward starts from
   the loss, as the runtime's last stage does; other units' backward starts from random
   gradients of what they send;
@@ -58,12 +62,17 @@ class UnitProfileOptions:
     ``max_samples``)."""
     optimizer: bool = True
     seed: int = 0
+    rounds: int = 3
+    """Sweeps over all micro-batch sizes; each (unit, size) median is the median of its
+    rounds' medians, its optimizer time likewise (memory is measured in the first round)."""
 
     def __post_init__(self) -> None:
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
             raise ValueError(f"micro_batch_sizes {self.micro_batch_sizes} must be integers >= 1")
         if self.min_samples < 1 or self.max_samples < self.min_samples or self.num_warmup < 0:
             raise ValueError("need num_warmup >= 0 and 1 <= min_samples <= max_samples")
+        if self.rounds < 1:
+            raise ValueError(f"rounds {self.rounds} must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,21 +118,46 @@ def profile_units(
     """
     options = options or UnitProfileOptions()
     sizes = sorted(set(options.micro_batch_sizes))
-    total = len(sizes) * len(graph.units)
+    total = options.rounds * len(sizes) * len(graph.units)
     notify = on_step or (lambda _unit, _timed, _total: None)
     graph.traced.graph_module.to(device)
     units = _unit_stages(graph)
     profiler = _Profiler(model_file, device, device_key, options)
-    timings: list[UnitTiming] = []
+    rounds: dict[tuple[str, int], list[UnitTiming]] = {}
     with one_cpu_thread(device), torch.random.fork_rng(devices=[]):
         torch.manual_seed(options.seed)
-        for size in sizes:
-            timings += profiler.profile_size(
-                graph, units, size, lambda unit, timed: notify(unit, timed, total)
-            )
+        for round_idx in range(options.rounds):
+            profiler.start_round()
+            for size in sizes if round_idx % 2 == 0 else reversed(sizes):
+                for timing in profiler.profile_size(
+                    graph, units, size, lambda unit, timed: notify(unit, timed, total)
+                ):
+                    rounds.setdefault((timing.unit, size), []).append(timing)
     order = {u.name: i for i, u in enumerate(graph.units)}
-    ordered = tuple(sorted(timings, key=lambda t: (order[t.unit], t.micro_batch_size)))
+    merged = [_merged(found) for found in rounds.values()]
+    ordered = tuple(sorted(merged, key=lambda t: (order[t.unit], t.micro_batch_size)))
     return UnitProfile(ordered, dict(profiler.shared_with))
+
+
+def _merged(rounds: Sequence[UnitTiming]) -> UnitTiming:
+    """One (unit, size)'s rounds as one timing: the median of each statistic and of the
+    optimizer time over the rounds, the samples summed; memory from the first round."""
+
+    def combined(stats: Sequence[Stat]) -> Stat:
+        return Stat(
+            median=statistics.median(s.median for s in stats),
+            p10=statistics.median(s.p10 for s in stats),
+            p90=statistics.median(s.p90 for s in stats),
+            num_samples=sum(s.num_samples for s in stats),
+        )
+
+    optimizer = [r.optimizer_s for r in rounds if r.optimizer_s is not None]
+    return replace(
+        rounds[0],
+        forward_s=combined([r.forward_s for r in rounds]),
+        backward_s=combined([r.backward_s for r in rounds]),
+        optimizer_s=statistics.median(optimizer) if optimizer else None,
+    )
 
 
 def _unit_stages(graph: ModelGraph) -> list[_Unit]:
@@ -158,8 +192,17 @@ class _Profiler:
         self.watch = Stopwatch(device)
         self.binder = _signature_module(model_file)
         self.shared: dict[str, UnitTiming] = {}
+        """This round's timings by unit key (identical units share them)."""
+        self.first_round: dict[str, UnitTiming] = {}
+        """The first round's timings by unit key: their memory serves the later rounds."""
         self.optimizer_s: dict[str, float] = {}
         self.shared_with: dict[str, str] = {}
+
+    def start_round(self) -> None:
+        """Time every unit again (memory and optimizer are kept from the first round)."""
+        self.first_round = {**self.shared, **self.first_round}
+        self.shared = {}
+        self.optimizer_s = {}
 
     def profile_size(
         self,
@@ -179,7 +222,7 @@ class _Profiler:
             run = _UnitRun(self.model_file, unit.stage, feed, received, targets)
             timed = key not in self.shared
             if timed:
-                timing, outputs = self._measure(run, spec.name, unit.signature, size)
+                timing, outputs = self._measure(run, spec.name, unit.signature, size, key)
                 self.shared[key] = timing
             else:
                 timing = replace(self.shared[key], unit=spec.name)
@@ -191,7 +234,7 @@ class _Profiler:
         return timings
 
     def _measure(
-        self, run: _UnitRun, unit: str, signature: str, size: int
+        self, run: _UnitRun, unit: str, signature: str, size: int, key: str
     ) -> tuple[UnitTiming, dict[str, Any]]:
         options = self.options
         for _ in range(options.num_warmup):
@@ -207,11 +250,21 @@ class _Profiler:
             forward_s.append(fwd)
             backward_s.append(bwd)
         run.clear_grads()
+        if options.optimizer and signature not in self.optimizer_s:
+            self.optimizer_s[signature] = self._optimizer_s(run)
+        earlier = self.first_round.get(key)
+        if earlier is not None:
+            timing = replace(
+                earlier,
+                unit=unit,
+                forward_s=Stat.of(forward_s),
+                backward_s=Stat.of(backward_s),
+                optimizer_s=self.optimizer_s.get(signature),
+            )
+            return timing, run.forward_no_grad()
         memory = measure_unit_memory(
             run.forward, run.backward, device=self.device, resident=run.resident()
         )
-        if options.optimizer and signature not in self.optimizer_s:
-            self.optimizer_s[signature] = self._optimizer_s(run)
         timing = UnitTiming(
             device=self.device_key,
             unit=unit,

@@ -53,8 +53,12 @@ def test_every_unit_is_timed_and_identical_blocks_are_timed_once(tiny_gpt):
         (n, s) for n in names for s in (1, 2)
     ]
     assert result.shared_with == {"blocks.1": "blocks.0", "blocks.2": "blocks.0"}
-    assert len(steps) == 2 * len(names) and all(total == len(steps) for *_, total in steps)
-    assert [timed for unit, timed, _ in steps if unit == "blocks.2"] == [False, False]
+    rounds = FAST.rounds
+    assert rounds > 1  # every size is swept once per round, the rounds' medians combined
+    assert len(steps) == rounds * 2 * len(names)
+    assert all(total == len(steps) for *_, total in steps)
+    assert [timed for unit, timed, _ in steps if unit == "blocks.2"] == [False] * (2 * rounds)
+    assert all(t.forward_s.num_samples >= rounds * FAST.min_samples for t in result.timings)
     by_key = {(t.unit, t.micro_batch_size): t for t in result.timings}
     for timing in result.timings:
         assert timing.device == "cpu"
@@ -64,6 +68,22 @@ def test_every_unit_is_timed_and_identical_blocks_are_timed_once(tiny_gpt):
     block_1, block_2 = by_key[("blocks.0", 1)], by_key[("blocks.0", 2)]
     assert block_2.activation_bytes == 2 * block_1.activation_bytes > 0
     assert by_key[("blocks.2", 2)].forward_s == block_2.forward_s
+
+
+def test_rounds_combine_by_the_median_of_their_medians():
+    from hplan.planner.profile import Stat, UnitTiming
+    from hplan.planner.unit_profile import _merged
+
+    def timing(forward_s: float, optimizer_s: float) -> UnitTiming:
+        stat = Stat(median=forward_s, p10=forward_s * 0.9, p90=forward_s * 1.1, num_samples=5)
+        return UnitTiming(
+            device="cpu", unit="u", micro_batch_size=1, forward_s=stat, backward_s=stat,
+            optimizer_s=optimizer_s, activation_bytes=10, peak_bytes=20,
+        )  # fmt: skip
+
+    merged = _merged([timing(1.0, 3.0), timing(9.0, 1.0), timing(2.0, 2.0)])  # one slow round
+    assert merged.forward_s == Stat(median=2.0, p10=1.8, p90=2.2, num_samples=15)
+    assert merged.optimizer_s == 2.0 and merged.activation_bytes == 10
 
 
 def test_units_receive_int_ids_and_bool_masks_across_their_cuts(tmp_path):
