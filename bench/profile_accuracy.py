@@ -173,8 +173,11 @@ def main() -> None:
     calibration = calibrate(observations, Profile.load(work / "prof"))
     write_profile(calibration.profile, work / "calibrated")
     corrections = ", ".join(
-        f"{k} x {v:.3f} (optimizer x {calibration.optimizer_corrections.get(k, 1.0):.3f})"
+        f"{k} x {v:.3f} (forward x {phases.get(k, (v, v))[0]:.3f}, backward x "
+        f"{phases.get(k, (v, v))[1]:.3f}, optimizer x "
+        f"{calibration.optimizer_corrections.get(k, 1.0):.3f})"
         for k, v in calibration.kind_corrections.items()
+        if (phases := calibration.phase_corrections) is not None
     )
     stragglers = ", ".join(f"{f.device} x {f.time_factor:.2f}" for f in calibration.factors)
     console.print(f"calibration: {corrections}; stragglers: {stragglers or 'none'}")

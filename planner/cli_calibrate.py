@@ -114,8 +114,14 @@ def print_calibration(result: Calibration, console: Console) -> None:
     console.print(table)
     for kind, value in result.kind_corrections.items():
         optimizer = result.optimizer_corrections.get(kind)
+        phases = result.phase_corrections.get(kind)
+        times = (
+            f"unit times x {value:.3f}"
+            if phases is None
+            else f"forward x {phases[0]:.3f}, backward x {phases[1]:.3f} (together x {value:.3f})"
+        )
         also = "" if optimizer is None else f", optimizer steps x {optimizer:.3f}"
-        console.print(f"{kind}: unit times x {value:.3f}{also} (median measured / predicted)")
+        console.print(f"{kind}: {times}{also} (median measured / predicted)")
     if not result.factors:
         console.print("no device differs from its kind by more than 15%")
     for factor in result.factors:
@@ -143,6 +149,9 @@ def calibration_summary(result: Calibration) -> dict[str, object]:
         ],
         "kind_corrections": result.kind_corrections,
         "optimizer_corrections": result.optimizer_corrections,
+        "phase_corrections": {
+            kind: {"forward": f, "backward": b} for kind, (f, b) in result.phase_corrections.items()
+        },
         "device_ratios": result.device_ratios,
         "stragglers": [
             {"device": f.device, "time_factor": f.time_factor, "reason": f.reason}

@@ -5,6 +5,8 @@ wall-clock seconds measured on that rank; they split the step as
 
 ``step = compute + p2p + wait + all-reduce + optimizer + other``
 
+- ``forward_time_s``: the forward part of ``compute_time_s`` (its backward part is the rest;
+  0 in metrics written before hplan recorded it);
 - ``compute_time_s``: forward and backward passes (in emulation, including the stretch that
   slows this rank to its device's speed);
 - ``p2p_time_s``: posting and completing point-to-point sends, and emulated link delays;
@@ -54,6 +56,8 @@ class StepMetrics:
     samples: int
     """Samples this rank's replica processed in the step."""
     peak_memory_bytes: int
+    forward_time_s: float = 0.0
+    """The forward part of ``compute_time_s`` (0: not recorded)."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:

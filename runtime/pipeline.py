@@ -71,6 +71,8 @@ class StepTimes:
     """Seconds spent in one step, by kind (see ``metrics.py``)."""
 
     compute_s: float = 0.0
+    forward_s: float = 0.0
+    """The forward part of ``compute_s``."""
     allreduce_s: float = 0.0
     optimizer_s: float = 0.0
 
@@ -286,6 +288,7 @@ class _ComputeTimer:
     """
 
     def __init__(self, runner: StepRunner, stretch: float, floor_s: float, label: str) -> None:
+        self.forward = ".F." in label
         self.runner = runner
         self.stretch = stretch
         self.floor_s = floor_s
@@ -303,6 +306,8 @@ class _ComputeTimer:
             _sleep_until(self.start_s + max(self.floor_s, self.stretch * cpu_s))
         end_s = time.monotonic()
         self.runner.times.compute_s += end_s - self.start_s
+        if self.forward:
+            self.runner.times.forward_s += end_s - self.start_s
         self.runner.timeline.add(COMPUTE, self.label, self.start_s, end_s)
 
 

@@ -503,6 +503,7 @@ def _train_step(
         loss=loss,
         samples=rp.num_samples,
         peak_memory_bytes=peak_memory_bytes(state.device),
+        forward_time_s=times.forward_s,
     )
 
 

@@ -313,3 +313,25 @@ def test_runs_of_another_plan_are_refused(plan, tmp_path):
         calibrate([(plan, [run])])
     (folder / "plan.json").write_text(plan.to_json(), encoding="utf-8")
     assert calibrate([(plan, [run])]).factors == ()
+
+
+def test_forward_and_backward_are_corrected_each_by_its_own_ratio(plan):
+    # Runs that record their forward time: forwards 1.2x their prediction, backwards 0.9x.
+    records = []
+    for r in _records(plan, {}, 1.0):
+        report = plan.report.ranks[r.rank]
+        share = report.forward_time_s / (report.forward_time_s + report.backward_time_s)
+        forward_s = r.compute_time_s * share * 1.2
+        backward_s = r.compute_time_s * (1 - share) * 0.9
+        records.append(replace(r, compute_time_s=forward_s + backward_s, forward_time_s=forward_s))
+    base = Profile(unit_timings=(_timing("cpu", 0.01),))
+    result = calibrate([(plan, [Run(Path("run"), 1.0, tuple(records))])], base)
+    forward, backward = result.phase_corrections["cpu"]
+    assert forward == pytest.approx(1.2) and backward == pytest.approx(0.9)
+    (timing,) = result.profile.unit_timings
+    assert timing.forward_s.median == pytest.approx(0.01 * 1.2)
+    assert timing.backward_s.median == pytest.approx(0.02 * 0.9)
+    older = calibrate([(plan, [Run(Path("run"), 1.0, _records(plan, {}, 1.0))])], base)
+    assert older.phase_corrections == {}  # metrics without forward times: one factor
+    (timing,) = older.profile.unit_timings
+    assert timing.backward_s.median / timing.forward_s.median == pytest.approx(2.0)

@@ -89,6 +89,8 @@ def test_a_rehearsed_cpu_plan_replays_each_ranks_warm_times_after_the_first_step
         assert forwards
         for event in forwards:  # each forward lasts at least dilation x the warm forward
             assert (event["end_s"] - event["start_s"]) * 1e3 >= dilation * forward_ms * 0.999
+        metrics = [json.loads(x) for x in (tmp_path / f"rank-{rank.rank}.jsonl").open()]
+        assert all(0 < m["forward_time_s"] < m["compute_time_s"] for m in metrics)
 
 
 def test_warm_times_describe_themselves_in_cpu_milliseconds():
