@@ -11,8 +11,10 @@ Memory strategy ``recompute``: the forward runs without autograd and keeps only 
 the backward re-runs it (same RNG state) with autograd, then backpropagates.
 
 Emulation (``RankState.compute``, see ``worker.ComputeEmulation``): every forward and
-backward either lasts ``stretch`` times its CPU time, or at least its modelled duration,
-by sleeping after it (``_ComputeTimer``); the optimizer step likewise.
+backward either lasts ``stretch`` times its CPU time (from the second step: times the
+stage's warm CPU time of that phase and micro-batch size, ``warm_compute.py``), or at least
+its modelled duration, by sleeping after it (``_ComputeTimer``); the optimizer step
+likewise.
 
 Timeline: each step records, on ``StepRunner.timeline``, when every forward, backward,
 blocking receive, send completion, all-reduce and optimizer step started and ended
@@ -230,17 +232,13 @@ class StepRunner:
         compute = self.state.compute
         forward = kind is ActionKind.FORWARD
         label = str(Action(self.state.rank_plan.stage, kind, mb.index))
-        warm = (
-            None
-            if compute.warm is None
-            else compute.warm.forward_s
-            if forward
-            else (compute.warm.backward_s)
-        )
-        if warm is not None and mb.num_samples in warm:
-            return _ComputeTimer(self, 0.0, compute.stretch * warm[mb.num_samples], label)
+        if compute.warm is not None:
+            table = compute.warm.forward_s if forward else compute.warm.backward_s
+            if mb.num_samples in table:
+                warm_s = compute.stretch * table[mb.num_samples]
+                return _ComputeTimer(self, 0.0, warm_s, label, forward=forward)
         floor_s = compute.forward_s if forward else compute.backward_s
-        return _ComputeTimer(self, compute.stretch, floor_s, label)
+        return _ComputeTimer(self, compute.stretch, floor_s, label, forward=forward)
 
     def _record_sample(
         self, mb: MicroBatch, inputs: dict[str, Tensor], received: dict[str, Tensor]
@@ -287,8 +285,10 @@ class _ComputeTimer:
     stretched as well.
     """
 
-    def __init__(self, runner: StepRunner, stretch: float, floor_s: float, label: str) -> None:
-        self.forward = ".F." in label
+    def __init__(
+        self, runner: StepRunner, stretch: float, floor_s: float, label: str, *, forward: bool
+    ) -> None:
+        self.forward = forward
         self.runner = runner
         self.stretch = stretch
         self.floor_s = floor_s

@@ -6,7 +6,8 @@ one thread), whatever the plan's device kinds. Emulation (see ``worker.py``, ``c
 
 - compute, cpu plans: each forward/backward is stretched to ``dilation / relative_speed``
   times its measured CPU time, where ``relative_speed`` is the rank's declared peak FLOP/s
-  relative to the plan's fastest device (``worker.rank_speeds``);
+  relative to the plan's fastest device (``worker.rank_speeds``); from the second step the
+  CPU time is the rank's own stage timed warm, back to back (``warm_compute.py``);
 - compute, GPU plans: each forward, backward and optimizer step lasts at least ``scale``
   times the planner's prediction for that rank (``worker.ComputeEmulation``): a CPU cannot
   reproduce a GPU's speed curve, so the plan's hardware model is replayed and the runtime's

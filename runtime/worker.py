@@ -8,7 +8,8 @@ point-to-point (``comm.py``), gradients are summed among the ranks holding each 
 (``grad_sync.py``), and metrics are written per step (``metrics.py``).
 
 Emulation (rehearsal) stretches each forward and backward to the device's speed: it lasts
-``dilation * peak_max / peak_device`` times its CPU time (``pipeline.py``), and the links
+``dilation * peak_max / peak_device`` times its CPU time (``pipeline.py``; from the second
+step the stage's warm CPU time, ``warm_compute.py``), and the links
 of the plan delay point-to-point transfers and all-reduces (``comm.py``, ``grad_sync.py``).
 """
 
