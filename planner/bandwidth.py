@@ -77,6 +77,14 @@ def apply_measured_links(
             f"have: {_listed(repr(d) for d in unknown)}; measure with the cluster's node names "
             f"(HPLAN_NODE=<node>) or pass the cluster file it was measured for"
         )
+    strangers = sorted({e.node for e in measured.all_reduce} - {n.name for n in cluster.nodes})
+    if strangers:
+        raise ConfigError(
+            f"bandwidth file {source!r} measured an all-reduce on node(s) "
+            f"{_listed(repr(n) for n in strangers)}, which cluster {cluster.source!r} does not "
+            "have; measure with the cluster's node names (HPLAN_NODE=<node>) or pass the "
+            "cluster file it was measured for"
+        )
     links = _measured_device_links(measured.pairs, devices)
     total = len(known) * (len(known) - 1) // 2
     note = (

@@ -501,8 +501,8 @@ def calibrate(
     return Calibration(tuple(errors), corrections, optimizer, phases, ratios, stragglers, profile)
 
 
-def write_profile(profile: Profile, out_dir: Path) -> Path:
-    """Write ``out_dir/calibrated.json`` (the whole corrected profile) and return its path.
+def check_profile_out(out_dir: Path) -> None:
+    """Fail before calibrating when the corrected profile could not go to ``out_dir``.
 
     Raises:
         ConfigError: ``out_dir`` is a file or holds other profiles (``hplan solve --profile``
@@ -517,6 +517,29 @@ def write_profile(profile: Profile, out_dir: Path) -> Path:
             f"-o {str(out_dir)!r} already holds {others[0]}; write the corrected profile to a "
             "new directory (it contains the input profile's measurements too)"
         )
+
+
+def single_step_runs(runs: Sequence[Run]) -> list[Path]:
+    """Runs in which some rank has one step only: its warm-up step is all there is."""
+    return [
+        run.path
+        for run in runs
+        if any(
+            sum(1 for r in run.records if r.rank == rank) < 2
+            for rank in {r.rank for r in run.records}
+        )
+    ]
+
+
+def write_profile(profile: Profile, out_dir: Path) -> Path:
+    """Write ``out_dir/calibrated.json`` (the whole corrected profile) and return its path.
+
+    Raises:
+        ConfigError: ``out_dir`` is a file or holds other profiles (``hplan solve --profile``
+            would merge them over the correction).
+    """
+    check_profile_out(out_dir)
+    path = out_dir / "calibrated.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json(), encoding="utf-8")
     return path

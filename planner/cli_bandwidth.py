@@ -161,6 +161,9 @@ def bandwidth(
         )
     names = _local_names(cluster_path, num_local)
     argv = _sweep_argv(min_size_bytes, max_size_bytes, repeats, warmup, size_budget_s)
+    from hplan.runtime.bandwidth_file import BandwidthFile
     from hplan.runtime.bandwidth_local import measure_local
+
+    BandwidthFile.check_writable(Path(out))
 
     measure_local(num_local, out=out, sweep_args=argv, names=names, timeout_s=timeout_s)

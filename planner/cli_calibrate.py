@@ -47,16 +47,29 @@ def calibrate(
     other devices of their kind, and writes a corrected profile for `hplan solve --profile`.
     """
     from hplan.planner.calibrate import calibrate as run_calibration
-    from hplan.planner.calibrate import load_runs, write_profile
+    from hplan.planner.calibrate import (
+        check_profile_out,
+        load_runs,
+        single_step_runs,
+        write_profile,
+    )
     from hplan.planner.profile import Profile
     from hplan.planner.render import wide_console
     from hplan.runtime.plan import Plan
 
+    if out_dir is not None:
+        check_profile_out(out_dir)
     plan = Plan.load(plan_path)
     base = Profile.load(profile_path) if profile_path is not None else None
-    result = run_calibration([(plan, load_runs(runs_dir))], base)
+    runs = load_runs(runs_dir)
+    result = run_calibration([(plan, runs)], base)
     stderr = wide_console(stderr=True)
     print_calibration(result, stderr)
+    for path in single_step_runs(runs):
+        stderr.print(
+            f"note: {path} has one step only; its first step (warm-up: cold caches, and in a "
+            "rehearsal of a cpu plan no warm timing yet) is all it measured; run more steps"
+        )
     if base is None and result.optimizer_corrections:
         stderr.print(
             "note: the optimizer corrections apply to a profile's unit timings; without "

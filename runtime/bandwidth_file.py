@@ -177,6 +177,27 @@ class BandwidthFile:
             ) from None
 
     @staticmethod
+    def check_writable(path: Path) -> None:
+        """Fail before a measurement whose result could not be saved to ``path``.
+
+        Raises:
+            ConfigError: ``path`` is a directory, or a folder on its way is a file.
+        """
+        if path.is_dir():
+            raise ConfigError(
+                f"-o {str(path)!r} is a directory; give the link matrix's file name, e.g. "
+                f"{str(path / 'bw.json')!r}"
+            )
+        for folder in path.parents:
+            if folder.exists():
+                if not folder.is_dir():
+                    raise ConfigError(
+                        f"cannot write the link matrix to {str(path)!r}: {str(folder)!r} is a "
+                        "file; choose another path"
+                    )
+                return
+
+    @staticmethod
     def from_json(text: str, *, source: str = "<bandwidth>") -> BandwidthFile:
         """Parse and validate a link-matrix file.
 
@@ -230,11 +251,39 @@ def _check_consistent(result: BandwidthFile, source: str) -> None:
                     f"bandwidth file {source!r}: pair {pair.src_rank}->{pair.dst_rank} names "
                     f"rank {rank}, which `ranks` does not list; re-measure the link matrix"
                 )
-        if pair.fit.bandwidth_bytes_per_s <= 0 or not math.isfinite(pair.fit.bandwidth_bytes_per_s):
+        _check_fit(pair.fit, f"bandwidth file {source!r}: pair {pair.src_rank}->{pair.dst_rank}")
+    nodes = [entry.node for entry in result.all_reduce]
+    for entry in result.all_reduce:
+        where = f"bandwidth file {source!r}: all_reduce of node {entry.node!r}"
+        if nodes.count(entry.node) > 1:
+            raise ConfigError(f"{where} appears twice; re-measure the link matrix")
+        unknown = sorted(set(entry.ranks) - ranks)
+        if unknown:
             raise ConfigError(
-                f"bandwidth file {source!r}: pair {pair.src_rank}->{pair.dst_rank} has "
-                f"bandwidth {pair.fit.bandwidth_bytes_per_s}; it must be a finite number > 0"
+                f"{where} names rank {unknown[0]}, which `ranks` does not list; re-measure "
+                "the link matrix"
             )
+        _check_fit(entry.fit, where)
+        if not (
+            math.isfinite(entry.bus_bandwidth_bytes_per_s) and entry.bus_bandwidth_bytes_per_s > 0
+        ):
+            raise ConfigError(
+                f"{where} has bus bandwidth {entry.bus_bandwidth_bytes_per_s}; it must be a "
+                "finite number > 0 (re-measure the link matrix)"
+            )
+
+
+def _check_fit(fit: AlphaBetaFit, where: str) -> None:
+    if not (math.isfinite(fit.bandwidth_bytes_per_s) and fit.bandwidth_bytes_per_s > 0):
+        raise ConfigError(
+            f"{where} has bandwidth {fit.bandwidth_bytes_per_s}; it must be a finite number > 0 "
+            "(re-measure the link matrix)"
+        )
+    if not (math.isfinite(fit.latency_s) and fit.latency_s >= 0):
+        raise ConfigError(
+            f"{where} has latency {fit.latency_s}; it must be a finite number >= 0 (re-measure "
+            "the link matrix)"
+        )
 
 
 @cache

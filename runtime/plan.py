@@ -571,8 +571,9 @@ def _verify_numbers(plan: Plan) -> None:
         ):
             _fail(
                 f"node {node.name}'s collective has bus bandwidth "
-                f"{ring.bus_bandwidth_bytes_per_s} B/s and latency {ring.latency_per_step_s} s "
-                "per step; bandwidth must be finite and > 0, latency finite and >= 0"
+                f"{ring.bus_bandwidth_bytes_per_s:.4g} B/s and latency "
+                f"{ring.latency_per_step_s:.4g} s per step; bandwidth must be finite and > 0, "
+                "latency finite and >= 0 (re-run `hplan solve`, or remove the collective)"
             )
     for device in plan.cluster.devices:
         speeds = (device.peak_flops, device.memory_bandwidth_bytes_per_s)

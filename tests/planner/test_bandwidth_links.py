@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -160,6 +161,22 @@ def test_too_many_local_ranks_are_refused_at_once(capsys):
     assert len(err) == 1 and "--local 99: at most 32 ranks" in err[0]
 
 
+@pytest.mark.parametrize("where", ["folder", "under-a-file"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_measuring(
+    tmp_path, capsys, monkeypatch, where
+):
+    import hplan.runtime.bandwidth_local as local
+
+    monkeypatch.setattr(local, "measure_local", lambda *a, **k: pytest.fail("measured"))
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path if where == "folder" else tmp_path / "afile" / "bw.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bandwidth", "--local", "2", "-o", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert ("is a directory" if where == "folder" else "is a file") in err[0]
+
+
 # ----------------------------------------------------------------------------- scripts
 def test_scripts_name_each_node_and_disable_p2p_only_on_geforce_nodes():
     cluster = cluster_from_dict(
@@ -306,3 +323,34 @@ def test_a_measured_node_all_reduce_bounds_every_ring_on_that_node(tmp_path):
         assert slowest_link(outcome.problem, problem_devices) == (bandwidth, latency)
         steps = 2 * (len(devices) - 1)
         assert group_ring_time_s(plan, group.ranks, group.num_bytes) >= steps * 1e-3
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"node": "ghost"}, "all-reduce on node(s) 'ghost', which cluster"),
+        ({"ranks": [0, 7]}, "names rank 7, which `ranks` does not list"),
+        ({"fit": {"latency_s": -1e-3}}, "has latency -0.001; it must be a finite number >= 0"),
+        ({"fit": {"bandwidth_bytes_per_s": 0.0}}, "has bandwidth 0.0; it must be a finite"),
+        ({"bus_bandwidth_bytes_per_s": -5.0}, "has bus bandwidth -5.0"),
+    ],
+)
+def test_a_bad_measured_all_reduce_is_a_one_line_error_not_an_internal_one(tmp_path, edit, message):
+    import json
+
+    ring = {
+        "node": "a",
+        "ranks": [0, 1],
+        "fit": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9, "r_squared": 1.0},
+        "bus_bandwidth_bytes_per_s": 1e9,
+        "sizes": [],
+    }
+    for key, value in edit.items():
+        ring[key] = {**ring[key], **value} if isinstance(value, dict) else value
+    data = json.loads(_measured(["a/0", "a/1"], [_pair(0, 1, 1e9, 1e-5)]).to_json())
+    data["all_reduce"] = [ring]
+    path = tmp_path / "bw.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        apply_measured_links(_three_devices(), BandwidthFile.load(path), source=str(path))
+    assert "\n" not in str(info.value)

@@ -335,3 +335,15 @@ def test_forward_and_backward_are_corrected_each_by_its_own_ratio(plan):
     assert older.phase_corrections == {}  # metrics without forward times: one factor
     (timing,) = older.profile.unit_timings
     assert timing.backward_s.median / timing.forward_s.median == pytest.approx(2.0)
+
+
+def test_runs_of_one_step_are_named_and_a_bad_output_is_refused_first(plan, tmp_path):
+    from hplan.planner.calibrate import check_profile_out, single_step_runs
+
+    two_steps = Run(Path("two"), 1.0, _records(plan, {}, 1.0))
+    one_step = Run(Path("one"), 1.0, tuple(r for r in two_steps.records if r.step == 0))
+    assert single_step_runs([two_steps, one_step]) == [Path("one")]
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="is a file; give a directory"):
+        check_profile_out(tmp_path / "afile")
+    check_profile_out(tmp_path / "new")  # absent: fine, created when written
