@@ -437,6 +437,9 @@ def _invoke(call: Callable[[], Any]) -> int:
         return 130
     except KeyboardInterrupt:
         return 130
+    except Terminated as exc:
+        stderr.print("hplan: terminated")
+        return exc.code if isinstance(exc.code, int) else 143
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception as exc:

@@ -107,7 +107,8 @@ def profile(
         benchmark=not no_benchmark,
     )
     columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=_stderr, transient=True) as bar:
+    shown = _stderr.is_terminal  # a bar on a pipe or file leaves only a blank line
+    with Progress(*columns, console=_stderr, transient=True, disable=not shown) as bar:
         task = bar.add_task("profiling", total=None)
 
         def on_phase(message: str) -> None:

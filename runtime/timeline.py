@@ -134,6 +134,11 @@ def check_trace_path(path: str | Path) -> None:
     target = Path(path)
     if target.is_dir():
         raise ConfigError(f"trace path {str(target)!r} is a directory; give a file name")
+    if target.parent.exists() and not target.parent.is_dir():
+        raise ConfigError(
+            f"cannot write trace {str(target)!r}: {str(target.parent)!r} is a file; choose "
+            "another path"
+        )
     if not target.parent.is_dir():
         raise ConfigError(
             f"cannot write trace {str(target)!r}: folder {str(target.parent)!r} does not "

@@ -388,3 +388,14 @@ def test_a_termination_while_importing_the_model_is_not_blamed_on_the_model(tmp_
     model.write_text("from hplan.runtime.errors import Terminated\nraise Terminated(143)\n")
     with pytest.raises(Terminated):
         load_model_file(model)
+
+
+def test_a_terminated_command_says_so_in_one_line(capsys):
+    from hplan.planner.cli import _invoke
+    from hplan.runtime.errors import Terminated
+
+    def terminated() -> None:
+        raise Terminated(143)
+
+    assert _invoke(terminated) == 143
+    assert capsys.readouterr().err.strip() == "hplan: terminated"

@@ -181,3 +181,10 @@ def test_a_profile_of_another_model_is_refused_naming_both(tiny_gpt, tmp_path, c
     assert f"not on {path} (graph" in lines[0]
     graphs = re.findall(r"\(graph ([0-9a-f]{12})\)", lines[0])
     assert len(graphs) == 2 and graphs[0] != graphs[1]
+
+
+def test_a_profile_error_on_a_pipe_is_one_line_with_no_bar_residue(tmp_path, capsys):
+    code, _, err = _run(["profile", "--model", str(tmp_path / "nope.py")], capsys)
+    assert code == 2
+    assert err.splitlines() == [f"hplan: error: model file '{tmp_path / 'nope.py'}' does not "
+                                "exist; pass a path to model.py"]  # fmt: skip
