@@ -107,7 +107,7 @@ def test_a_trace_path_that_cannot_be_written_is_refused_before_any_work(tmp_path
     with pytest.raises(ConfigError, match="does not exist"):
         check_trace_path(tmp_path / "missing" / "trace.json")
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(ConfigError, match="'.*afile' is a file; choose another path"):
+    with pytest.raises(ConfigError, match=r"'.*afile' is a file; choose another path"):
         check_trace_path(tmp_path / "afile" / "trace.json")
     check_trace_path(tmp_path / "trace.json")
 
