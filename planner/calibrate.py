@@ -283,11 +283,12 @@ def rank_errors(plan: Plan, runs: Sequence[Run]) -> tuple[RankError, ...]:
                 samples["step"].append(r.step_time_s / run.time_scale)
                 samples["opt"].append(r.optimizer_time_s / run.time_scale)
                 samples["forward"].append(r.forward_time_s / run.time_scale)
+        compute_s = optimizer_s = forward_share = 0.0
         report = predicted.get(rank_plan.rank)
-        compute_s = report.busy_time_s if report is not None else 0.0
-        optimizer_s = report.optimizer_time_s if report is not None else 0.0
-        phases_s = 0.0 if report is None else report.forward_time_s + report.backward_time_s
-        forward_share = report.forward_time_s / phases_s if report and phases_s > 0 else 0.0
+        if report is not None:
+            compute_s, optimizer_s = report.busy_time_s, report.optimizer_time_s
+            phases_s = report.forward_time_s + report.backward_time_s
+            forward_share = report.forward_time_s / phases_s if phases_s > 0 else 0.0
         recorded = all(f > 0 for f in samples["forward"])
         errors.append(
             RankError(

@@ -17,7 +17,7 @@ charged for a ring of every device. The exact evaluator re-costs every scenario'
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -60,6 +60,10 @@ def _copy_counts(size: int) -> list[int]:
     return [*counts, size] if size >= 2 else []
 
 
+def _devices(classes: Sequence[DeviceClass], members: Iterable[int]) -> list[int]:
+    return [d for c in members for d in classes[c].devices]
+
+
 def _label(
     problem: PlanningProblem, classes: Sequence[DeviceClass], component: frozenset[int]
 ) -> str:
@@ -95,8 +99,9 @@ def _data_parallel(
     ]
     if size < 2 or not finite:
         return []
-    bw = min(x[0] for x in finite)
-    lat = max(x[1] for x in finite)
+    ring_bw, ring_lat = measured_ring(problem, _devices(classes, component))
+    bw = min(ring_bw, *(x[0] for x in finite))
+    lat = max(ring_lat, *(x[1] for x in finite))
     label = _label(problem, classes, component)
     multi_node = len({problem.device_nodes[d] for c in component for d in classes[c].devices}) > 1
     out = []
@@ -137,21 +142,21 @@ def allreduce_estimate_s(
     """The all-reduce time one copy of ``t`` is charged under ``scenario``."""
     if scenario.single_replica:
         return 0.0
-    ring_bw, ring_lat = measured_ring(
-        problem, [d for c in scenario.classes for d in classes[c].devices]
-    )
     n = scenario.max_copies
     if scenario.sync is SyncEstimate.WHOLE_MODEL:
         total = sum(t.stage_grad_bytes)
-        bw = min(scenario.bandwidth_bytes_per_s, ring_bw)
-        return ring_all_reduce_time_s(n, total, bw, max(scenario.latency_s, ring_lat))
+        return ring_all_reduce_time_s(n, total, scenario.bandwidth_bytes_per_s, scenario.latency_s)
+    floor = (  # the scenario's own figures already hold it; a stage-local link does not
+        measured_ring(problem, _devices(classes, scenario.classes))
+        if scenario.sync is SyncEstimate.STAGE_LOCAL
+        else None
+    )
     times = []
     for s, c in enumerate(t.classes):
         bw, lat = scenario.bandwidth_bytes_per_s, scenario.latency_s
-        if scenario.sync is SyncEstimate.STAGE_LOCAL:
+        if floor is not None:
             local_bw, local_lat = class_link(problem, classes, c, c)
             if math.isfinite(local_bw):
-                bw, lat = local_bw, local_lat
-        bw, lat = min(bw, ring_bw), max(lat, ring_lat)
+                bw, lat = min(local_bw, floor[0]), max(local_lat, floor[1])
         times.append(ring_all_reduce_time_s(n, t.stage_grad_bytes[s], bw, lat))
     return max(times, default=0.0)

@@ -6,8 +6,8 @@
   gradients only for those that need one); the all-reduce groups are the holder sets the
   runtime buckets by (``Report.grad_sync``; ties between stages included).
 - :func:`spec_from_layout`: from the solver's ``(PlanningProblem, Layout)``, with the
-  cost model's arrays (the same numbers as ``evaluate.py``; all-reduce groups per partition
-  unit as there, since the problem knows no tied parameters).
+  cost model's arrays (the same numbers as ``evaluate.py``; all-reduce groups by holder
+  set, tied parameters included, as there).
 
 Every micro-batch is charged the compute of a full micro-batch, as the cost model does and
 as a rehearsal of a GPU plan replays it; ``scale_partial_microbatches=True`` scales the

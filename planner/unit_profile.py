@@ -200,7 +200,8 @@ class _Profiler:
 
     def start_round(self) -> None:
         """Time every unit again (memory and optimizer are kept from the first round)."""
-        self.first_round = {**self.shared, **self.first_round}
+        if not self.first_round:
+            self.first_round = self.shared
         self.shared = {}
         self.optimizer_s = {}
 

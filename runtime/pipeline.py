@@ -194,7 +194,7 @@ class StepRunner:
             with self.timeline.span(WAIT, f"wait B.mb{mb.index} from s{stage + 1}"):
                 grads = state.comm.recv_grads(mb.index, mb.num_samples)
         sample = self._samples.get(mb.num_samples)
-        if sample is not None and sample.extra is mb:
+        if sample is not None and sample.microbatch is mb:
             sample.grads = {name: g.detach().clone() for name, g in grads.items()}
         with self._timed_compute(ActionKind.BACKWARD, mb):
             if self.recompute:
@@ -248,7 +248,7 @@ class StepRunner:
         if not compute.measure_warm or compute.warm is not None or mb.num_samples in self._samples:
             return
         kept = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in received.items()}
-        self._samples[mb.num_samples] = Sample(inputs, kept, extra=mb)
+        self._samples[mb.num_samples] = Sample(inputs, kept, mb)
 
     def measure_warm(self) -> WarmTimes:
         """Time this rank's stage back to back on the micro-batches kept from the first
@@ -258,7 +258,7 @@ class StepRunner:
         def forward(stage: Any, sample: Sample, received: dict[str, Tensor]) -> Any:
             with torch.enable_grad():
                 outputs = stage(sample.inputs, received)
-                loss = self._loss(outputs, sample.extra) if stage.is_last else None
+                loss = self._loss(outputs, sample.microbatch) if stage.is_last else None
             return outputs, loss
 
         def pairs(outputs: Any, loss: Any, grads: dict[str, Tensor]) -> Any:

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hplan.runtime.data import MicroBatch
+
 REPEATS = 9
 """Timed repetitions per micro-batch size (after one untimed); the least is taken."""
 
@@ -62,10 +64,10 @@ class Sample:
     """Graph inputs the stage reads."""
     received: dict[str, Tensor]
     """Boundary activations from the previous stage (detached copies)."""
+    microbatch: MicroBatch
+    """The micro-batch (its targets and size give a last stage's loss)."""
     grads: dict[str, Tensor] = field(default_factory=dict)
     """Gradients of the stage's outputs from the next stage (empty on a last stage)."""
-    extra: Any = None
-    """What the loss needs on a last stage (the micro-batch)."""
 
 
 ForwardFn = Callable[[torch.nn.Module, Sample, dict[str, Tensor]], tuple[dict[str, Any], Any]]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hplan.planner.api import SolveRequest, plan_training
+from hplan.runtime.data import MicroBatch
 from hplan.runtime.rehearse import rehearse
 from hplan.runtime.warm_compute import REPEATS, Sample, WarmTimes, measure_warm_times
 
@@ -33,10 +34,12 @@ def test_measuring_times_every_size_on_a_copy_and_leaves_the_run_untouched():
     torch.manual_seed(0)
     stage = _Stage()
     before = {n: p.detach().clone() for n, p in stage.named_parameters()}
-    x = torch.randn(4, 64, requires_grad=True)
     samples = {
         size: Sample(
-            {}, {"x": torch.randn(size, 64, requires_grad=True)}, {"h": torch.ones(size, 64)}
+            inputs={},
+            received={"x": torch.randn(size, 64, requires_grad=True)},
+            microbatch=MicroBatch(0, size, {}, None),
+            grads={"h": torch.ones(size, 64)},
         )
         for size in (2, 8)
     }
@@ -61,7 +64,7 @@ def test_measuring_times_every_size_on_a_copy_and_leaves_the_run_untouched():
     assert torch.equal(torch.get_rng_state(), rng)  # dropout drew from a forked stream
     assert all(p.grad is None for p in stage.parameters())
     assert all(torch.equal(p, before[n]) for n, p in stage.named_parameters())
-    assert x.grad is None and all(s.received["x"].grad is None for s in samples.values())
+    assert all(s.received["x"].grad is None for s in samples.values())
     again = measure_warm_times(
         stage, samples, forward, pairs, lambda p: torch.optim.AdamW(p, lr=0.1),
         recompute=True, device=torch.device("cpu"),
