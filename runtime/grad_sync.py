@@ -103,34 +103,50 @@ class GradBucket:
     group: dist.ProcessGroup
     params: list[tuple[str, nn.Parameter]]
     min_time_s: float
-    """Emulated lower bound on the all-reduce time (0 without emulation)."""
+    """Emulated all-reduce time, counted from the last holder's arrival (0 without
+    emulation)."""
 
     def all_reduce(self) -> None:
         """Sum the bucket's gradients over its holder set (float32 for half types).
 
+        Emulated (``min_time_s`` > 0): the holders first agree on the latest arrival (a
+        one-number MAX all-reduce; the machine's clock is shared) and each returns no
+        sooner than that plus ``min_time_s``, as a ring finishes on every holder at once.
+        Counted from each holder's own arrival instead, a holder that came early left as
+        soon as the real reduction was done and started its next all-reduce while the
+        late ones still slept (in a rehearsal of two two-stage replicas the tied
+        embeddings' ring ended 4.2 ms apart on its holders).
+
         Raises:
             PeerFailureError: a holder died or the all-reduce timed out.
         """
-        start_s = time.monotonic()
         grads = [_grad_or_zeros(p) for _, p in self.params]
         wire_dtype = _wire_dtype([g.dtype for g in grads])
         flat = torch.cat([g.reshape(-1).to(wire_dtype) for g in grads])
+        start_s = time.monotonic()
+        if self.min_time_s > 0:
+            arrival = torch.tensor([start_s], dtype=torch.float64, device=flat.device)
+            self._collective(arrival, dist.ReduceOp.MAX)
+            start_s = float(arrival.item())
+        self._collective(flat, dist.ReduceOp.SUM)
+        offset = 0
+        for (_, param), grad in zip(self.params, grads, strict=True):
+            numel = grad.numel()
+            param.grad = flat[offset : offset + numel].view_as(grad).to(grad.dtype).clone()
+            offset += numel
+        remaining_s = start_s + self.min_time_s - time.monotonic()
+        if remaining_s > 0:
+            time.sleep(remaining_s)
+
+    def _collective(self, tensor: Tensor, op: dist.ReduceOp) -> None:
         try:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(tensor, op=op, group=self.group)
         except RuntimeError as exc:
             raise PeerFailureError(
                 f"gradient all-reduce among ranks {list(self.ranks)} failed: "
                 f"{error_reason(exc)}; "
                 "check the logs of those ranks (one probably failed first)"
             ) from None
-        offset = 0
-        for (_, param), grad in zip(self.params, grads, strict=True):
-            numel = grad.numel()
-            param.grad = flat[offset : offset + numel].view_as(grad).to(grad.dtype).clone()
-            offset += numel
-        remaining_s = self.min_time_s - (time.monotonic() - start_s)
-        if remaining_s > 0:
-            time.sleep(remaining_s)
 
 
 def _grad_or_zeros(param: nn.Parameter) -> Tensor:

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import time
+import traceback
+from datetime import timedelta
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
 
 from hplan.runtime.collectives import ring_all_reduce_time_s
 from hplan.runtime.errors import PlanMismatchError
 from hplan.runtime.grad_sync import (
+    GradBucket,
     check_stage_parameters,
     group_ring_time_s,
     holder_sets,
     loss_weight,
     parameter_holders,
 )
+from hplan.runtime.local_ranks import free_port
 from hplan.runtime.plan import microbatch_sizes
 from tests.fixtures.sample_plans import mixed_plan
 
@@ -70,3 +81,59 @@ def test_a_stage_holding_other_parameters_than_the_plan_is_a_mismatch() -> None:
         check_stage_parameters(plan, 4, [*held, "blocks.0.ln_1.weight"])
     with pytest.raises(PlanMismatchError, match=r"lists parameter 'tok_emb\.weight' for rank 4"):
         check_stage_parameters(plan, 4, [n for n in held if n != "tok_emb.weight"])
+
+
+# --------------------------------------------------------------------------- 2 processes
+LATE_S = 0.4
+"""Rank 1 arrives at the emulated all-reduce this long after rank 0."""
+RING_S = 0.3
+"""The emulated all-reduce time."""
+
+
+def _emulated_all_reduce(rank: int, port: int, out_dir: str) -> None:
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=30),
+        )
+        weight = nn.Parameter(torch.zeros(3))
+        weight.grad = torch.full((3,), float(rank + 1))
+        bucket = GradBucket((0, 1), dist.group.WORLD, [("w", weight)], min_time_s=RING_S)
+        dist.barrier()
+        if rank == 1:
+            time.sleep(LATE_S)
+        arrived_s = time.monotonic()
+        bucket.all_reduce()
+        times = {"arrived_s": arrived_s, "left_s": time.monotonic(), "grad": weight.grad.tolist()}
+        (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(times))
+        dist.destroy_process_group()
+    except Exception:
+        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_an_emulated_all_reduce_ends_on_every_holder_a_ring_time_after_the_last_arrival(
+    tmp_path: Path,
+) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=_emulated_all_reduce, args=(r, port, str(tmp_path))) for r in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    errors = [p.read_text() for p in tmp_path.glob("error-*.txt")]
+    assert not errors, errors
+    early, late = (json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2))
+    assert early["grad"] == late["grad"] == [3.0, 3.0, 3.0]
+    assert late["arrived_s"] - early["arrived_s"] > LATE_S * 0.9
+    for times in (early, late):  # monotonic clocks are one clock on one machine
+        assert times["left_s"] >= late["arrived_s"] + RING_S
