@@ -37,7 +37,7 @@ from hplan.runtime.model_file import checked_loss
 from hplan.runtime.plan import MemoryStrategy, RankPlan, microbatch_sizes
 from hplan.runtime.schedule import Action, ActionKind, build_schedule
 from hplan.runtime.timeline import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
-from hplan.runtime.warm_compute import Sample, WarmTimes, measure_warm_times
+from hplan.runtime.warm_compute import Sample, WarmTimer
 
 if TYPE_CHECKING:
     from hplan.runtime.worker import RankState
@@ -110,7 +110,10 @@ class StepRunner:
         self._batches = state.source.microbatches(
             step, self.offset, state.rank_plan.num_samples, self.sizes
         )
-        for action in self.actions:
+        for index, action in enumerate(self.actions):
+            if state.comm.post_ahead:  # this action's receive, then the next one's
+                for upcoming in self.actions[index : index + 2]:
+                    self._post_recv(upcoming)
             self._run_action(action)
         with self.timeline.span(WAIT, "send completion"):
             state.comm.wait_sends()
@@ -144,6 +147,14 @@ class StepRunner:
         _sleep_until(start_s + max(floor_s, stretched_s))
         self.times.optimizer_s = time.monotonic() - start_s
         self.timeline.add(COMPUTE, "optimizer", start_s, start_s + self.times.optimizer_s)
+
+    def _post_recv(self, action: Action) -> None:
+        """Post the receive ``action`` will wait for, if any (``comm.py``: gloo only)."""
+        comm, mb = self.state.comm, self._batches[action.microbatch]
+        if action.kind is ActionKind.FORWARD and comm.prev is not None:
+            comm.post_activations_recv(mb.index, mb.num_samples)
+        elif action.kind is ActionKind.BACKWARD and comm.next is not None:
+            comm.post_grads_recv(mb.index, mb.num_samples)
 
     def _run_action(self, action: Action) -> None:
         if action.kind is ActionKind.FORWARD:
@@ -250,9 +261,9 @@ class StepRunner:
         kept = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in received.items()}
         self._samples[mb.num_samples] = Sample(inputs, kept, mb)
 
-    def measure_warm(self) -> WarmTimes:
-        """Time this rank's stage back to back on the micro-batches kept from the first
-        step (``warm_compute.measure_warm_times``); the kept micro-batches are dropped."""
+    def warm_timer(self) -> WarmTimer:
+        """A timer of this rank's stage, run back to back on the micro-batches kept from
+        the first step (``warm_compute.WarmTimer``); the kept micro-batches are dropped."""
         state = self.state
 
         def forward(stage: Any, sample: Sample, received: dict[str, Tensor]) -> Any:
@@ -265,7 +276,7 @@ class StepRunner:
             return self._backward_pairs(_InFlight({}, {}, outputs, loss), grads)
 
         samples, self._samples = self._samples, {}
-        return measure_warm_times(
+        return WarmTimer(
             state.stage,
             samples,
             forward,

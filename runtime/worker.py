@@ -46,7 +46,7 @@ from hplan.runtime.plan import Backend, Plan, RankPlan, SyncMode
 from hplan.runtime.stage import StageModule, build_stage
 from hplan.runtime.timeline import TimelineWriter
 from hplan.runtime.trace import TracedModel, bind_inputs, trace_model
-from hplan.runtime.warm_compute import WarmTimes
+from hplan.runtime.warm_compute import ROUNDS, WarmTimes
 
 
 @dataclass(frozen=True)
@@ -344,7 +344,12 @@ def build_rank(
         model_file, binder, plan.training.seed, plan.global_batch_size, plan.model.inputs
     )
     comm = StageComm(
-        rank, device, prev, next_, links=_emulated_links(plan, rank_plan, options.emulation)
+        rank,
+        device,
+        prev,
+        next_,
+        links=_emulated_links(plan, rank_plan, options.emulation),
+        post_ahead=(options.backend or plan.training.backend.value) == "gloo",
     )
     compute = compute_emulation(plan, rank_plan.rank, options.emulation)
     return RankState(
@@ -462,15 +467,19 @@ def run_rank(plan: Plan, rank: int, model_path: str | Path | None, options: RunO
 
 
 def _time_warm_compute(state: RankState, runner: StepRunner) -> None:
-    """The ranks take turns timing their stage back to back (``warm_compute.py``)."""
+    """The ranks take turns timing their stage back to back, ``warm_compute.ROUNDS`` turns
+    each (``warm_compute.py``)."""
     rank = state.rank_plan.rank
+    timer = runner.warm_timer()
     _barrier(rank, "warm compute timing")  # every rank idle before the first turn
-    for turn in range(state.plan.world_size):
-        if turn == rank:
-            warm = runner.measure_warm()
-            state.compute = replace(state.compute, warm=warm)
-            print(f"rank {rank}: {warm.describe()}", file=sys.stderr, flush=True)
-        _barrier(rank, "warm compute timing")
+    for _ in range(ROUNDS):
+        for turn in range(state.plan.world_size):
+            if turn == rank:
+                timer.time_round()
+            _barrier(rank, "warm compute timing")
+    warm = timer.result()
+    state.compute = replace(state.compute, warm=warm)
+    print(f"rank {rank}: {warm.describe()}", file=sys.stderr, flush=True)
 
 
 def _train_step(

@@ -115,8 +115,11 @@ def test_a_dtype_torch_lacks_is_a_plan_mismatch_on_the_wire() -> None:
 
 
 # --------------------------------------------------------------------------- 2 processes
-def _exchange(rank: int, port: int, out_dir: str) -> None:
-    """Rank 0 is a stage that sends; rank 1 the next stage that receives and sends grads."""
+def _exchange(rank: int, port: int, out_dir: str, post_ahead: bool) -> None:
+    """Rank 0 is a stage that sends; rank 1 the next stage that receives and sends grads.
+
+    With ``post_ahead`` both post receives before earlier ones complete (gloo matches them
+    by tag, whatever the order)."""
     try:
         dist.init_process_group(
             "gloo",
@@ -128,16 +131,30 @@ def _exchange(rank: int, port: int, out_dir: str) -> None:
         link = {1 - rank: EmulatedLink(1e-4, 1e8, time_scale=1.0)}
         cpu = torch.device("cpu")
         if rank == 0:
-            comm = StageComm(0, cpu, None, Boundary(1, SPECS, "cut after a"), links=link)
+            comm = StageComm(
+                0, cpu, None, Boundary(1, SPECS, "cut after a"), links=link, post_ahead=post_ahead
+            )
             sizes = (3, 1)
+            if post_ahead:
+                for mb, size in enumerate(sizes):
+                    posted = comm.post_grads_recv(mb, size)
+                    assert comm.post_grads_recv(mb, size) is posted  # posted once
             for mb, size in enumerate(sizes):
                 comm.send_activations(mb, size, _tensors(size, mb))
             grads = [comm.recv_grads(mb, size) for mb, size in enumerate(sizes)]
             comm.wait_sends()
             torch.save(grads, Path(out_dir) / "grads.pt")
         else:
-            comm = StageComm(1, cpu, Boundary(0, SPECS, "cut after a"), None, links=link)
-            received = [comm.recv_activations(mb, size) for mb, size in enumerate((3, 1))]
+            comm = StageComm(
+                1, cpu, Boundary(0, SPECS, "cut after a"), None, links=link, post_ahead=post_ahead
+            )
+            if post_ahead:  # micro-batch 1's receive first, then 0's, then complete both
+                ahead = comm.post_activations_recv(1, 1)
+                first = comm.recv_activations(0, 3)
+                assert comm.post_activations_recv(1, 1) is ahead  # still pending, posted once
+                received = [first, comm.recv_activations(1, 1)]
+            else:
+                received = [comm.recv_activations(mb, size) for mb, size in enumerate((3, 1))]
             for mb, (size, got) in enumerate(zip((3, 1), received, strict=True)):
                 (got["h"].sum() * 2 + got["hb"].float().sum() * 3).backward()
                 comm.send_grads(mb, size, got)
@@ -151,12 +168,15 @@ def _exchange(rank: int, port: int, out_dir: str) -> None:
         raise
 
 
+@pytest.mark.parametrize("post_ahead", [False, True], ids=["in-order", "posted-ahead"])
 def test_two_processes_exchange_boundary_tensors_bit_exactly_with_gradients_for_floats(
-    tmp_path: Path,
+    tmp_path: Path, post_ahead: bool
 ) -> None:
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_exchange, args=(r, port, str(tmp_path))) for r in range(2)]
+    procs = [
+        ctx.Process(target=_exchange, args=(r, port, str(tmp_path), post_ahead)) for r in range(2)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:

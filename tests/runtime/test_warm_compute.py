@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from hplan.planner.api import SolveRequest, plan_training
 from hplan.runtime.data import MicroBatch
 from hplan.runtime.rehearse import rehearse
-from hplan.runtime.warm_compute import REPEATS, Sample, WarmTimes, measure_warm_times
+from hplan.runtime.warm_compute import REPEATS, Sample, WarmTimer, WarmTimes
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "examples" / "gpt" / "model.py"
@@ -53,23 +54,32 @@ def test_measuring_times_every_size_on_a_copy_and_leaves_the_run_untouched():
         return [outputs["h"]], [grads["h"]]
 
     rng = torch.get_rng_state()
-    warm = measure_warm_times(
+    timer = WarmTimer(
         stage, samples, forward, pairs, lambda p: torch.optim.AdamW(p, lr=0.1),
         recompute=False, device=torch.device("cpu"),
     )  # fmt: skip
+    with pytest.raises(ValueError, match="no warm-compute round"):
+        timer.result()
+    rounds = [timer.time_round() for _ in range(3)]
+    warm = timer.result()
     assert set(warm.forward_s) == set(warm.backward_s) == {2, 8}
     assert all(v > 0 for v in (*warm.forward_s.values(), *warm.backward_s.values()))
     assert warm.optimizer_s > 0
-    assert len(calls) == 2 * (REPEATS + 1) and all(c is not stage for c in calls)
+    for size in (2, 8):  # each figure is the median of the rounds' figures
+        assert warm.forward_s[size] == sorted(r.forward_s[size] for r in rounds)[1]
+        assert warm.backward_s[size] == sorted(r.backward_s[size] for r in rounds)[1]
+    assert warm.optimizer_s == sorted(r.optimizer_s for r in rounds)[1]
+    assert len(calls) == 3 * 2 * (REPEATS + 1) and all(c is not stage for c in calls)
     assert torch.equal(torch.get_rng_state(), rng)  # dropout drew from a forked stream
     assert all(p.grad is None for p in stage.parameters())
     assert all(torch.equal(p, before[n]) for n, p in stage.named_parameters())
     assert all(s.received["x"].grad is None for s in samples.values())
-    again = measure_warm_times(
+    again = WarmTimer(
         stage, samples, forward, pairs, lambda p: torch.optim.AdamW(p, lr=0.1),
         recompute=True, device=torch.device("cpu"),
     )  # fmt: skip
-    assert again.backward_s[8] > again.forward_s[8]  # the recomputed forward is counted
+    again.time_round()
+    assert again.result().backward_s[8] > again.result().forward_s[8]  # recomputed forward
     assert "micro-batch 2: forward" in warm.describe()
 
 
