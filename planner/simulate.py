@@ -58,7 +58,7 @@ from hplan.planner.simtypes import (
     SimSyncGroup,
     SimulationResult,
 )
-from hplan.runtime.collectives import ring_all_reduce_time_s
+from hplan.runtime.collectives import ring_all_reduce_time_s, sync_order
 from hplan.runtime.plan import Schedule
 from hplan.runtime.schedule import Action, ActionKind, build_schedule
 
@@ -303,8 +303,9 @@ class _Engine:
         rank.clock_s = done_s
 
     def _all_reduce(self) -> None:
-        """Groups in the runtime's order (sorted holder sets), each blocking its members."""
-        for group in sorted(self.spec.sync_groups, key=lambda g: g.ranks):
+        """Groups in the runtime's order (``collectives.sync_order``), each blocking its
+        members."""
+        for group in sorted(self.spec.sync_groups, key=lambda g: sync_order(g.ranks)):
             members = [self.ranks[r] for r in group.ranks]
             latest = max(members, key=lambda m: (m.clock_s, -m.rank))
             start_s = latest.clock_s

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hplan.runtime.collectives import ring_all_reduce_time_s
+from hplan.runtime.collectives import ring_all_reduce_time_s, sync_order
 from hplan.runtime.comm import error_reason
 from hplan.runtime.errors import PeerFailureError, PlanMismatchError
 from hplan.runtime.plan import Plan
@@ -63,8 +63,10 @@ def _holders(plan: Plan, names_of: Callable[[str], Sequence[str]]) -> dict[str, 
 
 
 def holder_sets(plan: Plan) -> tuple[RankSet, ...]:
-    """Distinct holder sets of more than one rank, sorted: the process groups to create."""
-    return tuple(sorted({ranks for ranks in parameter_holders(plan).values() if len(ranks) > 1}))
+    """Distinct holder sets of more than one rank: the process groups to create, in the
+    order every rank all-reduces them (``collectives.sync_order``)."""
+    holders = {ranks for ranks in parameter_holders(plan).values() if len(ranks) > 1}
+    return tuple(sorted(holders, key=sync_order))
 
 
 def group_ring_time_s(plan: Plan, ranks: RankSet, nbytes: int) -> float:

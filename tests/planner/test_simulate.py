@@ -272,6 +272,31 @@ def test_replicas_wait_for_the_slowest_member_of_each_all_reduce() -> None:
     assert result.bubble_fraction == pytest.approx(2.0 / (2 * result.step_time_s))
 
 
+def test_the_set_every_replica_shares_is_all_reduced_first_then_the_stage_pairs_overlap() -> None:
+    # Two 2-stage replicas numbered as the solver does: stage 0 on ranks 0 and 1, stage 1 on
+    # ranks 2 and 3; {0,1,2,3} holds a tied weight. Sorted by ranks alone, {2,3} waited for
+    # {0,1} to end before {0,1,2,3} could start.
+    spec = SimSpec(
+        (
+            SimReplica((_stage(0, 1.0, 1.0, 1), _stage(2, 1.0, 1.0, 1)), (_link(1),), (1,)),
+            SimReplica((_stage(1, 1.0, 1.0, 1), _stage(3, 1.0, 1.0, 1)), (_link(1),), (1,)),
+        ),
+        (
+            SimSyncGroup((0, 1), 10.0, 5.0, 0.0),
+            SimSyncGroup((2, 3), 10.0, 5.0, 0.0),
+            SimSyncGroup((0, 1, 2, 3), 10.0, 5.0, 0.0),
+        ),
+    )
+    result = simulate(spec)
+    tied = _span(result, 0, "all-reduce ranks 0,1,2,3")
+    first, second = (
+        _span(result, 0, "all-reduce ranks 0,1"),
+        _span(result, 2, "all-reduce ranks 2,3"),
+    )
+    assert first[0] == second[0] == tied[1]  # both pairs start when the shared set ends
+    assert result.step_time_s == pytest.approx(first[1])
+
+
 # --------------------------------------------------------------------------- vs evaluate.py
 def _dp_layout(devices: int, shares: list[int], mbs: int, num_units: int) -> Layout:
     return Layout(

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hplan.runtime.collectives import ring_all_reduce_time_s
+from hplan.runtime.collectives import ring_all_reduce_time_s, sync_order
 from hplan.runtime.errors import PlanMismatchError
 from hplan.runtime.grad_sync import (
     GradBucket,
@@ -40,9 +40,12 @@ def test_a_tied_parameter_is_held_by_every_stage_that_uses_it_in_every_replica()
     assert holders["blocks.10.mlp.0.bias"] == (1, 4)  # both replicas' last stages
 
 
-def test_holder_sets_are_unique_sorted_and_skip_unshared_parameters() -> None:
+def test_holder_sets_are_unique_largest_first_and_skip_unshared_parameters() -> None:
     sets = holder_sets(mixed_plan())
-    assert list(sets) == sorted(set(sets))
+    assert list(sets) == sorted(set(sets), key=lambda s: (-len(s), s))
+    assert sets[0] == (0, 1, 2, 4)  # the set of every replica's first stage, before pairs
+    two_replicas = [(0, 1), (2, 3), (0, 1, 2, 3)]  # stage pairs and a tie (solver numbering)
+    assert sorted(two_replicas, key=sync_order) == [(0, 1, 2, 3), (0, 1), (2, 3)]
     assert (0, 1, 2, 4) in sets and (0, 2) in sets
     assert all(len(s) > 1 for s in sets)
 
