@@ -140,7 +140,7 @@ class GradBucket:
         if remaining_s > 0:
             time.sleep(remaining_s)
 
-    def _collective(self, tensor: Tensor, op: dist.ReduceOp) -> None:
+    def _collective(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
         try:
             dist.all_reduce(tensor, op=op, group=self.group)
         except RuntimeError as exc:
