@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,8 @@ from hplan.runtime.comm import (
     wire_buffer,
 )
 from hplan.runtime.errors import PlanFileError, PlanMismatchError
-from hplan.runtime.local_ranks import free_port
 from hplan.runtime.plan import DTYPE_BYTES, TensorSpec
+from tests.fixtures.processes import join_gloo, run_ranks
 
 HIDDEN = TensorSpec(name="h", shape=(1, 4, 3), dtype="float32", batch_dim=0, requires_grad=True)
 MASK = TensorSpec(name="mask", shape=(1, 4), dtype="bool", batch_dim=0, requires_grad=False)
@@ -121,13 +119,7 @@ def _exchange(rank: int, port: int, out_dir: str, post_ahead: bool) -> None:
     With ``post_ahead`` both post receives before earlier ones complete (gloo matches them
     by tag, whatever the order)."""
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=30),
-        )
+        join_gloo(rank, port)
         link = {1 - rank: EmulatedLink(1e-4, 1e8, time_scale=1.0)}
         cpu = torch.device("cpu")
         if rank == 0:
@@ -172,21 +164,7 @@ def _exchange(rank: int, port: int, out_dir: str, post_ahead: bool) -> None:
 def test_two_processes_exchange_boundary_tensors_bit_exactly_with_gradients_for_floats(
     tmp_path: Path, post_ahead: bool
 ) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=_exchange, args=(r, port, str(tmp_path), post_ahead)) for r in range(2)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=60)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-    errors = [p.read_text() for p in tmp_path.glob("error-*.txt")]
-    assert not errors, errors
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert run_ranks(_exchange, 2, tmp_path, post_ahead) == [0, 0]
     received, flags = torch.load(tmp_path / "received.pt")
     for mb, size in enumerate((3, 1)):
         expected = _tensors(size, mb)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import time
 import traceback
-from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
 
@@ -25,8 +23,8 @@ from hplan.runtime.grad_sync import (
     loss_weight,
     parameter_holders,
 )
-from hplan.runtime.local_ranks import free_port
 from hplan.runtime.plan import microbatch_sizes
+from tests.fixtures.processes import join_gloo, run_ranks
 from tests.fixtures.sample_plans import mixed_plan
 
 
@@ -95,13 +93,7 @@ RING_S = 0.3
 
 def _emulated_all_reduce(rank: int, port: int, out_dir: str) -> None:
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=30),
-        )
+        join_gloo(rank, port)
         weight = nn.Parameter(torch.zeros(3))
         weight.grad = torch.full((3,), float(rank + 1))
         bucket = GradBucket((0, 1), dist.group.WORLD, [("w", weight)], min_time_s=RING_S)
@@ -121,20 +113,7 @@ def _emulated_all_reduce(rank: int, port: int, out_dir: str) -> None:
 def test_an_emulated_all_reduce_ends_on_every_holder_a_ring_time_after_the_last_arrival(
     tmp_path: Path,
 ) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=_emulated_all_reduce, args=(r, port, str(tmp_path))) for r in range(2)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=60)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-    errors = [p.read_text() for p in tmp_path.glob("error-*.txt")]
-    assert not errors, errors
+    assert run_ranks(_emulated_all_reduce, 2, tmp_path) == [0, 0]
     early, late = (json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2))
     assert early["grad"] == late["grad"] == [3.0, 3.0, 3.0]
     assert late["arrived_s"] - early["arrived_s"] > LATE_S * 0.9
