@@ -32,6 +32,10 @@ the second step each rank stretches its own stage's warm CPU time, timed back to
 the first step (``runtime/warm_compute.py``; before, stretching each block's own CPU time
 put the error before calibration at +38..+44%).
 
+Last, the machine's own drift between the two rehearsals of each plan whose layout the
+calibration kept: after / before of each rank's warm CPU time of the same stage (-9.3% to
++9.3% within two minutes in seven runs on this project's 2-core VM).
+
     python bench/profile_accuracy.py [--steps 16] [--batch 24] [--keep DIR]
 """
 
@@ -41,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -151,6 +156,43 @@ def _print(
     return errors
 
 
+def _warm_ms(runs: Path) -> dict[int, float]:
+    """Rank -> its stage's warm forward + backward CPU ms (summed over micro-batch sizes),
+    from the ``warm compute (CPU ms) ...`` line of each rank's log."""
+    out = {}
+    for log in runs.glob("rank-*.log"):
+        line = next((x for x in log.read_text().splitlines() if "warm compute (CPU ms)" in x), "")
+        figures = re.findall(r"(?:forward|backward) ([0-9.]+)", line)
+        if figures:
+            out[int(log.stem.split("-")[1])] = sum(float(f) for f in figures)
+    return out
+
+
+def _print_drift(
+    before: dict[str, tuple[Plan, float, float, Path]],
+    after: dict[str, tuple[Plan, float, float, Path]],
+) -> None:
+    """The machine's drift between the two rehearsals of a plan the calibration left as it
+    was (same units, micro-batch sizes and shares per rank): after / before of each rank's
+    own warm CPU time of the same stage. No prediction can follow it; it says how much of an
+    error after calibration the machine made by itself."""
+    parts = []
+    for shape, (plan, _, _, runs) in before.items():
+        plan_after, _, _, runs_after = after[shape]
+        same = [(r.units, r.micro_batch_size, r.num_samples) for r in plan.ranks] == [
+            (r.units, r.micro_batch_size, r.num_samples) for r in plan_after.ranks
+        ]
+        was, now = _warm_ms(runs), _warm_ms(runs_after)
+        if not same or set(was) != set(now) or not was:
+            parts.append(f"{shape}: layout changed")
+            continue
+        drift = statistics.median(now[r] / was[r] for r in was)
+        parts.append(f"{shape}: {(drift - 1) * 100:+.1f}%")
+    console.print(
+        "machine drift (each rank's warm stage time, after / before): " + ", ".join(parts)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
@@ -187,6 +229,7 @@ def main() -> None:
     console.print(f"calibration: {corrections}; stragglers: {stragglers or 'none'}")
     after = _measure(work, "after", work / "calibrated", args)
     after_errors = _print("after one calibrate (pooled over the three runs)", after)
+    _print_drift(before, after)
     for k, source in enumerate(("cost model (report.predicted)", "simulator (report.simulated)")):
         worst_before = max(abs(e) for e in before_errors[k])
         worst_after = max(abs(e) for e in after_errors[k])
