@@ -303,7 +303,10 @@ def run(ctx: click.Context, plan_path: Path) -> None:
 @click.option(
     "--dilation",
     type=float,
-    help="Global time-dilation factor (default: chosen so the emulation fits this machine's cores).",
+    help=(
+        "Global time-dilation factor (default: at least 4, more where the ranks' CPU demand "
+        "needs it to fit this machine's cores; larger is more faithful and slower)."
+    ),
 )
 @click.option(
     "--time-scale",

@@ -19,6 +19,7 @@ from hplan.runtime.errors import ModelFileError, PeerFailureError, RehearsalChil
 from hplan.runtime.model_file import checked_loss, load_model_file
 from hplan.runtime.plan import Backend, Plan
 from hplan.runtime.rehearse import (
+    MIN_DILATION,
     default_dilation,
     default_time_scale,
     predicted_samples_per_s,
@@ -105,8 +106,9 @@ def test_two_different_gpt_replicas_equal_one_single_process_step(tmp_path: Path
 def test_dilation_fits_the_cpu_demand_of_all_ranks_into_the_cores() -> None:
     plan = _gpt_plan()
     assert rank_speeds(plan) == [1.0, 1.0, 0.5]
-    assert default_dilation(plan, 2, margin=1.0) == pytest.approx(2.5 / 2)
-    assert default_dilation(plan, 16) == 1.0  # never faster than real time
+    assert default_dilation(plan, 1, margin=2.0) == pytest.approx(2.0 * 2.5 / 1)
+    assert default_dilation(plan, 2) == MIN_DILATION  # demand 1.56, raised to the floor
+    assert default_dilation(plan, 16) == MIN_DILATION
     assert default_time_scale(plan, 2.0, 0.5) == 2.0  # placeholder report: dilation alone
     assert predicted_samples_per_s(plan, 2.0) is None
 
