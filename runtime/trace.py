@@ -88,10 +88,16 @@ class TracedModel:
     """Module path (``""`` is the root) -> qualified class name, for every module."""
 
     def fingerprint(self) -> str:
-        """sha256 hex of (op, name, target) of every node; stable across runs."""
+        """sha256 hex of (op, name, target) of every node and of the name, shape and dtype
+        of every parameter and buffer; stable across runs. The tensors count because a
+        model's sizes need not change its graph: the GPT example at width 128 traces to the
+        same nodes as at width 64, and a plan made for one ran the other unnoticed."""
         digest = hashlib.sha256()
         for node in self.graph_module.graph.nodes:
             digest.update(f"{node.op}\t{node.name}\t{target_name(node.target)}\n".encode())
+        tensors = [*self.graph_module.named_parameters(), *self.graph_module.named_buffers()]
+        for name, tensor in tensors:
+            digest.update(f"{name}\t{tuple(tensor.shape)}\t{tensor.dtype}\n".encode())
         return digest.hexdigest()
 
 

@@ -299,7 +299,8 @@ def _retrace(plan: Plan, model_file: ModelFile) -> tuple[TracedModel, Binder]:
         raise PlanMismatchError(
             f"the model traced from {model_file.path} has graph fingerprint "
             f"{traced.fingerprint()[:12]}, the plan was made for "
-            f"{plan.model.graph_fingerprint[:12]}; re-run `hplan solve` with this model file"
+            f"{plan.model.graph_fingerprint[:12]} (its graph or its parameter shapes differ); "
+            "re-run `hplan solve` with this model file"
         )
     return traced, _binder(model)
 

@@ -82,6 +82,21 @@ def test_examples_trace_symbolically_and_retrace_to_the_same_fingerprint(name):
     assert torch.equal(exported.graph_module(**inputs), model(**inputs))
 
 
+def test_fingerprint_changes_with_a_models_sizes_even_when_its_graph_does_not(monkeypatch):
+    model_file = fx.example_model_file("gpt")
+    prints = {}
+    for width in ("64", "128", "64"):
+        monkeypatch.setenv("HPLAN_GPT_WIDTH", width)
+        model = model_file.build_model()
+        inputs = bind_inputs(model, model_file.sample_batch(2)[0])
+        traced = trace_model(model, inputs)
+        nodes = [(n.op, n.name) for n in traced.graph_module.graph.nodes]
+        prints.setdefault(width, set()).add((traced.fingerprint(), tuple(nodes)))
+    (narrow,), (wide,) = prints["64"], prints["128"]  # the same print at the same size
+    assert narrow[1] == wide[1]  # the same nodes ...
+    assert narrow[0] != wide[0]  # ... but not the same model
+
+
 def test_fingerprint_changes_with_the_model_and_is_stable_across_processes():
     code = (
         "import torch\n"
