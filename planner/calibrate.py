@@ -215,6 +215,11 @@ def load_runs(runs_dir: Path) -> tuple[Run, ...]:
     Raises:
         ConfigError: no metrics anywhere, or an unreadable emulation record.
     """
+    if runs_dir.exists() and not runs_dir.is_dir():
+        raise ConfigError(
+            f"runs folder {str(runs_dir)!r} is a file; give the folder a run's --metrics-dir "
+            "wrote (it holds rank-*.jsonl)"
+        )
     if not runs_dir.is_dir():
         raise ConfigError(f"runs folder {str(runs_dir)!r} does not exist; give a --metrics-dir")
     folders = [runs_dir] if any(runs_dir.glob("rank-*.jsonl")) else sorted(runs_dir.iterdir())

@@ -33,6 +33,10 @@ def parse_versioned(
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{what} {source!r} is not valid JSON ({exc}); {fix}") from None
     found = data.get("schema_version") if isinstance(data, dict) else None
+    if found is None:
+        raise ConfigError(
+            f"{source!r} is not an hplan {what} (a JSON object with a schema_version); {fix}"
+        )
     if found != version:
         raise ConfigError(
             f"{what} {source!r} has schema_version {found!r}, this hplan reads {version}; {fix}"

@@ -215,6 +215,10 @@ def test_calibrate_cli_prints_the_table_and_writes_the_profile(plan, tmp_path):
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(plan.to_json(), encoding="utf-8")
     assert len(load_runs(tmp_path / "runs")) == 1
+    with pytest.raises(ConfigError, match="is a file; give the folder"):
+        load_runs(plan_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_runs(tmp_path / "nowhere")
     out = tmp_path / "cal"
     result = CliRunner().invoke(
         cli, ["calibrate", str(plan_path), str(tmp_path / "runs"), "-o", str(out), "--json"]

@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from pydantic import TypeAdapter
 
 from hplan.planner.profile import (
     DeviceFactor,
@@ -19,6 +20,7 @@ from hplan.planner.profile import (
 )
 from hplan.planner.profiler import profile_file_name
 from hplan.runtime.errors import ConfigError
+from hplan.runtime.versioned_json import parse_versioned
 
 MODEL = ModelRef(path="model.py", sha256="a" * 64, graph_fingerprint="f" * 64, units=("u0", "u1"))
 
@@ -158,3 +160,11 @@ def test_bad_profile_files_are_one_line_config_errors(text, needle):
 def test_profile_file_names_are_safe_for_any_device_key():
     assert profile_file_name("box", "cpu") == "box-cpu.json"
     assert profile_file_name("box", "rtx3090#GPU-1/2") == "box-rtx3090_GPU-1_2.json"
+
+
+@pytest.mark.parametrize("text", ['{"x": 1}', "[1, 2]"])
+def test_json_that_is_no_hplan_file_is_named_as_such(text: str) -> None:
+    with pytest.raises(ConfigError, match=r"'bw.json' is not an hplan profile .*; run it"):
+        parse_versioned(
+            text, TypeAdapter(dict), what="profile", source="bw.json", version=1, fix="run it"
+        )
