@@ -100,8 +100,9 @@ def read_study_plan(path: str | Path) -> StudyPlan:
             max_mem_bytes=int(raw["max_mem"]),
         )
     except (ValueError, KeyError, TypeError, IndexError) as exc:
+        reason = f"no key {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
         raise ConfigError(
-            f"study plan {str(path)!r} is not a Sailor plan_config file ({exc!r}); check the file"
+            f"study plan {str(path)!r} is not a Sailor plan_config file ({reason}); check the file"
         ) from None
     if not plan.replicas or plan.gbs % plan.dp:
         raise ConfigError(f"{name}: gbs {plan.gbs} cannot be shared by {plan.dp} replicas")

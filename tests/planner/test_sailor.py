@@ -329,3 +329,17 @@ def test_plan_of_two_pipelines_with_an_unmeasured_link_imports(  # type: ignore[
     assert {g.ranks for g in groups} == {(0, 2), (1, 2)}
     assert sum(g.num_bytes for g in groups) == sum(data.params_floats(u, 1) for u in range(26)) * 4
     assert simulate(study_sim_spec(data, study, plan)).step_time_s > 0
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [("not json", "(Expecting value: line 1"), ('{"zone": "x"}', "(no key 'pipeline_list')")],
+)
+def test_a_file_that_is_no_study_plan_is_one_line_naming_why(tmp_path, text, reason):
+    from hplan.planner.sailor_study import read_study_plan
+
+    path = tmp_path / "plan_config_1.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match="is not a Sailor plan_config file") as info:
+        read_study_plan(path)
+    assert reason in str(info.value) and "Error(" not in str(info.value)
