@@ -82,7 +82,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError(
             f"model file {str(path)!r} lacks {', '.join(missing)}; define "
             + ", ".join(f"{m}()" for m in missing)
-            + " (see README: model-file convention)"
+            + " (see README: What you give it)"
         )
     leaves = getattr(module, "LEAF_MODULES", ())
     if isinstance(leaves, str) or not all(isinstance(x, str) for x in leaves):

@@ -316,7 +316,7 @@ def _resolve_leaves(model: nn.Module, leaf_modules: Sequence[str]) -> tuple[str,
         if not matches:
             raise TraceError(
                 f"leaf module {entry!r} matches no module path or class name of "
-                f"{type(model).__name__}; fix LEAF_MODULES in model.py"
+                f"{type(model).__name__}; fix LEAF_MODULES in model.py or --leaf-module"
             )
         paths.extend(matches)
     return tuple(dict.fromkeys(paths))
