@@ -12,13 +12,13 @@ machine's cores at the catalog cpu speed, so rehearsal runs real compute):
    stretched to D x its real CPU time, links to D x their measured time, so one second of
    the plan's hardware (this machine) is D emulated seconds and the prediction in emulated
    units is ``predicted_step_time_s * D``. (The rehearsal's default time scale divides by
-   its own CPU timing of the model and would hide a wrong profile.) D defaults to 16, far
-   more than the rehearsal's own default (1.25 x ranks / cores): what the rehearsal does
-   in real time besides the stretched compute and links (Python, gloo's hand-overs, the
-   processes' wake-ups on 2 shared cores; ~12 ms per step of the 3-stage plan here) counts
-   only 1/D in the plan's seconds. Rehearsing one 3-stage plan (before gloo receives were
-   posted ahead), the step exceeded its slowest stage's compute by 9.5, 8.1 and 7.2 ms at
-   D = 4, 8 and 16 (6.2 ms simulated).
+   its own CPU timing of the model and would hide a wrong profile.) D defaults to 16, more
+   than the rehearsal's own default (at least 4, and 1.25 x ranks / cores): what the
+   rehearsal does in real time besides the stretched compute and links (Python, gloo's
+   hand-overs, the processes' wake-ups on 2 shared cores; ~12 ms per step of the 3-stage
+   plan here, fitted to the gaps below) counts only 1/D in the plan's seconds. Rehearsing
+   one 3-stage plan (before gloo receives were posted ahead), the step exceeded its slowest
+   stage's compute by 9.5, 8.1 and 7.2 ms at D = 4, 8 and 16 (6.2 ms simulated).
 4. ``hplan calibrate`` (the library call, pooling the three runs) corrects the profile;
    each plan is re-solved with it and rehearsed again.
 

@@ -81,8 +81,8 @@ MIN_DILATION = 4.0
 """The least default dilation. What a rehearsal does in real time besides the emulated
 compute and links (Python, gloo's hand-overs, process wake-ups) counts 1/dilation in the
 plan's seconds: the demo's GPU plan on 2 cores measured 0.83, 0.94, 0.98, 0.98 of its
-prediction at dilation 1.25 (the demand alone), 4, 8 and 16 (0.45 with a test suite beside
-it at 1.25), in 6.7, 7.6, 10.2 and 13.4 s."""
+prediction at dilation 1.25 (the demand alone), 4, 8 and 16, in 6.7, 7.6, 10.2 and 13.4 s
+(a new user's trial on the same machine saw 0.45 at 1.25)."""
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,11 @@ class RankState:
 
 
 # --------------------------------------------------------------------------- process group
+def run_backend(plan: Plan, options: RunOptions) -> str:
+    """The process-group backend of this run: ``options.backend``, else the plan's."""
+    return options.backend or plan.training.backend.value
+
+
 def init_distributed(plan: Plan, rank: int, options: RunOptions) -> None:
     """Join the job at ``<master_host>:<master_port + 1>`` (see :func:`join.join_job`).
 
@@ -140,7 +145,7 @@ def init_distributed(plan: Plan, rank: int, options: RunOptions) -> None:
         rank,
         host=options.master_host or training.master_host,
         port=port + 1,
-        backend=options.backend or training.backend.value,
+        backend=run_backend(plan, options),
     )
 
 
@@ -150,9 +155,7 @@ def check_environment(plan: Plan, rank: int, options: RunOptions) -> None:
     Raises:
         EnvironmentProblemError: the plan needs NCCL or a GPU that this machine lacks.
     """
-    check_machine(
-        plan, rank, backend=options.backend or plan.training.backend.value, device=options.device
-    )
+    check_machine(plan, rank, backend=run_backend(plan, options), device=options.device)
 
 
 # --------------------------------------------------------------------------- building
@@ -207,8 +210,8 @@ class ComputeEmulation:
     rank times its own stage back to back (``warm_compute.py``) and each block lasts
     ``stretch`` x that warm time of its phase and micro-batch size (a block after the
     emulation's sleeps runs colder than on a dedicated core). The emulated device is a
-    CPU, so its real compute is the right model. *Modelled* (GPU plans, NCCL): each forward, backward and optimizer
-    step lasts at least ``time_scale`` x the planner's prediction for this rank
+    CPU, so its real compute is the right model. *Modelled* (GPU plans, NCCL): each
+    forward, backward and optimizer step lasts at least ``time_scale`` x the planner's prediction for this rank
     (``RankReport.forward_time_s`` ...). A CPU cannot show a GPU's behaviour (launch
     overhead amortised by larger micro-batches, tensor-core peaks), so the plan's hardware
     model is replayed and the runtime's schedule, transfers and synchronisation are
@@ -295,10 +298,11 @@ def _retrace(plan: Plan, model_file: ModelFile) -> tuple[TracedModel, Binder]:
     traced = trace_model(
         model, example, leaf_modules=plan.model.leaf_modules, method=plan.model.trace_method
     )
-    if traced.fingerprint() != plan.model.graph_fingerprint:
+    fingerprint = traced.fingerprint()
+    if fingerprint != plan.model.graph_fingerprint:
         raise PlanMismatchError(
             f"the model traced from {model_file.path} has graph fingerprint "
-            f"{traced.fingerprint()[:12]}, the plan was made for "
+            f"{fingerprint[:12]}, the plan was made for "
             f"{plan.model.graph_fingerprint[:12]} (its graph or its parameter shapes differ); "
             "re-run `hplan solve` with this model file"
         )
@@ -350,7 +354,7 @@ def build_rank(
         prev,
         next_,
         links=_emulated_links(plan, rank_plan, options.emulation),
-        post_ahead=(options.backend or plan.training.backend.value) == "gloo",
+        post_ahead=run_backend(plan, options) == "gloo",
     )
     compute = compute_emulation(plan, rank_plan.rank, options.emulation)
     return RankState(
