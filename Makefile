@@ -27,7 +27,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check planner runtime templates tests bench examples
 
 typecheck: setup
-	$(VENV)/bin/mypy planner runtime
+	$(VENV)/bin/mypy  # the packages in pyproject.toml, through the hplan/ links
 
 # The shaped-link test (tests/runtime/test_bandwidth.py) needs `ip` and `tc` (Debian's iproute2)
 # and root. As root with apt-get, a missing iproute2 is installed; otherwise (not root, no

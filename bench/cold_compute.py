@@ -11,7 +11,7 @@ idle vCPU go cold) - most of the 1.35x that ``hplan calibrate`` learned from a r
 at dilation 4 of a plan profiled back to back. A single factor measured this way did not
 hold inside a rehearsal (forwards ran colder than backwards, and the other ranks evict the
 caches too), so from the second step each rank stretches the warm CPU time of its own
-stage, measured back to back after the first step (``runtime/warm_compute.py``).
+stage, measured back to back after the first step (``runtime/rehearsal/warm_compute.py``).
 
     python bench/cold_compute.py [--batch 8] [--repeats 15]
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from common import GPT, console, table
 
-from hplan.runtime.model_file import load_model_file
-from hplan.runtime.trace import bind_inputs
+from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.capture.trace import bind_inputs
 
 
 def main() -> None:

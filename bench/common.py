@@ -18,7 +18,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt" / "model.py"
 CLUSTERS = ROOT / "examples" / "clusters"
-HPLAN = [sys.executable, "-c", "from hplan.planner.cli import main; main()"]
+HPLAN = [sys.executable, "-c", "from hplan.planner.cli.main import main; main()"]
 console = Console(width=160)
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt" / "model.py"
-HPLAN = [sys.executable, "-c", "from hplan.planner.cli import main; main()"]
+HPLAN = [sys.executable, "-c", "from hplan.planner.cli.main import main; main()"]
 CHILD_TIMEOUT_S = 300
 NCCL_TIMEOUT_S = 90
 
@@ -64,7 +64,7 @@ def tail(text: str | bytes, lines: int = 6) -> str:
 
 # ------------------------------------------------------------------------------ steps
 def step_discovery():
-    from hplan.planner.devices import discover_devices, iter_details
+    from hplan.planner.hardware.discovery import discover_devices, iter_details
 
     found = discover_devices()
     for line in iter_details(found):
@@ -78,7 +78,7 @@ def step_discovery():
 def step_microbench(found) -> None:
     import torch
 
-    from hplan.planner.microbench import benchmark_device
+    from hplan.planner.profiling.microbench import benchmark_device
 
     for gpu in found.usable_gpus:
         started = time.monotonic()
@@ -109,7 +109,7 @@ def step_unit_profile(out: Path, env: dict[str, str]) -> Path | None:
     if proc.returncode != 0:
         say("unit profile", "FAIL", f"exit {proc.returncode}: {tail(proc.stderr)}")
         return None
-    from hplan.planner.profile import Profile
+    from hplan.planner.profiling.profile_file import Profile
 
     profile = Profile.load(prof)
     for size in sorted({t.micro_batch_size for t in profile.unit_timings}):
@@ -168,8 +168,8 @@ def step_runtime(out: Path, env: dict[str, str], found, prof: Path | None) -> No
         f"{report['predicted_step_time_s'] * 1e3:.2f} ms, costs from {report['cost_source']} "
         f"(ranks: {sources})",
     )
-    from hplan.runtime.join import rank_device
-    from hplan.runtime.plan import Plan
+    from hplan.runtime.contract.plan import Plan
+    from hplan.runtime.executor.rendezvous import rank_device
 
     loaded = Plan.load(plan_dir / "plan.json")
     say("runtime: rank device", "PASS", str(rank_device(loaded, loaded.ranks[0], None)))

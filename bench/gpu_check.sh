@@ -16,7 +16,7 @@ PY="${PYTHON:-}"
 if [[ -z "$PY" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi
 fi
-if ! "$PY" -c "import hplan.planner.devices" 2>/dev/null; then
+if ! "$PY" -c "import hplan.planner.hardware.discovery" 2>/dev/null; then
   SHIM="$(mktemp -d)"
   trap 'rm -rf "$SHIM"' EXIT
   mkdir -p "$SHIM/hplan"

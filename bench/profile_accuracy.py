@@ -29,7 +29,7 @@ time and both errors, before and after. Targets: within 15% before calibration, 
 emulation's sleeps runs colder than the profile's back-to-back timing
 (``bench/cold_compute.py``: 1.24-1.28x CPU time after a sleep of 3x, i.e. at D = 4), so from
 the second step each rank stretches its own stage's warm CPU time, timed back to back after
-the first step (``runtime/warm_compute.py``; before, stretching each block's own CPU time
+the first step (``runtime/rehearsal/warm_compute.py``; before, stretching each block's own CPU time
 put the error before calibration at +38..+44%).
 
 Last, the machine's own drift between the two rehearsals of each plan whose layout the
@@ -53,10 +53,10 @@ from pathlib import Path
 
 from common import GPT, HPLAN, console, table
 
-from hplan.planner.calibrate import calibrate, load_runs, write_profile
-from hplan.planner.profile import Profile
-from hplan.runtime.plan import Plan
-from hplan.runtime.rehearse import DILATION_MARGIN
+from hplan.planner.profiling.calibrate import calibrate, load_runs, write_profile
+from hplan.planner.profiling.profile_file import Profile
+from hplan.runtime.contract.plan import Plan
+from hplan.runtime.rehearsal.rehearse import DILATION_MARGIN
 
 CLUSTERS = {
     "data parallel": ("three-cpu", [("", 3)], []),

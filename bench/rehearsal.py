@@ -20,9 +20,13 @@ from pathlib import Path
 
 from common import CLUSTERS, GPT, HPLAN, console, solve, table
 
-from hplan.runtime.model_file import load_model_file
-from hplan.runtime.plan import Plan
-from hplan.runtime.rehearse import default_dilation, default_time_scale, measure_cpu_time_per_sample
+from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.contract.plan import Plan
+from hplan.runtime.rehearsal.rehearse import (
+    default_dilation,
+    default_time_scale,
+    measure_cpu_time_per_sample,
+)
 
 
 def _one_emulation(plans: list[Plan]) -> tuple[float, float]:

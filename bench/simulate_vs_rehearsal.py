@@ -44,14 +44,14 @@ from pathlib import Path
 from common import CLUSTERS, GPT, HPLAN, console, solve, table, write_cluster
 
 from hplan.planner import api
-from hplan.planner.evaluate import evaluate
-from hplan.planner.layout import Layout, ReplicaLayout, StageLayout
-from hplan.planner.problem import PlanningProblem
-from hplan.planner.simspec import spec_from_plan
-from hplan.planner.simulate import SimSpec, simulate
-from hplan.planner.solve import SolveResult
-from hplan.runtime.plan import Plan, SolverStatus
-from hplan.runtime.rehearse import default_dilation
+from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.sim.engine import SimSpec, simulate
+from hplan.planner.sim.spec import spec_from_plan
+from hplan.planner.solve.solver import SolveResult
+from hplan.runtime.contract.plan import Plan, SolverStatus
+from hplan.runtime.rehearsal.rehearse import default_dilation
 
 DP_GPUS = """\
 name: dp-4090-3090
@@ -134,7 +134,7 @@ def _mixed_layout(problem: PlanningProblem) -> Layout:
 
 def _hand_layout(out: Path) -> Path:
     """Plan the hand-made mixed layout with hplan's own cost model, report and emitter."""
-    from hplan.planner.emit import emit
+    from hplan.planner.emit.artifacts import emit
 
     def decide(problem: PlanningProblem, _request: api.SolveRequest) -> SolveResult:
         layout = _mixed_layout(problem)

@@ -16,7 +16,7 @@ import time
 
 from common import console, table
 
-from hplan.planner.simulate import (
+from hplan.planner.sim.engine import (
     SimChannel,
     SimLink,
     SimReplica,
@@ -25,7 +25,7 @@ from hplan.planner.simulate import (
     SimSyncGroup,
     simulate,
 )
-from hplan.runtime.plan import Schedule
+from hplan.runtime.contract.plan import Schedule
 
 SHAPES = ((1, 64, 32), (8, 8, 32), (16, 4, 32), (64, 1, 32), (8, 8, 128))
 """(replicas, stages, micro-batches)."""

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from common import GPT, HPLAN, console, table
 
-from hplan.runtime.plan import Plan
+from hplan.runtime.contract.plan import Plan
 
 CLUSTER = """\
 name: three-cpu

@@ -2,7 +2,7 @@
 
 Each step is a pure function of the previous step's value (see the design card):
 load -> trace and cost graph -> cluster -> planning problem -> solve -> report -> plan.
-The CLI calls ``plan_training`` and ``hplan.planner.emit.emit``; nothing else plans.
+The CLI calls ``plan_training`` and ``hplan.planner.emit.artifacts.emit``; nothing else plans.
 """
 
 from __future__ import annotations
@@ -14,29 +14,29 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from hplan.planner.bandwidth import load_measured_links
-from hplan.planner.baselines import data_parallel_equal, uniform_pipeline
-from hplan.planner.build import build_plan, model_spec
-from hplan.planner.catalog import DeviceClass
-from hplan.planner.cluster import Cluster, Device, load_cluster, to_cluster_spec
-from hplan.planner.costgraph import ModelGraph, build_model_graph
-from hplan.planner.costmodel import (
+from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem_builder import (
     RooflineSource,
     UnitTimeSource,
     build_problem,
     optimizer_state_factor,
 )
-from hplan.planner.evaluate import evaluate
-from hplan.planner.measured import load_measured_source, source_labels
-from hplan.planner.modelcheck import check_trains
-from hplan.planner.problem import PlanningProblem
-from hplan.planner.report import build_report, with_cost_sources
-from hplan.planner.search import SolveOptions
-from hplan.planner.simspec import param_wire_bytes, with_simulation
-from hplan.planner.solve import SolveResult, solve
-from hplan.runtime.errors import ConfigError, InfeasiblePlanError
-from hplan.runtime.model_file import load_model_file
-from hplan.runtime.plan import Backend, Plan, Schedule, SolverStatus, TrainingSpec
+from hplan.planner.cost.profiled_times import load_measured_source, source_labels
+from hplan.planner.emit.plan_build import build_plan, model_spec
+from hplan.planner.emit.report import build_report, with_cost_sources
+from hplan.planner.frontend.cost_graph import ModelGraph, build_model_graph
+from hplan.planner.frontend.trains_check import check_trains
+from hplan.planner.hardware.catalog import DeviceClass
+from hplan.planner.hardware.cluster import Cluster, Device, load_cluster, to_cluster_spec
+from hplan.planner.hardware.measured_links import load_measured_links
+from hplan.planner.sim.spec import param_wire_bytes, with_simulation
+from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.solve.search import SolveOptions
+from hplan.planner.solve.solver import SolveResult, solve
+from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
+from hplan.runtime.contract.plan import Backend, Plan, Schedule, SolverStatus, TrainingSpec
 
 
 class Strategy(StrEnum):

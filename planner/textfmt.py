@@ -11,8 +11,8 @@ import re
 import textwrap
 from collections.abc import Sequence
 
-from hplan.planner.quantities import BYTES_PER_GB, BYTES_PER_KB, BYTES_PER_MB, MS_PER_S
-from hplan.runtime.plan import CutSpec, RankPlan, microbatch_sizes
+from hplan.runtime.contract.plan import CutSpec, RankPlan, microbatch_sizes
+from hplan.runtime.contract.quantities import BYTES_PER_GB, BYTES_PER_KB, BYTES_PER_MB, MS_PER_S
 
 _DECIMAL_UNITS = ((BYTES_PER_GB, "GB"), (BYTES_PER_MB, "MB"), (BYTES_PER_KB, "kB"))
 _NUMBERED = re.compile(r"^(?P<prefix>.*)\.(?P<idx>\d+)$")
@@ -85,7 +85,7 @@ def batch_share(rank: RankPlan) -> str:
     """A replica's batch share as samples and micro-batches.
 
     ``24 (4×6)``: 24 samples in 6 micro-batches of 4. ``16 (3×5+1)``: 16 samples in 5
-    micro-batches of 3 and one of 1 (see :func:`hplan.runtime.plan.microbatch_sizes`).
+    micro-batches of 3 and one of 1 (see :func:`hplan.runtime.contract.plan.microbatch_sizes`).
     """
     sizes = microbatch_sizes(rank.num_samples, rank.micro_batch_size)
     full = sum(1 for s in sizes if s == rank.micro_batch_size)

@@ -39,7 +39,7 @@ def test_running_a_rank_loads_no_planner_module_and_no_nvml():
     code = (
         "import sys, torch\n"
         "before = set(sys.modules)\n"
-        "import hplan.runtime.__main__, hplan.runtime.rehearse, hplan.runtime.worker\n"
+        "import hplan.runtime.__main__, hplan.runtime.rehearsal.rehearse, hplan.runtime.executor.worker\n"
         "added = set(sys.modules) - before\n"
         "bad = sorted(m for m in added if m.startswith('hplan.planner') or 'nvml' in m)\n"
         "nvml = sys.modules.get('pynvml')\n"
@@ -50,6 +50,6 @@ def test_running_a_rank_loads_no_planner_module_and_no_nvml():
 
 
 def test_importing_the_cli_does_not_initialise_nvml_or_torch():
-    code = "import sys, hplan.planner.cli\nprint(sorted(m for m in sys.modules if 'nvml' in m or m == 'torch'))\n"
+    code = "import sys, hplan.planner.cli.main\nprint(sorted(m for m in sys.modules if 'nvml' in m or m == 'torch'))\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

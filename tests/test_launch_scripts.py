@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from hplan.planner.cli import main
-from hplan.runtime.plan import Plan
+from hplan.planner.cli.main import main
+from hplan.runtime.contract.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = ROOT / "examples" / "mlp" / "model.py"

@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 
 from hplan.planner.api import SolveRequest, plan_training
-from hplan.planner.bandwidth import apply_measured_links
-from hplan.planner.bandwidth_scripts import render_bandwidth_scripts, write_bandwidth_scripts
-from hplan.planner.cli import main
-from hplan.runtime.bandwidth_file import (
+from hplan.planner.cli.main import main
+from hplan.planner.emit.bandwidth_scripts import render_bandwidth_scripts, write_bandwidth_scripts
+from hplan.planner.hardware.measured_links import apply_measured_links
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.link_matrix import (
     AlphaBetaFit,
     BandwidthFile,
     PairLink,
     RankName,
     size_samples,
 )
-from hplan.runtime.errors import ConfigError
-from hplan.runtime.plan import Plan
+from hplan.runtime.contract.plan import Plan
 from tests.fixtures.clusters import cluster_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,7 +165,7 @@ def test_too_many_local_ranks_are_refused_at_once(capsys):
 def test_an_output_path_that_cannot_be_written_is_refused_before_measuring(
     tmp_path, capsys, monkeypatch, where
 ):
-    import hplan.runtime.bandwidth_local as local
+    import hplan.runtime.bandwidth.local as local
 
     monkeypatch.setattr(local, "measure_local", lambda *a, **k: pytest.fail("measured"))
     (tmp_path / "afile").write_text("x")
@@ -279,10 +279,10 @@ def test_a_measured_node_all_reduce_bounds_every_ring_on_that_node(tmp_path):
     # rehearsal's emulation all charge a ring on the node no less than the measurement.
     from dataclasses import replace
 
-    from hplan.planner.bandwidth import node_collectives
-    from hplan.planner.evaluate import slowest_link
-    from hplan.runtime.bandwidth_file import NodeAllReduce
-    from hplan.runtime.grad_sync import group_ring_time_s
+    from hplan.planner.cost.evaluate import slowest_link
+    from hplan.planner.hardware.measured_links import node_collectives
+    from hplan.runtime.contract.link_matrix import NodeAllReduce
+    from hplan.runtime.executor.grad_sync import group_ring_time_s
 
     ring = NodeAllReduce(
         node="box",

@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from hplan.planner.api import SolveRequest, Strategy, plan_training
-from hplan.planner.calibrate import (
+from hplan.planner.cli.main import cli
+from hplan.planner.profiling.calibrate import (
     Run,
     calibrate,
     corrected_profile,
@@ -23,13 +24,18 @@ from hplan.planner.calibrate import (
     relative_error,
     write_profile,
 )
-from hplan.planner.cli import cli
-from hplan.planner.profile import DeviceFactor, MeasurementSource, Profile, Stat, UnitTiming
-from hplan.runtime.errors import ConfigError
-from hplan.runtime.metrics import StepMetrics
-from hplan.runtime.plan import Plan
-from hplan.runtime.rehearse import check_slowdown, parse_slowdown, rehearse
-from hplan.runtime.worker import Emulation, compute_emulation, recorded_slowdown
+from hplan.planner.profiling.profile_file import (
+    DeviceFactor,
+    MeasurementSource,
+    Profile,
+    Stat,
+    UnitTiming,
+)
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.metrics_file import StepMetrics
+from hplan.runtime.contract.plan import Plan
+from hplan.runtime.executor.worker import Emulation, compute_emulation, recorded_slowdown
+from hplan.runtime.rehearsal.rehearse import check_slowdown, parse_slowdown, rehearse
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "examples" / "mlp" / "model.py"
@@ -342,7 +348,7 @@ def test_forward_and_backward_are_corrected_each_by_its_own_ratio(plan):
 
 
 def test_runs_of_one_step_are_named_and_a_bad_output_is_refused_first(plan, tmp_path):
-    from hplan.planner.calibrate import check_profile_out, single_step_runs
+    from hplan.planner.profiling.calibrate import check_profile_out, single_step_runs
 
     two_steps = Run(Path("two"), 1.0, _records(plan, {}, 1.0))
     one_step = Run(Path("one"), 1.0, tuple(r for r in two_steps.records if r.step == 0))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from hplan.planner.catalog import (
+from hplan.planner.hardware.catalog import (
     CATALOG,
     DeviceClass,
     device_type_names,
     lookup_device_type,
     peak_flops_per_s,
 )
-from hplan.runtime.errors import ConfigError
+from hplan.runtime.contract.errors import ConfigError
 
 REQUIRED_KEYS = {
     "rtx3060", "rtx3080", "rtx3090", "rtx4090", "a4000", "a5000", "a6000", "v100-16gb",

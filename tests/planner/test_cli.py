@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hplan.planner.cli import main
-from hplan.runtime.plan import Plan
+from hplan.planner.cli.main import main
+from hplan.runtime.contract.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "examples" / "mlp" / "model.py"
@@ -381,18 +381,20 @@ def test_rehearse_prints_both_predictions_warns_once_and_cleans_up(
 
 
 def test_a_termination_while_importing_the_model_is_not_blamed_on_the_model(tmp_path: Path) -> None:
-    from hplan.runtime.errors import Terminated
-    from hplan.runtime.model_file import load_model_file
+    from hplan.runtime.capture.model_file import load_model_file
+    from hplan.runtime.contract.errors import Terminated
 
     model = tmp_path / "model.py"
-    model.write_text("from hplan.runtime.errors import Terminated\nraise Terminated(143)\n")
+    model.write_text(
+        "from hplan.runtime.contract.errors import Terminated\nraise Terminated(143)\n"
+    )
     with pytest.raises(Terminated):
         load_model_file(model)
 
 
 def test_a_terminated_command_says_so_in_one_line(capsys):
-    from hplan.planner.cli import _invoke
-    from hplan.runtime.errors import Terminated
+    from hplan.planner.cli.main import _invoke
+    from hplan.runtime.contract.errors import Terminated
 
     def terminated() -> None:
         raise Terminated(143)

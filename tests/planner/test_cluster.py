@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hplan.planner.catalog import CATALOG
-from hplan.planner.cluster import load_cluster, to_cluster_spec
-from hplan.runtime.errors import ConfigError
+from hplan.planner.hardware.catalog import CATALOG
+from hplan.planner.hardware.cluster import load_cluster, to_cluster_spec
+from hplan.runtime.contract.errors import ConfigError
 from tests.fixtures.clusters import (
     EXAMPLE_CLUSTERS,
     EXAMPLES_DIR,

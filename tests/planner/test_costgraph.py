@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hplan.planner.costgraph import ModelGraph, build_model_graph
-from hplan.runtime.errors import ModelFileError, TraceError
-from hplan.runtime.model_file import load_model_file
-from hplan.runtime.plan import TraceMethod
+from hplan.planner.frontend.cost_graph import ModelGraph, build_model_graph
+from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.contract.errors import ModelFileError, TraceError
+from hplan.runtime.contract.plan import TraceMethod
 from tests.fixtures import models as fx
 
 

@@ -11,9 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hplan.planner.catalog import CATALOG
-from hplan.planner.costgraph import build_model_graph
-from hplan.planner.costmodel import (
+from hplan.planner.cost.problem_builder import (
     FRAMEWORK_RESERVE_BYTES,
     USABLE_MEMORY_FRACTION,
     RooflineSource,
@@ -25,8 +23,10 @@ from hplan.planner.costmodel import (
     static_memory_bytes,
     usable_memory_bytes,
 )
-from hplan.runtime.errors import ConfigError, ModelFileError
-from hplan.runtime.model_file import ModelFile, load_model_file
+from hplan.planner.frontend.cost_graph import build_model_graph
+from hplan.planner.hardware.catalog import CATALOG
+from hplan.runtime.capture.model_file import ModelFile, load_model_file
+from hplan.runtime.contract.errors import ConfigError, ModelFileError
 from tests.fixtures.clusters import (
     cluster_from_dict,
     cpu_cluster,
@@ -430,7 +430,7 @@ def test_tied_parameters_sync_in_one_group_as_the_runtime_buckets_them(tmp_path)
     # every holder of either unit sums that gradient in one all-reduce. The cost model's
     # groups must be the plan's (the runtime's) groups, for pipelines and mixed replicas.
     from hplan.planner.api import SolveRequest, Strategy, plan_training
-    from hplan.planner.evaluate import grad_sync_groups
+    from hplan.planner.cost.evaluate import grad_sync_groups
 
     root = Path(__file__).resolve().parents[2]
     cluster = tmp_path / "four.yaml"
@@ -477,7 +477,7 @@ def test_tied_parameters_sync_in_one_group_as_the_runtime_buckets_them(tmp_path)
 def test_a_problem_refuses_tied_parameters_it_cannot_hold(units, num_bytes, message):
     from dataclasses import replace
 
-    from hplan.planner.problem import TiedParams
+    from hplan.planner.cost.problem import TiedParams
     from tests.fixtures.problems import Dev, make_problem
 
     problem = make_problem(

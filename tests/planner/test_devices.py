@@ -10,16 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hplan.planner import devices
-from hplan.planner.devices import (
+from hplan.planner.hardware import discovery as devices
+from hplan.planner.hardware.discovery import (
     GpuInfo,
     catalog_kind,
     discover_devices,
     join_gpus,
     normalize_pci_bus_id,
 )
-from hplan.planner.profiler import ProfileRequest, device_key, profile_machine
-from hplan.runtime.errors import ConfigError
+from hplan.planner.profiling.machine_profile import ProfileRequest, device_key, profile_machine
+from hplan.runtime.contract.errors import ConfigError
 
 
 class FakeNvmlError(Exception):
@@ -187,7 +187,7 @@ def test_asking_for_a_missing_cuda_device_is_a_config_error(monkeypatch):
 
 def test_cpu_microbenchmarks_measure_positive_flops_and_bandwidth(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    from hplan.planner.microbench import BenchSizes, benchmark_device
+    from hplan.planner.profiling.microbench import BenchSizes, benchmark_device
 
     tiny = BenchSizes(matmul_n={"float32": 64, "bfloat16": 64}, copy_bytes=2**20, min_time_s=0.01)
     before = torch.get_num_threads()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hplan.planner.emit import (
+from hplan.planner.emit.artifacts import (
     check_out_dir,
     emit,
     launch_nodes,
@@ -25,8 +25,8 @@ from hplan.planner.emit import (
     render_launch_scripts,
     schema_text,
 )
-from hplan.runtime.errors import ConfigError, PlanFileError
-from hplan.runtime.plan import NodeSpec, Plan
+from hplan.runtime.contract.errors import ConfigError, PlanFileError
+from hplan.runtime.contract.plan import NodeSpec, Plan
 from tests.fixtures.sample_plans import (
     SAMPLE_PLANS,
     check_golden,

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from hplan.planner.cluster import Device
-from hplan.planner.costmodel import RooflineSource, build_problem
-from hplan.planner.measured import MeasuredSource, fit_line_at, source_labels
-from hplan.planner.profile import (
+from hplan.planner.cost.problem_builder import RooflineSource, build_problem
+from hplan.planner.cost.profiled_times import MeasuredSource, fit_line_at, source_labels
+from hplan.planner.hardware.cluster import Device
+from hplan.planner.profiling.profile_file import (
     DeviceFactor,
     DeviceProfile,
     MeasurementSource,

@@ -6,13 +6,13 @@ import itertools
 
 import pytest
 
-from hplan.planner.costgraph import build_model_graph
-from hplan.planner.costmodel import build_problem
-from hplan.planner.devclasses import device_classes
-from hplan.planner.evaluate import evaluate
-from hplan.planner.layout import Layout, ReplicaLayout, StageLayout
-from hplan.planner.partition import Partitioner
-from hplan.runtime.model_file import load_model_file
+from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.problem_builder import build_problem
+from hplan.planner.frontend.cost_graph import build_model_graph
+from hplan.planner.solve.device_classes import device_classes
+from hplan.planner.solve.partition import Partitioner
+from hplan.runtime.capture.model_file import load_model_file
 from tests.fixtures.clusters import gpu_cluster
 from tests.fixtures.models import write_model_file
 

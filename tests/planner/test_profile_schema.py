@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 from pydantic import TypeAdapter
 
-from hplan.planner.profile import (
+from hplan.planner.profiling.machine_profile import profile_file_name
+from hplan.planner.profiling.profile_file import (
     DeviceFactor,
     DeviceProfile,
     MeasurementSource,
@@ -18,9 +19,8 @@ from hplan.planner.profile import (
     UnitTiming,
     profile_json_schema,
 )
-from hplan.planner.profiler import profile_file_name
-from hplan.runtime.errors import ConfigError
-from hplan.runtime.versioned_json import parse_versioned
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.versioned_file import parse_versioned
 
 MODEL = ModelRef(path="model.py", sha256="a" * 64, graph_fingerprint="f" * 64, units=("u0", "u1"))
 

@@ -15,7 +15,7 @@ import pydot
 import pytest
 from rich.console import Console
 
-from hplan.planner.render import (
+from hplan.planner.emit.render import (
     RENDERERS,
     print_text,
     render,
@@ -31,8 +31,8 @@ from hplan.planner.textfmt import (
     format_seconds,
     wrap_phrases,
 )
-from hplan.runtime.errors import ConfigError, PlanFileError
-from hplan.runtime.plan import Plan, TensorSpec
+from hplan.runtime.contract.errors import ConfigError, PlanFileError
+from hplan.runtime.contract.plan import Plan, TensorSpec
 from tests.fixtures.sample_plans import (
     SAMPLE_PLANS,
     check_golden,

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hplan.planner.profile import MeasurementSource, Profile
-from hplan.planner.simulate import SimChannel, SimLink, SimReplica, SimSpec, SimStage, simulate
-from hplan.runtime.errors import ConfigError
-from hplan.runtime.plan import Plan
+from hplan.planner.profiling.profile_file import MeasurementSource, Profile
+from hplan.planner.sim.engine import SimChannel, SimLink, SimReplica, SimSpec, SimStage, simulate
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.plan import Plan
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "sailor"
 needs_data = pytest.mark.skipif(
@@ -28,7 +28,7 @@ needs_data = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def data():  # type: ignore[no-untyped-def]
-    from hplan.planner.sailor import load_sailor
+    from hplan.planner.studies.sailor_data import load_sailor
 
     return load_sailor(DATA)
 
@@ -70,14 +70,14 @@ def test_blocking_p2p_ranks_never_compute_while_sending() -> None:
 
 
 def test_not_a_study_folder_is_a_config_error(tmp_path: Path) -> None:
-    from hplan.planner.sailor import load_sailor
+    from hplan.planner.studies.sailor_data import load_sailor
 
     with pytest.raises(ConfigError, match="not the Sailor data folder"):
         load_sailor(tmp_path)
 
 
 def test_study_plan_with_uneven_data_parallel_stages_is_refused(tmp_path: Path) -> None:
-    from hplan.planner.sailor_study import read_study_plan
+    from hplan.planner.studies.sailor_study import read_study_plan
 
     machine = [[["RTX-3090", 1, "z"]], 1]
     raw = {
@@ -106,7 +106,7 @@ def test_study_plan_with_uneven_data_parallel_stages_is_refused(tmp_path: Path) 
 # --------------------------------------------------------------------------- profiles
 @needs_data
 def test_imported_profile_round_trips_and_is_marked_imported(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.sailor import import_profile
+    from hplan.planner.studies.sailor_data import import_profile
 
     profile = import_profile(data)
     assert Profile.from_json(profile.to_json()) == profile
@@ -129,7 +129,7 @@ def test_imported_profile_round_trips_and_is_marked_imported(data) -> None:  # t
 def test_imported_profile_numbers_equal_the_source_files(  # type: ignore[no-untyped-def]
     data, device: str, unit: str, mbs: int, expected: tuple[float, float, float]
 ) -> None:
-    from hplan.planner.sailor import import_profile
+    from hplan.planner.studies.sailor_data import import_profile
 
     (timing,) = [
         t
@@ -163,7 +163,7 @@ def test_model_sizes_match_opt350_shapes(data) -> None:  # type: ignore[no-untyp
 def test_alpha_beta_fit_reproduces_the_curve_within_3_percent(  # type: ignore[no-untyped-def]
     data, src: tuple[str, int], dst: tuple[str, int], lo_bytes: float, hi_bytes: float
 ) -> None:
-    from hplan.planner.sailor import fit_alpha_beta, inter_node_curve
+    from hplan.planner.studies.sailor_data import fit_alpha_beta, inter_node_curve
 
     zone = "us-central1-a"
     curves = [
@@ -179,7 +179,7 @@ def test_alpha_beta_fit_reproduces_the_curve_within_3_percent(  # type: ignore[n
 
 @needs_data
 def test_curve_matches_the_readme_formula_by_hand(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.sailor import inter_node_curve
+    from hplan.planner.studies.sailor_data import inter_node_curve
 
     zone = "us-central1-a"
     curve = inter_node_curve(data, (zone, "RTX-3090", 2), (zone, "Titan-RTX", 2))
@@ -191,8 +191,8 @@ def test_curve_matches_the_readme_formula_by_hand(data) -> None:  # type: ignore
 # --------------------------------------------------------------------------- plans
 @needs_data
 def test_every_study_plan_imports_as_a_valid_plan(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.sailor_plan import import_study_plan
-    from hplan.planner.sailor_study import read_study_plan, study_plan_paths
+    from hplan.planner.studies.sailor_plan import import_study_plan
+    from hplan.planner.studies.sailor_study import read_study_plan, study_plan_paths
 
     paths = study_plan_paths(data)
     assert len(paths) >= 3
@@ -207,8 +207,8 @@ def test_every_study_plan_imports_as_a_valid_plan(data) -> None:  # type: ignore
 
 @needs_data
 def test_imported_plan_carries_the_profile_times_of_its_stages(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.sailor_plan import import_study_plan
-    from hplan.planner.sailor_study import read_study_plan
+    from hplan.planner.studies.sailor_plan import import_study_plan
+    from hplan.planner.studies.sailor_study import read_study_plan
 
     study = read_study_plan(DATA / "plans" / "mit" / "plan_config_N2_D1.json")
     plan = import_study_plan(data, study)
@@ -222,14 +222,14 @@ def test_imported_plan_carries_the_profile_times_of_its_stages(data) -> None:  #
 
 @needs_data
 def test_study_layout_costs_the_same_as_a_plan_or_a_problem(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.sailor_plan import import_study_plan, study_sim_spec
-    from hplan.planner.sailor_solve import (
+    from hplan.planner.studies.sailor_plan import import_study_plan, study_sim_spec
+    from hplan.planner.studies.sailor_solve import (
         Granularity,
         layout_sim_spec,
         study_layout,
         study_problem,
     )
-    from hplan.planner.sailor_study import read_study_plan
+    from hplan.planner.studies.sailor_study import read_study_plan
 
     for name in ("plan_config_N2_D1", "plan_config_N2_D2"):
         study = read_study_plan(DATA / "plans" / "mit" / f"{name}.json")
@@ -241,7 +241,7 @@ def test_study_layout_costs_the_same_as_a_plan_or_a_problem(data) -> None:  # ty
 
 # --------------------------------------------------------------------------- CLI
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    from hplan.planner.cli import main
+    from hplan.planner.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -291,8 +291,8 @@ def test_unprofiled_micro_batch_size_is_fitted_between_its_neighbours(data) -> N
 def test_plan_of_two_pipelines_with_an_unmeasured_link_imports(  # type: ignore[no-untyped-def]
     data, tmp_path: Path
 ) -> None:
-    from hplan.planner.sailor_plan import import_study_plan, study_sim_spec
-    from hplan.planner.sailor_study import read_study_plan
+    from hplan.planner.studies.sailor_plan import import_study_plan, study_sim_spec
+    from hplan.planner.studies.sailor_study import read_study_plan
 
     def machine(gpu: str, tp: int) -> list[object]:
         return [[[gpu, 8, "us-central1-a"]], tp]
@@ -336,7 +336,7 @@ def test_plan_of_two_pipelines_with_an_unmeasured_link_imports(  # type: ignore[
     [("not json", "(Expecting value: line 1"), ('{"zone": "x"}', "(no key 'pipeline_list')")],
 )
 def test_a_file_that_is_no_study_plan_is_one_line_naming_why(tmp_path, text, reason):
-    from hplan.planner.sailor_study import read_study_plan
+    from hplan.planner.studies.sailor_study import read_study_plan
 
     path = tmp_path / "plan_config_1.json"
     path.write_text(text, encoding="utf-8")

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from hplan.planner.devclasses import device_classes, node_groups
-from hplan.planner.solve import SolveOptions, solve
-from hplan.planner.watchdog import checked_time_limit_s
-from hplan.runtime.errors import ConfigError
+from hplan.planner.solve.device_classes import device_classes, node_groups
+from hplan.planner.solve.solver import SolveOptions, solve
+from hplan.planner.solve.watchdog import checked_time_limit_s
+from hplan.runtime.contract.errors import ConfigError
 from tests.fixtures.problems import GB, Dev, make_problem
 
 FAST = SolveOptions(time_limit_s=60, watchdog=False)
@@ -77,6 +77,6 @@ def test_highs_runs_single_threaded_so_a_forked_watchdog_child_can_solve():
     # With HiGHS's default of half the cores, the parent's in-process solve leaves a worker
     # pool the forked child cannot use: the previous test failed on a 16-core machine
     # (the child died; "solver stopped at the limit"). On 2 cores the default is one thread.
-    from hplan.planner.milp import MilpBackend, _make_solver
+    from hplan.planner.solve.milp import MilpBackend, _make_solver
 
     assert _make_solver(MilpBackend.HIGHS, 5.0).threads == 1

@@ -11,10 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hplan.planner.evaluate import evaluate, pipeline_time_s
-from hplan.planner.layout import Layout, ReplicaLayout, StageLayout
-from hplan.planner.simspec import spec_from_layout
-from hplan.planner.simulate import (
+from hplan.planner.cost.evaluate import evaluate, pipeline_time_s
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.sim.engine import (
     EventKind,
     SimChannel,
     SimEvent,
@@ -26,8 +25,9 @@ from hplan.planner.simulate import (
     SimulationResult,
     simulate,
 )
-from hplan.runtime.plan import Schedule
-from hplan.runtime.schedule import build_schedule
+from hplan.planner.sim.spec import spec_from_layout
+from hplan.runtime.contract.plan import Schedule
+from hplan.runtime.contract.schedule import build_schedule
 from tests.fixtures.problems import Dev, make_problem
 
 FREE = SimChannel(math.inf, 0.0)

@@ -12,19 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from hplan.planner.cli import main
-from hplan.planner.evaluate import evaluate
-from hplan.planner.layout import Layout, ReplicaLayout, StageLayout
-from hplan.planner.search import SolveOptions
-from hplan.planner.simspec import grad_sync_reports, spec_from_layout, spec_from_plan
-from hplan.planner.simulate import simulate
-from hplan.planner.solve import second_opinion, solve
-from hplan.runtime.plan import GradSyncReport, Plan, Schedule, SyncMode
+from hplan.planner.cli.main import main
+from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.sim.engine import simulate
+from hplan.planner.sim.spec import grad_sync_reports, spec_from_layout, spec_from_plan
+from hplan.planner.solve.search import SolveOptions
+from hplan.planner.solve.solver import second_opinion, solve
+from hplan.runtime.contract.plan import GradSyncReport, Plan, Schedule, SyncMode
 from tests.fixtures.plans import GPT_MODEL, ReplicaShape, make_plan
 from tests.fixtures.problems import Dev, make_problem
 from tests.fixtures.sample_plans import cpu_plan, mixed_plan
 
-CLI = [sys.executable, "-c", "from hplan.planner.cli import main; main()"]
+CLI = [sys.executable, "-c", "from hplan.planner.cli.main import main; main()"]
 
 
 def _predicted(plan: Plan) -> Plan:
@@ -76,7 +76,7 @@ def test_the_plan_view_sends_the_cut_tensors_bytes_of_each_micro_batch() -> None
 
 
 def test_a_plan_without_predictions_is_refused_with_the_fix() -> None:
-    from hplan.runtime.errors import ConfigError
+    from hplan.runtime.contract.errors import ConfigError
 
     with pytest.raises(ConfigError, match="re-run `hplan solve`"):
         spec_from_plan(mixed_plan())

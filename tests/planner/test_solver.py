@@ -10,14 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hplan.planner import milp, search
-from hplan.planner.baselines import data_parallel_equal, uniform_pipeline
-from hplan.planner.bruteforce import brute_force
-from hplan.planner.evaluate import evaluate
-from hplan.planner.solve import SolveOptions, solve
-from hplan.planner.validate import layout_problems
-from hplan.runtime.errors import InfeasiblePlanError, SolverUnavailableError
-from hplan.runtime.plan import SolverStatus
+from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.solve import milp, search
+from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.solve.brute_force import brute_force
+from hplan.planner.solve.solver import SolveOptions, solve
+from hplan.planner.solve.validate import layout_problems
+from hplan.runtime.contract.errors import InfeasiblePlanError, SolverUnavailableError
+from hplan.runtime.contract.plan import SolverStatus
 from tests.fixtures.problems import GB, Dev, make_problem, random_tiny_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False)

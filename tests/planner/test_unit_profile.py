@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from hplan.planner.cli import main
-from hplan.planner.costgraph import build_model_graph
-from hplan.planner.profile import Profile
-from hplan.planner.unit_memory import LiveBytes, measure_unit_memory
-from hplan.planner.unit_profile import UnitProfileOptions, profile_units
-from hplan.runtime.model_file import load_model_file
-from hplan.runtime.plan import Plan
+from hplan.planner.cli.main import main
+from hplan.planner.frontend.cost_graph import build_model_graph
+from hplan.planner.profiling.profile_file import Profile
+from hplan.planner.profiling.unit_memory import LiveBytes, measure_unit_memory
+from hplan.planner.profiling.unit_profile import UnitProfileOptions, profile_units
+from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.contract.plan import Plan
 from tests.fixtures.models import REPO_ROOT, write_model_file
 
 GPT = REPO_ROOT / "examples" / "gpt" / "model.py"
@@ -71,8 +71,8 @@ def test_every_unit_is_timed_and_identical_blocks_are_timed_once(tiny_gpt):
 
 
 def test_rounds_combine_by_the_median_of_their_medians():
-    from hplan.planner.profile import Stat, UnitTiming
-    from hplan.planner.unit_profile import _merged
+    from hplan.planner.profiling.profile_file import Stat, UnitTiming
+    from hplan.planner.profiling.unit_profile import _merged
 
     def timing(forward_s: float, optimizer_s: float) -> UnitTiming:
         stat = Stat(median=forward_s, p10=forward_s * 0.9, p90=forward_s * 1.1, num_samples=5)

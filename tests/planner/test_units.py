@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from hplan.planner.units import assign_units
-from hplan.runtime.stage import node_units
-from hplan.runtime.trace import TracedModel, bind_inputs, repeated_containers, trace_model
+from hplan.planner.frontend.partition_units import assign_units
+from hplan.runtime.capture.stage import node_units
+from hplan.runtime.capture.trace import TracedModel, bind_inputs, repeated_containers, trace_model
 from tests.fixtures import models as fx
 
 

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from hplan.runtime.bandwidth import main as bandwidth_main
-from hplan.runtime.bandwidth_file import (
+from hplan.runtime.bandwidth.job import main as bandwidth_main
+from hplan.runtime.bandwidth.local import measure_local
+from hplan.runtime.bandwidth.timing import message_sizes
+from hplan.runtime.contract.errors import ConfigError, RehearsalChildError
+from hplan.runtime.contract.link_matrix import (
     BandwidthFile,
     FitMethod,
     PairLink,
@@ -22,9 +25,6 @@ from hplan.runtime.bandwidth_file import (
     fit_alpha_beta,
     size_samples,
 )
-from hplan.runtime.bandwidth_local import measure_local
-from hplan.runtime.bandwidth_measure import message_sizes
-from hplan.runtime.errors import ConfigError, RehearsalChildError
 
 SMALL_SWEEP = ["--min-size-bytes", "4096", "--max-size-bytes", "262144", "--repeats", "2",
                "--warmup", "1", "--timeout-s", "60"]  # fmt: skip

@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hplan.runtime.comm import (
+from hplan.runtime.contract.errors import PlanFileError, PlanMismatchError
+from hplan.runtime.contract.plan import DTYPE_BYTES, TensorSpec
+from hplan.runtime.executor.comm import (
     Boundary,
     EmulatedLink,
     StageComm,
@@ -19,8 +21,6 @@ from hplan.runtime.comm import (
     to_wire,
     wire_buffer,
 )
-from hplan.runtime.errors import PlanFileError, PlanMismatchError
-from hplan.runtime.plan import DTYPE_BYTES, TensorSpec
 from tests.fixtures.processes import join_gloo, run_ranks
 
 HIDDEN = TensorSpec(name="h", shape=(1, 4, 3), dtype="float32", batch_dim=0, requires_grad=True)

@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hplan.runtime.data import (
+from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.contract.errors import ConfigError, PlanMismatchError
+from hplan.runtime.contract.plan import microbatch_sizes
+from hplan.runtime.executor.data import (
     BatchSource,
     epoch_permutation,
     global_batch_indices,
@@ -16,9 +19,6 @@ from hplan.runtime.data import (
     stage_inputs,
     steps_per_epoch,
 )
-from hplan.runtime.errors import ConfigError, PlanMismatchError
-from hplan.runtime.model_file import load_model_file
-from hplan.runtime.plan import microbatch_sizes
 from tests.fixtures.plans import NUMBERED_DATASET, write_model
 
 

@@ -7,8 +7,13 @@ from pathlib import Path
 import pytest
 
 from hplan.planner.api import SolveRequest, plan_training
-from hplan.runtime.rehearse import rehearse
-from hplan.runtime.worker import Emulation, compute_emulation, modelled_emulation, rank_speeds
+from hplan.runtime.executor.worker import (
+    Emulation,
+    compute_emulation,
+    modelled_emulation,
+    rank_speeds,
+)
+from hplan.runtime.rehearsal.rehearse import rehearse
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "examples" / "gpt" / "model.py"

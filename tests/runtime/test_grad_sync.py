@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hplan.runtime.collectives import ring_all_reduce_time_s, sync_order
-from hplan.runtime.errors import PlanMismatchError
-from hplan.runtime.grad_sync import (
+from hplan.runtime.contract.errors import PlanMismatchError
+from hplan.runtime.contract.link_model import ring_all_reduce_time_s, sync_order
+from hplan.runtime.contract.plan import microbatch_sizes
+from hplan.runtime.executor.grad_sync import (
     GradBucket,
     check_stage_parameters,
     group_ring_time_s,
@@ -23,7 +24,6 @@ from hplan.runtime.grad_sync import (
     loss_weight,
     parameter_holders,
 )
-from hplan.runtime.plan import microbatch_sizes
 from tests.fixtures.processes import join_gloo, run_ranks
 from tests.fixtures.sample_plans import mixed_plan
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hplan.runtime.errors import ConfigError
-from hplan.runtime.metrics import (
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.metrics_file import (
     MetricsWriter,
     StepMetrics,
     read_rank_metrics,

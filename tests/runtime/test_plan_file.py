@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from hplan.planner.emit import schema_text
-from hplan.runtime.errors import PlanFileError
-from hplan.runtime.plan import SCHEMA_VERSION, Plan
+from hplan.planner.emit.artifacts import schema_text
+from hplan.runtime.contract.errors import PlanFileError
+from hplan.runtime.contract.plan import SCHEMA_VERSION, Plan
 from tests.fixtures.sample_plans import cpu_plan
 
 

@@ -15,17 +15,17 @@ import pytest
 import torch
 from rich.console import Console
 
-from hplan.runtime.errors import ModelFileError, PeerFailureError, RehearsalChildError
-from hplan.runtime.model_file import checked_loss, load_model_file
-from hplan.runtime.plan import Backend, Plan
-from hplan.runtime.rehearse import (
+from hplan.runtime.capture.model_file import checked_loss, load_model_file
+from hplan.runtime.contract.errors import ModelFileError, PeerFailureError, RehearsalChildError
+from hplan.runtime.contract.plan import Backend, Plan
+from hplan.runtime.executor.worker import rank_speeds
+from hplan.runtime.rehearsal.rehearse import (
     MIN_DILATION,
     default_dilation,
     default_time_scale,
     predicted_samples_per_s,
     rehearse,
 )
-from hplan.runtime.worker import rank_speeds
 from tests.fixtures.plans import (
     GPT_MODEL,
     NUMBERED_DATASET,
@@ -176,7 +176,7 @@ def test_the_runtime_checks_what_loss_fn_returns(tmp_path: Path) -> None:
 def test_a_temporary_metrics_folder_is_kept_only_when_the_ranks_fail(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hplan.runtime import rehearse as module
+    from hplan.runtime.rehearsal import rehearse as module
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     plan = _gpt_plan()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hplan.runtime.__main__ import main
-from hplan.runtime.local_ranks import free_port
+from hplan.runtime.executor.cli import main
+from hplan.runtime.rehearsal.launcher import free_port
 from tests.fixtures.plans import (
     NUMBERED_DATASET,
     ReplicaShape,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hplan.runtime.plan import Schedule
-from hplan.runtime.schedule import (
+from hplan.runtime.contract.plan import Schedule
+from hplan.runtime.contract.schedule import (
     Action,
     ActionKind,
     build_schedule,

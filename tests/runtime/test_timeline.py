@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from hplan.runtime.errors import ConfigError
-from hplan.runtime.rehearse import rehearse
-from hplan.runtime.schedule import build_schedule
-from hplan.runtime.timeline import (
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.schedule import build_schedule
+from hplan.runtime.contract.timeline_file import (
     COMPUTE,
     SEND_NEXT,
     WAIT,
@@ -24,6 +23,7 @@ from hplan.runtime.timeline import (
     read_step_events,
     write_chrome_trace,
 )
+from hplan.runtime.rehearsal.rehearse import rehearse
 from tests.fixtures.plans import GPT_MODEL, ReplicaShape, make_plan, placeholder_report
 
 
@@ -113,7 +113,7 @@ def test_a_trace_path_that_cannot_be_written_is_refused_before_any_work(tmp_path
 
 
 def test_a_metrics_folder_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
-    from hplan.runtime.local_ranks import prepare_dir
+    from hplan.runtime.rehearsal.launcher import prepare_dir
     from tests.fixtures.sample_plans import cpu_plan
 
     afile = tmp_path / "metrics"

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from hplan.runtime.errors import ModelFileError, TraceError
-from hplan.runtime.plan import TraceMethod
-from hplan.runtime.trace import bind_inputs, outputs_match, trace_model
+from hplan.runtime.capture.trace import bind_inputs, outputs_match, trace_model
+from hplan.runtime.contract.errors import ModelFileError, TraceError
+from hplan.runtime.contract.plan import TraceMethod
 from tests.fixtures import models as fx
 
 
@@ -100,7 +100,7 @@ def test_fingerprint_changes_with_a_models_sizes_even_when_its_graph_does_not(mo
 def test_fingerprint_changes_with_the_model_and_is_stable_across_processes():
     code = (
         "import torch\n"
-        "from hplan.runtime.trace import trace_model\n"
+        "from hplan.runtime.capture.trace import trace_model\n"
         "from tests.fixtures.models import CASES\n"
         "case = CASES['attention_norm_linear']\n"
         "print(trace_model(case.build(), case.sample(2)).fingerprint())\n"

@@ -1,4 +1,4 @@
-"""Warm compute times for the stretched emulation of cpu plans (runtime/warm_compute.py)."""
+"""Warm compute times for the stretched emulation of cpu plans (runtime/rehearsal/warm_compute.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from hplan.planner.api import SolveRequest, plan_training
-from hplan.runtime.data import MicroBatch
-from hplan.runtime.rehearse import rehearse
-from hplan.runtime.warm_compute import REPEATS, Sample, WarmTimer, WarmTimes
+from hplan.runtime.executor.data import MicroBatch
+from hplan.runtime.rehearsal.rehearse import rehearse
+from hplan.runtime.rehearsal.warm_compute import REPEATS, Sample, WarmTimer, WarmTimes
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "examples" / "gpt" / "model.py"

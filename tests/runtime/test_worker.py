@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hplan.runtime.__main__ import main
-from hplan.runtime.errors import ConfigError, PlanMismatchError
-from hplan.runtime.join import resolve_rank
-from hplan.runtime.local_ranks import free_port
-from hplan.runtime.model_file import load_model_file
-from hplan.runtime.plan import MemoryStrategy, Schedule, SyncMode, TrainingSpec
-from hplan.runtime.verify import reference_steps
-from hplan.runtime.worker import RunOptions, build_rank
+from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.contract.errors import ConfigError, PlanMismatchError
+from hplan.runtime.contract.plan import MemoryStrategy, Schedule, SyncMode, TrainingSpec
+from hplan.runtime.executor.cli import main
+from hplan.runtime.executor.rendezvous import resolve_rank
+from hplan.runtime.executor.worker import RunOptions, build_rank
+from hplan.runtime.rehearsal.launcher import free_port
+from hplan.runtime.rehearsal.reference_check import reference_steps
 from tests.fixtures.plans import (
     BF16_MLP,
     LATE_INPUTS,

@@ -1,0 +1,173 @@
+"""``hplan calibrate``: measured runs -> per-rank error table and a corrected profile.
+
+A thin click layer over ``hplan.planner.profiling.calibrate``: the table goes to stderr, ``--json``
+to stdout, the corrected profile to ``-o DIR/calibrated.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from hplan.planner.textfmt import format_seconds
+
+if TYPE_CHECKING:  # importing the CLI must not import torch (tests/test_architecture.py)
+    from hplan.planner.profiling.calibrate import Calibration, RankError
+
+
+@click.command()
+@click.argument("plan_path", type=click.Path(path_type=Path))
+@click.argument("runs_dir", type=click.Path(path_type=Path))
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(path_type=Path),
+    help="The profile the plan was solved with (file or directory); its unit times are corrected.",
+)
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    help="Directory to write the corrected profile into (calibrated.json; default: print only).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the error table as JSON on stdout.")
+def calibrate(
+    plan_path: Path, runs_dir: Path, profile_path: Path | None, out_dir: Path | None, as_json: bool
+) -> None:
+    """Compare the runs in RUNS_DIR (rank-*.jsonl, or subfolders of them) with PLAN's prediction.
+
+    Prints the per-rank error table, flags devices more than 15% slower or faster than the
+    other devices of their kind, and writes a corrected profile for `hplan solve --profile`.
+    """
+    from hplan.planner.emit.render import wide_console
+    from hplan.planner.profiling.calibrate import calibrate as run_calibration
+    from hplan.planner.profiling.calibrate import (
+        check_profile_out,
+        load_runs,
+        single_step_runs,
+        write_profile,
+    )
+    from hplan.planner.profiling.profile_file import Profile
+    from hplan.runtime.contract.plan import Plan
+
+    if out_dir is not None:
+        check_profile_out(out_dir)
+    plan = Plan.load(plan_path)
+    base = Profile.load(profile_path) if profile_path is not None else None
+    runs = load_runs(runs_dir)
+    result = run_calibration([(plan, runs)], base)
+    stderr = wide_console(stderr=True)
+    print_calibration(result, stderr)
+    for path in single_step_runs(runs):
+        stderr.print(
+            f"note: {path} has one step only; its first step (warm-up: cold caches, and in a "
+            "rehearsal of a cpu plan no warm timing yet) is all it measured; run more steps"
+        )
+    if base is None and result.optimizer_corrections:
+        stderr.print(
+            "note: the optimizer corrections apply to a profile's unit timings; without "
+            "--profile the corrected profile carries the compute corrections only"
+        )
+    if out_dir is not None:
+        path = write_profile(result.profile, out_dir)
+        stderr.print(f"wrote {path}; re-solve with `hplan solve ... --profile {out_dir}`")
+    if as_json:
+        click.echo(json.dumps(calibration_summary(result), indent=2))
+
+
+def _error_text(measured: float, predicted: float) -> str:
+    error = measured / predicted - 1.0 if predicted > 0 else math.nan
+    return "-" if math.isnan(error) else f"{error * 100:+.1f}%"
+
+
+def error_row(e: RankError) -> list[str]:
+    """One table row: rank, device, then predicted / measured / error of each quantity."""
+    return [
+        str(e.rank),
+        e.device,
+        format_seconds(e.predicted_compute_s),
+        format_seconds(e.measured_compute_s),
+        _error_text(e.measured_compute_s, e.predicted_compute_s),
+        format_seconds(e.predicted_rest_s),
+        format_seconds(e.measured_rest_s),
+        format_seconds(e.predicted_step_s),
+        format_seconds(e.measured_step_s),
+        _error_text(e.measured_step_s, e.predicted_step_s),
+    ]
+
+
+def print_calibration(result: Calibration, console: Console) -> None:
+    """The per-rank error table, the kind corrections and the stragglers."""
+    table = Table(
+        title="predicted vs measured, per step, in seconds of the plan's hardware",
+        caption="comm+wait: step - compute - optimizer (transfers, bubbles, all-reduce)",
+    )
+    for header in (
+        "rank",
+        "device",
+        "compute",
+        "measured",
+        "error",
+        "comm+wait",
+        "measured",
+        "step",
+        "measured",
+        "error",
+    ):
+        table.add_column(header, justify="left" if header == "device" else "right")
+    for e in result.errors:
+        table.add_row(*error_row(e))
+    console.print(table)
+    for kind, value in result.kind_corrections.items():
+        optimizer = result.optimizer_corrections.get(kind)
+        phases = result.phase_corrections.get(kind)
+        times = (
+            f"unit times x {value:.3f}"
+            if phases is None
+            else f"forward x {phases[0]:.3f}, backward x {phases[1]:.3f} (together x {value:.3f})"
+        )
+        also = "" if optimizer is None else f", optimizer steps x {optimizer:.3f}"
+        console.print(f"{kind}: {times}{also} (median measured / predicted)")
+    if not result.factors:
+        console.print("no device differs from its kind by more than 15%")
+    for factor in result.factors:
+        console.print(
+            f"[bold]straggler[/bold] {factor.device}: x {factor.time_factor:.2f} — {factor.reason}"
+        )
+
+
+def calibration_summary(result: Calibration) -> dict[str, object]:
+    """JSON-native summary: rows, kind corrections, device ratios and stragglers."""
+    return {
+        "ranks": [
+            {
+                "rank": e.rank,
+                "device": e.device,
+                "kind": e.kind,
+                "predicted_compute_s": e.predicted_compute_s,
+                "measured_compute_s": e.measured_compute_s,
+                "predicted_rest_s": e.predicted_rest_s,
+                "measured_rest_s": e.measured_rest_s,
+                "predicted_step_s": e.predicted_step_s,
+                "measured_step_s": e.measured_step_s,
+            }
+            for e in result.errors
+        ],
+        "kind_corrections": result.kind_corrections,
+        "optimizer_corrections": result.optimizer_corrections,
+        "phase_corrections": {
+            kind: {"forward": f, "backward": b} for kind, (f, b) in result.phase_corrections.items()
+        },
+        "device_ratios": result.device_ratios,
+        "stragglers": [
+            {"device": f.device, "time_factor": f.time_factor, "reason": f.reason}
+            for f in result.factors
+        ],
+    }

@@ -1,0 +1,200 @@
+"""``hplan profile``: measure this machine's devices (and a model's units) into a profile.
+
+A thin click layer over :func:`hplan.planner.profiling.machine_profile.profile_machine`; torch is imported
+only when the command runs. Human output (progress, summary tables) goes to stderr;
+``--json`` prints the (merged) profile on stdout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from hplan.runtime.contract.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hplan.planner.profiling.profile_file import Profile, Stat, UnitTiming
+
+_stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+_GIGA = 1e9
+_TERA = 1e12
+_MS_PER_S = 1e3
+_MIB = 2**20
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)`` (sorted, distinct).
+
+    Raises:
+        ConfigError: an empty item, a non-integer or a size below 1.
+    """
+    items = [x.strip() for x in text.split(",")]
+    try:
+        sizes = tuple(sorted({int(x) for x in items}))
+    except ValueError:
+        raise ConfigError(f"--micro-batch-sizes {text!r} must be integers like 1,2,4") from None
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"--micro-batch-sizes {text!r} must be integers >= 1, like 1,2,4")
+    return sizes
+
+
+@click.command()
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    help="Also time each partition unit of this model.py (forward, backward, optimizer, memory).",
+)
+@click.option(
+    "--out",
+    "-o",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    help="Directory to write <host>-<device key>.json profiles into (default: print only).",
+)
+@click.option(
+    "--micro-batch-sizes",
+    default="1,2,4,8",
+    show_default=True,
+    help="Micro-batch sizes to time the units at.",
+)
+@click.option(
+    "--device",
+    help="cpu, cuda or cuda:N (default: every usable GPU, units on the first; else the CPU).",
+)
+@click.option(
+    "--leaf-module",
+    "leaf_modules",
+    multiple=True,
+    help="Module path or class name to keep whole when tracing (as given to `hplan solve`).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights and inputs.")
+@click.option(
+    "--no-benchmark", is_flag=True, help="Skip the matmul and memory-bandwidth microbenchmarks."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON on stdout.")
+def profile(
+    model_path: Path | None,
+    out_dir: Path | None,
+    micro_batch_sizes: str,
+    device: str | None,
+    leaf_modules: tuple[str, ...],
+    seed: int,
+    no_benchmark: bool,
+    as_json: bool,
+) -> None:
+    """Measure this machine's devices (FLOP/s, memory bandwidth) and, with --model, the time
+    and memory of each partition unit; `hplan solve --profile DIR` plans with them.
+
+    Loading model.py executes it, with your rights.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from hplan.planner.profiling.machine_profile import (
+        ProfileRequest,
+        profile_machine,
+        write_profiles,
+    )
+
+    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {str(out_dir)!r} is a file; give a directory")
+    request = ProfileRequest(
+        model_path=model_path,
+        micro_batch_sizes=parse_sizes(micro_batch_sizes),
+        device=device,
+        leaf_modules=leaf_modules,
+        seed=seed,
+        benchmark=not no_benchmark,
+    )
+    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    shown = _stderr.is_terminal  # a bar on a pipe or file leaves only a blank line
+    with Progress(*columns, console=_stderr, transient=True, disable=not shown) as bar:
+        task = bar.add_task("profiling", total=None)
+
+        def on_phase(message: str) -> None:
+            bar.update(task, description=message)
+
+        def on_step(unit: str, timed: bool, total: int) -> None:
+            verb = "timing" if timed else "sharing"
+            bar.update(task, total=total, advance=1, description=f"{verb} {unit}")
+
+        result = profile_machine(request, on_phase=on_phase, on_step=on_step)
+    merged = result.merged()
+    for table in profile_tables(merged):
+        _stderr.print(table)
+    for note in merged.notes:
+        _stderr.print(f"note: {note}", markup=False)
+    _stderr.print(f"profiled in {result.elapsed_s:.1f} s")
+    if out_dir is not None:
+        for path in write_profiles(result, out_dir):
+            _stderr.print(f"wrote {path}", markup=False)
+    if as_json:
+        click.echo(merged.to_json(), nl=False)
+
+
+def profile_tables(profile: Profile) -> list[Table]:
+    """Readable summary: one table of devices, one of units (when timed)."""
+    tables = [_device_table(profile)]
+    if profile.unit_timings:
+        tables.append(_unit_table(profile))
+    return tables
+
+
+def _device_table(profile: Profile) -> Table:
+    dtypes = list(dict.fromkeys(d for p in profile.devices for d in p.matmul_flops_per_s))
+    table = Table(title="devices (median ± half the p10-p90 range)", title_justify="left")
+    for column in ("key", "name", "memory MiB", *(f"{d} TFLOP/s" for d in dtypes), "copy GB/s"):
+        table.add_column(column)
+    for device in profile.devices:
+        flops = device.matmul_flops_per_s
+        bandwidth = device.memory_bandwidth_bytes_per_s
+        table.add_row(
+            device.key,
+            device.name,
+            f"{device.memory_bytes / _MIB:.0f}",
+            *(_spread(flops[d], _TERA, 3) if d in flops else "-" for d in dtypes),
+            _spread(bandwidth, _GIGA, 1) if bandwidth else "-",
+        )
+    return table
+
+
+def _unit_table(profile: Profile) -> Table:
+    sizes = sorted({t.micro_batch_size for t in profile.unit_timings})
+    table = Table(title="units: forward + backward ms per micro-batch", title_justify="left")
+    table.add_column("device")
+    table.add_column("unit")
+    for size in sizes:
+        table.add_column(f"mbs {size}", justify="right")
+    table.add_column("optimizer ms", justify="right")
+    table.add_column(f"activations / peak MiB (mbs {sizes[-1]})", justify="right")
+    rows: dict[tuple[str, str], dict[int, UnitTiming]] = {}
+    for t in profile.unit_timings:
+        rows.setdefault((t.device, t.unit), {})[t.micro_batch_size] = t
+    order = {u: i for i, u in enumerate(profile.model.units)} if profile.model else {}
+    for (device, unit), by_size in sorted(rows.items(), key=lambda r: order.get(r[0][1], -1)):
+        cells = []
+        for size in sizes:
+            timing = by_size.get(size)
+            cells.append(
+                "-" if timing is None else _ms(timing.forward_s.median + timing.backward_s.median)
+            )
+        last = by_size[max(by_size)]
+        optimizer = last.optimizer_s
+        memory = f"{last.activation_bytes / _MIB:.2f} / {last.peak_bytes / _MIB:.2f}"
+        table.add_row(device, unit, *cells, "-" if optimizer is None else _ms(optimizer), memory)
+    return table
+
+
+def _ms(time_s: float) -> str:
+    return f"{time_s * _MS_PER_S:.3f}"
+
+
+def _spread(stat: Stat, scale: float, digits: int) -> str:
+    """``"0.138 ±12%"``: the median and half the p10-p90 range relative to it."""
+    half_range = (stat.p90 - stat.p10) / 2
+    relative = f" ±{100 * half_range / stat.median:.0f}%" if stat.median > 0 else ""
+    return f"{stat.median / scale:.{digits}f}{relative}"

@@ -1,0 +1,321 @@
+"""Predict the step time and memory of a layout under hplan's cost model.
+
+One optimizer step of a layout takes (see ``evaluate``)::
+
+    step_time = max over replicas of pipeline_time
+              + gradient all-reduce time (slowest device, its groups one after another)
+              + optimizer time (slowest device)
+
+    pipeline_time = (num_microbatches - 1) * period + fill_time
+
+where, for a pipeline of stages s with compute time c_s per micro-batch (forward +
+backward of its units) and link time l_s between stage s and s+1 per micro-batch
+(activations forward plus gradients back, latency + bytes / bandwidth):
+``period = max(max_s c_s, max_s l_s, max_s sum_{t>=s} (c_t + l_t) / (S - s))`` is the
+steady-state time per micro-batch of 1F1B (the last term: stage s holds at most S - s
+micro-batches while each makes the round trip through the later stages; see
+``pipeline_period_s``) and ``fill_time = sum_s c_s + sum_s l_s`` is the time one micro-batch takes through the
+whole pipeline and back (Narayanan et al., "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", SC 2021, section 2.2: bubble = (p - 1) stage times).
+
+Ring all-reduce of S bytes over n ranks: 2 (n - 1) / n * S / bandwidth + 2 (n - 1) *
+latency, over the slowest link of the group (Patarasuk and Yuan, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations", JPDC 2009).
+
+Memory of stage s of S with micro-batch size b under 1F1B: static bytes of its units +
+b * (S - s) * activation bytes per sample + send/receive buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.problem import PlanningProblem
+from hplan.runtime.contract.link_model import ring_all_reduce_time_s
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """Predicted figures of one stage (one device)."""
+
+    device_idx: int
+    compute_time_s: float
+    """Forward + backward of one full micro-batch."""
+    link_time_s: float
+    """Transfers to the next stage and gradients back, per micro-batch (0 for the last)."""
+    memory_bytes: float
+    busy_time_s: float
+    """Compute time over the whole step (all micro-batches)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """Predicted step time of a layout and its parts."""
+
+    step_time_s: float
+    samples_per_s: float
+    replica_times_s: tuple[float, ...]
+    allreduce_time_s: float
+    optimizer_time_s: float
+    stages: tuple[tuple[StageCost, ...], ...]
+    """stages[r][s] for replica r, stage s."""
+    memory_ok: bool
+
+    @property
+    def bottleneck(self) -> tuple[int, int]:
+        """(replica, stage) of the stage that bounds the slowest replica."""
+        replica = int(np.argmax(self.replica_times_s))
+        costs = [max(c.compute_time_s, c.link_time_s) for c in self.stages[replica]]
+        return replica, int(np.argmax(costs))
+
+
+def mbs_index(problem: PlanningProblem, micro_batch_size: int) -> int:
+    """Index of a micro-batch size among the problem's candidates (ValueError if absent)."""
+    return problem.micro_batch_sizes.index(micro_batch_size)
+
+
+def link_time_s(problem: PlanningProblem, a: int, b: int, num_bytes: float) -> float:
+    """Alpha-beta transfer time of ``num_bytes`` between devices ``a`` and ``b``."""
+    if a == b or num_bytes <= 0:
+        return 0.0
+    return float(problem.latency_s[a, b] + num_bytes / problem.bandwidth_bytes_per_s[a, b])
+
+
+def stage_compute_time_s(
+    problem: PlanningProblem, device_idx: int, start: int, stop: int, k: int
+) -> float:
+    """Forward + backward time of units ``[start, stop)`` for one micro-batch (candidate k)."""
+    fwd = problem.fwd_time_s[device_idx, start:stop, k].sum()
+    bwd = problem.bwd_time_s[device_idx, start:stop, k].sum()
+    return float(fwd + bwd)
+
+
+def stage_memory_bytes(
+    problem: PlanningProblem,
+    start: int,
+    stop: int,
+    micro_batch_size: int,
+    in_flight: int,
+) -> float:
+    """Peak memory of a stage holding units ``[start, stop)``.
+
+    Static state + activations of ``in_flight`` micro-batches + one receive and one send
+    buffer of the boundary tensors on each side.
+    """
+    static = problem.static_memory_bytes[start:stop].sum()
+    acts = problem.activation_bytes_per_sample[start:stop].sum() * micro_batch_size * in_flight
+    buffers = 0.0
+    if start > 0:
+        buffers += 2 * problem.cut_bytes_per_sample[start - 1] * micro_batch_size
+    if stop < problem.num_units:
+        buffers += 2 * problem.cut_bytes_per_sample[stop - 1] * micro_batch_size
+    return float(static + acts + buffers)
+
+
+def in_flight_microbatches(stage: int, num_stages: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B.
+
+    Stage s of S runs S - s - 1 warm-up forwards plus one before its first backward
+    (Narayanan et al., SC 2021). A replica with fewer micro-batches than that holds fewer;
+    hplan charges the full count regardless (conservative by at most the difference, and
+    the same rule the solver uses when it splits units without knowing the batch share).
+    """
+    return num_stages - stage
+
+
+def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[StageCost, ...]:
+    k = mbs_index(problem, replica.micro_batch_size)
+    b = replica.micro_batch_size
+    costs = []
+    num_stages = replica.num_stages
+    for s, stage in enumerate(replica.stages):
+        compute = stage_compute_time_s(
+            problem, stage.device_idx, stage.unit_start, stage.unit_stop, k
+        )
+        link = 0.0
+        if s + 1 < num_stages:
+            nxt = replica.stages[s + 1].device_idx
+            cut = stage.unit_stop - 1
+            link = link_time_s(
+                problem, stage.device_idx, nxt, problem.cut_bytes_per_sample[cut] * b
+            )
+            link += link_time_s(
+                problem, nxt, stage.device_idx, problem.cut_grad_bytes_per_sample[cut] * b
+            )
+        in_flight = in_flight_microbatches(s, num_stages)
+        memory = stage_memory_bytes(problem, stage.unit_start, stage.unit_stop, b, in_flight)
+        busy = compute * replica.num_samples / b
+        costs.append(StageCost(stage.device_idx, compute, link, memory, busy))
+    return tuple(costs)
+
+
+def pipeline_time_s(costs: tuple[StageCost, ...], num_microbatches: int) -> float:
+    """(m - 1) * period + fill time; see the module docstring."""
+    computes = [c.compute_time_s for c in costs]
+    links = [c.link_time_s for c in costs]
+    fill = sum(computes) + sum(links)
+    return (num_microbatches - 1) * pipeline_period_s(computes, links) + fill
+
+
+def pipeline_period_s(compute_times_s: Sequence[float], link_times_s: Sequence[float]) -> float:
+    """Steady-state seconds per micro-batch of a 1F1B pipeline.
+
+    ``compute_times_s[s]``: forward + backward of stage s per micro-batch;
+    ``link_times_s[s]``: activations from s to s + 1 plus gradients back (0 for the last).
+    The period is the largest of the slowest stage, the slowest link, and for every stage
+    s its round trip divided by the micro-batches 1F1B lets it hold,
+    ``sum_{t >= s} (c_t + l_t) / (S - s)``: a micro-batch's forward on stage s cannot be
+    followed by its backward there before it has gone through the later stages and links
+    and back, and at most ``S - s`` are on that trip at once (Little's law; the bound that
+    makes slow links between stages cost more than their own transfer time).
+    """
+    num_stages = len(compute_times_s)
+    period = max(max(compute_times_s), max(link_times_s))
+    round_trip = 0.0
+    for s in reversed(range(num_stages)):
+        round_trip += compute_times_s[s] + link_times_s[s]
+        period = max(period, round_trip / in_flight_microbatches(s, num_stages))
+    return period
+
+
+def allreduce_time_s(problem: PlanningProblem, layout: Layout) -> float:
+    """Gradient all-reduce time: groups of devices holding the same unit, merged by holder
+    set; each device runs its groups one after another; the slowest device decides."""
+    per_device: dict[int, float] = defaultdict(float)
+    for group, num_bytes in grad_sync_groups(problem, layout).items():
+        bandwidth_bytes_per_s, latency_s = slowest_link(problem, group)
+        t = ring_all_reduce_time_s(len(group), num_bytes, bandwidth_bytes_per_s, latency_s)
+        for d in group:
+            per_device[d] += t
+    return max(per_device.values(), default=0.0)
+
+
+def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int, ...], float]:
+    """Sorted device indices holding the same parameters -> gradient bytes they all-reduce.
+
+    A unit's own parameters are held by the devices holding the unit; parameters tied
+    across units (``PlanningProblem.tied_params``) by every device holding one of those
+    units, in one group, as the runtime buckets them. Only holder sets of two or more
+    devices (a parameter on one device needs no sync).
+    """
+    holders: dict[int, set[int]] = defaultdict(set)
+    for replica in layout.replicas:
+        for stage in replica.stages:
+            for u in range(stage.unit_start, stage.unit_stop):
+                holders[u].add(stage.device_idx)
+    own_bytes = problem.grad_bytes.astype(float)
+    group_bytes: dict[tuple[int, ...], float] = defaultdict(float)
+    for tie in problem.tied_params:
+        own_bytes[list(tie.units)] -= tie.num_bytes
+        devices = set().union(*(holders[u] for u in tie.units))
+        if len(devices) > 1:
+            group_bytes[tuple(sorted(devices))] += tie.num_bytes
+    for u, devices in holders.items():
+        if len(devices) > 1 and own_bytes[u] > 0:
+            group_bytes[tuple(sorted(devices))] += float(own_bytes[u])
+    return dict(group_bytes)
+
+
+def slowest_link(problem: PlanningProblem, group: tuple[int, ...]) -> tuple[float, float]:
+    """(lowest bandwidth in bytes/s, highest latency in s) of a ring over ``group``: over
+    its device pairs, and no faster than the measured all-reduce of any member's node
+    (``PlanningProblem.collective_*``; ``Plan.ring_channel`` on a plan)."""
+    idx = np.array(group)
+    off = ~np.eye(len(group), dtype=bool)
+    ring_bandwidth, ring_latency = measured_ring(problem, group)
+    bandwidth = float(problem.bandwidth_bytes_per_s[np.ix_(idx, idx)][off].min())
+    latency = float(problem.latency_s[np.ix_(idx, idx)][off].max())
+    return min(bandwidth, ring_bandwidth), max(latency, ring_latency)
+
+
+def measured_ring(problem: PlanningProblem, devices: Sequence[int]) -> tuple[float, float]:
+    """(lowest bus bandwidth, highest latency per step) of the measured all-reduces of the
+    nodes of ``devices``; (inf, 0) when none was measured."""
+    idx = list(devices)
+    bus = problem.collective_bus_bandwidth_bytes_per_s
+    step = problem.collective_latency_s
+    return (
+        math.inf if bus is None else float(bus[idx].min()),
+        0.0 if step is None else float(step[idx].max()),
+    )
+
+
+def optimizer_time_s(problem: PlanningProblem, layout: Layout) -> float:
+    """Slowest device's optimizer step over the units it holds."""
+    times = [
+        float(problem.optimizer_time_s[s.device_idx, s.unit_start : s.unit_stop].sum())
+        for r in layout.replicas
+        for s in r.stages
+    ]
+    return max(times, default=0.0)
+
+
+def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
+    """Predicted step time, per-stage costs and memory of ``layout``.
+
+    Raises:
+        ValueError: a replica's micro-batch size is not one of the problem's candidates.
+    """
+    stages = tuple(_replica_costs(problem, r) for r in layout.replicas)
+    replica_times = tuple(
+        pipeline_time_s(costs, r.num_microbatches)
+        for costs, r in zip(stages, layout.replicas, strict=True)
+    )
+    allreduce = allreduce_time_s(problem, layout)
+    optimizer = optimizer_time_s(problem, layout)
+    step = max(replica_times) + allreduce + optimizer
+    memory_ok = all(
+        c.memory_bytes <= problem.memory_capacity_bytes[c.device_idx]
+        for costs in stages
+        for c in costs
+    )
+    total = sum(r.num_samples for r in layout.replicas)
+    return Evaluation(
+        step_time_s=step,
+        samples_per_s=total / step if step > 0 else float("inf"),
+        replica_times_s=replica_times,
+        allreduce_time_s=allreduce,
+        optimizer_time_s=optimizer,
+        stages=stages,
+        memory_ok=memory_ok,
+    )
+
+
+def standalone_samples_per_s(problem: PlanningProblem, device_idx: int) -> float:
+    """Samples/s of one device training the whole model alone at its best micro-batch size.
+
+    When the whole model does not fit the device, its compute-only rate at the best
+    micro-batch whose activations fit is used instead. This is the design card's bound
+    ("the best batch that fits its memory"), not a strict upper bound: a device holding
+    part of the model in a pipeline can run larger micro-batches than fit it alone, and a
+    layout doing that with very large batches can report an efficiency above 1.
+    """
+    best = 0.0
+    fallback = 0.0
+    u = problem.num_units
+    for k, b in enumerate(problem.micro_batch_sizes):
+        compute = stage_compute_time_s(problem, device_idx, 0, u, k)
+        rate = b / compute if compute > 0 else 0.0
+        capacity = problem.memory_capacity_bytes[device_idx]
+        acts = problem.activation_bytes_per_sample.sum() * b
+        if stage_memory_bytes(problem, 0, u, b, 1) <= capacity:
+            best = max(best, rate)
+        if acts <= capacity or k == 0:
+            fallback = max(fallback, rate)
+    return best if best > 0 else fallback
+
+
+def physical_bound_samples_per_s(problem: PlanningProblem) -> float:
+    """Sum over devices of their standalone samples/s (design card: the physical bound)."""
+    return float(sum(standalone_samples_per_s(problem, d) for d in range(problem.num_devices)))
+
+
+def single_stage(device_idx: int, num_units: int) -> tuple[StageLayout, ...]:
+    """A one-stage pipeline holding every unit on ``device_idx``."""
+    return (StageLayout(device_idx, 0, num_units),)

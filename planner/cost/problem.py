@@ -1,0 +1,139 @@
+"""The solver's input: flat arrays, no torch, no files.
+
+The cost model (``hplan.planner.cost.problem_builder``) fills a ``PlanningProblem`` from the model's
+cost graph and the cluster; the solver reads only this. Indices: ``d`` device, ``u``
+partition unit, ``k`` micro-batch-size candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+FloatArray = NDArray[np.float64]
+
+
+@dataclass(frozen=True, slots=True)
+class TiedParams:
+    """Trainable parameters that several units share (GPT-2's token embedding and LM head).
+
+    Every device holding one of ``units`` holds a copy, and their gradients are summed
+    over all those devices in one all-reduce (the runtime's ``grad_sync``).
+    """
+
+    units: tuple[int, ...]
+    """Indices of the units using the parameters, ascending, at least two."""
+    num_bytes: float
+    """Bytes of those parameters' gradients, counted once; each unit's ``grad_bytes``
+    includes them too."""
+
+
+@dataclass(frozen=True, eq=False)
+class PlanningProblem:
+    """Everything the solver needs, as arrays with units in their names.
+
+    Shapes: D devices, U units, K micro-batch-size candidates.
+    """
+
+    unit_names: tuple[str, ...]
+    device_names: tuple[str, ...]
+    device_nodes: tuple[str, ...]
+    """Node of each device, shape (D,)."""
+    device_kinds: tuple[str, ...]
+    """Catalog key of each device, shape (D,)."""
+    global_batch_size: int
+    micro_batch_sizes: tuple[int, ...]
+    """Candidate micro-batch sizes, ascending, shape (K,)."""
+    memory_capacity_bytes: FloatArray
+    """Usable memory per device after framework reserve, shape (D,)."""
+    fwd_time_s: FloatArray
+    """Forward time of one micro-batch, shape (D, U, K)."""
+    bwd_time_s: FloatArray
+    """Backward time of one micro-batch, shape (D, U, K)."""
+    optimizer_time_s: FloatArray
+    """Optimizer-step time of each unit's parameters, shape (D, U)."""
+    static_memory_bytes: FloatArray
+    """Parameters + gradients + optimizer state per unit, shape (U,)."""
+    activation_bytes_per_sample: FloatArray
+    """Activations kept for backward per sample, shape (U,)."""
+    cut_bytes_per_sample: FloatArray
+    """Forward bytes crossing the cut after unit u, per sample, shape (U-1,)."""
+    cut_grad_bytes_per_sample: FloatArray
+    """Gradient bytes sent back across the cut after unit u, per sample, shape (U-1,)."""
+    grad_bytes: FloatArray
+    """Bytes of trainable-parameter gradients per unit to all-reduce, shape (U,)."""
+    bandwidth_bytes_per_s: FloatArray
+    """Link bandwidth between devices, shape (D, D); the diagonal is unused."""
+    latency_s: FloatArray
+    """Link latency between devices, shape (D, D)."""
+    tied_params: tuple[TiedParams, ...] = ()
+    """Parameters shared by several units, one entry per set of units."""
+    collective_latency_s: FloatArray | None = None
+    """Per ring step of an all-reduce on each device's node, as measured, shape (D,);
+    0 where not measured; None: nothing measured (see ``CollectiveSpec``)."""
+    collective_bus_bandwidth_bytes_per_s: FloatArray | None = None
+    """The measured bus bandwidth of that all-reduce, shape (D,); inf where not measured."""
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_names)
+
+    @property
+    def num_units(self) -> int:
+        return len(self.unit_names)
+
+    def verify(self) -> None:
+        """Check array shapes and signs; raise ValueError naming the bad field."""
+        d, u, k = self.num_devices, self.num_units, len(self.micro_batch_sizes)
+        expected = {
+            "memory_capacity_bytes": (d,),
+            "fwd_time_s": (d, u, k),
+            "bwd_time_s": (d, u, k),
+            "optimizer_time_s": (d, u),
+            "static_memory_bytes": (u,),
+            "activation_bytes_per_sample": (u,),
+            "cut_bytes_per_sample": (max(u - 1, 0),),
+            "cut_grad_bytes_per_sample": (max(u - 1, 0),),
+            "grad_bytes": (u,),
+            "bandwidth_bytes_per_s": (d, d),
+            "latency_s": (d, d),
+        }
+        for name, shape in expected.items():
+            value = getattr(self, name)
+            if value.shape != shape:
+                raise ValueError(f"PlanningProblem.{name} has shape {value.shape}, want {shape}")
+            if np.any(value < 0) or not np.all(np.isfinite(value)):
+                raise ValueError(f"PlanningProblem.{name} must be finite and >= 0")
+        if len(self.device_nodes) != d or len(self.device_kinds) != d:
+            raise ValueError("device_nodes and device_kinds need one entry per device")
+        if list(self.micro_batch_sizes) != sorted(set(self.micro_batch_sizes)):
+            raise ValueError(f"micro_batch_sizes {self.micro_batch_sizes} must be ascending")
+        if not self.micro_batch_sizes or self.micro_batch_sizes[0] < 1:
+            raise ValueError("micro_batch_sizes must be >= 1")
+        if self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size {self.global_batch_size} must be >= 1")
+        if d == 0 or u == 0:
+            raise ValueError("a problem needs at least one device and one unit")
+        for name in ("collective_latency_s", "collective_bus_bandwidth_bytes_per_s"):
+            value = getattr(self, name)
+            if value is not None and (value.shape != (d,) or np.any(np.isnan(value))):
+                raise ValueError(f"PlanningProblem.{name} must have shape {(d,)}, no NaN")
+        if self.collective_latency_s is not None and not np.all(
+            np.isfinite(self.collective_latency_s) & (self.collective_latency_s >= 0)
+        ):
+            raise ValueError("PlanningProblem.collective_latency_s must be finite and >= 0")
+        if self.collective_bus_bandwidth_bytes_per_s is not None and np.any(
+            self.collective_bus_bandwidth_bytes_per_s <= 0
+        ):
+            raise ValueError("PlanningProblem.collective_bus_bandwidth_bytes_per_s must be > 0")
+        for tie in self.tied_params:
+            units = list(tie.units)
+            if len(units) < 2 or units != sorted(set(units)) or not 0 <= units[0] < units[-1] < u:
+                raise ValueError(f"tied_params units {tie.units} must be >= 2 ascending indices")
+            if not (math.isfinite(tie.num_bytes) and tie.num_bytes >= 0):
+                raise ValueError(f"tied_params bytes {tie.num_bytes} must be finite and >= 0")
+            if any(self.grad_bytes[i] < tie.num_bytes for i in units):
+                raise ValueError(f"tied_params bytes {tie.num_bytes} exceed a unit's grad_bytes")

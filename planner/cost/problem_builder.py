@@ -1,0 +1,423 @@
+"""Cost model: fill the solver's ``PlanningProblem`` from the cost graph and the cluster.
+
+For every (device, partition unit, micro-batch size) it predicts the forward and backward
+time; for every (device, unit) the optimizer-step time; for every unit the memory it needs;
+for every device pair the link (alpha-beta, from the cluster).
+
+Unit times come from a ``UnitTimeSource``. The default, ``RooflineSource``, estimates them
+from the device catalog with a roofline (Williams, Waterman and Patterson, "Roofline: an
+insightful visual performance model for multicore architectures", CACM 2009)::
+
+    time_s = max(flops / (peak_flops_per_s * COMPUTE_EFFICIENCY),
+                 bytes / (memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY))
+             + num_ops * OP_OVERHEAD_S
+
+    forward:  flops = fwd_flops_per_sample * b
+              bytes = param_bytes + io_bytes_per_sample * b       (b: micro-batch size)
+    backward: BACKWARD_TO_FORWARD_RATIO times the forward flops, bytes and ops
+
+A measured profile plugs in as another ``UnitTimeSource`` (its ``name`` goes into the
+plan's report as ``cost_source``).
+
+Memory per unit (bytes): static = trainable parameter bytes x (1 weight + 1 gradient +
+optimizer state bytes per parameter byte) + non-trainable parameter bytes + buffer bytes;
+activations per sample come from the cost graph (saved tensors of the forward). Usable
+memory of a device = (memory - FRAMEWORK_RESERVE_BYTES[class]) x USABLE_MEMORY_FRACTION.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from hplan.planner.cost.problem import PlanningProblem, TiedParams
+from hplan.planner.hardware.catalog import DeviceClass, DeviceType, peak_flops_per_s
+from hplan.planner.hardware.cluster import Cluster, Device
+from hplan.runtime.contract.errors import ConfigError, ModelFileError
+from hplan.runtime.contract.quantities import gib_to_bytes
+
+if TYPE_CHECKING:
+    from hplan.planner.frontend.cost_graph import ModelGraph, UnitCost
+    from hplan.runtime.capture.model_file import ModelFile
+
+# Fraction of the dtype's peak FLOP/s that training matmuls reach. Narayanan et al.,
+# "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
+# (SC 2021) report 52% of A100 peak for their best configurations; 0.5 is that best case.
+# Small models and consumer cards usually reach less; a measured profile replaces this.
+COMPUTE_EFFICIENCY = 0.5
+
+# Fraction of the peak DRAM bandwidth that memory-bound kernels reach. Jia et al.,
+# "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking" (2018) measure
+# about 750 of V100's 900 GB/s (83%); STREAM-style copies on Ampere/Ada reach similar
+# fractions. 0.8 rounds that down.
+MEMORY_EFFICIENCY = 0.8
+
+# Fixed cost per graph op: PyTorch eager dispatch plus a CUDA kernel launch, each a few
+# microseconds (the CUDA C++ Best Practices Guide puts kernel launch overhead in the
+# microseconds). 5 us is an assumed round figure, used for CPU ops too (dispatch alone).
+OP_OVERHEAD_S = 5e-6
+
+# Backward costs twice the forward: for each matmul, one product for the input gradient
+# and one for the weight gradient (Kaplan et al., "Scaling Laws for Neural Language
+# Models", 2020, section 2.1; Narayanan et al. 2021, section 5.1: 3x forward in total).
+# Applied alike to FLOPs, bytes moved and op count.
+BACKWARD_TO_FORWARD_RATIO = 2.0
+
+# Memory a device loses before the model sees any: the CUDA context of a PyTorch process
+# (roughly 300-500 MiB on Ampere/Ada, as nvidia-smi shows for a process that only
+# initialised CUDA), cuBLAS workspaces and NCCL communicator buffers. 1 GiB is an assumed
+# round figure; CPU rehearsal devices have no such reserve.
+FRAMEWORK_RESERVE_BYTES: dict[DeviceClass, float] = {
+    DeviceClass.GPU: gib_to_bytes(1.0),
+    DeviceClass.CPU: 0.0,
+}
+
+# Share of the remaining memory the planner may fill; the rest is headroom for the caching
+# allocator's fragmentation and temporary buffers (assumed).
+USABLE_MEMORY_FRACTION = 0.9
+
+# Optimizer traffic per trainable parameter byte, besides the state: read the weight,
+# write the weight, read the gradient. The state is read and written once each.
+_OPTIMIZER_WEIGHT_GRAD_PASSES = 3.0
+_OPTIMIZER_STATE_PASSES = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class UnitTimes:
+    """Forward and backward time of one unit for one micro-batch, seconds."""
+
+    fwd_time_s: float
+    bwd_time_s: float
+
+
+class UnitTimeSource(Protocol):
+    """Where unit times come from: the roofline, or (later) a measured profile."""
+
+    @property
+    def name(self) -> str:
+        """Short name recorded in the plan report as ``cost_source``."""
+        ...
+
+    def unit_times(
+        self, device: Device, cost: UnitCost, micro_batch_size: int, param_dtype: str
+    ) -> UnitTimes:
+        """Forward and backward time of ``cost``'s unit on ``device`` for one micro-batch."""
+        ...
+
+    def optimizer_time_s(
+        self, device: Device, cost: UnitCost, optimizer_state_bytes_per_param_byte: float
+    ) -> float:
+        """Optimizer-step time of the unit's trainable parameters on ``device``."""
+        ...
+
+
+def roofline_time_s(
+    *,
+    flops: float,
+    num_bytes: float,
+    num_ops: float,
+    peak_flops_per_s: float,
+    memory_bandwidth_bytes_per_s: float,
+    compute_efficiency: float = COMPUTE_EFFICIENCY,
+    memory_efficiency: float = MEMORY_EFFICIENCY,
+    op_overhead_s: float = OP_OVERHEAD_S,
+) -> float:
+    """Roofline time of a piece of work plus per-op overhead (Williams et al. 2009).
+
+    ``max(flops / (peak * compute_eff), num_bytes / (bandwidth * memory_eff)) +
+    num_ops * op_overhead_s``, in seconds.
+    """
+    compute_s = flops / (peak_flops_per_s * compute_efficiency)
+    memory_s = num_bytes / (memory_bandwidth_bytes_per_s * memory_efficiency)
+    return max(compute_s, memory_s) + num_ops * op_overhead_s
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineSource:
+    """Unit times from catalog peaks; see the module docstring for the formula."""
+
+    compute_efficiency: float = COMPUTE_EFFICIENCY
+    memory_efficiency: float = MEMORY_EFFICIENCY
+    op_overhead_s: float = OP_OVERHEAD_S
+    allow_tf32: bool = False
+    """Use the TF32 peak for float32 (as with ``torch.backends.cuda.matmul.allow_tf32``)."""
+
+    @property
+    def name(self) -> str:
+        return "roofline"
+
+    def unit_times(
+        self, device: Device, cost: UnitCost, micro_batch_size: int, param_dtype: str
+    ) -> UnitTimes:
+        """Roofline forward and backward time of one micro-batch of ``micro_batch_size``."""
+        peak = peak_flops_per_s(device.type, param_dtype, allow_tf32=self.allow_tf32)
+        flops = cost.fwd_flops_per_sample * micro_batch_size
+        num_bytes = cost.param_bytes + cost.io_bytes_per_sample * micro_batch_size
+        fwd = self._time_s(device.type, peak, flops, num_bytes, cost.num_ops)
+        ratio = BACKWARD_TO_FORWARD_RATIO
+        bwd = self._time_s(
+            device.type, peak, ratio * flops, ratio * num_bytes, ratio * cost.num_ops
+        )
+        return UnitTimes(fwd_time_s=fwd, bwd_time_s=bwd)
+
+    def optimizer_time_s(
+        self, device: Device, cost: UnitCost, optimizer_state_bytes_per_param_byte: float
+    ) -> float:
+        """Memory-bound optimizer step: weights read and written, gradients read, state
+        read and written, at the device's effective memory bandwidth."""
+        passes = (
+            _OPTIMIZER_WEIGHT_GRAD_PASSES
+            + _OPTIMIZER_STATE_PASSES * optimizer_state_bytes_per_param_byte
+        )
+        num_bytes = cost.trainable_param_bytes * passes
+        bandwidth = device.type.memory_bandwidth_bytes_per_s * self.memory_efficiency
+        return num_bytes / bandwidth
+
+    def _time_s(
+        self, device: DeviceType, peak: float, flops: float, num_bytes: float, num_ops: float
+    ) -> float:
+        return roofline_time_s(
+            flops=flops,
+            num_bytes=num_bytes,
+            num_ops=num_ops,
+            peak_flops_per_s=peak,
+            memory_bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
+            compute_efficiency=self.compute_efficiency,
+            memory_efficiency=self.memory_efficiency,
+            op_overhead_s=self.op_overhead_s,
+        )
+
+
+def usable_memory_bytes(device: DeviceType) -> float:
+    """Memory the planner may fill on ``device``: (memory - reserve) x usable fraction, >= 0."""
+    reserve = FRAMEWORK_RESERVE_BYTES[device.device_class]
+    return max(0.0, (device.memory_bytes - reserve) * USABLE_MEMORY_FRACTION)
+
+
+def static_memory_bytes(cost: UnitCost, optimizer_state_bytes_per_param_byte: float) -> float:
+    """Parameters, gradients and optimizer state of one unit, bytes.
+
+    trainable x (1 + 1 + state factor) + non-trainable parameters + buffers.
+    """
+    trainable = cost.trainable_param_bytes
+    frozen = cost.param_bytes - trainable
+    return trainable * (2.0 + optimizer_state_bytes_per_param_byte) + frozen + cost.buffer_bytes
+
+
+def default_micro_batch_sizes(global_batch_size: int) -> tuple[int, ...]:
+    """Micro-batch-size candidates: powers of two up to ``global_batch_size``, plus
+    ``global_batch_size`` itself when it is not a power of two (so one replica can take the
+    whole batch in one micro-batch). Example: 24 -> (1, 2, 4, 8, 16, 24).
+
+    Raises:
+        ConfigError: ``global_batch_size < 1``.
+    """
+    _check_global_batch(global_batch_size)
+    sizes = [2**i for i in range(global_batch_size.bit_length()) if 2**i <= global_batch_size]
+    if sizes[-1] != global_batch_size:
+        sizes.append(global_batch_size)
+    return tuple(sizes)
+
+
+def build_problem(
+    graph: ModelGraph,
+    cluster: Cluster,
+    *,
+    global_batch_size: int,
+    micro_batch_sizes: Sequence[int] | None = None,
+    optimizer_state_bytes_per_param_byte: float = 2.0,
+    time_source: UnitTimeSource | None = None,
+) -> PlanningProblem:
+    """Fill and verify the solver's input for ``graph`` on ``cluster``.
+
+    Args:
+        graph: the model's cost graph (only ``units``, ``unit_costs``, ``cuts`` and
+            ``param_dtype`` are read).
+        micro_batch_sizes: candidates (any order, duplicates dropped); default
+            ``default_micro_batch_sizes(global_batch_size)``.
+        optimizer_state_bytes_per_param_byte: 2.0 for Adam/AdamW, 0.0 for plain SGD; see
+            ``optimizer_state_factor``.
+        time_source: default ``RooflineSource()``.
+
+    Returns:
+        A verified ``PlanningProblem`` (D devices in cluster order, U units, K sizes).
+
+    Raises:
+        ConfigError: a batch size < 1, a micro-batch size outside 1..global_batch_size, a
+            negative optimizer-state factor, or a parameter dtype with no catalog peak.
+    """
+    _check_global_batch(global_batch_size)
+    sizes = _micro_batch_candidates(global_batch_size, micro_batch_sizes)
+    factor = _checked_optimizer_factor(optimizer_state_bytes_per_param_byte)
+    source = time_source if time_source is not None else RooflineSource()
+    costs = graph.unit_costs
+    num_units = len(costs)
+    assert len(graph.units) == num_units and len(graph.cuts) == max(num_units - 1, 0)
+    devices = cluster.devices
+    fwd, bwd = _unit_time_arrays(source, devices, costs, sizes, graph.param_dtype)
+    bandwidth, latency = _link_arrays(cluster)
+    cut_bytes, cut_grad_bytes = _cut_arrays(graph)
+    problem = PlanningProblem(
+        unit_names=tuple(u.name for u in graph.units),
+        device_names=tuple(d.name for d in devices),
+        device_nodes=tuple(d.node for d in devices),
+        device_kinds=tuple(d.kind for d in devices),
+        global_batch_size=global_batch_size,
+        micro_batch_sizes=sizes,
+        memory_capacity_bytes=_array([usable_memory_bytes(d.type) for d in devices]),
+        fwd_time_s=fwd,
+        bwd_time_s=bwd,
+        optimizer_time_s=_array(
+            [[source.optimizer_time_s(d, c, factor) for c in costs] for d in devices]
+        ),
+        static_memory_bytes=_array([static_memory_bytes(c, factor) for c in costs]),
+        activation_bytes_per_sample=_array([c.activation_bytes_per_sample for c in costs]),
+        cut_bytes_per_sample=cut_bytes,
+        cut_grad_bytes_per_sample=cut_grad_bytes,
+        grad_bytes=_array([c.trainable_param_bytes for c in costs]),
+        bandwidth_bytes_per_s=bandwidth,
+        latency_s=latency,
+        tied_params=tuple(
+            TiedParams(units, float(num_bytes))
+            for units, num_bytes in sorted(graph.tied_trainable_bytes.items())
+        ),
+        **_collective_arrays(cluster),
+    )
+    problem.verify()
+    return problem
+
+
+def _checked_optimizer_factor(factor: float) -> float:
+    if not (math.isfinite(factor) and factor >= 0):
+        raise ConfigError(f"optimizer state factor {factor!r} must be a finite number >= 0")
+    return factor
+
+
+def _cut_arrays(graph: ModelGraph) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample bytes crossing each cut: forward (activations), backward (gradients)."""
+    num_cuts = len(graph.unit_costs) - 1
+    forward = _array([graph.cut_bytes_per_sample(i) for i in range(num_cuts)])
+    backward = _array([graph.cut_grad_bytes_per_sample(i) for i in range(num_cuts)])
+    return forward, backward
+
+
+def _check_global_batch(global_batch_size: int) -> None:
+    if global_batch_size < 1:
+        raise ConfigError(f"global batch size {global_batch_size} must be >= 1")
+
+
+def _micro_batch_candidates(
+    global_batch_size: int, micro_batch_sizes: Sequence[int] | None
+) -> tuple[int, ...]:
+    if micro_batch_sizes is None:
+        return default_micro_batch_sizes(global_batch_size)
+    if not micro_batch_sizes:
+        raise ConfigError("micro-batch sizes are empty; give at least one, e.g. 1")
+    for size in micro_batch_sizes:
+        if not 1 <= size <= global_batch_size:
+            raise ConfigError(
+                f"micro-batch size {size} must be between 1 and the global batch size "
+                f"{global_batch_size}"
+            )
+    return tuple(sorted(set(micro_batch_sizes)))
+
+
+def _array(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype=np.float64)
+
+
+def _unit_time_arrays(
+    source: UnitTimeSource,
+    devices: Sequence[Device],
+    costs: Sequence[UnitCost],
+    sizes: Sequence[int],
+    param_dtype: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward times, each of shape (D, U, K), seconds."""
+    fwd = np.zeros((len(devices), len(costs), len(sizes)))
+    bwd = np.zeros_like(fwd)
+    for d, device in enumerate(devices):
+        for u, cost in enumerate(costs):
+            for k, size in enumerate(sizes):
+                times = source.unit_times(device, cost, size, param_dtype)
+                fwd[d, u, k] = times.fwd_time_s
+                bwd[d, u, k] = times.bwd_time_s
+    return fwd, bwd
+
+
+def _collective_arrays(cluster: Cluster) -> dict[str, np.ndarray]:
+    """Per device, its node's measured all-reduce ring (latency per step, bus bandwidth);
+    no entries when no node was measured."""
+    if not cluster.node_collectives:
+        return {}
+    rings = [cluster.node_collectives.get(d.node) for d in cluster.devices]
+    return {
+        "collective_latency_s": _array([0.0 if r is None else r.latency_per_step_s for r in rings]),
+        "collective_bus_bandwidth_bytes_per_s": _array(
+            [np.inf if r is None else r.bus_bandwidth_bytes_per_s for r in rings]
+        ),
+    }
+
+
+def _link_arrays(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """Bandwidth (bytes/s) and latency (s), each (D, D). The diagonal, unused by the solver,
+    holds the device's own node link so that every entry is finite and positive."""
+    devices = cluster.devices
+    bandwidth = np.zeros((len(devices), len(devices)))
+    latency = np.zeros_like(bandwidth)
+    for i, a in enumerate(devices):
+        for j, b in enumerate(devices):
+            link = cluster.node(a.node).intra_link if i == j else cluster.link(a.name, b.name)
+            bandwidth[i, j] = link.bandwidth_bytes_per_s
+            latency[i, j] = link.latency_s
+    return bandwidth, latency
+
+
+# A probe parameter big enough that per-tensor scalars would show if they were counted.
+_PROBE_SHAPE = (16, 16)
+
+
+def optimizer_state_factor(model_file: ModelFile, *, param_dtype: str = "float32") -> float:
+    """Bytes of optimizer state per byte of parameter, for the model file's optimizer.
+
+    Builds ``make_optimizer`` (or the convention's default, AdamW with lr 1e-3) on one probe
+    parameter of ``param_dtype``, takes one step, and divides the bytes of the state tensors
+    by the parameter's bytes. Zero-dimensional state (Adam's ``step`` counter) is a
+    per-tensor constant, not per-parameter-byte, and is not counted. AdamW gives 2.0, SGD
+    with momentum 1.0, SGD without momentum 0.0.
+
+    Raises:
+        ModelFileError: ``make_optimizer`` fails on the probe or does not return a
+            ``torch.optim.Optimizer``.
+        ConfigError: ``param_dtype`` is not a torch floating-point dtype name.
+    """
+    import torch  # deferred: the rest of the cost model needs no torch
+
+    dtype = getattr(torch, param_dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"parameter dtype {param_dtype!r} is not a torch floating dtype")
+    param = torch.nn.Parameter(torch.zeros(_PROBE_SHAPE, dtype=dtype))
+    make = model_file.make_optimizer
+    try:
+        optimizer = make([param]) if make is not None else torch.optim.AdamW([param], lr=1e-3)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"it returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        param.grad = torch.ones_like(param)
+        optimizer.step()
+    except Exception as exc:
+        raise ModelFileError(
+            f"make_optimizer in {str(model_file.path)!r} failed on a probe parameter "
+            f"({type(exc).__name__}: {exc}); it must take a list of parameters and return an "
+            "optimizer whose step() needs no closure"
+        ) from None
+    state_bytes = sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
+    return state_bytes / (param.numel() * param.element_size())

@@ -1,0 +1,387 @@
+"""Unit times from a measured profile (``hplan profile``), with the roofline as fallback.
+
+:class:`MeasuredSource` is a ``UnitTimeSource`` (see ``costmodel.py``). For a cluster
+device of kind ``K`` named ``N`` it looks for unit timings under, most specific first:
+
+1. ``K@N`` (this very device, e.g. written by ``hplan calibrate``);
+2. ``K#<uuid>`` where ``device_uuids`` binds ``N`` to that card;
+3. ``K`` (every device of the kind);
+4. ``K#*``: the cards of kind ``K`` measured by UUID, pooled (median per unit and size).
+
+With timings, a (unit, micro-batch size) that was measured is used as is (``measured``;
+``calibrated``/``imported`` when the timing says so); another size comes from a
+least-squares line ``time = a + b * size`` through the unit's measured sizes
+(``measured (interpolated)`` inside the measured range, ``measured (extrapolated)``
+outside; ``a, b >= 0``). A device whose figures the cluster file overrides (a ``cpu``
+declared twice as fast) gets its kind's measurement scaled by the roofline ratio of its
+declared figures to the catalog's.
+
+A device with no timings gets the roofline estimate times the median measured-to-roofline
+ratio of (forward + backward) over every measured (device, unit, size) of the same device
+class (``roofline x 0.42 (scaled by measured devices)``); a CPU's ratio says nothing about
+a GPU, so without a measured device of its class the device gets the roofline on its
+kind's measured matmul FLOP/s and bandwidth when the profile has them
+(``roofline (measured device peaks)``), else the plain roofline.
+
+Finally a ``DeviceFactor`` for the device (``hplan calibrate``) multiplies its times
+(``... x 1.40 (calibrated factor)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hplan.planner.cost.problem_builder import RooflineSource, UnitTimes, UnitTimeSource
+from hplan.planner.hardware.catalog import CATALOG, DeviceClass, DeviceType
+from hplan.planner.hardware.cluster import Device
+from hplan.planner.profiling.profile_file import MeasurementSource, Profile, UnitTiming
+from hplan.runtime.contract.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hplan.planner.frontend.cost_graph import ModelGraph, UnitCost
+
+_POOLED = "#*"
+_SAME_FACTOR = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class _Point:
+    """Median forward and backward seconds at one micro-batch size."""
+
+    fwd_s: float
+    bwd_s: float
+    source: MeasurementSource
+
+
+@dataclass
+class _Measured:
+    """Timings of one device key: unit -> size -> point; unit -> optimizer seconds."""
+
+    points: dict[str, dict[int, _Point]]
+    optimizer_s: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class _Estimate:
+    times: UnitTimes
+    label: str
+    scale: float
+    """Factor applied to the kind-level measurement (overrides and calibrated factors)."""
+
+
+class MeasuredSource:
+    """Unit times from a profile; see the module docstring for the precedence."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        costs: Sequence[UnitCost],
+        param_dtype: str,
+        *,
+        label: str = "profile",
+        roofline: RooflineSource | None = None,
+        device_uuids: Mapping[str, str] | None = None,
+    ) -> None:
+        """
+        Args:
+            profile: the measurements (unit timings must be of this model).
+            costs: the model's unit costs (for the roofline ratios).
+            param_dtype: the model's parameter dtype (which measured peak to use).
+            label: where the profile came from, for the report (``prof/``).
+            device_uuids: cluster device name -> NVML UUID of the card it is.
+        """
+        self.profile = profile
+        self.label = label
+        self.param_dtype = param_dtype
+        self.roofline = roofline or RooflineSource()
+        self.device_uuids = dict(device_uuids or {})
+        self._costs = {c.name: c for c in costs}
+        self._measured = _index_timings(profile.unit_timings)
+        self._devices = {d.key: d for d in profile.devices}
+        self._factors = {f.device: f for f in profile.device_factors}
+        self._ratios = self._class_ratios()
+        self._cache: dict[tuple[str, str, int], _Estimate] = {}
+
+    @property
+    def name(self) -> str:
+        return f"profile {self.label}"
+
+    # -------------------------------------------------------------- UnitTimeSource
+    def unit_times(
+        self, device: Device, cost: UnitCost, micro_batch_size: int, param_dtype: str
+    ) -> UnitTimes:
+        """Forward and backward seconds of one micro-batch (see the module docstring)."""
+        return self._estimate(device, cost, micro_batch_size).times
+
+    def optimizer_time_s(
+        self, device: Device, cost: UnitCost, optimizer_state_bytes_per_param_byte: float
+    ) -> float:
+        """Measured optimizer step of the unit where timed, else the roofline estimate
+        times the class's measured-to-roofline optimizer ratio; then overrides/factors."""
+        key = self._timing_key(device)
+        measured = self._measured[key].optimizer_s.get(cost.name) if key else None
+        if measured is not None:
+            return measured * self._override_scale(device, cost, 1) * self._factor(device)
+        estimate = self.roofline.optimizer_time_s(
+            device, cost, optimizer_state_bytes_per_param_byte
+        )
+        ratio = self._optimizer_ratio(
+            device.type.device_class, optimizer_state_bytes_per_param_byte
+        )
+        return estimate * ratio * self._factor(device)
+
+    def source_label(self, device: Device, cost: UnitCost, micro_batch_size: int) -> str:
+        """Where ``unit_times`` got this number from, for the plan report."""
+        return self._estimate(device, cost, micro_batch_size).label
+
+    # -------------------------------------------------------------------- lookup
+    def _timing_key(self, device: Device) -> str | None:
+        kind = device.kind
+        candidates = [f"{kind}@{device.name}"]
+        if device.name in self.device_uuids:
+            candidates.append(f"{kind}#{self.device_uuids[device.name]}")
+        candidates += [kind, f"{kind}{_POOLED}"]
+        return next((k for k in candidates if k in self._measured), None)
+
+    def _estimate(self, device: Device, cost: UnitCost, size: int) -> _Estimate:
+        cache_key = (device.name, cost.name, size)
+        if cache_key not in self._cache:
+            base = self._base_estimate(device, cost, size)
+            factor = self._factor(device)
+            label = base.label
+            if abs(factor - 1.0) > _SAME_FACTOR:
+                label = f"{label} x {factor:.2f} (calibrated factor)"
+            times = UnitTimes(base.times.fwd_time_s * factor, base.times.bwd_time_s * factor)
+            self._cache[cache_key] = _Estimate(times, label, base.scale * factor)
+        return self._cache[cache_key]
+
+    def _base_estimate(self, device: Device, cost: UnitCost, size: int) -> _Estimate:
+        key = self._timing_key(device)
+        points = self._measured[key].points.get(cost.name) if key else None
+        if points:
+            point, label = _at_size(points, size)
+            scale = self._override_scale(device, cost, size)
+            if abs(scale - 1.0) > _SAME_FACTOR:
+                label = f"{label} x {scale:.2f} (cluster.yaml overrides {device.kind})"
+            return _Estimate(UnitTimes(point.fwd_s * scale, point.bwd_s * scale), label, scale)
+        roofline = self.roofline.unit_times(device, cost, size, self.param_dtype)
+        ratio = self._ratios.get(device.type.device_class)
+        if ratio is not None:
+            times = UnitTimes(roofline.fwd_time_s * ratio, roofline.bwd_time_s * ratio)
+            return _Estimate(times, f"roofline x {ratio:.2g} (scaled by measured devices)", ratio)
+        peaks = self._measured_peaks_type(device)
+        if peaks is not None:
+            measured_roofline = RooflineSource(
+                compute_efficiency=1.0,
+                memory_efficiency=1.0,
+                op_overhead_s=self.roofline.op_overhead_s,
+            )
+            peak_device = dataclasses.replace(device, type=peaks)
+            times = measured_roofline.unit_times(peak_device, cost, size, self.param_dtype)
+            return _Estimate(times, "roofline (measured device peaks)", 1.0)
+        return _Estimate(roofline, "roofline", 1.0)
+
+    def _factor(self, device: Device) -> float:
+        factor = self._factors.get(device.name)
+        return factor.time_factor if factor is not None and factor.kind == device.kind else 1.0
+
+    def _override_scale(self, device: Device, cost: UnitCost, size: int) -> float:
+        """Declared figures over the catalog's, as roofline times (1.0 without overrides)."""
+        catalog = CATALOG.get(device.kind)
+        if catalog is None or catalog == device.type:
+            return 1.0
+        declared = self._roofline_total_s(device.type, cost, size)
+        reference = self._roofline_total_s(catalog, cost, size)
+        return declared / reference if reference > 0 else 1.0
+
+    def _roofline_total_s(self, device_type: DeviceType, cost: UnitCost, size: int) -> float:
+        stand_in = Device(name="profile", node="profile", local_index=0, type=device_type)
+        times = self.roofline.unit_times(stand_in, cost, size, self.param_dtype)
+        return times.fwd_time_s + times.bwd_time_s
+
+    def _measured_peaks_type(self, device: Device) -> DeviceType | None:
+        """The device's type with its kind's measured FLOP/s and bandwidth, if measured."""
+        profiles = [p for p in self._devices.values() if p.kind == device.kind]
+        flops = [p.matmul_flops_per_s.get(self.param_dtype) for p in profiles]
+        bandwidths = [p.memory_bandwidth_bytes_per_s for p in profiles]
+        flops_s = [f.median for f in flops if f is not None]
+        bandwidth_s = [b.median for b in bandwidths if b is not None]
+        if not flops_s or not bandwidth_s:
+            return None
+        peak = statistics.median(flops_s)
+        return dataclasses.replace(
+            device.type,
+            fp32_flops_per_s=peak,
+            tf32_flops_per_s=peak,
+            fp16_flops_per_s=peak,
+            bf16_flops_per_s=peak,
+            memory_bandwidth_bytes_per_s=statistics.median(bandwidth_s),
+        )
+
+    # -------------------------------------------------------------------- ratios
+    def _measured_kinds(self) -> Iterable[tuple[DeviceType, _Measured]]:
+        for key, measured in self._measured.items():
+            kind = key.split("@")[0].split("#")[0]
+            if kind in CATALOG and "@" not in key and not key.endswith(_POOLED):
+                yield CATALOG[kind], measured
+
+    def _class_ratios(self) -> dict[DeviceClass, float]:
+        """Median measured / roofline (forward + backward) per device class."""
+        ratios: dict[DeviceClass, list[float]] = {}
+        for device_type, measured in self._measured_kinds():
+            for unit, points in measured.points.items():
+                cost = self._costs.get(unit)
+                if cost is None:
+                    continue
+                for size, point in points.items():
+                    estimate = self._roofline_total_s(device_type, cost, size)
+                    if estimate > 0:
+                        ratio = (point.fwd_s + point.bwd_s) / estimate
+                        ratios.setdefault(device_type.device_class, []).append(ratio)
+        return {cls: statistics.median(values) for cls, values in ratios.items()}
+
+    def _optimizer_ratio(self, device_class: DeviceClass, state_factor: float) -> float:
+        ratios = []
+        for device_type, measured in self._measured_kinds():
+            if device_type.device_class is not device_class:
+                continue
+            stand_in = Device(name="profile", node="profile", local_index=0, type=device_type)
+            for unit, seconds in measured.optimizer_s.items():
+                cost = self._costs.get(unit)
+                if cost is None:
+                    continue
+                estimate = self.roofline.optimizer_time_s(stand_in, cost, state_factor)
+                if estimate > 0 and seconds > 0:
+                    ratios.append(seconds / estimate)
+        return statistics.median(ratios) if ratios else 1.0
+
+
+def _index_timings(timings: Iterable[UnitTiming]) -> dict[str, _Measured]:
+    """Timings by device key, plus pooled ``kind#*`` entries for cards measured by UUID."""
+    measured: dict[str, _Measured] = {}
+    by_uuid: dict[str, list[UnitTiming]] = {}
+    for t in timings:
+        entry = measured.setdefault(t.device, _Measured({}, {}))
+        entry.points.setdefault(t.unit, {})[t.micro_batch_size] = _Point(
+            t.forward_s.median, t.backward_s.median, t.source
+        )
+        if t.optimizer_s is not None:
+            entry.optimizer_s[t.unit] = t.optimizer_s
+        if "#" in t.device and "@" not in t.device:
+            by_uuid.setdefault(t.device.split("#")[0], []).append(t)
+    for kind, cards in by_uuid.items():
+        measured[f"{kind}{_POOLED}"] = _pooled(cards)
+    return measured
+
+
+def _pooled(timings: Sequence[UnitTiming]) -> _Measured:
+    groups: dict[tuple[str, int], list[UnitTiming]] = {}
+    optimizer: dict[str, list[float]] = {}
+    for t in timings:
+        groups.setdefault((t.unit, t.micro_batch_size), []).append(t)
+        if t.optimizer_s is not None:
+            optimizer.setdefault(t.unit, []).append(t.optimizer_s)
+    points: dict[str, dict[int, _Point]] = {}
+    for (unit, size), group in groups.items():
+        points.setdefault(unit, {})[size] = _Point(
+            statistics.median(t.forward_s.median for t in group),
+            statistics.median(t.backward_s.median for t in group),
+            group[0].source,
+        )
+    return _Measured(points, {u: statistics.median(v) for u, v in optimizer.items()})
+
+
+_SOURCE_LABELS = {
+    MeasurementSource.MEASURED: "measured",
+    MeasurementSource.CALIBRATED: "calibrated",
+    MeasurementSource.IMPORTED: "imported",
+}
+
+
+def _at_size(points: Mapping[int, _Point], size: int) -> tuple[_Point, str]:
+    """The point at ``size``: measured, or from a line fitted through the measured sizes."""
+    if size in points:
+        point = points[size]
+        return point, _SOURCE_LABELS[point.source]
+    sizes = sorted(points)
+    source = _SOURCE_LABELS[points[sizes[0]].source]
+    inside = sizes[0] < size < sizes[-1]
+    label = f"{source} ({'interpolated' if inside else 'extrapolated'})"
+    fwd = fit_line_at([(s, points[s].fwd_s) for s in sizes], size)
+    bwd = fit_line_at([(s, points[s].bwd_s) for s in sizes], size)
+    return _Point(fwd, bwd, points[sizes[0]].source), label
+
+
+def fit_line_at(samples: Sequence[tuple[int, float]], x: float) -> float:
+    """Value at ``x`` of the least-squares line ``y = a + b x`` with ``a, b >= 0``.
+
+    One sample: proportional, ``y0 * x / x0``. A negative slope is set to 0 (the mean);
+    a negative intercept gives the best line through the origin.
+    """
+    xs = np.array([s for s, _ in samples], dtype=np.float64)
+    ys = np.array([y for _, y in samples], dtype=np.float64)
+    if len(xs) == 1:
+        return float(ys[0] * x / xs[0])
+    slope, intercept = np.polyfit(xs, ys, 1)
+    if slope < 0:
+        return float(ys.mean())
+    if intercept < 0:
+        return float(x * (xs @ ys) / (xs @ xs))
+    return float(intercept + slope * x)
+
+
+# ------------------------------------------------------------------------------ loading
+def load_measured_source(
+    profile_path: Path, graph: ModelGraph, *, model_path: Path
+) -> MeasuredSource:
+    """The ``MeasuredSource`` of a profile file or directory for ``graph``'s model.
+
+    Raises:
+        ConfigError: the profile cannot be read, holds unit timings without a model, or
+            was measured on another model (graph fingerprints differ; names both).
+    """
+    profile = Profile.load(profile_path)
+    fingerprint = graph.traced.fingerprint()
+    if profile.unit_timings and profile.model is None:
+        raise ConfigError(
+            f"profile {str(profile_path)!r} has unit timings but no model; re-run "
+            f"`hplan profile --model {model_path} -o {profile_path}`"
+        )
+    if profile.model is not None and profile.model.graph_fingerprint != fingerprint:
+        raise ConfigError(
+            f"profile {str(profile_path)!r} was measured on model {profile.model.path} (graph "
+            f"{profile.model.graph_fingerprint[:12]}), not on {model_path} (graph "
+            f"{fingerprint[:12]}); re-run `hplan profile --model {model_path}` with the same "
+            "--leaf-module options"
+        )
+    return MeasuredSource(
+        profile, graph.unit_costs, graph.param_dtype, label=profile_path.as_posix()
+    )
+
+
+def source_labels(
+    source: UnitTimeSource,
+    devices: Sequence[Device],
+    costs: Sequence[UnitCost],
+    sizes: Sequence[int],
+) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """Label of every (device, unit, micro-batch size) number, shape (D, U, K).
+
+    A source without ``source_label`` (the roofline) gives its ``name`` everywhere.
+    """
+    label = getattr(source, "source_label", None)
+    if label is None:
+        return tuple(tuple((source.name,) * len(sizes) for _ in costs) for _ in devices)
+    return tuple(tuple(tuple(label(d, c, s) for s in sizes) for c in costs) for d in devices)
+
+
+def summarize_labels(labels: Iterable[str]) -> str:
+    """Distinct labels in first-seen order, joined with ``"; "``."""
+    return "; ".join(dict.fromkeys(labels))

@@ -1,0 +1,112 @@
+"""Turn a solver ``Layout`` into a ``Plan`` (pure: no solving, no I/O)."""
+
+from __future__ import annotations
+
+from hplan.planner.cost.layout import Layout
+from hplan.planner.frontend.cost_graph import ModelGraph
+from hplan.runtime.contract.plan import (
+    ClusterSpec,
+    CutSpec,
+    ModelSpec,
+    Plan,
+    RankPlan,
+    Report,
+    TrainingSpec,
+)
+
+
+def model_spec(graph: ModelGraph, *, path: str, sha256: str) -> ModelSpec:
+    """The plan's record of the model and how to re-trace it."""
+    traced = graph.traced
+    return ModelSpec(
+        path=path,
+        sha256=sha256,
+        trace_method=traced.method,
+        leaf_modules=traced.leaf_modules,
+        graph_fingerprint=traced.fingerprint(),
+        inputs=graph.inputs,
+        param_dtype=graph.param_dtype,
+    )
+
+
+def rank_of_device(layout: Layout) -> dict[int, int]:
+    """Global rank of each used device index: ranks follow device order (node by node)."""
+    return {d: rank for rank, d in enumerate(sorted(layout.device_indices))}
+
+
+def build_plan(
+    *,
+    graph: ModelGraph,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    device_names: tuple[str, ...],
+    layout: Layout,
+    global_batch_size: int,
+    report: Report,
+    training: TrainingSpec,
+) -> Plan:
+    """Assemble and verify the plan.
+
+    Ranks are numbered by node (in cluster order), then by device index on the node, so the
+    ranks of one node are contiguous and every launch script can compute them statically.
+
+    Args:
+        device_names: the problem's device names; ``layout`` indexes into them.
+
+    Raises:
+        PlanFileError: the assembled plan is inconsistent (a bug upstream).
+    """
+    ranks, cut_idx = _rank_plans(graph, cluster, device_names, layout)
+    unit_names = [u.name for u in graph.units]
+    cuts = tuple(CutSpec(after_unit=unit_names[i], tensors=graph.cuts[i]) for i in cut_idx)
+    plan = Plan(
+        model=model,
+        global_batch_size=global_batch_size,
+        units=graph.units,
+        cuts=cuts,
+        cluster=cluster,
+        training=training,
+        ranks=ranks,
+        report=report,
+    )
+    plan.verify()
+    return plan
+
+
+def _rank_plans(
+    graph: ModelGraph, cluster: ClusterSpec, device_names: tuple[str, ...], layout: Layout
+) -> tuple[tuple[RankPlan, ...], tuple[int, ...]]:
+    """Every stage of every replica as a rank (in cluster device order), and the sorted
+    indices of the cuts that fall between two stages."""
+    unit_names = [u.name for u in graph.units]
+    device_order = {d.name: i for i, d in enumerate(cluster.devices)}
+    placed = []
+    for replica_idx, replica in enumerate(layout.replicas):
+        for stage_idx, stage in enumerate(replica.stages):
+            placed.append((device_names[stage.device_idx], replica_idx, stage_idx, replica, stage))
+    placed.sort(key=lambda item: device_order[item[0]])
+    local_counts: dict[str, int] = {}
+    ranks = []
+    cut_idx: set[int] = set()
+    for rank, (device_name, replica_idx, stage_idx, replica, stage) in enumerate(placed):
+        device = cluster.devices[device_order[device_name]]
+        local_rank = local_counts.get(device.node, 0)
+        local_counts[device.node] = local_rank + 1
+        if stage_idx < replica.num_stages - 1:
+            cut_idx.add(stage.unit_stop - 1)
+        ranks.append(
+            RankPlan(
+                rank=rank,
+                node=device.node,
+                local_rank=local_rank,
+                device=device_name,
+                device_kind=device.kind,
+                replica=replica_idx,
+                stage=stage_idx,
+                units=tuple(unit_names[stage.unit_start : stage.unit_stop]),
+                micro_batch_size=replica.micro_batch_size,
+                num_microbatches=replica.num_microbatches,
+                num_samples=replica.num_samples,
+            )
+        )
+    return tuple(ranks), tuple(sorted(cut_idx))

@@ -1,0 +1,320 @@
+"""Renderers behind ``hplan show``: a plan as text, JSON or graphviz DOT.
+
+Every renderer is a pure, deterministic ``Plan -> str``: the same plan gives the same bytes
+on every machine (fixed width, no colour codes, no dependence on the terminal or on
+environment variables). :func:`print_text` is the one impure variant; it prints the text
+view in colour to a terminal. The DOT view lives in ``render_dot.py``, the formatting
+helpers (decimal byte sizes, durations, unit lists, phrase wrapping) in ``textfmt.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable, Sequence
+
+from rich import box
+from rich.console import Console, JustifyMethod, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from hplan.planner.emit.render_dot import render_dot
+from hplan.planner.textfmt import (
+    batch_share,
+    count,
+    format_bytes,
+    format_seconds,
+    percent,
+    stage_units,
+    wrap_phrases,
+)
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.plan import (
+    BaselineReport,
+    MemoryStrategy,
+    Plan,
+    RankPlan,
+    RankReport,
+    Report,
+)
+
+TEXT_WIDTH = 100
+"""Columns of the deterministic text view (``summary.txt``, ``hplan show``)."""
+
+
+# --------------------------------------------------------------------------- text view
+_LABEL_WIDTH = 11
+"""Columns of the header's label (``baselines`` and two spaces)."""
+
+
+def plan_renderables(plan: Plan, *, width: int = TEXT_WIDTH) -> list[RenderableType]:
+    """The text view as rich renderables (header, rank table, legend, notes), with styles.
+
+    Every part but the table is a list of lines already wrapped to ``width`` at phrase
+    boundaries (print them with ``soft_wrap=True``). :func:`render_text` prints them
+    without colour; :func:`print_text` with colour.
+    """
+    parts: list[RenderableType] = [*_header(plan, width), Text(""), _rank_table(plan)]
+    parts += [Text(line) for line in _table_legend(plan).splitlines()]
+    if plan.report.notes:
+        parts += [Text(""), Text("notes", style="bold")]
+        for note in plan.report.notes:
+            lines = wrap_phrases(note, width - 2)
+            parts += [Text(f"- {lines[0]}"), *(Text(f"  {line}") for line in lines[1:])]
+    return parts
+
+
+def render_text(plan: Plan, *, width: int = TEXT_WIDTH) -> str:
+    """What ``hplan show`` prints: the plan as plain text, ``width`` columns, no colour.
+
+    Lines break between phrases; the rank table is as wide as ``width`` or, when its
+    columns cannot fit without breaking a value, as wide as they need. Deterministic: the
+    console is configured explicitly (no terminal, colour or Jupyter detection, no
+    ``COLUMNS``), so the same plan gives the same bytes everywhere.
+    """
+    buffer = io.StringIO()
+    console = Console(
+        file=buffer,
+        width=width,
+        color_system=None,
+        force_terminal=False,
+        force_jupyter=False,
+        force_interactive=False,
+        legacy_windows=False,
+        highlight=False,
+        markup=False,
+        emoji=False,
+        soft_wrap=False,
+    )
+    _print_parts(console, plan_renderables(plan, width=width))
+    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
+
+
+def print_text(plan: Plan, console: Console | None = None) -> None:
+    """Print the text view with colour to ``console`` (default: a rich console on stderr)."""
+    target = console if console is not None else wide_console(stderr=True)
+    _print_parts(target, plan_renderables(plan))
+
+
+def _print_parts(console: Console, parts: Sequence[RenderableType]) -> None:
+    for part in parts:
+        if isinstance(part, Table):  # wider than the console rather than break a value
+            width = console.width
+            console.width = max(width, part.min_width or 0)
+            try:
+                console.print(part)
+            finally:
+                console.width = width
+        else:
+            console.print(part, soft_wrap=True)
+
+
+def wide_console(*, stderr: bool) -> Console:
+    """A rich console at least ``TEXT_WIDTH`` columns wide, so the rank table never folds."""
+    detected = Console(stderr=stderr).width
+    return Console(stderr=stderr, highlight=False, width=max(detected, TEXT_WIDTH))
+
+
+def _header(plan: Plan, width: int) -> list[Text]:
+    report = plan.report
+    nodes = {r.node for r in plan.ranks}
+    title = Text.assemble(
+        ("hplan plan", "bold"), f" for {plan.model.path} on cluster {plan.cluster.name}"
+    )
+    gap = (
+        "gap unknown" if report.optimality_gap is None else f"gap {percent(report.optimality_gap)}"
+    )
+    rows = [
+        (
+            "layout",
+            f"global batch {plan.global_batch_size} · {count(plan.world_size, 'rank')} on "
+            f"{count(len(nodes), 'node')} · {count(plan.num_replicas, 'replica')} · "
+            f"{plan.training.schedule} · sync {plan.training.sync_mode} · "
+            f"backend {plan.training.backend}",
+        ),
+        ("predicted", _predicted(report)),
+        (
+            "bound",
+            f"{report.physical_bound_samples_per_s:.1f} samples/s (sum of standalone devices) · "
+            f"efficiency {percent(report.efficiency)}",
+        ),
+        (
+            "solver",
+            f"{report.solver_status} ({gap}) · {report.solver_backend} · "
+            f"costs from {report.cost_source}",
+        ),
+    ]
+    lines = [title]
+    for label, value in rows:
+        lines += _labelled(label, value, width)
+    for idx, baseline in enumerate(report.baselines):
+        value, lead, style = _baseline_line(plan, baseline)
+        row = _labelled("baselines" if idx == 0 else "", value, width, _BASELINE_BREAKS)
+        row[0].stylize(style, _LABEL_WIDTH, _LABEL_WIDTH + len(lead))
+        lines += row
+    return lines
+
+
+def _predicted(report: Report) -> str:
+    """The cost model's step time and throughput, and the simulator's step time if any."""
+    text = (
+        f"{format_seconds(report.predicted_step_time_s)} per step · "
+        f"{report.predicted_samples_per_s:.1f} samples/s"
+    )
+    if report.simulated_step_time_s is None:
+        return text
+    return f"{text} · simulated {format_seconds(report.simulated_step_time_s)} per step"
+
+
+_BASELINE_BREAKS = re.compile(r"(?= \([\d.]+ samples/s\))|(?= — )")
+"""A baseline line breaks only before its throughput and before its note: its name and its
+note may hold commas (``uniform pipeline, equal layers ...``)."""
+
+
+def _labelled(
+    label: str, value: str, width: int, breaks: re.Pattern[str] | None = None
+) -> list[Text]:
+    """A header row: the label in bold, the value wrapped between phrases and indented."""
+    wrapped = (
+        wrap_phrases(value, width - _LABEL_WIDTH)
+        if breaks is None
+        else wrap_phrases(value, width - _LABEL_WIDTH, breaks=breaks)
+    )
+    first = Text.assemble((label.ljust(_LABEL_WIDTH), "bold"), wrapped[0])
+    return [first, *(Text(" " * _LABEL_WIDTH + line) for line in wrapped[1:])]
+
+
+def _baseline_line(plan: Plan, baseline: BaselineReport) -> tuple[str, str, str]:
+    """(the line, its lead to style, the style) for one baseline."""
+    name = baseline.name
+    if baseline.samples_per_s is None or baseline.samples_per_s <= 0:
+        lead = f"{name}: does not fit"
+        return f"{lead} — {baseline.note}", lead, "yellow"
+    ratio = plan.report.predicted_samples_per_s / baseline.samples_per_s
+    lead = f"{ratio:.2f}×"
+    line = f"{lead} vs {name} ({baseline.samples_per_s:.1f} samples/s) — {baseline.note}"
+    return line, lead, "bold green" if ratio >= 1.0 else "bold red"
+
+
+def _rank_table(plan: Plan) -> Table:
+    """The rank table. Only ``units`` wraps, and only between unit groups (``a, b``): its
+    minimum width is its longest group, so no name or ``all 8 units`` is ever broken."""
+    reports = {r.rank: r for r in plan.report.ranks}
+    bottleneck = plan.report.bottleneck_rank
+    rows = [
+        _rank_cells(rank, reports.get(rank.rank), rank.rank == bottleneck, plan.units)
+        for rank in plan.ranks
+    ]
+    headers = [Text(header) for header, _ in _COLUMNS]
+    units_idx = [h.plain for h in headers].index("units")
+    groups = [g for row in rows for g in row[units_idx].plain.replace(", ", ",\n").splitlines()]
+    longest_group = max((len(g) for g in groups), default=1)
+    widths = [
+        longest_group if idx == units_idx else max(len(r[idx].plain) for r in [headers, *rows])
+        for idx in range(len(_COLUMNS))
+    ]
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+        collapse_padding=True,
+        min_width=sum(widths) + 2 * (len(widths) - 1),  # every value whole, padding 1 | 1
+    )
+    for idx, (header, justify) in enumerate(_COLUMNS):
+        wraps = idx == units_idx
+        table.add_column(
+            header,
+            justify=justify,
+            no_wrap=not wraps,
+            overflow="fold" if wraps else "ellipsis",
+            min_width=longest_group if wraps else None,
+        )
+    for rank, cells in zip(plan.ranks, rows, strict=True):
+        table.add_row(*cells, style="bold red" if rank.rank == bottleneck else None)
+    return table
+
+
+_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("rank", "right"),
+    ("node", "left"),
+    ("device", "left"),
+    ("replica", "right"),
+    ("stage", "right"),
+    ("units", "left"),
+    ("samples", "right"),
+    ("busy", "right"),
+    ("memory", "right"),
+)
+
+
+def _rank_cells(
+    rank: RankPlan, report: RankReport | None, marked: bool, plan_units: Sequence[object]
+) -> list[Text]:
+    recompute = " R" if rank.memory_strategy == MemoryStrategy.RECOMPUTE else ""
+    cells = [
+        f"{rank.rank}{' *' if marked else ''}",
+        rank.node,
+        rank.device_kind,
+        str(rank.replica),
+        str(rank.stage),
+        stage_units(rank.units, total=len(plan_units)),
+        batch_share(rank),
+        "-" if report is None else format_seconds(report.busy_time_s),
+        ("-" if report is None else _memory_cell(report)) + recompute,
+    ]
+    return [Text(cell) for cell in cells]
+
+
+def _memory_cell(report: RankReport) -> str:
+    """``14.2/23.7 GB 60%``; both units spelled out when they differ (``12.1 MB/14.7 GB``)."""
+    used, capacity = format_bytes(report.memory_bytes), format_bytes(report.memory_capacity_bytes)
+    used_value, used_unit = used.split(" ")
+    if capacity.endswith(f" {used_unit}"):
+        used = used_value
+    if report.memory_capacity_bytes <= 0:
+        return f"{used}/{capacity}"
+    share = 100.0 * report.memory_bytes / report.memory_capacity_bytes
+    return f"{used}/{capacity} {share:.0f}%"
+
+
+def _table_legend(plan: Plan) -> str:
+    bottleneck = plan.report.bottleneck_rank
+    rank = next((r for r in plan.ranks if r.rank == bottleneck), None)
+    parts = [
+        f"bottleneck rank {bottleneck} is not in the plan"
+        if rank is None
+        else f"* bottleneck: rank {rank.rank} ({rank.device_kind} on {rank.node}, "
+        f"replica {rank.replica} stage {rank.stage})",
+        "samples: per optimizer step (micro-batch size × number of micro-batches)",
+        "memory: predicted peak / capacity",
+    ]
+    if any(r.memory_strategy == MemoryStrategy.RECOMPUTE for r in plan.ranks):
+        parts.append("R: recomputes activations")
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- JSON view
+def render_json(plan: Plan) -> str:
+    """The plan as ``plan.json`` text (``Plan.to_json``: deterministic, newline at end)."""
+    return plan.to_json()
+
+
+# --------------------------------------------------------------------------- dispatch
+RENDERERS: dict[str, Callable[[Plan], str]] = {
+    "text": render_text,
+    "json": render_json,
+    "dot": render_dot,
+}
+"""``hplan show --format`` choices and their renderers."""
+
+
+def render(plan: Plan, fmt: str) -> str:
+    """Render ``plan`` in format ``fmt`` (one of :data:`RENDERERS`).
+
+    Raises:
+        ConfigError: ``fmt`` is not a known format.
+    """
+    renderer = RENDERERS.get(fmt)
+    if renderer is None:
+        raise ConfigError(f"unknown format {fmt!r}; use one of {', '.join(RENDERERS)}")
+    return renderer(plan)

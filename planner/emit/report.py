@@ -1,0 +1,154 @@
+"""The plan's ``report``: predictions, solver facts and baselines (the "why" of a plan)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from hplan.planner.cost.evaluate import (
+    evaluate,
+    mbs_index,
+    physical_bound_samples_per_s,
+    stage_compute_time_s,
+    standalone_samples_per_s,
+)
+from hplan.planner.cost.layout import Layout
+from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.emit.plan_build import rank_of_device
+from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.solve.solver import SolveResult
+from hplan.planner.textfmt import count
+from hplan.runtime.contract.plan import BaselineReport, RankReport, Report
+
+_BASELINES = (
+    ("data parallel, equal batches (DDP)", data_parallel_equal),
+    ("uniform pipeline, equal layers and batches (Megatron/DeepSpeed)", uniform_pipeline),
+)
+
+
+def baseline_reports(problem: PlanningProblem) -> tuple[BaselineReport, ...]:
+    """Predicted samples/s of each baseline on the same cluster (None: it does not fit)."""
+    out = []
+    for name, make in _BASELINES:
+        layout = make(problem)
+        if layout is None:
+            out.append(BaselineReport(name=name, samples_per_s=None, note="does not fit in memory"))
+            continue
+        ev = evaluate(problem, layout)
+        devices = len(layout.device_indices)
+        replicas, stages = len(layout.replicas), layout.replicas[0].num_stages
+        note = (
+            f"{count(replicas, 'replica')} x {count(stages, 'stage')}, {count(devices, 'device')}"
+        )
+        out.append(BaselineReport(name=name, samples_per_s=ev.samples_per_s, note=note))
+    return tuple(out)
+
+
+def _rank_reports(
+    problem: PlanningProblem, layout: Layout, result: SolveResult
+) -> tuple[RankReport, ...]:
+    ranks = rank_of_device(layout)
+    speed = {d: standalone_samples_per_s(problem, d) for d in layout.device_indices}
+    fastest = max(speed.values())
+    reports = []
+    for replica, replica_costs in zip(layout.replicas, result.evaluation.stages, strict=True):
+        for stage, cost in zip(replica.stages, replica_costs, strict=True):
+            device = stage.device_idx
+            units = slice(stage.unit_start, stage.unit_stop)
+            k = mbs_index(problem, replica.micro_batch_size)
+            reports.append(
+                RankReport(
+                    rank=ranks[device],
+                    stage_time_per_microbatch_s=cost.compute_time_s + cost.link_time_s,
+                    busy_time_s=cost.busy_time_s,
+                    memory_bytes=round(cost.memory_bytes),
+                    memory_capacity_bytes=round(float(problem.memory_capacity_bytes[device])),
+                    relative_speed=speed[device] / fastest if fastest > 0 else 1.0,
+                    forward_time_s=float(problem.fwd_time_s[device, units, k].sum()),
+                    backward_time_s=float(problem.bwd_time_s[device, units, k].sum()),
+                    optimizer_time_s=float(problem.optimizer_time_s[device, units].sum()),
+                )
+            )
+    return tuple(sorted(reports, key=lambda r: r.rank))
+
+
+def _source_note(source: str) -> str:
+    if source.startswith("baseline"):
+        return f"the {source} was the fastest layout found"
+    return f"found by the search scenario: {source}"
+
+
+def build_report(
+    problem: PlanningProblem,
+    result: SolveResult,
+    *,
+    cost_source: str,
+    notes: tuple[str, ...] = (),
+) -> Report:
+    """The report of the plan made from ``result``.
+
+    ``reference_time_per_sample_s``: forward + backward per sample of the whole model on the
+    plan's fastest device at the plan's largest micro-batch size (rehearsal's time unit).
+    """
+    layout = result.layout
+    ev = result.evaluation
+    bound = physical_bound_samples_per_s(problem)
+    replica, stage = ev.bottleneck
+    bottleneck_device = layout.replicas[replica].stages[stage].device_idx
+    fastest = max(layout.device_indices, key=lambda d: (standalone_samples_per_s(problem, d), -d))
+    reference_mbs = max(r.micro_batch_size for r in layout.replicas)
+    reference_s = stage_compute_time_s(
+        problem, fastest, 0, problem.num_units, mbs_index(problem, reference_mbs)
+    )
+    return Report(
+        predicted_step_time_s=ev.step_time_s,
+        predicted_samples_per_s=ev.samples_per_s,
+        physical_bound_samples_per_s=bound,
+        efficiency=ev.samples_per_s / bound if bound > 0 else 0.0,
+        bottleneck_rank=rank_of_device(layout)[bottleneck_device],
+        ranks=_rank_reports(problem, layout, result),
+        solver_status=result.status,
+        optimality_gap=result.gap,
+        solver_backend=result.backend,
+        cost_source=cost_source,
+        reference_time_per_sample_s=reference_s / reference_mbs,
+        reference_micro_batch_size=reference_mbs,
+        baselines=baseline_reports(problem),
+        notes=(*notes, _source_note(result.source), *result.notes),
+    )
+
+
+def with_cost_sources(
+    report: Report,
+    problem: PlanningProblem,
+    layout: Layout,
+    labels: Sequence[Sequence[Sequence[str]]],
+    *,
+    source_name: str,
+) -> Report:
+    """``report`` with each rank's ``cost_source`` and an overall summary filled in.
+
+    Args:
+        labels: where each number came from, indexed (device, unit, micro-batch size index)
+            like ``problem.fwd_time_s``.
+        source_name: the time source's name (``profile prof/``).
+
+    Returns:
+        The report; a rank's ``cost_source`` joins the distinct labels of its units at its
+        micro-batch size with ``"; "``, and ``Report.cost_source`` is ``"<source_name>:
+        <every label used>"``.
+    """
+    ranks = rank_of_device(layout)
+    by_rank: dict[int, list[str]] = {}
+    for replica in layout.replicas:
+        k = mbs_index(problem, replica.micro_batch_size)
+        for stage in replica.stages:
+            device = stage.device_idx
+            units = range(stage.unit_start, stage.unit_stop)
+            by_rank[ranks[device]] = list(dict.fromkeys(labels[device][u][k] for u in units))
+    rank_reports = tuple(
+        replace(r, cost_source="; ".join(by_rank[r.rank])) if r.rank in by_rank else r
+        for r in report.ranks
+    )
+    used = dict.fromkeys(label for rank in sorted(by_rank) for label in by_rank[rank])
+    return replace(report, ranks=rank_reports, cost_source=f"{source_name}: {'; '.join(used)}")

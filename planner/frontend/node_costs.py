@@ -1,0 +1,264 @@
+"""Measure what every node of a traced graph costs, per sample of the model's input.
+
+``measure_node_costs`` runs the graph node by node (a torch.fx Interpreter) at two batch
+sizes and records, per node: the output shapes and dtypes, FLOPs
+(``torch.utils.flop_counter.FlopCounterMode``), bytes read and written, and bytes saved
+for backward (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once).
+Per-sample figures are the difference between the two runs divided by the difference of
+the batch sizes, so parameters cancel out. It runs on the meta device when the model
+allows it (no memory, no compute) and falls back to real CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import FlopCounterMode
+
+from hplan.runtime.capture.model_file import ModelFile
+from hplan.runtime.capture.trace import TracedModel, trace_model
+from hplan.runtime.contract.errors import ModelFileError
+from hplan.runtime.contract.plan import TensorSpec
+
+
+def measure_node_costs(
+    model_file: ModelFile,
+    traced: TracedModel,
+    inputs: Mapping[int, Mapping[str, torch.Tensor]],
+    seed: int,
+) -> tuple[dict[str, NodeCost], list[str]]:
+    """Per-sample costs of every node of ``traced``, from runs at two batch sizes.
+
+    Args:
+        model_file: rebuilds the model on the meta device (after ``torch.manual_seed(seed)``).
+        traced: the traced model (its graph runs on CPU when the meta device fails).
+        inputs: {batch size: {forward parameter name: tensor}} for exactly two distinct
+            batch sizes.
+        seed: RNG seed for rebuilding the model.
+
+    Returns:
+        ({node name: per-sample cost}, notes): a note says when the meta device failed
+        and the graph ran on CPU tensors.
+
+    Raises:
+        ModelFileError: the traced graph fails on CPU at one of the batch sizes.
+    """
+    small, large = min(inputs), max(inputs)
+    runs, notes = _measure(model_file, traced, inputs, seed)
+    costs = {
+        name: _per_sample(name, runs[small][name], runs[large][name], small, large)
+        for name in runs[small]
+    }
+    return costs, notes
+
+
+def one_line(exc: BaseException) -> str:
+    """``"TypeName: first line of the message"`` (at most 200 characters of it)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (``numel * element_size``)."""
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass(frozen=True)
+class _NodeRun:
+    """What one node did at one batch size (bytes and FLOPs for the whole batch)."""
+
+    tensor: tuple[tuple[int, ...], str, bool] | None
+    """(shape, dtype, requires_grad) if the output is one tensor."""
+    flops: float
+    saved_bytes: int
+    read_bytes: int
+    written_bytes: int
+    output_bytes: int
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Per-sample figures of one node; ``spec`` if its output may cross a cut."""
+
+    flops: float
+    saved_bytes: float
+    io_bytes: float
+    output_bytes: float
+    spec: TensorSpec | None
+
+
+class _Meter(torch.fx.Interpreter):
+    """Runs a graph node by node and records FLOPs, bytes and saved tensors per node."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.runs: dict[str, _NodeRun] = {}
+        self._seen: set[StorageWeakRef] = set()
+        self._keep: list[torch.Tensor] = []
+        self._saved: list[torch.Tensor] = []
+        self._counter = FlopCounterMode(display=False)
+
+    def measure(self, args: Sequence[torch.Tensor]) -> dict[str, _NodeRun]:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        with self._counter, hooks, _warnings_ignored():
+            self.run(*args, enable_io_processing=False)
+        self._keep.clear()
+        return self.runs
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._saved.append(tensor)
+        return tensor
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        flops_before = self._counter.get_total_flops()
+        self._saved = []
+        result = super().run_node(n)
+        inputs = _tensors((args, kwargs))
+        outputs = _tensors(result)
+        saved = 0
+        for tensor in self._saved:
+            key = StorageWeakRef(tensor.untyped_storage())
+            if key not in self._seen:
+                self._seen.add(key)
+                self._keep.append(tensor)
+                saved += tensor.untyped_storage().nbytes()
+        moves = n.op not in ("placeholder", "get_attr")
+        in_storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
+        fresh = [t for t in outputs if StorageWeakRef(t.untyped_storage()) not in in_storages]
+        self.runs[n.name] = _NodeRun(
+            tensor=_tensor_info(result),
+            flops=float(self._counter.get_total_flops() - flops_before),
+            saved_bytes=saved,
+            read_bytes=sum(tensor_nbytes(t) for t in inputs) if moves else 0,
+            written_bytes=sum(tensor_nbytes(t) for t in fresh) if moves else 0,
+            output_bytes=sum(tensor_nbytes(t) for t in outputs),
+        )
+        return result
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def _warnings_ignored() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _tensor_info(value: Any) -> tuple[tuple[int, ...], str, bool] | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    dtype = str(value.dtype).removeprefix("torch.")
+    return tuple(value.shape), dtype, value.requires_grad and value.is_floating_point()
+
+
+def _measure(
+    model_file: ModelFile,
+    traced: TracedModel,
+    inputs: Mapping[int, Mapping[str, torch.Tensor]],
+    seed: int,
+) -> tuple[dict[int, dict[str, _NodeRun]], list[str]]:
+    """Node runs at each batch size: on the meta device if possible, else on CPU."""
+    try:
+        return _measure_meta(model_file, traced, inputs, seed), []
+    except _MetaGraphDiffers:
+        note = "costs measured with CPU tensors: the model traces differently on the meta device"
+    except Exception as exc:
+        note = (
+            "costs measured with CPU tensors: the model does not run on the meta device "
+            f"({_reason(exc)})"
+        )
+    runs = {}
+    gm = traced.graph_module
+    saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    for batch_size, feed in inputs.items():
+        args = [feed[name] for name in traced.input_names]
+        try:
+            runs[batch_size] = _Meter(gm).measure(args)
+        except Exception as exc:
+            raise ModelFileError(
+                f"the traced graph fails at batch size {batch_size} ({one_line(exc)}); check "
+                "that dim 0 of every sample_batch input is the sample dimension"
+            ) from None
+        finally:
+            with torch.no_grad():
+                for name, buffer in gm.named_buffers():
+                    buffer.copy_(saved[name])
+    return runs, [note]
+
+
+class _MetaGraphDiffers(Exception):
+    """The graph traced on the meta device is not the one traced on CPU."""
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception's first line; its class name only where the text needs it."""
+    text = one_line(exc)
+    return text.removeprefix("RuntimeError: ")
+
+
+def _measure_meta(
+    model_file: ModelFile,
+    traced: TracedModel,
+    inputs: Mapping[int, Mapping[str, torch.Tensor]],
+    seed: int,
+) -> dict[int, dict[str, _NodeRun]]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = model_file.build_model()
+    metas = {b: {k: v.to("meta") for k, v in feed.items()} for b, feed in inputs.items()}
+    first = metas[min(metas)]
+    meta_traced = trace_model(model, first, leaf_modules=traced.leaf_modules, method=traced.method)
+    if meta_traced.fingerprint() != traced.fingerprint():
+        raise _MetaGraphDiffers
+    return {
+        b: _Meter(meta_traced.graph_module).measure([feed[n] for n in traced.input_names])
+        for b, feed in metas.items()
+    }
+
+
+def _per_sample(name: str, a: _NodeRun, b: _NodeRun, small: int, large: int) -> NodeCost:
+    def slope(x: float, y: float) -> float:
+        return max((y - x) / (large - small), 0.0)
+
+    return NodeCost(
+        flops=slope(a.flops, b.flops),
+        saved_bytes=slope(a.saved_bytes, b.saved_bytes),
+        io_bytes=slope(a.read_bytes + a.written_bytes, b.read_bytes + b.written_bytes),
+        output_bytes=slope(a.output_bytes, b.output_bytes),
+        spec=_tensor_spec(name, a, b, small, large),
+    )
+
+
+def _tensor_spec(name: str, a: _NodeRun, b: _NodeRun, small: int, large: int) -> TensorSpec | None:
+    """The per-sample spec of a tensor output, or None when it is not batch-linear."""
+    if a.tensor is None or b.tensor is None:
+        return None
+    (shape_a, dtype, grad_a), (shape_b, _, grad_b) = a.tensor, b.tensor
+    if len(shape_a) != len(shape_b):
+        return None
+    changed = [i for i, (x, y) in enumerate(zip(shape_a, shape_b, strict=True)) if x != y]
+    grad = grad_a and grad_b
+    if not changed:
+        return TensorSpec(name=name, shape=shape_a, dtype=dtype, batch_dim=None, requires_grad=grad)
+    dim = changed[0]
+    per_sample, rest = divmod(shape_a[dim], small)
+    if len(changed) > 1 or rest or shape_b[dim] != per_sample * large:
+        return None
+    shape = (*shape_a[:dim], per_sample, *shape_a[dim + 1 :])
+    return TensorSpec(name=name, shape=shape, dtype=dtype, batch_dim=dim, requires_grad=grad)

@@ -1,0 +1,488 @@
+"""cluster.yaml: which machines, which devices, how fast the links are.
+
+``load_cluster(path)`` validates the file with pydantic (unknown keys rejected everywhere,
+every quantity key carries its unit) and returns a frozen ``Cluster``. Every mistake raises
+``ConfigError`` with one line naming the file, the key path (``nodes[1].devices[0].memory_gb``)
+and what is allowed. The format is described in ``examples/clusters/README.md``; its
+pydantic schema is in ``cluster_schema.py``.
+
+Device order is fixed: node by node in file order, and within a node the device entries
+in file order, each repeated ``count`` times. Devices of a node are therefore contiguous,
+and are named ``<node>/<local_index>``.
+
+Link defaults (alpha-beta: ``time = latency + bytes / bandwidth``):
+
+- Inside a GPU node: PCIe 4.0 x16, 31.5 GB/s per direction (16 GT/s x 16 lanes x 128b/130b
+  encoding, PCI-SIG PCI Express Base Specification 4.0) and 10 us, the order of NCCL's
+  small-message point-to-point latency over PCIe (an assumption, not a measurement).
+- Inside a CPU node: 5 GB/s and 20 us, nominal figures for gloo over TCP loopback between
+  processes of one machine (assumed).
+- Between nodes there is no default bandwidth: give ``links.inter_node``, per-pair
+  ``links.pairs`` or a ``links.matrix``. A link that gives no latency gets 50 us, the order
+  of a TCP one-way latency inside a LAN (assumed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import combinations
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+from pydantic import ValidationError
+
+from hplan.planner.hardware.catalog import (
+    CATALOG,
+    DeviceClass,
+    DeviceType,
+    lookup_device_type,
+    normalize_name,
+    peak_flops_per_s,
+)
+from hplan.planner.hardware.cluster_schema import (
+    ClusterFile,
+    DeviceEntry,
+    LinkEntry,
+    LinksEntry,
+    MatrixEntry,
+    MatrixLevel,
+    NodeEntry,
+    UniqueKeyLoader,
+    pydantic_message,
+    yaml_problem,
+)
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.plan import ClusterSpec, CollectiveSpec, DeviceSpec, LinkSpec, NodeSpec
+from hplan.runtime.contract.quantities import (
+    gb_per_s_to_bytes_per_s,
+    gb_to_bytes,
+    gbit_per_s_to_bytes_per_s,
+    gib_to_bytes,
+    tflops_to_flops,
+    us_to_s,
+)
+
+_PCIE4_X16_GB_PER_S = 31.5
+_INTRA_DEFAULTS_GB_PER_S_US = {
+    DeviceClass.GPU: (_PCIE4_X16_GB_PER_S, 10.0),
+    DeviceClass.CPU: (5.0, 20.0),
+}
+DEFAULT_LINK_LATENCY_US = 50.0
+
+
+# ----------------------------------------------------------------------------- the loaded cluster
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Alpha-beta model of a link: ``time_s = latency_s + num_bytes / bandwidth_bytes_per_s``."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def transfer_time_s(self, num_bytes: float) -> float:
+        """Seconds to send ``num_bytes`` over this link (Hockney's alpha-beta model)."""
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One device of the cluster, with its figures after any overrides from the file."""
+
+    name: str
+    """``<node>/<local_index>``."""
+    node: str
+    local_index: int
+    type: DeviceType
+
+    @property
+    def kind(self) -> str:
+        """Catalog key (or the ``custom`` label of an explicit device)."""
+        return self.type.key
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One machine."""
+
+    name: str
+    host: str
+    devices: tuple[Device, ...]
+    intra_link: Link
+    """Link between two devices of this node."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A validated cluster. Build it with ``load_cluster`` or ``parse_cluster``."""
+
+    name: str
+    source: str
+    """The file it came from (for messages)."""
+    nodes: tuple[Node, ...]
+    node_links: Mapping[tuple[str, str], Link]
+    """Link between every pair of distinct nodes, keyed by the sorted pair of node names."""
+    device_links: Mapping[tuple[str, str], Link]
+    """Per-device-pair links from a device matrix (sorted name pairs); empty otherwise."""
+    node_collectives: Mapping[str, CollectiveSpec] = dataclasses.field(default_factory=dict)
+    """Node name -> its measured all-reduce among its devices (from a bandwidth file)."""
+
+    @cached_property
+    def devices(self) -> tuple[Device, ...]:
+        """Every device, node by node in file order (devices of a node are contiguous)."""
+        return tuple(d for node in self.nodes for d in node.devices)
+
+    @cached_property
+    def device_names(self) -> tuple[str, ...]:
+        """Device names (``<node>/<local_index>``) in device order."""
+        return tuple(d.name for d in self.devices)
+
+    @cached_property
+    def _device_by_name(self) -> dict[str, Device]:
+        return {d.name: d for d in self.devices}
+
+    def node(self, name: str) -> Node:
+        """The node called ``name`` (KeyError if absent)."""
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+    def device(self, name: str) -> Device:
+        """The device called ``name`` (KeyError if absent)."""
+        return self._device_by_name[name]
+
+    def link(self, a: str, b: str) -> Link:
+        """Link between two distinct devices (by name).
+
+        Same node: the node's intra link (unless a device matrix overrides the pair); else
+        the link between their nodes.
+
+        Raises:
+            ValueError: ``a == b``. KeyError: an unknown device name.
+        """
+        if a == b:
+            raise ValueError(f"no link from device {a!r} to itself")
+        pair = _pair(a, b)
+        if pair in self.device_links:
+            return self.device_links[pair]
+        node_a, node_b = self.device(a).node, self.device(b).node
+        if node_a == node_b:
+            return self.node(node_a).intra_link
+        return self.node_links[_pair(node_a, node_b)]
+
+    def bandwidth_bytes_per_s(self, a: str, b: str) -> float:
+        """Bandwidth between two distinct devices, bytes/s."""
+        return self.link(a, b).bandwidth_bytes_per_s
+
+    def latency_s(self, a: str, b: str) -> float:
+        """Latency between two distinct devices, seconds."""
+        return self.link(a, b).latency_s
+
+
+def _pair(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a <= b else (b, a)
+
+
+# ----------------------------------------------------------------------------- loading
+def load_cluster(path: str | Path) -> Cluster:
+    """Read and validate a cluster.yaml.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, repeats a key, or fails validation
+            (unknown key, non-positive quantity, unknown device type, bad host name,
+            duplicate node name, a link naming an unknown node, a missing inter-node link,
+            a matrix of the wrong size). One line: file, key path, what is allowed.
+    """
+    file = Path(path)
+    if file.is_dir():
+        raise ConfigError(
+            f"cluster file {str(path)!r} is a directory; pass the path to a cluster.yaml "
+            "(examples in examples/clusters/)"
+        )
+    if not file.is_file():
+        raise ConfigError(
+            f"cluster file {str(path)!r} does not exist; pass the path to a cluster.yaml "
+            "(examples in examples/clusters/)"
+        )
+    try:
+        data = yaml.load(file.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: not valid YAML ({yaml_problem(exc)}); fix the syntax") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file}: not UTF-8 text; save it as UTF-8 YAML") from None
+    if data is None:
+        raise ConfigError(f"{file}: file is empty; describe `nodes:` (see examples/clusters/)")
+    default_name = re.sub(r"[^A-Za-z0-9_.-]", "-", file.stem).lstrip("-_.") or "cluster"
+    return parse_cluster(data, source=str(file), default_name=default_name[:63])
+
+
+def parse_cluster(
+    data: Any, *, source: str = "<cluster>", default_name: str = "cluster"
+) -> Cluster:
+    """Validate an already-parsed cluster description (the YAML's top-level mapping).
+
+    Raises:
+        ConfigError: as for ``load_cluster``; messages start with ``source``.
+    """
+    try:
+        entry = ClusterFile.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {pydantic_message(exc)}") from None
+    _check_unique_nodes(source, entry.nodes)
+    nodes = tuple(_node(source, idx, node) for idx, node in enumerate(entry.nodes))
+    node_links, device_links = _inter_node_links(source, entry.links, nodes)
+    return Cluster(
+        name=entry.name or default_name,
+        source=source,
+        nodes=nodes,
+        node_links=node_links,
+        device_links=device_links,
+    )
+
+
+def _fail(source: str, key_path: str, message: str) -> NoReturn:
+    raise ConfigError(f"{source}: {key_path}: {message}")
+
+
+def _check_unique_nodes(source: str, nodes: Sequence[NodeEntry]) -> None:
+    first_idx: dict[str, int] = {}
+    for idx, node in enumerate(nodes):
+        if node.name in first_idx:
+            _fail(
+                source,
+                f"nodes[{idx}].name",
+                f"duplicate node name {node.name!r} (also nodes[{first_idx[node.name]}]); "
+                "give every node a unique name",
+            )
+        first_idx[node.name] = idx
+
+
+def _node(source: str, node_idx: int, entry: NodeEntry) -> Node:
+    devices: list[Device] = []
+    for entry_idx, device_entry in enumerate(entry.devices):
+        key_path = f"nodes[{node_idx}].devices[{entry_idx}]"
+        device_type = _device_type(source, key_path, device_entry)
+        for _ in range(device_entry.count):
+            index = len(devices)
+            devices.append(Device(f"{entry.name}/{index}", entry.name, index, device_type))
+    classes = {d.type.device_class for d in devices}
+    default_bw = min(_INTRA_DEFAULTS_GB_PER_S_US[c][0] for c in classes)
+    default_lat = max(_INTRA_DEFAULTS_GB_PER_S_US[c][1] for c in classes)
+    link = entry.intra_node_link
+    intra = (
+        _link(link, default_lat)
+        if link is not None
+        else Link(gb_per_s_to_bytes_per_s(default_bw), us_to_s(default_lat))
+    )
+    return Node(entry.name, entry.host, tuple(devices), intra)
+
+
+def _device_type(source: str, key_path: str, entry: DeviceEntry) -> DeviceType:
+    memory = _memory_bytes(entry)
+    if entry.custom is not None:
+        if normalize_name(entry.custom) in {normalize_name(k) for k in CATALOG}:
+            _fail(
+                source,
+                f"{key_path}.custom",
+                f"{entry.custom!r} is a catalog device; write `type: {entry.custom}` "
+                "(with overrides) or choose another custom name",
+            )
+        assert memory is not None
+        return _custom_type(entry, memory)
+    assert entry.type is not None
+    try:
+        base = lookup_device_type(entry.type)
+    except ConfigError as exc:
+        _fail(source, f"{key_path}.type", str(exc))
+    return _with_overrides(base, entry, memory)
+
+
+def _memory_bytes(entry: DeviceEntry) -> int | None:
+    if entry.memory_gb is not None:
+        return int(gb_to_bytes(entry.memory_gb))
+    if entry.memory_gib is not None:
+        return int(gib_to_bytes(entry.memory_gib))
+    return None
+
+
+def _custom_type(entry: DeviceEntry, memory_bytes: int) -> DeviceType:
+    assert entry.custom is not None
+    assert entry.peak_tflops is not None and entry.memory_bandwidth_gb_per_s is not None
+    peak = tflops_to_flops(entry.peak_tflops)
+    return DeviceType(
+        key=entry.custom,
+        display_name=entry.custom,
+        device_class=entry.device_class or DeviceClass.GPU,
+        memory_bytes=memory_bytes,
+        fp32_flops_per_s=peak,
+        tf32_flops_per_s=peak,
+        fp16_flops_per_s=peak,
+        bf16_flops_per_s=peak,
+        memory_bandwidth_bytes_per_s=gb_per_s_to_bytes_per_s(entry.memory_bandwidth_gb_per_s),
+        consumer_card=bool(entry.consumer_card),
+        source="cluster.yaml (explicit device; peak_tflops used for every dtype)",
+    )
+
+
+def _with_overrides(base: DeviceType, entry: DeviceEntry, memory_bytes: int | None) -> DeviceType:
+    changes: dict[str, Any] = {}
+    notes = []
+    if memory_bytes is not None:
+        changes["memory_bytes"] = memory_bytes
+        notes.append("memory")
+    if entry.peak_tflops is not None:
+        peak = tflops_to_flops(entry.peak_tflops)
+        for dtype_field in ("fp32", "tf32", "fp16", "bf16"):
+            changes[f"{dtype_field}_flops_per_s"] = peak
+        notes.append("peak_tflops (every dtype)")
+    if entry.memory_bandwidth_gb_per_s is not None:
+        bandwidth = gb_per_s_to_bytes_per_s(entry.memory_bandwidth_gb_per_s)
+        changes["memory_bandwidth_bytes_per_s"] = bandwidth
+        notes.append("memory bandwidth")
+    if not changes:
+        return base
+    changes["source"] = f"{base.source}; overridden in cluster.yaml: {', '.join(notes)}"
+    return dataclasses.replace(base, **changes)
+
+
+def _link(entry: LinkEntry, default_latency_us: float = DEFAULT_LINK_LATENCY_US) -> Link:
+    if entry.bandwidth_gb_per_s is not None:
+        bandwidth = gb_per_s_to_bytes_per_s(entry.bandwidth_gb_per_s)
+    else:
+        assert entry.bandwidth_gbit_per_s is not None
+        bandwidth = gbit_per_s_to_bytes_per_s(entry.bandwidth_gbit_per_s)
+    latency_us = default_latency_us if entry.latency_us is None else entry.latency_us
+    return Link(bandwidth, us_to_s(latency_us))
+
+
+def _inter_node_links(
+    source: str, links: LinksEntry, nodes: tuple[Node, ...]
+) -> tuple[dict[tuple[str, str], Link], dict[tuple[str, str], Link]]:
+    if links.matrix is not None:
+        return _matrix_links(source, links.matrix, nodes)
+    names = [n.name for n in nodes]
+    result: dict[tuple[str, str], Link] = {}
+    for idx, pair in enumerate(links.pairs):
+        key_path = f"links.pairs[{idx}].nodes"
+        for side, name in enumerate(pair.nodes):
+            if name not in names:
+                _fail(
+                    source,
+                    f"{key_path}[{side}]",
+                    f"unknown node {name!r}; nodes: {', '.join(names)}",
+                )
+        key = _pair(*pair.nodes)
+        if key[0] == key[1]:
+            _fail(source, key_path, f"a pair needs two different nodes, got {key[0]!r} twice")
+        if key in result:
+            _fail(source, key_path, f"the pair {key[0]!r}, {key[1]!r} is listed twice; keep one")
+        result[key] = _link(pair)
+    for a, b in combinations(names, 2):
+        if _pair(a, b) in result:
+            continue
+        if links.inter_node is None:
+            _fail(
+                source,
+                "links",
+                f"no link between nodes {a!r} and {b!r}; add links.inter_node (the default "
+                "between nodes, e.g. bandwidth_gbit_per_s: 10) or a links.pairs entry",
+            )
+        result[_pair(a, b)] = _link(links.inter_node)
+    return result, {}
+
+
+def _matrix_links(
+    source: str, matrix: MatrixEntry, nodes: tuple[Node, ...]
+) -> tuple[dict[tuple[str, str], Link], dict[tuple[str, str], Link]]:
+    """Links from a bandwidth matrix (rows and columns in file order); the slower of the two
+    directions is used, since ``Link`` is symmetric. The diagonal is ignored."""
+    devices = [d for n in nodes for d in n.devices]
+    names = [n.name for n in (nodes if matrix.of is MatrixLevel.NODES else devices)]
+    key = "bandwidth_gb_per_s" if matrix.bandwidth_gb_per_s is not None else "bandwidth_gbit_per_s"
+    rows = matrix.bandwidth_gb_per_s or matrix.bandwidth_gbit_per_s or []
+    to_bytes = gb_per_s_to_bytes_per_s if key == "bandwidth_gb_per_s" else gbit_per_s_to_bytes_per_s
+    key_path = f"links.matrix.{key}"
+    n = len(names)
+    if len(rows) != n or any(len(row) != n for row in rows):
+        shape = f"{len(rows)} rows of lengths {sorted({len(r) for r in rows})}"
+        _fail(
+            source,
+            key_path,
+            f"want {n}x{n} (a row and a column per {matrix.of.value[:-1]}, in file order), "
+            f"got {shape}",
+        )
+    latency_us = DEFAULT_LINK_LATENCY_US if matrix.latency_us is None else matrix.latency_us
+    links: dict[tuple[str, str], Link] = {}
+    for i, j in combinations(range(n), 2):
+        value = min(rows[i][j], rows[j][i])
+        if value <= 0:
+            _fail(source, f"{key_path}[{i}][{j}]", "off-diagonal bandwidths must be > 0")
+        links[_pair(names[i], names[j])] = Link(to_bytes(value), us_to_s(latency_us))
+    if matrix.of is MatrixLevel.NODES:
+        return links, {}
+    return _slowest_node_links(nodes, links), links
+
+
+def _slowest_node_links(
+    nodes: tuple[Node, ...], device_links: Mapping[tuple[str, str], Link]
+) -> dict[tuple[str, str], Link]:
+    """Node-to-node link implied by a device matrix: the slowest device pair between them."""
+    result: dict[tuple[str, str], Link] = {}
+    for node_a, node_b in combinations(nodes, 2):
+        pairs = [
+            device_links[_pair(a.name, b.name)] for a in node_a.devices for b in node_b.devices
+        ]
+        result[_pair(node_a.name, node_b.name)] = Link(
+            min(p.bandwidth_bytes_per_s for p in pairs), max(p.latency_s for p in pairs)
+        )
+    return result
+
+
+# ----------------------------------------------------------------------------- plan export
+def to_cluster_spec(cluster: Cluster, param_dtype: str, *, allow_tf32: bool = False) -> ClusterSpec:
+    """The plan's record of the cluster.
+
+    ``peak_flops`` of each device is its catalog peak for ``param_dtype`` (see
+    ``catalog.peak_flops_per_s``); ``links`` has one entry per unordered pair of distinct
+    devices, in device order.
+
+    Raises:
+        ConfigError: ``param_dtype`` has no catalog peak.
+    """
+    devices = cluster.devices
+    device_specs = tuple(
+        DeviceSpec(
+            name=d.name,
+            node=d.node,
+            local_index=d.local_index,
+            kind=d.kind,
+            memory_bytes=d.type.memory_bytes,
+            peak_flops=peak_flops_per_s(d.type, param_dtype, allow_tf32=allow_tf32),
+            memory_bandwidth_bytes_per_s=d.type.memory_bandwidth_bytes_per_s,
+            consumer_card=d.type.consumer_card,
+        )
+        for d in devices
+    )
+    node_specs = tuple(
+        NodeSpec(
+            name=n.name,
+            host=n.host,
+            devices=tuple(d.name for d in n.devices),
+            collective=cluster.node_collectives.get(n.name),
+        )
+        for n in cluster.nodes
+    )
+    link_specs = tuple(
+        LinkSpec(
+            a=a.name,
+            b=b.name,
+            bandwidth_bytes_per_s=cluster.bandwidth_bytes_per_s(a.name, b.name),
+            latency_s=cluster.latency_s(a.name, b.name),
+        )
+        for a, b in combinations(devices, 2)
+    )
+    return ClusterSpec(name=cluster.name, nodes=node_specs, devices=device_specs, links=link_specs)

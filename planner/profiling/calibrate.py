@@ -1,0 +1,557 @@
+"""Calibration: compare measured runs with the plan's prediction and correct the profile.
+
+``hplan calibrate PLAN RUNS_DIR`` reads the per-rank metrics of one or more runs of a plan
+(``rank-*.jsonl``, from ``hplan rehearse --metrics-dir`` or ``hplan run --metrics-dir``)
+and the plan's report, and
+
+1. prints, per rank, predicted and measured compute (forward + backward of every
+   micro-batch of a step), the rest of the step (communication, waiting, bubbles: step -
+   compute - optimizer) and the step time, with relative errors;
+2. per device kind, takes the median measured/predicted compute ratio over that kind's
+   devices (the *kind correction*), leaving out stragglers;
+3. flags a device whose ratio differs from its kind's reference (the lower median of the
+   kind's devices, so that of two devices the faster is the reference) by more than
+   ``STRAGGLER_THRESHOLD`` (15%) and gives it a ``DeviceFactor`` (its ratio over the
+   kind correction), with a reason naming the numbers;
+4. writes a corrected profile: the input profile's unit timings of each kind scaled by the
+   kind correction and their optimizer times by the kind's measured/predicted optimizer
+   ratio (source ``calibrated``), existing device factors multiplied by the new ones. When
+   the runs recorded their forward time (``StepMetrics.forward_time_s``), forward and
+   backward times are corrected each by its own median ratio (*phase corrections*: in a
+   rehearsal here forwards ran 6-11% over their profile while backwards were within 5%). A
+   kind without unit timings in the profile (a plan solved from the roofline) carries its
+   compute correction as a factor on every cluster device of that kind.
+
+Units: the metrics of a rehearsal are emulated seconds; they are divided by the time scale
+the rehearsal recorded in ``emulation.json`` (emulated seconds per second of the plan's
+hardware) to get plan seconds. A real run has no such record: scale 1. The first step of
+each run (warm-up) is left out when a run has more than one; a rank's figure is the median
+over the remaining steps of every run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hplan.planner.profiling.profile_file import (
+    DeviceFactor,
+    MeasurementSource,
+    Profile,
+    Stat,
+    UnitTiming,
+)
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.metrics_file import StepMetrics, read_rank_metrics
+from hplan.runtime.contract.plan import Plan
+
+STRAGGLER_THRESHOLD = 0.15
+"""A device whose compute ratio differs from its kind's reference by more than this is a
+straggler (issue 3: "differs from other devices of its type by more than 15%")."""
+EMULATION_FILE = "emulation.json"
+"""The rehearsal's record of its time scale (``hplan.runtime.executor.worker.EMULATION_FILE``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """The metrics of one run of a plan, in the run's own seconds."""
+
+    path: Path
+    time_scale: float
+    """Seconds of the run per second of the plan's hardware (1 for a real run)."""
+    records: tuple[StepMetrics, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RankError:
+    """Predicted and measured times of one rank, in seconds of the plan's hardware."""
+
+    rank: int
+    device: str
+    kind: str
+    predicted_compute_s: float
+    measured_compute_s: float
+    predicted_rest_s: float
+    """Step - compute - optimizer: communication, waiting and bubbles."""
+    measured_rest_s: float
+    predicted_step_s: float
+    measured_step_s: float
+    predicted_optimizer_s: float = 0.0
+    measured_optimizer_s: float = 0.0
+    predicted_forward_s: float = 0.0
+    """The forward part of ``predicted_compute_s``."""
+    measured_forward_s: float = 0.0
+    """The forward part of ``measured_compute_s`` (0: the runs did not record it)."""
+
+    @property
+    def compute_ratio(self) -> float:
+        """Measured / predicted compute (1.4: this rank computes 40% slower than predicted)."""
+        return ratio(self.measured_compute_s, self.predicted_compute_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """What ``hplan calibrate`` found and the profile it made."""
+
+    errors: tuple[RankError, ...]
+    kind_corrections: dict[str, float]
+    """Device kind -> median measured/predicted compute ratio of its non-straggler devices."""
+    optimizer_corrections: dict[str, float]
+    """Device kind -> the same for the optimizer step (applied to the profile's timings)."""
+    phase_corrections: dict[str, tuple[float, float]]
+    """Device kind -> (forward, backward) median measured/predicted ratios, for kinds whose
+    runs recorded forward times; these replace the kind correction on unit timings."""
+    device_ratios: dict[str, float]
+    """Cluster device name -> its median measured/predicted compute ratio."""
+    factors: tuple[DeviceFactor, ...]
+    """Stragglers found by this calibration (their factor relative to their kind)."""
+    profile: Profile
+    """The corrected profile."""
+
+
+# ------------------------------------------------------------------------------ math
+def ratio(measured: float, predicted: float) -> float:
+    """``measured / predicted``; NaN when nothing was predicted."""
+    return measured / predicted if predicted > 0 else float("nan")
+
+
+def relative_error(measured: float, predicted: float) -> float:
+    """``(measured - predicted) / predicted`` (0.1: measured 10% above the prediction)."""
+    return measured / predicted - 1.0 if predicted > 0 else float("nan")
+
+
+def kind_reference(ratios: Sequence[float]) -> float:
+    """The ratio a kind's devices are compared against: their lower median.
+
+    With two devices the faster one is the reference, so the slow one is the straggler.
+    """
+    return statistics.median_low(sorted(ratios))
+
+
+def sibling_group(plan: Plan, device: str) -> str:
+    """The devices ``device`` is compared with: its kind, with the cluster's declared peak
+    FLOP/s and memory bandwidth (a ``cpu`` declared at 0.2 TFLOP/s is not a sibling of a
+    catalog ``cpu``: their predictions and emulations differ by design)."""
+    spec = plan.device(device)
+    return (
+        f"{spec.kind} ({spec.peak_flops:.4g} FLOP/s, {spec.memory_bandwidth_bytes_per_s:.4g} B/s)"
+    )
+
+
+def check_runs_of_plan(plan: Plan, runs: Sequence[Run]) -> None:
+    """Refuse runs whose recorded ``plan.json`` (rehearsals write one) places ranks otherwise.
+
+    Raises:
+        ConfigError: a run folder holds the plan of another layout.
+    """
+    for run in runs:
+        recorded = run.path / "plan.json"
+        if not recorded.is_file():
+            continue
+        ran = Plan.load(recorded)
+        if ran.ranks != plan.ranks:
+            raise ConfigError(
+                f"{run.path} is a run of another plan (its plan.json places ranks otherwise); "
+                "give the plan that ran, or the runs of this plan"
+            )
+
+
+def find_stragglers(
+    device_ratios: Mapping[str, float],
+    device_kinds: Mapping[str, str],
+    threshold: float = STRAGGLER_THRESHOLD,
+) -> dict[str, float]:
+    """Devices whose ratio differs from their kind's reference by more than ``threshold``.
+
+    Args:
+        device_ratios: device name -> measured/predicted compute ratio.
+        device_kinds: device name -> device kind.
+        threshold: relative difference (0.15 = 15%).
+
+    Returns:
+        Straggler device name -> its ratio divided by its kind's reference (1.4: 40%
+        slower than its siblings; below 1 for a device faster than them). A kind with
+        one measured device has no stragglers.
+    """
+    by_kind: dict[str, list[str]] = {}
+    for name in sorted(device_ratios):
+        by_kind.setdefault(device_kinds[name], []).append(name)
+    stragglers = {}
+    for names in by_kind.values():
+        if len(names) < 2:
+            continue
+        reference = kind_reference([device_ratios[n] for n in names])
+        for name in names:
+            relative = device_ratios[name] / reference
+            if abs(relative - 1.0) > threshold:
+                stragglers[name] = relative
+    return stragglers
+
+
+def kind_corrections(
+    device_ratios: Mapping[str, float],
+    device_kinds: Mapping[str, str],
+    stragglers: Mapping[str, float],
+) -> dict[str, float]:
+    """Per kind, the median ratio of its devices that are not stragglers."""
+    by_kind: dict[str, list[float]] = {}
+    for name, value in device_ratios.items():
+        if name not in stragglers:
+            by_kind.setdefault(device_kinds[name], []).append(value)
+    return {kind: statistics.median(values) for kind, values in sorted(by_kind.items())}
+
+
+def straggler_reason(device: str, kind: str, relative: float, reference: float) -> str:
+    """One line naming the numbers behind a straggler's factor."""
+    direction = "slower" if relative > 1 else "faster"
+    return (
+        f"{device} computed {relative * reference:.2f}x its predicted time, the other "
+        f"{kind} devices {reference:.2f}x: {abs(relative - 1) * 100:.0f}% {direction} "
+        f"(threshold {STRAGGLER_THRESHOLD * 100:.0f}%)"
+    )
+
+
+# ------------------------------------------------------------------------------ runs
+def load_runs(runs_dir: Path) -> tuple[Run, ...]:
+    """The runs in ``runs_dir``: the folder itself, or each subfolder, with ``rank-*.jsonl``.
+
+    Raises:
+        ConfigError: no metrics anywhere, or an unreadable emulation record.
+    """
+    if runs_dir.exists() and not runs_dir.is_dir():
+        raise ConfigError(
+            f"runs folder {str(runs_dir)!r} is a file; give the folder a run's --metrics-dir "
+            "wrote (it holds rank-*.jsonl)"
+        )
+    if not runs_dir.is_dir():
+        raise ConfigError(f"runs folder {str(runs_dir)!r} does not exist; give a --metrics-dir")
+    folders = [runs_dir] if any(runs_dir.glob("rank-*.jsonl")) else sorted(runs_dir.iterdir())
+    runs = tuple(_load_run(f) for f in folders if f.is_dir() and any(f.glob("rank-*.jsonl")))
+    if not runs:
+        raise ConfigError(
+            f"no rank-*.jsonl metrics in {str(runs_dir)!r} or its subfolders; run "
+            "`hplan rehearse PLAN --metrics-dir DIR` (or `hplan run --metrics-dir`) first"
+        )
+    return runs
+
+
+def _load_run(folder: Path) -> Run:
+    records = [r for path in sorted(folder.glob("rank-*.jsonl")) for r in read_rank_metrics(path)]
+    return Run(folder, recorded_time_scale(folder), tuple(records))
+
+
+def recorded_time_scale(folder: Path) -> float:
+    """The time scale a rehearsal recorded in ``folder/emulation.json`` (1.0 without one).
+
+    Raises:
+        ConfigError: the record is not JSON or its time scale is not a number > 0.
+    """
+    path = folder / EMULATION_FILE
+    if not path.is_file():
+        return 1.0
+    try:
+        scale = float(json.loads(path.read_text(encoding="utf-8"))["time_scale"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a rehearsal's emulation record ({exc})") from None
+    if not scale > 0:
+        raise ConfigError(f"{path}: time scale {scale} must be > 0")
+    return scale
+
+
+def _timed(records: Sequence[StepMetrics]) -> list[StepMetrics]:
+    """One rank's records of one run without the first step (warm-up), if it has more."""
+    ordered = sorted(records, key=lambda r: r.step)
+    return ordered[1:] or ordered
+
+
+def rank_errors(plan: Plan, runs: Sequence[Run]) -> tuple[RankError, ...]:
+    """Predicted vs measured times of every rank of ``plan`` (see the module docstring).
+
+    Raises:
+        ConfigError: a run has ranks the plan lacks, or misses one of the plan's ranks.
+    """
+    predicted = {r.rank: r for r in plan.report.ranks}
+    step_s = plan.report.predicted_step_time_s
+    errors = []
+    for rank_plan in plan.ranks:
+        samples: dict[str, list[float]] = {
+            "compute": [], "rest": [], "step": [], "opt": [], "forward": []
+        }  # fmt: skip
+        for run in runs:
+            mine = [r for r in run.records if r.rank == rank_plan.rank]
+            if not mine:
+                raise ConfigError(
+                    f"{run.path} has no metrics of rank {rank_plan.rank}; is it a run of "
+                    "this plan? (each run folder must hold every rank's rank-<r>.jsonl)"
+                )
+            for r in _timed(mine):
+                samples["compute"].append(r.compute_time_s / run.time_scale)
+                rest_s = r.step_time_s - r.compute_time_s - r.optimizer_time_s
+                samples["rest"].append(rest_s / run.time_scale)
+                samples["step"].append(r.step_time_s / run.time_scale)
+                samples["opt"].append(r.optimizer_time_s / run.time_scale)
+                samples["forward"].append(r.forward_time_s / run.time_scale)
+        compute_s = optimizer_s = forward_share = 0.0
+        report = predicted.get(rank_plan.rank)
+        if report is not None:
+            compute_s, optimizer_s = report.busy_time_s, report.optimizer_time_s
+            phases_s = report.forward_time_s + report.backward_time_s
+            forward_share = report.forward_time_s / phases_s if phases_s > 0 else 0.0
+        recorded = all(f > 0 for f in samples["forward"])
+        errors.append(
+            RankError(
+                rank=rank_plan.rank,
+                device=rank_plan.device,
+                kind=rank_plan.device_kind,
+                predicted_compute_s=compute_s,
+                measured_compute_s=statistics.median(samples["compute"]),
+                predicted_rest_s=max(0.0, step_s - compute_s - optimizer_s),
+                measured_rest_s=statistics.median(samples["rest"]),
+                predicted_step_s=step_s,
+                measured_step_s=statistics.median(samples["step"]),
+                predicted_optimizer_s=optimizer_s,
+                measured_optimizer_s=statistics.median(samples["opt"]),
+                predicted_forward_s=compute_s * forward_share,
+                measured_forward_s=statistics.median(samples["forward"]) if recorded else 0.0,
+            )
+        )
+    _check_ranks(plan, runs)
+    return tuple(errors)
+
+
+def _check_ranks(plan: Plan, runs: Sequence[Run]) -> None:
+    for run in runs:
+        extra = sorted({r.rank for r in run.records} - {r.rank for r in plan.ranks})
+        if extra:
+            raise ConfigError(
+                f"{run.path} has metrics of rank {extra[0]}, which plan {plan.cluster.name!r} "
+                "lacks; calibrate each run against the plan it ran"
+            )
+
+
+# ------------------------------------------------------------------------------ profile
+def device_ratios(errors: Sequence[RankError]) -> dict[str, float]:
+    """Device name -> median compute ratio over every rank (of every plan) it ran."""
+    by_device: dict[str, list[float]] = {}
+    for e in errors:
+        if e.predicted_compute_s > 0:
+            by_device.setdefault(e.device, []).append(e.compute_ratio)
+    return {name: statistics.median(values) for name, values in sorted(by_device.items())}
+
+
+def _kind_of_key(key: str) -> str:
+    return key.split("@")[0].split("#")[0]
+
+
+def _scaled_stat(stat: Stat, factor: float) -> Stat:
+    return replace(stat, median=stat.median * factor, p10=stat.p10 * factor, p90=stat.p90 * factor)
+
+
+def optimizer_corrections(
+    errors: Sequence[RankError], stragglers: Mapping[str, float]
+) -> dict[str, float]:
+    """Per kind, the median measured/predicted optimizer step of its non-straggler ranks."""
+    by_kind: dict[str, list[float]] = {}
+    for e in errors:
+        if e.device not in stragglers and e.predicted_optimizer_s > 0:
+            by_kind.setdefault(e.kind, []).append(e.measured_optimizer_s / e.predicted_optimizer_s)
+    return {kind: statistics.median(values) for kind, values in sorted(by_kind.items())}
+
+
+def phase_corrections(
+    errors: Sequence[RankError], stragglers: Mapping[str, float]
+) -> dict[str, tuple[float, float]]:
+    """Per kind, the median measured/predicted forward and backward ratios of its
+    non-straggler ranks; only kinds all of whose ranks recorded their forward time."""
+    by_kind: dict[str, list[RankError]] = {}
+    for e in errors:
+        if e.device not in stragglers and e.predicted_compute_s > 0:
+            by_kind.setdefault(e.kind, []).append(e)
+    out = {}
+    for kind, rows in sorted(by_kind.items()):
+        usable = all(
+            e.measured_forward_s > 0 and 0 < e.predicted_forward_s < e.predicted_compute_s
+            for e in rows
+        )
+        if usable:
+            forward = statistics.median(e.measured_forward_s / e.predicted_forward_s for e in rows)
+            backward = statistics.median(
+                (e.measured_compute_s - e.measured_forward_s)
+                / (e.predicted_compute_s - e.predicted_forward_s)
+                for e in rows
+            )
+            out[kind] = (forward, backward)
+    return out
+
+
+def _scaled_timing(
+    timing: UnitTiming, factors: tuple[float, float], optimizer_factor: float
+) -> UnitTiming:
+    optimizer_s = timing.optimizer_s
+    return replace(
+        timing,
+        forward_s=_scaled_stat(timing.forward_s, factors[0]),
+        backward_s=_scaled_stat(timing.backward_s, factors[1]),
+        optimizer_s=None if optimizer_s is None else optimizer_s * optimizer_factor,
+        source=MeasurementSource.CALIBRATED,
+    )
+
+
+def corrected_profile(
+    base: Profile,
+    corrections: Mapping[str, float],
+    stragglers: Sequence[DeviceFactor],
+    cluster_devices: Mapping[str, str],
+    optimizer: Mapping[str, float] | None = None,
+    phases: Mapping[str, tuple[float, float]] | None = None,
+) -> Profile:
+    """``base`` with unit times of each kind scaled and straggler factors applied.
+
+    Args:
+        base: the profile the plan was solved with (an empty ``Profile()`` for the roofline).
+        corrections: kind -> measured/predicted compute ratio.
+        optimizer: kind -> measured/predicted optimizer ratio, applied to the optimizer
+            times of unit timings (a kind without timings keeps the roofline's).
+        phases: kind -> (forward, backward) ratios that replace ``corrections`` on the
+            forward and backward times of that kind's unit timings.
+        stragglers: this calibration's device factors (relative to their kind).
+        cluster_devices: every cluster device name -> its kind (kinds without unit timings
+            put their correction on each of these devices).
+
+    Returns:
+        The corrected profile; device factors of ``base`` are multiplied, not replaced.
+    """
+    timed_kinds = {_kind_of_key(t.device) for t in base.unit_timings}
+    optimizer = optimizer or {}
+    phases = phases or {}
+    timings = tuple(
+        _scaled_timing(
+            t,
+            phases.get(kind, (corrections[kind], corrections[kind])),
+            optimizer.get(kind, 1.0),
+        )
+        if (kind := _kind_of_key(t.device)) in corrections
+        else t
+        for t in base.unit_timings
+    )
+    factors = {f.device: f for f in base.device_factors}
+    for name, kind in sorted(cluster_devices.items()):
+        if kind in corrections and kind not in timed_kinds:
+            factors[name] = _times(
+                factors.get(name),
+                DeviceFactor(
+                    device=name,
+                    kind=kind,
+                    time_factor=corrections[kind],
+                    reason=f"{kind} compute measured {corrections[kind]:.2f}x the prediction "
+                    "(median of its devices; no unit timings of the kind to correct)",
+                ),
+            )
+    for factor in stragglers:
+        factors[factor.device] = _times(factors.get(factor.device), factor)
+    note = "calibrated: " + ", ".join(f"{k} x {v:.3f}" for k, v in sorted(corrections.items()))
+    return replace(
+        base,
+        unit_timings=timings,
+        device_factors=tuple(factors[k] for k in sorted(factors)),
+        notes=tuple(dict.fromkeys((*base.notes, note))),
+    )
+
+
+def _times(old: DeviceFactor | None, new: DeviceFactor) -> DeviceFactor:
+    if old is None or old.kind != new.kind:
+        return new
+    return replace(
+        new, time_factor=old.time_factor * new.time_factor, reason=f"{old.reason}; {new.reason}"
+    )
+
+
+def calibrate(
+    observations: Sequence[tuple[Plan, Sequence[Run]]],
+    base: Profile | None = None,
+    threshold: float = STRAGGLER_THRESHOLD,
+) -> Calibration:
+    """Compare runs with their plans' predictions and correct ``base``.
+
+    Args:
+        observations: (plan, its runs) pairs; several plans on the same cluster pool their
+            devices' ratios.
+        base: the profile the plans were solved with (None: the roofline, no profile).
+        threshold: the straggler threshold (relative).
+
+    Raises:
+        ConfigError: see :func:`rank_errors`.
+    """
+    errors: list[RankError] = []
+    siblings: dict[str, str] = {}
+    for plan, runs in observations:
+        check_runs_of_plan(plan, runs)
+        errors.extend(plan_errors := rank_errors(plan, runs))
+        siblings.update({e.device: sibling_group(plan, e.device) for e in plan_errors})
+    kinds = {e.device: e.kind for e in errors}
+    ratios = device_ratios(errors)
+    relative = find_stragglers(ratios, siblings, threshold)
+    corrections = kind_corrections(ratios, kinds, relative)
+    stragglers = tuple(
+        DeviceFactor(
+            device=name,
+            kind=kinds[name],
+            time_factor=value,
+            reason=straggler_reason(name, kinds[name], value, ratios[name] / value),
+        )
+        for name, value in sorted(relative.items())
+    )
+    cluster = {d.name: d.kind for plan, _ in observations for d in plan.cluster.devices}
+    optimizer = optimizer_corrections(errors, relative)
+    phases = phase_corrections(errors, relative)
+    profile = corrected_profile(
+        base or Profile(), corrections, stragglers, cluster, optimizer, phases
+    )
+    return Calibration(tuple(errors), corrections, optimizer, phases, ratios, stragglers, profile)
+
+
+def check_profile_out(out_dir: Path) -> None:
+    """Fail before calibrating when the corrected profile could not go to ``out_dir``.
+
+    Raises:
+        ConfigError: ``out_dir`` is a file or holds other profiles (``hplan solve --profile``
+            would merge them over the correction).
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"-o {str(out_dir)!r} is a file; give a directory")
+    path = out_dir / "calibrated.json"
+    others = sorted(p.name for p in out_dir.glob("*.json") if p != path) if out_dir.exists() else []
+    if others:
+        raise ConfigError(
+            f"-o {str(out_dir)!r} already holds {others[0]}; write the corrected profile to a "
+            "new directory (it contains the input profile's measurements too)"
+        )
+
+
+def single_step_runs(runs: Sequence[Run]) -> list[Path]:
+    """Runs in which some rank has one step only: its warm-up step is all there is."""
+    return [
+        run.path
+        for run in runs
+        if any(
+            sum(1 for r in run.records if r.rank == rank) < 2
+            for rank in {r.rank for r in run.records}
+        )
+    ]
+
+
+def write_profile(profile: Profile, out_dir: Path) -> Path:
+    """Write ``out_dir/calibrated.json`` (the whole corrected profile) and return its path.
+
+    Raises:
+        ConfigError: ``out_dir`` is a file or holds other profiles (``hplan solve --profile``
+            would merge them over the correction).
+    """
+    check_profile_out(out_dir)
+    path = out_dir / "calibrated.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json(), encoding="utf-8")
+    return path

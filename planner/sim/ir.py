@@ -1,0 +1,213 @@
+"""The simulator's input and output types (see ``simulate.py`` for the rules it applies).
+
+``SimSpec`` is small and neutral on purpose: ``simspec.py`` builds it from a plan or a solver
+layout, and an importer of external measurements can build it by hand. All times are in
+seconds, sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from hplan.runtime.contract.plan import Schedule
+
+
+# --------------------------------------------------------------------------- input
+@dataclass(frozen=True, slots=True)
+class SimChannel:
+    """One direction of a link (alpha-beta)."""
+
+    bandwidth_bytes_per_s: float
+    """May be ``math.inf`` (transfers take only the latency)."""
+    latency_s: float
+    key: str = ""
+    """Channels with the same non-empty key share one FIFO queue (e.g. a node's uplink);
+    ``""``: this link direction has a queue of its own."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimStage:
+    """One pipeline stage: the rank that runs it and its compute times."""
+
+    rank: int
+    device: str
+    """A label (device kind or name) for tables and traces."""
+    forward_s: tuple[float, ...]
+    """Forward time of each micro-batch of the replica, in order."""
+    backward_s: tuple[float, ...]
+    """Backward time of each micro-batch (recomputation included where it applies)."""
+    optimizer_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SimLink:
+    """The boundary between stage s and s+1 of one replica."""
+
+    forward: SimChannel
+    """Carries activations from stage s to s+1."""
+    backward: SimChannel
+    """Carries gradients from stage s+1 back to s."""
+    forward_bytes: tuple[float, ...]
+    """Activation bytes of each micro-batch (0: nothing is sent, nothing is waited for)."""
+    backward_bytes: tuple[float, ...]
+    """Gradient bytes of each micro-batch (0: nothing is sent, nothing is waited for)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimReplica:
+    """One data-parallel replica: a pipeline of stages and its micro-batches."""
+
+    stages: tuple[SimStage, ...]
+    links: tuple[SimLink, ...]
+    """``links[s]`` joins stage s and s+1 (one fewer than stages)."""
+    microbatch_sizes: tuple[int, ...]
+    """Samples in each micro-batch (e.g. ``(3, 3, 2)``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimSyncGroup:
+    """Gradients that a set of ranks sums every step (one all-reduce)."""
+
+    ranks: tuple[int, ...]
+    """Sorted ranks of the group."""
+    num_bytes: float
+    bandwidth_bytes_per_s: float
+    """The group's slowest link."""
+    latency_s: float
+    """The group's largest link latency."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimSpec:
+    """Everything the simulator needs about one training step."""
+
+    replicas: tuple[SimReplica, ...]
+    sync_groups: tuple[SimSyncGroup, ...] = ()
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    notes: tuple[str, ...] = ()
+    """Caveats of the builder (e.g. a plan without gradient sizes), passed to the result."""
+    blocking_p2p: bool = False
+    """False (hplan's runtime): a send is posted and the rank goes on (``isend``). True
+    (runtimes with blocking ``send``/``recv``, e.g. DeepSpeed's pipeline engine): a transfer
+    costs both ends its wire time; the sender is blocked until its message has left the wire,
+    and a receive takes at least the wire time from when it is posted."""
+
+    def verify(self) -> None:
+        """Check the spec's shapes and values.
+
+        Raises:
+            ValueError: naming the replica, stage or group and the bad field.
+        """
+        _verify_spec(self)
+
+
+# --------------------------------------------------------------------------- output
+class EventKind(StrEnum):
+    """What a span of the timeline is."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    TRANSFER = "transfer"
+    """A point-to-point message on the wire (``rank`` is the sender, ``peer`` the receiver)."""
+    ALLREDUCE = "all-reduce"
+    WAIT = "wait"
+    """A rank blocked in a receive, or until its sends are complete."""
+
+
+COMPUTE_KINDS = frozenset({EventKind.FORWARD, EventKind.BACKWARD, EventKind.OPTIMIZER})
+
+
+@dataclass(frozen=True, slots=True)
+class SimEvent:
+    """One span of the simulated timeline (seconds from the step's start)."""
+
+    kind: EventKind
+    rank: int
+    replica: int
+    stage: int
+    start_s: float
+    end_s: float
+    label: str
+    """``s1.F.mb3``, ``F.mb3 s0->s1``, ``wait F.mb3 from s0``, ``all-reduce ranks 0,2`` ..."""
+    microbatch: int | None = None
+    peer: int | None = None
+    """The receiving rank of a transfer."""
+    cause: int | None = None
+    """Index (in ``SimulationResult.events``) of the event whose end fixed this start."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankTimes:
+    """How one rank spent the step; ``compute_s + communication_s + idle_s`` = step time."""
+
+    rank: int
+    replica: int
+    stage: int
+    device: str
+    compute_s: float
+    communication_s: float
+    idle_s: float
+    end_s: float
+    """When this rank finished its optimizer step."""
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """The simulated step."""
+
+    step_time_s: float
+    samples_per_s: float
+    ranks: tuple[RankTimes, ...]
+    """In rank order."""
+    bubble_fraction: float
+    """Idle share of all ranks' time: sum of idle / (ranks x step time)."""
+    bottleneck_rank: int
+    """The rank with the most compute time on the critical path."""
+    critical_path: tuple[SimEvent, ...]
+    """From the step's start to its end."""
+    events: tuple[SimEvent, ...]
+    notes: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- validation
+def _verify_spec(spec: SimSpec) -> None:
+    if not spec.replicas:
+        raise ValueError("SimSpec has no replicas")
+    seen: set[int] = set()
+    for r_idx, replica in enumerate(spec.replicas):
+        _verify_replica(r_idx, replica, seen)
+    if len({g.ranks for g in spec.sync_groups}) != len(spec.sync_groups):
+        raise ValueError("sync groups must have distinct rank sets (one bucket per holder set)")
+    for group in spec.sync_groups:
+        if list(group.ranks) != sorted(set(group.ranks)) or not set(group.ranks) <= seen:
+            raise ValueError(f"sync group {group.ranks}: ranks must be sorted, unique and known")
+        if not (group.bandwidth_bytes_per_s > 0 and group.latency_s >= 0 and group.num_bytes >= 0):
+            raise ValueError(f"sync group {group.ranks}: bandwidth > 0, latency and bytes >= 0")
+
+
+def _verify_replica(r_idx: int, replica: SimReplica, seen: set[int]) -> None:
+    num_mb = len(replica.microbatch_sizes)
+    if not replica.stages or num_mb < 1 or min(replica.microbatch_sizes) < 1:
+        raise ValueError(f"replica {r_idx}: needs stages and micro-batches of >= 1 sample")
+    if len(replica.links) != len(replica.stages) - 1:
+        raise ValueError(f"replica {r_idx}: {len(replica.links)} links for {len(replica.stages)}")
+    for s_idx, stage in enumerate(replica.stages):
+        where = f"replica {r_idx} stage {s_idx}"
+        if stage.rank in seen:
+            raise ValueError(f"{where}: rank {stage.rank} appears twice")
+        seen.add(stage.rank)
+        times = (*stage.forward_s, *stage.backward_s, stage.optimizer_s)
+        if len(stage.forward_s) != num_mb or len(stage.backward_s) != num_mb:
+            raise ValueError(f"{where}: needs one forward and backward time per micro-batch")
+        if not all(math.isfinite(t) and t >= 0 for t in times):
+            raise ValueError(f"{where}: times must be finite and >= 0")
+    for l_idx, link in enumerate(replica.links):
+        where = f"replica {r_idx} link {l_idx}"
+        if len(link.forward_bytes) != num_mb or len(link.backward_bytes) != num_mb:
+            raise ValueError(f"{where}: needs forward and backward bytes per micro-batch")
+        for channel in (link.forward, link.backward):
+            if not (channel.bandwidth_bytes_per_s > 0 and channel.latency_s >= 0):
+                raise ValueError(f"{where}: bandwidth must be > 0 and latency >= 0")

@@ -1,0 +1,306 @@
+"""Build the simulator's input (``SimSpec``) from a plan or from a solver layout.
+
+- :func:`spec_from_plan`: from a ``Plan`` alone (what ``hplan simulate`` reads). Compute
+  times are the report's per-rank predictions (``RankReport.forward_time_s`` ...); link
+  bytes are the exact bytes the runtime sends for each micro-batch (``CutSpec`` tensors,
+  gradients only for those that need one); the all-reduce groups are the holder sets the
+  runtime buckets by (``Report.grad_sync``; ties between stages included).
+- :func:`spec_from_layout`: from the solver's ``(PlanningProblem, Layout)``, with the
+  cost model's arrays (the same numbers as ``evaluate.py``; all-reduce groups by holder
+  set, tied parameters included, as there).
+
+Every micro-batch is charged the compute of a full micro-batch, as the cost model does and
+as a rehearsal of a GPU plan replays it; ``scale_partial_microbatches=True`` scales the
+last, smaller one instead (what stretched CPU compute does in a rehearsal of a cpu plan).
+
+:func:`grad_sync_reports` and :func:`param_wire_bytes` compute the per-holder-set gradient
+bytes that a plan's report records for this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+from hplan.planner.cost.evaluate import grad_sync_groups, slowest_link
+from hplan.planner.cost.layout import Layout, ReplicaLayout
+from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.sim.engine import (
+    SimChannel,
+    SimLink,
+    SimReplica,
+    SimSpec,
+    SimStage,
+    SimSyncGroup,
+    simulate,
+)
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.plan import (
+    GradSyncReport,
+    Plan,
+    RankPlan,
+    RankReport,
+    Schedule,
+    SyncMode,
+    microbatch_sizes,
+)
+
+if TYPE_CHECKING:
+    from hplan.planner.frontend.cost_graph import ModelGraph
+
+WIRE_BYTES_MIN = 4
+"""The runtime sums gradients in float32 or wider (``grad_sync._wire_dtype``)."""
+
+MAX_SIMULATED_MICROBATCHES = 4096
+"""Replicas with more micro-batches per step than this are not simulated (the event list
+grows with micro-batches x stages; such plans are far from pipeline-bubble territory, where
+the cost model's closed form is exact enough)."""
+
+
+def too_many_microbatches(num_samples: int, micro_batch_size: int) -> bool:
+    """True when a replica's micro-batch count exceeds ``MAX_SIMULATED_MICROBATCHES``."""
+    return math.ceil(num_samples / micro_batch_size) > MAX_SIMULATED_MICROBATCHES
+
+
+# --------------------------------------------------------------------------- from a plan
+def spec_from_plan(plan: Plan, *, scale_partial_microbatches: bool = False) -> SimSpec:
+    """The simulator's view of ``plan``.
+
+    Raises:
+        ConfigError: the report has no per-rank forward/backward prediction (a plan from an
+            older hplan or a placeholder report), re-run ``hplan solve``; or a replica has
+            more than ``MAX_SIMULATED_MICROBATCHES`` micro-batches per step.
+    """
+    for rank in plan.ranks:
+        if too_many_microbatches(rank.num_samples, rank.micro_batch_size):
+            count = math.ceil(rank.num_samples / rank.micro_batch_size)
+            raise ConfigError(
+                f"rank {rank.rank} runs {count} micro-batches per step; the simulator handles "
+                f"at most {MAX_SIMULATED_MICROBATCHES}: solve with a smaller global batch or "
+                "larger micro-batches"
+            )
+    reports = {r.rank: r for r in plan.report.ranks}
+    missing = [r.rank for r in plan.ranks if _no_prediction(reports.get(r.rank))]
+    if missing:
+        raise ConfigError(
+            f"plan report has no forward/backward time for rank {missing[0]}; re-run "
+            "`hplan solve` with this hplan to get per-rank predictions"
+        )
+    replicas = tuple(
+        _plan_replica(plan, plan.replica_ranks(r), reports, scale_partial_microbatches)
+        for r in range(plan.num_replicas)
+    )
+    notes: tuple[str, ...] = ()
+    recorded = plan.report.grad_sync
+    groups = tuple(_plan_group(plan, g) for g in recorded or () if len(g.ranks) > 1)
+    if recorded is None and plan.world_size > 1:
+        notes = (
+            "the plan's report has no gradient sizes, so the all-reduce is not simulated; "
+            "re-run `hplan solve` with this hplan",
+        )
+    if plan.training.sync_mode is SyncMode.LOCAL_SGD:
+        notes += (
+            "the plan asks for local SGD, which the runtime does not run yet; simulated with "
+            "an all-reduce every step",
+        )
+    return SimSpec(
+        replicas=replicas, sync_groups=groups, schedule=plan.training.schedule, notes=notes
+    )
+
+
+def _no_prediction(report: RankReport | None) -> bool:
+    return report is None or report.forward_time_s + report.backward_time_s <= 0
+
+
+def _plan_replica(
+    plan: Plan,
+    ranks: Sequence[RankPlan],
+    reports: Mapping[int, RankReport],
+    scale_partial: bool,
+) -> SimReplica:
+    first = ranks[0]
+    sizes = microbatch_sizes(first.num_samples, first.micro_batch_size)
+    factors = _compute_factors(sizes, first.micro_batch_size, scale_partial)
+    stages = []
+    for rank in ranks:
+        report = reports[rank.rank]
+        stages.append(
+            SimStage(
+                rank=rank.rank,
+                device=rank.device_kind,
+                forward_s=tuple(report.forward_time_s * f for f in factors),
+                backward_s=tuple(report.backward_time_s * f for f in factors),
+                optimizer_s=report.optimizer_time_s,
+            )
+        )
+    links = tuple(_plan_link(plan, a, b, sizes) for a, b in pairwise(ranks))
+    return SimReplica(stages=tuple(stages), links=links, microbatch_sizes=sizes)
+
+
+def _compute_factors(sizes: Sequence[int], full: int, scale_partial: bool) -> tuple[float, ...]:
+    return tuple(size / full if scale_partial else 1.0 for size in sizes)
+
+
+def _plan_link(plan: Plan, a: RankPlan, b: RankPlan, sizes: Sequence[int]) -> SimLink:
+    spec = plan.link(a.device, b.device)
+    cut = plan.cut_after(a.units[-1])
+    forward = tuple(float(sum(t.num_bytes(n) for t in cut.tensors)) for n in sizes)
+    backward = tuple(
+        float(sum(t.num_bytes(n) for t in cut.tensors if t.requires_grad)) for n in sizes
+    )
+    channel = SimChannel(spec.bandwidth_bytes_per_s, spec.latency_s)
+    return SimLink(channel, channel, forward, backward)
+
+
+def _plan_group(plan: Plan, group: GradSyncReport) -> SimSyncGroup:
+    bandwidth_bytes_per_s, latency_s = plan.ring_channel(
+        [plan.ranks[r].device for r in group.ranks]
+    )
+    return SimSyncGroup(
+        ranks=tuple(sorted(group.ranks)),
+        num_bytes=float(group.num_bytes),
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        latency_s=latency_s,
+    )
+
+
+# --------------------------------------------------------------------------- from a layout
+def spec_from_layout(
+    problem: PlanningProblem, layout: Layout, schedule: Schedule = Schedule.ONE_F_ONE_B
+) -> SimSpec:
+    """The simulator's view of a solver layout, from the cost model's arrays.
+
+    Ranks are numbered like the plan's (sorted device indices). Gradient groups are the
+    holder sets of each unit, merged by holder set (as ``evaluate.allreduce_time_s``).
+
+    Raises:
+        ValueError: a replica's micro-batch size is not one of the problem's candidates.
+    """
+    rank_of = {d: r for r, d in enumerate(sorted(layout.device_indices))}
+    replicas = tuple(_layout_replica(problem, r, rank_of) for r in layout.replicas)
+    return SimSpec(
+        replicas=replicas, sync_groups=_layout_groups(problem, layout, rank_of), schedule=schedule
+    )
+
+
+def _layout_replica(
+    problem: PlanningProblem, replica: ReplicaLayout, rank_of: Mapping[int, int]
+) -> SimReplica:
+    k = problem.micro_batch_sizes.index(replica.micro_batch_size)
+    sizes = microbatch_sizes(replica.num_samples, replica.micro_batch_size)
+    stages = []
+    for stage in replica.stages:
+        d, units = stage.device_idx, slice(stage.unit_start, stage.unit_stop)
+        forward_s = float(problem.fwd_time_s[d, units, k].sum())
+        backward_s = float(problem.bwd_time_s[d, units, k].sum())
+        stages.append(
+            SimStage(
+                rank=rank_of[d],
+                device=problem.device_kinds[d],
+                forward_s=(forward_s,) * len(sizes),
+                backward_s=(backward_s,) * len(sizes),
+                optimizer_s=float(problem.optimizer_time_s[d, units].sum()),
+            )
+        )
+    links = []
+    for a, b in pairwise(replica.stages):
+        cut = a.unit_stop - 1
+        forward = problem.cut_bytes_per_sample[cut]
+        backward = problem.cut_grad_bytes_per_sample[cut]
+        links.append(
+            SimLink(
+                forward=_problem_channel(problem, a.device_idx, b.device_idx),
+                backward=_problem_channel(problem, b.device_idx, a.device_idx),
+                forward_bytes=tuple(float(forward * n) for n in sizes),
+                backward_bytes=tuple(float(backward * n) for n in sizes),
+            )
+        )
+    return SimReplica(stages=tuple(stages), links=tuple(links), microbatch_sizes=sizes)
+
+
+def _problem_channel(problem: PlanningProblem, a: int, b: int) -> SimChannel:
+    return SimChannel(
+        float(problem.bandwidth_bytes_per_s[a, b]) if a != b else math.inf,
+        float(problem.latency_s[a, b]) if a != b else 0.0,
+    )
+
+
+def _layout_groups(
+    problem: PlanningProblem, layout: Layout, rank_of: Mapping[int, int]
+) -> tuple[SimSyncGroup, ...]:
+    groups = []
+    for devices, num_bytes in grad_sync_groups(problem, layout).items():
+        bandwidth_bytes_per_s, latency_s = slowest_link(problem, devices)
+        groups.append(
+            SimSyncGroup(
+                ranks=tuple(sorted(rank_of[d] for d in devices)),
+                num_bytes=num_bytes,
+                bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+                latency_s=latency_s,
+            )
+        )
+    return tuple(sorted(groups, key=lambda g: g.ranks))
+
+
+def simulated_step_time_s(
+    problem: PlanningProblem, layout: Layout, schedule: Schedule = Schedule.ONE_F_ONE_B
+) -> float | None:
+    """Simulated step time of a solver layout (see :func:`spec_from_layout`); None when a
+    replica has more than ``MAX_SIMULATED_MICROBATCHES`` micro-batches."""
+    if any(too_many_microbatches(r.num_samples, r.micro_batch_size) for r in layout.replicas):
+        return None
+    return simulate(spec_from_layout(problem, layout, schedule)).step_time_s
+
+
+# --------------------------------------------------------------------------- gradient sizes
+def param_wire_bytes(graph: ModelGraph) -> dict[str, int]:
+    """Canonical name -> bytes the runtime all-reduces for each trainable parameter.
+
+    Elements times the wire dtype's size: float32, or the parameter's dtype when wider
+    (``grad_sync._wire_dtype``). Names are canonical as in ``StageModule``.
+    """
+    traced = graph.traced
+    out: dict[str, int] = {}
+    for name, param in traced.graph_module.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            continue
+        canonical = traced.param_names.get(name, name)
+        out[canonical] = param.numel() * max(WIRE_BYTES_MIN, param.element_size())
+    return out
+
+
+def grad_sync_reports(plan: Plan, wire_bytes: Mapping[str, int]) -> tuple[GradSyncReport, ...]:
+    """One entry per holder set of more than one rank, sorted by ranks (the runtime's buckets).
+
+    A parameter's holders are the ranks whose units list it (``UnitSpec.params``), as in
+    ``grad_sync.parameter_holders``; parameters absent from ``wire_bytes`` (not trainable)
+    are skipped.
+    """
+    holders: dict[str, set[int]] = defaultdict(set)
+    for rank in plan.ranks:
+        for unit_name in rank.units:
+            for param in plan.unit(unit_name).params:
+                holders[param].add(rank.rank)
+    group_bytes: dict[tuple[int, ...], int] = defaultdict(int)
+    for param, ranks in holders.items():
+        if len(ranks) > 1 and param in wire_bytes:
+            group_bytes[tuple(sorted(ranks))] += wire_bytes[param]
+    return tuple(
+        GradSyncReport(ranks=ranks, num_bytes=num_bytes)
+        for ranks, num_bytes in sorted(group_bytes.items())
+    )
+
+
+def with_simulation(plan: Plan, wire_bytes: Mapping[str, int]) -> Plan:
+    """``plan`` whose report records its gradient groups and its simulated step time
+    (left None when a replica has more than ``MAX_SIMULATED_MICROBATCHES`` micro-batches)."""
+    report = replace(plan.report, grad_sync=grad_sync_reports(plan, wire_bytes))
+    annotated = replace(plan, report=report)
+    if any(too_many_microbatches(r.num_samples, r.micro_batch_size) for r in plan.ranks):
+        return annotated
+    step_s = simulate(spec_from_plan(annotated)).step_time_s
+    return replace(annotated, report=replace(report, simulated_step_time_s=step_s))

@@ -1,0 +1,88 @@
+"""What other tools would do on the same cluster, costed by the same model.
+
+- ``data_parallel_equal``: every device a replica with the same batch share and the same
+  micro-batch size (plain PyTorch DDP).
+- ``uniform_pipeline``: pipelines of p consecutive devices (cluster order), units split
+  into equal counts, equal batch shares and micro-batches (Megatron-LM / DeepSpeed
+  ``partition_method="uniform"``); the best p that fits is taken, which is generous to it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hplan.planner.cost.evaluate import evaluate, in_flight_microbatches, stage_memory_bytes
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.problem import PlanningProblem
+
+
+def equal_shares(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` integers differing by at most one (larger first)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def equal_unit_bounds(num_units: int, num_stages: int) -> list[int]:
+    """Stage boundaries for equal unit counts (the first stages take the remainder)."""
+    sizes = equal_shares(num_units, num_stages)
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return bounds
+
+
+def _fits(problem: PlanningProblem, pipelines: list[list[int]], bounds: list[int], b: int) -> bool:
+    num_stages = len(bounds) - 1
+    for devices in pipelines:
+        for s, d in enumerate(devices):
+            need = stage_memory_bytes(
+                problem, bounds[s], bounds[s + 1], b, in_flight_microbatches(s, num_stages)
+            )
+            if need > problem.memory_capacity_bytes[d]:
+                return False
+    return True
+
+
+def _uniform_layout(problem: PlanningProblem, num_stages: int) -> Layout | None:
+    num_replicas = min(problem.num_devices // num_stages, problem.global_batch_size)
+    if num_replicas < 1 or num_stages > problem.num_units:
+        return None
+    pipelines = [list(range(r * num_stages, (r + 1) * num_stages)) for r in range(num_replicas)]
+    bounds = equal_unit_bounds(problem.num_units, num_stages)
+    shares = equal_shares(problem.global_batch_size, num_replicas)
+    fitting = [
+        b
+        for b in problem.micro_batch_sizes
+        if b <= shares[0] and _fits(problem, pipelines, bounds, b)
+    ]
+    if not fitting:
+        return None
+    b = max(fitting)
+    replicas = tuple(
+        ReplicaLayout(
+            tuple(StageLayout(d, bounds[s], bounds[s + 1]) for s, d in enumerate(devices)),
+            b,
+            math.ceil(share / b),
+            share,
+        )
+        for devices, share in zip(pipelines, shares, strict=True)
+    )
+    return Layout(replicas)
+
+
+def data_parallel_equal(problem: PlanningProblem) -> Layout | None:
+    """Equal-batch data parallel over every device; None if the model does not fit one."""
+    return _uniform_layout(problem, 1)
+
+
+def uniform_pipeline(problem: PlanningProblem) -> Layout | None:
+    """The fastest equal-layer, equal-batch pipeline layout that fits; None if none fits."""
+    best: tuple[float, Layout] | None = None
+    for num_stages in range(1, min(problem.num_units, problem.num_devices) + 1):
+        layout = _uniform_layout(problem, num_stages)
+        if layout is None:
+            continue
+        step = evaluate(problem, layout).step_time_s
+        if best is None or step < best[0]:
+            best = (step, layout)
+    return best[1] if best else None

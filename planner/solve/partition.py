@@ -1,0 +1,197 @@
+"""Pipeline templates: an ordered list of device classes, a micro-batch size, and the best
+contiguous split of the partition units over them.
+
+A *device class* is a set of interchangeable devices (``hplan.planner.solve.device_classes``). A
+*template* is a pipeline shape ``(c_0, ..., c_{S-1})`` of classes
+(a class may repeat up to its size) with a micro-batch size; the solver decides how many
+copies of each template to run. For one template the split of units over stages is
+solved exactly here, by a dynamic program over cut positions that minimises the period
+(the slowest stage or link per micro-batch) subject to every stage's memory (ties: the first
+split found). On tiny instances every split is enumerated instead and all
+(period, fill) Pareto-optimal splits are kept, so that the solver's answer matches a
+brute-force search exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hplan.planner.cost.evaluate import in_flight_microbatches, link_time_s, pipeline_period_s
+from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.solve.device_classes import DeviceClass, pair_devices
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    """A costed pipeline shape; ``bounds[s]`` is the first unit of stage s (plus U at the end)."""
+
+    classes: tuple[int, ...]
+    k: int
+    """Index of the micro-batch size among the problem's candidates."""
+    micro_batch_size: int
+    bounds: tuple[int, ...]
+    period_s: float
+    fill_s: float
+    optimizer_s: float
+    stage_grad_bytes: tuple[float, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.classes)
+
+    def time_s(self, num_microbatches: int, allreduce_s: float) -> float:
+        """Step time of one copy running ``num_microbatches`` micro-batches."""
+        return (num_microbatches - 1) * self.period_s + self.fill_s + self.optimizer_s + allreduce_s
+
+
+class Partitioner:
+    """Costs pipeline templates for one problem (prefix sums cached per device and k)."""
+
+    def __init__(self, problem: PlanningProblem, classes: Sequence[DeviceClass]) -> None:
+        self.problem = problem
+        self.classes = tuple(classes)
+        p = problem
+        zero = np.zeros(1)
+        self._time_cum = np.concatenate(
+            [
+                np.zeros((p.num_devices, 1, len(p.micro_batch_sizes))),
+                np.cumsum(p.fwd_time_s + p.bwd_time_s, axis=1),
+            ],
+            axis=1,
+        )
+        self._static_cum = np.concatenate([zero, np.cumsum(p.static_memory_bytes)])
+        self._act_cum = np.concatenate([zero, np.cumsum(p.activation_bytes_per_sample)])
+        self._opt_cum = np.concatenate(
+            [np.zeros((p.num_devices, 1)), np.cumsum(p.optimizer_time_s, axis=1)], axis=1
+        )
+        self._grad_cum = np.concatenate([zero, np.cumsum(p.grad_bytes)])
+
+    # ------------------------------------------------------------------ stage costs
+    def _compute(self, device: int, k: int) -> np.ndarray:
+        """(U+1, U+1) matrix of forward+backward time of units [i, j)."""
+        cum = self._time_cum[device, :, k]
+        return cum[None, :] - cum[:, None]
+
+    def _memory_ok(self, device: int, b: int, in_flight: int) -> np.ndarray:
+        u = self.problem.num_units
+        static = self._static_cum[None, :] - self._static_cum[:, None]
+        acts = (self._act_cum[None, :] - self._act_cum[:, None]) * b * in_flight
+        cut = np.concatenate([[0.0], self.problem.cut_bytes_per_sample, [0.0]])
+        buffers = 2 * b * (cut[:, None] + cut[None, :])
+        mem = static + acts + buffers
+        ok = mem <= self.problem.memory_capacity_bytes[device]
+        idx = np.arange(u + 1)
+        return ok & (idx[:, None] < idx[None, :])
+
+    def _link_out(self, a: int, b_dev: int, b: int) -> np.ndarray:
+        """(U+1,) link time per micro-batch of a cut placed at position j (after unit j-1)."""
+        p = self.problem
+        u = p.num_units
+        out = np.full(u + 1, np.inf)
+        for j in range(1, u):
+            fwd = link_time_s(p, a, b_dev, p.cut_bytes_per_sample[j - 1] * b)
+            bwd = link_time_s(p, b_dev, a, p.cut_grad_bytes_per_sample[j - 1] * b)
+            out[j] = fwd + bwd
+        return out
+
+    def stage_matrices(
+        self, sequence: Sequence[int], k: int
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per stage: (compute matrix with inf where infeasible, outgoing link vector)."""
+        b = self.problem.micro_batch_sizes[k]
+        devices = pair_devices(self.classes, sequence)
+        num_stages = len(sequence)
+        mats = []
+        for s, dev in enumerate(devices):
+            compute = self._compute(dev, k)
+            ok = self._memory_ok(dev, b, in_flight_microbatches(s, num_stages))
+            compute = np.where(ok, compute, np.inf)
+            u = self.problem.num_units
+            link = self._link_out(dev, devices[s + 1], b) if s + 1 < num_stages else np.zeros(u + 1)
+            mats.append((compute, link))
+        return mats
+
+    # ------------------------------------------------------------------ splitting
+    def best_split(self, sequence: Sequence[int], k: int) -> Template | None:
+        """The split minimising the period; None if nothing fits."""
+        mats = self.stage_matrices(sequence, k)
+        u = self.problem.num_units
+        best = np.full(u + 1, np.inf)
+        best[0] = 0.0
+        choices = []
+        for s, (compute, link) in enumerate(mats):
+            value = np.maximum(compute, link[None, :]) if s + 1 < len(mats) else compute
+            cand = np.maximum(best[:, None], value)
+            choices.append(np.argmin(cand, axis=0))
+            best = cand.min(axis=0)
+        if not np.isfinite(best[u]):
+            return None
+        bounds = [u]
+        for choice in reversed(choices):
+            bounds.append(int(choice[bounds[-1]]))
+        return self._template(sequence, k, tuple(reversed(bounds)), mats)
+
+    def all_splits(self, sequence: Sequence[int], k: int) -> list[Template]:
+        """Every feasible split, reduced to its (period, fill) Pareto front."""
+        mats = self.stage_matrices(sequence, k)
+        u = self.problem.num_units
+        found = []
+        for cuts in itertools.combinations(range(1, u), len(sequence) - 1):
+            bounds = (0, *cuts, u)
+            if all(np.isfinite(mats[s][0][bounds[s], bounds[s + 1]]) for s in range(len(sequence))):
+                found.append(self._template(sequence, k, bounds, mats))
+        return pareto(found)
+
+    def _template(
+        self,
+        sequence: Sequence[int],
+        k: int,
+        bounds: tuple[int, ...],
+        mats: list[tuple[np.ndarray, np.ndarray]],
+    ) -> Template:
+        devices = pair_devices(self.classes, sequence)
+        computes = [float(mats[s][0][bounds[s], bounds[s + 1]]) for s in range(len(sequence))]
+        links = [
+            float(mats[s][1][bounds[s + 1]]) if s + 1 < len(sequence) else 0.0
+            for s in range(len(sequence))
+        ]
+        optimizer = max(
+            float(self._opt_cum[d, bounds[s + 1]] - self._opt_cum[d, bounds[s]])
+            for s, d in enumerate(devices)
+        )
+        grads = tuple(
+            float(self._grad_cum[bounds[s + 1]] - self._grad_cum[bounds[s]])
+            for s in range(len(sequence))
+        )
+        return Template(
+            classes=tuple(sequence),
+            k=k,
+            micro_batch_size=self.problem.micro_batch_sizes[k],
+            bounds=bounds,
+            period_s=pipeline_period_s(computes, links),
+            fill_s=sum(computes) + sum(links),
+            optimizer_s=optimizer,
+            stage_grad_bytes=grads,
+        )
+
+
+def pareto(templates: Sequence[Template]) -> list[Template]:
+    """Templates not dominated in (period, fill, optimizer time)."""
+    keep = []
+    for t in templates:
+        dominated = any(
+            o is not t
+            and o.period_s <= t.period_s
+            and o.fill_s <= t.fill_s
+            and o.optimizer_s <= t.optimizer_s
+            and (o.period_s, o.fill_s, o.optimizer_s) != (t.period_s, t.fill_s, t.optimizer_s)
+            for o in templates
+        )
+        if not dominated:
+            keep.append(t)
+    unique = {(t.bounds, t.classes, t.k): t for t in keep}
+    return list(unique.values())

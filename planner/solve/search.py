@@ -1,0 +1,552 @@
+"""Search for replicas, pipelines, unit splits and batch shares: the planning MILP.
+
+Formulation (an outer enumeration plus an inner integer program, as the design card
+allows):
+
+1. Devices are grouped into interchangeable classes (``devclasses``); *templates* are
+   pipeline shapes (an ordered list of classes) with a micro-batch size, each split
+   optimally by ``partition`` (period P_t, fill F_t, optimizer time O_t).
+2. A copy of template t running m micro-batches takes ``(m - 1) P_t + F_t + O_t + A_t``,
+   where A_t is the gradient all-reduce time estimated for a sync *scenario*
+   (``scenarios``). For a target step time T a copy can therefore process
+   ``cap_t(T) = mbs_t * (floor((T - F_t - O_t - A_t) / P_t) + 1)`` samples.
+3. T is found by bisection over the finite set of possible copy times: T is feasible iff
+   integer copy counts n_t exist with ``sum_t cap_t(T) n_t >= global batch``, no class
+   over-used and at most the scenario's replica count — a small covering MILP
+   (``milp.solve_cover``). Products of decisions (batch share x stage time) never appear,
+   so the MILP is linear.
+4. Each scenario's layout is pruned by the exact evaluator (``evaluate``); ``solve``
+   re-costs every candidate and the baselines and returns the fastest valid one.
+
+On clusters of several nodes, each distinct node is also searched alone first, so that the
+answer is never worse than the best single-node layout. The answer is proven optimal under
+the planning model when every bisection step was proven by the MILP and the template space
+was enumerated exhaustively; otherwise the report gives the gap to the best lower bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.solve.device_classes import DeviceClass, device_classes, node_groups
+from hplan.planner.solve.milp import (
+    CoverStatus,
+    MilpBackend,
+    copy_upper_bounds,
+    select_backend,
+    solve_cover,
+)
+from hplan.planner.solve.partition import Template
+from hplan.planner.solve.pipeline_shapes import enumerate_templates
+from hplan.planner.solve.scenarios import Scenario, allreduce_estimate_s, make_scenarios
+from hplan.planner.solve.watchdog import run_with_deadline
+from hplan.runtime.contract.errors import InfeasiblePlanError
+
+TEMPLATE_BUDGET_SHARE = 0.4
+"""Share of the remaining time the heuristic template enumeration may use."""
+NODE_SEARCH_SHARE = 0.15
+"""Share of the remaining time each single-node search may use."""
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """Knobs of the search."""
+
+    time_limit_s: float = 60.0
+    """Wall-clock limit of the whole solve; the best layout found by then is returned."""
+    backend: str | None = None
+    """``highs``, ``cbc`` or ``heuristic``; None picks the first that works."""
+    max_stages: int = 8
+    exhaustive_limit: int = 4000
+    """Enumerate every class order and every split when the count of (order, split,
+    micro-batch size) triples stays under this; otherwise use heuristics."""
+    watchdog: bool = True
+    """Run the search in a child process that is killed at the deadline (no leftovers)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout found by one search scenario, with what the search proved about it."""
+
+    layout: Layout
+    scenario: str
+    model_time_s: float
+    lower_bound_s: float
+    proven: bool
+    main: bool = True
+    """False for candidates of a single-node sub-search (they prove nothing globally)."""
+
+
+@dataclass
+class SearchOutcome:
+    """What the search reports back (also across the watchdog's process boundary)."""
+
+    candidates: list[Candidate] = field(default_factory=list)
+    exhaustive: bool = False
+    complete: bool = False
+    finished: bool = False
+    backend: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Bisection:
+    """Arrays of one scenario's templates and the covering check at a target time."""
+
+    problem: PlanningProblem
+    templates: list[Template]
+    base_s: np.ndarray
+    period_s: np.ndarray
+    mbs: np.ndarray
+    usage: np.ndarray
+    available: np.ndarray
+    max_copies: int
+    backend: MilpBackend
+
+    def capacity(self, target_s: float) -> np.ndarray:
+        slack = target_s - self.base_s
+        with np.errstate(divide="ignore", invalid="ignore"):
+            steps = np.where(
+                self.period_s > 0,
+                np.floor(slack / np.maximum(self.period_s, 1e-300) + 1e-9),
+                np.inf,
+            )
+        cap = np.where(slack >= -1e-12, self.mbs * (steps + 1), 0.0)
+        return np.minimum(cap, float(self.problem.global_batch_size))
+
+    def check(self, target_s: float, deadline: float, minimize: bool = False):  # type: ignore[no-untyped-def]
+        cap = self.capacity(target_s)
+        demand = self.problem.global_batch_size
+        copies_bound = np.minimum(copy_upper_bounds(self.usage, self.available), self.max_copies)
+        if float(np.dot(cap, copies_bound)) < demand:
+            return CoverStatus.INFEASIBLE, None, True
+        if not minimize:
+            single = np.flatnonzero(cap >= demand)
+            if single.size:
+                counts = np.zeros(len(cap), dtype=int)
+                counts[single[np.argmin(self.usage[:, single].sum(axis=0))]] = 1
+                return CoverStatus.FEASIBLE, tuple(counts), True
+        result = solve_cover(
+            capacity=cap,
+            usage=self.usage,
+            available=self.available,
+            demand=demand,
+            max_copies=self.max_copies,
+            minimize_copies=minimize,
+            backend=self.backend,
+            time_limit_s=max(0.05, deadline - time.monotonic()),
+        )
+        return result.status, result.counts, result.proven_optimal
+
+
+MAX_CANDIDATE_TIMES = 2_000_000
+"""Above this many possible copy times, bisect on the real line instead of the list."""
+
+
+def _candidate_times(bis: _Bisection) -> np.ndarray | None:
+    """Every possible copy time, sorted; None when there are too many to list."""
+    b = bis.problem.global_batch_size
+    counts = np.ceil(b / bis.mbs).astype(np.int64)
+    if int(counts.sum()) > MAX_CANDIDATE_TIMES:
+        return None
+    values = [bis.base_s[i] + np.arange(counts[i]) * bis.period_s[i] for i in range(len(counts))]
+    return np.unique(np.concatenate(values)) if values else np.empty(0)
+
+
+def _bisect(bis: _Bisection, deadline: float) -> tuple[float, tuple[int, ...], float, bool] | None:
+    """Smallest feasible target time.
+
+    Feasibility is monotone in the target time (capacities only grow), so bisection over
+    the finite set of possible copy times finds the optimum when every check is
+    definitive. Returns (time, copy counts, lower bound, proven) or None when nothing is
+    feasible.
+    """
+    candidates = _candidate_times(bis)
+    if candidates is None:
+        return _bisect_real(bis, deadline)
+    if candidates.size == 0:
+        return None
+    lo, hi = 0, len(candidates) - 1
+    status, counts, _ = bis.check(float(candidates[hi]), deadline)
+    if status is not CoverStatus.FEASIBLE or counts is None:
+        return None
+    best_counts, definitive, proven_infeasible = counts, True, -1
+    while lo < hi and time.monotonic() < deadline:
+        mid = (lo + hi) // 2
+        status, counts, _ = bis.check(float(candidates[mid]), deadline)
+        if status is CoverStatus.FEASIBLE and counts is not None:
+            hi, best_counts = mid, counts
+            continue
+        lo = mid + 1
+        if status is CoverStatus.INFEASIBLE:
+            proven_infeasible = max(proven_infeasible, mid)
+        else:
+            definitive = False
+    proven = definitive and lo >= hi
+    best_counts = _fewest_copies(bis, float(candidates[hi]), deadline, best_counts)
+    lower = float(candidates[hi]) if proven else float(candidates[proven_infeasible + 1])
+    return float(candidates[hi]), best_counts, lower, proven
+
+
+def _bisect_real(
+    bis: _Bisection, deadline: float
+) -> tuple[float, tuple[int, ...], float, bool] | None:
+    """Bisection on the real line (huge batches): stops at a relative width of 1e-6."""
+    b = bis.problem.global_batch_size
+    hi = float(np.max(bis.base_s + (np.ceil(b / bis.mbs) - 1) * bis.period_s))
+    lo = float(np.min(bis.base_s))
+    status, counts, _ = bis.check(hi, deadline)
+    if status is not CoverStatus.FEASIBLE or counts is None:
+        return None
+    best_counts, lower = counts, lo
+    while hi - lo > 1e-6 * hi and time.monotonic() < deadline:
+        mid = (lo + hi) / 2
+        status, counts, _ = bis.check(mid, deadline)
+        if status is CoverStatus.FEASIBLE and counts is not None:
+            hi, best_counts = mid, counts
+        else:
+            lo = mid
+            lower = mid if status is CoverStatus.INFEASIBLE else lower
+    best_counts = _fewest_copies(bis, hi, deadline, best_counts)
+    return hi, best_counts, lower, False
+
+
+def _fewest_copies(
+    bis: _Bisection, target_s: float, deadline: float, counts: tuple[int, ...]
+) -> tuple[int, ...]:
+    """Among the layouts that meet ``target_s``, one with the fewest replicas."""
+    if time.monotonic() >= deadline:
+        return counts
+    status, fewest, _ = bis.check(target_s, deadline, minimize=True)
+    return fewest if status is CoverStatus.FEASIBLE and fewest is not None else counts
+
+
+# ---------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class _Copy:
+    template: Template
+    devices: tuple[int, ...]
+    base_s: float
+
+
+def _copies(
+    classes: Sequence[DeviceClass],
+    templates: Sequence[Template],
+    counts: Sequence[int],
+    base: np.ndarray,
+) -> list[_Copy]:
+    used = {c: 0 for c in range(len(classes))}
+    out = []
+    for t_idx, count in enumerate(counts):
+        t = templates[t_idx]
+        for _ in range(count):
+            devices = []
+            local: dict[int, int] = {}
+            for c in t.classes:
+                devices.append(classes[c].devices[used[c] + local.get(c, 0)])
+                local[c] = local.get(c, 0) + 1
+            for c, n in local.items():
+                used[c] += n
+            out.append(_Copy(t, tuple(devices), float(base[t_idx])))
+    return out
+
+
+def _copy_time(copy: _Copy, samples: int) -> float:
+    m = math.ceil(samples / copy.template.micro_batch_size)
+    return copy.base_s + (m - 1) * copy.template.period_s if m > 0 else 0.0
+
+
+def share_batch(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
+    """Samples per copy minimising the slowest copy's time (water-filling by micro-batch).
+
+    Bulk first: bisection finds the latest time by which the copies' completed
+    micro-batches still fit in the batch; a heap then hands out the rest one micro-batch
+    at a time to the copy that would finish it first.
+    """
+    samples = _bulk_shares(copies, global_batch_size)
+    heap = [
+        (_copy_time(c, samples[i] + c.template.micro_batch_size), i) for i, c in enumerate(copies)
+    ]
+    heapq.heapify(heap)
+    left = global_batch_size - sum(samples)
+    while left > 0 and heap:
+        _, i = heapq.heappop(heap)
+        add = min(copies[i].template.micro_batch_size, left)
+        samples[i] += add
+        left -= add
+        nxt = samples[i] + copies[i].template.micro_batch_size
+        heapq.heappush(heap, (_copy_time(copies[i], nxt), i))
+    return samples
+
+
+def _bulk_shares(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
+    def done_by(time_s: float) -> list[int]:
+        out = []
+        for c in copies:
+            t = c.template
+            if time_s < c.base_s:
+                out.append(0)
+                continue
+            steps = math.floor((time_s - c.base_s) / t.period_s) + 1 if t.period_s > 0 else math.inf
+            out.append(int(min(steps, global_batch_size)) * t.micro_batch_size)
+        return out
+
+    if not copies:
+        return []
+    lo, hi = 0.0, max(_copy_time(c, global_batch_size) for c in copies)
+    for _ in range(64):
+        mid = (lo + hi) / 2
+        if sum(done_by(mid)) <= global_batch_size:
+            lo = mid
+        else:
+            hi = mid
+    return done_by(lo) if sum(done_by(lo)) <= global_batch_size else [0] * len(copies)
+
+
+def layout_from_copies(copies: Sequence[_Copy], samples: Sequence[int]) -> Layout:
+    """Replicas for every copy that received samples."""
+    replicas = []
+    for copy, n in zip(copies, samples, strict=True):
+        if n <= 0:
+            continue
+        t = copy.template
+        stages = tuple(
+            StageLayout(copy.devices[s], t.bounds[s], t.bounds[s + 1]) for s in range(t.num_stages)
+        )
+        replicas.append(
+            ReplicaLayout(stages, t.micro_batch_size, math.ceil(n / t.micro_batch_size), n)
+        )
+    return Layout(tuple(replicas))
+
+
+def _prune_copies(problem: PlanningProblem, copies: list[_Copy], deadline: float) -> Layout:
+    """Drop replicas while the exact evaluator says the step gets faster.
+
+    The scenario's all-reduce estimate cannot see that fewer replicas sync faster; this
+    local search on the exact cost model can (steepest descent, one replica at a time).
+    """
+    b = problem.global_batch_size
+    current = list(copies)
+    layout = layout_from_copies(current, share_batch(current, b))
+    best = evaluate(problem, layout).step_time_s
+    while len(current) > 1 and time.monotonic() < deadline:
+        trials = []
+        for i in range(len(current)):
+            rest = current[:i] + current[i + 1 :]
+            trial = layout_from_copies(rest, share_batch(rest, b))
+            trials.append((evaluate(problem, trial).step_time_s, i, trial))
+        step, i, trial = min(trials, key=lambda x: (x[0], x[1]))
+        if step >= best * (1 - 1e-9):
+            break
+        best, layout = step, trial
+        current.pop(i)
+    return layout
+
+
+def _solve_scenario(
+    problem: PlanningProblem,
+    classes: Sequence[DeviceClass],
+    templates: Sequence[Template],
+    scenario: Scenario,
+    backend: MilpBackend,
+    deadline: float,
+) -> Candidate | None:
+    chosen = [t for t in templates if set(t.classes) <= scenario.classes]
+    if not chosen:
+        return None
+    base = np.array(
+        [
+            t.fill_s + t.optimizer_s + allreduce_estimate_s(problem, classes, scenario, t)
+            for t in chosen
+        ]
+    )
+    usage = np.zeros((len(classes), len(chosen)), dtype=np.int64)
+    for j, t in enumerate(chosen):
+        for c in t.classes:
+            usage[c, j] += 1
+    bis = _Bisection(
+        problem=problem,
+        templates=list(chosen),
+        base_s=base,
+        period_s=np.array([t.period_s for t in chosen]),
+        mbs=np.array([t.micro_batch_size for t in chosen], dtype=float),
+        usage=usage,
+        available=np.array([c.size for c in classes], dtype=np.int64),
+        max_copies=scenario.max_copies,
+        backend=backend,
+    )
+    found = _bisect(bis, deadline)
+    if found is None:
+        return None
+    model_time, counts, lower, proven = found
+    copies = _copies(classes, chosen, counts, base)
+    layout = _prune_copies(problem, copies, deadline)
+    return Candidate(layout, scenario.name, model_time, lower, proven)
+
+
+def search_problem(
+    problem: PlanningProblem,
+    options: SolveOptions,
+    backend: MilpBackend,
+    deadline: float,
+    report: Callable[[Candidate], None],
+) -> tuple[bool, bool]:
+    """Search one problem; report each candidate. Returns (exhaustive, complete)."""
+    classes = device_classes(problem)
+    budget = time.monotonic() + TEMPLATE_BUDGET_SHARE * max(deadline - time.monotonic(), 0.0)
+    found = enumerate_templates(
+        problem,
+        classes,
+        max_stages=options.max_stages,
+        exhaustive_limit=options.exhaustive_limit,
+        budget_deadline=budget,
+    )
+    if not found.templates:
+        if not found.complete:
+            return False, False
+        raise InfeasiblePlanError(diagnose_infeasible(problem))
+    complete = found.complete
+    for scenario in make_scenarios(problem, classes):
+        if time.monotonic() >= deadline:
+            complete = False
+            break
+        candidate = _solve_scenario(problem, classes, found.templates, scenario, backend, deadline)
+        if candidate is not None:
+            report(candidate)
+    return found.exhaustive, complete
+
+
+def search(
+    problem: PlanningProblem,
+    options: SolveOptions,
+    deadline: float,
+    report: Callable[[object], None],
+) -> None:
+    """Single-node searches, then the whole cluster; ``report`` receives Candidates, then
+    the final SearchOutcome."""
+    backend = select_backend(options.backend)
+    outcome = SearchOutcome(backend=backend.value)
+    if backend is MilpBackend.HEURISTIC:
+        outcome.notes.append(
+            "greedy planner (as requested): no optimality claim"
+            if options.backend == MilpBackend.HEURISTIC.value
+            else "no MILP solver works here; used the greedy planner (install highspy)"
+        )
+    for node in _single_nodes(problem):
+        sub, devices = subproblem(problem, node)
+        sub_deadline = time.monotonic() + NODE_SEARCH_SHARE * max(deadline - time.monotonic(), 0.0)
+        # The model may not fit one node alone; the whole cluster may still hold it.
+        with contextlib.suppress(InfeasiblePlanError):
+            search_problem(sub, options, backend, sub_deadline, _mapped(report, devices, node))
+    outcome.exhaustive, outcome.complete = search_problem(
+        problem, options, backend, deadline, report
+    )
+    outcome.finished = time.monotonic() < deadline
+    if not outcome.complete:
+        outcome.notes.append(
+            "the time limit cut the search short; the plan may improve with a longer --time-limit"
+        )
+    report(outcome)
+
+
+def _single_nodes(problem: PlanningProblem) -> list[str]:
+    """One node of each group of interchangeable nodes (none on a one-node cluster)."""
+    if len(set(problem.device_nodes)) < 2:
+        return []
+    return [group[0] for group in node_groups(problem)]
+
+
+def _mapped(
+    report: Callable[[object], None], devices: Sequence[int], node: str
+) -> Callable[[Candidate], None]:
+    def forward(candidate: Candidate) -> None:
+        layout = Layout(
+            tuple(
+                replace(
+                    r, stages=tuple(replace(s, device_idx=devices[s.device_idx]) for s in r.stages)
+                )
+                for r in candidate.layout.replicas
+            )
+        )
+        report(
+            replace(
+                candidate, layout=layout, scenario=f"{node} alone: {candidate.scenario}", main=False
+            )
+        )
+
+    return forward
+
+
+def subproblem(problem: PlanningProblem, node: str) -> tuple[PlanningProblem, tuple[int, ...]]:
+    """The problem restricted to one node's devices, and their indices in ``problem``."""
+    devices = tuple(d for d, n in enumerate(problem.device_nodes) if n == node)
+    idx = np.array(devices)
+    sub = replace(
+        problem,
+        device_names=tuple(problem.device_names[d] for d in devices),
+        device_nodes=tuple(problem.device_nodes[d] for d in devices),
+        device_kinds=tuple(problem.device_kinds[d] for d in devices),
+        memory_capacity_bytes=problem.memory_capacity_bytes[idx],
+        fwd_time_s=problem.fwd_time_s[idx],
+        bwd_time_s=problem.bwd_time_s[idx],
+        optimizer_time_s=problem.optimizer_time_s[idx],
+        bandwidth_bytes_per_s=problem.bandwidth_bytes_per_s[np.ix_(idx, idx)],
+        latency_s=problem.latency_s[np.ix_(idx, idx)],
+    )
+    return sub, devices
+
+
+def run_search(problem: PlanningProblem, options: SolveOptions) -> SearchOutcome:
+    """``search`` under the wall-clock limit (a watchdog child process by default)."""
+    items, finished = run_with_deadline(
+        lambda deadline, report: search(problem, options, deadline, report),
+        options.time_limit_s,
+        use_child=options.watchdog,
+    )
+    candidates = [item for item in items if isinstance(item, Candidate)]
+    outcomes = [item for item in items if isinstance(item, SearchOutcome)]
+    outcome = outcomes[-1] if outcomes else SearchOutcome()
+    outcome.candidates = candidates
+    if not finished or not outcomes:
+        outcome.finished = False
+        outcome.notes.append(f"solver stopped at the {options.time_limit_s:g} s limit")
+    return outcome
+
+
+def diagnose_infeasible(problem: PlanningProblem) -> str:
+    """One line naming the binding memory constraint and what to change."""
+    smallest_mbs = problem.micro_batch_sizes[0]
+    biggest = int(np.argmax(problem.memory_capacity_bytes))
+    capacity = float(problem.memory_capacity_bytes[biggest])
+    need = problem.static_memory_bytes + problem.activation_bytes_per_sample * smallest_mbs
+    worst = int(np.argmax(need))
+    if need[worst] > capacity:
+        return (
+            f"unit `{problem.unit_names[worst]}` needs {_size(need[worst])} on every device of "
+            "its stage (parameters, gradients, optimizer state and activations of "
+            f"{smallest_mbs} sample); the largest device ({problem.device_names[biggest]}) has "
+            f"{_size(capacity)} usable; add a device with more memory than that"
+        )
+    total = float(problem.static_memory_bytes.sum())
+    return (
+        f"the model needs {_size(total)} for parameters, gradients and optimizer state plus "
+        f"activations, and no pipeline of at most {problem.num_devices} devices holds it; add "
+        "devices or memory, or reduce the micro-batch size"
+    )
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes:.0f} bytes"

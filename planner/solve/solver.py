@@ -1,0 +1,176 @@
+"""The solver's public entry: search, re-cost, validate, and say how good the answer is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hplan.planner.cost.evaluate import Evaluation, evaluate
+from hplan.planner.cost.layout import Layout
+from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.sim.spec import simulated_step_time_s
+from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.solve.search import SearchOutcome, SolveOptions, diagnose_infeasible, run_search
+from hplan.planner.solve.validate import layout_problems
+from hplan.runtime.contract.errors import InfeasiblePlanError
+from hplan.runtime.contract.plan import Schedule, SolverStatus
+
+__all__ = ["SolveOptions", "SolveResult", "second_opinion", "solve"]
+
+SIMULATED_CANDIDATES = 5
+"""How many of the cost model's best distinct layouts the simulator re-times."""
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """The chosen layout and what the solver can say about it."""
+
+    layout: Layout
+    evaluation: Evaluation
+    status: SolverStatus
+    gap: float | None
+    """Relative gap of the planning model's step time to its best lower bound."""
+    backend: str
+    source: str
+    """Which search scenario (or baseline) produced the layout."""
+    notes: tuple[str, ...]
+    simulated_step_time_s: float | None = None
+    """Step time of the chosen layout in the event-driven simulator (None: not simulated)."""
+
+
+def solve(
+    problem: PlanningProblem,
+    options: SolveOptions | None = None,
+    *,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+) -> SolveResult:
+    """Find the fastest layout for ``problem`` within ``options.time_limit_s``.
+
+    Every candidate (one per sync scenario, plus the data-parallel and uniform-pipeline
+    baselines) is re-costed by the exact evaluator and checked by the independent
+    validator. The cost model's objective is a linear approximation of a pipeline, so
+    the ``SIMULATED_CANDIDATES`` best distinct layouts are then re-timed by the
+    event-driven simulator under ``schedule`` (``simulate.py``) and the fastest by
+    simulation wins (ties go to the cost model's order).
+
+    Raises:
+        InfeasiblePlanError: nothing fits; the message names the binding constraint.
+        SolverUnavailableError: a requested MILP backend does not work here.
+    """
+    options = options or SolveOptions()
+    problem.verify()
+    outcome = run_search(problem, options)
+    pool: list[tuple[str, Layout]] = [(c.scenario, c.layout) for c in outcome.candidates]
+    for name, baseline in (
+        ("data parallel", data_parallel_equal(problem)),
+        ("uniform pipeline", uniform_pipeline(problem)),
+    ):
+        if baseline is not None and _within_max_stages(baseline, options.max_stages):
+            pool.append((f"baseline: {name}", baseline))
+    ranked = _ranked(problem, pool)
+    if not ranked:
+        raise InfeasiblePlanError(diagnose_infeasible(problem))
+    top = ranked[:SIMULATED_CANDIDATES]
+    chosen, simulated = second_opinion(problem, [layout for _, layout, _ in top], schedule)
+    source, layout, ev = top[chosen]
+    status, gap = _status(outcome)
+    notes = list(outcome.notes)
+    if chosen > 0:
+        notes.append(_preferred_note(top, simulated, chosen))
+        status, gap = _status_of_runner_up(status, gap, top[0][2].step_time_s, ev.step_time_s)
+    if not outcome.exhaustive:
+        notes.append(
+            "too many candidate pipelines to enumerate: stage orders chosen by heuristics, "
+            "unit splits by dynamic programming; the gap is measured within that search"
+        )
+    return SolveResult(
+        layout,
+        ev,
+        status,
+        gap,
+        outcome.backend or "none",
+        source,
+        tuple(notes),
+        simulated_step_time_s=simulated[chosen],
+    )
+
+
+def _within_max_stages(layout: Layout, max_stages: int) -> bool:
+    """True when no replica of ``layout`` has more than ``max_stages`` stages."""
+    return all(replica.num_stages <= max_stages for replica in layout.replicas)
+
+
+def _ranked(
+    problem: PlanningProblem, pool: list[tuple[str, Layout]]
+) -> list[tuple[str, Layout, Evaluation]]:
+    """Valid distinct layouts of the pool, fastest first under the cost model (stable)."""
+    seen: set[Layout] = set()
+    ranked = []
+    for source, layout in pool:
+        if layout in seen or layout_problems(problem, layout):
+            continue
+        seen.add(layout)
+        ranked.append((source, layout, evaluate(problem, layout)))
+    return sorted(ranked, key=lambda item: item[2].step_time_s)
+
+
+def second_opinion(
+    problem: PlanningProblem, layouts: list[Layout], schedule: Schedule = Schedule.ONE_F_ONE_B
+) -> tuple[int, tuple[float | None, ...]]:
+    """Index of the layout the simulator finds fastest, and every layout's simulated time.
+
+    ``layouts`` come in the cost model's order; a layout must beat an earlier one by more
+    than a relative 1e-9 to be preferred. A layout too large to simulate (None, see
+    ``simspec.MAX_SIMULATED_MICROBATCHES``) is never preferred, and when the cost model's
+    best is too large the cost model's order stands.
+    """
+    simulated = tuple(simulated_step_time_s(problem, layout, schedule) for layout in layouts)
+    chosen, best_s = 0, simulated[0]
+    if best_s is None:
+        return chosen, simulated
+    for idx, time_s in enumerate(simulated):
+        if time_s is not None and time_s < best_s * (1 - 1e-9):
+            chosen, best_s = idx, time_s
+    return chosen, simulated
+
+
+def _preferred_note(
+    top: list[tuple[str, Layout, Evaluation]], simulated: tuple[float | None, ...], chosen: int
+) -> str:
+    """Why the simulator's choice replaced the cost model's best (both were simulated)."""
+    best_source, _, best_ev = top[0]
+    source, _, ev = top[chosen]
+    return (
+        f"the simulator preferred the layout from {source} "
+        f"(simulated {(simulated[chosen] or 0.0) * 1e3:.4g} ms, cost model {ev.step_time_s * 1e3:.4g} ms) "
+        f"to the cost model's best from {best_source} "
+        f"(simulated {(simulated[0] or 0.0) * 1e3:.4g} ms, cost model {best_ev.step_time_s * 1e3:.4g} ms)"
+    )
+
+
+def _status_of_runner_up(
+    status: SolverStatus, gap: float | None, best_s: float, chosen_s: float
+) -> tuple[SolverStatus, float | None]:
+    """Status and gap, under the cost model, of a layout other than the model's best.
+
+    The model's lower bound is ``best_s * (1 - gap)``, so the chosen layout's gap is
+    ``1 - (1 - gap) * best_s / chosen_s``.
+    """
+    if status is SolverStatus.HEURISTIC or gap is None or chosen_s <= 0:
+        return status, gap
+    new_gap = max(0.0, 1 - (1 - gap) * best_s / chosen_s)
+    return (SolverStatus.FEASIBLE if new_gap > 0 else status), new_gap
+
+
+def _status(outcome: SearchOutcome) -> tuple[SolverStatus, float | None]:
+    """Optimal when the whole-cluster search was exhaustive, finished, and every bisection
+    was proven; otherwise the gap of the best model time to the best lower bound."""
+    main = [c for c in outcome.candidates if c.main]
+    if outcome.backend == "heuristic" or not main:
+        return SolverStatus.HEURISTIC, None
+    best_model = min(c.model_time_s for c in outcome.candidates)
+    lower = min(c.lower_bound_s for c in main)
+    gap = max(0.0, (best_model - lower) / best_model) if best_model > 0 else 0.0
+    proven = outcome.finished and outcome.complete and all(c.proven for c in main)
+    if proven and outcome.exhaustive:
+        return SolverStatus.OPTIMAL, 0.0
+    return SolverStatus.FEASIBLE, gap if outcome.finished and outcome.complete else None

@@ -1,0 +1,78 @@
+"""Independent check of a solver layout (the solver's own word is not trusted).
+
+Recomputes everything from the problem arrays with plain loops; shares no code with the
+solver or the evaluator on purpose.
+"""
+
+from __future__ import annotations
+
+from hplan.planner.cost.layout import Layout
+from hplan.planner.cost.problem import PlanningProblem
+
+
+def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
+    """Every violated rule, as readable strings (empty list: valid).
+
+    Rules: each replica places every unit exactly once, contiguously and in order, with no
+    empty stage; no device is used twice; micro-batch sizes are candidates and the
+    micro-batches hold the replica's samples; shares sum to the global batch; every stage's
+    memory (static + activations of its in-flight micro-batches under 1F1B + boundary
+    buffers) fits its device.
+    """
+    errors: list[str] = []
+    seen: set[int] = set()
+    total = 0
+    if not layout.replicas:
+        return ["layout has no replicas"]
+    for r, replica in enumerate(layout.replicas):
+        total += replica.num_samples
+        errors += _replica_problems(problem, r, replica, seen)
+    if total != problem.global_batch_size:
+        errors.append(f"batch shares sum to {total}, not {problem.global_batch_size}")
+    return errors
+
+
+def _replica_problems(problem: PlanningProblem, r: int, replica, seen: set[int]) -> list[str]:  # type: ignore[no-untyped-def]
+    errors = []
+    expected_start = 0
+    b = replica.micro_batch_size
+    if b not in problem.micro_batch_sizes:
+        errors.append(f"replica {r}: micro-batch size {b} is not a candidate")
+    if not (replica.num_microbatches - 1) * b < replica.num_samples <= replica.num_microbatches * b:
+        errors.append(
+            f"replica {r}: {replica.num_samples} samples do not fill "
+            f"{replica.num_microbatches} x {b}"
+        )
+    num_stages = len(replica.stages)
+    for s, stage in enumerate(replica.stages):
+        if stage.device_idx in seen:
+            errors.append(f"device {problem.device_names[stage.device_idx]} used twice")
+        seen.add(stage.device_idx)
+        if stage.unit_start != expected_start or stage.unit_stop <= stage.unit_start:
+            errors.append(
+                f"replica {r} stage {s}: units [{stage.unit_start}, {stage.unit_stop}) "
+                "out of order or empty"
+            )
+        expected_start = stage.unit_stop
+        need = _memory(problem, stage.unit_start, stage.unit_stop, b, num_stages - s)
+        cap = float(problem.memory_capacity_bytes[stage.device_idx])
+        if need > cap:
+            errors.append(
+                f"replica {r} stage {s} on {problem.device_names[stage.device_idx]} needs "
+                f"{need / 1e9:.2f} GB, has {cap / 1e9:.2f} GB"
+            )
+    if expected_start != problem.num_units:
+        errors.append(f"replica {r} does not hold every unit")
+    return errors
+
+
+def _memory(problem: PlanningProblem, start: int, stop: int, b: int, in_flight: int) -> float:
+    need = 0.0
+    for u in range(start, stop):
+        need += float(problem.static_memory_bytes[u])
+        need += float(problem.activation_bytes_per_sample[u]) * b * in_flight
+    if start > 0:
+        need += 2.0 * float(problem.cut_bytes_per_sample[start - 1]) * b
+    if stop < problem.num_units:
+        need += 2.0 * float(problem.cut_bytes_per_sample[stop - 1]) * b
+    return need

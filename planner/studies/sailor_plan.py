@@ -1,0 +1,367 @@
+"""Import the study's measured plans (``plans/*/plan_config_*.json``) as hplan ``Plan`` s.
+
+A study plan lists, per pipeline stage, its layers and its data-parallel replicas, each a
+machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
+
+- one node per (replica, stage) machine, holding one *logical* device: the tp group
+  (kind ``rtx3090-tp2``, memory = tp x the GPU's memory; see ``sailor.py``);
+- the hplan replicas are the study's pipeline replicas (``sailor_study.StudyPlan``; a
+  pipeline whose stages have different ``dp`` is refused: hplan replicas are whole
+  pipelines);
+- each replica processes ``gbs / replicas`` samples in micro-batches of ``mbs``;
+- the cut after a stage carries what the study's runtime (Megatron-DeepSpeed's
+  ``GPTModelPipe`` on DeepSpeed's pipeline engine) sends: the fp16 hidden state
+  ``(mbs, 2048, 1024)`` (partitioned over the tp ranks, so one copy per machine) and the
+  causal attention mask ``(1, 1, 2048, 2048)`` cast to fp16, which every tp rank sends;
+- links: alpha-beta fits of the study's inter-node curves over the message sizes the plan
+  sends (``sailor.fit_alpha_beta``);
+- the report: per-rank forward/backward/optimizer times summed over the stage's layers from
+  the imported profile at ``(mbs, tp)``; gradient all-reduce groups per holder set of
+  layers, fp32 gradients (4 bytes per parameter).
+
+:func:`study_sim_spec` is the simulator's view: ``spec_from_plan`` plus what a plan cannot
+say: the extra mask copies of tp > 1 senders and blocking point-to-point transfers
+(DeepSpeed's ``p2p.send``/``recv`` are blocking; ``SimSpec.blocking_p2p``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from hplan.planner.sim.ir import SimReplica, SimSpec
+from hplan.planner.sim.spec import spec_from_plan
+from hplan.planner.studies.sailor_data import (
+    ADAM_MIXED_BYTES_PER_PARAM,
+    MODEL,
+    BandwidthCurve,
+    SailorData,
+    device_kind,
+    fit_alpha_beta,
+    inter_node_curve,
+    kind_figures,
+    load_sailor,
+    unit_name,
+)
+from hplan.planner.studies.sailor_study import Machine, StudyPlan, StudyStage, read_study_plan
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.plan import (
+    ClusterSpec,
+    CutSpec,
+    DeviceSpec,
+    GradSyncReport,
+    LinkSpec,
+    ModelSpec,
+    NodeSpec,
+    Plan,
+    RankPlan,
+    RankReport,
+    Report,
+    SolverStatus,
+    TensorSpec,
+    TraceMethod,
+    TrainingSpec,
+    UnitSpec,
+)
+
+GRAD_WIRE_BYTES = 4
+"""Gradients are all-reduced in fp32 (checked: the study's ``red_grads`` of
+``mit/plan_config_N4_D4`` is the ring time of 4 bytes per parameter)."""
+
+
+# --------------------------------------------------------------------------- sizes
+def hidden_state(data: SailorData) -> TensorSpec:
+    return TensorSpec(
+        name="hidden_states",
+        shape=(1, data.seq_len, data.hidden),
+        dtype="float16",
+        batch_dim=0,
+        requires_grad=True,
+    )
+
+
+def attention_mask(data: SailorData) -> TensorSpec:
+    return TensorSpec(
+        name="attention_mask",
+        shape=(1, 1, data.seq_len, data.seq_len),
+        dtype="float16",
+        batch_dim=None,
+        requires_grad=False,
+    )
+
+
+def grad_bytes(data: SailorData, layers: tuple[int, ...]) -> int:
+    """fp32 gradient bytes of ``layers`` (the whole tp group's shards together)."""
+    return sum(data.params_floats(layer, 1) for layer in layers) * GRAD_WIRE_BYTES
+
+
+def stage_times_s(
+    data: SailorData, machine: Machine, mbs: int, layers: tuple[int, ...]
+) -> tuple[float, float, float]:
+    """(forward, backward, optimizer) seconds of ``layers`` for one micro-batch (a size the
+    study did not profile at this tp is fitted, see ``SailorData.fitted_layer_times``).
+
+    Raises:
+        ConfigError: the study did not profile this GPU at this (mbs, tp).
+    """
+    times = data.fitted_layer_times(machine.gpu, mbs, machine.tp)
+    if times is None:
+        raise ConfigError(
+            f"the study has no profile of {machine.gpu} at tp {machine.tp}; choose a "
+            "measured combination"
+        )
+    rows = [times[str(layer)] for layer in layers]
+    return (sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows))
+
+
+def stage_memory_bytes(
+    data: SailorData, machine: Machine, mbs: int, layers: tuple[int, ...], in_flight: int
+) -> int:
+    """Predicted peak of one GPU of the tp group: mixed-precision Adam state of its shard
+    plus ``in_flight`` micro-batches of the study's per-layer activation memory."""
+    info = data.llm_info[str(machine.tp)]
+    state = sum(int(info[str(x)]["params_floats"]) for x in layers) * ADAM_MIXED_BYTES_PER_PARAM
+    acts = sum(int(info[str(x)]["act_mem_bytes"]) for x in layers) * mbs * in_flight
+    return state + acts
+
+
+# --------------------------------------------------------------------------- plan
+def import_study_plan(data: SailorData, study: StudyPlan) -> Plan:
+    """The study plan as a verified hplan ``Plan`` (see the module docstring).
+
+    Raises:
+        ConfigError: a GPU, (mbs, tp) or network pair the study did not measure.
+    """
+    cluster, device_of = _cluster(data, study)
+    ranks: list[RankPlan] = []
+    reports: list[RankReport] = []
+    for r, replica in enumerate(study.replicas):
+        for s, stage in enumerate(replica):
+            device = device_of[(r, s)]
+            ranks.append(_rank(len(ranks), device, stage, r, s, study))
+            reports.append(_rank_report(data, len(reports), stage, len(replica) - s, study))
+    cut_after = sorted({stage.layers[-1] for replica in study.replicas for stage in replica[:-1]})
+    cuts = tuple(
+        CutSpec(after_unit=unit_name(x), tensors=(hidden_state(data), attention_mask(data)))
+        for x in cut_after
+    )
+    plan = Plan(
+        model=_model_spec(),
+        global_batch_size=study.gbs,
+        units=tuple(
+            UnitSpec(name=unit_name(i), nodes=(), params=(), buffers=())
+            for i in range(data.num_layers)
+        ),
+        cuts=cuts,
+        cluster=cluster,
+        training=TrainingSpec(),
+        ranks=tuple(ranks),
+        report=_report(data, study, tuple(ranks), tuple(reports)),
+    )
+    plan.verify()
+    return plan
+
+
+def _model_spec() -> ModelSpec:
+    return ModelSpec(
+        path=f"sailor:{MODEL}",
+        sha256="",
+        trace_method=TraceMethod.MODULES,
+        leaf_modules=(),
+        graph_fingerprint=f"sailor-{MODEL}",
+        inputs=(),
+        param_dtype="float16",
+    )
+
+
+def _rank(
+    rank: int, device: DeviceSpec, stage: StudyStage, replica: int, stage_idx: int, study: StudyPlan
+) -> RankPlan:
+    samples = study.samples_per_replica
+    return RankPlan(
+        rank=rank,
+        node=device.node,
+        local_rank=0,
+        device=device.name,
+        device_kind=device_kind(stage.machine.gpu, stage.machine.tp),
+        replica=replica,
+        stage=stage_idx,
+        units=tuple(unit_name(x) for x in stage.layers),
+        micro_batch_size=study.mbs,
+        num_microbatches=math.ceil(samples / study.mbs),
+        num_samples=samples,
+    )
+
+
+def _rank_report(
+    data: SailorData, rank: int, stage: StudyStage, stages_left: int, study: StudyPlan
+) -> RankReport:
+    """``stages_left``: this stage and those after it (its 1F1B in-flight micro-batches)."""
+    fwd_s, bwd_s, opt_s = stage_times_s(data, stage.machine, study.mbs, stage.layers)
+    source = "imported (Sailor profile)"
+    if data.layer_times(stage.machine.gpu, study.mbs, stage.machine.tp) is None:
+        source = "imported (Sailor profile, fitted in micro-batch size)"
+    num_mb = math.ceil(study.samples_per_replica / study.mbs)
+    in_flight = min(stages_left, num_mb)
+    return RankReport(
+        rank=rank,
+        stage_time_per_microbatch_s=fwd_s + bwd_s,
+        busy_time_s=(fwd_s + bwd_s) * num_mb + opt_s,
+        memory_bytes=stage_memory_bytes(data, stage.machine, study.mbs, stage.layers, in_flight),
+        memory_capacity_bytes=data.memory_per_gpu_bytes(stage.machine.gpu),
+        forward_time_s=fwd_s,
+        backward_time_s=bwd_s,
+        optimizer_time_s=opt_s,
+        cost_source=source,
+    )
+
+
+def grad_sync_groups(data: SailorData, ranks: tuple[RankPlan, ...]) -> tuple[GradSyncReport, ...]:
+    """The fp32 gradient all-reduce groups: per layer the ranks that hold it, merged by
+    holder set (sorted by ranks), as hplan's runtime buckets them."""
+    holders: dict[int, list[int]] = {}
+    for rank in ranks:
+        for unit in rank.units:
+            holders.setdefault(int(unit.removeprefix("layer")), []).append(rank.rank)
+    group_bytes: dict[tuple[int, ...], int] = {}
+    for layer, held_by in holders.items():
+        if len(held_by) > 1:
+            key = tuple(sorted(held_by))
+            group_bytes[key] = group_bytes.get(key, 0) + grad_bytes(data, (layer,))
+    return tuple(GradSyncReport(ranks=k, num_bytes=v) for k, v in sorted(group_bytes.items()))
+
+
+def _report(
+    data: SailorData,
+    study: StudyPlan,
+    ranks: tuple[RankPlan, ...],
+    reports: tuple[RankReport, ...],
+) -> Report:
+    busiest = max(reports, key=lambda r: r.busy_time_s)
+    return Report(
+        predicted_step_time_s=0.0,
+        predicted_samples_per_s=0.0,
+        physical_bound_samples_per_s=0.0,
+        efficiency=0.0,
+        bottleneck_rank=busiest.rank,
+        ranks=reports,
+        solver_status=SolverStatus.HEURISTIC,
+        optimality_gap=None,
+        solver_backend="sailor (imported)",
+        cost_source="imported (Sailor profile)",
+        reference_time_per_sample_s=0.0,
+        reference_micro_batch_size=study.mbs,
+        notes=(
+            f"imported from the Sailor study plan {study.name}: measured {study.real_s:g} s "
+            "per iteration",
+        ),
+        grad_sync=grad_sync_groups(data, ranks),
+    )
+
+
+# --------------------------------------------------------------------------- cluster
+def _cluster(
+    data: SailorData, study: StudyPlan
+) -> tuple[ClusterSpec, dict[tuple[int, int], DeviceSpec]]:
+    """One node per (replica, stage) machine; ``device_of[(replica, stage)]``."""
+    nodes, device_of, machine_of = [], {}, {}
+    for r, replica in enumerate(study.replicas):
+        for s, stage in enumerate(replica):
+            node = f"r{r}s{s}-{stage.machine.gpu.lower()}"
+            device = _device(data, node, stage.machine)
+            nodes.append(NodeSpec(name=node, host=node, devices=(device.name,)))
+            device_of[(r, s)] = device
+            machine_of[device.name] = stage.machine
+    devices = tuple(device_of.values())
+    lo_bytes, hi_bytes = message_size_range(data, study)
+    links = []
+    for i, a in enumerate(devices):
+        for b in devices[i + 1 :]:
+            ma, mb = machine_of[a.name], machine_of[b.name]
+            curves = [_curve(data, study, ma, mb), _curve(data, study, mb, ma)]
+            bandwidth, latency = fit_alpha_beta(curves, lo_bytes, hi_bytes)
+            links.append(
+                LinkSpec(a=a.name, b=b.name, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+            )
+    name = f"sailor-{study.name.replace('/', '-')}"
+    cluster = ClusterSpec(name=name, nodes=tuple(nodes), devices=devices, links=tuple(links))
+    return cluster, device_of
+
+
+def _curve(data: SailorData, study: StudyPlan, src: Machine, dst: Machine) -> BandwidthCurve:
+    return inter_node_curve(
+        data,
+        (study.zone_of(src), src.gpu, src.tp),
+        (study.zone_of(dst), dst.gpu, dst.tp),
+    )
+
+
+def _device(data: SailorData, node: str, machine: Machine) -> DeviceSpec:
+    flops, bandwidth, consumer = kind_figures(device_kind(machine.gpu))
+    return DeviceSpec(
+        name=f"{node}/0",
+        node=node,
+        local_index=0,
+        kind=device_kind(machine.gpu, machine.tp),
+        memory_bytes=machine.tp * data.memory_per_gpu_bytes(machine.gpu),
+        peak_flops=machine.tp * flops,
+        memory_bandwidth_bytes_per_s=machine.tp * bandwidth,
+        consumer_card=consumer,
+    )
+
+
+def message_size_range(data: SailorData, study: StudyPlan) -> tuple[float, float]:
+    """Smallest and largest message (bytes) of the plan: a micro-batch's boundary gradient
+    and the largest ring all-reduce chunk (a stage's gradients / replicas)."""
+    smallest = hidden_state(data).num_bytes(study.mbs)
+    stages = [stage.layers for replica in study.replicas for stage in replica]
+    largest = max(grad_bytes(data, layers) / study.dp for layers in stages)
+    return float(smallest), float(max(largest, smallest))
+
+
+# --------------------------------------------------------------------------- simulation
+def study_sim_spec(data: SailorData, study: StudyPlan, plan: Plan) -> SimSpec:
+    """The simulator's view of an imported study plan as the study's runtime runs it.
+
+    ``spec_from_plan(plan)`` with blocking point-to-point transfers and, for a sender with
+    tp > 1, the attention mask once per tp rank (the hidden state is partitioned, the mask
+    is not).
+    """
+    spec = spec_from_plan(plan)
+    mask_bytes = float(attention_mask(data).num_bytes(1))
+    replicas = []
+    for r, replica in enumerate(spec.replicas):
+        links = []
+        for stage, link in enumerate(replica.links):
+            extra = (study.replicas[r][stage].machine.tp - 1) * mask_bytes
+            forward = tuple(b + extra for b in link.forward_bytes)
+            links.append(replace(link, forward_bytes=forward))
+        replicas.append(SimReplica(replica.stages, tuple(links), replica.microbatch_sizes))
+    return replace(spec, replicas=tuple(replicas), blocking_p2p=True)
+
+
+def load_study_plan(
+    plan_path: str | Path, data_root: str | Path | None = None
+) -> tuple[SailorData, StudyPlan, Plan, SimSpec]:
+    """Read one measured plan and its data folder; return the data, the study plan, the
+    imported ``Plan`` and its simulator spec (what ``hplan simulate --import-study`` runs).
+
+    Args:
+        data_root: the Sailor data folder; None: the folder two levels above the plan's
+            (``<root>/plans/<cluster>/plan_config_*.json``).
+
+    Raises:
+        ConfigError: see :func:`load_sailor`, :func:`read_study_plan`,
+            :func:`import_study_plan`.
+    """
+    plan_path = Path(plan_path)
+    study = read_study_plan(plan_path)
+    parents = plan_path.resolve().parents
+    if data_root is None and len(parents) < 3:
+        raise ConfigError(
+            f"cannot tell the Sailor data folder from {str(plan_path)!r}; pass it with --profiles"
+        )
+    data = load_sailor(Path(data_root) if data_root is not None else parents[2])
+    plan = import_study_plan(data, study)
+    return data, study, plan, study_sim_spec(data, study, plan)

@@ -1,0 +1,210 @@
+"""Load a user's ``model.py`` and check it follows the model-file convention.
+
+Convention (also in README.md):
+
+- ``build_model() -> torch.nn.Module`` (required). Called after ``torch.manual_seed``, so
+  every rank builds the same initial weights.
+- ``sample_batch(batch_size: int) -> (inputs, targets)`` (required). ``inputs`` is a
+  tensor (the first ``forward`` argument), a tuple (positional arguments) or a dict
+  (keyword arguments by name); every tensor's dim 0 is the sample dimension.
+- ``loss_fn(outputs, targets) -> scalar tensor`` (required): the *mean* over the samples of
+  the batch it is given (hplan weights micro-batches by their sample counts).
+- ``make_optimizer(params) -> torch.optim.Optimizer`` (optional; default AdamW, lr 1e-3).
+  It must update each parameter from its own gradient only (no global-norm clipping), so
+  that per-stage optimizers equal one optimizer over the whole model.
+- ``dataset() -> Sequence[(inputs, targets)]`` (optional): real training data, one sample
+  per item; without it hplan trains on ``sample_batch``.
+- ``LEAF_MODULES`` (optional): module paths (``"blocks.1"``) or class names to keep whole
+  when tracing.
+
+Loading a model file executes its code, with the same rights as the user running hplan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hplan.runtime.contract.errors import ModelFileError, Terminated
+
+REQUIRED = ("build_model", "sample_batch", "loss_fn")
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """The callables a model file provides."""
+
+    path: Path
+    sha256: str
+    build_model: Callable[[], Any]
+    sample_batch: Callable[[int], tuple[Any, Any]]
+    loss_fn: Callable[[Any, Any], Any]
+    make_optimizer: Callable[[Any], Any] | None
+    dataset: Callable[[], Sequence[Any]] | None
+    leaf_modules: tuple[str, ...]
+
+    def optimizer(self, params: Sequence[Any]) -> Any:
+        """The model file's ``make_optimizer(params)``, else AdamW with lr 1e-3."""
+        if self.make_optimizer is not None:
+            return self.make_optimizer(params)
+        return torch.optim.AdamW(params, lr=1e-3)
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import ``path`` as a module and return its convention functions.
+
+    Raises:
+        ModelFileError: the file is missing, raises while importing (the message gives the
+            exception and the line in the file), or lacks a required function.
+    """
+    file = Path(path)
+    if file.is_dir():
+        raise ModelFileError(
+            f"model file {str(path)!r} is a directory; pass the path to the model.py inside it"
+        )
+    if not file.is_file():
+        raise ModelFileError(f"model file {str(path)!r} does not exist; pass a path to model.py")
+    text = file.read_bytes()
+    digest = hashlib.sha256(text).hexdigest()
+    module_name = f"hplan_user_model_{digest[:16]}"
+    module = sys.modules[module_name] if module_name in sys.modules else _import(file, module_name)
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise ModelFileError(
+            f"model file {str(path)!r} lacks {', '.join(missing)}; define "
+            + ", ".join(f"{m}()" for m in missing)
+            + " (see README: What you give it)"
+        )
+    leaves = getattr(module, "LEAF_MODULES", ())
+    if isinstance(leaves, str) or not all(isinstance(x, str) for x in leaves):
+        raise ModelFileError(
+            f"LEAF_MODULES in {str(path)!r} must be a list of module paths or class names"
+        )
+    return ModelFile(
+        path=file,
+        sha256=digest,
+        build_model=module.build_model,
+        sample_batch=module.sample_batch,
+        loss_fn=module.loss_fn,
+        make_optimizer=_optional(module, "make_optimizer"),
+        dataset=_optional(module, "dataset"),
+        leaf_modules=tuple(leaves),
+    )
+
+
+def checked_loss(
+    model_file: ModelFile, outputs: Any, targets: Any, *, require_grad: bool = False
+) -> Tensor:
+    """``model_file.loss_fn(outputs, targets)``, checked: a scalar tensor.
+
+    Args:
+        require_grad: also require that the loss needs a gradient (true when the whole
+            model ran with autograd on; a pipeline stage without trainable parameters
+            legitimately returns a loss without one).
+
+    Raises:
+        ModelFileError: ``loss_fn`` raised, or returned something other than a
+            one-element tensor (or, with ``require_grad``, one that needs no gradient).
+    """
+    where = f"loss_fn in {str(model_file.path)!r}"
+    try:
+        loss = model_file.loss_fn(outputs, targets)
+    except Exception as exc:
+        raise ModelFileError(
+            f"{where} raised {_first_line(exc)} on (model outputs, targets from "
+            "sample_batch/dataset); fix loss_fn in model.py"
+        ) from None
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, Tensor)
+            else (f"a {type(loss).__name__}")
+        )
+        raise ModelFileError(
+            f"{where} returned {got}; fix loss_fn to return a scalar tensor, the mean loss "
+            "over the samples it is given (for example `.mean()`)"
+        )
+    if require_grad and not loss.requires_grad:
+        raise ModelFileError(
+            f"{where} returned a loss that needs no gradient, so nothing would train; fix "
+            "loss_fn to compute it from the model outputs (no .detach(), .item() or "
+            "torch.no_grad())"
+        )
+    return loss
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0][:200] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def plan_model_path(
+    recorded: str, plan_path: str | Path, override: str | Path | None = None
+) -> Path:
+    """The model file to run a plan with: ``override`` if given, else the plan's own.
+
+    ``hplan solve`` records the model path relative to the folder it writes plan.json to,
+    so a relative ``recorded`` path is taken relative to ``plan_path``'s folder (wherever
+    the command runs from); an absolute one is used as it is.
+
+    Raises:
+        ModelFileError: the resulting file does not exist (naming ``--model``).
+    """
+    if override is not None:
+        return Path(override)
+    path = Path(recorded)
+    if not path.is_absolute():
+        path = Path(plan_path).parent / path
+    if not path.is_file():
+        raise ModelFileError(
+            f"model file {recorded!r} recorded in {str(plan_path)!r} is not at {str(path)!r}; "
+            "copy model.py there or pass --model PATH"
+        )
+    return path
+
+
+def _optional(module: Any, name: str) -> Callable[..., Any] | None:
+    value = getattr(module, name, None)
+    return value if callable(value) else None
+
+
+def _import(file: Path, module_name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"cannot import {str(file)!r} as Python; is it a .py file?")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SystemExit as exc:
+        del sys.modules[module_name]
+        if isinstance(exc, Terminated):
+            raise
+        raise ModelFileError(
+            f"model file {str(file)!r} called sys.exit({exc.code!r}){_line_in(file, exc)} while "
+            "importing; hplan imports model.py as a module, so put script code under "
+            "`if __name__ == '__main__':`"
+        ) from None
+    except Exception as exc:
+        del sys.modules[module_name]
+        line = _line_in(file, exc)
+        raise ModelFileError(
+            f"model file {str(file)!r} raised {type(exc).__name__}: {exc}{line} while "
+            "importing; fix the file so `python model.py` imports cleanly"
+        ) from None
+    return module
+
+
+def _line_in(file: Path, exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == file]
+    return f" (line {frames[-1].lineno})" if frames else ""

@@ -1,0 +1,240 @@
+"""The tracing fallbacks: torch.export and module boundaries (a chain of child modules).
+
+``trace.py`` tries ``torch.fx.symbolic_trace`` first; when it fails, it calls
+``export_graph`` and then ``module_chain`` from here. Both return a torch.fx GraphModule
+whose placeholders are the fed inputs, in forward-signature order.
+
+- ``export_graph``: ``torch.export`` (non-strict, dim 0 of every input dynamic); its graph
+  carries ``nn_module_stack``. Raises when export fixes the batch size.
+- ``module_chain``: the model's child modules in registration order (containers
+  expanded), run eagerly one after another; accepted only when it reproduces the eager
+  forward on the example inputs (``outputs_match``).
+
+Both run user code inside ``preserved``: the model's buffers and the RNG state are
+restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+from hplan.runtime.contract.errors import TraceError
+
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module) -> Iterator[None]:
+    """Run user code without leaving traces: buffers and RNG state are restored."""
+    saved = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        finally:
+            buffers = dict(model.named_buffers())
+            with torch.no_grad():
+                for name, value in saved.items():
+                    buffers[name].copy_(value)
+
+
+# ----------------------------------------------------------------------- torch.export
+def export_graph(
+    model: nn.Module, fed: Mapping[str, Any], constants: Mapping[str, Any]
+) -> torch.fx.GraphModule:
+    """Trace ``model`` with ``torch.export`` (non-strict, dim 0 of every input dynamic).
+
+    Args:
+        model: the model; its buffers and the RNG state are restored afterwards.
+        fed: {forward parameter name: tensor}, the graph inputs, in forward order.
+        constants: {forward parameter name: value} of the parameters not fed; values that
+            differ from the parameter's default are passed to export (and specialised).
+
+    Returns:
+        The exported graph: one placeholder per ``fed`` entry, the input-guard call
+        removed, device constants replaced by the device of the first input.
+
+    Raises:
+        TraceError: export kept a constant as a graph input.
+        Exception: whatever ``torch.export`` raises, or RuntimeError when it fixed the
+            batch size (the caller turns these into a note or a TraceError).
+    """
+    signature = inspect.signature(model.forward).parameters
+    extra = {
+        name: value
+        for name, value in constants.items()
+        if value is not signature[name].default and value is not None
+    }
+    given = {**fed, **extra}
+    ordered = {name: given[name] for name in signature if name in given}
+    dim = torch.export.Dim.AUTO
+    dynamic = {
+        name: ({0: dim} if isinstance(v, torch.Tensor) and v.dim() >= 1 else None)
+        for name, v in ordered.items()
+    }
+    with preserved(model), _quiet_export_logs():
+        program = torch.export.export(model, (), ordered, dynamic_shapes=dynamic, strict=False)
+    gm = program.module()
+    assert isinstance(gm, torch.fx.GraphModule)
+    _check_batch_dynamic(gm, list(ordered))
+    _drop_export_extras(gm, list(ordered), set(fed))
+    _devices_from_input(gm)
+    return gm
+
+
+def _devices_from_input(gm: torch.fx.GraphModule) -> None:
+    """Replace the device constants export bakes in (``arange(..., device=cpu)``) by the
+    device of the first graph input, so a stage moved to another device still runs."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    users = [n for n in gm.graph.nodes if n.op == "call_function" and _has_device(n)]
+    if not placeholders or not users:
+        return
+    with gm.graph.inserting_after(placeholders[-1]):
+        device = gm.graph.call_function(getattr, (placeholders[0], "device"))
+
+    def swap(value: Any) -> Any:
+        return device if isinstance(value, torch.device) else value
+
+    for node in users:
+        node.args = torch.fx.node.map_aggregate(node.args, swap)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+    gm.recompile()
+
+
+def _has_device(node: torch.fx.Node) -> bool:
+    values = pytree.tree_leaves((node.args, node.kwargs))
+    return any(isinstance(v, torch.device) for v in values)
+
+
+@contextlib.contextmanager
+def _quiet_export_logs() -> Iterator[None]:
+    """torch.export logs and prints (to stderr) whole graphs when it gives up; hplan
+    reports one line instead."""
+    loggers = [logging.getLogger(n) for n in _EXPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _check_batch_dynamic(gm: torch.fx.GraphModule, names: list[str]) -> None:
+    """Raise when export fixed the batch size (e.g. ``len(x)``): the graph would be wrong
+    for every other micro-batch size."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names, strict=True):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        if is_concrete_int(value.shape[0]):
+            raise RuntimeError(
+                f"torch.export fixed the batch size of input {name!r} to {int(value.shape[0])} "
+                "(a Python int from the batch dimension, e.g. len(x))"
+            )
+
+
+def _drop_export_extras(gm: torch.fx.GraphModule, names: list[str], fed: set[str]) -> None:
+    """Drop the input-guard call and the placeholders of specialised constants.
+
+    Args:
+        names: the forward parameter of each placeholder, in graph order.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names, strict=True):
+        if name in fed:
+            continue
+        if node.users:
+            raise TraceError(
+                f"torch.export kept constant input {name!r} as a graph input; "
+                "feed it as a tensor or leave it at its default"
+            )
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+# ----------------------------------------------------------------------- module chain
+def chain_paths(model: nn.Module) -> list[str]:
+    """Child module paths in registration order, containers expanded."""
+    paths: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                visit(f"{path}.", child)
+            else:
+                paths.append(path)
+
+    visit("", model)
+    return paths
+
+
+def module_chain(
+    model: nn.Module, fed: Mapping[str, Any], paths: Sequence[str], reference: Any
+) -> torch.fx.GraphModule | None:
+    """The graph that runs the modules at ``paths`` one after another on the ``fed`` inputs.
+
+    Args:
+        model: the model that owns the modules.
+        fed: {forward parameter name: tensor}, the graph inputs, in forward order.
+        paths: module paths, in the order they run (see ``chain_paths``).
+        reference: the eager forward's output on ``fed``; None to accept the chain unrun.
+
+    Returns:
+        The chain graph, or None when it is empty, fails, or differs from ``reference``.
+    """
+    if not paths:
+        return None
+    graph = torch.fx.Graph()
+    value: Any = tuple(graph.placeholder(name) for name in fed)
+    for path in paths:
+        args = value if isinstance(value, tuple) else (value,)
+        value = graph.call_module(path, args)
+    graph.output(value)
+    gm = torch.fx.GraphModule(model, graph, type(model).__name__)
+    if reference is None:
+        return gm
+    try:
+        with preserved(model), torch.no_grad():
+            out = gm(*fed.values())
+    except Exception:
+        return None
+    return gm if outputs_match(out, reference) else None
+
+
+def outputs_match(a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+    """Same pytree structure, close tensors, equal other leaves; meta tensors never match."""
+    flat_a, spec_a = pytree.tree_flatten(a)
+    flat_b, spec_b = pytree.tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(flat_a, flat_b, strict=True):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if not isinstance(x, torch.Tensor):
+            if x != y:
+                return False
+            continue
+        if x.is_meta or y.is_meta or x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
+            return False
+    return True

@@ -1,0 +1,228 @@
+"""Per-rank, per-step metrics as JSON lines, and a summary of a metrics directory.
+
+Each rank appends one JSON object per optimizer step to ``<dir>/rank-<r>.jsonl``. Times are
+wall-clock seconds measured on that rank; they split the step as
+
+``step = compute + p2p + wait + all-reduce + optimizer + other``
+
+- ``forward_time_s``: the forward part of ``compute_time_s`` (its backward part is the rest;
+  0 in metrics written before hplan recorded it);
+- ``compute_time_s``: forward and backward passes (in emulation, including the stretch that
+  slows this rank to its device's speed);
+- ``p2p_time_s``: posting and completing point-to-point sends, and emulated link delays;
+- ``wait_time_s``: blocked in point-to-point receives, waiting for a peer (pipeline
+  bubbles and transfer time show up here);
+- ``allreduce_time_s``: gradient all-reduce (includes waiting for the slowest holder);
+- ``optimizer_time_s``: the optimizer step;
+- ``other_time_s``: the rest (data loading, Python overhead).
+
+``peak_memory_bytes``: ``torch.cuda.max_memory_allocated`` on a GPU; on CPU the resident-set
+peak of the process (``ru_maxrss``), which includes the Python interpreter and torch.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hplan.runtime.contract.errors import ConfigError
+
+_KIB_BYTES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """What one rank measured in one optimizer step."""
+
+    rank: int
+    replica: int
+    stage: int
+    step: int
+    step_time_s: float
+    compute_time_s: float
+    p2p_time_s: float
+    wait_time_s: float
+    allreduce_time_s: float
+    optimizer_time_s: float
+    other_time_s: float
+    loss: float | None
+    """Mean loss over this replica's samples (last stages only; None elsewhere)."""
+    samples: int
+    """Samples this rank's replica processed in the step."""
+    peak_memory_bytes: int
+    forward_time_s: float = 0.0
+    """The forward part of ``compute_time_s`` (0: not recorded)."""
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: CUDA allocator peak, or CPU resident-set peak."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kibibytes, macOS bytes.
+    return int(peak if sys.platform == "darwin" else peak * _KIB_BYTES)
+
+
+def metrics_path(metrics_dir: Path, rank: int) -> Path:
+    """``<metrics_dir>/rank-<rank>.jsonl``."""
+    return metrics_dir / f"rank-{rank}.jsonl"
+
+
+class MetricsWriter:
+    """Appends :class:`StepMetrics` as JSON lines, one flushed line per step."""
+
+    def __init__(self, metrics_dir: Path, rank: int) -> None:
+        metrics_dir.mkdir(parents=True, exist_ok=True)
+        self.path = metrics_path(metrics_dir, rank)
+        self._file = self.path.open("w", encoding="utf-8")
+
+    def write(self, record: StepMetrics) -> None:
+        """Append one record as a JSON line and flush it (readers may tail the file)."""
+        self._file.write(json.dumps(asdict(record), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+def read_rank_metrics(path: Path) -> list[StepMetrics]:
+    """Parse one ``rank-<r>.jsonl`` (complete lines only; a partial last line is ignored).
+
+    Raises:
+        ConfigError: a complete line is not a metrics record.
+    """
+    records = []
+    text = path.read_text(encoding="utf-8")
+    for line in text.splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break
+        try:
+            records.append(StepMetrics(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ConfigError(
+                f"{path}: not a metrics line ({exc}); was it written by hplan?"
+            ) from None
+    return records
+
+
+@dataclass(frozen=True, slots=True)
+class StepSummary:
+    """One optimizer step across all ranks."""
+
+    step: int
+    loss: float | None
+    """Mean loss over the global batch (sample-weighted over replicas)."""
+    step_time_s: float
+    """Slowest rank's step time."""
+    samples: int
+    samples_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RankSummary:
+    """One rank over the run (means exclude the first step, which warms up, if there are more)."""
+
+    rank: int
+    replica: int
+    stage: int
+    num_steps: int
+    step_time_s: float
+    compute_time_s: float
+    p2p_time_s: float
+    wait_time_s: float
+    allreduce_time_s: float
+    optimizer_time_s: float
+    peak_memory_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSummary:
+    """A whole metrics directory."""
+
+    steps: tuple[StepSummary, ...]
+    """Steps every rank reported, in order."""
+    ranks: tuple[RankSummary, ...]
+    samples_per_s: float
+    """Global batch / median step time, over steps after the first (all if only one)."""
+
+
+def summarize_metrics(metrics_dir: Path) -> MetricsSummary:
+    """Summarise every ``rank-*.jsonl`` in ``metrics_dir``.
+
+    Raises:
+        ConfigError: the directory has no metrics files.
+    """
+    files = sorted(metrics_dir.glob("rank-*.jsonl"))
+    if not files:
+        raise ConfigError(f"no rank-*.jsonl files in {str(metrics_dir)!r}; run with --metrics-dir")
+    per_rank = {path: read_rank_metrics(path) for path in files}
+    records = [r for rs in per_rank.values() for r in rs]
+    return summarize_records(records)
+
+
+def summarize_records(records: list[StepMetrics]) -> MetricsSummary:
+    """Summarise metrics records of any number of ranks (see :func:`summarize_metrics`)."""
+    ranks = sorted({r.rank for r in records})
+    by_rank = {rank: sorted((r for r in records if r.rank == rank), key=_step_of) for rank in ranks}
+    num_common = min((len(v) for v in by_rank.values()), default=0)
+    steps = tuple(step_summary([by_rank[rank][i] for rank in ranks]) for i in range(num_common))
+    timed = [s.step_time_s for s in steps[1:]] or [s.step_time_s for s in steps]
+    samples = steps[0].samples if steps else 0
+    rate = samples / statistics.median(timed) if timed and statistics.median(timed) > 0 else 0.0
+    return MetricsSummary(
+        steps=steps,
+        ranks=tuple(rank_summary(by_rank[rank]) for rank in ranks),
+        samples_per_s=rate,
+    )
+
+
+def _step_of(record: StepMetrics) -> int:
+    return record.step
+
+
+def step_summary(records: list[StepMetrics]) -> StepSummary:
+    """Combine the records of one step from every rank."""
+    last_stage = [r for r in records if r.loss is not None]
+    total = sum(r.samples for r in last_stage)
+    loss = (
+        sum(r.loss * r.samples for r in last_stage if r.loss is not None) / total if total else None
+    )
+    step_time_s = max(r.step_time_s for r in records)
+    return StepSummary(
+        step=records[0].step,
+        loss=loss,
+        step_time_s=step_time_s,
+        samples=total,
+        samples_per_s=total / step_time_s if step_time_s > 0 else 0.0,
+    )
+
+
+def rank_summary(records: list[StepMetrics]) -> RankSummary:
+    """Mean times of one rank's records (after the first step when there are several)."""
+    timed = records[1:] or records
+    first = records[0]
+
+    def mean(attr: str) -> float:
+        """Mean of one field over the timed records."""
+        return statistics.fmean(getattr(r, attr) for r in timed)
+
+    return RankSummary(
+        rank=first.rank,
+        replica=first.replica,
+        stage=first.stage,
+        num_steps=len(records),
+        step_time_s=mean("step_time_s"),
+        compute_time_s=mean("compute_time_s"),
+        p2p_time_s=mean("p2p_time_s"),
+        wait_time_s=mean("wait_time_s"),
+        allreduce_time_s=mean("allreduce_time_s"),
+        optimizer_time_s=mean("optimizer_time_s"),
+        peak_memory_bytes=max(r.peak_memory_bytes for r in records),
+    )

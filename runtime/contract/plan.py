@@ -1,0 +1,646 @@
+"""The plan: the only contract between the planner and the runtime.
+
+A ``Plan`` says *what to run* (which rank runs which partition units of which replica, with
+which micro-batch size, which tensors cross each stage boundary, how gradients are
+synchronised) and, apart from that, *why* (the ``report``: predicted times and memory,
+solver status, efficiency). The runtime reads only the "what"; it ignores ``report``.
+
+All types are frozen dataclasses with JSON-native fields and ``StrEnum``s. ``to_json`` is
+deterministic (same plan, same bytes) and ``from_json(to_json(p)) == p``. Loading
+validates with pydantic (unknown keys and wrong types rejected) and then checks the
+plan's internal consistency with :func:`Plan.verify`.
+
+This module must not import torch: a plan can be read and shown anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import field, fields
+from enum import StrEnum
+from functools import cache
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from pydantic import TypeAdapter, ValidationError
+
+from hplan.runtime.contract.errors import PlanFileError
+from hplan.runtime.contract.versioned_file import record
+
+SCHEMA_VERSION: Final = 1
+
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "complex64": 8, "complex128": 16, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
+"""Bytes per element of each torch dtype name a plan may carry (``float32`` -> 4); a plain
+table, so that a plan can be sized without torch."""
+
+
+class Schedule(StrEnum):
+    """Pipeline schedule of micro-batches within one replica."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+
+
+class TraceMethod(StrEnum):
+    """How the model was turned into a graph (the runtime re-traces the same way)."""
+
+    SYMBOLIC = "fx_symbolic_trace"
+    EXPORT = "torch_export"
+    MODULES = "module_boundaries"
+
+
+class MemoryStrategy(StrEnum):
+    """What a rank does with activations between forward and backward."""
+
+    KEEP = "keep_activations"
+    RECOMPUTE = "recompute"
+
+
+class SyncMode(StrEnum):
+    """How data-parallel replicas keep their parameters in step."""
+
+    ALL_REDUCE = "all_reduce"
+    LOCAL_SGD = "local_sgd"
+
+
+class Backend(StrEnum):
+    """torch.distributed backend for point-to-point and collectives."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class SolverStatus(StrEnum):
+    """What the planner can say about the layout it returned."""
+
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"
+    HEURISTIC = "heuristic"
+
+
+@record
+class TensorSpec:
+    """A tensor that crosses a stage boundary or enters the graph as an input."""
+
+    name: str
+    """Name of the fx node that produces it (graph inputs: the placeholder name)."""
+    shape: tuple[int, ...]
+    """Shape for a micro-batch of one sample; see ``batch_dim``."""
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix, e.g. ``float32``, ``int64``, ``bool``."""
+    batch_dim: int | None
+    """Dimension whose size is ``shape[batch_dim] * micro_batch_size``; None: not batched."""
+    requires_grad: bool
+    """True when a gradient flows back across the boundary (float tensors only)."""
+
+    def shape_for(self, micro_batch_size: int) -> tuple[int, ...]:
+        """Concrete shape of this tensor for a micro-batch of ``micro_batch_size`` samples."""
+        if self.batch_dim is None:
+            return self.shape
+        dims = list(self.shape)
+        dims[self.batch_dim] *= micro_batch_size
+        return tuple(dims)
+
+    def num_bytes(self, micro_batch_size: int) -> int:
+        """Bytes of this tensor for a micro-batch of ``micro_batch_size`` samples.
+
+        The element count of ``shape_for(micro_batch_size)`` times ``DTYPE_BYTES[dtype]``.
+
+        Raises:
+            PlanFileError: ``dtype`` is not a key of ``DTYPE_BYTES``.
+        """
+        if self.dtype not in DTYPE_BYTES:
+            raise PlanFileError(
+                f"boundary tensor {self.name!r} has unknown dtype {self.dtype!r}; "
+                f"expected one of {', '.join(sorted(DTYPE_BYTES))}"
+            )
+        return math.prod(self.shape_for(micro_batch_size)) * DTYPE_BYTES[self.dtype]
+
+
+@record
+class InputSpec:
+    """A graph input (a ``forward`` argument that the model file feeds)."""
+
+    tensor: TensorSpec
+    read_by_units: tuple[str, ...]
+    """Partition units whose nodes read this input (the runtime delivers it to them)."""
+
+
+@record
+class UnitSpec:
+    """A partition unit: the smallest piece a stage boundary may fall between."""
+
+    name: str
+    nodes: tuple[str, ...]
+    """Names of the fx graph nodes (not placeholders, not output) that belong to the unit."""
+    params: tuple[str, ...]
+    """Canonical names (``named_parameters()``) of the parameters the unit uses."""
+    buffers: tuple[str, ...]
+    """Canonical names of the buffers the unit reads (each stage holds its own copy)."""
+
+
+@record
+class CutSpec:
+    """The tensors that cross a stage boundary placed after unit ``after_unit``."""
+
+    after_unit: str
+    tensors: tuple[TensorSpec, ...]
+
+
+@record
+class ModelSpec:
+    """Which model the plan is for, and how to rebuild its graph."""
+
+    path: str
+    """model.py path; ``hplan solve`` writes it relative to the folder of plan.json, and a
+    relative path is read relative to that folder. ``--model`` overrides it."""
+    sha256: str
+    """Digest of model.py at solve time; a different file only warns."""
+    trace_method: TraceMethod
+    leaf_modules: tuple[str, ...]
+    """Module paths traced as single nodes (kept whole)."""
+    graph_fingerprint: str
+    """Digest of the traced graph's node names and ops; the runtime checks it."""
+    inputs: tuple[InputSpec, ...]
+    """Graph inputs fed by ``sample_batch``/``dataset``, in forward-signature order."""
+    param_dtype: str
+
+
+@record
+class DeviceSpec:
+    """One accelerator (or CPU) in the cluster."""
+
+    name: str
+    """Unique device name, ``<node>/<local_index>``."""
+    node: str
+    local_index: int
+    """GPU index on the node in PCI bus order (CPU devices: a process index)."""
+    kind: str
+    """Device catalog key, e.g. ``rtx4090``, ``a100-80gb``, ``cpu``."""
+    memory_bytes: int
+    peak_flops: float
+    """Peak FLOP/s for the model's dtype (used for emulation and reports)."""
+    memory_bandwidth_bytes_per_s: float
+    consumer_card: bool
+    """GeForce-class card: peer-to-peer over PCIe is unreliable, NCCL P2P is disabled."""
+
+
+@record
+class CollectiveSpec:
+    """A node's all-reduce among its devices as measured (``hplan bandwidth``), as a ring.
+
+    An all-reduce of ``n`` ranks on the node takes at least
+    ``2 (n - 1) * latency_per_step_s + 2 (n - 1) / n * bytes / bus_bandwidth_bytes_per_s``
+    (``collectives.ring_all_reduce_time_s``), whatever its point-to-point links allow: a
+    collective library adds its own per-step cost (gloo among processes sharing a few cores
+    measured 1-5 ms per all-reduce where a point-to-point message took 0.06 ms).
+    """
+
+    latency_per_step_s: float
+    """The measured all-reduce's latency over its ``2 (K - 1)`` ring steps (K ranks)."""
+    bus_bandwidth_bytes_per_s: float
+    """Its bus bandwidth (nccl-tests' convention: algorithm bandwidth x 2 (K - 1) / K)."""
+
+
+@record
+class NodeSpec:
+    """One machine: its name, its address, its devices (by name)."""
+
+    name: str
+    host: str
+    devices: tuple[str, ...]
+    collective: CollectiveSpec | None = None
+    """Its measured all-reduce, when a bandwidth file measured one."""
+
+
+@record
+class LinkSpec:
+    """Alpha-beta model of the link between two devices (symmetric)."""
+
+    a: str
+    b: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+
+@record
+class ClusterSpec:
+    """The hardware the plan was made for."""
+
+    name: str
+    nodes: tuple[NodeSpec, ...]
+    devices: tuple[DeviceSpec, ...]
+    links: tuple[LinkSpec, ...]
+    """One entry per unordered pair of distinct devices."""
+
+
+@record
+class RankPlan:
+    """What one process runs."""
+
+    rank: int
+    node: str
+    local_rank: int
+    device: str
+    """Device name (see ``DeviceSpec.name``)."""
+    device_kind: str
+    replica: int
+    stage: int
+    units: tuple[str, ...]
+    micro_batch_size: int
+    num_microbatches: int
+    num_samples: int
+    """Samples this replica processes per optimizer step (its batch share)."""
+    memory_strategy: MemoryStrategy = MemoryStrategy.KEEP
+
+
+@record
+class TrainingSpec:
+    """How the runtime trains."""
+
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    backend: Backend = Backend.GLOO
+    sync_mode: SyncMode = SyncMode.ALL_REDUCE
+    seed: int = 0
+    process_group_timeout_s: float = 300.0
+    master_host: str = "127.0.0.1"
+    master_port: int = 29500
+
+
+@record
+class RankReport:
+    """Predictions for one rank (ignored by the runtime)."""
+
+    rank: int
+    stage_time_per_microbatch_s: float
+    """Forward + backward + boundary transfers of one full micro-batch on this rank."""
+    busy_time_s: float
+    """Predicted compute time of one optimizer step."""
+    memory_bytes: int
+    """Predicted peak memory: parameters, gradients, optimizer state, activations in flight."""
+    memory_capacity_bytes: int
+    relative_speed: float = 1.0
+    """This rank's device speed on this model relative to the plan's fastest device
+    (standalone samples/s ratio, 1.0 = fastest); rehearsal stretches CPU compute by its
+    inverse."""
+    forward_time_s: float = 0.0
+    """Predicted forward compute of one full micro-batch on this rank (0: not predicted)."""
+    backward_time_s: float = 0.0
+    """Predicted backward compute of one full micro-batch on this rank."""
+    optimizer_time_s: float = 0.0
+    """Predicted optimizer step of this rank's parameters."""
+    cost_source: str = "roofline"
+    """Where this rank's forward/backward times came from: ``roofline``, ``measured``,
+    ``measured (interpolated)``, ``roofline x 0.42 (scaled by measured devices)``,
+    ``calibrated`` ... (distinct sources of its units joined by ``; ``)."""
+
+
+@record
+class BaselineReport:
+    """Predicted throughput of what other tools would do on the same cluster."""
+
+    name: str
+    samples_per_s: float | None
+    """None when the baseline does not fit in memory."""
+    note: str
+
+
+@record
+class GradSyncReport:
+    """Gradients that one holder set of ranks sums every step (one all-reduce bucket)."""
+
+    ranks: tuple[int, ...]
+    """Sorted ranks whose units use the parameters."""
+    num_bytes: int
+    """Bytes all-reduced per step: the gradients in the wire dtype (float32 or wider)."""
+
+
+@record
+class Report:
+    """Why this plan: predictions and solver facts. The runtime ignores it."""
+
+    predicted_step_time_s: float
+    predicted_samples_per_s: float
+    physical_bound_samples_per_s: float
+    """Sum over devices of each device's standalone samples/s at its best fitting batch."""
+    efficiency: float
+    """predicted_samples_per_s / physical_bound_samples_per_s."""
+    bottleneck_rank: int
+    ranks: tuple[RankReport, ...]
+    solver_status: SolverStatus
+    optimality_gap: float | None
+    """Relative gap between the returned step time and the best lower bound; None if unknown."""
+    solver_backend: str
+    cost_source: str
+    reference_time_per_sample_s: float
+    """Forward + backward time per sample of the whole model on the plan's fastest device, at
+    ``reference_micro_batch_size``. Rehearsal times the same work on its CPU to convert
+    predictions into emulated time."""
+    reference_micro_batch_size: int = 1
+    """The plan's largest micro-batch size (where the reference time is taken)."""
+    baselines: tuple[BaselineReport, ...] = ()
+    notes: tuple[str, ...] = ()
+    simulated_step_time_s: float | None = None
+    """Step time of the event-driven simulation of this plan (``hplan simulate``); None:
+    not simulated."""
+    grad_sync: tuple[GradSyncReport, ...] | None = None
+    """The gradient all-reduce groups of the plan, sorted by ranks; None: not recorded."""
+
+
+@record
+class Plan:
+    """A complete, runnable training plan. See the module docstring."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    """Version of this format; a reader rejects other versions (see ``from_json``)."""
+    model: ModelSpec
+    global_batch_size: int
+    units: tuple[UnitSpec, ...]
+    cuts: tuple[CutSpec, ...]
+    """Only the cuts some replica uses, in unit order."""
+    cluster: ClusterSpec
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    ranks: tuple[RankPlan, ...]
+    report: Report
+
+    # ----------------------------------------------------------------- derived views
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_replicas(self) -> int:
+        return 1 + max(r.replica for r in self.ranks)
+
+    def replica_ranks(self, replica: int) -> tuple[RankPlan, ...]:
+        """Ranks of one replica in stage order."""
+        return tuple(sorted((r for r in self.ranks if r.replica == replica), key=_stage_key))
+
+    def cut_after(self, unit: str) -> CutSpec:
+        """The boundary after ``unit``; raises ``PlanFileError`` if the plan lacks it."""
+        for cut in self.cuts:
+            if cut.after_unit == unit:
+                return cut
+        raise PlanFileError(f"plan has no cut after unit {unit!r}; re-run `hplan solve`")
+
+    def unit(self, name: str) -> UnitSpec:
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise PlanFileError(f"plan has no unit {name!r}; re-run `hplan solve`")
+
+    def device(self, name: str) -> DeviceSpec:
+        for device in self.cluster.devices:
+            if device.name == name:
+                return device
+        raise PlanFileError(f"plan has no device {name!r}; re-run `hplan solve`")
+
+    def node(self, name: str) -> NodeSpec:
+        for node in self.cluster.nodes:
+            if node.name == name:
+                return node
+        raise PlanFileError(f"plan has no node {name!r}; re-run `hplan solve`")
+
+    def sample_offset(self, replica: int) -> int:
+        """Index of this replica's first sample within the global batch."""
+        firsts = [self.replica_ranks(r)[0] for r in range(replica)]
+        return sum(r.num_samples for r in firsts)
+
+    def link(self, a: str, b: str) -> LinkSpec:
+        for link in self.cluster.links:
+            if {link.a, link.b} == {a, b}:
+                return link
+        raise PlanFileError(f"plan has no link between {a!r} and {b!r}; re-run `hplan solve`")
+
+    def ring_channel(self, devices: Sequence[str]) -> tuple[float, float]:
+        """(bandwidth in bytes/s, latency per step in s) of a ring all-reduce over
+        ``devices``: the slowest link among them, and no faster than the measured
+        all-reduce of any of their nodes (``NodeSpec.collective``).
+
+        Raises:
+            PlanFileError: fewer than two devices, or a pair without a link.
+        """
+        if len(devices) < 2:
+            raise PlanFileError(f"a ring needs two devices or more, got {list(devices)}")
+        links = [self.link(a, b) for i, a in enumerate(devices) for b in devices[i + 1 :]]
+        node_of = {d.name: d.node for d in self.cluster.devices}
+        nodes = {n.name: n for n in self.cluster.nodes}
+        measured = [c for c in (nodes[node_of[d]].collective for d in devices) if c is not None]
+        return (
+            min([link.bandwidth_bytes_per_s for link in links]
+                + [c.bus_bandwidth_bytes_per_s for c in measured]),
+            max([link.latency_s for link in links] + [c.latency_per_step_s for c in measured]),
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------- (de)serialisation
+    def to_json(self) -> str:
+        """Deterministic JSON text (2-space indent, field order as declared, newline at end)."""
+        data = _adapter().dump_python(self, mode="json")
+        return json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        """Read and validate ``plan.json``.
+
+        Raises:
+            PlanFileError: unreadable file, or see :meth:`from_json`.
+        """
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PlanFileError(
+                f"cannot read plan {str(path)!r} ({exc.strerror}); check the path"
+            ) from None
+        try:
+            return Plan.from_json(text)
+        except PlanFileError as exc:
+            raise PlanFileError(f"{path}: {exc}") from None
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        """Parse and validate plan JSON.
+
+        Raises:
+            PlanFileError: not JSON, wrong schema version, unknown keys, wrong types, or an
+                inconsistent plan (see :meth:`verify`). The message names the field.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFileError(f"plan is not valid JSON ({exc}); re-run `hplan solve`") from None
+        if not isinstance(data, dict):
+            raise PlanFileError("plan JSON must be an object; re-run `hplan solve`")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanFileError(
+                f"plan schema_version is {version!r}, this hplan reads {SCHEMA_VERSION}; "
+                "re-run `hplan solve` with this version"
+            )
+        try:
+            plan = _adapter().validate_python(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise PlanFileError(
+                f"plan field {where!r}: {first['msg']}; re-run `hplan solve`"
+            ) from None
+        plan.verify()
+        return plan
+
+    @staticmethod
+    def json_schema() -> dict[str, Any]:
+        """The JSON Schema of plan.json (draft 2020-12), generated from these types."""
+        return _adapter().json_schema()
+
+    # ----------------------------------------------------------------- consistency
+    def verify(self) -> None:
+        """Check internal consistency; raise ``PlanFileError`` naming the first problem.
+
+        Checks: a process-group timeout > 0 s and a master port in 1..65534; ranks numbered
+        0..n-1; every rank's device and node exist; each replica's stages are 0..k-1 and
+        hold contiguous, in-order runs of units that cover every unit exactly once; every
+        replica-internal cut exists in ``cuts``; micro-batch fields agree within a replica;
+        batch shares sum to ``global_batch_size``.
+        """
+        _verify_plan(self)
+
+
+def _stage_key(rank: RankPlan) -> int:
+    return rank.stage
+
+
+@cache
+def _adapter() -> TypeAdapter[Plan]:
+    return TypeAdapter(Plan)
+
+
+def _fail(msg: str) -> None:
+    raise PlanFileError(f"invalid plan: {msg}")
+
+
+def _verify_training(training: TrainingSpec) -> None:
+    timeout_s = training.process_group_timeout_s
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        _fail(
+            f"training.process_group_timeout_s is {timeout_s}; it must be a number of seconds > 0"
+        )
+    if not 1 <= training.master_port <= 65534:
+        _fail(f"training.master_port is {training.master_port}; it must be in 1..65534")
+
+
+def _verify_numbers(plan: Plan) -> None:
+    """Report figures are finite and >= 0; links and devices have finite positive speeds."""
+    report = plan.report
+    parts: list[tuple[str, Any]] = [("report", report)]
+    parts += [(f"report.ranks[{i}]", r) for i, r in enumerate(report.ranks)]
+    parts += [(f"report.baselines[{i}]", b) for i, b in enumerate(report.baselines)]
+    for where, part in parts:
+        for item in fields(part):
+            value = getattr(part, item.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if not (math.isfinite(value) and value >= 0):
+                _fail(f"{where}.{item.name} is {value}; it must be a finite number >= 0")
+    for link in plan.cluster.links:
+        bandwidth, latency = link.bandwidth_bytes_per_s, link.latency_s
+        if not (
+            math.isfinite(bandwidth) and bandwidth > 0 and math.isfinite(latency) and latency >= 0
+        ):
+            _fail(
+                f"link {link.a}-{link.b} has bandwidth {bandwidth} B/s and latency {latency} s; "
+                "bandwidth must be finite and > 0, latency finite and >= 0"
+            )
+    for node in plan.cluster.nodes:
+        ring = node.collective
+        if ring is not None and not (
+            math.isfinite(ring.bus_bandwidth_bytes_per_s)
+            and ring.bus_bandwidth_bytes_per_s > 0
+            and math.isfinite(ring.latency_per_step_s)
+            and ring.latency_per_step_s >= 0
+        ):
+            _fail(
+                f"node {node.name}'s collective has bus bandwidth "
+                f"{ring.bus_bandwidth_bytes_per_s:.4g} B/s and latency "
+                f"{ring.latency_per_step_s:.4g} s per step; bandwidth must be finite and > 0, "
+                "latency finite and >= 0 (re-run `hplan solve`, or remove the collective)"
+            )
+    for device in plan.cluster.devices:
+        speeds = (device.peak_flops, device.memory_bandwidth_bytes_per_s)
+        if not all(math.isfinite(v) and v > 0 for v in speeds):
+            _fail(
+                f"device {device.name} has peak {device.peak_flops} FLOP/s and memory bandwidth "
+                f"{device.memory_bandwidth_bytes_per_s} B/s; both must be finite and > 0"
+            )
+
+
+def _verify_plan(plan: Plan) -> None:
+    _verify_training(plan.training)
+    _verify_numbers(plan)
+    if [r.rank for r in plan.ranks] != list(range(len(plan.ranks))):
+        _fail("ranks must be listed in order 0..n-1")
+    if not plan.ranks:
+        _fail("plan has no ranks")
+    device_names = {d.name for d in plan.cluster.devices}
+    node_names = {n.name for n in plan.cluster.nodes}
+    used_devices = [r.device for r in plan.ranks]
+    if len(set(used_devices)) != len(used_devices):
+        _fail("two ranks share one device")
+    for rank in plan.ranks:
+        if rank.device not in device_names:
+            _fail(f"rank {rank.rank} uses unknown device {rank.device!r}")
+        if rank.node not in node_names:
+            _fail(f"rank {rank.rank} is on unknown node {rank.node!r}")
+        if rank.micro_batch_size < 1 or rank.num_microbatches < 1:
+            _fail(f"rank {rank.rank} needs micro_batch_size >= 1 and num_microbatches >= 1")
+    unit_order = [u.name for u in plan.units]
+    if len(set(unit_order)) != len(unit_order):
+        _fail("unit names repeat")
+    cut_units = {c.after_unit for c in plan.cuts}
+    total = 0
+    for replica in range(plan.num_replicas):
+        ranks = plan.replica_ranks(replica)
+        if not ranks:
+            _fail(f"replica {replica} has no ranks")
+        _verify_replica(replica, ranks, unit_order, cut_units)
+        total += ranks[0].num_samples
+    if total != plan.global_batch_size:
+        _fail(f"batch shares sum to {total}, global_batch_size is {plan.global_batch_size}")
+
+
+def _verify_replica(
+    replica: int, ranks: tuple[RankPlan, ...], unit_order: list[str], cut_units: set[str]
+) -> None:
+    if [r.stage for r in ranks] != list(range(len(ranks))):
+        _fail(f"replica {replica} stages must be 0..{len(ranks) - 1}")
+    held = [u for r in ranks for u in r.units]
+    if held != unit_order:
+        _fail(f"replica {replica} must hold every unit once, in order and contiguously")
+    if any(not r.units for r in ranks):
+        _fail(f"replica {replica} has an empty stage")
+    first = ranks[0]
+    for rank in ranks:
+        same = (rank.micro_batch_size, rank.num_microbatches, rank.num_samples)
+        if same != (first.micro_batch_size, first.num_microbatches, first.num_samples):
+            _fail(f"replica {replica} ranks disagree on micro-batching")
+    if not (first.num_microbatches - 1) * first.micro_batch_size < first.num_samples:
+        _fail(f"replica {replica} has an empty micro-batch")
+    if first.num_samples > first.micro_batch_size * first.num_microbatches:
+        _fail(f"replica {replica} cannot fit its samples in its micro-batches")
+    for rank in ranks[:-1]:
+        if rank.units[-1] not in cut_units:
+            _fail(f"cut after unit {rank.units[-1]!r} (replica {replica}) is missing")
+
+
+def microbatch_sizes(num_samples: int, micro_batch_size: int) -> tuple[int, ...]:
+    """Sizes of a replica's micro-batches: full ones, then one smaller remainder if any.
+
+    Example: 8 samples at micro-batch size 3 -> (3, 3, 2).
+    """
+    full, rest = divmod(num_samples, micro_batch_size)
+    return (micro_batch_size,) * full + ((rest,) if rest else ())

@@ -1,0 +1,66 @@
+"""Versioned JSON files (plan, profile, link matrix, emulation record): their record types
+and their parser.
+
+Every type of such a file is a :func:`record`: a frozen, slotted, keyword-only dataclass
+that pydantic validates strictly (unknown keys rejected). ``record`` is declared with
+``typing.dataclass_transform``, so type checkers check every constructor call and
+``dataclasses.replace`` of these types field by field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TypeVar, dataclass_transform
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from hplan.runtime.contract.errors import ConfigError
+
+__all__ = ["parse_versioned", "record"]
+
+_T = TypeVar("_T")
+_STRICT = ConfigDict(extra="forbid")
+
+
+@dataclass_transform(frozen_default=True, kw_only_default=True)
+def record(cls: type[_T]) -> type[_T]:
+    """Make ``cls`` a file record: ``@dataclass(frozen=True, slots=True, kw_only=True)``
+    whose pydantic validation forbids unknown keys."""
+    cls.__pydantic_config__ = _STRICT  # type: ignore[attr-defined]
+    return dataclass(frozen=True, slots=True, kw_only=True)(cls)
+
+
+def parse_versioned(
+    text: str, adapter: TypeAdapter[_T], *, what: str, source: str, version: int, fix: str
+) -> _T:
+    """Validate JSON ``text`` whose ``schema_version`` must equal ``version``.
+
+    Args:
+        what: how messages name the file ("profile", "bandwidth file").
+        source: the file's path, for messages.
+        fix: what the user should do, appended to every message.
+
+    Raises:
+        ConfigError: not JSON, another schema version, unknown keys or wrong types; one
+            line naming the file and the first bad field.
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what} {source!r} is not valid JSON ({exc}); {fix}") from None
+    found = data.get("schema_version") if isinstance(data, dict) else None
+    if found is None:
+        raise ConfigError(
+            f"{source!r} is not an hplan {what} (a JSON object with a schema_version); {fix}"
+        )
+    if found != version:
+        raise ConfigError(
+            f"{what} {source!r} has schema_version {found!r}, this hplan reads {version}; {fix}"
+        )
+    try:
+        return adapter.validate_python(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{what} {source!r} field {where!r}: {first['msg']}; {fix}") from None

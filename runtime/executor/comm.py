@@ -1,0 +1,411 @@
+"""Point-to-point transfers of boundary tensors between consecutive pipeline stages.
+
+Every tensor that crosses a cut is described in the plan (``CutSpec.tensors``: name, shape
+per sample, dtype, batch dimension, whether a gradient flows back). The sender checks each
+real tensor against that description before sending, so a mismatch is a
+``PlanMismatchError`` on the sender and never a hang or a garbled receive. Receivers
+allocate their buffers from the plan alone, sized per micro-batch (the last micro-batch of a
+replica may be smaller).
+
+Tensors travel as raw bytes (``uint8`` views of a contiguous copy), so every dtype arrives
+unchanged whatever the backend supports (``bool``, ``bfloat16``, ``int64`` ...). Only
+tensors whose spec says ``requires_grad`` get a gradient sent back. Sends are posted with
+``isend`` and completed at the end of the step (:meth:`StageComm.wait_sends`), receives with
+``irecv`` and waited when their action runs, so the 1F1B pattern cannot deadlock (see
+``hplan.runtime.contract.schedule.simulate``). With gloo (``StageComm.post_ahead``) the receive of the
+next action is posted when the current one starts (:meth:`StageComm.post_activations_recv`,
+:meth:`StageComm.post_grads_recv`): gloo hands a message over only once its receive is
+posted, which costs a round trip of the two processes' wake-ups (on this project's 2-core
+VM 0.3-0.45 ms median, 4-6 ms at worst while the sender computes, for a message sent 10 ms
+earlier), and a receive posted ahead takes the bytes in while this rank computes. NCCL
+keeps program order (a receive posted early on a pair's stream would block the sends
+behind it).
+
+Emulation (rehearsal): when a link model is given, the sender first sends a small header
+with the time the data may be used (``now + scale * (latency + bytes / bandwidth)``, after
+the previous transfer on the same link has drained); the receiver waits until then. The
+sender is never blocked by the emulated delay. Both processes run on one machine, so
+``time.monotonic`` is a shared clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hplan.runtime.contract.errors import PeerFailureError, PlanMismatchError
+from hplan.runtime.contract.plan import TensorSpec
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``.
+
+    Raises:
+        PlanMismatchError: torch has no dtype of that name.
+    """
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise PlanMismatchError(f"plan names dtype {name!r}, which this torch does not have")
+    return dtype
+
+
+def check_boundary_tensors(
+    specs: Sequence[TensorSpec],
+    tensors: Mapping[str, Tensor],
+    micro_batch_size: int,
+    *,
+    where: str,
+) -> None:
+    """Check real boundary tensors against the plan before they are sent.
+
+    Args:
+        specs: the cut's tensors, in cut order.
+        tensors: name -> tensor produced by the stage.
+        micro_batch_size: samples in this micro-batch.
+        where: human-readable place, e.g. ``"cut after blocks.1 (rank 0 -> rank 1)"``.
+
+    Raises:
+        PlanMismatchError: a tensor is missing, has another shape or dtype than the plan
+            says, or needs a gradient the plan does not send back. The message names the
+            tensor, the expected and the actual value.
+    """
+    for spec in specs:
+        if spec.name not in tensors:
+            raise PlanMismatchError(
+                f"{where}: tensor {spec.name!r} is not produced by the stage; "
+                "re-run `hplan solve` with this model file"
+            )
+        _check_one(spec, tensors[spec.name], micro_batch_size, where)
+
+
+def _check_one(spec: TensorSpec, tensor: Tensor, micro_batch_size: int, where: str) -> None:
+    if not isinstance(tensor, Tensor):
+        raise PlanMismatchError(
+            f"{where}: {spec.name!r} is a {type(tensor).__name__}, the plan expects a tensor; "
+            "re-run `hplan solve` with this model file"
+        )
+    expected_shape = spec.shape_for(micro_batch_size)
+    if tuple(tensor.shape) != expected_shape:
+        raise PlanMismatchError(
+            f"{where}: tensor {spec.name!r} has shape {tuple(tensor.shape)}, the plan expects "
+            f"{expected_shape} for a micro-batch of {micro_batch_size}; re-run `hplan solve` "
+            "with the shapes this model really produces"
+        )
+    expected_dtype = torch_dtype(spec.dtype)
+    if tensor.dtype != expected_dtype:
+        raise PlanMismatchError(
+            f"{where}: tensor {spec.name!r} has dtype {_dtype_name(tensor.dtype)}, the plan "
+            f"expects {spec.dtype}; re-run `hplan solve` with this model file"
+        )
+    if tensor.requires_grad and not spec.requires_grad and torch.is_grad_enabled():
+        raise PlanMismatchError(
+            f"{where}: tensor {spec.name!r} needs a gradient but the plan sends none back for "
+            "it; re-run `hplan solve` with this model file"
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def spec_nbytes(spec: TensorSpec, micro_batch_size: int) -> int:
+    """Bytes of one boundary tensor for a micro-batch of ``micro_batch_size`` samples.
+
+    Raises:
+        PlanMismatchError: torch has no dtype of that name.
+        PlanFileError: ``plan.DTYPE_BYTES`` does not know the dtype.
+    """
+    torch_dtype(spec.dtype)
+    return spec.num_bytes(micro_batch_size)
+
+
+def to_wire(tensor: Tensor) -> Tensor:
+    """A contiguous ``uint8`` view of ``tensor``'s bytes (detached), ready to send."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def wire_buffer(spec: TensorSpec, micro_batch_size: int, device: torch.device) -> Tensor:
+    """An empty ``uint8`` receive buffer for one boundary tensor (from the plan alone)."""
+    return torch.empty(spec_nbytes(spec, micro_batch_size), dtype=torch.uint8, device=device)
+
+
+def from_wire(buffer: Tensor, spec: TensorSpec, micro_batch_size: int) -> Tensor:
+    """Reinterpret received bytes as the spec's dtype and shape (no copy)."""
+    return buffer.view(torch_dtype(spec.dtype)).reshape(spec.shape_for(micro_batch_size))
+
+
+@dataclass
+class EmulatedLink:
+    """Alpha-beta model of one direction of a link, in emulated (scaled) seconds.
+
+    ``ready_at = max(now, busy_until) + scale * bytes / bandwidth + scale * latency``:
+    transfers on one link queue behind each other (alpha-beta model, e.g. Hockney 1994).
+    """
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    time_scale: float
+    """Emulated seconds per real second of the plan's hardware."""
+    busy_until_s: float = 0.0
+
+    def ready_time_s(self, now_s: float, nbytes: int) -> float:
+        """Monotonic time at which ``nbytes`` sent at ``now_s`` may be used by the receiver."""
+        start_s = max(now_s, self.busy_until_s)
+        self.busy_until_s = start_s + self.time_scale * nbytes / self.bandwidth_bytes_per_s
+        return self.busy_until_s + self.time_scale * self.latency_s
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One side of a cut as seen from this rank."""
+
+    peer_rank: int
+    specs: tuple[TensorSpec, ...]
+    label: str
+    """E.g. ``"cut after blocks.1"``; used in error messages."""
+
+
+@dataclass
+class CommTimes:
+    """Seconds spent in point-to-point work during one step."""
+
+    p2p_s: float = 0.0
+    """Posting sends, completing them, and emulated link delays."""
+    wait_s: float = 0.0
+    """Blocked in receives, waiting for a peer (pipeline bubbles and transfers)."""
+
+
+@dataclass
+class StageComm:
+    """Point-to-point transfers of one rank with its previous and next stage."""
+
+    rank: int
+    device: torch.device
+    prev: Boundary | None
+    next: Boundary | None
+    links: Mapping[int, EmulatedLink] = field(default_factory=dict)
+    """Emulated links keyed by peer rank (empty: no emulation)."""
+    post_ahead: bool = False
+    """Receives may be posted before their action runs (gloo; see the module docstring)."""
+    times: CommTimes = field(default_factory=CommTimes)
+    _pending: list[tuple[dist.Work, int, str]] = field(default_factory=list)
+    _posted: dict[tuple[str, int], _PostedRecv] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------- forward direction
+    def send_activations(self, mb_idx: int, mb_size: int, outputs: Mapping[str, Tensor]) -> None:
+        """Check and send this stage's boundary outputs of one micro-batch to the next stage.
+
+        Raises:
+            PlanMismatchError: a tensor differs from the plan (see check_boundary_tensors).
+        """
+        assert self.next is not None
+        where = f"{self.next.label} (rank {self.rank} -> rank {self.next.peer_rank})"
+        check_boundary_tensors(self.next.specs, outputs, mb_size, where=where)
+        payload = [outputs[spec.name] for spec in self.next.specs]
+        self._send(self.next, mb_idx, payload, "activations")
+
+    def recv_activations(self, mb_idx: int, mb_size: int) -> dict[str, Tensor]:
+        """Receive the previous stage's boundary tensors of one micro-batch.
+
+        Float tensors whose spec says ``requires_grad`` come back as leaves that require
+        grad, so their ``.grad`` can be sent back after the backward pass.
+
+        Raises:
+            PeerFailureError: the previous stage died or timed out.
+        """
+        assert self.prev is not None
+        received = self._complete(self.post_activations_recv(mb_idx, mb_size))
+        for spec in self.prev.specs:
+            if spec.requires_grad:
+                received[spec.name].requires_grad_(True)
+        return received
+
+    # ----------------------------------------------------------------- backward direction
+    def send_grads(self, mb_idx: int, mb_size: int, received: Mapping[str, Tensor]) -> None:
+        """Send the gradients of the received tensors that need one (zeros if unused)."""
+        assert self.prev is not None
+        payload = []
+        for spec in _grad_specs(self.prev.specs):
+            grad = received[spec.name].grad
+            if grad is None:
+                grad = torch.zeros_like(received[spec.name])
+            payload.append(grad.to(torch_dtype(spec.dtype)))
+        self._send(self.prev, mb_idx, payload, "gradients")
+
+    def recv_grads(self, mb_idx: int, mb_size: int) -> dict[str, Tensor]:
+        """Receive the next stage's gradients for the sent tensors that need one.
+
+        Raises:
+            PeerFailureError: the next stage died or timed out.
+        """
+        return self._complete(self.post_grads_recv(mb_idx, mb_size))
+
+    def post_activations_recv(self, mb_idx: int, mb_size: int) -> _PostedRecv:
+        """Post (once) the receive of one micro-batch's activations from the previous stage.
+
+        Raises:
+            PeerFailureError: the previous stage died.
+        """
+        assert self.prev is not None
+        return self._post_recv(self.prev, mb_idx, mb_size, list(self.prev.specs), "activations")
+
+    def post_grads_recv(self, mb_idx: int, mb_size: int) -> _PostedRecv:
+        """Post (once) the receive of one micro-batch's gradients from the next stage.
+
+        Raises:
+            PeerFailureError: the next stage died.
+        """
+        assert self.next is not None
+        specs = _grad_specs(self.next.specs)
+        return self._post_recv(self.next, mb_idx, mb_size, specs, "gradients")
+
+    def wait_sends(self) -> None:
+        """Complete every send posted this step.
+
+        Raises:
+            PeerFailureError: a receiver died or timed out.
+        """
+        start_s = time.monotonic()
+        pending, self._pending = self._pending, []
+        for work, peer, what in pending:
+            _wait(work, self.rank, peer, what)
+        self.times.p2p_s += time.monotonic() - start_s
+
+    def reset_times(self) -> CommTimes:
+        """Return this step's times and start counting from zero."""
+        times, self.times = self.times, CommTimes()
+        return times
+
+    # ----------------------------------------------------------------- plumbing
+    def _send(self, side: Boundary, mb_idx: int, tensors: list[Tensor], what: str) -> None:
+        if not tensors:
+            return
+        start_s = time.monotonic()
+        wires = [to_wire(t) for t in tensors]
+        link = self.links.get(side.peer_rank)
+        tags = _tags(mb_idx, len(wires))
+        label = f"{what} of micro-batch {mb_idx} ({side.label})"
+        if link is not None:
+            nbytes = sum(w.numel() for w in wires)
+            ready_s = link.ready_time_s(time.monotonic(), nbytes)
+            header = torch.tensor([ready_s], dtype=torch.float64, device=self.device)
+            wires = [header, *wires]
+        else:
+            tags = tags[1:]
+        for wire, tag in zip(wires, tags, strict=True):
+            work = _post(dist.isend, wire, side.peer_rank, tag, self.rank, label)
+            self._pending.append((work, side.peer_rank, label))
+        self.times.p2p_s += time.monotonic() - start_s
+
+    def _post_recv(
+        self,
+        side: Boundary,
+        mb_idx: int,
+        mb_size: int,
+        specs: list[TensorSpec],
+        what: str,
+    ) -> _PostedRecv:
+        key = (what, mb_idx)
+        posted = self._posted.get(key)
+        if posted is not None:
+            return posted
+        start_s = time.monotonic()
+        label = f"{what} of micro-batch {mb_idx} ({side.label})"
+        buffers = [wire_buffer(spec, mb_size, self.device) for spec in specs]
+        tags = _tags(mb_idx, len(buffers))
+        emulated = bool(specs) and side.peer_rank in self.links
+        if emulated:
+            buffers = [torch.zeros(1, dtype=torch.float64, device=self.device), *buffers]
+        else:
+            tags = tags[1:]
+        works = [
+            _post(dist.irecv, b, side.peer_rank, t, self.rank, label)
+            for b, t in zip(buffers, tags, strict=True)
+        ]
+        posted = _PostedRecv(key, side.peer_rank, label, specs, mb_size, buffers, works, emulated)
+        self._posted[key] = posted
+        self.times.p2p_s += time.monotonic() - start_s
+        return posted
+
+    def _complete(self, posted: _PostedRecv) -> dict[str, Tensor]:
+        """Wait for a posted receive, then for its emulated arrival time."""
+        del self._posted[posted.key]
+        if not posted.specs:
+            return {}
+        start_s = time.monotonic()
+        for work in posted.works:
+            _wait(work, self.rank, posted.peer_rank, posted.label)
+        arrived_s = time.monotonic()
+        self.times.wait_s += arrived_s - start_s
+        buffers = posted.buffers
+        if posted.emulated:
+            header, buffers = buffers[0], buffers[1:]
+            delay_s = float(header.item()) - arrived_s
+            if delay_s > 0:
+                time.sleep(delay_s)
+            self.times.p2p_s += time.monotonic() - arrived_s
+        return {
+            spec.name: from_wire(buf, spec, posted.mb_size).clone()
+            for spec, buf in zip(posted.specs, buffers, strict=True)
+        }
+
+
+@dataclass
+class _PostedRecv:
+    """A receive whose ``irecv`` calls are posted (the emulation header first, if any)."""
+
+    key: tuple[str, int]
+    peer_rank: int
+    label: str
+    specs: list[TensorSpec]
+    mb_size: int
+    buffers: list[Tensor]
+    works: list[dist.Work]
+    emulated: bool
+
+
+def _grad_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    return [spec for spec in specs if spec.requires_grad]
+
+
+def _tags(mb_idx: int, num_tensors: int) -> list[int]:
+    """Tags of one micro-batch's messages: the emulation header first, then each tensor."""
+    base = mb_idx * (num_tensors + 1)
+    return [base + i for i in range(num_tensors + 1)]
+
+
+def _post(
+    op: Callable[..., dist.Work | None], tensor: Tensor, peer: int, tag: int, rank: int, what: str
+) -> dist.Work:
+    try:
+        work = op(tensor, peer, tag=tag)
+    except RuntimeError as exc:
+        raise _peer_failure(rank, peer, what, exc) from None
+    assert work is not None
+    return work
+
+
+def _wait(work: dist.Work, rank: int, peer: int, what: str) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        raise _peer_failure(rank, peer, what, exc) from None
+
+
+def error_reason(exc: BaseException) -> str:
+    """First line of an exception's text (at most 200 characters), or its class name."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def _peer_failure(rank: int, peer: int, what: str, exc: BaseException) -> PeerFailureError:
+    return PeerFailureError(
+        f"rank {rank} lost rank {peer} while exchanging {what}: {error_reason(exc)}; "
+        f"check rank {peer}'s log (it probably failed first) and the network between them"
+    )

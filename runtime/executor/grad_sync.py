@@ -1,0 +1,211 @@
+"""Loss weighting and gradient all-reduce for heterogeneous data parallelism.
+
+Replicas process different numbers of samples and may split layers differently, so:
+
+- the last stage weights each micro-batch's loss by ``mb_samples / global_batch_size``
+  (:func:`loss_weight`); the sum over all micro-batches of all replicas is then the mean
+  over the global batch, whatever each replica's share;
+- each parameter's gradient is summed (all-reduce SUM) among exactly the ranks that hold
+  it: the ranks whose units list it in ``UnitSpec.params``. A parameter tied between two
+  stages of one replica (GPT's embedding and head) is summed across those stages too.
+
+One process group per distinct holder set, created on every rank in the same sorted order
+(``torch.distributed.new_group`` is collective over the whole world). Gradients of one group
+are bucketed into one flat buffer; half-precision gradients are summed in float32 and cast
+back, so bf16 models work on gloo without loss of precision in the sum.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hplan.runtime.contract.errors import PeerFailureError, PlanMismatchError
+from hplan.runtime.contract.link_model import ring_all_reduce_time_s, sync_order
+from hplan.runtime.contract.plan import Plan
+from hplan.runtime.executor.comm import error_reason
+
+RankSet = tuple[int, ...]
+
+
+def loss_weight(mb_samples: int, global_batch_size: int) -> float:
+    """Factor for one micro-batch's mean loss so that all of them sum to the global mean.
+
+    ``loss_fn`` returns the mean over the ``mb_samples`` samples it is given; the global
+    batch mean is ``sum_mb mean_mb * mb_samples / global_batch_size``.
+    """
+    assert 0 < mb_samples <= global_batch_size
+    return mb_samples / global_batch_size
+
+
+def parameter_holders(plan: Plan) -> dict[str, RankSet]:
+    """Canonical parameter name -> sorted ranks whose units use it."""
+    return _holders(plan, lambda unit_name: plan.unit(unit_name).params)
+
+
+def buffer_holders(plan: Plan) -> dict[str, RankSet]:
+    """Canonical buffer name -> sorted ranks whose units read it."""
+    return _holders(plan, lambda unit_name: plan.unit(unit_name).buffers)
+
+
+def _holders(plan: Plan, names_of: Callable[[str], Sequence[str]]) -> dict[str, RankSet]:
+    found: dict[str, set[int]] = {}
+    for rank in plan.ranks:
+        for unit_name in rank.units:
+            for name in names_of(unit_name):
+                found.setdefault(name, set()).add(rank.rank)
+    return {name: tuple(sorted(ranks)) for name, ranks in sorted(found.items())}
+
+
+def holder_sets(plan: Plan) -> tuple[RankSet, ...]:
+    """Distinct holder sets of more than one rank: the process groups to create, in the
+    order every rank all-reduces them (``collectives.sync_order``)."""
+    holders = {ranks for ranks in parameter_holders(plan).values() if len(ranks) > 1}
+    return tuple(sorted(holders, key=sync_order))
+
+
+def group_ring_time_s(plan: Plan, ranks: RankSet, nbytes: int) -> float:
+    """Ring all-reduce time over the slowest link among ``ranks``' devices (plan hardware)."""
+    devices = [plan.ranks[r].device for r in ranks]
+    if len(devices) < 2:
+        return 0.0
+    bandwidth, latency = plan.ring_channel(devices)
+    return ring_all_reduce_time_s(len(ranks), nbytes, bandwidth, latency)
+
+
+def check_stage_parameters(plan: Plan, rank: int, names: Sequence[str]) -> None:
+    """Check that the stage holds exactly the parameters the plan says this rank holds.
+
+    Raises:
+        PlanMismatchError: naming a parameter that the stage and the plan disagree on.
+    """
+    planned = {name for name, ranks in parameter_holders(plan).items() if rank in ranks}
+    for name in sorted(set(names) - planned):
+        raise PlanMismatchError(
+            f"rank {rank} holds parameter {name!r} that the plan does not list for its units; "
+            "re-run `hplan solve` with this model file"
+        )
+    for name in sorted(planned - set(names)):
+        raise PlanMismatchError(
+            f"the plan lists parameter {name!r} for rank {rank}, but its stage does not use "
+            "it; re-run `hplan solve` with this model file"
+        )
+
+
+@dataclass
+class GradBucket:
+    """The trainable parameters of this rank that one holder set shares."""
+
+    ranks: RankSet
+    group: dist.ProcessGroup
+    params: list[tuple[str, nn.Parameter]]
+    min_time_s: float
+    """Emulated all-reduce time, counted from the last holder's arrival (0 without
+    emulation)."""
+
+    def all_reduce(self) -> None:
+        """Sum the bucket's gradients over its holder set (float32 for half types).
+
+        Emulated (``min_time_s`` > 0): the holders first agree on the latest arrival (a
+        one-number MAX all-reduce; the machine's clock is shared) and each returns no
+        sooner than that plus ``min_time_s``, as a ring finishes on every holder at once.
+        Counted from each holder's own arrival instead, a holder that came early left as
+        soon as the real reduction was done and started its next all-reduce while the
+        late ones still slept (in a rehearsal of two two-stage replicas the tied
+        embeddings' ring ended 4.2 ms apart on its holders).
+
+        Raises:
+            PeerFailureError: a holder died or the all-reduce timed out.
+        """
+        grads = [_grad_or_zeros(p) for _, p in self.params]
+        wire_dtype = _wire_dtype([g.dtype for g in grads])
+        flat = torch.cat([g.reshape(-1).to(wire_dtype) for g in grads])
+        start_s = time.monotonic()
+        if self.min_time_s > 0:
+            arrival = torch.tensor([start_s], dtype=torch.float64, device=flat.device)
+            self._collective(arrival, dist.ReduceOp.MAX)
+            start_s = float(arrival.item())
+        self._collective(flat, dist.ReduceOp.SUM)
+        offset = 0
+        for (_, param), grad in zip(self.params, grads, strict=True):
+            numel = grad.numel()
+            param.grad = flat[offset : offset + numel].view_as(grad).to(grad.dtype).clone()
+            offset += numel
+        remaining_s = start_s + self.min_time_s - time.monotonic()
+        if remaining_s > 0:
+            time.sleep(remaining_s)
+
+    def _collective(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        try:
+            dist.all_reduce(tensor, op=op, group=self.group)
+        except RuntimeError as exc:
+            raise PeerFailureError(
+                f"gradient all-reduce among ranks {list(self.ranks)} failed: "
+                f"{error_reason(exc)}; "
+                "check the logs of those ranks (one probably failed first)"
+            ) from None
+
+
+def _grad_or_zeros(param: nn.Parameter) -> Tensor:
+    if param.grad is None:
+        return torch.zeros_like(param)
+    return param.grad
+
+
+def _wire_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    wire = torch.float32
+    for dtype in dtypes:
+        wire = torch.promote_types(wire, dtype)
+    return wire
+
+
+def build_buckets(
+    plan: Plan,
+    rank: int,
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    *,
+    time_scale: float = 0.0,
+) -> list[GradBucket]:
+    """Create every holder-set process group (on all ranks) and this rank's buckets.
+
+    Must be called by every rank of the world, in the same program order, because
+    ``new_group`` is collective. Parameters that do not require grad are skipped.
+
+    Args:
+        named_params: this rank's stage parameters by canonical name.
+        time_scale: emulated seconds per second of plan hardware (0: no emulation).
+
+    Raises:
+        PlanMismatchError: the stage's parameters differ from the plan's (see
+            :func:`check_stage_parameters`).
+    """
+    check_stage_parameters(plan, rank, [name for name, _ in named_params])
+    holders = parameter_holders(plan)
+    buckets = []
+    for ranks in holder_sets(plan):
+        group = _new_group(ranks)
+        if rank not in ranks:
+            continue
+        params = [(n, p) for n, p in named_params if holders[n] == ranks and p.requires_grad]
+        if not params:
+            continue
+        nbytes = sum(p.numel() * _wire_dtype([p.dtype]).itemsize for _, p in params)
+        min_time_s = time_scale * group_ring_time_s(plan, ranks, nbytes) if time_scale else 0.0
+        assert group is not None
+        buckets.append(GradBucket(ranks, group, params, min_time_s))
+    return buckets
+
+
+def _new_group(ranks: RankSet) -> dist.ProcessGroup | None:
+    try:
+        return dist.new_group(list(ranks))
+    except RuntimeError as exc:
+        raise PeerFailureError(
+            f"creating the gradient group of ranks {list(ranks)} failed: {error_reason(exc)}; "
+            "check the logs of those ranks (one probably failed first)"
+        ) from None

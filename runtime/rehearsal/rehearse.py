@@ -1,0 +1,421 @@
+"""Rehearsal: run every rank of a plan as a local CPU process, emulating the plan's hardware.
+
+Each rank runs ``python -m hplan.runtime run PLAN --rank R --emulate`` (gloo on 127.0.0.1,
+one thread), whatever the plan's device kinds. Emulation (see ``worker.py``, ``comm.py``,
+``grad_sync.py``):
+
+- compute, cpu plans: each forward/backward is stretched to ``dilation / relative_speed``
+  times its measured CPU time, where ``relative_speed`` is the rank's declared peak FLOP/s
+  relative to the plan's fastest device (``worker.rank_speeds``); from the second step the
+  CPU time is the rank's own stage timed warm, back to back (``warm_compute.py``);
+- compute, GPU plans: each forward, backward and optimizer step lasts at least ``scale``
+  times the planner's prediction for that rank (``worker.ComputeEmulation``): a CPU cannot
+  reproduce a GPU's speed curve, so the plan's hardware model is replayed and the runtime's
+  schedule, transfers and synchronisation are measured on top of it;
+- links: a point-to-point transfer reaches its receiver no sooner than
+  ``scale * (latency + bytes / bandwidth)`` after it was sent; an all-reduce takes at least
+  ``scale *`` the ring time over its group's slowest link;
+- ``scale = dilation * cpu_time_per_sample / report.reference_time_per_sample_s``: emulated
+  seconds per second of the plan's hardware. This keeps links and compute in the plan's
+  proportions (with a placeholder report, ``reference_time_per_sample_s == 0``, the scale is
+  just ``dilation``).
+
+``dilation`` is one global factor that makes the ranks' total CPU demand fit this machine:
+rank ``r`` computes a fraction ``speed_r / (speed_max * dilation)`` of the time, so
+``dilation >= margin * sum_r(speed_r / speed_max) / cores`` (and >= 1); otherwise the run
+would measure contention instead of the plan.
+
+``slowdown`` (``--slowdown box-b/1=1.4``) emulates a straggler: that device's compute lasts
+its factor times longer than the plan says, in both modes (``worker.compute_emulation``).
+The rehearsal records dilation, time scale and slowdowns in ``<metrics_dir>/emulation.json``
+(the ranks read the slowdowns from it; ``hplan calibrate`` reads the time scale).
+
+The prediction in emulated units is ``predicted_step_time_s * scale``. ``verify=True`` also
+runs the first step as one process on the whole global batch and compares every updated
+parameter by name. ``trace_path`` writes the last step's measured per-rank timeline as a
+Chrome trace in seconds of the plan's hardware (``runtime/contract/timeline_file.py``), the unit of
+``hplan simulate --trace``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from hplan.runtime.capture.model_file import ModelFile, checked_loss, load_model_file
+from hplan.runtime.capture.trace import bind_inputs
+from hplan.runtime.contract.errors import ConfigError, PeerFailureError, RehearsalChildError
+from hplan.runtime.contract.metrics_file import (
+    RankSummary,
+    StepSummary,
+    summarize_metrics,
+)
+from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.timeline_file import check_trace_path, write_measured_trace
+from hplan.runtime.executor.worker import (
+    EMULATION_FILE,
+    modelled_emulation,
+    rank_speeds,
+    warn_if_model_changed,
+)
+from hplan.runtime.rehearsal.launcher import ChildCommand, prepare_dir, run_children
+from hplan.runtime.rehearsal.reference_check import VERIFY_TOLERANCE, verify_first_step
+
+DILATION_MARGIN = 1.25
+"""Head-room over the exact CPU demand (interpreter, communication threads, the parent)."""
+MIN_DILATION = 4.0
+"""The least default dilation. What a rehearsal does in real time besides the emulated
+compute and links (Python, gloo's hand-overs, process wake-ups) counts 1/dilation in the
+plan's seconds: the demo's GPU plan on 2 cores measured 0.83, 0.94, 0.98, 0.98 of its
+prediction at dilation 1.25 (the demand alone), 4, 8 and 16, in 6.7, 7.6, 10.2 and 13.4 s
+(a new user's trial on the same machine saw 0.45 at 1.25)."""
+
+
+@dataclass(frozen=True)
+class RehearsalResult:
+    """What a rehearsal measured, and what the plan predicted, in emulated units."""
+
+    losses: tuple[float | None, ...]
+    """Global-batch mean loss of each step."""
+    steps: tuple[StepSummary, ...]
+    measured_samples_per_s: float
+    predicted_samples_per_s: float | None
+    """Plan prediction in emulated units; None when the report has no reference time."""
+    plan_samples_per_s: float | None
+    """The plan's own prediction on its hardware (``report.predicted_samples_per_s``);
+    None when there is no emulated prediction."""
+    dilation: float
+    time_scale: float
+    cpu_time_per_sample_s: float
+    """Forward + backward of one sample through the whole model here, on one thread."""
+    max_relative_diff: float | None
+    """verify: largest relative difference of an updated parameter; None without verify."""
+    verify_passed: bool | None
+    ranks: tuple[RankSummary, ...]
+    metrics_dir: Path | None
+    """Where the metrics and logs are; None when they were in a temporary folder, deleted."""
+    slowdown: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Emulated stragglers: device name -> compute slowdown factor (``--slowdown``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-native view (for ``hplan rehearse --json``)."""
+        data = dataclasses.asdict(self)
+        data["metrics_dir"] = None if self.metrics_dir is None else str(self.metrics_dir)
+        return data
+
+
+# --------------------------------------------------------------------------- emulation
+def default_dilation(plan: Plan, num_cores: int, margin: float = DILATION_MARGIN) -> float:
+    """Smallest dilation at which all ranks' CPU demand fits ``num_cores``, and at least
+    :data:`MIN_DILATION`."""
+    return max(MIN_DILATION, margin * sum(rank_speeds(plan)) / max(num_cores, 1))
+
+
+def default_time_scale(plan: Plan, dilation: float, cpu_time_per_sample_s: float) -> float:
+    """Emulated seconds per second of plan hardware (``dilation`` alone without a reference)."""
+    reference_s = plan.report.reference_time_per_sample_s
+    if reference_s <= 0:
+        return dilation
+    return dilation * cpu_time_per_sample_s / reference_s
+
+
+def predicted_samples_per_s(plan: Plan, scale: float) -> float | None:
+    """The plan's throughput in emulated units; None when the report lacks a reference."""
+    if plan.report.reference_time_per_sample_s <= 0 or plan.report.predicted_step_time_s <= 0:
+        return None
+    return plan.global_batch_size / (plan.report.predicted_step_time_s * scale)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: int = 3) -> float:
+    """Forward + backward CPU seconds per sample of the whole model on this CPU, one
+    thread, seeded, at the micro-batch size where the report's reference time was taken:
+    the minimum over ``repeats`` timed calls after one warm-up call. CPU time is the
+    calling thread's (``time.thread_time``, like the ranks' stretch)."""
+    batch_size = plan.report.reference_micro_batch_size
+    with _one_thread(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(plan.training.seed)
+        model = model_file.build_model()
+        inputs, targets = model_file.sample_batch(batch_size)
+        bound = bind_inputs(model, inputs)
+
+        def call() -> float:
+            start_s = time.thread_time()
+            checked_loss(model_file, model(**bound), targets, require_grad=True).backward()
+            model.zero_grad(set_to_none=True)
+            return time.thread_time() - start_s
+
+        call()
+        return min(call() for _ in range(repeats)) / batch_size
+
+
+# --------------------------------------------------------------------------- rehearse
+def rehearse(
+    plan: Plan,
+    *,
+    model_path: str | Path | None = None,
+    steps: int,
+    verify: bool = False,
+    metrics_dir: Path | None = None,
+    dilation: float | None = None,
+    time_scale: float | None = None,
+    timeout_s: float = 600.0,
+    console: Console | None = None,
+    trace_path: Path | None = None,
+    slowdown: Mapping[str, float] | None = None,
+) -> RehearsalResult:
+    """Run every rank of ``plan`` on this machine, emulating its hardware.
+
+    Args:
+        model_path: model.py (default: the plan's recorded path).
+        steps: optimizer steps.
+        verify: also run the first step as one process and compare updated parameters.
+        metrics_dir: where ranks write metrics and logs (default: a new temporary folder,
+            deleted at the end unless the ranks failed: then the error names its logs).
+        dilation: global time-dilation factor (default: :func:`default_dilation`).
+        time_scale: emulated seconds per second of plan hardware (default:
+            :func:`default_time_scale`); give two rehearsals the same value to compare
+            plans under one emulation.
+        timeout_s: the whole run is killed after this many seconds.
+        console: where progress goes (default: rich on stderr).
+        trace_path: write the last step's measured timeline here (Chrome trace JSON).
+        slowdown: device name -> factor (> 0) its compute is slowed by (a straggler).
+
+    Raises:
+        RehearsalChildError: a rank failed; its one-line error and exit code are kept.
+        PeerFailureError: the run exceeded ``timeout_s`` (every rank is killed).
+        ModelFileError, ConfigError: bad inputs.
+    """
+    _check_options(steps, dilation, time_scale, timeout_s)
+    if trace_path is not None:
+        check_trace_path(trace_path)
+    if metrics_dir is not None and Path(metrics_dir).exists() and not Path(metrics_dir).is_dir():
+        raise ConfigError(f"metrics folder {str(metrics_dir)!r} is a file; give a directory")
+    slowdown = dict(slowdown or {})
+    unused = check_slowdown(plan, slowdown)
+    run = _Run(
+        plan=plan,
+        model=str(model_path or plan.model.path),
+        steps=steps,
+        verify=verify,
+        dilation=dilation,
+        time_scale=time_scale,
+        timeout_s=timeout_s,
+        console=console or Console(stderr=True, soft_wrap=True),
+        trace_path=trace_path,
+        slowdown=slowdown,
+    )
+    for name in unused:
+        run.console.print(f"note: --slowdown {name}: this plan runs no rank on it (no effect)")
+    if metrics_dir is not None:
+        return run.into(Path(metrics_dir))
+    temporary = Path(tempfile.mkdtemp(prefix="hplan-rehearse-"))
+    keep = False
+    try:
+        return dataclasses.replace(run.into(temporary), metrics_dir=None)
+    except (RehearsalChildError, PeerFailureError):
+        keep = True  # the message names the rank logs in it
+        raise
+    finally:
+        if not keep:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One rehearsal's settings (see :func:`rehearse`)."""
+
+    plan: Plan
+    model: str
+    steps: int
+    verify: bool
+    dilation: float | None
+    time_scale: float | None
+    timeout_s: float
+    console: Console
+    trace_path: Path | None = None
+    slowdown: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def into(self, metrics_dir: Path) -> RehearsalResult:
+        """Rehearse with metrics and logs in ``metrics_dir``; print and return the result."""
+        plan, console = self.plan, self.console
+        model_file = load_model_file(self.model)
+        warn_if_model_changed(plan, model_file)  # once here; the ranks do not repeat it
+        cores = len(os.sched_getaffinity(0))
+        dilation = self.dilation or default_dilation(plan, cores)
+        console.print(
+            "timing the whole model on this CPU at micro-batch "
+            f"{plan.report.reference_micro_batch_size} (the emulation's reference)"
+        )
+        per_sample_s = measure_cpu_time_per_sample(model_file, plan)
+        steps_mb = max(r.num_microbatches for r in plan.ranks)
+        if steps_mb > 10_000:
+            console.print(
+                f"note: a rank runs {steps_mb} micro-batches per step; each step will take long"
+            )
+        scale = self.time_scale or default_time_scale(plan, dilation, per_sample_s)
+        console.print(
+            f"rehearsing {_count(plan.world_size, 'rank')} on {_count(cores, 'core')}: "
+            f"dilation {dilation:.2f}, 1 s of plan hardware = {scale:.3g} s here, compute "
+            + (
+                "replayed from the plan's model"
+                if modelled_emulation(plan)
+                else "stretched (from the second step: each rank's warm compute times)"
+            )
+            + "".join(f"; {name} {factor:g}x slower" for name, factor in self.slowdown.items())
+        )
+        verify_dir = metrics_dir / "verify" if self.verify else None
+        plan_path = prepare_dir(metrics_dir, plan)
+        record = {
+            "dilation": dilation,
+            "time_scale": scale,
+            "slowdown": self.slowdown,
+        }
+        (metrics_dir / EMULATION_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
+        command = ChildCommand(
+            plan_path, self.model, self.steps, metrics_dir, dilation, scale, verify_dir
+        )
+        run_children(plan.world_size, command, self.timeout_s, console)
+        summary = summarize_metrics(metrics_dir)
+        diff = verify_first_step(plan, model_file, verify_dir) if verify_dir else None
+        predicted = predicted_samples_per_s(plan, scale)
+        result = RehearsalResult(
+            losses=tuple(s.loss for s in summary.steps),
+            steps=summary.steps,
+            measured_samples_per_s=summary.samples_per_s,
+            predicted_samples_per_s=predicted,
+            plan_samples_per_s=None if predicted is None else plan.report.predicted_samples_per_s,
+            dilation=dilation,
+            time_scale=scale,
+            cpu_time_per_sample_s=per_sample_s,
+            max_relative_diff=diff,
+            verify_passed=None if diff is None else diff <= VERIFY_TOLERANCE,
+            ranks=summary.ranks,
+            metrics_dir=metrics_dir,
+            slowdown=dict(self.slowdown),
+        )
+        _print_result(result, console)
+        if self.trace_path is not None:
+            step = write_measured_trace(plan, metrics_dir, self.trace_path, time_scale=scale)
+            console.print(f"wrote step {step}'s measured timeline to {self.trace_path}")
+        return result
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+def _check_options(
+    steps: int, dilation: float | None, time_scale: float | None, timeout_s: float
+) -> None:
+    if steps < 1:
+        raise ConfigError(f"steps is {steps}; rehearse at least one step")
+    if dilation is not None and not (math.isfinite(dilation) and dilation >= 1):
+        raise ConfigError(
+            f"dilation is {dilation}; it must be a finite number >= 1 (1 = real time)"
+        )
+    if time_scale is not None and not (math.isfinite(time_scale) and time_scale > 0):
+        raise ConfigError(
+            f"time scale is {time_scale}; it must be a finite number > 0 (emulated s per plan s)"
+        )
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ConfigError(f"timeout is {timeout_s} s; it must be a finite number of seconds > 0")
+
+
+def parse_slowdown(values: Sequence[str]) -> dict[str, float]:
+    """``["box-b/1=1.4", ...]`` -> ``{"box-b/1": 1.4}`` (the last ``=`` splits).
+
+    Raises:
+        ConfigError: an item without ``=``, a factor that is not a finite number > 0, or a
+            device given twice.
+    """
+    slowdown: dict[str, float] = {}
+    for item in values:
+        name, sep, text = item.rpartition("=")
+        if not sep or not name:
+            raise ConfigError(f"--slowdown {item!r} is not DEVICE=FACTOR; write e.g. box-b/1=1.4")
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = math.nan
+        if not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(
+                f"--slowdown {item!r}: factor {text!r} must be a finite number > 0 "
+                "(1.4 = 40% slower)"
+            )
+        if name in slowdown:
+            raise ConfigError(f"--slowdown names {name!r} twice; give each device once")
+        slowdown[name] = factor
+    return slowdown
+
+
+def check_slowdown(plan: Plan, slowdown: Mapping[str, float]) -> tuple[str, ...]:
+    """Check that every slowed device is one of the plan's cluster devices.
+
+    Returns:
+        The slowed devices that run no rank of this plan (a re-solved plan may have moved
+        off a slow device; its slowdown then has no effect).
+
+    Raises:
+        ConfigError: naming the unknown device and the cluster's devices, or a factor that
+            is not finite and > 0.
+    """
+    known = [d.name for d in plan.cluster.devices]
+    used = {r.device for r in plan.ranks}
+    for name, factor in slowdown.items():
+        if name not in known:
+            raise ConfigError(
+                f"--slowdown {name}={factor:g}: the cluster has no device {name!r}; "
+                f"use one of {', '.join(known)}"
+            )
+        if not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(f"--slowdown {name}={factor}: the factor must be finite and > 0")
+    return tuple(name for name in slowdown if name not in used)
+
+
+def _print_result(result: RehearsalResult, console: Console) -> None:
+    console.print(
+        f"measured: {result.measured_samples_per_s:.2f} samples/s "
+        f"(median step {statistics.median(s.step_time_s for s in result.steps):.3f} s)"
+    )
+    if result.predicted_samples_per_s is not None:
+        ratio = result.measured_samples_per_s / result.predicted_samples_per_s
+        hardware = (
+            ""
+            if result.plan_samples_per_s is None
+            else f"{result.plan_samples_per_s:.1f} samples/s on the plan's hardware; "
+        )
+        console.print(
+            f"predicted: {result.predicted_samples_per_s:.2f} samples/s in emulated units "
+            f"({hardware}1 s there = {result.time_scale:.3g} s here); "
+            f"measured / predicted = {ratio:.2f}"
+        )
+    if result.max_relative_diff is not None:
+        verdict = "[green]pass[/green]" if result.verify_passed else "[red]FAIL[/red]"
+        console.print(
+            f"verify: largest relative difference of an updated parameter "
+            f"{result.max_relative_diff:.2e} (tolerance {VERIFY_TOLERANCE:g}): {verdict}"
+        )
