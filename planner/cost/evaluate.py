@@ -37,7 +37,8 @@ import numpy as np
 
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem
-from hplan.runtime.contract.link_model import ring_all_reduce_time_s
+from hplan.runtime.contract.holders import holders, shared_bytes
+from hplan.runtime.contract.link_model import ring_all_reduce_time_s, transfer_time_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,9 @@ def link_time_s(problem: PlanningProblem, a: int, b: int, num_bytes: float) -> f
     """Alpha-beta transfer time of ``num_bytes`` between devices ``a`` and ``b``."""
     if a == b or num_bytes <= 0:
         return 0.0
-    return float(problem.latency_s[a, b] + num_bytes / problem.bandwidth_bytes_per_s[a, b])
+    return transfer_time_s(
+        num_bytes, float(problem.bandwidth_bytes_per_s[a, b]), float(problem.latency_s[a, b])
+    )
 
 
 def stage_compute_time_s(
@@ -204,22 +207,21 @@ def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int
     units, in one group, as the runtime buckets them. Only holder sets of two or more
     devices (a parameter on one device needs no sync).
     """
-    holders: dict[int, set[int]] = defaultdict(set)
-    for replica in layout.replicas:
-        for stage in replica.stages:
-            for u in range(stage.unit_start, stage.unit_stop):
-                holders[u].add(stage.device_idx)
+    ties = problem.tied_params
     own_bytes = problem.grad_bytes.astype(float)
-    group_bytes: dict[tuple[int, ...], float] = defaultdict(float)
-    for tie in problem.tied_params:
+    for tie in ties:
         own_bytes[list(tie.units)] -= tie.num_bytes
-        devices = set().union(*(holders[u] for u in tie.units))
-        if len(devices) > 1:
-            group_bytes[tuple(sorted(devices))] += tie.num_bytes
-    for u, devices in holders.items():
-        if len(devices) > 1 and own_bytes[u] > 0:
-            group_bytes[tuple(sorted(devices))] += float(own_bytes[u])
-    return dict(group_bytes)
+
+    def items(stage: StageLayout) -> list[tuple[str, int]]:
+        units = range(stage.unit_start, stage.unit_stop)
+        tied = [("tie", i) for i, tie in enumerate(ties) if set(tie.units) & set(units)]
+        return tied + [("unit", u) for u in units]
+
+    stages = [s for replica in layout.replicas for s in replica.stages]
+    item_holders = holders((s.device_idx, items(s)) for s in stages)
+    num_bytes = {("tie", i): tie.num_bytes for i, tie in enumerate(ties)}
+    num_bytes.update({("unit", u): float(own_bytes[u]) for u in range(problem.num_units)})
+    return shared_bytes(item_holders, num_bytes)
 
 
 def slowest_link(problem: PlanningProblem, group: tuple[int, ...]) -> tuple[float, float]:

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
-from hplan.planner.frontend.node_costs import NodeCost, measure_node_costs, one_line, tensor_nbytes
+from hplan.planner.frontend.node_costs import NodeCost, measure_node_costs, tensor_nbytes
 from hplan.planner.frontend.partition_units import assign_units, module_path
+from hplan.runtime.capture.cuts import crossing_values, node_units, replicable_nodes
 from hplan.runtime.capture.model_file import ModelFile
-from hplan.runtime.capture.stage import crossing_values, node_units, replicable_nodes
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
-from hplan.runtime.contract.errors import HplanError, ModelFileError
+from hplan.runtime.contract.errors import HplanError, ModelFileError, one_line
 from hplan.runtime.contract.plan import DTYPE_BYTES, InputSpec, TensorSpec, UnitSpec
 
 

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel, trace_model
-from hplan.runtime.contract.errors import ModelFileError
+from hplan.runtime.contract.errors import ModelFileError, one_line
 from hplan.runtime.contract.plan import TensorSpec
 
 
@@ -57,12 +57,6 @@ def measure_node_costs(
         for name in runs[small]
     }
     return costs, notes
-
-
-def one_line(exc: BaseException) -> str:
-    """``"TypeName: first line of the message"`` (at most 200 characters of it)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 
 import torch
 
-from hplan.runtime.capture.stage import crossing_values, replicable_nodes
+from hplan.runtime.capture.cuts import crossing_values, replicable_nodes
 from hplan.runtime.capture.trace import TracedModel, repeated_containers
 from hplan.runtime.contract.plan import UnitSpec
 

@@ -31,7 +31,6 @@ over the remaining steps of every run.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -44,6 +43,7 @@ from hplan.planner.profiling.profile_file import (
     Stat,
     UnitTiming,
 )
+from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.metrics_file import StepMetrics, read_rank_metrics
 from hplan.runtime.contract.plan import Plan
@@ -51,8 +51,6 @@ from hplan.runtime.contract.plan import Plan
 STRAGGLER_THRESHOLD = 0.15
 """A device whose compute ratio differs from its kind's reference by more than this is a
 straggler (issue 3: "differs from other devices of its type by more than 15%")."""
-EMULATION_FILE = "emulation.json"
-"""The rehearsal's record of its time scale (``hplan.runtime.executor.worker.EMULATION_FILE``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,18 +245,10 @@ def recorded_time_scale(folder: Path) -> float:
     """The time scale a rehearsal recorded in ``folder/emulation.json`` (1.0 without one).
 
     Raises:
-        ConfigError: the record is not JSON or its time scale is not a number > 0.
+        ConfigError: the file is not an emulation record.
     """
-    path = folder / EMULATION_FILE
-    if not path.is_file():
-        return 1.0
-    try:
-        scale = float(json.loads(path.read_text(encoding="utf-8"))["time_scale"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path}: not a rehearsal's emulation record ({exc})") from None
-    if not scale > 0:
-        raise ConfigError(f"{path}: time scale {scale} must be > 0")
-    return scale
+    record = EmulationRecord.load(folder)
+    return 1.0 if record is None else record.time_scale
 
 
 def _timed(records: Sequence[StepMetrics]) -> list[StepMetrics]:

@@ -34,14 +34,14 @@ import torch
 from torch import Tensor, nn
 
 from hplan.planner.frontend.cost_graph import ModelGraph
-from hplan.planner.frontend.node_costs import one_line
 from hplan.planner.profiling.microbench import Stopwatch, one_cpu_thread
 from hplan.planner.profiling.profile_file import Stat, UnitTiming
 from hplan.planner.profiling.unit_memory import measure_unit_memory
+from hplan.runtime.capture.cuts import crossing_values, node_units
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
-from hplan.runtime.capture.stage import StageModule, build_stage, crossing_values, node_units
+from hplan.runtime.capture.stage import StageModule, build_stage
 from hplan.runtime.capture.trace import bind_inputs, target_name
-from hplan.runtime.contract.errors import ModelFileError
+from hplan.runtime.contract.errors import ModelFileError, one_line
 
 OnStep = Callable[[str, bool, int], None]
 """Progress callback, once per (unit, micro-batch size): the unit's name, whether it was

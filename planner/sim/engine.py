@@ -58,7 +58,7 @@ from hplan.planner.sim.ir import (
     SimSyncGroup,
     SimulationResult,
 )
-from hplan.runtime.contract.link_model import ring_all_reduce_time_s, sync_order
+from hplan.runtime.contract.link_model import LinkQueue, ring_all_reduce_time_s, sync_order
 from hplan.runtime.contract.plan import Schedule
 from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 
@@ -123,7 +123,7 @@ class _Engine:
         self.blocked: dict[_MsgKey, int] = {}
         self.recv_posted: dict[_MsgKey, tuple[float, int | None]] = {}
         """When each receive was posted, and the receiver's event that ended then."""
-        self.channel_free_s: dict[str, float] = defaultdict(float)
+        self.channels: dict[str, LinkQueue] = defaultdict(LinkQueue)
         self.channel_last: dict[str, int] = {}
         for r_idx, replica in enumerate(spec.replicas):
             num_mb = len(replica.microbatch_sizes)
@@ -258,16 +258,17 @@ class _Engine:
         key = (rank.replica, direction, rank.stage, mb)
         peer = replica.stages[rank.stage + dst].rank
         queue = channel.key or f"{rank.rank}->{peer}"
-        start_s = max(time_s, self.channel_free_s[queue])
-        wire_end_s = start_s + num_bytes / channel.bandwidth_bytes_per_s
-        self.channel_free_s[queue] = wire_end_s
+        sent = self.channels[queue].send(
+            time_s, num_bytes, channel.bandwidth_bytes_per_s, channel.latency_s
+        )
+        start_s, wire_end_s = sent.start_s, sent.wire_end_s
         cause = rank.last if start_s <= time_s else self.channel_last[queue]
         what = "F" if direction == 0 else "B"
         label = f"{what}.mb{mb} s{rank.stage}->s{rank.stage + dst}"
         event = self._add(
             SimEvent(
                 EventKind.TRANSFER, rank.rank, rank.replica, rank.stage, start_s,
-                wire_end_s + channel.latency_s, label, mb, peer, cause,
+                sent.arrival_s, label, mb, peer, cause,
             )
         )  # fmt: skip
         self.channel_last[queue] = event
@@ -303,7 +304,7 @@ class _Engine:
         rank.clock_s = done_s
 
     def _all_reduce(self) -> None:
-        """Groups in the runtime's order (``collectives.sync_order``), each blocking its
+        """Groups in the runtime's order (``link_model.sync_order``), each blocking its
         members."""
         for group in sorted(self.spec.sync_groups, key=lambda g: sync_order(g.ranks)):
             members = [self.ranks[r] for r in group.ranks]

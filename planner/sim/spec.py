@@ -13,14 +13,13 @@ Every micro-batch is charged the compute of a full micro-batch, as the cost mode
 as a rehearsal of a GPU plan replays it; ``scale_partial_microbatches=True`` scales the
 last, smaller one instead (what stretched CPU compute does in a rehearsal of a cpu plan).
 
-:func:`grad_sync_reports` and :func:`param_wire_bytes` compute the per-holder-set gradient
-bytes that a plan's report records for this.
+:func:`param_wire_bytes` gives the per-parameter bytes the runtime all-reduces, from which
+``holders.grad_sync_reports`` computes the per-holder-set bytes a plan's report records.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from itertools import pairwise
@@ -39,6 +38,7 @@ from hplan.planner.sim.engine import (
     simulate,
 )
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.holders import grad_sync_reports
 from hplan.runtime.contract.plan import (
     GradSyncReport,
     Plan,
@@ -271,28 +271,6 @@ def param_wire_bytes(graph: ModelGraph) -> dict[str, int]:
         canonical = traced.param_names.get(name, name)
         out[canonical] = param.numel() * max(WIRE_BYTES_MIN, param.element_size())
     return out
-
-
-def grad_sync_reports(plan: Plan, wire_bytes: Mapping[str, int]) -> tuple[GradSyncReport, ...]:
-    """One entry per holder set of more than one rank, sorted by ranks (the runtime's buckets).
-
-    A parameter's holders are the ranks whose units list it (``UnitSpec.params``), as in
-    ``grad_sync.parameter_holders``; parameters absent from ``wire_bytes`` (not trainable)
-    are skipped.
-    """
-    holders: dict[str, set[int]] = defaultdict(set)
-    for rank in plan.ranks:
-        for unit_name in rank.units:
-            for param in plan.unit(unit_name).params:
-                holders[param].add(rank.rank)
-    group_bytes: dict[tuple[int, ...], int] = defaultdict(int)
-    for param, ranks in holders.items():
-        if len(ranks) > 1 and param in wire_bytes:
-            group_bytes[tuple(sorted(ranks))] += wire_bytes[param]
-    return tuple(
-        GradSyncReport(ranks=ranks, num_bytes=num_bytes)
-        for ranks, num_bytes in sorted(group_bytes.items())
-    )
 
 
 def with_simulation(plan: Plan, wire_bytes: Mapping[str, int]) -> Plan:

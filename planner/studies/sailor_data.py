@@ -8,7 +8,7 @@ never copied into this repository. This module turns it into hplan's own types:
   update_s]}}}``) -> a :class:`~hplan.planner.profiling.profile_file.Profile` (units ``layer0`` ..
   ``layer25``, source ``imported``);
 - fitted network curves ``network/*.json`` -> alpha-beta links
-  (:func:`fit_alpha_beta` over the message sizes a plan really sends);
+  (:func:`curves_alpha_beta` over the message sizes a plan really sends);
 - measured plans -> hplan ``Plan`` objects (``sailor_plan.py``).
 
 Tensor parallelism: the study runs stages on ``tp`` GPUs of one machine. hplan plans have one
@@ -49,6 +49,7 @@ from hplan.planner.profiling.profile_file import (
     UnitTiming,
 )
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.link_model import least_squares_alpha_beta
 
 MODEL = "OPT-350"
 FP16_BYTES = 2
@@ -375,7 +376,7 @@ def intra_node_curve(data: SailorData, gpu: str, num_gpus: int) -> BandwidthCurv
         ) from None
 
 
-def fit_alpha_beta(
+def curves_alpha_beta(
     curves: list[BandwidthCurve], min_bytes: float, max_bytes: float, num_points: int = 25
 ) -> tuple[float, float]:
     """Alpha-beta fit ``time = latency + bytes / bandwidth`` of the slowest of ``curves``.
@@ -394,10 +395,9 @@ def fit_alpha_beta(
     times = np.array([max(c.time_s(x) for c in curves) for x in sizes])
     if len(sizes) == 1:
         return float(sizes[0] / times[0]), 0.0
-    weights = 1.0 / times
-    design = np.stack([np.ones_like(sizes), sizes], axis=1) * weights[:, None]
-    (latency_s, inv_bw), *_ = np.linalg.lstsq(design, times * weights, rcond=None)
+    latency_s, inv_bw = least_squares_alpha_beta(list(sizes), list(times), relative=True)
     if latency_s < 0 or inv_bw <= 0:
+        weights = 1.0 / times
         inv_bw = float(np.sum(sizes * times * weights**2) / np.sum((sizes * weights) ** 2))
         latency_s = 0.0
     return float(1.0 / inv_bw), float(latency_s)

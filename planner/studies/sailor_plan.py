@@ -14,7 +14,7 @@ machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
   ``(mbs, 2048, 1024)`` (partitioned over the tp ranks, so one copy per machine) and the
   causal attention mask ``(1, 1, 2048, 2048)`` cast to fp16, which every tp rank sends;
 - links: alpha-beta fits of the study's inter-node curves over the message sizes the plan
-  sends (``sailor.fit_alpha_beta``);
+  sends (``sailor.curves_alpha_beta``);
 - the report: per-rank forward/backward/optimizer times summed over the stage's layers from
   the imported profile at ``(mbs, tp)``; gradient all-reduce groups per holder set of
   layers, fp32 gradients (4 bytes per parameter).
@@ -37,8 +37,8 @@ from hplan.planner.studies.sailor_data import (
     MODEL,
     BandwidthCurve,
     SailorData,
+    curves_alpha_beta,
     device_kind,
-    fit_alpha_beta,
     inter_node_curve,
     kind_figures,
     load_sailor,
@@ -46,6 +46,7 @@ from hplan.planner.studies.sailor_data import (
 )
 from hplan.planner.studies.sailor_study import Machine, StudyPlan, StudyStage, read_study_plan
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.holders import holders, shared_bytes
 from hplan.runtime.contract.plan import (
     ClusterSpec,
     CutSpec,
@@ -220,16 +221,12 @@ def _rank_report(
 def grad_sync_groups(data: SailorData, ranks: tuple[RankPlan, ...]) -> tuple[GradSyncReport, ...]:
     """The fp32 gradient all-reduce groups: per layer the ranks that hold it, merged by
     holder set (sorted by ranks), as hplan's runtime buckets them."""
-    holders: dict[int, list[int]] = {}
-    for rank in ranks:
-        for unit in rank.units:
-            holders.setdefault(int(unit.removeprefix("layer")), []).append(rank.rank)
-    group_bytes: dict[tuple[int, ...], int] = {}
-    for layer, held_by in holders.items():
-        if len(held_by) > 1:
-            key = tuple(sorted(held_by))
-            group_bytes[key] = group_bytes.get(key, 0) + grad_bytes(data, (layer,))
-    return tuple(GradSyncReport(ranks=k, num_bytes=v) for k, v in sorted(group_bytes.items()))
+    layer_holders = holders(
+        (rank.rank, [int(u.removeprefix("layer")) for u in rank.units]) for rank in ranks
+    )
+    sizes = {layer: float(grad_bytes(data, (layer,))) for layer in layer_holders}
+    groups = shared_bytes(layer_holders, sizes)
+    return tuple(GradSyncReport(ranks=k, num_bytes=int(v)) for k, v in sorted(groups.items()))
 
 
 def _report(
@@ -280,7 +277,7 @@ def _cluster(
         for b in devices[i + 1 :]:
             ma, mb = machine_of[a.name], machine_of[b.name]
             curves = [_curve(data, study, ma, mb), _curve(data, study, mb, ma)]
-            bandwidth, latency = fit_alpha_beta(curves, lo_bytes, hi_bytes)
+            bandwidth, latency = curves_alpha_beta(curves, lo_bytes, hi_bytes)
             links.append(
                 LinkSpec(a=a.name, b=b.name, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
             )

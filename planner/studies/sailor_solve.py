@@ -33,8 +33,8 @@ from hplan.planner.studies.sailor_data import (
     ADAM_MIXED_BYTES_PER_PARAM,
     BandwidthCurve,
     SailorData,
+    curves_alpha_beta,
     device_kind,
-    fit_alpha_beta,
     inter_node_curve,
     intra_node_curve,
     unit_name,
@@ -196,7 +196,7 @@ def _links(
             key = (device_kind(ma.gpu, ma.tp), device_kind(mb.gpu, mb.tp), same)
             if key not in fits:
                 curves = _curves(data, study.zone, ma, mb, same)
-                fits[key] = fit_alpha_beta(curves, smallest_bytes, largest_bytes)
+                fits[key] = curves_alpha_beta(curves, smallest_bytes, largest_bytes)
             bandwidth[i, j], latency[i, j] = fits[key]
     return bandwidth, latency
 

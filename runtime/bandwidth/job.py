@@ -29,9 +29,7 @@ import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
@@ -49,7 +47,7 @@ from hplan.runtime.bandwidth.timing import (
     slowest_per_repeat,
     stderr_say,
 )
-from hplan.runtime.contract.errors import ConfigError, HplanError, PeerFailureError
+from hplan.runtime.contract.errors import ConfigError, HplanError, PeerFailureError, error_reason
 from hplan.runtime.contract.link_matrix import (
     MIN_R_SQUARED,
     BandwidthFile,
@@ -59,12 +57,12 @@ from hplan.runtime.contract.link_matrix import (
     RankName,
     fit_alpha_beta,
 )
-from hplan.runtime.executor.comm import error_reason
+from hplan.runtime.contract.quantities import BYTES_PER_KIB, BYTES_PER_MIB
+from hplan.runtime.executor.cli import OneLineErrors, exit_with
+from hplan.runtime.executor.rendezvous import join_process_group
 
 NODE_ENV = "HPLAN_NODE"
 PROG = "hplan bandwidth"
-_KIB = 2**10
-_MIB = 2**20
 say = stderr_say(PROG)
 
 
@@ -79,11 +77,6 @@ class Job:
     timeout_s: float
 
 
-class _OneLineErrors(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
-
-
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
     return int(value) if value.isdigit() else None
@@ -91,7 +84,7 @@ def _env_int(name: str) -> int | None:
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m hplan.runtime.bandwidth``."""
-    p = _OneLineErrors(prog="python -m hplan.runtime.bandwidth", description=__doc__.split("\n")[0])
+    p = OneLineErrors(prog="python -m hplan.runtime.bandwidth", description=__doc__.split("\n")[0])
     p.add_argument("-o", "--out", type=Path, default=Path("bandwidth.json"), help="JSON file")
     p.add_argument("--local", type=int, metavar="N", help="start N ranks here (gloo, 127.0.0.1)")
     p.add_argument("--node", default=os.environ.get(NODE_ENV) or None, help=f"default ${NODE_ENV}")
@@ -102,8 +95,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"))
     p.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"))
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    p.add_argument("--min-size-bytes", type=int, default=4 * _KIB)
-    p.add_argument("--max-size-bytes", type=int, default=64 * _MIB)
+    p.add_argument("--min-size-bytes", type=int, default=4 * BYTES_PER_KIB)
+    p.add_argument("--max-size-bytes", type=int, default=64 * BYTES_PER_MIB)
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per size")
     p.add_argument("--warmup", type=int, default=2, help="untimed repeats per size")
     p.add_argument(
@@ -261,24 +254,12 @@ def _join(job: Job, args: argparse.Namespace) -> None:
     """
     if args.master_addr is None or args.master_port is None:
         raise ConfigError("pass --master-addr and --master-port (torchrun sets them)")
-    os.environ["MASTER_ADDR"] = args.master_addr
-    os.environ["MASTER_PORT"] = str(args.master_port)
     say(f"rank {job.rank} ({job.name.label}) joining {job.world_size} ranks at "
         f"{args.master_addr}:{args.master_port} ({job.backend})")  # fmt: skip
-    try:
-        dist.init_process_group(
-            backend=job.backend,
-            init_method="env://",
-            rank=job.rank,
-            world_size=job.world_size,
-            timeout=timedelta(seconds=job.timeout_s),
-        )
-    except (RuntimeError, TimeoutError, ValueError) as exc:
-        raise PeerFailureError(
-            f"rank {job.rank} could not join the {job.world_size}-rank measurement at "
-            f"{args.master_addr}:{args.master_port}: {error_reason(exc)}; check that every "
-            "rank started and that the port is reachable"
-        ) from None
+    join_process_group(
+        backend=job.backend, rank=job.rank, world_size=job.world_size, host=args.master_addr,
+        port=args.master_port, timeout_s=job.timeout_s, job="measurement",
+    )  # fmt: skip
 
 
 def _node_groups(names: Sequence[RankName]) -> list[tuple[str, tuple[int, ...]]]:
@@ -446,11 +427,5 @@ def sweep_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run_main() -> None:
-    """Run :func:`main` as the process's entry point; skip teardown after a failure (a
-    broken process group can hang in it)."""
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        os._exit(code)
-    sys.exit(code)
+    """Run :func:`main` as the process's entry point (``executor.cli.exit_with``)."""
+    exit_with(main())

@@ -1,7 +1,8 @@
 """The link matrix rehearsed on one machine: N processes, gloo on 127.0.0.1.
 
 :func:`measure_local` starts ``python -m hplan.runtime.bandwidth --rank r --world-size N``
-for every rank (one thread each, rank 0 hosting the store on a free port), copies their
+for every rank (``rehearsal/launcher.py``: one thread each, rank 0 hosting the store on a
+free port), copies their
 progress lines to stderr as they come, and on the first failure or at the timeout stops
 every rank and raises one error: the failed rank's own last line. It returns the file that
 rank 0 wrote.
@@ -9,7 +10,6 @@ rank 0 wrote.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -17,16 +17,10 @@ from pathlib import Path
 
 from hplan.runtime.contract.errors import ConfigError, PeerFailureError, RehearsalChildError
 from hplan.runtime.contract.link_matrix import BandwidthFile
-from hplan.runtime.rehearsal.launcher import (
-    free_port,
-    kill_all,
-    new_complete_lines,
-    start_ranks,
-    supervise,
-)
+from hplan.runtime.rehearsal.launcher import free_port, new_complete_lines, supervise
 
 
-def rank_command(
+def rank_args(
     rank: int,
     world_size: int,
     *,
@@ -35,10 +29,11 @@ def rank_command(
     sweep_args: Sequence[str],
     name: tuple[str, int] | None = None,
 ) -> list[str]:
-    """The command line of one rank; ``name`` is its (node, local index), if known."""
+    """The arguments (after the Python interpreter) of one rank; ``name`` is its (node,
+    local index), if known."""
     local_rank = name[1] if name else rank
     command = [
-        sys.executable, "-m", "hplan.runtime.bandwidth", "--rank", str(rank),
+        "-m", "hplan.runtime.bandwidth", "--rank", str(rank),
         "--world-size", str(world_size), "--local-rank", str(local_rank),
         "--master-addr", master[0], "--master-port", str(master[1]), "--backend", "gloo",
         "--out", str(out), *sweep_args,
@@ -74,32 +69,29 @@ def measure_local(
     master = ("127.0.0.1", free_port())
     with tempfile.TemporaryDirectory(prefix="hplan-bandwidth-") as tmp:
         logs = [Path(tmp) / f"rank-{r}.log" for r in range(num_ranks)]
-        commands = [
-            rank_command(
+        args = [
+            rank_args(
                 rank, num_ranks, master=master, out=out, sweep_args=sweep_args,
                 name=names[rank] if names else None,
             )
             for rank in range(num_ranks)
         ]  # fmt: skip
-        children: list[subprocess.Popen[bytes]] = []
-        try:
-            children = start_ranks(commands, logs)
-            supervise(
-                children,
-                logs,
-                timeout_s,
-                on_poll=_Echo(logs).poll,
-                is_error_line=lambda line: line.startswith("hplan bandwidth: ") and "Error" in line,
-                failure=lambda rank, code, line: RehearsalChildError(
-                    f"rank {rank} failed (exit {code}): {line}", max(code, 1)
-                ),
-                timeout=lambda _running: PeerFailureError(
-                    f"the local link measurement timed out after {timeout_s:g} s; pass smaller "
-                    "--max-size-bytes or fewer ranks"
-                ),
-            )
-        finally:
-            kill_all(children)
+        supervise(
+            "hplan-bandwidth",
+            args,
+            logs,
+            timeout_s,
+            master_port=master[1],
+            on_poll=_Echo(logs).poll,
+            is_error_line=lambda line: line.startswith("hplan bandwidth: ") and "Error" in line,
+            failure=lambda rank, code, line: RehearsalChildError(
+                f"rank {rank} failed (exit {code}): {line}", max(code, 1)
+            ),
+            timeout=lambda _running: PeerFailureError(
+                f"the local link measurement timed out after {timeout_s:g} s; pass smaller "
+                "--max-size-bytes or fewer ranks"
+            ),
+        )
     return BandwidthFile.load(out)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hplan.runtime.contract.errors import ModelFileError, Terminated
+from hplan.runtime.contract.errors import ModelFileError, Terminated, one_line
 
 REQUIRED = ("build_model", "sample_batch", "loss_fn")
 
@@ -120,7 +120,7 @@ def checked_loss(
         loss = model_file.loss_fn(outputs, targets)
     except Exception as exc:
         raise ModelFileError(
-            f"{where} raised {_first_line(exc)} on (model outputs, targets from "
+            f"{where} raised {one_line(exc)} on (model outputs, targets from "
             "sample_batch/dataset); fix loss_fn in model.py"
         ) from None
     if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -140,12 +140,6 @@ def checked_loss(
             "torch.no_grad())"
         )
     return loss
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    first = text.splitlines()[0][:200] if text else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def plan_model_path(

@@ -16,119 +16,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from hplan.runtime.capture.trace import TracedModel, target_name
+from hplan.runtime.capture.cuts import MISMATCH, node_units, replicable_nodes
+from hplan.runtime.capture.trace import TracedModel
 from hplan.runtime.contract.errors import PlanMismatchError
 from hplan.runtime.contract.plan import UnitSpec
-
-_RANDOM_WORDS = (
-    "rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential",
-    "poisson", "geometric", "cauchy", "random",
-)  # fmt: skip
-_MISMATCH = "the model's graph differs from the plan; re-run `hplan solve`"
-
-
-def replicable_nodes(gm: torch.fx.GraphModule) -> frozenset[str]:
-    """Nodes cheap to recompute in every stage that needs them instead of sending them.
-
-    These are ``get_attr`` nodes, and ``call_function``/``call_method`` nodes whose inputs
-    are only placeholders, ``get_attr`` nodes of non-parameters, constants or other
-    replicable nodes, and that are neither random nor in-place (e.g. ``size``,
-    ``arange(idx.size(1))``, a causal mask). Their outputs never cross a cut.
-    """
-    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    found: set[str] = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            found.add(node.name)
-            continue
-        if node.op not in ("call_function", "call_method") or not _pure(node):
-            continue
-        if all(_free_input(i, found, params) for i in node.all_input_nodes):
-            found.add(node.name)
-    return frozenset(found)
-
-
-def _free_input(node: torch.fx.Node, found: set[str], params: set[str]) -> bool:
-    if node.op == "placeholder":
-        return True
-    if node.op == "get_attr":
-        return node.target not in params
-    return node.name in found
-
-
-def _pure(node: torch.fx.Node) -> bool:
-    """Neither random nor in-place (recomputing it twice gives the same value, no effect).
-
-    torch.fx's own purity test first, then name and schema checks for what it misses
-    (``call_method`` nodes, Python-level random functions).
-    """
-    if node.op == "call_function" and node.is_impure(impure_random=True):
-        return False
-    name = target_name(node.target).lower()
-    if any(word in name for word in _RANDOM_WORDS):
-        return False
-    if isinstance(node.target, torch._ops.OpOverload):
-        schema = node.target._schema
-        if schema.is_mutable or torch.Tag.nondeterministic_seeded in node.target.tags:
-            return False
-    base = name.rsplit(".", 1)[-1]
-    return not (base.endswith("_") and not base.endswith("__"))
-
-
-def crossing_values(
-    gm: torch.fx.GraphModule,
-    node_unit: Mapping[str, int],
-    cut_idx: int,
-    *,
-    replicable: frozenset[str] | None = None,
-) -> tuple[str, ...]:
-    """Names of the values that cross a boundary placed after unit ``cut_idx``.
-
-    A value crosses when it is produced in a unit ``<= cut_idx`` and read in a unit
-    ``> cut_idx`` or by the graph output (which belongs to the last unit). Placeholders
-    (delivered by the data loader to each stage) and replicable nodes are excluded.
-
-    Args:
-        node_unit: unit index of every graph node except placeholders and the output.
-        replicable: ``replicable_nodes(gm)`` if already computed.
-
-    Returns:
-        Node names in graph order.
-    """
-    replicable = replicable_nodes(gm) if replicable is None else replicable
-    last_unit = max(node_unit.values(), default=0)
-    crossing = []
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output") or node.name in replicable:
-            continue
-        if node_unit[node.name] > cut_idx:
-            continue
-        readers = (last_unit if u.op == "output" else node_unit[u.name] for u in node.users)
-        if any(r > cut_idx for r in readers):
-            crossing.append(node.name)
-    return tuple(crossing)
-
-
-def node_units(gm: torch.fx.GraphModule, units: Sequence[UnitSpec]) -> dict[str, int]:
-    """Unit index of every graph node (placeholders and output excluded).
-
-    Raises:
-        PlanMismatchError: a unit lists a node the graph lacks or lists a node twice, or a
-            graph node belongs to no unit.
-    """
-    names = {n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
-    node_unit: dict[str, int] = {}
-    for idx, unit in enumerate(units):
-        for name in unit.nodes:
-            if name not in names:
-                raise PlanMismatchError(f"unit {unit.name!r} lists node {name!r}; {_MISMATCH}")
-            if name in node_unit:
-                raise PlanMismatchError(f"node {name!r} is in two units; {_MISMATCH}")
-            node_unit[name] = idx
-    orphans = sorted(names - set(node_unit))
-    if orphans:
-        raise PlanMismatchError(f"graph node {orphans[0]!r} belongs to no unit; {_MISMATCH}")
-    return node_unit
 
 
 class StageModule(nn.Module):
@@ -244,7 +135,7 @@ def build_stage(
     index = {u.name: i for i, u in enumerate(units)}
     unknown = [u for u in stage_units if u not in index]
     if unknown:
-        raise PlanMismatchError(f"stage unit {unknown[0]!r} is not a unit; {_MISMATCH}")
+        raise PlanMismatchError(f"stage unit {unknown[0]!r} is not a unit; {MISMATCH}")
     owned_idx = {index[u] for u in stage_units}
     is_last = len(units) - 1 in owned_idx
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -279,9 +170,9 @@ def _check_names(
 ) -> None:
     for name in names:
         if name not in nodes or nodes[name].op == "output":
-            raise PlanMismatchError(f"the stage {verb} {name!r}, not a graph node; {_MISMATCH}")
+            raise PlanMismatchError(f"the stage {verb} {name!r}, not a graph node; {MISMATCH}")
         if node_unit.get(name) in owned_idx:
-            raise PlanMismatchError(f"the stage {verb} {name!r}, which it computes; {_MISMATCH}")
+            raise PlanMismatchError(f"the stage {verb} {name!r}, which it computes; {MISMATCH}")
 
 
 def _closure(
@@ -310,7 +201,7 @@ def _closure(
                 continue
             raise PlanMismatchError(
                 f"the stage needs {inp.name!r} (from unit index {node_unit[inp.name]}) but "
-                f"does not receive it; {_MISMATCH}"
+                f"does not receive it; {MISMATCH}"
             )
     return keep
 

@@ -46,7 +46,7 @@ from hplan.runtime.capture.trace_notes import (
     given_message,
     kept_whole_notes,
 )
-from hplan.runtime.contract.errors import ModelFileError, TraceError
+from hplan.runtime.contract.errors import ModelFileError, TraceError, one_line
 from hplan.runtime.contract.plan import TraceMethod
 
 __all__ = [
@@ -64,7 +64,10 @@ CONTAINER_CLASSES = frozenset(
 )
 _MAX_AUTO_LEAVES = 16
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_HPLAN_DIR = str(Path(__file__).resolve().parent)
+_RUNTIME_DIR = Path(__file__).resolve().parents[1]
+_LIBRARY_DIRS = (_TORCH_DIR, str(_RUNTIME_DIR), str(_RUNTIME_DIR.parent / "planner"))
+"""Frames in these folders are not the user's (hplan's two packages are siblings, in a
+checkout and in an installed wheel alike)."""
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,7 @@ def trace_model(
     try:
         gm = export_graph(context.model, context.fed, context.constants)
     except Exception as exc:
-        export_error = _one_line(exc)
+        export_error = one_line(exc)
     else:
         ignored = " (it ignores LEAF_MODULES)" if leaves else ""
         notes = [f"{failed}; used torch.export instead{ignored}"]
@@ -327,19 +330,13 @@ def _user_location(exc: BaseException) -> str:
     frames = [
         f
         for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.startswith((_TORCH_DIR, _HPLAN_DIR)) and "<" not in f.filename
+        if "<" not in f.filename and not str(Path(f.filename).resolve()).startswith(_LIBRARY_DIRS)
     ]
     if not frames:
         return UNKNOWN_LINE
     frame = frames[-1]
     code = f" `{frame.line.strip()}`" if frame.line else ""
     return f"{frame.filename}:{frame.lineno}{code}"
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first[:200]}"
 
 
 def _eager_reference(context: _Context) -> Any:
@@ -349,7 +346,7 @@ def _eager_reference(context: _Context) -> Any:
     except Exception as exc:
         const = [n for n, v in context.constants.items() if v is not None]
         raise TraceError(
-            f"{type(context.model).__name__}.forward raised {_one_line(exc)} at "
+            f"{type(context.model).__name__}.forward raised {one_line(exc)} at "
             f"{_user_location(exc)} with inputs ({', '.join(context.fed)}) fed and "
             f"({', '.join(const) or 'no others'}) set; feed a combination forward supports "
             "from sample_batch"
@@ -392,7 +389,7 @@ def _symbolic(context: _Context, leaves: Sequence[str]) -> torch.fx.GraphModule:
             warnings.simplefilter("ignore")
             graph = tracer.trace(context.model, concrete_args=context.constants)
     except Exception as exc:
-        failure = Failure(tracer.failed_module or "", _user_location(exc), _one_line(exc))
+        failure = Failure(tracer.failed_module or "", _user_location(exc), one_line(exc))
         raise _SymbolicFailure(failure) from exc
     gm = torch.fx.GraphModule(tracer.root, graph, type(context.model).__name__)
     _drop_unfed_placeholders(gm, set(context.fed))
@@ -455,7 +452,7 @@ def _trace_given(
     except TraceError:
         raise
     except Exception as exc:
-        raise TraceError(given_message(method, _one_line(exc))) from None
+        raise TraceError(given_message(method, one_line(exc))) from None
     is_meta = any(getattr(v, "is_meta", False) for v in context.fed.values())
     reference = None if is_meta else _eager_reference(context)
     chain = module_chain(context.model, context.fed, leaves, reference)

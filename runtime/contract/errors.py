@@ -88,3 +88,25 @@ class RehearsalChildError(HplanError):
 class Terminated(SystemExit):
     """Raised by hplan's own SIGTERM handler (code 128 + signal), so that code catching a
     model file's ``sys.exit`` can tell a termination from the model's own exit."""
+
+
+_MAX_REASON_CHARS = 200
+"""Longest first line of a foreign exception's text that a message quotes."""
+
+
+def error_reason(exc: BaseException) -> str:
+    """First line of an exception's text (at most 200 characters), or its class name.
+
+    For messages that quote what a library said: ``"Connection closed by peer"``.
+    """
+    text = str(exc).strip()
+    return text.splitlines()[0][:_MAX_REASON_CHARS] if text else type(exc).__name__
+
+
+def one_line(exc: BaseException) -> str:
+    """``"TypeName: first line of the message"`` (at most 200 characters of it); the class
+    name alone when the message is empty. For messages that quote a user's exception."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {text.splitlines()[0][:_MAX_REASON_CHARS]}"

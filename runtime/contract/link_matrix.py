@@ -32,6 +32,7 @@ from typing import Final, Literal
 from pydantic import TypeAdapter
 
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.link_model import least_squares_alpha_beta
 from hplan.runtime.contract.versioned_file import parse_versioned, record
 
 BANDWIDTH_SCHEMA_VERSION: Final = 1
@@ -322,7 +323,7 @@ def fit_alpha_beta(sizes: Sequence[SizeSamples]) -> AlphaBetaFit:
         raise ValueError(f"an alpha-beta fit needs two distinct message sizes, got {sorted(xs)}")
     if min(ys) <= 0:
         raise ValueError(f"every median time must be > 0, got {min(ys)}")
-    slope, intercept = _least_squares_line(xs, ys)
+    intercept, slope = least_squares_alpha_beta(xs, ys)
     r_squared = _r_squared(xs, ys, slope, intercept)
     smallest = min(sizes, key=lambda s: s.num_bytes)
     smallest_s = min(ys)
@@ -339,15 +340,6 @@ def fit_alpha_beta(sizes: Sequence[SizeSamples]) -> AlphaBetaFit:
         bandwidth_bytes_per_s=1.0 / slope,
         r_squared=r_squared,
     )
-
-
-def _least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Slope and intercept minimising ``sum((y - a - b x)^2)``."""
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
-    slope = sxy / sxx
-    return slope, mean_y - slope * mean_x
 
 
 def _r_squared(xs: Sequence[float], ys: Sequence[float], slope: float, intercept: float) -> float:

@@ -1,14 +1,73 @@
-"""Closed-form times of collectives, shared by the runtime's emulation and the planner.
+"""The link model: how long a transfer and an all-reduce take, in one place.
 
-Torch-free on purpose: the planner's cost model and step simulator import it without
-pulling in torch.distributed.
+The planner's cost model (``cost/evaluate.py``), its step simulator (``sim/engine.py``) and
+the rehearsal's link emulation all time transfers with :func:`transfer_time_s` (queued one
+after another on a link direction by :class:`LinkQueue`) and all-reduces with
+:func:`ring_all_reduce_time_s` over :func:`group_ring_time_s`'s slowest link; the link
+matrix measurement and the study importer fit the same latency + bytes / bandwidth line
+with :func:`least_squares_alpha_beta`.
+
+Torch-free on purpose: the planner imports it without pulling in torch.distributed.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["ring_all_reduce_time_s", "sync_order"]
+from hplan.runtime.contract.plan import Plan
+
+__all__ = [
+    "LinkQueue",
+    "QueuedTransfer",
+    "group_ring_time_s",
+    "least_squares_alpha_beta",
+    "ring_all_reduce_time_s",
+    "sync_order",
+    "transfer_time_s",
+    "wire_time_s",
+]
+
+
+def wire_time_s(num_bytes: float, bandwidth_bytes_per_s: float) -> float:
+    """Seconds ``num_bytes`` occupy a link of ``bandwidth_bytes_per_s``: bytes / bandwidth."""
+    return num_bytes / bandwidth_bytes_per_s
+
+
+def transfer_time_s(num_bytes: float, bandwidth_bytes_per_s: float, latency_s: float) -> float:
+    """Alpha-beta time of one message: ``latency + bytes / bandwidth`` (Hockney, "The
+    communication challenge for MPP: Intel Paragon and Meiko CS-2", Parallel Computing
+    1994)."""
+    return latency_s + wire_time_s(num_bytes, bandwidth_bytes_per_s)
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedTransfer:
+    """When a queued message took its link and when it arrived (seconds)."""
+
+    start_s: float
+    """It waited for the messages before it on the link until then."""
+    wire_end_s: float
+    """Its last byte left: ``start_s + bytes / bandwidth``; the link is free again."""
+    arrival_s: float
+    """Its last byte arrived: ``wire_end_s + latency``."""
+
+
+@dataclass
+class LinkQueue:
+    """One direction of a link: messages occupy it one after another (alpha-beta each)."""
+
+    busy_until_s: float = 0.0
+
+    def send(
+        self, now_s: float, num_bytes: float, bandwidth_bytes_per_s: float, latency_s: float
+    ) -> QueuedTransfer:
+        """Queue a message sent at ``now_s``; the link is busy until its last byte left."""
+        start_s = max(now_s, self.busy_until_s)
+        wire_end_s = start_s + wire_time_s(num_bytes, bandwidth_bytes_per_s)
+        self.busy_until_s = wire_end_s
+        return QueuedTransfer(start_s, wire_end_s, wire_end_s + latency_s)
 
 
 def sync_order(ranks: Sequence[int]) -> tuple[int, tuple[int, ...]]:
@@ -37,3 +96,52 @@ def ring_all_reduce_time_s(
         return 0.0
     steps = 2 * (num_ranks - 1)
     return steps / num_ranks * num_bytes / bandwidth_bytes_per_s + steps * latency_s
+
+
+def group_ring_time_s(plan: Plan, ranks: Sequence[int], num_bytes: float) -> float:
+    """Ring all-reduce time of ``num_bytes`` among ``ranks`` of ``plan``, on the plan's
+    hardware: over their slowest link, no faster than their nodes' measured all-reduce
+    (``Plan.ring_channel``); 0 for fewer than two ranks."""
+    if len(ranks) < 2:
+        return 0.0
+    bandwidth, latency = plan.ring_channel([plan.ranks[r].device for r in ranks])
+    return ring_all_reduce_time_s(len(ranks), num_bytes, bandwidth, latency)
+
+
+def least_squares_alpha_beta(
+    sizes_bytes: Sequence[float], times_s: Sequence[float], *, relative: bool = False
+) -> tuple[float, float]:
+    """The line ``time_s = latency_s + seconds_per_byte * num_bytes`` closest to the points.
+
+    Args:
+        sizes_bytes: message sizes, at least two distinct.
+        times_s: their times (> 0 when ``relative``).
+        relative: minimise relative errors (``sum(((y - line) / y)^2)``: every size counts
+            alike over decades of sizes) instead of absolute ones (the large messages,
+            whose times are mostly bytes, decide the slope).
+
+    Returns:
+        ``(latency_s, seconds_per_byte)`` of the least-squares line (either may be <= 0;
+        the callers decide what a line that does not resolve means).
+
+    Raises:
+        ValueError: fewer than two distinct sizes, lengths that differ, or a time <= 0
+            with ``relative``.
+    """
+    if len(sizes_bytes) != len(times_s) or len(set(sizes_bytes)) < 2:
+        raise ValueError(
+            f"a latency-bandwidth line needs two distinct sizes with one time each, got "
+            f"{len(set(sizes_bytes))} sizes and {len(times_s)} times"
+        )
+    if relative and min(times_s) <= 0:
+        raise ValueError(f"relative errors need times > 0, got {min(times_s)}")
+    weights = [1.0 / (y * y) for y in times_s] if relative else None
+    mean_x = statistics.fmean(sizes_bytes, weights)
+    mean_y = statistics.fmean(times_s, weights)
+    w = weights or [1.0] * len(times_s)
+    sxx = sum(wi * (x - mean_x) ** 2 for wi, x in zip(w, sizes_bytes, strict=True))
+    sxy = sum(
+        wi * (x - mean_x) * (y - mean_y) for wi, x, y in zip(w, sizes_bytes, times_s, strict=True)
+    )
+    slope = sxy / sxx
+    return mean_y - slope * mean_x, slope

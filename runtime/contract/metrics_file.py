@@ -17,23 +17,18 @@ wall-clock seconds measured on that rank; they split the step as
 - ``other_time_s``: the rest (data loading, Python overhead).
 
 ``peak_memory_bytes``: ``torch.cuda.max_memory_allocated`` on a GPU; on CPU the resident-set
-peak of the process (``ru_maxrss``), which includes the Python interpreter and torch.
+peak of the process (``ru_maxrss``), which includes the Python interpreter and torch
+(measured by ``hplan.runtime.executor.seams.peak_memory_bytes``). This module needs no torch.
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import statistics
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from hplan.runtime.contract.errors import ConfigError
-
-_KIB_BYTES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +53,6 @@ class StepMetrics:
     peak_memory_bytes: int
     forward_time_s: float = 0.0
     """The forward part of ``compute_time_s`` (0: not recorded)."""
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process so far: CUDA allocator peak, or CPU resident-set peak."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports kibibytes, macOS bytes.
-    return int(peak if sys.platform == "darwin" else peak * _KIB_BYTES)
 
 
 def metrics_path(metrics_dir: Path, rank: int) -> Path:

@@ -9,7 +9,7 @@ Communication is implied by the actions: the forward of micro-batch ``m`` on sta
 receives what stage ``s - 1`` sent after its forward of ``m``; the backward of ``m`` on
 stage ``s < last`` receives the gradient that stage ``s + 1`` sent after its backward of
 ``m``. Sends are asynchronous (posted, then completed later), receives block.
-:func:`simulate` executes a schedule under exactly these rules and proves that every
+:func:`dry_run` executes a schedule under exactly these rules and proves that every
 receive is matched by a send and that no stage waits forever.
 
 The shapes follow the 1F1B schedule of PipeDream-Flush (Narayanan et al., "Memory-Efficient
@@ -43,6 +43,11 @@ class Action:
 
     def __str__(self) -> str:
         return f"s{self.stage}.{self.kind.value}.mb{self.microbatch}"
+
+    def pipelining_notation(self) -> str:
+        """The action in ``torch.distributed.pipelining``'s notation: ``1F3`` is stage 1's
+        forward of micro-batch 3, ``1B3`` its full backward (``_Action``'s text form)."""
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
 
     @staticmethod
     def parse(text: str) -> Action:
@@ -171,7 +176,7 @@ class Transfer:
 
 
 @dataclass(frozen=True, slots=True)
-class SimulationResult:
+class DryRun:
     """What the dry run saw."""
 
     rounds: tuple[tuple[Action, ...], ...]
@@ -200,7 +205,7 @@ def receives_of(action: Action, num_stages: int) -> Transfer | None:
     return None
 
 
-def simulate(stages: Sequence[Sequence[Action]]) -> SimulationResult:
+def dry_run(stages: Sequence[Sequence[Action]]) -> DryRun:
     """Dry-run a schedule: pair every send with its receive and prove there is no deadlock.
 
     Rules (those of the runtime): an action runs once the message it receives has been
@@ -236,7 +241,7 @@ def simulate(stages: Sequence[Sequence[Action]]) -> SimulationResult:
         rounds.append(tuple(ready))
     if posted:
         raise ValueError(f"sends never received: {', '.join(str(t) for t in posted)}")
-    return SimulationResult(tuple(rounds), tuple(pairs), tuple(max_in_flight))
+    return DryRun(tuple(rounds), tuple(pairs), tuple(max_in_flight))
 
 
 def _is_ready(action: Action, num_stages: int, posted: dict[Transfer, None]) -> bool:

@@ -35,6 +35,7 @@ from typing import Any
 
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.quantities import US_PER_S
 
 COMPUTE = "compute"
 SEND_NEXT = "send to next stage"
@@ -43,8 +44,6 @@ ALL_REDUCE = "all-reduce"
 WAIT = "wait"
 TRACKS: tuple[str, ...] = (COMPUTE, SEND_NEXT, SEND_PREVIOUS, ALL_REDUCE, WAIT)
 """Tracks in display order; an event on another track gets the next free thread id."""
-
-_US_PER_S = 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +183,8 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 
 
 def _span(event: TimelineEvent, tid: int) -> dict[str, Any]:
-    start_us = event.start_s * _US_PER_S
-    dur_us = max(0.0, event.end_s - event.start_s) * _US_PER_S
+    start_us = event.start_s * US_PER_S
+    dur_us = max(0.0, event.end_s - event.start_s) * US_PER_S
     return {
         "name": event.name,
         "cat": event.track,

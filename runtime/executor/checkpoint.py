@@ -12,24 +12,36 @@ whatever plan wrote them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from hplan.runtime.capture.stage import StageModule
 from hplan.runtime.contract.errors import PlanMismatchError
-from hplan.runtime.executor.grad_sync import buffer_holders, parameter_holders
-
-if TYPE_CHECKING:
-    from hplan.runtime.executor.worker import RankState
+from hplan.runtime.contract.holders import buffer_holders, parameter_holders
+from hplan.runtime.contract.plan import Plan
 
 _LATEST = "latest"
 
 
+@dataclass(frozen=True)
+class TrainState:
+    """What a checkpoint saves and restores of one rank."""
+
+    plan: Plan
+    rank: int
+    stage: StageModule
+    params: Sequence[tuple[str, nn.Parameter]]
+    """The stage's parameters by canonical name."""
+    optimizer: torch.optim.Optimizer
+
+
 def save_checkpoint(
-    state: RankState, directory: Path, steps_done: int, barrier: Callable[[], None]
+    state: TrainState, directory: Path, steps_done: int, barrier: Callable[[], None]
 ) -> None:
     """Save every parameter and buffer once, by canonical name, plus its optimizer state.
 
@@ -37,7 +49,7 @@ def save_checkpoint(
     then writes ``<dir>/latest``. A checkpoint written under one plan loads under any other
     plan of the same model (names, not ranks, are the keys). Collective: every rank calls it.
     """
-    rank = state.rank_plan.rank
+    rank = state.rank
     step_dir = directory / f"step-{steps_done}"
     if rank == 0:
         step_dir.mkdir(parents=True, exist_ok=True)
@@ -60,13 +72,13 @@ def save_checkpoint(
         (directory / _LATEST).write_text(step_dir.name + "\n", encoding="utf-8")
 
 
-def _param_names_in_optimizer_order(state: RankState) -> list[str]:
+def _param_names_in_optimizer_order(state: TrainState) -> list[str]:
     """Canonical names in the order of ``optimizer.state_dict()``'s parameter indices."""
     names = {id(p): n for n, p in state.params}
     return [names[id(p)] for group in state.optimizer.param_groups for p in group["params"]]
 
 
-def _optimizer_state_by_name(state: RankState) -> dict[str, dict[str, Any]]:
+def _optimizer_state_by_name(state: TrainState) -> dict[str, dict[str, Any]]:
     order = _param_names_in_optimizer_order(state)
     saved = state.optimizer.state_dict()["state"]
     return {
@@ -75,7 +87,7 @@ def _optimizer_state_by_name(state: RankState) -> dict[str, dict[str, Any]]:
     }
 
 
-def load_checkpoint(state: RankState, directory: Path) -> int:
+def load_checkpoint(state: TrainState, directory: Path) -> int:
     """Load the latest checkpoint in ``directory`` if there is one; return its step count.
 
     Optimizer state goes through ``Optimizer.load_state_dict``, which places each value on

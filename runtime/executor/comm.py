@@ -12,7 +12,7 @@ unchanged whatever the backend supports (``bool``, ``bfloat16``, ``int64`` ...).
 tensors whose spec says ``requires_grad`` get a gradient sent back. Sends are posted with
 ``isend`` and completed at the end of the step (:meth:`StageComm.wait_sends`), receives with
 ``irecv`` and waited when their action runs, so the 1F1B pattern cannot deadlock (see
-``hplan.runtime.contract.schedule.simulate``). With gloo (``StageComm.post_ahead``) the receive of the
+``hplan.runtime.contract.schedule.dry_run``). With gloo (``StageComm.post_ahead``) the receive of the
 next action is posted when the current one starts (:meth:`StageComm.post_activations_recv`,
 :meth:`StageComm.post_grads_recv`): gloo hands a message over only once its receive is
 posted, which costs a round trip of the two processes' wake-ups (on this project's 2-core
@@ -21,11 +21,10 @@ earlier), and a receive posted ahead takes the bytes in while this rank computes
 keeps program order (a receive posted early on a pair's stream would block the sends
 behind it).
 
-Emulation (rehearsal): when a link model is given, the sender first sends a small header
-with the time the data may be used (``now + scale * (latency + bytes / bandwidth)``, after
-the previous transfer on the same link has drained); the receiver waits until then. The
-sender is never blocked by the emulated delay. Both processes run on one machine, so
-``time.monotonic`` is a shared clock.
+Link delay (``seams.LinkDelay``; a rehearsal's emulated links): when the delay covers the
+peer, the sender first sends a small header with the time the data may be used, and the
+receiver, once the bytes are in, waits until then (``LinkDelay.hold_until``). The sender is
+never blocked by the delay. Without one (real runs) no header travels.
 """
 
 from __future__ import annotations
@@ -38,8 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hplan.runtime.contract.errors import PeerFailureError, PlanMismatchError
+from hplan.runtime.contract.errors import PeerFailureError, PlanMismatchError, error_reason
 from hplan.runtime.contract.plan import TensorSpec
+from hplan.runtime.executor.seams import LinkDelay, NoLinkDelay
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -140,27 +140,6 @@ def from_wire(buffer: Tensor, spec: TensorSpec, micro_batch_size: int) -> Tensor
     return buffer.view(torch_dtype(spec.dtype)).reshape(spec.shape_for(micro_batch_size))
 
 
-@dataclass
-class EmulatedLink:
-    """Alpha-beta model of one direction of a link, in emulated (scaled) seconds.
-
-    ``ready_at = max(now, busy_until) + scale * bytes / bandwidth + scale * latency``:
-    transfers on one link queue behind each other (alpha-beta model, e.g. Hockney 1994).
-    """
-
-    latency_s: float
-    bandwidth_bytes_per_s: float
-    time_scale: float
-    """Emulated seconds per real second of the plan's hardware."""
-    busy_until_s: float = 0.0
-
-    def ready_time_s(self, now_s: float, nbytes: int) -> float:
-        """Monotonic time at which ``nbytes`` sent at ``now_s`` may be used by the receiver."""
-        start_s = max(now_s, self.busy_until_s)
-        self.busy_until_s = start_s + self.time_scale * nbytes / self.bandwidth_bytes_per_s
-        return self.busy_until_s + self.time_scale * self.latency_s
-
-
 @dataclass(frozen=True)
 class Boundary:
     """One side of a cut as seen from this rank."""
@@ -189,8 +168,8 @@ class StageComm:
     device: torch.device
     prev: Boundary | None
     next: Boundary | None
-    links: Mapping[int, EmulatedLink] = field(default_factory=dict)
-    """Emulated links keyed by peer rank (empty: no emulation)."""
+    delay: LinkDelay = field(default_factory=NoLinkDelay)
+    """How long transfers must seem to take (``seams.LinkDelay``; default: as they are)."""
     post_ahead: bool = False
     """Receives may be posted before their action runs (gloo; see the module docstring)."""
     times: CommTimes = field(default_factory=CommTimes)
@@ -288,12 +267,11 @@ class StageComm:
             return
         start_s = time.monotonic()
         wires = [to_wire(t) for t in tensors]
-        link = self.links.get(side.peer_rank)
         tags = _tags(mb_idx, len(wires))
         label = f"{what} of micro-batch {mb_idx} ({side.label})"
-        if link is not None:
+        if self.delay.delays(side.peer_rank):
             nbytes = sum(w.numel() for w in wires)
-            ready_s = link.ready_time_s(time.monotonic(), nbytes)
+            ready_s = self.delay.ready_time_s(side.peer_rank, time.monotonic(), nbytes)
             header = torch.tensor([ready_s], dtype=torch.float64, device=self.device)
             wires = [header, *wires]
         else:
@@ -319,7 +297,7 @@ class StageComm:
         label = f"{what} of micro-batch {mb_idx} ({side.label})"
         buffers = [wire_buffer(spec, mb_size, self.device) for spec in specs]
         tags = _tags(mb_idx, len(buffers))
-        emulated = bool(specs) and side.peer_rank in self.links
+        emulated = bool(specs) and self.delay.delays(side.peer_rank)
         if emulated:
             buffers = [torch.zeros(1, dtype=torch.float64, device=self.device), *buffers]
         else:
@@ -346,9 +324,7 @@ class StageComm:
         buffers = posted.buffers
         if posted.emulated:
             header, buffers = buffers[0], buffers[1:]
-            delay_s = float(header.item()) - arrived_s
-            if delay_s > 0:
-                time.sleep(delay_s)
+            self.delay.hold_until(float(header.item()))
             self.times.p2p_s += time.monotonic() - arrived_s
         return {
             spec.name: from_wire(buf, spec, posted.mb_size).clone()
@@ -396,12 +372,6 @@ def _wait(work: dist.Work, rank: int, peer: int, what: str) -> None:
         work.wait()
     except RuntimeError as exc:
         raise _peer_failure(rank, peer, what, exc) from None
-
-
-def error_reason(exc: BaseException) -> str:
-    """First line of an exception's text (at most 200 characters), or its class name."""
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def _peer_failure(rank: int, peer: int, what: str, exc: BaseException) -> PeerFailureError:

@@ -18,19 +18,17 @@ back, so bf16 models work on gloo without loss of precision in the sum.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hplan.runtime.contract.errors import PeerFailureError, PlanMismatchError
-from hplan.runtime.contract.link_model import ring_all_reduce_time_s, sync_order
+from hplan.runtime.contract.errors import PeerFailureError, PlanMismatchError, error_reason
+from hplan.runtime.contract.holders import RankSet, holder_sets, parameter_holders
 from hplan.runtime.contract.plan import Plan
-from hplan.runtime.executor.comm import error_reason
-
-RankSet = tuple[int, ...]
+from hplan.runtime.executor.seams import LinkDelay
 
 
 def loss_weight(mb_samples: int, global_batch_size: int) -> float:
@@ -41,41 +39,6 @@ def loss_weight(mb_samples: int, global_batch_size: int) -> float:
     """
     assert 0 < mb_samples <= global_batch_size
     return mb_samples / global_batch_size
-
-
-def parameter_holders(plan: Plan) -> dict[str, RankSet]:
-    """Canonical parameter name -> sorted ranks whose units use it."""
-    return _holders(plan, lambda unit_name: plan.unit(unit_name).params)
-
-
-def buffer_holders(plan: Plan) -> dict[str, RankSet]:
-    """Canonical buffer name -> sorted ranks whose units read it."""
-    return _holders(plan, lambda unit_name: plan.unit(unit_name).buffers)
-
-
-def _holders(plan: Plan, names_of: Callable[[str], Sequence[str]]) -> dict[str, RankSet]:
-    found: dict[str, set[int]] = {}
-    for rank in plan.ranks:
-        for unit_name in rank.units:
-            for name in names_of(unit_name):
-                found.setdefault(name, set()).add(rank.rank)
-    return {name: tuple(sorted(ranks)) for name, ranks in sorted(found.items())}
-
-
-def holder_sets(plan: Plan) -> tuple[RankSet, ...]:
-    """Distinct holder sets of more than one rank: the process groups to create, in the
-    order every rank all-reduces them (``collectives.sync_order``)."""
-    holders = {ranks for ranks in parameter_holders(plan).values() if len(ranks) > 1}
-    return tuple(sorted(holders, key=sync_order))
-
-
-def group_ring_time_s(plan: Plan, ranks: RankSet, nbytes: int) -> float:
-    """Ring all-reduce time over the slowest link among ``ranks``' devices (plan hardware)."""
-    devices = [plan.ranks[r].device for r in ranks]
-    if len(devices) < 2:
-        return 0.0
-    bandwidth, latency = plan.ring_channel(devices)
-    return ring_all_reduce_time_s(len(ranks), nbytes, bandwidth, latency)
 
 
 def check_stage_parameters(plan: Plan, rank: int, names: Sequence[str]) -> None:
@@ -105,8 +68,8 @@ class GradBucket:
     group: dist.ProcessGroup
     params: list[tuple[str, nn.Parameter]]
     min_time_s: float
-    """Emulated all-reduce time, counted from the last holder's arrival (0 without
-    emulation)."""
+    """Least all-reduce time, counted from the last holder's arrival (the run's
+    ``LinkDelay.all_reduce_floor_s``; 0: the real all-reduce alone)."""
 
     def all_reduce(self) -> None:
         """Sum the bucket's gradients over its holder set (float32 for half types).
@@ -169,7 +132,7 @@ def build_buckets(
     rank: int,
     named_params: Sequence[tuple[str, nn.Parameter]],
     *,
-    time_scale: float = 0.0,
+    delay: LinkDelay | None = None,
 ) -> list[GradBucket]:
     """Create every holder-set process group (on all ranks) and this rank's buckets.
 
@@ -178,7 +141,8 @@ def build_buckets(
 
     Args:
         named_params: this rank's stage parameters by canonical name.
-        time_scale: emulated seconds per second of plan hardware (0: no emulation).
+        delay: the run's link delay (``seams.LinkDelay``): each bucket lasts at least its
+            ``all_reduce_floor_s``; None: the real all-reduce alone.
 
     Raises:
         PlanMismatchError: the stage's parameters differ from the plan's (see
@@ -195,7 +159,7 @@ def build_buckets(
         if not params:
             continue
         nbytes = sum(p.numel() * _wire_dtype([p.dtype]).itemsize for _, p in params)
-        min_time_s = time_scale * group_ring_time_s(plan, ranks, nbytes) if time_scale else 0.0
+        min_time_s = 0.0 if delay is None else delay.all_reduce_floor_s(ranks, nbytes)
         assert group is not None
         buckets.append(GradBucket(ranks, group, params, min_time_s))
     return buckets

@@ -1,17 +1,20 @@
 """Joining a plan's job: which rank this process is, whether this machine can run it, and
-the rendezvous of all ranks.
+the rendezvous of all ranks, through torch's ``env://`` rendezvous.
 
-The ranks rendezvous through a TCP store that rank 0 hosts at ``<master_host>:<port>``
-(the caller passes ``master_port + 1``: torchrun's own rendezvous store listens on
-``master_port``). The store is made here rather than by ``init_method="tcp://..."``:
-under torchrun that would look for torchrun's agent store instead
-(``TORCHELASTIC_USE_AGENT_STORE``) and every rank would wait for a server that never
-starts. Ranks other than 0 first wait, quietly, for the store's port to accept
-connections: torch's store client logs a C++ stack trace for every attempt that times out.
+Under torchrun (the launch scripts) the ranks meet in torchrun's own store, at
+``MASTER_ADDR:MASTER_PORT`` (the plan's master host and port): no second port is opened.
+torchrun numbers the ranks node by node in node-rank order, as the plan does, and
+:func:`check_torchrun_rank` checks that the rank and local rank it gave this process are
+the ones the plan runs here. Without torchrun (``--rank R``, a rehearsal's local ranks)
+rank 0 hosts the store at the plan's master host and port (``MASTER_ADDR`` /
+``MASTER_PORT`` or ``--master-port`` override them); the other ranks first wait, quietly,
+for its port to accept connections: torch's store client logs a C++ stack trace for every
+attempt that times out.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -20,23 +23,115 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hplan.runtime.contract.errors import ConfigError, EnvironmentProblemError, PeerFailureError
+from hplan.runtime.contract.errors import (
+    ConfigError,
+    EnvironmentProblemError,
+    PeerFailureError,
+    error_reason,
+)
 from hplan.runtime.contract.plan import Plan, RankPlan
-from hplan.runtime.executor.comm import error_reason
 
 _CONNECT_TIMEOUT_S = 2.0
 _CONNECT_RETRY_S = 0.2
+_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set to ``True`` by torchrun for its workers: ``env://`` then uses torchrun's store."""
+
+
+def under_torchrun() -> bool:
+    """True when torchrun started this process (its workers rendezvous in its store)."""
+    return os.environ.get(_AGENT_STORE_ENV, "").strip().lower() in ("1", "true")
+
+
+def check_torchrun_rank(plan: Plan, rank: int) -> None:
+    """Check that torchrun's ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` are the plan's.
+
+    torchrun numbers the ranks node by node, in the order of ``--node-rank``, as the plan
+    numbers them; a node started with another node's script or node rank, or another
+    ``--nproc-per-node``, gets other numbers, and its ranks would exchange the wrong
+    tensors with the wrong peers.
+
+    Raises:
+        ConfigError: naming the numbers torchrun gave and those the plan has.
+    """
+    rank_plan = plan.ranks[rank]
+    given = {
+        name: os.environ.get(name, "").strip() for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    }
+    expected = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank_plan.local_rank),
+        "WORLD_SIZE": str(plan.world_size),
+    }
+    wrong = [name for name in expected if given[name] != expected[name]]
+    if not wrong:
+        return
+    said = ", ".join(f"{name}={given[name] or 'unset'}" for name in wrong)
+    want = ", ".join(f"{name}={expected[name]}" for name in wrong)
+    raise ConfigError(
+        f"torchrun gave this process {said}, but the plan runs node {rank_plan.node!r} local "
+        f"rank {rank_plan.local_rank} as {want}; start every node with its own launch script "
+        "(launch/node-<node>.sh sets the node rank and process count the plan needs)"
+    )
+
+
+def join_process_group(
+    *, backend: str, rank: int, world_size: int, host: str, port: int, timeout_s: float,
+    job: str = "job",
+) -> None:  # fmt: skip
+    """``dist.init_process_group`` through ``env://`` at ``host:port``.
+
+    Under torchrun, its store (``MASTER_ADDR``/``MASTER_PORT``, which the caller passes);
+    otherwise rank 0 hosts the store and the other ranks wait quietly for its port first.
+
+    Raises:
+        PeerFailureError: the other ranks did not join within ``timeout_s``; names ``job``.
+    """
+    os.environ["MASTER_ADDR"] = host
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        if rank != 0 and not under_torchrun():
+            _wait_for_port(host, port, timeout_s)
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        raise PeerFailureError(
+            f"rank {rank} could not join the {world_size}-rank {job} at {host}:{port}: "
+            f"{error_reason(exc)}; check that every node started and that the port is reachable"
+        ) from None
+
+
+def rendezvous_address(plan: Plan, *, host: str | None, port: int | None) -> tuple[str, int]:
+    """Where the ranks meet: torchrun's store under torchrun; else ``host``/``port`` if given,
+    else ``MASTER_ADDR``/``MASTER_PORT`` if set, else the plan's master host and port."""
+    training = plan.training
+    if under_torchrun():
+        return os.environ.get("MASTER_ADDR", training.master_host), int(
+            os.environ.get("MASTER_PORT", training.master_port)
+        )
+    env_port = os.environ.get("MASTER_PORT", "").strip()
+    return (
+        host or os.environ.get("MASTER_ADDR") or training.master_host,
+        port if port is not None else int(env_port) if env_port.isdigit() else training.master_port,
+    )
 
 
 def join_job(plan: Plan, rank: int, *, host: str, port: int, backend: str) -> None:
-    """Join the plan's process group through the TCP store at ``host:port``.
+    """Join the plan's process group at ``host:port`` (see :func:`join_process_group`).
 
-    Rank 0 hosts the store, the others connect to it, everyone within the plan's
-    ``process_group_timeout_s``. Prints one line while waiting when there are peers.
+    Prints one line while waiting when there are peers; under torchrun, first checks the
+    ranks it gave (:func:`check_torchrun_rank`).
 
     Raises:
-        PeerFailureError: the other ranks did not join within the timeout.
+        ConfigError: torchrun's ranks are not the plan's.
+        PeerFailureError: the other ranks did not join within the plan's timeout.
     """
+    if under_torchrun():
+        check_torchrun_rank(plan, rank)
     timeout_s = plan.training.process_group_timeout_s
     if plan.world_size > 1:
         peers = plan.world_size - 1
@@ -46,21 +141,24 @@ def join_job(plan: Plan, rank: int, *, host: str, port: int, backend: str) -> No
             file=sys.stderr,
             flush=True,
         )
-    timeout = timedelta(seconds=timeout_s)
+    join_process_group(
+        backend=backend, rank=rank, world_size=plan.world_size, host=host, port=port,
+        timeout_s=timeout_s,
+    )  # fmt: skip
+
+
+def barrier(rank: int, what: str) -> None:
+    """A barrier of the whole job.
+
+    Raises:
+        PeerFailureError: a peer failed before it (names ``what``).
+    """
     try:
-        if rank != 0:
-            _wait_for_port(host, port, timeout_s)
-        store = dist.TCPStore(
-            host, port, plan.world_size, is_master=rank == 0, timeout=timeout,
-            wait_for_workers=False,
-        )  # fmt: skip
-        dist.init_process_group(
-            backend=backend, store=store, rank=rank, world_size=plan.world_size, timeout=timeout
-        )
-    except (RuntimeError, TimeoutError) as exc:
+        dist.barrier()
+    except RuntimeError as exc:
         raise PeerFailureError(
-            f"rank {rank} could not join the {plan.world_size}-rank job at {host}:{port}: "
-            f"{error_reason(exc)}; check that every node started and that the port is reachable"
+            f"rank {rank}: a peer failed before the {what}: {error_reason(exc)}; check the other "
+            "ranks' logs (one probably failed first)"
         ) from None
 
 
@@ -126,8 +224,9 @@ def rank_device(plan: Plan, rank_plan: RankPlan, override: str | None) -> torch.
 def resolve_rank(plan: Plan, *, rank: int | None, node: str | None, local_rank: str | None) -> int:
     """The plan rank of this process: ``rank`` if given, else (``node``, ``LOCAL_RANK``).
 
-    torchrun's own ``RANK`` ordering is never used: the launch scripts start one torchrun
-    per node and every process finds itself by node name and local rank.
+    The launch scripts start one torchrun per node and every process finds itself by node
+    name and local rank; under torchrun, :func:`check_torchrun_rank` then checks that
+    torchrun's own ``RANK`` agrees.
 
     Raises:
         ConfigError: no way to tell the rank, or no rank of the plan matches.

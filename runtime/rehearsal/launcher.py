@@ -1,30 +1,35 @@
-"""The rank processes of a rehearsal: start them, follow their progress, reap them.
+"""Local rank processes: started and supervised by ``torch.distributed.elastic``.
 
-Each rank runs ``python -m hplan.runtime run PLAN --rank R --emulate ...`` with one thread
-(``ChildCommand``), its output in ``<metrics_dir>/rank-<r>.log``. :func:`run_children`
-prints each step once every rank has reported it, and on the first failure or at the
-timeout kills every rank and raises one error: the failing rank's own last ``hplan run``
-line (preferring a root cause over the peer failures it causes), or the timeout.
-
-:func:`start_ranks`, :func:`supervise` and :func:`kill_all` are shared with the local link
-measurement (``bandwidth_local.py``), which differs only in its commands, its progress
-output and its messages.
+A rehearsal runs every rank of a plan on this machine (``python -m hplan.runtime.rehearsal
+PLAN --rank R --dilation D ...``, one thread each); the local link measurement runs N ranks
+of ``python -m hplan.runtime.bandwidth``. Both start them with
+``torch.distributed.elastic.multiprocessing.start_processes`` (what torchrun itself uses):
+each process gets the ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` /
+``MASTER_PORT`` that ``env://`` reads (rank 0 hosts the store on 127.0.0.1), its stderr in
+``<log>`` and its stdout in ``<log stem>.stdout.log``. :func:`supervise` polls the processes
+and calls ``on_poll`` between polls (a rehearsal prints each step once every rank has
+reported it); on the first failure torch's process context stops the others, and at the
+timeout this module does, with SIGKILL; then one error is raised: the failed rank's own
+last error line, preferring a root cause over the peer failures it causes (any rank's log
+may hold it), or the timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
+import logging
+import signal
 import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from torch.distributed.elastic.multiprocessing import start_processes
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SubprocessContext
 
 from hplan.runtime.contract.errors import (
     ConfigError,
@@ -36,8 +41,12 @@ from hplan.runtime.contract.metrics_file import StepMetrics, metrics_path, step_
 from hplan.runtime.contract.plan import Plan
 
 _POLL_S = 0.05
-_SETTLE_S = 2.0
-"""How long to wait for a root cause once only consequences of a failure are seen."""
+_ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+"""torch's process context logs every signal it sends at WARNING; a rehearsal reports
+failures in one line of its own."""
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""Signals torch's process context takes over when it starts; hplan keeps its own
+handlers (a terminated ``hplan rehearse`` stops its ranks in its ``finally`` blocks)."""
 
 
 def free_port() -> int:
@@ -47,9 +56,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def stdout_log(log: Path) -> Path:
+    """Where a rank's stdout goes: ``rank-1.log`` -> ``rank-1.stdout.log``."""
+    return log.with_suffix(".stdout.log")
+
+
 @dataclass(frozen=True)
 class ChildCommand:
-    """The ``python -m hplan.runtime run`` command line shared by every rank."""
+    """The ``python -m hplan.runtime.rehearsal`` command line shared by every rank."""
 
     plan_path: Path
     model: str
@@ -60,11 +74,11 @@ class ChildCommand:
     verify_dir: Path | None
 
     def for_rank(self, rank: int, master_port: int) -> list[str]:
-        """The command of one rank."""
+        """The arguments (after the Python interpreter) of one rank."""
         command = [
-            sys.executable, "-m", "hplan.runtime", "run", str(self.plan_path),
+            "-m", "hplan.runtime.rehearsal", str(self.plan_path),
             "--rank", str(rank), "--model", self.model, "--steps", str(self.steps),
-            "--metrics-dir", str(self.metrics_dir), "--emulate",
+            "--metrics-dir", str(self.metrics_dir),
             "--dilation", repr(self.dilation), "--time-scale", repr(self.scale),
             "--master-port", str(master_port),
         ]  # fmt: skip
@@ -99,58 +113,85 @@ def prepare_dir(metrics_dir: Path, plan: Plan) -> Path:
 def run_children(
     world_size: int, command: ChildCommand, timeout_s: float, console: Console
 ) -> None:
-    """Start every rank (a free port, one thread each), supervise, and reap them all."""
-    master_port = free_port() - 1  # the ranks join on master_port + 1
+    """Start every rank of a rehearsal (a free port, one thread each) and supervise them."""
+    master_port = free_port()
     logs = [command.metrics_dir / f"rank-{r}.log" for r in range(world_size)]
-    commands = [command.for_rank(rank, master_port) for rank in range(world_size)]
-    children: list[subprocess.Popen[bytes]] = []
-    try:
-        children = start_ranks(commands, logs)
-        progress = _Progress(command.metrics_dir, world_size, console)
-        supervise(
-            children,
-            logs,
-            timeout_s,
-            on_poll=progress.poll,
-            is_error_line=lambda line: line.startswith("hplan run"),
-            failure=lambda rank, code, line: RehearsalChildError(
-                f"rank {rank} failed (exit {code}): {line} (full log: {logs[rank]})", code
-            ),
-            timeout=lambda running: PeerFailureError(
-                f"rehearsal timed out after {timeout_s:.0f} s with ranks {running} still "
-                f"running (killed); see their logs in {logs[0].parent} and raise --timeout "
-                "if the model is just slow"
-            ),
-        )
-    finally:
-        kill_all(children)
+    progress = _Progress(command.metrics_dir, world_size, console)
+    supervise(
+        "hplan-rehearsal",
+        [command.for_rank(rank, master_port) for rank in range(world_size)],
+        logs,
+        timeout_s,
+        master_port=master_port,
+        on_poll=progress.poll,
+        is_error_line=lambda line: line.startswith("hplan run"),
+        failure=lambda rank, code, line: RehearsalChildError(
+            f"rank {rank} failed (exit {code}): {line} (full log: {logs[rank]})", code
+        ),
+        timeout=lambda running: PeerFailureError(
+            f"rehearsal timed out after {timeout_s:.0f} s with ranks {running} still "
+            f"running (killed); see their logs in {logs[0].parent} and raise --timeout "
+            "if the model is just slow"
+        ),
+    )
 
 
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def child_env() -> dict[str, str]:
-    """This environment without torchrun's rank variables or HPLAN_NODE, one thread each."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _TORCHRUN_ENV and k != "HPLAN_NODE" and not k.startswith("TORCHELASTIC_")
+def rank_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
+    """What one local rank adds to this process's environment: ``env://``'s variables on
+    127.0.0.1 (no torchrun agent store), one thread, unbuffered output."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
     }
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
+
+
+class _RankLogs(LogsSpecs):
+    """Each rank's stderr in its log file, its stdout beside it (``stdout_log``)."""
+
+    def __init__(self, logs: Sequence[Path]) -> None:
+        super().__init__(log_dir=str(logs[0].parent))
+        self._logs = list(logs)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        ranks = range(len(self._logs))
+        return LogsDest(
+            stdouts={r: str(stdout_log(self._logs[r])) for r in ranks},
+            stderrs={r: str(self._logs[r]) for r in ranks},
+            tee_stdouts={},
+            tee_stderrs={},
+            error_files={r: str(self._logs[r].with_suffix(".error.json")) for r in ranks},
+        )
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._logs[0].parent)
 
 
 def start_ranks(
-    commands: Sequence[Sequence[str]], logs: Sequence[Path]
-) -> list[subprocess.Popen[bytes]]:
-    """Start one process per command (``child_env``), its output into the matching log."""
-    children = []
-    for command, log_path in zip(commands, logs, strict=True):
-        with log_path.open("wb") as log:
-            children.append(
-                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env())
-            )
-    return children
+    name: str, args: Sequence[Sequence[str]], logs: Sequence[Path], *, master_port: int
+) -> SubprocessContext:
+    """Start ``python ARGS`` once per rank (``rank_env``), keeping hplan's signal handlers."""
+    saved = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    try:
+        context = start_processes(
+            name=name,
+            entrypoint=sys.executable,
+            args={rank: tuple(a) for rank, a in enumerate(args)},
+            envs={rank: rank_env(rank, len(args), master_port) for rank in range(len(args))},
+            logs_specs=_RankLogs(logs),
+        )
+        assert isinstance(context, SubprocessContext)  # a binary entry point
+        return context
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def new_complete_lines(path: Path, offset: int) -> bytes:
@@ -166,6 +207,8 @@ def new_complete_lines(path: Path, offset: int) -> bytes:
 
 def last_error_line(log: Path, is_error_line: Callable[[str], bool]) -> str:
     """The last line of ``log`` that ``is_error_line`` accepts, else its last line."""
+    if not log.exists():
+        return "(no output)"
     lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln]
     tagged = [ln for ln in lines if is_error_line(ln)]
     return (tagged or lines or ["(no output)"])[-1]
@@ -202,70 +245,84 @@ class _Progress:
             self.records[rank].append(StepMetrics(**json.loads(line)))
 
 
-def _settle(
-    children: Sequence[subprocess.Popen[bytes]],
-    failed: list[tuple[int, int]],
-    lines: Callable[[int], str],
-) -> list[tuple[int, int]]:
-    """If only peer-failure errors are in, give the real culprit a moment to exit too."""
-    deadline_s = time.monotonic() + _SETTLE_S
-    while time.monotonic() < deadline_s:
-        if any("PeerFailureError" not in lines(r) for r, _ in failed):
-            break
-        time.sleep(_POLL_S)
-        codes = [child.poll() for child in children]
-        failed = [(r, c) for r, c in enumerate(codes) if c is not None and c != 0]
-    return failed
-
-
-def kill_all(children: Sequence[subprocess.Popen[bytes]]) -> None:
-    """Kill the children still running and reap them all."""
-    for child in children:
-        if child.poll() is None:
-            child.kill()
-    for child in children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.wait(timeout=10)
+@contextlib.contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    logger = logging.getLogger(_ELASTIC_LOGGER)
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def supervise(
-    children: Sequence[subprocess.Popen[bytes]],
+    name: str,
+    args: Sequence[Sequence[str]],
     logs: Sequence[Path],
     timeout_s: float,
     *,
+    master_port: int,
     on_poll: Callable[[], None],
     is_error_line: Callable[[str], bool],
     failure: Callable[[int, int, str], HplanError],
     timeout: Callable[[list[int]], HplanError],
 ) -> None:
-    """Wait for every child; on the first failure or at the timeout, kill them all and raise.
+    """Run one process per rank until all end; on the first failure or at the timeout,
+    stop them all and raise.
+
+    Args:
+        args: per rank, the arguments after the Python interpreter.
+        logs: per rank, the file its stderr goes to.
 
     Raises:
-        ``failure(rank, exit code, its last error line)``: for the failed rank to report,
-            preferring one whose error is not a peer failure (a consequence of another's).
+        ``failure(rank, exit code, its last error line)``: for the rank to report: a failed
+            rank whose error is not a peer failure (a consequence of another's), else any
+            rank whose log holds such an error, else the first failed rank.
         ``timeout(ranks still running)``: at the timeout.
     """
     deadline_s = time.monotonic() + timeout_s
+    with _quiet_elastic_logs():
+        context = start_ranks(name, args, logs, master_port=master_port)
+        try:
+            while True:
+                result = context.wait(timeout=0)
+                on_poll()
+                if result is not None and result.is_failed():
+                    failed = sorted(result.failures)
+                    codes = {r: h.proc.poll() for r, h in context.subprocess_handlers.items()}
+                    raise _reported(failed, codes, logs, is_error_line, failure)
+                if result is not None:
+                    return
+                if time.monotonic() > deadline_s:
+                    running = [
+                        r for r, h in context.subprocess_handlers.items() if h.proc.poll() is None
+                    ]
+                    raise timeout(running)
+                time.sleep(_POLL_S)
+        finally:
+            context.close(death_sig=signal.SIGKILL)
 
-    def line(rank: int) -> str:
-        return last_error_line(logs[rank], is_error_line)
 
-    while True:
-        codes = [child.poll() for child in children]
-        failed = [(rank, code) for rank, code in enumerate(codes) if code is not None and code != 0]
-        if failed:
-            failed = _settle(children, failed, line)
-            kill_all(children)
-            on_poll()
-            rank, code = next(
-                ((r, c) for r, c in failed if "PeerFailureError" not in line(r)), failed[0]
-            )
-            raise failure(rank, code, line(rank))
-        on_poll()
-        if all(code == 0 for code in codes):
-            return
-        if time.monotonic() > deadline_s:
-            running = [rank for rank, code in enumerate(codes) if code is None]
-            kill_all(children)
-            raise timeout(running)
-        time.sleep(_POLL_S)
+def _reported(
+    failed: Sequence[int],
+    codes: dict[int, int | None],
+    logs: Sequence[Path],
+    is_error_line: Callable[[str], bool],
+    failure: Callable[[int, int, str], HplanError],
+) -> HplanError:
+    """The error for the rank whose failure explains the others (see :func:`supervise`).
+
+    Args:
+        failed: the ranks that had failed when the failure was seen.
+        codes: every rank's exit code once all were stopped.
+    """
+    lines = {rank: last_error_line(log, is_error_line) for rank, log in enumerate(logs)}
+
+    def root_cause(rank: int) -> bool:
+        return is_error_line(lines[rank]) and "PeerFailureError" not in lines[rank]
+
+    causes = [r for r in failed if root_cause(r)]
+    elsewhere = [r for r in range(len(logs)) if r not in failed and root_cause(r)]
+    rank = (causes or elsewhere or list(failed))[0]
+    code = codes.get(rank)
+    return failure(rank, 1 if code is None else code, lines[rank])

@@ -1,15 +1,16 @@
 """Rehearsal: run every rank of a plan as a local CPU process, emulating the plan's hardware.
 
-Each rank runs ``python -m hplan.runtime run PLAN --rank R --emulate`` (gloo on 127.0.0.1,
-one thread), whatever the plan's device kinds. Emulation (see ``worker.py``, ``comm.py``,
-``grad_sync.py``):
+Each rank runs ``python -m hplan.runtime.rehearsal PLAN --rank R ...`` (``__main__.py``:
+the executor's own rank, gloo on 127.0.0.1, one thread), whatever the plan's device kinds,
+started and supervised by ``launcher.py``. The emulation plugs into the executor's two
+seams (``emulation.py``):
 
 - compute, cpu plans: each forward/backward is stretched to ``dilation / relative_speed``
   times its measured CPU time, where ``relative_speed`` is the rank's declared peak FLOP/s
-  relative to the plan's fastest device (``worker.rank_speeds``); from the second step the
+  relative to the plan's fastest device (``emulation.rank_speeds``); from the second step the
   CPU time is the rank's own stage timed warm, back to back (``warm_compute.py``);
 - compute, GPU plans: each forward, backward and optimizer step lasts at least ``scale``
-  times the planner's prediction for that rank (``worker.ComputeEmulation``): a CPU cannot
+  times the planner's prediction for that rank (``emulation.ComputeEmulation``): a CPU cannot
   reproduce a GPU's speed curve, so the plan's hardware model is replayed and the runtime's
   schedule, transfers and synchronisation are measured on top of it;
 - links: a point-to-point transfer reaches its receiver no sooner than
@@ -26,22 +27,21 @@ rank ``r`` computes a fraction ``speed_r / (speed_max * dilation)`` of the time,
 would measure contention instead of the plan.
 
 ``slowdown`` (``--slowdown box-b/1=1.4``) emulates a straggler: that device's compute lasts
-its factor times longer than the plan says, in both modes (``worker.compute_emulation``).
+its factor times longer than the plan says, in both modes (``emulation.compute_emulation``).
 The rehearsal records dilation, time scale and slowdowns in ``<metrics_dir>/emulation.json``
+(``contract/emulation_file.py``)
 (the ranks read the slowdowns from it; ``hplan calibrate`` reads the time scale).
 
 The prediction in emulated units is ``predicted_step_time_s * scale``. ``verify=True`` also
 runs the first step as one process on the whole global batch and compares every updated
 parameter by name. ``trace_path`` writes the last step's measured per-rank timeline as a
-Chrome trace in seconds of the plan's hardware (``runtime/contract/timeline_file.py``), the unit of
-``hplan simulate --trace``.
+Chrome trace in seconds of the plan's hardware (``contract/timeline_file.py``), the unit of ``hplan simulate --trace``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -58,6 +58,7 @@ from rich.console import Console
 
 from hplan.runtime.capture.model_file import ModelFile, checked_loss, load_model_file
 from hplan.runtime.capture.trace import bind_inputs
+from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.errors import ConfigError, PeerFailureError, RehearsalChildError
 from hplan.runtime.contract.metrics_file import (
     RankSummary,
@@ -66,12 +67,8 @@ from hplan.runtime.contract.metrics_file import (
 )
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.timeline_file import check_trace_path, write_measured_trace
-from hplan.runtime.executor.worker import (
-    EMULATION_FILE,
-    modelled_emulation,
-    rank_speeds,
-    warn_if_model_changed,
-)
+from hplan.runtime.executor.worker import warn_if_model_changed
+from hplan.runtime.rehearsal.emulation import modelled_emulation, rank_speeds
 from hplan.runtime.rehearsal.launcher import ChildCommand, prepare_dir, run_children
 from hplan.runtime.rehearsal.reference_check import VERIFY_TOLERANCE, verify_first_step
 
@@ -289,12 +286,9 @@ class _Run:
         )
         verify_dir = metrics_dir / "verify" if self.verify else None
         plan_path = prepare_dir(metrics_dir, plan)
-        record = {
-            "dilation": dilation,
-            "time_scale": scale,
-            "slowdown": self.slowdown,
-        }
-        (metrics_dir / EMULATION_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
+        EmulationRecord(dilation=dilation, time_scale=scale, slowdown=self.slowdown).save(
+            metrics_dir
+        )
         command = ChildCommand(
             plan_path, self.model, self.steps, metrics_dir, dilation, scale, verify_dir
         )

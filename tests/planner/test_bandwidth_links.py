@@ -282,7 +282,7 @@ def test_a_measured_node_all_reduce_bounds_every_ring_on_that_node(tmp_path):
     from hplan.planner.cost.evaluate import slowest_link
     from hplan.planner.hardware.measured_links import node_collectives
     from hplan.runtime.contract.link_matrix import NodeAllReduce
-    from hplan.runtime.executor.grad_sync import group_ring_time_s
+    from hplan.runtime.contract.link_model import group_ring_time_s
 
     ring = NodeAllReduce(
         node="box",

@@ -34,7 +34,7 @@ from hplan.planner.profiling.profile_file import (
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.metrics_file import StepMetrics
 from hplan.runtime.contract.plan import Plan
-from hplan.runtime.executor.worker import Emulation, compute_emulation, recorded_slowdown
+from hplan.runtime.rehearsal.emulation import Emulation, compute_emulation, recorded_slowdown
 from hplan.runtime.rehearsal.rehearse import check_slowdown, parse_slowdown, rehearse
 
 ROOT = Path(__file__).resolve().parents[2]

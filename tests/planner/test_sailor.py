@@ -163,14 +163,14 @@ def test_model_sizes_match_opt350_shapes(data) -> None:  # type: ignore[no-untyp
 def test_alpha_beta_fit_reproduces_the_curve_within_3_percent(  # type: ignore[no-untyped-def]
     data, src: tuple[str, int], dst: tuple[str, int], lo_bytes: float, hi_bytes: float
 ) -> None:
-    from hplan.planner.studies.sailor_data import fit_alpha_beta, inter_node_curve
+    from hplan.planner.studies.sailor_data import curves_alpha_beta, inter_node_curve
 
     zone = "us-central1-a"
     curves = [
         inter_node_curve(data, (zone, *src), (zone, *dst)),
         inter_node_curve(data, (zone, *dst), (zone, *src)),
     ]
-    bandwidth, latency = fit_alpha_beta(curves, lo_bytes, hi_bytes)
+    bandwidth, latency = curves_alpha_beta(curves, lo_bytes, hi_bytes)
     assert latency >= 0
     for size in np.geomspace(lo_bytes, hi_bytes, 5):
         curve_s = max(c.time_s(size) for c in curves)

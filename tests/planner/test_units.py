@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hplan.planner.frontend.partition_units import assign_units
-from hplan.runtime.capture.stage import node_units
+from hplan.runtime.capture.cuts import node_units
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, repeated_containers, trace_model
 from tests.fixtures import models as fx
 

@@ -13,7 +13,6 @@ from hplan.runtime.contract.errors import PlanFileError, PlanMismatchError
 from hplan.runtime.contract.plan import DTYPE_BYTES, TensorSpec
 from hplan.runtime.executor.comm import (
     Boundary,
-    EmulatedLink,
     StageComm,
     check_boundary_tensors,
     from_wire,
@@ -21,6 +20,7 @@ from hplan.runtime.executor.comm import (
     to_wire,
     wire_buffer,
 )
+from hplan.runtime.rehearsal.emulation import EmulatedLink, EmulatedLinks
 from tests.fixtures.processes import join_gloo, run_ranks
 
 HIDDEN = TensorSpec(name="h", shape=(1, 4, 3), dtype="float32", batch_dim=0, requires_grad=True)
@@ -120,11 +120,11 @@ def _exchange(rank: int, port: int, out_dir: str, post_ahead: bool) -> None:
     by tag, whatever the order)."""
     try:
         join_gloo(rank, port)
-        link = {1 - rank: EmulatedLink(1e-4, 1e8, time_scale=1.0)}
+        link = EmulatedLinks({1 - rank: EmulatedLink(1e-4, 1e8, time_scale=1.0)})
         cpu = torch.device("cpu")
         if rank == 0:
             comm = StageComm(
-                0, cpu, None, Boundary(1, SPECS, "cut after a"), links=link, post_ahead=post_ahead
+                0, cpu, None, Boundary(1, SPECS, "cut after a"), delay=link, post_ahead=post_ahead
             )
             sizes = (3, 1)
             if post_ahead:
@@ -138,7 +138,7 @@ def _exchange(rank: int, port: int, out_dir: str, post_ahead: bool) -> None:
             torch.save(grads, Path(out_dir) / "grads.pt")
         else:
             comm = StageComm(
-                1, cpu, Boundary(0, SPECS, "cut after a"), None, links=link, post_ahead=post_ahead
+                1, cpu, Boundary(0, SPECS, "cut after a"), None, delay=link, post_ahead=post_ahead
             )
             if post_ahead:  # micro-batch 1's receive first, then 0's, then complete both
                 ahead = comm.post_activations_recv(1, 1)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hplan.planner.api import SolveRequest, plan_training
-from hplan.runtime.executor.worker import (
+from hplan.runtime.rehearsal.emulation import (
     Emulation,
     compute_emulation,
     modelled_emulation,

@@ -14,16 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hplan.runtime.contract.errors import PlanMismatchError
-from hplan.runtime.contract.link_model import ring_all_reduce_time_s, sync_order
+from hplan.runtime.contract.holders import holder_sets, parameter_holders
+from hplan.runtime.contract.link_model import group_ring_time_s, ring_all_reduce_time_s, sync_order
 from hplan.runtime.contract.plan import microbatch_sizes
-from hplan.runtime.executor.grad_sync import (
-    GradBucket,
-    check_stage_parameters,
-    group_ring_time_s,
-    holder_sets,
-    loss_weight,
-    parameter_holders,
-)
+from hplan.runtime.executor.grad_sync import GradBucket, check_stage_parameters, loss_weight
 from tests.fixtures.processes import join_gloo, run_ranks
 from tests.fixtures.sample_plans import mixed_plan
 

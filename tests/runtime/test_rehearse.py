@@ -18,7 +18,7 @@ from rich.console import Console
 from hplan.runtime.capture.model_file import checked_loss, load_model_file
 from hplan.runtime.contract.errors import ModelFileError, PeerFailureError, RehearsalChildError
 from hplan.runtime.contract.plan import Backend, Plan
-from hplan.runtime.executor.worker import rank_speeds
+from hplan.runtime.rehearsal.emulation import rank_speeds
 from hplan.runtime.rehearsal.rehearse import (
     MIN_DILATION,
     default_dilation,

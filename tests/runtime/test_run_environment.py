@@ -40,7 +40,7 @@ def test_a_rank_whose_peers_never_come_says_so_once_and_fails_in_one_line(tmp_pa
     plan = make_plan(path, [ReplicaShape((-1,), 2, 2), ReplicaShape((-1,), 2, 2)], timeout_s=3.0)
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(plan.to_json())
-    command = rank_command(plan_path, 1, "--master-port", str(free_port() - 1))
+    command = rank_command(plan_path, 1, "--master-port", str(free_port()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TORCH_CPP_LOG_LEVEL", None)
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)

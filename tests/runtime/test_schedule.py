@@ -11,9 +11,9 @@ from hplan.runtime.contract.schedule import (
     Action,
     ActionKind,
     build_schedule,
+    dry_run,
     gpipe,
     one_f_one_b,
-    simulate,
     validate_schedule,
 )
 
@@ -83,7 +83,7 @@ def test_simulator_finds_a_cross_stage_deadlock() -> None:
     ]
     validate_schedule(stages, 2)
     with pytest.raises(ValueError, match="deadlock"):
-        simulate(stages)
+        dry_run(stages)
 
 
 @settings(max_examples=150, deadline=None)
@@ -97,7 +97,7 @@ def test_every_schedule_is_valid_pairs_every_send_and_never_deadlocks(
 ) -> None:
     stages = build_schedule(schedule, num_stages, num_microbatches)
     validate_schedule(stages, num_microbatches)
-    result = simulate(stages)
+    result = dry_run(stages)
     # every message is sent once and received once: forwards across each of the S-1 cuts
     # and gradients back across each of them, for every micro-batch
     transfers = [t for t, _ in result.transfers]
@@ -116,10 +116,10 @@ def test_one_f_one_b_bounds_microbatches_in_flight_by_distance_to_the_last_stage
     num_stages: int, num_microbatches: int
 ) -> None:
     stages = one_f_one_b(num_stages, num_microbatches)
-    result = simulate(stages)
+    result = dry_run(stages)
     for stage_idx, actions in enumerate(stages):
         warmup = min(num_stages - stage_idx - 1, num_microbatches)
         assert all(a.kind is F for a in actions[:warmup])
         assert result.max_in_flight[stage_idx] <= min(num_stages - stage_idx, num_microbatches)
-    gpipe_result = simulate(gpipe(num_stages, num_microbatches))
+    gpipe_result = dry_run(gpipe(num_stages, num_microbatches))
     assert gpipe_result.max_in_flight == (num_microbatches,) * num_stages

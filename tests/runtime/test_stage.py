@@ -11,8 +11,9 @@ import torch
 
 from hplan.planner.frontend.cost_graph import ModelGraph, build_model_graph
 from hplan.planner.frontend.partition_units import assign_units
+from hplan.runtime.capture.cuts import crossing_values, node_units, replicable_nodes
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
-from hplan.runtime.capture.stage import build_stage, crossing_values, node_units, replicable_nodes
+from hplan.runtime.capture.stage import build_stage
 from hplan.runtime.capture.trace import bind_inputs, outputs_match, trace_model
 from hplan.runtime.contract.errors import PlanMismatchError
 from hplan.runtime.contract.plan import TraceMethod, UnitSpec

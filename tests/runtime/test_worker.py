@@ -208,7 +208,7 @@ def test_a_killed_peer_ends_the_other_rank_with_a_one_line_error(tmp_path: Path)
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(plan.to_json())
     args = ("--steps", "100000", "--metrics-dir", str(tmp_path / "m"))
-    port = ("--master-port", str(free_port() - 1))
+    port = ("--master-port", str(free_port()))
     procs = []
     for local_rank in range(2):  # the torchrun way: --node plus LOCAL_RANK
         command = rank_command(plan_path, 0, *args, *port)

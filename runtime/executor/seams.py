@@ -1,0 +1,297 @@
+"""The executor's two seams: a compute clock and a link delay, with do-nothing defaults.
+
+The executor runs a rank's real work and measures it; a rehearsal
+(``hplan.runtime.rehearsal``) emulates other hardware by plugging its own implementations
+into these two seams, and nowhere else:
+
+- :class:`ComputeClock` wraps every forward, backward and optimizer step of a rank. The
+  default times real work: host clocks on a CPU (:class:`HostClock`), CUDA events on a GPU
+  (:class:`CudaEventClock`: a host clock would time only the kernel launches, as the
+  kernels run asynchronously). At the end of a step the executor takes the step's spans
+  from the clock (:meth:`ComputeClock.take_spans`) for its metrics and timeline.
+- :class:`LinkDelay` says how long a point-to-point transfer or a gradient all-reduce
+  must seem to take. The default, :class:`NoLinkDelay`, adds nothing.
+
+Both are called on the executor's hot path with a handful of Python operations; the
+defaults do no more than time the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor
+
+from hplan.runtime.contract.quantities import BYTES_PER_KIB, MS_PER_S
+
+if TYPE_CHECKING:
+    from hplan.runtime.executor.data import MicroBatch
+    from hplan.runtime.executor.pipeline import StepRunner
+
+__all__ = [
+    "ComputeClock",
+    "ComputeSpan",
+    "CudaEventClock",
+    "HostClock",
+    "LinkDelay",
+    "NoLinkDelay",
+    "Phase",
+    "Seams",
+    "default_clock",
+    "peak_memory_bytes",
+]
+
+
+class Phase(StrEnum):
+    """What a compute span did."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeSpan:
+    """One timed block of compute, on the host's ``time.monotonic`` clock (seconds)."""
+
+    phase: Phase
+    label: str
+    """E.g. ``s1.F.mb3`` (the schedule's action) or ``optimizer``."""
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+class ComputeClock(Protocol):
+    """Wraps a rank's compute blocks; times them (and, in a rehearsal, stretches them).
+
+    The forward and backward hooks receive what the block works on, for an emulation that
+    needs it (a rehearsal of a cpu plan re-times its stage on the first step's
+    micro-batches); the defaults ignore it.
+    """
+
+    def forward(
+        self,
+        label: str,
+        mb: MicroBatch,
+        inputs: Mapping[str, Tensor],
+        received: Mapping[str, Tensor],
+    ) -> contextlib.AbstractContextManager[None]:
+        """Wrap the forward of micro-batch ``mb`` (graph ``inputs``, ``received`` tensors)."""
+        ...
+
+    def backward(
+        self, label: str, mb: MicroBatch, grads: Mapping[str, Tensor]
+    ) -> contextlib.AbstractContextManager[None]:
+        """Wrap the backward of ``mb`` (``grads``: the next stage's gradients)."""
+        ...
+
+    def optimizer(self) -> contextlib.AbstractContextManager[None]:
+        """Wrap the optimizer step."""
+        ...
+
+    def take_spans(self) -> list[ComputeSpan]:
+        """The spans of the blocks since the last call, oldest first (waits for the device)."""
+        ...
+
+    def after_step(self, step: int, runner: StepRunner, *, more_steps: bool) -> None:
+        """Called by every rank after each optimizer step (collectives allowed)."""
+        ...
+
+
+class _SpanLog:
+    """The spans recorded so far, handed out by ``take_spans``."""
+
+    def __init__(self) -> None:
+        self.spans: list[ComputeSpan] = []
+
+    def take_spans(self) -> list[ComputeSpan]:
+        spans, self.spans = self.spans, []
+        return spans
+
+
+class HostClock(_SpanLog):
+    """Times each block with ``time.monotonic`` (CPU work runs synchronously)."""
+
+    @contextlib.contextmanager
+    def _span(self, phase: Phase, label: str) -> Iterator[None]:
+        start_s = time.monotonic()
+        try:
+            yield
+        finally:
+            self.spans.append(ComputeSpan(phase, label, start_s, time.monotonic()))
+
+    def forward(
+        self,
+        label: str,
+        mb: MicroBatch,
+        inputs: Mapping[str, Tensor],
+        received: Mapping[str, Tensor],
+    ) -> contextlib.AbstractContextManager[None]:
+        return self._span(Phase.FORWARD, label)
+
+    def backward(
+        self, label: str, mb: MicroBatch, grads: Mapping[str, Tensor]
+    ) -> contextlib.AbstractContextManager[None]:
+        return self._span(Phase.BACKWARD, label)
+
+    def optimizer(self) -> contextlib.AbstractContextManager[None]:
+        return self._span(Phase.OPTIMIZER, "optimizer")
+
+    def after_step(self, step: int, runner: StepRunner, *, more_steps: bool) -> None:
+        return None
+
+
+@dataclass
+class _PendingSpan:
+    phase: Phase
+    label: str
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+
+
+class CudaEventClock:
+    """Times each block with a pair of CUDA events on the rank's device.
+
+    Kernels run asynchronously, so a host clock around a block times only their launch.
+    The events are read in :meth:`take_spans`, which waits for the device; each span is
+    placed on the host clock relative to an anchor event recorded (and host-timed) at the
+    first block after the previous call, so spans line up with the host-timed receives and
+    all-reduces of the same step up to the launch queue's lag.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: list[_PendingSpan] = []
+        self._anchor: tuple[torch.cuda.Event, float] | None = None
+
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @contextlib.contextmanager
+    def _span(self, phase: Phase, label: str) -> Iterator[None]:
+        if self._anchor is None:
+            self._anchor = (self._event(), time.monotonic())
+        start = self._event()
+        try:
+            yield
+        finally:
+            self._pending.append(_PendingSpan(phase, label, start, self._event()))
+
+    def forward(
+        self,
+        label: str,
+        mb: MicroBatch,
+        inputs: Mapping[str, Tensor],
+        received: Mapping[str, Tensor],
+    ) -> contextlib.AbstractContextManager[None]:
+        return self._span(Phase.FORWARD, label)
+
+    def backward(
+        self, label: str, mb: MicroBatch, grads: Mapping[str, Tensor]
+    ) -> contextlib.AbstractContextManager[None]:
+        return self._span(Phase.BACKWARD, label)
+
+    def optimizer(self) -> contextlib.AbstractContextManager[None]:
+        return self._span(Phase.OPTIMIZER, "optimizer")
+
+    def take_spans(self) -> list[ComputeSpan]:
+        if self._anchor is None:
+            return []
+        torch.cuda.synchronize(self.device)
+        anchor, anchor_s = self._anchor
+        spans = [
+            ComputeSpan(
+                p.phase,
+                p.label,
+                anchor_s + anchor.elapsed_time(p.start) / MS_PER_S,
+                anchor_s + anchor.elapsed_time(p.end) / MS_PER_S,
+            )
+            for p in self._pending
+        ]
+        self._pending, self._anchor = [], None
+        return spans
+
+    def after_step(self, step: int, runner: StepRunner, *, more_steps: bool) -> None:
+        return None
+
+
+def default_clock(device: torch.device) -> ComputeClock:
+    """CUDA events on a GPU, the host clock elsewhere."""
+    if device.type == "cuda":
+        return CudaEventClock(device)
+    return HostClock()
+
+
+class LinkDelay(Protocol):
+    """How long transfers and all-reduces must seem to take (a rehearsal's links).
+
+    Point-to-point: when :meth:`delays` is true for a peer, the sender asks
+    :meth:`ready_time_s` when its bytes may be used and sends that time ahead of them; the
+    receiver, once the bytes are in, calls :meth:`hold_until` with it. All-reduce: a bucket
+    lasts at least :meth:`all_reduce_floor_s`, counted from its last holder's arrival.
+    """
+
+    def delays(self, peer_rank: int) -> bool:
+        """Whether transfers with ``peer_rank`` carry a ready time (both ends must agree)."""
+        ...
+
+    def ready_time_s(self, peer_rank: int, now_s: float, num_bytes: int) -> float:
+        """Monotonic time at which ``num_bytes`` sent to ``peer_rank`` at ``now_s`` arrive."""
+        ...
+
+    def hold_until(self, ready_s: float) -> None:
+        """Wait, on the receiving side, until ``ready_s``."""
+        ...
+
+    def all_reduce_floor_s(self, ranks: Sequence[int], num_bytes: int) -> float:
+        """Least seconds an all-reduce of ``num_bytes`` among ``ranks`` takes (0: none)."""
+        ...
+
+
+class NoLinkDelay:
+    """The real links, as they are."""
+
+    def delays(self, peer_rank: int) -> bool:
+        return False
+
+    def ready_time_s(self, peer_rank: int, now_s: float, num_bytes: int) -> float:
+        return now_s
+
+    def hold_until(self, ready_s: float) -> None:
+        return None
+
+    def all_reduce_floor_s(self, ranks: Sequence[int], num_bytes: int) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class Seams:
+    """What a run plugs into the executor; the defaults run and time the real hardware."""
+
+    clock: ComputeClock | None = None
+    """None: :func:`default_clock` for the rank's device."""
+    links: LinkDelay = field(default_factory=NoLinkDelay)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: the CUDA allocator's peak on a GPU, else the
+    process's resident-set peak (``ru_maxrss``, which includes the interpreter and torch)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kibibytes, macOS bytes.
+    return int(peak if sys.platform == "darwin" else peak * BYTES_PER_KIB)
