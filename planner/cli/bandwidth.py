@@ -8,11 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.console import Console
 
+from hplan.planner.cli.console import stderr
 from hplan.runtime.contract.errors import ConfigError
-
-_stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _sweep_argv(
@@ -141,7 +139,7 @@ def bandwidth(
         written = write_bandwidth_scripts(
             load_cluster(cluster_path), scripts_dir, master_port=master_port
         )
-        _stderr.print(
+        stderr.print(
             f"wrote {len(written)} scripts to {scripts_dir}/; run every one at the same time, "
             "one on each node"
         )

@@ -11,35 +11,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from hplan.planner.cli.console import parse_sizes, stderr
 from hplan.runtime.contract.errors import ConfigError
 
 if TYPE_CHECKING:
     from hplan.planner.profiling.profile_file import Profile, Stat, UnitTiming
 
-_stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 _GIGA = 1e9
 _TERA = 1e12
 _MS_PER_S = 1e3
 _MIB = 2**20
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """``"1,2,4"`` -> ``(1, 2, 4)`` (sorted, distinct).
-
-    Raises:
-        ConfigError: an empty item, a non-integer or a size below 1.
-    """
-    items = [x.strip() for x in text.split(",")]
-    try:
-        sizes = tuple(sorted({int(x) for x in items}))
-    except ValueError:
-        raise ConfigError(f"--micro-batch-sizes {text!r} must be integers like 1,2,4") from None
-    if not sizes or sizes[0] < 1:
-        raise ConfigError(f"--micro-batch-sizes {text!r} must be integers >= 1, like 1,2,4")
-    return sizes
 
 
 @click.command()
@@ -104,15 +87,15 @@ def profile(
         raise ConfigError(f"--out {str(out_dir)!r} is a file; give a directory")
     request = ProfileRequest(
         model_path=model_path,
-        micro_batch_sizes=parse_sizes(micro_batch_sizes),
+        micro_batch_sizes=parse_sizes(micro_batch_sizes) or (),
         device=device,
         leaf_modules=leaf_modules,
         seed=seed,
         benchmark=not no_benchmark,
     )
     columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    shown = _stderr.is_terminal  # a bar on a pipe or file leaves only a blank line
-    with Progress(*columns, console=_stderr, transient=True, disable=not shown) as bar:
+    shown = stderr.is_terminal  # a bar on a pipe or file leaves only a blank line
+    with Progress(*columns, console=stderr, transient=True, disable=not shown) as bar:
         task = bar.add_task("profiling", total=None)
 
         def on_phase(message: str) -> None:
@@ -125,13 +108,13 @@ def profile(
         result = profile_machine(request, on_phase=on_phase, on_step=on_step)
     merged = result.merged()
     for table in profile_tables(merged):
-        _stderr.print(table)
+        stderr.print(table)
     for note in merged.notes:
-        _stderr.print(f"note: {note}", markup=False)
-    _stderr.print(f"profiled in {result.elapsed_s:.1f} s")
+        stderr.print(f"note: {note}", markup=False)
+    stderr.print(f"profiled in {result.elapsed_s:.1f} s")
     if out_dir is not None:
         for path in write_profiles(result, out_dir):
-            _stderr.print(f"wrote {path}", markup=False)
+            stderr.print(f"wrote {path}", markup=False)
     if as_json:
         click.echo(merged.to_json(), nl=False)
 

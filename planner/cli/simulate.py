@@ -57,7 +57,7 @@ def simulate(
     Each rank runs its pipeline schedule; transfers queue on their links; gradients are
     all-reduced after the last backward, then the optimizer steps (see `hplan.planner.sim.engine`).
     """
-    from hplan.planner.cli.main import stderr
+    from hplan.planner.cli.console import stderr
     from hplan.planner.sim.engine import simulate as run_simulation
     from hplan.planner.sim.spec import spec_from_plan
     from hplan.planner.sim.views import (

@@ -76,6 +76,17 @@ def run_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(prog: str) -> argparse.ArgumentParser:
+    """The ``run`` command's own parser, under another program name (``hplan run``)."""
+    parser = OneLineErrors(
+        prog=prog,
+        description="Run this process's rank of a plan (what the launch scripts call under "
+        "torchrun, one process per rank).",
+    )
+    add_run_arguments(parser)
+    return parser
+
+
 def check_master_port(port: int | None) -> None:
     """Reject a port outside 1..65534.
 
@@ -106,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (hplan errors: one line on stderr)."""
     args = run_parser().parse_args(argv)
     return run_one_rank(args, _run)
+
+
+def run_command(argv: list[str], *, prog: str) -> int:
+    """``run``'s arguments (without the word ``run``) under the name ``prog``; returns the
+    exit code. ``--help`` prints the runtime's options."""
+    return run_one_rank(command_parser(prog).parse_args(argv), _run)
 
 
 def run_one_rank(

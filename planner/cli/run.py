@@ -1,0 +1,126 @@
+"""``hplan run`` (one rank of a plan, what the launch scripts call) and ``hplan rehearse``
+(every rank here, emulated).
+
+``hplan run`` is the runtime's own command (``python -m hplan.runtime run``,
+``hplan.runtime.executor.cli``): its options and ``--help`` are the runtime's, passed
+through unparsed. The planner reaches the executor only through it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.plan import Plan
+
+
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run(args: tuple[str, ...]) -> None:
+    """Run this process's rank of a plan (what the launch scripts call under torchrun).
+
+    `hplan run --help` lists the runtime's options (--node, default $HPLAN_NODE; --rank,
+    --model, --steps, --metrics-dir, --checkpoint-dir, --master-port, --verify-dir).
+    """
+    from hplan.runtime.executor.cli import run_command
+
+    sys.exit(run_command(list(args), prog="hplan run"))
+
+
+@click.command()
+@click.argument("plan_path", type=click.Path(path_type=Path))
+@click.option("--steps", type=int, default=10, show_default=True, help="Optimizer steps to run.")
+@click.option(
+    "--model", "model_path", type=click.Path(path_type=Path), help="model.py (default: the plan's)."
+)
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Also run step one as a single process and compare every updated parameter (fails above 1e-4).",
+)
+@click.option(
+    "--metrics-dir",
+    type=click.Path(path_type=Path),
+    help="Keep per-rank metrics here (default: a temporary directory).",
+)
+@click.option(
+    "--dilation",
+    type=float,
+    help=(
+        "Global time-dilation factor (default: at least 4, more where the ranks' CPU demand "
+        "needs it to fit this machine's cores; larger is more faithful and slower)."
+    ),
+)
+@click.option(
+    "--time-scale",
+    type=float,
+    help="Emulated seconds per second of the plan's hardware (default: from the dilation and "
+    "a CPU timing); give two rehearsals the same value to compare plans under one emulation.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Kill the rehearsal after this many seconds.",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(path_type=Path),
+    help="Write the last step's measured per-rank timeline as Chrome trace JSON, in seconds "
+    "of the plan's hardware (compare with `hplan simulate --trace`).",
+)
+@click.option(
+    "--slowdown",
+    "slowdowns",
+    multiple=True,
+    metavar="DEVICE=FACTOR",
+    help="Emulate a straggler: DEVICE's compute runs FACTOR times slower (box-b/1=1.4; repeatable).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def rehearse(
+    plan_path: Path,
+    steps: int,
+    model_path: Path | None,
+    verify: bool,
+    metrics_dir: Path | None,
+    dilation: float | None,
+    time_scale: float | None,
+    timeout_s: float,
+    trace_path: Path | None,
+    slowdowns: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Run every rank of a plan on this machine (CPU, gloo), emulating its hardware."""
+    from hplan.runtime.capture.model_file import plan_model_path
+    from hplan.runtime.rehearsal.rehearse import parse_slowdown
+    from hplan.runtime.rehearsal.rehearse import rehearse as run_rehearsal
+
+    if steps < 1:
+        raise ConfigError(f"--steps {steps} must be >= 1")
+    plan = Plan.load(plan_path)
+    result = run_rehearsal(
+        plan,
+        model_path=plan_model_path(plan.model.path, plan_path, model_path),
+        steps=steps,
+        verify=verify,
+        metrics_dir=metrics_dir,
+        dilation=dilation,
+        time_scale=time_scale,
+        timeout_s=timeout_s,
+        trace_path=trace_path,
+        slowdown=parse_slowdown(slowdowns),
+    )
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    if verify and not result.verify_passed:
+        raise SystemExit(1)

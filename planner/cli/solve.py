@@ -1,0 +1,170 @@
+"""``hplan solve``: plan a model on a cluster and write the plan and its launch scripts.
+
+A thin click layer over ``hplan.planner.api.plan_training`` and
+``hplan.planner.emit.artifacts.emit``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from hplan.planner.cli.console import parse_sizes, stderr
+from hplan.runtime.contract.plan import Schedule
+
+
+@click.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option(
+    "--cluster",
+    "-c",
+    "cluster_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="cluster.yaml describing machines, GPUs and links.",
+)
+@click.option(
+    "--out",
+    "-o",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=Path("out"),
+    show_default=True,
+    help="Directory for plan.json, plan.dot, summary.txt and launch/.",
+)
+@click.option(
+    "--global-batch-size",
+    "-b",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Samples per optimizer step, over all replicas.",
+)
+@click.option(
+    "--micro-batch-sizes",
+    help="Candidate micro-batch sizes, e.g. 1,2,4,8 (default: powers of two).",
+)
+@click.option(
+    "--time-limit",
+    "time_limit_s",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Wall-clock limit of the solver in seconds; the best plan found by then is kept.",
+)
+@click.option(
+    "--solver",
+    type=click.Choice(["highs", "cbc", "heuristic"]),
+    help="MILP backend (default: HiGHS, else CBC, else the greedy planner).",
+)
+@click.option(
+    "--max-stages", type=int, default=8, show_default=True, help="Longest pipeline to consider."
+)
+@click.option(
+    "--schedule",
+    type=click.Choice([s.value for s in Schedule]),
+    default=Schedule.ONE_F_ONE_B.value,
+    show_default=True,
+    help="Pipeline schedule the runtime uses.",
+)
+@click.option(
+    "--leaf-module",
+    "leaf_modules",
+    multiple=True,
+    help="Module path or class name to keep whole when tracing (repeatable).",
+)
+@click.option(
+    "--strategy",
+    type=click.Choice(["hplan", "ddp", "uniform"]),
+    default="hplan",
+    show_default=True,
+    help="hplan: solve; ddp / uniform: emit that baseline's layout, to run it side by side.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed for weights and data order."
+)
+@click.option(
+    "--master-port",
+    type=int,
+    default=29500,
+    show_default=True,
+    help="Rendezvous port on the first node.",
+)
+@click.option(
+    "--bandwidth",
+    "bandwidth_path",
+    type=click.Path(path_type=Path),
+    help="Measured link matrix (from `hplan bandwidth`); overrides the cluster's links it covers.",
+)
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(path_type=Path),
+    help="Measured profile (file or directory, from `hplan profile --model`); replaces catalog estimates.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+def solve(
+    model: Path,
+    cluster_path: Path,
+    out_dir: Path,
+    global_batch_size: int,
+    micro_batch_sizes: str | None,
+    time_limit_s: float,
+    solver: str | None,
+    max_stages: int,
+    schedule: str,
+    leaf_modules: tuple[str, ...],
+    strategy: str,
+    seed: int,
+    master_port: int,
+    profile_path: Path | None,
+    bandwidth_path: Path | None,
+    as_json: bool,
+) -> None:
+    """Plan training of MODEL (a model.py) on a cluster and write the plan and launch scripts."""
+    from hplan.planner.api import SolveRequest, Strategy, plan_training
+    from hplan.planner.emit.artifacts import check_out_dir, emit
+    from hplan.planner.emit.render import print_text, wide_console
+
+    request = SolveRequest(
+        model_path=model,
+        cluster_path=cluster_path,
+        global_batch_size=global_batch_size,
+        micro_batch_sizes=parse_sizes(micro_batch_sizes),
+        time_limit_s=time_limit_s,
+        solver=solver,
+        max_stages=max_stages,
+        schedule=Schedule(schedule),
+        seed=seed,
+        master_port=master_port,
+        leaf_modules=leaf_modules,
+        strategy=Strategy(strategy),
+        out_dir=out_dir,
+        profile_path=profile_path,
+        bandwidth_path=bandwidth_path,
+    )
+    check_out_dir(out_dir)
+    with stderr.status("planning...") as status:
+        outcome = plan_training(request, progress=lambda msg: status.update(f"{msg}..."))
+    written = emit(outcome.plan, out_dir)
+    print_text(outcome.plan, wide_console(stderr=True))
+    stderr.print(
+        f"solved in {outcome.solve_time_s:.1f} s; wrote {len(written)} files to {out_dir}/"
+    )
+    if as_json:
+        report = outcome.plan.report
+        summary = {
+            "plan": str(out_dir / "plan.json"),
+            "files": [str(p) for p in written],
+            "predicted_step_time_s": report.predicted_step_time_s,
+            "predicted_samples_per_s": report.predicted_samples_per_s,
+            "physical_bound_samples_per_s": report.physical_bound_samples_per_s,
+            "efficiency": report.efficiency,
+            "solver_status": report.solver_status.value,
+            "optimality_gap": report.optimality_gap,
+            "simulated_step_time_s": report.simulated_step_time_s,
+            "solve_time_s": outcome.solve_time_s,
+        }
+        click.echo(json.dumps(summary, indent=2))
