@@ -25,6 +25,7 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check planner runtime templates tests bench examples
 	$(VENV)/bin/ruff format --check planner runtime templates tests bench examples
+	$(VENV)/bin/lint-imports --no-cache  # the layering contracts in pyproject.toml
 
 typecheck: setup
 	$(VENV)/bin/mypy  # the packages in pyproject.toml, through the hplan/ links

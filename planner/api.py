@@ -1,20 +1,35 @@
-"""The compiler pipeline as one function: model file + cluster file -> verified Plan.
+"""The compiler as a pass pipeline: model file + cluster file -> verified Plan.
 
-Each step is a pure function of the previous step's value (see the design card):
-load -> trace and cost graph -> cluster -> planning problem -> solve -> report -> plan.
-The CLI calls ``plan_training`` and ``hplan.planner.emit.artifacts.emit``; nothing else plans.
+:data:`PASSES`, in order (each a named pure function of the results before it, its result
+checked by its own ``verify()``; ``passes.run_passes`` runs them and names a failing pass):
+
+1. ``cluster``: cluster.yaml, with measured links over its own (``hardware/``);
+2. ``capture``: the model built once, its two example batches, its graph traced once
+   (``frontend/capture.py``);
+3. ``cost_graph``: the networkx cost graph: per-node costs, partition units, cuts
+   (``frontend/cost_graph.py``);
+4. ``trains_check``: the loss of the captured model can be trained on
+   (``frontend/trains_check.py``);
+5. ``time_source``: unit times from a measured profile, or the roofline (``cost/``);
+6. ``problem``: the solver's arrays (``cost/problem_builder.py``);
+7. ``solve``: the layout, re-costed, validated, and simulated once with the bytes its plan
+   will send (``solve/solver.py``; or a baseline's layout when asked);
+8. ``report``: the plan's "why" (``emit/report.py``);
+9. ``plan``: the plan, its gradient buckets and the solver's simulated step time
+   (``emit/plan_build.py``).
+
+The CLI calls :func:`plan_training` and ``hplan.planner.emit.artifacts.emit``; nothing else
+plans. ``hplan solve --dump-passes DIR`` writes every pass's result as JSON.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.problem_builder import (
     RooflineSource,
@@ -23,20 +38,22 @@ from hplan.planner.cost.problem_builder import (
     optimizer_state_factor,
 )
 from hplan.planner.cost.profiled_times import load_measured_source, source_labels
-from hplan.planner.emit.plan_build import build_plan, model_spec
+from hplan.planner.emit.plan_build import build_plan, model_spec, with_grad_sync
 from hplan.planner.emit.report import build_report, with_cost_sources
-from hplan.planner.frontend.cost_graph import ModelGraph, build_model_graph
+from hplan.planner.frontend.capture import CapturedModel, capture_model
+from hplan.planner.frontend.cost_graph import ModelGraph, model_graph
 from hplan.planner.frontend.trains_check import check_trains
 from hplan.planner.hardware.catalog import DeviceClass
 from hplan.planner.hardware.cluster import Cluster, Device, load_cluster, to_cluster_spec
 from hplan.planner.hardware.measured_links import load_measured_links
-from hplan.planner.sim.spec import param_wire_bytes, with_simulation
+from hplan.planner.passes import Pass, PassResults, run_passes
+from hplan.planner.sim.spec import RuntimeBytes, param_wire_bytes, simulated_step_time_s
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import SolveResult, solve
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
-from hplan.runtime.contract.plan import Backend, Plan, Schedule, SolverStatus, TrainingSpec
+from hplan.runtime.contract.plan import Backend, Plan, Report, Schedule, SolverStatus, TrainingSpec
 
 
 class Strategy(StrEnum):
@@ -76,6 +93,33 @@ class SolveRequest:
     """A measured link matrix (``hplan bandwidth``); its device pairs override the cluster
     file's links. None: the cluster file's links only."""
 
+    def verify(self) -> None:
+        """Check the options' ranges.
+
+        Raises:
+            ConfigError: naming the option and its allowed range.
+        """
+        if self.global_batch_size < 1:
+            raise ConfigError(f"global batch size {self.global_batch_size} must be >= 1")
+        if self.time_limit_s <= 0:
+            raise ConfigError(f"time limit {self.time_limit_s} s must be > 0")
+        if self.max_stages < 1:
+            raise ConfigError(f"max stages {self.max_stages} must be >= 1")
+        if not 1 <= self.master_port <= 65534:
+            raise ConfigError(f"master port {self.master_port} must be in 1..65534")
+
+
+@dataclass(frozen=True)
+class ClusterInput:
+    """The cluster a plan is made for, and the report's note on where its links came from."""
+
+    cluster: Cluster
+    link_notes: tuple[str, ...]
+
+    def verify(self) -> None:
+        """The cluster's invariants (``Cluster.verify``)."""
+        self.cluster.verify()
+
 
 @dataclass(frozen=True)
 class PlanningOutcome:
@@ -86,75 +130,173 @@ class PlanningOutcome:
     problem: PlanningProblem
     result: SolveResult
     solve_time_s: float
+    """Wall time of the ``solve`` pass."""
 
 
 def plan_training(
-    request: SolveRequest, progress: Callable[[str], None] | None = None
+    request: SolveRequest,
+    progress: Callable[[str], None] | None = None,
+    *,
+    dump_dir: Path | None = None,
 ) -> PlanningOutcome:
-    """Plan ``request.model_path`` on ``request.cluster_path``.
+    """Plan ``request.model_path`` on ``request.cluster_path`` (the passes of :data:`PASSES`).
+
+    Args:
+        progress: called with a line before each pass that says one.
+        dump_dir: write every pass's result there as JSON (``passes.debug_json``).
 
     Raises:
         ModelFileError, TraceError, ConfigError: bad model file, model, cluster file or
             bandwidth file (one naming devices the cluster lacks).
         InfeasiblePlanError: nothing fits; names the binding constraint.
         SolverUnavailableError: a requested solver does not work here.
+        PassError: a pass failed in a way that is a bug (names the pass).
     """
-    say = progress or (lambda _msg: None)
-    _check_request(request)
-    cluster, link_notes = _cluster(request)
-    say("loading and tracing the model")
+    request.verify()
+    results = run_passes(PASSES, request, progress=progress, dump_dir=dump_dir)
+    return PlanningOutcome(
+        plan=results["plan"],
+        graph=results["cost_graph"],
+        problem=results["problem"],
+        result=results["solve"],
+        solve_time_s=results["solve.time_s"],
+    )
+
+
+# --------------------------------------------------------------------------- the passes
+def _request(r: PassResults) -> SolveRequest:
+    request: SolveRequest = r["request"]
+    return request
+
+
+def cluster_pass(r: PassResults) -> ClusterInput:
+    """The cluster, with measured links over the file's when ``bandwidth_path`` is given."""
+    request = _request(r)
+    cluster = load_cluster(request.cluster_path)
+    _check_device_mix(cluster)
+    if request.bandwidth_path is None:
+        return ClusterInput(cluster, ())
+    measured = load_measured_links(cluster, request.bandwidth_path)
+    return ClusterInput(measured.cluster, (measured.note,))
+
+
+def capture_pass(r: PassResults) -> CapturedModel:
+    """The model file loaded, its model built and traced (once for the whole solve)."""
+    request = _request(r)
     model_file = load_model_file(request.model_path)
-    graph = build_model_graph(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
-    say("checking that the model trains")
-    check_trains(model_file, seed=request.seed)
-    source = _time_source(request, graph)
-    problem = build_problem(
+    return capture_model(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
+
+
+def time_source_pass(r: PassResults) -> UnitTimeSource:
+    """The roofline, or the measured profile (checked to be of this model)."""
+    request = _request(r)
+    if request.profile_path is None:
+        return RooflineSource()
+    return load_measured_source(
+        request.profile_path, r["cost_graph"], model_path=request.model_path
+    )
+
+
+def problem_pass(r: PassResults) -> PlanningProblem:
+    """The solver's arrays, from the cost graph, the cluster and the unit times."""
+    request, graph = _request(r), r["cost_graph"]
+    captured: CapturedModel = r["capture"]
+    return build_problem(
         graph,
-        cluster,
+        r["cluster"].cluster,
         global_batch_size=request.global_batch_size,
         micro_batch_sizes=request.micro_batch_sizes,
         optimizer_state_bytes_per_param_byte=optimizer_state_factor(
-            model_file, param_dtype=graph.param_dtype
+            captured.model_file, param_dtype=graph.param_dtype
         ),
-        time_source=source,
+        time_source=r["time_source"],
     )
-    say(
-        f"solving ({problem.num_units} units, {problem.num_devices} devices, limit {request.time_limit_s:g} s)"
+
+
+def solve_pass(r: PassResults) -> SolveResult:
+    """The layout: solved, or the requested baseline's; simulated with the plan's bytes."""
+    request, problem = _request(r), r["problem"]
+    runtime = RuntimeBytes.of(r["cost_graph"])
+    if request.strategy is Strategy.HPLAN:
+        options = SolveOptions(
+            time_limit_s=request.time_limit_s, backend=request.solver, max_stages=request.max_stages
+        )
+        return solve(problem, options, schedule=request.schedule, runtime=runtime)
+    return _baseline(problem, request, runtime)
+
+
+def report_pass(r: PassResults) -> Report:
+    """The plan's report, with each rank's cost source when a profile was given."""
+    request, problem, result = _request(r), r["problem"], r["solve"]
+    graph: ModelGraph = r["cost_graph"]
+    source: UnitTimeSource = r["time_source"]
+    notes = (*graph.notes, *r["cluster"].link_notes)
+    report = build_report(problem, result, cost_source=source.name, notes=notes)
+    if request.profile_path is None:
+        return report
+    cluster = r["cluster"].cluster
+    labels = source_labels(source, cluster.devices, graph.unit_costs, problem.micro_batch_sizes)
+    report = with_cost_sources(report, problem, result.layout, labels, source_name=source.name)
+    unmeasured = _unmeasured_kinds(cluster.devices, labels)
+    if not unmeasured:
+        return report
+    note = (
+        f"profile {request.profile_path} has no measurement for "
+        f"{', '.join(unmeasured)} and none to scale from: the roofline stands for them"
     )
-    started = time.monotonic()
-    result = _decide(problem, request)
-    solve_time_s = time.monotonic() - started
-    report = build_report(
-        problem, result, cost_source=source.name, notes=(*graph.notes, *link_notes)
-    )
-    if request.profile_path is not None:
-        labels = source_labels(source, cluster.devices, graph.unit_costs, problem.micro_batch_sizes)
-        report = with_cost_sources(report, problem, result.layout, labels, source_name=source.name)
-        unmeasured = _unmeasured_kinds(cluster.devices, labels)
-        if unmeasured:
-            note = (
-                f"profile {request.profile_path} has no measurement for "
-                f"{', '.join(unmeasured)} and none to scale from: the roofline stands for them"
-            )
-            report = replace(report, notes=(*report.notes, note))
+    return replace(report, notes=(*report.notes, note))
+
+
+def plan_pass(r: PassResults) -> Plan:
+    """The plan of the chosen layout, its gradient buckets and its simulated step time."""
+    request, problem, result = _request(r), r["problem"], r["solve"]
+    graph: ModelGraph = r["cost_graph"]
+    captured: CapturedModel = r["capture"]
+    cluster = r["cluster"].cluster
     plan = build_plan(
         graph=graph,
         model=model_spec(
             graph,
             path=recorded_model_path(request.model_path, request.out_dir),
-            sha256=model_file.sha256,
+            sha256=captured.model_file.sha256,
         ),
         cluster=to_cluster_spec(cluster, graph.param_dtype),
         device_names=problem.device_names,
         layout=result.layout,
         global_batch_size=request.global_batch_size,
-        report=report,
+        report=r["report"],
         training=_training_spec(request, cluster, result),
     )
-    plan = with_simulation(plan, param_wire_bytes(graph))
-    return PlanningOutcome(plan, graph, problem, result, solve_time_s)
+    return with_grad_sync(plan, param_wire_bytes(graph), result.simulated_step_time_s)
 
 
+def _solving(r: PassResults) -> str:
+    problem, request = r["problem"], _request(r)
+    return (
+        f"solving ({problem.num_units} units, {problem.num_devices} devices, "
+        f"limit {request.time_limit_s:g} s)"
+    )
+
+
+PASSES: Sequence[Pass] = (
+    Pass("cluster", cluster_pass),
+    Pass("capture", capture_pass, lambda _: "loading and tracing the model"),
+    Pass("cost_graph", lambda r: model_graph(r["capture"]), lambda _: "measuring the graph"),
+    Pass(
+        "trains_check",
+        lambda r: check_trains(r["capture"]),
+        lambda _: "checking that the model trains",
+    ),
+    Pass("time_source", time_source_pass),
+    Pass("problem", problem_pass),
+    Pass("solve", solve_pass, _solving),
+    Pass("report", report_pass),
+    Pass("plan", plan_pass),
+)
+"""The passes of a solve, in order (see the module docstring)."""
+
+
+# --------------------------------------------------------------------------- helpers
 def recorded_model_path(model_path: Path, out_dir: Path | None) -> str:
     """The model path a plan records: relative to ``out_dir`` (POSIX separators).
 
@@ -169,12 +311,11 @@ def recorded_model_path(model_path: Path, out_dir: Path | None) -> str:
     return Path(os.path.relpath(model_abs, out_dir.absolute().resolve())).as_posix()
 
 
-def _decide(problem: PlanningProblem, request: SolveRequest) -> SolveResult:
-    if request.strategy is Strategy.HPLAN:
-        options = SolveOptions(
-            time_limit_s=request.time_limit_s, backend=request.solver, max_stages=request.max_stages
-        )
-        return solve(problem, options, schedule=request.schedule)
+def _baseline(
+    problem: PlanningProblem, request: SolveRequest, runtime: RuntimeBytes
+) -> SolveResult:
+    from hplan.planner.cost.evaluate import evaluate
+
     make = data_parallel_equal if request.strategy is Strategy.DATA_PARALLEL else uniform_pipeline
     layout = make(problem)
     if layout is None:
@@ -190,6 +331,7 @@ def _decide(problem: PlanningProblem, request: SolveRequest) -> SolveResult:
         backend="none",
         source=f"baseline: {request.strategy.value}",
         notes=(f"{request.strategy.value} baseline requested; the layout was not optimised",),
+        simulated_step_time_s=simulated_step_time_s(problem, layout, request.schedule, runtime),
     )
 
 
@@ -203,35 +345,6 @@ def _unmeasured_kinds(
         if all(label == "roofline" for sizes in per_unit for label in sizes)
     }
     return tuple(sorted(kinds))
-
-
-def _time_source(request: SolveRequest, graph: ModelGraph) -> UnitTimeSource:
-    """The roofline, or the measured profile (checked to be of this model)."""
-    if request.profile_path is None:
-        return RooflineSource()
-    return load_measured_source(request.profile_path, graph, model_path=request.model_path)
-
-
-def _check_request(request: SolveRequest) -> None:
-    if request.global_batch_size < 1:
-        raise ConfigError(f"global batch size {request.global_batch_size} must be >= 1")
-    if request.time_limit_s <= 0:
-        raise ConfigError(f"time limit {request.time_limit_s} s must be > 0")
-    if request.max_stages < 1:
-        raise ConfigError(f"max stages {request.max_stages} must be >= 1")
-    if not 1 <= request.master_port <= 65534:
-        raise ConfigError(f"master port {request.master_port} must be in 1..65534")
-
-
-def _cluster(request: SolveRequest) -> tuple[Cluster, tuple[str, ...]]:
-    """The cluster, with measured links over the file's when ``bandwidth_path`` is given,
-    and the report's note on where the links came from."""
-    cluster = load_cluster(request.cluster_path)
-    _check_device_mix(cluster)
-    if request.bandwidth_path is None:
-        return cluster, ()
-    measured = load_measured_links(cluster, request.bandwidth_path)
-    return measured.cluster, (measured.note,)
 
 
 def _check_device_mix(cluster: Cluster) -> None:

@@ -59,7 +59,8 @@ def _one_line(message: str) -> str:
 def _report_crash(exc: BaseException) -> int:
     if os.environ.get("HPLAN_DEBUG"):
         traceback.print_exception(exc)
-    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    origin = exc.__cause__ if exc.__cause__ is not None else exc  # a pass's own failure
+    where = traceback.extract_tb(origin.__traceback__)[-1] if origin.__traceback__ else None
     at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
     print(
         f"hplan: internal error: {type(exc).__name__}: {_one_line(str(exc))}{at} "

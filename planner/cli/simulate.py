@@ -1,6 +1,6 @@
 """``hplan simulate``: the event-driven timeline of one training step of a plan.
 
-A thin click layer over ``simspec.spec_from_plan`` and ``simulate.simulate``: a table on
+A thin click layer over ``sim.spec.spec_from_plan`` and ``sim.engine.simulate``: a table on
 stderr, ``--json`` on stdout, ``--trace`` as Chrome trace JSON (chrome://tracing, Perfetto).
 Also :func:`plan_timeline_image`, which ``hplan show --format svg|png`` calls.
 """

@@ -104,6 +104,12 @@ from hplan.runtime.contract.plan import Schedule
     type=click.Path(path_type=Path),
     help="Measured profile (file or directory, from `hplan profile --model`); replaces catalog estimates.",
 )
+@click.option(
+    "--dump-passes",
+    "dump_dir",
+    type=click.Path(path_type=Path),
+    help="Write every planning pass's result to DIR/<NN>-<pass>.json (for debugging).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def solve(
     model: Path,
@@ -121,6 +127,7 @@ def solve(
     master_port: int,
     profile_path: Path | None,
     bandwidth_path: Path | None,
+    dump_dir: Path | None,
     as_json: bool,
 ) -> None:
     """Plan training of MODEL (a model.py) on a cluster and write the plan and launch scripts."""
@@ -147,7 +154,9 @@ def solve(
     )
     check_out_dir(out_dir)
     with stderr.status("planning...") as status:
-        outcome = plan_training(request, progress=lambda msg: status.update(f"{msg}..."))
+        outcome = plan_training(
+            request, progress=lambda msg: status.update(f"{msg}..."), dump_dir=dump_dir
+        )
     written = emit(outcome.plan, out_dir)
     print_text(outcome.plan, wide_console(stderr=True))
     stderr.print(

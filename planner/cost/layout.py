@@ -41,3 +41,30 @@ class Layout:
     @property
     def device_indices(self) -> tuple[int, ...]:
         return tuple(s.device_idx for r in self.replicas for s in r.stages)
+
+    def verify(self) -> None:
+        """Check the layout's own consistency; raise ValueError naming the first problem.
+
+        At least one replica; every replica's stages hold contiguous, non-empty unit ranges
+        from unit 0 to the same last unit; its micro-batches hold its samples; no device in
+        two stages. (What needs the problem, memory and candidates, is
+        ``solve.validate.layout_problems``'s.)
+        """
+        if not self.replicas:
+            raise ValueError("a layout needs at least one replica")
+        stops = {r.stages[-1].unit_stop if r.stages else 0 for r in self.replicas}
+        if len(stops) != 1:
+            raise ValueError(f"replicas end at different units {sorted(stops)}")
+        for index, replica in enumerate(self.replicas):
+            start = 0
+            for stage in replica.stages:
+                if stage.unit_start != start or stage.unit_stop <= stage.unit_start:
+                    raise ValueError(f"replica {index}: stage units are not contiguous from 0")
+                start = stage.unit_stop
+            b, m = replica.micro_batch_size, replica.num_microbatches
+            if not replica.stages or b < 1 or not (m - 1) * b < replica.num_samples <= m * b:
+                raise ValueError(
+                    f"replica {index}: {replica.num_samples} samples in {m} x {b} micro-batches"
+                )
+        if len(set(self.device_indices)) != len(self.device_indices):
+            raise ValueError("a device holds two stages")

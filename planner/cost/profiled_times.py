@@ -1,6 +1,6 @@
 """Unit times from a measured profile (``hplan profile``), with the roofline as fallback.
 
-:class:`MeasuredSource` is a ``UnitTimeSource`` (see ``costmodel.py``). For a cluster
+:class:`MeasuredSource` is a ``UnitTimeSource`` (see ``problem_builder.py``). For a cluster
 device of kind ``K`` named ``N`` it looks for unit timings under, most specific first:
 
 1. ``K@N`` (this very device, e.g. written by ``hplan calibrate``);

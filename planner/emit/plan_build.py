@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
+
 from hplan.planner.cost.layout import Layout
 from hplan.planner.frontend.cost_graph import ModelGraph
+from hplan.runtime.contract.holders import grad_sync_reports
 from hplan.runtime.contract.plan import (
     ClusterSpec,
     CutSpec,
@@ -110,3 +114,17 @@ def _rank_plans(
             )
         )
     return tuple(ranks), tuple(sorted(cut_idx))
+
+
+def with_grad_sync(
+    plan: Plan, wire_bytes: Mapping[str, int], simulated_step_time_s: float | None
+) -> Plan:
+    """``plan`` whose report records its gradient buckets (``holders.grad_sync_reports``)
+    and the simulated step time of its layout (the solver simulated it, with the bytes
+    this plan sends: ``sim.spec.RuntimeBytes``; None when it was too large to simulate)."""
+    report = replace(
+        plan.report,
+        grad_sync=grad_sync_reports(plan, wire_bytes),
+        simulated_step_time_s=simulated_step_time_s,
+    )
+    return replace(plan, report=report)

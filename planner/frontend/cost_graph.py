@@ -1,25 +1,35 @@
-"""Cost graph of a traced model: per-node and per-unit FLOPs, bytes and boundaries.
+"""The cost-graph pass: per-node and per-unit FLOPs, bytes and boundaries of a captured model.
 
-``build_model_graph`` traces the model, measures every node at two batch sizes (see
-``measure.py``: output shapes and dtypes, FLOPs, bytes read and written, bytes saved for
-backward, per sample), groups the nodes into partition units and sums their costs, and
-records the tensors that would cross each possible cut between units.
+:func:`model_graph` builds the networkx graph of the captured fx graph (``graph.py``: its
+structure), adds every node's costs measured at two batch sizes (``node_costs.py``: FLOPs,
+output and saved bytes, bytes read and written, per sample), groups the nodes into
+partition units by reading that graph (``partition_units.py``), and from it sums the units'
+costs and records the tensors that would cross each possible cut between units. The graph
+is the structure later steps read: after this pass every node carries its ``unit``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import networkx as nx
 import torch
 
+from hplan.planner.frontend.capture import DEFAULT_BATCH_SIZES, CapturedModel, capture_model
+from hplan.planner.frontend.graph import (
+    OUTPUT,
+    PLACEHOLDER,
+    CostGraph,
+    crossing_values,
+    in_unit,
+    structure_graph,
+)
 from hplan.planner.frontend.node_costs import NodeCost, measure_node_costs, tensor_nbytes
-from hplan.planner.frontend.partition_units import assign_units, module_path
-from hplan.runtime.capture.cuts import crossing_values, node_units, replicable_nodes
+from hplan.planner.frontend.partition_units import assign_units
 from hplan.runtime.capture.model_file import ModelFile
-from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
-from hplan.runtime.contract.errors import HplanError, ModelFileError, one_line
+from hplan.runtime.capture.trace import TracedModel
+from hplan.runtime.contract.errors import ModelFileError
 from hplan.runtime.contract.plan import DTYPE_BYTES, InputSpec, TensorSpec, UnitSpec
 
 
@@ -58,8 +68,11 @@ class ModelGraph:
     inputs: tuple[InputSpec, ...]
     param_dtype: str
     """torch dtype name of most parameter bytes, e.g. ``float32``."""
-    graph: nx.DiGraph
-    """One node per fx node (attributes: op, unit, flops, output_bytes, module_path)."""
+    graph: CostGraph
+    """One node per fx node: the structure (``graph.structure_graph``) plus, per sample,
+    ``flops``, ``output_bytes``, ``saved_bytes``, ``io_bytes``, ``tensor`` (the output's
+    ``TensorSpec`` when it may cross a cut, else None) and ``unit`` (None for placeholders
+    and the output); edge attribute ``bytes``, per sample."""
     notes: tuple[str, ...]
     """Human-readable notes (trace fallbacks, merged units)."""
     tied_trainable_bytes: Mapping[tuple[int, ...], int] = field(default_factory=dict)
@@ -75,21 +88,55 @@ class ModelGraph:
         """Bytes per sample of gradients sent back across cut ``cut_idx``."""
         return float(sum(t.num_bytes(1) for t in self.cuts[cut_idx] if t.requires_grad))
 
+    def verify(self) -> None:
+        """Check the graph's invariants; raise ValueError naming the first broken one.
+
+        Every node of a unit is a graph node whose ``unit`` attribute names it, every other
+        graph node is a placeholder or the output; one cut between each pair of units, each
+        of batch-linear tensors the graph produces; one cost per unit, every figure finite
+        and >= 0.
+        """
+        placed = {n: u.name for u in self.units for n in u.nodes}
+        for name, data in self.graph.nodes(data=True):
+            if data.get("unit") != placed.get(name):
+                raise ValueError(
+                    f"graph node {name!r} has unit {data.get('unit')!r}, want {placed.get(name)!r}"
+                )
+            if name not in placed and in_unit(self.graph, name):
+                raise ValueError(f"graph node {name!r} belongs to no unit")
+        if len(self.cuts) != max(len(self.units) - 1, 0) or len(self.unit_costs) != len(self.units):
+            raise ValueError(
+                f"{len(self.units)} units need {len(self.units) - 1} cuts and {len(self.units)} "
+                f"costs, got {len(self.cuts)} and {len(self.unit_costs)}"
+            )
+        for cut in self.cuts:
+            for tensor in cut:
+                if tensor.name not in self.graph or tensor.batch_dim is None:
+                    raise ValueError(f"cut tensor {tensor.name!r} is not a batched graph value")
+        for cost in self.unit_costs:
+            numbers = (
+                cost.fwd_flops_per_sample,
+                cost.activation_bytes_per_sample,
+                cost.io_bytes_per_sample,
+            )
+            if not all(math.isfinite(v) and v >= 0 for v in numbers):
+                raise ValueError(f"unit {cost.name!r} has a cost that is not finite and >= 0")
+
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a torch dtype name (``float32`` -> 4; see ``plan.DTYPE_BYTES``)."""
     return DTYPE_BYTES[dtype]
 
 
-# ----------------------------------------------------------------------- the builder
+# ----------------------------------------------------------------------- the builders
 def build_model_graph(
     model_file: ModelFile,
     *,
-    batch_sizes: tuple[int, int] = (2, 3),
+    batch_sizes: tuple[int, int] = DEFAULT_BATCH_SIZES,
     leaf_modules: Sequence[str] = (),
     seed: int = 0,
 ) -> ModelGraph:
-    """Trace a model file's model and measure what each node and unit costs.
+    """Capture a model file's model (``capture.capture_model``) and build its cost graph.
 
     Args:
         model_file: the loaded model file; ``build_model`` runs after
@@ -99,44 +146,64 @@ def build_model_graph(
             file's ``LEAF_MODULES``.
         seed: RNG seed for building the model and the sample batches.
 
-    Returns:
-        The model graph: units, per-unit costs (per-sample figures for one sample),
-        the tensors crossing every possible cut, the graph inputs and a networkx DiGraph
-        (node attributes ``op``, ``unit``, ``flops``, ``output_bytes``, ``module_path``,
-        per sample; edge attribute ``bytes``, per sample).
-
     Raises:
         ModelFileError: ``build_model``/``sample_batch`` raise or give unusable inputs.
         TraceError: the model cannot be traced or its graph cannot run.
         ValueError: ``batch_sizes`` are not two distinct positive integers.
     """
-    small, large = _check_batch_sizes(batch_sizes)
-    with torch.random.fork_rng(devices=[]):
-        model = _build(model_file, seed)
-        inputs = {b: _sample_inputs(model_file, model, b) for b in (small, large)}
-    leaves = (*leaf_modules, *model_file.leaf_modules)
-    traced = trace_model(model, inputs[small], leaf_modules=leaves)
-    costs, measure_notes = measure_node_costs(model_file, traced, inputs, seed)
+    captured = capture_model(
+        model_file, leaf_modules=tuple(leaf_modules), seed=seed, batch_sizes=batch_sizes
+    )
+    return model_graph(captured)
+
+
+def model_graph(captured: CapturedModel) -> ModelGraph:
+    """The cost graph of a captured model (see the module docstring).
+
+    Returns:
+        The model graph: units, per-unit costs (per-sample figures for one sample), the
+        tensors crossing every possible cut, the graph inputs, and the networkx graph.
+
+    Raises:
+        ModelFileError: the traced graph cannot run at a batch size, or an input does not
+            grow with the batch size.
+    """
+    traced, model = captured.traced, captured.model
+    costs, measure_notes = measure_node_costs(captured)
+    graph = structure_graph(traced)
+    _add_costs(graph, costs)
     specs = {name: c.spec for name, c in costs.items() if c.spec is not None}
-    units, unit_notes = assign_units(traced, set(specs))
-    gm = traced.graph_module
-    node_unit = node_units(gm, units)
-    replicable = replicable_nodes(gm)
+    units, unit_notes = assign_units(traced, set(specs), graph)
+    node_unit = {n: i for i, unit in enumerate(units) for n in unit.nodes}
+    for name in graph.nodes:
+        graph.nodes[name]["unit"] = units[node_unit[name]].name if name in node_unit else None
     cuts = tuple(
-        tuple(specs[n] for n in crossing_values(gm, node_unit, i, replicable=replicable))
-        for i in range(len(units) - 1)
+        tuple(specs[n] for n in crossing_values(graph, node_unit, i)) for i in range(len(units) - 1)
     )
     return ModelGraph(
         traced=traced,
         units=units,
-        unit_costs=_unit_costs(model, traced, units, node_unit, costs),
+        unit_costs=_unit_costs(model, graph, units, node_unit),
         cuts=cuts,
-        inputs=_input_specs(traced, units, node_unit, costs, replicable),
+        inputs=_input_specs(traced, graph, units, node_unit),
         param_dtype=_param_dtype(model),
-        graph=_nx_graph(traced, units, node_unit, costs),
+        graph=graph,
         notes=tuple(dict.fromkeys((*traced.notes, *unit_notes, *measure_notes))),  # no repeats
         tied_trainable_bytes=_tied_trainable_bytes(model, units),
     )
+
+
+def _add_costs(graph: CostGraph, costs: Mapping[str, NodeCost]) -> None:
+    """Per-sample costs on the nodes (0 where unmeasured); source output bytes on edges."""
+    for name, data in graph.nodes(data=True):
+        cost = costs.get(name)
+        data["flops"] = cost.flops if cost else 0.0
+        data["output_bytes"] = cost.output_bytes if cost else 0.0
+        data["saved_bytes"] = cost.saved_bytes if cost else 0.0
+        data["io_bytes"] = cost.io_bytes if cost else 0.0
+        data["tensor"] = cost.spec if cost else None
+    for source, _, data in graph.edges(data=True):
+        data["bytes"] = graph.nodes[source]["output_bytes"]
 
 
 def _tied_trainable_bytes(
@@ -155,116 +222,69 @@ def _tied_trainable_bytes(
     return tied
 
 
-def _check_batch_sizes(batch_sizes: tuple[int, int]) -> tuple[int, int]:
-    small, large = sorted(batch_sizes)
-    if small < 1 or small == large:
-        raise ValueError(f"batch_sizes {batch_sizes} must be two distinct integers >= 1")
-    return small, large
-
-
-def _build(model_file: ModelFile, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    try:
-        model = model_file.build_model()
-    except HplanError:
-        raise
-    except Exception as exc:
-        raise ModelFileError(
-            f"build_model() in {str(model_file.path)!r} raised {one_line(exc)}; fix model.py"
-        ) from None
-    if not isinstance(model, torch.nn.Module):
-        raise ModelFileError(
-            f"build_model() returned a {type(model).__name__}; return a torch.nn.Module"
-        )
-    return model
-
-
-def _sample_inputs(
-    model_file: ModelFile, model: torch.nn.Module, batch_size: int
-) -> dict[str, torch.Tensor]:
-    try:
-        batch = model_file.sample_batch(batch_size)
-    except Exception as exc:
-        raise ModelFileError(
-            f"sample_batch({batch_size}) in {str(model_file.path)!r} raised "
-            f"{one_line(exc)}; fix model.py"
-        ) from None
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ModelFileError(
-            f"sample_batch({batch_size}) must return (inputs, targets), got "
-            f"{type(batch).__name__}; fix model.py"
-        )
-    return bind_inputs(model, batch[0])
-
-
 # ----------------------------------------------------------------------- assembling
 def _unit_costs(
     model: torch.nn.Module,
-    traced: TracedModel,
+    graph: CostGraph,
     units: Sequence[UnitSpec],
     node_unit: Mapping[str, int],
-    costs: Mapping[str, NodeCost],
 ) -> tuple[UnitCost, ...]:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    held = _output_bytes_by_unit(traced.graph_module, node_unit, costs)
-    ops = {n.name: n.op for n in traced.graph_module.graph.nodes}
+    held = _output_bytes_by_unit(graph, node_unit, len(units))
     result = []
     for idx, unit in enumerate(units):
-        nodes = [costs[n] for n in unit.nodes]
-        calls = [n for n in unit.nodes if ops[n].startswith("call_")]
+        nodes = [graph.nodes[n] for n in unit.nodes]
         result.append(
             UnitCost(
                 name=unit.name,
-                fwd_flops_per_sample=sum(c.flops for c in nodes),
+                fwd_flops_per_sample=sum(d["flops"] for d in nodes),
                 param_bytes=sum(tensor_nbytes(params[p]) for p in unit.params),
                 trainable_param_bytes=sum(
                     tensor_nbytes(params[p]) for p in unit.params if params[p].requires_grad
                 ),
                 buffer_bytes=sum(tensor_nbytes(buffers[b]) for b in unit.buffers),
-                activation_bytes_per_sample=sum(c.saved_bytes for c in nodes) + held[idx],
-                io_bytes_per_sample=sum(c.io_bytes for c in nodes),
-                num_ops=len(calls),
+                activation_bytes_per_sample=sum(d["saved_bytes"] for d in nodes) + held[idx],
+                io_bytes_per_sample=sum(d["io_bytes"] for d in nodes),
+                num_ops=sum(1 for d in nodes if d["op"].startswith("call_")),
             )
         )
     return tuple(result)
 
 
 def _output_bytes_by_unit(
-    gm: torch.fx.GraphModule, node_unit: Mapping[str, int], costs: Mapping[str, NodeCost]
+    graph: CostGraph, node_unit: Mapping[str, int], num_units: int
 ) -> list[float]:
     """Per-sample bytes of the graph outputs, charged to the unit that produces each.
 
     The outputs (e.g. the logits, batch x seq x vocab) stay alive until the loss and its
     backward have run, like saved activations.
     """
-    held = [0.0] * (max(node_unit.values(), default=0) + 1)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    for node in output.all_input_nodes:
-        if node.name in node_unit:
-            held[node_unit[node.name]] += costs[node.name].output_bytes
+    held = [0.0] * max(num_units, 1)
+    output = next(n for n, d in graph.nodes(data=True) if d["op"] == OUTPUT)
+    for name in graph.predecessors(output):
+        if name in node_unit:
+            held[node_unit[name]] += graph.nodes[name]["output_bytes"]
     return held
 
 
 def _input_specs(
     traced: TracedModel,
+    graph: CostGraph,
     units: Sequence[UnitSpec],
     node_unit: Mapping[str, int],
-    costs: Mapping[str, NodeCost],
-    replicable: frozenset[str],
 ) -> tuple[InputSpec, ...]:
     """Graph inputs with the units that read them (directly or via replicated nodes)."""
-    gm = traced.graph_module
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    readers: dict[str, set[int]] = {n.name: set() for n in placeholders}
-    for node in gm.graph.nodes:
-        if node.name not in node_unit:
+    placeholders = [n for n, d in graph.nodes(data=True) if d["op"] == PLACEHOLDER]
+    readers: dict[str, set[int]] = {n: set() for n in placeholders}
+    for name in graph.nodes:
+        if name not in node_unit:
             continue
-        for placeholder in _placeholders_read(node, replicable):
-            readers[placeholder].add(node_unit[node.name])
+        for placeholder in _placeholders_read(graph, name):
+            readers[placeholder].add(node_unit[name])
     specs = []
     for node, name in zip(placeholders, traced.input_names, strict=True):
-        spec = costs[node.name].spec
+        spec = graph.nodes[node]["tensor"]
         if spec is None or spec.batch_dim is None:
             raise ModelFileError(
                 f"input {name!r} from sample_batch does not grow with the batch size; "
@@ -274,25 +294,26 @@ def _input_specs(
             name=name, shape=spec.shape, dtype=spec.dtype, batch_dim=spec.batch_dim,
             requires_grad=False,
         )  # fmt: skip
-        read_by = tuple(units[i].name for i in sorted(readers[node.name]))
+        read_by = tuple(units[i].name for i in sorted(readers[node]))
         specs.append(InputSpec(tensor=tensor, read_by_units=read_by))
     return tuple(specs)
 
 
-def _placeholders_read(node: torch.fx.Node, replicable: frozenset[str]) -> set[str]:
+def _placeholders_read(graph: CostGraph, name: str) -> set[str]:
     """Placeholders a node reads directly or through replicable nodes."""
     found: set[str] = set()
-    work = list(node.all_input_nodes)
-    seen: set[torch.fx.Node] = set()
+    work = list(graph.predecessors(name))
+    seen: set[str] = set()
     while work:
         current = work.pop()
         if current in seen:
             continue
         seen.add(current)
-        if current.op == "placeholder":
-            found.add(current.name)
-        elif current.name in replicable:
-            work.extend(current.all_input_nodes)
+        data = graph.nodes[current]
+        if data["op"] == PLACEHOLDER:
+            found.add(current)
+        elif data["replicable"]:
+            work.extend(graph.predecessors(current))
     return found
 
 
@@ -303,30 +324,3 @@ def _param_dtype(model: torch.nn.Module) -> str:
         dtype = str(param.dtype).removeprefix("torch.")
         totals[dtype] = totals.get(dtype, 0) + tensor_nbytes(param)
     return max(totals, key=lambda d: totals[d]) if totals else "float32"
-
-
-def _nx_graph(
-    traced: TracedModel,
-    units: Sequence[UnitSpec],
-    node_unit: Mapping[str, int],
-    costs: Mapping[str, NodeCost],
-) -> nx.DiGraph:
-    """One node per fx node; per-sample FLOPs and bytes on nodes, bytes on edges."""
-    graph: nx.DiGraph[str] = nx.DiGraph()
-    for node in traced.graph_module.graph.nodes:
-        cost = costs.get(node.name)
-        unit = node_unit.get(node.name)
-        graph.add_node(
-            node.name,
-            op=node.op,
-            unit=units[unit].name if unit is not None else None,
-            flops=cost.flops if cost else 0.0,
-            output_bytes=cost.output_bytes if cost else 0.0,
-            module_path=module_path(node, traced.module_classes),
-        )
-        for source in node.all_input_nodes:
-            source_cost = costs.get(source.name)
-            graph.add_edge(
-                source.name, node.name, bytes=source_cost.output_bytes if source_cost else 0.0
-            )
-    return graph

@@ -5,15 +5,16 @@ sizes and records, per node: the output shapes and dtypes, FLOPs
 (``torch.utils.flop_counter.FlopCounterMode``), bytes read and written, and bytes saved
 for backward (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once).
 Per-sample figures are the difference between the two runs divided by the difference of
-the batch sizes, so parameters cancel out. It runs on the meta device when the model
-allows it (no memory, no compute) and falls back to real CPU tensors.
+the batch sizes, so parameters cancel out. It runs on a meta copy of the captured graph
+when the model allows it (no memory, no compute; ``capture.meta_copy``) and falls back to
+the captured graph's real CPU tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,26 +23,16 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from hplan.runtime.capture.model_file import ModelFile
-from hplan.runtime.capture.trace import TracedModel, trace_model
+from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
 from hplan.runtime.contract.errors import ModelFileError, one_line
 from hplan.runtime.contract.plan import TensorSpec
 
 
-def measure_node_costs(
-    model_file: ModelFile,
-    traced: TracedModel,
-    inputs: Mapping[int, Mapping[str, torch.Tensor]],
-    seed: int,
-) -> tuple[dict[str, NodeCost], list[str]]:
-    """Per-sample costs of every node of ``traced``, from runs at two batch sizes.
+def measure_node_costs(captured: CapturedModel) -> tuple[dict[str, NodeCost], list[str]]:
+    """Per-sample costs of every node of the captured graph, from runs at its two batch sizes.
 
-    Args:
-        model_file: rebuilds the model on the meta device (after ``torch.manual_seed(seed)``).
-        traced: the traced model (its graph runs on CPU when the meta device fails).
-        inputs: {batch size: {forward parameter name: tensor}} for exactly two distinct
-            batch sizes.
-        seed: RNG seed for rebuilding the model.
+    On a meta copy of the graph when it runs there (no memory, no compute); else on the
+    captured graph with its CPU tensors (its buffers restored after each run).
 
     Returns:
         ({node name: per-sample cost}, notes): a note says when the meta device failed
@@ -50,8 +41,8 @@ def measure_node_costs(
     Raises:
         ModelFileError: the traced graph fails on CPU at one of the batch sizes.
     """
-    small, large = min(inputs), max(inputs)
-    runs, notes = _measure(model_file, traced, inputs, seed)
+    small, large = captured.batch_sizes
+    runs, notes = _measure(captured)
     costs = {
         name: _per_sample(name, runs[small][name], runs[large][name], small, large)
         for name in runs[small]
@@ -160,17 +151,11 @@ def _tensor_info(value: Any) -> tuple[tuple[int, ...], str, bool] | None:
     return tuple(value.shape), dtype, value.requires_grad and value.is_floating_point()
 
 
-def _measure(
-    model_file: ModelFile,
-    traced: TracedModel,
-    inputs: Mapping[int, Mapping[str, torch.Tensor]],
-    seed: int,
-) -> tuple[dict[int, dict[str, _NodeRun]], list[str]]:
+def _measure(captured: CapturedModel) -> tuple[dict[int, dict[str, _NodeRun]], list[str]]:
     """Node runs at each batch size: on the meta device if possible, else on CPU."""
+    traced = captured.traced
     try:
-        return _measure_meta(model_file, traced, inputs, seed), []
-    except _MetaGraphDiffers:
-        note = "costs measured with CPU tensors: the model traces differently on the meta device"
+        return _measure_meta(captured), []
     except Exception as exc:
         note = (
             "costs measured with CPU tensors: the model does not run on the meta device "
@@ -179,7 +164,7 @@ def _measure(
     runs = {}
     gm = traced.graph_module
     saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    for batch_size, feed in inputs.items():
+    for batch_size, feed in captured.inputs.items():
         args = [feed[name] for name in traced.input_names]
         try:
             runs[batch_size] = _Meter(gm).measure(args)
@@ -195,34 +180,20 @@ def _measure(
     return runs, [note]
 
 
-class _MetaGraphDiffers(Exception):
-    """The graph traced on the meta device is not the one traced on CPU."""
-
-
 def _reason(exc: BaseException) -> str:
     """An exception's first line; its class name only where the text needs it."""
     text = one_line(exc)
     return text.removeprefix("RuntimeError: ")
 
 
-def _measure_meta(
-    model_file: ModelFile,
-    traced: TracedModel,
-    inputs: Mapping[int, Mapping[str, torch.Tensor]],
-    seed: int,
-) -> dict[int, dict[str, _NodeRun]]:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.device("meta"):
-            model = model_file.build_model()
-    metas = {b: {k: v.to("meta") for k, v in feed.items()} for b, feed in inputs.items()}
-    first = metas[min(metas)]
-    meta_traced = trace_model(model, first, leaf_modules=traced.leaf_modules, method=traced.method)
-    if meta_traced.fingerprint() != traced.fingerprint():
-        raise _MetaGraphDiffers
+def _measure_meta(captured: CapturedModel) -> dict[int, dict[str, _NodeRun]]:
+    """The captured graph, copied onto the meta device, run at both batch sizes."""
+    traced = captured.traced
+    meta_gm = meta_copy(traced.graph_module)
+    assert isinstance(meta_gm, torch.fx.GraphModule)
     return {
-        b: _Meter(meta_traced.graph_module).measure([feed[n] for n in traced.input_names])
-        for b, feed in metas.items()
+        b: _Meter(meta_gm).measure([to_meta(feed[n]) for n in traced.input_names])
+        for b, feed in captured.inputs.items()
     }
 
 

@@ -25,6 +25,7 @@ Link defaults (alpha-beta: ``time = latency + bytes / bandwidth``):
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -181,6 +182,32 @@ class Cluster:
     def latency_s(self, a: str, b: str) -> float:
         """Latency between two distinct devices, seconds."""
         return self.link(a, b).latency_s
+
+    def verify(self) -> None:
+        """Check the cluster's invariants; raise ValueError naming the first broken one.
+
+        At least one device; unique node and device names; every device on its node; a
+        link of finite positive bandwidth and finite latency >= 0 between every pair of
+        distinct devices; collectives only for nodes of the cluster.
+        """
+        names = [d.name for d in self.devices]
+        if not names:
+            raise ValueError(f"cluster {self.name!r} has no devices")
+        if len(set(names)) != len(names) or len({n.name for n in self.nodes}) != len(self.nodes):
+            raise ValueError(f"cluster {self.name!r} repeats a node or device name")
+        for node in self.nodes:
+            for device in node.devices:
+                if device.node != node.name:
+                    raise ValueError(f"device {device.name!r} is listed under node {node.name!r}")
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                link = self.link(a, b)
+                speed, delay = link.bandwidth_bytes_per_s, link.latency_s
+                if not (math.isfinite(speed) and speed > 0 and math.isfinite(delay) and delay >= 0):
+                    raise ValueError(f"link {a}-{b} has bandwidth {speed} B/s, latency {delay} s")
+        unknown = set(self.node_collectives) - {n.name for n in self.nodes}
+        if unknown:
+            raise ValueError(f"collectives of unknown nodes {sorted(unknown)}")
 
 
 def _pair(a: str, b: str) -> tuple[str, str]:

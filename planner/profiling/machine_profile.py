@@ -1,11 +1,11 @@
 """``hplan profile``: measure this machine's devices and, optionally, a model's units.
 
-:func:`profile_machine` discovers the devices (``devices.py``), runs the microbenchmarks
+:func:`profile_machine` discovers the devices (``hardware/discovery.py``), runs the microbenchmarks
 (``microbench.py``) on each measured device and, given a model file, profiles every
 partition unit on one device (``unit_profile.py``). It returns one :class:`Profile` per
 measured device; :func:`write_profiles` stores each as ``<host>-<device key>.json``.
 
-Device keys (see ``profile.py``): a GPU measured by UUID is ``<kind>#<uuid>``
+Device keys (see ``profile_file.py``): a GPU measured by UUID is ``<kind>#<uuid>``
 (``rtx3090#GPU-5d1c...``); the CPU is ``cpu`` (the catalog's one-core rehearsal device:
 it is measured with one thread).
 """

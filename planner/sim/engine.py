@@ -4,7 +4,7 @@ Input is a small neutral :class:`SimSpec` (replicas of pipeline stages with thei
 times, the links between consecutive stages, the gradient all-reduce groups, the schedule);
 ``hplan.planner.sim.spec`` builds one from a ``Plan`` or from a solver layout, and an importer
 of external measurements can build one by hand. :func:`simulate` then replays one optimizer
-step the way the runtime runs it (``runtime/executor/pipeline.py``, ``comm.py``, ``grad_sync.py``):
+step the way the runtime runs it (``runtime/executor/``: ``pipeline.py``, ``comm.py``, ``grad_sync.py``):
 
 1. Each rank runs its stage's actions in schedule order (``runtime/contract/schedule.py``: 1F1B or
    GPipe). A forward of micro-batch m on stage s > 0 starts once stage s-1's activations of

@@ -1,6 +1,6 @@
-"""The simulator's input and output types (see ``simulate.py`` for the rules it applies).
+"""The simulator's input and output types (see ``engine.py`` for the rules it applies).
 
-``SimSpec`` is small and neutral on purpose: ``simspec.py`` builds it from a plan or a solver
+``SimSpec`` is small and neutral on purpose: ``spec.py`` builds it from a plan or a solver
 layout, and an importer of external measurements can build it by hand. All times are in
 seconds, sizes in bytes.
 """

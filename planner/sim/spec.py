@@ -7,7 +7,10 @@
   runtime buckets by (``Report.grad_sync``; ties between stages included).
 - :func:`spec_from_layout`: from the solver's ``(PlanningProblem, Layout)``, with the
   cost model's arrays (the same numbers as ``evaluate.py``; all-reduce groups by holder
-  set, tied parameters included, as there).
+  set, tied parameters included, as there), or, given the :class:`RuntimeBytes` of the
+  model, with the bytes its plan's runtime will send and sum: then a layout simulates to
+  exactly what :func:`spec_from_plan` gives for the plan built from it, and the solver's
+  simulation of the chosen layout is the plan's ``simulated_step_time_s``.
 
 Every micro-batch is charged the compute of a full micro-batch, as the cost model does and
 as a rehearsal of a GPU plan replays it; ``scale_partial_microbatches=True`` scales the
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -38,7 +41,7 @@ from hplan.planner.sim.engine import (
     simulate,
 )
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.holders import grad_sync_reports
+from hplan.runtime.contract.holders import holders, shared_bytes
 from hplan.runtime.contract.plan import (
     GradSyncReport,
     Plan,
@@ -46,6 +49,7 @@ from hplan.runtime.contract.plan import (
     RankReport,
     Schedule,
     SyncMode,
+    TensorSpec,
     microbatch_sizes,
 )
 
@@ -148,12 +152,19 @@ def _compute_factors(sizes: Sequence[int], full: int, scale_partial: bool) -> tu
 def _plan_link(plan: Plan, a: RankPlan, b: RankPlan, sizes: Sequence[int]) -> SimLink:
     spec = plan.link(a.device, b.device)
     cut = plan.cut_after(a.units[-1])
-    forward = tuple(float(sum(t.num_bytes(n) for t in cut.tensors)) for n in sizes)
-    backward = tuple(
-        float(sum(t.num_bytes(n) for t in cut.tensors if t.requires_grad)) for n in sizes
-    )
+    forward, backward = cut_bytes(cut.tensors, sizes)
     channel = SimChannel(spec.bandwidth_bytes_per_s, spec.latency_s)
     return SimLink(channel, channel, forward, backward)
+
+
+def cut_bytes(
+    tensors: Sequence[TensorSpec], sizes: Sequence[int]
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Bytes the runtime sends across a cut for each micro-batch of ``sizes`` samples:
+    (activations forward, gradients back: only the tensors that need one)."""
+    forward = tuple(float(sum(t.num_bytes(n) for t in tensors)) for n in sizes)
+    backward = tuple(float(sum(t.num_bytes(n) for t in tensors if t.requires_grad)) for n in sizes)
+    return forward, backward
 
 
 def _plan_group(plan: Plan, group: GradSyncReport) -> SimSyncGroup:
@@ -169,26 +180,67 @@ def _plan_group(plan: Plan, group: GradSyncReport) -> SimSyncGroup:
 
 
 # --------------------------------------------------------------------------- from a layout
+@dataclass(frozen=True)
+class RuntimeBytes:
+    """The bytes the runtime of a plan sends across each cut and sums per bucket.
+
+    With them a layout is simulated exactly as the plan built from it will be
+    (:func:`spec_from_plan`): cut tensors at each micro-batch's real size, gradients in
+    their wire dtype, grouped by the ranks holding each parameter. Without them the cost
+    model's per-sample arrays stand in (``PlanningProblem.cut_bytes_per_sample``,
+    ``grad_bytes``).
+    """
+
+    cuts: tuple[tuple[TensorSpec, ...], ...]
+    """cuts[i]: the tensors crossing the cut after unit i (``ModelGraph.cuts``)."""
+    unit_params: tuple[tuple[str, ...], ...]
+    """Canonical names of each unit's parameters (``UnitSpec.params``)."""
+    wire_bytes: Mapping[str, int]
+    """Canonical name -> bytes all-reduced per trainable parameter (:func:`param_wire_bytes`)."""
+
+    @staticmethod
+    def of(graph: ModelGraph) -> RuntimeBytes:
+        """What a model graph's plans will send and sum."""
+        return RuntimeBytes(
+            cuts=graph.cuts,
+            unit_params=tuple(u.params for u in graph.units),
+            wire_bytes=param_wire_bytes(graph),
+        )
+
+
 def spec_from_layout(
-    problem: PlanningProblem, layout: Layout, schedule: Schedule = Schedule.ONE_F_ONE_B
+    problem: PlanningProblem,
+    layout: Layout,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    runtime: RuntimeBytes | None = None,
 ) -> SimSpec:
     """The simulator's view of a solver layout, from the cost model's arrays.
 
     Ranks are numbered like the plan's (sorted device indices). Gradient groups are the
     holder sets of each unit, merged by holder set (as ``evaluate.allreduce_time_s``).
 
+    Args:
+        runtime: the bytes the plan's runtime will send and sum; given, the layout is
+            simulated exactly as :func:`spec_from_plan` simulates its plan.
+
     Raises:
         ValueError: a replica's micro-batch size is not one of the problem's candidates.
     """
     rank_of = {d: r for r, d in enumerate(sorted(layout.device_indices))}
-    replicas = tuple(_layout_replica(problem, r, rank_of) for r in layout.replicas)
-    return SimSpec(
-        replicas=replicas, sync_groups=_layout_groups(problem, layout, rank_of), schedule=schedule
+    replicas = tuple(_layout_replica(problem, r, rank_of, runtime) for r in layout.replicas)
+    groups = (
+        _layout_groups(problem, layout, rank_of)
+        if runtime is None
+        else _runtime_groups(problem, layout, rank_of, runtime)
     )
+    return SimSpec(replicas=replicas, sync_groups=groups, schedule=schedule)
 
 
 def _layout_replica(
-    problem: PlanningProblem, replica: ReplicaLayout, rank_of: Mapping[int, int]
+    problem: PlanningProblem,
+    replica: ReplicaLayout,
+    rank_of: Mapping[int, int],
+    runtime: RuntimeBytes | None,
 ) -> SimReplica:
     k = problem.micro_batch_sizes.index(replica.micro_batch_size)
     sizes = microbatch_sizes(replica.num_samples, replica.micro_batch_size)
@@ -209,14 +261,17 @@ def _layout_replica(
     links = []
     for a, b in pairwise(replica.stages):
         cut = a.unit_stop - 1
-        forward = problem.cut_bytes_per_sample[cut]
-        backward = problem.cut_grad_bytes_per_sample[cut]
+        if runtime is None:
+            forward = tuple(float(problem.cut_bytes_per_sample[cut] * n) for n in sizes)
+            backward = tuple(float(problem.cut_grad_bytes_per_sample[cut] * n) for n in sizes)
+        else:
+            forward, backward = cut_bytes(runtime.cuts[cut], sizes)
         links.append(
             SimLink(
                 forward=_problem_channel(problem, a.device_idx, b.device_idx),
                 backward=_problem_channel(problem, b.device_idx, a.device_idx),
-                forward_bytes=tuple(float(forward * n) for n in sizes),
-                backward_bytes=tuple(float(backward * n) for n in sizes),
+                forward_bytes=forward,
+                backward_bytes=backward,
             )
         )
     return SimReplica(stages=tuple(stages), links=tuple(links), microbatch_sizes=sizes)
@@ -229,31 +284,62 @@ def _problem_channel(problem: PlanningProblem, a: int, b: int) -> SimChannel:
     )
 
 
+def _sync_group(
+    problem: PlanningProblem, devices: Sequence[int], ranks: Sequence[int], num_bytes: float
+) -> SimSyncGroup:
+    bandwidth_bytes_per_s, latency_s = slowest_link(problem, tuple(devices))
+    return SimSyncGroup(
+        ranks=tuple(sorted(ranks)),
+        num_bytes=num_bytes,
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        latency_s=latency_s,
+    )
+
+
 def _layout_groups(
     problem: PlanningProblem, layout: Layout, rank_of: Mapping[int, int]
 ) -> tuple[SimSyncGroup, ...]:
-    groups = []
-    for devices, num_bytes in grad_sync_groups(problem, layout).items():
-        bandwidth_bytes_per_s, latency_s = slowest_link(problem, devices)
-        groups.append(
-            SimSyncGroup(
-                ranks=tuple(sorted(rank_of[d] for d in devices)),
-                num_bytes=num_bytes,
-                bandwidth_bytes_per_s=bandwidth_bytes_per_s,
-                latency_s=latency_s,
-            )
+    groups = [
+        _sync_group(problem, devices, [rank_of[d] for d in devices], num_bytes)
+        for devices, num_bytes in grad_sync_groups(problem, layout).items()
+    ]
+    return tuple(sorted(groups, key=lambda g: g.ranks))
+
+
+def _runtime_groups(
+    problem: PlanningProblem, layout: Layout, rank_of: Mapping[int, int], runtime: RuntimeBytes
+) -> tuple[SimSyncGroup, ...]:
+    """The buckets the plan's runtime will sum, as ``holders.grad_sync_reports`` records them."""
+    stages = [s for replica in layout.replicas for s in replica.stages]
+    held = holders(
+        (
+            rank_of[s.device_idx],
+            (p for u in range(s.unit_start, s.unit_stop) for p in runtime.unit_params[u]),
         )
+        for s in stages
+    )
+    wire = {
+        name: float(runtime.wire_bytes[name]) for name in sorted(held) if name in runtime.wire_bytes
+    }
+    device_of = {r: d for d, r in rank_of.items()}
+    groups = [
+        _sync_group(problem, [device_of[r] for r in ranks], ranks, float(int(num_bytes)))
+        for ranks, num_bytes in shared_bytes(held, wire).items()
+    ]
     return tuple(sorted(groups, key=lambda g: g.ranks))
 
 
 def simulated_step_time_s(
-    problem: PlanningProblem, layout: Layout, schedule: Schedule = Schedule.ONE_F_ONE_B
+    problem: PlanningProblem,
+    layout: Layout,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    runtime: RuntimeBytes | None = None,
 ) -> float | None:
     """Simulated step time of a solver layout (see :func:`spec_from_layout`); None when a
     replica has more than ``MAX_SIMULATED_MICROBATCHES`` micro-batches."""
     if any(too_many_microbatches(r.num_samples, r.micro_batch_size) for r in layout.replicas):
         return None
-    return simulate(spec_from_layout(problem, layout, schedule)).step_time_s
+    return simulate(spec_from_layout(problem, layout, schedule, runtime)).step_time_s
 
 
 # --------------------------------------------------------------------------- gradient sizes
@@ -271,14 +357,3 @@ def param_wire_bytes(graph: ModelGraph) -> dict[str, int]:
         canonical = traced.param_names.get(name, name)
         out[canonical] = param.numel() * max(WIRE_BYTES_MIN, param.element_size())
     return out
-
-
-def with_simulation(plan: Plan, wire_bytes: Mapping[str, int]) -> Plan:
-    """``plan`` whose report records its gradient groups and its simulated step time
-    (left None when a replica has more than ``MAX_SIMULATED_MICROBATCHES`` micro-batches)."""
-    report = replace(plan.report, grad_sync=grad_sync_reports(plan, wire_bytes))
-    annotated = replace(plan, report=report)
-    if any(too_many_microbatches(r.num_samples, r.micro_batch_size) for r in plan.ranks):
-        return annotated
-    step_s = simulate(spec_from_plan(annotated)).step_time_s
-    return replace(annotated, report=replace(report, simulated_step_time_s=step_s))

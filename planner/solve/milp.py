@@ -2,7 +2,7 @@
 
 A backend counts as available only after it has solved a trivial model correctly
 (case S1: an availability flag can lie; a binary can be present but not executable).
-The one model hplan solves here is a covering problem over pipeline templates (see
+The one model hplan solves here is a covering problem over pipeline shapes (see
 ``solve_cover``); the solver module calls it many times with different capacities.
 """
 
@@ -125,7 +125,7 @@ def solve_cover(
     backend: MilpBackend,
     time_limit_s: float,
 ) -> CoverResult:
-    """Choose integer copies n_t of templates so that they cover the demand.
+    """Choose integer copies n_t of shapes so that they cover the demand.
 
     Model::
 
@@ -136,8 +136,8 @@ def solve_cover(
         minimise sum_t n[t] when minimize_copies, else any feasible n.
 
     Args:
-        capacity: samples one copy of template t can process in the target time, shape (T,).
-        usage: devices of class c one copy of template t uses, shape (C, T).
+        capacity: samples one copy of shape t can process in the target time, shape (T,).
+        usage: devices of class c one copy of shape t uses, shape (C, T).
         available: devices in each class, shape (C,).
     """
     if backend is MilpBackend.HEURISTIC:
@@ -161,7 +161,7 @@ def solve_cover(
 
 
 def copy_upper_bounds(usage: np.ndarray, available: np.ndarray) -> np.ndarray:
-    """Most copies of each template the classes allow, shape (T,) (huge where unused)."""
+    """Most copies of each shape the classes allow, shape (T,) (huge where unused)."""
     return _upper_bounds(usage, available)
 
 
@@ -196,7 +196,7 @@ def _greedy_cover(
     demand: int,
     max_copies: int | None,
 ) -> CoverResult:
-    """Non-ILP fallback: add copies of the template with most samples per device first."""
+    """Non-ILP fallback: add copies of the shape with most samples per device first."""
     left = available.astype(np.int64).copy()
     counts = np.zeros(len(capacity), dtype=np.int64)
     per_device = capacity / np.maximum(usage.sum(axis=0), 1)

@@ -1,10 +1,10 @@
-"""Pipeline templates: an ordered list of device classes, a micro-batch size, and the best
+"""Pipeline shapes: an ordered list of device classes, a micro-batch size, and the best
 contiguous split of the partition units over them.
 
 A *device class* is a set of interchangeable devices (``hplan.planner.solve.device_classes``). A
-*template* is a pipeline shape ``(c_0, ..., c_{S-1})`` of classes
+*pipeline shape* is an ordered list ``(c_0, ..., c_{S-1})`` of classes
 (a class may repeat up to its size) with a micro-batch size; the solver decides how many
-copies of each template to run. For one template the split of units over stages is
+copies of each shape to run. For one shape the split of units over stages is
 solved exactly here, by a dynamic program over cut positions that minimises the period
 (the slowest stage or link per micro-batch) subject to every stage's memory (ties: the first
 split found). On tiny instances every split is enumerated instead and all
@@ -26,7 +26,7 @@ from hplan.planner.solve.device_classes import DeviceClass, pair_devices
 
 
 @dataclass(frozen=True, slots=True)
-class Template:
+class PipelineShape:
     """A costed pipeline shape; ``bounds[s]`` is the first unit of stage s (plus U at the end)."""
 
     classes: tuple[int, ...]
@@ -49,7 +49,7 @@ class Template:
 
 
 class Partitioner:
-    """Costs pipeline templates for one problem (prefix sums cached per device and k)."""
+    """Costs pipeline shapes for one problem (prefix sums cached per device and k)."""
 
     def __init__(self, problem: PlanningProblem, classes: Sequence[DeviceClass]) -> None:
         self.problem = problem
@@ -116,7 +116,7 @@ class Partitioner:
         return mats
 
     # ------------------------------------------------------------------ splitting
-    def best_split(self, sequence: Sequence[int], k: int) -> Template | None:
+    def best_split(self, sequence: Sequence[int], k: int) -> PipelineShape | None:
         """The split minimising the period; None if nothing fits."""
         mats = self.stage_matrices(sequence, k)
         u = self.problem.num_units
@@ -133,9 +133,9 @@ class Partitioner:
         bounds = [u]
         for choice in reversed(choices):
             bounds.append(int(choice[bounds[-1]]))
-        return self._template(sequence, k, tuple(reversed(bounds)), mats)
+        return self._shape(sequence, k, tuple(reversed(bounds)), mats)
 
-    def all_splits(self, sequence: Sequence[int], k: int) -> list[Template]:
+    def all_splits(self, sequence: Sequence[int], k: int) -> list[PipelineShape]:
         """Every feasible split, reduced to its (period, fill) Pareto front."""
         mats = self.stage_matrices(sequence, k)
         u = self.problem.num_units
@@ -143,16 +143,16 @@ class Partitioner:
         for cuts in itertools.combinations(range(1, u), len(sequence) - 1):
             bounds = (0, *cuts, u)
             if all(np.isfinite(mats[s][0][bounds[s], bounds[s + 1]]) for s in range(len(sequence))):
-                found.append(self._template(sequence, k, bounds, mats))
+                found.append(self._shape(sequence, k, bounds, mats))
         return pareto(found)
 
-    def _template(
+    def _shape(
         self,
         sequence: Sequence[int],
         k: int,
         bounds: tuple[int, ...],
         mats: list[tuple[np.ndarray, np.ndarray]],
-    ) -> Template:
+    ) -> PipelineShape:
         devices = pair_devices(self.classes, sequence)
         computes = [float(mats[s][0][bounds[s], bounds[s + 1]]) for s in range(len(sequence))]
         links = [
@@ -167,7 +167,7 @@ class Partitioner:
             float(self._grad_cum[bounds[s + 1]] - self._grad_cum[bounds[s]])
             for s in range(len(sequence))
         )
-        return Template(
+        return PipelineShape(
             classes=tuple(sequence),
             k=k,
             micro_batch_size=self.problem.micro_batch_sizes[k],
@@ -179,17 +179,17 @@ class Partitioner:
         )
 
 
-def pareto(templates: Sequence[Template]) -> list[Template]:
-    """Templates not dominated in (period, fill, optimizer time)."""
+def pareto(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
+    """Pipeline shapes not dominated in (period, fill, optimizer time)."""
     keep = []
-    for t in templates:
+    for t in shapes:
         dominated = any(
             o is not t
             and o.period_s <= t.period_s
             and o.fill_s <= t.fill_s
             and o.optimizer_s <= t.optimizer_s
             and (o.period_s, o.fill_s, o.optimizer_s) != (t.period_s, t.fill_s, t.optimizer_s)
-            for o in templates
+            for o in shapes
         )
         if not dominated:
             keep.append(t)

@@ -1,4 +1,4 @@
-"""Which pipeline templates the solver considers.
+"""Which pipeline shapes the solver considers.
 
 Small instances: every ordering of every multiset of classes, and every split of the units
 over it (exhaustive: the MILP's answer then matches a brute-force search). Larger ones:
@@ -22,32 +22,32 @@ from hplan.planner.solve.device_classes import (
     multisets,
     num_distinct_orders,
 )
-from hplan.planner.solve.partition import Partitioner, Template, pareto
+from hplan.planner.solve.partition import Partitioner, PipelineShape, pareto
 
 EXTRA_STAGES = 3
 """Heuristic search: longest pipeline = shortest that fits + this."""
 
 
 @dataclass(frozen=True)
-class TemplateSet:
-    """The costed templates and how they were found."""
+class ShapeSet:
+    """The costed shapes and how they were found."""
 
-    templates: list[Template]
+    shapes: list[PipelineShape]
     exhaustive: bool
     """Every order and every split was enumerated (no heuristic, no time cut)."""
     complete: bool
     """The heuristic enumeration finished before its time budget."""
 
 
-def enumerate_templates(
+def enumerate_shapes(
     problem: PlanningProblem,
     classes: Sequence[DeviceClass],
     *,
     max_stages: int,
     exhaustive_limit: int,
     budget_deadline: float,
-) -> TemplateSet:
-    """Costed templates worth considering (see the module docstring)."""
+) -> ShapeSet:
+    """Costed shapes worth considering (see the module docstring)."""
     partitioner = Partitioner(problem, classes)
     sizes = [c.size for c in classes]
     longest = min(max_stages, problem.num_units, problem.num_devices)
@@ -60,7 +60,7 @@ def enumerate_templates(
             for k in range(len(problem.micro_batch_sizes))
             for t in partitioner.all_splits(order, k)
         ]
-        return TemplateSet(found, exhaustive=True, complete=True)
+        return ShapeSet(found, exhaustive=True, complete=True)
     return _heuristic(problem, partitioner, sizes, longest, budget_deadline)
 
 
@@ -85,22 +85,22 @@ def _heuristic(
     sizes: Sequence[int],
     longest: int,
     budget_deadline: float,
-) -> TemplateSet:
-    found: list[Template] = []
+) -> ShapeSet:
+    found: list[PipelineShape] = []
     smallest_fit: int | None = None
     for s in range(1, longest + 1):
         if smallest_fit is not None and s > smallest_fit + EXTRA_STAGES:
             break
         for ms in multisets(sizes, s):
             if time.monotonic() > budget_deadline:
-                return TemplateSet(found, exhaustive=False, complete=False)
+                return ShapeSet(found, exhaustive=False, complete=False)
             for k in range(len(problem.micro_batch_sizes)):
                 orders = heuristic_orders(problem, partitioner.classes, ms)
                 costed = [t for seq in orders if (t := partitioner.best_split(seq, k))]
                 if costed:
                     smallest_fit = s if smallest_fit is None else smallest_fit
                     found.extend(pareto(costed))
-    return TemplateSet(found, exhaustive=False, complete=True)
+    return ShapeSet(found, exhaustive=False, complete=True)
 
 
 def heuristic_orders(

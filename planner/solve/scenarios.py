@@ -24,7 +24,7 @@ from enum import StrEnum
 from hplan.planner.cost.evaluate import measured_ring
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.solve.device_classes import DeviceClass, class_link
-from hplan.planner.solve.partition import Template
+from hplan.planner.solve.partition import PipelineShape
 from hplan.runtime.contract.link_model import ring_all_reduce_time_s
 
 
@@ -137,7 +137,7 @@ def _components(nodes: frozenset[int], joined: Callable[[int, int], bool]) -> li
 
 
 def allreduce_estimate_s(
-    problem: PlanningProblem, classes: Sequence[DeviceClass], scenario: Scenario, t: Template
+    problem: PlanningProblem, classes: Sequence[DeviceClass], scenario: Scenario, t: PipelineShape
 ) -> float:
     """The all-reduce time one copy of ``t`` is charged under ``scenario``."""
     if scenario.single_replica:

@@ -3,10 +3,10 @@
 Formulation (an outer enumeration plus an inner integer program, as the design card
 allows):
 
-1. Devices are grouped into interchangeable classes (``devclasses``); *templates* are
+1. Devices are grouped into interchangeable classes (``device_classes``); *shapes* are
    pipeline shapes (an ordered list of classes) with a micro-batch size, each split
    optimally by ``partition`` (period P_t, fill F_t, optimizer time O_t).
-2. A copy of template t running m micro-batches takes ``(m - 1) P_t + F_t + O_t + A_t``,
+2. A copy of shape t running m micro-batches takes ``(m - 1) P_t + F_t + O_t + A_t``,
    where A_t is the gradient all-reduce time estimated for a sync *scenario*
    (``scenarios``). For a target step time T a copy can therefore process
    ``cap_t(T) = mbs_t * (floor((T - F_t - O_t - A_t) / P_t) + 1)`` samples.
@@ -20,7 +20,7 @@ allows):
 
 On clusters of several nodes, each distinct node is also searched alone first, so that the
 answer is never worse than the best single-node layout. The answer is proven optimal under
-the planning model when every bisection step was proven by the MILP and the template space
+the planning model when every bisection step was proven by the MILP and the shape space
 was enumerated exhaustively; otherwise the report gives the gap to the best lower bound.
 """
 
@@ -46,14 +46,14 @@ from hplan.planner.solve.milp import (
     select_backend,
     solve_cover,
 )
-from hplan.planner.solve.partition import Template
-from hplan.planner.solve.pipeline_shapes import enumerate_templates
+from hplan.planner.solve.partition import PipelineShape
+from hplan.planner.solve.pipeline_shapes import enumerate_shapes
 from hplan.planner.solve.scenarios import Scenario, allreduce_estimate_s, make_scenarios
 from hplan.planner.solve.watchdog import run_with_deadline
 from hplan.runtime.contract.errors import InfeasiblePlanError
 
 TEMPLATE_BUDGET_SHARE = 0.4
-"""Share of the remaining time the heuristic template enumeration may use."""
+"""Share of the remaining time the heuristic shape enumeration may use."""
 NODE_SEARCH_SHARE = 0.15
 """Share of the remaining time each single-node search may use."""
 
@@ -101,10 +101,10 @@ class SearchOutcome:
 
 @dataclass
 class _Bisection:
-    """Arrays of one scenario's templates and the covering check at a target time."""
+    """Arrays of one scenario's shapes and the covering check at a target time."""
 
     problem: PlanningProblem
-    templates: list[Template]
+    shapes: list[PipelineShape]
     base_s: np.ndarray
     period_s: np.ndarray
     mbs: np.ndarray
@@ -234,21 +234,21 @@ def _fewest_copies(
 # ---------------------------------------------------------------------------- layouts
 @dataclass(frozen=True)
 class _Copy:
-    template: Template
+    shape: PipelineShape
     devices: tuple[int, ...]
     base_s: float
 
 
 def _copies(
     classes: Sequence[DeviceClass],
-    templates: Sequence[Template],
+    shapes: Sequence[PipelineShape],
     counts: Sequence[int],
     base: np.ndarray,
 ) -> list[_Copy]:
     used = {c: 0 for c in range(len(classes))}
     out = []
     for t_idx, count in enumerate(counts):
-        t = templates[t_idx]
+        t = shapes[t_idx]
         for _ in range(count):
             devices = []
             local: dict[int, int] = {}
@@ -262,8 +262,8 @@ def _copies(
 
 
 def _copy_time(copy: _Copy, samples: int) -> float:
-    m = math.ceil(samples / copy.template.micro_batch_size)
-    return copy.base_s + (m - 1) * copy.template.period_s if m > 0 else 0.0
+    m = math.ceil(samples / copy.shape.micro_batch_size)
+    return copy.base_s + (m - 1) * copy.shape.period_s if m > 0 else 0.0
 
 
 def share_batch(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
@@ -275,16 +275,16 @@ def share_batch(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
     """
     samples = _bulk_shares(copies, global_batch_size)
     heap = [
-        (_copy_time(c, samples[i] + c.template.micro_batch_size), i) for i, c in enumerate(copies)
+        (_copy_time(c, samples[i] + c.shape.micro_batch_size), i) for i, c in enumerate(copies)
     ]
     heapq.heapify(heap)
     left = global_batch_size - sum(samples)
     while left > 0 and heap:
         _, i = heapq.heappop(heap)
-        add = min(copies[i].template.micro_batch_size, left)
+        add = min(copies[i].shape.micro_batch_size, left)
         samples[i] += add
         left -= add
-        nxt = samples[i] + copies[i].template.micro_batch_size
+        nxt = samples[i] + copies[i].shape.micro_batch_size
         heapq.heappush(heap, (_copy_time(copies[i], nxt), i))
     return samples
 
@@ -293,7 +293,7 @@ def _bulk_shares(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
     def done_by(time_s: float) -> list[int]:
         out = []
         for c in copies:
-            t = c.template
+            t = c.shape
             if time_s < c.base_s:
                 out.append(0)
                 continue
@@ -319,7 +319,7 @@ def layout_from_copies(copies: Sequence[_Copy], samples: Sequence[int]) -> Layou
     for copy, n in zip(copies, samples, strict=True):
         if n <= 0:
             continue
-        t = copy.template
+        t = copy.shape
         stages = tuple(
             StageLayout(copy.devices[s], t.bounds[s], t.bounds[s + 1]) for s in range(t.num_stages)
         )
@@ -356,12 +356,12 @@ def _prune_copies(problem: PlanningProblem, copies: list[_Copy], deadline: float
 def _solve_scenario(
     problem: PlanningProblem,
     classes: Sequence[DeviceClass],
-    templates: Sequence[Template],
+    shapes: Sequence[PipelineShape],
     scenario: Scenario,
     backend: MilpBackend,
     deadline: float,
 ) -> Candidate | None:
-    chosen = [t for t in templates if set(t.classes) <= scenario.classes]
+    chosen = [t for t in shapes if set(t.classes) <= scenario.classes]
     if not chosen:
         return None
     base = np.array(
@@ -376,7 +376,7 @@ def _solve_scenario(
             usage[c, j] += 1
     bis = _Bisection(
         problem=problem,
-        templates=list(chosen),
+        shapes=list(chosen),
         base_s=base,
         period_s=np.array([t.period_s for t in chosen]),
         mbs=np.array([t.micro_batch_size for t in chosen], dtype=float),
@@ -404,14 +404,14 @@ def search_problem(
     """Search one problem; report each candidate. Returns (exhaustive, complete)."""
     classes = device_classes(problem)
     budget = time.monotonic() + TEMPLATE_BUDGET_SHARE * max(deadline - time.monotonic(), 0.0)
-    found = enumerate_templates(
+    found = enumerate_shapes(
         problem,
         classes,
         max_stages=options.max_stages,
         exhaustive_limit=options.exhaustive_limit,
         budget_deadline=budget,
     )
-    if not found.templates:
+    if not found.shapes:
         if not found.complete:
             return False, False
         raise InfeasiblePlanError(diagnose_infeasible(problem))
@@ -420,7 +420,7 @@ def search_problem(
         if time.monotonic() >= deadline:
             complete = False
             break
-        candidate = _solve_scenario(problem, classes, found.templates, scenario, backend, deadline)
+        candidate = _solve_scenario(problem, classes, found.shapes, scenario, backend, deadline)
         if candidate is not None:
             report(candidate)
     return found.exhaustive, complete

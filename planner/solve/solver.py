@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from hplan.planner.cost.evaluate import Evaluation, evaluate
 from hplan.planner.cost.layout import Layout
 from hplan.planner.cost.problem import PlanningProblem
-from hplan.planner.sim.spec import simulated_step_time_s
+from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.search import SearchOutcome, SolveOptions, diagnose_infeasible, run_search
 from hplan.planner.solve.validate import layout_problems
@@ -36,12 +36,28 @@ class SolveResult:
     simulated_step_time_s: float | None = None
     """Step time of the chosen layout in the event-driven simulator (None: not simulated)."""
 
+    def verify(self) -> None:
+        """Check the result's consistency; raise ValueError naming the first problem.
+
+        The layout is consistent (``Layout.verify``), the evaluation has one cost per stage,
+        and the status agrees with the gap (optimal: 0; otherwise None or >= 0).
+        """
+        self.layout.verify()
+        shapes = [len(r.stages) for r in self.layout.replicas]
+        if [len(s) for s in self.evaluation.stages] != shapes:
+            raise ValueError(f"the evaluation's stages do not match the layout's {shapes}")
+        if self.status is SolverStatus.OPTIMAL and self.gap != 0.0:
+            raise ValueError(f"an optimal layout with gap {self.gap}")
+        if self.gap is not None and not self.gap >= 0:
+            raise ValueError(f"gap {self.gap} must be >= 0")
+
 
 def solve(
     problem: PlanningProblem,
     options: SolveOptions | None = None,
     *,
     schedule: Schedule = Schedule.ONE_F_ONE_B,
+    runtime: RuntimeBytes | None = None,
 ) -> SolveResult:
     """Find the fastest layout for ``problem`` within ``options.time_limit_s``.
 
@@ -49,8 +65,10 @@ def solve(
     baselines) is re-costed by the exact evaluator and checked by the independent
     validator. The cost model's objective is a linear approximation of a pipeline, so
     the ``SIMULATED_CANDIDATES`` best distinct layouts are then re-timed by the
-    event-driven simulator under ``schedule`` (``simulate.py``) and the fastest by
-    simulation wins (ties go to the cost model's order).
+    event-driven simulator under ``schedule`` (``sim/engine.py``) and the fastest by
+    simulation wins (ties go to the cost model's order). Given ``runtime`` (the bytes the
+    plan's runtime will send and sum), each is simulated exactly as its plan will be, and
+    the winner's simulated time is the plan's (``SolveResult.simulated_step_time_s``).
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the binding constraint.
@@ -70,7 +88,7 @@ def solve(
     if not ranked:
         raise InfeasiblePlanError(diagnose_infeasible(problem))
     top = ranked[:SIMULATED_CANDIDATES]
-    chosen, simulated = second_opinion(problem, [layout for _, layout, _ in top], schedule)
+    chosen, simulated = second_opinion(problem, [layout for _, layout, _ in top], schedule, runtime)
     source, layout, ev = top[chosen]
     status, gap = _status(outcome)
     notes = list(outcome.notes)
@@ -114,16 +132,21 @@ def _ranked(
 
 
 def second_opinion(
-    problem: PlanningProblem, layouts: list[Layout], schedule: Schedule = Schedule.ONE_F_ONE_B
+    problem: PlanningProblem,
+    layouts: list[Layout],
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    runtime: RuntimeBytes | None = None,
 ) -> tuple[int, tuple[float | None, ...]]:
     """Index of the layout the simulator finds fastest, and every layout's simulated time.
 
     ``layouts`` come in the cost model's order; a layout must beat an earlier one by more
     than a relative 1e-9 to be preferred. A layout too large to simulate (None, see
-    ``simspec.MAX_SIMULATED_MICROBATCHES``) is never preferred, and when the cost model's
+    ``sim.spec.MAX_SIMULATED_MICROBATCHES``) is never preferred, and when the cost model's
     best is too large the cost model's order stands.
     """
-    simulated = tuple(simulated_step_time_s(problem, layout, schedule) for layout in layouts)
+    simulated = tuple(
+        simulated_step_time_s(problem, layout, schedule, runtime) for layout in layouts
+    )
     chosen, best_s = 0, simulated[0]
     if best_s is None:
         return chosen, simulated

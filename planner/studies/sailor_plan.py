@@ -4,7 +4,7 @@ A study plan lists, per pipeline stage, its layers and its data-parallel replica
 machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
 
 - one node per (replica, stage) machine, holding one *logical* device: the tp group
-  (kind ``rtx3090-tp2``, memory = tp x the GPU's memory; see ``sailor.py``);
+  (kind ``rtx3090-tp2``, memory = tp x the GPU's memory; see ``sailor_data.py``);
 - the hplan replicas are the study's pipeline replicas (``sailor_study.StudyPlan``; a
   pipeline whose stages have different ``dp`` is refused: hplan replicas are whole
   pipelines);
@@ -14,7 +14,7 @@ machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
   ``(mbs, 2048, 1024)`` (partitioned over the tp ranks, so one copy per machine) and the
   causal attention mask ``(1, 1, 2048, 2048)`` cast to fp16, which every tp rank sends;
 - links: alpha-beta fits of the study's inter-node curves over the message sizes the plan
-  sends (``sailor.curves_alpha_beta``);
+  sends (``sailor_data.curves_alpha_beta``);
 - the report: per-rank forward/backward/optimizer times summed over the stage's layers from
   the imported profile at ``(mbs, tp)``; gradient all-reduce groups per holder set of
   layers, fp32 gradients (4 bytes per parameter).

@@ -104,7 +104,7 @@ class PairLink:
     sizes: tuple[SizeSamples, ...]
     ack_round_trip_s: float
     """Fastest round trip of a 1-byte message and its 1-byte reply; half of it was taken
-    off every timed round trip to leave the one-way time (see ``bandwidth_measure``)."""
+    off every timed round trip to leave the one-way time (see ``bandwidth/timing.py``)."""
 
 
 @record

@@ -20,13 +20,14 @@ from hplan.runtime.contract.errors import ConfigError
 __all__ = ["parse_versioned", "record"]
 
 _T = TypeVar("_T")
-_STRICT = ConfigDict(extra="forbid")
+_STRICT = ConfigDict(extra="forbid", revalidate_instances="always")
 
 
 @dataclass_transform(frozen_default=True, kw_only_default=True)
 def record(cls: type[_T]) -> type[_T]:
     """Make ``cls`` a file record: ``@dataclass(frozen=True, slots=True, kw_only=True)``
-    whose pydantic validation forbids unknown keys."""
+    whose pydantic validation forbids unknown keys and checks an instance again, field by
+    field, when it is validated (so ``verify()`` can check a record built in Python)."""
     cls.__pydantic_config__ = _STRICT  # type: ignore[attr-defined]
     return dataclass(frozen=True, slots=True, kw_only=True)(cls)
 

@@ -141,6 +141,9 @@ def run_one_rank(
         run(args, plan, rank)
     except HplanError as exc:
         print(f"hplan run{where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if os.environ.get("HPLAN_DEBUG"):
+            for note in getattr(exc, "__notes__", ()):
+                print(note, file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

@@ -13,7 +13,8 @@ the backward re-runs it (same RNG state) with autograd, then backpropagates.
 Every forward, backward and optimizer step runs inside the rank's compute clock
 (``seams.ComputeClock``), which times it (and, in a rehearsal, stretches it). When an action
 fails, the rank prints its replica's schedule as a rank-by-step table in
-``torch.distributed.pipelining``'s notation with the failed step marked (``notation.py``).
+``torch.distributed.pipelining``'s notation with the failed step marked (``notation.py``),
+above its one-line error (a peer's failure keeps one line: the table is a note on it).
 
 Timeline: each step records, on ``StepRunner.timeline``, when every forward, backward,
 blocking receive, send completion, all-reduce and optimizer step started and ended
@@ -34,7 +35,7 @@ from torch.utils._pytree import tree_map
 
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.stage import StageModule
-from hplan.runtime.contract.errors import HplanError
+from hplan.runtime.contract.errors import HplanError, PeerFailureError
 from hplan.runtime.contract.plan import MemoryStrategy, Plan, RankPlan, microbatch_sizes
 from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 from hplan.runtime.contract.timeline_file import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
@@ -145,8 +146,8 @@ class StepRunner:
                     self._post_recv(upcoming)
             try:
                 self._run_action(action)
-            except HplanError:
-                self._print_schedule(step, index)
+            except HplanError as exc:
+                self._report_schedule(exc, step, index)
                 raise
         with self.timeline.span(WAIT, "send completion"):
             comm.wait_sends()
@@ -225,16 +226,24 @@ class StepRunner:
         else:
             self._backward(action, mb)
 
-    def _print_schedule(self, step: int, index: int) -> None:
+    def _report_schedule(self, exc: HplanError, step: int, index: int) -> None:
+        """Show where in the replica's schedule an action failed: the rank-by-step table on
+        stderr when this rank's own action failed, above its one-line error; only as a note
+        on the error when a peer failed (the peer's log has the cause, and the error stays
+        one line)."""
         rank_plan = self.parts.rank_plan
         ranks = [r.rank for r in self.parts.plan.replica_ranks(rank_plan.replica)]
         table = schedule_table(self.stages, ranks, failed=(rank_plan.stage, index))
-        print(
-            f"hplan: rank {rank_plan.rank}: step {step} failed at action {index} "
-            f"({self.actions[index]}) of replica {rank_plan.replica}'s schedule:\n{table}",
-            file=sys.stderr,
-            flush=True,
+        action = self.actions[index]
+        header = (
+            f"hplan: rank {rank_plan.rank}: step {step} failed at action "
+            f"{action.pipelining_notation()} ({action}), step {index} of replica "
+            f"{rank_plan.replica}'s schedule:"
         )
+        if isinstance(exc, PeerFailureError):
+            exc.add_note(f"{header}\n{table}")
+            return
+        print(f"{header}\n{table}", file=sys.stderr, end="", flush=True)
 
     def _forward(self, action: Action, mb: MicroBatch) -> None:
         parts = self.parts

@@ -35,10 +35,10 @@ def test_head_stage_holds_no_more_blocks_than_the_embedding_stage(q3_problem):
     problem = q3_problem
     classes = device_classes(problem)
     assert len(classes) == 1  # four equal devices
-    template = Partitioner(problem, classes).best_split((0, 0, 0, 0), 0)
-    assert template is not None
+    shape = Partitioner(problem, classes).best_split((0, 0, 0, 0), 0)
+    assert shape is not None
     names = problem.unit_names
-    stages = [names[template.bounds[s] : template.bounds[s + 1]] for s in range(4)]
+    stages = [names[shape.bounds[s] : shape.bounds[s + 1]] for s in range(4)]
     blocks = [sum(1 for n in stage if n.startswith("blocks.")) for stage in stages]
     head_stage = next(i for i, st in enumerate(stages) if "head" in st)
     emb_stage = next(i for i, st in enumerate(stages) if "emb" in st)
@@ -62,7 +62,7 @@ def test_four_stage_split_matches_a_brute_force_search(q3_problem):
     front = partitioner.all_splits((0, 0, 0, 0), 0)
     exact = min(evaluate(problem, _pipeline(t.bounds, 4, 32)).step_time_s for t in front)
     assert exact == pytest.approx(brute, rel=1e-12)
-    template = partitioner.best_split((0, 0, 0, 0), 0)
-    assert template is not None
-    dynamic = evaluate(problem, _pipeline(template.bounds, 4, 32)).step_time_s
+    shape = partitioner.best_split((0, 0, 0, 0), 0)
+    assert shape is not None
+    dynamic = evaluate(problem, _pipeline(shape.bounds, 4, 32)).step_time_s
     assert brute <= dynamic <= brute * 1.001

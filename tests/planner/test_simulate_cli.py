@@ -16,9 +16,10 @@ from hplan.planner.cli.main import main
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.sim.engine import simulate
-from hplan.planner.sim.spec import grad_sync_reports, spec_from_layout, spec_from_plan
+from hplan.planner.sim.spec import spec_from_layout, spec_from_plan
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import second_opinion, solve
+from hplan.runtime.contract.holders import grad_sync_reports
 from hplan.runtime.contract.plan import GradSyncReport, Plan, Schedule, SyncMode
 from tests.fixtures.plans import GPT_MODEL, ReplicaShape, make_plan
 from tests.fixtures.problems import Dev, make_problem

@@ -123,3 +123,35 @@ def test_one_f_one_b_bounds_microbatches_in_flight_by_distance_to_the_last_stage
         assert result.max_in_flight[stage_idx] <= min(num_stages - stage_idx, num_microbatches)
     gpipe_result = dry_run(gpipe(num_stages, num_microbatches))
     assert gpipe_result.max_in_flight == (num_microbatches,) * num_stages
+
+
+# --------------------------------------------------------------------------- notation
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_every_action_prints_in_torch_pipelinings_notation_and_parses_back(
+    schedule: Schedule,
+) -> None:
+    from torch.distributed.pipelining.schedules import _Action
+
+    from hplan.runtime.executor.notation import pipelining_action
+
+    for actions in build_schedule(schedule, 3, 5):
+        for action in actions:
+            text = action.pipelining_notation()
+            assert text == str(pipelining_action(action)) == repr(pipelining_action(action))
+            assert _Action.from_str(text) == pipelining_action(action)
+    assert Action(1, ActionKind.FORWARD, 3).pipelining_notation() == "1F3"
+    assert Action(0, ActionKind.BACKWARD, 12).pipelining_notation() == "0B12"
+
+
+def test_a_failed_action_is_marked_in_a_rank_by_step_table() -> None:
+    from hplan.runtime.executor.notation import schedule_table
+
+    stages = build_schedule(Schedule.ONE_F_ONE_B, 2, 2)
+    table = schedule_table(stages, [3, 5], failed=(1, 1))
+    lines = table.splitlines()
+    assert lines[0] == "columns: Rank 0 = plan rank 3, Rank 1 = plan rank 5"
+    assert lines[1].split() == ["Rank", "0", "Rank", "1"]
+    rows = {line.split(":")[0]: line.split(":", 1)[1].split() for line in lines[2:]}
+    assert rows["Step 0"] == ["0F0", "1F0"]
+    assert rows["Step 1"] == ["0F1", "1B0", "<--", "ERROR", "HERE"]
+    assert sum("ERROR" in line for line in lines) == 1
