@@ -5,8 +5,8 @@
 #
 #   bash bench/gpu_check.sh [--out DIR] [--layers 12 --width 768 --heads 12 --seq 1024]
 #
-# Uses .venv/bin/python when present, else python3. When hplan is not installed, it is put
-# on the path through a temporary hplan/ folder of links (no install, no network); its
+# Uses .venv/bin/python when present, else python3. When hplan is not installed, the
+# checkout's hplan/ folder of links is put on the path (no install, no network); its
 # dependencies (torch, click, rich, pydantic, pyyaml, jinja2, networkx, pulp, highspy,
 # pydot, numpy) must be importable. nvidia-ml-py (`pip install 'hplan[nvml]'`) adds clocks,
 # power limits, NVLink and peer access to the discovery.
@@ -17,11 +17,8 @@ if [[ -z "$PY" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi
 fi
 if ! "$PY" -c "import hplan.planner.hardware.discovery" 2>/dev/null; then
-  SHIM="$(mktemp -d)"
-  trap 'rm -rf "$SHIM"' EXIT
-  mkdir -p "$SHIM/hplan"
-  for part in planner runtime templates; do ln -s "$ROOT/$part" "$SHIM/hplan/$part"; done
-  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+  # the checkout's hplan/ folder links planner/, runtime/ and templates/ under their names
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 missing="$("$PY" - <<'PYEOF'
 import importlib.util

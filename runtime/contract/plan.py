@@ -3,11 +3,15 @@
 A ``Plan`` says *what to run* (which rank runs which partition units of which replica, with
 which micro-batch size, which tensors cross each stage boundary, how gradients are
 synchronised) and, apart from that, *why* (the ``report``: predicted times and memory,
-solver status, efficiency). The runtime reads only the "what"; it ignores ``report``.
+solver status, efficiency). The executor reads only the "what"; it ignores ``report``
+(``tests/test_architecture.py`` checks it). A rehearsal reads the report: it replays the
+planner's predictions on this machine.
 
 All types are frozen dataclasses with JSON-native fields and ``StrEnum``s. ``to_json`` is
-deterministic (same plan, same bytes) and ``from_json(to_json(p)) == p``. Loading
-validates with pydantic (unknown keys and wrong types rejected) and then checks the
+deterministic (same plan, same bytes) and ``from_json(to_json(p)) == p``. Value ranges are
+pydantic field constraints (``Index``, ``Count``, ``Port``, ``Positive``, ``NonNegative``),
+so they are in the JSON Schema too. Loading validates with pydantic (unknown keys, wrong
+types and values out of range rejected, in one line naming the field) and then checks the
 plan's internal consistency with :func:`Plan.verify`.
 
 This module must not import torch: a plan can be read and shown anywhere.

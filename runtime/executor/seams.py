@@ -44,6 +44,7 @@ __all__ = [
     "LinkDelay",
     "NoLinkDelay",
     "Phase",
+    "PhaseClock",
     "Seams",
     "default_clock",
     "peak_memory_bytes",
@@ -110,27 +111,9 @@ class ComputeClock(Protocol):
         ...
 
 
-class _SpanLog:
-    """The spans recorded so far, handed out by ``take_spans``."""
-
-    def __init__(self) -> None:
-        self.spans: list[ComputeSpan] = []
-
-    def take_spans(self) -> list[ComputeSpan]:
-        spans, self.spans = self.spans, []
-        return spans
-
-
-class HostClock(_SpanLog):
-    """Times each block with ``time.monotonic`` (CPU work runs synchronously)."""
-
-    @contextlib.contextmanager
-    def _span(self, phase: Phase, label: str) -> Iterator[None]:
-        start_s = time.monotonic()
-        try:
-            yield
-        finally:
-            self.spans.append(ComputeSpan(phase, label, start_s, time.monotonic()))
+class PhaseClock:
+    """A compute clock built on one method, :meth:`_block`: how one block of a phase is
+    timed. The forward, backward and optimizer hooks name their phase and call it."""
 
     def forward(
         self,
@@ -139,18 +122,44 @@ class HostClock(_SpanLog):
         inputs: Mapping[str, Tensor],
         received: Mapping[str, Tensor],
     ) -> contextlib.AbstractContextManager[None]:
-        return self._span(Phase.FORWARD, label)
+        return self._block(Phase.FORWARD, label, mb.num_samples)
 
     def backward(
         self, label: str, mb: MicroBatch, grads: Mapping[str, Tensor]
     ) -> contextlib.AbstractContextManager[None]:
-        return self._span(Phase.BACKWARD, label)
+        return self._block(Phase.BACKWARD, label, mb.num_samples)
 
     def optimizer(self) -> contextlib.AbstractContextManager[None]:
-        return self._span(Phase.OPTIMIZER, "optimizer")
+        return self._block(Phase.OPTIMIZER, "optimizer", 0)
 
     def after_step(self, step: int, runner: StepRunner, *, more_steps: bool) -> None:
         return None
+
+    def _block(
+        self, phase: Phase, label: str, num_samples: int
+    ) -> contextlib.AbstractContextManager[None]:
+        """Time one block of ``phase`` (``num_samples``: its micro-batch's; 0 for the
+        optimizer)."""
+        raise NotImplementedError
+
+
+class HostClock(PhaseClock):
+    """Times each block with ``time.monotonic`` (CPU work runs synchronously)."""
+
+    def __init__(self) -> None:
+        self._spans: list[ComputeSpan] = []
+
+    @contextlib.contextmanager
+    def _block(self, phase: Phase, label: str, num_samples: int) -> Iterator[None]:
+        start_s = time.monotonic()
+        try:
+            yield
+        finally:
+            self._spans.append(ComputeSpan(phase, label, start_s, time.monotonic()))
+
+    def take_spans(self) -> list[ComputeSpan]:
+        spans, self._spans = self._spans, []
+        return spans
 
 
 @dataclass
@@ -161,7 +170,7 @@ class _PendingSpan:
     end: torch.cuda.Event
 
 
-class CudaEventClock:
+class CudaEventClock(PhaseClock):
     """Times each block with a pair of CUDA events on the rank's device.
 
     Kernels run asynchronously, so a host clock around a block times only their launch.
@@ -182,7 +191,7 @@ class CudaEventClock:
         return event
 
     @contextlib.contextmanager
-    def _span(self, phase: Phase, label: str) -> Iterator[None]:
+    def _block(self, phase: Phase, label: str, num_samples: int) -> Iterator[None]:
         if self._anchor is None:
             self._anchor = (self._event(), time.monotonic())
         start = self._event()
@@ -190,23 +199,6 @@ class CudaEventClock:
             yield
         finally:
             self._pending.append(_PendingSpan(phase, label, start, self._event()))
-
-    def forward(
-        self,
-        label: str,
-        mb: MicroBatch,
-        inputs: Mapping[str, Tensor],
-        received: Mapping[str, Tensor],
-    ) -> contextlib.AbstractContextManager[None]:
-        return self._span(Phase.FORWARD, label)
-
-    def backward(
-        self, label: str, mb: MicroBatch, grads: Mapping[str, Tensor]
-    ) -> contextlib.AbstractContextManager[None]:
-        return self._span(Phase.BACKWARD, label)
-
-    def optimizer(self) -> contextlib.AbstractContextManager[None]:
-        return self._span(Phase.OPTIMIZER, "optimizer")
 
     def take_spans(self) -> list[ComputeSpan]:
         if self._anchor is None:
@@ -224,9 +216,6 @@ class CudaEventClock:
         ]
         self._pending, self._anchor = [], None
         return spans
-
-    def after_step(self, step: int, runner: StepRunner, *, more_steps: bool) -> None:
-        return None
 
 
 def default_clock(device: torch.device) -> ComputeClock:

@@ -31,7 +31,7 @@ from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.link_model import LinkQueue, group_ring_time_s
 from hplan.runtime.contract.plan import Backend, Plan
 from hplan.runtime.executor.rendezvous import barrier
-from hplan.runtime.executor.seams import ComputeSpan, Phase, Seams
+from hplan.runtime.executor.seams import ComputeSpan, Phase, PhaseClock, Seams
 from hplan.runtime.executor.worker import boundaries
 from hplan.runtime.rehearsal.warm_compute import ROUNDS, Sample, WarmTimer, WarmTimes
 
@@ -156,7 +156,7 @@ def compute_emulation(plan: Plan, rank: int, emulation: Emulation | None) -> Com
     )
 
 
-class EmulatedClock:
+class EmulatedClock(PhaseClock):
     """The compute clock of a rehearsal rank (``seams.ComputeClock``; see the module
     docstring).
 
@@ -181,8 +181,7 @@ class EmulatedClock:
         received: Mapping[str, Tensor],
     ) -> contextlib.AbstractContextManager[None]:
         self._keep_sample(mb, inputs, received)
-        warm = None if self.compute.warm is None else self.compute.warm.forward_s
-        return self._block(Phase.FORWARD, label, self.compute.forward_s, warm, mb.num_samples)
+        return super().forward(label, mb, inputs, received)
 
     def backward(
         self, label: str, mb: MicroBatch, grads: Mapping[str, Tensor]
@@ -190,12 +189,7 @@ class EmulatedClock:
         sample = self._samples.get(mb.num_samples)
         if sample is not None and sample.microbatch is mb:
             sample.grads = {name: g.detach().clone() for name, g in grads.items()}
-        warm = None if self.compute.warm is None else self.compute.warm.backward_s
-        return self._block(Phase.BACKWARD, label, self.compute.backward_s, warm, mb.num_samples)
-
-    def optimizer(self) -> contextlib.AbstractContextManager[None]:
-        warm = None if self.compute.warm is None else {0: self.compute.warm.optimizer_s}
-        return self._block(Phase.OPTIMIZER, "optimizer", self.compute.optimizer_s, warm, 0)
+        return super().backward(label, mb, grads)
 
     def take_spans(self) -> list[ComputeSpan]:
         spans, self._spans = self._spans, []
@@ -239,18 +233,26 @@ class EmulatedClock:
         kept = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in received.items()}
         self._samples[mb.num_samples] = Sample(dict(inputs), kept, mb)
 
+    def _floor_and_stretch(self, phase: Phase, num_samples: int) -> tuple[float, float]:
+        """(least seconds, CPU-time factor) of a block: the stage's warm time when timed."""
+        compute, warm = self.compute, self.compute.warm
+        floors = {
+            Phase.FORWARD: compute.forward_s,
+            Phase.BACKWARD: compute.backward_s,
+            Phase.OPTIMIZER: compute.optimizer_s,
+        }
+        if warm is None:
+            return floors[phase], compute.stretch
+        if phase is Phase.OPTIMIZER:
+            return compute.stretch * warm.optimizer_s, 0.0
+        table = warm.forward_s if phase is Phase.FORWARD else warm.backward_s
+        if num_samples in table:
+            return compute.stretch * table[num_samples], 0.0
+        return floors[phase], compute.stretch
+
     @contextlib.contextmanager
-    def _block(
-        self,
-        phase: Phase,
-        label: str,
-        floor_s: float,
-        warm_s: Mapping[int, float] | None,
-        size: int,
-    ) -> Iterator[None]:
-        stretch = self.compute.stretch
-        if warm_s is not None and size in warm_s:
-            floor_s, stretch = stretch * warm_s[size], 0.0
+    def _block(self, phase: Phase, label: str, num_samples: int) -> Iterator[None]:
+        floor_s, stretch = self._floor_and_stretch(phase, num_samples)
         start_s = time.monotonic()
         start_cpu_s = time.thread_time()
         failed = True

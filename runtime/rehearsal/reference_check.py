@@ -20,7 +20,7 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.data import BatchSource
 
-VERIFY_TOLERANCE = 1e-4
+REFERENCE_TOLERANCE = 1e-4
 """Largest relative difference of updated parameters for ``verify`` to pass."""
 
 
@@ -106,7 +106,7 @@ def compare_with_reference(
     return worst
 
 
-def verify_first_step(plan: Plan, model_file: ModelFile, verify_dir: Path) -> float:
+def compare_first_step(plan: Plan, model_file: ModelFile, verify_dir: Path) -> float:
     """Largest relative difference between the ranks' dumped parameters after step one
     (``params-rank-<r>.pt`` in ``verify_dir``) and the single-process reference.
 

@@ -70,7 +70,7 @@ from hplan.runtime.contract.timeline_file import check_trace_path, write_measure
 from hplan.runtime.executor.worker import warn_if_model_changed
 from hplan.runtime.rehearsal.emulation import modelled_emulation, rank_speeds
 from hplan.runtime.rehearsal.launcher import ChildCommand, prepare_dir, run_children
-from hplan.runtime.rehearsal.reference_check import VERIFY_TOLERANCE, verify_first_step
+from hplan.runtime.rehearsal.reference_check import REFERENCE_TOLERANCE, compare_first_step
 
 DILATION_MARGIN = 1.25
 """Head-room over the exact CPU demand (interpreter, communication threads, the parent)."""
@@ -294,7 +294,7 @@ class _Run:
         )
         run_children(plan.world_size, command, self.timeout_s, console)
         summary = summarize_metrics(metrics_dir)
-        diff = verify_first_step(plan, model_file, verify_dir) if verify_dir else None
+        diff = compare_first_step(plan, model_file, verify_dir) if verify_dir else None
         predicted = predicted_samples_per_s(plan, scale)
         result = RehearsalResult(
             losses=tuple(s.loss for s in summary.steps),
@@ -306,7 +306,7 @@ class _Run:
             time_scale=scale,
             cpu_time_per_sample_s=per_sample_s,
             max_relative_diff=diff,
-            verify_passed=None if diff is None else diff <= VERIFY_TOLERANCE,
+            verify_passed=None if diff is None else diff <= REFERENCE_TOLERANCE,
             ranks=summary.ranks,
             metrics_dir=metrics_dir,
             slowdown=dict(self.slowdown),
@@ -411,5 +411,5 @@ def _print_result(result: RehearsalResult, console: Console) -> None:
         verdict = "[green]pass[/green]" if result.verify_passed else "[red]FAIL[/red]"
         console.print(
             f"verify: largest relative difference of an updated parameter "
-            f"{result.max_relative_diff:.2e} (tolerance {VERIFY_TOLERANCE:g}): {verdict}"
+            f"{result.max_relative_diff:.2e} (tolerance {REFERENCE_TOLERANCE:g}): {verdict}"
         )
