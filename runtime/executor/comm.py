@@ -39,7 +39,7 @@ from torch import Tensor
 
 from hplan.runtime.contract.errors import PeerFailureError, PlanMismatchError, error_reason
 from hplan.runtime.contract.plan import TensorSpec
-from hplan.runtime.executor.seams import LinkDelay, NoLinkDelay
+from hplan.runtime.executor.seams import LinkDelay
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -168,7 +168,7 @@ class StageComm:
     device: torch.device
     prev: Boundary | None
     next: Boundary | None
-    delay: LinkDelay = field(default_factory=NoLinkDelay)
+    delay: LinkDelay = field(default_factory=LinkDelay)
     """How long transfers must seem to take (``seams.LinkDelay``; default: as they are)."""
     post_ahead: bool = False
     """Receives may be posted before their action runs (gloo; see the module docstring)."""

@@ -10,7 +10,7 @@ into these two seams, and nowhere else:
   kernels run asynchronously). At the end of a step the executor takes the step's spans
   from the clock (:meth:`ComputeClock.take_spans`) for its metrics and timeline.
 - :class:`LinkDelay` says how long a point-to-point transfer or a gradient all-reduce
-  must seem to take. The default, :class:`NoLinkDelay`, adds nothing.
+  must seem to take; the base class adds nothing.
 
 Both are called on the executor's hot path with a handful of Python operations; the
 defaults do no more than time the block.
@@ -22,10 +22,11 @@ import contextlib
 import resource
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -42,9 +43,7 @@ __all__ = [
     "CudaEventClock",
     "HostClock",
     "LinkDelay",
-    "NoLinkDelay",
     "Phase",
-    "PhaseClock",
     "Seams",
     "default_clock",
     "peak_memory_bytes",
@@ -74,12 +73,13 @@ class ComputeSpan:
         return self.end_s - self.start_s
 
 
-class ComputeClock(Protocol):
+class ComputeClock(ABC):
     """Wraps a rank's compute blocks; times them (and, in a rehearsal, stretches them).
 
     The forward and backward hooks receive what the block works on, for an emulation that
     needs it (a rehearsal of a cpu plan re-times its stage on the first step's
-    micro-batches); the defaults ignore it.
+    micro-batches); by default each names its phase and calls :meth:`_block`, the one
+    method a clock must say: how one block is timed.
     """
 
     def forward(
@@ -90,60 +90,35 @@ class ComputeClock(Protocol):
         received: Mapping[str, Tensor],
     ) -> contextlib.AbstractContextManager[None]:
         """Wrap the forward of micro-batch ``mb`` (graph ``inputs``, ``received`` tensors)."""
-        ...
-
-    def backward(
-        self, label: str, mb: MicroBatch, grads: Mapping[str, Tensor]
-    ) -> contextlib.AbstractContextManager[None]:
-        """Wrap the backward of ``mb`` (``grads``: the next stage's gradients)."""
-        ...
-
-    def optimizer(self) -> contextlib.AbstractContextManager[None]:
-        """Wrap the optimizer step."""
-        ...
-
-    def take_spans(self) -> list[ComputeSpan]:
-        """The spans of the blocks since the last call, oldest first (waits for the device)."""
-        ...
-
-    def after_step(self, step: int, runner: StepRunner, *, more_steps: bool) -> None:
-        """Called by every rank after each optimizer step (collectives allowed)."""
-        ...
-
-
-class PhaseClock:
-    """A compute clock built on one method, :meth:`_block`: how one block of a phase is
-    timed. The forward, backward and optimizer hooks name their phase and call it."""
-
-    def forward(
-        self,
-        label: str,
-        mb: MicroBatch,
-        inputs: Mapping[str, Tensor],
-        received: Mapping[str, Tensor],
-    ) -> contextlib.AbstractContextManager[None]:
         return self._block(Phase.FORWARD, label, mb.num_samples)
 
     def backward(
         self, label: str, mb: MicroBatch, grads: Mapping[str, Tensor]
     ) -> contextlib.AbstractContextManager[None]:
+        """Wrap the backward of ``mb`` (``grads``: the next stage's gradients)."""
         return self._block(Phase.BACKWARD, label, mb.num_samples)
 
     def optimizer(self) -> contextlib.AbstractContextManager[None]:
+        """Wrap the optimizer step."""
         return self._block(Phase.OPTIMIZER, "optimizer", 0)
 
     def after_step(self, step: int, runner: StepRunner, *, more_steps: bool) -> None:
+        """Called by every rank after each optimizer step (collectives allowed)."""
         return None
 
+    @abstractmethod
+    def take_spans(self) -> list[ComputeSpan]:
+        """The spans of the blocks since the last call, oldest first (waits for the device)."""
+
+    @abstractmethod
     def _block(
         self, phase: Phase, label: str, num_samples: int
     ) -> contextlib.AbstractContextManager[None]:
         """Time one block of ``phase`` (``num_samples``: its micro-batch's; 0 for the
         optimizer)."""
-        raise NotImplementedError
 
 
-class HostClock(PhaseClock):
+class HostClock(ComputeClock):
     """Times each block with ``time.monotonic`` (CPU work runs synchronously)."""
 
     def __init__(self) -> None:
@@ -170,7 +145,7 @@ class _PendingSpan:
     end: torch.cuda.Event
 
 
-class CudaEventClock(PhaseClock):
+class CudaEventClock(ComputeClock):
     """Times each block with a pair of CUDA events on the rank's device.
 
     Kernels run asynchronously, so a host clock around a block times only their launch.
@@ -225,8 +200,9 @@ def default_clock(device: torch.device) -> ComputeClock:
     return HostClock()
 
 
-class LinkDelay(Protocol):
-    """How long transfers and all-reduces must seem to take (a rehearsal's links).
+class LinkDelay:
+    """How long transfers and all-reduces must seem to take; this base adds nothing (the
+    real links, as they are), a rehearsal's emulated links override it.
 
     Point-to-point: when :meth:`delays` is true for a peer, the sender asks
     :meth:`ready_time_s` when its bytes may be used and sends that time ahead of them; the
@@ -236,34 +212,18 @@ class LinkDelay(Protocol):
 
     def delays(self, peer_rank: int) -> bool:
         """Whether transfers with ``peer_rank`` carry a ready time (both ends must agree)."""
-        ...
-
-    def ready_time_s(self, peer_rank: int, now_s: float, num_bytes: int) -> float:
-        """Monotonic time at which ``num_bytes`` sent to ``peer_rank`` at ``now_s`` arrive."""
-        ...
-
-    def hold_until(self, ready_s: float) -> None:
-        """Wait, on the receiving side, until ``ready_s``."""
-        ...
-
-    def all_reduce_floor_s(self, ranks: Sequence[int], num_bytes: int) -> float:
-        """Least seconds an all-reduce of ``num_bytes`` among ``ranks`` takes (0: none)."""
-        ...
-
-
-class NoLinkDelay:
-    """The real links, as they are."""
-
-    def delays(self, peer_rank: int) -> bool:
         return False
 
     def ready_time_s(self, peer_rank: int, now_s: float, num_bytes: int) -> float:
+        """Monotonic time at which ``num_bytes`` sent to ``peer_rank`` at ``now_s`` arrive."""
         return now_s
 
     def hold_until(self, ready_s: float) -> None:
+        """Wait, on the receiving side, until ``ready_s``."""
         return None
 
     def all_reduce_floor_s(self, ranks: Sequence[int], num_bytes: int) -> float:
+        """Least seconds an all-reduce of ``num_bytes`` among ``ranks`` takes (0: none)."""
         return 0.0
 
 
@@ -273,7 +233,7 @@ class Seams:
 
     clock: ComputeClock | None = None
     """None: :func:`default_clock` for the rank's device."""
-    links: LinkDelay = field(default_factory=NoLinkDelay)
+    links: LinkDelay = field(default_factory=LinkDelay)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -52,7 +52,6 @@ from hplan.runtime.executor.rendezvous import (
 )
 from hplan.runtime.executor.seams import (
     LinkDelay,
-    NoLinkDelay,
     Seams,
     default_clock,
     peak_memory_bytes,
@@ -210,7 +209,7 @@ def build_rank(
         device,
         prev,
         next_,
-        delay=links or NoLinkDelay(),
+        delay=links or LinkDelay(),
         post_ahead=run_backend(plan, options) == "gloo",
     )
     return RankParts(plan, rank_plan, device, model_file, stage, params, optimizer, source, comm)

@@ -31,7 +31,7 @@ from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.link_model import LinkQueue, group_ring_time_s
 from hplan.runtime.contract.plan import Backend, Plan
 from hplan.runtime.executor.rendezvous import barrier
-from hplan.runtime.executor.seams import ComputeSpan, Phase, PhaseClock, Seams
+from hplan.runtime.executor.seams import ComputeClock, ComputeSpan, LinkDelay, Phase, Seams
 from hplan.runtime.executor.worker import boundaries
 from hplan.runtime.rehearsal.warm_compute import ROUNDS, Sample, WarmTimer, WarmTimes
 
@@ -156,7 +156,7 @@ def compute_emulation(plan: Plan, rank: int, emulation: Emulation | None) -> Com
     )
 
 
-class EmulatedClock(PhaseClock):
+class EmulatedClock(ComputeClock):
     """The compute clock of a rehearsal rank (``seams.ComputeClock``; see the module
     docstring).
 
@@ -303,7 +303,7 @@ def _no_floor(ranks: Sequence[int], num_bytes: int) -> float:
 
 
 @dataclass
-class EmulatedLinks:
+class EmulatedLinks(LinkDelay):
     """The link delay of a rehearsal rank (``seams.LinkDelay``): one :class:`EmulatedLink`
     per peer it sends to, and a floor under every all-reduce."""
 

@@ -14,7 +14,7 @@ from hplan.runtime.executor.rendezvous import check_torchrun_rank, rendezvous_ad
 from hplan.runtime.executor.seams import (
     CudaEventClock,
     HostClock,
-    NoLinkDelay,
+    LinkDelay,
     Phase,
     default_clock,
 )
@@ -33,7 +33,7 @@ def test_the_host_clock_times_each_block_once_by_phase() -> None:
 
 
 def test_the_default_seams_add_nothing() -> None:
-    delay = NoLinkDelay()
+    delay = LinkDelay()
     assert not delay.delays(3)
     assert delay.all_reduce_floor_s((0, 1), 10**9) == 0.0
     assert isinstance(default_clock(torch.device("cpu")), HostClock)
