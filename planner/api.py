@@ -10,13 +10,15 @@ checked by its own ``verify()``; ``passes.run_passes`` runs them and names a fai
    (``frontend/cost_graph.py``);
 4. ``trains_check``: the loss of the captured model can be trained on
    (``frontend/trains_check.py``);
-5. ``time_source``: unit times from a measured profile, or the roofline (``cost/``);
-6. ``problem``: the solver's arrays (``cost/problem_builder.py``);
-7. ``solve``: the layout, re-costed, validated, and simulated once with the bytes its plan
+5. ``runtime_bytes``: what a plan of this model sends across each cut and sums per
+   gradient bucket (``sim/spec.RuntimeBytes``);
+6. ``time_source``: unit times from a measured profile, or the roofline (``cost/``);
+7. ``problem``: the solver's arrays (``cost/problem_builder.py``);
+8. ``solve``: the layout, re-costed, validated, and simulated once with the bytes its plan
    will send (``solve/solver.py``; or a baseline's layout when asked);
-8. ``report``: the plan's "why" (``emit/report.py``);
-9. ``plan``: the plan, its gradient buckets and the solver's simulated step time
-   (``emit/plan_build.py``).
+9. ``report``: the plan's "why" (``emit/report.py``);
+10. ``plan``: the plan, its gradient buckets and the solver's simulated step time
+    (``emit/plan_build.py``).
 
 The CLI calls :func:`plan_training` and ``hplan.planner.emit.artifacts.emit``; nothing else
 plans. ``hplan solve --dump-passes DIR`` writes every pass's result as JSON.
@@ -47,7 +49,7 @@ from hplan.planner.hardware.catalog import DeviceClass
 from hplan.planner.hardware.cluster import Cluster, Device, load_cluster, to_cluster_spec
 from hplan.planner.hardware.measured_links import load_measured_links
 from hplan.planner.passes import Pass, PassResults, run_passes
-from hplan.planner.sim.spec import RuntimeBytes, param_wire_bytes, simulated_step_time_s
+from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import SolveResult, solve
@@ -215,8 +217,7 @@ def problem_pass(r: PassResults) -> PlanningProblem:
 
 def solve_pass(r: PassResults) -> SolveResult:
     """The layout: solved, or the requested baseline's; simulated with the plan's bytes."""
-    request, problem = _request(r), r["problem"]
-    runtime = RuntimeBytes.of(r["cost_graph"])
+    request, problem, runtime = _request(r), r["problem"], r["runtime_bytes"]
     if request.strategy is Strategy.HPLAN:
         options = SolveOptions(
             time_limit_s=request.time_limit_s, backend=request.solver, max_stages=request.max_stages
@@ -267,7 +268,7 @@ def plan_pass(r: PassResults) -> Plan:
         report=r["report"],
         training=_training_spec(request, cluster, result),
     )
-    return with_grad_sync(plan, param_wire_bytes(graph), result.simulated_step_time_s)
+    return with_grad_sync(plan, r["runtime_bytes"].wire_bytes, result.simulated_step_time_s)
 
 
 def _solving(r: PassResults) -> str:
@@ -287,6 +288,7 @@ PASSES: Sequence[Pass] = (
         lambda r: check_trains(r["capture"]),
         lambda _: "checking that the model trains",
     ),
+    Pass("runtime_bytes", lambda r: RuntimeBytes.of(r["cost_graph"])),
     Pass("time_source", time_source_pass),
     Pass("problem", problem_pass),
     Pass("solve", solve_pass, _solving),

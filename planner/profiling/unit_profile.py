@@ -37,7 +37,6 @@ from hplan.planner.frontend.cost_graph import ModelGraph
 from hplan.planner.profiling.microbench import Stopwatch, one_cpu_thread
 from hplan.planner.profiling.profile_file import Stat, UnitTiming
 from hplan.planner.profiling.unit_memory import measure_unit_memory
-from hplan.runtime.capture.cuts import crossing_values, node_units
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.stage import StageModule, build_stage
 from hplan.runtime.capture.trace import bind_inputs, target_name
@@ -162,13 +161,11 @@ def _merged(rounds: Sequence[UnitTiming]) -> UnitTiming:
 
 def _unit_stages(graph: ModelGraph) -> list[_Unit]:
     traced = graph.traced
-    gm = traced.graph_module
-    node_unit = node_units(gm, graph.units)
     num_units = len(graph.units)
     result = []
     for idx, unit in enumerate(graph.units):
-        recv = crossing_values(gm, node_unit, idx - 1) if idx > 0 else ()
-        send = crossing_values(gm, node_unit, idx) if idx < num_units - 1 else ()
+        recv = [t.name for t in graph.cuts[idx - 1]] if idx > 0 else []
+        send = [t.name for t in graph.cuts[idx]] if idx < num_units - 1 else []
         stage = build_stage(traced, graph.units, [unit.name], recv=recv, send=send)
         grads = {t.name for t in graph.cuts[idx - 1] if t.requires_grad} if idx > 0 else set()
         result.append(_Unit(stage, frozenset(grads), structure_signature(stage)))

@@ -274,9 +274,7 @@ def share_batch(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
     at a time to the copy that would finish it first.
     """
     samples = _bulk_shares(copies, global_batch_size)
-    heap = [
-        (_copy_time(c, samples[i] + c.shape.micro_batch_size), i) for i, c in enumerate(copies)
-    ]
+    heap = [(_copy_time(c, samples[i] + c.shape.micro_batch_size), i) for i, c in enumerate(copies)]
     heapq.heapify(heap)
     left = global_batch_size - sum(samples)
     while left > 0 and heap:

@@ -1,13 +1,15 @@
-"""Cut analysis of a traced graph: which values may be recomputed, which cross a boundary.
+"""Cut analysis of a traced graph: which values may be recomputed in every stage, and which
+unit each node belongs to.
 
-Mechanism only, shared by the planner (its partition-unit policy and cost graph ask which
-values cross each possible cut) and the runtime (its stage builder copies the replicable
-nodes into every stage that reads them and checks the plan's units against the graph).
+Mechanism only, shared by the runtime (its stage builder copies the replicable nodes into
+every stage that reads them and checks the plan's units against the graph) and the planner
+(its cost graph marks the replicable nodes; what crosses each cut it reads from that graph,
+``planner/frontend/graph.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -69,40 +71,6 @@ def _pure(node: torch.fx.Node) -> bool:
             return False
     base = name.rsplit(".", 1)[-1]
     return not (base.endswith("_") and not base.endswith("__"))
-
-
-def crossing_values(
-    gm: torch.fx.GraphModule,
-    node_unit: Mapping[str, int],
-    cut_idx: int,
-    *,
-    replicable: frozenset[str] | None = None,
-) -> tuple[str, ...]:
-    """Names of the values that cross a boundary placed after unit ``cut_idx``.
-
-    A value crosses when it is produced in a unit ``<= cut_idx`` and read in a unit
-    ``> cut_idx`` or by the graph output (which belongs to the last unit). Placeholders
-    (delivered by the data loader to each stage) and replicable nodes are excluded.
-
-    Args:
-        node_unit: unit index of every graph node except placeholders and the output.
-        replicable: ``replicable_nodes(gm)`` if already computed.
-
-    Returns:
-        Node names in graph order.
-    """
-    replicable = replicable_nodes(gm) if replicable is None else replicable
-    last_unit = max(node_unit.values(), default=0)
-    crossing = []
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output") or node.name in replicable:
-            continue
-        if node_unit[node.name] > cut_idx:
-            continue
-        readers = (last_unit if u.op == "output" else node_unit[u.name] for u in node.users)
-        if any(r > cut_idx for r in readers):
-            crossing.append(node.name)
-    return tuple(crossing)
 
 
 def node_units(gm: torch.fx.GraphModule, units: Sequence[UnitSpec]) -> dict[str, int]:

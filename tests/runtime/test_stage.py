@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from hplan.planner.frontend.cost_graph import ModelGraph, build_model_graph
+from hplan.planner.frontend.graph import crossing_values
 from hplan.planner.frontend.partition_units import assign_units
-from hplan.runtime.capture.cuts import crossing_values, node_units, replicable_nodes
+from hplan.runtime.capture.cuts import node_units, replicable_nodes
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
 from hplan.runtime.capture.stage import build_stage
 from hplan.runtime.capture.trace import bind_inputs, outputs_match, trace_model
@@ -175,7 +176,7 @@ def test_crossing_values_exclude_placeholders_and_replicable_nodes(tmp_path):
     node_unit = node_units(gm, graph.units)
     replicable = replicable_nodes(gm)
     for cut_idx in range(len(graph.units) - 1):
-        crossing = crossing_values(gm, node_unit, cut_idx)
+        crossing = crossing_values(graph.graph, node_unit, cut_idx)
         assert len(crossing) == 1
         assert not set(crossing) & replicable
         assert [t.name for t in graph.cuts[cut_idx]] == list(crossing)
