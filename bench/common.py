@@ -5,6 +5,7 @@ Benchmarks use the command line on purpose: they measure what a user gets.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -63,10 +64,12 @@ def solve(
 
 
 def write_cluster(text: str) -> Path:
-    """Write a cluster YAML to a temporary file and return its path."""
+    """Write a cluster YAML to a temporary file (removed when the process exits)."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
         handle.write(text)
-    return Path(handle.name)
+    path = Path(handle.name)
+    atexit.register(path.unlink, missing_ok=True)
+    return path
 
 
 def table(title: str, columns: list[str]) -> Table:

@@ -41,7 +41,7 @@ from hplan.planner.cost.problem_builder import (
 )
 from hplan.planner.cost.profiled_times import load_measured_source, source_labels
 from hplan.planner.emit.plan_build import build_plan, model_spec, with_grad_sync
-from hplan.planner.emit.report import build_report, with_cost_sources
+from hplan.planner.emit.report import REQUESTED, build_report, with_cost_sources
 from hplan.planner.frontend.capture import CapturedModel, capture_model
 from hplan.planner.frontend.cost_graph import ModelGraph, model_graph
 from hplan.planner.frontend.trains_check import check_trains
@@ -331,7 +331,7 @@ def _baseline(
         status=SolverStatus.HEURISTIC,
         gap=None,
         backend="none",
-        source=f"baseline: {request.strategy.value}",
+        source=f"{REQUESTED}{request.strategy.value} baseline",
         notes=(f"{request.strategy.value} baseline requested; the layout was not optimised",),
         simulated_step_time_s=simulated_step_time_s(problem, layout, request.schedule, runtime),
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from hplan.planner.cli.main import main
 from hplan.runtime.contract.plan import Plan
+from hplan.runtime.rehearsal.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = ROOT / "examples" / "mlp" / "model.py"
@@ -47,30 +47,13 @@ needs_torchrun = pytest.mark.skipif(
 )
 
 
-def _two_free_ports() -> int:
-    """A port ``p`` such that ``p`` (torchrun's store) and ``p + 1`` (hplan's) are free."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = int(first.getsockname()[1])
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
 def _solve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(TWO_NODES, encoding="utf-8")
     out = tmp_path / "out"
     argv = [
         "solve", str(MLP), "--cluster", str(cluster), "-o", str(out), "-b", "8",
-        "--strategy", "ddp", "--master-port", str(_two_free_ports()),
+        "--strategy", "ddp", "--master-port", str(free_port()),  # torchrun's store; the only port
     ]  # fmt: skip
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -71,19 +71,22 @@ def _report_crash(exc: BaseException) -> int:
     return 1
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    """SIGTERM handler: unwind like Ctrl-C, so that ``finally`` blocks stop child processes."""
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    """SIGTERM / SIGHUP handler: unwind like Ctrl-C, so that ``finally`` blocks stop child
+    processes."""
     raise Terminated(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: maps hplan errors to one line and an exit code.
 
-    SIGTERM raises ``SystemExit(143)`` in the main thread, so a terminated ``hplan rehearse``
-    (or ``solve``) runs its clean-up and stops the processes it started.
+    SIGTERM (and SIGHUP: a closed terminal, a dropped ssh session) raises ``SystemExit(128 +
+    signal)`` in the main thread, so a terminated ``hplan rehearse`` (or ``solve``) runs its
+    clean-up and stops the processes it started.
     """
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _exit_on_signal)
     code = _invoke(lambda: cli.main(args=argv, prog_name="hplan", standalone_mode=False))
     sys.exit(code)
 

@@ -72,10 +72,19 @@ def _rank_reports(
     return tuple(sorted(reports, key=lambda r: r.rank))
 
 
-def _source_note(source: str) -> str:
+REQUESTED = "requested: "
+"""Prefix of ``SolveResult.source`` for a layout the user asked for (``--strategy ddp``)."""
+
+
+def _source_note(result: SolveResult) -> tuple[str, ...]:
+    """Where the layout came from; nothing for a baseline the user asked for (its own note
+    says so)."""
+    source = result.source
+    if source.startswith(REQUESTED):
+        return ()
     if source.startswith("baseline"):
-        return f"the {source} was the fastest layout found"
-    return f"found by the search scenario: {source}"
+        return (f"the {source} was the fastest layout found",)
+    return (f"found by the search scenario: {source}",)
 
 
 def build_report(
@@ -114,7 +123,7 @@ def build_report(
         reference_time_per_sample_s=reference_s / reference_mbs,
         reference_micro_batch_size=reference_mbs,
         baselines=baseline_reports(problem),
-        notes=(*notes, _source_note(result.source), *result.notes),
+        notes=(*notes, *_source_note(result), *result.notes),
     )
 
 

@@ -391,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
             names = local_names(args.cluster, args.local) if args.cluster else None
             measure_local(args.local, out=args.out, sweep_args=sweep_argv(args), names=names)
         else:
+            from hplan.runtime.rehearsal.launcher import follow_supervisor
+
+            follow_supervisor()  # a rank of `--local`: ends with the process that started it
             torch.set_num_threads(1)
             run_rank(args)
     except HplanError as exc:

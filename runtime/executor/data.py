@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import default_collate
 
 from hplan.runtime.capture.model_file import ModelFile
-from hplan.runtime.contract.errors import ConfigError, PlanMismatchError
+from hplan.runtime.contract.errors import ConfigError, ModelFileError, PlanMismatchError, one_line
 from hplan.runtime.contract.plan import InputSpec
 
 Binder = Callable[[Any], dict[str, Tensor]]
@@ -110,7 +110,7 @@ class BatchSource:
 
     def __post_init__(self) -> None:
         if self.model_file.dataset is not None:
-            self._dataset = self.model_file.dataset()
+            self._dataset = _checked_dataset(self.model_file)
             steps_per_epoch(len(self._dataset), self.global_batch_size)
 
     @property
@@ -157,6 +157,27 @@ class BatchSource:
 
     def _batch_dims(self) -> dict[str, int | None]:
         return {spec.tensor.name: spec.tensor.batch_dim for spec in self.input_specs}
+
+
+def _checked_dataset(model_file: ModelFile) -> Any:
+    """``model_file.dataset()``, checked to be a sized, indexable collection of samples.
+
+    Raises:
+        ModelFileError: ``dataset()`` raised, or returned something without ``len`` and
+            ``[]`` (a number, a generator).
+    """
+    assert model_file.dataset is not None
+    where = f"dataset() in {str(model_file.path)!r}"
+    try:
+        data = model_file.dataset()
+    except Exception as exc:
+        raise ModelFileError(f"{where} raised {one_line(exc)}; fix model.py") from None
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise ModelFileError(
+            f"{where} returned a {type(data).__name__}; return a sequence or a "
+            "torch.utils.data.Dataset of (inputs, targets) samples (len and [] work on it)"
+        )
+    return data
 
 
 def _check_batch_size(

@@ -79,6 +79,9 @@ def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (hplan errors: one line on stderr)."""
+    from hplan.runtime.rehearsal.launcher import follow_supervisor
+
+    follow_supervisor()
     return run_one_rank(rank_parser().parse_args(argv), _run)
 
 

@@ -17,8 +17,10 @@ may hold it), or the timeout.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -136,10 +138,36 @@ def run_children(
     )
 
 
+SUPERVISOR_ENV = "HPLAN_SUPERVISOR_PID"
+"""Set in every local rank to the process id of the process that started it."""
+_PR_SET_PDEATHSIG = 1
+"""``prctl`` option (Linux ``<sys/prctl.h>``): a signal for the process when its parent ends."""
+
+
+def follow_supervisor() -> None:
+    """In a local rank: end with the process that started it.
+
+    torch's process context starts every rank in its own session, so neither a closed
+    terminal (SIGHUP to the session) nor the supervisor's own death (SIGKILL) would reach
+    the rank; on Linux the kernel sends it SIGKILL when its parent ends
+    (``prctl(PR_SET_PDEATHSIG)``). A rank whose supervisor already ended exits at once.
+    Nothing happens outside a local rank (no ``HPLAN_SUPERVISOR_PID``) or off Linux.
+    """
+    supervisor = os.environ.get(SUPERVISOR_ENV, "").strip()
+    if not supervisor.isdigit() or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != int(supervisor):
+        os._exit(1)
+
+
 def rank_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
     """What one local rank adds to this process's environment: ``env://``'s variables on
-    127.0.0.1 (no torchrun agent store), one thread, unbuffered output."""
+    127.0.0.1 (no torchrun agent store), one thread, unbuffered output, and this process
+    as its supervisor (:func:`follow_supervisor`)."""
     return {
+        SUPERVISOR_ENV: str(os.getpid()),
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -312,17 +340,28 @@ def _reported(
 ) -> HplanError:
     """The error for the rank whose failure explains the others (see :func:`supervise`).
 
+    Among the failed ranks: one whose last line is not a peer failure (a consequence of
+    another's), and that ended by itself before one that was stopped (by a signal); else a
+    stopped rank whose log ends in an hplan error that is not a peer failure; else the
+    first failed rank. A rank stopped by a signal reports exit code 1.
+
     Args:
-        failed: the ranks that had failed when the failure was seen.
+        failed: the ranks that had failed when the failure was seen (torch's process
+            context adds the ranks it stopped).
         codes: every rank's exit code once all were stopped.
     """
     lines = {rank: last_error_line(log, is_error_line) for rank, log in enumerate(logs)}
 
-    def root_cause(rank: int) -> bool:
-        return is_error_line(lines[rank]) and "PeerFailureError" not in lines[rank]
+    def blame(rank: int) -> tuple[bool, bool, int]:
+        code = codes.get(rank)
+        return ("PeerFailureError" in lines[rank], code is None or code < 0, rank)
 
-    causes = [r for r in failed if root_cause(r)]
-    elsewhere = [r for r in range(len(logs)) if r not in failed and root_cause(r)]
-    rank = (causes or elsewhere or list(failed))[0]
+    ranked = sorted(failed, key=blame)
+    others = [
+        r
+        for r in range(len(logs))
+        if r not in failed and is_error_line(lines[r]) and "PeerFailureError" not in lines[r]
+    ]
+    rank = ranked[0] if ranked and not blame(ranked[0])[0] else (others or ranked)[0]
     code = codes.get(rank)
-    return failure(rank, 1 if code is None else code, lines[rank])
+    return failure(rank, code if code is not None and code > 0 else 1, lines[rank])

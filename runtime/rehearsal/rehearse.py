@@ -282,7 +282,11 @@ class _Run:
                 if modelled_emulation(plan)
                 else "stretched (from the second step: each rank's warm compute times)"
             )
-            + "".join(f"; {name} {factor:g}x slower" for name, factor in self.slowdown.items())
+            + "".join(
+                f"; {name} {factor:g}x slower"
+                for name, factor in self.slowdown.items()
+                if name in {r.device for r in plan.ranks}
+            )
         )
         verify_dir = metrics_dir / "verify" if self.verify else None
         plan_path = prepare_dir(metrics_dir, plan)

@@ -198,3 +198,39 @@ def test_a_temporary_metrics_folder_is_kept_only_when_the_ranks_fail(
     with pytest.raises(ModelFileError):
         rehearse(plan, steps=1)
     assert [p for p in tmp_path.iterdir() if p.name.startswith("hplan-rehearse-")] == kept
+
+
+def test_a_dataset_that_is_not_a_sequence_is_a_model_file_error_in_one_line(
+    tmp_path: Path,
+) -> None:
+    path = write_model(tmp_path, NUMBERED_DATASET.replace("return Numbered()", "return 5"))
+    plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=4)])
+    with pytest.raises(RehearsalChildError) as info:
+        rehearse(plan, steps=1, metrics_dir=tmp_path / "m", timeout_s=TIMEOUT_S)
+    assert info.value.exit_code == 2
+    assert "ModelFileError: dataset() in" in str(info.value)
+    assert "returned a int; return a sequence" in str(info.value)
+
+
+def test_the_failed_rank_to_report_is_the_cause_not_its_consequences(tmp_path: Path) -> None:
+    from hplan.runtime.rehearsal.launcher import _reported
+
+    logs = [tmp_path / f"rank-{r}.log" for r in range(3)]
+    logs[0].write_text("hplan run (rank 0): PeerFailureError: rank 0 lost rank 1\n")
+    logs[1].write_text("Traceback (most recent call last):\nValueError: Out of range float\n")
+    logs[2].write_text("step 3\n")
+
+    def error(rank: int, code: int, line: str) -> RehearsalChildError:
+        return RehearsalChildError(f"rank {rank} failed (exit {code}): {line}", code)
+
+    def is_error(line: str) -> bool:
+        return line.startswith("hplan run")
+
+    # the peer failure was seen first; the crashed rank ended by itself; rank 2 was stopped
+    found = _reported([0, 1, 2], {0: 1, 1: 1, 2: -15}, logs, is_error, error)
+    assert str(found) == "rank 1 failed (exit 1): ValueError: Out of range float"
+    stopped = _reported([0, 1], {0: -15, 1: -9}, logs, is_error, error)
+    assert stopped.exit_code == 1 and "rank 1" in str(stopped)  # a signal is not an exit code
+    logs[1].write_text("hplan run (rank 1): ModelFileError: loss_fn ...\n")
+    elsewhere = _reported([0], {0: 1, 1: -15, 2: -15}, logs, is_error, error)
+    assert "rank 1" in str(elsewhere) and "ModelFileError" in str(elsewhere)
