@@ -49,45 +49,8 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-def test_sigterm_to_rehearse_kills_every_rank(tmp_path: Path) -> None:
-    path = write_model(tmp_path, HANGING_RANKS)
-    plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=4)])
-    plan_path = tmp_path / "plan.json"
-    plan_path.write_text(plan.to_json())
-    parent = subprocess.Popen(
-        [str(HPLAN), "rehearse", str(plan_path), "--metrics-dir", str(tmp_path / "m")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    ranks: list[int] = []
-    try:
-        deadline_s = time.monotonic() + TIMEOUT_S
-        while len(ranks) < plan.world_size:
-            assert time.monotonic() < deadline_s, "the ranks never started"
-            assert parent.poll() is None, parent.communicate()[1]
-            time.sleep(0.2)
-            ranks = _children(parent.pid)
-        parent.send_signal(signal.SIGTERM)
-        _, err = parent.communicate(timeout=TIMEOUT_S)
-        deadline_s = time.monotonic() + 10
-        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline_s:
-            time.sleep(0.1)
-        survivors = [pid for pid in ranks if _alive(pid)]
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        for pid in ranks:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-    assert survivors == [], "rank processes outlived a terminated rehearse"
-    assert parent.returncode == 128 + signal.SIGTERM
-    assert b"Traceback" not in err
-
-
-def _started_ranks(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int], int]:
-    """``hplan rehearse`` of a plan whose ranks hang, in its own session; its rank pids."""
+def _rehearse_with_hanging_ranks(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """``hplan rehearse`` (in its own session) of a plan whose ranks hang; its rank pids."""
     path = write_model(tmp_path, HANGING_RANKS)
     plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=4)])
     plan_path = tmp_path / "plan.json"
@@ -101,26 +64,25 @@ def _started_ranks(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int], 
     ranks: list[int] = []
     deadline_s = time.monotonic() + TIMEOUT_S
     while len(ranks) < plan.world_size:
-        assert time.monotonic() < deadline_s, "the ranks never started"
-        assert parent.poll() is None, parent.communicate()[1]
+        if time.monotonic() > deadline_s or parent.poll() is not None:
+            parent.kill()
+            raise AssertionError(f"the ranks never started: {parent.communicate()[1]!r}")
         time.sleep(0.2)
         ranks = _children(parent.pid)
-    return parent, ranks, plan.world_size
+    return parent, ranks
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL])
-def test_a_hangup_or_a_killed_rehearse_ends_every_rank(tmp_path: Path, sig: signal.Signals) -> None:
-    # A closed terminal sends SIGHUP; SIGKILL leaves no clean-up at all: the ranks, each in
-    # a session of its own, must end with the rehearsal anyway.
-    parent, ranks, _ = _started_ranks(tmp_path)
+def _signal_and_wait(
+    parent: subprocess.Popen[bytes], ranks: list[int], sig: signal.Signals
+) -> tuple[bytes, list[int]]:
+    """Send ``sig`` to the rehearsal only; its stderr and the ranks alive 10 s after it ended."""
     try:
         parent.send_signal(sig)
-        parent.communicate(timeout=TIMEOUT_S)
+        _, err = parent.communicate(timeout=TIMEOUT_S)
         deadline_s = time.monotonic() + 10
         while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline_s:
             time.sleep(0.1)
-        survivors = [pid for pid in ranks if _alive(pid)]
+        return err, [pid for pid in ranks if _alive(pid)]
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -128,6 +90,24 @@ def test_a_hangup_or_a_killed_rehearse_ends_every_rank(tmp_path: Path, sig: sign
         for pid in ranks:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_sigterm_to_rehearse_kills_every_rank(tmp_path: Path) -> None:
+    parent, ranks = _rehearse_with_hanging_ranks(tmp_path)
+    err, survivors = _signal_and_wait(parent, ranks, signal.SIGTERM)
+    assert survivors == [], "rank processes outlived a terminated rehearse"
+    assert parent.returncode == 128 + signal.SIGTERM
+    assert b"Traceback" not in err
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL])
+def test_a_hangup_or_a_killed_rehearse_ends_every_rank(tmp_path: Path, sig: signal.Signals) -> None:
+    # A closed terminal sends SIGHUP; SIGKILL leaves no clean-up at all: the ranks, each in
+    # a session of its own, must end with the rehearsal anyway.
+    parent, ranks = _rehearse_with_hanging_ranks(tmp_path)
+    _, survivors = _signal_and_wait(parent, ranks, sig)
     assert survivors == [], f"rank processes outlived a rehearse ended by {sig.name}"
     if sig is signal.SIGHUP:
         assert parent.returncode == 128 + signal.SIGHUP
