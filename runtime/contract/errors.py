@@ -13,6 +13,8 @@ Every message names the bad value and says what to do about it.
 
 from __future__ import annotations
 
+import re
+
 
 class HplanError(Exception):
     """Base of all hplan errors; ``exit_code`` is what the CLI exits with."""
@@ -74,6 +76,18 @@ class PeerFailureError(HplanError):
     exit_code = 1
 
 
+class PreemptedError(HplanError):
+    """The job was asked to stop (SIGTERM) and stopped after a step; exit code 143."""
+
+    exit_code = 143
+
+
+class DivergedError(HplanError):
+    """The loss stopped being finite and the model file asked to stop on it."""
+
+    exit_code = 1
+
+
 class RehearsalChildError(HplanError):
     """A rank of the rehearsal failed; carries that rank's one-line error and exit code.
 
@@ -92,21 +106,38 @@ class Terminated(SystemExit):
 
 _MAX_REASON_CHARS = 200
 """Longest first line of a foreign exception's text that a message quotes."""
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp|py):\d+\]\s*")
+"""A C++ library's own source location in front of its message (gloo's ``[/../pair.cc:553]``)."""
+
+
+_TORCH_ADVICE = re.compile(r"\s*This is typically caused by .*$")
+"""torch's generic advice after a gloo or store error ("... Check the logs of the remote
+worker before reporting an error. GLHF!"): hplan says which log to check itself."""
+
+
+def _first_line(text: str) -> str:
+    """The first line, without a source-location prefix or torch's generic advice, cut at
+    a word to at most 200 characters (``...`` marks the cut)."""
+    line = _SOURCE_LOCATION.sub("", text.strip().splitlines()[0]).strip() if text.strip() else ""
+    line = _TORCH_ADVICE.sub("", line)
+    if len(line) <= _MAX_REASON_CHARS:
+        return line
+    cut = line[:_MAX_REASON_CHARS].rsplit(" ", 1)[0].rstrip(" ,;:.")
+    return f"{cut}..."
 
 
 def error_reason(exc: BaseException) -> str:
-    """First line of an exception's text (at most 200 characters), or its class name.
+    """First line of an exception's text, or its class name.
 
-    For messages that quote what a library said: ``"Connection closed by peer"``.
+    For messages that quote what a library said: ``"Connection closed by peer"``. A C++
+    source location in front is dropped, and a long line is cut at a word (``...``), never
+    in the middle of one.
     """
-    text = str(exc).strip()
-    return text.splitlines()[0][:_MAX_REASON_CHARS] if text else type(exc).__name__
+    return _first_line(str(exc)) or type(exc).__name__
 
 
 def one_line(exc: BaseException) -> str:
-    """``"TypeName: first line of the message"`` (at most 200 characters of it); the class
-    name alone when the message is empty. For messages that quote a user's exception."""
-    text = str(exc).strip()
-    if not text:
-        return type(exc).__name__
-    return f"{type(exc).__name__}: {text.splitlines()[0][:_MAX_REASON_CHARS]}"
+    """``"TypeName: first line of the message"`` (cut as in :func:`error_reason`); the
+    class name alone when the message is empty. For messages that quote a user's exception."""
+    line = _first_line(str(exc))
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__

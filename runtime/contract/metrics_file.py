@@ -24,6 +24,7 @@ peak of the process (``ru_maxrss``), which includes the Python interpreter and t
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -69,13 +70,37 @@ class MetricsWriter:
         self._file = self.path.open("w", encoding="utf-8")
 
     def write(self, record: StepMetrics) -> None:
-        """Append one record as a JSON line and flush it (readers may tail the file)."""
-        self._file.write(json.dumps(asdict(record), allow_nan=False) + "\n")
+        """Append one record as a JSON line and flush it (readers may tail the file).
+
+        A non-finite loss (a diverging run) is written as the string ``"nan"``, ``"inf"``
+        or ``"-inf"``: strict JSON has no such numbers.
+        """
+        self._file.write(metrics_line(record))
         self._file.flush()
 
     def close(self) -> None:
         """Close the file."""
         self._file.close()
+
+
+def metrics_line(record: StepMetrics) -> str:
+    """One record as its JSON line (see :meth:`MetricsWriter.write`)."""
+    data = asdict(record)
+    if record.loss is not None and not math.isfinite(record.loss):
+        data["loss"] = str(record.loss)
+    return json.dumps(data, allow_nan=False) + "\n"
+
+
+def parse_metrics_line(line: str) -> StepMetrics:
+    """Inverse of :func:`metrics_line`.
+
+    Raises:
+        ValueError: not JSON. TypeError: not a metrics record.
+    """
+    data = json.loads(line)
+    if isinstance(data, dict) and isinstance(data.get("loss"), str):
+        data["loss"] = float(data["loss"])
+    return StepMetrics(**data)
 
 
 def read_rank_metrics(path: Path) -> list[StepMetrics]:
@@ -90,8 +115,8 @@ def read_rank_metrics(path: Path) -> list[StepMetrics]:
         if not line.endswith("\n"):
             break
         try:
-            records.append(StepMetrics(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError) as exc:
+            records.append(parse_metrics_line(line))
+        except (ValueError, TypeError) as exc:
             raise ConfigError(
                 f"{path}: not a metrics line ({exc}); was it written by hplan?"
             ) from None

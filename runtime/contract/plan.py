@@ -19,6 +19,7 @@ This module must not import torch: a plan can be read and shown anywhere.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -465,6 +466,21 @@ class Plan:
             max([link.latency_s for link in links] + [c.latency_per_step_s for c in measured]),
         )  # fmt: skip
 
+    def digest(self) -> str:
+        """sha256 hex of what the plan runs: every field but the ``report`` (predictions do
+        not change what a rank does). Ranks of one job must have the same digest."""
+        return _sha256_json(self._runnable())
+
+    def section_digests(self) -> dict[str, str]:
+        """{top-level field: sha256 hex of it} of :meth:`digest`'s fields, to say which
+        parts of two plans differ (``"cuts"``, ``"ranks"`` ...)."""
+        return {key: _sha256_json(value) for key, value in self._runnable().items()}
+
+    def _runnable(self) -> dict[str, Any]:
+        data: dict[str, Any] = _adapter().dump_python(self, mode="json")
+        data.pop("report", None)
+        return data
+
     # ----------------------------------------------------------------- (de)serialisation
     def to_json(self) -> str:
         """Deterministic JSON text (2-space indent, field order as declared, newline at end)."""
@@ -538,6 +554,11 @@ class Plan:
 
 def _stage_key(rank: RankPlan) -> int:
     return rank.stage
+
+
+def _sha256_json(value: object) -> str:
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @cache

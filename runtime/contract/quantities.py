@@ -21,6 +21,7 @@ FLOPS_PER_TFLOP = 1e12
 FLOPS_PER_GFLOP = 1e9
 US_PER_S = 1e6
 MS_PER_S = 1e3
+S_PER_MIN = 60.0
 
 
 def gb_to_bytes(gb: float) -> float:

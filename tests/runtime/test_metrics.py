@@ -46,6 +46,17 @@ def test_metrics_round_trip_through_json_lines(tmp_path: Path) -> None:
     assert read_rank_metrics(tmp_path / "rank-0.jsonl") == records
 
 
+def test_a_nonfinite_loss_is_written_as_a_string_in_strict_json_and_read_back(
+    tmp_path: Path,
+) -> None:
+    losses = [float("nan"), float("inf"), float("-inf"), 0.5]
+    _write(tmp_path, [replace(_BASE, step=i, loss=loss) for i, loss in enumerate(losses)])
+    text = (tmp_path / "rank-0.jsonl").read_text()
+    assert '"loss": "nan"' in text and '"loss": "-inf"' in text and "NaN" not in text
+    read = [r.loss for r in read_rank_metrics(tmp_path / "rank-0.jsonl")]
+    assert read[0] != read[0] and read[1:] == losses[1:]
+
+
 def test_summary_weights_replica_losses_by_samples_and_uses_the_slowest_rank(
     tmp_path: Path,
 ) -> None:
