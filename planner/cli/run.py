@@ -86,6 +86,17 @@ def run(args: tuple[str, ...]) -> None:
     metavar="DEVICE=FACTOR",
     help="Emulate a straggler: DEVICE's compute runs FACTOR times slower (box-b/1=1.4; repeatable).",
 )
+@click.option(
+    "--checkpoint-dir",
+    type=click.Path(path_type=Path),
+    help="The ranks save checkpoints here (at the end, and every --checkpoint-every-steps).",
+)
+@click.option("--checkpoint-every-steps", type=int, help="Save a checkpoint every N steps.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue from the latest checkpoint in --checkpoint-dir (whatever plan wrote it).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def rehearse(
     plan_path: Path,
@@ -98,15 +109,27 @@ def rehearse(
     timeout_s: float,
     trace_path: Path | None,
     slowdowns: tuple[str, ...],
+    checkpoint_dir: Path | None,
+    checkpoint_every_steps: int | None,
+    resume: bool,
     as_json: bool,
 ) -> None:
     """Run every rank of a plan on this machine (CPU, gloo), emulating its hardware."""
     from hplan.runtime.capture.model_file import plan_model_path
-    from hplan.runtime.rehearsal.rehearse import parse_slowdown
+    from hplan.runtime.rehearsal.rehearse import Checkpointing, parse_slowdown
     from hplan.runtime.rehearsal.rehearse import rehearse as run_rehearsal
 
     if steps < 1:
         raise ConfigError(f"--steps {steps} must be >= 1")
+    if checkpoint_dir is None and (resume or checkpoint_every_steps is not None):
+        raise ConfigError("--resume and --checkpoint-every-steps need --checkpoint-dir DIR")
+    if checkpoint_every_steps is not None and checkpoint_every_steps < 1:
+        raise ConfigError(f"--checkpoint-every-steps {checkpoint_every_steps} must be >= 1")
+    checkpointing = (
+        None
+        if checkpoint_dir is None
+        else Checkpointing(checkpoint_dir.absolute(), resume, checkpoint_every_steps)
+    )
     plan = Plan.load(plan_path)
     result = run_rehearsal(
         plan,
@@ -119,6 +142,7 @@ def rehearse(
         timeout_s=timeout_s,
         trace_path=trace_path,
         slowdown=parse_slowdown(slowdowns),
+        checkpointing=checkpointing,
     )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))

@@ -16,6 +16,10 @@ Convention (also in README.md):
   per item; without it hplan trains on ``sample_batch``.
 - ``LEAF_MODULES`` (optional): module paths (``"blocks.1"``) or class names to keep whole
   when tracing.
+- ``make_scheduler(optimizer)`` (optional): an LR scheduler, stepped after every optimizer
+  step; a function of the step count (a resumed run steps it to the checkpoint's step).
+- ``STOP_ON_NONFINITE_LOSS`` (optional, default False): stop the job (exit 1) when a loss
+  is not finite; otherwise the loss is reported and training goes on.
 
 Loading a model file executes its code, with the same rights as the user running hplan.
 """
@@ -51,6 +55,8 @@ class ModelFile:
     make_optimizer: Callable[[Any], Any] | None
     dataset: Callable[[], Sequence[Any]] | None
     leaf_modules: tuple[str, ...]
+    make_scheduler: Callable[[Any], Any] | None = None
+    stop_on_nonfinite_loss: bool = False
 
     def optimizer(self, params: Sequence[Any]) -> Any:
         """The model file's ``make_optimizer(params)``, else AdamW with lr 1e-3."""
@@ -98,6 +104,8 @@ def load_model_file(path: str | Path) -> ModelFile:
         make_optimizer=_optional(module, "make_optimizer"),
         dataset=_optional(module, "dataset"),
         leaf_modules=tuple(leaves),
+        make_scheduler=_optional(module, "make_scheduler"),
+        stop_on_nonfinite_loss=_flag(path, module, "STOP_ON_NONFINITE_LOSS"),
     )
 
 
@@ -165,6 +173,13 @@ def plan_model_path(
             "copy model.py there or pass --model PATH"
         )
     return path
+
+
+def _flag(path: str | Path, module: Any, name: str) -> bool:
+    value = getattr(module, name, False)
+    if not isinstance(value, bool):
+        raise ModelFileError(f"{name} in {str(path)!r} is {value!r}; set it to True or False")
+    return value
 
 
 def _optional(module: Any, name: str) -> Callable[..., Any] | None:

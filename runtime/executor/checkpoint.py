@@ -1,31 +1,60 @@
-"""Checkpoints keyed by parameter name, so one written under a plan loads under another.
+"""Checkpoints with ``torch.distributed.checkpoint``: keyed by name, resumable under any plan.
 
-Every parameter and buffer is saved once: by the lowest rank that holds it (the holder maps
-of ``grad_sync``), together with its optimizer state. Layout::
+Layout of a checkpoint folder::
 
-    <dir>/step-<n>/rank-<r>.pt   {"params", "buffers", "optimizer": {name: ...}, "steps"}
-    <dir>/latest                 "step-<n>", written by rank 0 after every rank saved
+    <dir>/step-<n>/     one checkpoint (DCP: a data file per rank, ``.metadata`` written
+                        last) and ``plan.json``, the plan it was written under
+    <dir>/latest        ``step-<n>``: replaced atomically once every rank's part of step-<n>
+                        is on disk, so a checkpoint is complete or invisible
 
-Loading reads every ``rank-*.pt`` of the latest step and takes the names this rank holds,
-whatever plan wrote them.
+What each rank saves (keys shared by the ranks that hold the same tensor are written once,
+by DCP's deduplication; none names a rank or a position, except the RNG):
+
+- ``model.<name>`` and ``buffers.<name>``: parameters and buffers by canonical name;
+- ``optimizer.<name>.<key>``: the optimizer's state of each parameter (AdamW's moments);
+- ``progress``: optimizer steps done, the global batch size, the seed and the plan digest.
+  The data position is the step: every rank computes the samples of step ``t`` from
+  ``(seed, t)`` alone (``data.py``), so a resume neither repeats nor skips a sample;
+- ``rng.<rank>``: that rank's random-number state, restored only under the same plan
+  (another plan's ranks draw from their seeded streams again, and rank 0 says so).
+
+An LR scheduler (the model file's ``make_scheduler``) is a function of the step: a resumed
+run steps it to the checkpoint's step. Loading requests exactly the names this rank holds, so
+a checkpoint written under one plan loads under any other plan of the same model and batch
+(another layer split, other shares, other devices, another number of ranks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from hplan.runtime.capture.stage import StageModule
-from hplan.runtime.contract.errors import PlanMismatchError
-from hplan.runtime.contract.holders import buffer_holders, parameter_holders
+from hplan.runtime.contract.errors import (
+    ConfigError,
+    PeerFailureError,
+    PlanMismatchError,
+    error_reason,
+)
 from hplan.runtime.contract.plan import Plan
 
-_LATEST = "latest"
+LATEST = "latest"
+"""The file naming the newest complete checkpoint."""
+KEEP_CHECKPOINTS = 2
+"""Complete checkpoints kept (the newest ones); older and unfinished ones are removed."""
+_METADATA = ".metadata"
 
 
 @dataclass(frozen=True)
@@ -38,104 +67,296 @@ class TrainState:
     params: Sequence[tuple[str, nn.Parameter]]
     """The stage's parameters by canonical name."""
     optimizer: torch.optim.Optimizer
+    device: torch.device
 
 
-def save_checkpoint(
-    state: TrainState, directory: Path, steps_done: int, barrier: Callable[[], None]
-) -> None:
-    """Save every parameter and buffer once, by canonical name, plus its optimizer state.
+@dataclass(frozen=True)
+class Progress:
+    """Where training stands; the same on every rank."""
 
-    The lowest rank holding a name writes it, to ``<dir>/step-<n>/rank-<r>.pt``; rank 0
-    then writes ``<dir>/latest``. A checkpoint written under one plan loads under any other
-    plan of the same model (names, not ranks, are the keys). Collective: every rank calls it.
+    step: int
+    """Optimizer steps done (the next step is ``step``)."""
+    global_batch_size: int
+    seed: int
+    plan_digest: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+            "plan_digest": self.plan_digest,
+        }
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The newest complete checkpoint in ``directory``; None when there is none."""
+    pointer = directory / LATEST
+    if not pointer.is_file():
+        return None
+    step_dir = directory / pointer.read_text(encoding="utf-8").strip()
+    return step_dir if (step_dir / _METADATA).is_file() else None
+
+
+class Checkpointer:
+    """Saves and loads one rank's :class:`TrainState` (every call is collective).
+
+    Args:
+        asynchronous: stage the state in CPU memory and write it from a background thread
+            while training goes on (``dcp.async_save``); the next save, and the end of the
+            run, wait for it. Otherwise each save blocks until written.
+        timeout_s: the process-group timeout of the checkpoint's own gloo group.
     """
-    rank = state.rank
-    step_dir = directory / f"step-{steps_done}"
-    if rank == 0:
-        step_dir.mkdir(parents=True, exist_ok=True)
-        for stale in step_dir.glob("rank-*.pt"):  # left by a run of another plan
-            stale.unlink()
-    barrier()
-    owners = parameter_holders(state.plan)
-    buffer_owners = buffer_holders(state.plan)
-    params = {n: p.detach().cpu() for n, p in state.params if owners[n][0] == rank}
-    optim = {n: s for n, s in _optimizer_state_by_name(state).items() if n in params}
-    buffers = {
-        n: b.detach().cpu()
-        for n, b in state.stage.canonical_buffers()
-        if buffer_owners.get(n, (rank,))[0] == rank
-    }
-    payload = {"params": params, "buffers": buffers, "optimizer": optim, "steps": steps_done}
-    torch.save(payload, step_dir / f"rank-{rank}.pt")
-    barrier()
-    if rank == 0:
-        (directory / _LATEST).write_text(step_dir.name + "\n", encoding="utf-8")
+
+    def __init__(
+        self, directory: Path, state: TrainState, *, asynchronous: bool, timeout_s: float
+    ) -> None:
+        self.directory = directory
+        self.state = state
+        self.asynchronous = asynchronous
+        self._group = _new_gloo_group(timeout_s)
+        self._pending: tuple[Future[Any], Path] | None = None
+        self._saved_step: int | None = None
+
+    # ----------------------------------------------------------------- saving
+    def save(self, steps_done: int) -> None:
+        """Start a checkpoint of the state after ``steps_done`` optimizer steps.
+
+        Raises:
+            PeerFailureError: a peer failed while saving.
+            ConfigError: the folder cannot be written.
+        """
+        if steps_done == self._saved_step:
+            return  # this state is saved already (a periodic save on the last step)
+        self.wait()
+        self._saved_step = steps_done
+        step_dir = self.directory / f"step-{steps_done}"
+        if self.state.rank == 0:
+            _prepare(step_dir)
+        _barrier(self._group, self.state.rank, "checkpoint")
+        state = self._state_dict(steps_done)
+        try:
+            if self.asynchronous:
+                future = dcp.async_save(state, checkpoint_id=step_dir, process_group=self._group)
+                assert isinstance(future, Future)
+                self._pending = (future, step_dir)
+                return
+            dcp.save(state, checkpoint_id=step_dir, process_group=self._group)
+        except Exception as exc:
+            raise _save_failed(step_dir, exc) from None
+        self._publish(step_dir)
+
+    def wait(self) -> None:
+        """Finish an asynchronous save in flight and publish it (nothing when none is)."""
+        if self._pending is None:
+            return
+        future, step_dir = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as exc:
+            raise _save_failed(step_dir, exc) from None
+        self._publish(step_dir)
+
+    def _publish(self, step_dir: Path) -> None:
+        """Point ``latest`` at ``step_dir`` (rank 0, after every rank's part is written)."""
+        _barrier(self._group, self.state.rank, "checkpoint")
+        if self.state.rank != 0:
+            return
+        (step_dir / "plan.json").write_text(self.state.plan.to_json(), encoding="utf-8")
+        pointer = self.directory / LATEST
+        staged = self.directory / f"{LATEST}.tmp-{os.getpid()}"
+        staged.write_text(step_dir.name + "\n", encoding="utf-8")
+        os.replace(staged, pointer)
+        _remove_old(self.directory, keep=step_dir)
+
+    def _state_dict(self, steps_done: int) -> dict[str, Any]:
+        state, plan = self.state, self.state.plan
+        progress = Progress(steps_done, plan.global_batch_size, plan.training.seed, plan.digest())
+        return {
+            "model": {name: p.detach() for name, p in state.params},
+            "buffers": {name: b.detach() for name, b in state.stage.canonical_buffers()},
+            "optimizer": _optimizer_state(state),
+            "progress": progress.as_dict(),
+            "rng": {str(state.rank): _rng_state(state.device)},
+        }
+
+    # ----------------------------------------------------------------- loading
+    def load(self, step_dir: Path) -> int:
+        """Load the checkpoint in ``step_dir`` into this rank; return its steps done
+        (that state is then the saved one: it is not written again).
+
+        Raises:
+            PlanMismatchError: the checkpoint lacks a name this rank holds, or a shape
+                differs (another model).
+            ConfigError: it was written with another global batch size or seed.
+        """
+        state, plan = self.state, self.state.plan
+        progress = self._load_progress(step_dir)
+        if (
+            progress["global_batch_size"] != plan.global_batch_size
+            or progress["seed"] != plan.training.seed
+        ):
+            raise ConfigError(
+                f"checkpoint {str(step_dir)!r} was written with global batch "
+                f"{progress['global_batch_size']} and seed {progress['seed']}; this plan has "
+                f"{plan.global_batch_size} and {plan.training.seed}, so the data position "
+                "cannot carry over: solve with the same -b and --seed, or use a fresh "
+                "--checkpoint-dir"
+            )
+        same_plan = progress["plan_digest"] == plan.digest()
+        _initialise_optimizer(state.optimizer)
+        request: dict[str, Any] = {
+            "model": {name: p.detach() for name, p in state.params},
+            "buffers": {name: b.detach() for name, b in state.stage.canonical_buffers()},
+            "optimizer": _optimizer_state(state),
+        }
+        if same_plan:
+            request["rng"] = {str(state.rank): _rng_state(state.device)}
+        try:
+            with torch.no_grad():
+                dcp.load(request, checkpoint_id=step_dir, process_group=self._group)
+        except Exception as exc:
+            raise PlanMismatchError(
+                f"checkpoint {str(step_dir)!r} does not fit this model ({error_reason(exc)}); "
+                "was it written for another model? Use a fresh --checkpoint-dir"
+            ) from None
+        _set_optimizer_state(state, request["optimizer"])
+        if same_plan:
+            _set_rng_state(state.device, request["rng"][str(state.rank)])
+        elif state.rank == 0:
+            print(
+                f"hplan: resuming step {progress['step']} from {step_dir}, written under "
+                "another plan: parameters and optimizer state carried over by name; each "
+                "rank's random-number stream starts again from the seed",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._saved_step = int(progress["step"])
+        return self._saved_step
+
+    def _load_progress(self, step_dir: Path) -> dict[str, Any]:
+        progress: dict[str, Any] = {"progress": Progress(0, 0, 0, "").as_dict()}
+        try:
+            dcp.load(progress, checkpoint_id=step_dir, process_group=self._group)
+        except Exception as exc:
+            raise ConfigError(
+                f"{str(step_dir)!r} is not an hplan checkpoint ({error_reason(exc)}); use a "
+                "fresh --checkpoint-dir"
+            ) from None
+        loaded: dict[str, Any] = progress["progress"]
+        return loaded
 
 
-def _param_names_in_optimizer_order(state: TrainState) -> list[str]:
-    """Canonical names in the order of ``optimizer.state_dict()``'s parameter indices."""
-    names = {id(p): n for n, p in state.params}
-    return [names[id(p)] for group in state.optimizer.param_groups for p in group["params"]]
+# --------------------------------------------------------------------------- optimizer
+def _param_order(state: TrainState) -> dict[int, str]:
+    return {id(p): name for name, p in state.params}
 
 
-def _optimizer_state_by_name(state: TrainState) -> dict[str, dict[str, Any]]:
-    order = _param_names_in_optimizer_order(state)
-    saved = state.optimizer.state_dict()["state"]
+def _optimizer_state(state: TrainState) -> dict[str, dict[str, Any]]:
+    """{canonical name: the optimizer's state of that parameter} (references, no copies)."""
+    names = _param_order(state)
     return {
-        order[idx]: {k: v.cpu() if isinstance(v, Tensor) else v for k, v in value.items()}
-        for idx, value in saved.items()
+        names[id(param)]: dict(values)
+        for param, values in state.optimizer.state.items()
+        if id(param) in names
     }
 
 
-def load_checkpoint(state: TrainState, directory: Path) -> int:
-    """Load the latest checkpoint in ``directory`` if there is one; return its step count.
-
-    Optimizer state goes through ``Optimizer.load_state_dict``, which places each value on
-    the device torch's optimizer expects.
-
-    Raises:
-        PlanMismatchError: the checkpoint lacks a parameter this rank holds, or its shape
-            differs.
-    """
-    latest = directory / _LATEST
-    if not latest.is_file():
-        return 0
-    step_dir = directory / latest.read_text(encoding="utf-8").strip()
-    merged: dict[str, dict[str, Any]] = {"params": {}, "buffers": {}, "optimizer": {}}
-    steps = 0
-    for path in sorted(step_dir.glob("rank-*.pt")):
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        for key in merged:
-            merged[key].update(payload[key])
-        steps = int(payload["steps"])
-    with torch.no_grad():
-        for name, param in state.params:
-            param.copy_(_saved_tensor(merged["params"], name, tuple(param.shape), step_dir))
-        for name, buffer in state.stage.canonical_buffers():
-            if name in merged["buffers"]:
-                buffer.copy_(merged["buffers"][name])
-    order = _param_names_in_optimizer_order(state)
-    optimizer_state = state.optimizer.state_dict()
-    optimizer_state["state"] = {
-        idx: merged["optimizer"][name]
-        for idx, name in enumerate(order)
-        if name in merged["optimizer"]
-    }
-    state.optimizer.load_state_dict(optimizer_state)
-    return steps
+def _set_optimizer_state(state: TrainState, loaded: dict[str, dict[str, Any]]) -> None:
+    by_name = dict(state.params)
+    for name, values in loaded.items():
+        state.optimizer.state[by_name[name]].update(values)
 
 
-def _saved_tensor(
-    saved: dict[str, Tensor], name: str, shape: tuple[int, ...], where: Path
-) -> Tensor:
-    if name not in saved:
-        raise PlanMismatchError(
-            f"checkpoint {str(where)!r} has no parameter {name!r}; was it written for another "
-            "model? Use a fresh --checkpoint-dir"
-        )
-    if tuple(saved[name].shape) != shape:
-        raise PlanMismatchError(
-            f"checkpoint parameter {name!r} has shape {tuple(saved[name].shape)}, the model has "
-            f"{shape}; use a fresh --checkpoint-dir"
-        )
-    return saved[name]
+def _initialise_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its optimizer state (optimizers create it at their first step),
+    so that a checkpoint can be loaded into it: one step with zero gradients and learning
+    rate 0, which changes no parameter (the way ``torch.distributed.checkpoint.state_dict``
+    initialises an optimizer before loading)."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    rates = [group.get("lr") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        if rate is not None:
+            group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
+
+
+# --------------------------------------------------------------------------- helpers
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(device: torch.device, state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _new_gloo_group(timeout_s: float) -> dist.ProcessGroup:
+    """The checkpoint's own group (gloo: a CPU backend, which ``async_save`` needs; its own
+    so that a background save never shares a group with the training's collectives)."""
+    try:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise PeerFailureError(
+            f"creating the checkpoint group failed: {error_reason(exc)}; check the other ranks' logs"
+        ) from None
+    assert group is not None
+    return group
+
+
+def _barrier(group: dist.ProcessGroup, rank: int, what: str) -> None:
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as exc:
+        raise PeerFailureError(
+            f"rank {rank}: a peer failed during the {what}: {error_reason(exc)}; check the "
+            "other ranks' logs (one probably failed first)"
+        ) from None
+
+
+def _prepare(step_dir: Path) -> None:
+    try:
+        if step_dir.exists():  # left by a save that did not finish, or another run
+            shutil.rmtree(step_dir)
+        step_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write checkpoint {str(step_dir)!r} ({exc.strerror}); choose a writable "
+            "--checkpoint-dir"
+        ) from None
+
+
+def _save_failed(step_dir: Path, exc: BaseException) -> PeerFailureError:
+    return PeerFailureError(
+        f"saving checkpoint {str(step_dir)!r} failed: {error_reason(exc)}; the previous "
+        "checkpoint stays the latest"
+    )
+
+
+def _remove_old(directory: Path, *, keep: Path) -> None:
+    """Remove every ``step-*`` folder but the newest complete ones (``KEEP_CHECKPOINTS``)
+    and ``keep``; unfinished ones older than ``keep`` go too."""
+    steps = []
+    for path in directory.glob("step-*"):
+        suffix = path.name.removeprefix("step-")
+        if path.is_dir() and suffix.isdigit():
+            steps.append((int(suffix), path))
+    complete = [p for _, p in sorted(steps) if (p / _METADATA).is_file()]
+    kept = set(complete[-KEEP_CHECKPOINTS:]) | {keep}
+    newest = int(keep.name.removeprefix("step-"))
+    for step, path in steps:
+        if path not in kept and step <= newest:
+            shutil.rmtree(path, ignore_errors=True)

@@ -15,16 +15,22 @@ would otherwise print a stack trace per connection retry.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from hplan.runtime.contract.errors import ConfigError, HplanError
+from hplan.runtime.contract.errors import ConfigError, HplanError, one_line
 from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.quantities import S_PER_MIN
+
+if TYPE_CHECKING:
+    from hplan.runtime.executor.worker import RunOptions
 
 NODE_ENV = "HPLAN_NODE"
 """Environment variable naming this node when ``--node`` is not given."""
@@ -53,7 +59,35 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, help="plan rank (instead of --node)")
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps to run")
     parser.add_argument("--metrics-dir", type=Path, help="write rank-<r>.jsonl here")
-    parser.add_argument("--checkpoint-dir", type=Path, help="resume from and save to here")
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="save checkpoints here (every --checkpoint-every-* and at the end)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir, whatever plan wrote it",
+    )
+    parser.add_argument(
+        "--checkpoint-every-steps", type=int, help="save a checkpoint every N steps"
+    )
+    parser.add_argument(
+        "--checkpoint-every-min",
+        type=float,
+        help="save a checkpoint every M minutes (default 10 when no interval is given)",
+    )
+    parser.add_argument(
+        "--sync-checkpoints",
+        action="store_true",
+        help="write checkpoints while training waits (default: in the background)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=30.0,
+        help="end the job when a peer shows no sign of life for this long (default 30)",
+    )
     parser.add_argument(
         "--master-port",
         type=int,
@@ -97,18 +131,43 @@ def check_master_port(port: int | None) -> None:
         raise ConfigError(f"--master-port {port} must be in 1..65534")
 
 
-def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
-    from hplan.runtime.capture.model_file import plan_model_path
-    from hplan.runtime.executor.worker import RunOptions, check_environment, run_rank
+def run_options(args: argparse.Namespace, **overrides: object) -> RunOptions:
+    """The run options of :func:`add_run_arguments`' arguments (``overrides`` on top).
+
+    Raises:
+        ConfigError: a value out of range.
+    """
+    from hplan.runtime.executor.worker import RunOptions
 
     check_master_port(args.master_port)
-    options = RunOptions(
-        steps=args.steps,
-        metrics_dir=args.metrics_dir,
-        checkpoint_dir=args.checkpoint_dir,
-        verify_dir=args.verify_dir,
-        master_port=args.master_port,
-    )
+    minutes = args.checkpoint_every_min
+    timeout_s = args.heartbeat_timeout_s
+    if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
+        raise ConfigError(f"--checkpoint-every-min {minutes} must be a finite number > 0")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ConfigError(f"--heartbeat-timeout-s {timeout_s} must be a finite number > 0")
+    values: dict[str, object] = {
+        "steps": args.steps,
+        "metrics_dir": args.metrics_dir,
+        "checkpoint_dir": args.checkpoint_dir,
+        "verify_dir": args.verify_dir,
+        "master_port": args.master_port,
+        "resume": args.resume,
+        "checkpoint_every_steps": args.checkpoint_every_steps,
+        "checkpoint_every_s": None if minutes is None else minutes * S_PER_MIN,
+        "async_checkpoints": not args.sync_checkpoints,
+        "heartbeat_timeout_s": timeout_s,
+        **overrides,
+    }
+    return RunOptions(**values)  # type: ignore[arg-type]
+
+
+def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
+    from hplan.runtime.capture.model_file import plan_model_path
+    from hplan.runtime.executor.training import run_rank
+    from hplan.runtime.executor.worker import check_environment
+
+    options = run_options(args)
     check_environment(plan, rank, options)  # before anything waits or loads user code
     run_rank(plan, rank, plan_model_path(plan.model.path, args.plan, args.model), options)
 
@@ -147,6 +206,18 @@ def run_one_rank(
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug: one line, the traceback only when asked for
+        if os.environ.get("HPLAN_DEBUG"):
+            traceback.print_exception(exc)
+        frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        at = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+        print(
+            f"hplan run{where}: internal error: {one_line(exc)}{at} (a bug; rerun with "
+            "HPLAN_DEBUG=1 for the traceback and report it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     return 0
 
 

@@ -10,7 +10,8 @@ Replicas process different numbers of samples and may split layers differently, 
   stages of one replica (GPT's embedding and head) is summed across those stages too.
 
 One process group per distinct holder set, created on every rank in the same sorted order
-(``torch.distributed.new_group`` is collective over the whole world). Gradients of one group
+(``torch.distributed.new_group`` is collective over the whole world), with the plan's
+process-group timeout (not torch's 30-minute default). Gradients of one group
 are bucketed into one flat buffer; half-precision gradients are summed in float32 and cast
 back, so bf16 models work on gloo without loss of precision in the sum.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -152,7 +154,7 @@ def build_buckets(
     holders = parameter_holders(plan)
     buckets = []
     for ranks in holder_sets(plan):
-        group = _new_group(ranks)
+        group = _new_group(ranks, plan.training.process_group_timeout_s)
         if rank not in ranks:
             continue
         params = [(n, p) for n, p in named_params if holders[n] == ranks and p.requires_grad]
@@ -165,9 +167,9 @@ def build_buckets(
     return buckets
 
 
-def _new_group(ranks: RankSet) -> dist.ProcessGroup | None:
+def _new_group(ranks: RankSet, timeout_s: float) -> dist.ProcessGroup | None:
     try:
-        return dist.new_group(list(ranks))
+        return dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise PeerFailureError(
             f"creating the gradient group of ranks {list(ranks)} failed: {error_reason(exc)}; "

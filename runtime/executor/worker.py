@@ -2,10 +2,7 @@
 
 :func:`build_rank` loads the model file, seeds, builds the model, re-traces it the way the
 plan says, checks the graph fingerprint, builds only this rank's ``StageModule`` and drops
-the rest. :func:`run_rank` then runs ``steps`` optimizer steps: the micro-batches of this
-rank's replica go through the pipeline schedule (``pipeline.py``), boundary tensors travel
-point-to-point (``comm.py``), gradients are summed among the ranks holding each parameter
-(``grad_sync.py``), and metrics are written per step (``contract/metrics_file.py``).
+the rest; ``training.run_rank`` then trains it.
 
 The executor reads only the plan's "what" (ranks, units, cuts, training); it never reads
 the plan's report. A rehearsal runs this same code with its emulation plugged into the two
@@ -16,14 +13,12 @@ from __future__ import annotations
 
 import inspect
 import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
@@ -35,16 +30,11 @@ from hplan.runtime.contract.errors import (
     PlanMismatchError,
     error_reason,
 )
-from hplan.runtime.contract.metrics_file import MetricsWriter, StepMetrics
 from hplan.runtime.contract.plan import Plan, RankPlan, SyncMode
-from hplan.runtime.contract.timeline_file import TimelineWriter
-from hplan.runtime.executor.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
-from hplan.runtime.executor.grad_sync import build_buckets
-from hplan.runtime.executor.pipeline import RankParts, StepRunner, stage_label
+from hplan.runtime.executor.pipeline import RankParts, stage_label
 from hplan.runtime.executor.rendezvous import (
-    barrier,
     check_machine,
     join_job,
     rank_device,
@@ -52,9 +42,6 @@ from hplan.runtime.executor.rendezvous import (
 )
 from hplan.runtime.executor.seams import (
     LinkDelay,
-    Seams,
-    default_clock,
-    peak_memory_bytes,
 )
 
 
@@ -75,6 +62,28 @@ class RunOptions:
     warn_model_change: bool = True
     """Local rank 0 warns when model.py is not the file the plan was made for (a rehearsal
     warns once itself)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``checkpoint_dir`` (from step 0 if none)."""
+    checkpoint_every_steps: int | None = None
+    """Save a checkpoint every this many steps (None: by time only)."""
+    checkpoint_every_s: float | None = None
+    """Save a checkpoint when this long has passed since the last (None: by steps only;
+    both None: every ``DEFAULT_CHECKPOINT_EVERY_S``)."""
+    async_checkpoints: bool = True
+    """Write checkpoints from a background thread while training goes on."""
+    heartbeat_timeout_s: float = 30.0
+    """A peer whose heartbeat stops for this long ends the job (``control.Heartbeat``)."""
+
+    def settings(self) -> dict[str, object]:
+        """The options every rank of a job must share (``control.check_same_job``)."""
+        return {
+            "steps": self.steps,
+            "resume": self.resume,
+            "checkpointing": self.checkpoint_dir is not None,
+            "checkpoint_every_steps": self.checkpoint_every_steps,
+            "checkpoint_every_s": self.checkpoint_every_s,
+            "async_checkpoints": self.async_checkpoints,
+        }
 
 
 # --------------------------------------------------------------------------- process group
@@ -83,8 +92,9 @@ def run_backend(plan: Plan, options: RunOptions) -> str:
     return options.backend or plan.training.backend.value
 
 
-def init_distributed(plan: Plan, rank: int, options: RunOptions) -> None:
-    """Join the job (``rendezvous.join_job``) at :func:`rendezvous.rendezvous_address`.
+def init_distributed(plan: Plan, rank: int, options: RunOptions) -> tuple[str, int]:
+    """Join the job (``rendezvous.join_job``) at :func:`rendezvous.rendezvous_address`;
+    return that address.
 
     Raises:
         ConfigError: torchrun numbered this process otherwise than the plan.
@@ -92,6 +102,7 @@ def init_distributed(plan: Plan, rank: int, options: RunOptions) -> None:
     """
     host, port = rendezvous_address(plan, host=options.master_host, port=options.master_port)
     join_job(plan, rank, host=host, port=port, backend=run_backend(plan, options))
+    return host, port
 
 
 def check_environment(plan: Plan, rank: int, options: RunOptions) -> None:
@@ -269,108 +280,3 @@ class _SignatureShell(nn.Module):
 
         forward.__signature__ = signature  # type: ignore[attr-defined]
         self.forward = forward  # type: ignore[method-assign]
-
-
-# --------------------------------------------------------------------------- the run
-def run_rank(
-    plan: Plan,
-    rank: int,
-    model_path: str | Path | None,
-    options: RunOptions,
-    seams: Seams | None = None,
-) -> None:
-    """Join the job, build this rank and train ``options.steps`` optimizer steps.
-
-    Every rank of the plan must call this with the same plan and options (except the rank).
-
-    Args:
-        seams: what times and delays the work (default: the real hardware, timed).
-
-    Raises:
-        HplanError subclasses: see :func:`build_rank`, :func:`init_distributed`; a peer
-            that dies or stops answering raises ``PeerFailureError``.
-    """
-    if options.steps < 1:
-        raise ConfigError(f"--steps is {options.steps}; run at least one step")
-    seams = seams or Seams()
-    check_environment(plan, rank, options)
-    init_distributed(plan, rank, options)
-    parts = build_rank(plan, rank, model_path, options, links=seams.links)
-    buckets = build_buckets(plan, rank, parts.params, delay=seams.links)
-    clock = seams.clock or default_clock(parts.device)
-    state = TrainState(plan, rank, parts.stage, parts.params, parts.optimizer)
-    first_step = 0
-    if options.checkpoint_dir is not None:
-        first_step = load_checkpoint(state, options.checkpoint_dir)
-    writer = MetricsWriter(options.metrics_dir, rank) if options.metrics_dir else None
-    timeline = TimelineWriter(options.metrics_dir, rank) if options.metrics_dir else None
-    runner = StepRunner(parts, buckets, clock)
-    barrier(rank, "start of training")
-    last_step = first_step + options.steps - 1
-    for step in range(first_step, last_step + 1):
-        record = _train_step(
-            runner, step, verify=options.verify_dir if step == first_step else None
-        )
-        if writer is not None:
-            writer.write(record)
-        if timeline is not None:
-            timeline.write(step, runner.timeline.events)
-        clock.after_step(step, runner, more_steps=step < last_step)
-    if writer is not None:
-        writer.close()
-    if timeline is not None:
-        timeline.close()
-    if options.checkpoint_dir is not None:
-        save_checkpoint(
-            state,
-            options.checkpoint_dir,
-            first_step + options.steps,
-            barrier=lambda: barrier(rank, "checkpoint"),
-        )
-    barrier(rank, "end of training")
-    dist.destroy_process_group()
-
-
-def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetrics:
-    parts = runner.parts
-    start_s = time.monotonic()
-    parts.comm.reset_times()
-    loss = runner.run(step)
-    if verify is not None:
-        _dump_verify(parts, verify, "grads", loss)
-    runner.optimizer_step()
-    if verify is not None:
-        _dump_verify(parts, verify, "params", loss)
-    times = runner.finish_step()
-    step_s = time.monotonic() - start_s
-    comm = parts.comm.reset_times()
-    accounted = times.compute_s + comm.p2p_s + comm.wait_s + times.allreduce_s + times.optimizer_s
-    rp = parts.rank_plan
-    return StepMetrics(
-        rank=rp.rank,
-        replica=rp.replica,
-        stage=rp.stage,
-        step=step,
-        step_time_s=step_s,
-        compute_time_s=times.compute_s,
-        p2p_time_s=comm.p2p_s,
-        wait_time_s=comm.wait_s,
-        allreduce_time_s=times.allreduce_s,
-        optimizer_time_s=times.optimizer_s,
-        other_time_s=max(0.0, step_s - accounted),
-        loss=loss,
-        samples=rp.num_samples,
-        peak_memory_bytes=peak_memory_bytes(parts.device),
-        forward_time_s=times.forward_s,
-    )
-
-
-def _dump_verify(parts: RankParts, directory: Path, kind: str, loss: float | None) -> None:
-    """Write ``<dir>/<kind>-rank-<r>.pt``: {name: tensor} of grads or updated params."""
-    directory.mkdir(parents=True, exist_ok=True)
-    if kind == "grads":
-        tensors = {n: p.grad.detach().cpu().clone() for n, p in parts.params if p.grad is not None}
-    else:
-        tensors = {n: p.detach().cpu().clone() for n, p in parts.params}
-    payload = {"tensors": tensors, "loss": loss, "samples": parts.rank_plan.num_samples}
-    torch.save(payload, directory / f"{kind}-rank-{parts.rank_plan.rank}.pt")

@@ -17,7 +17,6 @@ from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.cli import (
     OneLineErrors,
     add_run_arguments,
-    check_master_port,
     exit_with,
     run_one_rank,
 )
@@ -44,14 +43,15 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ConfigError(f"--dilation {args.dilation} must be a finite number >= 1")
     if args.time_scale is not None and not (math.isfinite(args.time_scale) and args.time_scale > 0):
         raise ConfigError(f"--time-scale {args.time_scale} must be a finite number > 0")
-    check_master_port(args.master_port)
 
 
 def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     import torch
 
     from hplan.runtime.capture.model_file import plan_model_path
-    from hplan.runtime.executor.worker import RunOptions, check_environment, run_rank
+    from hplan.runtime.executor.cli import run_options
+    from hplan.runtime.executor.training import run_rank
+    from hplan.runtime.executor.worker import check_environment
     from hplan.runtime.rehearsal.emulation import Emulation, recorded_emulation, rehearsal_seams
     from hplan.runtime.rehearsal.rehearse import default_dilation
 
@@ -61,15 +61,11 @@ def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     emulation = recorded_emulation(
         Emulation(dilation, args.time_scale or dilation), args.metrics_dir
     )
-    options = RunOptions(
-        steps=args.steps,
-        metrics_dir=args.metrics_dir,
-        checkpoint_dir=args.checkpoint_dir,
-        verify_dir=args.verify_dir,
+    options = run_options(
+        args,
         device="cpu",
         backend="gloo",
         master_host="127.0.0.1",
-        master_port=args.master_port,
         warn_model_change=False,  # `hplan rehearse` warned once
     )
     check_environment(plan, rank, options)

@@ -9,7 +9,8 @@ each process gets the ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR
 ``<log>`` and its stdout in ``<log stem>.stdout.log``. :func:`supervise` polls the processes
 and calls ``on_poll`` between polls (a rehearsal prints each step once every rank has
 reported it); on the first failure torch's process context stops the others, and at the
-timeout this module does, with SIGKILL; then one error is raised: the failed rank's own
+timeout this module does, with SIGKILL (a terminated supervisor first sends SIGTERM and
+gives the ranks ``PREEMPTION_GRACE_S`` to checkpoint); then one error is raised: the failed rank's own
 last error line, preferring a root cause over the peer failures it causes (any rank's log
 may hold it), or the timeout.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -39,10 +39,18 @@ from hplan.runtime.contract.errors import (
     PeerFailureError,
     RehearsalChildError,
 )
-from hplan.runtime.contract.metrics_file import StepMetrics, metrics_path, step_summary
+from hplan.runtime.contract.metrics_file import (
+    StepMetrics,
+    metrics_path,
+    parse_metrics_line,
+    step_summary,
+)
 from hplan.runtime.contract.plan import Plan
 
 _POLL_S = 0.05
+PREEMPTION_GRACE_S = 30
+"""A terminated supervisor gives its ranks this long (after SIGTERM: finish the step, save a
+checkpoint, exit) before SIGKILL; torchrun gives its workers the same 30 s."""
 _ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 """torch's process context logs every signal it sends at WARNING; a rehearsal reports
 failures in one line of its own."""
@@ -74,6 +82,8 @@ class ChildCommand:
     dilation: float
     scale: float
     verify_dir: Path | None
+    extra: tuple[str, ...] = ()
+    """More options of every rank (checkpointing: ``rehearse.Checkpointing.args``)."""
 
     def for_rank(self, rank: int, master_port: int) -> list[str]:
         """The arguments (after the Python interpreter) of one rank."""
@@ -86,7 +96,7 @@ class ChildCommand:
         ]  # fmt: skip
         if self.verify_dir is not None:
             command += ["--verify-dir", str(self.verify_dir)]
-        return command
+        return [*command, *self.extra]
 
 
 def prepare_dir(metrics_dir: Path, plan: Plan) -> Path:
@@ -270,7 +280,7 @@ class _Progress:
         complete = new_complete_lines(path, self.offsets[rank])
         self.offsets[rank] += len(complete)
         for line in complete.decode("utf-8").splitlines():
-            self.records[rank].append(StepMetrics(**json.loads(line)))
+            self.records[rank].append(parse_metrics_line(line))
 
 
 @contextlib.contextmanager
@@ -327,6 +337,9 @@ def supervise(
                     ]
                     raise timeout(running)
                 time.sleep(_POLL_S)
+        except SystemExit:  # hplan's SIGTERM / SIGHUP handler: let the ranks checkpoint
+            context.close(death_sig=signal.SIGTERM, timeout=PREEMPTION_GRACE_S)
+            raise
         finally:
             context.close(death_sig=signal.SIGKILL)
 

@@ -83,6 +83,24 @@ prediction at dilation 1.25 (the demand alone), 4, 8 and 16, in 6.7, 7.6, 10.2 a
 
 
 @dataclass(frozen=True)
+class Checkpointing:
+    """Checkpoints of a rehearsal's ranks (the options of ``python -m hplan.runtime run``)."""
+
+    directory: Path
+    resume: bool = False
+    every_steps: int | None = None
+
+    def args(self) -> tuple[str, ...]:
+        """The ranks' command-line options."""
+        args = ["--checkpoint-dir", str(self.directory)]
+        if self.resume:
+            args.append("--resume")
+        if self.every_steps is not None:
+            args += ["--checkpoint-every-steps", str(self.every_steps)]
+        return tuple(args)
+
+
+@dataclass(frozen=True)
 class RehearsalResult:
     """What a rehearsal measured, and what the plan predicted, in emulated units."""
 
@@ -183,6 +201,7 @@ def rehearse(
     console: Console | None = None,
     trace_path: Path | None = None,
     slowdown: Mapping[str, float] | None = None,
+    checkpointing: Checkpointing | None = None,
 ) -> RehearsalResult:
     """Run every rank of ``plan`` on this machine, emulating its hardware.
 
@@ -200,6 +219,7 @@ def rehearse(
         console: where progress goes (default: rich on stderr).
         trace_path: write the last step's measured timeline here (Chrome trace JSON).
         slowdown: device name -> factor (> 0) its compute is slowed by (a straggler).
+        checkpointing: the ranks save checkpoints there (and resume from the latest).
 
     Raises:
         RehearsalChildError: a rank failed; its one-line error and exit code are kept.
@@ -207,6 +227,8 @@ def rehearse(
         ModelFileError, ConfigError: bad inputs.
     """
     _check_options(steps, dilation, time_scale, timeout_s)
+    if verify and checkpointing is not None and checkpointing.resume:
+        raise ConfigError("--verify compares step 0 with one process; it cannot go with --resume")
     if trace_path is not None:
         check_trace_path(trace_path)
     if metrics_dir is not None and Path(metrics_dir).exists() and not Path(metrics_dir).is_dir():
@@ -224,6 +246,7 @@ def rehearse(
         console=console or Console(stderr=True, soft_wrap=True),
         trace_path=trace_path,
         slowdown=slowdown,
+        checkpointing=checkpointing,
     )
     for name in unused:
         run.console.print(f"note: --slowdown {name}: this plan runs no rank on it (no effect)")
@@ -255,6 +278,7 @@ class _Run:
     console: Console
     trace_path: Path | None = None
     slowdown: dict[str, float] = dataclasses.field(default_factory=dict)
+    checkpointing: Checkpointing | None = None
 
     def into(self, metrics_dir: Path) -> RehearsalResult:
         """Rehearse with metrics and logs in ``metrics_dir``; print and return the result."""
@@ -293,8 +317,9 @@ class _Run:
         EmulationRecord(dilation=dilation, time_scale=scale, slowdown=self.slowdown).save(
             metrics_dir
         )
+        extra = () if self.checkpointing is None else self.checkpointing.args()
         command = ChildCommand(
-            plan_path, self.model, self.steps, metrics_dir, dilation, scale, verify_dir
+            plan_path, self.model, self.steps, metrics_dir, dilation, scale, verify_dir, extra
         )
         run_children(plan.world_size, command, self.timeout_s, console)
         summary = summarize_metrics(metrics_dir)

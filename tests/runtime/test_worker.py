@@ -5,6 +5,7 @@ Every multi-process test runs under a timeout (``run_ranks`` kills what is left)
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,9 +17,9 @@ import pytest
 import torch
 
 from hplan.runtime.capture.model_file import load_model_file
-from hplan.runtime.contract.errors import ConfigError, PlanMismatchError
+from hplan.runtime.contract.errors import ConfigError, PlanMismatchError, error_reason, one_line
 from hplan.runtime.contract.plan import MemoryStrategy, Schedule, SyncMode, TrainingSpec
-from hplan.runtime.executor.cli import main
+from hplan.runtime.executor.cli import main, run_one_rank
 from hplan.runtime.executor.rendezvous import resolve_rank
 from hplan.runtime.executor.worker import RunOptions, build_rank
 from hplan.runtime.rehearsal.launcher import free_port
@@ -237,34 +238,6 @@ def test_a_killed_peer_ends_the_other_rank_with_a_one_line_error(tmp_path: Path)
     assert "Traceback" not in stderr.decode()
 
 
-# --------------------------------------------------------------------------- checkpoints
-def test_a_checkpoint_written_under_one_plan_resumes_under_another(tmp_path: Path) -> None:
-    path = write_model(tmp_path, NUMBERED_DATASET)
-    pipeline = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=5, num_samples=10)])
-    data_parallel = make_plan(path, [ReplicaShape((-1,), 4, 4), ReplicaShape((-1,), 3, 6)])
-    ckpt = tmp_path / "ckpt"
-    _assert_all_ok(
-        run_ranks(pipeline, tmp_path / "a", "--steps", "1", "--checkpoint-dir", str(ckpt))
-    )
-    shards = [torch.load(p, weights_only=True) for p in sorted((ckpt / "step-1").glob("*.pt"))]
-    names = [n for shard in shards for n in shard["params"]]
-    assert sorted(names) == sorted(set(names)) == ["a.bias", "a.weight", "b.bias", "b.weight"]
-    resume_args = [
-        "--steps",
-        "1",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--verify-dir",
-        str(tmp_path / "v"),
-    ]
-    _assert_all_ok(run_ranks(data_parallel, tmp_path / "b", *resume_args))
-    assert (ckpt / "latest").read_text().strip() == "step-2"
-    reference = reference_steps(pipeline, load_model_file(path), num_steps=2)
-    for dump in load_dumps(tmp_path / "v", "params", 2):
-        for name, value in dump["tensors"].items():
-            torch.testing.assert_close(value, reference.params[name], rtol=1e-5, atol=1e-6)
-
-
 # --------------------------------------------------------------------------- ranks
 def test_the_rank_comes_from_node_and_local_rank_never_from_launch_order(
     late_inputs: tuple[Path, object],
@@ -305,3 +278,35 @@ def test_a_changed_model_file_warns_once_on_local_rank_zero_only(
     assert "differs from the model file the plan was made for" in err[0]
     build_rank(plan, 0, path, RunOptions(steps=1))  # the same file: no warning
     assert capsys.readouterr().err == ""
+
+
+def test_an_unexpected_exception_in_a_rank_is_one_line_naming_where_it_happened(
+    late_inputs: tuple[Path, object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, plan = late_inputs
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json(), encoding="utf-8")
+
+    def broken(args: object, plan: object, rank: int) -> None:
+        {}["missing"]
+
+    args = argparse.Namespace(plan=plan_path, node=None, rank=1)
+    assert run_one_rank(args, broken) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(
+        "hplan run (rank 1): internal error: KeyError: 'missing' at test_worker.py:"
+    )
+    assert "Traceback" not in err
+
+
+def test_library_messages_are_quoted_without_source_locations_advice_or_cut_words() -> None:
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:8065. This is typically caused by a remote worker crashing. Check the "
+        "logs of the remote worker before reporting an error. GLHF!"
+    )
+    assert error_reason(gloo) == "Connection closed by peer [127.0.0.1]:8065."
+    long = ValueError("word " * 100)
+    reason = one_line(long)
+    assert reason.endswith("word...") and len(reason) <= len("ValueError: ") + 203

@@ -1,0 +1,386 @@
+"""The training loop of one rank: steps, metrics, checkpoints, and how a run ends.
+
+:func:`run_rank` joins the job, runs the heartbeat watchdog from then on, builds the rank
+(``worker.build_rank``), checks that every rank built the same plan, model and options
+(``control.check_same_job``), resumes from the latest checkpoint when asked, and runs its
+steps: the micro-batches of this rank's replica go through the pipeline schedule (``pipeline.py``),
+boundary tensors travel point-to-point (``comm.py``), gradients are summed among the ranks
+holding each parameter (``grad_sync.py``), metrics are written per step
+(``contract/metrics_file.py``). After every step the ranks agree, one step late, on what to
+do (``control.StepControl``):
+
+- a checkpoint every ``checkpoint_every_steps`` steps (every rank counts) or every
+  ``checkpoint_every_s`` seconds (rank 0's clock), asynchronous by default, and one at the
+  end (``checkpoint.py``);
+- SIGTERM (preemption): finish the step, save a checkpoint, exit 143;
+- a loss that is not finite: reported on the rank that computed it; the job stops (exit 1,
+  no checkpoint of the diverged state) when the model file sets ``STOP_ON_NONFINITE_LOSS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hplan.runtime.contract.errors import (
+    ConfigError,
+    DivergedError,
+    HplanError,
+    PeerFailureError,
+    PreemptedError,
+)
+from hplan.runtime.contract.metrics_file import MetricsWriter, StepMetrics
+from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.timeline_file import TimelineWriter
+from hplan.runtime.executor.checkpoint import Checkpointer, TrainState, latest_checkpoint
+from hplan.runtime.executor.control import (
+    Heartbeat,
+    JobIdentity,
+    Preemption,
+    StepControl,
+    StepFlags,
+    check_same_job,
+)
+from hplan.runtime.executor.grad_sync import build_buckets
+from hplan.runtime.executor.pipeline import RankParts, StepRunner
+from hplan.runtime.executor.rendezvous import barrier
+from hplan.runtime.executor.seams import Seams, default_clock, peak_memory_bytes
+from hplan.runtime.executor.worker import (
+    RunOptions,
+    build_rank,
+    check_environment,
+    init_distributed,
+)
+
+DEFAULT_CHECKPOINT_EVERY_S = 600.0
+"""With a checkpoint folder and neither interval given: a checkpoint every 10 minutes."""
+
+
+def run_rank(
+    plan: Plan,
+    rank: int,
+    model_path: str | Path | None,
+    options: RunOptions,
+    seams: Seams | None = None,
+) -> None:
+    """Join the job, build this rank and train ``options.steps`` optimizer steps.
+
+    Every rank of the plan must call this with the same plan and options (except the rank);
+    ``check_same_job`` refuses otherwise, on every rank.
+
+    Args:
+        seams: what times and delays the work (default: the real hardware, timed).
+
+    Raises:
+        HplanError subclasses: see ``worker.build_rank`` and ``worker.init_distributed``; a
+            peer that dies or stops answering raises ``PeerFailureError`` (a frozen one ends
+            the rank from the heartbeat watchdog); ``PreemptedError`` (exit 143) after a
+            SIGTERM, once the checkpoint is saved; ``DivergedError`` on a non-finite loss the
+            model file stops on.
+    """
+    _check_options(options)
+    seams = seams or Seams()
+    check_environment(plan, rank, options)
+    host, port = init_distributed(plan, rank, options)
+    heartbeat = None
+    if plan.world_size > 1:
+        heartbeat = Heartbeat(
+            plan, rank, host=host, port=port, timeout_s=options.heartbeat_timeout_s
+        ).start()
+    try:
+        _train(plan, rank, model_path, options, seams)
+    except PeerFailureError:
+        cause = heartbeat.blame() if heartbeat is not None else None
+        if cause is None:
+            raise
+        raise PeerFailureError(cause) from None  # the rank that stopped, not its symptom
+    finally:  # whatever the ending, the others must not take this rank's exit for a freeze
+        if heartbeat is not None:
+            heartbeat.stop()
+    dist.destroy_process_group()
+
+
+def _train(
+    plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions, seams: Seams
+) -> None:
+    parts = _build_same_job(plan, rank, model_path, options, seams)
+    buckets = build_buckets(plan, rank, parts.params, delay=seams.links)
+    checkpointer = _checkpointer(parts, options)
+    first_step = _resume(checkpointer, options)
+    scheduler = _scheduler(parts, first_step)
+    runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device))
+    loop = _Loop(parts, runner, options, checkpointer, scheduler)
+    barrier(rank, "start of training")
+    with Preemption() as preemption:
+        loop.run(first_step, preemption)
+    barrier(rank, "end of training")
+
+
+def _build_same_job(
+    plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions, seams: Seams
+) -> RankParts:
+    """Build this rank, then check with every rank that all built the same job.
+
+    Raises:
+        HplanError: this rank's own build error (after telling the others).
+        ConfigError: another rank could not build, or runs another plan, model or settings.
+    """
+    path = Path(model_path or plan.model.path)
+    try:
+        model_sha256: str | None = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        model_sha256 = None
+    parts: RankParts | None = None
+    failure: HplanError | None = None
+    try:
+        parts = build_rank(plan, rank, model_path, options, links=seams.links)
+    except HplanError as exc:
+        failure = exc
+    identity = JobIdentity(
+        plan.digest(),
+        plan.section_digests(),
+        model_sha256,
+        options.settings(),
+        None if failure is None else f"{type(failure).__name__}: {failure}",
+    )
+    try:
+        check_same_job(plan, rank, identity)
+    except ConfigError:
+        if failure is not None:
+            raise failure from None  # this rank's own error, with its exit code
+        raise
+    assert parts is not None
+    return parts
+
+
+def _check_options(options: RunOptions) -> None:
+    if options.steps < 1:
+        raise ConfigError(f"--steps is {options.steps}; run at least one step")
+    if options.checkpoint_every_steps is not None and options.checkpoint_every_steps < 1:
+        raise ConfigError(f"--checkpoint-every-steps {options.checkpoint_every_steps} must be >= 1")
+    every_s = options.checkpoint_every_s
+    if every_s is not None and not (math.isfinite(every_s) and every_s > 0):
+        raise ConfigError(f"the checkpoint interval {every_s} s must be a finite number > 0")
+    if options.checkpoint_dir is None and (options.resume or options.checkpoint_every_steps):
+        raise ConfigError("--resume and --checkpoint-every-* need --checkpoint-dir DIR")
+
+
+def _checkpointer(parts: RankParts, options: RunOptions) -> Checkpointer | None:
+    if options.checkpoint_dir is None:
+        return None
+    state = TrainState(
+        parts.plan, parts.rank_plan.rank, parts.stage, parts.params, parts.optimizer, parts.device
+    )
+    return Checkpointer(
+        options.checkpoint_dir,
+        state,
+        asynchronous=options.async_checkpoints,
+        timeout_s=parts.plan.training.process_group_timeout_s,
+    )
+
+
+def _resume(checkpointer: Checkpointer | None, options: RunOptions) -> int:
+    """Steps already done: the latest checkpoint's with ``--resume``, else 0.
+
+    Raises:
+        ConfigError: the folder holds a checkpoint and ``--resume`` was not given (starting
+            over would overwrite it).
+    """
+    if checkpointer is None:
+        return 0
+    found = latest_checkpoint(checkpointer.directory)
+    if found is None:
+        if options.resume and checkpointer.state.rank == 0:
+            print(
+                f"hplan: --resume: no checkpoint in {checkpointer.directory} yet; starting "
+                "at step 0",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 0
+    if not options.resume:
+        raise ConfigError(
+            f"{str(checkpointer.directory)!r} holds a checkpoint ({found.name}); pass --resume "
+            "to continue from it, or give a fresh --checkpoint-dir"
+        )
+    return checkpointer.load(found)
+
+
+def _scheduler(parts: RankParts, first_step: int) -> object | None:
+    """The model file's LR scheduler of this rank's optimizer, stepped to ``first_step``."""
+    make = parts.model_file.make_scheduler
+    if make is None:
+        return None
+    scheduler = make(parts.optimizer)
+    for _ in range(first_step):
+        scheduler.step()
+    return scheduler
+
+
+class _Loop:
+    """The steps of one rank, with their checkpoints and their endings (module docstring)."""
+
+    def __init__(
+        self,
+        parts: RankParts,
+        runner: StepRunner,
+        options: RunOptions,
+        checkpointer: Checkpointer | None,
+        scheduler: object | None,
+    ) -> None:
+        self.parts, self.runner, self.options = parts, runner, options
+        self.checkpointer, self.scheduler = checkpointer, scheduler
+        self.control = StepControl(parts.device)
+        self.every_steps = options.checkpoint_every_steps
+        self.every_s = options.checkpoint_every_s
+        if self.every_steps is None and self.every_s is None:
+            self.every_s = DEFAULT_CHECKPOINT_EVERY_S
+        self.saved_s = time.monotonic()
+        self.rank = parts.rank_plan.rank
+
+    def run(self, first_step: int, preemption: Preemption) -> None:
+        options = self.options
+        writer = MetricsWriter(options.metrics_dir, self.rank) if options.metrics_dir else None
+        timeline = TimelineWriter(options.metrics_dir, self.rank) if options.metrics_dir else None
+        last_step = first_step + options.steps - 1
+        try:
+            for step in range(first_step, last_step + 1):
+                record = _train_step(
+                    self.runner, step, verify=options.verify_dir if step == first_step else None
+                )
+                if self.scheduler is not None:
+                    self.scheduler.step()  # type: ignore[attr-defined]
+                if writer is not None:
+                    writer.write(record)
+                if timeline is not None:
+                    timeline.write(step, self.runner.timeline.events)
+                self.runner.clock.after_step(step, self.runner, more_steps=step < last_step)
+                self._after(step + 1, self._flags(record, preemption))
+            self._finish(last_step + 1, self.control.finish())
+        finally:
+            if writer is not None:
+                writer.close()
+            if timeline is not None:
+                timeline.close()
+
+    def _flags(self, record: StepMetrics, preemption: Preemption) -> StepFlags:
+        flags = StepFlags.NONE
+        if preemption.received:
+            flags |= StepFlags.PREEMPTED
+        if record.loss is not None and not math.isfinite(record.loss):
+            print(
+                f"hplan: rank {self.rank}: step {record.step}: the loss of replica "
+                f"{record.replica} is {record.loss}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if self.parts.model_file.stop_on_nonfinite_loss:
+                flags |= StepFlags.NONFINITE_LOSS
+        due_s = self.every_s is not None and time.monotonic() - self.saved_s >= self.every_s
+        if self.rank == 0 and self.checkpointer is not None and due_s:
+            flags |= StepFlags.CHECKPOINT_DUE
+        return flags
+
+    def _after(self, steps_done: int, flags: StepFlags) -> None:
+        """Post this step's ``flags`` and act on what the job agreed one step earlier.
+
+        A checkpoint waits for this step's agreement first, so that the state it saves is
+        never one that a rank has found diverged.
+
+        Raises:
+            PreemptedError, DivergedError: see :meth:`_finish`.
+        """
+        agreed = self.control.exchange(flags)
+        if agreed & _STOP:
+            self._finish(steps_done, agreed)
+        due_steps = self.every_steps is not None and steps_done % self.every_steps == 0
+        if self.checkpointer is None or not (due_steps or agreed & StepFlags.CHECKPOINT_DUE):
+            return
+        now = self.control.finish()
+        if now & _STOP:
+            self._finish(steps_done, now)
+        self.checkpointer.save(steps_done)
+        self.saved_s = time.monotonic()
+
+    def _finish(self, steps_done: int, agreed: StepFlags) -> None:
+        """End the run after ``steps_done`` steps: the last checkpoint, then how it ended
+        (``agreed``, with the flags still in flight, says how).
+
+        Raises:
+            DivergedError: a loss was not finite and the model file stops on it.
+            PreemptedError: SIGTERM, after the checkpoint is saved.
+        """
+        agreed |= self.control.finish()
+        if agreed & StepFlags.NONFINITE_LOSS:
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+            raise DivergedError(
+                f"stopped after step {steps_done - 1}: a loss was not finite "
+                "(STOP_ON_NONFINITE_LOSS in the model file); the diverged state was not "
+                "saved"
+            )
+        if self.checkpointer is not None:
+            self.checkpointer.save(steps_done)
+            self.checkpointer.wait()
+        if agreed & StepFlags.PREEMPTED:
+            where = (
+                f"checkpoint {self.checkpointer.directory / f'step-{steps_done}'} saved; "
+                "resume with --resume"
+                if self.checkpointer is not None
+                else "no --checkpoint-dir, so nothing was saved"
+            )
+            raise PreemptedError(f"preempted (SIGTERM) after {steps_done} steps: {where}")
+
+
+_STOP = StepFlags.PREEMPTED | StepFlags.NONFINITE_LOSS
+
+
+def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetrics:
+    parts = runner.parts
+    start_s = time.monotonic()
+    parts.comm.reset_times()
+    loss = runner.run(step)
+    if verify is not None:
+        _dump_verify(parts, verify, "grads", loss)
+    runner.optimizer_step()
+    if verify is not None:
+        _dump_verify(parts, verify, "params", loss)
+    times = runner.finish_step()
+    step_s = time.monotonic() - start_s
+    comm = parts.comm.reset_times()
+    accounted = times.compute_s + comm.p2p_s + comm.wait_s + times.allreduce_s + times.optimizer_s
+    rp = parts.rank_plan
+    return StepMetrics(
+        rank=rp.rank,
+        replica=rp.replica,
+        stage=rp.stage,
+        step=step,
+        step_time_s=step_s,
+        compute_time_s=times.compute_s,
+        p2p_time_s=comm.p2p_s,
+        wait_time_s=comm.wait_s,
+        allreduce_time_s=times.allreduce_s,
+        optimizer_time_s=times.optimizer_s,
+        other_time_s=max(0.0, step_s - accounted),
+        loss=loss,
+        samples=rp.num_samples,
+        peak_memory_bytes=peak_memory_bytes(parts.device),
+        forward_time_s=times.forward_s,
+    )
+
+
+def _dump_verify(parts: RankParts, directory: Path, kind: str, loss: float | None) -> None:
+    """Write ``<dir>/<kind>-rank-<r>.pt``: {name: tensor} of grads or updated params."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if kind == "grads":
+        tensors = {n: p.grad.detach().cpu().clone() for n, p in parts.params if p.grad is not None}
+    else:
+        tensors = {n: p.detach().cpu().clone() for n, p in parts.params}
+    payload = {"tensors": tensors, "loss": loss, "samples": parts.rank_plan.num_samples}
+    torch.save(payload, directory / f"{kind}-rank-{parts.rank_plan.rank}.pt")
