@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,8 +63,15 @@ def _solve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     return out
 
 
-def _run_all(scripts: list[Path], cwd: Path, *args: str) -> list[tuple[int | None, str]]:
-    """Start every script at once; kill what is left at the timeout; (exit code, output)."""
+def _run_all(
+    scripts: list[Path],
+    cwd: Path,
+    *args: str,
+    while_running: Callable[[list[subprocess.Popen[bytes]]], None] | None = None,
+) -> list[tuple[int | None, str]]:
+    """Start every script at once; kill what is left at the timeout; (exit code, output).
+
+    ``while_running`` is called with the processes once all are started."""
     env = {**os.environ, "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("LOCAL_RANK", None)
@@ -81,6 +90,8 @@ def _run_all(scripts: list[Path], cwd: Path, *args: str) -> list[tuple[int | Non
                 )
             )
     deadline_s = time.monotonic() + TIMEOUT_S
+    if while_running is not None:
+        while_running(procs)
     while time.monotonic() < deadline_s and any(p.poll() is None for p in procs):
         time.sleep(0.2)
     for proc in procs:
@@ -109,3 +120,37 @@ def test_every_node_script_trains_under_torchrun(tmp_path: Path, capsys) -> None
     for rank in plan.ranks:
         lines = (metrics / f"rank-{rank.rank}.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines] == [0]
+
+
+@needs_torchrun
+def test_sigterm_to_one_node_script_checkpoints_every_rank_and_the_job_resumes(
+    tmp_path: Path, capsys
+) -> None:
+    out = _solve(tmp_path, capsys)
+    scripts = sorted((out / "launch").glob("node-*.sh"))
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics"
+    args = ("--steps", "100000", "--checkpoint-dir", str(ckpt), "--metrics-dir", str(metrics))
+    first = metrics / "rank-0.jsonl"
+
+    def preempt_right(procs: list[subprocess.Popen[bytes]]) -> None:
+        deadline_s = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline_s and (
+            not first.exists() or first.read_text().count("\n") < 3
+        ):
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGTERM)  # the script exec'd torchrun: what Slurm signals
+
+    results = _run_all(scripts, tmp_path, *args, while_running=preempt_right)
+    steps = [len((metrics / f"rank-{r}.jsonl").read_text().splitlines()) for r in (0, 1)]
+    assert steps[0] == steps[1] >= 3
+    for script, (code, output) in zip(scripts, results, strict=True):
+        assert code is not None and code != 0, f"{script.name}:\n{output[-3000:]}"
+        assert f"PreemptedError: preempted (SIGTERM) after {steps[0]} steps" in output, output
+    assert (ckpt / "latest").read_text().strip() == f"step-{steps[0]}"
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    again = _run_all(scripts, resumed, "--steps", "1", "--checkpoint-dir", str(ckpt),
+                     "--resume", "--metrics-dir", str(resumed))  # fmt: skip
+    for script, (code, output) in zip(scripts, again, strict=True):
+        assert code == 0, f"{script.name} exited {code}:\n{output[-3000:]}"
+    assert json.loads((resumed / "rank-1.jsonl").read_text())["step"] == steps[0]

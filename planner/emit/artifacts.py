@@ -73,6 +73,11 @@ class NodeLaunch:
         return len(self.ranks)
 
 
+SLURM_PREEMPTION_WARNING_S = 120
+"""The Slurm batch file asks for SIGTERM this long before the time limit: time to finish a
+step and write a checkpoint (``--signal=TERM@120``)."""
+
+
 # --------------------------------------------------------------------------- templates
 def shell_quote(value: object) -> str:
     """``shlex.quote`` of ``str(value)``: the ``q`` filter for values on shell lines."""
@@ -198,6 +203,7 @@ def render_slurm_script(plan: Plan) -> str:
         num_nodes=len(nodes),
         gpus_per_node=_gpus_per_node(plan, nodes),
         master_host=plan.training.master_host,
+        preemption_warning_s=SLURM_PREEMPTION_WARNING_S,
     )
 
 
