@@ -94,6 +94,10 @@ class SolveRequest:
     bandwidth_path: Path | None = None
     """A measured link matrix (``hplan bandwidth``); its device pairs override the cluster
     file's links. None: the cluster file's links only."""
+    nodes: tuple[str, ...] | None = None
+    """Plan for these nodes of the cluster file only (``hplan replan``); None: all."""
+    without: tuple[str, ...] = ()
+    """Nodes and devices (``box-b``, ``box-b/1``) of the cluster file to leave out (lost)."""
 
     def verify(self) -> None:
         """Check the options' ranges.
@@ -172,14 +176,18 @@ def _request(r: PassResults) -> SolveRequest:
 
 
 def cluster_pass(r: PassResults) -> ClusterInput:
-    """The cluster, with measured links over the file's when ``bandwidth_path`` is given."""
+    """The cluster, with measured links over the file's when ``bandwidth_path`` is given,
+    restricted to ``nodes`` less ``without`` (a re-plan for the devices left)."""
     request = _request(r)
     cluster = load_cluster(request.cluster_path)
+    notes: tuple[str, ...] = ()
+    if request.bandwidth_path is not None:
+        measured = load_measured_links(cluster, request.bandwidth_path)
+        cluster, notes = measured.cluster, (measured.note,)
+    if request.nodes is not None or request.without:
+        cluster = cluster.select(nodes=request.nodes, without=request.without)
     _check_device_mix(cluster)
-    if request.bandwidth_path is None:
-        return ClusterInput(cluster, ())
-    measured = load_measured_links(cluster, request.bandwidth_path)
-    return ClusterInput(measured.cluster, (measured.note,))
+    return ClusterInput(cluster, notes)
 
 
 def capture_pass(r: PassResults) -> CapturedModel:

@@ -24,6 +24,7 @@ from hplan.planner.cli.bandwidth import bandwidth
 from hplan.planner.cli.calibrate import calibrate
 from hplan.planner.cli.console import stderr
 from hplan.planner.cli.profile import profile
+from hplan.planner.cli.replan import replan
 from hplan.planner.cli.run import rehearse, run
 from hplan.planner.cli.show import show
 from hplan.planner.cli.simulate import simulate
@@ -42,12 +43,13 @@ def cli() -> None:
       hplan show out/plan.json                             # what was planned, and why
       hplan rehearse out/plan.json --steps 20              # run every rank here, emulated
       bash out/launch/node-<name>.sh                       # on each real node
+      hplan replan out/plan.json -c cluster.yaml --without box-b   # a node is lost
 
     Loading model.py executes it, with your rights.
     """
 
 
-for _command in (solve, show, run, rehearse, bandwidth, profile, simulate, calibrate):
+for _command in (solve, replan, show, run, rehearse, bandwidth, profile, simulate, calibrate):
     cli.add_command(_command)
 
 

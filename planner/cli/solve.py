@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from hplan.planner.cli.console import parse_sizes, stderr
 from hplan.runtime.contract.plan import Schedule
+
+if TYPE_CHECKING:
+    from hplan.planner.api import PlanningOutcome
 
 
 @click.command()
@@ -132,8 +136,7 @@ def solve(
 ) -> None:
     """Plan training of MODEL (a model.py) on a cluster and write the plan and launch scripts."""
     from hplan.planner.api import SolveRequest, Strategy, plan_training
-    from hplan.planner.emit.artifacts import check_out_dir, emit
-    from hplan.planner.emit.render import print_text, wide_console
+    from hplan.planner.emit.artifacts import check_out_dir
 
     request = SolveRequest(
         model_path=model,
@@ -157,6 +160,14 @@ def solve(
         outcome = plan_training(
             request, progress=lambda msg: status.update(f"{msg}..."), dump_dir=dump_dir
         )
+    write_plan(outcome, out_dir, as_json=as_json)
+
+
+def write_plan(outcome: PlanningOutcome, out_dir: Path, *, as_json: bool) -> None:
+    """Write the plan's files, print its summary, and (``as_json``) a JSON summary on stdout."""
+    from hplan.planner.emit.artifacts import emit
+    from hplan.planner.emit.render import print_text, wide_console
+
     written = emit(outcome.plan, out_dir)
     print_text(outcome.plan, wide_console(stderr=True))
     stderr.print(

@@ -183,6 +183,57 @@ class Cluster:
         """Latency between two distinct devices, seconds."""
         return self.link(a, b).latency_s
 
+    def select(self, *, nodes: Sequence[str] | None = None, without: Sequence[str] = ()) -> Cluster:
+        """The cluster restricted to ``nodes`` (None: all), less the nodes and devices
+        named in ``without`` (``"box-b"`` or ``"box-b/1"``); devices keep their names and
+        local indices, links between what is left stay as they were.
+
+        Raises:
+            ConfigError: a name that is not a node (or device) of this cluster, naming the
+                known ones; nothing left.
+        """
+        known_nodes = [n.name for n in self.nodes]
+        for name in nodes or ():
+            if name not in known_nodes:
+                raise ConfigError(
+                    f"{name!r} is not a node of cluster {self.source!r} (its nodes: "
+                    f"{', '.join(known_nodes)}); add it to the cluster file"
+                )
+        for name in without:
+            if name not in known_nodes and name not in self.device_names:
+                raise ConfigError(
+                    f"--without {name!r}: not a node or device of {self.source!r} (nodes: "
+                    f"{', '.join(known_nodes)}; devices are named <node>/<index>, e.g. "
+                    f"{self.device_names[0]!r})"
+                )
+        kept_nodes = []
+        for node in self.nodes:
+            if (nodes is not None and node.name not in nodes) or node.name in without:
+                continue
+            devices = tuple(d for d in node.devices if d.name not in without)
+            if devices:
+                kept_nodes.append(dataclasses.replace(node, devices=devices))
+        if not kept_nodes:
+            raise ConfigError(
+                f"no device of {self.source!r} is left after --without {' '.join(without)}"
+            )
+        names = {d.name for node in kept_nodes for d in node.devices}
+        node_names = {node.name for node in kept_nodes}
+        whole = {n.name for n in kept_nodes if len(n.devices) == len(self.node(n.name).devices)}
+        return dataclasses.replace(
+            self,
+            nodes=tuple(kept_nodes),
+            node_links={
+                pair: link for pair, link in self.node_links.items() if set(pair) <= node_names
+            },
+            device_links={
+                pair: link for pair, link in self.device_links.items() if set(pair) <= names
+            },
+            node_collectives={  # a node's measured all-reduce holds for all its devices only
+                name: spec for name, spec in self.node_collectives.items() if name in whole
+            },
+        )
+
     def verify(self) -> None:
         """Check the cluster's invariants; raise ValueError naming the first broken one.
 

@@ -1,0 +1,179 @@
+"""``hplan replan``: solve a plan again for the devices that are left (or that joined).
+
+A lost node or card: ``hplan replan out/plan.json --cluster cluster.yaml --without box-b``
+plans the same model, global batch size, schedule and seed (a checkpoint carries over only
+under those) on the plan's devices less ``box-b``, and writes the new plan and launch
+scripts; the job then continues from its latest checkpoint with ``--resume``
+(``executor/checkpoint.py`` loads it under any plan). ``--with`` adds back a node or device
+of the cluster file that the plan does not use (a node that joined, a card repaired).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hplan.planner.cli.console import parse_sizes, stderr
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.plan import Plan
+
+
+@click.command()
+@click.argument("plan_path", metavar="PLAN", type=click.Path(path_type=Path))
+@click.option(
+    "--cluster",
+    "-c",
+    "cluster_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="The cluster.yaml the plan was solved with (plus any node that joins).",
+)
+@click.option(
+    "--without",
+    multiple=True,
+    metavar="NODE|DEVICE",
+    help="A node (box-b) or device (box-b/1) that is lost (repeatable).",
+)
+@click.option(
+    "--with",
+    "joining",
+    multiple=True,
+    metavar="NODE|DEVICE",
+    help="A node or device of the cluster file to add to the plan's (repeatable).",
+)
+@click.option(
+    "--out",
+    "-o",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    help="Directory for the new plan (default: <plan's folder>-replan next to it).",
+)
+@click.option(
+    "--time-limit",
+    "time_limit_s",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Wall-clock limit of the solver in seconds.",
+)
+@click.option("--micro-batch-sizes", help="Candidate micro-batch sizes (default: powers of two).")
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(path_type=Path),
+    help="Measured profile (from `hplan profile --model`); replaces catalog estimates.",
+)
+@click.option(
+    "--bandwidth",
+    "bandwidth_path",
+    type=click.Path(path_type=Path),
+    help="Measured link matrix (from `hplan bandwidth`).",
+)
+@click.option(
+    "--model",
+    "model_override",
+    type=click.Path(path_type=Path),
+    help="model.py to use instead of the plan's.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+def replan(
+    plan_path: Path,
+    cluster_path: Path,
+    without: tuple[str, ...],
+    joining: tuple[str, ...],
+    out_dir: Path | None,
+    time_limit_s: float,
+    micro_batch_sizes: str | None,
+    profile_path: Path | None,
+    bandwidth_path: Path | None,
+    model_override: Path | None,
+    as_json: bool,
+) -> None:
+    """Solve PLAN again without the lost nodes or devices (or with joining ones); the job
+    then resumes from its latest checkpoint with --resume."""
+    from hplan.planner.api import SolveRequest, plan_training
+    from hplan.planner.cli.solve import write_plan
+    from hplan.planner.emit.artifacts import check_out_dir
+    from hplan.planner.hardware.cluster import load_cluster
+    from hplan.runtime.capture.model_file import plan_model_path
+
+    if not without and not joining:
+        raise ConfigError("give at least one --without NODE|DEVICE or --with NODE|DEVICE")
+    plan = Plan.load(plan_path)
+    cluster = load_cluster(cluster_path)
+    left_out = _left_out(plan, cluster.device_names, cluster_path, without, joining)
+    out_dir = out_dir or plan_path.parent.absolute().with_name(
+        f"{plan_path.parent.absolute().name}-replan"
+    )
+    request = SolveRequest(
+        model_path=plan_model_path(plan.model.path, plan_path, model_override),
+        cluster_path=cluster_path,
+        global_batch_size=plan.global_batch_size,
+        micro_batch_sizes=parse_sizes(micro_batch_sizes),
+        time_limit_s=time_limit_s,
+        schedule=plan.training.schedule,
+        seed=plan.training.seed,
+        master_port=plan.training.master_port,
+        leaf_modules=plan.model.leaf_modules,
+        out_dir=out_dir,
+        profile_path=profile_path,
+        bandwidth_path=bandwidth_path,
+        without=left_out,
+    )
+    check_out_dir(out_dir)
+    with stderr.status("re-planning...") as status:
+        outcome = plan_training(request, progress=lambda msg: status.update(f"{msg}..."))
+    write_plan(outcome, out_dir, as_json=as_json)
+    lost = ", ".join(without) or "none"
+    stderr.print(
+        f"re-planned for {len(outcome.plan.cluster.devices)} devices (lost: {lost}; "
+        f"joined: {', '.join(joining) or 'none'}); continue training with the new launch "
+        f"scripts and --checkpoint-dir DIR --resume (DIR: the job's checkpoint folder)"
+    )
+
+
+def _left_out(
+    plan: Plan,
+    file_devices: tuple[str, ...],
+    cluster_path: Path,
+    without: tuple[str, ...],
+    joining: tuple[str, ...],
+) -> tuple[str, ...]:
+    """The cluster file's devices the new plan must not use: those the plan did not have
+    (unless ``joining``) and those ``without`` names.
+
+    Raises:
+        ConfigError: a name in ``without`` that the plan does not use, one in ``joining``
+            that the cluster file lacks, or a device of the plan the cluster file lacks.
+    """
+    plan_devices = [d.name for d in plan.cluster.devices]
+    plan_nodes = [n.name for n in plan.cluster.nodes]
+    missing = [d for d in plan_devices if d not in file_devices]
+    if missing:
+        raise ConfigError(
+            f"{str(cluster_path)!r} lacks device {missing[0]!r} of the plan; pass the cluster "
+            "file the plan was solved with"
+        )
+    for name in without:
+        if name not in plan_devices and name not in plan_nodes:
+            raise ConfigError(
+                f"--without {name!r}: the plan has no such node or device (nodes: "
+                f"{', '.join(plan_nodes)}; devices are named <node>/<index>, e.g. "
+                f"{plan_devices[0]!r})"
+            )
+
+    def of(name: str) -> list[str]:
+        return [d for d in file_devices if d == name or d.rsplit("/", 1)[0] == name]
+
+    added = set()
+    for name in joining:
+        if not of(name):
+            raise ConfigError(
+                f"--with {name!r}: {str(cluster_path)!r} has no such node or device; add the "
+                "node to the cluster file first"
+            )
+        added.update(of(name))
+    gone = {d for name in without for d in of(name)}
+    keep = (set(plan_devices) | added) - gone
+    return tuple(d for d in file_devices if d not in keep)
