@@ -4,8 +4,12 @@ Layout of a checkpoint folder::
 
     <dir>/step-<n>/     one checkpoint (DCP: a data file per rank, ``.metadata`` written
                         last) and ``plan.json``, the plan it was written under
-    <dir>/latest        ``step-<n>``: replaced atomically once every rank's part of step-<n>
-                        is on disk, so a checkpoint is complete or invisible
+    <dir>/latest        ``step-<n>``: the newest checkpoint the job has confirmed, replaced
+                        atomically once every rank's part of step-<n> is on disk
+
+A checkpoint is complete or invisible: DCP writes ``.metadata`` last, by an atomic rename,
+so a step folder without one (a save cut short) is never resumed from, and a folder is
+removed ``.metadata`` first. ``--resume`` takes the newest complete one.
 
 What each rank saves (keys shared by the ranks that hold the same tensor are written once,
 by DCP's deduplication; none names a rank or a position, except the RNG):
@@ -29,6 +33,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -90,12 +95,18 @@ class Progress:
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest complete checkpoint in ``directory``; None when there is none."""
-    pointer = directory / LATEST
-    if not pointer.is_file():
-        return None
-    step_dir = directory / pointer.read_text(encoding="utf-8").strip()
-    return step_dir if (step_dir / _METADATA).is_file() else None
+    """The newest complete checkpoint in ``directory``; None when there is none.
+
+    Complete means its ``.metadata`` is there: DCP writes it last, by an atomic rename,
+    once every rank's data is on disk. That is newer than ``latest`` when a job ended
+    between an asynchronous save's last write and its publication.
+    """
+    steps = []
+    for path in directory.glob("step-*"):
+        suffix = path.name.removeprefix("step-")
+        if suffix.isdigit() and (path / _METADATA).is_file():
+            steps.append((int(suffix), path))
+    return max(steps)[1] if steps else None
 
 
 class Checkpointer:
@@ -115,8 +126,11 @@ class Checkpointer:
         self.state = state
         self.asynchronous = asynchronous
         self._group = _new_gloo_group(timeout_s)
-        self._pending: tuple[Future[Any], Path] | None = None
+        self._pending: tuple[Future[Any], Path, int] | None = None
         self._saved_step: int | None = None
+        """The step of the newest save started (or loaded)."""
+        self._published_step = -1
+        """The step ``latest`` points at (-1: none of this run)."""
 
     # ----------------------------------------------------------------- saving
     def save(self, steps_done: int) -> None:
@@ -132,38 +146,55 @@ class Checkpointer:
         self._saved_step = steps_done
         step_dir = self.directory / f"step-{steps_done}"
         if self.state.rank == 0:
-            _prepare(step_dir)
+            _prepare(step_dir, self.state.plan)
         _barrier(self._group, self.state.rank, "checkpoint")
         state = self._state_dict(steps_done)
         try:
             if self.asynchronous:
                 future = dcp.async_save(state, checkpoint_id=step_dir, process_group=self._group)
                 assert isinstance(future, Future)
-                self._pending = (future, step_dir)
+                self._pending = (future, step_dir, steps_done)
                 return
             dcp.save(state, checkpoint_id=step_dir, process_group=self._group)
         except Exception as exc:
             raise _save_failed(step_dir, exc) from None
-        self._publish(step_dir)
+        self._publish(step_dir, steps_done)
+
+    def written_step(self) -> int:
+        """The newest step this rank has written completely (a save in flight counts once
+        its writes are done; -1: none)."""
+        if self._pending is not None and self._pending[0].done():
+            return self._pending[2]
+        return self._published_step
+
+    def publish_written(self, written_everywhere: int) -> None:
+        """Publish the save in flight once every rank has written it (``StepControl``'s
+        agreement says so): ``latest`` then moves at once, not at the next save.
+
+        Raises:
+            PeerFailureError: see :meth:`wait`.
+        """
+        if self._pending is not None and written_everywhere >= self._pending[2]:
+            self.wait()
 
     def wait(self) -> None:
         """Finish an asynchronous save in flight and publish it (nothing when none is)."""
         if self._pending is None:
             return
-        future, step_dir = self._pending
+        future, step_dir, steps_done = self._pending
         self._pending = None
         try:
             future.result()
         except Exception as exc:
             raise _save_failed(step_dir, exc) from None
-        self._publish(step_dir)
+        self._publish(step_dir, steps_done)
 
-    def _publish(self, step_dir: Path) -> None:
+    def _publish(self, step_dir: Path, steps_done: int) -> None:
         """Point ``latest`` at ``step_dir`` (rank 0, after every rank's part is written)."""
         _barrier(self._group, self.state.rank, "checkpoint")
+        self._published_step = steps_done
         if self.state.rank != 0:
             return
-        (step_dir / "plan.json").write_text(self.state.plan.to_json(), encoding="utf-8")
         pointer = self.directory / LATEST
         staged = self.directory / f"{LATEST}.tmp-{os.getpid()}"
         staged.write_text(step_dir.name + "\n", encoding="utf-8")
@@ -191,6 +222,7 @@ class Checkpointer:
                 differs (another model).
             ConfigError: it was written with another global batch size or seed.
         """
+        start_s = time.monotonic()
         state, plan = self.state, self.state.plan
         progress = self._load_progress(step_dir)
         if (
@@ -224,15 +256,20 @@ class Checkpointer:
         _set_optimizer_state(state, request["optimizer"])
         if same_plan:
             _set_rng_state(state.device, request["rng"][str(state.rank)])
-        elif state.rank == 0:
+        self._saved_step = self._published_step = int(progress["step"])
+        if state.rank == 0:
+            other = (
+                ""
+                if same_plan
+                else " (written under another plan: parameters and optimizer state carried "
+                "over by name; each rank's random-number stream starts again from the seed)"
+            )
             print(
-                f"hplan: resuming step {progress['step']} from {step_dir}, written under "
-                "another plan: parameters and optimizer state carried over by name; each "
-                "rank's random-number stream starts again from the seed",
+                f"hplan: resumed at step {self._saved_step} from {step_dir} in "
+                f"{time.monotonic() - start_s:.2f} s{other}",
                 file=sys.stderr,
                 flush=True,
             )
-        self._saved_step = int(progress["step"])
         return self._saved_step
 
     def _load_progress(self, step_dir: Path) -> dict[str, Any]:
@@ -327,11 +364,13 @@ def _barrier(group: dist.ProcessGroup, rank: int, what: str) -> None:
         ) from None
 
 
-def _prepare(step_dir: Path) -> None:
+def _prepare(step_dir: Path, plan: Plan) -> None:
+    """An empty ``step_dir`` holding the plan the checkpoint is written under."""
     try:
         if step_dir.exists():  # left by a save that did not finish, or another run
-            shutil.rmtree(step_dir)
+            _remove(step_dir)
         step_dir.mkdir(parents=True)
+        (step_dir / "plan.json").write_text(plan.to_json(), encoding="utf-8")
     except OSError as exc:
         raise ConfigError(
             f"cannot write checkpoint {str(step_dir)!r} ({exc.strerror}); choose a writable "
@@ -359,4 +398,10 @@ def _remove_old(directory: Path, *, keep: Path) -> None:
     newest = int(keep.name.removeprefix("step-"))
     for step, path in steps:
         if path not in kept and step <= newest:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path)
+
+
+def _remove(step_dir: Path) -> None:
+    """Remove a checkpoint, its ``.metadata`` first: one half removed is never complete."""
+    (step_dir / _METADATA).unlink(missing_ok=True)
+    shutil.rmtree(step_dir, ignore_errors=True)

@@ -9,10 +9,10 @@
   boundary tensor against the plan (``comm.check_boundary_tensors``) is a check against
   what the receiver expects, so no payload needs a header.
 - :class:`StepControl`: between optimizer steps the ranks agree on flags (stop: preempted,
-  or a non-finite loss the model file wants to stop on; save a checkpoint now) with a MAX
-  all-reduce of one small tensor. It is posted after a step and read after the next one, so
-  no rank ever waits for it (every rank sees the same flags at the same step, one step
-  late).
+  or a non-finite loss the model file wants to stop on; save a checkpoint now) and on the
+  newest checkpoint that every rank has written, with a MAX all-reduce of one small
+  tensor. It is posted after a step and read after the next one, so no rank ever waits for
+  it (every rank sees the same values at the same step, one step late).
 - :class:`Preemption`: SIGTERM (what Slurm, spot instances and torchrun's shutdown send) sets
   the preempted flag instead of killing the rank; the job then checkpoints and exits 143.
 - :class:`Heartbeat`: a thread that beats a counter in the job's rendezvous store every
@@ -45,6 +45,7 @@ from hplan.runtime.contract.plan import Plan
 
 __all__ = [
     "HEARTBEAT_INTERVAL_S",
+    "Agreement",
     "Heartbeat",
     "JobIdentity",
     "Preemption",
@@ -147,16 +148,33 @@ def _differences(reference: JobIdentity, seen: JobIdentity) -> list[str]:
 
 
 # --------------------------------------------------------------------------- step flags
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed on after a step."""
+
+    flags: StepFlags
+    """What any rank asked for."""
+    written_step: int
+    """The newest checkpoint step that every rank has written completely (the smallest
+    of the ranks' own; -1: none), so that an asynchronous save can be published as soon
+    as it is complete everywhere."""
+
+
+_NOTHING = Agreement(StepFlags.NONE, -1)
+
+
 class StepControl:
-    """The job's agreement on :class:`StepFlags`, one step late (see the module docstring)."""
+    """The job's agreement on :class:`StepFlags` and written checkpoints, one step late
+    (see the module docstring)."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
-    def exchange(self, flags: StepFlags) -> StepFlags:
-        """Post this rank's ``flags`` for the next call; return what every rank posted at
-        the previous call, combined (NONE at the first call).
+    def exchange(self, flags: StepFlags, written_step: int = -1) -> Agreement:
+        """Post this rank's ``flags`` and newest completely written checkpoint step for the
+        next call; return what the ranks posted at the previous call, combined (nothing at
+        the first call).
 
         Every rank must call it once after every step, in the same order.
 
@@ -164,7 +182,8 @@ class StepControl:
             PeerFailureError: a peer failed.
         """
         agreed = self._collect()
-        tensor = torch.tensor([int(flags)], dtype=torch.int64, device=self._device)
+        # one MAX all-reduce: the flags any rank set, and (negated) the smallest step
+        tensor = torch.tensor([int(flags), -written_step], dtype=torch.int64, device=self._device)
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
         except RuntimeError as exc:
@@ -173,20 +192,21 @@ class StepControl:
         self._pending = (work, tensor)
         return agreed
 
-    def finish(self) -> StepFlags:
-        """Wait for the last posted flags and return them (at the end of a run)."""
+    def finish(self) -> Agreement:
+        """Wait for the last posted values and return them (nothing when none are)."""
         return self._collect()
 
-    def _collect(self) -> StepFlags:
+    def _collect(self) -> Agreement:
         if self._pending is None:
-            return StepFlags.NONE
+            return _NOTHING
         work, tensor = self._pending
         self._pending = None
         try:
             work.wait()
         except RuntimeError as exc:
             raise _lost(exc) from None
-        return StepFlags(int(tensor.item()))
+        flags, negated = (int(v) for v in tensor.tolist())
+        return Agreement(StepFlags(flags), -negated)
 
 
 def _lost(exc: BaseException) -> PeerFailureError:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import sys
 import time
 from datetime import timedelta
@@ -132,6 +133,9 @@ def join_job(plan: Plan, rank: int, *, host: str, port: int, backend: str) -> No
     """
     if under_torchrun():
         check_torchrun_rank(plan, rank)
+    if backend == "gloo":
+        node = next(n for n in plan.cluster.nodes if n.name == plan.ranks[rank].node)
+        use_interface_of(node.host)
     timeout_s = plan.training.process_group_timeout_s
     if plan.world_size > 1:
         peers = plan.world_size - 1
@@ -145,6 +149,58 @@ def join_job(plan: Plan, rank: int, *, host: str, port: int, backend: str) -> No
         backend=backend, rank=rank, world_size=plan.world_size, host=host, port=port,
         timeout_s=timeout_s,
     )  # fmt: skip
+
+
+GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
+
+
+def use_interface_of(host: str) -> str | None:
+    """Make gloo talk over the network interface that holds ``host`` (this node's address
+    in the plan), unless ``GLOO_SOCKET_IFNAME`` is set; return the interface chosen.
+
+    gloo otherwise takes the address that this machine's hostname resolves to, which is a
+    loopback address on many Linux installs (Debian and Ubuntu map it to 127.0.1.1) and
+    inside network namespaces: the peers on other machines are then told to connect to
+    127.0.0.1 and the rendezvous fails with "Connection refused". None (nothing changed)
+    when ``host`` is on no interface of this machine (a name that resolves elsewhere, a
+    NAT address) or the interfaces cannot be read (not Linux).
+    """
+    if os.environ.get(GLOO_INTERFACE_ENV):
+        return None
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return None
+    for _, name in _interfaces():
+        if _ipv4_address(name) == address:
+            os.environ[GLOO_INTERFACE_ENV] = name
+            return name
+    return None
+
+
+def _interfaces() -> list[tuple[int, str]]:
+    try:
+        return socket.if_nameindex()
+    except OSError:
+        return []
+
+
+_SIOCGIFADDR = 0x8915
+"""Linux ioctl: the IPv4 address of an interface (``netdevice(7)``)."""
+
+
+def _ipv4_address(interface: str) -> str | None:
+    try:
+        import fcntl
+    except ImportError:  # not a Unix
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            request = struct.pack("256s", interface.encode()[:15])
+            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+        except OSError:  # no IPv4 address
+            return None
+    return socket.inet_ntoa(answer[20:24])
 
 
 def barrier(rank: int, what: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -242,7 +243,27 @@ class _Loop:
         if self.every_steps is None and self.every_s is None:
             self.every_s = DEFAULT_CHECKPOINT_EVERY_S
         self.saved_s = time.monotonic()
+        self.pauses_s: list[float] = []
+        """How long training waited for each periodic checkpoint."""
         self.rank = parts.rank_plan.rank
+
+    def _report_pauses(self, last_s: float) -> None:
+        """Rank 0 says what the checkpoints cost training (one line on stderr)."""
+        if self.rank != 0 or self.checkpointer is None:
+            return
+        mode = "asynchronous" if self.checkpointer.asynchronous else "synchronous"
+        periodic = (
+            f"{len(self.pauses_s)} periodic ({mode}) paused training "
+            f"{statistics.median(self.pauses_s):.3f} s each (median), "
+            if self.pauses_s
+            else ""
+        )
+        print(
+            f"hplan: checkpoints in {self.checkpointer.directory}: {periodic}the last took "
+            f"{last_s:.3f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def run(self, first_step: int, preemption: Preemption) -> None:
         options = self.options
@@ -262,7 +283,7 @@ class _Loop:
                     timeline.write(step, self.runner.timeline.events)
                 self.runner.clock.after_step(step, self.runner, more_steps=step < last_step)
                 self._after(step + 1, self._flags(record, preemption))
-            self._finish(last_step + 1, self.control.finish())
+            self._finish(last_step + 1, self.control.finish().flags)
         finally:
             if writer is not None:
                 writer.close()
@@ -296,17 +317,24 @@ class _Loop:
         Raises:
             PreemptedError, DivergedError: see :meth:`_finish`.
         """
-        agreed = self.control.exchange(flags)
+        written = self.checkpointer.written_step() if self.checkpointer is not None else -1
+        agreement = self.control.exchange(flags, written)
+        agreed = agreement.flags
         if agreed & _STOP:
             self._finish(steps_done, agreed)
-        due_steps = self.every_steps is not None and steps_done % self.every_steps == 0
-        if self.checkpointer is None or not (due_steps or agreed & StepFlags.CHECKPOINT_DUE):
+        if self.checkpointer is None:
             return
-        now = self.control.finish()
+        self.checkpointer.publish_written(agreement.written_step)
+        due_steps = self.every_steps is not None and steps_done % self.every_steps == 0
+        if not (due_steps or agreed & StepFlags.CHECKPOINT_DUE):
+            return
+        now = self.control.finish().flags
         if now & _STOP:
             self._finish(steps_done, now)
+        start_s = time.monotonic()
         self.checkpointer.save(steps_done)
         self.saved_s = time.monotonic()
+        self.pauses_s.append(self.saved_s - start_s)
 
     def _finish(self, steps_done: int, agreed: StepFlags) -> None:
         """End the run after ``steps_done`` steps: the last checkpoint, then how it ended
@@ -316,7 +344,7 @@ class _Loop:
             DivergedError: a loss was not finite and the model file stops on it.
             PreemptedError: SIGTERM, after the checkpoint is saved.
         """
-        agreed |= self.control.finish()
+        agreed |= self.control.finish().flags
         if agreed & StepFlags.NONFINITE_LOSS:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
@@ -326,8 +354,10 @@ class _Loop:
                 "saved"
             )
         if self.checkpointer is not None:
+            start_s = time.monotonic()
             self.checkpointer.save(steps_done)
             self.checkpointer.wait()
+            self._report_pauses(time.monotonic() - start_s)
         if agreed & StepFlags.PREEMPTED:
             where = (
                 f"checkpoint {self.checkpointer.directory / f'step-{steps_done}'} saved; "

@@ -322,11 +322,14 @@ def supervise(
     with _quiet_elastic_logs():
         context = start_ranks(name, args, logs, master_port=master_port)
         try:
+            first_failed: list[int] = []  # those that ended badly by themselves, first seen
             while True:
-                result = context.wait(timeout=0)
+                if not first_failed:
+                    first_failed = _failed_ranks(context)
+                result = context.wait(timeout=0)  # on a failure, stops the others
                 on_poll()
                 if result is not None and result.is_failed():
-                    failed = sorted(result.failures)
+                    failed = first_failed or sorted(result.failures)
                     codes = {r: h.proc.poll() for r, h in context.subprocess_handlers.items()}
                     raise _reported(failed, codes, logs, is_error_line, failure)
                 if result is not None:
@@ -342,6 +345,12 @@ def supervise(
             raise
         finally:
             context.close(death_sig=signal.SIGKILL)
+
+
+def _failed_ranks(context: SubprocessContext) -> list[int]:
+    """The ranks whose process has ended with an error or a signal, by itself."""
+    codes = {r: h.proc.poll() for r, h in context.subprocess_handlers.items()}
+    return sorted(r for r, code in codes.items() if code not in (None, 0))
 
 
 def _reported(
@@ -377,4 +386,14 @@ def _reported(
     ]
     rank = ranked[0] if ranked and not blame(ranked[0])[0] else (others or ranked)[0]
     code = codes.get(rank)
-    return failure(rank, code if code is not None and code > 0 else 1, lines[rank])
+    line = lines[rank]
+    if code is not None and code < 0 and not is_error_line(line):
+        line = f"killed by {_signal_name(-code)} (its last line: {line})"
+    return failure(rank, code if code is not None and code > 0 else 1, line)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -194,7 +194,7 @@ def _assert_latest_loads(directory: Path, scratch: Path, expected_step: int | No
 
 @pytest.mark.parametrize(
     ("point", "rank", "latest_step"),
-    [("write", 1, 1), ("metadata", 0, 1), ("publish", 0, 1), ("cleanup", 0, 3)],
+    [("write", 1, 1), ("metadata", 0, 1), ("publish", 0, 2), ("cleanup", 0, 3)],
 )
 def test_a_rank_killed_inside_a_save_leaves_a_complete_latest_checkpoint(
     wide_plan: Plan, tmp_path: Path, point: str, rank: int, latest_step: int
