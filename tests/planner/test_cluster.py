@@ -353,3 +353,22 @@ def test_missing_cluster_file_raises_config_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist") as info:
         load_cluster(tmp_path / "nope.yaml")
     assert info.value.exit_code == 2
+
+
+def test_select_drops_lost_nodes_and_devices_and_keeps_names_and_links():
+    matrix = [[0, 7, 1], [7, 0, 2], [1, 2, 0]]
+    data = _two_nodes(matrix={"of": "devices", "bandwidth_gb_per_s": matrix, "latency_us": 4})
+    cluster = cluster_from_dict(data)
+    left = cluster.select(without=["a/0"])
+    assert left.device_names == ("a/1", "b/0")
+    assert left.device("a/1").local_index == 1  # CUDA numbering stays the machine's
+    assert left.bandwidth_bytes_per_s("a/1", "b/0") == pytest.approx(2e9)
+    assert set(left.device_links) == {("a/1", "b/0")}
+    left.verify()
+    only_b = cluster.select(nodes=["b"])
+    assert only_b.device_names == ("b/0",) and [n.name for n in only_b.nodes] == ["b"]
+    assert cluster.select(without=["a"]).device_names == ("b/0",)
+    with pytest.raises(ConfigError, match="--without 'c/0': not a node or device"):
+        cluster.select(without=["c/0"])
+    with pytest.raises(ConfigError, match="no device of"):
+        cluster.select(without=["a", "b"])

@@ -69,3 +69,16 @@ def test_usage_errors_and_a_missing_node_are_one_line_exit_2(
     monkeypatch.setenv("HPLAN_NODE", "nowhere")
     assert main(["run", str(plan_path)]) == 2
     assert "--node 'nowhere' runs no rank of this plan" in capsys.readouterr().err
+
+
+def test_gloo_uses_the_interface_of_the_nodes_plan_address(monkeypatch) -> None:
+    from hplan.runtime.executor.rendezvous import GLOO_INTERFACE_ENV, use_interface_of
+
+    monkeypatch.delenv(GLOO_INTERFACE_ENV, raising=False)
+    assert use_interface_of("192.0.2.250") is None  # TEST-NET: on no interface here
+    assert GLOO_INTERFACE_ENV not in os.environ
+    assert use_interface_of("127.0.0.1") == "lo"
+    assert os.environ[GLOO_INTERFACE_ENV] == "lo"
+    monkeypatch.setenv(GLOO_INTERFACE_ENV, "eth7")  # the user's choice stays
+    assert use_interface_of("127.0.0.1") is None
+    assert os.environ[GLOO_INTERFACE_ENV] == "eth7"
