@@ -9,13 +9,10 @@ else. Errors are one line, never a traceback.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import click
@@ -29,7 +26,7 @@ from hplan.planner.cli.run import rehearse, run
 from hplan.planner.cli.show import show
 from hplan.planner.cli.simulate import simulate
 from hplan.planner.cli.solve import solve
-from hplan.runtime.contract.errors import HplanError, Terminated
+from hplan.runtime.contract.errors import HplanError, Terminated, report_internal_error
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -56,21 +53,6 @@ for _command in (solve, replan, show, run, rehearse, bandwidth, profile, simulat
 def _one_line(message: str) -> str:
     """Collapse whitespace so an error is exactly one line (library messages may wrap)."""
     return " ".join(message.split())
-
-
-def _report_crash(exc: BaseException) -> int:
-    if os.environ.get("HPLAN_DEBUG"):
-        traceback.print_exception(exc)
-    origin = exc.__cause__ if exc.__cause__ is not None else exc  # a pass's own failure
-    where = traceback.extract_tb(origin.__traceback__)[-1] if origin.__traceback__ else None
-    at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
-    print(
-        f"hplan: internal error: {type(exc).__name__}: {_one_line(str(exc))}{at} "
-        "(a bug; rerun with HPLAN_DEBUG=1 for the traceback and report it)",
-        file=sys.stderr,
-        flush=True,
-    )
-    return 1
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
@@ -115,5 +97,5 @@ def _invoke(call: Callable[[], Any]) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception as exc:
-        return _report_crash(exc)
+        return report_internal_error(exc, "hplan")
     return result if isinstance(result, int) else 0

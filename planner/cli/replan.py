@@ -15,6 +15,13 @@ from pathlib import Path
 import click
 
 from hplan.planner.cli.console import parse_sizes, stderr
+from hplan.planner.cli.solve import (
+    bandwidth_option,
+    micro_batch_sizes_option,
+    profile_option,
+    time_limit_option,
+    write_plan,
+)
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
 
@@ -49,27 +56,10 @@ from hplan.runtime.contract.plan import Plan
     type=click.Path(path_type=Path),
     help="Directory for the new plan (default: <plan's folder>-replan next to it).",
 )
-@click.option(
-    "--time-limit",
-    "time_limit_s",
-    type=float,
-    default=60.0,
-    show_default=True,
-    help="Wall-clock limit of the solver in seconds.",
-)
-@click.option("--micro-batch-sizes", help="Candidate micro-batch sizes (default: powers of two).")
-@click.option(
-    "--profile",
-    "profile_path",
-    type=click.Path(path_type=Path),
-    help="Measured profile (from `hplan profile --model`); replaces catalog estimates.",
-)
-@click.option(
-    "--bandwidth",
-    "bandwidth_path",
-    type=click.Path(path_type=Path),
-    help="Measured link matrix (from `hplan bandwidth`).",
-)
+@time_limit_option
+@micro_batch_sizes_option
+@profile_option
+@bandwidth_option
 @click.option(
     "--model",
     "model_override",
@@ -93,7 +83,6 @@ def replan(
     """Solve PLAN again without the lost nodes or devices (or with joining ones); the job
     then resumes from its latest checkpoint with --resume."""
     from hplan.planner.api import SolveRequest, plan_training
-    from hplan.planner.cli.solve import write_plan
     from hplan.planner.emit.artifacts import check_out_dir
     from hplan.planner.hardware.cluster import load_cluster
     from hplan.runtime.capture.model_file import plan_model_path

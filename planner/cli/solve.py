@@ -18,6 +18,32 @@ from hplan.runtime.contract.plan import Schedule
 if TYPE_CHECKING:
     from hplan.planner.api import PlanningOutcome
 
+# Options that `hplan replan` shares.
+micro_batch_sizes_option = click.option(
+    "--micro-batch-sizes",
+    help="Candidate micro-batch sizes, e.g. 1,2,4,8 (default: powers of two).",
+)
+time_limit_option = click.option(
+    "--time-limit",
+    "time_limit_s",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Wall-clock limit of the solver in seconds; the best plan found by then is kept.",
+)
+bandwidth_option = click.option(
+    "--bandwidth",
+    "bandwidth_path",
+    type=click.Path(path_type=Path),
+    help="Measured link matrix (from `hplan bandwidth`); overrides the cluster's links it covers.",
+)
+profile_option = click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(path_type=Path),
+    help="Measured profile (file or directory, from `hplan profile --model`); replaces catalog estimates.",
+)
+
 
 @click.command()
 @click.argument("model", type=click.Path(path_type=Path))
@@ -46,18 +72,8 @@ if TYPE_CHECKING:
     show_default=True,
     help="Samples per optimizer step, over all replicas.",
 )
-@click.option(
-    "--micro-batch-sizes",
-    help="Candidate micro-batch sizes, e.g. 1,2,4,8 (default: powers of two).",
-)
-@click.option(
-    "--time-limit",
-    "time_limit_s",
-    type=float,
-    default=60.0,
-    show_default=True,
-    help="Wall-clock limit of the solver in seconds; the best plan found by then is kept.",
-)
+@micro_batch_sizes_option
+@time_limit_option
 @click.option(
     "--solver",
     type=click.Choice(["highs", "cbc", "heuristic"]),
@@ -96,18 +112,8 @@ if TYPE_CHECKING:
     show_default=True,
     help="Rendezvous port on the first node.",
 )
-@click.option(
-    "--bandwidth",
-    "bandwidth_path",
-    type=click.Path(path_type=Path),
-    help="Measured link matrix (from `hplan bandwidth`); overrides the cluster's links it covers.",
-)
-@click.option(
-    "--profile",
-    "profile_path",
-    type=click.Path(path_type=Path),
-    help="Measured profile (file or directory, from `hplan profile --model`); replaces catalog estimates.",
-)
+@bandwidth_option
+@profile_option
 @click.option(
     "--dump-passes",
     "dump_dir",

@@ -13,7 +13,10 @@ Every message names the bad value and says what to do about it.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import traceback
 
 
 class HplanError(Exception):
@@ -141,3 +144,24 @@ def one_line(exc: BaseException) -> str:
     class name alone when the message is empty. For messages that quote a user's exception."""
     line = _first_line(str(exc))
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+def report_internal_error(exc: BaseException, prefix: str) -> int:
+    """Print an unexpected exception (a bug) as one line on stderr, naming the file and
+    line it came from (of its cause, when it has one: a wrapped failure); the traceback
+    first when ``HPLAN_DEBUG`` is set. Returns the exit code, 1.
+
+    ``prefix``: who is speaking, e.g. ``"hplan"`` or ``"hplan run (rank 2)"``.
+    """
+    if os.environ.get("HPLAN_DEBUG"):
+        traceback.print_exception(exc)
+    origin = exc.__cause__ if exc.__cause__ is not None else exc
+    frame = traceback.extract_tb(origin.__traceback__)[-1] if origin.__traceback__ else None
+    at = f" at {os.path.basename(frame.filename)}:{frame.lineno}" if frame else ""
+    print(
+        f"{prefix}: internal error: {one_line(exc)}{at} (a bug; rerun with HPLAN_DEBUG=1 "
+        "for the traceback and report it)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1

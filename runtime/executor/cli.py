@@ -18,14 +18,13 @@ import argparse
 import math
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from hplan.runtime.contract.errors import ConfigError, HplanError, one_line
+from hplan.runtime.contract.errors import ConfigError, HplanError, report_internal_error
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.quantities import S_PER_MIN
 
@@ -207,17 +206,7 @@ def run_one_rank(
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # a bug: one line, the traceback only when asked for
-        if os.environ.get("HPLAN_DEBUG"):
-            traceback.print_exception(exc)
-        frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-        at = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
-        print(
-            f"hplan run{where}: internal error: {one_line(exc)}{at} (a bug; rerun with "
-            "HPLAN_DEBUG=1 for the traceback and report it)",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
+        return report_internal_error(exc, f"hplan run{where}")
     return 0
 
 

@@ -12,6 +12,7 @@ import random
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -75,6 +76,24 @@ def _global_losses(metrics_dir: Path, world_size: int) -> dict[int, float]:
                 total[record.step] = total.get(record.step, 0.0) + record.loss * record.samples
                 samples[record.step] = samples.get(record.step, 0) + record.samples
     return {step: total[step] / samples[step] for step in total}
+
+
+def _wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _wait_for_steps(metrics: Path, steps: int) -> None:
+    """Until rank 0 has written the metrics of ``steps`` steps."""
+    rank0 = metrics / "rank-0.jsonl"
+    _wait_until(lambda: rank0.exists() and rank0.read_text().count("\n") >= steps)
+
+
+def _newest_step(directory: Path) -> int:
+    latest = latest_checkpoint(directory)
+    return -1 if latest is None else int(latest.name.removeprefix("step-"))
 
 
 def _assert_same_state(actual: dict, expected: dict) -> None:
@@ -231,10 +250,7 @@ def test_random_kills_always_leave_a_loadable_latest_and_resume_continues(
         args = ("--steps", "100000", "--checkpoint-dir", str(ckpt), "--resume",
                 "--checkpoint-every-steps", "1", "--metrics-dir", str(metrics))  # fmt: skip
         with RankJob(wide_plan, tmp_path / f"run{trial}", *args) as job:
-            deadline = time.monotonic() + TIMEOUT_S
-            while (latest_checkpoint(ckpt) is None or latest_checkpoint(ckpt).name  # type: ignore[union-attr]
-                   == f"step-{steps_done}") and time.monotonic() < deadline:  # fmt: skip
-                time.sleep(0.05)
+            _wait_until(lambda done=steps_done: _newest_step(ckpt) > done)
             time.sleep(rng.uniform(0.0, 1.0))
             victim = rng.randrange(wide_plan.world_size)
             job.procs[victim].send_signal(signal.SIGKILL)
@@ -253,12 +269,7 @@ def test_sigterm_to_one_rank_checkpoints_the_job_and_exits_143(tmp_path: Path) -
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m"
     args = ("--steps", "100000", "--checkpoint-dir", str(ckpt), "--metrics-dir", str(metrics))
     with RankJob(plan, tmp_path / "a", *args) as job:
-        deadline = time.monotonic() + TIMEOUT_S
-        rank0 = metrics / "rank-0.jsonl"
-        while (not rank0.exists() or rank0.read_text().count("\n") < 3) and (
-            time.monotonic() < deadline
-        ):
-            time.sleep(0.05)
+        _wait_for_steps(metrics, 3)
         job.procs[1].send_signal(signal.SIGTERM)
         sent_s = time.monotonic()
         outcomes = job.wait(30.0)
@@ -348,10 +359,7 @@ def test_a_frozen_rank_ends_every_other_rank_within_the_heartbeat_timeout(
     metrics = tmp_path / "m"
     args = ("--steps", "100000", "--metrics-dir", str(metrics), "--heartbeat-timeout-s", "3")
     with RankJob(plan, tmp_path / "a", *args) as job:
-        deadline = time.monotonic() + TIMEOUT_S
-        rank0 = metrics / "rank-0.jsonl"
-        while (not rank0.exists() or not rank0.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for_steps(metrics, 1)
         job.procs[1].send_signal(signal.SIGSTOP)
         stopped_s = time.monotonic()
         ended_s = []
@@ -373,10 +381,7 @@ def test_a_killed_rank_ends_every_other_rank_within_seconds_naming_it(tmp_path: 
     plan = make_plan(path, [ReplicaShape((1, 1), 5, 5), ReplicaShape((-1,), 5, 5)])
     metrics = tmp_path / "m"
     with RankJob(plan, tmp_path / "a", "--steps", "100000", "--metrics-dir", str(metrics)) as job:
-        deadline = time.monotonic() + TIMEOUT_S
-        rank0 = metrics / "rank-0.jsonl"
-        while (not rank0.exists() or not rank0.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for_steps(metrics, 1)
         job.procs[1].send_signal(signal.SIGKILL)
         killed_s = time.monotonic()
         outcomes = job.wait(30)
