@@ -13,6 +13,8 @@ checked by its own ``verify()``; ``passes.run_passes`` runs them and names a fai
 5. ``runtime_bytes``: what a plan of this model sends across each cut and sums per
    gradient bucket (``sim/spec.RuntimeBytes``);
 6. ``time_source``: unit times from a measured profile, or the roofline (``cost/``);
+   ``precision``: what each device computes in, for ``--precision``
+   (``hardware/catalog.resolve_precision``);
 7. ``problem``: the solver's arrays (``cost/problem_builder.py``);
 8. ``solve``: the layout, re-costed, validated, and simulated once with the bytes its plan
    will send (``solve/solver.py``; or a baseline's layout when asked);
@@ -27,7 +29,7 @@ plans. ``hplan solve --dump-passes DIR`` writes every pass's result as JSON.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
@@ -45,7 +47,7 @@ from hplan.planner.emit.report import REQUESTED, build_report, with_cost_sources
 from hplan.planner.frontend.capture import CapturedModel, capture_model
 from hplan.planner.frontend.cost_graph import ModelGraph, model_graph
 from hplan.planner.frontend.trains_check import check_trains
-from hplan.planner.hardware.catalog import DeviceClass
+from hplan.planner.hardware.catalog import PRECISION_CHOICES, DeviceClass, resolve_precision
 from hplan.planner.hardware.cluster import Cluster, Device, load_cluster, to_cluster_spec
 from hplan.planner.hardware.measured_links import load_measured_links
 from hplan.planner.passes import Pass, PassResults, run_passes
@@ -55,7 +57,15 @@ from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import SolveResult, solve
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
-from hplan.runtime.contract.plan import Backend, Plan, Report, Schedule, SolverStatus, TrainingSpec
+from hplan.runtime.contract.plan import (
+    Backend,
+    Plan,
+    Precision,
+    Report,
+    Schedule,
+    SolverStatus,
+    TrainingSpec,
+)
 
 
 class Strategy(StrEnum):
@@ -97,6 +107,8 @@ class SolveRequest:
     nodes: tuple[str, ...] | None = None
     """Plan for these nodes of the cluster file only (``hplan replan``); None: all."""
     without: tuple[str, ...] = ()
+    precision: str = "auto"
+    """``auto`` or a ``Precision`` value for every device (``catalog.resolve_precision``)."""
     """Nodes and devices (``box-b``, ``box-b/1``) of the cluster file to leave out (lost)."""
 
     def verify(self) -> None:
@@ -113,6 +125,10 @@ class SolveRequest:
             raise ConfigError(f"max stages {self.max_stages} must be >= 1")
         if not 1 <= self.master_port <= 65534:
             raise ConfigError(f"master port {self.master_port} must be in 1..65534")
+        if self.precision not in PRECISION_CHOICES:
+            raise ConfigError(
+                f"--precision {self.precision!r} is not one of {', '.join(PRECISION_CHOICES)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -125,6 +141,19 @@ class ClusterInput:
     def verify(self) -> None:
         """The cluster's invariants (``Cluster.verify``)."""
         self.cluster.verify()
+
+
+@dataclass(frozen=True)
+class DevicePrecisions:
+    """The precision each device computes in (``catalog.resolve_precision``)."""
+
+    by_device: Mapping[str, Precision]
+
+    def verify(self) -> None:
+        """Every value is a ``Precision``."""
+        for name, precision in self.by_device.items():
+            if not isinstance(precision, Precision):
+                raise ValueError(f"device {name!r} has precision {precision!r}")
 
 
 @dataclass(frozen=True)
@@ -190,6 +219,17 @@ def cluster_pass(r: PassResults) -> ClusterInput:
     return ClusterInput(cluster, notes)
 
 
+def precision_pass(r: PassResults) -> DevicePrecisions:
+    """The precision of every device of the cluster for ``--precision``."""
+    request, cluster = _request(r), r["cluster"].cluster
+    return DevicePrecisions(
+        {
+            d.name: resolve_precision(request.precision, d.type, device_name=d.name)
+            for d in cluster.devices
+        }
+    )
+
+
 def capture_pass(r: PassResults) -> CapturedModel:
     """The model file loaded, its model built and traced (once for the whole solve)."""
     request = _request(r)
@@ -220,6 +260,7 @@ def problem_pass(r: PassResults) -> PlanningProblem:
             captured.model_file, param_dtype=graph.param_dtype
         ),
         time_source=r["time_source"],
+        precisions=r["precision"].by_device,
     )
 
 
@@ -262,6 +303,7 @@ def plan_pass(r: PassResults) -> Plan:
     graph: ModelGraph = r["cost_graph"]
     captured: CapturedModel = r["capture"]
     cluster = r["cluster"].cluster
+    precisions = r["precision"].by_device
     plan = build_plan(
         graph=graph,
         model=model_spec(
@@ -269,12 +311,13 @@ def plan_pass(r: PassResults) -> Plan:
             path=recorded_model_path(request.model_path, request.out_dir),
             sha256=captured.model_file.sha256,
         ),
-        cluster=to_cluster_spec(cluster, graph.param_dtype),
+        cluster=to_cluster_spec(cluster, graph.param_dtype, precisions=precisions),
         device_names=problem.device_names,
         layout=result.layout,
         global_batch_size=request.global_batch_size,
         report=r["report"],
         training=_training_spec(request, cluster, result),
+        precisions=precisions,
     )
     return with_grad_sync(plan, r["runtime_bytes"].wire_bytes, result.simulated_step_time_s)
 
@@ -298,6 +341,7 @@ PASSES: Sequence[Pass] = (
     ),
     Pass("runtime_bytes", lambda r: RuntimeBytes.of(r["cost_graph"])),
     Pass("time_source", time_source_pass),
+    Pass("precision", precision_pass),
     Pass("problem", problem_pass),
     Pass("solve", solve_pass, _solving),
     Pass("report", report_pass),

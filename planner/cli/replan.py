@@ -18,6 +18,7 @@ from hplan.planner.cli.console import parse_sizes, stderr
 from hplan.planner.cli.solve import (
     bandwidth_option,
     micro_batch_sizes_option,
+    precision_option,
     profile_option,
     time_limit_option,
     write_plan,
@@ -58,6 +59,7 @@ from hplan.runtime.contract.plan import Plan
 )
 @time_limit_option
 @micro_batch_sizes_option
+@precision_option
 @profile_option
 @bandwidth_option
 @click.option(
@@ -75,6 +77,7 @@ def replan(
     out_dir: Path | None,
     time_limit_s: float,
     micro_batch_sizes: str | None,
+    precision: str | None,
     profile_path: Path | None,
     bandwidth_path: Path | None,
     model_override: Path | None,
@@ -109,6 +112,7 @@ def replan(
         profile_path=profile_path,
         bandwidth_path=bandwidth_path,
         without=left_out,
+        precision=precision or _plan_precision(plan),
     )
     check_out_dir(out_dir)
     with stderr.status("re-planning...") as status:
@@ -120,6 +124,12 @@ def replan(
         f"joined: {', '.join(joining) or 'none'}); continue training with the new launch "
         f"scripts and --checkpoint-dir DIR --resume (DIR: the job's checkpoint folder)"
     )
+
+
+def _plan_precision(plan: Plan) -> str:
+    """The precision the plan's ranks share (kept by a re-plan), else ``auto``."""
+    used = {r.precision.value for r in plan.ranks}
+    return used.pop() if len(used) == 1 else "auto"
 
 
 def _left_out(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from hplan.planner.cli.console import parse_sizes, stderr
+from hplan.planner.hardware.catalog import PRECISION_CHOICES
 from hplan.runtime.contract.plan import Schedule
 
 if TYPE_CHECKING:
@@ -36,6 +37,16 @@ bandwidth_option = click.option(
     "bandwidth_path",
     type=click.Path(path_type=Path),
     help="Measured link matrix (from `hplan bandwidth`); overrides the cluster's links it covers.",
+)
+precision_option = click.option(
+    "--precision",
+    type=click.Choice(PRECISION_CHOICES),
+    help=(
+        "What the devices compute in. auto (default): bf16 autocast on GPUs with bf16 "
+        "tensor cores (Ampere and later), fp16 autocast with loss scaling on Volta/Turing, "
+        "fp32 on CPUs. fp32: PyTorch's defaults (matmuls in float32, convolutions in TF32); "
+        "tf32: matmuls in TF32 too. Parameters and optimizer state stay in the model's dtype."
+    ),
 )
 profile_option = click.option(
     "--profile",
@@ -112,6 +123,7 @@ profile_option = click.option(
     show_default=True,
     help="Rendezvous port on the first node.",
 )
+@precision_option
 @bandwidth_option
 @profile_option
 @click.option(
@@ -135,6 +147,7 @@ def solve(
     strategy: str,
     seed: int,
     master_port: int,
+    precision: str | None,
     profile_path: Path | None,
     bandwidth_path: Path | None,
     dump_dir: Path | None,
@@ -160,6 +173,7 @@ def solve(
         out_dir=out_dir,
         profile_path=profile_path,
         bandwidth_path=bandwidth_path,
+        precision=precision or "auto",
     )
     check_out_dir(out_dir)
     with stderr.status("planning...") as status:

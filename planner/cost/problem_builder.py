@@ -28,16 +28,22 @@ memory of a device = (memory - FRAMEWORK_RESERVE_BYTES[class]) x USABLE_MEMORY_F
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from hplan.planner.cost.problem import PlanningProblem, TiedParams
-from hplan.planner.hardware.catalog import DeviceClass, DeviceType, peak_flops_per_s
+from hplan.planner.hardware.catalog import (
+    DeviceClass,
+    DeviceType,
+    compute_dtype,
+    peak_flops_per_s,
+)
 from hplan.planner.hardware.cluster import Cluster, Device
 from hplan.runtime.contract.errors import ConfigError, ModelFileError
+from hplan.runtime.contract.plan import Precision, wire_spec
 from hplan.runtime.contract.quantities import gib_to_bytes
 
 if TYPE_CHECKING:
@@ -87,6 +93,44 @@ _OPTIMIZER_STATE_PASSES = 2.0
 
 
 @dataclass(frozen=True, slots=True)
+class Numerics:
+    """How a device computes a unit: the model's parameter dtype and the rank's precision
+    (``contract.plan.Precision``)."""
+
+    param_dtype: str
+    """torch dtype name of the model's parameters, e.g. ``float32``."""
+    precision: Precision = Precision.FP32
+
+    @property
+    def compute_dtype(self) -> str:
+        """dtype name the matmuls run in (whose catalog peak applies)."""
+        return compute_dtype(self.precision, self.param_dtype)
+
+    @property
+    def allow_tf32(self) -> bool:
+        return self.precision is Precision.TF32
+
+    @property
+    def activation_bytes_factor(self) -> float:
+        """Bytes of a traced activation under this precision / traced bytes: 0.5 for a
+        float32 model under bf16/fp16 autocast (matmul and convolution inputs and outputs
+        are half precision; the reductions autocast keeps in float32 are a small share of a
+        transformer's or CNN's saved bytes, so the estimate errs low there), else 1.0."""
+        if self.precision.autocast_dtype is not None and self.param_dtype == "float32":
+            return 0.5
+        return 1.0
+
+
+def device_numerics(
+    devices: Sequence[Device], param_dtype: str, precisions: Mapping[str, Precision] | None
+) -> tuple[Numerics, ...]:
+    """Per device (in order), its ``Numerics``; devices missing from ``precisions`` (or all,
+    when it is None) compute in fp32."""
+    chosen = precisions or {}
+    return tuple(Numerics(param_dtype, chosen.get(d.name, Precision.FP32)) for d in devices)
+
+
+@dataclass(frozen=True, slots=True)
 class UnitTimes:
     """Forward and backward time of one unit for one micro-batch, seconds."""
 
@@ -103,9 +147,10 @@ class UnitTimeSource(Protocol):
         ...
 
     def unit_times(
-        self, device: Device, cost: UnitCost, micro_batch_size: int, param_dtype: str
+        self, device: Device, cost: UnitCost, micro_batch_size: int, numerics: Numerics
     ) -> UnitTimes:
-        """Forward and backward time of ``cost``'s unit on ``device`` for one micro-batch."""
+        """Forward and backward time of ``cost``'s unit on ``device`` for one micro-batch
+        computed in ``numerics``."""
         ...
 
     def optimizer_time_s(
@@ -151,12 +196,19 @@ class RooflineSource:
         return "roofline"
 
     def unit_times(
-        self, device: Device, cost: UnitCost, micro_batch_size: int, param_dtype: str
+        self, device: Device, cost: UnitCost, micro_batch_size: int, numerics: Numerics
     ) -> UnitTimes:
-        """Roofline forward and backward time of one micro-batch of ``micro_batch_size``."""
-        peak = peak_flops_per_s(device.type, param_dtype, allow_tf32=self.allow_tf32)
+        """Roofline forward and backward time of one micro-batch of ``micro_batch_size``:
+        matmuls at the peak of ``numerics.compute_dtype``, activation traffic scaled by
+        ``numerics.activation_bytes_factor``."""
+        peak = peak_flops_per_s(
+            device.type,
+            numerics.compute_dtype,
+            allow_tf32=self.allow_tf32 or numerics.allow_tf32,
+        )
         flops = cost.fwd_flops_per_sample * micro_batch_size
-        num_bytes = cost.param_bytes + cost.io_bytes_per_sample * micro_batch_size
+        io_bytes = cost.io_bytes_per_sample * numerics.activation_bytes_factor
+        num_bytes = cost.param_bytes + io_bytes * micro_batch_size
         fwd = self._time_s(device.type, peak, flops, num_bytes, cost.num_ops)
         ratio = BACKWARD_TO_FORWARD_RATIO
         bwd = self._time_s(
@@ -198,14 +250,27 @@ def usable_memory_bytes(device: DeviceType) -> float:
     return max(0.0, (device.memory_bytes - reserve) * USABLE_MEMORY_FRACTION)
 
 
-def static_memory_bytes(cost: UnitCost, optimizer_state_bytes_per_param_byte: float) -> float:
+def static_memory_bytes(
+    cost: UnitCost,
+    optimizer_state_bytes_per_param_byte: float,
+    numerics: Numerics | None = None,
+) -> float:
     """Parameters, gradients and optimizer state of one unit, bytes.
 
-    trainable x (1 + 1 + state factor) + non-trainable parameters + buffers.
+    trainable x (1 + 1 + state factor) + non-trainable parameters + buffers; for an fp32
+    model that is 16 bytes per trainable parameter under AdamW, as mixed precision keeps it
+    (fp32 master weights, gradients and Adam moments; Rajbhandari et al., "ZeRO", SC 2020,
+    section 3.1, count 16 with fp16 weights and gradients plus an fp32 copy). Under
+    autocast add the half-precision copy of the weights autocast makes for the forward
+    (``activation_bytes_factor`` x parameter bytes; one copy: each micro-batch in flight
+    holds its own until its backward, so pipelines with several in flight hold more).
     """
     trainable = cost.trainable_param_bytes
     frozen = cost.param_bytes - trainable
-    return trainable * (2.0 + optimizer_state_bytes_per_param_byte) + frozen + cost.buffer_bytes
+    total = trainable * (2.0 + optimizer_state_bytes_per_param_byte) + frozen + cost.buffer_bytes
+    if numerics is not None and numerics.precision.autocast_dtype is not None:
+        total += cost.param_bytes * numerics.activation_bytes_factor
+    return total
 
 
 def default_micro_batch_sizes(global_batch_size: int) -> tuple[int, ...]:
@@ -231,6 +296,7 @@ def build_problem(
     micro_batch_sizes: Sequence[int] | None = None,
     optimizer_state_bytes_per_param_byte: float = 2.0,
     time_source: UnitTimeSource | None = None,
+    precisions: Mapping[str, Precision] | None = None,
 ) -> PlanningProblem:
     """Fill and verify the solver's input for ``graph`` on ``cluster``.
 
@@ -242,6 +308,10 @@ def build_problem(
         optimizer_state_bytes_per_param_byte: 2.0 for Adam/AdamW, 0.0 for plain SGD; see
             ``optimizer_state_factor``.
         time_source: default ``RooflineSource()``.
+        precisions: device name -> the precision it computes in (default: fp32 for all).
+            Unit times use each device's own; memory and cut bytes are per unit, not per
+            device, in the solver's problem, so they take the widest precision present
+            (one fp32 device counts every device's activations and cut tensors in fp32).
 
     Returns:
         A verified ``PlanningProblem`` (D devices in cluster order, U units, K sizes).
@@ -258,9 +328,11 @@ def build_problem(
     num_units = len(costs)
     assert len(graph.units) == num_units and len(graph.cuts) == max(num_units - 1, 0)
     devices = cluster.devices
-    fwd, bwd = _unit_time_arrays(source, devices, costs, sizes, graph.param_dtype)
+    numerics = device_numerics(devices, graph.param_dtype, precisions)
+    widest = max(numerics, key=lambda n: n.activation_bytes_factor)
+    fwd, bwd = _unit_time_arrays(source, devices, costs, sizes, numerics)
     bandwidth, latency = _link_arrays(cluster)
-    cut_bytes, cut_grad_bytes = _cut_arrays(graph)
+    cut_bytes, cut_grad_bytes = _cut_arrays(graph, widest.precision)
     problem = PlanningProblem(
         unit_names=tuple(u.name for u in graph.units),
         device_names=tuple(d.name for d in devices),
@@ -274,8 +346,10 @@ def build_problem(
         optimizer_time_s=_array(
             [[source.optimizer_time_s(d, c, factor) for c in costs] for d in devices]
         ),
-        static_memory_bytes=_array([static_memory_bytes(c, factor) for c in costs]),
-        activation_bytes_per_sample=_array([c.activation_bytes_per_sample for c in costs]),
+        static_memory_bytes=_array([static_memory_bytes(c, factor, widest) for c in costs]),
+        activation_bytes_per_sample=_array(
+            [c.activation_bytes_per_sample * widest.activation_bytes_factor for c in costs]
+        ),
         cut_bytes_per_sample=cut_bytes,
         cut_grad_bytes_per_sample=cut_grad_bytes,
         grad_bytes=_array([c.trainable_param_bytes for c in costs]),
@@ -297,11 +371,12 @@ def _checked_optimizer_factor(factor: float) -> float:
     return factor
 
 
-def _cut_arrays(graph: ModelGraph) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sample bytes crossing each cut: forward (activations), backward (gradients)."""
-    num_cuts = len(graph.unit_costs) - 1
-    forward = _array([graph.cut_bytes_per_sample(i) for i in range(num_cuts)])
-    backward = _array([graph.cut_grad_bytes_per_sample(i) for i in range(num_cuts)])
+def _cut_arrays(graph: ModelGraph, sender: Precision) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample bytes crossing each cut as a ``sender`` rank sends them
+    (``contract.plan.wire_spec``): forward (activations), backward (gradients)."""
+    wire = [[wire_spec(t, sender) for t in cut] for cut in graph.cuts]
+    forward = _array([sum(t.num_bytes(1) for t in cut) for cut in wire])
+    backward = _array([sum(t.num_bytes(1) for t in cut if t.requires_grad) for cut in wire])
     return forward, backward
 
 
@@ -335,7 +410,7 @@ def _unit_time_arrays(
     devices: Sequence[Device],
     costs: Sequence[UnitCost],
     sizes: Sequence[int],
-    param_dtype: str,
+    numerics: Sequence[Numerics],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward times, each of shape (D, U, K), seconds."""
     fwd = np.zeros((len(devices), len(costs), len(sizes)))
@@ -343,7 +418,7 @@ def _unit_time_arrays(
     for d, device in enumerate(devices):
         for u, cost in enumerate(costs):
             for k, size in enumerate(sizes):
-                times = source.unit_times(device, cost, size, param_dtype)
+                times = source.unit_times(device, cost, size, numerics[d])
                 fwd[d, u, k] = times.fwd_time_s
                 bwd[d, u, k] = times.bwd_time_s
     return fwd, bwd

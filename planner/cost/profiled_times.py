@@ -38,7 +38,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hplan.planner.cost.problem_builder import RooflineSource, UnitTimes, UnitTimeSource
+from hplan.planner.cost.problem_builder import (
+    Numerics,
+    RooflineSource,
+    UnitTimes,
+    UnitTimeSource,
+)
 from hplan.planner.hardware.catalog import CATALOG, DeviceClass, DeviceType
 from hplan.planner.hardware.cluster import Device
 from hplan.planner.profiling.profile_file import MeasurementSource, Profile, UnitTiming
@@ -115,10 +120,13 @@ class MeasuredSource:
 
     # -------------------------------------------------------------- UnitTimeSource
     def unit_times(
-        self, device: Device, cost: UnitCost, micro_batch_size: int, param_dtype: str
+        self, device: Device, cost: UnitCost, micro_batch_size: int, numerics: Numerics
     ) -> UnitTimes:
-        """Forward and backward seconds of one micro-batch (see the module docstring)."""
-        return self._estimate(device, cost, micro_batch_size).times
+        """Forward and backward seconds of one micro-batch (see the module docstring).
+
+        Measured points are used as measured (``hplan profile`` times units in the model's
+        own dtype, without autocast); ``numerics`` steers the roofline estimates."""
+        return self._estimate(device, cost, micro_batch_size, numerics).times
 
     def optimizer_time_s(
         self, device: Device, cost: UnitCost, optimizer_state_bytes_per_param_byte: float
@@ -150,10 +158,12 @@ class MeasuredSource:
         candidates += [kind, f"{kind}{_POOLED}"]
         return next((k for k in candidates if k in self._measured), None)
 
-    def _estimate(self, device: Device, cost: UnitCost, size: int) -> _Estimate:
+    def _estimate(
+        self, device: Device, cost: UnitCost, size: int, numerics: Numerics | None = None
+    ) -> _Estimate:
         cache_key = (device.name, cost.name, size)
         if cache_key not in self._cache:
-            base = self._base_estimate(device, cost, size)
+            base = self._base_estimate(device, cost, size, numerics or Numerics(self.param_dtype))
             factor = self._factor(device)
             label = base.label
             if abs(factor - 1.0) > _SAME_FACTOR:
@@ -162,7 +172,9 @@ class MeasuredSource:
             self._cache[cache_key] = _Estimate(times, label, base.scale * factor)
         return self._cache[cache_key]
 
-    def _base_estimate(self, device: Device, cost: UnitCost, size: int) -> _Estimate:
+    def _base_estimate(
+        self, device: Device, cost: UnitCost, size: int, numerics: Numerics
+    ) -> _Estimate:
         key = self._timing_key(device)
         points = self._measured[key].points.get(cost.name) if key else None
         if points:
@@ -171,12 +183,12 @@ class MeasuredSource:
             if abs(scale - 1.0) > _SAME_FACTOR:
                 label = f"{label} x {scale:.2f} (cluster.yaml overrides {device.kind})"
             return _Estimate(UnitTimes(point.fwd_s * scale, point.bwd_s * scale), label, scale)
-        roofline = self.roofline.unit_times(device, cost, size, self.param_dtype)
+        roofline = self.roofline.unit_times(device, cost, size, numerics)
         ratio = self._ratios.get(device.type.device_class)
         if ratio is not None:
             times = UnitTimes(roofline.fwd_time_s * ratio, roofline.bwd_time_s * ratio)
             return _Estimate(times, f"roofline x {ratio:.2g} (scaled by measured devices)", ratio)
-        peaks = self._measured_peaks_type(device)
+        peaks = self._measured_peaks_type(device, numerics.compute_dtype)
         if peaks is not None:
             measured_roofline = RooflineSource(
                 compute_efficiency=1.0,
@@ -184,7 +196,7 @@ class MeasuredSource:
                 op_overhead_s=self.roofline.op_overhead_s,
             )
             peak_device = dataclasses.replace(device, type=peaks)
-            times = measured_roofline.unit_times(peak_device, cost, size, self.param_dtype)
+            times = measured_roofline.unit_times(peak_device, cost, size, numerics)
             return _Estimate(times, "roofline (measured device peaks)", 1.0)
         return _Estimate(roofline, "roofline", 1.0)
 
@@ -203,13 +215,14 @@ class MeasuredSource:
 
     def _roofline_total_s(self, device_type: DeviceType, cost: UnitCost, size: int) -> float:
         stand_in = Device(name="profile", node="profile", local_index=0, type=device_type)
-        times = self.roofline.unit_times(stand_in, cost, size, self.param_dtype)
+        times = self.roofline.unit_times(stand_in, cost, size, Numerics(self.param_dtype))
         return times.fwd_time_s + times.bwd_time_s
 
-    def _measured_peaks_type(self, device: Device) -> DeviceType | None:
-        """The device's type with its kind's measured FLOP/s and bandwidth, if measured."""
+    def _measured_peaks_type(self, device: Device, dtype: str) -> DeviceType | None:
+        """The device's type with its kind's measured ``dtype`` matmul FLOP/s and
+        bandwidth, if measured."""
         profiles = [p for p in self._devices.values() if p.kind == device.kind]
-        flops = [p.matmul_flops_per_s.get(self.param_dtype) for p in profiles]
+        flops = [p.matmul_flops_per_s.get(dtype) for p in profiles]
         bandwidths = [p.memory_bandwidth_bytes_per_s for p in profiles]
         flops_s = [f.median for f in flops if f is not None]
         bandwidth_s = [b.median for b in bandwidths if b is not None]

@@ -13,6 +13,7 @@ from hplan.runtime.contract.plan import (
     CutSpec,
     ModelSpec,
     Plan,
+    Precision,
     RankPlan,
     Report,
     TrainingSpec,
@@ -48,6 +49,7 @@ def build_plan(
     global_batch_size: int,
     report: Report,
     training: TrainingSpec,
+    precisions: Mapping[str, Precision] | None = None,
 ) -> Plan:
     """Assemble and verify the plan.
 
@@ -56,11 +58,12 @@ def build_plan(
 
     Args:
         device_names: the problem's device names; ``layout`` indexes into them.
+        precisions: device name -> the precision its rank computes in (default fp32).
 
     Raises:
         PlanFileError: the assembled plan is inconsistent (a bug upstream).
     """
-    ranks, cut_idx = _rank_plans(graph, cluster, device_names, layout)
+    ranks, cut_idx = _rank_plans(graph, cluster, device_names, layout, precisions or {})
     unit_names = [u.name for u in graph.units]
     cuts = tuple(CutSpec(after_unit=unit_names[i], tensors=graph.cuts[i]) for i in cut_idx)
     plan = Plan(
@@ -78,7 +81,11 @@ def build_plan(
 
 
 def _rank_plans(
-    graph: ModelGraph, cluster: ClusterSpec, device_names: tuple[str, ...], layout: Layout
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    device_names: tuple[str, ...],
+    layout: Layout,
+    precisions: Mapping[str, Precision],
 ) -> tuple[tuple[RankPlan, ...], tuple[int, ...]]:
     """Every stage of every replica as a rank (in cluster device order), and the sorted
     indices of the cuts that fall between two stages."""
@@ -111,6 +118,7 @@ def _rank_plans(
                 micro_batch_size=replica.micro_batch_size,
                 num_microbatches=replica.num_microbatches,
                 num_samples=replica.num_samples,
+                precision=precisions.get(device_name, Precision.FP32),
             )
         )
     return tuple(ranks), tuple(sorted(cut_idx))

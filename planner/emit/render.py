@@ -33,6 +33,7 @@ from hplan.runtime.contract.plan import (
     BaselineReport,
     MemoryStrategy,
     Plan,
+    Precision,
     RankPlan,
     RankReport,
     Report,
@@ -115,6 +116,26 @@ def wide_console(*, stderr: bool) -> Console:
     return Console(stderr=stderr, highlight=False, width=max(detected, TEXT_WIDTH))
 
 
+_PRECISION_WORDS = {
+    Precision.FP32: "fp32 (PyTorch defaults: float32 matmuls, TF32 convolutions)",
+    Precision.TF32: "tf32 (float32 matmuls and convolutions in TF32)",
+    Precision.BF16: "bf16 autocast (fp32 weights and optimizer state)",
+    Precision.FP16: "fp16 autocast with a loss scale shared by every rank",
+}
+
+
+def _precision(plan: Plan) -> str:
+    """``bf16 autocast (...)`` when every rank shares it, else per device kind."""
+    kinds: dict[Precision, list[str]] = {}
+    for rank in plan.ranks:
+        kinds.setdefault(rank.precision, [])
+        if rank.device_kind not in kinds[rank.precision]:
+            kinds[rank.precision].append(rank.device_kind)
+    if len(kinds) == 1:
+        return _PRECISION_WORDS[next(iter(kinds))]
+    return " · ".join(f"{p.value} on {', '.join(k)}" for p, k in kinds.items())
+
+
 def _header(plan: Plan, width: int) -> list[Text]:
     report = plan.report
     nodes = {r.node for r in plan.ranks}
@@ -132,6 +153,7 @@ def _header(plan: Plan, width: int) -> list[Text]:
             f"{plan.training.schedule} · sync {plan.training.sync_mode} · "
             f"backend {plan.training.backend}",
         ),
+        ("precision", _precision(plan)),
         ("predicted", _predicted(report)),
         (
             "bound",

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.plan import Precision
 from hplan.runtime.contract.quantities import (
     gb_per_s_to_bytes_per_s,
     gflops_to_flops,
@@ -292,6 +293,52 @@ _DTYPE_ALIASES = {
     "half": "float16",
     "bfloat16": "bfloat16",
 }
+
+
+PRECISION_CHOICES: tuple[str, ...] = ("auto", *(p.value for p in Precision))
+"""What ``--precision`` accepts: ``auto`` or a ``Precision``."""
+
+
+def has_bf16_tensor_cores(device: DeviceType) -> bool:
+    """A GPU whose bf16 peak beats its fp32 one (Ampere and later; not Volta or Turing)."""
+    return device.bf16_flops_per_s > device.fp32_flops_per_s
+
+
+def resolve_precision(requested: str, device: DeviceType, *, device_name: str) -> Precision:
+    """The precision a device computes in for ``--precision requested``.
+
+    ``auto``: on a GPU, bf16 autocast where it has bf16 tensor cores, else fp16 autocast
+    with loss scaling where it has fp16 tensor cores (Volta, Turing), else fp32; on a CPU,
+    fp32 (PyTorch's defaults; CPU autocast is a choice to make by hand). A named precision
+    applies as given, except bf16 on a GPU without bf16 tensor cores.
+
+    Raises:
+        ConfigError: an unknown name, or bf16 asked of a GPU without bf16 tensor cores.
+    """
+    if requested not in PRECISION_CHOICES:
+        raise ConfigError(f"precision {requested!r} is not one of {', '.join(PRECISION_CHOICES)}")
+    gpu = device.device_class is DeviceClass.GPU
+    if requested != "auto":
+        precision = Precision(requested)
+        if precision is Precision.BF16 and gpu and not has_bf16_tensor_cores(device):
+            raise ConfigError(
+                f"{device_name} ({device.display_name}) has no bf16 tensor cores; use "
+                "--precision fp16 (loss-scaled) or auto"
+            )
+        return precision
+    if not gpu:
+        return Precision.FP32
+    if has_bf16_tensor_cores(device):
+        return Precision.BF16
+    if device.fp16_flops_per_s > device.fp32_flops_per_s:
+        return Precision.FP16
+    return Precision.FP32
+
+
+def compute_dtype(precision: Precision, param_dtype: str) -> str:
+    """torch dtype name the matmuls of a rank run in: the autocast dtype, else the
+    parameter dtype."""
+    return precision.autocast_dtype or param_dtype
 
 
 def peak_flops_per_s(device: DeviceType, dtype: str, *, allow_tf32: bool = False) -> float:

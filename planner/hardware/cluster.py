@@ -41,6 +41,7 @@ from hplan.planner.hardware.catalog import (
     CATALOG,
     DeviceClass,
     DeviceType,
+    compute_dtype,
     lookup_device_type,
     normalize_name,
     peak_flops_per_s,
@@ -58,7 +59,14 @@ from hplan.planner.hardware.cluster_schema import (
     yaml_problem,
 )
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.plan import ClusterSpec, CollectiveSpec, DeviceSpec, LinkSpec, NodeSpec
+from hplan.runtime.contract.plan import (
+    ClusterSpec,
+    CollectiveSpec,
+    DeviceSpec,
+    LinkSpec,
+    NodeSpec,
+    Precision,
+)
 from hplan.runtime.contract.quantities import (
     gb_per_s_to_bytes_per_s,
     gb_to_bytes,
@@ -521,12 +529,27 @@ def _slowest_node_links(
 
 
 # ----------------------------------------------------------------------------- plan export
-def to_cluster_spec(cluster: Cluster, param_dtype: str, *, allow_tf32: bool = False) -> ClusterSpec:
+def _peak_flops_per_s(device: Device, param_dtype: str, precision: Precision | None) -> float:
+    chosen = precision or Precision.FP32
+    return peak_flops_per_s(
+        device.type,
+        compute_dtype(chosen, param_dtype),
+        allow_tf32=chosen is Precision.TF32,
+    )
+
+
+def to_cluster_spec(
+    cluster: Cluster,
+    param_dtype: str,
+    *,
+    precisions: Mapping[str, Precision] | None = None,
+) -> ClusterSpec:
     """The plan's record of the cluster.
 
-    ``peak_flops`` of each device is its catalog peak for ``param_dtype`` (see
-    ``catalog.peak_flops_per_s``); ``links`` has one entry per unordered pair of distinct
-    devices, in device order.
+    ``peak_flops`` of each device is its catalog peak for the dtype its matmuls run in
+    (``catalog.compute_dtype`` of its precision in ``precisions``, default fp32, and
+    ``param_dtype``; TF32 for tf32); ``links`` has one entry per unordered pair of
+    distinct devices, in device order.
 
     Raises:
         ConfigError: ``param_dtype`` has no catalog peak.
@@ -539,7 +562,7 @@ def to_cluster_spec(cluster: Cluster, param_dtype: str, *, allow_tf32: bool = Fa
             local_index=d.local_index,
             kind=d.kind,
             memory_bytes=d.type.memory_bytes,
-            peak_flops=peak_flops_per_s(d.type, param_dtype, allow_tf32=allow_tf32),
+            peak_flops=_peak_flops_per_s(d, param_dtype, (precisions or {}).get(d.name)),
             memory_bandwidth_bytes_per_s=d.type.memory_bandwidth_bytes_per_s,
             consumer_card=d.type.consumer_card,
         )

@@ -81,6 +81,53 @@ class MemoryStrategy(StrEnum):
     RECOMPUTE = "recompute"
 
 
+class Precision(StrEnum):
+    """How a rank computes: the number format of its matmuls and saved activations.
+
+    Parameters, gradients and optimizer state stay in the model's parameter dtype in every
+    mode (for an fp32 model: fp32 master weights, as in Micikevicius et al., "Mixed
+    Precision Training", ICLR 2018).
+
+    - ``fp32``: PyTorch's defaults: float32 matmuls, convolutions in TF32 where the GPU has
+      it (``torch.backends.cudnn.allow_tf32`` is True by default).
+    - ``tf32``: float32 matmuls also in TF32 (``torch.backends.cuda.matmul.allow_tf32``).
+    - ``bf16``: ``torch.autocast`` to bfloat16.
+    - ``fp16``: ``torch.autocast`` to float16 with dynamic loss scaling, the skip of a step
+      with a non-finite gradient agreed by every rank.
+    """
+
+    FP32 = "fp32"
+    TF32 = "tf32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        """torch dtype name ``torch.autocast`` runs in, None without autocast."""
+        return {Precision.BF16: "bfloat16", Precision.FP16: "float16"}.get(self)
+
+
+def wire_spec(spec: TensorSpec, sender: Precision) -> TensorSpec:
+    """The spec of ``spec`` as it travels from a rank computing in ``sender`` precision.
+
+    Under autocast (bf16, fp16) float32 boundary tensors travel, and their gradients
+    return, in the autocast dtype: the bytes the cost model counts (half of float32), and
+    what the receiver's autocast ops would cast them to anyway (a receiver without
+    autocast casts them back to float32). Other tensors (integer ids, masks, a half
+    precision model's tensors) and every tensor of an fp32/tf32 rank travel as traced.
+    """
+    half = sender.autocast_dtype
+    if half is None or spec.dtype != "float32":
+        return spec
+    return TensorSpec(
+        name=spec.name,
+        shape=spec.shape,
+        dtype=half,
+        batch_dim=spec.batch_dim,
+        requires_grad=spec.requires_grad,
+    )
+
+
 class SyncMode(StrEnum):
     """How data-parallel replicas keep their parameters in step."""
 
@@ -277,6 +324,7 @@ class RankPlan:
     num_samples: Count
     """Samples this replica processes per optimizer step (its batch share)."""
     memory_strategy: MemoryStrategy = MemoryStrategy.KEEP
+    precision: Precision = Precision.FP32
 
 
 @record
@@ -405,6 +453,12 @@ class Plan:
     @property
     def num_replicas(self) -> int:
         return 1 + max(r.replica for r in self.ranks)
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether the job scales its loss: some rank computes in fp16. One loss scale is
+        then shared by every rank (gradients cross stages and replicas at that scale)."""
+        return any(r.precision is Precision.FP16 for r in self.ranks)
 
     def replica_ranks(self, replica: int) -> tuple[RankPlan, ...]:
         """Ranks of one replica in stage order."""

@@ -23,6 +23,7 @@ blocking receive, send completion, all-reduce and optimizer step started and end
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Mapping
@@ -31,18 +32,25 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils._pytree import tree_map
 
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.stage import StageModule
 from hplan.runtime.contract.errors import HplanError, PeerFailureError
-from hplan.runtime.contract.plan import MemoryStrategy, Plan, RankPlan, microbatch_sizes
+from hplan.runtime.contract.plan import (
+    MemoryStrategy,
+    Plan,
+    RankPlan,
+    microbatch_sizes,
+)
 from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 from hplan.runtime.contract.timeline_file import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
-from hplan.runtime.executor.comm import StageComm
+from hplan.runtime.executor.comm import StageComm, torch_dtype
 from hplan.runtime.executor.data import BatchSource, MicroBatch, stage_inputs
 from hplan.runtime.executor.grad_sync import GradBucket, loss_weight
 from hplan.runtime.executor.notation import schedule_table
+from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
 
 
@@ -73,6 +81,8 @@ class RankParts:
     optimizer: torch.optim.Optimizer
     source: BatchSource
     comm: StageComm
+    scaler: ShardedGradScaler | None = None
+    """The job's shared loss scaler when some rank computes in fp16 (``precision.py``)."""
 
 
 @dataclass
@@ -121,6 +131,7 @@ class StepRunner:
         self.times = StepTimes()
         self.timeline = TimelineRecorder(rank_plan.rank)
         self._allreduce_s = 0.0
+        self._traced_float32 = _traced_float32_inputs(parts.plan, rank_plan)
         self._flight: dict[int, _InFlight] = {}
         self._losses: list[Tensor] = []
         self._batches: list[MicroBatch] = []
@@ -162,11 +173,32 @@ class StepRunner:
         total = torch.stack([loss.float() for loss in self._losses]).sum()
         return float(total) * parts.plan.global_batch_size / parts.rank_plan.num_samples
 
-    def optimizer_step(self) -> None:
-        """Apply the optimizer to the synced gradients, then drop them."""
+    def unscale_gradients(self) -> None:
+        """Under loss scaling, divide the synced gradients by the scale and vote on
+        whether any rank's are non-finite (``precision.py``; a collective of every rank).
+        Call after :meth:`run`, before reading or clipping gradients."""
+        if self.parts.scaler is not None:
+            self.parts.scaler.unscale_(self.parts.optimizer)
+
+    def optimizer_step(self) -> bool:
+        """Apply the optimizer to the synced (unscaled) gradients, then drop them.
+
+        Returns:
+            False when loss scaling skipped the step (a non-finite gradient on some rank;
+            every rank skips it and halves the scale), else True.
+        """
+        scaler = self.parts.scaler
         with self.clock.optimizer():
-            self.parts.optimizer.step()
+            if scaler is None:
+                self.parts.optimizer.step()
+                stepped = True
+            else:
+                scale = scaler.get_scale()
+                scaler.step(self.parts.optimizer)
+                scaler.update()
+                stepped = scaler.get_scale() >= scale
             self.parts.optimizer.zero_grad(set_to_none=True)
+        return stepped
 
     def finish_step(self) -> StepTimes:
         """This step's compute spans from the clock: into :attr:`times` and the timeline."""
@@ -189,8 +221,8 @@ class StepRunner:
     ) -> tuple[dict[str, Any], Tensor | None]:  # fmt: skip
         """One forward of ``stage`` (the rank's stage or a copy) with autograd on, and the
         weighted loss on a last stage (None elsewhere); nothing is sent."""
-        with torch.enable_grad():
-            outputs = stage(inputs, received)
+        with torch.enable_grad(), self._autocast():
+            outputs = self._to_wire(stage(inputs, self._from_wire(received)))
             loss = self._loss(outputs, mb) if self.parts.stage.is_last else None
         return outputs, loss
 
@@ -201,6 +233,8 @@ class StepRunner:
         gradient with the gradient the next stage sent for it."""
         if self.parts.stage.is_last:
             assert loss is not None
+            if self.parts.scaler is not None:
+                loss = self.parts.scaler.scale(loss)
             return ([loss], [None]) if loss.requires_grad else ([], [])
         assert outputs is not None
         pairs = [
@@ -264,8 +298,9 @@ class StepRunner:
         with (
             self.clock.forward(str(action), mb, inputs, received),
             torch.set_grad_enabled(not self.recompute),
+            self._autocast(),
         ):
-            outputs = parts.stage(inputs, received)
+            outputs = self._to_wire(parts.stage(inputs, self._from_wire(received)))
             if parts.stage.is_last:
                 flight.loss = self._loss(outputs, mb)
                 self._losses.append(flight.loss.detach())
@@ -274,6 +309,36 @@ class StepRunner:
         self._flight[mb.index] = flight
         if parts.comm.next is not None:
             parts.comm.send_activations(mb.index, mb.num_samples, outputs)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        return autocast(self.parts.device, self.parts.rank_plan.precision)
+
+    def _to_wire(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        """Cast the floating outputs the next stage receives to the dtype they travel in
+        (``contract.plan.wire_spec``; a no-op outside autocast). The cast is part of the
+        autograd graph, so the gradient that comes back in that dtype flows through it."""
+        comm = self.parts.comm
+        if comm.next is None:
+            return outputs
+        cast = dict(outputs)
+        for spec in comm.next.specs:
+            value = cast.get(spec.name)
+            if isinstance(value, Tensor) and value.is_floating_point():
+                cast[spec.name] = value.to(torch_dtype(spec.dtype))
+        return cast
+
+    def _from_wire(self, received: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """Received tensors as this stage computes on them: half-precision float32
+        tensors back in float32 on a rank without autocast (else as they came)."""
+        if (
+            self.parts.rank_plan.precision.autocast_dtype is not None
+            or self.parts.comm.prev is None
+        ):
+            return received
+        narrowed = {
+            spec.name for spec in self.parts.comm.prev.specs if spec.dtype != "float32"
+        } & self._traced_float32
+        return {name: t.float() if name in narrowed else t for name, t in received.items()}
 
     def _loss(self, outputs: dict[str, Any], mb: MicroBatch) -> Tensor:
         targets = _to_device(mb.targets, self.parts.device)
@@ -302,9 +367,19 @@ class StepRunner:
         device = self.parts.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             _set_rng_state(device, flight.rng_state)
-            flight.outputs = self.parts.stage(flight.inputs, flight.received)
-            if self.parts.stage.is_last:
-                flight.loss = self._loss(flight.outputs, mb)
+            with self._autocast():
+                received = self._from_wire(flight.received)
+                flight.outputs = self._to_wire(self.parts.stage(flight.inputs, received))
+                if self.parts.stage.is_last:
+                    flight.loss = self._loss(flight.outputs, mb)
+
+
+def _traced_float32_inputs(plan: Plan, rank_plan: RankPlan) -> frozenset[str]:
+    """Names of the float32 tensors (as traced) this rank receives from its previous stage."""
+    if rank_plan.stage == 0:
+        return frozenset()
+    before = plan.units[[u.name for u in plan.units].index(rank_plan.units[0]) - 1].name
+    return frozenset(t.name for t in plan.cut_after(before).tensors if t.dtype == "float32")
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

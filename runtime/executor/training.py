@@ -376,9 +376,17 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
     start_s = time.monotonic()
     parts.comm.reset_times()
     loss = runner.run(step)
+    runner.unscale_gradients()
     if verify is not None:
         _dump_verify(parts, verify, "grads", loss)
-    runner.optimizer_step()
+    if not runner.optimizer_step() and parts.rank_plan.rank == 0:
+        assert parts.scaler is not None
+        print(
+            f"hplan: step {step} skipped: a gradient was not finite (fp16 loss scaling; every "
+            f"rank skipped it); loss scale now {parts.scaler.get_scale():g}",
+            file=sys.stderr,
+            flush=True,
+        )
     if verify is not None:
         _dump_verify(parts, verify, "params", loss)
     times = runner.finish_step()

@@ -30,10 +30,11 @@ from hplan.runtime.contract.errors import (
     PlanMismatchError,
     error_reason,
 )
-from hplan.runtime.contract.plan import Plan, RankPlan, SyncMode
+from hplan.runtime.contract.plan import Plan, RankPlan, SyncMode, wire_spec
 from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
 from hplan.runtime.executor.pipeline import RankParts, stage_label
+from hplan.runtime.executor.precision import configure_matmul_precision, loss_scaler
 from hplan.runtime.executor.rendezvous import (
     check_machine,
     join_job,
@@ -116,18 +117,22 @@ def check_environment(plan: Plan, rank: int, options: RunOptions) -> None:
 
 # --------------------------------------------------------------------------- building
 def boundaries(plan: Plan, rank_plan: RankPlan) -> tuple[Boundary | None, Boundary | None]:
-    """This rank's cut with the previous stage and with the next one (None: no such stage)."""
+    """This rank's cut with the previous stage and with the next one (None: no such stage),
+    each tensor as it travels from its sender (``contract.plan.wire_spec``)."""
     replica = plan.replica_ranks(rank_plan.replica)
     unit_names = [u.name for u in plan.units]
     prev = next_ = None
     if rank_plan.stage > 0:
         before = unit_names[unit_names.index(rank_plan.units[0]) - 1]
         cut = plan.cut_after(before)
-        prev = Boundary(replica[rank_plan.stage - 1].rank, cut.tensors, f"cut after {before}")
+        sender = replica[rank_plan.stage - 1]
+        specs = tuple(wire_spec(t, sender.precision) for t in cut.tensors)
+        prev = Boundary(sender.rank, specs, f"cut after {before}")
     if rank_plan.stage < len(replica) - 1:
         cut = plan.cut_after(rank_plan.units[-1])
         peer = replica[rank_plan.stage + 1].rank
-        next_ = Boundary(peer, cut.tensors, f"cut after {rank_plan.units[-1]}")
+        specs = tuple(wire_spec(t, rank_plan.precision) for t in cut.tensors)
+        next_ = Boundary(peer, specs, f"cut after {rank_plan.units[-1]}")
     return prev, next_
 
 
@@ -223,7 +228,19 @@ def build_rank(
         delay=links or LinkDelay(),
         post_ahead=run_backend(plan, options) == "gloo",
     )
-    return RankParts(plan, rank_plan, device, model_file, stage, params, optimizer, source, comm)
+    configure_matmul_precision(device, rank_plan.precision)
+    return RankParts(
+        plan,
+        rank_plan,
+        device,
+        model_file,
+        stage,
+        params,
+        optimizer,
+        source,
+        comm,
+        scaler=loss_scaler(plan, device),
+    )
 
 
 def warn_if_model_changed(plan: Plan, model_file: ModelFile) -> None:

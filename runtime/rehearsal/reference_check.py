@@ -17,8 +17,9 @@ import torch
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.plan import Plan, Precision
 from hplan.runtime.executor.data import BatchSource
+from hplan.runtime.executor.precision import autocast
 
 REFERENCE_TOLERANCE = 1e-4
 """Largest relative difference of updated parameters for ``verify`` to pass."""
@@ -40,7 +41,8 @@ def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> Re
     """Train ``num_steps`` steps in one process on the plan's global batches.
 
     Same seed, same data (``BatchSource``), same optimizer (``make_optimizer`` or AdamW) as
-    the ranks; the full model, no pipeline, no micro-batches.
+    the ranks, the same autocast (``reference_precision``); the full model, no pipeline,
+    no micro-batches.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.training.seed)
@@ -58,8 +60,9 @@ def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> Re
         first_grads: dict[str, torch.Tensor] = {}
         for step in range(num_steps):
             inputs, targets = source.global_batch(step)
-            outputs = model(**bind_inputs(model, inputs))
-            loss = checked_loss(model_file, outputs, targets, require_grad=True)
+            with autocast(torch.device("cpu"), reference_precision(plan)):
+                outputs = model(**bind_inputs(model, inputs))
+                loss = checked_loss(model_file, outputs, targets, require_grad=True)
             loss.backward()
             losses.append(float(loss.detach()))
             if step == 0:
@@ -72,6 +75,15 @@ def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> Re
             optimizer.zero_grad(set_to_none=True)
     params_now = {name: p.detach().clone() for name, p in model.named_parameters()}
     return ReferenceRun(params_now, first_grads, tuple(losses))
+
+
+def reference_precision(plan: Plan) -> Precision:
+    """The precision the reference computes in: the ranks' when they share one, else fp32.
+
+    A loss scale changes no gradient that stays finite, so fp16 plans are checked with fp16
+    autocast and no scaler."""
+    used = {r.precision for r in plan.ranks}
+    return used.pop() if len(used) == 1 else Precision.FP32
 
 
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -24,9 +24,10 @@ from hplan.planner.cost.problem_builder import (
     usable_memory_bytes,
 )
 from hplan.planner.frontend.cost_graph import build_model_graph
-from hplan.planner.hardware.catalog import CATALOG
+from hplan.planner.hardware.catalog import CATALOG, resolve_precision
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
 from hplan.runtime.contract.errors import ConfigError, ModelFileError
+from hplan.runtime.contract.plan import Precision
 from tests.fixtures.clusters import (
     cluster_from_dict,
     cpu_cluster,
@@ -278,7 +279,7 @@ class _FixedSource:
     def name(self) -> str:
         return "measured-test"
 
-    def unit_times(self, device, cost, micro_batch_size, param_dtype):
+    def unit_times(self, device, cost, micro_batch_size, numerics):
         self.calls.append((device.name, cost.name, micro_batch_size))
         return UnitTimes(fwd_time_s=0.001 * micro_batch_size, bwd_time_s=0.002 * micro_batch_size)
 
@@ -485,3 +486,47 @@ def test_a_problem_refuses_tied_parameters_it_cannot_hold(units, num_bytes, mess
     )
     with pytest.raises(ValueError, match=message):
         replace(problem, tied_params=(TiedParams(units, num_bytes),)).verify()
+
+
+# --------------------------------------------------------------------------- precision
+@pytest.mark.parametrize(
+    ("kind", "auto"),
+    [("rtx3090", Precision.BF16), ("a100-80gb", Precision.BF16), ("v100-32gb", Precision.FP16),
+     ("t4", Precision.FP16), ("cpu", Precision.FP32)],
+)  # fmt: skip
+def test_auto_precision_follows_the_tensor_cores(kind, auto):
+    assert resolve_precision("auto", CATALOG[kind], device_name="d") is auto
+    assert resolve_precision("tf32", CATALOG[kind], device_name="d") is Precision.TF32
+
+
+def test_bf16_on_a_card_without_bf16_tensor_cores_says_what_to_use():
+    with pytest.raises(ConfigError, match=r"d/0 \(.*T4.*\) has no bf16 tensor cores.*fp16"):
+        resolve_precision("bf16", CATALOG["t4"], device_name="d/0")
+    with pytest.raises(ConfigError, match="'int8' is not one of auto, fp32"):
+        resolve_precision("int8", CATALOG["t4"], device_name="d/0")
+
+
+def test_bf16_autocast_runs_matmuls_at_the_bf16_peak_and_halves_activation_bytes():
+    cost = unit_cost("u", fwd_flops_per_sample=1e12, io_bytes_per_sample=1e3, num_ops=0)
+    graph = stand_in_graph([cost, cost], cut_numel_per_sample=1000)
+    cluster = gpu_cluster("a100-80gb")
+    fp32 = build_problem(graph, cluster, global_batch_size=4)
+    bf16 = build_problem(
+        graph, cluster, global_batch_size=4, precisions={"node0/0": Precision.BF16}
+    )
+    tf32 = build_problem(
+        graph, cluster, global_batch_size=4, precisions={"node0/0": Precision.TF32}
+    )
+    a100 = CATALOG["a100-80gb"]
+    # Compute-bound: the time ratio is the peak ratio.
+    ratio = fp32.fwd_time_s[0, 0, -1] / bf16.fwd_time_s[0, 0, -1]
+    assert ratio == pytest.approx(a100.bf16_flops_per_s / a100.fp32_flops_per_s, rel=1e-3)
+    ratio = fp32.fwd_time_s[0, 0, -1] / tf32.fwd_time_s[0, 0, -1]
+    assert ratio == pytest.approx(a100.tf32_flops_per_s / a100.fp32_flops_per_s, rel=1e-3)
+    assert bf16.activation_bytes_per_sample[0] == fp32.activation_bytes_per_sample[0] / 2
+    assert bf16.cut_bytes_per_sample[0] == fp32.cut_bytes_per_sample[0] / 2 == 2000
+    # AMP keeps fp32 weights, gradients and Adam moments (16 bytes per parameter) and
+    # adds autocast's bf16 copy of the weights (2 more).
+    assert fp32.static_memory_bytes[0] == cost.param_bytes * 4
+    assert bf16.static_memory_bytes[0] == cost.param_bytes * 4.5
+    assert tf32.static_memory_bytes[0] == fp32.static_memory_bytes[0]

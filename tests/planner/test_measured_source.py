@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from hplan.planner.cost.problem_builder import RooflineSource, build_problem
+from hplan.planner.cost.problem_builder import Numerics, RooflineSource, build_problem
 from hplan.planner.cost.profiled_times import MeasuredSource, fit_line_at, source_labels
 from hplan.planner.hardware.cluster import Device
 from hplan.planner.profiling.profile_file import (
@@ -23,6 +23,7 @@ from tests.fixtures.clusters import cluster_from_dict, cpu_cluster, gpu_cluster,
 
 COSTS = (unit_cost("u0"), unit_cost("u1", fwd_flops_per_sample=4e9))
 ROOFLINE = RooflineSource()
+FP32_NUMERICS = Numerics("float32")
 
 
 def _stat(value: float) -> Stat:
@@ -48,7 +49,7 @@ def _source(*timings: UnitTiming, **profile_fields) -> MeasuredSource:
 
 
 def _times(source: MeasuredSource, device: Device, unit: int, size: int) -> tuple[float, float]:
-    times = source.unit_times(device, COSTS[unit], size, "float32")
+    times = source.unit_times(device, COSTS[unit], size, FP32_NUMERICS)
     return times.fwd_time_s, times.bwd_time_s
 
 
@@ -97,12 +98,12 @@ def test_an_unmeasured_kind_gets_the_roofline_scaled_by_the_measured_ratio():
     timings = []
     for cost in COSTS:
         for size in (1, 2):
-            est = ROOFLINE.unit_times(measured, cost, size, "float32")
+            est = ROOFLINE.unit_times(measured, cost, size, FP32_NUMERICS)
             timings.append(
                 _timing("rtx3090", cost.name, size, 3 * est.fwd_time_s, 3 * est.bwd_time_s)
             )
     source = _source(*timings)
-    est = ROOFLINE.unit_times(unmeasured, COSTS[1], 4, "float32")
+    est = ROOFLINE.unit_times(unmeasured, COSTS[1], 4, FP32_NUMERICS)
     assert _times(source, unmeasured, 1, 4) == pytest.approx(
         (3 * est.fwd_time_s, 3 * est.bwd_time_s)
     )
@@ -114,9 +115,9 @@ def test_an_unmeasured_kind_gets_the_roofline_scaled_by_the_measured_ratio():
 def test_a_cpu_measurement_does_not_scale_gpu_estimates():
     cpu = cpu_cluster(1).devices[0]
     gpu = gpu_cluster("rtx4090").devices[0]
-    est_cpu = ROOFLINE.unit_times(cpu, COSTS[0], 1, "float32")
+    est_cpu = ROOFLINE.unit_times(cpu, COSTS[0], 1, FP32_NUMERICS)
     source = _source(_timing("cpu", "u0", 1, 5 * est_cpu.fwd_time_s, 5 * est_cpu.bwd_time_s))
-    est_gpu = ROOFLINE.unit_times(gpu, COSTS[0], 1, "float32")
+    est_gpu = ROOFLINE.unit_times(gpu, COSTS[0], 1, FP32_NUMERICS)
     assert _times(source, gpu, 0, 1) == (est_gpu.fwd_time_s, est_gpu.bwd_time_s)
     assert source.source_label(gpu, COSTS[0], 1) == "roofline"
 
