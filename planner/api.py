@@ -10,11 +10,10 @@ checked by its own ``verify()``; ``passes.run_passes`` runs them and names a fai
    (``frontend/cost_graph.py``);
 4. ``trains_check``: the loss of the captured model can be trained on
    (``frontend/trains_check.py``);
-5. ``runtime_bytes``: what a plan of this model sends across each cut and sums per
-   gradient bucket (``sim/spec.RuntimeBytes``);
+5. ``precision``: what each device computes in, for ``--precision``
+   (``hardware/catalog.resolve_precision``); then ``runtime_bytes``: what a plan of this
+   model sends across each cut and sums per gradient bucket (``sim/spec.RuntimeBytes``);
 6. ``time_source``: unit times from a measured profile, or the roofline (``cost/``);
-   ``precision``: what each device computes in, for ``--precision``
-   (``hardware/catalog.resolve_precision``);
 7. ``problem``: the solver's arrays (``cost/problem_builder.py``);
 8. ``solve``: the layout, re-costed, validated, and simulated once with the bytes its plan
    will send (``solve/solver.py``; or a baseline's layout when asked);
@@ -148,6 +147,13 @@ class DevicePrecisions:
     """The precision each device computes in (``catalog.resolve_precision``)."""
 
     by_device: Mapping[str, Precision]
+
+    @property
+    def widest(self) -> Precision:
+        """The precision whose activations and cut tensors are largest (fp32 or tf32 when
+        any device has no autocast): what per-unit figures are counted in."""
+        plain = [p for p in self.by_device.values() if p.autocast_dtype is None]
+        return plain[0] if plain or not self.by_device else next(iter(self.by_device.values()))
 
     def verify(self) -> None:
         """Every value is a ``Precision``."""
@@ -339,9 +345,12 @@ PASSES: Sequence[Pass] = (
         lambda r: check_trains(r["capture"]),
         lambda _: "checking that the model trains",
     ),
-    Pass("runtime_bytes", lambda r: RuntimeBytes.of(r["cost_graph"])),
-    Pass("time_source", time_source_pass),
     Pass("precision", precision_pass),
+    Pass(
+        "runtime_bytes",
+        lambda r: RuntimeBytes.of(r["cost_graph"], r["precision"].widest),
+    ),
+    Pass("time_source", time_source_pass),
     Pass("problem", problem_pass),
     Pass("solve", solve_pass, _solving),
     Pass("report", report_pass),

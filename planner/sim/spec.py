@@ -45,12 +45,14 @@ from hplan.runtime.contract.holders import holders, shared_bytes
 from hplan.runtime.contract.plan import (
     GradSyncReport,
     Plan,
+    Precision,
     RankPlan,
     RankReport,
     Schedule,
     SyncMode,
     TensorSpec,
     microbatch_sizes,
+    wire_spec,
 )
 
 if TYPE_CHECKING:
@@ -152,7 +154,7 @@ def _compute_factors(sizes: Sequence[int], full: int, scale_partial: bool) -> tu
 def _plan_link(plan: Plan, a: RankPlan, b: RankPlan, sizes: Sequence[int]) -> SimLink:
     spec = plan.link(a.device, b.device)
     cut = plan.cut_after(a.units[-1])
-    forward, backward = cut_bytes(cut.tensors, sizes)
+    forward, backward = cut_bytes([wire_spec(t, a.precision) for t in cut.tensors], sizes)
     channel = SimChannel(spec.bandwidth_bytes_per_s, spec.latency_s)
     return SimLink(channel, channel, forward, backward)
 
@@ -199,10 +201,11 @@ class RuntimeBytes:
     """Canonical name -> bytes all-reduced per trainable parameter (:func:`param_wire_bytes`)."""
 
     @staticmethod
-    def of(graph: ModelGraph) -> RuntimeBytes:
-        """What a model graph's plans will send and sum."""
+    def of(graph: ModelGraph, sender: Precision = Precision.FP32) -> RuntimeBytes:
+        """What a model graph's plans will send and sum, cut tensors as ranks computing
+        in ``sender`` precision send them (``contract.plan.wire_spec``)."""
         return RuntimeBytes(
-            cuts=graph.cuts,
+            cuts=tuple(tuple(wire_spec(t, sender) for t in cut) for cut in graph.cuts),
             unit_params=tuple(u.params for u in graph.units),
             wire_bytes=param_wire_bytes(graph),
         )
