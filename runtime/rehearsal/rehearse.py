@@ -35,8 +35,9 @@ The rehearsal records dilation, time scale and slowdowns in ``<metrics_dir>/emul
 The prediction in emulated units is ``predicted_step_time_s * scale``. ``verify=True``
 runs step 0 with dropout off on the ranks and in one process on the whole global batch, and
 compares every synced gradient and every parameter update by name
-(``reference_check.py``); the steps after it use the model's dropout. ``trace_path`` writes the last step's measured per-rank timeline as a
-Chrome trace in seconds of the plan's hardware (``contract/timeline_file.py``), the unit of ``hplan simulate --trace``.
+(``reference_check.py``); the steps after it use the model's dropout. ``trace_path`` writes
+the last step's measured per-rank timeline as a Chrome trace in seconds of the plan's
+hardware (``contract/timeline_file.py``), the unit of ``hplan simulate --trace``.
 """
 
 from __future__ import annotations
