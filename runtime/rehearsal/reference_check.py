@@ -118,9 +118,12 @@ class WorstDifference:
     name: str | None
     """Canonical parameter name; None when no parameter was compared."""
     rank: int | None
-    """The rank whose copy it is."""
+    """The rank whose copy it is (a parameter held by several ranks is compared on each)."""
     relative_difference: float
+    """Its relative L2 difference (dimensionless; see the module docstring)."""
     tolerance: float
+    """Its tolerance (by dtype for gradients); the worst is the largest difference /
+    tolerance."""
     passed: bool
     """Every compared parameter is within its tolerance."""
 
@@ -149,8 +152,8 @@ class VerifyResult:
     """The ranks' global-batch mean loss of the step (None: no last stage dumped one)."""
     reference_loss: float
     dropout_off: dict[str, int]
-    """Dropout calls run with probability 0 in the reference step, by function (empty: the
-    model has no active dropout)."""
+    """Dropout calls that ran with probability 0 (on the ranks too) in the reference step,
+    by function (empty: the model has no active dropout)."""
     random_draws: dict[str, int]
     """Other random operators the reference forward and backward ran, by ATen name."""
     passed: bool
