@@ -92,7 +92,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="rendezvous port when not under torchrun (default: $MASTER_PORT, else the plan's)",
     )
-    parser.add_argument("--verify-dir", type=Path, help="dump grads and params after step one")
+    parser.add_argument(
+        "--verify-dir",
+        type=Path,
+        help="run step one with dropout off and dump its synced gradients and updated "
+        "parameters here (what `hplan rehearse --verify` compares)",
+    )
 
 
 def run_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ do (``control.StepControl``):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import statistics
@@ -50,6 +51,7 @@ from hplan.runtime.executor.control import (
 )
 from hplan.runtime.executor.grad_sync import build_buckets
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
+from hplan.runtime.executor.random_ops import DropoutOff
 from hplan.runtime.executor.rendezvous import barrier
 from hplan.runtime.executor.seams import Seams, default_clock, peak_memory_bytes
 from hplan.runtime.executor.worker import (
@@ -372,10 +374,13 @@ _STOP = StepFlags.PREEMPTED | StepFlags.NONFINITE_LOSS
 
 
 def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetrics:
+    """One step; with ``verify`` (a folder), dropout is off for it (``random_ops.py``) and
+    its synced gradients and updated parameters are dumped there."""
     parts = runner.parts
     start_s = time.monotonic()
     parts.comm.reset_times()
-    loss = runner.run(step)
+    with DropoutOff() if verify is not None else contextlib.nullcontext():
+        loss = runner.run(step)
     runner.unscale_gradients()
     if verify is not None:
         _dump_verify(parts, verify, "grads", loss)
@@ -414,7 +419,9 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
 
 
 def _dump_verify(parts: RankParts, directory: Path, kind: str, loss: float | None) -> None:
-    """Write ``<dir>/<kind>-rank-<r>.pt``: {name: tensor} of grads or updated params."""
+    """Write ``<dir>/<kind>-rank-<r>.pt``: ``{"tensors": {name: tensor}, "loss", "samples"}``
+    with this rank's gradients after the gradient sync (``grads``) or its parameters after
+    the optimizer step (``params``), by canonical name."""
     directory.mkdir(parents=True, exist_ok=True)
     if kind == "grads":
         tensors = {n: p.grad.detach().cpu().clone() for n, p in parts.params if p.grad is not None}

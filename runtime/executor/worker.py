@@ -54,7 +54,8 @@ class RunOptions:
     metrics_dir: Path | None = None
     checkpoint_dir: Path | None = None
     verify_dir: Path | None = None
-    """Rehearsal ``--verify``: dump parameters, gradients and loss after the first step."""
+    """Rehearsal ``--verify``: run the first step with dropout off (``random_ops.py``) and
+    dump its synced gradients, updated parameters and loss here."""
     device: str | None = None
     """Override the plan's device (rehearsal runs every rank on ``cpu``)."""
     backend: str | None = None
@@ -84,6 +85,7 @@ class RunOptions:
             "checkpoint_every_steps": self.checkpoint_every_steps,
             "checkpoint_every_s": self.checkpoint_every_s,
             "async_checkpoints": self.async_checkpoints,
+            "verify": self.verify_dir is not None,
         }
 
 

@@ -1,16 +1,43 @@
 """Single-process reference training and the comparison behind ``rehearse --verify``.
 
-The reference trains the *full* model in one process on the *whole* global batch of each
-step: same seed, same data (``BatchSource``), same optimizer as the ranks. One distributed
-step must give the same updated parameters, by name, whatever the plan's pipelines, batch
-shares and micro-batches.
+The reference runs the *full* model in one process on the *whole* global batch of a step:
+same seed, same data (``BatchSource``), same optimizer and LR scheduler as the ranks. What
+``verify`` checks of the ranks' first step (their ``--verify-dir`` dumps):
+
+1. **Gradients**, after the gradient sync, every copy of every parameter on every rank,
+   against one-process autograd: ``||g_rank - g_ref|| / ||g_ref||`` per parameter (L2 over
+   its elements) within :func:`gradient_tolerance` of its dtype. A parameter whose
+   reference gradient is round-off of a gradient that is zero in exact arithmetic (a key
+   bias before a softmax; see :data:`GRADIENT_FLOOR_EPS`) is measured against a floor
+   instead of its own norm.
+2. **Updates**, every copy of every parameter: the ranks' update ``p_rank - p_0`` against
+   the update the model file's own optimizer (and scheduler) makes in one process from the
+   same initial parameters and *the ranks' synced gradients*: ``||u_rank - u_ref|| /
+   ||u_ref||`` within :data:`UPDATE_TOLERANCE`.
+
+Why the update is checked on the ranks' gradients rather than on the reference's: an
+optimizer can turn a gradient difference far inside the gradient tolerance into a
+difference of the size of the whole step. Adam's first step is ``lr * g / (|g| + eps)``:
+where the exact gradient is 0, round-off of either sign becomes a step of up to ``lr``, so
+the updated parameters of a correct run differed by 6e-3 (relative) from one process. A
+tolerance scaled to each optimizer would have to know every optimizer; replaying the
+model file's own optimizer on the gradients the ranks used works for any of them, keeps
+the real optimizer (an SGD step instead would leave the first step's Adam state to the
+second), and the gradients themselves are checked against one-process autograd in (1).
+Together they say: the ranks computed the right gradients and applied the right update.
+
+Random operations: the verified step runs with dropout off in both runs
+(``executor/random_ops.py``); other random draws in the forward are recorded and named,
+since nothing here makes them agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,9 +47,35 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan, Precision
 from hplan.runtime.executor.data import BatchSource
 from hplan.runtime.executor.precision import autocast
+from hplan.runtime.executor.random_ops import DropoutOff, RandomDraws
 
-REFERENCE_TOLERANCE = 1e-4
-"""Largest relative difference of updated parameters for ``verify`` to pass."""
+GRADIENT_TOLERANCES = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2}
+"""Largest relative L2 difference of a parameter's gradient, by dtype. float32: the ranks
+and one process sum the same terms in another order (micro-batches, all-reduce); correct
+3-rank runs measured 1.2e-7 to 1.5e-7 (tiny GPT-2 and BERT with dropout, the late-inputs
+model), 3.4e-6 for BERT's key biases against their floor; a doubled gradient gives 1.
+bfloat16 (8 mantissa bits): 1.4e-2 measured on the runtime tests' bf16 MLP."""
+DEFAULT_GRADIENT_TOLERANCE = 5e-2
+"""Other dtypes (float16, 10 mantissa bits): bfloat16's tolerance, the looser one."""
+GRADIENT_FLOOR_EPS = 10.0
+"""A gradient's norm is measured against at least this many ``torch.finfo(dtype).eps`` of
+the model's typical gradient of a tensor its size (``sqrt(numel)`` times the RMS of every
+reference gradient element), so that a gradient that is zero in exact arithmetic, and
+round-off in both runs, does not count as a 100% difference. Tiny BERT at initialisation:
+its key biases (softmax ignores them) have gradients 5e-12 of the typical one, differing
+80% between ranks and one process; its smallest real gradients (the query weights) are
+2.2e-5 of it, above the float32 floor of 1.2e-6."""
+UPDATE_TOLERANCE = 1e-4
+"""Largest relative L2 difference of a parameter's update against the model's optimizer
+replayed on the ranks' own gradients: the same arithmetic on the same numbers, measured 0
+(bit for bit) with AdamW, SGD and bf16 SGD; the margin is for optimizers whose kernels
+group parameters differently (``foreach``) on another device."""
+
+
+def gradient_tolerance(dtype: torch.dtype) -> float:
+    """The relative gradient tolerance of a parameter of ``dtype`` (see
+    :data:`GRADIENT_TOLERANCES`)."""
+    return GRADIENT_TOLERANCES.get(dtype, DEFAULT_GRADIENT_TOLERANCE)
 
 
 @dataclass(frozen=True)
@@ -42,35 +95,19 @@ def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> Re
 
     Same seed, same data (``BatchSource``), same optimizer (``make_optimizer`` or AdamW) as
     the ranks, the same autocast (``reference_precision``); the full model, no pipeline,
-    no micro-batches.
+    no micro-batches, the model's own dropout.
     """
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(plan.training.seed)
-        model = model_file.build_model()
-        source = BatchSource(
-            model_file,
-            lambda raw: bind_inputs(model, raw),
-            plan.training.seed,
-            plan.global_batch_size,
-            plan.model.inputs,
-        )
+        model, source = _build(plan, model_file)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = model_file.optimizer(params)
         losses = []
         first_grads: dict[str, torch.Tensor] = {}
         for step in range(num_steps):
-            inputs, targets = source.global_batch(step)
-            with autocast(torch.device("cpu"), reference_precision(plan)):
-                outputs = model(**bind_inputs(model, inputs))
-                loss = checked_loss(model_file, outputs, targets, require_grad=True)
-            loss.backward()
-            losses.append(float(loss.detach()))
+            batch = source.global_batch(step)
+            losses.append(_forward_backward(model, model_file, batch, reference_precision(plan)))
             if step == 0:
-                first_grads = {
-                    n: p.grad.detach().clone()
-                    for n, p in model.named_parameters()
-                    if p.grad is not None
-                }
+                first_grads = _grads(model)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     params_now = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -86,48 +123,287 @@ def reference_precision(plan: Plan) -> Precision:
     return used.pop() if len(used) == 1 else Precision.FP32
 
 
-def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``||actual - expected|| / ||expected||`` (L2 over all elements; 0/0 counts as 0)."""
-    diff = torch.linalg.vector_norm((actual.double() - expected.double()).reshape(-1))
-    scale = torch.linalg.vector_norm(expected.double().reshape(-1))
-    if float(scale) == 0.0:
-        return float(diff)
-    return float(diff / scale)
+@dataclass(frozen=True)
+class WorstDifference:
+    """The parameter that came closest to (or furthest past) its tolerance."""
+
+    name: str | None
+    """Canonical parameter name; None when no parameter was compared."""
+    rank: int | None
+    """The rank whose copy it is (a parameter held by several ranks is compared on each)."""
+    relative_difference: float
+    """Its relative L2 difference (dimensionless; see the module docstring)."""
+    tolerance: float
+    """Its tolerance (by dtype for gradients); the worst is the largest difference /
+    tolerance."""
+    passed: bool
+    """Every compared parameter is within its tolerance."""
+
+    def describe(self, kind: str) -> str:
+        """E.g. ``gradients: worst h.0.attn.c_attn.weight (rank 1) rel 3.1e-06 (tol 1e-04)
+        pass``."""
+        verdict = "pass" if self.passed else "FAIL"
+        if self.name is None:
+            return f"{kind}: none compared {verdict}"
+        diff = "0" if self.relative_difference == 0 else f"{self.relative_difference:.1e}"
+        return (
+            f"{kind}: worst {self.name} (rank {self.rank}) rel {diff} "
+            f"(tol {self.tolerance:.0e}) {verdict}"
+        )
 
 
-def compare_with_reference(
-    reference: dict[str, torch.Tensor], dumps: Sequence[dict[str, torch.Tensor]]
-) -> float:
-    """Largest relative difference over every parameter copy of every rank, by name.
+@dataclass(frozen=True)
+class VerifyResult:
+    """The verified first step of a rehearsal against one process (module docstring)."""
+
+    gradients: WorstDifference
+    """Synced gradients against one-process autograd."""
+    updates: WorstDifference
+    """Parameter updates against the model's optimizer replayed on the ranks' gradients."""
+    loss: float | None
+    """The ranks' global-batch mean loss of the step (None: no last stage dumped one)."""
+    reference_loss: float
+    dropout_off: dict[str, int]
+    """Dropout calls that ran with probability 0 (on the ranks too) in the reference step,
+    by function (empty: the model has no active dropout)."""
+    random_draws: dict[str, int]
+    """Other random operators the reference forward and backward ran, by ATen name."""
+    passed: bool
+
+    def describe(self) -> str:
+        """One line: both comparisons and the verdict."""
+        return (
+            f"verify: {self.gradients.describe('gradients')}; "
+            f"{self.updates.describe('parameter updates')}"
+        )
+
+    def notes(self) -> list[str]:
+        """What the check changed or could not control, for the user."""
+        notes = []
+        if self.dropout_off:
+            calls = sum(self.dropout_off.values())
+            notes.append(
+                f"verify: dropout was off in step 0 in both runs ({calls} dropout calls with "
+                "p > 0 run at p = 0); the steps after it use the model's dropout"
+            )
+        if self.random_draws:
+            names = ", ".join(f"{name} x{n}" for name, n in sorted(self.random_draws.items()))
+            notes.append(
+                f"verify: the forward draws random numbers outside dropout ({names}); one "
+                "process cannot draw the same ones, so gradients may differ for that reason"
+            )
+        return notes
+
+
+@dataclass(frozen=True)
+class _Reference:
+    model: torch.nn.Module
+    initial: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    loss: float
+    dropout_off: dict[str, int]
+    random_draws: dict[str, int]
+
+
+def verify_first_step(plan: Plan, model_file: ModelFile, verify_dir: Path) -> VerifyResult:
+    """Compare the ranks' first step (``grads-rank-<r>.pt`` and ``params-rank-<r>.pt`` in
+    ``verify_dir``) with one process (module docstring).
 
     Raises:
-        PlanMismatchError-like ConfigError: a rank holds a name the reference lacks, or a
-            reference parameter is held by no rank.
+        ConfigError: a dump names a parameter the model lacks, or no rank holds one.
     """
-    worst = 0.0
-    seen: set[str] = set()
+    grad_dumps = _load(verify_dir, "grads", plan.world_size)
+    param_dumps = _load(verify_dir, "params", plan.world_size)
+    with torch.random.fork_rng(devices=[]):
+        reference = _reference_first_step(plan, model_file)
+        _check_names(reference.initial, [d["tensors"] for d in param_dumps])
+        synced = _first_copies([d["tensors"] for d in grad_dumps])
+        replayed = replay_update(reference.model, model_file, synced)
+    half = reference_precision(plan).autocast_dtype
+    gradients = compare_gradients(
+        reference.grads,
+        [d["tensors"] for d in grad_dumps],
+        compute_dtype=None if half is None else getattr(torch, half),
+    )
+    updates = compare_updates(reference.initial, replayed, [d["tensors"] for d in param_dumps])
+    with_loss = [d for d in grad_dumps if d["loss"] is not None]
+    loss = (
+        sum(d["loss"] * d["samples"] for d in with_loss) / plan.global_batch_size
+        if with_loss
+        else None
+    )
+    return VerifyResult(
+        gradients=gradients,
+        updates=updates,
+        loss=loss,
+        reference_loss=reference.loss,
+        dropout_off=reference.dropout_off,
+        random_draws=reference.random_draws,
+        passed=gradients.passed and updates.passed,
+    )
+
+
+def compare_gradients(
+    reference: Mapping[str, torch.Tensor],
+    dumps: Sequence[Mapping[str, torch.Tensor]],
+    compute_dtype: torch.dtype | None = None,
+) -> WorstDifference:
+    """Every rank's synced gradient of every parameter against one-process autograd.
+
+    Args:
+        reference: one-process gradients by canonical name (a missing one counts as zero).
+        dumps: each rank's gradients by canonical name.
+        compute_dtype: the autocast dtype both runs computed in (its tolerance and round-off
+            floor apply; fp32 gradients of bf16 matmuls carry bf16 error); None: each
+            gradient's own dtype.
+    """
+    typical_rms = _rms(list(reference.values()))
+    pairs = []
+    for rank, tensors in enumerate(dumps):
+        for name, grad in tensors.items():
+            expected = reference.get(name, torch.zeros_like(grad))
+            dtype = compute_dtype or grad.dtype
+            eps = torch.finfo(dtype).eps
+            floor = GRADIENT_FLOOR_EPS * eps * typical_rms * math.sqrt(expected.numel())
+            diff = relative_difference(grad, expected, floor=floor)
+            pairs.append((name, rank, diff, gradient_tolerance(dtype)))
+    return _worst(pairs)
+
+
+def compare_updates(
+    initial: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    dumps: Sequence[Mapping[str, torch.Tensor]],
+) -> WorstDifference:
+    """Every rank's update of every parameter (``after - initial``) against the expected
+    parameters' update, relative to the expected update's L2 norm."""
+    pairs = []
+    for rank, tensors in enumerate(dumps):
+        for name, after in tensors.items():
+            start = initial[name].double()
+            diff = relative_difference(after.double() - start, expected[name].double() - start)
+            pairs.append((name, rank, diff, UPDATE_TOLERANCE))
+    return _worst(pairs)
+
+
+def relative_difference(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) -> float:
+    """``||actual - expected|| / max(||expected||, floor)`` (L2 over all elements, in
+    float64); the plain ``||actual - expected||`` where that scale is 0."""
+    diff = torch.linalg.vector_norm((actual.double() - expected.double()).reshape(-1))
+    scale = max(float(torch.linalg.vector_norm(expected.double().reshape(-1))), floor)
+    if scale == 0.0:
+        return float(diff)
+    return float(diff) / scale
+
+
+def _worst(pairs: Sequence[tuple[str, int, float, float]]) -> WorstDifference:
+    """The pair with the largest difference / tolerance (the first of equals)."""
+    if not pairs:
+        return WorstDifference(None, None, 0.0, UPDATE_TOLERANCE, True)
+    name, rank, diff, tolerance = max(pairs, key=lambda p: p[2] / p[3])
+    return WorstDifference(name, rank, diff, tolerance, all(d <= t for _, _, d, t in pairs))
+
+
+def _rms(tensors: Sequence[torch.Tensor]) -> float:
+    numel = sum(t.numel() for t in tensors)
+    if numel == 0:
+        return 0.0
+    total = sum(float(t.double().pow(2).sum()) for t in tensors)
+    return math.sqrt(total / numel)
+
+
+def _build(plan: Plan, model_file: ModelFile) -> tuple[torch.nn.Module, BatchSource]:
+    torch.manual_seed(plan.training.seed)
+    model = model_file.build_model()
+    source = BatchSource(
+        model_file,
+        lambda raw: bind_inputs(model, raw),
+        plan.training.seed,
+        plan.global_batch_size,
+        plan.model.inputs,
+    )
+    return model, source
+
+
+def _forward_backward(
+    model: torch.nn.Module,
+    model_file: ModelFile,
+    batch: tuple[Any, Any],
+    precision: Precision = Precision.FP32,
+) -> float:
+    """Forward (under ``precision``'s autocast) and backward of a whole global batch
+    ``(inputs, targets)``; its mean loss."""
+    inputs, targets = batch
+    with autocast(torch.device("cpu"), precision):
+        outputs = model(**bind_inputs(model, inputs))
+        loss = checked_loss(model_file, outputs, targets, require_grad=True)
+    loss.backward()
+    return float(loss.detach())
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference_first_step(plan: Plan, model_file: ModelFile) -> _Reference:
+    """Step 0's gradients in one process, dropout off; the model keeps its initial
+    parameters (no optimizer step)."""
+    model, source = _build(plan, model_file)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    batch = source.global_batch(0)
+    with DropoutOff() as off, RandomDraws() as draws:
+        loss = _forward_backward(model, model_file, batch, reference_precision(plan))
+    return _Reference(model, initial, _grads(model), loss, dict(off.calls), dict(draws.calls))
+
+
+def replay_update(
+    model: torch.nn.Module, model_file: ModelFile, grads: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """One step of the model file's optimizer on ``grads``, built and scheduled as on the
+    ranks (``make_scheduler`` runs before the step).
+
+    Args:
+        model: the full model at its initial parameters; stepped in place.
+        grads: gradients by canonical name; a parameter without one gets ``grad = None``.
+
+    Returns:
+        Every parameter after the step, by canonical name.
+    """
+    named = dict(model.named_parameters())
+    for name, param in named.items():
+        param.grad = grads[name].clone() if name in grads else None
+    optimizer = model_file.optimizer([p for p in named.values() if p.requires_grad])
+    if model_file.make_scheduler is not None:
+        model_file.make_scheduler(optimizer)
+    optimizer.step()
+    return {name: p.detach().clone() for name, p in named.items()}
+
+
+def _first_copies(dumps: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each parameter's tensor from the first rank that holds it."""
+    first: dict[str, torch.Tensor] = {}
     for tensors in dumps:
         for name, tensor in tensors.items():
-            if name not in reference:
-                raise ConfigError(f"verify: rank parameter {name!r} is not in the model")
-            worst = max(worst, relative_difference(tensor, reference[name]))
-            seen.add(name)
+            first.setdefault(name, tensor)
+    return first
+
+
+def _check_names(
+    reference: Mapping[str, torch.Tensor], dumps: Sequence[Mapping[str, torch.Tensor]]
+) -> None:
+    """Raises ConfigError: a rank holds a name the model lacks, or no rank holds one."""
+    seen: set[str] = set()
+    for tensors in dumps:
+        unknown = sorted(set(tensors) - set(reference))
+        if unknown:
+            raise ConfigError(f"verify: rank parameter {unknown[0]!r} is not in the model")
+        seen |= set(tensors)
     missing = sorted(set(reference) - seen)
     if missing:
         raise ConfigError(f"verify: no rank holds parameter {missing[0]!r}")
-    return worst
 
 
-def compare_first_step(plan: Plan, model_file: ModelFile, verify_dir: Path) -> float:
-    """Largest relative difference between the ranks' dumped parameters after step one
-    (``params-rank-<r>.pt`` in ``verify_dir``) and the single-process reference.
-
-    Raises:
-        ConfigError: a dump names a parameter the model lacks, or misses one.
-    """
-    reference = reference_steps(plan, model_file).params
-    dumps = [
-        torch.load(verify_dir / f"params-rank-{r}.pt", weights_only=True)["tensors"]
-        for r in range(plan.world_size)
+def _load(verify_dir: Path, kind: str, world_size: int) -> list[dict[str, Any]]:
+    return [
+        torch.load(verify_dir / f"{kind}-rank-{r}.pt", weights_only=True) for r in range(world_size)
     ]
-    return compare_with_reference(reference, dumps)

@@ -32,10 +32,12 @@ The rehearsal records dilation, time scale and slowdowns in ``<metrics_dir>/emul
 (``contract/emulation_file.py``)
 (the ranks read the slowdowns from it; ``hplan calibrate`` reads the time scale).
 
-The prediction in emulated units is ``predicted_step_time_s * scale``. ``verify=True`` also
-runs the first step as one process on the whole global batch and compares every updated
-parameter by name. ``trace_path`` writes the last step's measured per-rank timeline as a
-Chrome trace in seconds of the plan's hardware (``contract/timeline_file.py``), the unit of ``hplan simulate --trace``.
+The prediction in emulated units is ``predicted_step_time_s * scale``. ``verify=True``
+runs step 0 with dropout off on the ranks and in one process on the whole global batch, and
+compares every synced gradient and every parameter update by name
+(``reference_check.py``); the steps after it use the model's dropout. ``trace_path`` writes
+the last step's measured per-rank timeline as a Chrome trace in seconds of the plan's
+hardware (``contract/timeline_file.py``), the unit of ``hplan simulate --trace``.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from hplan.runtime.contract.timeline_file import check_trace_path, write_measure
 from hplan.runtime.executor.worker import warn_if_model_changed
 from hplan.runtime.rehearsal.emulation import modelled_emulation, rank_speeds
 from hplan.runtime.rehearsal.launcher import ChildCommand, prepare_dir, run_children
-from hplan.runtime.rehearsal.reference_check import REFERENCE_TOLERANCE, compare_first_step
+from hplan.runtime.rehearsal.reference_check import VerifyResult, verify_first_step
 
 DILATION_MARGIN = 1.25
 """Head-room over the exact CPU demand (interpreter, communication threads, the parent)."""
@@ -117,9 +119,11 @@ class RehearsalResult:
     time_scale: float
     cpu_time_per_sample_s: float
     """Forward + backward of one sample through the whole model here, on one thread."""
-    max_relative_diff: float | None
-    """verify: largest relative difference of an updated parameter; None without verify."""
+    verify: VerifyResult | None
+    """``--verify``: step 0's gradients and updates against one process, with the worst
+    parameter of each; None without verify."""
     verify_passed: bool | None
+    """``verify.passed``; None without verify."""
     ranks: tuple[RankSummary, ...]
     metrics_dir: Path | None
     """Where the metrics and logs are; None when they were in a temporary folder, deleted."""
@@ -208,7 +212,9 @@ def rehearse(
     Args:
         model_path: model.py (default: the plan's recorded path).
         steps: optimizer steps.
-        verify: also run the first step as one process and compare updated parameters.
+        verify: run step 0 with dropout off, also in one process on the whole global
+            batch, and compare every synced gradient and parameter update
+            (``reference_check.verify_first_step``).
         metrics_dir: where ranks write metrics and logs (default: a new temporary folder,
             deleted at the end unless the ranks failed: then the error names its logs).
         dilation: global time-dilation factor (default: :func:`default_dilation`).
@@ -323,7 +329,7 @@ class _Run:
         )
         run_children(plan.world_size, command, self.timeout_s, console)
         summary = summarize_metrics(metrics_dir)
-        diff = compare_first_step(plan, model_file, verify_dir) if verify_dir else None
+        verified = verify_first_step(plan, model_file, verify_dir) if verify_dir else None
         predicted = predicted_samples_per_s(plan, scale)
         result = RehearsalResult(
             losses=tuple(s.loss for s in summary.steps),
@@ -334,8 +340,8 @@ class _Run:
             dilation=dilation,
             time_scale=scale,
             cpu_time_per_sample_s=per_sample_s,
-            max_relative_diff=diff,
-            verify_passed=None if diff is None else diff <= REFERENCE_TOLERANCE,
+            verify=verified,
+            verify_passed=None if verified is None else verified.passed,
             ranks=summary.ranks,
             metrics_dir=metrics_dir,
             slowdown=dict(self.slowdown),
@@ -436,9 +442,10 @@ def _print_result(result: RehearsalResult, console: Console) -> None:
             f"({hardware}1 s there = {result.time_scale:.3g} s here); "
             f"measured / predicted = {ratio:.2f}"
         )
-    if result.max_relative_diff is not None:
-        verdict = "[green]pass[/green]" if result.verify_passed else "[red]FAIL[/red]"
-        console.print(
-            f"verify: largest relative difference of an updated parameter "
-            f"{result.max_relative_diff:.2e} (tolerance {REFERENCE_TOLERANCE:g}): {verdict}"
-        )
+    if result.verify is None:
+        return
+    for note in result.verify.notes():
+        console.print(note, highlight=False)
+    line = result.verify.describe()
+    line = line.replace(" pass", " [green]pass[/green]").replace(" FAIL", " [red]FAIL[/red]")
+    console.print(line, highlight=False)

@@ -19,7 +19,7 @@ machine's speed wanders within seconds; the median of rounds spread over the ran
 follows the machine rather than one moment of it. From the second step on, a block lasts
 ``stretch`` times that warm CPU time, or longer when its real compute takes longer. The
 copy keeps the run's parameters, gradients and random-number streams untouched
-(``--verify`` still compares the updated parameters).
+(``--verify`` still compares step 0's gradients and updates).
 """
 
 from __future__ import annotations

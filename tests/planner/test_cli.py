@@ -250,7 +250,8 @@ def test_rehearse_verifies_a_plan_of_replicas_with_different_shares_and_splits(t
     assert code == 0, err
     result = json.loads(out)
     assert result["verify_passed"] is True
-    assert result["max_relative_diff"] <= 1e-4
+    assert result["verify"]["gradients"]["relative_difference"] <= 1e-4
+    assert result["verify"]["updates"]["passed"] is True
     assert len(result["losses"]) == 3
 
 

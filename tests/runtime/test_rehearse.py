@@ -79,8 +79,10 @@ def test_two_different_gpt_replicas_equal_one_single_process_step(tmp_path: Path
         timeout_s=TIMEOUT_S,
         console=Console(file=out, width=200),
     )
-    assert result.verify_passed is True
-    assert result.max_relative_diff is not None and result.max_relative_diff <= 1e-4
+    assert result.verify is not None and result.verify_passed is True
+    assert result.verify.gradients.relative_difference <= 1e-5
+    assert result.verify.updates.relative_difference <= 1e-5
+    assert result.verify.loss == pytest.approx(result.verify.reference_loss, rel=1e-5)
     comparison = compare_first_step(plan, GPT_MODEL, tmp_path / "verify")
     assert comparison.missing == ()
     assert comparison.loss == pytest.approx(comparison.reference_loss, rel=1e-5)
