@@ -50,7 +50,11 @@ from hplan.planner.hardware.cluster import Cluster, Device, load_cluster, to_clu
 from hplan.planner.hardware.measured_links import load_measured_links
 from hplan.planner.passes import Pass, PassResults, run_passes
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
-from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.solve.baselines import (
+    data_parallel_equal,
+    pipeline_possible,
+    uniform_pipeline,
+)
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import SolveResult, solve
 from hplan.runtime.capture.model_file import load_model_file
@@ -65,7 +69,8 @@ class Strategy(StrEnum):
     DATA_PARALLEL = "ddp"
     """Equal-batch data parallel on every device (what DDP does)."""
     UNIFORM_PIPELINE = "uniform"
-    """Equal-layer pipelines with equal batches (Megatron/DeepSpeed ``uniform``)."""
+    """Equal-layer pipelines of two or more stages with equal batches (Megatron/DeepSpeed
+    ``uniform``)."""
 
 
 @dataclass(frozen=True)
@@ -326,8 +331,14 @@ def _baseline(
 ) -> SolveResult:
     from hplan.planner.cost.evaluate import evaluate
 
-    make = data_parallel_equal if request.strategy is Strategy.DATA_PARALLEL else uniform_pipeline
-    layout = make(problem)
+    pipeline = request.strategy is Strategy.UNIFORM_PIPELINE
+    if pipeline and not pipeline_possible(problem):
+        raise ConfigError(
+            f"the uniform baseline is a pipeline of two or more stages; this cluster and model "
+            f"have {problem.num_devices} device(s) and {problem.num_units} unit(s): use "
+            "--strategy ddp or hplan"
+        )
+    layout = (uniform_pipeline if pipeline else data_parallel_equal)(problem)
     if layout is None:
         raise InfeasiblePlanError(
             f"the {request.strategy.value} baseline does not fit this cluster's memory; "

@@ -347,7 +347,9 @@ class Report:
     predicted_step_time_s: NonNegative
     predicted_samples_per_s: NonNegative
     physical_bound_samples_per_s: NonNegative
-    """Sum over devices of each device's standalone samples/s at its best fitting batch."""
+    """Samples/s no layout exceeds under the planning model: every device computing the
+    whole step at its fastest per-sample unit times, no bubble, sync or optimizer
+    (``hplan.planner.solve.bound``; 0 when not computed)."""
     efficiency: NonNegative
     """predicted_samples_per_s / physical_bound_samples_per_s."""
     bottleneck_rank: Index
