@@ -214,6 +214,10 @@ def print_plan(
             "optimality_gap": report.optimality_gap,
             "simulated_step_time_s": report.simulated_step_time_s,
             "solve_time_s": outcome.solve_time_s,
+            "idle_devices": [
+                {"device": idle.device, "kind": idle.kind, "reason": idle.reason}
+                for idle in report.idle_devices
+            ],
             "phase_times_s": phase_times_s,
             "total_time_s": total_s,
         }

@@ -147,6 +147,10 @@ def _header(plan: Plan, width: int) -> list[Text]:
     lines = [title]
     for label, value in rows:
         lines += _labelled(label, value, width)
+    for idx, idle in enumerate(report.idle_devices):
+        lines += _labelled(
+            "idle" if idx == 0 else "", f"{idle.device} ({idle.kind}): {idle.reason}", width
+        )
     for idx, baseline in enumerate(report.baselines):
         value, lead, style = _baseline_line(plan, baseline)
         row = _labelled("baselines" if idx == 0 else "", value, width, _BASELINE_BREAKS)

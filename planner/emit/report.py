@@ -21,9 +21,10 @@ from hplan.planner.solve.baselines import (
     uniform_pipeline,
 )
 from hplan.planner.solve.bound import throughput_bound_samples_per_s
+from hplan.planner.solve.idle import idle_reasons
 from hplan.planner.solve.solver import SolveResult
 from hplan.planner.textfmt import count
-from hplan.runtime.contract.plan import BaselineReport, RankReport, Report
+from hplan.runtime.contract.plan import BaselineReport, IdleDeviceReport, RankReport, Report
 
 _BASELINES = (
     ("data parallel, equal batches (DDP)", data_parallel_equal),
@@ -136,6 +137,21 @@ def build_report(
         reference_micro_batch_size=reference_mbs,
         baselines=baseline_reports(problem),
         notes=(*notes, *_source_note(result), *result.notes),
+        idle_devices=idle_device_reports(problem, result),
+    )
+
+
+def idle_device_reports(
+    problem: PlanningProblem, result: SolveResult
+) -> tuple[IdleDeviceReport, ...]:
+    """Every device the layout leaves idle, with the reason ``solve.idle`` computes."""
+    return tuple(
+        IdleDeviceReport(
+            device=problem.device_names[idle.device_idx],
+            kind=problem.device_kinds[idle.device_idx],
+            reason=idle.reason,
+        )
+        for idle in idle_reasons(problem, result.layout, result.evaluation)
     )
 
 

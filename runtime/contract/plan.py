@@ -331,6 +331,17 @@ class BaselineReport:
 
 
 @record
+class IdleDeviceReport:
+    """A device of the cluster that no rank uses, and why (from the cost model)."""
+
+    device: str
+    """The device's name, ``<node>/<index>``."""
+    kind: str
+    reason: str
+    """One line: the memory check it fails, or what the best layout with it costs."""
+
+
+@record
 class GradSyncReport:
     """Gradients that one holder set of ranks sums every step (one all-reduce bucket)."""
 
@@ -372,6 +383,8 @@ class Report:
     not simulated."""
     grad_sync: tuple[GradSyncReport, ...] | None = None
     """The gradient all-reduce groups of the plan, sorted by ranks; None: not recorded."""
+    idle_devices: tuple[IdleDeviceReport, ...] = ()
+    """Every device of the cluster no rank uses, in cluster order, with the reason."""
 
     def verify(self) -> None:
         """Every figure of the report and of its ranks and baselines is in its declared
