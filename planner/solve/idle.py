@@ -12,7 +12,7 @@ For each device no stage uses (:func:`idle_reasons`):
    units (every stage, every cut inside it). The message compares that layout's step time
    with the chosen one's and names what grows: the gradient all-reduce (with the slowest
    link the device would sync over), or the pipeline (the device's own stage, or the
-   transfers and bubble).
+   transfers over its slowest pipeline link and the bubble).
 
 These are the marginal questions "would adding it as a replica or as a stage help", not a
 re-solve with the device forced in; the search itself already weighed every layout it
@@ -25,7 +25,13 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from hplan.planner.cost.evaluate import Evaluation, evaluate, slowest_link, stage_memory_bytes
+from hplan.planner.cost.evaluate import (
+    Evaluation,
+    evaluate,
+    grad_sync_groups,
+    slowest_link,
+    stage_memory_bytes,
+)
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.solve.validate import layout_problems
@@ -90,26 +96,30 @@ def _costed_reason(
             f"plan's {format_seconds(chosen.step_time_s)} (the search missed it)"
         )
     sync_s = ev.allreduce_time_s - chosen.allreduce_time_s
-    saved_s = max(chosen.replica_times_s) - max(ev.replica_times_s)
+    longer_s = max(ev.replica_times_s) - max(chosen.replica_times_s)
     head = (
         f"{how} takes {format_seconds(ev.step_time_s)} per step, the plan "
         f"{format_seconds(chosen.step_time_s)}"
     )
-    if sync_s > 0 and sync_s >= saved_s:
-        link = _sync_link_gbit_per_s(problem, with_layout, device_idx)
+    if sync_s > 0 and sync_s >= longer_s:
+        link = _gbit_per_s(_sync_link_bytes_per_s(problem, with_layout, device_idx))
         saving = (
-            f"more than its compute saves ({format_seconds(saved_s)})"
-            if saved_s > 0
-            else "and its compute saves nothing"
+            f"more than its compute saves ({format_seconds(-longer_s)})"
+            if longer_s < 0
+            else f"and the pipeline gets {format_seconds(longer_s)} longer"
         )
         return (
-            f"{head}: syncing gradients over the {link:.3g} Gb/s link costs "
+            f"{head}: syncing gradients over the {link} link costs "
             f"{format_seconds(sync_s)} more per step, {saving}"
         )
     replica, stage = ev.bottleneck
     if with_layout.replicas[replica].stages[stage].device_idx == device_idx:
         return f"{head}: its stage would be the slowest of its pipeline"
-    return f"{head}: the longer pipeline's transfers and bubble cost more than it computes"
+    link = _gbit_per_s(_pipeline_link_bytes_per_s(problem, with_layout, device_idx))
+    return (
+        f"{head}: the pipeline gets {format_seconds(longer_s)} longer (transfers over the "
+        f"{link} link and the bubble)"
+    )
 
 
 def _best_extension(
@@ -181,20 +191,27 @@ def _reduced(problem: PlanningProblem, layout: Layout, total: int) -> tuple[Repl
     return tuple(out)
 
 
-def _sync_link_gbit_per_s(problem: PlanningProblem, layout: Layout, device_idx: int) -> float:
-    """Slowest link (Gb/s) of the devices that would hold the same units as ``device_idx``."""
-    mine = [
-        (s.unit_start, s.unit_stop)
-        for r in layout.replicas
-        for s in r.stages
-        if s.device_idx == device_idx
-    ]
-    group = {device_idx}
-    for r in layout.replicas:
-        for s in r.stages:
-            if any(s.unit_start < stop and start < s.unit_stop for start, stop in mine):
-                group.add(s.device_idx)
-    if len(group) < 2:
-        return math.inf
-    bandwidth_bytes_per_s, _ = slowest_link(problem, tuple(sorted(group)))
-    return bandwidth_bytes_per_s * BITS_PER_BYTE / BYTES_PER_GB
+def _gbit_per_s(bandwidth_bytes_per_s: float) -> str:
+    """``1.25e8`` -> ``"1 Gb/s"`` (decimal gigabits, three significant digits)."""
+    return f"{bandwidth_bytes_per_s * BITS_PER_BYTE / BYTES_PER_GB:.3g} Gb/s"
+
+
+def _sync_link_bytes_per_s(problem: PlanningProblem, layout: Layout, device_idx: int) -> float:
+    """Slowest link (bytes/s) of the all-reduce groups ``device_idx`` would be in (its units'
+    and tied parameters' holders, ``grad_sync_groups``); inf when it would be in none."""
+    groups = [g for g in grad_sync_groups(problem, layout) if device_idx in g]
+    return min((slowest_link(problem, g)[0] for g in groups), default=math.inf)
+
+
+def _pipeline_link_bytes_per_s(problem: PlanningProblem, layout: Layout, device_idx: int) -> float:
+    """Slowest link (bytes/s) between ``device_idx`` and its neighbouring stages."""
+    slowest = math.inf
+    for replica in layout.replicas:
+        devices = [s.device_idx for s in replica.stages]
+        if device_idx not in devices:
+            continue
+        at = devices.index(device_idx)
+        for other in devices[max(at - 1, 0) : at + 2]:
+            if other != device_idx:
+                slowest = min(slowest, float(problem.bandwidth_bytes_per_s[device_idx, other]))
+    return slowest
