@@ -27,8 +27,9 @@ plans. ``hplan solve --dump-passes DIR`` writes every pass's result as JSON.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
@@ -49,13 +50,17 @@ from hplan.planner.frontend.trains_check import check_trains
 from hplan.planner.hardware.catalog import PRECISION_CHOICES, DeviceClass, resolve_precision
 from hplan.planner.hardware.cluster import Cluster, Device, load_cluster, to_cluster_spec
 from hplan.planner.hardware.measured_links import load_measured_links
-from hplan.planner.passes import Pass, PassResults, run_passes
+from hplan.planner.passes import Pass, PassObserver, PassResults, run_passes
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
-from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.solve.baselines import (
+    data_parallel_equal,
+    pipeline_possible,
+    uniform_pipeline,
+)
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import SolveResult, solve
 from hplan.runtime.capture.model_file import load_model_file
-from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
+from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError, ModelFileError
 from hplan.runtime.contract.plan import (
     Backend,
     Plan,
@@ -74,7 +79,8 @@ class Strategy(StrEnum):
     DATA_PARALLEL = "ddp"
     """Equal-batch data parallel on every device (what DDP does)."""
     UNIFORM_PIPELINE = "uniform"
-    """Equal-layer pipelines with equal batches (Megatron/DeepSpeed ``uniform``)."""
+    """Equal-layer pipelines of two or more stages with equal batches (Megatron/DeepSpeed
+    ``uniform``)."""
 
 
 @dataclass(frozen=True)
@@ -111,23 +117,61 @@ class SolveRequest:
     """Nodes and devices (``box-b``, ``box-b/1``) of the cluster file to leave out (lost)."""
 
     def verify(self) -> None:
-        """Check the options' ranges.
+        """Check every option that can be checked without the model: ranges, micro-batch
+        sizes against the global batch, and that the input files exist. Runs before the
+        model file is imported (``hplan solve`` calls it first).
 
         Raises:
-            ConfigError: naming the option and its allowed range.
+            ConfigError: naming the option, its value and the allowed range.
+            ModelFileError: the model file is missing or a directory.
         """
         if self.global_batch_size < 1:
-            raise ConfigError(f"global batch size {self.global_batch_size} must be >= 1")
-        if self.time_limit_s <= 0:
-            raise ConfigError(f"time limit {self.time_limit_s} s must be > 0")
+            raise ConfigError(f"global batch size {self.global_batch_size} must be >= 1 (-b)")
+        _check_micro_batch_sizes(self.micro_batch_sizes, self.global_batch_size)
+        if not (math.isfinite(self.time_limit_s) and self.time_limit_s > 0):
+            raise ConfigError(
+                f"--time-limit {self.time_limit_s:g} s must be a finite number of seconds > 0"
+            )
         if self.max_stages < 1:
-            raise ConfigError(f"max stages {self.max_stages} must be >= 1")
+            raise ConfigError(f"--max-stages {self.max_stages} must be >= 1")
         if not 1 <= self.master_port <= 65534:
-            raise ConfigError(f"master port {self.master_port} must be in 1..65534")
+            raise ConfigError(f"--master-port {self.master_port} must be in 1..65534")
         if self.precision not in PRECISION_CHOICES:
             raise ConfigError(
                 f"--precision {self.precision!r} is not one of {', '.join(PRECISION_CHOICES)}"
             )
+        _check_model_path(self.model_path)
+        for path, what in (
+            (self.cluster_path, "cluster file"),
+            (self.profile_path, "profile (--profile)"),
+            (self.bandwidth_path, "bandwidth file (--bandwidth)"),
+        ):
+            if path is not None and not path.exists():
+                raise ConfigError(f"{what} {str(path)!r} does not exist; pass an existing path")
+
+
+def _check_micro_batch_sizes(sizes: tuple[int, ...] | None, global_batch_size: int) -> None:
+    """Every candidate micro-batch size in 1..global batch size (a ConfigError otherwise)."""
+    if sizes is None:
+        return
+    if not sizes:
+        raise ConfigError("--micro-batch-sizes is empty; give at least one size, e.g. 1")
+    too_large = [size for size in sizes if not 1 <= size <= global_batch_size]
+    if too_large:
+        raise ConfigError(
+            f"--micro-batch-sizes {','.join(map(str, sizes))} has "
+            f"{','.join(map(str, too_large))} outside 1..{global_batch_size} (the global "
+            f"batch size, -b); give sizes up to {global_batch_size} or raise -b"
+        )
+
+
+def _check_model_path(path: Path) -> None:
+    if path.is_dir():
+        raise ModelFileError(
+            f"model file {str(path)!r} is a directory; pass the path to the model.py inside it"
+        )
+    if not path.is_file():
+        raise ModelFileError(f"model file {str(path)!r} does not exist; pass a path to model.py")
 
 
 @dataclass(frozen=True)
@@ -172,18 +216,30 @@ class PlanningOutcome:
     result: SolveResult
     solve_time_s: float
     """Wall time of the ``solve`` pass."""
+    pass_times_s: tuple[tuple[str, float], ...] = ()
+    """Wall time of every pass, in order: (pass name, seconds)."""
+
+    def phase_times_s(self) -> tuple[tuple[str, float], ...]:
+        """Wall time of every phase (:data:`PHASES`) that ran, in order, seconds."""
+        per_phase: dict[str, float] = {}
+        for name, time_s in self.pass_times_s:
+            phase = phase_of(name)
+            per_phase[phase] = per_phase.get(phase, 0.0) + time_s
+        return tuple(per_phase.items())
 
 
 def plan_training(
     request: SolveRequest,
-    progress: Callable[[str], None] | None = None,
+    progress: PassObserver | None = None,
     *,
     dump_dir: Path | None = None,
 ) -> PlanningOutcome:
     """Plan ``request.model_path`` on ``request.cluster_path`` (the passes of :data:`PASSES`).
 
+    ``request.verify()`` runs first: a bad option is refused before the model is imported.
+
     Args:
-        progress: called with a line before each pass that says one.
+        progress: told when each pass starts (with its line) and ends (with its time).
         dump_dir: write every pass's result there as JSON (``passes.debug_json``).
 
     Raises:
@@ -201,6 +257,7 @@ def plan_training(
         problem=results["problem"],
         result=results["solve"],
         solve_time_s=results["solve.time_s"],
+        pass_times_s=tuple((step.name, results[f"{step.name}.time_s"]) for step in PASSES),
     )
 
 
@@ -358,6 +415,24 @@ PASSES: Sequence[Pass] = (
 )
 """The passes of a solve, in order (see the module docstring)."""
 
+PHASES: Sequence[tuple[str, tuple[str, ...]]] = (
+    ("cluster", ("cluster",)),
+    ("capture", ("capture", "cost_graph", "trains_check", "runtime_bytes")),
+    ("cost", ("time_source", "problem")),
+    ("solve", ("solve",)),
+    ("report", ("report", "plan")),
+)
+"""What ``hplan solve`` shows progress and times for: each phase and its passes, in order
+(``solve`` searches, re-costs, validates and simulates; writing the files comes after)."""
+
+
+def phase_of(pass_name: str) -> str:
+    """The phase of :data:`PHASES` that pass ``pass_name`` belongs to (ValueError if none)."""
+    for phase, names in PHASES:
+        if pass_name in names:
+            return phase
+    raise ValueError(f"pass {pass_name!r} is in no phase")
+
 
 # --------------------------------------------------------------------------- helpers
 def recorded_model_path(model_path: Path, out_dir: Path | None) -> str:
@@ -379,8 +454,14 @@ def _baseline(
 ) -> SolveResult:
     from hplan.planner.cost.evaluate import evaluate
 
-    make = data_parallel_equal if request.strategy is Strategy.DATA_PARALLEL else uniform_pipeline
-    layout = make(problem)
+    pipeline = request.strategy is Strategy.UNIFORM_PIPELINE
+    if pipeline and not pipeline_possible(problem):
+        raise ConfigError(
+            f"the uniform baseline is a pipeline of two or more stages; this cluster and model "
+            f"have {problem.num_devices} device(s) and {problem.num_units} unit(s): use "
+            "--strategy ddp or hplan"
+        )
+    layout = (uniform_pipeline if pipeline else data_parallel_equal)(problem)
     if layout is None:
         raise InfeasiblePlanError(
             f"the {request.strategy.value} baseline does not fit this cluster's memory; "

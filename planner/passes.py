@@ -27,11 +27,11 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hplan.runtime.contract.errors import ConfigError, HplanError, one_line
 
-__all__ = ["Pass", "PassError", "PassResults", "debug_json", "run_passes"]
+__all__ = ["Pass", "PassError", "PassObserver", "PassResults", "debug_json", "run_passes"]
 
 _MAX_DEPTH = 12
 _MAX_LIST = 10_000
@@ -73,16 +73,29 @@ class Pass:
     """The progress line shown while it runs (None: none)."""
 
 
+class PassObserver(Protocol):
+    """Told when each pass starts and ends (progress display, timings)."""
+
+    def started(self, name: str, says: str | None) -> None:
+        """Pass ``name`` starts; ``says``: its progress line (None: it has none)."""
+        ...
+
+    def finished(self, name: str, time_s: float) -> None:
+        """Pass ``name`` returned a valid result after ``time_s`` seconds of wall time."""
+        ...
+
+
 def run_passes(
     passes: Sequence[Pass],
     request: Any,
     *,
-    progress: Callable[[str], None] | None = None,
+    progress: PassObserver | None = None,
     dump_dir: Path | None = None,
 ) -> PassResults:
     """Run ``passes`` in order on ``request``; return every result by pass name.
 
-    Also records each pass's wall time under ``"<name>.time_s"``.
+    Also records each pass's wall time (``time.monotonic``, seconds) under
+    ``"<name>.time_s"`` and tells ``progress`` when each pass starts and ends.
 
     Raises:
         HplanError: a pass's user error, unchanged (with a note naming the pass).
@@ -96,8 +109,8 @@ def run_passes(
         _dump(dump_dir, 0, "request", request)
     previous = "request"
     for index, step in enumerate(passes, start=1):
-        if progress is not None and step.says is not None:
-            progress(step.says(results))
+        if progress is not None:
+            progress.started(step.name, None if step.says is None else step.says(results))
         started_s = time.monotonic()
         try:
             value = step.run(results)
@@ -116,6 +129,8 @@ def run_passes(
             ) from exc
         values[step.name] = value
         values[f"{step.name}.time_s"] = time.monotonic() - started_s
+        if progress is not None:
+            progress.finished(step.name, values[f"{step.name}.time_s"])
         if dump_dir is not None:
             _dump(dump_dir, index, step.name, value)
         previous = step.name

@@ -26,6 +26,33 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
+def format_bytes_pair(first_bytes: float, second_bytes: float) -> tuple[str, str]:
+    """Two byte counts for a "needs X, has Y" message, so that the figures always show.
+
+    Both in the larger's decimal unit with one to three decimals, as few as tell them apart:
+    ``(11.04e9, 11.0e9) -> ("11.04 GB", "11.00 GB")``. When the smaller would read below 0.1
+    of that unit, each gets its own unit (:func:`format_bytes`): ``(3.2e6, 1.5e9) ->
+    ("3.2 MB", "1.5 GB")``, never ``0.00 GB``.
+    """
+    larger = max(abs(first_bytes), abs(second_bytes))
+    scale_bytes, unit = next(
+        ((scale, name) for scale, name in _DECIMAL_UNITS if larger >= scale), (1.0, "B")
+    )
+    smaller = min(abs(first_bytes), abs(second_bytes))
+    if unit != "B" and 0 < smaller < 0.1 * scale_bytes:
+        return format_bytes(first_bytes), format_bytes(second_bytes)
+    if unit == "B":
+        return f"{first_bytes:.0f} B", f"{second_bytes:.0f} B"
+    for decimals in (1, 2, 3):
+        a, b = (
+            f"{first_bytes / scale_bytes:.{decimals}f}",
+            f"{second_bytes / scale_bytes:.{decimals}f}",
+        )
+        if a != b or first_bytes == second_bytes:
+            break
+    return f"{a} {unit}", f"{b} {unit}"
+
+
 def format_seconds(time_s: float) -> str:
     """Human duration: ``0.5203 -> "0.520 s"``, ``0.0123 -> "12.3 ms"``."""
     if abs(time_s) >= 1.0:

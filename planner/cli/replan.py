@@ -10,18 +10,21 @@ of the cluster file that the plan does not use (a node that joined, a card repai
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import click
 
 from hplan.planner.cli.console import parse_sizes, stderr
+from hplan.planner.cli.progress import PhaseProgress
 from hplan.planner.cli.solve import (
     bandwidth_option,
     micro_batch_sizes_option,
     precision_option,
+    print_plan,
     profile_option,
     time_limit_option,
-    write_plan,
+    write_files,
 )
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
@@ -85,7 +88,8 @@ def replan(
 ) -> None:
     """Solve PLAN again without the lost nodes or devices (or with joining ones); the job
     then resumes from its latest checkpoint with --resume."""
-    from hplan.planner.api import SolveRequest, plan_training
+    started_s = time.monotonic()
+    from hplan.planner.api import SolveRequest, phase_of, plan_training
     from hplan.planner.emit.artifacts import check_out_dir
     from hplan.planner.hardware.cluster import load_cluster
     from hplan.runtime.capture.model_file import plan_model_path
@@ -114,10 +118,12 @@ def replan(
         without=left_out,
         precision=precision or _plan_precision(plan),
     )
+    request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)
-    with stderr.status("re-planning...") as status:
-        outcome = plan_training(request, progress=lambda msg: status.update(f"{msg}..."))
-    write_plan(outcome, out_dir, as_json=as_json)
+    with PhaseProgress(stderr, phase_of) as progress:
+        outcome = plan_training(request, progress=progress)
+        written = write_files(outcome, out_dir, progress)
+    print_plan(outcome, out_dir, written, progress.times_s, started_s, as_json=as_json)
     lost = ", ".join(without) or "none"
     stderr.print(
         f"re-planned for {len(outcome.plan.cluster.devices)} devices (lost: {lost}; "

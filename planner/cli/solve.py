@@ -7,13 +7,16 @@ A thin click layer over ``hplan.planner.api.plan_training`` and
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from hplan.planner.cli.console import parse_sizes, stderr
+from hplan.planner.cli.progress import PhaseProgress
 from hplan.planner.hardware.catalog import PRECISION_CHOICES
+from hplan.planner.textfmt import format_seconds
 from hplan.runtime.contract.plan import Schedule
 
 if TYPE_CHECKING:
@@ -154,7 +157,8 @@ def solve(
     as_json: bool,
 ) -> None:
     """Plan training of MODEL (a model.py) on a cluster and write the plan and launch scripts."""
-    from hplan.planner.api import SolveRequest, Strategy, plan_training
+    started_s = time.monotonic()
+    from hplan.planner.api import SolveRequest, Strategy, phase_of, plan_training
     from hplan.planner.emit.artifacts import check_out_dir
 
     request = SolveRequest(
@@ -175,23 +179,41 @@ def solve(
         bandwidth_path=bandwidth_path,
         precision=precision or "auto",
     )
+    request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)
-    with stderr.status("planning...") as status:
-        outcome = plan_training(
-            request, progress=lambda msg: status.update(f"{msg}..."), dump_dir=dump_dir
-        )
-    write_plan(outcome, out_dir, as_json=as_json)
+    with PhaseProgress(stderr, phase_of) as progress:
+        outcome = plan_training(request, progress=progress, dump_dir=dump_dir)
+        written = write_files(outcome, out_dir, progress)
+    print_plan(outcome, out_dir, written, progress.times_s, started_s, as_json=as_json)
 
 
-def write_plan(outcome: PlanningOutcome, out_dir: Path, *, as_json: bool) -> None:
-    """Write the plan's files, print its summary, and (``as_json``) a JSON summary on stdout."""
+def write_files(outcome: PlanningOutcome, out_dir: Path, progress: PhaseProgress) -> list[Path]:
+    """Write the plan's files under ``out_dir`` as the ``write`` phase; their paths."""
     from hplan.planner.emit.artifacts import emit
+
+    with progress.phase("write", f"writing the plan files to {out_dir}/"):
+        return emit(outcome.plan, out_dir)
+
+
+def print_plan(
+    outcome: PlanningOutcome,
+    out_dir: Path,
+    written: list[Path],
+    phase_times_s: dict[str, float],
+    started_s: float,
+    *,
+    as_json: bool,
+) -> None:
+    """Print the plan's summary and the command's total wall time (since ``started_s``,
+    ``time.monotonic``) on stderr, and (``as_json``) a JSON summary with every phase's time
+    on stdout."""
     from hplan.planner.emit.render import print_text, wide_console
 
-    written = emit(outcome.plan, out_dir)
     print_text(outcome.plan, wide_console(stderr=True))
+    total_s = time.monotonic() - started_s
+    phases = " · ".join(f"{name} {format_seconds(t)}" for name, t in phase_times_s.items())
     stderr.print(
-        f"solved in {outcome.solve_time_s:.1f} s; wrote {len(written)} files to {out_dir}/"
+        f"planned in {format_seconds(total_s)} ({phases}); wrote {len(written)} files to {out_dir}/"
     )
     if as_json:
         report = outcome.plan.report
@@ -206,5 +228,11 @@ def write_plan(outcome: PlanningOutcome, out_dir: Path, *, as_json: bool) -> Non
             "optimality_gap": report.optimality_gap,
             "simulated_step_time_s": report.simulated_step_time_s,
             "solve_time_s": outcome.solve_time_s,
+            "idle_devices": [
+                {"device": idle.device, "kind": idle.kind, "reason": idle.reason}
+                for idle in report.idle_devices
+            ],
+            "phase_times_s": phase_times_s,
+            "total_time_s": total_s,
         }
         click.echo(json.dumps(summary, indent=2))

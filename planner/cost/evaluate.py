@@ -293,10 +293,9 @@ def standalone_samples_per_s(problem: PlanningProblem, device_idx: int) -> float
     """Samples/s of one device training the whole model alone at its best micro-batch size.
 
     When the whole model does not fit the device, its compute-only rate at the best
-    micro-batch whose activations fit is used instead. This is the design card's bound
-    ("the best batch that fits its memory"), not a strict upper bound: a device holding
-    part of the model in a pipeline can run larger micro-batches than fit it alone, and a
-    layout doing that with very large batches can report an efficiency above 1.
+    micro-batch whose activations fit is used instead. A relative speed only (the report's
+    ``relative_speed``), not a bound: a device holding part of the model in a pipeline can
+    run larger micro-batches than fit it alone (the bound is ``solve.bound``'s).
     """
     best = 0.0
     fallback = 0.0
@@ -311,11 +310,6 @@ def standalone_samples_per_s(problem: PlanningProblem, device_idx: int) -> float
         if acts <= capacity or k == 0:
             fallback = max(fallback, rate)
     return best if best > 0 else fallback
-
-
-def physical_bound_samples_per_s(problem: PlanningProblem) -> float:
-    """Sum over devices of their standalone samples/s (design card: the physical bound)."""
-    return float(sum(standalone_samples_per_s(problem, d) for d in range(problem.num_devices)))
 
 
 def single_stage(device_idx: int, num_units: int) -> tuple[StageLayout, ...]:

@@ -157,7 +157,7 @@ def _header(plan: Plan, width: int) -> list[Text]:
         ("predicted", _predicted(report)),
         (
             "bound",
-            f"{report.physical_bound_samples_per_s:.1f} samples/s (sum of standalone devices) · "
+            f"{report.physical_bound_samples_per_s:.1f} samples/s (every device computing, no bubble or sync) · "
             f"efficiency {percent(report.efficiency)}",
         ),
         (
@@ -169,6 +169,10 @@ def _header(plan: Plan, width: int) -> list[Text]:
     lines = [title]
     for label, value in rows:
         lines += _labelled(label, value, width)
+    for idx, idle in enumerate(report.idle_devices):
+        lines += _labelled(
+            "idle" if idx == 0 else "", f"{idle.device} ({idle.kind}): {idle.reason}", width
+        )
     for idx, baseline in enumerate(report.baselines):
         value, lead, style = _baseline_line(plan, baseline)
         row = _labelled("baselines" if idx == 0 else "", value, width, _BASELINE_BREAKS)

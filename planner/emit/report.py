@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
 from hplan.planner.cost.evaluate import (
     evaluate,
     mbs_index,
-    physical_bound_samples_per_s,
     stage_compute_time_s,
     standalone_samples_per_s,
 )
 from hplan.planner.cost.layout import Layout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.emit.plan_build import rank_of_device
-from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.solve.baselines import (
+    data_parallel_equal,
+    pipeline_possible,
+    uniform_pipeline,
+)
+from hplan.planner.solve.bound import throughput_bound_samples_per_s
+from hplan.planner.solve.idle import idle_reasons
 from hplan.planner.solve.solver import SolveResult
 from hplan.planner.textfmt import count
-from hplan.runtime.contract.plan import BaselineReport, RankReport, Report
+from hplan.runtime.contract.plan import BaselineReport, IdleDeviceReport, RankReport, Report
 
 _BASELINES = (
     ("data parallel, equal batches (DDP)", data_parallel_equal),
@@ -27,9 +33,15 @@ _BASELINES = (
 
 
 def baseline_reports(problem: PlanningProblem) -> tuple[BaselineReport, ...]:
-    """Predicted samples/s of each baseline on the same cluster (None: it does not fit)."""
+    """Predicted samples/s of each baseline on the same cluster (None: it does not fit).
+
+    The uniform pipeline is left out where no pipeline of two stages exists (one device or
+    one unit): it would be the data-parallel baseline under another name.
+    """
     out = []
     for name, make in _BASELINES:
+        if make is uniform_pipeline and not pipeline_possible(problem):
+            continue
         layout = make(problem)
         if layout is None:
             out.append(BaselineReport(name=name, samples_per_s=None, note="does not fit in memory"))
@@ -101,7 +113,8 @@ def build_report(
     """
     layout = result.layout
     ev = result.evaluation
-    bound = physical_bound_samples_per_s(problem)
+    bound = throughput_bound_samples_per_s(problem)
+    bound = bound if math.isfinite(bound) else 0.0
     replica, stage = ev.bottleneck
     bottleneck_device = layout.replicas[replica].stages[stage].device_idx
     fastest = max(layout.device_indices, key=lambda d: (standalone_samples_per_s(problem, d), -d))
@@ -124,6 +137,21 @@ def build_report(
         reference_micro_batch_size=reference_mbs,
         baselines=baseline_reports(problem),
         notes=(*notes, *_source_note(result), *result.notes),
+        idle_devices=idle_device_reports(problem, result),
+    )
+
+
+def idle_device_reports(
+    problem: PlanningProblem, result: SolveResult
+) -> tuple[IdleDeviceReport, ...]:
+    """Every device the layout leaves idle, with the reason ``solve.idle`` computes."""
+    return tuple(
+        IdleDeviceReport(
+            device=problem.device_names[idle.device_idx],
+            kind=problem.device_kinds[idle.device_idx],
+            reason=idle.reason,
+        )
+        for idle in idle_reasons(problem, result.layout, result.evaluation)
     )
 
 

@@ -16,6 +16,9 @@ factors on top (``hplan.planner.cost.problem_builder``). Conventions for the fig
 - Memory sizes are the marketed capacity read as binary (a "24 GB" card has 24 GiB,
   as ``nvidia-smi`` shows 24576 MiB); the cost model subtracts a framework reserve.
 - Memory bandwidth is the marketed peak, in decimal bytes/s.
+- Where a datasheet gives no FLOP/s for a GeForce card, they are derived from its CUDA
+  cores, SM count and boost clock with the per-SM rates of its architecture's whitepaper
+  (FP32: 2 FLOP per core per clock), and the source says so.
 
 Lookup is forgiving about spelling (``RTX 3090``, ``rtx-3090``, ``3090``,
 ``NVIDIA GeForce RTX 3090`` all find ``rtx3090``); an unknown or ambiguous name raises
@@ -73,6 +76,15 @@ class DeviceType:
 
 _GA102_WP = "NVIDIA Ampere GA102 GPU Architecture whitepaper v2.0, appendix A"
 _ADA_WP = "NVIDIA Ada GPU Architecture whitepaper v2.1, appendix A"
+_TURING_WP = "NVIDIA Turing GPU Architecture whitepaper WP-09183-001, appendix A"
+_GA10X_PER_SM = (
+    "; tensor rates per SM as for GA10x GeForce in " + _GA102_WP + " (dense FP16 with FP32 "
+    "accumulate 512 FLOP per SM per clock, TF32 half of that)"
+)
+_ADA_PER_SM = (
+    "; tensor rates per SM as for Ada GeForce in " + _ADA_WP + " (dense FP16 with FP32 "
+    "accumulate 512 FLOP per SM per clock, TF32 half of that)"
+)
 _PRO_NOTE = (
     "dense tensor peaks are half the datasheet's sparse 'Tensor Performance'; TF32 is half "
     "of FP16, as on the GA102 data-centre parts (NVIDIA A10 and A40 datasheets)"
@@ -127,6 +139,45 @@ _GPUS = (
     _gpu("rtx4090", "GeForce RTX 4090", memory_gib=24, fp32_tflops=82.6, tf32_tflops=82.6,
          fp16_tflops=165.2, bf16_tflops=165.2, bandwidth_gb_per_s=1008, consumer=True,
          source=_ADA_WP + ", GeForce RTX 4090 column"),
+    _gpu("rtx2080ti", "GeForce RTX 2080 Ti", memory_gib=11, fp32_tflops=13.4,
+         tf32_tflops=13.4, fp16_tflops=53.8, bf16_tflops=13.4, bandwidth_gb_per_s=616,
+         consumer=True, aliases=("rtx2080ti-11gb",),
+         source=_TURING_WP + ", GeForce RTX 2080 Ti reference column (4352 CUDA cores, "
+                "1545 MHz boost: 13.4 TFLOPS FP32; FP16 tensor 53.8 TFLOPS with FP32 "
+                "accumulate, 107.6 with FP16 accumulate; 352-bit 14 Gbps GDDR6, 616 GB/s); "
+                "Turing has no TF32 or BF16 tensor cores (fp32 rate)"),
+    _gpu("rtx3080-12gb", "GeForce RTX 3080 12 GB", memory_gib=12, fp32_tflops=30.6,
+         tf32_tflops=30.6, fp16_tflops=61.3, bf16_tflops=61.3, bandwidth_gb_per_s=912,
+         consumer=True,
+         source="NVIDIA GeForce RTX 3080 family specifications, 12 GB model (8960 CUDA "
+                "cores in 70 SMs, 1.71 GHz boost, 384-bit 19 Gbps GDDR6X: 912 GB/s)"
+                + _GA10X_PER_SM),
+    _gpu("rtx3090ti", "GeForce RTX 3090 Ti", memory_gib=24, fp32_tflops=40.0,
+         tf32_tflops=40.0, fp16_tflops=80.0, bf16_tflops=80.0, bandwidth_gb_per_s=1008,
+         consumer=True,
+         source=_ADA_WP + ", GeForce RTX 3090 Ti column (10752 CUDA cores, 1860 MHz boost: "
+                "40 TFLOPS FP32, 80 FP16 tensor with FP32 accumulate, 40 TF32; 1008 GB/s)"),
+    _gpu("rtx4060ti-16gb", "GeForce RTX 4060 Ti 16 GB", memory_gib=16, fp32_tflops=22.1,
+         tf32_tflops=22.1, fp16_tflops=44.1, bf16_tflops=44.1, bandwidth_gb_per_s=288,
+         consumer=True,
+         source="NVIDIA GeForce RTX 4060 Ti family specifications, 16 GB model (4352 CUDA "
+                "cores in 34 SMs, 2.535 GHz boost, 128-bit 18 Gbps GDDR6: 288 GB/s)"
+                + _ADA_PER_SM),
+    _gpu("rtx4070", "GeForce RTX 4070", memory_gib=12, fp32_tflops=29.1, tf32_tflops=29.1,
+         fp16_tflops=58.3, bf16_tflops=58.3, bandwidth_gb_per_s=504, consumer=True,
+         source="NVIDIA GeForce RTX 4070 specifications (5888 CUDA cores in 46 SMs, 2.475 GHz "
+                "boost, 192-bit 21 Gbps GDDR6X: 504 GB/s)" + _ADA_PER_SM),
+    _gpu("rtx4070ti", "GeForce RTX 4070 Ti", memory_gib=12, fp32_tflops=40.1,
+         tf32_tflops=40.1, fp16_tflops=80.2, bf16_tflops=80.2, bandwidth_gb_per_s=504,
+         consumer=True,
+         source="NVIDIA GeForce RTX 4070 Ti specifications (7680 CUDA cores in 60 SMs, "
+                "2.61 GHz boost, 192-bit 21 Gbps GDDR6X: 504 GB/s)" + _ADA_PER_SM),
+    _gpu("rtx4080", "GeForce RTX 4080", memory_gib=16, fp32_tflops=48.7, tf32_tflops=48.7,
+         fp16_tflops=97.5, bf16_tflops=97.5, bandwidth_gb_per_s=716.8, consumer=True,
+         aliases=("rtx4080-16gb",),
+         source=_ADA_WP + ", GeForce RTX 4080 (16 GB) column (9728 CUDA cores, 2505 MHz "
+                "boost: 48.7 TFLOPS FP32, 97.5 FP16 tensor with FP32 accumulate, 48.7 TF32; "
+                "256-bit 22.4 Gbps GDDR6X, 716.8 GB/s)"),
     _gpu("a4000", "RTX A4000", memory_gib=16, fp32_tflops=19.2, tf32_tflops=38.4,
          fp16_tflops=76.7, bf16_tflops=76.7, bandwidth_gb_per_s=448, consumer=False,
          source="NVIDIA RTX A4000 datasheet (19.2 TFLOPS FP32, 153.4 TFLOPS tensor with "
@@ -162,6 +213,16 @@ _GPUS = (
          bf16_tflops=125.0, bandwidth_gb_per_s=600, consumer=False,
          source="NVIDIA A10 datasheet (31.2 TFLOPS FP32, 62.5 TF32, 125 FP16/BF16 dense, "
                 "600 GB/s)"),
+    _gpu("a40", "A40", memory_gib=48, fp32_tflops=37.4, tf32_tflops=74.8,
+         fp16_tflops=149.7, bf16_tflops=149.7, bandwidth_gb_per_s=696, consumer=False,
+         source="NVIDIA A40 datasheet (37.4 TFLOPS FP32; 149.6 TF32 and 299.4 FP16/BF16 "
+                "TFLOPS with sparsity, halved here; 48 GB GDDR6 with ECC, 696 GB/s); "
+                "workstation-class GA102, FP32 accumulate at the full tensor rate"),
+    _gpu("l40s", "L40S", memory_gib=48, fp32_tflops=91.6, tf32_tflops=183.0,
+         fp16_tflops=362.05, bf16_tflops=362.05, bandwidth_gb_per_s=864, consumer=False,
+         source="NVIDIA L40S datasheet (91.6 TFLOPS FP32; 366 TF32 and 733 FP16/BF16 TFLOPS "
+                "with sparsity, halved here; 48 GB GDDR6 with ECC, 864 GB/s); data-centre "
+                "Ada, FP32 accumulate at the full tensor rate"),
     _gpu("a100-40gb", "A100 40 GB", memory_gib=40, fp32_tflops=19.5, tf32_tflops=156.0,
          fp16_tflops=312.0, bf16_tflops=312.0, bandwidth_gb_per_s=1555, consumer=False,
          aliases=("a100-sxm4-40gb", "a100-pcie-40gb"),
@@ -214,8 +275,12 @@ CPU = DeviceType(
 CATALOG: dict[str, DeviceType] = {d.key: d for d in (*_GPUS, CPU)}
 """Every known device type by catalog key, in a fixed order."""
 
-# Spellings that match more than one entry; they must be made specific.
+# Spellings that match more than one entry, or a card the catalog has in one memory size
+# only; they must be made specific. nvidia-smi prints "NVIDIA GeForce RTX 4060 Ti" for the
+# 8 GB and the 16 GB card alike (an 8 GB card: describe it with ``custom``). The 3080 12 GB
+# prints "NVIDIA GeForce RTX 3080" like the 10 GB card, which that name keeps finding.
 _AMBIGUOUS = {
+    "4060ti": ("rtx4060ti-16gb",),
     "a100": ("a100-40gb", "a100-80gb"),
     "v100": ("v100-16gb", "v100-32gb"),
     "h100": ("h100-sxm", "h100-pcie"),

@@ -4,7 +4,8 @@
   micro-batch size (plain PyTorch DDP).
 - ``uniform_pipeline``: pipelines of p consecutive devices (cluster order), units split
   into equal counts, equal batch shares and micro-batches (Megatron-LM / DeepSpeed
-  ``partition_method="uniform"``); the best p that fits is taken, which is generous to it.
+  ``partition_method="uniform"``); the best p >= 2 that fits is taken, which is generous
+  to it. A pipeline has at least two stages: with one device or one unit there is none.
 """
 
 from __future__ import annotations
@@ -75,10 +76,16 @@ def data_parallel_equal(problem: PlanningProblem) -> Layout | None:
     return _uniform_layout(problem, 1)
 
 
+def pipeline_possible(problem: PlanningProblem) -> bool:
+    """True when the problem has room for a pipeline of two or more stages."""
+    return min(problem.num_units, problem.num_devices) >= 2
+
+
 def uniform_pipeline(problem: PlanningProblem) -> Layout | None:
-    """The fastest equal-layer, equal-batch pipeline layout that fits; None if none fits."""
+    """The fastest equal-layer, equal-batch pipeline layout of two or more stages that fits;
+    None if none fits (or :func:`pipeline_possible` is False)."""
     best: tuple[float, Layout] | None = None
-    for num_stages in range(1, min(problem.num_units, problem.num_devices) + 1):
+    for num_stages in range(2, min(problem.num_units, problem.num_devices) + 1):
         layout = _uniform_layout(problem, num_stages)
         if layout is None:
             continue

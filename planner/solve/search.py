@@ -50,6 +50,7 @@ from hplan.planner.solve.partition import PipelineShape
 from hplan.planner.solve.pipeline_shapes import enumerate_shapes
 from hplan.planner.solve.scenarios import Scenario, allreduce_estimate_s, make_scenarios
 from hplan.planner.solve.watchdog import run_with_deadline
+from hplan.planner.textfmt import format_bytes, format_bytes_pair
 from hplan.runtime.contract.errors import InfeasiblePlanError
 
 TEMPLATE_BUDGET_SHARE = 0.4
@@ -529,22 +530,16 @@ def diagnose_infeasible(problem: PlanningProblem) -> str:
     need = problem.static_memory_bytes + problem.activation_bytes_per_sample * smallest_mbs
     worst = int(np.argmax(need))
     if need[worst] > capacity:
+        need_text, capacity_text = format_bytes_pair(float(need[worst]), capacity)
         return (
-            f"unit `{problem.unit_names[worst]}` needs {_size(need[worst])} on every device of "
+            f"unit `{problem.unit_names[worst]}` needs {need_text} on every device of "
             "its stage (parameters, gradients, optimizer state and activations of "
             f"{smallest_mbs} sample); the largest device ({problem.device_names[biggest]}) has "
-            f"{_size(capacity)} usable; add a device with more memory than that"
+            f"{capacity_text} usable; add a device with more memory than that"
         )
     total = float(problem.static_memory_bytes.sum())
     return (
-        f"the model needs {_size(total)} for parameters, gradients and optimizer state plus "
+        f"the model needs {format_bytes(total)} for parameters, gradients and optimizer state plus "
         f"activations, and no pipeline of at most {problem.num_devices} devices holds it; add "
         "devices or memory, or reduce the micro-batch size"
     )
-
-
-def _size(num_bytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes:.0f} bytes"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hplan.planner.cost.layout import Layout
 from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.textfmt import format_bytes_pair
 
 
 def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
@@ -57,9 +58,10 @@ def _replica_problems(problem: PlanningProblem, r: int, replica, seen: set[int])
         need = _memory(problem, stage.unit_start, stage.unit_stop, b, num_stages - s)
         cap = float(problem.memory_capacity_bytes[stage.device_idx])
         if need > cap:
+            need_text, cap_text = format_bytes_pair(need, cap)
             errors.append(
                 f"replica {r} stage {s} on {problem.device_names[stage.device_idx]} needs "
-                f"{need / 1e9:.2f} GB, has {cap / 1e9:.2f} GB"
+                f"{need_text}, has {cap_text}"
             )
     if expected_start != problem.num_units:
         errors.append(f"replica {r} does not hold every unit")

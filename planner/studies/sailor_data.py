@@ -65,7 +65,7 @@ STUDY_TO_KIND: dict[str, str] = {
     "V100-16": "v100-16gb",
     "A100-40": "a100-40gb",
     "A100-80": "a100-80gb",
-    "RTX-2080": "rtx2080ti",
+    "RTX-2080": "rtx2080ti",  # cluster_gpus.json gives it 11 GiB: the 2080 Ti (the 2080 has 8)
     "Titan-RTX": "titan-rtx",
     "GH-96": "gh200-96gb",
 }
@@ -83,11 +83,6 @@ class ExtraKind:
 
 
 EXTRA_KINDS: dict[str, ExtraKind] = {
-    # cluster_gpus.json gives the "RTX-2080" 11 GiB: that is the RTX 2080 Ti (the 2080 has 8).
-    "rtx2080ti": ExtraKind(
-        53.8e12, 616e9, True, "NVIDIA Turing TU102 whitepaper, GeForce RTX 2080 Ti (fp16 tensor "
-        "with fp32 accumulate 53.8 TFLOPS, 616 GB/s)",
-    ),
     "titan-rtx": ExtraKind(
         130.5e12, 672e9, True, "NVIDIA TITAN RTX specifications (130 tensor TFLOPS, 672 GB/s)"
     ),

@@ -379,6 +379,17 @@ class BaselineReport:
 
 
 @record
+class IdleDeviceReport:
+    """A device of the cluster that no rank uses, and why (from the cost model)."""
+
+    device: str
+    """The device's name, ``<node>/<index>``."""
+    kind: str
+    reason: str
+    """One line: the memory check it fails, or what the best layout with it costs."""
+
+
+@record
 class GradSyncReport:
     """Gradients that one holder set of ranks sums every step (one all-reduce bucket)."""
 
@@ -395,7 +406,9 @@ class Report:
     predicted_step_time_s: NonNegative
     predicted_samples_per_s: NonNegative
     physical_bound_samples_per_s: NonNegative
-    """Sum over devices of each device's standalone samples/s at its best fitting batch."""
+    """Samples/s no layout exceeds under the planning model: every device computing the
+    whole step at its fastest per-sample unit times, no bubble, sync or optimizer
+    (``hplan.planner.solve.bound``; 0 when not computed)."""
     efficiency: NonNegative
     """predicted_samples_per_s / physical_bound_samples_per_s."""
     bottleneck_rank: Index
@@ -418,6 +431,8 @@ class Report:
     not simulated."""
     grad_sync: tuple[GradSyncReport, ...] | None = None
     """The gradient all-reduce groups of the plan, sorted by ranks; None: not recorded."""
+    idle_devices: tuple[IdleDeviceReport, ...] = ()
+    """Every device of the cluster no rank uses, in cluster order, with the reason."""
 
     def verify(self) -> None:
         """Every figure of the report and of its ranks and baselines is in its declared

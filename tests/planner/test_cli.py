@@ -402,3 +402,66 @@ def test_a_terminated_command_says_so_in_one_line(capsys):
 
     assert _invoke(terminated) == 143
     assert capsys.readouterr().err.strip() == "hplan: terminated"
+
+
+# --------------------------------------------------------------------------- options first
+_EXPLODING_MODEL = """\
+raise RuntimeError("model file imported")
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--micro-batch-sizes", "8", "-b", "4"], ["--micro-batch-sizes 8", "1..4", "-b"]),
+        (["--micro-batch-sizes", "1,2,16", "-b", "8"], ["16 outside 1..8"]),
+        (["--time-limit", "0"], ["--time-limit 0"]),
+        (["--time-limit", "inf"], ["--time-limit inf"]),
+        (["--max-stages", "0"], ["--max-stages 0"]),
+        (["--master-port", "70000"], ["--master-port 70000"]),
+        (["--profile", "no-such-profile"], ["profile (--profile)", "no-such-profile"]),
+        (["--bandwidth", "no-such.json"], ["bandwidth file (--bandwidth)"]),
+    ],
+)
+def test_options_are_refused_before_the_model_file_is_imported(extra, needles, tmp_path, capsys):
+    model = tmp_path / "model.py"
+    model.write_text(_EXPLODING_MODEL)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(GOOD_CLUSTER)
+    argv = ["solve", str(model), "-c", str(cluster), "-o", str(tmp_path / "out"), *extra]
+    code, out, err = _run(argv, capsys)
+    assert code == 2
+    _assert_one_line_error(err, *needles)
+    assert "imported" not in err
+    assert out == ""
+
+
+def test_a_bad_cluster_file_is_refused_before_the_model_file_is_imported(tmp_path, capsys):
+    model = tmp_path / "model.py"
+    model.write_text(_EXPLODING_MODEL)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(GOOD_CLUSTER.replace("rtx3090", "rtx9999"))
+    code, _, err = _run(["solve", str(model), "-c", str(cluster), "-o", str(tmp_path)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "rtx9999")
+    # and the same model file with good options fails on import: the test model does explode
+    cluster.write_text(GOOD_CLUSTER)
+    code, _, err = _run(["solve", str(model), "-c", str(cluster), "-o", str(tmp_path)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "model file imported")
+
+
+def test_solve_prints_each_phase_with_its_time_and_the_json_has_them(tmp_path, capsys):
+    cluster = CLUSTERS / "cpu-rehearsal.yaml"
+    argv = ["solve", str(MLP), "-c", str(cluster), "-o", str(tmp_path), "-b", "8", "--json"]
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    summary = json.loads(out)
+    phases = summary["phase_times_s"]
+    assert list(phases) == ["cluster", "capture", "cost", "solve", "report", "write"]
+    assert all(t >= 0 for t in phases.values())
+    assert summary["total_time_s"] >= sum(phases.values())
+    assert summary["solve_time_s"] == pytest.approx(phases["solve"])
+    last = err.splitlines()[-1]
+    assert last.startswith("planned in ")
+    assert all(f"{phase} " in last for phase in phases)

@@ -355,3 +355,24 @@ def test_a_huge_batch_widens_the_table_instead_of_breaking_values() -> None:
         assert re.search(r"\d+%( R)?$", row), row  # the memory cell is whole
     for group in ("tok_emb,", "blocks.0-blocks.6", "blocks.10-blocks.11,", "lm_head"):
         assert group in text.split()  # unit groups are never broken inside
+
+
+def test_idle_devices_get_one_row_each_with_their_reason():
+    from hplan.runtime.contract.plan import IdleDeviceReport
+
+    plan = mixed_plan()
+    idle = (
+        IdleDeviceReport(device="box-c/0", kind="rtx3060", reason="the model's smallest stage "
+                         "needs 14.2 GB, the card has 11.0 GB usable"),
+        IdleDeviceReport(device="box-c/1", kind="rtx3060", reason="as one more replica, ..."),
+    )  # fmt: skip
+    with_idle = replace(plan, report=replace(plan.report, idle_devices=idle))
+    text = render_text(with_idle)
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("idle "))
+    assert lines[first] == (
+        "idle       box-c/0 (rtx3060): the model's smallest stage needs 14.2 GB, the card has "
+        "11.0 GB usable"
+    )
+    assert lines[first + 1] == "           box-c/1 (rtx3060): as one more replica, ..."
+    assert Plan.from_json(with_idle.to_json()) == with_idle

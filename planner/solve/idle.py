@@ -1,0 +1,217 @@
+"""Why a device the plan leaves idle is idle, computed from the cost model.
+
+For each device no stage uses (:func:`idle_reasons`):
+
+1. *Memory*: the smallest stage there is (one unit, the smallest micro-batch size, one
+   micro-batch in flight, its boundary buffers) does not fit the device; the message gives
+   both figures.
+2. Otherwise the best layout *with* the device among the chosen layout's one-step
+   extensions, each costed by ``evaluate`` and checked by ``validate``: the device as one
+   more data-parallel replica holding the whole model (every batch share it could take,
+   the others' shares reduced in proportion), or the device taking the tail of one stage's
+   units (every stage, every cut inside it). The message compares that layout's step time
+   with the chosen one's and names what grows: the gradient all-reduce (with the slowest
+   link the device would sync over), or the pipeline (the device's own stage, or the
+   transfers over its slowest pipeline link and the bubble).
+
+These are the marginal questions "would adding it as a replica or as a stage help", not a
+re-solve with the device forced in; the search itself already weighed every layout it
+costed, so a one-step extension faster than the chosen layout is reported as such.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from hplan.planner.cost.evaluate import (
+    Evaluation,
+    evaluate,
+    grad_sync_groups,
+    slowest_link,
+    stage_memory_bytes,
+)
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.solve.validate import layout_problems
+from hplan.planner.textfmt import format_bytes_pair, format_seconds
+from hplan.runtime.contract.quantities import BITS_PER_BYTE, BYTES_PER_GB
+
+__all__ = ["IdleReason", "idle_reasons", "smallest_stage_bytes"]
+
+_MAX_REPLICA_SHARES = 16
+"""Batch shares tried for the device as a new replica (evenly spaced up to half the batch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class IdleReason:
+    """One idle device and why, in words."""
+
+    device_idx: int
+    reason: str
+
+
+def smallest_stage_bytes(problem: PlanningProblem) -> float:
+    """Bytes of the smallest stage any layout can have: one unit at the smallest micro-batch
+    size, one micro-batch in flight, with its boundary buffers (``stage_memory_bytes``)."""
+    b = problem.micro_batch_sizes[0]
+    return min(stage_memory_bytes(problem, u, u + 1, b, 1) for u in range(problem.num_units))
+
+
+def idle_reasons(
+    problem: PlanningProblem, layout: Layout, evaluation: Evaluation
+) -> tuple[IdleReason, ...]:
+    """Why each device that ``layout`` leaves idle is idle (module docstring), in device
+    order; empty when every device is used."""
+    used = set(layout.device_indices)
+    smallest = smallest_stage_bytes(problem)
+    reasons = []
+    for d in range(problem.num_devices):
+        if d in used:
+            continue
+        capacity = float(problem.memory_capacity_bytes[d])
+        if smallest > capacity:
+            need, has = format_bytes_pair(smallest, capacity)
+            reason = f"the model's smallest stage needs {need}, the card has {has} usable"
+        else:
+            reason = _costed_reason(problem, layout, evaluation, d)
+        reasons.append(IdleReason(d, reason))
+    return tuple(reasons)
+
+
+def _costed_reason(
+    problem: PlanningProblem, layout: Layout, chosen: Evaluation, device_idx: int
+) -> str:
+    best = _best_extension(problem, layout, device_idx)
+    if best is None:
+        return (
+            "no layout with it fits: as a replica the whole model does not fit it, and no "
+            "stage's units split onto it fit"
+        )
+    how, with_layout, ev = best
+    if ev.step_time_s < chosen.step_time_s:
+        return (
+            f"{how} would take {format_seconds(ev.step_time_s)} per step, less than the "
+            f"plan's {format_seconds(chosen.step_time_s)} (the search missed it)"
+        )
+    sync_s = ev.allreduce_time_s - chosen.allreduce_time_s
+    longer_s = max(ev.replica_times_s) - max(chosen.replica_times_s)
+    head = (
+        f"{how} takes {format_seconds(ev.step_time_s)} per step, the plan "
+        f"{format_seconds(chosen.step_time_s)}"
+    )
+    if sync_s > 0 and sync_s >= longer_s:
+        link = _gbit_per_s(_sync_link_bytes_per_s(problem, with_layout, device_idx))
+        saving = (
+            f"more than its compute saves ({format_seconds(-longer_s)})"
+            if longer_s < 0
+            else f"and the pipeline gets {format_seconds(longer_s)} longer"
+        )
+        return (
+            f"{head}: syncing gradients over the {link} link costs "
+            f"{format_seconds(sync_s)} more per step, {saving}"
+        )
+    replica, stage = ev.bottleneck
+    if with_layout.replicas[replica].stages[stage].device_idx == device_idx:
+        return f"{head}: its stage would be the slowest of its pipeline"
+    link = _gbit_per_s(_pipeline_link_bytes_per_s(problem, with_layout, device_idx))
+    return (
+        f"{head}: the pipeline gets {format_seconds(longer_s)} longer (transfers over the "
+        f"{link} link and the bubble)"
+    )
+
+
+def _best_extension(
+    problem: PlanningProblem, layout: Layout, device_idx: int
+) -> tuple[str, Layout, Evaluation] | None:
+    best: tuple[str, Layout, Evaluation] | None = None
+    for how, candidate in _extensions(problem, layout, device_idx):
+        if layout_problems(problem, candidate):
+            continue
+        ev = evaluate(problem, candidate)
+        if best is None or ev.step_time_s < best[2].step_time_s:
+            best = (how, candidate, ev)
+    return best
+
+
+def _extensions(
+    problem: PlanningProblem, layout: Layout, device_idx: int
+) -> Iterator[tuple[str, Layout]]:
+    """The chosen layout with ``device_idx`` added as a replica or as a split-off stage."""
+    yield from _as_replica(problem, layout, device_idx)
+    for r, replica in enumerate(layout.replicas):
+        for s, stage in enumerate(replica.stages):
+            for cut in range(stage.unit_start + 1, stage.unit_stop):
+                stages = (
+                    *replica.stages[:s],
+                    StageLayout(stage.device_idx, stage.unit_start, cut),
+                    StageLayout(device_idx, cut, stage.unit_stop),
+                    *replica.stages[s + 1 :],
+                )
+                new = ReplicaLayout(
+                    stages, replica.micro_batch_size, replica.num_microbatches, replica.num_samples
+                )
+                replicas = (*layout.replicas[:r], new, *layout.replicas[r + 1 :])
+                yield "with it as one more pipeline stage, the best layout", Layout(replicas)
+
+
+def _as_replica(
+    problem: PlanningProblem, layout: Layout, device_idx: int
+) -> Iterator[tuple[str, Layout]]:
+    total = problem.global_batch_size
+    shares = sorted({max(1, round(i * total / 2 / _MAX_REPLICA_SHARES)) for i in range(1, 17)})
+    for share in shares:
+        if share >= total or total - share < len(layout.replicas):
+            continue
+        rest = _reduced(problem, layout, total - share)
+        sizes = [b for b in problem.micro_batch_sizes if b <= share]
+        for b in sizes:
+            own = ReplicaLayout(
+                (StageLayout(device_idx, 0, problem.num_units),), b, math.ceil(share / b), share
+            )
+            yield "as one more replica, the best layout", Layout((*rest, own))
+
+
+def _reduced(problem: PlanningProblem, layout: Layout, total: int) -> tuple[ReplicaLayout, ...]:
+    """The replicas with their shares scaled to sum to ``total`` (largest remainder), each
+    at least one sample, each micro-batch the largest candidate up to its old size and share."""
+    old = [r.num_samples for r in layout.replicas]
+    scaled = [max(1, math.floor(n * total / sum(old))) for n in old]
+    for i in range(total - sum(scaled)):
+        scaled[i % len(scaled)] += 1
+    while sum(scaled) > total:  # the max(1, ...) floor can overshoot by a few
+        scaled[max(range(len(scaled)), key=lambda j: scaled[j])] -= 1
+    out = []
+    for replica, samples in zip(layout.replicas, scaled, strict=True):
+        limit = min(replica.micro_batch_size, samples)
+        fitting = [size for size in problem.micro_batch_sizes if size <= limit]
+        b = max(fitting, default=problem.micro_batch_sizes[0])  # too large: validate says so
+        out.append(ReplicaLayout(replica.stages, b, math.ceil(samples / b), samples))
+    return tuple(out)
+
+
+def _gbit_per_s(bandwidth_bytes_per_s: float) -> str:
+    """``1.25e8`` -> ``"1 Gb/s"`` (decimal gigabits, three significant digits)."""
+    return f"{bandwidth_bytes_per_s * BITS_PER_BYTE / BYTES_PER_GB:.3g} Gb/s"
+
+
+def _sync_link_bytes_per_s(problem: PlanningProblem, layout: Layout, device_idx: int) -> float:
+    """Slowest link (bytes/s) of the all-reduce groups ``device_idx`` would be in (its units'
+    and tied parameters' holders, ``grad_sync_groups``); inf when it would be in none."""
+    groups = [g for g in grad_sync_groups(problem, layout) if device_idx in g]
+    return min((slowest_link(problem, g)[0] for g in groups), default=math.inf)
+
+
+def _pipeline_link_bytes_per_s(problem: PlanningProblem, layout: Layout, device_idx: int) -> float:
+    """Slowest link (bytes/s) between ``device_idx`` and its neighbouring stages."""
+    slowest = math.inf
+    for replica in layout.replicas:
+        devices = [s.device_idx for s in replica.stages]
+        if device_idx not in devices:
+            continue
+        at = devices.index(device_idx)
+        for other in devices[max(at - 1, 0) : at + 2]:
+            if other != device_idx:
+                slowest = min(slowest, float(problem.bandwidth_bytes_per_s[device_idx, other]))
+    return slowest

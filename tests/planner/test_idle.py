@@ -1,0 +1,56 @@
+"""Idle devices explained from the cost model (solve/idle.py) and shown in the report."""
+
+from __future__ import annotations
+
+from hplan.planner.emit.report import idle_device_reports
+from hplan.planner.solve.idle import idle_reasons, smallest_stage_bytes
+from hplan.planner.solve.solver import SolveOptions, solve
+from tests.fixtures.problems import GB, Dev, make_problem
+
+FAST = SolveOptions(time_limit_s=30, watchdog=False)
+
+
+def test_a_device_too_small_for_any_stage_says_both_figures():
+    problem = make_problem(
+        [Dev("a", 1.0, 24 * GB), Dev("a", 1.0, 0.9 * GB)],
+        unit_work=[1.0, 1.0],
+        global_batch_size=4,
+        static_bytes=1.0 * GB,
+        act_bytes_per_sample=0.1 * GB,
+        cut_bytes_per_sample=0.0,
+    )
+    result = solve(problem, FAST)
+    assert set(result.layout.device_indices) == {0}
+    (idle,) = idle_reasons(problem, result.layout, result.evaluation)
+    assert idle.device_idx == 1
+    assert smallest_stage_bytes(problem) == 1.1 * GB
+    assert idle.reason == "the model's smallest stage needs 1.1 GB, the card has 0.9 GB usable"
+
+
+def test_a_node_behind_a_slow_link_is_idle_because_syncing_costs_more_than_it_saves():
+    """Two equal devices on two nodes joined by 1 Gb/s; 2 GB of gradients a step: adding the
+    second as a replica would halve the compute but sync 2 GB over the slow link."""
+    problem = make_problem(
+        [Dev("box1", 1.0, 24 * GB), Dev("box2", 1.0, 24 * GB)],
+        unit_work=[0.01, 0.01],
+        global_batch_size=8,
+        grad_bytes=1.0 * GB,
+        cut_bytes_per_sample=1e9,
+        inter_bandwidth=0.125e9,
+    )
+    result = solve(problem, FAST)
+    assert len(result.layout.device_indices) == 1
+    (report,) = idle_device_reports(problem, result)
+    assert report.device == problem.device_names[1 - result.layout.device_indices[0]]
+    assert "as one more replica" in report.reason
+    assert "syncing gradients over the 1 Gb/s link costs" in report.reason
+    assert "more than its compute saves" in report.reason
+
+
+def test_every_device_used_means_no_idle_reports():
+    problem = make_problem(
+        [Dev("a", 1.0, 24 * GB), Dev("a", 1.0, 24 * GB)], unit_work=[1.0] * 4, global_batch_size=8
+    )
+    result = solve(problem, FAST)
+    assert len(set(result.layout.device_indices)) == 2
+    assert idle_device_reports(problem, result) == ()
