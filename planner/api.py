@@ -417,7 +417,7 @@ PASSES: Sequence[Pass] = (
 
 PHASES: Sequence[tuple[str, tuple[str, ...]]] = (
     ("cluster", ("cluster",)),
-    ("capture", ("capture", "cost_graph", "trains_check", "runtime_bytes")),
+    ("capture", ("capture", "cost_graph", "trains_check", "precision", "runtime_bytes")),
     ("cost", ("time_source", "problem")),
     ("solve", ("solve",)),
     ("report", ("report", "plan")),
