@@ -180,7 +180,8 @@ def _capture_fake(
         traced = trace_model(model, feed, leaf_modules=leaves)
         with torch.no_grad(), warnings.catch_warnings():  # modules kept whole may need values
             warnings.simplefilter("ignore")
-            traced.graph_module(*(feed[n] for n in traced.input_names))
+            args = [feed[n] for n in traced.input_names]
+            torch.fx.Interpreter(traced.graph_module).run(*args, enable_io_processing=False)
     return CapturedModel(model_file, model, traced, batches, inputs, seed, fake_mode=mode)
 
 
