@@ -85,9 +85,7 @@ class FusedAttentionCosts(TorchFunctionMode):
         self.extra_saved_bytes = 0
         """Saved bytes that are no tensor of the graph (the log-sum-exps)."""
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func not in ATTENTION_FUNCTIONS:
             return func(*args, **kwargs)

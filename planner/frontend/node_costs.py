@@ -135,7 +135,6 @@ class _Meter(torch.fx.Interpreter):
         )
         return result
 
-
     def _flops(self) -> int:
         return int(self._counter.get_total_flops()) + self._attention.flops_adjustment
 

@@ -350,9 +350,7 @@ def _user_location(exc: BaseException) -> str:
 
 def _without_data(fed: Mapping[str, Any]) -> bool:
     """True when an input is a meta or fake tensor (shapes and dtypes only, no values)."""
-    return any(
-        isinstance(v, torch.Tensor) and (v.is_meta or is_fake(v)) for v in fed.values()
-    )
+    return any(isinstance(v, torch.Tensor) and (v.is_meta or is_fake(v)) for v in fed.values())
 
 
 def _eager_reference(context: _Context) -> Any:
