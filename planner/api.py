@@ -343,7 +343,7 @@ def report_pass(r: PassResults) -> Report:
     request, problem, result = _request(r), r["problem"], r["solve"]
     graph: ModelGraph = r["cost_graph"]
     source: UnitTimeSource = r["time_source"]
-    notes = (*graph.notes, *r["cluster"].link_notes)
+    notes = (*graph.notes, *r["trains_check"].notes, *r["cluster"].link_notes)
     report = build_report(problem, result, cost_source=source.name, notes=notes)
     if request.profile_path is None:
         return report

@@ -1,8 +1,20 @@
 """The capture pass: the model built once, its example batches, its graph traced once.
 
 Every later pass of a solve reads this :class:`CapturedModel`: the cost graph measures its
-graph (on a meta copy when the model allows it, :func:`meta_copy`), the check that the model
-trains runs its module. ``build_model`` and the trace each run exactly once per solve.
+graph, the check that the model trains runs its module. ``build_model`` and the trace each
+run exactly once per solve.
+
+By default nothing runs on real tensors: ``build_model`` runs under a
+``FakeTensorMode`` (parameters and buffers are fake CPU tensors: shapes, dtypes and strides,
+no storage, no compute), the example inputs are fake copies of ``sample_batch``'s, and the
+trace (``torch.export`` with fake inputs; ``symbolic_trace`` needs no tensors) and every
+later forward run on fake tensors. A 7B model costs no more memory than its Python objects.
+Fake CPU tensors, not meta ones, because ops choose their kernel by device: on meta
+``scaled_dot_product_attention`` takes the unfused math path, whose graph and strides
+differ from what a rank traces on real tensors; and Hugging Face models skip their
+data-dependent checks on fake tensors (they raise on meta). When the model cannot be built
+or traced on fake tensors, it is built and traced on real CPU tensors instead, and
+:attr:`CapturedModel.notes` says why.
 """
 
 from __future__ import annotations
@@ -12,10 +24,13 @@ import itertools
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
@@ -25,21 +40,48 @@ DEFAULT_BATCH_SIZES = (2, 3)
 """The two batch sizes every node is measured at (per-sample figures are their slope)."""
 
 
+class CaptureTensors(StrEnum):
+    """What the captured model's tensors are."""
+
+    FAKE = "fake"
+    """Fake CPU tensors of one ``FakeTensorMode``: no storage; nothing really runs."""
+    CPU = "cpu"
+    """Real CPU tensors (the fallback when the model does not build or trace on fake ones)."""
+
+
 @dataclass(frozen=True)
 class CapturedModel:
     """A model file's model, built and traced once, with its example batches."""
 
     model_file: ModelFile
     model: nn.Module
-    """Built once, after ``torch.manual_seed(seed)``; CPU tensors."""
+    """Built once, after ``torch.manual_seed(seed)``; fake or CPU tensors (``tensors``)."""
     traced: TracedModel
     """Traced once, on the smaller batch."""
     batches: Mapping[int, tuple[Any, Any]]
     """Batch size -> ``sample_batch(batch_size)`` as the model file returned it
-    ``(inputs, targets)``; exactly two sizes."""
+    ``(inputs, targets)``, real tensors; exactly two sizes."""
     inputs: Mapping[int, Mapping[str, torch.Tensor]]
-    """Batch size -> the inputs bound to ``forward``'s parameter names."""
+    """Batch size -> the inputs bound to ``forward``'s parameter names (fake copies when
+    ``tensors`` is FAKE)."""
     seed: int
+    fake_mode: FakeTensorMode | None = None
+    """The mode the model's fake tensors belong to (run every forward inside it); None for
+    real CPU tensors."""
+    notes: tuple[str, ...] = ()
+    """Why the model was captured on real CPU tensors, when it was."""
+
+    @property
+    def tensors(self) -> CaptureTensors:
+        """FAKE when the model and inputs are fake tensors, else CPU."""
+        return CaptureTensors.CPU if self.fake_mode is None else CaptureTensors.FAKE
+
+    def fake(self, value: Any) -> Any:
+        """Every real tensor in a nested structure as a fake tensor of :attr:`fake_mode`
+        (static shapes); fake tensors and other leaves as they are."""
+        mode = self.fake_mode
+        assert mode is not None, "fake() needs a fake capture"
+        return torch.utils._pytree.tree_map(lambda x: _fake_of(mode, x), value)
 
     @property
     def batch_sizes(self) -> tuple[int, int]:
@@ -78,6 +120,7 @@ def capture_model(
     leaf_modules: tuple[str, ...] = (),
     seed: int = 0,
     batch_sizes: tuple[int, int] = DEFAULT_BATCH_SIZES,
+    tensors: CaptureTensors = CaptureTensors.FAKE,
 ) -> CapturedModel:
     """Build the model and its two example batches (seeded), and trace it on the smaller.
 
@@ -85,6 +128,9 @@ def capture_model(
         leaf_modules: module paths or class names to keep whole, besides the model file's
             ``LEAF_MODULES``.
         batch_sizes: two distinct batch sizes >= 1.
+        tensors: FAKE (the default) builds and traces on fake tensors, and on real CPU
+            tensors when that fails (a note says why); CPU builds on real CPU tensors
+            (what measuring on a device needs).
 
     Raises:
         ModelFileError: ``build_model``/``sample_batch`` raise or give unusable inputs.
@@ -92,13 +138,61 @@ def capture_model(
         ValueError: ``batch_sizes`` are not two distinct positive integers.
     """
     small, large = _check_batch_sizes(batch_sizes)
+    leaves = (*leaf_modules, *model_file.leaf_modules)
+    notes: tuple[str, ...] = ()
+    if tensors is CaptureTensors.FAKE:
+        try:
+            return _capture_fake(model_file, leaves, seed, (small, large))
+        except Exception as exc:  # the real tensors below decide whether it is the model's
+            notes = (
+                "captured on real CPU tensors: the model does not build or trace on fake "
+                f"tensors ({_reason(exc)})",
+            )
     with torch.random.fork_rng(devices=[]):
         model = _build(model_file, seed)
         batches = {b: _sample_batch(model_file, b) for b in (small, large)}
     inputs = {b: bind_inputs(model, batch[0]) for b, batch in batches.items()}
-    leaves = (*leaf_modules, *model_file.leaf_modules)
     traced = trace_model(model, inputs[small], leaf_modules=leaves)
-    return CapturedModel(model_file, model, traced, batches, inputs, seed)
+    return CapturedModel(model_file, model, traced, batches, inputs, seed, notes=notes)
+
+
+def _capture_fake(
+    model_file: ModelFile, leaves: tuple[str, ...], seed: int, sizes: tuple[int, int]
+) -> CapturedModel:
+    """The capture on fake tensors (see the module docstring); raises whatever fails,
+    including a run of the traced graph (modules kept whole run their own code, which may
+    need tensor values).
+
+    The mode has a shape environment that records its fakes, so that ``torch.export``
+    reuses it (and the model's fake parameters) rather than making its own.
+    """
+    mode = FakeTensorMode(shape_env=ShapeEnv(tracked_fakes=[]), allow_non_fake_inputs=True)
+    with torch.random.fork_rng(devices=[]):
+        with mode:
+            model = _build(model_file, seed)
+        batches = {b: _sample_batch(model_file, b) for b in sizes}
+    inputs = {
+        b: {k: _fake_of(mode, v) for k, v in bind_inputs(model, batch[0]).items()}
+        for b, batch in batches.items()
+    }
+    feed = inputs[sizes[0]]
+    with mode:
+        traced = trace_model(model, feed, leaf_modules=leaves)
+        with torch.no_grad(), warnings.catch_warnings():  # modules kept whole may need values
+            warnings.simplefilter("ignore")
+            args = [feed[n] for n in traced.input_names]
+            torch.fx.Interpreter(traced.graph_module).run(*args, enable_io_processing=False)
+    return CapturedModel(model_file, model, traced, batches, inputs, seed, fake_mode=mode)
+
+
+def _fake_of(mode: FakeTensorMode, value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or is_fake(value):
+        return value
+    return mode.from_tensor(value, static_shapes=True)
+
+
+def _reason(exc: BaseException) -> str:
+    return one_line(exc).removeprefix("RuntimeError: ")
 
 
 def meta_copy(module: nn.Module) -> nn.Module:

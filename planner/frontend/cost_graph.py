@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hplan.planner.frontend.capture import DEFAULT_BATCH_SIZES, CapturedModel, capture_model
+from hplan.planner.frontend.capture import (
+    DEFAULT_BATCH_SIZES,
+    CapturedModel,
+    CaptureTensors,
+    capture_model,
+)
 from hplan.planner.frontend.graph import (
     OUTPUT,
     PLACEHOLDER,
@@ -135,6 +140,7 @@ def build_model_graph(
     batch_sizes: tuple[int, int] = DEFAULT_BATCH_SIZES,
     leaf_modules: Sequence[str] = (),
     seed: int = 0,
+    tensors: CaptureTensors = CaptureTensors.FAKE,
 ) -> ModelGraph:
     """Capture a model file's model (``capture.capture_model``) and build its cost graph.
 
@@ -145,6 +151,8 @@ def build_model_graph(
         leaf_modules: module paths or class names to keep whole, besides the model
             file's ``LEAF_MODULES``.
         seed: RNG seed for building the model and the sample batches.
+        tensors: FAKE to capture on fake tensors as a solve does (the graph's module then
+            holds fake tensors); CPU for a graph that runs on real tensors (profiling).
 
     Raises:
         ModelFileError: ``build_model``/``sample_batch`` raise or give unusable inputs.
@@ -152,7 +160,11 @@ def build_model_graph(
         ValueError: ``batch_sizes`` are not two distinct positive integers.
     """
     captured = capture_model(
-        model_file, leaf_modules=tuple(leaf_modules), seed=seed, batch_sizes=batch_sizes
+        model_file,
+        leaf_modules=tuple(leaf_modules),
+        seed=seed,
+        batch_sizes=batch_sizes,
+        tensors=tensors,
     )
     return model_graph(captured)
 
@@ -188,7 +200,9 @@ def model_graph(captured: CapturedModel) -> ModelGraph:
         inputs=_input_specs(traced, graph, units, node_unit),
         param_dtype=_param_dtype(model),
         graph=graph,
-        notes=tuple(dict.fromkeys((*traced.notes, *unit_notes, *measure_notes))),  # no repeats
+        notes=tuple(
+            dict.fromkeys((*captured.notes, *traced.notes, *unit_notes, *measure_notes))
+        ),  # no repeats
         tied_trainable_bytes=_tied_trainable_bytes(model, units),
     )
 

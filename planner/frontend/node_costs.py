@@ -4,10 +4,12 @@
 sizes and records, per node: the output shapes and dtypes, FLOPs
 (``torch.utils.flop_counter.FlopCounterMode``), bytes read and written, and bytes saved
 for backward (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once).
-Per-sample figures are the difference between the two runs divided by the difference of
-the batch sizes, so parameters cancel out. It runs on a meta copy of the captured graph
-when the model allows it (no memory, no compute; ``capture.meta_copy``) and falls back to
-the captured graph's real CPU tensors.
+Attention (``scaled_dot_product_attention``) is costed as the fused CUDA kernels run it
+(``attention_costs.py``), whatever kernel runs here. Per-sample figures are the difference
+between the two runs divided by the difference of the batch sizes, so parameters cancel
+out. It runs on the capture's fake tensors (no memory, no compute); a graph captured on
+real CPU tensors runs on a meta copy (``capture.meta_copy``) when it can, else on its CPU
+tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
+from hplan.planner.frontend.attention_costs import FusedAttentionCosts
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
 from hplan.runtime.contract.errors import ModelFileError, one_line
 from hplan.runtime.contract.plan import TensorSpec
@@ -31,15 +34,17 @@ from hplan.runtime.contract.plan import TensorSpec
 def measure_node_costs(captured: CapturedModel) -> tuple[dict[str, NodeCost], list[str]]:
     """Per-sample costs of every node of the captured graph, from runs at its two batch sizes.
 
-    On a meta copy of the graph when it runs there (no memory, no compute); else on the
-    captured graph with its CPU tensors (its buffers restored after each run).
+    On the capture's fake tensors; for a capture on real tensors, on a meta copy of the
+    graph when it runs there, else on the captured graph with its CPU tensors (its buffers
+    restored after each run).
 
     Returns:
         ({node name: per-sample cost}, notes): a note says when the meta device failed
         and the graph ran on CPU tensors.
 
     Raises:
-        ModelFileError: the traced graph fails on CPU at one of the batch sizes.
+        ModelFileError: the traced graph fails on its fake tensors, or on CPU, at one of
+            the batch sizes.
     """
     small, large = captured.batch_sizes
     runs, notes = _measure(captured)
@@ -89,10 +94,11 @@ class _Meter(torch.fx.Interpreter):
         self._keep: list[torch.Tensor] = []
         self._saved: list[torch.Tensor] = []
         self._counter = FlopCounterMode(display=False)
+        self._attention = FusedAttentionCosts(self._counter, self._pack)
 
     def measure(self, args: Sequence[torch.Tensor]) -> dict[str, _NodeRun]:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        with self._counter, hooks, _warnings_ignored():
+        with self._counter, hooks, self._attention, _warnings_ignored():
             self.run(*args, enable_io_processing=False)
         self._keep.clear()
         return self.runs
@@ -103,12 +109,13 @@ class _Meter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        flops_before = self._counter.get_total_flops()
+        flops_before = self._flops()
+        extra_before = self._attention.extra_saved_bytes
         self._saved = []
         result = super().run_node(n)
         inputs = _tensors((args, kwargs))
         outputs = _tensors(result)
-        saved = 0
+        saved = self._attention.extra_saved_bytes - extra_before
         for tensor in self._saved:
             key = StorageWeakRef(tensor.untyped_storage())
             if key not in self._seen:
@@ -120,13 +127,16 @@ class _Meter(torch.fx.Interpreter):
         fresh = [t for t in outputs if StorageWeakRef(t.untyped_storage()) not in in_storages]
         self.runs[n.name] = _NodeRun(
             tensor=_tensor_info(result),
-            flops=float(self._counter.get_total_flops() - flops_before),
+            flops=float(self._flops() - flops_before),
             saved_bytes=saved,
             read_bytes=sum(tensor_nbytes(t) for t in inputs) if moves else 0,
             written_bytes=sum(tensor_nbytes(t) for t in fresh) if moves else 0,
             output_bytes=sum(tensor_nbytes(t) for t in outputs),
         )
         return result
+
+    def _flops(self) -> int:
+        return int(self._counter.get_total_flops()) + self._attention.flops_adjustment
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -152,8 +162,10 @@ def _tensor_info(value: Any) -> tuple[tuple[int, ...], str, bool] | None:
 
 
 def _measure(captured: CapturedModel) -> tuple[dict[int, dict[str, _NodeRun]], list[str]]:
-    """Node runs at each batch size: on the meta device if possible, else on CPU."""
+    """Node runs at each batch size: on fake tensors, else on meta if possible, else on CPU."""
     traced = captured.traced
+    if captured.fake_mode is not None:
+        return _measure_fake(captured), []
     try:
         return _measure_meta(captured), []
     except Exception as exc:
@@ -184,6 +196,26 @@ def _reason(exc: BaseException) -> str:
     """An exception's first line; its class name only where the text needs it."""
     text = one_line(exc)
     return text.removeprefix("RuntimeError: ")
+
+
+def _measure_fake(captured: CapturedModel) -> dict[int, dict[str, _NodeRun]]:
+    """The captured graph run at both batch sizes on the capture's fake tensors."""
+    traced, mode = captured.traced, captured.fake_mode
+    assert mode is not None
+    runs = {}
+    for batch_size, feed in captured.inputs.items():
+        try:
+            with mode:
+                runs[batch_size] = _Meter(traced.graph_module).measure(
+                    [feed[n] for n in traced.input_names]
+                )
+        except Exception as exc:
+            raise ModelFileError(
+                f"the traced graph fails on fake tensors at batch size {batch_size} "
+                f"({one_line(exc)}); check that dim 0 of every sample_batch input is the "
+                "sample dimension"
+            ) from None
+    return runs
 
 
 def _measure_meta(captured: CapturedModel) -> dict[int, dict[str, _NodeRun]]:

@@ -3,10 +3,13 @@
 Tracing runs ``build_model``, ``sample_batch`` and the forward, but never ``loss_fn``; a
 loss that raises, is not a scalar, or needs no gradient, or a model without trainable
 parameters, would otherwise pass ``hplan solve`` and fail only when the plan runs. One
-forward and one ``loss_fn`` call on the captured batch of two samples settle it: on a meta
-copy of the captured model when the model and loss run there (no memory, no compute), else
-on the captured model itself (its buffers and the RNG state restored), whose verdict is
-final. Nothing is built or traced again.
+forward and one ``loss_fn`` call on the captured batch of two samples settle it, on the
+capture's fake tensors (no memory, no compute). When a model or loss needs tensor values
+(``.item()``, data-dependent shapes), fake tensors cannot run it: the verdict is then
+static (the model has trainable parameters) and says so in a note. A model captured on
+real CPU tensors (the capture's fallback) is checked on a meta copy when it runs there,
+else on the captured model itself (its buffers and the RNG state restored), whose verdict
+is final. Nothing is built or traced again.
 """
 
 from __future__ import annotations
@@ -16,15 +19,32 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
-from hplan.runtime.capture.model_file import checked_loss
+from hplan.runtime.capture.model_file import check_loss_value, checked_loss
 from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.capture.trace_fallbacks import preserved
-from hplan.runtime.contract.errors import ModelFileError
+from hplan.runtime.contract.errors import ModelFileError, one_line
 
 CHECK_BATCH_SIZE = 2
 """Samples in the batch the check runs (the capture's smaller batch)."""
+
+CHECK_DEVICES = ("fake", "meta", "cpu", "static")
+"""Where a check can run: fake tensors, a meta copy, CPU tensors, or nowhere (static)."""
+
+_NEEDS_VALUES = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+    GuardOnDataDependentSymNode,
+)
+"""What fake tensors raise for code that needs tensor values (not the model's fault)."""
 
 
 @dataclass(frozen=True)
@@ -32,25 +52,28 @@ class TrainsVerdict:
     """The model trains: its loss needs a gradient. Where the check ran."""
 
     device: str
-    """``meta`` or ``cpu``."""
+    """One of :data:`CHECK_DEVICES`."""
+    notes: tuple[str, ...] = ()
+    """Why the check was static, when it was."""
 
     def verify(self) -> None:
-        """The verdict names one of the two devices the check runs on."""
-        if self.device not in ("meta", "cpu"):
-            raise ValueError(f"the check ran on {self.device!r}, not on meta or cpu")
+        """The verdict names one of :data:`CHECK_DEVICES`."""
+        if self.device not in CHECK_DEVICES:
+            raise ValueError(f"the check ran on {self.device!r}, not on one of {CHECK_DEVICES}")
 
 
 def check_trains(captured: CapturedModel) -> TrainsVerdict:
     """Check that the model has trainable parameters and that its loss can be trained on.
 
     Runs the model on the captured batch of :data:`CHECK_BATCH_SIZE` samples and calls
-    ``loss_fn`` on the outputs and targets: first on a meta copy; if anything fails there,
-    on the captured CPU model.
+    ``loss_fn`` on the outputs and targets: on the capture's fake tensors (a static verdict
+    when the code needs tensor values); for a capture on real tensors, first on a meta
+    copy, and if anything fails there, on the captured CPU model.
 
     Raises:
         ModelFileError: the model has no trainable parameters; ``loss_fn`` raises or
             returns something other than a scalar tensor that needs a gradient; or the
-            model's forward raises on CPU.
+            model's forward raises (on fake tensors, or on CPU).
     """
     model_file, model = captured.model_file, captured.model
     if not any(p.requires_grad for p in model.parameters()):
@@ -58,6 +81,8 @@ def check_trains(captured: CapturedModel) -> TrainsVerdict:
             f"build_model() in {str(model_file.path)!r} returns a model without trainable "
             "parameters, so there is nothing to train; give it parameters that require grad"
         )
+    if captured.fake_mode is not None:
+        return _check_fake(captured)
     inputs, targets = _batch(captured)
     try:
         meta = meta_copy(model)
@@ -68,6 +93,42 @@ def check_trains(captured: CapturedModel) -> TrainsVerdict:
     with preserved(model), torch.enable_grad():
         _forward_and_loss(captured, model, inputs, targets, on_cpu=True)
     return TrainsVerdict("cpu")
+
+
+def _check_fake(captured: CapturedModel) -> TrainsVerdict:
+    mode, model_file = captured.fake_mode, captured.model_file
+    assert mode is not None
+    inputs, targets = captured.fake(_batch(captured))
+    where = f"sample_batch({CHECK_BATCH_SIZE}) from {str(model_file.path)!r}"
+    try:
+        with mode, torch.enable_grad():
+            outputs = captured.model(**bind_inputs(captured.model, inputs))
+    except _NEEDS_VALUES as exc:
+        return _static("the model's forward", exc)
+    except Exception as exc:
+        raise ModelFileError(
+            f"the model's forward raised {one_line(exc)} on {where}; fix model.py"
+        ) from None
+    try:
+        with mode, torch.enable_grad():
+            loss = model_file.loss_fn(outputs, targets)
+    except _NEEDS_VALUES as exc:
+        return _static("loss_fn", exc)
+    except Exception as exc:
+        raise ModelFileError(
+            f"loss_fn in {str(model_file.path)!r} raised {one_line(exc)} on (model outputs, "
+            "targets from sample_batch); fix loss_fn in model.py"
+        ) from None
+    check_loss_value(model_file, loss, require_grad=True)
+    return TrainsVerdict("fake")
+
+
+def _static(what: str, exc: BaseException) -> TrainsVerdict:
+    note = (
+        f"the check that the model trains did not run: {what} needs tensor values "
+        f"({one_line(exc)}); checked only that the model has trainable parameters"
+    )
+    return TrainsVerdict("static", (note,))
 
 
 def _batch(captured: CapturedModel) -> tuple[Any, Any]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from hplan.planner.frontend.capture import CaptureTensors
 from hplan.planner.frontend.cost_graph import build_model_graph
 from hplan.planner.hardware.discovery import CpuInfo, Discovery, GpuInfo, discover_devices
 from hplan.planner.profiling.microbench import benchmark_device
@@ -205,7 +206,12 @@ def _with_units(
 ) -> Profile:
     assert request.model_path is not None
     model_file = load_model_file(request.model_path)
-    graph = build_model_graph(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
+    graph = build_model_graph(
+        model_file,
+        leaf_modules=request.leaf_modules,
+        seed=request.seed,
+        tensors=CaptureTensors.CPU,  # the units run for real
+    )
     options = replace(
         request.unit_options or UnitProfileOptions(),
         micro_batch_sizes=tuple(sorted(set(request.micro_batch_sizes))),

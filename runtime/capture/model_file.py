@@ -131,6 +131,17 @@ def checked_loss(
             f"{where} raised {one_line(exc)} on (model outputs, targets from "
             "sample_batch/dataset); fix loss_fn in model.py"
         ) from None
+    return check_loss_value(model_file, loss, require_grad=require_grad)
+
+
+def check_loss_value(model_file: ModelFile, loss: Any, *, require_grad: bool = False) -> Tensor:
+    """Check what ``loss_fn`` returned: a one-element tensor (needing a gradient, with
+    ``require_grad``); see :func:`checked_loss`.
+
+    Raises:
+        ModelFileError: naming what it got and the fix.
+    """
+    where = f"loss_fn in {str(model_file.path)!r}"
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         got = (
             f"a tensor of shape {tuple(loss.shape)}"

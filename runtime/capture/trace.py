@@ -15,7 +15,9 @@ tried in this order when none is given:
 
 Methods 2 and 3 live in ``trace_fallbacks.py``. Forward parameters that the example does
 not feed are constants (their default, else None). Tracing runs user code; it never
-changes the model's buffers or the RNG state.
+changes the model's buffers or the RNG state. A model and inputs without data (fake
+tensors, as the planner captures them, or meta tensors) are traced without running the
+eager forward; method 3, which needs the forward's values, is then not tried.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from hplan.runtime.capture.trace_fallbacks import (
     chain_paths,
@@ -219,7 +222,8 @@ def trace_model(
     context = _Context(model, fed, constants, module_classes)
     if method is not None:
         return context.finish(*_trace_given(context, method, leaves))
-    reference = _eager_reference(context)
+    without_data = _without_data(context.fed)
+    reference = None if without_data else _eager_reference(context)
     traced = _symbolic_auto(context, leaves)
     if isinstance(traced, tuple):
         gm, final_leaves, notes = traced
@@ -234,6 +238,11 @@ def trace_model(
         ignored = " (it ignores LEAF_MODULES)" if leaves else ""
         notes = [f"{failed}; used torch.export instead{ignored}"]
         return context.finish(gm, TraceMethod.EXPORT, (), notes)
+    if without_data:
+        raise TraceError(
+            f"{failed}; torch.export failed too ({export_error}); a chain of child modules "
+            "cannot be checked on tensors without data: trace with real tensors"
+        )
     paths = chain_paths(model)
     chain = module_chain(model, context.fed, paths, reference)
     if chain is not None:
@@ -337,6 +346,11 @@ def _user_location(exc: BaseException) -> str:
     frame = frames[-1]
     code = f" `{frame.line.strip()}`" if frame.line else ""
     return f"{frame.filename}:{frame.lineno}{code}"
+
+
+def _without_data(fed: Mapping[str, Any]) -> bool:
+    """True when an input is a meta or fake tensor (shapes and dtypes only, no values)."""
+    return any(isinstance(v, torch.Tensor) and (v.is_meta or is_fake(v)) for v in fed.values())
 
 
 def _eager_reference(context: _Context) -> Any:
@@ -453,8 +467,7 @@ def _trace_given(
         raise
     except Exception as exc:
         raise TraceError(given_message(method, one_line(exc))) from None
-    is_meta = any(getattr(v, "is_meta", False) for v in context.fed.values())
-    reference = None if is_meta else _eager_reference(context)
+    reference = None if _without_data(context.fed) else _eager_reference(context)
     chain = module_chain(context.model, context.fed, leaves, reference)
     if chain is None:
         raise TraceError(given_message(method, "the module chain differs from forward"))

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hplan.planner.cli.main import main
+from hplan.planner.frontend.capture import CaptureTensors
 from hplan.planner.frontend.cost_graph import build_model_graph
 from hplan.planner.profiling.profile_file import Profile
 from hplan.planner.profiling.unit_memory import LiveBytes, measure_unit_memory
@@ -43,7 +44,7 @@ def tiny_gpt(monkeypatch):
 
 def test_every_unit_is_timed_and_identical_blocks_are_timed_once(tiny_gpt):
     model_file = load_model_file(tiny_gpt)
-    graph = build_model_graph(model_file)
+    graph = build_model_graph(model_file, tensors=CaptureTensors.CPU)
     steps = []
     result = profile_units(
         model_file, graph, torch.device("cpu"), "cpu", FAST, lambda *a: steps.append(a)
@@ -88,7 +89,7 @@ def test_rounds_combine_by_the_median_of_their_medians():
 
 def test_units_receive_int_ids_and_bool_masks_across_their_cuts(tmp_path):
     model_file = load_model_file(write_model_file(tmp_path, "mixed_dtype_boundary"))
-    graph = build_model_graph(model_file)
+    graph = build_model_graph(model_file, tensors=CaptureTensors.CPU)
     crossing = {t.dtype for cut in graph.cuts for t in cut}
     assert {"int64", "bool"} <= crossing  # the case really sends non-float tensors
     result = profile_units(model_file, graph, torch.device("cpu"), "cpu", FAST)

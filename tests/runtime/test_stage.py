@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hplan.planner.frontend.capture import CaptureTensors
 from hplan.planner.frontend.cost_graph import ModelGraph, build_model_graph
 from hplan.planner.frontend.graph import crossing_values
 from hplan.planner.frontend.partition_units import assign_units
@@ -37,7 +38,7 @@ def _model_file(name: str, directory: Path) -> ModelFile:
 
 @cache
 def _graph(model_file: ModelFile) -> ModelGraph:
-    return build_model_graph(model_file)
+    return build_model_graph(model_file, tensors=CaptureTensors.CPU)  # stages run for real
 
 
 def _setup(name: str, tmp_path: Path, batch_size: int = 3):
