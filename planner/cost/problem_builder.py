@@ -10,11 +10,20 @@ insightful visual performance model for multicore architectures", CACM 2009)::
 
     time_s = max(flops / (peak_flops_per_s * COMPUTE_EFFICIENCY),
                  bytes / (memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY))
+             + serial_bytes / (memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY)
              + num_ops * OP_OVERHEAD_S
 
-    forward:  flops = fwd_flops_per_sample * b
-              bytes = param_bytes + io_bytes_per_sample * b       (b: micro-batch size)
+    forward:  flops = fwd_flops_per_sample * b                   (b: micro-batch size)
+              serial_bytes = memory_bound_io_bytes_per_sample * b
+              bytes = param_bytes + io_bytes_per_sample * b - serial_bytes
     backward: BACKWARD_TO_FORWARD_RATIO times the forward flops, bytes and ops
+
+The bytes of ops without FLOPs (elementwise, normalisation, softmax) are a serial term:
+each is a kernel of its own that runs between the matmuls, at memory speed, so summing
+per-kernel rooflines (Williams et al.'s roofline applied kernel by kernel, as in Yang et
+al., "Hierarchical Roofline Analysis", 2020) is closer to a step than one roofline of
+the unit's totals, which would hide them under the matmuls. Activation bytes scale with
+the precision's ``activation_bytes_factor``.
 
 A measured profile plugs in as another ``UnitTimeSource`` (its ``name`` goes into the
 plan's report as ``cost_source``).
@@ -207,14 +216,20 @@ class RooflineSource:
             allow_tf32=self.allow_tf32 or numerics.allow_tf32,
         )
         flops = cost.fwd_flops_per_sample * micro_batch_size
-        io_bytes = cost.io_bytes_per_sample * numerics.activation_bytes_factor
-        num_bytes = cost.param_bytes + io_bytes * micro_batch_size
-        fwd = self._time_s(device.type, peak, flops, num_bytes, cost.num_ops)
-        ratio = BACKWARD_TO_FORWARD_RATIO
-        bwd = self._time_s(
-            device.type, peak, ratio * flops, ratio * num_bytes, ratio * cost.num_ops
+        factor = numerics.activation_bytes_factor * micro_batch_size
+        serial_bytes = cost.memory_bound_io_bytes_per_sample * factor
+        overlapped_bytes = (
+            cost.param_bytes
+            + (cost.io_bytes_per_sample - cost.memory_bound_io_bytes_per_sample) * factor
         )
-        return UnitTimes(fwd_time_s=fwd, bwd_time_s=bwd)
+        bandwidth = device.type.memory_bandwidth_bytes_per_s * self.memory_efficiency
+        times = []
+        for ratio in (1.0, BACKWARD_TO_FORWARD_RATIO):
+            fused = self._time_s(
+                device.type, peak, ratio * flops, ratio * overlapped_bytes, ratio * cost.num_ops
+            )
+            times.append(fused + ratio * serial_bytes / bandwidth)
+        return UnitTimes(fwd_time_s=times[0], bwd_time_s=times[1])
 
     def optimizer_time_s(
         self, device: Device, cost: UnitCost, optimizer_state_bytes_per_param_byte: float

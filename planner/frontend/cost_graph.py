@@ -59,6 +59,11 @@ class UnitCost:
     """Bytes the unit's ops read and write per sample (memory-traffic estimate)."""
     num_ops: int
     """Graph nodes in the unit (a proxy for kernel-launch overhead)."""
+    memory_bound_io_bytes_per_sample: float = 0.0
+    """The part of ``io_bytes_per_sample`` moved by ops that do no counted FLOPs
+    (elementwise, normalisation, softmax, copies: ``FlopCounterMode`` counts only matmuls,
+    convolutions and attention). They run as kernels of their own, between the matmuls,
+    so the cost model adds their time instead of hiding it under the matmuls'."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,9 @@ def _unit_costs(
                 buffer_bytes=sum(tensor_nbytes(buffers[b]) for b in unit.buffers),
                 activation_bytes_per_sample=sum(d["saved_bytes"] for d in nodes) + held[idx],
                 io_bytes_per_sample=sum(d["io_bytes"] for d in nodes),
+                memory_bound_io_bytes_per_sample=sum(
+                    d["io_bytes"] for d in nodes if d["flops"] == 0
+                ),
                 num_ops=sum(1 for d in nodes if d["op"].startswith("call_")),
             )
         )
