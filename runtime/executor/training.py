@@ -15,6 +15,11 @@ do (``control.StepControl``):
 - SIGTERM (preemption): finish the step, save a checkpoint, exit 143;
 - a loss that is not finite: reported on the rank that computed it; the job stops (exit 1,
   no checkpoint of the diverged state) when the model file sets ``STOP_ON_NONFINITE_LOSS``.
+
+With the model file's ``MAX_GRAD_NORM``, the synced (and, under fp16 loss scaling,
+unscaled) gradients are clipped to that global norm before the optimizer step
+(``grad_sync.GradClip``); the norm before clipping goes into the step's metrics, and rank 0
+reports a non-finite one (fp32/bf16: nothing is clipped; fp16: the step is skipped).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from hplan.runtime.executor.control import (
     StepFlags,
     check_same_job,
 )
-from hplan.runtime.executor.grad_sync import build_buckets
+from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.rendezvous import barrier
 from hplan.runtime.executor.seams import Seams, default_clock, peak_memory_bytes
@@ -115,7 +120,8 @@ def _train(
     checkpointer = _checkpointer(parts, options)
     first_step = _resume(checkpointer, options)
     scheduler = _scheduler(parts, first_step)
-    runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device))
+    clip = build_grad_clip(plan, rank, parts.params, parts.model_file.max_grad_norm, parts.device)
+    runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device), clip)
     loop = _Loop(parts, runner, options, checkpointer, scheduler)
     barrier(rank, "start of training")
     with Preemption() as preemption:
@@ -377,6 +383,16 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
     parts.comm.reset_times()
     loss = runner.run(step)
     runner.unscale_gradients()
+    grad_norm = runner.clip_gradients()  # before the dump: the gradients the optimizer uses
+    nonfinite_norm = grad_norm is not None and not math.isfinite(grad_norm)
+    if nonfinite_norm and parts.scaler is None and parts.rank_plan.rank == 0:
+        # under loss scaling the skipped step's line below says it
+        print(
+            f"hplan: step {step}: the global gradient norm is {grad_norm}; gradients not "
+            "clipped (MAX_GRAD_NORM)",
+            file=sys.stderr,
+            flush=True,
+        )
     if verify is not None:
         _dump_verify(parts, verify, "grads", loss)
     if not runner.optimizer_step() and parts.rank_plan.rank == 0:
@@ -410,6 +426,7 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
         samples=rp.num_samples,
         peak_memory_bytes=peak_memory_bytes(parts.device),
         forward_time_s=times.forward_s,
+        grad_norm=grad_norm,
     )
 
 
