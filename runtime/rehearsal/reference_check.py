@@ -32,17 +32,22 @@ class ReferenceRun:
     params: dict[str, torch.Tensor]
     """Parameters after the last step, by canonical name (a tied parameter once)."""
     first_grads: dict[str, torch.Tensor]
-    """Gradients of the first step (before the optimizer), by canonical name."""
+    """Gradients of the first step (before the optimizer, after any clipping), by
+    canonical name."""
     losses: tuple[float, ...]
     """Global-batch mean loss of each step."""
+    grad_norms: tuple[float, ...] = ()
+    """Gradient L2 norm of each step before clipping (empty without ``MAX_GRAD_NORM``)."""
 
 
 def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> ReferenceRun:
     """Train ``num_steps`` steps in one process on the plan's global batches.
 
     Same seed, same data (``BatchSource``), same optimizer (``make_optimizer`` or AdamW) as
-    the ranks, the same autocast (``reference_precision``); the full model, no pipeline,
-    no micro-batches.
+    the ranks, the same autocast (``reference_precision``), the same clipping
+    (``torch.nn.utils.clip_grad_norm_`` to ``MAX_GRAD_NORM``, before ``first_grads`` is
+    taken, as the ranks dump clipped gradients); the full model, no pipeline, no
+    micro-batches.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.training.seed)
@@ -57,6 +62,7 @@ def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> Re
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = model_file.optimizer(params)
         losses = []
+        grad_norms: list[float] = []
         first_grads: dict[str, torch.Tensor] = {}
         for step in range(num_steps):
             inputs, targets = source.global_batch(step)
@@ -64,6 +70,9 @@ def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> Re
                 outputs = model(**bind_inputs(model, inputs))
                 loss = checked_loss(model_file, outputs, targets, require_grad=True)
             loss.backward()
+            if model_file.max_grad_norm is not None:
+                norm = torch.nn.utils.clip_grad_norm_(params, model_file.max_grad_norm)
+                grad_norms.append(float(norm))
             losses.append(float(loss.detach()))
             if step == 0:
                 first_grads = {
@@ -74,7 +83,7 @@ def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> Re
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     params_now = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return ReferenceRun(params_now, first_grads, tuple(losses))
+    return ReferenceRun(params_now, first_grads, tuple(losses), tuple(grad_norms))
 
 
 def reference_precision(plan: Plan) -> Precision:
