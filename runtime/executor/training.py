@@ -18,8 +18,9 @@ do (``control.StepControl``):
 
 With the model file's ``MAX_GRAD_NORM``, the synced (and, under fp16 loss scaling,
 unscaled) gradients are clipped to that global norm before the optimizer step
-(``grad_sync.GradClip``); the norm before clipping goes into the step's metrics, and rank 0
-reports a non-finite one (fp32/bf16: nothing is clipped; fp16: the step is skipped).
+(``grad_sync.GradClip``); the norm before clipping goes into the step's metrics. A
+non-finite norm clips nothing: under fp16 loss scaling a non-finite gradient skips the
+step on every rank; otherwise rank 0 reports the norm and the step goes on.
 """
 
 from __future__ import annotations
@@ -384,25 +385,11 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
     loss = runner.run(step)
     runner.unscale_gradients()
     grad_norm = runner.clip_gradients()  # before the dump: the gradients the optimizer uses
-    nonfinite_norm = grad_norm is not None and not math.isfinite(grad_norm)
-    if nonfinite_norm and parts.scaler is None and parts.rank_plan.rank == 0:
-        # under loss scaling the skipped step's line below says it
-        print(
-            f"hplan: step {step}: the global gradient norm is {grad_norm}; gradients not "
-            "clipped (MAX_GRAD_NORM)",
-            file=sys.stderr,
-            flush=True,
-        )
     if verify is not None:
         _dump_verify(parts, verify, "grads", loss)
-    if not runner.optimizer_step() and parts.rank_plan.rank == 0:
-        assert parts.scaler is not None
-        print(
-            f"hplan: step {step} skipped: a gradient was not finite (fp16 loss scaling; every "
-            f"rank skipped it); loss scale now {parts.scaler.get_scale():g}",
-            file=sys.stderr,
-            flush=True,
-        )
+    stepped = runner.optimizer_step()
+    if parts.rank_plan.rank == 0:
+        _report_step(parts, step, stepped, grad_norm)
     if verify is not None:
         _dump_verify(parts, verify, "params", loss)
     times = runner.finish_step()
@@ -428,6 +415,26 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
         forward_time_s=times.forward_s,
         grad_norm=grad_norm,
     )
+
+
+def _report_step(parts: RankParts, step: int, stepped: bool, grad_norm: float | None) -> None:
+    """Rank 0's line on stderr for a step that loss scaling skipped, or whose global
+    gradient norm (``MAX_GRAD_NORM``) was not finite and so clipped nothing."""
+    if not stepped:
+        assert parts.scaler is not None
+        print(
+            f"hplan: step {step} skipped: a gradient was not finite (fp16 loss scaling; every "
+            f"rank skipped it); loss scale now {parts.scaler.get_scale():g}",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif grad_norm is not None and not math.isfinite(grad_norm):
+        print(
+            f"hplan: step {step}: the global gradient norm is {grad_norm}, so MAX_GRAD_NORM "
+            "clipped nothing",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _dump_verify(parts: RankParts, directory: Path, kind: str, loss: float | None) -> None:
