@@ -172,3 +172,25 @@ def test_under_fp16_loss_scaling_the_unscaled_norm_is_clipped_and_an_overflow_sk
         assert first.grad_norm == float("inf")  # the overflow: nothing clipped, step skipped
         # the norm of the unscaled gradient (scaled, it would be 32768 times larger)
         assert second.grad_norm is not None and 0.1 < second.grad_norm < 1e3
+
+
+@pytest.mark.slow
+def test_a_nonfinite_norm_clips_nothing_is_reported_and_training_goes_on(tmp_path: Path) -> None:
+    diverging = WEIGHT_USED_TWICE + (
+        "\n    MAX_GRAD_NORM = 1.0\n\n\n"
+        "    def loss_fn(out, target):\n"
+        "        return torch.nn.functional.mse_loss(out, target) * float('inf')\n"
+    )
+    path = write_model(tmp_path, diverging)
+    plan = make_plan(path, [ReplicaShape((1, 1), 2, 4)])
+    outcomes = run_ranks(
+        plan, tmp_path / "run", "--steps", "2", "--metrics-dir", str(tmp_path / "m"),
+        timeout_s=TIMEOUT_S,
+    )  # fmt: skip
+    _assert_all_ok(outcomes)
+    assert "step 0: the global gradient norm is nan, so MAX_GRAD_NORM clipped nothing" in (
+        outcomes[0].stderr
+    )
+    for rank in range(plan.world_size):
+        records = read_rank_metrics(tmp_path / "m" / f"rank-{rank}.jsonl")
+        assert len(records) == 2 and all(r.grad_norm != r.grad_norm for r in records)  # nan
