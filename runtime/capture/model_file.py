@@ -10,8 +10,9 @@ Convention (also in README.md):
 - ``loss_fn(outputs, targets) -> scalar tensor`` (required): the *mean* over the samples of
   the batch it is given (hplan weights micro-batches by their sample counts).
 - ``make_optimizer(params) -> torch.optim.Optimizer`` (optional; default AdamW, lr 1e-3).
-  It must update each parameter from its own gradient only (no global-norm clipping), so
-  that per-stage optimizers equal one optimizer over the whole model.
+  It must update each parameter from its own gradient only (no global-norm clipping: set
+  ``MAX_GRAD_NORM`` instead), so that per-stage optimizers equal one optimizer over the
+  whole model.
 - ``dataset() -> Sequence[(inputs, targets)]`` (optional): real training data, one sample
   per item; without it hplan trains on ``sample_batch``.
 - ``LEAF_MODULES`` (optional): module paths (``"blocks.1"``) or class names to keep whole
@@ -20,6 +21,14 @@ Convention (also in README.md):
   step; a function of the step count (a resumed run steps it to the checkpoint's step).
 - ``STOP_ON_NONFINITE_LOSS`` (optional, default False): stop the job (exit 1) when a loss
   is not finite; otherwise the loss is reported and training goes on.
+- ``MAX_GRAD_NORM`` (optional, a number > 0; default: no clipping): clip the gradients to
+  this global L2 norm every step, as ``torch.nn.utils.clip_grad_norm_(model.parameters(),
+  MAX_GRAD_NORM)`` would in one process. The norm is that of the whole model's gradient
+  after the data-parallel sum (and after fp16 unscaling), each parameter counted once
+  however many ranks hold it; every rank then scales its gradients by
+  ``min(1, MAX_GRAD_NORM / (norm + 1e-6))``. A non-finite norm clips nothing (fp16 loss
+  scaling skips that step; otherwise it is reported). The norm before clipping is in the
+  per-step metrics (``grad_norm``).
 
 Loading a model file executes its code, with the same rights as the user running hplan.
 """
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -57,6 +67,8 @@ class ModelFile:
     leaf_modules: tuple[str, ...]
     make_scheduler: Callable[[Any], Any] | None = None
     stop_on_nonfinite_loss: bool = False
+    max_grad_norm: float | None = None
+    """``MAX_GRAD_NORM``: the global L2 gradient norm to clip to each step; None: no clipping."""
 
     def optimizer(self, params: Sequence[Any]) -> Any:
         """The model file's ``make_optimizer(params)``, else AdamW with lr 1e-3."""
@@ -70,7 +82,9 @@ def load_model_file(path: str | Path) -> ModelFile:
 
     Raises:
         ModelFileError: the file is missing, raises while importing (the message gives the
-            exception and the line in the file), or lacks a required function.
+            exception and the line in the file), lacks a required function, or sets
+            ``LEAF_MODULES``, ``STOP_ON_NONFINITE_LOSS`` or ``MAX_GRAD_NORM`` to a value
+            of the wrong kind.
     """
     file = Path(path)
     if file.is_dir():
@@ -106,6 +120,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         leaf_modules=tuple(leaves),
         make_scheduler=_optional(module, "make_scheduler"),
         stop_on_nonfinite_loss=_flag(path, module, "STOP_ON_NONFINITE_LOSS"),
+        max_grad_norm=_max_grad_norm(path, module),
     )
 
 
@@ -191,6 +206,24 @@ def _flag(path: str | Path, module: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise ModelFileError(f"{name} in {str(path)!r} is {value!r}; set it to True or False")
     return value
+
+
+def _max_grad_norm(path: str | Path, module: Any) -> float | None:
+    value = getattr(module, "MAX_GRAD_NORM", None)
+    if value is None:
+        return None
+    number = math.nan
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float's range
+            number = math.inf
+    if not (math.isfinite(number) and number > 0):
+        raise ModelFileError(
+            f"MAX_GRAD_NORM in {str(path)!r} is {value!r}; set it to a finite number > 0 "
+            "(the global L2 gradient norm to clip to, e.g. 1.0) or remove it"
+        )
+    return number
 
 
 def _optional(module: Any, name: str) -> Callable[..., Any] | None:

@@ -16,6 +16,10 @@ wall-clock seconds measured on that rank; they split the step as
 - ``optimizer_time_s``: the optimizer step;
 - ``other_time_s``: the rest (data loading, Python overhead).
 
+``grad_norm``: the whole model's gradient L2 norm before clipping, the same on every rank
+(with the model file's ``MAX_GRAD_NORM`` only; null without it and in metrics written
+before hplan recorded it).
+
 ``peak_memory_bytes``: ``torch.cuda.max_memory_allocated`` on a GPU; on CPU the resident-set
 peak of the process (``ru_maxrss``), which includes the Python interpreter and torch
 (measured by ``hplan.runtime.executor.seams.peak_memory_bytes``). This module needs no torch.
@@ -54,6 +58,9 @@ class StepMetrics:
     peak_memory_bytes: int
     forward_time_s: float = 0.0
     """The forward part of ``compute_time_s`` (0: not recorded)."""
+    grad_norm: float | None = None
+    """Global gradient L2 norm before clipping (``MAX_GRAD_NORM`` only; None: no clipping,
+    or not recorded)."""
 
 
 def metrics_path(metrics_dir: Path, rank: int) -> Path:
@@ -72,8 +79,8 @@ class MetricsWriter:
     def write(self, record: StepMetrics) -> None:
         """Append one record as a JSON line and flush it (readers may tail the file).
 
-        A non-finite loss (a diverging run) is written as the string ``"nan"``, ``"inf"``
-        or ``"-inf"``: strict JSON has no such numbers.
+        A non-finite loss or gradient norm (a diverging run) is written as the string
+        ``"nan"``, ``"inf"`` or ``"-inf"``: strict JSON has no such numbers.
         """
         self._file.write(metrics_line(record))
         self._file.flush()
@@ -83,11 +90,17 @@ class MetricsWriter:
         self._file.close()
 
 
+_MAYBE_NONFINITE = ("loss", "grad_norm")
+"""Fields a diverging run can make non-finite (written as strings)."""
+
+
 def metrics_line(record: StepMetrics) -> str:
     """One record as its JSON line (see :meth:`MetricsWriter.write`)."""
     data = asdict(record)
-    if record.loss is not None and not math.isfinite(record.loss):
-        data["loss"] = str(record.loss)
+    for name in _MAYBE_NONFINITE:
+        value = data[name]
+        if value is not None and not math.isfinite(value):
+            data[name] = str(value)
     return json.dumps(data, allow_nan=False) + "\n"
 
 
@@ -98,8 +111,10 @@ def parse_metrics_line(line: str) -> StepMetrics:
         ValueError: not JSON. TypeError: not a metrics record.
     """
     data = json.loads(line)
-    if isinstance(data, dict) and isinstance(data.get("loss"), str):
-        data["loss"] = float(data["loss"])
+    if isinstance(data, dict):
+        for name in _MAYBE_NONFINITE:
+            if isinstance(data.get(name), str):
+                data[name] = float(data[name])
     return StepMetrics(**data)
 
 
@@ -134,6 +149,8 @@ class StepSummary:
     """Slowest rank's step time."""
     samples: int
     samples_per_s: float
+    grad_norm: float | None = None
+    """Global gradient L2 norm before clipping (``MAX_GRAD_NORM`` only, else None)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +229,7 @@ def step_summary(records: list[StepMetrics]) -> StepSummary:
         step_time_s=step_time_s,
         samples=total,
         samples_per_s=total / step_time_s if step_time_s > 0 else 0.0,
+        grad_norm=next((r.grad_norm for r in records if r.grad_norm is not None), None),
     )
 
 

@@ -14,10 +14,18 @@ One process group per distinct holder set, created on every rank in the same sor
 process-group timeout (not torch's 30-minute default). Gradients of one group
 are bucketed into one flat buffer; half-precision gradients are summed in float32 and cast
 back, so bf16 models work on gloo without loss of precision in the sum.
+
+Gradient clipping (the model file's ``MAX_GRAD_NORM``, :class:`GradClip`): after the sum,
+every rank holds the full gradient of each of its parameters, so the whole model's L2
+norm is the square root of the sum over parameters, each counted once, on its lowest
+holder (the rank checkpoints save it from, ``contract/holders.py``), of its squared norm:
+one SUM all-reduce of one number over every rank. Each rank then scales all of its
+gradients as ``torch.nn.utils.clip_grad_norm_`` does (``clip_grads_with_norm_``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from hplan.runtime.contract.errors import PeerFailureError, PlanMismatchError, error_reason
 from hplan.runtime.contract.holders import RankSet, holder_sets, parameter_holders
@@ -127,6 +136,70 @@ def _wire_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     for dtype in dtypes:
         wire = torch.promote_types(wire, dtype)
     return wire
+
+
+@dataclass
+class GradClip:
+    """Global-norm gradient clipping of one rank (module docstring).
+
+    Every rank of the job must call :meth:`clip` once per step, after the gradient sync.
+    """
+
+    max_norm: float
+    """The model file's ``MAX_GRAD_NORM`` (global L2 norm, in gradient units)."""
+    counted: list[nn.Parameter]
+    """This rank's trainable parameters whose lowest holder it is: its share of the norm."""
+    params: list[nn.Parameter]
+    """Every trainable parameter of this rank: what it scales."""
+    device: torch.device
+    """Where the one-number all-reduce runs (the rank's device: NCCL needs a GPU tensor)."""
+
+    def clip(self) -> float:
+        """Scale this rank's gradients by ``min(1, max_norm / (norm + 1e-6))``, where
+        ``norm`` is the whole model's gradient L2 norm; return ``norm`` (before clipping).
+
+        A non-finite ``norm`` (an overflow somewhere) scales nothing: under fp16 loss
+        scaling every rank skips the step anyway; otherwise the caller reports it.
+
+        Raises:
+            PeerFailureError: a rank died or the all-reduce timed out.
+        """
+        grads = [p.grad for p in self.counted if p.grad is not None]
+        local = get_total_norm(grads) if grads else torch.zeros(())
+        squared = local.to(self.device, torch.float64).square().reshape(1)
+        try:
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM)
+        except RuntimeError as exc:
+            raise PeerFailureError(
+                f"the gradient-norm all-reduce (MAX_GRAD_NORM) over every rank failed: "
+                f"{error_reason(exc)}; check the other ranks' logs (one probably failed first)"
+            ) from None
+        total = squared.sqrt().reshape(())
+        norm = float(total)
+        if math.isfinite(norm):  # the same float32 factor on every rank, as in one process
+            clip_grads_with_norm_(self.params, self.max_norm, total.float())
+        return norm
+
+
+def build_grad_clip(
+    plan: Plan,
+    rank: int,
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    max_norm: float | None,
+    device: torch.device,
+) -> GradClip | None:
+    """This rank's :class:`GradClip` for ``max_norm`` (None: no clipping, None returned).
+
+    Args:
+        named_params: this rank's stage parameters by canonical name (as in
+            :func:`build_buckets`, which checks them against the plan).
+    """
+    if max_norm is None:
+        return None
+    holders = parameter_holders(plan)
+    trainable = [(n, p) for n, p in named_params if p.requires_grad]
+    counted = [p for n, p in trainable if holders[n][0] == rank]
+    return GradClip(max_norm, counted, [p for _, p in trainable], device)
 
 
 def build_buckets(

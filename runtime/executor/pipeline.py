@@ -48,7 +48,7 @@ from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 from hplan.runtime.contract.timeline_file import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
 from hplan.runtime.executor.comm import StageComm, torch_dtype
 from hplan.runtime.executor.data import BatchSource, MicroBatch, stage_inputs
-from hplan.runtime.executor.grad_sync import GradBucket, loss_weight
+from hplan.runtime.executor.grad_sync import GradBucket, GradClip, loss_weight
 from hplan.runtime.executor.notation import schedule_table
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
@@ -112,13 +112,24 @@ class StepTimes:
 class StepRunner:
     """Runs one optimizer step of one rank: its schedule, gradient sync and optimizer.
 
-    Per step: :meth:`run`, then :meth:`optimizer_step`, then :meth:`finish_step` (which
-    reads the compute clock's spans into :attr:`times` and :attr:`timeline`).
+    Per step: :meth:`run`, :meth:`unscale_gradients`, :meth:`clip_gradients`, then
+    :meth:`optimizer_step`, then :meth:`finish_step` (which reads the compute clock's spans
+    into :attr:`times` and :attr:`timeline`).
+
+    Args:
+        clip: the rank's global-norm clipping (``MAX_GRAD_NORM``); None: no clipping.
     """
 
-    def __init__(self, parts: RankParts, buckets: list[GradBucket], clock: ComputeClock) -> None:
+    def __init__(
+        self,
+        parts: RankParts,
+        buckets: list[GradBucket],
+        clock: ComputeClock,
+        clip: GradClip | None = None,
+    ) -> None:
         self.parts = parts
         self.buckets = buckets
+        self.clip = clip
         self.clock = clock
         rank_plan = parts.rank_plan
         self.sizes = microbatch_sizes(rank_plan.num_samples, rank_plan.micro_batch_size)
@@ -179,6 +190,19 @@ class StepRunner:
         Call after :meth:`run`, before reading or clipping gradients."""
         if self.parts.scaler is not None:
             self.parts.scaler.unscale_(self.parts.optimizer)
+
+    def clip_gradients(self) -> float | None:
+        """With ``MAX_GRAD_NORM``: clip the synced, unscaled gradients to that global norm
+        and return the norm before clipping (``grad_sync.GradClip``; a collective of every
+        rank, timed as all-reduce); without it, None. Call after :meth:`unscale_gradients`.
+        """
+        if self.clip is None:
+            return None
+        start_s = time.monotonic()
+        with self.timeline.span(ALL_REDUCE, "all-reduce gradient norm, all ranks"):
+            norm = self.clip.clip()
+        self._allreduce_s += time.monotonic() - start_s
+        return norm
 
     def optimizer_step(self) -> bool:
         """Apply the optimizer to the synced (unscaled) gradients, then drop them.

@@ -15,6 +15,12 @@ do (``control.StepControl``):
 - SIGTERM (preemption): finish the step, save a checkpoint, exit 143;
 - a loss that is not finite: reported on the rank that computed it; the job stops (exit 1,
   no checkpoint of the diverged state) when the model file sets ``STOP_ON_NONFINITE_LOSS``.
+
+With the model file's ``MAX_GRAD_NORM``, the synced (and, under fp16 loss scaling,
+unscaled) gradients are clipped to that global norm before the optimizer step
+(``grad_sync.GradClip``); the norm before clipping goes into the step's metrics. A
+non-finite norm clips nothing: under fp16 loss scaling a non-finite gradient skips the
+step on every rank; otherwise rank 0 reports the norm and the step goes on.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from hplan.runtime.executor.control import (
     StepFlags,
     check_same_job,
 )
-from hplan.runtime.executor.grad_sync import build_buckets
+from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
 from hplan.runtime.executor.rendezvous import barrier
@@ -117,7 +123,8 @@ def _train(
     checkpointer = _checkpointer(parts, options)
     first_step = _resume(checkpointer, options)
     scheduler = _scheduler(parts, first_step)
-    runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device))
+    clip = build_grad_clip(plan, rank, parts.params, parts.model_file.max_grad_norm, parts.device)
+    runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device), clip)
     loop = _Loop(parts, runner, options, checkpointer, scheduler)
     barrier(rank, "start of training")
     with Preemption() as preemption:
@@ -382,16 +389,12 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
     with DropoutOff() if verify is not None else contextlib.nullcontext():
         loss = runner.run(step)
     runner.unscale_gradients()
+    grad_norm = runner.clip_gradients()  # before the dump: the gradients the optimizer uses
     if verify is not None:
         _dump_verify(parts, verify, "grads", loss)
-    if not runner.optimizer_step() and parts.rank_plan.rank == 0:
-        assert parts.scaler is not None
-        print(
-            f"hplan: step {step} skipped: a gradient was not finite (fp16 loss scaling; every "
-            f"rank skipped it); loss scale now {parts.scaler.get_scale():g}",
-            file=sys.stderr,
-            flush=True,
-        )
+    stepped = runner.optimizer_step()
+    if parts.rank_plan.rank == 0:
+        _report_step(parts, step, stepped, grad_norm)
     if verify is not None:
         _dump_verify(parts, verify, "params", loss)
     times = runner.finish_step()
@@ -415,7 +418,28 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
         samples=rp.num_samples,
         peak_memory_bytes=peak_memory_bytes(parts.device),
         forward_time_s=times.forward_s,
+        grad_norm=grad_norm,
     )
+
+
+def _report_step(parts: RankParts, step: int, stepped: bool, grad_norm: float | None) -> None:
+    """Rank 0's line on stderr for a step that loss scaling skipped, or whose global
+    gradient norm (``MAX_GRAD_NORM``) was not finite and so clipped nothing."""
+    if not stepped:
+        assert parts.scaler is not None
+        print(
+            f"hplan: step {step} skipped: a gradient was not finite (fp16 loss scaling; every "
+            f"rank skipped it); loss scale now {parts.scaler.get_scale():g}",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif grad_norm is not None and not math.isfinite(grad_norm):
+        print(
+            f"hplan: step {step}: the global gradient norm is {grad_norm}, so MAX_GRAD_NORM "
+            "clipped nothing",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _dump_verify(parts: RankParts, directory: Path, kind: str, loss: float | None) -> None:

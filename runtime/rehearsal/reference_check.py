@@ -85,33 +85,42 @@ class ReferenceRun:
     params: dict[str, torch.Tensor]
     """Parameters after the last step, by canonical name (a tied parameter once)."""
     first_grads: dict[str, torch.Tensor]
-    """Gradients of the first step (before the optimizer), by canonical name."""
+    """Gradients of the first step (before the optimizer, after any clipping), by
+    canonical name."""
     losses: tuple[float, ...]
     """Global-batch mean loss of each step."""
+    grad_norms: tuple[float, ...] = ()
+    """Gradient L2 norm of each step before clipping (empty without ``MAX_GRAD_NORM``)."""
 
 
 def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> ReferenceRun:
     """Train ``num_steps`` steps in one process on the plan's global batches.
 
     Same seed, same data (``BatchSource``), same optimizer (``make_optimizer`` or AdamW) as
-    the ranks, the same autocast (``reference_precision``); the full model, no pipeline,
-    no micro-batches, the model's own dropout.
+    the ranks, the same autocast (``reference_precision``), the same clipping
+    (``torch.nn.utils.clip_grad_norm_`` to ``MAX_GRAD_NORM``, before ``first_grads`` is
+    taken, as the ranks dump clipped gradients); the full model, no pipeline, no
+    micro-batches, the model's own dropout.
     """
     with torch.random.fork_rng(devices=[]):
         model, source = _build(plan, model_file)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = model_file.optimizer(params)
         losses = []
+        grad_norms: list[float] = []
         first_grads: dict[str, torch.Tensor] = {}
         for step in range(num_steps):
             batch = source.global_batch(step)
             losses.append(_forward_backward(model, model_file, batch, reference_precision(plan)))
+            if model_file.max_grad_norm is not None:
+                norm = torch.nn.utils.clip_grad_norm_(params, model_file.max_grad_norm)
+                grad_norms.append(float(norm))
             if step == 0:
                 first_grads = _grads(model)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     params_now = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return ReferenceRun(params_now, first_grads, tuple(losses))
+    return ReferenceRun(params_now, first_grads, tuple(losses), tuple(grad_norms))
 
 
 def reference_precision(plan: Plan) -> Precision:
@@ -353,6 +362,10 @@ def _reference_first_step(plan: Plan, model_file: ModelFile) -> _Reference:
     batch = source.global_batch(0)
     with DropoutOff() as off, RandomDraws() as draws:
         loss = _forward_backward(model, model_file, batch, reference_precision(plan))
+    if model_file.max_grad_norm is not None:  # the ranks dump clipped gradients
+        torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.requires_grad], model_file.max_grad_norm
+        )
     return _Reference(model, initial, _grads(model), loss, dict(off.calls), dict(draws.calls))
 
 

@@ -57,6 +57,22 @@ def test_a_nonfinite_loss_is_written_as_a_string_in_strict_json_and_read_back(
     assert read[0] != read[0] and read[1:] == losses[1:]
 
 
+def test_a_gradient_norm_round_trips_even_when_not_finite_and_old_lines_have_none(
+    tmp_path: Path,
+) -> None:
+    norms = [float("inf"), 2.5, None]
+    _write(tmp_path, [replace(_BASE, step=i, grad_norm=n) for i, n in enumerate(norms)])
+    text = (tmp_path / "rank-0.jsonl").read_text()
+    assert '"grad_norm": "inf"' in text and "Infinity" not in text
+    assert [r.grad_norm for r in read_rank_metrics(tmp_path / "rank-0.jsonl")] == norms
+    assert summarize_metrics(tmp_path).steps[1].grad_norm == 2.5
+    # a line written before hplan recorded the norm
+    old = text.splitlines()[1].replace(', "grad_norm": 2.5', "")
+    assert "grad_norm" not in old
+    (tmp_path / "rank-0.jsonl").write_text(old + "\n")
+    assert read_rank_metrics(tmp_path / "rank-0.jsonl")[0].grad_norm is None
+
+
 def test_summary_weights_replica_losses_by_samples_and_uses_the_slowest_rank(
     tmp_path: Path,
 ) -> None:
