@@ -53,7 +53,11 @@ GPT2_124M = """
 
 
     def build_model():
-        return GPT2LMHeadModel(GPT2Config(n_positions=SEQ, use_cache=False))
+        # llm.c trains without dropout.
+        config = GPT2Config(
+            n_positions=SEQ, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        )
+        return GPT2LMHeadModel(config)
 
 
     def sample_batch(batch_size):

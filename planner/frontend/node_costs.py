@@ -129,7 +129,8 @@ class _Meter(torch.fx.Interpreter):
             tensor=_tensor_info(result),
             flops=float(self._flops() - flops_before),
             saved_bytes=saved,
-            read_bytes=sum(tensor_nbytes(t) for t in inputs) if moves else 0,
+            # A view (every output aliases an input) launches no kernel and moves nothing.
+            read_bytes=sum(tensor_nbytes(t) for t in inputs) if moves and fresh else 0,
             written_bytes=sum(tensor_nbytes(t) for t in fresh) if moves else 0,
             output_bytes=sum(tensor_nbytes(t) for t in outputs),
         )
