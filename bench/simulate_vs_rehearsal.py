@@ -163,7 +163,7 @@ CASES = (
     Case("mixed: 1 + 2-stage (hand layout)", "gpu", _hand_layout),
     Case("data parallel (solved)", "cpu", _solved(TWO_CPUS, None, 16)),
     Case("2-stage pipeline (solved)", "cpu", _solved(TIGHT_CPUS, None, 16)),
-    Case("mixed (cpu-small-memory, solved)", "cpu", _solved(None, CLUSTERS / "cpu-small-memory.yaml", 32)),
+    Case("mixed (cpu-small-memory, solved)", "cpu", _solved(None, CLUSTERS / "cpu-small-memory.yaml", 64)),
 )  # fmt: skip
 
 

@@ -128,12 +128,12 @@ def test_solve_with_a_measured_slow_link_keeps_the_model_off_it(tmp_path, capsys
     measured = _measured(["a/0", "b/0"], [_pair(0, 1, 1e6, 1e-3), _pair(1, 0, 2e5, 2e-3)])
     bw = tmp_path / "bw.json"
     bw.write_text(measured.to_json(), encoding="utf-8")
-    # fp32: in bf16 the tiny model is too quick on one card for a second to pay.
-    request = SolveRequest(model_path=GPT, cluster_path=cluster, precision="fp32")
+    # -b 128: with a small batch the tiny model is too quick on one card for a second to pay.
+    request = SolveRequest(model_path=GPT, cluster_path=cluster, global_batch_size=128)
     unmeasured = plan_training(request).plan
     assert {r.device for r in unmeasured.ranks} == {"a/0", "b/0"}
     argv = ["solve", str(GPT), "-c", str(cluster), "-o", str(tmp_path / "out"),
-            "--bandwidth", str(bw)]  # fmt: skip
+            "-b", "128", "--bandwidth", str(bw)]  # fmt: skip
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 0, capsys.readouterr().err

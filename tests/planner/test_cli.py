@@ -236,7 +236,7 @@ def test_console_script_reports_version_and_help():
 def test_rehearse_verifies_a_plan_of_replicas_with_different_shares_and_splits(tmp_path, capsys):
     cluster = CLUSTERS / "cpu-small-memory.yaml"
     code, _, err = _run(
-        ["solve", str(GPT), "--cluster", str(cluster), "-o", str(tmp_path), "-b", "32"], capsys
+        ["solve", str(GPT), "--cluster", str(cluster), "-o", str(tmp_path), "-b", "64"], capsys
     )
     assert code == 0, err
     plan = Plan.from_json((tmp_path / "plan.json").read_text())

@@ -221,7 +221,7 @@ def test_roofline_takes_the_slower_of_compute_and_memory_plus_op_overhead():
 
 
 def test_bfloat16_uses_the_tensor_core_peak():
-    big = unit_cost("u", fwd_flops_per_sample=1e13, param_bytes=0, io_bytes_per_sample=0)
+    big = unit_cost("u", fwd_flops_per_sample=1e13, param_bytes=0, io_bytes_per_sample=0, num_ops=0)
     cluster = gpu_cluster("a100-80gb")
     fp32 = build_problem(stand_in_graph([big]), cluster, global_batch_size=1).fwd_time_s
     bf16 = build_problem(
