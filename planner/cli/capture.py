@@ -33,9 +33,7 @@ from hplan.planner.textfmt import format_seconds
     multiple=True,
     help="Module path or class name to keep whole when tracing (repeatable; give `hplan solve` the same).",
 )
-@click.option(
-    "--seed", type=int, default=0, show_default=True, help="Seed for weights and inputs."
-)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights and inputs.")
 def capture(model: Path, out_path: Path, leaf_modules: tuple[str, ...], seed: int) -> None:
     """Capture MODEL (a model.py) once: its cost graph and trains check, for
     `hplan solve MODEL --capture FILE` on any cluster.

@@ -49,7 +49,18 @@ def cli() -> None:
     """
 
 
-for _command in (capture, solve, replan, show, run, rehearse, bandwidth, profile, simulate, calibrate):
+for _command in (
+    capture,
+    solve,
+    replan,
+    show,
+    run,
+    rehearse,
+    bandwidth,
+    profile,
+    simulate,
+    calibrate,
+):
     cli.add_command(_command)
 
 

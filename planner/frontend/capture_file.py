@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import networkx as nx
 from pydantic import TypeAdapter
@@ -191,7 +191,9 @@ class CaptureFile:
             trace_method=self.trace_method,
             leaf_modules=self.leaf_modules,
             graph_fingerprint=self.graph_fingerprint,
-            trainable_param_sizes={p.name: ParamSize(p.numel, p.element_bytes) for p in self.trainable_params},
+            trainable_param_sizes={
+                p.name: ParamSize(p.numel, p.element_bytes) for p in self.trainable_params
+            },
             tied_trainable_bytes={t.unit_indices: t.bytes for t in self.tied_trainable_bytes},
         )
 
@@ -205,8 +207,8 @@ def _adapter() -> TypeAdapter[CaptureFile]:
     return TypeAdapter(CaptureFile)
 
 
-def _fields_of(value: object) -> dict[str, object]:
-    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
+def _fields_of(value: Any) -> dict[str, Any]:
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
 
 
 def sha256_of_file(path: Path) -> str:
@@ -243,14 +245,16 @@ def capture_record(
         model_path=model_path.as_posix(),
         model_sha256=model_sha256,
         settings=CaptureSettings(
-            seed=seed, leaf_modules=tuple(leaf_modules), batch_sizes=tuple(sorted(batch_sizes))  # type: ignore[arg-type]
+            seed=seed,
+            leaf_modules=tuple(leaf_modules),
+            batch_sizes=tuple(sorted(batch_sizes)),  # type: ignore[arg-type]
         ),
         trace_method=graph.trace_method,
         leaf_modules=graph.leaf_modules,
         graph_fingerprint=graph.graph_fingerprint,
         param_dtype=graph.param_dtype,
         units=graph.units,
-        unit_costs=tuple(UnitCostRecord(**_fields_of(c)) for c in graph.unit_costs),  # type: ignore[arg-type]
+        unit_costs=tuple(UnitCostRecord(**_fields_of(c)) for c in graph.unit_costs),
         cuts=graph.cuts,
         inputs=graph.inputs,
         notes=graph.notes,
