@@ -311,7 +311,7 @@ Capture = CapturedModel | StoredCapture
 def capture_pass(r: PassResults) -> Capture:
     """The model file loaded, its model built and traced (once for the whole solve); or,
     with ``capture_path``, the capture file checked against the model file and settings
-    (the model file imported, its model not built)."""
+    (the model file neither imported nor built)."""
     request = _request(r)
     if request.capture_path is not None:
         return load_capture(
@@ -364,14 +364,18 @@ def problem_pass(r: PassResults) -> PlanningProblem:
     """The solver's arrays, from the cost graph, the cluster and the unit times."""
     request, graph = _request(r), r["cost_graph"]
     captured: Capture = r["capture"]
+    if isinstance(captured, StoredCapture):
+        optimizer_factor = captured.optimizer_state_bytes_per_param_byte
+    else:
+        optimizer_factor = optimizer_state_factor(
+            captured.model_file, param_dtype=graph.param_dtype
+        )
     return build_problem(
         graph,
         r["cluster"].cluster,
         global_batch_size=request.global_batch_size,
         micro_batch_sizes=request.micro_batch_sizes,
-        optimizer_state_bytes_per_param_byte=optimizer_state_factor(
-            captured.model_file, param_dtype=graph.param_dtype
-        ),
+        optimizer_state_bytes_per_param_byte=optimizer_factor,
         time_source=r["time_source"],
         precisions=r["precision"].by_device,
     )
@@ -422,7 +426,7 @@ def plan_pass(r: PassResults) -> Plan:
         model=model_spec(
             graph,
             path=recorded_model_path(request.model_path, request.out_dir),
-            sha256=captured.model_file.sha256,
+            sha256=captured.model_sha256,
         ),
         cluster=to_cluster_spec(cluster, graph.param_dtype, precisions=precisions),
         device_names=problem.device_names,
@@ -502,7 +506,8 @@ def capture_to_file(
     (``hplan capture``): what ``hplan solve --capture`` reads instead of capturing again.
 
     Runs what a solve's capture, cost_graph and trains_check passes run, with the same
-    ``leaf_modules`` and ``seed`` (a solve from the file must ask for the same).
+    ``leaf_modules`` and ``seed`` (a solve from the file must ask for the same), and the
+    optimizer state factor the problem pass would compute.
 
     Raises:
         ModelFileError, TraceError: bad model file or model (as ``hplan solve``).
@@ -516,6 +521,9 @@ def capture_to_file(
     record = capture_record(
         graph,
         check_trains(captured),
+        optimizer_state_bytes_per_param_byte=optimizer_state_factor(
+            model_file, param_dtype=graph.param_dtype
+        ),
         model_path=model_path,
         model_sha256=model_file.sha256,
         seed=seed,

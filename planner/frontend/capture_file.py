@@ -5,14 +5,18 @@ cluster.
 It holds what the passes after ``trains_check`` read: the :class:`ModelGraph`'s plain fields
 (units, unit costs, cuts, inputs, parameter dtype, notes, trace method, leaf modules, graph
 fingerprint, trainable parameter sizes, tied parameter bytes, and the networkx cost graph's
-node and edge data, in graph order), the trains check's verdict, the model file's sha256 and
+node and edge data, in graph order), the trains check's verdict, the optimizer's state bytes
+per parameter byte (``problem_builder.optimizer_state_factor``), the model file's sha256 and
 the capture settings (seed, ``--leaf-module`` options, the two batch sizes measured at). The
 traced module is not written: a solve needs only its facts, and ``hplan profile``, which
 runs it, captures the model itself.
 
 A solve reads it with :func:`load_capture`, which refuses, in one line naming what differs
 and saying to re-run ``hplan capture``, a file of another schema version, a damaged one, or
-one made from another model file, seed, ``--leaf-module`` list or batch sizes.
+one made from another model file, seed, ``--leaf-module`` list or batch sizes. A solve from
+the file does not import the model file: its sha256 stands for it. Settings the model file
+reads from elsewhere (environment variables, other files) are not covered: re-run
+``hplan capture`` when they change.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -32,7 +37,6 @@ from pydantic import TypeAdapter
 from hplan.planner.frontend.capture import DEFAULT_BATCH_SIZES
 from hplan.planner.frontend.cost_graph import ModelGraph, ParamSize, UnitCost
 from hplan.planner.frontend.trains_check import TrainsVerdict
-from hplan.runtime.capture.model_file import ModelFile, load_model_file
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import InputSpec, TensorSpec, TraceMethod, UnitSpec
 from hplan.runtime.contract.versioned_file import parse_versioned, record
@@ -159,6 +163,8 @@ class CaptureFile:
     """By target node in graph order, each node's inputs in their order (so a rebuilt
     graph lists predecessors and successors as the measured one did)."""
     trains: TrainsRecord
+    optimizer_state_bytes_per_param_byte: float
+    """Bytes of optimizer state per byte of parameter, for the model file's optimizer."""
 
     def to_json(self) -> str:
         """Deterministic JSON text (1-space indent, field order as declared, newline at end)."""
@@ -220,6 +226,7 @@ def capture_record(
     graph: ModelGraph,
     trains: TrainsVerdict,
     *,
+    optimizer_state_bytes_per_param_byte: float,
     model_path: Path,
     model_sha256: str,
     seed: int,
@@ -269,24 +276,30 @@ def capture_record(
         nodes=nodes,
         edges=edges,
         trains=TrainsRecord(device=trains.device, notes=trains.notes),
+        optimizer_state_bytes_per_param_byte=optimizer_state_bytes_per_param_byte,
     )
 
 
 @dataclass(frozen=True)
 class StoredCapture:
-    """A capture read from a capture file: the model file (imported, its model not built),
-    its cost graph and trains verdict as the file holds them."""
+    """A capture read from a capture file: the model's cost graph, trains verdict and
+    optimizer state factor as the file holds them (the model file is not imported)."""
 
     source: Path
     """The capture file it came from."""
-    model_file: ModelFile
+    model_sha256: str
+    """sha256 hex of the model file (checked against the file on disk)."""
     graph: ModelGraph
     trains: TrainsVerdict
+    optimizer_state_bytes_per_param_byte: float
 
     def verify(self) -> None:
         """The graph's and the verdict's invariants (``ModelGraph.verify``)."""
         self.graph.verify()
         self.trains.verify()
+        factor = self.optimizer_state_bytes_per_param_byte
+        if not (math.isfinite(factor) and factor >= 0):
+            raise ValueError(f"optimizer state factor {factor!r} is not finite and >= 0")
 
 
 def load_capture(
@@ -297,11 +310,10 @@ def load_capture(
     leaf_modules: Sequence[str],
     batch_sizes: tuple[int, int] = DEFAULT_BATCH_SIZES,
 ) -> StoredCapture:
-    """Read ``path``, check it was captured from ``model_path`` with these settings, and
-    import the model file (``load_model_file``; its model is not built).
+    """Read ``path`` and check it was captured from ``model_path`` (its sha256) with these
+    settings. The model file is read, not imported.
 
     Raises:
-        ModelFileError: the model file does not import (``load_model_file``).
         ConfigError: unreadable, not JSON, another schema version, unknown keys, wrong
             types or an inconsistent graph; or made from a model file of another sha256, or
             with another seed, ``--leaf-module`` list or batch sizes. One line, naming the
@@ -346,13 +358,17 @@ def load_capture(
                 f"for {want}; re-run `hplan capture {model_path} -o {path}{flags}`"
             )
     try:
-        graph, trains = stored.model_graph(), stored.trains_verdict()
-        graph.verify()
-        trains.verify()
+        capture = StoredCapture(
+            source=path,
+            model_sha256=sha256,
+            graph=stored.model_graph(),
+            trains=stored.trains_verdict(),
+            optimizer_state_bytes_per_param_byte=stored.optimizer_state_bytes_per_param_byte,
+        )
+        capture.verify()
     except ValueError as exc:
         raise ConfigError(f"capture file {str(path)!r} is inconsistent ({exc}); {rerun}") from None
-    model_file = load_model_file(model_path)
-    return StoredCapture(source=path, model_file=model_file, graph=graph, trains=trains)
+    return capture
 
 
 def _flags(settings: CaptureSettings) -> str:

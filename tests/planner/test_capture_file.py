@@ -69,6 +69,7 @@ def _solve(model: Path, cluster: str, out: Path, capsys, *extra: str) -> tuple[i
 @pytest.mark.parametrize("cluster", ["mixed-3090-4090.yaml", "two-site.yaml"])
 def test_a_solve_from_the_capture_file_writes_the_same_plan_bytes(cluster, tmp_path, capsys):
     capture = _capture(GPT, tmp_path / "gpt.capture.json", capsys)
+    assert json.loads(capture.read_text())["optimizer_state_bytes_per_param_byte"] == 2.0  # AdamW
     code, err = _solve(GPT, cluster, tmp_path / "direct", capsys)
     assert code == 0, err
     code, err = _solve(GPT, cluster, tmp_path / "from-file", capsys, "--capture", str(capture))
@@ -82,12 +83,19 @@ def test_the_file_holds_the_cost_graph_as_measured(tmp_path):
     graph = build_model_graph(model_file)
     verdict = TrainsVerdict(device="fake", notes=("a note",))
     record = capture_record(
-        graph, verdict, model_path=MLP, model_sha256=model_file.sha256, seed=0, leaf_modules=()
+        graph,
+        verdict,
+        optimizer_state_bytes_per_param_byte=2.0,
+        model_path=MLP,
+        model_sha256=model_file.sha256,
+        seed=0,
+        leaf_modules=(),
     )
     path = tmp_path / "capture.json"
     path.write_text(record.to_json())
     stored = load_capture(path, model_path=MLP, seed=0, leaf_modules=())
-    assert stored.trains == verdict and stored.model_file.sha256 == model_file.sha256
+    assert stored.trains == verdict and stored.model_sha256 == model_file.sha256
+    assert stored.optimizer_state_bytes_per_param_byte == 2.0
     read = stored.graph
     for field in (
         "units", "unit_costs", "cuts", "inputs", "param_dtype", "notes", "trace_method",
@@ -114,7 +122,9 @@ def test_a_solve_from_the_capture_file_does_not_build_or_trace_the_model(
     def refuse(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("the model was captured again")
 
-    for name in ("capture_model", "model_graph", "check_trains"):
+    for name in (
+        "load_model_file", "capture_model", "model_graph", "check_trains", "optimizer_state_factor",
+    ):  # fmt: skip
         monkeypatch.setattr(api, name, refuse)
     dump = tmp_path / "passes"
     code, err = _solve(
