@@ -5,11 +5,12 @@ checked by its own ``verify()``; ``passes.run_passes`` runs them and names a fai
 
 1. ``cluster``: cluster.yaml, with measured links over its own (``hardware/``);
 2. ``capture``: the model built once, its two example batches, its graph traced once
-   (``frontend/capture.py``);
+   (``frontend/capture.py``); with ``--capture FILE``, the capture file of ``hplan capture``
+   instead, checked against the model file and settings (``frontend/capture_file.py``);
 3. ``cost_graph``: the networkx cost graph: per-node costs, partition units, cuts
-   (``frontend/cost_graph.py``);
+   (``frontend/cost_graph.py``; the file's, when the capture came from one);
 4. ``trains_check``: the loss of the captured model can be trained on
-   (``frontend/trains_check.py``);
+   (``frontend/trains_check.py``; the file's verdict, when the capture came from one);
 5. ``precision``: what each device computes in, for ``--precision``
    (``hardware/catalog.resolve_precision``); then ``runtime_bytes``: what a plan of this
    model sends across each cut and sums per gradient bucket (``sim/spec.RuntimeBytes``);
@@ -45,8 +46,14 @@ from hplan.planner.cost.profiled_times import load_measured_source, source_label
 from hplan.planner.emit.plan_build import build_plan, model_spec, with_grad_sync
 from hplan.planner.emit.report import REQUESTED, build_report, with_cost_sources
 from hplan.planner.frontend.capture import CapturedModel, capture_model
+from hplan.planner.frontend.capture_file import (
+    CaptureFile,
+    StoredCapture,
+    capture_record,
+    load_capture,
+)
 from hplan.planner.frontend.cost_graph import ModelGraph, model_graph
-from hplan.planner.frontend.trains_check import check_trains
+from hplan.planner.frontend.trains_check import TrainsVerdict, check_trains
 from hplan.planner.hardware.catalog import PRECISION_CHOICES, DeviceClass, resolve_precision
 from hplan.planner.hardware.cluster import Cluster, Device, load_cluster, to_cluster_spec
 from hplan.planner.hardware.measured_links import load_measured_links
@@ -112,9 +119,12 @@ class SolveRequest:
     nodes: tuple[str, ...] | None = None
     """Plan for these nodes of the cluster file only (``hplan replan``); None: all."""
     without: tuple[str, ...] = ()
+    """Nodes and devices (``box-b``, ``box-b/1``) of the cluster file to leave out (lost)."""
     precision: str = "auto"
     """``auto`` or a ``Precision`` value for every device (``catalog.resolve_precision``)."""
-    """Nodes and devices (``box-b``, ``box-b/1``) of the cluster file to leave out (lost)."""
+    capture_path: Path | None = None
+    """A capture file of the model (``hplan capture``): its cost graph and trains verdict
+    stand for the capture, cost_graph and trains_check passes. None: capture the model."""
 
     def verify(self) -> None:
         """Check every option that can be checked without the model: ranges, micro-batch
@@ -145,6 +155,7 @@ class SolveRequest:
             (self.cluster_path, "cluster file"),
             (self.profile_path, "profile (--profile)"),
             (self.bandwidth_path, "bandwidth file (--bandwidth)"),
+            (self.capture_path, "capture file (--capture)"),
         ):
             if path is not None and not path.exists():
                 raise ConfigError(f"{what} {str(path)!r} does not exist; pass an existing path")
@@ -293,11 +304,50 @@ def precision_pass(r: PassResults) -> DevicePrecisions:
     )
 
 
-def capture_pass(r: PassResults) -> CapturedModel:
-    """The model file loaded, its model built and traced (once for the whole solve)."""
+Capture = CapturedModel | StoredCapture
+"""The capture pass's result: the model captured here, or read from a capture file."""
+
+
+def capture_pass(r: PassResults) -> Capture:
+    """The model file loaded, its model built and traced (once for the whole solve); or,
+    with ``capture_path``, the capture file checked against the model file and settings
+    (the model file neither imported nor built)."""
     request = _request(r)
+    if request.capture_path is not None:
+        return load_capture(
+            request.capture_path,
+            model_path=request.model_path,
+            seed=request.seed,
+            leaf_modules=request.leaf_modules,
+        )
     model_file = load_model_file(request.model_path)
     return capture_model(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
+
+
+def cost_graph_pass(r: PassResults) -> ModelGraph:
+    """The cost graph of the captured model; the capture file's, when it came from one."""
+    captured: Capture = r["capture"]
+    if isinstance(captured, StoredCapture):
+        return captured.graph
+    return model_graph(captured)
+
+
+def trains_check_pass(r: PassResults) -> TrainsVerdict:
+    """The check that the captured model trains; the capture file's verdict, when it came
+    from one."""
+    captured: Capture = r["capture"]
+    if isinstance(captured, StoredCapture):
+        return captured.trains
+    return check_trains(captured)
+
+
+def _capturing(r: PassResults) -> str:
+    path = _request(r).capture_path
+    return "loading and tracing the model" if path is None else f"reading the capture {path}"
+
+
+def _stored(r: PassResults) -> bool:
+    return isinstance(r["capture"], StoredCapture)
 
 
 def time_source_pass(r: PassResults) -> UnitTimeSource:
@@ -313,15 +363,19 @@ def time_source_pass(r: PassResults) -> UnitTimeSource:
 def problem_pass(r: PassResults) -> PlanningProblem:
     """The solver's arrays, from the cost graph, the cluster and the unit times."""
     request, graph = _request(r), r["cost_graph"]
-    captured: CapturedModel = r["capture"]
+    captured: Capture = r["capture"]
+    if isinstance(captured, StoredCapture):
+        optimizer_factor = captured.optimizer_state_bytes_per_param_byte
+    else:
+        optimizer_factor = optimizer_state_factor(
+            captured.model_file, param_dtype=graph.param_dtype
+        )
     return build_problem(
         graph,
         r["cluster"].cluster,
         global_batch_size=request.global_batch_size,
         micro_batch_sizes=request.micro_batch_sizes,
-        optimizer_state_bytes_per_param_byte=optimizer_state_factor(
-            captured.model_file, param_dtype=graph.param_dtype
-        ),
+        optimizer_state_bytes_per_param_byte=optimizer_factor,
         time_source=r["time_source"],
         precisions=r["precision"].by_device,
     )
@@ -364,7 +418,7 @@ def plan_pass(r: PassResults) -> Plan:
     """The plan of the chosen layout, its gradient buckets and its simulated step time."""
     request, problem, result = _request(r), r["problem"], r["solve"]
     graph: ModelGraph = r["cost_graph"]
-    captured: CapturedModel = r["capture"]
+    captured: Capture = r["capture"]
     cluster = r["cluster"].cluster
     precisions = r["precision"].by_device
     plan = build_plan(
@@ -372,7 +426,7 @@ def plan_pass(r: PassResults) -> Plan:
         model=model_spec(
             graph,
             path=recorded_model_path(request.model_path, request.out_dir),
-            sha256=captured.model_file.sha256,
+            sha256=captured.model_sha256,
         ),
         cluster=to_cluster_spec(cluster, graph.param_dtype, precisions=precisions),
         device_names=problem.device_names,
@@ -395,12 +449,18 @@ def _solving(r: PassResults) -> str:
 
 PASSES: Sequence[Pass] = (
     Pass("cluster", cluster_pass),
-    Pass("capture", capture_pass, lambda _: "loading and tracing the model"),
-    Pass("cost_graph", lambda r: model_graph(r["capture"]), lambda _: "measuring the graph"),
+    Pass("capture", capture_pass, _capturing),
+    Pass(
+        "cost_graph",
+        cost_graph_pass,
+        lambda r: "the capture file's cost graph" if _stored(r) else "measuring the graph",
+    ),
     Pass(
         "trains_check",
-        lambda r: check_trains(r["capture"]),
-        lambda _: "checking that the model trains",
+        trains_check_pass,
+        lambda r: (
+            "the capture file's trains check" if _stored(r) else "checking that the model trains"
+        ),
     ),
     Pass("precision", precision_pass),
     Pass(
@@ -432,6 +492,53 @@ def phase_of(pass_name: str) -> str:
         if pass_name in names:
             return phase
     raise ValueError(f"pass {pass_name!r} is in no phase")
+
+
+# --------------------------------------------------------------------------- capture
+def capture_to_file(
+    model_path: Path,
+    out_path: Path,
+    *,
+    leaf_modules: tuple[str, ...] = (),
+    seed: int = 0,
+) -> CaptureFile:
+    """Capture ``model_path`` once and write its capture file to ``out_path``
+    (``hplan capture``): what ``hplan solve --capture`` reads instead of capturing again.
+
+    Runs what a solve's capture, cost_graph and trains_check passes run, with the same
+    ``leaf_modules`` and ``seed`` (a solve from the file must ask for the same), and the
+    optimizer state factor the problem pass would compute.
+
+    Raises:
+        ModelFileError, TraceError: bad model file or model (as ``hplan solve``).
+        ConfigError: ``out_path`` cannot be written (names it).
+    """
+    _check_model_path(model_path)
+    model_file = load_model_file(model_path)
+    captured = capture_model(model_file, leaf_modules=leaf_modules, seed=seed)
+    graph = model_graph(captured)
+    graph.verify()
+    record = capture_record(
+        graph,
+        check_trains(captured),
+        optimizer_state_bytes_per_param_byte=optimizer_state_factor(
+            model_file, param_dtype=graph.param_dtype
+        ),
+        model_path=model_path,
+        model_sha256=model_file.sha256,
+        seed=seed,
+        leaf_modules=leaf_modules,
+        batch_sizes=captured.batch_sizes,
+    )
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(record.to_json(), encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the capture file {str(out_path)!r} ({exc.strerror}); "
+            "choose a writable path (-o)"
+        ) from None
+    return record
 
 
 # --------------------------------------------------------------------------- helpers

@@ -19,6 +19,7 @@ import click
 
 from hplan.planner.cli.bandwidth import bandwidth
 from hplan.planner.cli.calibrate import calibrate
+from hplan.planner.cli.capture import capture
 from hplan.planner.cli.console import stderr
 from hplan.planner.cli.profile import profile
 from hplan.planner.cli.replan import replan
@@ -37,6 +38,8 @@ def cli() -> None:
     \b
     Typical use:
       hplan solve model.py --cluster cluster.yaml -o out/   # plan + launch scripts
+      hplan capture model.py -o capture.json               # capture once, then
+      hplan solve model.py -c other.yaml --capture capture.json   # solve many clusters
       hplan show out/plan.json                             # what was planned, and why
       hplan rehearse out/plan.json --steps 20              # run every rank here, emulated
       bash out/launch/node-<name>.sh                       # on each real node
@@ -46,7 +49,18 @@ def cli() -> None:
     """
 
 
-for _command in (solve, replan, show, run, rehearse, bandwidth, profile, simulate, calibrate):
+for _command in (
+    capture,
+    solve,
+    replan,
+    show,
+    run,
+    rehearse,
+    bandwidth,
+    profile,
+    simulate,
+    calibrate,
+):
     cli.add_command(_command)
 
 

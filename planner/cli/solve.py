@@ -130,6 +130,15 @@ profile_option = click.option(
 @bandwidth_option
 @profile_option
 @click.option(
+    "--capture",
+    "capture_path",
+    type=click.Path(path_type=Path),
+    help=(
+        "Capture file of MODEL (from `hplan capture`): plan from it instead of building and "
+        "tracing the model again (same --seed and --leaf-module options)."
+    ),
+)
+@click.option(
     "--dump-passes",
     "dump_dir",
     type=click.Path(path_type=Path),
@@ -153,6 +162,7 @@ def solve(
     precision: str | None,
     profile_path: Path | None,
     bandwidth_path: Path | None,
+    capture_path: Path | None,
     dump_dir: Path | None,
     as_json: bool,
 ) -> None:
@@ -178,6 +188,7 @@ def solve(
         profile_path=profile_path,
         bandwidth_path=bandwidth_path,
         precision=precision or "auto",
+        capture_path=capture_path,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

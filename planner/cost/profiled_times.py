@@ -361,7 +361,7 @@ def load_measured_source(
             was measured on another model (graph fingerprints differ; names both).
     """
     profile = Profile.load(profile_path)
-    fingerprint = graph.traced.fingerprint()
+    fingerprint = graph.graph_fingerprint
     if profile.unit_timings and profile.model is None:
         raise ConfigError(
             f"profile {str(profile_path)!r} has unit timings but no model; re-run "

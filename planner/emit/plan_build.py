@@ -22,13 +22,12 @@ from hplan.runtime.contract.plan import (
 
 def model_spec(graph: ModelGraph, *, path: str, sha256: str) -> ModelSpec:
     """The plan's record of the model and how to re-trace it."""
-    traced = graph.traced
     return ModelSpec(
         path=path,
         sha256=sha256,
-        trace_method=traced.method,
-        leaf_modules=traced.leaf_modules,
-        graph_fingerprint=traced.fingerprint(),
+        trace_method=graph.trace_method,
+        leaf_modules=graph.leaf_modules,
+        graph_fingerprint=graph.graph_fingerprint,
         inputs=graph.inputs,
         param_dtype=graph.param_dtype,
     )

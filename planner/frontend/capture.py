@@ -72,6 +72,11 @@ class CapturedModel:
     """Why the model was captured on real CPU tensors, when it was."""
 
     @property
+    def model_sha256(self) -> str:
+        """sha256 hex of the model file's bytes."""
+        return self.model_file.sha256
+
+    @property
     def tensors(self) -> CaptureTensors:
         """FAKE when the model and inputs are fake tensors, else CPU."""
         return CaptureTensors.CPU if self.fake_mode is None else CaptureTensors.FAKE

@@ -35,7 +35,7 @@ from hplan.planner.frontend.partition_units import assign_units
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel
 from hplan.runtime.contract.errors import ModelFileError
-from hplan.runtime.contract.plan import DTYPE_BYTES, InputSpec, TensorSpec, UnitSpec
+from hplan.runtime.contract.plan import DTYPE_BYTES, InputSpec, TensorSpec, TraceMethod, UnitSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +66,24 @@ class UnitCost:
     so the cost model adds their time instead of hiding it under the matmuls'."""
 
 
+@dataclass(frozen=True, slots=True)
+class ParamSize:
+    """Size of one trainable parameter (what its gradient holds)."""
+
+    numel: int
+    """Elements."""
+    element_bytes: int
+    """Bytes per element of the parameter's dtype."""
+
+
 @dataclass(frozen=True)
 class ModelGraph:
-    """The traced model, split into partition units, with costs and cut tensors."""
+    """The traced model, split into partition units, with costs and cut tensors.
 
-    traced: TracedModel
+    Every field but :attr:`traced` is plain data (what a capture file holds, see
+    ``capture_file.py``); the passes after the cost graph read only those.
+    """
+
     units: tuple[UnitSpec, ...]
     unit_costs: tuple[UnitCost, ...]
     cuts: tuple[tuple[TensorSpec, ...], ...]
@@ -85,10 +98,29 @@ class ModelGraph:
     and the output); edge attribute ``bytes``, per sample."""
     notes: tuple[str, ...]
     """Human-readable notes (trace fallbacks, merged units)."""
+    trace_method: TraceMethod
+    """How the graph was traced (the plan records it; ranks re-trace with it)."""
+    leaf_modules: tuple[str, ...]
+    """Module paths the trace kept whole (given + found automatically)."""
+    graph_fingerprint: str
+    """``TracedModel.fingerprint()`` of the traced graph (sha256 hex)."""
+    trainable_param_sizes: Mapping[str, ParamSize]
+    """Canonical parameter name (as in ``StageModule``) -> its size, for every trainable
+    parameter, in ``named_parameters`` order."""
     tied_trainable_bytes: Mapping[tuple[int, ...], int] = field(default_factory=dict)
     """Indices of units sharing trainable parameters (a parameter listed by several
     units' ``UnitSpec.params``; GPT-2 ties its token embedding to its LM head) -> bytes
     of those parameters, counted once."""
+    traced: TracedModel | None = None
+    """The traced module, when this graph was measured in this process; None when it was
+    read from a capture file. Only what runs the graph (``hplan profile``) needs it."""
+
+    def traced_module(self) -> TracedModel:
+        """:attr:`traced`; ValueError when the graph was read from a capture file (a caller
+        that runs the graph must capture the model itself)."""
+        if self.traced is None:
+            raise ValueError("this model graph was read from a capture file; it has no module")
+        return self.traced
 
     def cut_bytes_per_sample(self, cut_idx: int) -> float:
         """Bytes per sample crossing cut ``cut_idx`` (batched tensors only), forward."""
@@ -198,7 +230,6 @@ def model_graph(captured: CapturedModel) -> ModelGraph:
         tuple(specs[n] for n in crossing_values(graph, node_unit, i)) for i in range(len(units) - 1)
     )
     return ModelGraph(
-        traced=traced,
         units=units,
         unit_costs=_unit_costs(model, graph, units, node_unit),
         cuts=cuts,
@@ -208,8 +239,23 @@ def model_graph(captured: CapturedModel) -> ModelGraph:
         notes=tuple(
             dict.fromkeys((*captured.notes, *traced.notes, *unit_notes, *measure_notes))
         ),  # no repeats
+        trace_method=traced.method,
+        leaf_modules=traced.leaf_modules,
+        graph_fingerprint=traced.fingerprint(),
+        trainable_param_sizes=_trainable_param_sizes(traced),
         tied_trainable_bytes=_tied_trainable_bytes(model, units),
+        traced=traced,
     )
+
+
+def _trainable_param_sizes(traced: TracedModel) -> dict[str, ParamSize]:
+    """Canonical name -> size of every trainable parameter of the traced module."""
+    out: dict[str, ParamSize] = {}
+    for name, param in traced.graph_module.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            canonical = traced.param_names.get(name, name)
+            out[canonical] = ParamSize(param.numel(), param.element_size())
+    return out
 
 
 def _add_costs(graph: CostGraph, costs: Mapping[str, NodeCost]) -> None:

@@ -222,7 +222,7 @@ def _with_units(
     model = ModelRef(
         path=request.model_path.as_posix(),
         sha256=model_file.sha256,
-        graph_fingerprint=graph.traced.fingerprint(),
+        graph_fingerprint=graph.graph_fingerprint,
         units=tuple(u.name for u in graph.units),
     )
     notes = (*profile.notes, *graph.notes, *_sharing_notes(measured.shared_with))

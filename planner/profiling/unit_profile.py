@@ -119,7 +119,7 @@ def profile_units(
     sizes = sorted(set(options.micro_batch_sizes))
     total = options.rounds * len(sizes) * len(graph.units)
     notify = on_step or (lambda _unit, _timed, _total: None)
-    graph.traced.graph_module.to(device)
+    graph.traced_module().graph_module.to(device)
     units = _unit_stages(graph)
     profiler = _Profiler(model_file, device, device_key, options)
     rounds: dict[tuple[str, int], list[UnitTiming]] = {}
@@ -160,7 +160,7 @@ def _merged(rounds: Sequence[UnitTiming]) -> UnitTiming:
 
 
 def _unit_stages(graph: ModelGraph) -> list[_Unit]:
-    traced = graph.traced
+    traced = graph.traced_module()
     num_units = len(graph.units)
     result = []
     for idx, unit in enumerate(graph.units):

@@ -352,11 +352,7 @@ def param_wire_bytes(graph: ModelGraph) -> dict[str, int]:
     Elements times the wire dtype's size: float32, or the parameter's dtype when wider
     (``grad_sync._wire_dtype``). Names are canonical as in ``StageModule``.
     """
-    traced = graph.traced
-    out: dict[str, int] = {}
-    for name, param in traced.graph_module.named_parameters(remove_duplicate=False):
-        if not param.requires_grad:
-            continue
-        canonical = traced.param_names.get(name, name)
-        out[canonical] = param.numel() * max(WIRE_BYTES_MIN, param.element_size())
-    return out
+    return {
+        name: size.numel * max(WIRE_BYTES_MIN, size.element_bytes)
+        for name, size in graph.trainable_param_sizes.items()
+    }

@@ -1,0 +1,376 @@
+"""The capture file: one model's cost graph and trains-check verdict, written once
+(``hplan capture``) and read by every ``hplan solve --capture`` of that model, whatever the
+cluster.
+
+It holds what the passes after ``trains_check`` read: the :class:`ModelGraph`'s plain fields
+(units, unit costs, cuts, inputs, parameter dtype, notes, trace method, leaf modules, graph
+fingerprint, trainable parameter sizes, tied parameter bytes, and the networkx cost graph's
+node and edge data, in graph order), the trains check's verdict, the optimizer's state bytes
+per parameter byte (``problem_builder.optimizer_state_factor``), the model file's sha256 and
+the capture settings (seed, ``--leaf-module`` options, the two batch sizes measured at). The
+traced module is not written: a solve needs only its facts, and ``hplan profile``, which
+runs it, captures the model itself.
+
+A solve reads it with :func:`load_capture`, which refuses, in one line naming what differs
+and saying to re-run ``hplan capture``, a file of another schema version, a damaged one, or
+one made from another model file, seed, ``--leaf-module`` list or batch sizes. A solve from
+the file does not import the model file: its sha256 stands for it. Settings the model file
+reads from elsewhere (environment variables, other files) are not covered: re-run
+``hplan capture`` when they change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import networkx as nx
+from pydantic import TypeAdapter
+
+from hplan.planner.frontend.capture import DEFAULT_BATCH_SIZES
+from hplan.planner.frontend.cost_graph import ModelGraph, ParamSize, UnitCost
+from hplan.planner.frontend.trains_check import TrainsVerdict
+from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.plan import InputSpec, TensorSpec, TraceMethod, UnitSpec
+from hplan.runtime.contract.versioned_file import parse_versioned, record
+
+__all__ = [
+    "CAPTURE_SCHEMA_VERSION",
+    "CaptureFile",
+    "CaptureSettings",
+    "capture_record",
+    "load_capture",
+    "sha256_of_file",
+]
+
+CAPTURE_SCHEMA_VERSION: Final = 1
+
+
+@record
+class CaptureSettings:
+    """How the model was captured: a solve must ask for the same."""
+
+    seed: int
+    """``--seed``: the RNG seed ``build_model`` and ``sample_batch`` ran under."""
+    leaf_modules: tuple[str, ...]
+    """``--leaf-module`` options, in the order given (the model file's own
+    ``LEAF_MODULES`` are covered by its sha256)."""
+    batch_sizes: tuple[int, int]
+    """The two batch sizes every node was measured at, smaller first."""
+
+
+@record
+class UnitCostRecord:
+    """A ``cost_graph.UnitCost``, field for field (per-sample figures for one sample)."""
+
+    name: str
+    fwd_flops_per_sample: float
+    param_bytes: int
+    trainable_param_bytes: int
+    buffer_bytes: int
+    activation_bytes_per_sample: float
+    io_bytes_per_sample: float
+    num_ops: int
+    memory_bound_io_bytes_per_sample: float
+
+
+@record
+class NodeRecord:
+    """One cost-graph node: its structure and per-sample costs (``ModelGraph.graph``)."""
+
+    name: str
+    op: str
+    target: str
+    module_path: str
+    replicable: bool
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    flops: float
+    output_bytes: float
+    saved_bytes: float
+    io_bytes: float
+    tensor: TensorSpec | None
+    unit: str | None
+
+
+@record
+class EdgeRecord:
+    """One cost-graph edge, from an input of a node to the node."""
+
+    source: str
+    target: str
+    bytes: float
+    """Bytes per sample of the source's output."""
+
+
+@record
+class TiedRecord:
+    """Units sharing trainable parameters, and those parameters' bytes counted once."""
+
+    unit_indices: tuple[int, ...]
+    bytes: int
+
+
+@record
+class ParamRecord:
+    """One trainable parameter (canonical name) and its size."""
+
+    name: str
+    numel: int
+    element_bytes: int
+
+
+@record
+class TrainsRecord:
+    """The trains check's verdict (``trains_check.TrainsVerdict``)."""
+
+    device: str
+    notes: tuple[str, ...]
+
+
+@record
+class CaptureFile:
+    """The whole capture file (see the module docstring)."""
+
+    schema_version: Literal[1] = CAPTURE_SCHEMA_VERSION
+    model_path: str
+    """The model file as ``hplan capture`` was given it (for messages only)."""
+    model_sha256: str
+    """sha256 hex of the model file's bytes."""
+    settings: CaptureSettings
+    trace_method: TraceMethod
+    leaf_modules: tuple[str, ...]
+    """Module paths the trace kept whole (given + found automatically)."""
+    graph_fingerprint: str
+    param_dtype: str
+    units: tuple[UnitSpec, ...]
+    unit_costs: tuple[UnitCostRecord, ...]
+    cuts: tuple[tuple[TensorSpec, ...], ...]
+    inputs: tuple[InputSpec, ...]
+    notes: tuple[str, ...]
+    trainable_params: tuple[ParamRecord, ...]
+    tied_trainable_bytes: tuple[TiedRecord, ...]
+    nodes: tuple[NodeRecord, ...]
+    """In graph order."""
+    edges: tuple[EdgeRecord, ...]
+    """By target node in graph order, each node's inputs in their order (so a rebuilt
+    graph lists predecessors and successors as the measured one did)."""
+    trains: TrainsRecord
+    optimizer_state_bytes_per_param_byte: float
+    """Bytes of optimizer state per byte of parameter, for the model file's optimizer."""
+
+    def to_json(self) -> str:
+        """Deterministic JSON text (1-space indent, field order as declared, newline at end)."""
+        data = _adapter().dump_python(self, mode="json")
+        return json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False) + "\n"
+
+    def model_graph(self) -> ModelGraph:
+        """The :class:`ModelGraph` this file holds (``traced`` None).
+
+        Raises:
+            ValueError: an edge names a node the file does not list.
+        """
+        graph: nx.DiGraph = nx.DiGraph()
+        for node in self.nodes:
+            data = _fields_of(node)
+            graph.add_node(data.pop("name"), **data)
+        for edge in self.edges:
+            for end in (edge.source, edge.target):
+                if end not in graph:
+                    raise ValueError(f"edge {edge.source!r} -> {edge.target!r} names no node")
+            graph.add_edge(edge.source, edge.target, bytes=edge.bytes)
+        return ModelGraph(
+            units=self.units,
+            unit_costs=tuple(UnitCost(**_fields_of(c)) for c in self.unit_costs),
+            cuts=self.cuts,
+            inputs=self.inputs,
+            param_dtype=self.param_dtype,
+            graph=graph,
+            notes=self.notes,
+            trace_method=self.trace_method,
+            leaf_modules=self.leaf_modules,
+            graph_fingerprint=self.graph_fingerprint,
+            trainable_param_sizes={
+                p.name: ParamSize(p.numel, p.element_bytes) for p in self.trainable_params
+            },
+            tied_trainable_bytes={t.unit_indices: t.bytes for t in self.tied_trainable_bytes},
+        )
+
+    def trains_verdict(self) -> TrainsVerdict:
+        """The trains check's verdict this file holds."""
+        return TrainsVerdict(device=self.trains.device, notes=self.trains.notes)
+
+
+@cache
+def _adapter() -> TypeAdapter[CaptureFile]:
+    return TypeAdapter(CaptureFile)
+
+
+def _fields_of(value: Any) -> dict[str, Any]:
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+
+
+def sha256_of_file(path: Path) -> str:
+    """sha256 hex of a file's bytes (what ``load_model_file`` records as ``sha256``)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def capture_record(
+    graph: ModelGraph,
+    trains: TrainsVerdict,
+    *,
+    optimizer_state_bytes_per_param_byte: float,
+    model_path: Path,
+    model_sha256: str,
+    seed: int,
+    leaf_modules: Sequence[str],
+    batch_sizes: tuple[int, int] = DEFAULT_BATCH_SIZES,
+) -> CaptureFile:
+    """The capture file of a measured graph and its trains verdict.
+
+    Args:
+        model_sha256: the model file's sha256 hex (``ModelFile.sha256``).
+        seed, leaf_modules, batch_sizes: the settings the graph was captured with.
+
+    Raises:
+        ValueError: a graph node lacks a cost attribute (not a cost graph).
+    """
+    nodes = tuple(NodeRecord(name=name, **data) for name, data in graph.graph.nodes(data=True))
+    edges = tuple(
+        EdgeRecord(source=source, target=name, bytes=graph.graph.edges[source, name]["bytes"])
+        for name in graph.graph.nodes
+        for source in graph.graph.predecessors(name)
+    )
+    return CaptureFile(
+        model_path=model_path.as_posix(),
+        model_sha256=model_sha256,
+        settings=CaptureSettings(
+            seed=seed,
+            leaf_modules=tuple(leaf_modules),
+            batch_sizes=tuple(sorted(batch_sizes)),  # type: ignore[arg-type]
+        ),
+        trace_method=graph.trace_method,
+        leaf_modules=graph.leaf_modules,
+        graph_fingerprint=graph.graph_fingerprint,
+        param_dtype=graph.param_dtype,
+        units=graph.units,
+        unit_costs=tuple(UnitCostRecord(**_fields_of(c)) for c in graph.unit_costs),
+        cuts=graph.cuts,
+        inputs=graph.inputs,
+        notes=graph.notes,
+        trainable_params=tuple(
+            ParamRecord(name=name, numel=size.numel, element_bytes=size.element_bytes)
+            for name, size in graph.trainable_param_sizes.items()
+        ),
+        tied_trainable_bytes=tuple(
+            TiedRecord(unit_indices=idxs, bytes=num_bytes)
+            for idxs, num_bytes in graph.tied_trainable_bytes.items()
+        ),
+        nodes=nodes,
+        edges=edges,
+        trains=TrainsRecord(device=trains.device, notes=trains.notes),
+        optimizer_state_bytes_per_param_byte=optimizer_state_bytes_per_param_byte,
+    )
+
+
+@dataclass(frozen=True)
+class StoredCapture:
+    """A capture read from a capture file: the model's cost graph, trains verdict and
+    optimizer state factor as the file holds them (the model file is not imported)."""
+
+    source: Path
+    """The capture file it came from."""
+    model_sha256: str
+    """sha256 hex of the model file (checked against the file on disk)."""
+    graph: ModelGraph
+    trains: TrainsVerdict
+    optimizer_state_bytes_per_param_byte: float
+
+    def verify(self) -> None:
+        """The graph's and the verdict's invariants (``ModelGraph.verify``)."""
+        self.graph.verify()
+        self.trains.verify()
+        factor = self.optimizer_state_bytes_per_param_byte
+        if not (math.isfinite(factor) and factor >= 0):
+            raise ValueError(f"optimizer state factor {factor!r} is not finite and >= 0")
+
+
+def load_capture(
+    path: Path,
+    *,
+    model_path: Path,
+    seed: int,
+    leaf_modules: Sequence[str],
+    batch_sizes: tuple[int, int] = DEFAULT_BATCH_SIZES,
+) -> StoredCapture:
+    """Read ``path`` and check it was captured from ``model_path`` (its sha256) with these
+    settings. The model file is read, not imported.
+
+    Raises:
+        ConfigError: unreadable, not JSON, another schema version, unknown keys, wrong
+            types or an inconsistent graph; or made from a model file of another sha256, or
+            with another seed, ``--leaf-module`` list or batch sizes. One line, naming the
+            file and what differs, saying to re-run ``hplan capture``.
+    """
+    rerun = f"re-run `hplan capture {model_path} -o {path}`"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"cannot read capture file {str(path)!r} ({reason}); {rerun}") from None
+    stored = parse_versioned(
+        text,
+        _adapter(),
+        what="capture file",
+        source=str(path),
+        version=CAPTURE_SCHEMA_VERSION,
+        fix=rerun,
+    )
+    sha256 = sha256_of_file(model_path)
+    if stored.model_sha256 != sha256:
+        raise ConfigError(
+            f"capture file {str(path)!r} was made from model file {stored.model_path} with "
+            f"sha256 {stored.model_sha256[:12]}, but {model_path} now has sha256 {sha256[:12]} "
+            f"(edited since); {rerun}"
+        )
+    settings = stored.settings
+    wanted = CaptureSettings(
+        seed=seed,
+        leaf_modules=tuple(leaf_modules),
+        batch_sizes=tuple(sorted(batch_sizes)),  # type: ignore[arg-type]
+    )
+    for name, found, want in (
+        ("--seed", settings.seed, wanted.seed),
+        ("--leaf-module list", list(settings.leaf_modules), list(wanted.leaf_modules)),
+        ("batch sizes measured at", list(settings.batch_sizes), list(wanted.batch_sizes)),
+    ):
+        if found != want:
+            flags = _flags(wanted)
+            raise ConfigError(
+                f"capture file {str(path)!r} was made with {name} {found}, this solve asks "
+                f"for {want}; re-run `hplan capture {model_path} -o {path}{flags}`"
+            )
+    try:
+        capture = StoredCapture(
+            source=path,
+            model_sha256=sha256,
+            graph=stored.model_graph(),
+            trains=stored.trains_verdict(),
+            optimizer_state_bytes_per_param_byte=stored.optimizer_state_bytes_per_param_byte,
+        )
+        capture.verify()
+    except ValueError as exc:
+        raise ConfigError(f"capture file {str(path)!r} is inconsistent ({exc}); {rerun}") from None
+    return capture
+
+
+def _flags(settings: CaptureSettings) -> str:
+    leaves = "".join(f" --leaf-module {leaf}" for leaf in settings.leaf_modules)
+    return f" --seed {settings.seed}{leaves}"
