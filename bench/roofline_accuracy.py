@@ -43,6 +43,19 @@ from pathlib import Path
 
 from common import console, solve, table
 
+CAUSAL_LM_DATA = """
+
+    def sample_batch(batch_size):
+        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
+        return {"input_ids": tokens[:, :-1]}, tokens[:, 1:]
+
+
+    def loss_fn(outputs, targets):
+        logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+"""
+"""Random token sequences and next-token cross-entropy (SEQ, VOCAB from the model text)."""
+
 GPT2_124M = """
     import torch
     import torch.nn.functional as F
@@ -59,15 +72,6 @@ GPT2_124M = """
         )
         return GPT2LMHeadModel(config)
 
-
-    def sample_batch(batch_size):
-        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
-        return {"input_ids": tokens[:, :-1]}, tokens[:, 1:]
-
-
-    def loss_fn(outputs, targets):
-        logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 """
 
 TINYLLAMA = """
@@ -87,15 +91,6 @@ TINYLLAMA = """
         )
         return LlamaForCausalLM(config)
 
-
-    def sample_batch(batch_size):
-        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
-        return {"input_ids": tokens[:, :-1]}, tokens[:, 1:]
-
-
-    def loss_fn(outputs, targets):
-        logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 """
 
 RESNET50 = """
@@ -142,8 +137,8 @@ BERT_SQUAD = """
 """
 
 MODELS = {
-    "gpt2-124m": (GPT2_124M, 1024),
-    "tinyllama-1.1b": (TINYLLAMA, 2048),
+    "gpt2-124m": (GPT2_124M + CAUSAL_LM_DATA, 1024),
+    "tinyllama-1.1b": (TINYLLAMA + CAUSAL_LM_DATA, 2048),
     "resnet50": (RESNET50, 1),
     "bert-base-squad": (BERT_SQUAD, 1),
 }

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from hplan.planner.cli.console import stderr
+from hplan.planner.cli.solve import leaf_module_option, seed_option
 from hplan.planner.textfmt import format_seconds
 
 
@@ -27,13 +28,8 @@ from hplan.planner.textfmt import format_seconds
     show_default=True,
     help="The capture file to write.",
 )
-@click.option(
-    "--leaf-module",
-    "leaf_modules",
-    multiple=True,
-    help="Module path or class name to keep whole when tracing (repeatable; give `hplan solve` the same).",
-)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights and inputs.")
+@leaf_module_option
+@seed_option
 def capture(model: Path, out_path: Path, leaf_modules: tuple[str, ...], seed: int) -> None:
     """Capture MODEL (a model.py) once: its cost graph and trains check, for
     `hplan solve MODEL --capture FILE` on any cluster.

@@ -41,6 +41,16 @@ bandwidth_option = click.option(
     type=click.Path(path_type=Path),
     help="Measured link matrix (from `hplan bandwidth`); overrides the cluster's links it covers.",
 )
+leaf_module_option = click.option(
+    "--leaf-module",
+    "leaf_modules",
+    multiple=True,
+    help="Module path or class name to keep whole when tracing (repeatable; `hplan capture` "
+    "and `hplan solve --capture` need the same).",
+)
+seed_option = click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed for weights and data order."
+)
 precision_option = click.option(
     "--precision",
     type=click.Choice(PRECISION_CHOICES),
@@ -103,12 +113,7 @@ profile_option = click.option(
     show_default=True,
     help="Pipeline schedule the runtime uses.",
 )
-@click.option(
-    "--leaf-module",
-    "leaf_modules",
-    multiple=True,
-    help="Module path or class name to keep whole when tracing (repeatable).",
-)
+@leaf_module_option
 @click.option(
     "--strategy",
     type=click.Choice(["hplan", "ddp", "uniform"]),
@@ -116,9 +121,7 @@ profile_option = click.option(
     show_default=True,
     help="hplan: solve; ddp / uniform: emit that baseline's layout, to run it side by side.",
 )
-@click.option(
-    "--seed", type=int, default=0, show_default=True, help="Seed for weights and data order."
-)
+@seed_option
 @click.option(
     "--master-port",
     type=int,
