@@ -290,12 +290,16 @@ def cluster_pass(r: PassResults) -> ClusterInput:
     if request.nodes is not None or request.without:
         cluster = cluster.select(nodes=request.nodes, without=request.without)
     _check_device_mix(cluster)
+    _device_precisions(request, cluster)  # a precision no device can run fails before capture
     return ClusterInput(cluster, notes)
 
 
 def precision_pass(r: PassResults) -> DevicePrecisions:
     """The precision of every device of the cluster for ``--precision``."""
-    request, cluster = _request(r), r["cluster"].cluster
+    return _device_precisions(_request(r), r["cluster"].cluster)
+
+
+def _device_precisions(request: SolveRequest, cluster: Cluster) -> DevicePrecisions:
     return DevicePrecisions(
         {
             d.name: resolve_precision(request.precision, d.type, device_name=d.name)

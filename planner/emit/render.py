@@ -117,7 +117,8 @@ def wide_console(*, stderr: bool) -> Console:
 
 
 _PRECISION_WORDS = {
-    Precision.FP32: "fp32 (PyTorch defaults: float32 matmuls, TF32 convolutions)",
+    Precision.FP32: "fp32 (PyTorch defaults: float32 matmuls; convolutions in TF32 where the "
+    "GPU has it)",
     Precision.TF32: "tf32 (float32 matmuls and convolutions in TF32)",
     Precision.BF16: "bf16 autocast (fp32 weights and optimizer state)",
     Precision.FP16: "fp16 autocast with a loss scale shared by every rank",

@@ -38,7 +38,14 @@ from hplan.planner.frontend.capture import DEFAULT_BATCH_SIZES
 from hplan.planner.frontend.cost_graph import ModelGraph, ParamSize, UnitCost
 from hplan.planner.frontend.trains_check import TrainsVerdict
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.plan import InputSpec, TensorSpec, TraceMethod, UnitSpec
+from hplan.runtime.contract.plan import (
+    ByteCount,
+    InputSpec,
+    NonNegative,
+    TensorSpec,
+    TraceMethod,
+    UnitSpec,
+)
 from hplan.runtime.contract.versioned_file import parse_versioned, record
 
 __all__ = [
@@ -71,14 +78,15 @@ class UnitCostRecord:
     """A ``cost_graph.UnitCost``, field for field (per-sample figures for one sample)."""
 
     name: str
-    fwd_flops_per_sample: float
-    param_bytes: int
-    trainable_param_bytes: int
-    buffer_bytes: int
-    activation_bytes_per_sample: float
-    io_bytes_per_sample: float
-    num_ops: int
-    memory_bound_io_bytes_per_sample: float
+    fwd_flops_per_sample: NonNegative
+    param_bytes: ByteCount
+    trainable_param_bytes: ByteCount
+    buffer_bytes: ByteCount
+    activation_bytes_per_sample: NonNegative
+    io_bytes_per_sample: NonNegative
+    num_ops: ByteCount
+    """A count >= 0 (``ByteCount`` is the contract's integer >= 0)."""
+    memory_bound_io_bytes_per_sample: NonNegative
 
 
 @record
@@ -302,6 +310,26 @@ class StoredCapture:
             raise ValueError(f"optimizer state factor {factor!r} is not finite and >= 0")
 
 
+def _looks_like_a_plan(text: str) -> bool:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and "ranks" in data and "cluster" in data
+
+
+def _which_change(recorded: str, model_path: Path) -> str:
+    """``edited since`` for the same file name, else ``another model file``."""
+    return "edited since" if Path(recorded).name == model_path.name else "another model file"
+
+
+def _shown(value: object) -> str:
+    """A setting as a person writes it: ``none`` for an empty list, ``a, b`` for a list."""
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value) or "none"
+    return str(value)
+
+
 def load_capture(
     path: Path,
     *,
@@ -325,6 +353,11 @@ def load_capture(
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"cannot read capture file {str(path)!r} ({reason}); {rerun}") from None
+    if _looks_like_a_plan(text):
+        raise ConfigError(
+            f"{str(path)!r} is a plan (plan.json), not a capture file; make one with "
+            f"`hplan capture {model_path} -o capture.json`"
+        )
     stored = parse_versioned(
         text,
         _adapter(),
@@ -337,8 +370,8 @@ def load_capture(
     if stored.model_sha256 != sha256:
         raise ConfigError(
             f"capture file {str(path)!r} was made from model file {stored.model_path} with "
-            f"sha256 {stored.model_sha256[:12]}, but {model_path} now has sha256 {sha256[:12]} "
-            f"(edited since); {rerun}"
+            f"sha256 {stored.model_sha256[:12]}, but {model_path} has sha256 {sha256[:12]} "
+            f"({_which_change(stored.model_path, model_path)}); {rerun}"
         )
     settings = stored.settings
     wanted = CaptureSettings(
@@ -354,8 +387,8 @@ def load_capture(
         if found != want:
             flags = _flags(wanted)
             raise ConfigError(
-                f"capture file {str(path)!r} was made with {name} {found}, this solve asks "
-                f"for {want}; re-run `hplan capture {model_path} -o {path}{flags}`"
+                f"capture file {str(path)!r} was made with {name} {_shown(found)}, this solve "
+                f"asks for {_shown(want)}; re-run `hplan capture {model_path} -o {path}{flags}`"
             )
     try:
         capture = StoredCapture(

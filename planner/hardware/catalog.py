@@ -375,10 +375,12 @@ def resolve_precision(requested: str, device: DeviceType, *, device_name: str) -
     ``auto``: on a GPU, bf16 autocast where it has bf16 tensor cores, else fp16 autocast
     with loss scaling where it has fp16 tensor cores (Volta, Turing), else fp32; on a CPU,
     fp32 (PyTorch's defaults; CPU autocast is a choice to make by hand). A named precision
-    applies as given, except bf16 on a GPU without bf16 tensor cores.
+    applies as given, except bf16 on a GPU without bf16 tensor cores and tf32 on a device
+    without TF32 (a CPU, Volta, Turing).
 
     Raises:
-        ConfigError: an unknown name, or bf16 asked of a GPU without bf16 tensor cores.
+        ConfigError: an unknown name, bf16 asked of a GPU without bf16 tensor cores, or tf32
+            of a device without TF32.
     """
     if requested not in PRECISION_CHOICES:
         raise ConfigError(f"precision {requested!r} is not one of {', '.join(PRECISION_CHOICES)}")
@@ -389,6 +391,13 @@ def resolve_precision(requested: str, device: DeviceType, *, device_name: str) -
             raise ConfigError(
                 f"{device_name} ({device.display_name}) has no bf16 tensor cores; use "
                 "--precision fp16 (loss-scaled) or auto"
+            )
+        # TF32 came with bf16 tensor cores (Ampere); GeForce Ampere's TF32 rate equals its
+        # FP32 one, so the rates alone do not tell.
+        if precision is Precision.TF32 and not (gpu and has_bf16_tensor_cores(device)):
+            raise ConfigError(
+                f"{device_name} ({device.display_name}) has no TF32; use --precision fp32"
+                + (", fp16 (loss-scaled) or auto" if gpu else " or auto")
             )
         return precision
     if not gpu:

@@ -237,6 +237,11 @@ def _import(file: Path, module_name: str) -> Any:
         raise ModelFileError(f"cannot import {str(file)!r} as Python; is it a .py file?")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    # As `python model.py` does: modules beside the file import (it stays on the path, since
+    # the model's functions may import lazily when they run).
+    folder = str(file.resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
     try:
         spec.loader.exec_module(module)
     except SystemExit as exc:

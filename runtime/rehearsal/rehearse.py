@@ -239,6 +239,7 @@ def rehearse(
         check_trace_path(trace_path)
     if metrics_dir is not None and Path(metrics_dir).exists() and not Path(metrics_dir).is_dir():
         raise ConfigError(f"metrics folder {str(metrics_dir)!r} is a file; give a directory")
+    _check_host_memory(plan)
     slowdown = dict(slowdown or {})
     unused = check_slowdown(plan, slowdown)
     run = _Run(
@@ -268,6 +269,35 @@ def rehearse(
     finally:
         if not keep:
             shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _check_host_memory(plan: Plan, meminfo: Path = Path("/proc/meminfo")) -> None:
+    """Refuse a rehearsal whose ranks cannot fit this machine's memory, before any starts.
+
+    Every rank runs here, in host memory, on its stage's real tensors: the plan's predicted
+    peak of every rank together is a lower bound of what the rehearsal needs (CPU kernels
+    save more than the fused GPU ones the plan was costed for). Skipped where
+    ``MemAvailable`` cannot be read (not Linux).
+
+    Raises:
+        ConfigError: the ranks' predicted memory exceeds ``MemAvailable``.
+    """
+    try:
+        fields = dict(
+            line.split(":", 1) for line in meminfo.read_text(encoding="ascii").splitlines()
+        )
+        available_bytes = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return
+    needed_bytes = sum(r.memory_bytes for r in plan.report.ranks)
+    if needed_bytes > available_bytes:
+        raise ConfigError(
+            f"rehearsing this plan needs at least {needed_bytes / 1e9:.1f} GB of memory here "
+            f"(the predicted peak of its {plan.world_size} ranks, which all run on this "
+            f"machine), and {available_bytes / 1e9:.1f} GB is available; rehearse a smaller "
+            "configuration of the model (fewer layers, a shorter sequence) or a smaller "
+            "global batch"
+        )
 
 
 @dataclass(frozen=True)

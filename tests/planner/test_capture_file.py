@@ -161,7 +161,10 @@ def test_a_capture_of_an_edited_model_file_is_refused_in_one_line(tmp_path, caps
     ("extra", "needles"),
     [
         (("--seed", "1"), ("--seed 0", "asks for 1", "--seed 1")),
-        (("--leaf-module", "blocks.0"), ("--leaf-module list []", "blocks.0", "hplan capture")),
+        (
+            ("--leaf-module", "blocks.0"),
+            ("--leaf-module list none", "asks for blocks.0", "hplan capture"),
+        ),
     ],
 )
 def test_a_capture_made_with_other_settings_is_refused_naming_them(
@@ -234,3 +237,17 @@ def test_a_missing_capture_file_is_refused_before_the_model_is_imported(tmp_path
     )
     assert code == 2
     _one_line(err, "capture file (--capture) 'nope.json' does not exist")
+
+
+def test_a_plan_given_as_the_capture_is_named_and_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = _solve(MLP, "cpu-rehearsal.yaml", out, capsys)
+    assert code == 0, err
+    before = (out / "plan.json").read_bytes()
+    code, err = _solve(
+        MLP, "cpu-rehearsal.yaml", tmp_path / "again", capsys, "--capture", str(out / "plan.json")
+    )
+    assert code == 2
+    line = _one_line(err, "is a plan (plan.json), not a capture file", "-o capture.json")
+    assert f"-o {out / 'plan.json'}" not in line
+    assert (out / "plan.json").read_bytes() == before

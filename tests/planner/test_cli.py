@@ -465,3 +465,42 @@ def test_solve_prints_each_phase_with_its_time_and_the_json_has_them(tmp_path, c
     last = err.splitlines()[-1]
     assert last.startswith("planned in ")
     assert all(f"{phase} " in last for phase in phases)
+
+
+@pytest.mark.parametrize(
+    ("device", "precision", "needles"),
+    [
+        ("t4", "bf16", ["(Tesla T4) has no bf16 tensor cores", "fp16"]),
+        ("v100-16gb", "tf32", ["has no TF32", "--precision fp32"]),
+        ("cpu", "tf32", ["has no TF32", "--precision fp32 or auto"]),
+    ],
+)
+def test_a_precision_the_devices_lack_is_refused_before_the_model_file_is_imported(
+    device, precision, needles, tmp_path, capsys
+):
+    model = tmp_path / "model.py"
+    model.write_text(_EXPLODING_MODEL)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(
+        f"name: one\nnodes:\n  - name: box\n    host: 10.0.0.1\n    devices: [{{type: {device}}}]\n"
+    )
+    argv = ["solve", str(model), "-c", str(cluster), "-o", str(tmp_path / "out")]
+    code, _, err = _run([*argv, "--precision", precision], capsys)
+    assert code == 2
+    _assert_one_line_error(err, *needles)
+
+
+def test_a_model_file_imports_the_modules_beside_it(tmp_path, capsys):
+    (tmp_path / "layers_beside.py").write_text(MLP.read_text(encoding="utf-8"), encoding="utf-8")
+    model = tmp_path / "model.py"
+    model.write_text("from layers_beside import build_model, loss_fn, sample_batch  # noqa\n")
+    argv = [
+        "solve",
+        str(model),
+        "-c",
+        str(CLUSTERS / "cpu-rehearsal.yaml"),
+        "-o",
+        str(tmp_path / "o"),
+    ]
+    code, _, err = _run(argv, capsys)
+    assert code == 0, err

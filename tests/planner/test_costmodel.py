@@ -496,7 +496,11 @@ def test_a_problem_refuses_tied_parameters_it_cannot_hold(units, num_bytes, mess
 )  # fmt: skip
 def test_auto_precision_follows_the_tensor_cores(kind, auto):
     assert resolve_precision("auto", CATALOG[kind], device_name="d") is auto
-    assert resolve_precision("tf32", CATALOG[kind], device_name="d") is Precision.TF32
+    if auto is Precision.BF16:  # Ampere and later have TF32
+        assert resolve_precision("tf32", CATALOG[kind], device_name="d") is Precision.TF32
+    else:
+        with pytest.raises(ConfigError, match="has no TF32; use --precision fp32"):
+            resolve_precision("tf32", CATALOG[kind], device_name="d")
 
 
 def test_bf16_on_a_card_without_bf16_tensor_cores_says_what_to_use():

@@ -16,7 +16,12 @@ import torch
 from rich.console import Console
 
 from hplan.runtime.capture.model_file import checked_loss, load_model_file
-from hplan.runtime.contract.errors import ModelFileError, PeerFailureError, RehearsalChildError
+from hplan.runtime.contract.errors import (
+    ConfigError,
+    ModelFileError,
+    PeerFailureError,
+    RehearsalChildError,
+)
 from hplan.runtime.contract.plan import Backend, Plan
 from hplan.runtime.rehearsal.emulation import rank_speeds
 from hplan.runtime.rehearsal.rehearse import (
@@ -236,3 +241,19 @@ def test_the_failed_rank_to_report_is_the_cause_not_its_consequences(tmp_path: P
     logs[1].write_text("hplan run (rank 1): ModelFileError: loss_fn ...\n")
     elsewhere = _reported([0], {0: 1, 1: -15, 2: -15}, logs, is_error, error)
     assert "rank 1" in str(elsewhere) and "ModelFileError" in str(elsewhere)
+
+
+def test_a_rehearsal_that_cannot_fit_this_machine_is_refused_before_any_rank_starts(tmp_path):
+    from hplan.runtime.rehearsal.rehearse import _check_host_memory
+    from tests.fixtures.sample_plans import mixed_plan
+
+    plan = mixed_plan()
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  8000000 kB\nMemAvailable:  4000000 kB\n", encoding="ascii")
+    ranks = tuple(replace(r, memory_bytes=2 * 10**9) for r in plan.report.ranks)
+    big = replace(plan, report=replace(plan.report, ranks=ranks))
+    with pytest.raises(ConfigError, match=r"needs at least 10\.0 GB .* 4\.1 GB is available"):
+        _check_host_memory(big, meminfo)
+    small = tuple(replace(r, memory_bytes=10**8) for r in plan.report.ranks)
+    _check_host_memory(replace(plan, report=replace(plan.report, ranks=small)), meminfo)
+    _check_host_memory(big, tmp_path / "no-meminfo")  # not Linux: no check
