@@ -49,7 +49,8 @@ class PhaseProgress:
         """Finished phases' wall time in seconds, in the order they ran."""
 
     def __enter__(self) -> PhaseProgress:
-        self._progress.start()
+        if self._console.is_terminal:  # elsewhere a live display only leaves a blank line
+            self._progress.start()
         return self
 
     def __exit__(
@@ -60,7 +61,8 @@ class PhaseProgress:
     ) -> None:
         if exc_type is None:
             self._end_phase()
-        self._progress.stop()
+        if self._console.is_terminal:
+            self._progress.stop()
 
     # ------------------------------------------------------------------ PassObserver
     def started(self, name: str, says: str | None) -> None:

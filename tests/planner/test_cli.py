@@ -488,6 +488,7 @@ def test_a_precision_the_devices_lack_is_refused_before_the_model_file_is_import
     code, _, err = _run([*argv, "--precision", precision], capsys)
     assert code == 2
     _assert_one_line_error(err, *needles)
+    assert err.startswith("hplan: error:"), repr(err)  # no blank line left by a progress display
 
 
 def test_a_model_file_imports_the_modules_beside_it(tmp_path, capsys):
