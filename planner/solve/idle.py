@@ -95,6 +95,11 @@ def _costed_reason(
             f"{how} would take {format_seconds(ev.step_time_s)} per step, less than the "
             f"plan's {format_seconds(chosen.step_time_s)} (the search missed it)"
         )
+    if ev.step_time_s - chosen.step_time_s < _SAME_STEP * chosen.step_time_s:
+        return (
+            f"{how} takes as long per step as the plan ({format_seconds(ev.step_time_s)}): "
+            "the step is bound elsewhere, so another device adds nothing"
+        )
     sync_s = ev.allreduce_time_s - chosen.allreduce_time_s
     longer_s = max(ev.replica_times_s) - max(chosen.replica_times_s)
     head = (
@@ -120,6 +125,10 @@ def _costed_reason(
         f"{head}: the pipeline gets {format_seconds(longer_s)} longer (transfers over the "
         f"{link} link and the bubble)"
     )
+
+
+_SAME_STEP = 0.01
+"""Step times within 1% of the plan's count as the same (no reason worth naming)."""
 
 
 def _best_extension(
