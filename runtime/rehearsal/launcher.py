@@ -31,7 +31,12 @@ from pathlib import Path
 
 from rich.console import Console
 from torch.distributed.elastic.multiprocessing import start_processes
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SubprocessContext
+from torch.distributed.elastic.multiprocessing.api import (
+    LogsDest,
+    LogsSpecs,
+    SignalException,
+    SubprocessContext,
+)
 
 from hplan.runtime.contract.errors import (
     ConfigError,
@@ -217,6 +222,7 @@ def start_ranks(
 ) -> SubprocessContext:
     """Start ``python ARGS`` once per rank (``rank_env``), keeping hplan's signal handlers."""
     saved = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    caught: signal.Signals | None = None
     try:
         context = start_processes(
             name=name,
@@ -227,9 +233,14 @@ def start_ranks(
         )
         assert isinstance(context, SubprocessContext)  # a binary entry point
         return context
+    except SignalException as exc:  # a signal while torch's handlers were in place
+        caught = exc.sigval
+        raise
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+        if caught is not None:  # hplan's own handler decides (exit 128 + N), as at any time
+            signal.raise_signal(caught)
 
 
 def new_complete_lines(path: Path, offset: int) -> bytes:
