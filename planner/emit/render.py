@@ -313,7 +313,8 @@ def _table_legend(plan: Plan) -> str:
         else f"* bottleneck: rank {rank.rank} ({rank.device_kind} on {rank.node}, "
         f"replica {rank.replica} stage {rank.stage})",
         "samples: per optimizer step (micro-batch size × number of micro-batches)",
-        "memory: predicted peak / capacity",
+        "memory: predicted peak / usable capacity (memory less the framework reserve, 90% of "
+        "the rest)",
     ]
     if any(r.memory_strategy == MemoryStrategy.RECOMPUTE for r in plan.ranks):
         parts.append("R: recomputes activations")
