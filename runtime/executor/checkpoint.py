@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from hplan.runtime.capture.stage import StageModule
 from hplan.runtime.contract.errors import (
@@ -73,6 +75,8 @@ class TrainState:
     """The stage's parameters by canonical name."""
     optimizer: torch.optim.Optimizer
     device: torch.device
+    scaler: ShardedGradScaler | None = None
+    """The job's shared fp16 loss scaler (``precision.py``), when it has one."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,9 @@ class Progress:
     global_batch_size: int
     seed: int
     plan_digest: str
+    loss_scale: float = 0.0
+    """The fp16 loss scale (the same on every rank); 0.0: the job scaled no loss. A
+    checkpoint written before this field was added loads as 0.0."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -91,6 +98,7 @@ class Progress:
             "global_batch_size": self.global_batch_size,
             "seed": self.seed,
             "plan_digest": self.plan_digest,
+            "loss_scale": self.loss_scale,
         }
 
 
@@ -203,7 +211,10 @@ class Checkpointer:
 
     def _state_dict(self, steps_done: int) -> dict[str, Any]:
         state, plan = self.state, self.state.plan
-        progress = Progress(steps_done, plan.global_batch_size, plan.training.seed, plan.digest())
+        scale = 0.0 if state.scaler is None else float(state.scaler.get_scale())
+        progress = Progress(
+            steps_done, plan.global_batch_size, plan.training.seed, plan.digest(), scale
+        )
         return {
             "model": {name: p.detach() for name, p in state.params},
             "buffers": {name: b.detach() for name, b in state.stage.canonical_buffers()},
@@ -245,6 +256,7 @@ class Checkpointer:
         }
         if same_plan:
             request["rng"] = {str(state.rank): _rng_state(state.device)}
+        never_stepped = _without_saved_optimizer_state(request["optimizer"], step_dir)
         try:
             with torch.no_grad():
                 dcp.load(request, checkpoint_id=step_dir, process_group=self._group)
@@ -254,8 +266,14 @@ class Checkpointer:
                 "was it written for another model? Use a fresh --checkpoint-dir"
             ) from None
         _set_optimizer_state(state, request["optimizer"])
+        by_name = dict(state.params)
+        for name in never_stepped:  # as in the saved run: no state until the first step
+            state.optimizer.state.pop(by_name[name], None)
         if same_plan:
             _set_rng_state(state.device, request["rng"][str(state.rank)])
+        scale = float(progress.get("loss_scale", 0.0))
+        if state.scaler is not None and scale > 0:
+            state.scaler.update(new_scale=scale)
         self._saved_step = self._published_step = int(progress["step"])
         if state.rank == 0:
             other = (
@@ -264,9 +282,10 @@ class Checkpointer:
                 else " (written under another plan: parameters and optimizer state carried "
                 "over by name; each rank's random-number stream starts again from the seed)"
             )
+            scaled = f" (loss scale {scale:g})" if state.scaler is not None and scale > 0 else ""
             print(
                 f"hplan: resumed at step {self._saved_step} from {step_dir} in "
-                f"{time.monotonic() - start_s:.2f} s{other}",
+                f"{time.monotonic() - start_s:.2f} s{scaled}{other}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -275,13 +294,23 @@ class Checkpointer:
     def _load_progress(self, step_dir: Path) -> dict[str, Any]:
         progress: dict[str, Any] = {"progress": Progress(0, 0, 0, "").as_dict()}
         try:
-            dcp.load(progress, checkpoint_id=step_dir, process_group=self._group)
+            dcp.load(
+                progress,
+                checkpoint_id=step_dir,
+                process_group=self._group,
+                planner=DefaultLoadPlanner(allow_partial_load=True),  # fields added later
+            )
         except Exception as exc:
             raise ConfigError(
                 f"{str(step_dir)!r} is not an hplan checkpoint ({error_reason(exc)}); use a "
                 "fresh --checkpoint-dir"
             ) from None
         loaded: dict[str, Any] = progress["progress"]
+        if loaded["global_batch_size"] == 0:  # nothing loaded: the keys are not there
+            raise ConfigError(
+                f"{str(step_dir)!r} is not an hplan checkpoint (it has no training progress); "
+                "use a fresh --checkpoint-dir"
+            )
         return loaded
 
 
@@ -298,6 +327,25 @@ def _optimizer_state(state: TrainState) -> dict[str, dict[str, Any]]:
         for param, values in state.optimizer.state.items()
         if id(param) in names
     }
+
+
+def _without_saved_optimizer_state(
+    requested: dict[str, dict[str, Any]], step_dir: Path
+) -> list[str]:
+    """Drop from ``requested`` the parameters whose optimizer state the checkpoint lacks
+    entirely (saved before their first optimizer step, e.g. every step so far skipped by
+    fp16 loss scaling); return their names. A parameter with part of its state is kept, so
+    that loading it fails as another model's would."""
+    try:
+        saved = set(dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata)
+    except Exception:  # unreadable metadata: the load itself reports it
+        return []
+    missing = [
+        name for name in requested if not any(key.startswith(f"optimizer.{name}.") for key in saved)
+    ]
+    for name in missing:
+        del requested[name]
+    return missing
 
 
 def _set_optimizer_state(state: TrainState, loaded: dict[str, dict[str, Any]]) -> None:

@@ -185,7 +185,13 @@ def _checkpointer(parts: RankParts, options: RunOptions) -> Checkpointer | None:
     if options.checkpoint_dir is None:
         return None
     state = TrainState(
-        parts.plan, parts.rank_plan.rank, parts.stage, parts.params, parts.optimizer, parts.device
+        parts.plan,
+        parts.rank_plan.rank,
+        parts.stage,
+        parts.params,
+        parts.optimizer,
+        parts.device,
+        parts.scaler,
     )
     return Checkpointer(
         options.checkpoint_dir,

@@ -3,6 +3,7 @@ fp16 loss scaling whose skip of a step is taken by every rank."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -136,9 +137,29 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     )
     assert all(o.returncode == 0 for o in outcomes), [o.stderr[-800:] for o in outcomes]
     assert "step 0 skipped" in outcomes[0].stderr
+    assert "loss scale now 32768" in outcomes[0].stderr  # 65536, halved once
     torch.manual_seed(plan.training.seed)
     initial = dict(load_model_file(path).build_model().named_parameters())
     for rank, dump in enumerate(load_dumps(verify, "params", plan.world_size)):
         for name, value in dump["tensors"].items():
             # Rank 0's gradients were finite: it skipped only because rank 1 voted so.
             assert torch.equal(value, initial[name].detach()), (rank, name)
+
+
+@pytest.mark.slow
+def test_the_loss_scale_is_checkpointed_and_resumed(tmp_path):
+    path = write_model(tmp_path, OVERFLOW_MODEL)
+    plan = with_precision(make_plan(path, [ReplicaShape((-1,), 2, 4)]), Precision.FP16)
+    checkpoints = tmp_path / "checkpoints"
+    env = {"HPLAN_TEST_OVERFLOW_RANK": "0"}
+    args = ("--checkpoint-dir", str(checkpoints), "--checkpoint-every-steps", "1")
+    first = run_ranks(plan, tmp_path / "a", "--steps", "2", *args, env=env)
+    assert first[0].returncode == 0, first[0].stderr[-800:]
+    # The scale starts at 65536 and halves at each skip; with every step so far skipped the
+    # checkpoint also holds no optimizer state, which the resume must take.
+    scales = re.findall(r"loss scale now (\d+)", first[0].stderr)
+    assert scales and int(scales[-1]) < 65536
+    again = run_ranks(plan, tmp_path / "b", "--steps", "3", "--resume", *args)
+    assert again[0].returncode == 0, again[0].stderr[-800:]
+    assert "resumed at step 2" in again[0].stderr
+    assert f"(loss scale {scales[-1]})" in again[0].stderr
