@@ -22,6 +22,7 @@ eager forward; method 3, which needs the forward's values, is then not tried.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import traceback
@@ -245,12 +246,34 @@ def trace_model(
         )
     paths = chain_paths(model)
     chain = module_chain(model, context.fed, paths, reference)
+    if chain is not None and not _chain_holds_on_other_inputs(context, paths):
+        raise TraceError(
+            f"{failed}; torch.export failed too ({export_error}); a chain of its child "
+            "modules matches forward on one batch but not on another, so forward takes "
+            "data-dependent branches: make forward traceable (no Python control flow on "
+            "tensor values, or torch.cond)"
+        )
     if chain is not None:
         notes = [
             f"{failed}; torch.export failed too ({export_error}); ran child modules as a chain"
         ]
         return context.finish(chain, TraceMethod.MODULES, tuple(paths), notes)
     raise TraceError(failure_message(type(context.model).__name__, failure, export_error))
+
+
+def _chain_holds_on_other_inputs(context: _Context, paths: Sequence[str]) -> bool:
+    """Whether the module chain also equals forward on the fed batch with its floating
+    inputs negated: a forward whose Python branches depend on values (``if x.sum() > 0``)
+    usually takes another branch there, which one batch cannot show. Without floating
+    inputs there is no such second batch to try (True)."""
+    negated = {
+        name: -value if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        for name, value in context.fed.items()
+    }
+    if all(negated[name] is value for name, value in context.fed.items()):
+        return True
+    other = dataclasses.replace(context, fed=negated)
+    return module_chain(context.model, negated, paths, _eager_reference(other)) is not None
 
 
 # ----------------------------------------------------------------------- shared state

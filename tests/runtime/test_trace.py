@@ -207,6 +207,33 @@ def test_module_boundaries_are_rejected_when_the_chain_differs_from_forward():
         trace_model(model, inputs, method=TraceMethod.MODULES, leaf_modules=["tok_emb", "ln_f"])
 
 
+class _SignBranch(torch.nn.Module):
+    """A value-dependent branch a chain of the child modules matches on one batch only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum().item() > 0:
+            h = torch.relu(h)
+        return self.b(h)
+
+
+def test_a_chain_that_matches_forward_on_one_batch_only_is_refused():
+    torch.manual_seed(0)
+    model = _SignBranch()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        taken = float(model.a(x).sum()) > 0
+    if taken:  # the chain (a, b) must match forward on the batch it is first checked on
+        x = -x
+    with pytest.raises(TraceError, match="matches forward on one batch but not on another"):
+        trace_model(model, {"x": x})
+
+
 # ----------------------------------------------------------------------- T2 ints from shapes
 def test_python_ints_from_shapes_in_submodules_keep_them_whole():
     model, _, traced = _traced("shape_ints_in_submodules")
