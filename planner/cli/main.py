@@ -97,6 +97,15 @@ def _invoke(call: Callable[[], Any]) -> int:
         return exc.exit_code
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
+    except click.UsageError as exc:  # one line, like every other error (click shows three)
+        command = exc.ctx.command_path if exc.ctx is not None else "hplan"
+        stderr.print(
+            f"hplan: error: {exc.format_message().rstrip('.')} (see `{command} --help`)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return exc.exit_code
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code

@@ -505,3 +505,21 @@ def test_a_model_file_imports_the_modules_beside_it(tmp_path, capsys):
     ]
     code, _, err = _run(argv, capsys)
     assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (
+            ["solve", "m.py", "-c", "c.yaml", "--precision", "fp8"],
+            ["'fp8' is not one of", "hplan solve --help"],
+        ),
+        (["solve", "--no-such-option"], ["No such option '--no-such-option'"]),
+        (["no-such-command"], ["No such command", "hplan --help"]),
+    ],
+)
+def test_usage_errors_are_one_line(argv, needles, capsys):
+    code, out, err = _run(argv, capsys)
+    assert code == 2
+    _assert_one_line_error(err, *needles)
+    assert "Usage:" not in err and out == ""
