@@ -3,7 +3,8 @@
 :data:`PASSES`, in order (each a named pure function of the results before it, its result
 checked by its own ``verify()``; ``passes.run_passes`` runs them and names a failing pass):
 
-1. ``cluster``: cluster.yaml, with measured links over its own (``hardware/``);
+1. ``cluster``: cluster.yaml, with measured links over its own (``hardware/``), and what
+   each device computes in, for ``--precision`` (``hardware/catalog.resolve_precision``);
 2. ``capture``: the model built once, its two example batches, its graph traced once
    (``frontend/capture.py``); with ``--capture FILE``, the capture file of ``hplan capture``
    instead, checked against the model file and settings (``frontend/capture_file.py``);
@@ -11,9 +12,8 @@ checked by its own ``verify()``; ``passes.run_passes`` runs them and names a fai
    (``frontend/cost_graph.py``; the file's, when the capture came from one);
 4. ``trains_check``: the loss of the captured model can be trained on
    (``frontend/trains_check.py``; the file's verdict, when the capture came from one);
-5. ``precision``: what each device computes in, for ``--precision``
-   (``hardware/catalog.resolve_precision``); then ``runtime_bytes``: what a plan of this
-   model sends across each cut and sums per gradient bucket (``sim/spec.RuntimeBytes``);
+5. ``runtime_bytes``: what a plan of this model sends across each cut and sums per
+   gradient bucket (``sim/spec.RuntimeBytes``);
 6. ``time_source``: unit times from a measured profile, or the roofline (``cost/``);
 7. ``problem``: the solver's arrays (``cost/problem_builder.py``);
 8. ``solve``: the layout, re-costed, validated, and simulated once with the bytes its plan
@@ -186,18 +186,6 @@ def _check_model_path(path: Path) -> None:
 
 
 @dataclass(frozen=True)
-class ClusterInput:
-    """The cluster a plan is made for, and the report's note on where its links came from."""
-
-    cluster: Cluster
-    link_notes: tuple[str, ...]
-
-    def verify(self) -> None:
-        """The cluster's invariants (``Cluster.verify``)."""
-        self.cluster.verify()
-
-
-@dataclass(frozen=True)
 class DevicePrecisions:
     """The precision each device computes in (``catalog.resolve_precision``)."""
 
@@ -215,6 +203,22 @@ class DevicePrecisions:
         for name, precision in self.by_device.items():
             if not isinstance(precision, Precision):
                 raise ValueError(f"device {name!r} has precision {precision!r}")
+
+
+@dataclass(frozen=True)
+class ClusterInput:
+    """The cluster a plan is made for, and the report's note on where its links came from."""
+
+    cluster: Cluster
+    link_notes: tuple[str, ...]
+    precisions: DevicePrecisions
+    """What each device computes in, for ``--precision`` (resolved with the cluster, so a
+    precision no device can run fails before the model is captured)."""
+
+    def verify(self) -> None:
+        """The cluster's invariants (``Cluster.verify``) and the precisions'."""
+        self.cluster.verify()
+        self.precisions.verify()
 
 
 @dataclass(frozen=True)
@@ -290,13 +294,7 @@ def cluster_pass(r: PassResults) -> ClusterInput:
     if request.nodes is not None or request.without:
         cluster = cluster.select(nodes=request.nodes, without=request.without)
     _check_device_mix(cluster)
-    _device_precisions(request, cluster)  # a precision no device can run fails before capture
-    return ClusterInput(cluster, notes)
-
-
-def precision_pass(r: PassResults) -> DevicePrecisions:
-    """The precision of every device of the cluster for ``--precision``."""
-    return _device_precisions(_request(r), r["cluster"].cluster)
+    return ClusterInput(cluster, notes, _device_precisions(request, cluster))
 
 
 def _device_precisions(request: SolveRequest, cluster: Cluster) -> DevicePrecisions:
@@ -381,7 +379,7 @@ def problem_pass(r: PassResults) -> PlanningProblem:
         micro_batch_sizes=request.micro_batch_sizes,
         optimizer_state_bytes_per_param_byte=optimizer_factor,
         time_source=r["time_source"],
-        precisions=r["precision"].by_device,
+        precisions=r["cluster"].precisions.by_device,
     )
 
 
@@ -424,7 +422,7 @@ def plan_pass(r: PassResults) -> Plan:
     graph: ModelGraph = r["cost_graph"]
     captured: Capture = r["capture"]
     cluster = r["cluster"].cluster
-    precisions = r["precision"].by_device
+    precisions = r["cluster"].precisions.by_device
     plan = build_plan(
         graph=graph,
         model=model_spec(
@@ -466,10 +464,9 @@ PASSES: Sequence[Pass] = (
             "the capture file's trains check" if _stored(r) else "checking that the model trains"
         ),
     ),
-    Pass("precision", precision_pass),
     Pass(
         "runtime_bytes",
-        lambda r: RuntimeBytes.of(r["cost_graph"], r["precision"].widest),
+        lambda r: RuntimeBytes.of(r["cost_graph"], r["cluster"].precisions.widest),
     ),
     Pass("time_source", time_source_pass),
     Pass("problem", problem_pass),
@@ -481,7 +478,7 @@ PASSES: Sequence[Pass] = (
 
 PHASES: Sequence[tuple[str, tuple[str, ...]]] = (
     ("cluster", ("cluster",)),
-    ("capture", ("capture", "cost_graph", "trains_check", "precision", "runtime_bytes")),
+    ("capture", ("capture", "cost_graph", "trains_check", "runtime_bytes")),
     ("cost", ("time_source", "problem")),
     ("solve", ("solve",)),
     ("report", ("report", "plan")),

@@ -200,8 +200,6 @@ class RooflineSource:
     compute_efficiency: float = COMPUTE_EFFICIENCY
     memory_efficiency: float = MEMORY_EFFICIENCY
     op_overhead_s: float = OP_OVERHEAD_S
-    allow_tf32: bool = False
-    """Use the TF32 peak for float32 (as with ``torch.backends.cuda.matmul.allow_tf32``)."""
 
     @property
     def name(self) -> str:
@@ -216,7 +214,7 @@ class RooflineSource:
         peak = peak_flops_per_s(
             device.type,
             numerics.compute_dtype,
-            allow_tf32=self.allow_tf32 or numerics.allow_tf32,
+            allow_tf32=numerics.allow_tf32,
         )
         flops = cost.fwd_flops_per_sample * micro_batch_size
         factor = numerics.activation_bytes_factor * micro_batch_size

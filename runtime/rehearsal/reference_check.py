@@ -111,10 +111,10 @@ def reference_steps(plan: Plan, model_file: ModelFile, num_steps: int = 1) -> Re
         first_grads: dict[str, torch.Tensor] = {}
         for step in range(num_steps):
             batch = source.global_batch(step)
-            losses.append(_forward_backward(model, model_file, batch, reference_precision(plan)))
-            if model_file.max_grad_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(params, model_file.max_grad_norm)
-                grad_norms.append(float(norm))
+            loss, norm = _forward_backward(model, model_file, batch, reference_precision(plan))
+            losses.append(loss)
+            if norm is not None:
+                grad_norms.append(norm)
             if step == 0:
                 first_grads = _grads(model)
             optimizer.step()
@@ -339,15 +339,21 @@ def _forward_backward(
     model_file: ModelFile,
     batch: tuple[Any, Any],
     precision: Precision = Precision.FP32,
-) -> float:
+) -> tuple[float, float | None]:
     """Forward (under ``precision``'s autocast) and backward of a whole global batch
-    ``(inputs, targets)``; its mean loss."""
+    ``(inputs, targets)``, then the model file's clipping (``MAX_GRAD_NORM``), as the ranks
+    clip their synced gradients; the mean loss and the norm before clipping (None without
+    clipping)."""
     inputs, targets = batch
     with autocast(torch.device("cpu"), precision):
         outputs = model(**bind_inputs(model, inputs))
         loss = checked_loss(model_file, outputs, targets, require_grad=True)
     loss.backward()
-    return float(loss.detach())
+    norm = None
+    if model_file.max_grad_norm is not None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, model_file.max_grad_norm))
+    return float(loss.detach()), norm
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -361,11 +367,7 @@ def _reference_first_step(plan: Plan, model_file: ModelFile) -> _Reference:
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     batch = source.global_batch(0)
     with DropoutOff() as off, RandomDraws() as draws:
-        loss = _forward_backward(model, model_file, batch, reference_precision(plan))
-    if model_file.max_grad_norm is not None:  # the ranks dump clipped gradients
-        torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], model_file.max_grad_norm
-        )
+        loss, _ = _forward_backward(model, model_file, batch, reference_precision(plan))
     return _Reference(model, initial, _grads(model), loss, dict(off.calls), dict(draws.calls))
 
 
