@@ -16,6 +16,10 @@ wall-clock seconds measured on that rank; they split the step as
 - ``optimizer_time_s``: the optimizer step;
 - ``other_time_s``: the rest (data loading, Python overhead).
 
+``end_unix_time_s``: when the step ended (``time.time()``); consecutive steps' difference is
+the step as seen from outside, including what happens between steps (metrics, the job's
+per-step agreement, checkpoints).
+
 ``grad_norm``: the whole model's gradient L2 norm before clipping, the same on every rank
 (with the model file's ``MAX_GRAD_NORM`` only; null without it and in metrics written
 before hplan recorded it).
@@ -61,6 +65,10 @@ class StepMetrics:
     grad_norm: float | None = None
     """Global gradient L2 norm before clipping (``MAX_GRAD_NORM`` only; None: no clipping,
     or not recorded)."""
+    end_unix_time_s: float = 0.0
+    """Wall-clock Unix time at the end of the step (after its optimizer step): the spacing of
+    consecutive steps is the real throughput, every per-step overhead included (0: not
+    recorded)."""
 
 
 def metrics_path(metrics_dir: Path, rank: int) -> Path:
