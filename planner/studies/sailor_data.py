@@ -22,9 +22,16 @@ hidden 1024, sequence 2048, 24 layers, 16 heads, vocabulary 50272): a layer's 12
 parameters are exactly a GPT block with a 4x MLP; the embedding's 53,608,448 are a
 vocabulary padded to 50304 (Megatron pads to a multiple of 128) plus 2048 positions; the head
 is an untied 50304 x 1024 projection plus the final LayerNorm. ``act_output_floats`` is
-2048 x 1024 per sample, but every ``*_bytes`` field is ``floats x 4`` (float32) although the
-study trains in fp16: a boundary activation is 2 bytes per element on the wire (the importer
-uses ``act_output_floats x 2``), gradients are all-reduced in float32 (``params_bytes``).
+2048 x 1024 per sample and every ``*_bytes`` field is ``floats x 4``: the study trains in
+float32, whatever the data folder's README says. Three independent signs: the gradient
+all-reduce of ``mit/plan_config_N4_D4`` takes the ring time of 4 bytes per parameter
+(DeepSpeed's fp16 engine all-reduces fp16 gradients); the profiles' per-GPU throughput
+follows the cards' float32 peaks (a layer runs 1.7x faster on an RTX-3090 than on a
+Titan-RTX, 35.6 against 16.3 fp32 TFLOPS, where fp16 tensor cores would make the Titan the
+faster one, 130 against 71 TFLOPS; a V100 reaches about half its fp32 peak, 7% of its fp16
+one); and the 2-stage plan ``mit/plan_config_N2_D1`` is predicted within 1% with float32
+boundary activations, 15% short with fp16 ones. So a boundary activation is 4 bytes per
+element on the wire (:data:`ACTIVATION_DTYPE`), and so are the all-reduced gradients.
 The study's model is a GPT-2-style model with OPT-350's sizes; the real OPT-350m has a
 512-wide embedding with projections and ties its head (331M parameters, here 407M).
 """
@@ -52,11 +59,13 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.link_model import least_squares_alpha_beta
 
 MODEL = "OPT-350"
-FP16_BYTES = 2
-"""Bytes per element of the study's fp16 activations."""
+ACTIVATION_DTYPE = "float32"
+"""Dtype of the study's boundary activations and their gradients (it trains in float32, see
+the module docstring)."""
 ADAM_MIXED_BYTES_PER_PARAM = 16
 """fp16 weight (2) + fp16 gradient (2) + fp32 master weight, Adam m and v (3 x 4): mixed
-precision with Adam (Rajbhandari et al., "ZeRO", SC 2020, section 3.1)."""
+precision with Adam (Rajbhandari et al., "ZeRO", SC 2020, section 3.1); float32 Adam holds
+the same 16 (weight, gradient, m, v: 4 x 4)."""
 GB = 1e9
 MB = 1e6
 

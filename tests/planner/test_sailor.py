@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from itertools import pairwise
 from pathlib import Path
 
@@ -20,9 +21,15 @@ from hplan.planner.sim.engine import SimChannel, SimLink, SimReplica, SimSpec, S
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "sailor"
+DATA = Path(
+    os.environ.get(
+        "HPLAN_SAILOR_DATA", Path(__file__).resolve().parents[3] / "shared" / "data" / "sailor"
+    )
+)
+"""The study's data folder: ``$HPLAN_SAILOR_DATA``, else ``../shared/data/sailor`` beside the
+checkout (a git worktree elsewhere sets the variable)."""
 needs_data = pytest.mark.skipif(
-    not (DATA / "plans").is_dir(), reason="Sailor data folder ../shared/data/sailor absent"
+    not (DATA / "plans").is_dir(), reason=f"Sailor data folder {DATA} absent"
 )
 
 
@@ -233,10 +240,23 @@ def test_study_layout_costs_the_same_as_a_plan_or_a_problem(data) -> None:  # ty
 
     for name in ("plan_config_N2_D1", "plan_config_N2_D2"):
         study = read_study_plan(DATA / "plans" / "mit" / f"{name}.json")
-        as_plan = simulate(study_sim_spec(data, study, import_study_plan(data, study)))
+        as_plan = simulate(study_sim_spec(import_study_plan(data, study)))
         problem = study_problem(data, study, Granularity.MACHINE)
-        spec = layout_sim_spec(data, problem, study_layout(study), study_runtime=True)
+        spec = layout_sim_spec(problem, study_layout(study), study_runtime=True)
         assert simulate(spec).step_time_s == pytest.approx(as_plan.step_time_s, rel=0.01)
+
+
+@needs_data
+def test_the_study_runtime_sends_only_the_float32_hidden_state(data) -> None:  # type: ignore[no-untyped-def]
+    from hplan.planner.studies.sailor_plan import load_study_plan
+
+    # Four tp-8 stages: each tp rank sends 1/8 of the hidden state, no attention mask.
+    _, study, plan, spec = load_study_plan(DATA / "plans" / "mit" / "plan_config_N4_D1.json")
+    hidden_bytes = study.mbs * 2048 * 1024 * 4  # (mbs, seq, hidden) float32
+    assert {t.name for cut in plan.cuts for t in cut.tensors} == {"hidden_states"}
+    assert spec.blocking_p2p
+    for link in spec.replicas[0].links:
+        assert set(link.forward_bytes) == set(link.backward_bytes) == {hidden_bytes}
 
 
 # --------------------------------------------------------------------------- CLI
@@ -328,7 +348,7 @@ def test_plan_of_two_pipelines_with_an_unmeasured_link_imports(  # type: ignore[
     groups = plan.report.grad_sync or ()
     assert {g.ranks for g in groups} == {(0, 2), (1, 2)}
     assert sum(g.num_bytes for g in groups) == sum(data.params_floats(u, 1) for u in range(26)) * 4
-    assert simulate(study_sim_spec(data, study, plan)).step_time_s > 0
+    assert simulate(study_sim_spec(plan)).step_time_s > 0
 
 
 @pytest.mark.parametrize(
