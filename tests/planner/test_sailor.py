@@ -76,6 +76,40 @@ def test_blocking_p2p_ranks_never_compute_while_sending() -> None:
             assert start >= end - 1e-12
 
 
+def _network(entries: dict[tuple[str, int, str, int], float]):  # type: ignore[no-untyped-def]
+    """A data folder holding only inter-node curves: flat ``GB/s`` (c0) with that maximum."""
+    from hplan.planner.studies.sailor_data import SailorData
+
+    inter: dict = {}
+    for (gpu_a, tp_a, gpu_b, tp_b), gb_per_s in entries.items():
+        by_tp = inter.setdefault("z", {}).setdefault(gpu_a, {}).setdefault(str(tp_a), {})
+        by_tp.setdefault("z", {}).setdefault(gpu_b, {})[str(tp_b)] = [
+            [0.0, 0.0, gb_per_s],
+            gb_per_s * 1e9,
+        ]
+    return SailorData(Path("."), {}, {}, {}, {}, inter, {})
+
+
+def test_a_tp_group_gets_at_least_the_bandwidth_fewer_gpus_measured() -> None:
+    from hplan.planner.studies.sailor_data import inter_node_curve
+
+    # Like Titan-RTX -> RTX-2080 in the study: fast at tp 2 and 4, a copied slow fit at 1 and 8.
+    data = _network({("A", 1, "B", 1): 0.11, ("A", 2, "B", 2): 2.8, ("A", 4, "B", 4): 2.8,
+                     ("A", 8, "B", 8): 0.11, ("C", 1, "C", 1): 10.0, ("C", 4, "C", 4): 40.0,
+                     ("D", 4, "E", 4): 1.0})  # fmt: skip
+
+    def gb_per_s(src: tuple[str, int], dst: tuple[str, int]) -> float:
+        return inter_node_curve(data, ("z", *src), ("z", *dst)).bandwidth_bytes_per_s(1e8) / 1e9
+
+    assert gb_per_s(("A", 8), ("B", 8)) == pytest.approx(2.8)  # at least what tp 4 measured
+    assert gb_per_s(("B", 8), ("A", 8)) == pytest.approx(2.8)  # the reverse: full-duplex cards
+    assert gb_per_s(("A", 1), ("B", 1)) == pytest.approx(0.11)  # fewer GPUs measured nothing more
+    assert gb_per_s(("C", 4), ("C", 4)) == pytest.approx(40.0)  # a card per GPU: more cards
+    assert gb_per_s(("C", 2), ("C", 2)) == pytest.approx(10.0)  # tp 4's cards are not tp 2's
+    assert gb_per_s(("A", 1), ("B", 2)) == pytest.approx(0.11)  # (1, 2) unmeasured: (1, 1)
+    assert gb_per_s(("D", 2), ("E", 2)) == pytest.approx(1.0)  # only larger groups: the closest
+
+
 def test_not_a_study_folder_is_a_config_error(tmp_path: Path) -> None:
     from hplan.planner.studies.sailor_data import load_sailor
 
