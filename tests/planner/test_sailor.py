@@ -76,6 +76,24 @@ def test_blocking_p2p_ranks_never_compute_while_sending() -> None:
             assert start >= end - 1e-12
 
 
+def test_a_middle_stage_receives_and_sends_at_once_on_full_duplex_links() -> None:
+    # Three stages, two micro-batches, 1 s per pass and per message, isend (hplan's runtime).
+    # s0: F0 [0,1] F1 [1,2]; link 0 forward: A0 [1,2], A1 [2,3]. s1: F0 [2,3] F1 [3,4];
+    # link 1 forward: A0 [3,4], A1 [4,5]. s2: F0 [4,5] B0 [5,6] F1 [6,7] B1 [7,8]; link 1 back:
+    # G0 [6,7], G1 [8,9]. s1: B0 [7,8], then at [8,9] it sends G0 to s0 while it receives G1
+    # from s2 (two cards' directions, neither waits), B1 [9,10], G1 to s0 [10,11]; s0: B0
+    # [9,10], B1 [11,12]. Were a card one queue for both directions, G1 would arrive at 10
+    # and the step end at 13.
+    stages = tuple(SimStage(r, "gpu", (1.0, 1.0), (1.0, 1.0), 0.0) for r in range(3))
+    channel = SimChannel(1.0, 0.0)
+    link = SimLink(channel, channel, (1.0, 1.0), (1.0, 1.0))
+    spec = SimSpec(replicas=(SimReplica(stages, (link, link), (1, 1)),))
+    result = simulate(spec)
+    assert result.step_time_s == pytest.approx(12.0)
+    s1 = {e.label: (e.start_s, e.end_s) for e in result.events if e.rank == 1}
+    assert s1["s1.B.mb1"] == (9.0, 10.0)
+
+
 def _network(entries: dict[tuple[str, int, str, int], float]):  # type: ignore[no-untyped-def]
     """A data folder holding only inter-node curves: flat ``GB/s`` (c0) with that maximum."""
     from hplan.planner.studies.sailor_data import SailorData
@@ -291,6 +309,26 @@ def test_the_study_runtime_sends_only_the_float32_hidden_state(data) -> None:  #
     assert spec.blocking_p2p
     for link in spec.replicas[0].links:
         assert set(link.forward_bytes) == set(link.backward_bytes) == {hidden_bytes}
+
+
+@needs_data
+@pytest.mark.parametrize(
+    ("name", "tolerance"),
+    [
+        ("plan_config_N2_D1", 0.05),  # 2 stages, one link each way
+        ("plan_config_N2_D2", 0.05),  # data parallel, all-reduce only
+        ("plan_config_N4_D1", 0.10),  # 4 stages: middle stages receive and send
+        ("plan_config_N4_D4", 0.05),
+    ],
+)
+def test_measured_mit_plans_are_simulated_close_to_their_real_time(
+    name: str, tolerance: float
+) -> None:
+    from hplan.planner.studies.sailor_plan import load_study_plan
+
+    _, study, _, spec = load_study_plan(DATA / "plans" / "mit" / f"{name}.json")
+    predicted_s = simulate(spec).step_time_s
+    assert abs(predicted_s / study.real_s - 1) < tolerance, (predicted_s, study.real_s)
 
 
 # --------------------------------------------------------------------------- CLI
