@@ -31,7 +31,7 @@ Titan-RTX, 35.6 against 16.3 fp32 TFLOPS, where fp16 tensor cores would make the
 faster one, 130 against 71 TFLOPS; a V100 reaches about half its fp32 peak, 7% of its fp16
 one); and the 2-stage plan ``mit/plan_config_N2_D1`` is predicted within 1% with float32
 boundary activations, 15% short with fp16 ones. So a boundary activation is 4 bytes per
-element on the wire (:data:`ACTIVATION_DTYPE`), and so are the all-reduced gradients.
+element on the wire (:data:`TRAINING_DTYPE`), and so are the all-reduced gradients.
 The study's model is a GPT-2-style model with OPT-350's sizes; the real OPT-350m has a
 512-wide embedding with projections and ties its head (331M parameters, here 407M).
 """
@@ -59,9 +59,9 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.link_model import least_squares_alpha_beta
 
 MODEL = "OPT-350"
-ACTIVATION_DTYPE = "float32"
-"""Dtype of the study's boundary activations and their gradients (it trains in float32, see
-the module docstring)."""
+TRAINING_DTYPE = "float32"
+"""The study trains in float32 (see the module docstring): parameters, boundary activations
+and their gradients."""
 ADAM_MIXED_BYTES_PER_PARAM = 16
 """fp16 weight (2) + fp16 gradient (2) + fp32 master weight, Adam m and v (3 x 4): mixed
 precision with Adam (Rajbhandari et al., "ZeRO", SC 2020, section 3.1); float32 Adam holds

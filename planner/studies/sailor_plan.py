@@ -35,9 +35,9 @@ from pathlib import Path
 from hplan.planner.sim.ir import SimSpec
 from hplan.planner.sim.spec import spec_from_plan
 from hplan.planner.studies.sailor_data import (
-    ACTIVATION_DTYPE,
     ADAM_MIXED_BYTES_PER_PARAM,
     MODEL,
+    TRAINING_DTYPE,
     BandwidthCurve,
     SailorData,
     curves_alpha_beta,
@@ -80,7 +80,7 @@ def hidden_state(data: SailorData) -> TensorSpec:
     return TensorSpec(
         name="hidden_states",
         shape=(1, data.seq_len, data.hidden),
-        dtype=ACTIVATION_DTYPE,
+        dtype=TRAINING_DTYPE,
         batch_dim=0,
         requires_grad=True,
     )
@@ -163,7 +163,7 @@ def _model_spec() -> ModelSpec:
         leaf_modules=(),
         graph_fingerprint=f"sailor-{MODEL}",
         inputs=(),
-        param_dtype=ACTIVATION_DTYPE,
+        param_dtype=TRAINING_DTYPE,
     )
 
 
