@@ -82,12 +82,19 @@ def best_layout(
 ) -> tuple[float, Layout]:
     """Solve on both cost views (links timed alone, and divided among a card's GPUs) and
     keep the layout that simulates faster on the physical problem (the simulator as second
-    opinion, as ``solve`` does among its own candidates)."""
+    opinion, as ``solve`` does among its own candidates). For the study's runtime the solver
+    is also asked for its best layout without pipelines: its cost model overlaps transfers
+    with compute (hplan's ``isend``), so it cannot see what the study's blocking transfers
+    cost a pipeline, and only the simulation below does."""
+    options = [SolveOptions(time_limit_s=time_limit_s)]
+    if study_runtime:
+        options.append(SolveOptions(time_limit_s=time_limit_s, max_stages=1))
     found = []
     for view in (problem, shared):
-        layout = solve(view, SolveOptions(time_limit_s=time_limit_s)).layout
-        spec = layout_sim_spec(problem, layout, study_runtime=study_runtime)
-        found.append((simulate(spec).step_time_s, layout))
+        for option in options:
+            layout = solve(view, option).layout
+            spec = layout_sim_spec(problem, layout, study_runtime=study_runtime)
+            found.append((simulate(spec).step_time_s, layout))
     return min(found, key=lambda x: x[0])
 
 
