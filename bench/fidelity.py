@@ -19,6 +19,7 @@ Exits 0 with a note when the data folder is absent (a clone without the study's 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections import defaultdict
@@ -37,7 +38,7 @@ from hplan.planner.studies.sailor_study import (
 from hplan.runtime.contract.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "sailor"
+DEFAULT_DATA = Path(os.environ.get("HPLAN_SAILOR_DATA", ROOT.parent / "shared" / "data" / "sailor"))
 TARGETS = {"mit": (0.10, 0.25)}
 """cluster -> (median, worst) |relative error| targets."""
 GB = 1e9
@@ -95,7 +96,7 @@ def main() -> int:
             print(f"{path.parent.name}/{path.stem:<25} not simulated: {exc}")
             skipped.append(path.stem)
             continue
-        result = simulate(study_sim_spec(data, study, plan))
+        result = simulate(study_sim_spec(plan))
         error = (result.step_time_s - study.real_s) / study.real_s
         errors[study.cluster].append(error)
         lo, hi = allreduce_call_s(result)

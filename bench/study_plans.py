@@ -13,10 +13,9 @@ simulation queues the real card. Two views of the machines:
 - ``machine``: each machine is one tensor-parallel device with the study's tp, so hplan only
   chooses the layout over the study's own devices.
 
-Each hplan layout is simulated twice: as hplan's runtime runs it (``isend``, graph inputs
-delivered to the stages that read them) and as the study's runtime would (blocking
-point-to-point, the fp16 attention mask sent with every micro-batch by every tp rank). Both
-views queue a machine's outgoing transfers on its one network card. Printed next to the
+Each hplan layout is simulated twice: as hplan's runtime runs it (``isend``) and as the
+study's runtime would (blocking point-to-point). Both send the float32 hidden state across a
+cut and queue a machine's outgoing transfers on its one network card. Printed next to the
 study's measured iteration time and the study's plan simulated the same way (apples to
 apples). Target (issue 4): never slower, faster wherever a better layout exists.
 
@@ -26,6 +25,7 @@ apples). Target (issue 4): never slower, faster wherever a better layout exists.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -48,7 +48,7 @@ from hplan.planner.studies.sailor_study import StudyPlan, read_study_plan, study
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "sailor"
+DEFAULT_DATA = Path(os.environ.get("HPLAN_SAILOR_DATA", ROOT.parent / "shared" / "data" / "sailor"))
 
 
 def describe_layout(problem: PlanningProblem, layout: Layout) -> str:
@@ -74,7 +74,6 @@ class Outcome:
 
 
 def best_layout(
-    data: SailorData,
     problem: PlanningProblem,
     shared: PlanningProblem,
     time_limit_s: float,
@@ -83,12 +82,19 @@ def best_layout(
 ) -> tuple[float, Layout]:
     """Solve on both cost views (links timed alone, and divided among a card's GPUs) and
     keep the layout that simulates faster on the physical problem (the simulator as second
-    opinion, as ``solve`` does among its own candidates)."""
+    opinion, as ``solve`` does among its own candidates). For the study's runtime the solver
+    is also asked for its best layout without pipelines: its cost model overlaps transfers
+    with compute (hplan's ``isend``), so it cannot see what the study's blocking transfers
+    cost a pipeline, and only the simulation below does."""
+    options = [SolveOptions(time_limit_s=time_limit_s)]
+    if study_runtime:
+        options.append(SolveOptions(time_limit_s=time_limit_s, max_stages=1))
     found = []
     for view in (problem, shared):
-        layout = solve(view, SolveOptions(time_limit_s=time_limit_s)).layout
-        spec = layout_sim_spec(data, problem, layout, study_runtime=study_runtime)
-        found.append((simulate(spec).step_time_s, layout))
+        for option in options:
+            layout = solve(view, option).layout
+            spec = layout_sim_spec(problem, layout, study_runtime=study_runtime)
+            found.append((simulate(spec).step_time_s, layout))
     return min(found, key=lambda x: x[0])
 
 
@@ -99,22 +105,22 @@ def plan_for_hplan_runtime(
     problem = study_problem(data, study, granularity)
     shared = study_problem(data, study, granularity, shared_nic=True)
     start = time.monotonic()
-    step_s, layout = best_layout(data, problem, shared, time_limit_s, study_runtime=False)
+    step_s, layout = best_layout(problem, shared, time_limit_s, study_runtime=False)
     return Outcome(step_s, describe_layout(problem, layout), time.monotonic() - start)
 
 
 def plan_for_study_runtime(
     data: SailorData, study: StudyPlan, granularity: Granularity, time_limit_s: float
 ) -> Outcome:
-    """One solve per profiled micro-batch size (the per-micro-batch mask charged exactly),
-    each simulated as the study's runtime runs it; the fastest wins."""
+    """One solve per profiled micro-batch size, each simulated as the study's runtime runs
+    it (blocking transfers, which the solver's cost model does not see); the fastest wins."""
     best: Outcome | None = None
     start = time.monotonic()
     for mbs in profiled_micro_batch_sizes(data, study, granularity):
         problem = study_problem(data, study, granularity, micro_batch_size=mbs)
         shared = study_problem(data, study, granularity, micro_batch_size=mbs, shared_nic=True)
         try:
-            step_s, layout = best_layout(data, problem, shared, time_limit_s, study_runtime=True)
+            step_s, layout = best_layout(problem, shared, time_limit_s, study_runtime=True)
         except InfeasiblePlanError:
             continue  # this micro-batch size does not fit in memory
         if best is None or step_s < best.step_s:
@@ -149,7 +155,7 @@ def main() -> int:
         except ConfigError as exc:
             print(f"mit/{path.stem:<18} not compared: {exc}")
             continue
-        study_sim_s = simulate(study_sim_spec(data, study, imported)).step_time_s
+        study_sim_s = simulate(study_sim_spec(imported)).step_time_s
         for runtime, planner in (
             ("hplan", plan_for_hplan_runtime),
             ("study", plan_for_study_runtime),

@@ -22,9 +22,16 @@ hidden 1024, sequence 2048, 24 layers, 16 heads, vocabulary 50272): a layer's 12
 parameters are exactly a GPT block with a 4x MLP; the embedding's 53,608,448 are a
 vocabulary padded to 50304 (Megatron pads to a multiple of 128) plus 2048 positions; the head
 is an untied 50304 x 1024 projection plus the final LayerNorm. ``act_output_floats`` is
-2048 x 1024 per sample, but every ``*_bytes`` field is ``floats x 4`` (float32) although the
-study trains in fp16: a boundary activation is 2 bytes per element on the wire (the importer
-uses ``act_output_floats x 2``), gradients are all-reduced in float32 (``params_bytes``).
+2048 x 1024 per sample and every ``*_bytes`` field is ``floats x 4``: the study trains in
+float32, whatever the data folder's README says. Three independent signs: the gradient
+all-reduce of ``mit/plan_config_N4_D4`` takes the ring time of 4 bytes per parameter
+(DeepSpeed's fp16 engine all-reduces fp16 gradients); the profiles' per-GPU throughput
+follows the cards' float32 peaks (a layer runs 1.7x faster on an RTX-3090 than on a
+Titan-RTX, 35.6 against 16.3 fp32 TFLOPS, where fp16 tensor cores would make the Titan the
+faster one, 130 against 71 TFLOPS; a V100 reaches about half its fp32 peak, 7% of its fp16
+one); and the 2-stage plan ``mit/plan_config_N2_D1`` is predicted within 1% with float32
+boundary activations, 15% short with fp16 ones. So a boundary activation is 4 bytes per
+element on the wire (:data:`TRAINING_DTYPE`), and so are the all-reduced gradients.
 The study's model is a GPT-2-style model with OPT-350's sizes; the real OPT-350m has a
 512-wide embedding with projections and ties its head (331M parameters, here 407M).
 """
@@ -52,11 +59,13 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.link_model import least_squares_alpha_beta
 
 MODEL = "OPT-350"
-FP16_BYTES = 2
-"""Bytes per element of the study's fp16 activations."""
+TRAINING_DTYPE = "float32"
+"""The study trains in float32 (see the module docstring): parameters, boundary activations
+and their gradients."""
 ADAM_MIXED_BYTES_PER_PARAM = 16
 """fp16 weight (2) + fp16 gradient (2) + fp32 master weight, Adam m and v (3 x 4): mixed
-precision with Adam (Rajbhandari et al., "ZeRO", SC 2020, section 3.1)."""
+precision with Adam (Rajbhandari et al., "ZeRO", SC 2020, section 3.1); float32 Adam holds
+the same 16 (weight, gradient, m, v: 4 x 4)."""
 GB = 1e9
 MB = 1e6
 
@@ -334,27 +343,51 @@ Endpoint = tuple[str, str, int]
 def inter_node_curve(data: SailorData, src: Endpoint, dst: Endpoint) -> BandwidthCurve:
     """Curve from a ``tp``-group of ``src`` GPUs to one of ``dst`` GPUs in another machine.
 
-    The study did not measure every pair: without the exact entry, the reverse direction is
-    used, then the entry of the same two GPU types and zones whose tp degrees are closest
-    (the machines' network cards are the same whatever the tp).
+    More GPUs sending at once over the same two machines' cards move at least as many bytes
+    per second as fewer do (one card per machine: the same card, more streams; a card per
+    GPU, as on GH200 nodes: more cards). So of the study's entries between these two GPU
+    types and zones, in either direction (full-duplex cards), whose tp degrees are at most
+    ``src``'s and ``dst``'s, the one with the highest measured maximum is used (ties: the
+    same direction, then the closest tp degrees). The rule matters where the file fills a
+    pair it did not measure with another pair's fit: Titan-RTX <-> RTX-2080 at tp 8 (and 1)
+    carries the 0.11 GB/s fit also given for RTX-2080 -> RTX-3090, while tp 2 and 4 measure
+    2.8 GB/s, as between two Titan-RTX or two RTX-2080 machines. Without such an entry, the
+    entry of the closest tp degrees (the same direction first).
 
     Raises:
         ConfigError: the study has no curve between these GPU types and zones.
     """
-    candidates = []
-    for a, b in ((src, dst), (dst, src)):
-        by_tp = data.inter_node.get(a[0], {}).get(a[1], {})
-        for tp_a, by_zone in by_tp.items():
-            for tp_b, entry in by_zone.get(b[0], {}).get(b[1], {}).items():
-                distance = abs(int(tp_a) - a[2]) + abs(int(tp_b) - b[2])
-                candidates.append((distance, a is dst, int(tp_a), int(tp_b), entry))
-    if not candidates:
+    want = (src[2], dst[2])
+    entries = [
+        (entry, 0, (tp_a, tp_b)) for tp_a, tp_b, entry in _inter_node_entries(data, src, dst)
+    ]
+    entries += [
+        (entry, 1, (tp_a, tp_b)) for tp_b, tp_a, entry in _inter_node_entries(data, dst, src)
+    ]
+    if not entries:
         raise ConfigError(
             f"the study has no inter-node curve between {src[1]} ({src[0]}) and {dst[1]} "
             f"({dst[0]}); choose GPUs the study measured"
         )
-    *_, entry = min(candidates, key=lambda c: c[:4])
-    return BandwidthCurve.of(entry)
+    smaller = [e for e in entries if e[2][0] <= want[0] and e[2][1] <= want[1]]
+    if smaller:
+        entry = max(smaller, key=lambda e: (BandwidthCurve.of(e[0]).max_bytes_per_s, -e[1], e[2]))
+    else:
+        entry = min(entries, key=lambda e: (abs(e[2][0] - want[0]) + abs(e[2][1] - want[1]), e[1:]))
+    return BandwidthCurve.of(entry[0])
+
+
+def _inter_node_entries(
+    data: SailorData, a: Endpoint, b: Endpoint
+) -> list[tuple[int, int, list[Any]]]:
+    """``(tp at a, tp at b, entry)`` of every curve the study gives from ``a``'s GPUs to
+    ``b``'s."""
+    by_tp = data.inter_node.get(a[0], {}).get(a[1], {})
+    return [
+        (int(tp_a), int(tp_b), entry)
+        for tp_a, by_zone in by_tp.items()
+        for tp_b, entry in by_zone.get(b[0], {}).get(b[1], {}).items()
+    ]
 
 
 def intra_node_curve(data: SailorData, gpu: str, num_gpus: int) -> BandwidthCurve:

@@ -9,19 +9,21 @@ machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
   pipeline whose stages have different ``dp`` is refused: hplan replicas are whole
   pipelines);
 - each replica processes ``gbs / replicas`` samples in micro-batches of ``mbs``;
-- the cut after a stage carries what the study's runtime (Megatron-DeepSpeed's
-  ``GPTModelPipe`` on DeepSpeed's pipeline engine) sends: the fp16 hidden state
-  ``(mbs, 2048, 1024)`` (partitioned over the tp ranks, so one copy per machine) and the
-  causal attention mask ``(1, 1, 2048, 2048)`` cast to fp16, which every tp rank sends;
+- the cut after a stage carries what the study's runtime (Sailor's Megatron-DeepSpeed
+  ``OPTModelPipe`` on its DeepSpeed pipeline engine) sends: the float32 hidden state
+  ``(mbs, 2048, 1024)``, partitioned over the tp ranks (``PartitionedTensor``: each sends
+  1/tp, one copy per machine), and back its gradient. No attention mask: the model keeps
+  the causal mask in ``args.attn_mask`` on every stage (its ``OPTEmbeddingPipe`` asserts
+  that it is not forwarded as an activation);
 - links: alpha-beta fits of the study's inter-node curves over the message sizes the plan
-  sends (``sailor_data.curves_alpha_beta``);
+  sends (``sailor_data.curves_alpha_beta``; which curve: ``sailor_data.inter_node_curve``);
 - the report: per-rank forward/backward/optimizer times summed over the stage's layers from
   the imported profile at ``(mbs, tp)``; gradient all-reduce groups per holder set of
   layers, fp32 gradients (4 bytes per parameter).
 
 :func:`study_sim_spec` is the simulator's view: ``spec_from_plan`` plus what a plan cannot
-say: the extra mask copies of tp > 1 senders and blocking point-to-point transfers
-(DeepSpeed's ``p2p.send``/``recv`` are blocking; ``SimSpec.blocking_p2p``).
+say: blocking point-to-point transfers (DeepSpeed's ``p2p.send``/``recv`` are blocking;
+``SimSpec.blocking_p2p``).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from hplan.planner.sim.ir import SimReplica, SimSpec
+from hplan.planner.sim.ir import SimSpec
 from hplan.planner.sim.spec import spec_from_plan
 from hplan.planner.studies.sailor_data import (
     ADAM_MIXED_BYTES_PER_PARAM,
     MODEL,
+    TRAINING_DTYPE,
     BandwidthCurve,
     SailorData,
     curves_alpha_beta,
@@ -73,22 +76,13 @@ GRAD_WIRE_BYTES = 4
 
 # --------------------------------------------------------------------------- sizes
 def hidden_state(data: SailorData) -> TensorSpec:
+    """The one tensor that crosses a cut of the study's model, per sample."""
     return TensorSpec(
         name="hidden_states",
         shape=(1, data.seq_len, data.hidden),
-        dtype="float16",
+        dtype=TRAINING_DTYPE,
         batch_dim=0,
         requires_grad=True,
-    )
-
-
-def attention_mask(data: SailorData) -> TensorSpec:
-    return TensorSpec(
-        name="attention_mask",
-        shape=(1, 1, data.seq_len, data.seq_len),
-        dtype="float16",
-        batch_dim=None,
-        requires_grad=False,
     )
 
 
@@ -143,10 +137,7 @@ def import_study_plan(data: SailorData, study: StudyPlan) -> Plan:
             ranks.append(_rank(len(ranks), device, stage, r, s, study))
             reports.append(_rank_report(data, len(reports), stage, len(replica) - s, study))
     cut_after = sorted({stage.layers[-1] for replica in study.replicas for stage in replica[:-1]})
-    cuts = tuple(
-        CutSpec(after_unit=unit_name(x), tensors=(hidden_state(data), attention_mask(data)))
-        for x in cut_after
-    )
+    cuts = tuple(CutSpec(after_unit=unit_name(x), tensors=(hidden_state(data),)) for x in cut_after)
     plan = Plan(
         model=_model_spec(),
         global_batch_size=study.gbs,
@@ -172,7 +163,7 @@ def _model_spec() -> ModelSpec:
         leaf_modules=(),
         graph_fingerprint=f"sailor-{MODEL}",
         inputs=(),
-        param_dtype="float16",
+        param_dtype=TRAINING_DTYPE,
     )
 
 
@@ -318,24 +309,11 @@ def message_size_range(data: SailorData, study: StudyPlan) -> tuple[float, float
 
 
 # --------------------------------------------------------------------------- simulation
-def study_sim_spec(data: SailorData, study: StudyPlan, plan: Plan) -> SimSpec:
-    """The simulator's view of an imported study plan as the study's runtime runs it.
-
-    ``spec_from_plan(plan)`` with blocking point-to-point transfers and, for a sender with
-    tp > 1, the attention mask once per tp rank (the hidden state is partitioned, the mask
-    is not).
-    """
-    spec = spec_from_plan(plan)
-    mask_bytes = float(attention_mask(data).num_bytes(1))
-    replicas = []
-    for r, replica in enumerate(spec.replicas):
-        links = []
-        for stage, link in enumerate(replica.links):
-            extra = (study.replicas[r][stage].machine.tp - 1) * mask_bytes
-            forward = tuple(b + extra for b in link.forward_bytes)
-            links.append(replace(link, forward_bytes=forward))
-        replicas.append(SimReplica(replica.stages, tuple(links), replica.microbatch_sizes))
-    return replace(spec, replicas=tuple(replicas), blocking_p2p=True)
+def study_sim_spec(plan: Plan) -> SimSpec:
+    """The simulator's view of an imported study plan as the study's runtime runs it:
+    ``spec_from_plan(plan)`` (the plan's cuts carry exactly what that runtime sends) with
+    blocking point-to-point transfers."""
+    return replace(spec_from_plan(plan), blocking_p2p=True)
 
 
 def load_study_plan(
@@ -361,4 +339,4 @@ def load_study_plan(
         )
     data = load_sailor(Path(data_root) if data_root is not None else parents[2])
     plan = import_study_plan(data, study)
-    return data, study, plan, study_sim_spec(data, study, plan)
+    return data, study, plan, study_sim_spec(plan)

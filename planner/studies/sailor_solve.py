@@ -12,9 +12,10 @@ from the imported profile and network curves. Two views of the machines:
 
 Arrays (D devices, U = 26 layers, K sizes): forward/backward/optimizer times from the
 profile; static memory = 16 bytes per parameter (mixed-precision Adam); activations = the
-study's ``act_mem_bytes`` (tp 1) per sample; a cut carries the fp16 hidden state (hplan's
-runtime delivers graph inputs such as the attention mask to the stages that read them, so
-no mask crosses a cut); gradients are all-reduced in fp32.
+study's ``act_mem_bytes`` (tp 1) per sample; a cut carries the float32 hidden state and
+nothing else (neither runtime sends the attention mask: hplan's delivers graph inputs to the
+stages that read them, the study's keeps it on every stage); gradients are all-reduced in
+fp32.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from hplan.planner.studies.sailor_data import (
     intra_node_curve,
     unit_name,
 )
-from hplan.planner.studies.sailor_plan import GRAD_WIRE_BYTES, attention_mask, hidden_state
+from hplan.planner.studies.sailor_plan import GRAD_WIRE_BYTES, hidden_state
 from hplan.planner.studies.sailor_study import Machine, StudyPlan
 from hplan.runtime.contract.errors import ConfigError
 
@@ -75,10 +76,7 @@ def study_problem(
             solver, whose cost model times each link alone: it then sees that 8 GPUs
             all-reducing across machines at once get 1/8 of the card each. Simulate the
             layout on the problem without it (``layout_sim_spec`` queues the real card).
-        micro_batch_size: plan for the study's runtime at this one micro-batch size: the
-            attention mask every tp rank sends with each micro-batch is charged to the cut,
-            per sample (``tp x mask bytes / micro_batch_size``; exact because the size is
-            fixed). None: every profiled size, hplan's runtime (no mask on the wire).
+        micro_batch_size: plan at this one micro-batch size; None: every profiled size.
 
     Raises:
         ConfigError: no micro-batch size was profiled on every device kind, or
@@ -86,7 +84,6 @@ def study_problem(
     """
     devices = _devices(study, granularity)
     sizes = _micro_batch_sizes(data, devices, study.gbs)
-    mask_per_sample = 0.0
     if micro_batch_size is not None:
         if micro_batch_size not in sizes:
             raise ConfigError(
@@ -94,8 +91,6 @@ def study_problem(
                 f"choose one of {sizes}"
             )
         sizes = (micro_batch_size,)
-        max_tp = max(m.tp for _, m in devices)
-        mask_per_sample = max_tp * attention_mask(data).num_bytes(1) / micro_batch_size
     num_units = data.num_layers
     fwd = np.full((len(devices), num_units, len(sizes)), UNMEASURED_S)
     bwd = np.full_like(fwd, UNMEASURED_S)
@@ -127,7 +122,7 @@ def study_problem(
         optimizer_time_s=opt,
         static_memory_bytes=params * ADAM_MIXED_BYTES_PER_PARAM,
         activation_bytes_per_sample=act.astype(float),
-        cut_bytes_per_sample=np.full(num_units - 1, cut + mask_per_sample),
+        cut_bytes_per_sample=np.full(num_units - 1, cut),
         cut_grad_bytes_per_sample=np.full(num_units - 1, cut),
         grad_bytes=params * GRAD_WIRE_BYTES,
         bandwidth_bytes_per_s=bandwidth,
@@ -234,28 +229,22 @@ def study_layout(study: StudyPlan) -> Layout:
     return Layout(tuple(replicas))
 
 
-def layout_sim_spec(
-    data: SailorData, problem: PlanningProblem, layout: Layout, *, study_runtime: bool
-) -> SimSpec:
+def layout_sim_spec(problem: PlanningProblem, layout: Layout, *, study_runtime: bool) -> SimSpec:
     """The simulator's view of a layout of ``problem`` (``spec_from_layout``), with every
     machine's outgoing inter-node transfers queued on its one network card.
 
-    ``study_runtime`` runs it as the study's runtime would: blocking point-to-point and the
-    fp16 attention mask sent by every tp rank with each micro-batch's activations (see
-    ``sailor_plan``); otherwise as hplan's runtime does (``isend``, inputs delivered to the
-    stages that read them).
+    ``study_runtime`` runs it as the study's runtime would, with blocking point-to-point
+    (see ``sailor_plan``); otherwise as hplan's runtime does (``isend``). Both send the same
+    bytes: the cut's hidden state and its gradient.
     """
     spec = spec_from_layout(problem, layout)
-    mask_bytes = float(attention_mask(data).num_bytes(1))
     replicas = []
     for replica, sim in zip(layout.replicas, spec.replicas, strict=True):
         links = []
         for (a, b), link in zip(pairwise(replica.stages), sim.links, strict=True):
             forward = _nic(link.forward, problem, a.device_idx, b.device_idx)
             backward = _nic(link.backward, problem, b.device_idx, a.device_idx)
-            extra = _tp_of(problem, a.device_idx) * mask_bytes if study_runtime else 0.0
-            sizes = tuple(x + extra for x in link.forward_bytes)
-            links.append(replace(link, forward=forward, backward=backward, forward_bytes=sizes))
+            links.append(replace(link, forward=forward, backward=backward))
         replicas.append(replace(sim, links=tuple(links)))
     groups = _share_network_cards(problem, layout, spec.sync_groups)
     return replace(spec, replicas=tuple(replicas), sync_groups=groups, blocking_p2p=study_runtime)
@@ -288,8 +277,3 @@ def _nic(channel: SimChannel, problem: PlanningProblem, src: int, dst: int) -> S
     if problem.device_nodes[src] == problem.device_nodes[dst]:
         return channel
     return replace(channel, key=f"nic-out:{problem.device_nodes[src]}")
-
-
-def _tp_of(problem: PlanningProblem, device_idx: int) -> int:
-    kind = problem.device_kinds[device_idx]
-    return int(kind.rsplit("-tp", 1)[1]) if "-tp" in kind else 1
