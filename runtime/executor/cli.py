@@ -56,7 +56,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"this node's name in the plan; the rank comes from LOCAL_RANK (default: ${NODE_ENV})",
     )
     parser.add_argument("--rank", type=int, help="plan rank (instead of --node)")
-    parser.add_argument("--steps", type=int, default=1, help="optimizer steps to run")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="optimizer steps to train (after --resume: from the checkpoint on); default: the "
+        "plan's (`hplan solve --steps N` or --epochs E)",
+    )
     parser.add_argument("--metrics-dir", type=Path, help="write rank-<r>.jsonl here")
     parser.add_argument(
         "--checkpoint-dir",
@@ -169,10 +174,11 @@ def run_options(args: argparse.Namespace, **overrides: object) -> RunOptions:
 def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     from hplan.runtime.capture.model_file import plan_model_path
     from hplan.runtime.executor.training import run_rank
-    from hplan.runtime.executor.worker import check_environment
+    from hplan.runtime.executor.worker import check_environment, check_training_length
 
     options = run_options(args)
-    check_environment(plan, rank, options)  # before anything waits or loads user code
+    check_training_length(plan, options)  # before anything waits or loads user code
+    check_environment(plan, rank, options)
     run_rank(plan, rank, plan_model_path(plan.model.path, args.plan, args.model), options)
 
 

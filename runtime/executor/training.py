@@ -31,6 +31,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -64,7 +65,9 @@ from hplan.runtime.executor.worker import (
     RunOptions,
     build_rank,
     check_environment,
+    check_training_length,
     init_distributed,
+    training_steps,
 )
 
 DEFAULT_CHECKPOINT_EVERY_S = 600.0
@@ -78,7 +81,8 @@ def run_rank(
     options: RunOptions,
     seams: Seams | None = None,
 ) -> None:
-    """Join the job, build this rank and train ``options.steps`` optimizer steps.
+    """Join the job, build this rank and train ``options.steps`` optimizer steps (None: the
+    plan's training length, ``worker.training_steps``).
 
     Every rank of the plan must call this with the same plan and options (except the rank);
     ``check_same_job`` refuses otherwise, on every rank.
@@ -93,7 +97,7 @@ def run_rank(
             SIGTERM, once the checkpoint is saved; ``DivergedError`` on a non-finite loss the
             model file stops on.
     """
-    _check_options(options)
+    _check_options(plan, options)
     seams = seams or Seams()
     check_environment(plan, rank, options)
     host, port = init_distributed(plan, rank, options)
@@ -118,7 +122,7 @@ def run_rank(
 def _train(
     plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions, seams: Seams
 ) -> None:
-    parts = _build_same_job(plan, rank, model_path, options, seams)
+    parts, options = _build_same_job(plan, rank, model_path, options, seams)
     buckets = build_buckets(plan, rank, parts.params, delay=seams.links)
     checkpointer = _checkpointer(parts, options)
     first_step = _resume(checkpointer, options)
@@ -134,8 +138,9 @@ def _train(
 
 def _build_same_job(
     plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions, seams: Seams
-) -> RankParts:
-    """Build this rank, then check with every rank that all built the same job.
+) -> tuple[RankParts, RunOptions]:
+    """Build this rank, then check with every rank that all built the same job; return the
+    rank and ``options`` with the steps to train resolved (``worker.training_steps``).
 
     Raises:
         HplanError: this rank's own build error (after telling the others).
@@ -150,6 +155,9 @@ def _build_same_job(
     failure: HplanError | None = None
     try:
         parts = build_rank(plan, rank, model_path, options, links=seams.links)
+        options = replace(
+            options, steps=training_steps(plan, options, parts.source.steps_per_epoch)
+        )
     except HplanError as exc:
         failure = exc
     identity = JobIdentity(
@@ -166,12 +174,13 @@ def _build_same_job(
             raise failure from None  # this rank's own error, with its exit code
         raise
     assert parts is not None
-    return parts
+    return parts, options
 
 
-def _check_options(options: RunOptions) -> None:
-    if options.steps < 1:
+def _check_options(plan: Plan, options: RunOptions) -> None:
+    if options.steps is not None and options.steps < 1:
         raise ConfigError(f"--steps is {options.steps}; run at least one step")
+    check_training_length(plan, options)
     if options.checkpoint_every_steps is not None and options.checkpoint_every_steps < 1:
         raise ConfigError(f"--checkpoint-every-steps {options.checkpoint_every_steps} must be >= 1")
     every_s = options.checkpoint_every_s
@@ -284,6 +293,7 @@ class _Loop:
         options = self.options
         writer = MetricsWriter(options.metrics_dir, self.rank) if options.metrics_dir else None
         timeline = TimelineWriter(options.metrics_dir, self.rank) if options.metrics_dir else None
+        assert options.steps is not None  # resolved by _build_same_job
         last_step = first_step + options.steps - 1
         try:
             for step in range(first_step, last_step + 1):
