@@ -46,9 +46,11 @@ from hplan.runtime.contract.errors import (
 )
 from hplan.runtime.contract.metrics_file import MetricsWriter, StepMetrics
 from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.progress_lines import RunProgress, job_loss
 from hplan.runtime.contract.timeline_file import TimelineWriter
 from hplan.runtime.executor.checkpoint import Checkpointer, TrainState, latest_checkpoint
 from hplan.runtime.executor.control import (
+    Agreement,
     Heartbeat,
     JobIdentity,
     Preemption,
@@ -57,6 +59,7 @@ from hplan.runtime.executor.control import (
     check_same_job,
 )
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip
+from hplan.runtime.executor.machine import set_rank_threads
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
 from hplan.runtime.executor.rendezvous import barrier
@@ -100,6 +103,13 @@ def run_rank(
     _check_options(plan, options)
     seams = seams or Seams()
     check_environment(plan, rank, options)
+    threads = set_rank_threads(plan, rank)
+    if rank == 0:
+        print(
+            f"hplan: rank 0: {threads.describe()}",
+            file=sys.stderr,
+            flush=True,
+        )
     host, port = init_distributed(plan, rank, options)
     heartbeat = None
     if plan.world_size > 1:
@@ -261,7 +271,9 @@ class _Loop:
     ) -> None:
         self.parts, self.runner, self.options = parts, runner, options
         self.checkpointer, self.scheduler = checkpointer, scheduler
-        self.control = StepControl(parts.device)
+        self.control = StepControl(parts.device, parts.plan.num_replicas)
+        self.progress: RunProgress | None = None
+        """Rank 0's progress lines (``contract/progress_lines.py``), during :meth:`run`."""
         self.every_steps = options.checkpoint_every_steps
         self.every_s = options.checkpoint_every_s
         if self.every_steps is None and self.every_s is None:
@@ -295,6 +307,10 @@ class _Loop:
         timeline = TimelineWriter(options.metrics_dir, self.rank) if options.metrics_dir else None
         assert options.steps is not None  # resolved by _build_same_job
         last_step = first_step + options.steps - 1
+        if self.rank == 0:
+            self.progress = RunProgress(
+                self.parts.plan, first_step=first_step, num_steps=options.steps
+            )
         try:
             for step in range(first_step, last_step + 1):
                 record = _train_step(
@@ -307,9 +323,15 @@ class _Loop:
                 if timeline is not None:
                     timeline.write(step, self.runner.timeline.events)
                 self.runner.clock.after_step(step, self.runner, more_steps=step < last_step)
-                self._after(step + 1, self._flags(record, preemption))
-            self._finish(last_step + 1, self.control.finish().flags)
+                if self.progress is not None:
+                    self.progress.step_done(step, record.step_time_s)
+                self._after(step + 1, self._flags(record, preemption), record)
+            self._finish(last_step + 1, self._collect().flags)
+            if self.progress is not None:
+                self.progress.summary()
         finally:
+            if self.progress is not None:
+                self.progress.close()
             if writer is not None:
                 writer.close()
             if timeline is not None:
@@ -333,8 +355,20 @@ class _Loop:
             flags |= StepFlags.CHECKPOINT_DUE
         return flags
 
-    def _after(self, steps_done: int, flags: StepFlags) -> None:
-        """Post this step's ``flags`` and act on what the job agreed one step earlier.
+    def _collect(self) -> Agreement:
+        """The job's agreement on the values posted last (``StepControl.finish``)."""
+        return self._heard(self.control.finish())
+
+    def _heard(self, agreement: Agreement) -> Agreement:
+        """Pass the losses of an agreement to rank 0's progress; return the agreement."""
+        if self.progress is not None:
+            loss = job_loss(self.parts.plan, agreement.losses)
+            self.progress.loss_known(agreement.step, loss)
+        return agreement
+
+    def _after(self, steps_done: int, flags: StepFlags, record: StepMetrics) -> None:
+        """Post this step's ``flags`` (and its loss, on a last stage) and act on what the
+        job agreed one step earlier.
 
         A checkpoint waits for this step's agreement first, so that the state it saves is
         never one that a rank has found diverged.
@@ -343,7 +377,8 @@ class _Loop:
             PreemptedError, DivergedError: see :meth:`_finish`.
         """
         written = self.checkpointer.written_step() if self.checkpointer is not None else -1
-        agreement = self.control.exchange(flags, written)
+        loss = None if record.loss is None else (record.replica, record.loss)
+        agreement = self._heard(self.control.exchange(flags, written, step=record.step, loss=loss))
         agreed = agreement.flags
         if agreed & _STOP:
             self._finish(steps_done, agreed)
@@ -353,7 +388,7 @@ class _Loop:
         due_steps = self.every_steps is not None and steps_done % self.every_steps == 0
         if not (due_steps or agreed & StepFlags.CHECKPOINT_DUE):
             return
-        now = self.control.finish().flags
+        now = self._collect().flags
         if now & _STOP:
             self._finish(steps_done, now)
         start_s = time.monotonic()
@@ -369,7 +404,7 @@ class _Loop:
             DivergedError: a loss was not finite and the model file stops on it.
             PreemptedError: SIGTERM, after the checkpoint is saved.
         """
-        agreed |= self.control.finish().flags
+        agreed |= self._collect().flags
         if agreed & StepFlags.NONFINITE_LOSS:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
