@@ -45,7 +45,9 @@ def metrics(runs_dir: Path, plan_path: Path | None, as_json: bool) -> None:
     console.print(lines[0], soft_wrap=True, markup=False)
     table = breakdown_table(result)
     width = console.width
-    console.width = max(width, Measurement.get(console, console.options.update_width(1000), table).maximum)
+    console.width = max(
+        width, Measurement.get(console, console.options.update_width(1000), table).maximum
+    )
     console.print(table)  # as wide as its values: no figure folds
     console.width = width
     for line in lines[1:]:

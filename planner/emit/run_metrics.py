@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich import box
+from rich.console import JustifyMethod
 from rich.table import Table
 
 from hplan.planner.profiling.calibrate import Run, check_runs_of_plan, load_runs
@@ -191,7 +192,7 @@ def breakdown_table(metrics: RunMetrics) -> Table:
     """The per-rank table: the median step and each part, in ms and as a share of it."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     for header in ("rank", "device", "replica", "stage", "step ms", *PARTS):
-        justify = "left" if header == "device" else "right"
+        justify: JustifyMethod = "left" if header == "device" else "right"
         table.add_column(_HEADERS.get(header, header), justify=justify, no_wrap=True)
     for r in metrics.ranks:
         parts = [f"{r.parts_ms[p]:.1f} {100 * r.share(p):.0f}%" for p in PARTS]
