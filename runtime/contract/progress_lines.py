@@ -19,8 +19,8 @@ the last step the run trains. ``loss``: that step's mean loss over the global ba
 (sample-weighted over replicas; ``none`` until known, ``inf`` when not finite); it
 reaches rank 0 one step late, with the ranks' agreement after every step (no collective of
 its own). ``samples_per_s``: global batch / rank 0's step time, the mean over the steps
-since the previous line (in the summary: over the run's steps after the first, which warms
-up; all of them when there is one). ``eta_s``: steps left times the mean step time so far.
+since the previous line (the live line: the last 20; the summary: the run's steps after
+the first, which warms up, or the first when it is alone). ``eta_s``: steps left times the mean step time so far.
 ``predicted_samples_per_s`` is the plan's report (what ``hplan solve`` predicted), and
 ``measured_over_predicted`` the ratio. Times are rank 0's wall clock.
 
@@ -151,7 +151,8 @@ class RunProgress:
         self.times_s.append(step_time_s)
         if self.live is not None:
             progress, task = self.live
-            rate = self._rate(self._timed(self.times_s)[-20:])
+            recent = self.times_s[-20:] if len(self.times_s) > 20 else self._timed(self.times_s)
+            rate = self._rate(recent)
             progress.update(task, completed=step + 1, rate=_value(rate))
 
     def loss_known(self, step: int | None, loss: float | None) -> None:

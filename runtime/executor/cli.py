@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 NODE_ENV = "HPLAN_NODE"
 """Environment variable naming this node when ``--node`` is not given."""
 PROG = "python -m hplan.runtime"
+RUN_DESCRIPTION = (
+    "Run this process's rank of a plan (what the launch scripts call under torchrun, one "
+    "process per rank). Each rank runs (usable CPUs of its node) / (its ranks) torch threads "
+    "unless OMP_NUM_THREADS is yours, and talks over its node's interface (the plan's, else "
+    "the one holding its address) unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME is set. Rank "
+    "0 prints progress (step, loss, samples/s, ETA) and a summary against the plan's "
+    "prediction."
+)
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -112,8 +120,7 @@ def run_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="run this process's rank of a plan",
-        description="Run this process's rank of a plan (what the launch scripts call under "
-        "torchrun, one process per rank).",
+        description=RUN_DESCRIPTION,
     )
     add_run_arguments(run)
     return parser
@@ -123,8 +130,7 @@ def command_parser(prog: str) -> argparse.ArgumentParser:
     """The ``run`` command's own parser, under another program name (``hplan run``)."""
     parser = OneLineErrors(
         prog=prog,
-        description="Run this process's rank of a plan (what the launch scripts call under "
-        "torchrun, one process per rank).",
+        description=RUN_DESCRIPTION,
     )
     add_run_arguments(parser)
     return parser

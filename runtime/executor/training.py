@@ -1,13 +1,17 @@
 """The training loop of one rank: steps, metrics, checkpoints, and how a run ends.
 
-:func:`run_rank` joins the job, runs the heartbeat watchdog from then on, builds the rank
-(``worker.build_rank``), checks that every rank built the same plan, model and options
+:func:`run_rank` sets the rank's torch threads from its node's usable CPUs
+(``machine.set_rank_threads``; rank 0 says how many and why), joins the job, runs the
+heartbeat watchdog from then on, builds the rank (``worker.build_rank``), checks that
+every rank built the same plan, model and options
 (``control.check_same_job``), resumes from the latest checkpoint when asked, and runs its
 steps: the micro-batches of this rank's replica go through the pipeline schedule (``pipeline.py``),
 boundary tensors travel point-to-point (``comm.py``), gradients are summed among the ranks
 holding each parameter (``grad_sync.py``), metrics are written per step
-(``contract/metrics_file.py``). After every step the ranks agree, one step late, on what to
-do (``control.StepControl``):
+(``contract/metrics_file.py``). The number of steps is ``--steps``, else the plan's
+(``worker.training_steps``). Rank 0 prints progress lines and a summary
+(``contract/progress_lines.py``); the job's loss reaches it with the agreement below. After
+every step the ranks agree, one step late, on what to do (``control.StepControl``):
 
 - a checkpoint every ``checkpoint_every_steps`` steps (every rank counts) or every
   ``checkpoint_every_s`` seconds (rank 0's clock), asynchronous by default, and one at the
