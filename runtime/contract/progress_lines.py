@@ -97,6 +97,8 @@ class RunProgress:
         first_step: the run's first step (a resumed run's is the checkpoint's).
         num_steps: the steps the run trains.
         interactive: a live line (default: when ``stream`` is a terminal).
+        compare: compare with the plan's prediction (False when the run is not on the
+            plan's hardware: a rehearsal's ranks run on this machine's CPUs).
     """
 
     def __init__(
@@ -108,10 +110,11 @@ class RunProgress:
         stream: TextIO | None = None,
         interactive: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        compare: bool = True,
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.batch = plan.global_batch_size
-        self.predicted = plan.report.predicted_samples_per_s
+        self.predicted = plan.report.predicted_samples_per_s if compare else 0.0
         self.first_step, self.last_step = first_step, first_step + num_steps - 1
         self.clock = clock
         self.started_s = self.printed_s = clock()

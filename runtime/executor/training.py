@@ -313,7 +313,10 @@ class _Loop:
         last_step = first_step + options.steps - 1
         if self.rank == 0:
             self.progress = RunProgress(
-                self.parts.plan, first_step=first_step, num_steps=options.steps
+                self.parts.plan,
+                first_step=first_step,
+                num_steps=options.steps,
+                compare=options.device is None,  # not on the plan's devices: no prediction
             )
         try:
             for step in range(first_step, last_step + 1):
