@@ -125,6 +125,11 @@ class SolveRequest:
     capture_path: Path | None = None
     """A capture file of the model (``hplan capture``): its cost graph and trains verdict
     stand for the capture, cost_graph and trains_check passes. None: capture the model."""
+    steps: int | None = None
+    """Optimizer steps a run of the plan trains (recorded in the plan's training section;
+    ``--steps`` at run time overrides it). None: see ``epochs``."""
+    epochs: int | None = None
+    """Passes over the model file's ``dataset()`` a run trains, instead of ``steps``."""
 
     def verify(self) -> None:
         """Check every option that can be checked without the model: ranges, micro-batch
@@ -144,6 +149,7 @@ class SolveRequest:
             )
         if self.max_stages < 1:
             raise ConfigError(f"--max-stages {self.max_stages} must be >= 1")
+        _check_training_length(self.steps, self.epochs)
         if not 1 <= self.master_port <= 65534:
             raise ConfigError(f"--master-port {self.master_port} must be in 1..65534")
         if self.precision not in PRECISION_CHOICES:
@@ -159,6 +165,17 @@ class SolveRequest:
         ):
             if path is not None and not path.exists():
                 raise ConfigError(f"{what} {str(path)!r} does not exist; pass an existing path")
+
+
+def _check_training_length(steps: int | None, epochs: int | None) -> None:
+    """At most one of ``steps`` and ``epochs``, each >= 1 (a ConfigError otherwise)."""
+    if steps is not None and epochs is not None:
+        raise ConfigError(
+            f"--steps {steps} and --epochs {epochs} both give the training length; keep one"
+        )
+    for value, option in ((steps, "--steps"), (epochs, "--epochs")):
+        if value is not None and value < 1:
+            raise ConfigError(f"{option} {value} must be >= 1")
 
 
 def _check_micro_batch_sizes(sizes: tuple[int, ...] | None, global_batch_size: int) -> None:
@@ -323,6 +340,11 @@ def capture_pass(r: PassResults) -> Capture:
             leaf_modules=request.leaf_modules,
         )
     model_file = load_model_file(request.model_path)
+    if request.epochs is not None and model_file.dataset is None:
+        raise ConfigError(
+            f"--epochs {request.epochs}: {str(request.model_path)!r} has no dataset() to count "
+            "epochs of; give --steps N instead, or add dataset() to the model file"
+        )
     return capture_model(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
 
 
@@ -618,4 +640,6 @@ def _training_spec(request: SolveRequest, cluster: Cluster, result: SolveResult)
         seed=request.seed,
         master_host=cluster.node(first.node).host,
         master_port=request.master_port,
+        steps=request.steps,
+        epochs=request.epochs,
     )

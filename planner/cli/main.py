@@ -21,6 +21,7 @@ from hplan.planner.cli.bandwidth import bandwidth
 from hplan.planner.cli.calibrate import calibrate
 from hplan.planner.cli.capture import capture
 from hplan.planner.cli.console import stderr
+from hplan.planner.cli.metrics import metrics
 from hplan.planner.cli.profile import profile
 from hplan.planner.cli.replan import replan
 from hplan.planner.cli.run import rehearse, run
@@ -42,7 +43,8 @@ def cli() -> None:
       hplan solve model.py -c other.yaml --capture capture.json   # solve many clusters
       hplan show out/plan.json                             # what was planned, and why
       hplan rehearse out/plan.json --steps 20              # run every rank here, emulated
-      bash out/launch/node-<name>.sh                       # on each real node
+      bash out/launch/node-<name>.sh --metrics-dir runs/   # on each real node
+      hplan metrics runs/ --plan out/plan.json             # the run against the plan
       hplan replan out/plan.json -c cluster.yaml --without box-b   # a node is lost
 
     Loading model.py executes it, with your rights.
@@ -60,6 +62,7 @@ for _command in (
     profile,
     simulate,
     calibrate,
+    metrics,
 ):
     cli.add_command(_command)
 

@@ -1,8 +1,8 @@
 """``hplan replan``: solve a plan again for the devices that are left (or that joined).
 
 A lost node or card: ``hplan replan out/plan.json --cluster cluster.yaml --without box-b``
-plans the same model, global batch size, schedule and seed (a checkpoint carries over only
-under those) on the plan's devices less ``box-b``, and writes the new plan and launch
+plans the same model, global batch size, schedule, seed and training length (a checkpoint
+carries over only under the first four) on the plan's devices less ``box-b``, and writes the new plan and launch
 scripts; the job then continues from its latest checkpoint with ``--resume``
 (``executor/checkpoint.py`` loads it under any plan). ``--with`` adds back a node or device
 of the cluster file that the plan does not use (a node that joined, a card repaired).
@@ -111,6 +111,8 @@ def replan(
         schedule=plan.training.schedule,
         seed=plan.training.seed,
         master_port=plan.training.master_port,
+        steps=plan.training.steps,
+        epochs=plan.training.epochs,
         leaf_modules=plan.model.leaf_modules,
         out_dir=out_dir,
         profile_path=profile_path,

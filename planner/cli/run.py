@@ -36,7 +36,11 @@ def run(args: tuple[str, ...]) -> None:
 
 @click.command()
 @click.argument("plan_path", type=click.Path(path_type=Path))
-@click.option("--steps", type=int, default=10, show_default=True, help="Optimizer steps to run.")
+@click.option(
+    "--steps",
+    type=int,
+    help="Optimizer steps to run (default: the plan's, from `hplan solve --steps`, else 10).",
+)
 @click.option(
     "--model", "model_path", type=click.Path(path_type=Path), help="model.py (default: the plan's)."
 )
@@ -105,7 +109,7 @@ def run(args: tuple[str, ...]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def rehearse(
     plan_path: Path,
-    steps: int,
+    steps: int | None,
     model_path: Path | None,
     verify: bool,
     metrics_dir: Path | None,
@@ -121,10 +125,10 @@ def rehearse(
 ) -> None:
     """Run every rank of a plan on this machine (CPU, gloo), emulating its hardware."""
     from hplan.runtime.capture.model_file import plan_model_path
-    from hplan.runtime.rehearsal.rehearse import Checkpointing, parse_slowdown
+    from hplan.runtime.rehearsal.rehearse import Checkpointing, parse_slowdown, rehearsal_steps
     from hplan.runtime.rehearsal.rehearse import rehearse as run_rehearsal
 
-    if steps < 1:
+    if steps is not None and steps < 1:
         raise ConfigError(f"--steps {steps} must be >= 1")
     if checkpoint_dir is None and (resume or checkpoint_every_steps is not None):
         raise ConfigError("--resume and --checkpoint-every-steps need --checkpoint-dir DIR")
@@ -139,7 +143,7 @@ def rehearse(
     result = run_rehearsal(
         plan,
         model_path=plan_model_path(plan.model.path, plan_path, model_path),
-        steps=steps,
+        steps=rehearsal_steps(plan, steps),
         verify=verify,
         metrics_dir=metrics_dir,
         dilation=dilation,

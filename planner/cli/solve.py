@@ -129,6 +129,18 @@ profile_option = click.option(
     show_default=True,
     help="Rendezvous port on the first node.",
 )
+@click.option(
+    "--steps",
+    type=int,
+    help="Optimizer steps the launch scripts train (recorded in plan.json; `--steps N` given "
+    "to a launch script overrides it). Without --steps or --epochs, every run needs --steps.",
+)
+@click.option(
+    "--epochs",
+    type=int,
+    help="Train this many passes over the model file's dataset() instead: steps = epochs x "
+    "(len(dataset()) // global batch size), counted by the ranks at run time.",
+)
 @precision_option
 @bandwidth_option
 @profile_option
@@ -162,6 +174,8 @@ def solve(
     strategy: str,
     seed: int,
     master_port: int,
+    steps: int | None,
+    epochs: int | None,
     precision: str | None,
     profile_path: Path | None,
     bandwidth_path: Path | None,
@@ -192,6 +206,8 @@ def solve(
         bandwidth_path=bandwidth_path,
         precision=precision or "auto",
         capture_path=capture_path,
+        steps=steps,
+        epochs=epochs,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

@@ -191,6 +191,9 @@ def render_node_script(plan: Plan, node: NodeLaunch) -> str:
         master_port=plan.training.master_port,
         plan_path=_PLAN_FROM_LAUNCH_DIR,
         model_path=plan.model.path,
+        steps=plan.training.steps,
+        epochs=plan.training.epochs,
+        interface=plan.node(node.name).interface,
     )
 
 

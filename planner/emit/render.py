@@ -155,6 +155,7 @@ def _header(plan: Plan, width: int) -> list[Text]:
             f"backend {plan.training.backend}",
         ),
         ("precision", _precision(plan)),
+        ("training", training_length_text(plan)),
         ("predicted", _predicted(report)),
         (
             "bound",
@@ -180,6 +181,22 @@ def _header(plan: Plan, width: int) -> list[Text]:
         row[0].stylize(style, _LABEL_WIDTH, _LABEL_WIDTH + len(lead))
         lines += row
     return lines
+
+
+def training_length_text(plan: Plan) -> str:
+    """How long a run of ``plan`` trains, in words (launch scripts, ``hplan show``)."""
+    training = plan.training
+    if training.steps is not None:
+        return (
+            f"{count(training.steps, 'optimizer step')} (`hplan solve --steps`; --steps N "
+            "overrides)"
+        )
+    if training.epochs is not None:
+        return (
+            f"{count(training.epochs, 'epoch')} of the model file's dataset() "
+            "(`hplan solve --epochs`; --steps N overrides)"
+        )
+    return "not in the plan: pass --steps N (or re-run `hplan solve` with --steps N)"
 
 
 def _predicted(report: Report) -> str:

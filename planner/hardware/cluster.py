@@ -122,6 +122,9 @@ class Node:
     devices: tuple[Device, ...]
     intra_link: Link
     """Link between two devices of this node."""
+    interface: str | None = None
+    """The network interface its ranks talk over (cluster.yaml ``interface``); None: the
+    one that holds ``host`` (the runtime finds it)."""
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,7 @@ def _node(source: str, node_idx: int, entry: NodeEntry) -> Node:
         if link is not None
         else Link(gb_per_s_to_bytes_per_s(default_bw), us_to_s(default_lat))
     )
-    return Node(entry.name, entry.host, tuple(devices), intra)
+    return Node(entry.name, entry.host, tuple(devices), intra, entry.interface)
 
 
 def _device_type(source: str, key_path: str, entry: DeviceEntry) -> DeviceType:
@@ -574,6 +577,7 @@ def to_cluster_spec(
             host=n.host,
             devices=tuple(d.name for d in n.devices),
             collective=cluster.node_collectives.get(n.name),
+            interface=n.interface,
         )
         for n in cluster.nodes
     )

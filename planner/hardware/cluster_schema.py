@@ -156,11 +156,28 @@ class DeviceEntry(_Strict):
         return self
 
 
+def _check_interface(value: str) -> str:
+    """A Linux network interface name: 1-15 characters, no '/', ':', whitespace."""
+    if not _INTERFACE_RE.match(value):
+        raise ValueError(
+            f"{value!r} is not a network interface name; use the name `ip link` shows "
+            "(1-15 letters, digits, '-', '_' or '.', e.g. eth1, ib0, enp3s0f1)"
+        )
+    return value
+
+
+_INTERFACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
+Interface = Annotated[str, Field(strict=True), AfterValidator(_check_interface)]
+
+
 class NodeEntry(_Strict):
     name: Name
     host: Host
     devices: list[DeviceEntry] = Field(min_length=1)
     intra_node_link: LinkEntry | None = None
+    interface: Interface | None = None
+    """The network interface the node's ranks talk over (gloo and NCCL); default: the one
+    that holds ``host``."""
 
 
 class ClusterFile(_Strict):

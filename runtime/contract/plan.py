@@ -283,6 +283,9 @@ class NodeSpec:
     devices: tuple[str, ...]
     collective: CollectiveSpec | None = None
     """Its measured all-reduce, when a bandwidth file measured one."""
+    interface: str | None = None
+    """The network interface the ranks of this node talk over (cluster.yaml's
+    ``interface``: ``eth1``, ``ib0``); None: the interface that holds ``host`` here."""
 
 
 @record
@@ -338,6 +341,13 @@ class TrainingSpec:
     process_group_timeout_s: Positive = 300.0
     master_host: str = "127.0.0.1"
     master_port: Port = 29500
+    steps: Count | None = None
+    """Optimizer steps a run trains (``hplan solve --steps``); ``--steps`` at run time
+    overrides it. None: see ``epochs``."""
+    epochs: Count | None = None
+    """Passes over the model file's ``dataset()`` a run trains (``hplan solve --epochs``):
+    ``epochs`` x its steps per epoch (``len(dataset()) // global_batch_size``). None with
+    ``steps`` None: the run must be given ``--steps``."""
 
 
 @record
@@ -615,7 +625,8 @@ class Plan:
         ranks numbered 0..n-1; every rank's device and node exist; each replica's stages
         are 0..k-1 and hold contiguous, in-order runs of units that cover every unit exactly
         once; every replica-internal cut exists in ``cuts``; micro-batch fields agree within
-        a replica; batch shares sum to ``global_batch_size``.
+        a replica; batch shares sum to ``global_batch_size``; the training length is given
+        as steps or as epochs, not both.
         """
         _check_ranges(self, _adapter(), prefix=())
         _verify_plan(self)
@@ -720,6 +731,8 @@ def _verify_plan(plan: Plan) -> None:
         _fail("ranks must be listed in order 0..n-1")
     if not plan.ranks:
         _fail("plan has no ranks")
+    if plan.training.steps is not None and plan.training.epochs is not None:
+        _fail("training gives both steps and epochs; keep one")
     device_names = {d.name for d in plan.cluster.devices}
     node_names = {n.name for n in plan.cluster.nodes}
     used_devices = [r.device for r in plan.ranks]

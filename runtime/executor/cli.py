@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 NODE_ENV = "HPLAN_NODE"
 """Environment variable naming this node when ``--node`` is not given."""
 PROG = "python -m hplan.runtime"
+RUN_DESCRIPTION = (
+    "Run this process's rank of a plan (what the launch scripts call under torchrun, one "
+    "process per rank). Each rank runs (usable CPUs of its node) / (its ranks) torch threads "
+    "unless OMP_NUM_THREADS is yours, and talks over its node's interface (the plan's, else "
+    "the one holding its address) unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME is set. Rank "
+    "0 prints progress (step, loss, samples/s, ETA) and a summary against the plan's "
+    "prediction."
+)
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -56,7 +64,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"this node's name in the plan; the rank comes from LOCAL_RANK (default: ${NODE_ENV})",
     )
     parser.add_argument("--rank", type=int, help="plan rank (instead of --node)")
-    parser.add_argument("--steps", type=int, default=1, help="optimizer steps to run")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="optimizer steps to train (after --resume: from the checkpoint on); default: the "
+        "plan's (`hplan solve --steps N` or --epochs E)",
+    )
     parser.add_argument("--metrics-dir", type=Path, help="write rank-<r>.jsonl here")
     parser.add_argument(
         "--checkpoint-dir",
@@ -107,8 +120,7 @@ def run_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="run this process's rank of a plan",
-        description="Run this process's rank of a plan (what the launch scripts call under "
-        "torchrun, one process per rank).",
+        description=RUN_DESCRIPTION,
     )
     add_run_arguments(run)
     return parser
@@ -118,8 +130,7 @@ def command_parser(prog: str) -> argparse.ArgumentParser:
     """The ``run`` command's own parser, under another program name (``hplan run``)."""
     parser = OneLineErrors(
         prog=prog,
-        description="Run this process's rank of a plan (what the launch scripts call under "
-        "torchrun, one process per rank).",
+        description=RUN_DESCRIPTION,
     )
     add_run_arguments(parser)
     return parser
@@ -169,10 +180,11 @@ def run_options(args: argparse.Namespace, **overrides: object) -> RunOptions:
 def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     from hplan.runtime.capture.model_file import plan_model_path
     from hplan.runtime.executor.training import run_rank
-    from hplan.runtime.executor.worker import check_environment
+    from hplan.runtime.executor.worker import check_environment, check_training_length
 
     options = run_options(args)
-    check_environment(plan, rank, options)  # before anything waits or loads user code
+    check_training_length(plan, options)  # before anything waits or loads user code
+    check_environment(plan, rank, options)
     run_rank(plan, rank, plan_model_path(plan.model.path, args.plan, args.model), options)
 
 

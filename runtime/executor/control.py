@@ -9,10 +9,11 @@
   boundary tensor against the plan (``comm.check_boundary_tensors``) is a check against
   what the receiver expects, so no payload needs a header.
 - :class:`StepControl`: between optimizer steps the ranks agree on flags (stop: preempted,
-  or a non-finite loss the model file wants to stop on; save a checkpoint now) and on the
-  newest checkpoint that every rank has written, with a MAX all-reduce of one small
-  tensor. It is posted after a step and read after the next one, so no rank ever waits for
-  it (every rank sees the same values at the same step, one step late).
+  or a non-finite loss the model file wants to stop on; save a checkpoint now), on the
+  newest checkpoint that every rank has written, and learn each replica's loss (what rank
+  0's progress shows), with a MAX all-reduce of one small tensor. It is posted after a
+  step and read after the next one, so no rank ever waits for it (every rank sees the
+  same values at the same step, one step late).
 - :class:`Preemption`: SIGTERM (what Slurm, spot instances and torchrun's shutdown send) sets
   the preempted flag instead of killing the rank; the job then checkpoints and exits 143.
 - :class:`Heartbeat`: a thread that beats a counter in the job's rendezvous store every
@@ -25,6 +26,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -158,23 +160,43 @@ class Agreement:
     """The newest checkpoint step that every rank has written completely (the smallest
     of the ranks' own; -1: none), so that an asynchronous save can be published as soon
     as it is complete everywhere."""
+    step: int | None = None
+    """The step these values were posted after (None: nothing was posted)."""
+    losses: tuple[float | None, ...] = ()
+    """Each replica's mean loss of that step, from its last stage (None: not posted); a
+    loss that was not finite reads ``inf``."""
 
 
 _NOTHING = Agreement(StepFlags.NONE, -1)
+_NO_LOSS = -math.inf
 
 
 class StepControl:
-    """The job's agreement on :class:`StepFlags` and written checkpoints, one step late
-    (see the module docstring)."""
+    """The job's agreement on :class:`StepFlags`, written checkpoints and each replica's
+    loss, one step late (see the module docstring).
 
-    def __init__(self, device: torch.device) -> None:
+    The losses ride in the same MAX all-reduce, so that rank 0 can show the job's loss
+    without a collective of its own: a replica's last stage posts its loss in the
+    replica's slot (a non-finite one as ``inf``), every other rank ``-inf``.
+    """
+
+    def __init__(self, device: torch.device, num_replicas: int = 1) -> None:
         self._device = device
-        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._num_replicas = num_replicas
+        self._pending: tuple[dist.Work, torch.Tensor, int] | None = None
 
-    def exchange(self, flags: StepFlags, written_step: int = -1) -> Agreement:
-        """Post this rank's ``flags`` and newest completely written checkpoint step for the
-        next call; return what the ranks posted at the previous call, combined (nothing at
-        the first call).
+    def exchange(
+        self,
+        flags: StepFlags,
+        written_step: int = -1,
+        *,
+        step: int = -1,
+        loss: tuple[int, float] | None = None,
+    ) -> Agreement:
+        """Post this rank's ``flags``, newest completely written checkpoint step and
+        ``loss`` (its replica, its replica's mean loss; last stages only) of ``step`` for
+        the next call; return what the ranks posted at the previous call, combined
+        (nothing at the first call).
 
         Every rank must call it once after every step, in the same order.
 
@@ -182,14 +204,19 @@ class StepControl:
             PeerFailureError: a peer failed.
         """
         agreed = self._collect()
-        # one MAX all-reduce: the flags any rank set, and (negated) the smallest step
-        tensor = torch.tensor([int(flags), -written_step], dtype=torch.int64, device=self._device)
+        # one MAX all-reduce: the flags any rank set, (negated) the smallest written step,
+        # and each replica's loss (float64 holds the integers exactly)
+        values = [float(int(flags)), float(-written_step)] + [_NO_LOSS] * self._num_replicas
+        if loss is not None:
+            replica, value = loss
+            values[2 + replica] = value if math.isfinite(value) else math.inf
+        tensor = torch.tensor(values, dtype=torch.float64, device=self._device)
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
         except RuntimeError as exc:
             raise _lost(exc) from None
         assert work is not None
-        self._pending = (work, tensor)
+        self._pending = (work, tensor, step)
         return agreed
 
     def finish(self) -> Agreement:
@@ -199,14 +226,19 @@ class StepControl:
     def _collect(self) -> Agreement:
         if self._pending is None:
             return _NOTHING
-        work, tensor = self._pending
+        work, tensor, step = self._pending
         self._pending = None
         try:
             work.wait()
         except RuntimeError as exc:
             raise _lost(exc) from None
-        flags, negated = (int(v) for v in tensor.tolist())
-        return Agreement(StepFlags(flags), -negated)
+        flags, negated, *losses = tensor.tolist()
+        return Agreement(
+            StepFlags(int(flags)),
+            -int(negated),
+            step,
+            tuple(None if v == _NO_LOSS else v for v in losses),
+        )
 
 
 def _lost(exc: BaseException) -> PeerFailureError:

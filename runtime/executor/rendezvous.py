@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import sys
 import time
 from datetime import timedelta
@@ -31,6 +30,7 @@ from hplan.runtime.contract.errors import (
     error_reason,
 )
 from hplan.runtime.contract.plan import Plan, RankPlan
+from hplan.runtime.executor.machine import Binding, bind_interface, is_loopback, resolve
 
 _CONNECT_TIMEOUT_S = 2.0
 _CONNECT_RETRY_S = 0.2
@@ -77,15 +77,19 @@ def check_torchrun_rank(plan: Plan, rank: int) -> None:
 
 def join_process_group(
     *, backend: str, rank: int, world_size: int, host: str, port: int, timeout_s: float,
-    job: str = "job",
+    job: str = "job", binding: Binding | None = None,
 ) -> None:  # fmt: skip
     """``dist.init_process_group`` through ``env://`` at ``host:port``.
 
     Under torchrun, its store (``MASTER_ADDR``/``MASTER_PORT``, which the caller passes);
     otherwise rank 0 hosts the store and the other ranks wait quietly for its port first.
 
+    Args:
+        binding: the interface this rank's backend was pointed at (named on failure).
+
     Raises:
-        PeerFailureError: the other ranks did not join within ``timeout_s``; names ``job``.
+        PeerFailureError: the other ranks did not join within ``timeout_s``; names ``job``,
+            the address and port tried and the interface bound.
     """
     os.environ["MASTER_ADDR"] = host
     os.environ["MASTER_PORT"] = str(port)
@@ -101,9 +105,37 @@ def join_process_group(
         )
     except (RuntimeError, TimeoutError, ValueError) as exc:
         raise PeerFailureError(
-            f"rank {rank} could not join the {world_size}-rank {job} at {host}:{port}: "
-            f"{error_reason(exc)}; check that every node started and that the port is reachable"
+            join_failure(rank, world_size, job, host, port, binding, exc)
         ) from None
+
+
+def join_failure(
+    rank: int,
+    world_size: int,
+    job: str,
+    host: str,
+    port: int,
+    binding: Binding | None,
+    exc: BaseException,
+) -> str:
+    """The one line of a rank that could not join: what it tried, what it bound, why, and
+    what to check (the address and interface too when either is a loopback one)."""
+    bound = f", over {binding.describe()}" if binding is not None else ""
+    resolved = resolve(host)
+    at = host if resolved in (None, host) else f"{host} ({resolved})"
+    hint = "check that every node started and that the port is reachable"
+    if (resolved is not None and is_loopback(resolved)) or (
+        binding is not None and binding.loopback
+    ):
+        hint += (
+            "; a loopback address or interface reaches this machine only: on several "
+            "machines give every node its network address (cluster.yaml `host:`) or its "
+            "interface (`interface:`, or GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)"
+        )
+    return (
+        f"rank {rank} could not join the {world_size}-rank {job}: it tried {at}:{port}{bound}: "
+        f"{error_reason(exc)}; {hint}"
+    )
 
 
 def rendezvous_address(plan: Plan, *, host: str | None, port: int | None) -> tuple[str, int]:
@@ -124,83 +156,32 @@ def rendezvous_address(plan: Plan, *, host: str | None, port: int | None) -> tup
 def join_job(plan: Plan, rank: int, *, host: str, port: int, backend: str) -> None:
     """Join the plan's process group at ``host:port`` (see :func:`join_process_group`).
 
+    Points the backend at this node's network interface first (``machine.bind_interface``).
     Prints one line while waiting when there are peers; under torchrun, first checks the
     ranks it gave (:func:`check_torchrun_rank`).
 
     Raises:
-        ConfigError: torchrun's ranks are not the plan's.
+        ConfigError: torchrun's ranks are not the plan's; the plan names an interface this
+            machine lacks.
         PeerFailureError: the other ranks did not join within the plan's timeout.
     """
     if under_torchrun():
         check_torchrun_rank(plan, rank)
-    if backend == "gloo":
-        node = next(n for n in plan.cluster.nodes if n.name == plan.ranks[rank].node)
-        use_interface_of(node.host)
+    binding = bind_interface(plan.node(plan.ranks[rank].node), backend)
     timeout_s = plan.training.process_group_timeout_s
     if plan.world_size > 1:
         peers = plan.world_size - 1
+        via = f" via {binding.interface}" if binding.interface is not None else ""
         print(
             f"hplan: rank {rank} waiting for {peers} peer{'s' if peers > 1 else ''} at "
-            f"{host}:{port} (timeout {timeout_s:g} s)",
+            f"{host}:{port}{via} (timeout {timeout_s:g} s)",
             file=sys.stderr,
             flush=True,
         )
     join_process_group(
         backend=backend, rank=rank, world_size=plan.world_size, host=host, port=port,
-        timeout_s=timeout_s,
+        timeout_s=timeout_s, binding=binding,
     )  # fmt: skip
-
-
-GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
-
-
-def use_interface_of(host: str) -> str | None:
-    """Make gloo talk over the network interface that holds ``host`` (this node's address
-    in the plan), unless ``GLOO_SOCKET_IFNAME`` is set; return the interface chosen.
-
-    gloo otherwise takes the address that this machine's hostname resolves to, which is a
-    loopback address on many Linux installs (Debian and Ubuntu map it to 127.0.1.1) and
-    inside network namespaces: the peers on other machines are then told to connect to
-    127.0.0.1 and the rendezvous fails with "Connection refused". None (nothing changed)
-    when ``host`` is on no interface of this machine (a name that resolves elsewhere, a
-    NAT address) or the interfaces cannot be read (not Linux).
-    """
-    if os.environ.get(GLOO_INTERFACE_ENV):
-        return None
-    try:
-        address = socket.gethostbyname(host)
-    except OSError:
-        return None
-    for _, name in _interfaces():
-        if _ipv4_address(name) == address:
-            os.environ[GLOO_INTERFACE_ENV] = name
-            return name
-    return None
-
-
-def _interfaces() -> list[tuple[int, str]]:
-    try:
-        return socket.if_nameindex()
-    except OSError:
-        return []
-
-
-_SIOCGIFADDR = 0x8915
-"""Linux ioctl: the IPv4 address of an interface (``netdevice(7)``)."""
-
-
-def _ipv4_address(interface: str) -> str | None:
-    try:
-        import fcntl
-    except ImportError:  # not a Unix
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            request = struct.pack("256s", interface.encode()[:15])
-            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
-        except OSError:  # no IPv4 address
-            return None
-    return socket.inet_ntoa(answer[20:24])
 
 
 def barrier(rank: int, what: str) -> None:

@@ -1,13 +1,17 @@
 """The training loop of one rank: steps, metrics, checkpoints, and how a run ends.
 
-:func:`run_rank` joins the job, runs the heartbeat watchdog from then on, builds the rank
-(``worker.build_rank``), checks that every rank built the same plan, model and options
+:func:`run_rank` sets the rank's torch threads from its node's usable CPUs
+(``machine.set_rank_threads``; rank 0 says how many and why), joins the job, runs the
+heartbeat watchdog from then on, builds the rank (``worker.build_rank``), checks that
+every rank built the same plan, model and options
 (``control.check_same_job``), resumes from the latest checkpoint when asked, and runs its
 steps: the micro-batches of this rank's replica go through the pipeline schedule (``pipeline.py``),
 boundary tensors travel point-to-point (``comm.py``), gradients are summed among the ranks
 holding each parameter (``grad_sync.py``), metrics are written per step
-(``contract/metrics_file.py``). After every step the ranks agree, one step late, on what to
-do (``control.StepControl``):
+(``contract/metrics_file.py``). The number of steps is ``--steps``, else the plan's
+(``worker.training_steps``). Rank 0 prints progress lines and a summary
+(``contract/progress_lines.py``); the job's loss reaches it with the agreement below. After
+every step the ranks agree, one step late, on what to do (``control.StepControl``):
 
 - a checkpoint every ``checkpoint_every_steps`` steps (every rank counts) or every
   ``checkpoint_every_s`` seconds (rank 0's clock), asynchronous by default, and one at the
@@ -31,6 +35,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,9 +50,11 @@ from hplan.runtime.contract.errors import (
 )
 from hplan.runtime.contract.metrics_file import MetricsWriter, StepMetrics
 from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.progress_lines import RunProgress, job_loss
 from hplan.runtime.contract.timeline_file import TimelineWriter
 from hplan.runtime.executor.checkpoint import Checkpointer, TrainState, latest_checkpoint
 from hplan.runtime.executor.control import (
+    Agreement,
     Heartbeat,
     JobIdentity,
     Preemption,
@@ -56,6 +63,7 @@ from hplan.runtime.executor.control import (
     check_same_job,
 )
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip
+from hplan.runtime.executor.machine import set_rank_threads
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
 from hplan.runtime.executor.rendezvous import barrier
@@ -64,7 +72,9 @@ from hplan.runtime.executor.worker import (
     RunOptions,
     build_rank,
     check_environment,
+    check_training_length,
     init_distributed,
+    training_steps,
 )
 
 DEFAULT_CHECKPOINT_EVERY_S = 600.0
@@ -78,7 +88,8 @@ def run_rank(
     options: RunOptions,
     seams: Seams | None = None,
 ) -> None:
-    """Join the job, build this rank and train ``options.steps`` optimizer steps.
+    """Join the job, build this rank and train ``options.steps`` optimizer steps (None: the
+    plan's training length, ``worker.training_steps``).
 
     Every rank of the plan must call this with the same plan and options (except the rank);
     ``check_same_job`` refuses otherwise, on every rank.
@@ -93,9 +104,16 @@ def run_rank(
             SIGTERM, once the checkpoint is saved; ``DivergedError`` on a non-finite loss the
             model file stops on.
     """
-    _check_options(options)
+    _check_options(plan, options)
     seams = seams or Seams()
     check_environment(plan, rank, options)
+    threads = set_rank_threads(plan, rank)
+    if rank == 0:
+        print(
+            f"hplan: rank 0: {threads.describe()}",
+            file=sys.stderr,
+            flush=True,
+        )
     host, port = init_distributed(plan, rank, options)
     heartbeat = None
     if plan.world_size > 1:
@@ -118,7 +136,7 @@ def run_rank(
 def _train(
     plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions, seams: Seams
 ) -> None:
-    parts = _build_same_job(plan, rank, model_path, options, seams)
+    parts, options = _build_same_job(plan, rank, model_path, options, seams)
     buckets = build_buckets(plan, rank, parts.params, delay=seams.links)
     checkpointer = _checkpointer(parts, options)
     first_step = _resume(checkpointer, options)
@@ -134,8 +152,9 @@ def _train(
 
 def _build_same_job(
     plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions, seams: Seams
-) -> RankParts:
-    """Build this rank, then check with every rank that all built the same job.
+) -> tuple[RankParts, RunOptions]:
+    """Build this rank, then check with every rank that all built the same job; return the
+    rank and ``options`` with the steps to train resolved (``worker.training_steps``).
 
     Raises:
         HplanError: this rank's own build error (after telling the others).
@@ -150,6 +169,9 @@ def _build_same_job(
     failure: HplanError | None = None
     try:
         parts = build_rank(plan, rank, model_path, options, links=seams.links)
+        options = replace(
+            options, steps=training_steps(plan, options, parts.source.steps_per_epoch)
+        )
     except HplanError as exc:
         failure = exc
     identity = JobIdentity(
@@ -166,12 +188,13 @@ def _build_same_job(
             raise failure from None  # this rank's own error, with its exit code
         raise
     assert parts is not None
-    return parts
+    return parts, options
 
 
-def _check_options(options: RunOptions) -> None:
-    if options.steps < 1:
+def _check_options(plan: Plan, options: RunOptions) -> None:
+    if options.steps is not None and options.steps < 1:
         raise ConfigError(f"--steps is {options.steps}; run at least one step")
+    check_training_length(plan, options)
     if options.checkpoint_every_steps is not None and options.checkpoint_every_steps < 1:
         raise ConfigError(f"--checkpoint-every-steps {options.checkpoint_every_steps} must be >= 1")
     every_s = options.checkpoint_every_s
@@ -252,7 +275,9 @@ class _Loop:
     ) -> None:
         self.parts, self.runner, self.options = parts, runner, options
         self.checkpointer, self.scheduler = checkpointer, scheduler
-        self.control = StepControl(parts.device)
+        self.control = StepControl(parts.device, parts.plan.num_replicas)
+        self.progress: RunProgress | None = None
+        """Rank 0's progress lines (``contract/progress_lines.py``), during :meth:`run`."""
         self.every_steps = options.checkpoint_every_steps
         self.every_s = options.checkpoint_every_s
         if self.every_steps is None and self.every_s is None:
@@ -284,7 +309,15 @@ class _Loop:
         options = self.options
         writer = MetricsWriter(options.metrics_dir, self.rank) if options.metrics_dir else None
         timeline = TimelineWriter(options.metrics_dir, self.rank) if options.metrics_dir else None
+        assert options.steps is not None  # resolved by _build_same_job
         last_step = first_step + options.steps - 1
+        if self.rank == 0:
+            self.progress = RunProgress(
+                self.parts.plan,
+                first_step=first_step,
+                num_steps=options.steps,
+                compare=options.device is None,  # not on the plan's devices: no prediction
+            )
         try:
             for step in range(first_step, last_step + 1):
                 record = _train_step(
@@ -297,9 +330,15 @@ class _Loop:
                 if timeline is not None:
                     timeline.write(step, self.runner.timeline.events)
                 self.runner.clock.after_step(step, self.runner, more_steps=step < last_step)
-                self._after(step + 1, self._flags(record, preemption))
-            self._finish(last_step + 1, self.control.finish().flags)
+                if self.progress is not None:
+                    self.progress.step_done(step, record.step_time_s)
+                self._after(step + 1, self._flags(record, preemption), record)
+            self._finish(last_step + 1, self._collect().flags)
+            if self.progress is not None:
+                self.progress.summary()
         finally:
+            if self.progress is not None:
+                self.progress.close()
             if writer is not None:
                 writer.close()
             if timeline is not None:
@@ -323,8 +362,20 @@ class _Loop:
             flags |= StepFlags.CHECKPOINT_DUE
         return flags
 
-    def _after(self, steps_done: int, flags: StepFlags) -> None:
-        """Post this step's ``flags`` and act on what the job agreed one step earlier.
+    def _collect(self) -> Agreement:
+        """The job's agreement on the values posted last (``StepControl.finish``)."""
+        return self._heard(self.control.finish())
+
+    def _heard(self, agreement: Agreement) -> Agreement:
+        """Pass the losses of an agreement to rank 0's progress; return the agreement."""
+        if self.progress is not None:
+            loss = job_loss(self.parts.plan, agreement.losses)
+            self.progress.loss_known(agreement.step, loss)
+        return agreement
+
+    def _after(self, steps_done: int, flags: StepFlags, record: StepMetrics) -> None:
+        """Post this step's ``flags`` (and its loss, on a last stage) and act on what the
+        job agreed one step earlier.
 
         A checkpoint waits for this step's agreement first, so that the state it saves is
         never one that a rank has found diverged.
@@ -333,7 +384,8 @@ class _Loop:
             PreemptedError, DivergedError: see :meth:`_finish`.
         """
         written = self.checkpointer.written_step() if self.checkpointer is not None else -1
-        agreement = self.control.exchange(flags, written)
+        loss = None if record.loss is None else (record.replica, record.loss)
+        agreement = self._heard(self.control.exchange(flags, written, step=record.step, loss=loss))
         agreed = agreement.flags
         if agreed & _STOP:
             self._finish(steps_done, agreed)
@@ -343,7 +395,7 @@ class _Loop:
         due_steps = self.every_steps is not None and steps_done % self.every_steps == 0
         if not (due_steps or agreed & StepFlags.CHECKPOINT_DUE):
             return
-        now = self.control.finish().flags
+        now = self._collect().flags
         if now & _STOP:
             self._finish(steps_done, now)
         start_s = time.monotonic()
@@ -359,7 +411,7 @@ class _Loop:
             DivergedError: a loss was not finite and the model file stops on it.
             PreemptedError: SIGTERM, after the checkpoint is saved.
         """
-        agreed |= self.control.finish().flags
+        agreed |= self._collect().flags
         if agreed & StepFlags.NONFINITE_LOSS:
             if self.checkpointer is not None:
                 self.checkpointer.wait()

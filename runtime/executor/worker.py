@@ -50,7 +50,9 @@ from hplan.runtime.executor.seams import (
 class RunOptions:
     """What ``hplan run`` was asked to do beyond the plan."""
 
-    steps: int
+    steps: int | None = None
+    """Optimizer steps to train (``--steps``); None: the plan's training length
+    (:func:`training_steps`)."""
     metrics_dir: Path | None = None
     checkpoint_dir: Path | None = None
     verify_dir: Path | None = None
@@ -87,6 +89,46 @@ class RunOptions:
             "async_checkpoints": self.async_checkpoints,
             "verify": self.verify_dir is not None,
         }
+
+
+# --------------------------------------------------------------------------- training length
+NO_LENGTH = (
+    "the plan gives no training length; pass --steps N to the launch script (or `hplan "
+    "run`), or re-run `hplan solve ... --steps N` (or --epochs E) to record it in the plan"
+)
+
+
+def check_training_length(plan: Plan, options: RunOptions) -> None:
+    """Check, before joining, that the run knows how many steps to train.
+
+    Raises:
+        ConfigError: neither ``--steps`` nor the plan's steps or epochs give it.
+    """
+    training = plan.training
+    if options.steps is None and training.steps is None and training.epochs is None:
+        raise ConfigError(NO_LENGTH)
+
+
+def training_steps(plan: Plan, options: RunOptions, steps_per_epoch: int | None) -> int:
+    """Steps this run trains: ``--steps``, else the plan's steps, else its epochs times
+    ``steps_per_epoch`` (the model file's ``dataset()``, None without one).
+
+    Raises:
+        ConfigError: no length anywhere, or epochs without a dataset.
+    """
+    training = plan.training
+    if options.steps is not None:
+        return options.steps
+    if training.steps is not None:
+        return training.steps
+    if training.epochs is None:
+        raise ConfigError(NO_LENGTH)
+    if steps_per_epoch is None:
+        raise ConfigError(
+            f"the plan trains {training.epochs} epochs (`hplan solve --epochs`), but the model "
+            "file has no dataset() to count them in; pass --steps N, or add dataset()"
+        )
+    return training.epochs * steps_per_epoch
 
 
 # --------------------------------------------------------------------------- process group

@@ -192,6 +192,18 @@ def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: i
 
 
 # --------------------------------------------------------------------------- rehearse
+DEFAULT_STEPS = 10
+"""Steps a rehearsal runs when neither it nor the plan says (``rehearsal_steps``)."""
+
+
+def rehearsal_steps(plan: Plan, steps: int | None) -> int:
+    """``steps`` if given, else the plan's training steps (``hplan solve --steps``), else
+    :data:`DEFAULT_STEPS` (a plan that gives epochs is rehearsed for that many steps too)."""
+    if steps is not None:
+        return steps
+    return plan.training.steps if plan.training.steps is not None else DEFAULT_STEPS
+
+
 def rehearse(
     plan: Plan,
     *,

@@ -523,3 +523,110 @@ def test_usage_errors_are_one_line(argv, needles, capsys):
     assert code == 2
     _assert_one_line_error(err, *needles)
     assert "Usage:" not in err and out == ""
+
+
+# --------------------------------------------------------------------------- training length
+def test_solve_records_the_steps_in_the_plan_and_its_launch_scripts(tmp_path, capsys):
+    argv = ["solve", str(MLP), "-c", str(CLUSTERS / "cpu-rehearsal.yaml"), "-b", "8"]
+    code, _, err = _run([*argv, "-o", str(tmp_path / "a"), "--steps", "250"], capsys)
+    assert code == 0, err
+    plan = Plan.load(tmp_path / "a" / "plan.json")
+    assert (plan.training.steps, plan.training.epochs) == (250, None)
+    script = next((tmp_path / "a" / "launch").glob("node-*.sh")).read_text()
+    assert "# Training length: 250 optimizer steps, from `hplan solve --steps`" in script
+    assert "training   250 optimizer steps" in (tmp_path / "a" / "summary.txt").read_text()
+    code, _, err = _run([*argv, "-o", str(tmp_path / "b"), "--steps", "5", "--epochs", "2"], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "--steps 5 and --epochs 2", "keep one")
+    code, _, err = _run([*argv, "-o", str(tmp_path / "c"), "--epochs", "2"], capsys)
+    assert code == 2  # examples/mlp has no dataset()
+    _assert_one_line_error(err, "--epochs 2", "no dataset()", "--steps N")
+
+
+def test_replan_keeps_the_training_length(tmp_path, capsys):
+    cluster = CLUSTERS / "cpu-rehearsal.yaml"
+    argv = ["solve", str(GPT), "-c", str(cluster), "-b", "8", "-o", str(tmp_path / "a")]
+    code, _, err = _run([*argv, "--epochs", "3", "--time-limit", "10"], capsys)
+    assert code == 0, err
+    plan = Plan.load(tmp_path / "a" / "plan.json")
+    lost = plan.ranks[-1].device
+    code, _, err = _run(
+        ["replan", str(tmp_path / "a" / "plan.json"), "-c", str(cluster), "--without", lost,
+         "-o", str(tmp_path / "b"), "--time-limit", "10"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    assert Plan.load(tmp_path / "b" / "plan.json").training.epochs == 3
+
+
+# --------------------------------------------------------------------------- hplan metrics
+def _metrics_run(folder: Path, plan: Plan, *, scale: float = 1.0) -> None:
+    """Three steps of every rank of ``plan``: step 0 slow (warm-up), then 40 ms (x scale)
+    steps of 10 compute, 20 wait, 4 point-to-point, 2 all-reduce, 1 optimizer, 3 other."""
+    from hplan.runtime.contract.emulation_file import EmulationRecord
+    from hplan.runtime.contract.metrics_file import MetricsWriter, StepMetrics
+
+    for rank in plan.ranks:
+        writer = MetricsWriter(folder, rank.rank)
+        for step in range(3):
+            warm = 10.0 if step == 0 else 1.0
+            parts = {"compute": 10, "p2p": 4, "wait": 20, "allreduce": 2, "optimizer": 1}
+            last = rank.stage == len(plan.replica_ranks(rank.replica)) - 1
+            writer.write(
+                StepMetrics(
+                    rank=rank.rank, replica=rank.replica, stage=rank.stage, step=step,
+                    step_time_s=0.040 * scale * warm, other_time_s=0.003 * scale * warm,
+                    **{f"{k}_time_s": v / 1e3 * scale * warm for k, v in parts.items()},
+                    loss=2.0 - step if last else None, samples=rank.num_samples,
+                    peak_memory_bytes=1,
+                )
+            )  # fmt: skip
+        writer.close()
+    if scale != 1.0:
+        EmulationRecord(time_scale=scale).save(folder)
+
+
+def test_metrics_prints_the_step_breakdown_and_the_measured_over_predicted_ratio(tmp_path, capsys):
+    from tests.fixtures.sample_plans import cpu_plan
+
+    plan = cpu_plan()  # 3 stages, global batch 8; predicted 51.2 ms, 156.25 samples/s
+    _metrics_run(tmp_path / "run", plan)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    code, out, err = _run(
+        ["metrics", str(tmp_path / "run"), "--plan", str(tmp_path / "plan.json"), "--json"],
+        capsys,
+    )
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["step_time_s"] == pytest.approx(0.040)  # the warm-up step is left out
+    assert summary["samples_per_s"] == pytest.approx(8 / 0.040)
+    assert summary["measured_over_predicted"] == pytest.approx(200 / 156.25)
+    assert (summary["num_steps"], summary["timed_steps"], summary["final_loss"]) == (3, 2, 0.0)
+    rank = summary["ranks"][1]
+    assert rank["device"] == "localhost/1"
+    assert rank["wait_time_s"] == pytest.approx(0.020) and rank["wait_share"] == pytest.approx(0.5)
+    assert rank["other_time_s"] == pytest.approx(0.003)
+    assert "measured/predicted 1.28x" in err and "200.0 samples/s" in err
+    assert "20.0 50%" in err  # wait: ms and share of the step, in the table
+    # a rehearsal's emulated seconds are divided by its time scale; the plan it wrote is found
+    _metrics_run(tmp_path / "rehearsal", plan, scale=4.0)
+    (tmp_path / "rehearsal" / "plan.json").write_text(plan.to_json())
+    code, out, err = _run(["metrics", str(tmp_path / "rehearsal"), "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["step_time_s"] == pytest.approx(0.040)
+    assert "time scale 4" in err
+
+
+def test_metrics_of_another_plan_or_no_run_is_one_line(tmp_path, capsys):
+    from tests.fixtures.sample_plans import cpu_plan, datacentre_plan
+
+    code, _, err = _run(["metrics", str(tmp_path / "none")], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "does not exist")
+    _metrics_run(tmp_path / "run", cpu_plan())
+    (tmp_path / "other.json").write_text(datacentre_plan().to_json())
+    code, _, err = _run(
+        ["metrics", str(tmp_path / "run"), "--plan", str(tmp_path / "other.json")], capsys
+    )
+    assert code == 2
+    _assert_one_line_error(err, "ranks [0, 1, 2]", "the plan runs [0, 1]")

@@ -98,6 +98,17 @@ def test_readme_format_example_loads():
     kinds = [d.kind for d in cluster.devices]
     assert kinds == ["rtx4090", "rtx4090", "rtx3060", "my-card", "rtx3090"]
     assert cluster.link("box-a/0", "box-a/1").bandwidth_bytes_per_s == pytest.approx(25e9)
+    assert [n.interface for n in cluster.nodes] == ["eth1", None]
+
+
+def test_a_nodes_interface_is_recorded_in_the_plans_cluster_and_checked(tmp_path):
+    data = _two_nodes()
+    data["nodes"][1]["interface"] = "ib0"
+    spec = to_cluster_spec(load_cluster(_write(tmp_path, yaml.safe_dump(data))), "float32")
+    assert [n.interface for n in spec.nodes] == [None, "ib0"]
+    data["nodes"][1]["interface"] = "eth0; rm -rf /"
+    message = _load_error(tmp_path, data)
+    assert "nodes[1].interface" in message and "not a network interface name" in message
 
 
 # ----------------------------------------------------------------------------- device order and links

@@ -43,12 +43,13 @@ needs_bash = pytest.mark.skipif(BASH is None, reason="bash is not installed")
 P2P_EXPORT = 'export NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}"'
 SCRIPT_TIMEOUT_S = 30
 
-# Stand-ins: record argv (NUL-separated), NCCL_P2P_DISABLE and HPLAN_NODE into
-# $HPLAN_TEST_RECORD, .p2p and .node.
+# Stand-ins: record argv (NUL-separated), NCCL_P2P_DISABLE, HPLAN_NODE and OMP_NUM_THREADS
+# with HPLAN_AUTO_THREADS into $HPLAN_TEST_RECORD, .p2p, .node and .omp.
 _RECORDER = """#!/usr/bin/env bash
 printf '%s\\0' "$(basename "$0")" "$@" > "$HPLAN_TEST_RECORD"
 printf '%s' "${NCCL_P2P_DISABLE-unset}" > "$HPLAN_TEST_RECORD.p2p"
 printf '%s' "${HPLAN_NODE-unset}" > "$HPLAN_TEST_RECORD.node"
+printf '%s' "${OMP_NUM_THREADS-unset} ${HPLAN_AUTO_THREADS-unset}" > "$HPLAN_TEST_RECORD.omp"
 """
 # srun stand-in: drop srun's own options, run the command as this node's only task.
 _FAKE_SRUN = """#!/usr/bin/env bash
@@ -334,6 +335,20 @@ def test_nccl_p2p_is_disabled_by_default_and_the_user_can_override_it(tmp_path: 
     assert record.read_text(encoding="utf-8") == "1"
     _run(out / "launch" / "node-box-a.sh", {**env, "NCCL_P2P_DISABLE": "0"}, tmp_path)
     assert record.read_text(encoding="utf-8") == "0"
+
+
+@needs_bash
+def test_node_script_marks_its_own_thread_setting_and_keeps_the_users(tmp_path: Path) -> None:
+    # torchrun sets OMP_NUM_THREADS=1 itself for several ranks per node: the script sets it
+    # first, marked as its own, so that the ranks choose their threads from the node's CPUs
+    out = _copied_out_dir(mixed_plan(), tmp_path)
+    env = _fake_tools(tmp_path)
+    env.pop("OMP_NUM_THREADS", None)
+    record = Path(env["HPLAN_TEST_RECORD"] + ".omp")
+    _run(out / "launch" / "node-box-a.sh", env, tmp_path)
+    assert record.read_text(encoding="utf-8") == "1 1"
+    _run(out / "launch" / "node-box-a.sh", {**env, "OMP_NUM_THREADS": "6"}, tmp_path)
+    assert record.read_text(encoding="utf-8") == "6 unset"
 
 
 @needs_bash

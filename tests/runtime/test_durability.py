@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from hplan.runtime.contract.metrics_file import read_rank_metrics
 from hplan.runtime.contract.plan import CutSpec, Plan
+from hplan.runtime.contract.progress_lines import parse_line
 from hplan.runtime.executor.checkpoint import latest_checkpoint
 from hplan.runtime.rehearsal.reference_check import relative_difference
 from tests.fixtures.plans import (
@@ -55,8 +56,13 @@ def _ok(outcomes: list[RankOutcome]) -> None:
 
 
 def _errors(stderr: str) -> list[str]:
-    """The lines of a rank's stderr but the rendezvous's "waiting for peers" notes."""
-    return [line for line in stderr.splitlines() if "waiting for" not in line]
+    """The lines of a rank's stderr but its notes: the rendezvous's "waiting for peers",
+    rank 0's threads, progress and summary."""
+    return [
+        line
+        for line in stderr.splitlines()
+        if "waiting for" not in line and "torch thread" not in line and parse_line(line) is None
+    ]
 
 
 def _checkpoint(step_dir: Path, scratch: Path) -> dict:

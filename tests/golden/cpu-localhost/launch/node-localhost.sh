@@ -7,7 +7,9 @@
 #   rank 2 (local 2): localhost/2 cpu, replica 0 stage 2, units blocks.3, lm_head
 # The model file is examples/masked_gpt/model.py as recorded by `hplan solve` (a relative path is
 # relative to the directory of plan.json); pass --model PATH to override it.
-# Extra arguments are passed on to `python -m hplan.runtime run` (for example --steps N).
+# Training length: not in the plan; pass --steps N (or re-run `hplan solve ... --steps N`).
+# Extra arguments are passed on to `python -m hplan.runtime run` (for example --steps N,
+# --metrics-dir DIR, --checkpoint-dir DIR --resume); `hplan run --help` lists them.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -18,6 +20,15 @@ export HPLAN_NODE=localhost
 
 # Number GPUs in PCI bus order, as the plan does (device local_index).
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
+# torch threads: each rank takes this node's usable CPUs (its CPU affinity, capped by its
+# cgroup CPU quota) divided by its 3 ranks, unless you set OMP_NUM_THREADS. torchrun
+# sets OMP_NUM_THREADS=1 itself for several ranks per node, so HPLAN_AUTO_THREADS tells the
+# ranks that the value below is this script's, not yours.
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+  export OMP_NUM_THREADS=1 HPLAN_AUTO_THREADS=1
+fi
+# Network: the ranks talk over the interface that holds 127.0.0.1 on this machine, through
+# GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME (set the variable yourself to override).
 # Backend from plan.json: gloo.
 
 if ! command -v torchrun >/dev/null 2>&1; then

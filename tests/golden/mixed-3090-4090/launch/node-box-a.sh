@@ -6,7 +6,10 @@
 #   rank 1 (local 1): box-a/1 rtx4090, replica 0 stage 1, units blocks.7-blocks.11, lm_head
 # The model file is examples/gpt/model.py as recorded by `hplan solve` (a relative path is
 # relative to the directory of plan.json); pass --model PATH to override it.
-# Extra arguments are passed on to `python -m hplan.runtime run` (for example --steps N).
+# Training length: 3 epochs of the model file's dataset(), from `hplan solve --epochs`
+# (--steps N overrides).
+# Extra arguments are passed on to `python -m hplan.runtime run` (for example --steps N,
+# --metrics-dir DIR, --checkpoint-dir DIR --resume); `hplan run --help` lists them.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -17,6 +20,15 @@ export HPLAN_NODE=box-a
 
 # Number GPUs in PCI bus order, as the plan does (device local_index).
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
+# torch threads: each rank takes this node's usable CPUs (its CPU affinity, capped by its
+# cgroup CPU quota) divided by its 2 ranks, unless you set OMP_NUM_THREADS. torchrun
+# sets OMP_NUM_THREADS=1 itself for several ranks per node, so HPLAN_AUTO_THREADS tells the
+# ranks that the value below is this script's, not yours.
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+  export OMP_NUM_THREADS=1 HPLAN_AUTO_THREADS=1
+fi
+# Network: the ranks talk over the interface that holds 10.0.0.1 on this machine, through
+# GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME (set the variable yourself to override).
 # Backend from plan.json: nccl.
 # GeForce cards on this node (rtx4090): PCIe peer-to-peer
 # between GeForce cards is unsupported or unreliable and can hang NCCL or corrupt its
