@@ -21,9 +21,7 @@ from hplan.runtime.contract.plan import Plan
 from tests.fixtures.models import REPO_ROOT, write_model_file
 
 GPT = REPO_ROOT / "examples" / "gpt" / "model.py"
-FAST = UnitProfileOptions(
-    micro_batch_sizes=(1, 2), num_warmup=1, min_samples=2, max_samples=3, min_time_s=0.0
-)
+FAST = UnitProfileOptions(micro_batch_sizes=(1, 2), num_warmup=1, window_s=0.0)
 CPU_CLUSTER = """\
 name: two-cpus
 nodes:
@@ -59,7 +57,7 @@ def test_every_unit_is_timed_and_identical_blocks_are_timed_once(tiny_gpt):
     assert len(steps) == rounds * 2 * len(names)
     assert all(total == len(steps) for *_, total in steps)
     assert [timed for unit, timed, _ in steps if unit == "blocks.2"] == [False] * (2 * rounds)
-    assert all(t.forward_s.num_samples >= rounds * FAST.min_samples for t in result.timings)
+    assert all(t.forward_s.num_samples == rounds for t in result.timings)  # a window a round
     by_key = {(t.unit, t.micro_batch_size): t for t in result.timings}
     for timing in result.timings:
         assert timing.device == "cpu"
@@ -83,7 +81,8 @@ def test_rounds_combine_by_the_median_of_their_medians():
         )  # fmt: skip
 
     merged = _merged([timing(1.0, 3.0), timing(9.0, 1.0), timing(2.0, 2.0)])  # one slow round
-    assert merged.forward_s == Stat(median=2.0, p10=1.8, p90=2.2, num_samples=15)
+    assert merged.forward_s == Stat.of([1.0, 9.0, 2.0])  # each round's window a sample
+    assert merged.forward_s.median == 2.0 and merged.forward_s.num_samples == 3
     assert merged.optimizer_s == 2.0 and merged.activation_bytes == 10
 
 
@@ -133,7 +132,7 @@ def test_profile_then_solve_uses_the_measurements_and_says_so(tiny_gpt, tmp_path
     prof = tmp_path / "prof"
     code, out, err = _run(
         ["profile", "--model", str(tiny_gpt), "-o", str(prof), "--micro-batch-sizes", "1,2",
-         "--no-benchmark", "--json", "--device", "cpu"],  # the cluster below is of cpus
+         "--no-benchmark", "--json", "--device", "cpu", "--window", "0.01"],  # the cluster below is of cpus
         capsys,
     )  # fmt: skip
     assert code == 0, err
@@ -164,7 +163,8 @@ def test_profile_then_solve_uses_the_measurements_and_says_so(tiny_gpt, tmp_path
 
 def test_a_profile_of_another_model_is_refused_naming_both(tiny_gpt, tmp_path, capsys, monkeypatch):
     prof = tmp_path / "prof"
-    args = ["profile", "--model", str(tiny_gpt), "-o", str(prof), "--micro-batch-sizes", "1"]
+    args = ["profile", "--model", str(tiny_gpt), "-o", str(prof), "--micro-batch-sizes", "1",
+            "--window", "0.01"]  # fmt: skip
     assert _run([*args, "--no-benchmark"], capsys)[0] == 0
     monkeypatch.setenv("HPLAN_GPT_LAYERS", "2")  # another model from the same file
     cluster = tmp_path / "cluster.yaml"
