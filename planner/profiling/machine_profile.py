@@ -38,7 +38,7 @@ from hplan.planner.profiling.microbench import benchmark_device
 from hplan.planner.profiling.profile_file import DeviceProfile, ModelRef, Profile
 from hplan.planner.profiling.unit_profile import OnStep, UnitProfileOptions, profile_units
 from hplan.planner.profiling.windows import DEFAULT_MAX_MICRO_BATCH_SIZE, DEFAULT_WINDOW_S
-from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.capture.model_file import ModelFile, load_model_file
 from hplan.runtime.contract.errors import ConfigError
 
 OnPhase = Callable[[str], None]
@@ -117,6 +117,7 @@ def profile_machine(
     started_s = time.monotonic()
     _check_request(request)
     cluster = load_cluster(request.cluster_path) if request.cluster_path is not None else None
+    model_file = load_model_file(request.model_path) if request.model_path is not None else None
     say("discovering devices")
     found = discovery if discovery is not None else discover_devices()
     targets = _targets(found, request.device)
@@ -129,10 +130,10 @@ def profile_machine(
     phases = [("benchmarks", time.monotonic() - bench_started_s)] if request.benchmark else []
     profiles = [Profile(devices=(d,), notes=found.notes) for d in devices]
     sizes: tuple[int, ...] = ()
-    if request.model_path is not None:
+    if model_file is not None:
         say(f"profiling the units of {request.model_path} on {devices[0].key}")
         units_started_s = time.monotonic()
-        profiles[0], sizes = _with_units(profiles[0], request, targets[0][0], on_step)
+        profiles[0], sizes = _with_units(profiles[0], model_file, request, targets[0][0], on_step)
         phases.append(("units", time.monotonic() - units_started_s))
     elapsed_s = time.monotonic() - started_s
     return MachineProfile(found, tuple(profiles), elapsed_s, tuple(phases), sizes)
@@ -261,11 +262,14 @@ def _device_profile(
 
 # -------------------------------------------------------------------------------- units
 def _with_units(
-    profile: Profile, request: ProfileRequest, device: torch.device, on_step: OnStep | None
+    profile: Profile,
+    model_file: ModelFile,
+    request: ProfileRequest,
+    device: torch.device,
+    on_step: OnStep | None,
 ) -> tuple[Profile, tuple[int, ...]]:
     """``profile`` with the model's unit timings on ``device``; the sizes timed."""
     assert request.model_path is not None
-    model_file = load_model_file(request.model_path)
     graph = build_model_graph(
         model_file,
         leaf_modules=request.leaf_modules,
