@@ -27,7 +27,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from hplan.planner.profiling.profile_file import Stat
-from hplan.planner.profiling.windows import DEFAULT_NUM_WINDOWS, DEFAULT_WINDOW_S, run_window
+from hplan.planner.profiling.windows import (
+    DEFAULT_NUM_WINDOWS,
+    DEFAULT_WINDOW_S,
+    apportion,
+    run_window,
+)
 
 _MIB = 2**20
 
@@ -163,21 +168,48 @@ class Stopwatch:
     """Times consecutive calls on a device: CUDA events on a GPU, ``perf_counter`` on a CPU."""
 
     def __init__(
-        self, device: torch.device, clock: Callable[[], float] = time.perf_counter
+        self,
+        device: torch.device,
+        clock: Callable[[], float] = time.perf_counter,
+        cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         """
         Args:
             clock: wall seconds (``time.perf_counter``); the CPU laps and every window's
                 length are read from it.
+            cpu_clock: this thread's CPU seconds (``time.thread_time``), by which a CPU
+                window's wall time is shared out among its calls.
         """
         self.device = device
         self.clock = clock
+        self.cpu_clock = cpu_clock
 
     def window(self, calls: Sequence[Callable[[], object]], window_s: float) -> list[float]:
         """Run ``calls`` one after the other, again and again, until at least ``window_s``
         wall seconds have passed (once at least); the mean seconds of each call
-        (``windows.run_window``)."""
-        return run_window(lambda: self.laps(calls), len(calls), window_s, self.clock)
+        (``windows.run_window``). On a CPU the calls' wall time is shared out by their
+        thread CPU time (``windows.apportion``)."""
+        if self.device.type == "cuda":
+            return run_window(lambda: self.laps(calls), len(calls), window_s, self.clock)
+        num_calls = len(calls)
+        means = run_window(lambda: self._cpu_laps(calls), 2 * num_calls, window_s, self.clock)
+        return apportion(means[:num_calls], means[num_calls:])
+
+    def _cpu_laps(self, calls: Sequence[Callable[[], object]]) -> list[float]:
+        """Run ``calls`` once each: the wall seconds of each, then the CPU seconds of each.
+
+        Each CPU reading comes before its wall reading: reading a thread's CPU time is a
+        system call that brings its run time up to date, which is where the kernel finds a
+        quota spent and pauses the thread, so the pause must fall inside a wall lap."""
+        walls = [self.clock()]
+        cpus = [self.cpu_clock()]
+        for call in calls:
+            call()
+            cpus.append(self.cpu_clock())
+            walls.append(self.clock())
+        return [b - a for a, b in itertools.pairwise(walls)] + [
+            b - a for a, b in itertools.pairwise(cpus)
+        ]
 
     def laps(self, calls: Sequence[Callable[[], object]]) -> list[float]:
         """Run ``calls`` one after the other; return the seconds each took."""

@@ -165,7 +165,7 @@ def profile_units(
     Args:
         model_file: supplies ``sample_batch``, ``loss_fn`` and ``make_optimizer``.
         graph: the model's cost graph (``build_model_graph``); its traced module is moved
-            to ``device`` and its parameters are changed by the optimizer timing.
+            to ``device`` (its parameters are restored after each optimizer timing).
         device_key: the profile device key the timings are recorded under.
 
     Returns:
@@ -407,17 +407,23 @@ class _Profiler:
 
     def _time_optimizers(self, links: Sequence[_Link]) -> None:
         """One window over the optimizer step of every signature not yet timed this round
-        (each over its unit's trainable parameters; 0 s without any)."""
+        (each over its unit's trainable parameters; 0 s without any).
+
+        The parameters are restored afterwards: a window takes hundreds of steps on one
+        gradient, which would drive them far enough (attention logits to inf) to slow every
+        later forward and backward of the profile."""
         todo: dict[str, _UnitRun] = {}
         for link in links:
             if link.run is not None and link.signature not in self.optimizer_s:
                 todo.setdefault(link.signature, link.run)
         optimizers = {}
+        saved: list[tuple[Tensor, Tensor]] = []
         for signature, run in todo.items():
             params = [p for p in run.stage.parameters() if p.requires_grad]
             if not params:
                 self.optimizer_s[signature] = 0.0
                 continue
+            saved += [(p, p.detach().to("cpu", copy=True)) for p in params]
             run.backward(run.forward())
             optimizer = self.model_file.optimizer(params)
             optimizer.step()  # creates the state
@@ -427,6 +433,9 @@ class _Profiler:
         for (signature, optimizer), mean_s in zip(optimizers.items(), means_s, strict=True):
             self.optimizer_s[signature] = mean_s
             optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for param, value in saved:
+                param.copy_(value)
         for run in todo.values():
             run.clear_grads()
 

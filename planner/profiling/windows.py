@@ -5,9 +5,14 @@ passed; a call's sample is its mean over the window. Short calls timed alone sho
 CPU quota (the Linux CFS bandwidth controller hands out ``cpu.cfs_quota_us`` per
 ``cpu.cfs_period_us``, 100 ms by default) lets a process run at a full core's speed until the
 period's quota is spent, so a 1.4 ms block timed call by call measured as fast on a
-0.45-core cgroup as on a 0.9-core one; a GPU boosts its clock for short bursts likewise. A
-pause of the whole process lands in whichever call runs at the time, so over a window each
-call's mean carries its share of the pauses.
+0.45-core cgroup as on a 0.9-core one; a GPU boosts its clock for short bursts likewise.
+
+On a CPU the quota shows as a few long pauses per window (55 ms of every 100 ms at 0.45
+cores), each landing in whichever call runs at the time: a window of many short calls would
+give one call all of them and the next none. So a CPU window's wall time is shared out among
+its calls by their thread CPU time (:func:`apportion`): each call gets its share of the
+pauses, a preemption by a neighbour's process likewise. A GPU's calls are timed by CUDA
+events, which see its clock, not the host's pauses.
 
 Torch-free (the CLI reads the defaults before importing torch).
 """
@@ -46,3 +51,17 @@ def run_window(
             totals_s[idx] += lap_s
         num_runs += 1
     return [total_s / num_runs for total_s in totals_s]
+
+
+def apportion(wall_s: Sequence[float], cpu_s: Sequence[float]) -> list[float]:
+    """The calls' total wall seconds shared out by their CPU seconds: call ``i`` gets
+    ``sum(wall_s) * cpu_s[i] / sum(cpu_s)`` (``wall_s`` as is when no CPU time was used).
+
+    Example: two calls of 0.1 s CPU each, one of which caught a 0.4 s pause
+    (``wall_s = [0.1, 0.5]``), each get 0.3 s.
+    """
+    total_cpu_s = sum(cpu_s)
+    if total_cpu_s <= 0:
+        return list(wall_s)
+    total_wall_s = sum(wall_s)
+    return [total_wall_s * c / total_cpu_s for c in cpu_s]

@@ -23,7 +23,7 @@ from hplan.planner.profiling.unit_profile import (
     first_sweep_sizes,
     profile_units,
 )
-from hplan.planner.profiling.windows import run_window
+from hplan.planner.profiling.windows import apportion, run_window
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
@@ -96,7 +96,7 @@ class _RecordingWatch(Stopwatch):
     windows: ClassVar[list[tuple[float, float]]] = []
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__(device, clock=_TickingClock())
+        super().__init__(device, clock=_TickingClock(), cpu_clock=_TickingClock())
 
     def window(self, calls, window_s):
         started_s = self.clock()
@@ -127,8 +127,24 @@ def test_a_window_lasts_at_least_its_minimum_and_reports_mean_laps():
     now[0] = 0.0
     assert run_window(laps, 2, 0.0, clock=lambda: now[0]) == [0.04, 0.06]
     assert now[0] == pytest.approx(0.1)  # once at least
-    watch = Stopwatch(torch.device("cpu"), clock=_TickingClock())
+    watch = Stopwatch(torch.device("cpu"), clock=_TickingClock(), cpu_clock=_TickingClock())
     assert watch.window([lambda: None, lambda: None], 0.05) == [2**-10, 2**-10]
+
+
+def test_a_cpu_windows_pauses_are_shared_out_by_cpu_time():
+    # a quota's pause of 0.4 s landed in the second call: both used 0.1 s of CPU
+    assert apportion([0.1, 0.5], [0.1, 0.1]) == pytest.approx([0.3, 0.3])
+    assert apportion([0.1, 0.5], [0.05, 0.15]) == pytest.approx([0.15, 0.45])
+    assert apportion([0.2, 0.1], [0.0, 0.0]) == [0.2, 0.1]  # no CPU time: as measured
+    wall, cpu = _TickingClock(), _TickingClock(2**-12)
+    pauses = iter([0.5])
+
+    def paused() -> None:
+        wall.now_s += next(pauses)  # the window's one run of this call is paused
+
+    watch = Stopwatch(torch.device("cpu"), clock=wall, cpu_clock=cpu)
+    first, second = watch.window([lambda: None, paused], 0.0)
+    assert first == second == pytest.approx((2 * 2**-10 + 0.5) / 2)
 
 
 def test_every_unit_timing_is_the_mean_of_a_window_of_at_least_the_minimum(tiny_gpt, ticking):
