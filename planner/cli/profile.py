@@ -29,6 +29,7 @@ _GIGA = 1e9
 _TERA = 1e12
 _MS_PER_S = 1e3
 _MIB = 2**20
+_MAX_SIZE_COLUMNS = 6
 
 
 @click.command()
@@ -110,6 +111,9 @@ def profile(
 ) -> None:
     """Measure this machine's devices (FLOP/s, memory bandwidth) and, with --model, the time
     and memory of each partition unit; `hplan solve --profile DIR` plans with them.
+
+    On a cluster, run it on every node with --node NAME (and --cluster to check the name)
+    into one directory: each node keeps its own times.
 
     Loading model.py executes it, with your rights.
     """
@@ -201,9 +205,20 @@ def _device_table(profile: Profile) -> Table:
     return table
 
 
+def shown_sizes(sizes: list[int], limit: int = _MAX_SIZE_COLUMNS) -> list[int]:
+    """At most ``limit`` of ``sizes`` (ascending), evenly spread, the first and last kept."""
+    if len(sizes) <= limit:
+        return sizes
+    return [sizes[round(i * (len(sizes) - 1) / (limit - 1))] for i in range(limit)]
+
+
 def _unit_table(profile: Profile) -> Table:
-    sizes = sorted({t.micro_batch_size for t in profile.unit_timings})
-    table = Table(title="units: forward + backward ms per micro-batch", title_justify="left")
+    timed = sorted({t.micro_batch_size for t in profile.unit_timings})
+    sizes = shown_sizes(timed)
+    title = "units: forward + backward ms per micro-batch"
+    if len(sizes) < len(timed):
+        title += f" ({len(sizes)} of {len(timed)} sizes; --json or the files have all)"
+    table = Table(title=title, title_justify="left")
     table.add_column("device")
     table.add_column("unit")
     for size in sizes:
