@@ -42,7 +42,13 @@ from hplan.planner.cost.problem_builder import (
     build_problem,
     optimizer_state_factor,
 )
-from hplan.planner.cost.profiled_times import load_measured_source, source_labels
+from hplan.planner.cost.profiled_times import (
+    MeasuredSource,
+    check_profile_targets,
+    load_measured_source,
+    profile_label,
+    source_labels,
+)
 from hplan.planner.emit.plan_build import build_plan, model_spec, with_grad_sync
 from hplan.planner.emit.report import REQUESTED, build_report, with_cost_sources
 from hplan.planner.frontend.capture import CapturedModel, capture_model
@@ -110,9 +116,9 @@ class SolveRequest:
     out_dir: Path | None = None
     """Where plan.json will be written: the plan records the model path relative to it
     (the runtime resolves it against plan.json's folder). None: record it as given."""
-    profile_path: Path | None = None
-    """A measured profile (``hplan profile``: a file or a directory of them); its unit
-    timings take precedence over the roofline. None: the roofline only."""
+    profile_paths: tuple[Path, ...] = ()
+    """Measured profiles (``hplan profile``: files or directories of them, merged); their
+    unit timings take precedence over the roofline. Empty: the roofline only."""
     bandwidth_path: Path | None = None
     """A measured link matrix (``hplan bandwidth``); its device pairs override the cluster
     file's links. None: the cluster file's links only."""
@@ -159,7 +165,7 @@ class SolveRequest:
         _check_model_path(self.model_path)
         for path, what in (
             (self.cluster_path, "cluster file"),
-            (self.profile_path, "profile (--profile)"),
+            *((path, "profile (--profile)") for path in self.profile_paths),
             (self.bandwidth_path, "bandwidth file (--bandwidth)"),
             (self.capture_path, "capture file (--capture)"),
         ):
@@ -375,13 +381,18 @@ def _stored(r: PassResults) -> bool:
 
 
 def time_source_pass(r: PassResults) -> UnitTimeSource:
-    """The roofline, or the measured profile (checked to be of this model)."""
+    """The roofline, or the measured profiles (checked to be of this model, and to name only
+    nodes and devices of the cluster file)."""
     request = _request(r)
-    if request.profile_path is None:
+    if not request.profile_paths:
         return RooflineSource()
-    return load_measured_source(
-        request.profile_path, r["cost_graph"], model_path=request.model_path
+    source = load_measured_source(
+        request.profile_paths, r["cost_graph"], model_path=request.model_path
     )
+    selected = request.nodes is not None or bool(request.without)
+    cluster = load_cluster(request.cluster_path) if selected else r["cluster"].cluster
+    check_profile_targets(source.profile, cluster, source.label)
+    return source
 
 
 def problem_pass(r: PassResults) -> PlanningProblem:
@@ -423,19 +434,21 @@ def report_pass(r: PassResults) -> Report:
     source: UnitTimeSource = r["time_source"]
     notes = (*graph.notes, *r["trains_check"].notes, *r["cluster"].link_notes)
     report = build_report(problem, result, cost_source=source.name, notes=notes)
-    if request.profile_path is None:
+    if not request.profile_paths:
         return report
     cluster = r["cluster"].cluster
     labels = source_labels(source, cluster.devices, graph.unit_costs, problem.micro_batch_sizes)
     report = with_cost_sources(report, problem, result.layout, labels, source_name=source.name)
-    unmeasured = _unmeasured_kinds(cluster.devices, labels)
-    if not unmeasured:
-        return report
-    note = (
-        f"profile {request.profile_path} has no measurement for "
-        f"{', '.join(unmeasured)} and none to scale from: the roofline stands for them"
+    profile_notes = (
+        source.borrowed_notes(cluster.devices) if isinstance(source, MeasuredSource) else []
     )
-    return replace(report, notes=(*report.notes, note))
+    unmeasured = _unmeasured_kinds(cluster.devices, labels)
+    if unmeasured:
+        profile_notes.append(
+            f"profile {profile_label(request.profile_paths)} has no measurement for "
+            f"{', '.join(unmeasured)} and none to scale from: the roofline stands for them"
+        )
+    return replace(report, notes=(*report.notes, *profile_notes))
 
 
 def plan_pass(r: PassResults) -> Plan:

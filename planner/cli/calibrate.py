@@ -26,9 +26,11 @@ if TYPE_CHECKING:  # importing the CLI must not import torch (tests/test_archite
 @click.argument("runs_dir", type=click.Path(path_type=Path))
 @click.option(
     "--profile",
-    "profile_path",
+    "profile_paths",
     type=click.Path(path_type=Path),
-    help="The profile the plan was solved with (file or directory); its unit times are corrected.",
+    multiple=True,
+    help="The profile the plan was solved with (file or directory; repeatable, as given to "
+    "`hplan solve`); its unit times are corrected.",
 )
 @click.option(
     "-o",
@@ -39,7 +41,11 @@ if TYPE_CHECKING:  # importing the CLI must not import torch (tests/test_archite
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the error table as JSON on stdout.")
 def calibrate(
-    plan_path: Path, runs_dir: Path, profile_path: Path | None, out_dir: Path | None, as_json: bool
+    plan_path: Path,
+    runs_dir: Path,
+    profile_paths: tuple[Path, ...],
+    out_dir: Path | None,
+    as_json: bool,
 ) -> None:
     """Compare the runs in RUNS_DIR (rank-*.jsonl, or subfolders of them) with PLAN's prediction.
 
@@ -54,13 +60,13 @@ def calibrate(
         single_step_runs,
         write_profile,
     )
-    from hplan.planner.profiling.profile_file import Profile
+    from hplan.planner.profiling.profile_file import load_profiles
     from hplan.runtime.contract.plan import Plan
 
     if out_dir is not None:
         check_profile_out(out_dir)
     plan = Plan.load(plan_path)
-    base = Profile.load(profile_path) if profile_path is not None else None
+    base = load_profiles(profile_paths) if profile_paths else None
     runs = load_runs(runs_dir)
     result = run_calibration([(plan, runs)], base)
     stderr = wide_console(stderr=True)

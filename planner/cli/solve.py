@@ -63,9 +63,11 @@ precision_option = click.option(
 )
 profile_option = click.option(
     "--profile",
-    "profile_path",
+    "profile_paths",
     type=click.Path(path_type=Path),
-    help="Measured profile (file or directory, from `hplan profile --model`); replaces catalog estimates.",
+    multiple=True,
+    help="Measured profile (file or directory, from `hplan profile --model`; repeatable, the "
+    "profiles of every node merged); replaces catalog estimates.",
 )
 
 
@@ -177,7 +179,7 @@ def solve(
     steps: int | None,
     epochs: int | None,
     precision: str | None,
-    profile_path: Path | None,
+    profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     capture_path: Path | None,
     dump_dir: Path | None,
@@ -202,7 +204,7 @@ def solve(
         leaf_modules=leaf_modules,
         strategy=Strategy(strategy),
         out_dir=out_dir,
-        profile_path=profile_path,
+        profile_paths=profile_paths,
         bandwidth_path=bandwidth_path,
         precision=precision or "auto",
         capture_path=capture_path,

@@ -1,20 +1,22 @@
 """Unit times from a measured profile (``hplan profile``), with the roofline as fallback.
 
 :class:`MeasuredSource` is a ``UnitTimeSource`` (see ``problem_builder.py``). For a cluster
-device of kind ``K`` named ``N`` it looks for unit timings under, most specific first:
+device of kind ``K`` named ``N`` on node ``M`` it looks for unit timings under, most specific
+first (``profiling/device_keys.py``):
 
-1. ``K@N`` (this very device, e.g. written by ``hplan calibrate``);
-2. ``K#<uuid>`` where ``device_uuids`` binds ``N`` to that card;
-3. ``K`` (every device of the kind);
-4. ``K#*``: the cards of kind ``K`` measured by UUID, pooled (median per unit and size).
+1. ``K@N`` (this very device, e.g. ``hplan profile --node`` on a GPU machine);
+2. ``K@M`` (every ``K`` of this node: ``hplan profile --node M`` on a CPU machine);
+3. ``K#<uuid>`` where ``device_uuids`` binds ``N`` to that card;
+4. ``K`` (every device of the kind);
+5. ``K*``: the kind's measurements bound to cards (``K#<uuid>``) or to other nodes and
+   devices (``K@...``), pooled (median per unit and size).
 
 With timings, a (unit, micro-batch size) that was measured is used as is (``measured``;
-``calibrated``/``imported`` when the timing says so); another size comes from a
-least-squares line ``time = a + b * size`` through the unit's measured sizes
-(``measured (interpolated)`` inside the measured range, ``measured (extrapolated)``
-outside; ``a, b >= 0``). A device whose figures the cluster file overrides (a ``cpu``
-declared twice as fast) gets its kind's measurement scaled by the roofline ratio of its
-declared figures to the catalog's.
+``calibrated``/``imported`` when the timing says so); another size comes from the measured
+sizes around it as a fixed overhead plus a per-sample time (:func:`time_at_size`; ``measured
+(interpolated)`` inside the measured range, ``measured (extrapolated)`` outside). A device
+whose figures the cluster file overrides (a ``cpu`` declared twice as fast) gets its kind's
+measurement scaled by the roofline ratio of its declared figures to the catalog's.
 
 A device with no timings gets the roofline estimate times the median measured-to-roofline
 ratio of (forward + backward) over every measured (device, unit, size) of the same device
@@ -29,14 +31,14 @@ Finally a ``DeviceFactor`` for the device (``hplan calibrate``) multiplies its t
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from hplan.planner.cost.problem_builder import (
     Numerics,
@@ -45,14 +47,25 @@ from hplan.planner.cost.problem_builder import (
     UnitTimeSource,
 )
 from hplan.planner.hardware.catalog import CATALOG, DeviceClass, DeviceType
-from hplan.planner.hardware.cluster import Device
-from hplan.planner.profiling.profile_file import MeasurementSource, Profile, UnitTiming
+from hplan.planner.hardware.cluster import Cluster, Device
+from hplan.planner.profiling.device_keys import (
+    key_kind,
+    key_target,
+    lookup_keys,
+    unknown_targets,
+)
+from hplan.planner.profiling.profile_file import (
+    MeasurementSource,
+    Profile,
+    UnitTiming,
+    load_profiles,
+)
 from hplan.runtime.contract.errors import ConfigError
 
 if TYPE_CHECKING:
     from hplan.planner.frontend.cost_graph import ModelGraph, UnitCost
 
-_POOLED = "#*"
+_POOLED = "*"
 _SAME_FACTOR = 1e-9
 
 
@@ -151,12 +164,25 @@ class MeasuredSource:
 
     # -------------------------------------------------------------------- lookup
     def _timing_key(self, device: Device) -> str | None:
-        kind = device.kind
-        candidates = [f"{kind}@{device.name}"]
-        if device.name in self.device_uuids:
-            candidates.append(f"{kind}#{self.device_uuids[device.name]}")
-        candidates += [kind, f"{kind}{_POOLED}"]
+        uuid = self.device_uuids.get(device.name)
+        candidates = [*lookup_keys(device, uuid), f"{device.kind}{_POOLED}"]
         return next((k for k in candidates if k in self._measured), None)
+
+    def borrowed_notes(self, devices: Sequence[Device]) -> list[str]:
+        """One note per device whose kind was profiled per node (``--node``) but not on its
+        node: which measurements stand for it."""
+        notes = []
+        for device in devices:
+            key = self._timing_key(device)
+            if key is None or not key.endswith(_POOLED):
+                continue
+            bound = sorted(k for k in self._measured if _bound(k) and key_kind(k) == device.kind)
+            if any("@" in k for k in bound):
+                notes.append(
+                    f"{device.name} has no profile of its own (`hplan profile --node "
+                    f"{device.node}` on it): the median of {', '.join(bound)} stands for it"
+                )
+        return notes
 
     def _estimate(
         self, device: Device, cost: UnitCost, size: int, numerics: Numerics | None = None
@@ -219,9 +245,16 @@ class MeasuredSource:
         return times.fwd_time_s + times.bwd_time_s
 
     def _measured_peaks_type(self, device: Device, dtype: str) -> DeviceType | None:
-        """The device's type with its kind's measured ``dtype`` matmul FLOP/s and
-        bandwidth, if measured."""
-        profiles = [p for p in self._devices.values() if p.kind == device.kind]
+        """The device's type with its own measured ``dtype`` matmul FLOP/s and bandwidth
+        (its most specific key's), else its kind's (the median), if measured."""
+        own = [
+            k for k in lookup_keys(device, self.device_uuids.get(device.name)) if k in self._devices
+        ]
+        profiles = (
+            [self._devices[own[0]]]
+            if own
+            else [p for p in self._devices.values() if p.kind == device.kind]
+        )
         flops = [p.matmul_flops_per_s.get(dtype) for p in profiles]
         bandwidths = [p.memory_bandwidth_bytes_per_s for p in profiles]
         flops_s = [f.median for f in flops if f is not None]
@@ -241,8 +274,8 @@ class MeasuredSource:
     # -------------------------------------------------------------------- ratios
     def _measured_kinds(self) -> Iterable[tuple[DeviceType, _Measured]]:
         for key, measured in self._measured.items():
-            kind = key.split("@")[0].split("#")[0]
-            if kind in CATALOG and "@" not in key and not key.endswith(_POOLED):
+            kind = key_kind(key)
+            if kind in CATALOG and not key.endswith(_POOLED):
                 yield CATALOG[kind], measured
 
     def _class_ratios(self) -> dict[DeviceClass, float]:
@@ -277,9 +310,9 @@ class MeasuredSource:
 
 
 def _index_timings(timings: Iterable[UnitTiming]) -> dict[str, _Measured]:
-    """Timings by device key, plus pooled ``kind#*`` entries for cards measured by UUID."""
+    """Timings by device key, plus a pooled ``kind*`` entry per kind with bound keys."""
     measured: dict[str, _Measured] = {}
-    by_uuid: dict[str, list[UnitTiming]] = {}
+    bound: dict[str, list[UnitTiming]] = {}
     for t in timings:
         entry = measured.setdefault(t.device, _Measured({}, {}))
         entry.points.setdefault(t.unit, {})[t.micro_batch_size] = _Point(
@@ -287,11 +320,16 @@ def _index_timings(timings: Iterable[UnitTiming]) -> dict[str, _Measured]:
         )
         if t.optimizer_s is not None:
             entry.optimizer_s[t.unit] = t.optimizer_s
-        if "#" in t.device and "@" not in t.device:
-            by_uuid.setdefault(t.device.split("#")[0], []).append(t)
-    for kind, cards in by_uuid.items():
-        measured[f"{kind}{_POOLED}"] = _pooled(cards)
+        if _bound(t.device):
+            bound.setdefault(key_kind(t.device), []).append(t)
+    for kind, group in bound.items():
+        measured[f"{kind}{_POOLED}"] = _pooled(group)
     return measured
+
+
+def _bound(key: str) -> bool:
+    """A key bound to a card (``#``), a node or a device (``@``)."""
+    return "#" in key or key_target(key) is not None
 
 
 def _pooled(timings: Sequence[UnitTiming]) -> _Measured:
@@ -319,7 +357,7 @@ _SOURCE_LABELS = {
 
 
 def _at_size(points: Mapping[int, _Point], size: int) -> tuple[_Point, str]:
-    """The point at ``size``: measured, or from a line fitted through the measured sizes."""
+    """The point at ``size``: measured, or from the measured sizes around it."""
     if size in points:
         point = points[size]
         return point, _SOURCE_LABELS[point.source]
@@ -327,55 +365,95 @@ def _at_size(points: Mapping[int, _Point], size: int) -> tuple[_Point, str]:
     source = _SOURCE_LABELS[points[sizes[0]].source]
     inside = sizes[0] < size < sizes[-1]
     label = f"{source} ({'interpolated' if inside else 'extrapolated'})"
-    fwd = fit_line_at([(s, points[s].fwd_s) for s in sizes], size)
-    bwd = fit_line_at([(s, points[s].bwd_s) for s in sizes], size)
+    fwd = time_at_size([(s, points[s].fwd_s) for s in sizes], size)
+    bwd = time_at_size([(s, points[s].bwd_s) for s in sizes], size)
     return _Point(fwd, bwd, points[sizes[0]].source), label
 
 
-def fit_line_at(samples: Sequence[tuple[int, float]], x: float) -> float:
-    """Value at ``x`` of the least-squares line ``y = a + b x`` with ``a, b >= 0``.
+def time_at_size(samples: Sequence[tuple[int, float]], size: float) -> float:
+    """Seconds of one micro-batch of ``size`` from measured ``(size, seconds)`` samples.
 
-    One sample: proportional, ``y0 * x / x0``. A negative slope is set to 0 (the mean);
-    a negative intercept gives the best line through the origin.
+    A micro-batch costs a fixed overhead plus a per-sample time, ``a + b * size``, with
+    ``a`` and ``b`` read off the measured sizes nearest ``size`` (so one micro-batch of 48
+    costs less than six of 8 by the overhead the measurements show, and a per-sample time
+    that falls with size, as on a CPU up to its cache, is followed):
+
+    - between two measured sizes: the line through them;
+    - above the largest: the line through the two largest, continued; when they took the
+      same time (nothing measured says what a sample costs) proportional to the largest;
+    - below the smallest: the line through the two smallest, continued, or proportional
+      to the smallest where that line would cross zero;
+    - one sample: proportional, ``y0 * size / x0``.
+
+    The times are first made non-decreasing in size (a running maximum): a larger
+    micro-batch never takes less time, so a dip is measurement noise.
     """
-    xs = np.array([s for s, _ in samples], dtype=np.float64)
-    ys = np.array([y for _, y in samples], dtype=np.float64)
+    ordered = sorted(samples)
+    xs = [float(x) for x, _ in ordered]
+    ys = list(itertools.accumulate((y for _, y in ordered), max))
     if len(xs) == 1:
-        return float(ys[0] * x / xs[0])
-    slope, intercept = np.polyfit(xs, ys, 1)
-    if slope < 0:
-        return float(ys.mean())
-    if intercept < 0:
-        return float(x * (xs @ ys) / (xs @ xs))
-    return float(intercept + slope * x)
+        return ys[0] * size / xs[0]
+    idx = min(max(bisect.bisect_left(xs, size), 1), len(xs) - 1)
+    (x0, y0), (x1, y1) = (xs[idx - 1], ys[idx - 1]), (xs[idx], ys[idx])
+    slope = (y1 - y0) / (x1 - x0)
+    if size > x1 and slope <= 0:
+        return y1 * size / x1
+    if size < x0 and y0 - slope * x0 < 0:
+        return y0 * size / x0
+    return y0 + slope * (size - x0)
 
 
 # ------------------------------------------------------------------------------ loading
 def load_measured_source(
-    profile_path: Path, graph: ModelGraph, *, model_path: Path
+    profile_paths: Sequence[Path], graph: ModelGraph, *, model_path: Path
 ) -> MeasuredSource:
-    """The ``MeasuredSource`` of a profile file or directory for ``graph``'s model.
+    """The ``MeasuredSource`` of profile files and directories (merged; later ones win where
+    two measured the same thing) for ``graph``'s model.
 
     Raises:
-        ConfigError: the profile cannot be read, holds unit timings without a model, or
-            was measured on another model (graph fingerprints differ; names both).
+        ConfigError: a profile cannot be read, holds unit timings without a model, or was
+            measured on another model (graph fingerprints differ; names both).
     """
-    profile = Profile.load(profile_path)
+    profile = load_profiles(profile_paths)
+    named = profile_label(profile_paths)
+    quoted = ", ".join(repr(str(p)) for p in profile_paths)
     fingerprint = graph.graph_fingerprint
     if profile.unit_timings and profile.model is None:
         raise ConfigError(
-            f"profile {str(profile_path)!r} has unit timings but no model; re-run "
-            f"`hplan profile --model {model_path} -o {profile_path}`"
+            f"profile {quoted} has unit timings but no model; re-run "
+            f"`hplan profile --model {model_path} -o {named}`"
         )
     if profile.model is not None and profile.model.graph_fingerprint != fingerprint:
         raise ConfigError(
-            f"profile {str(profile_path)!r} was measured on model {profile.model.path} (graph "
+            f"profile {quoted} was measured on model {profile.model.path} (graph "
             f"{profile.model.graph_fingerprint[:12]}), not on {model_path} (graph "
             f"{fingerprint[:12]}); re-run `hplan profile --model {model_path}` with the same "
             "--leaf-module options"
         )
-    return MeasuredSource(
-        profile, graph.unit_costs, graph.param_dtype, label=profile_path.as_posix()
+    return MeasuredSource(profile, graph.unit_costs, graph.param_dtype, label=named)
+
+
+def profile_label(profile_paths: Sequence[Path]) -> str:
+    """``prof/`` or ``a.json, b.json``: the profiles as the report names them."""
+    return ", ".join(p.as_posix() for p in profile_paths)
+
+
+def check_profile_targets(profile: Profile, cluster: Cluster, label: str) -> None:
+    """Every node or device a profile key is bound to (``cpu@left``) is in ``cluster``.
+
+    Raises:
+        ConfigError: naming the first unknown key, the cluster's nodes and the fix.
+    """
+    keys = [d.key for d in profile.devices] + [t.device for t in profile.unit_timings]
+    unknown = unknown_targets(keys, cluster)
+    if not unknown:
+        return
+    nodes = ", ".join(n.name for n in cluster.nodes)
+    others = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+    raise ConfigError(
+        f"profile {label} measures {unknown[0]}{others}, but {cluster.source!r} has no node or "
+        f"device {key_target(unknown[0])!r} (its nodes: {nodes}); re-profile that machine "
+        "with `hplan profile --node NODE --cluster CLUSTER` or leave its file out"
     )
 
 

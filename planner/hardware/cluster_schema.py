@@ -33,7 +33,8 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 
 
-def _check_name(value: str) -> str:
+def check_name(value: str) -> str:
+    """A node or cluster name: 1-63 letters, digits, ``-``, ``_`` or ``.`` (ValueError)."""
     if not _NAME_RE.match(value):
         raise ValueError(
             f"{value!r} is not a valid name; use 1-63 letters, digits, '-', '_' or '.', "
@@ -67,7 +68,7 @@ def _number_to_str(value: Any) -> Any:
     return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-Name = Annotated[str, Field(strict=True), AfterValidator(_check_name)]
+Name = Annotated[str, Field(strict=True), AfterValidator(check_name)]
 Host = Annotated[str, Field(strict=True), AfterValidator(_check_host)]
 Positive = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
 NonNegative = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]

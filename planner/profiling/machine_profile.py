@@ -3,18 +3,21 @@
 :func:`profile_machine` discovers the devices (``hardware/discovery.py``), runs the microbenchmarks
 (``microbench.py``) on each measured device and, given a model file, profiles every
 partition unit on one device (``unit_profile.py``). It returns one :class:`Profile` per
-measured device; :func:`write_profiles` stores each as ``<host>-<device key>.json``.
+measured device; :func:`write_profiles` stores each as a JSON file.
 
-Device keys (see ``profile_file.py``): a GPU measured by UUID is ``<kind>#<uuid>``
-(``rtx3090#GPU-5d1c...``); the CPU is ``cpu`` (the catalog's one-core rehearsal device:
-it is measured with one thread).
+Device keys (``device_keys.py``): by default a GPU measured by UUID is ``<kind>#<uuid>``
+(``rtx3090#GPU-5d1c...``) and the CPU is ``cpu`` (the catalog's one-core rehearsal device:
+it is measured with one thread); files are ``<host>-<device key>.json``. With ``node`` (this
+machine is that node of the cluster) the CPU is ``cpu@<node>`` and GPU ``i`` is
+``<kind>@<node>/<i>``, files ``<node>-<kind>.json`` and ``<node>_<i>-<kind>.json``: the
+profiles of several machines go in one directory and each node keeps its own times.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,14 +25,22 @@ import torch
 
 from hplan.planner.frontend.capture import CaptureTensors
 from hplan.planner.frontend.cost_graph import build_model_graph
+from hplan.planner.hardware.cluster import Cluster, load_cluster
 from hplan.planner.hardware.discovery import CpuInfo, Discovery, GpuInfo, discover_devices
+from hplan.planner.profiling.device_keys import (
+    check_node_name,
+    key_kind,
+    key_target,
+    node_cpu_key,
+    node_gpu_key,
+)
 from hplan.planner.profiling.microbench import benchmark_device
 from hplan.planner.profiling.profile_file import DeviceProfile, ModelRef, Profile
 from hplan.planner.profiling.unit_profile import OnStep, UnitProfileOptions, profile_units
-from hplan.runtime.capture.model_file import load_model_file
+from hplan.planner.profiling.windows import DEFAULT_MAX_MICRO_BATCH_SIZE, DEFAULT_WINDOW_S
+from hplan.runtime.capture.model_file import ModelFile, load_model_file
 from hplan.runtime.contract.errors import ConfigError
 
-DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 OnPhase = Callable[[str], None]
 """Progress callback: a short description of the phase starting."""
 
@@ -40,7 +51,18 @@ class ProfileRequest:
 
     model_path: Path | None = None
     """Profile this model's units too (None: devices only)."""
-    micro_batch_sizes: tuple[int, ...] = DEFAULT_MICRO_BATCH_SIZES
+    micro_batch_sizes: tuple[int, ...] | None = None
+    """Sizes to time the units at; None: powers of two chosen as they are timed
+    (``unit_profile.py``)."""
+    max_micro_batch_size: int = DEFAULT_MAX_MICRO_BATCH_SIZE
+    """Largest size to choose when ``micro_batch_sizes`` is None."""
+    window_s: float = DEFAULT_WINDOW_S
+    """Wall seconds every timed window (benchmarks and units) lasts at least."""
+    node: str | None = None
+    """The cluster node this machine is: keys and file names name it (module docstring).
+    None: keys by kind and UUID."""
+    cluster_path: Path | None = None
+    """The cluster file ``node`` is checked against (and takes its device kinds from)."""
     device: str | None = None
     """``cpu``, ``cuda`` or ``cuda:N``; None: every usable GPU (units on the first), else
     the CPU."""
@@ -60,6 +82,10 @@ class MachineProfile:
     profiles: tuple[Profile, ...]
     """One per measured device, each with that device's ``DeviceProfile``."""
     elapsed_s: float
+    phase_times_s: tuple[tuple[str, float], ...] = ()
+    """(phase, wall seconds): ``benchmarks`` and ``units``, those that ran."""
+    micro_batch_sizes: tuple[int, ...] = ()
+    """The sizes the units were timed at (none without a model)."""
 
     def merged(self) -> Profile:
         """All measurements in one profile."""
@@ -89,24 +115,37 @@ def profile_machine(
     """
     say = on_phase or (lambda _msg: None)
     started_s = time.monotonic()
-    _check_sizes(request.micro_batch_sizes)
+    _check_request(request)
+    cluster = load_cluster(request.cluster_path) if request.cluster_path is not None else None
+    model_file = load_model_file(request.model_path) if request.model_path is not None else None
     say("discovering devices")
     found = discovery if discovery is not None else discover_devices()
     targets = _targets(found, request.device)
+    keys = [_key(found, gpu, request.node, cluster) for _, gpu in targets]
     devices = []
-    for device, gpu in targets:
+    bench_started_s = time.monotonic()
+    for (device, gpu), key in zip(targets, keys, strict=True):
         say(f"benchmarking {_label(device, gpu, found.cpu)}")
-        devices.append(_device_profile(found, device, gpu, benchmark=request.benchmark))
+        devices.append(_device_profile(found, device, gpu, key, request))
+    phases = [("benchmarks", time.monotonic() - bench_started_s)] if request.benchmark else []
     profiles = [Profile(devices=(d,), notes=found.notes) for d in devices]
-    if request.model_path is not None:
+    sizes: tuple[int, ...] = ()
+    if model_file is not None:
         say(f"profiling the units of {request.model_path} on {devices[0].key}")
-        profiles[0] = _with_units(profiles[0], request, targets[0][0], on_step)
-    return MachineProfile(found, tuple(profiles), time.monotonic() - started_s)
+        units_started_s = time.monotonic()
+        profiles[0], sizes = _with_units(profiles[0], model_file, request, targets[0][0], on_step)
+        phases.append(("units", time.monotonic() - units_started_s))
+    elapsed_s = time.monotonic() - started_s
+    return MachineProfile(found, tuple(profiles), elapsed_s, tuple(phases), sizes)
 
 
 def profile_file_name(host: str, device_key: str) -> str:
-    """``<host>-<device key>.json`` with characters unsafe in file names replaced by ``_``."""
-    return re.sub(r"[^A-Za-z0-9._@-]", "_", f"{host}-{device_key}") + ".json"
+    """``<host>-<device key>.json``; for a key bound to a node or device
+    (``cpu@left``, ``rtx3090@box/1``) ``<node or device>-<kind>.json`` (``left-cpu.json``,
+    ``box_1-rtx3090.json``). Characters unsafe in file names become ``_``."""
+    target = key_target(device_key)
+    stem = f"{host}-{device_key}" if target is None else f"{target}-{key_kind(device_key)}"
+    return re.sub(r"[^A-Za-z0-9._@-]", "_", stem) + ".json"
 
 
 def write_profiles(result: MachineProfile, out_dir: Path) -> list[Path]:
@@ -131,9 +170,20 @@ def write_profiles(result: MachineProfile, out_dir: Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------ devices
-def _check_sizes(sizes: Sequence[int]) -> None:
-    if not sizes or min(sizes) < 1:
+def _check_request(request: ProfileRequest) -> None:
+    sizes = request.micro_batch_sizes
+    if sizes is not None and (not sizes or min(sizes) < 1):
         raise ConfigError(f"micro-batch sizes {tuple(sizes)} must be integers >= 1, e.g. 1,2,4")
+    if request.max_micro_batch_size < 1:
+        raise ConfigError(
+            f"--max-micro-batch-size {request.max_micro_batch_size} must be an integer >= 1"
+        )
+    if not request.window_s >= 0:
+        raise ConfigError(f"--window {request.window_s:g} must be seconds >= 0, e.g. 0.3")
+    if request.node is not None:
+        check_node_name(request.node)
+    elif request.cluster_path is not None:
+        raise ConfigError("--cluster goes with --node (the node of the cluster this machine is)")
 
 
 def _targets(found: Discovery, wanted: str | None) -> list[tuple[torch.device, GpuInfo | None]]:
@@ -167,18 +217,28 @@ def device_key(gpu: GpuInfo | None) -> str:
     return f"{gpu.kind}#{gpu.uuid}" if gpu.uuid else gpu.kind
 
 
+def _key(found: Discovery, gpu: GpuInfo | None, node: str | None, cluster: Cluster | None) -> str:
+    """The device's key: :func:`device_key`, or bound to ``node`` (module docstring)."""
+    if node is None:
+        return device_key(gpu)
+    if gpu is None:
+        return node_cpu_key(node, cluster)
+    order = [g.torch_index for g in found.usable_gpus]  # PCI bus order, as the runtime's
+    return node_gpu_key(node, order.index(gpu.torch_index), gpu.kind, cluster)
+
+
 def _device_profile(
-    found: Discovery, device: torch.device, gpu: GpuInfo | None, *, benchmark: bool
+    found: Discovery, device: torch.device, gpu: GpuInfo | None, key: str, request: ProfileRequest
 ) -> DeviceProfile:
-    bench = benchmark_device(device) if benchmark else None
+    bench = benchmark_device(device, window_s=request.window_s) if request.benchmark else None
     flops = bench.matmul_flops_per_s if bench else {}
     bandwidth = bench.memory_bandwidth_bytes_per_s if bench else None
     if gpu is None:
         cpu = found.cpu
         details = {**cpu.details(), **({"num_threads": bench.num_threads} if bench else {})}
         return DeviceProfile(
-            key="cpu",
-            kind="cpu",
+            key=key,
+            kind=key_kind(key),
             name=cpu.name,
             host=found.host,
             memory_bytes=cpu.memory_total_bytes,
@@ -187,8 +247,8 @@ def _device_profile(
             details=details,
         )
     return DeviceProfile(
-        key=device_key(gpu),
-        kind=gpu.kind,
+        key=key,
+        kind=key_kind(key),
         name=gpu.name,
         host=found.host,
         memory_bytes=gpu.memory_total_bytes,
@@ -202,10 +262,14 @@ def _device_profile(
 
 # -------------------------------------------------------------------------------- units
 def _with_units(
-    profile: Profile, request: ProfileRequest, device: torch.device, on_step: OnStep | None
-) -> Profile:
+    profile: Profile,
+    model_file: ModelFile,
+    request: ProfileRequest,
+    device: torch.device,
+    on_step: OnStep | None,
+) -> tuple[Profile, tuple[int, ...]]:
+    """``profile`` with the model's unit timings on ``device``; the sizes timed."""
     assert request.model_path is not None
-    model_file = load_model_file(request.model_path)
     graph = build_model_graph(
         model_file,
         leaf_modules=request.leaf_modules,
@@ -214,7 +278,9 @@ def _with_units(
     )
     options = replace(
         request.unit_options or UnitProfileOptions(),
-        micro_batch_sizes=tuple(sorted(set(request.micro_batch_sizes))),
+        micro_batch_sizes=request.micro_batch_sizes,
+        max_micro_batch_size=request.max_micro_batch_size,
+        window_s=request.window_s,
         seed=request.seed,
     )
     key = profile.devices[0].key
@@ -225,13 +291,19 @@ def _with_units(
         graph_fingerprint=graph.graph_fingerprint,
         units=tuple(u.name for u in graph.units),
     )
-    notes = (*profile.notes, *graph.notes, *_sharing_notes(measured.shared_with))
-    return Profile(
+    notes = (
+        *profile.notes,
+        *graph.notes,
+        *_sharing_notes(measured.shared_with),
+        *(f"{key}: {note}" for note in measured.notes),
+    )
+    with_units = Profile(
         devices=profile.devices,
         model=model,
         unit_timings=measured.timings,
         notes=tuple(dict.fromkeys(notes)),
     )
+    return with_units, measured.micro_batch_sizes
 
 
 def _sharing_notes(shared_with: dict[str, str]) -> list[str]:

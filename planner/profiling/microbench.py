@@ -1,9 +1,10 @@
 """Device microbenchmarks: achieved matmul FLOP/s per dtype and memory bandwidth.
 
-Each benchmark warms up, then times repeated runs and reports the median and the 10th/90th
-percentiles (:class:`hplan.planner.profiling.profile_file.Stat`). On a GPU the clock is a pair of CUDA
-events around each run; on a CPU ``torch.utils.benchmark.Timer.blocked_autorange`` (each
-sample is the mean of a block of runs long enough for the timer's resolution).
+Each benchmark warms up, then times a few windows (``windows.py``: each runs the call back
+to back for at least ``window_s`` of wall time, so the number is a sustained speed, not a
+burst under a CPU quota or a GPU's boost clock) and reports the median and the 10th/90th
+percentiles of their means (:class:`hplan.planner.profiling.profile_file.Stat`). On a GPU
+each call is timed with CUDA events, on a CPU with ``time.perf_counter``.
 
 - Matmul: ``C = A @ B`` with square ``n x n`` operands; ``2 n^3`` FLOPs per product (one
   multiply and one add per inner-product term).
@@ -21,12 +22,17 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-from torch.utils import benchmark
 
 from hplan.planner.profiling.profile_file import Stat
+from hplan.planner.profiling.windows import (
+    DEFAULT_NUM_WINDOWS,
+    DEFAULT_WINDOW_S,
+    apportion,
+    run_window,
+)
 
 _MIB = 2**20
 
@@ -38,19 +44,20 @@ class BenchSizes:
     matmul_n: dict[str, int]
     """Square matmul size by dtype name."""
     copy_bytes: int
-    min_time_s: float
-    """Timed seconds per benchmark (after warm-up)."""
+    window_s: float = DEFAULT_WINDOW_S
+    """Wall seconds each timed window lasts at least (after warm-up)."""
+    num_windows: int = DEFAULT_NUM_WINDOWS
+    """Windows per benchmark; the samples of its ``Stat``."""
 
 
 CPU_SIZES = BenchSizes(
     matmul_n={"float32": 512, "bfloat16": 512, "float16": 256},
     copy_bytes=64 * _MIB,
-    min_time_s=0.3,
 )
 GPU_SIZES = BenchSizes(
     matmul_n={"float32": 4096, "bfloat16": 8192, "float16": 8192},
     copy_bytes=1024 * _MIB,
-    min_time_s=0.5,
+    window_s=0.5,
 )
 
 
@@ -79,7 +86,11 @@ def matmul_dtypes(device: torch.device) -> tuple[str, ...]:
 
 
 def benchmark_device(
-    device: torch.device, *, sizes: BenchSizes | None = None, dtypes: Sequence[str] | None = None
+    device: torch.device,
+    *,
+    sizes: BenchSizes | None = None,
+    dtypes: Sequence[str] | None = None,
+    window_s: float | None = None,
 ) -> DeviceBenchmark:
     """Matmul FLOP/s for each dtype and copy bandwidth of ``device``.
 
@@ -87,41 +98,53 @@ def benchmark_device(
         device: ``cpu`` (timed on one thread) or ``cuda:N``.
         sizes: default ``GPU_SIZES`` on CUDA, else ``CPU_SIZES``.
         dtypes: default :func:`matmul_dtypes`.
+        window_s: replaces the window of ``sizes`` (None: keep it).
 
     Returns:
         FLOP/s by dtype name (``2 n^3`` per product) and bytes/s (``2 x`` buffer bytes per
         copy), each a ``Stat`` over the timed samples.
     """
     sizes = sizes or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
+    if window_s is not None:
+        sizes = replace(sizes, window_s=window_s)
     names = tuple(dtypes) if dtypes is not None else matmul_dtypes(device)
     with one_cpu_thread(device):
         flops = {
             name: matmul_flops_per_s(
-                device, getattr(torch, name), sizes.matmul_n.get(name, 512), sizes.min_time_s
+                device, getattr(torch, name), sizes.matmul_n.get(name, 512), sizes
             )
             for name in names
         }
-        bandwidth = copy_bandwidth_bytes_per_s(device, sizes.copy_bytes, sizes.min_time_s)
+        bandwidth = copy_bandwidth_bytes_per_s(device, sizes.copy_bytes, sizes)
         threads = torch.get_num_threads()
     return DeviceBenchmark(flops, bandwidth, threads)
 
 
-def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, n: int, min_time_s: float) -> Stat:
-    """Achieved FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` (``2 n^3`` FLOPs each)."""
+def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, n: int, sizes: BenchSizes) -> Stat:
+    """Achieved FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` (``2 n^3`` FLOPs each),
+    one sample per window of ``sizes``."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    seconds = time_call(lambda: torch.mm(a, b, out=out), device, min_time_s=min_time_s)
+    seconds = time_call(
+        lambda: torch.mm(a, b, out=out),
+        device,
+        window_s=sizes.window_s,
+        num_windows=sizes.num_windows,
+    )
     return Stat.of([2.0 * n**3 / s for s in seconds])
 
 
-def copy_bandwidth_bytes_per_s(device: torch.device, num_bytes: int, min_time_s: float) -> Stat:
-    """Achieved bytes/s of ``dst.copy_(src)`` of a ``num_bytes`` float32 buffer (read+write)."""
+def copy_bandwidth_bytes_per_s(device: torch.device, num_bytes: int, sizes: BenchSizes) -> Stat:
+    """Achieved bytes/s of ``dst.copy_(src)`` of a ``num_bytes`` float32 buffer (read+write),
+    one sample per window of ``sizes``."""
     numel = max(num_bytes // 4, 1)
     src = torch.ones(numel, device=device)
     dst = torch.empty_like(src)
-    seconds = time_call(lambda: dst.copy_(src), device, min_time_s=min_time_s)
+    seconds = time_call(
+        lambda: dst.copy_(src), device, window_s=sizes.window_s, num_windows=sizes.num_windows
+    )
     return Stat.of([2.0 * numel * 4 / s for s in seconds])
 
 
@@ -129,50 +152,73 @@ def time_call(
     fn: Callable[[], object],
     device: torch.device,
     *,
-    min_time_s: float,
+    window_s: float = DEFAULT_WINDOW_S,
+    num_windows: int = DEFAULT_NUM_WINDOWS,
     num_warmup: int = 3,
-    max_samples: int = 200,
 ) -> list[float]:
-    """Seconds per call of ``fn`` on ``device``, one entry per timed sample (>= 3 samples).
-
-    CPU: ``torch.utils.benchmark.Timer.blocked_autorange(min_run_time=min_time_s)`` with the
-    current thread count; each sample is a block's mean. CUDA: CUDA events around each call,
-    after ``num_warmup`` calls, until ``min_time_s`` of samples or ``max_samples``.
-    """
-    if device.type != "cuda":
-        timer = benchmark.Timer(
-            stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
-        )
-        for _ in range(num_warmup):
-            fn()
-        measurement = timer.blocked_autorange(min_run_time=min_time_s)
-        times = list(measurement.times)
-        while len(times) < 3:
-            times += timer.timeit(measurement.number_per_run).times
-        return times
-    watch = Stopwatch(device)
+    """Seconds per call of ``fn`` on ``device``: one mean per window (``Stopwatch.window``),
+    ``num_windows`` windows of at least ``window_s`` wall seconds, after ``num_warmup`` calls."""
     for _ in range(num_warmup):
         fn()
-    samples: list[float] = []
-    while len(samples) < 3 or (sum(samples) < min_time_s and len(samples) < max_samples):
-        samples.append(watch.laps([fn])[0])
-    return samples
+    watch = Stopwatch(device)
+    return [watch.window([fn], window_s)[0] for _ in range(num_windows)]
 
 
 class Stopwatch:
     """Times consecutive calls on a device: CUDA events on a GPU, ``perf_counter`` on a CPU."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        clock: Callable[[], float] = time.perf_counter,
+        cpu_clock: Callable[[], float] = time.thread_time,
+    ) -> None:
+        """
+        Args:
+            clock: wall seconds (``time.perf_counter``); the CPU laps and every window's
+                length are read from it.
+            cpu_clock: this thread's CPU seconds (``time.thread_time``), by which a CPU
+                window's wall time is shared out among its calls.
+        """
         self.device = device
+        self.clock = clock
+        self.cpu_clock = cpu_clock
+
+    def window(self, calls: Sequence[Callable[[], object]], window_s: float) -> list[float]:
+        """Run ``calls`` one after the other, again and again, until at least ``window_s``
+        wall seconds have passed (once at least); the mean seconds of each call
+        (``windows.run_window``). On a CPU the calls' wall time is shared out by their
+        thread CPU time (``windows.apportion``)."""
+        if self.device.type == "cuda":
+            return run_window(lambda: self.laps(calls), len(calls), window_s, self.clock)
+        num_calls = len(calls)
+        means = run_window(lambda: self._cpu_laps(calls), 2 * num_calls, window_s, self.clock)
+        return apportion(means[:num_calls], means[num_calls:])
+
+    def _cpu_laps(self, calls: Sequence[Callable[[], object]]) -> list[float]:
+        """Run ``calls`` once each: the wall seconds of each, then the CPU seconds of each.
+
+        Each CPU reading comes before its wall reading: reading a thread's CPU time is a
+        system call that brings its run time up to date, which is where the kernel finds a
+        quota spent and pauses the thread, so the pause must fall inside a wall lap."""
+        walls = [self.clock()]
+        cpus = [self.cpu_clock()]
+        for call in calls:
+            call()
+            cpus.append(self.cpu_clock())
+            walls.append(self.clock())
+        return [b - a for a, b in itertools.pairwise(walls)] + [
+            b - a for a, b in itertools.pairwise(cpus)
+        ]
 
     def laps(self, calls: Sequence[Callable[[], object]]) -> list[float]:
         """Run ``calls`` one after the other; return the seconds each took."""
         if self.device.type == "cuda":
             return self._cuda_laps(calls)
-        marks = [time.perf_counter()]
+        marks = [self.clock()]
         for call in calls:
             call()
-            marks.append(time.perf_counter())
+            marks.append(self.clock())
         return [b - a for a, b in itertools.pairwise(marks)]
 
     def _cuda_laps(self, calls: Sequence[Callable[[], object]]) -> list[float]:

@@ -6,11 +6,12 @@ micro-batch size, memory), and per-device correction factors found by ``hplan
 calibrate``. Device keys say what a measurement applies to:
 
 - a catalog kind (``rtx3090``): every device of that kind;
-- ``<kind>@<cluster device name>`` (``rtx3090@box-b/1``): one device of one cluster
-  (calibration finds stragglers this way);
+- ``<kind>@<cluster node>`` (``cpu@left``): every device of that kind on one node
+  (``hplan profile --node``);
+- ``<kind>@<cluster device name>`` (``rtx3090@box-b/1``): one device of one cluster;
 - ``<kind>#<uuid>``: one physical card, by NVML UUID.
 
-The cost model prefers the most specific key. Files are JSON, versioned, with units in every
+The cost model prefers the most specific key (``device_keys.py``). Files are JSON, versioned, with units in every
 key; ``Profile.load``/``to_json`` round-trip exactly; profiles of the same model merge.
 """
 
@@ -43,7 +44,8 @@ class MeasurementSource(StrEnum):
 
 @record
 class Stat:
-    """A repeated measurement: median and spread of ``num_samples`` timed runs."""
+    """A repeated measurement: median and spread of ``num_samples`` timed samples (each the
+    mean of one timed window, ``windows.py``)."""
 
     median: float
     p10: float
@@ -70,7 +72,8 @@ class DeviceProfile:
     """What was measured about one device (or one device kind)."""
 
     key: str
-    """See the module docstring: ``kind``, ``kind@device-name`` or ``kind#uuid``."""
+    """See the module docstring: ``kind``, ``kind@node``, ``kind@device-name`` or
+    ``kind#uuid``."""
     kind: str
     """Catalog kind the device was identified as (``cpu`` for a CPU)."""
     name: str
@@ -215,6 +218,19 @@ class Profile:
             device_factors=tuple(factors[k] for k in sorted(factors)),
             notes=tuple(dict.fromkeys((*self.notes, *other.notes))),
         )
+
+
+def load_profiles(paths: Sequence[str | Path]) -> Profile:
+    """Every profile file and directory of ``paths`` merged, later ones winning where two
+    measured the same thing (``Profile.load`` each, then ``Profile.merge``).
+
+    Raises:
+        ConfigError: as ``Profile.load``; profiles of different models.
+    """
+    merged = Profile()
+    for path in paths:
+        merged = merged.merge(Profile.load(path))
+    return merged
 
 
 def _timing_key(t: UnitTiming) -> tuple[str, str, int]:

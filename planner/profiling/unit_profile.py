@@ -6,17 +6,27 @@ real inputs: the model runs once per micro-batch size as a chain of one-unit sta
 every unit receives the boundary tensors its predecessor sends (hidden states, int
 position ids, masks ...). Per (unit, micro-batch size):
 
-- forward and backward seconds (warm-up, then repeated timing; median and spread), in
-  ``rounds`` sweeps over all sizes (alternately ascending and descending) whose medians
-  are combined by their median: a machine whose speed drifts during the profile (clocks,
-  neighbours; on this project's 2-core VM one sweep measured micro-batches 1-4 25-40%
-  faster than the next minutes ran) then skews no size by more than one round. The
-  last unit's forward includes the model file's ``loss_fn`` and its backward starts from
-  the loss, as the runtime's last stage does; other units' backward starts from random
-  gradients of what they send;
+- forward and backward seconds. At each size, after a warm-up, one window
+  (``windows.py``) runs the forward and backward of every unit to time, one
+  unit after the other, again and again until at least ``window_s`` of wall time has passed;
+  a unit's sample is the mean of its laps in the window. A window spans several periods of
+  a CPU quota (and a GPU's boost), so the sample is the sustained speed: a unit timed in
+  single short calls runs at a full core's speed on a 0.45-core cgroup. The sizes are swept
+  ``rounds`` times (alternately ascending and descending) and a (unit, size) number is the
+  median of its rounds' windows: a machine whose speed drifts during the profile (clocks,
+  neighbours; on this project's 2-core VM one sweep measured micro-batches 1-4 25-40% faster
+  than the next minutes ran) then skews no size by more than one round. The last unit's
+  forward includes the model file's ``loss_fn`` and its backward starts from the loss, as
+  the runtime's last stage does; other units' backward starts from random gradients of what
+  they send; parameter gradients accumulate over a window, as over a step's micro-batches;
 - the optimizer step of the unit's parameters (the model file's ``make_optimizer``, else
-  AdamW), timed once per unit and recorded at every size;
-- activation and peak bytes (``unit_memory.py``).
+  AdamW), timed in one window per round over every unit and recorded at every size;
+- activation and peak bytes (``unit_memory.py``), in the first round.
+
+Without explicit sizes the first sweep picks them: powers of two from 1 up to the first
+whose forward + backward of the whole model takes ``time_budget_s`` (beyond it a micro-batch's
+fixed overhead is lost in its per-sample time, and the cost model extends the line), the
+first that runs out of memory (left out), or ``max_micro_batch_size``.
 
 Identical repeated units (the same stage graph, the same module classes, configuration and
 parameter shapes, the same input shapes and dtypes) are timed once and share the result.
@@ -37,39 +47,60 @@ from hplan.planner.frontend.cost_graph import ModelGraph
 from hplan.planner.profiling.microbench import Stopwatch, one_cpu_thread
 from hplan.planner.profiling.profile_file import Stat, UnitTiming
 from hplan.planner.profiling.unit_memory import measure_unit_memory
+from hplan.planner.profiling.windows import (
+    DEFAULT_MAX_MICRO_BATCH_SIZE,
+    DEFAULT_TIME_BUDGET_S,
+    DEFAULT_WINDOW_S,
+)
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.stage import StageModule, build_stage
 from hplan.runtime.capture.trace import bind_inputs, target_name
-from hplan.runtime.contract.errors import ModelFileError, one_line
+from hplan.runtime.contract.errors import ConfigError, ModelFileError, one_line
 
-OnStep = Callable[[str, bool, int], None]
+OnStep = Callable[[str, bool, int | None], None]
 """Progress callback, once per (unit, micro-batch size): the unit's name, whether it was
-timed (False: it reuses an identical unit's timings), and the number of steps in all."""
+timed (False: it reuses an identical unit's timings), and the number of steps in all (None
+while the first sweep is still choosing the sizes)."""
+
+
+class _OutOfMemory(Exception):
+    """A micro-batch size does not fit in the profiled device's memory (internal: the first
+    sweep stops there; elsewhere it becomes a ``ConfigError``)."""
+
+
+_MS_PER_S = 1e3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UnitProfileOptions:
     """How to profile units."""
 
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    micro_batch_sizes: tuple[int, ...] | None = None
+    """Sizes to time; None: chosen by the first sweep (see the module docstring)."""
+    max_micro_batch_size: int = DEFAULT_MAX_MICRO_BATCH_SIZE
+    """Largest size the first sweep may choose (it also takes this size when it is no power
+    of two)."""
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S
+    """The first sweep stops after the size whose forward + backward of the whole model
+    takes this long (it times sizes 1 and 2 at least)."""
     num_warmup: int = 2
-    min_samples: int = 5
-    """Timed runs per (unit, size), at least."""
-    max_samples: int = 30
-    min_time_s: float = 0.05
-    """Keep timing until this many seconds of forward + backward were timed (or
-    ``max_samples``)."""
+    """Untimed forward + backward runs per unit and size before its window."""
+    window_s: float = DEFAULT_WINDOW_S
+    """Wall seconds each window lasts at least (one window per size and round)."""
     optimizer: bool = True
     seed: int = 0
     rounds: int = 3
-    """Sweeps over all micro-batch sizes; each (unit, size) median is the median of its
-    rounds' medians, its optimizer time likewise (memory is measured in the first round)."""
+    """Sweeps over all micro-batch sizes; each (unit, size) number is the median of its
+    rounds' windows, its optimizer time likewise (memory is measured in the first round)."""
 
     def __post_init__(self) -> None:
-        if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
-            raise ValueError(f"micro_batch_sizes {self.micro_batch_sizes} must be integers >= 1")
-        if self.min_samples < 1 or self.max_samples < self.min_samples or self.num_warmup < 0:
-            raise ValueError("need num_warmup >= 0 and 1 <= min_samples <= max_samples")
+        sizes = self.micro_batch_sizes
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError(f"micro_batch_sizes {sizes} must be integers >= 1")
+        if self.max_micro_batch_size < 1:
+            raise ValueError(f"max_micro_batch_size {self.max_micro_batch_size} must be >= 1")
+        if self.num_warmup < 0 or self.window_s < 0 or self.time_budget_s <= 0:
+            raise ValueError("need num_warmup >= 0, window_s >= 0 and time_budget_s > 0")
         if self.rounds < 1:
             raise ValueError(f"rounds {self.rounds} must be >= 1")
 
@@ -82,6 +113,10 @@ class UnitProfile:
     """One per (unit, micro-batch size), in unit order, then size order."""
     shared_with: dict[str, str]
     """Unit -> the identical earlier unit whose timings it reuses (absent: timed itself)."""
+    micro_batch_sizes: tuple[int, ...] = ()
+    """The sizes timed, ascending (the first sweep's choice unless they were given)."""
+    notes: tuple[str, ...] = ()
+    """Why the first sweep stopped at its largest size."""
 
 
 @dataclass
@@ -91,6 +126,30 @@ class _Unit:
     stage: StageModule
     grad_names: frozenset[str]
     signature: str
+
+
+@dataclass
+class _Link:
+    """One unit of the chain at one micro-batch size."""
+
+    name: str
+    signature: str
+    key: str
+    """Signature and input shapes: units with the same key share their timings."""
+    run: _UnitRun | None
+    """The unit on its inputs (None: it shares an earlier unit's timings)."""
+
+
+class _Steps:
+    """Forwards progress to an ``OnStep`` with the number of steps in all, once known."""
+
+    def __init__(self, on_step: OnStep | None, total: int | None) -> None:
+        self.on_step = on_step
+        self.total = total
+
+    def __call__(self, unit: str, timed: bool) -> None:
+        if self.on_step is not None:
+            self.on_step(unit, timed, self.total)
 
 
 def profile_units(
@@ -106,55 +165,103 @@ def profile_units(
     Args:
         model_file: supplies ``sample_batch``, ``loss_fn`` and ``make_optimizer``.
         graph: the model's cost graph (``build_model_graph``); its traced module is moved
-            to ``device`` and its parameters are changed by the optimizer timing.
+            to ``device`` (its parameters are restored after each optimizer timing).
         device_key: the profile device key the timings are recorded under.
 
     Returns:
-        The timings, and which units reused an identical unit's timings.
+        The timings, which units reused an identical unit's timings, and the sizes timed.
 
     Raises:
         ModelFileError: ``sample_batch`` or ``loss_fn`` fail.
+        ConfigError: a given size, or size 1, runs out of the device's memory.
     """
     options = options or UnitProfileOptions()
-    sizes = sorted(set(options.micro_batch_sizes))
-    total = options.rounds * len(sizes) * len(graph.units)
-    notify = on_step or (lambda _unit, _timed, _total: None)
+    fixed = options.micro_batch_sizes
+    steps = _Steps(on_step, options.rounds * len(set(fixed)) * len(graph.units) if fixed else None)
     graph.traced_module().graph_module.to(device)
     units = _unit_stages(graph)
     profiler = _Profiler(model_file, device, device_key, options)
-    rounds: dict[tuple[str, int], list[UnitTiming]] = {}
     with one_cpu_thread(device), torch.random.fork_rng(devices=[]):
         torch.manual_seed(options.seed)
-        for round_idx in range(options.rounds):
-            profiler.start_round()
-            for size in sizes if round_idx % 2 == 0 else reversed(sizes):
-                for timing in profiler.profile_size(
-                    graph, units, size, lambda unit, timed: notify(unit, timed, total)
-                ):
-                    rounds.setdefault((timing.unit, size), []).append(timing)
+        try:
+            sizes, found, notes = _sweeps(profiler, graph, units, steps)
+        except _OutOfMemory as exc:
+            raise ConfigError(str(exc)) from None
+    rounds: dict[tuple[str, int], list[UnitTiming]] = {}
+    for timing in found:
+        rounds.setdefault((timing.unit, timing.micro_batch_size), []).append(timing)
     order = {u.name: i for i, u in enumerate(graph.units)}
-    merged = [_merged(found) for found in rounds.values()]
+    merged = [_merged(group) for group in rounds.values()]
     ordered = tuple(sorted(merged, key=lambda t: (order[t.unit], t.micro_batch_size)))
-    return UnitProfile(ordered, dict(profiler.shared_with))
+    return UnitProfile(ordered, dict(profiler.shared_with), sizes, notes)
+
+
+def _sweeps(
+    profiler: _Profiler, graph: ModelGraph, units: Sequence[_Unit], steps: _Steps
+) -> tuple[tuple[int, ...], list[UnitTiming], tuple[str, ...]]:
+    """Every round's timings: the first sweep's (which may choose the sizes), then the
+    others over its sizes, alternately descending and ascending."""
+    sizes, found, notes = _first_sweep(profiler, graph, units, steps)
+    steps.total = profiler.options.rounds * len(sizes) * len(units)
+    for round_idx in range(1, profiler.options.rounds):
+        profiler.start_round()
+        for size in sizes if round_idx % 2 == 0 else reversed(sizes):
+            found += profiler.profile_size(graph, units, size, steps)
+    return sizes, found, notes
+
+
+def first_sweep_sizes(max_micro_batch_size: int) -> list[int]:
+    """Sizes the first sweep may try, ascending: powers of two below the maximum, then the
+    maximum (``24 -> [1, 2, 4, 8, 16, 24]``)."""
+    sizes = [2**i for i in range(max_micro_batch_size.bit_length()) if 2**i < max_micro_batch_size]
+    return [*sizes, max_micro_batch_size]
+
+
+def _first_sweep(
+    profiler: _Profiler, graph: ModelGraph, units: Sequence[_Unit], steps: _Steps
+) -> tuple[tuple[int, ...], list[UnitTiming], tuple[str, ...]]:
+    """The first round: the given sizes, or sizes chosen as it goes (module docstring)."""
+    options = profiler.options
+    profiler.start_round()
+    if options.micro_batch_sizes is not None:
+        sizes = tuple(sorted(set(options.micro_batch_sizes)))
+        found = [t for size in sizes for t in profiler.profile_size(graph, units, size, steps)]
+        return sizes, found, ()
+    swept: list[int] = []
+    found = []
+    note = f"micro-batch sizes up to {options.max_micro_batch_size} (the largest allowed)"
+    for size in first_sweep_sizes(options.max_micro_batch_size):
+        try:
+            timings = profiler.profile_size(graph, units, size, steps)
+        except _OutOfMemory:
+            if not swept:
+                raise
+            note = (
+                f"micro-batch size {size} ran out of memory on {profiler.device}; sizes up to "
+                f"{swept[-1]} timed"
+            )
+            break
+        swept.append(size)
+        found += timings
+        total_s = sum(t.forward_s.median + t.backward_s.median for t in timings)
+        if total_s >= options.time_budget_s and size >= 2:
+            note = (
+                f"micro-batch sizes up to {size}: forward + backward of the whole model took "
+                f"{total_s * _MS_PER_S:.0f} ms there (the sweep stops past "
+                f"{options.time_budget_s * _MS_PER_S:.0f} ms; larger sizes follow the line)"
+            )
+            break
+    return tuple(swept), found, (note,)
 
 
 def _merged(rounds: Sequence[UnitTiming]) -> UnitTiming:
-    """One (unit, size)'s rounds as one timing: the median of each statistic and of the
-    optimizer time over the rounds, the samples summed; memory from the first round."""
-
-    def combined(stats: Sequence[Stat]) -> Stat:
-        return Stat(
-            median=statistics.median(s.median for s in stats),
-            p10=statistics.median(s.p10 for s in stats),
-            p90=statistics.median(s.p90 for s in stats),
-            num_samples=sum(s.num_samples for s in stats),
-        )
-
+    """One (unit, size)'s rounds as one timing: each round's window a sample of the
+    forward and backward ``Stat``, the median optimizer time; memory from the first round."""
     optimizer = [r.optimizer_s for r in rounds if r.optimizer_s is not None]
     return replace(
         rounds[0],
-        forward_s=combined([r.forward_s for r in rounds]),
-        backward_s=combined([r.backward_s for r in rounds]),
+        forward_s=Stat.of([r.forward_s.median for r in rounds]),
+        backward_s=Stat.of([r.backward_s.median for r in rounds]),
         optimizer_s=statistics.median(optimizer) if optimizer else None,
     )
 
@@ -209,91 +316,147 @@ class _Profiler:
         size: int,
         notify: Callable[[str, bool], None],
     ) -> list[UnitTiming]:
+        """Every unit's timing at ``size``; the units not yet timed this round in one window.
+
+        Raises:
+            _OutOfMemory: ``size`` runs out of the device's memory.
+        """
+        try:
+            chain = self._chain(graph, units, size)
+            self._time([link for link in chain if link.run is not None], size)
+        except RuntimeError as exc:
+            if not _out_of_memory(exc):
+                raise
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise _OutOfMemory(
+                f"micro-batch size {size} runs out of memory on {self.device}; profile smaller "
+                "--micro-batch-sizes"
+            ) from None
+        timings = []
+        for link in chain:
+            timing = self.shared[link.key]
+            if timing.unit != link.name:
+                self.shared_with.setdefault(link.name, timing.unit)
+                timing = replace(timing, unit=link.name)
+            timings.append(timing)
+            notify(link.name, link.run is not None)
+        return timings
+
+    def _chain(self, graph: ModelGraph, units: Sequence[_Unit], size: int) -> list[_Link]:
+        """The units at ``size``, each on what its predecessor sends; runs for the units
+        whose key is new this round."""
         inputs, targets = _sample(self.model_file, size)
         feed = {k: v.to(self.device) for k, v in bind_inputs(self.binder, inputs).items()}
         targets = _to_device(targets, self.device)
         boundary: dict[str, Tensor] = {}
-        timings = []
+        seen = set(self.shared)
+        chain = []
         for unit, spec in zip(units, graph.units, strict=True):
             received = {n: _leaf(boundary[n], n in unit.grad_names) for n in unit.stage.recv_names}
             key = f"{unit.signature}|{_shapes(feed, unit.stage.input_names, received)}"
             run = _UnitRun(self.model_file, unit.stage, feed, received, targets)
-            timed = key not in self.shared
-            if timed:
-                timing, outputs = self._measure(run, spec.name, unit.signature, size, key)
-                self.shared[key] = timing
-            else:
-                timing = replace(self.shared[key], unit=spec.name)
-                self.shared_with.setdefault(spec.name, self.shared[key].unit)
-                outputs = run.forward_no_grad()
-            timings.append(timing)
+            chain.append(_Link(spec.name, unit.signature, key, None if key in seen else run))
+            seen.add(key)
+            outputs = run.forward_no_grad()
             boundary = {n: outputs[n].detach() for n in unit.stage.send_names}
-            notify(spec.name, timed)
-        return timings
+        return chain
 
-    def _measure(
-        self, run: _UnitRun, unit: str, signature: str, size: int, key: str
-    ) -> tuple[UnitTiming, dict[str, Any]]:
-        options = self.options
-        for _ in range(options.num_warmup):
-            run.backward(run.forward())
-        forward_s: list[float] = []
-        backward_s: list[float] = []
-        while len(forward_s) < options.min_samples or (
-            sum(forward_s) + sum(backward_s) < options.min_time_s
-            and len(forward_s) < options.max_samples
-        ):
+    def _time(self, links: Sequence[_Link], size: int) -> None:
+        """Warm up, then one window over every link's forward and backward; the optimizer
+        steps not yet timed this round; memory in the first round."""
+        runs = [link.run for link in links if link.run is not None]
+        for run in runs:
+            for _ in range(self.options.num_warmup):
+                run.backward(run.forward())
             run.clear_grads()
-            fwd, bwd = self._sample(run)
-            forward_s.append(fwd)
-            backward_s.append(bwd)
-        run.clear_grads()
-        if options.optimizer and signature not in self.optimizer_s:
-            self.optimizer_s[signature] = self._optimizer_s(run)
-        earlier = self.first_round.get(key)
+        calls = [call for run in runs for call in _laps(run)]
+        means_s = self.watch.window(calls, self.options.window_s) if calls else []
+        for run in runs:
+            run.clear_grads()
+        if self.options.optimizer:
+            self._time_optimizers(links)
+        for idx, link in enumerate(links):
+            self.shared[link.key] = self._timing(link, size, means_s[2 * idx], means_s[2 * idx + 1])
+
+    def _timing(self, link: _Link, size: int, forward_s: float, backward_s: float) -> UnitTiming:
+        run = link.run
+        assert run is not None
+        earlier = self.first_round.get(link.key)
         if earlier is not None:
-            timing = replace(
+            return replace(
                 earlier,
-                unit=unit,
-                forward_s=Stat.of(forward_s),
-                backward_s=Stat.of(backward_s),
-                optimizer_s=self.optimizer_s.get(signature),
+                unit=link.name,
+                forward_s=Stat.of([forward_s]),
+                backward_s=Stat.of([backward_s]),
+                optimizer_s=self.optimizer_s.get(link.signature),
             )
-            return timing, run.forward_no_grad()
         memory = measure_unit_memory(
             run.forward, run.backward, device=self.device, resident=run.resident()
         )
-        timing = UnitTiming(
+        return UnitTiming(
             device=self.device_key,
-            unit=unit,
+            unit=link.name,
             micro_batch_size=size,
-            forward_s=Stat.of(forward_s),
-            backward_s=Stat.of(backward_s),
-            optimizer_s=self.optimizer_s.get(signature),
+            forward_s=Stat.of([forward_s]),
+            backward_s=Stat.of([backward_s]),
+            optimizer_s=self.optimizer_s.get(link.signature),
             activation_bytes=memory.activation_bytes,
             peak_bytes=memory.peak_bytes,
         )
-        return timing, run.forward_no_grad()
 
-    def _sample(self, run: _UnitRun) -> tuple[float, float]:
-        """Seconds of one forward and of its backward."""
-        holder: list[Any] = []
-        fwd_s, bwd_s = self.watch.laps(
-            [lambda: holder.append(run.forward()), lambda: run.backward(holder[0])]
-        )
-        return fwd_s, bwd_s
+    def _time_optimizers(self, links: Sequence[_Link]) -> None:
+        """One window over the optimizer step of every signature not yet timed this round
+        (each over its unit's trainable parameters; 0 s without any).
 
-    def _optimizer_s(self, run: _UnitRun) -> float:
-        """Median seconds of one optimizer step over the unit's trainable parameters."""
-        params = [p for p in run.stage.parameters() if p.requires_grad]
-        if not params:
-            return 0.0
-        run.backward(run.forward())
-        optimizer = self.model_file.optimizer(params)
-        optimizer.step()  # creates the state
-        samples = [self.watch.laps([optimizer.step])[0] for _ in range(self.options.min_samples)]
-        optimizer.zero_grad(set_to_none=True)
-        return statistics.median(samples)
+        The parameters are restored afterwards: a window takes hundreds of steps on one
+        gradient, which would drive them far enough (attention logits to inf) to slow every
+        later forward and backward of the profile."""
+        todo: dict[str, _UnitRun] = {}
+        for link in links:
+            if link.run is not None and link.signature not in self.optimizer_s:
+                todo.setdefault(link.signature, link.run)
+        optimizers = {}
+        saved: list[tuple[Tensor, Tensor]] = []
+        for signature, run in todo.items():
+            params = [p for p in run.stage.parameters() if p.requires_grad]
+            if not params:
+                self.optimizer_s[signature] = 0.0
+                continue
+            saved += [(p, p.detach().to("cpu", copy=True)) for p in params]
+            run.backward(run.forward())
+            optimizer = self.model_file.optimizer(params)
+            optimizer.step()  # creates the state
+            optimizers[signature] = optimizer
+        steps = [optimizer.step for optimizer in optimizers.values()]
+        means_s = self.watch.window(steps, self.options.window_s) if steps else []
+        for (signature, optimizer), mean_s in zip(optimizers.items(), means_s, strict=True):
+            self.optimizer_s[signature] = mean_s
+            optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for param, value in saved:
+                param.copy_(value)
+        for run in todo.values():
+            run.clear_grads()
+
+
+def _laps(run: _UnitRun) -> list[Callable[[], object]]:
+    """The forward and the backward of ``run`` as two calls of one window's iteration."""
+    holder: list[dict[str, Any]] = []
+
+    def forward() -> None:
+        run.clear_input_grads()
+        holder.append(run.forward())
+
+    def backward() -> None:
+        run.backward(holder.pop())
+
+    return [forward, backward]
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    """A CUDA out-of-memory error, or the CPU allocator's."""
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 class _UnitRun:
@@ -342,6 +505,12 @@ class _UnitRun:
 
     def clear_grads(self) -> None:
         for tensor in (*self.stage.parameters(), *self.received.values()):
+            tensor.grad = None
+
+    def clear_input_grads(self) -> None:
+        """Drop the received tensors' gradients (a stage receives them anew per micro-batch;
+        parameter gradients accumulate)."""
+        for tensor in self.received.values():
             tensor.grad = None
 
     def resident(self) -> list[Tensor]:

@@ -65,7 +65,7 @@ def _solve(
         global_batch_size=48,
         micro_batch_sizes=(4, 8, 16),
         strategy=strategy,
-        profile_path=profile,
+        profile_paths=() if profile is None else (profile,),
         out_dir=tmp_path / name,
     )
     return plan_training(request).plan

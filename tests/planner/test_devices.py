@@ -189,7 +189,7 @@ def test_cpu_microbenchmarks_measure_positive_flops_and_bandwidth(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     from hplan.planner.profiling.microbench import BenchSizes, benchmark_device
 
-    tiny = BenchSizes(matmul_n={"float32": 64, "bfloat16": 64}, copy_bytes=2**20, min_time_s=0.01)
+    tiny = BenchSizes(matmul_n={"float32": 64, "bfloat16": 64}, copy_bytes=2**20, window_s=0.01)
     before = torch.get_num_threads()
     result = benchmark_device(torch.device("cpu"), sizes=tiny, dtypes=("float32", "bfloat16"))
     assert torch.get_num_threads() == before

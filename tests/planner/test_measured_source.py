@@ -9,7 +9,12 @@ from dataclasses import replace
 import pytest
 
 from hplan.planner.cost.problem_builder import Numerics, RooflineSource, build_problem
-from hplan.planner.cost.profiled_times import MeasuredSource, fit_line_at, source_labels
+from hplan.planner.cost.profiled_times import (
+    MeasuredSource,
+    check_profile_targets,
+    source_labels,
+    time_at_size,
+)
 from hplan.planner.hardware.cluster import Device
 from hplan.planner.profiling.profile_file import (
     DeviceFactor,
@@ -19,6 +24,7 @@ from hplan.planner.profiling.profile_file import (
     Stat,
     UnitTiming,
 )
+from hplan.runtime.contract.errors import ConfigError
 from tests.fixtures.clusters import cluster_from_dict, cpu_cluster, gpu_cluster, unit_cost
 
 COSTS = (unit_cost("u0"), unit_cost("u1", fwd_flops_per_sample=4e9))
@@ -82,13 +88,35 @@ def test_unmeasured_sizes_follow_a_line_through_the_measured_ones():
     ("samples", "x", "expected"),
     [
         ([(2, 4.0)], 3, 6.0),  # one point: proportional
-        ([(1, 2.0), (2, 3.0), (4, 5.0)], 8, 9.0),  # exact line
-        ([(1, 3.0), (2, 1.0)], 4, 2.0),  # falling: the mean
-        ([(1, 0.5), (2, 3.0)], 4, 5.2),  # negative intercept: through the origin (6.5 / 5 * 4)
+        ([(1, 2.0), (2, 3.0), (4, 5.0)], 8, 9.0),  # above: the top two sizes' line
+        ([(1, 1.0), (8, 1.7), (64, 7.3)], 32, 4.1),  # inside: the line of its neighbours
+        ([(1, 1.0), (8, 1.7), (64, 7.3)], 4, 1.3),  # ... the overhead of small sizes kept
+        ([(1, 3.0), (2, 1.0)], 4, 6.0),  # falling: made flat, then proportional above
+        ([(2, 0.5), (4, 3.0)], 1, 0.25),  # below, the line would cross 0: proportional
+        ([(2, 2.0), (4, 3.0)], 1, 1.5),  # below: the line of the two smallest
+        ([(1, 1.0), (2, 0.9), (4, 2.0)], 2, 1.0),  # a dip is noise: running maximum
     ],
 )
-def test_line_fit_never_goes_negative_or_downhill(samples, x, expected):
-    assert fit_line_at(samples, x) == pytest.approx(expected)
+def test_time_at_size_is_overhead_plus_per_sample_time_never_negative_or_downhill(
+    samples, x, expected
+):
+    assert time_at_size(samples, x) == pytest.approx(expected)
+
+
+def test_one_large_micro_batch_is_cheaper_than_several_small_ones_as_measured():
+    # a CPU-like unit: about 0.8 ms per micro-batch plus 8 us per sample (measured on the
+    # MLP example, one core), falling per-sample cost from 1 to 2048
+    device = cpu_cluster(1).devices[0]
+    measured = {1: 0.85e-3, 8: 0.98e-3, 64: 1.49e-3, 512: 5.5e-3, 2048: 17.5e-3}
+    source = _source(*(_timing("cpu", "u0", s, t / 3, 2 * t / 3) for s, t in measured.items()))
+
+    def step_s(size: int) -> float:
+        return sum(_times(source, device, 0, size))
+
+    assert step_s(48) < 6 * step_s(8)
+    per_sample = [step_s(s) / s for s in (1, 2, 8, 48, 64, 256, 512, 2048, 4096)]
+    assert per_sample == sorted(per_sample, reverse=True)  # falls with the size
+    assert step_s(4096) == pytest.approx(17.5e-3 + 2048 * (17.5e-3 - 5.5e-3) / 1536)
 
 
 def test_an_unmeasured_kind_gets_the_roofline_scaled_by_the_measured_ratio():
@@ -139,20 +167,58 @@ def test_measured_device_peaks_replace_catalog_peaks_when_no_unit_was_timed():
 
 
 def test_the_most_specific_device_key_wins():
-    cluster = gpu_cluster("rtx3090", "rtx3090")
-    first, second = cluster.devices
+    cluster = gpu_cluster("rtx3090", "rtx3090", "rtx3090")
+    first, second, third = cluster.devices
     profile = Profile(
         unit_timings=(
             _timing("rtx3090", "u0", 1, 0.010),
             _timing("rtx3090#GPU-b", "u0", 1, 0.020),
             _timing(f"rtx3090@{second.name}", "u0", 1, 0.030),
+            _timing(f"rtx3090@{second.node}", "u0", 1, 0.040),
         )
     )
     source = MeasuredSource(profile, COSTS, "float32")
-    assert _times(source, first, 0, 1)[0] == 0.010  # kind
-    assert _times(source, second, 0, 1)[0] == 0.030  # kind@device beats kind
-    bound = MeasuredSource(profile, COSTS, "float32", device_uuids={first.name: "GPU-b"})
+    assert _times(source, first, 0, 1)[0] == 0.040  # kind@node beats kind
+    assert _times(source, second, 0, 1)[0] == 0.030  # kind@device beats kind@node
+    assert _times(source, third, 0, 1)[0] == 0.040
+    bound = MeasuredSource(
+        replace(profile, unit_timings=profile.unit_timings[:3]),
+        COSTS,
+        "float32",
+        device_uuids={first.name: "GPU-b"},
+    )
     assert _times(bound, first, 0, 1)[0] == 0.020  # kind#uuid of that card beats kind
+    assert _times(bound, third, 0, 1)[0] == 0.010  # kind
+
+
+def test_per_node_profiles_give_each_node_its_own_times_and_name_the_unprofiled():
+    cluster = cpu_cluster(1, num_nodes=3)  # nodes n0, n1, n2 with one cpu each
+    profile = Profile(
+        unit_timings=(
+            _timing("cpu@n0", "u0", 1, 0.001),
+            _timing("cpu@n1", "u0", 1, 0.002),
+            _timing("cpu@n1", "u0", 2, 0.003),
+        )
+    )
+    source = MeasuredSource(profile, COSTS, "float32")
+    n0, n1, n2 = cluster.devices
+    assert _times(source, n0, 0, 1) == (0.001, 0.002)
+    assert _times(source, n1, 0, 1) == (0.002, 0.004)
+    assert _times(source, n1, 0, 2) == (0.003, 0.006)
+    assert _times(source, n2, 0, 1)[0] == pytest.approx(0.0015)  # the median of the others
+    (note,) = source.borrowed_notes(cluster.devices)
+    assert note.startswith("n2/0 has no profile of its own (`hplan profile --node n2` on it)")
+    assert "cpu@n0, cpu@n1" in note
+    check_profile_targets(profile, cluster, "prof/")  # every node is in the cluster
+
+
+def test_a_profile_of_a_node_the_cluster_lacks_is_refused_naming_it():
+    profile = Profile(unit_timings=(_timing("cpu@n7", "u0", 1, 0.001),))
+    with pytest.raises(ConfigError) as info:
+        check_profile_targets(profile, cpu_cluster(1, num_nodes=2), "prof/")
+    message = str(info.value)
+    assert message.startswith("profile prof/ measures cpu@n7, but '<test cluster>' has no node")
+    assert "(its nodes: n0, n1)" in message and "--node" in message and "\n" not in message
 
 
 def test_cards_measured_by_uuid_stand_for_their_kind_when_pooled():
@@ -239,7 +305,7 @@ def test_a_profile_that_measured_none_of_the_clusters_kinds_says_so(tmp_path):
         model_path=root / "examples" / "mlp" / "model.py",
         cluster_path=root / "examples" / "clusters" / "mixed-3090-4090.yaml",
         global_batch_size=16,
-        profile_path=tmp_path / "empty.json",
+        profile_paths=(tmp_path / "empty.json",),
     )
     notes = plan_training(request).plan.report.notes
     assert any("no measurement for rtx3060, rtx3090, rtx4090" in n for n in notes), notes

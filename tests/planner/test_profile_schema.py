@@ -17,6 +17,7 @@ from hplan.planner.profiling.profile_file import (
     Profile,
     Stat,
     UnitTiming,
+    load_profiles,
     profile_json_schema,
 )
 from hplan.runtime.contract.errors import ConfigError
@@ -160,6 +161,32 @@ def test_bad_profile_files_are_one_line_config_errors(text, needle):
 def test_profile_file_names_are_safe_for_any_device_key():
     assert profile_file_name("box", "cpu") == "box-cpu.json"
     assert profile_file_name("box", "rtx3090#GPU-1/2") == "box-rtx3090_GPU-1_2.json"
+
+
+def test_profiles_bound_to_a_node_are_named_after_it_not_the_host():
+    assert profile_file_name("same-host", "cpu@left") == "left-cpu.json"
+    assert profile_file_name("same-host", "rtx3090@box/1") == "box_1-rtx3090.json"
+
+
+def test_several_profile_paths_merge_and_each_node_keeps_its_timings(tmp_path):
+    nodes = {"left": 0.001, "right": 0.002}
+    paths = []
+    for node, fwd_s in nodes.items():
+        profile = Profile(
+            devices=(replace(_device(f"cpu@{node}"), uuid=None, pci_bus_id=None),),
+            model=MODEL,
+            unit_timings=(_timing(f"cpu@{node}", "u0", 1, fwd_s),),
+        )
+        (tmp_path / node).mkdir()
+        path = tmp_path / node / profile_file_name("same-host", f"cpu@{node}")
+        path.write_text(profile.to_json())
+        paths.append(path if node == "left" else path.parent)  # a file and a directory
+    merged = load_profiles(paths)
+    assert {d.key for d in merged.devices} == {"cpu@left", "cpu@right"}
+    assert {t.device: t.forward_s.median for t in merged.unit_timings} == {
+        "cpu@left": 0.001,
+        "cpu@right": 0.002,
+    }
 
 
 @pytest.mark.parametrize("text", ['{"x": 1}', "[1, 2]"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -13,17 +15,22 @@ from torch import nn
 from hplan.planner.cli.main import main
 from hplan.planner.frontend.capture import CaptureTensors
 from hplan.planner.frontend.cost_graph import build_model_graph
+from hplan.planner.profiling.microbench import Stopwatch
 from hplan.planner.profiling.profile_file import Profile
 from hplan.planner.profiling.unit_memory import LiveBytes, measure_unit_memory
-from hplan.planner.profiling.unit_profile import UnitProfileOptions, profile_units
+from hplan.planner.profiling.unit_profile import (
+    UnitProfileOptions,
+    first_sweep_sizes,
+    profile_units,
+)
+from hplan.planner.profiling.windows import apportion, run_window
 from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
 from tests.fixtures.models import REPO_ROOT, write_model_file
 
 GPT = REPO_ROOT / "examples" / "gpt" / "model.py"
-FAST = UnitProfileOptions(
-    micro_batch_sizes=(1, 2), num_warmup=1, min_samples=2, max_samples=3, min_time_s=0.0
-)
+FAST = UnitProfileOptions(micro_batch_sizes=(1, 2), num_warmup=1, window_s=0.0)
 CPU_CLUSTER = """\
 name: two-cpus
 nodes:
@@ -59,7 +66,7 @@ def test_every_unit_is_timed_and_identical_blocks_are_timed_once(tiny_gpt):
     assert len(steps) == rounds * 2 * len(names)
     assert all(total == len(steps) for *_, total in steps)
     assert [timed for unit, timed, _ in steps if unit == "blocks.2"] == [False] * (2 * rounds)
-    assert all(t.forward_s.num_samples >= rounds * FAST.min_samples for t in result.timings)
+    assert all(t.forward_s.num_samples == rounds for t in result.timings)  # a window a round
     by_key = {(t.unit, t.micro_batch_size): t for t in result.timings}
     for timing in result.timings:
         assert timing.device == "cpu"
@@ -69,6 +76,129 @@ def test_every_unit_is_timed_and_identical_blocks_are_timed_once(tiny_gpt):
     block_1, block_2 = by_key[("blocks.0", 1)], by_key[("blocks.0", 2)]
     assert block_2.activation_bytes == 2 * block_1.activation_bytes > 0
     assert by_key[("blocks.2", 2)].forward_s == block_2.forward_s
+
+
+class _TickingClock:
+    """A clock that advances by ``step_s`` each time it is read (exact in binary)."""
+
+    def __init__(self, step_s: float = 2**-10) -> None:
+        self.now_s = 0.0
+        self.step_s = step_s
+
+    def __call__(self) -> float:
+        self.now_s += self.step_s
+        return self.now_s
+
+
+class _RecordingWatch(Stopwatch):
+    """A CPU stopwatch on a ticking clock that records how long each window lasted."""
+
+    windows: ClassVar[list[tuple[float, float]]] = []
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, clock=_TickingClock(), cpu_clock=_TickingClock())
+
+    def window(self, calls, window_s):
+        started_s = self.clock()
+        means = super().window(calls, window_s)
+        self.windows.append((self.clock() - started_s, window_s))
+        return means
+
+
+@pytest.fixture
+def ticking(monkeypatch):
+    """Unit profiles timed on a ticking clock: every lap takes 2**-10 s."""
+    import hplan.planner.profiling.unit_profile as unit_profile
+
+    monkeypatch.setattr(unit_profile, "Stopwatch", _RecordingWatch)
+    _RecordingWatch.windows = []
+    return _RecordingWatch.windows
+
+
+def test_a_window_lasts_at_least_its_minimum_and_reports_mean_laps():
+    now = [0.0]
+
+    def laps():
+        now[0] += 0.1
+        return [0.04, 0.06]
+
+    assert run_window(laps, 2, 0.35, clock=lambda: now[0]) == pytest.approx([0.04, 0.06])
+    assert now[0] == pytest.approx(0.4)  # four runs: the first check after >= 0.35 s stops
+    now[0] = 0.0
+    assert run_window(laps, 2, 0.0, clock=lambda: now[0]) == [0.04, 0.06]
+    assert now[0] == pytest.approx(0.1)  # once at least
+    watch = Stopwatch(torch.device("cpu"), clock=_TickingClock(), cpu_clock=_TickingClock())
+    assert watch.window([lambda: None, lambda: None], 0.05) == [2**-10, 2**-10]
+
+
+def test_a_cpu_windows_pauses_are_shared_out_by_cpu_time():
+    # a quota's pause of 0.4 s landed in the second call: both used 0.1 s of CPU
+    assert apportion([0.1, 0.5], [0.1, 0.1]) == pytest.approx([0.3, 0.3])
+    assert apportion([0.1, 0.5], [0.05, 0.15]) == pytest.approx([0.15, 0.45])
+    assert apportion([0.2, 0.1], [0.0, 0.0]) == [0.2, 0.1]  # no CPU time: as measured
+    wall, cpu = _TickingClock(), _TickingClock(2**-12)
+    pauses = iter([0.5])
+
+    def paused() -> None:
+        wall.now_s += next(pauses)  # the window's one run of this call is paused
+
+    watch = Stopwatch(torch.device("cpu"), clock=wall, cpu_clock=cpu)
+    first, second = watch.window([lambda: None, paused], 0.0)
+    assert first == second == pytest.approx((2 * 2**-10 + 0.5) / 2)
+
+
+def test_every_unit_timing_is_the_mean_of_a_window_of_at_least_the_minimum(tiny_gpt, ticking):
+    model_file = load_model_file(tiny_gpt)
+    graph = build_model_graph(model_file, tensors=CaptureTensors.CPU)
+    options = UnitProfileOptions(micro_batch_sizes=(1, 2), num_warmup=0, window_s=0.05)
+    result = profile_units(model_file, graph, torch.device("cpu"), "cpu", options)
+    # one window per size and round over every unit, one per round over the optimizers
+    assert len(ticking) == options.rounds * 2 + options.rounds
+    assert all(elapsed_s >= window_s == 0.05 for elapsed_s, window_s in ticking)
+    for timing in result.timings:
+        assert timing.forward_s.median == timing.backward_s.median == 2**-10
+        assert timing.optimizer_s == 2**-10
+        assert timing.forward_s.num_samples == options.rounds
+
+
+def _sweep(tiny_gpt, **options):
+    model_file = load_model_file(tiny_gpt)
+    graph = build_model_graph(model_file, tensors=CaptureTensors.CPU)
+    chosen = UnitProfileOptions(num_warmup=0, window_s=0.0, optimizer=False, rounds=1, **options)
+    return profile_units(model_file, graph, torch.device("cpu"), "cpu", chosen)
+
+
+def test_without_sizes_the_first_sweep_doubles_up_to_the_largest_allowed(tiny_gpt, ticking):
+    result = _sweep(tiny_gpt, max_micro_batch_size=6, time_budget_s=1.0)
+    assert result.micro_batch_sizes == (1, 2, 4, 6)
+    assert {t.micro_batch_size for t in result.timings} == {1, 2, 4, 6}
+    assert result.notes == ("micro-batch sizes up to 6 (the largest allowed)",)
+    assert first_sweep_sizes(24) == [1, 2, 4, 8, 16, 24] and first_sweep_sizes(1) == [1]
+
+
+def test_the_first_sweep_stops_past_the_time_budget_with_two_sizes_at_least(tiny_gpt, ticking):
+    result = _sweep(tiny_gpt, time_budget_s=1e-6)  # every size takes longer
+    assert result.micro_batch_sizes == (1, 2)
+    (note,) = result.notes
+    assert note.startswith("micro-batch sizes up to 2: forward + backward of the whole model")
+
+
+def test_the_first_sweep_stops_before_a_size_that_runs_out_of_memory(tiny_gpt, monkeypatch):
+    import hplan.planner.profiling.unit_profile as unit_profile
+
+    real = unit_profile._sample
+
+    def sample(model_file, size):
+        if size >= 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model_file, size)
+
+    monkeypatch.setattr(unit_profile, "_sample", sample)
+    result = _sweep(tiny_gpt, time_budget_s=10.0)
+    assert result.micro_batch_sizes == (1, 2)
+    assert result.notes == ("micro-batch size 4 ran out of memory on cpu; sizes up to 2 timed",)
+    with pytest.raises(ConfigError, match="micro-batch size 4 runs out of memory on cpu"):
+        _sweep(tiny_gpt, micro_batch_sizes=(2, 4))
 
 
 def test_rounds_combine_by_the_median_of_their_medians():
@@ -83,7 +213,8 @@ def test_rounds_combine_by_the_median_of_their_medians():
         )  # fmt: skip
 
     merged = _merged([timing(1.0, 3.0), timing(9.0, 1.0), timing(2.0, 2.0)])  # one slow round
-    assert merged.forward_s == Stat(median=2.0, p10=1.8, p90=2.2, num_samples=15)
+    assert merged.forward_s == Stat.of([1.0, 9.0, 2.0])  # each round's window a sample
+    assert merged.forward_s.median == 2.0 and merged.forward_s.num_samples == 3
     assert merged.optimizer_s == 2.0 and merged.activation_bytes == 10
 
 
@@ -133,7 +264,7 @@ def test_profile_then_solve_uses_the_measurements_and_says_so(tiny_gpt, tmp_path
     prof = tmp_path / "prof"
     code, out, err = _run(
         ["profile", "--model", str(tiny_gpt), "-o", str(prof), "--micro-batch-sizes", "1,2",
-         "--no-benchmark", "--json", "--device", "cpu"],  # the cluster below is of cpus
+         "--no-benchmark", "--json", "--device", "cpu", "--window", "0.01"],  # the cluster below is of cpus
         capsys,
     )  # fmt: skip
     assert code == 0, err
@@ -164,7 +295,8 @@ def test_profile_then_solve_uses_the_measurements_and_says_so(tiny_gpt, tmp_path
 
 def test_a_profile_of_another_model_is_refused_naming_both(tiny_gpt, tmp_path, capsys, monkeypatch):
     prof = tmp_path / "prof"
-    args = ["profile", "--model", str(tiny_gpt), "-o", str(prof), "--micro-batch-sizes", "1"]
+    args = ["profile", "--model", str(tiny_gpt), "-o", str(prof), "--micro-batch-sizes", "1",
+            "--window", "0.01"]  # fmt: skip
     assert _run([*args, "--no-benchmark"], capsys)[0] == 0
     monkeypatch.setenv("HPLAN_GPT_LAYERS", "2")  # another model from the same file
     cluster = tmp_path / "cluster.yaml"
@@ -189,3 +321,100 @@ def test_a_profile_error_on_a_pipe_is_one_line_with_no_bar_residue(tmp_path, cap
     assert code == 2
     assert err.splitlines() == [f"hplan: error: model file '{tmp_path / 'nope.py'}' does not "
                                 "exist; pass a path to model.py"]  # fmt: skip
+
+
+TWO_NODES = """\
+name: two-nodes
+nodes:
+  - name: left
+    host: 127.0.0.1
+    devices: [{type: cpu}]
+  - name: right
+    host: 127.0.0.1
+    devices: [{type: cpu}]
+links:
+  inter_node: {bandwidth_gbit_per_s: 1}
+"""
+
+
+def _on_node(profile: Profile, node: str, factor: float) -> Profile:
+    """``profile`` as if measured on ``node``, ``factor`` times slower."""
+
+    def scaled(stat):
+        return replace(stat, median=stat.median * factor, p10=stat.p10 * factor,
+                       p90=stat.p90 * factor)  # fmt: skip
+
+    key = f"cpu@{node}"
+    return replace(
+        profile,
+        devices=tuple(replace(d, key=key) for d in profile.devices),
+        unit_timings=tuple(
+            replace(t, device=key, forward_s=scaled(t.forward_s), backward_s=scaled(t.backward_s))
+            for t in profile.unit_timings
+        ),
+    )
+
+
+def test_per_node_profiles_combine_and_each_node_plans_with_its_own_times(
+    tiny_gpt, tmp_path, capsys
+):
+    from hplan.planner.api import SolveRequest, plan_training
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(TWO_NODES)
+    prof = tmp_path / "prof"
+    code, _, err = _run(
+        ["profile", "--model", str(tiny_gpt), "-o", str(prof), "--node", "left", "--cluster",
+         str(cluster), "--micro-batch-sizes", "1,2", "--no-benchmark", "--device", "cpu",
+         "--window", "0.01"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    (written,) = prof.glob("*.json")
+    assert written.name == "left-cpu.json"  # named after the node, not the host
+    left = Profile.load(written)
+    assert {d.key for d in left.devices} | {t.device for t in left.unit_timings} == {"cpu@left"}
+    # the right node measured the same units twice as slow (a half-core quota), elsewhere
+    right = tmp_path / "elsewhere" / "right-cpu.json"
+    right.parent.mkdir()
+    right.write_text(_on_node(left, "right", 2.0).to_json())
+    out_dir = tmp_path / "out"
+    args = ["solve", str(tiny_gpt), "--cluster", str(cluster), "-b", "4",
+            "--micro-batch-sizes", "1,2", "--profile", str(prof), "--profile", str(right)]  # fmt: skip
+    code, _, err = _run([*args, "-o", str(out_dir)], capsys)
+    assert code == 0, err
+    sources = {r.cost_source for r in Plan.load(out_dir / "plan.json").report.ranks}
+    assert sources and all(s.startswith("measured") for s in sources)
+    request = SolveRequest(
+        model_path=tiny_gpt,
+        cluster_path=cluster,
+        global_batch_size=4,
+        micro_batch_sizes=(1, 2),
+        profile_paths=(prof, right),
+    )
+    problem = plan_training(request).problem
+    assert problem.device_names == ("left/0", "right/0")
+    assert problem.fwd_time_s[1] == pytest.approx(2 * problem.fwd_time_s[0])
+    # a profile of a node the cluster lacks (a typo'd --node) is refused, naming it
+    stray = tmp_path / "stray.json"
+    stray.write_text(_on_node(left, "lfet", 1.0).to_json())
+    code, _, err = _run([*args, "--profile", str(stray), "-o", str(tmp_path / "o2")], capsys)
+    assert code == 2
+    (line,) = [line for line in err.splitlines() if line.strip()]
+    assert (
+        "measures cpu@lfet" in line and "no node or device 'lfet' (its nodes: left, right)" in line
+    )
+
+
+def test_profile_for_a_node_the_cluster_lacks_is_one_line_naming_its_nodes(tmp_path, capsys):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(TWO_NODES)
+    code, _, err = _run(
+        ["profile", "--node", "lft", "--cluster", str(cluster), "--no-benchmark"], capsys
+    )
+    assert code == 2
+    assert err.splitlines() == [
+        f"hplan: error: --node 'lft' is not a node of '{cluster}' (its nodes: left, right)"
+    ]
+    code, _, err = _run(["profile", "--node", "a/b", "--no-benchmark"], capsys)
+    assert code == 2 and "--node 'a/b': 'a/b' is not a valid name" in err
