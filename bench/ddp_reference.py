@@ -59,11 +59,16 @@ def main() -> None:
             inputs, targets = default_collate([dataset[start + i] for i in range(sizes[rank])])
         else:
             inputs, targets = model_file.sample_batch(sizes[rank])
+        t0 = time.time()
         optimizer.zero_grad(set_to_none=True)
         loss = model_file.loss_fn(model(inputs), targets)
+        t1 = time.time()
         (loss * weight).backward()
+        t2 = time.time()
         optimizer.step()
         ends.append(time.time())
+        if os.environ.get("DDP_DEBUG"):
+            print(f"rank {rank} step {step} fwd {t1-t0:.3f} bwd {t2-t1:.3f} opt {ends[-1]-t2:.3f}", flush=True)
         losses.append(float(loss))
     if rank == 0:
         args.out.write_text(json.dumps({"end_unix_time_s": ends, "losses": losses}))

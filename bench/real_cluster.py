@@ -88,10 +88,11 @@ class Case:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env = dict(os.environ)
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "OMP_NUM_THREADS"):
         env.pop(name, None)
+    env.update(extra, PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     return env
 
 
@@ -198,7 +199,7 @@ def run_ddp(cluster: NamespaceCluster, sizes: Sequence[int], model: Model, steps
     procs, logs = [], []
     for i in range(len(cluster.nodes)):
         # DDP at its best: one thread per rank, gloo on the namespace's own interface
-        env = _env({**model.env, "OMP_NUM_THREADS": "1",
+        env = _env({**model.env, "OMP_NUM_THREADS": "1", "DDP_DEBUG": "1",
                     "GLOO_SOCKET_IFNAME": f"{cluster.tag}-n{i}"})  # fmt: skip
         log = work / f"ddp-{tag}-{i}.log"
         argv = [str(BIN / "torchrun"), "--nnodes", str(len(cluster.nodes)), "--node-rank",
