@@ -425,6 +425,7 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
         peak_memory_bytes=peak_memory_bytes(parts.device),
         forward_time_s=times.forward_s,
         grad_norm=grad_norm,
+        allreduce_overlapped_time_s=times.allreduce_overlapped_s,
     )
 
 
