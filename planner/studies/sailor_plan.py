@@ -20,8 +20,10 @@ machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
   layers, fp32 gradients (4 bytes per parameter).
 
 :func:`study_sim_spec` is the simulator's view: ``spec_from_plan`` plus what a plan cannot
-say: the extra mask copies of tp > 1 senders and blocking point-to-point transfers
-(DeepSpeed's ``p2p.send``/``recv`` are blocking; ``SimSpec.blocking_p2p``).
+say: the extra mask copies of tp > 1 senders, blocking point-to-point transfers
+(DeepSpeed's ``p2p.send``/``recv`` are blocking; ``SimSpec.blocking_p2p``) and gradients
+summed after the whole schedule (its pipeline engine reduces them after the last
+micro-batch; ``SimSpec.bucket_cap_bytes`` None).
 """
 
 from __future__ import annotations
@@ -321,9 +323,9 @@ def message_size_range(data: SailorData, study: StudyPlan) -> tuple[float, float
 def study_sim_spec(data: SailorData, study: StudyPlan, plan: Plan) -> SimSpec:
     """The simulator's view of an imported study plan as the study's runtime runs it.
 
-    ``spec_from_plan(plan)`` with blocking point-to-point transfers and, for a sender with
-    tp > 1, the attention mask once per tp rank (the hidden state is partitioned, the mask
-    is not).
+    ``spec_from_plan(plan)`` with blocking point-to-point transfers, the all-reduce after
+    the schedule and, for a sender with tp > 1, the attention mask once per tp rank (the
+    hidden state is partitioned, the mask is not).
     """
     spec = spec_from_plan(plan)
     mask_bytes = float(attention_mask(data).num_bytes(1))
@@ -335,7 +337,7 @@ def study_sim_spec(data: SailorData, study: StudyPlan, plan: Plan) -> SimSpec:
             forward = tuple(b + extra for b in link.forward_bytes)
             links.append(replace(link, forward_bytes=forward))
         replicas.append(SimReplica(replica.stages, tuple(links), replica.microbatch_sizes))
-    return replace(spec, replicas=tuple(replicas), blocking_p2p=True)
+    return replace(spec, replicas=tuple(replicas), blocking_p2p=True, bucket_cap_bytes=None)
 
 
 def load_study_plan(

@@ -240,9 +240,10 @@ def layout_sim_spec(
     """The simulator's view of a layout of ``problem`` (``spec_from_layout``), with every
     machine's outgoing inter-node transfers queued on its one network card.
 
-    ``study_runtime`` runs it as the study's runtime would: blocking point-to-point and the
-    fp16 attention mask sent by every tp rank with each micro-batch's activations (see
-    ``sailor_plan``); otherwise as hplan's runtime does (``isend``, inputs delivered to the
+    ``study_runtime`` runs it as the study's runtime would: blocking point-to-point, the
+    all-reduce after the schedule and the fp16 attention mask sent by every tp rank with
+    each micro-batch's activations (see ``sailor_plan``); otherwise as hplan's runtime does
+    (``isend``, buckets launched during the last backward pass, inputs delivered to the
     stages that read them).
     """
     spec = spec_from_layout(problem, layout)
@@ -258,7 +259,14 @@ def layout_sim_spec(
             links.append(replace(link, forward=forward, backward=backward, forward_bytes=sizes))
         replicas.append(replace(sim, links=tuple(links)))
     groups = _share_network_cards(problem, layout, spec.sync_groups)
-    return replace(spec, replicas=tuple(replicas), sync_groups=groups, blocking_p2p=study_runtime)
+    cap = None if study_runtime else spec.bucket_cap_bytes
+    return replace(
+        spec,
+        replicas=tuple(replicas),
+        sync_groups=groups,
+        blocking_p2p=study_runtime,
+        bucket_cap_bytes=cap,
+    )
 
 
 def _share_network_cards(
