@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -184,6 +185,10 @@ class GradBucket:
         )
 
 
+def _unchanged(monotonic_s: float) -> float:
+    return monotonic_s
+
+
 class GradSync:
     """This rank's buckets, each launched as soon as the step's last backward pass has
     finalised its gradients (see the module docstring).
@@ -205,13 +210,17 @@ class GradSync:
         ]
 
     def _hook(self, idx: int, param: nn.Parameter) -> Callable[[Tensor], None]:
-        key = id(param)
+        """The hook of ``param`` in bucket ``idx``. It holds this object weakly: a cycle
+        through the parameters would keep the process groups alive until the interpreter
+        exits, where destroying a gloo group aborts the process."""
+        key, sync = id(param), weakref.ref(self)
 
         def on_grad(_: Tensor) -> None:
-            if not self._armed:
+            owner = sync()
+            if owner is None or not owner._armed:
                 return
-            self._missing[idx].discard(key)
-            self._launch_ready()
+            owner._missing[idx].discard(key)
+            owner._launch_ready()
 
         return on_grad
 
@@ -227,7 +236,7 @@ class GradSync:
             self.buckets[self._next].launch()
             self._next += 1
 
-    def finish(self) -> None:
+    def finish(self, timeline_s: Callable[[float], float] = _unchanged) -> None:
         """Launch the buckets that are not out yet (parameters that got no gradient in the
         last backward pass keep theirs, zeros for none), wait for every bucket in launch
         order and put the sums into ``.grad``.
@@ -236,7 +245,9 @@ class GradSync:
         and ended its own previous bucket (a one-number MAX all-reduce of that time over
         the holders; the machine's clock is shared) and lasts ``min_time_s``: one ring after
         another on each rank, ending at the same time on every holder, as a real ring does.
-        This returns no sooner than the last bucket's end. (Counted from each holder's own
+        This returns no sooner than the last bucket's end. Launch times are placed on the
+        compute clock's timeline (``timeline_s``: ``ComputeClock.timeline_s``, which a
+        rehearsal stretches). (Counted from each holder's own
         arrival instead, a holder that came early left as soon as the real reduction was
         done and started its next all-reduce while the late ones still slept: in a rehearsal
         of two two-stage replicas the tied embeddings' ring ended 4.2 ms apart on its
@@ -254,12 +265,12 @@ class GradSync:
             self._next = 0
         for bucket in self.buckets:
             bucket.finish()
-        end_s = self._emulated_end_s()
+        end_s = self._emulated_end_s(timeline_s)
         remaining_s = end_s - time.monotonic()
         if remaining_s > 0:
             time.sleep(remaining_s)
 
-    def _emulated_end_s(self) -> float:
+    def _emulated_end_s(self, timeline_s: Callable[[float], float]) -> float:
         """When the last bucket ends under its floor (see :meth:`finish`); blocking
         collectives, safe after the schedule: every rank runs them in the buckets' order."""
         end_s = -math.inf
@@ -267,9 +278,8 @@ class GradSync:
             if bucket.min_time_s <= 0:
                 continue
             device = bucket.params[0][1].device
-            ready = torch.tensor(
-                [max(bucket.launched_s, end_s)], dtype=torch.float64, device=device
-            )
+            launched_s = timeline_s(bucket.launched_s)
+            ready = torch.tensor([max(launched_s, end_s)], dtype=torch.float64, device=device)
             bucket.collective(ready, dist.ReduceOp.MAX)
             end_s = float(ready.item()) + bucket.min_time_s
             bucket.done_s = max(bucket.done_s, end_s)

@@ -197,20 +197,15 @@ class StepRunner:
         """Wait for the gradient buckets (``GradSync.finish``); time the wait and what ran
         before it, and put every bucket on the timeline."""
         start_s = time.monotonic()
-        self.sync.finish()
+        self.sync.finish(self.clock.timeline_s)
         self._allreduce_s = time.monotonic() - start_s
-        first_s = min((b.launched_s for b in self.buckets), default=start_s)
-        self._overlapped_s = max(0.0, start_s - first_s)
-        for bucket in self.buckets:
+        launched = [self.clock.timeline_s(b.launched_s) for b in self.buckets]
+        self._overlapped_s = max(0.0, start_s - min(launched, default=start_s))
+        for bucket, launched_s in zip(self.buckets, launched, strict=True):
             label = "all-reduce ranks " + ",".join(str(r) for r in bucket.ranks)
             names = [n for n, _ in bucket.params]
             self.timeline.add(
-                ALL_REDUCE,
-                label,
-                bucket.launched_s,
-                bucket.done_s,
-                first=names[0],
-                params=len(names),
+                ALL_REDUCE, label, launched_s, bucket.done_s, first=names[0], params=len(names)
             )
 
     def unscale_gradients(self) -> None:
