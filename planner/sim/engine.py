@@ -30,15 +30,16 @@ step the way the runtime runs it (``runtime/executor/``: ``pipeline.py``, ``comm
    (``link_model.bucketed_all_reduce_time_s``), launched during the rank's last backward
    pass: a member is first ready ``link_model.overlap_window_s`` before that pass ends,
    and the group ends no sooner than the latest member's pass end plus the ring of its
-   last bucket (those gradients are final only then), so it lasts
-   ``max(start + all of its rings, last pass end + last ring)``; this is
+   last bucket (those gradients are final only then): it ends at
+   ``max(start + all of its rings, last pass end + last ring)``, which is
    ``link_model.exposed_all_reduce_s`` on a timeline. Without it (None) a member is ready
    once its sends are complete and the group is one blocking ring.
 5. The optimizer step, once the rank's schedule and its all-reduces are done.
 
 Every rank starts at 0; the step ends when the last rank ends. Per rank, the step splits
-into compute (forwards, backwards, optimizer), communication (all-reduce, and time blocked
-on a message that is already on its way) and idle time (waiting for a peer to compute: the
+into compute (forwards, backwards, optimizer), communication (all-reduce after the rank's
+schedule, not what ran beside its compute, and time blocked on a message that is already
+on its way) and idle time (waiting for a peer to compute: the
 pipeline bubble, or for a slower replica). The critical path is the chain of events, each
 the one whose end fixed the next one's start, that ends the step.
 

@@ -237,32 +237,29 @@ class GradSync:
             self._next += 1
 
     def finish(self, timeline_s: Callable[[float], float] = _unchanged) -> None:
-        """Launch the buckets that are not out yet (parameters that got no gradient in the
-        last backward pass keep theirs, zeros for none), wait for every bucket in launch
-        order and put the sums into ``.grad``.
+        """Launch the buckets that are not out yet (a parameter that got no gradient in the
+        last backward pass held its bucket, and the rank's later ones, back: its gradient
+        or zeros go out now), wait for every bucket in launch order and put the sums into
+        ``.grad``.
 
         Emulated (``min_time_s`` > 0), each bucket starts when every holder has launched it
         and ended its own previous bucket (a one-number MAX all-reduce of that time over
         the holders; the machine's clock is shared) and lasts ``min_time_s``: one ring after
-        another on each rank, ending at the same time on every holder, as a real ring does.
-        This returns no sooner than the last bucket's end. Launch times are placed on the
-        compute clock's timeline (``timeline_s``: ``ComputeClock.timeline_s``, which a
-        rehearsal stretches). (Counted from each holder's own
-        arrival instead, a holder that came early left as soon as the real reduction was
-        done and started its next all-reduce while the late ones still slept: in a rehearsal
-        of two two-stage replicas the tied embeddings' ring ended 4.2 ms apart on its
-        holders.)
+        another on each rank, ending at the same time on every holder, as a real ring does;
+        this returns no sooner than the last bucket's end. Launch times are placed on the
+        compute clock's timeline first (``timeline_s``, ``ComputeClock.timeline_s``: a
+        rehearsal stretches its blocks). Counted from each holder's own arrival instead, a
+        holder that came early left as soon as the real reduction was done and started its
+        next all-reduce while the late ones still slept (in a rehearsal of two two-stage
+        replicas the tied embeddings' ring ended 4.2 ms apart on its holders).
 
         Raises:
             PeerFailureError: a holder died or an all-reduce timed out.
         """
         self._armed = False
-        try:
-            while self._next < len(self.buckets):
-                self.buckets[self._next].launch()
-                self._next += 1
-        finally:
-            self._next = 0
+        for bucket in self.buckets[self._next :]:
+            bucket.launch()
+        self._next = 0
         for bucket in self.buckets:
             bucket.finish()
         end_s = self._emulated_end_s(timeline_s)
