@@ -68,7 +68,10 @@ def main() -> None:
         optimizer.step()
         ends.append(time.time())
         if os.environ.get("DDP_DEBUG"):
-            print(f"rank {rank} step {step} fwd {t1-t0:.3f} bwd {t2-t1:.3f} opt {ends[-1]-t2:.3f}", flush=True)
+            print(
+                f"rank {rank} step {step} fwd {t1 - t0:.3f} bwd {t2 - t1:.3f} opt {ends[-1] - t2:.3f}",
+                flush=True,
+            )
         losses.append(float(loss))
     if rank == 0:
         args.out.write_text(json.dumps({"end_unix_time_s": ends, "losses": losses}))

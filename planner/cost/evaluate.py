@@ -3,7 +3,7 @@
 One optimizer step of a layout takes (see ``evaluate``)::
 
     step_time = max over replicas of pipeline_time
-              + gradient all-reduce time (slowest device, its groups one after another)
+              + gradient all-reduce time left after the pipelines (``allreduce_time_s``)
               + optimizer time (slowest device)
 
     pipeline_time = (num_microbatches - 1) * period + fill_time
@@ -20,7 +20,11 @@ on GPU Clusters Using Megatron-LM", SC 2021, section 2.2: bubble = (p - 1) stage
 
 Ring all-reduce of S bytes over n ranks: 2 (n - 1) / n * S / bandwidth + 2 (n - 1) *
 latency, over the slowest link of the group (Patarasuk and Yuan, "Bandwidth optimal
-all-reduce algorithms for clusters of workstations", JPDC 2009).
+all-reduce algorithms for clusters of workstations", JPDC 2009), once per bucket of at most
+``link_model.BUCKET_CAP_BYTES``. The runtime launches the buckets during the last backward
+pass, so a device's all-reduce T_d overlaps that pass: what is left after it is
+``max(T_d - W_d, L_d)``, with W_d the part of the pass after its first bucket is out and
+L_d the ring of its last bucket (``link_model.exposed_all_reduce_s``).
 
 Memory of stage s of S with micro-batch size b under 1F1B: static bytes of its units +
 b * (S - s) * activation bytes per sample + send/receive buffers.
@@ -38,7 +42,15 @@ import numpy as np
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.runtime.contract.holders import holders, shared_bytes
-from hplan.runtime.contract.link_model import ring_all_reduce_time_s, transfer_time_s
+from hplan.runtime.contract.link_model import (
+    BUCKET_CAP_BYTES,
+    bucketed_all_reduce_time_s,
+    exposed_all_reduce_s,
+    last_bucket_bytes,
+    overlap_window_s,
+    ring_all_reduce_time_s,
+    transfer_time_s,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +75,8 @@ class Evaluation:
     samples_per_s: float
     replica_times_s: tuple[float, ...]
     allreduce_time_s: float
+    """Gradient all-reduce left after the slowest pipeline ends (the part the last backward
+    passes did not hide; see ``allreduce_time_s``)."""
     optimizer_time_s: float
     stages: tuple[tuple[StageCost, ...], ...]
     """stages[r][s] for replica r, stage s."""
@@ -187,16 +201,55 @@ def pipeline_period_s(compute_times_s: Sequence[float], link_times_s: Sequence[f
     return period
 
 
-def allreduce_time_s(problem: PlanningProblem, layout: Layout) -> float:
-    """Gradient all-reduce time: groups of devices holding the same unit, merged by holder
-    set; each device runs its groups one after another; the slowest device decides."""
-    per_device: dict[int, float] = defaultdict(float)
+def allreduce_time_s(
+    problem: PlanningProblem, layout: Layout, replica_times_s: Sequence[float]
+) -> float:
+    """Seconds of gradient all-reduce left after the slowest replica's pipeline ends.
+
+    Groups of devices holding the same parameters, merged by holder set
+    (:func:`grad_sync_groups`), each a ring per bucket over its slowest link
+    (``link_model.bucketed_all_reduce_time_s``); a device runs its groups one after
+    another, ``T_d`` in all. They start inside the device's last backward pass (one full
+    micro-batch's backward of its stage, ``b_d``), so the device is done
+    ``link_model.exposed_all_reduce_s(T_d, overlap_window_s(b_d, B_d), L_d)`` after its
+    replica's pipeline ends (``B_d``: the bytes it sums; ``L_d``: the ring of the largest
+    last bucket of its groups). Every stage's last backward pass is taken to end with its
+    replica's pipeline (a later stage's ends earlier: conservative by that drain).
+
+    Args:
+        replica_times_s: each replica's pipeline time (:func:`pipeline_time_s`), in the
+            order of ``layout.replicas``.
+
+    Returns:
+        How far the latest device's all-reduce ends after the slowest pipeline (>= 0).
+    """
+    total_s: dict[int, float] = defaultdict(float)
+    synced_bytes: dict[int, float] = defaultdict(float)
+    last_s: dict[int, float] = defaultdict(float)
     for group, num_bytes in grad_sync_groups(problem, layout).items():
         bandwidth_bytes_per_s, latency_s = slowest_link(problem, group)
-        t = ring_all_reduce_time_s(len(group), num_bytes, bandwidth_bytes_per_s, latency_s)
+        t = bucketed_all_reduce_time_s(
+            len(group), num_bytes, bandwidth_bytes_per_s, latency_s, BUCKET_CAP_BYTES
+        )
+        last_bytes = last_bucket_bytes(num_bytes, BUCKET_CAP_BYTES)
+        last = ring_all_reduce_time_s(len(group), last_bytes, bandwidth_bytes_per_s, latency_s)
         for d in group:
-            per_device[d] += t
-    return max(per_device.values(), default=0.0)
+            total_s[d] += t
+            synced_bytes[d] += num_bytes
+            last_s[d] = max(last_s[d], last)
+    slowest_s = max(replica_times_s, default=0.0)
+    end_s = slowest_s
+    for replica, pipeline_s in zip(layout.replicas, replica_times_s, strict=True):
+        k = mbs_index(problem, replica.micro_batch_size)
+        for stage in replica.stages:
+            d = stage.device_idx
+            if d not in total_s:
+                continue
+            backward_s = float(problem.bwd_time_s[d, stage.unit_start : stage.unit_stop, k].sum())
+            window_s = overlap_window_s(backward_s, synced_bytes[d], BUCKET_CAP_BYTES)
+            exposed_s = exposed_all_reduce_s(total_s[d], window_s, last_s[d])
+            end_s = max(end_s, pipeline_s + exposed_s)
+    return end_s - slowest_s
 
 
 def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int, ...], float]:
@@ -269,7 +322,7 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
         pipeline_time_s(costs, r.num_microbatches)
         for costs, r in zip(stages, layout.replicas, strict=True)
     )
-    allreduce = allreduce_time_s(problem, layout)
+    allreduce = allreduce_time_s(problem, layout, replica_times)
     optimizer = optimizer_time_s(problem, layout)
     step = max(replica_times) + allreduce + optimizer
     memory_ok = all(

@@ -21,16 +21,25 @@ step the way the runtime runs it (``runtime/executor/``: ``pipeline.py``, ``comm
    computes while a message moves.
 3. After its last action a rank waits until its sends are complete: arrived, and the
    receiver has posted the matching receive.
-4. Gradients are summed group by group in the runtime's order (holder sets sorted), each a
-   blocking ring all-reduce that starts when every member is there and takes
+4. Gradients are summed group by group (holder sets in ``link_model.sync_order``), one
+   after another on each rank; a group starts when every member is ready for it and all
+   members run it at the same time. A ring all-reduce takes
    ``2 (n - 1) / n * bytes / bandwidth + 2 (n - 1) * latency`` over the group's slowest
-   link (Patarasuk and Yuan, JPDC 2009). The runtime reduces after the last backward, so
-   nothing overlaps it.
-5. The optimizer step.
+   link (Patarasuk and Yuan, JPDC 2009). With ``SimSpec.bucket_cap_bytes`` (hplan's
+   runtime, ``grad_sync.py``) the group is a ring per bucket of at most that many bytes
+   (``link_model.bucketed_all_reduce_time_s``), launched during the rank's last backward
+   pass: a member is first ready ``link_model.overlap_window_s`` before that pass ends,
+   and the group ends no sooner than the latest member's pass end plus the ring of its
+   last bucket (those gradients are final only then): it ends at
+   ``max(start + all of its rings, last pass end + last ring)``, which is
+   ``link_model.exposed_all_reduce_s`` on a timeline. Without it (None) a member is ready
+   once its sends are complete and the group is one blocking ring.
+5. The optimizer step, once the rank's schedule and its all-reduces are done.
 
 Every rank starts at 0; the step ends when the last rank ends. Per rank, the step splits
-into compute (forwards, backwards, optimizer), communication (all-reduce, and time blocked
-on a message that is already on its way) and idle time (waiting for a peer to compute: the
+into compute (forwards, backwards, optimizer), communication (all-reduce after the rank's
+schedule, not what ran beside its compute, and time blocked on a message that is already
+on its way) and idle time (waiting for a peer to compute: the
 pipeline bubble, or for a slower replica). The critical path is the chain of events, each
 the one whose end fixed the next one's start, that ends the step.
 
@@ -58,7 +67,14 @@ from hplan.planner.sim.ir import (
     SimSyncGroup,
     SimulationResult,
 )
-from hplan.runtime.contract.link_model import LinkQueue, ring_all_reduce_time_s, sync_order
+from hplan.runtime.contract.link_model import (
+    LinkQueue,
+    bucketed_all_reduce_time_s,
+    last_bucket_bytes,
+    overlap_window_s,
+    ring_all_reduce_time_s,
+    sync_order,
+)
 from hplan.runtime.contract.plan import Schedule
 from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 
@@ -100,6 +116,10 @@ class _Rank:
     compute_s: float = 0.0
     comm_s: float = 0.0
     sent: list[_MsgKey] = field(default_factory=list)
+    final_backward_pos: int | None = None
+    """Position of the rank's last backward action in ``actions``."""
+    last_backward: int | None = None
+    """Index of the event of the rank's last backward pass (its gradients are final then)."""
 
 
 @dataclass
@@ -129,7 +149,12 @@ class _Engine:
             num_mb = len(replica.microbatch_sizes)
             schedule = build_schedule(spec.schedule, len(replica.stages), num_mb)
             for s_idx, stage in enumerate(replica.stages):
-                self.ranks[stage.rank] = _Rank(stage.rank, r_idx, s_idx, stage, schedule[s_idx])
+                actions = schedule[s_idx]
+                backwards = [i for i, a in enumerate(actions) if a.kind is ActionKind.BACKWARD]
+                self.ranks[stage.rank] = _Rank(
+                    stage.rank, r_idx, s_idx, stage, actions,
+                    final_backward_pos=backwards[-1] if backwards else None,
+                )  # fmt: skip
 
     def run(self) -> None:
         for rank in sorted(self.ranks):
@@ -200,6 +225,8 @@ class _Engine:
                 str(action), action.microbatch, None, cause,
             )
         )  # fmt: skip
+        if rank.pos == rank.final_backward_pos:
+            rank.last_backward = rank.last
         rank.compute_s += duration_s
         self._push(time_s + duration_s, _DONE, rank.rank)
 
@@ -304,33 +331,69 @@ class _Engine:
         rank.clock_s = done_s
 
     def _all_reduce(self) -> None:
-        """Groups in the runtime's order (``link_model.sync_order``), each blocking its
-        members."""
+        """Groups in ``link_model.sync_order``, one after another on each member, each run
+        by all its members at once (module docstring, rule 4)."""
+        ready = {r: self._first_ready(state) for r, state in self.ranks.items()}
+        cursor = {r: state.clock_s for r, state in self.ranks.items()}
         for group in sorted(self.spec.sync_groups, key=lambda g: sync_order(g.ranks)):
             members = [self.ranks[r] for r in group.ranks]
-            latest = max(members, key=lambda m: (m.clock_s, -m.rank))
-            start_s = latest.clock_s
-            duration_s = ring_all_reduce_time_s(
-                len(members), group.num_bytes, group.bandwidth_bytes_per_s, group.latency_s
-            )
+            latest = max(members, key=lambda m: (ready[m.rank][0], -m.rank))
+            start_s, cause = ready[latest.rank]
+            end_s, cause = self._group_end(group, members, start_s, cause)
             label = "all-reduce ranks " + ",".join(str(r) for r in group.ranks)
-            cause = latest.last
             for member in members:
-                if member.clock_s < start_s:
+                at_s = cursor[member.rank]
+                if at_s < start_s:
                     self._add(
                         SimEvent(
                             EventKind.WAIT, member.rank, member.replica, member.stage,
-                            member.clock_s, start_s, f"wait for {label}", None, None, cause,
+                            at_s, start_s, f"wait for {label}", None, None, cause,
                         )
                     )  # fmt: skip
-                member.last = self._add(
+                event = self._add(
                     SimEvent(
                         EventKind.ALLREDUCE, member.rank, member.replica, member.stage,
-                        start_s, start_s + duration_s, label, None, None, cause,
+                        start_s, end_s, label, None, None, cause,
                     )
                 )  # fmt: skip
-                member.clock_s = start_s + duration_s
-                member.comm_s += duration_s
+                if end_s > at_s:
+                    member.comm_s += end_s - max(start_s, at_s)
+                    member.last = event
+                    cursor[member.rank] = end_s
+                ready[member.rank] = (end_s, event)
+        for rank, state in self.ranks.items():
+            state.clock_s = cursor[rank]
+
+    def _first_ready(self, rank: _Rank) -> tuple[float, int | None]:
+        """When ``rank`` may start its first all-reduce, and the event that decides it: an
+        overlap window before its last backward pass ends, or once its sends are done."""
+        if self.spec.bucket_cap_bytes is None or rank.last_backward is None:
+            return rank.clock_s, rank.last
+        backward = self.events[rank.last_backward]
+        num_bytes = sum(g.num_bytes for g in self.spec.sync_groups if rank.rank in g.ranks)
+        window_s = overlap_window_s(
+            backward.end_s - backward.start_s, num_bytes, self.spec.bucket_cap_bytes
+        )
+        return backward.end_s - window_s, rank.last_backward
+
+    def _group_end(
+        self, group: SimSyncGroup, members: list[_Rank], start_s: float, cause: int | None
+    ) -> tuple[float, int | None]:
+        """When a group started at ``start_s`` ends, and the event that decides it."""
+        n, num_bytes = len(members), group.num_bytes
+        bandwidth, latency_s = group.bandwidth_bytes_per_s, group.latency_s
+        cap = self.spec.bucket_cap_bytes
+        if cap is None:
+            return start_s + ring_all_reduce_time_s(n, num_bytes, bandwidth, latency_s), cause
+        end_s = start_s + bucketed_all_reduce_time_s(n, num_bytes, bandwidth, latency_s, cap)
+        last_s = ring_all_reduce_time_s(n, last_bucket_bytes(num_bytes, cap), bandwidth, latency_s)
+        passes = [m.last_backward for m in members if m.last_backward is not None]
+        if not passes:
+            return end_s, cause
+        final = max(passes, key=lambda e: (self.events[e].end_s, -e))
+        if self.events[final].end_s + last_s > end_s:
+            return self.events[final].end_s + last_s, final
+        return end_s, cause
 
     def _optimizer(self, rank: _Rank) -> None:
         duration_s = rank.spec.optimizer_s

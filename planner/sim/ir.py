@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES
 from hplan.runtime.contract.plan import Schedule
 
 
@@ -88,6 +89,10 @@ class SimSpec:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     notes: tuple[str, ...] = ()
     """Caveats of the builder (e.g. a plan without gradient sizes), passed to the result."""
+    bucket_cap_bytes: float | None = BUCKET_CAP_BYTES
+    """Most bytes per gradient bucket of a runtime that sums gradients in buckets launched
+    during the last backward pass (hplan's, torch DDP's); None: every group is summed in one
+    blocking all-reduce after the schedule (e.g. DeepSpeed's pipeline engine)."""
     blocking_p2p: bool = False
     """False (hplan's runtime): a send is posted and the rank goes on (``isend``). True
     (runtimes with blocking ``send``/``recv``, e.g. DeepSpeed's pipeline engine): a transfer
@@ -180,7 +185,9 @@ def _verify_spec(spec: SimSpec) -> None:
     for r_idx, replica in enumerate(spec.replicas):
         _verify_replica(r_idx, replica, seen)
     if len({g.ranks for g in spec.sync_groups}) != len(spec.sync_groups):
-        raise ValueError("sync groups must have distinct rank sets (one bucket per holder set)")
+        raise ValueError("sync groups must have distinct rank sets (one group per holder set)")
+    if spec.bucket_cap_bytes is not None and not spec.bucket_cap_bytes > 0:
+        raise ValueError(f"bucket_cap_bytes must be > 0 or None, got {spec.bucket_cap_bytes}")
     for group in spec.sync_groups:
         if list(group.ranks) != sorted(set(group.ranks)) or not set(group.ranks) <= seen:
             raise ValueError(f"sync group {group.ranks}: ranks must be sorted, unique and known")

@@ -38,6 +38,8 @@ class PipelineShape:
     fill_s: float
     optimizer_s: float
     stage_grad_bytes: tuple[float, ...]
+    stage_backward_s: tuple[float, ...]
+    """Backward time of one micro-batch on each stage (the pass its all-reduce overlaps)."""
 
     @property
     def num_stages(self) -> int:
@@ -60,6 +62,13 @@ class Partitioner:
             [
                 np.zeros((p.num_devices, 1, len(p.micro_batch_sizes))),
                 np.cumsum(p.fwd_time_s + p.bwd_time_s, axis=1),
+            ],
+            axis=1,
+        )
+        self._bwd_cum = np.concatenate(
+            [
+                np.zeros((p.num_devices, 1, len(p.micro_batch_sizes))),
+                np.cumsum(p.bwd_time_s, axis=1),
             ],
             axis=1,
         )
@@ -167,6 +176,10 @@ class Partitioner:
             float(self._grad_cum[bounds[s + 1]] - self._grad_cum[bounds[s]])
             for s in range(len(sequence))
         )
+        backward = tuple(
+            float(self._bwd_cum[d, bounds[s + 1], k] - self._bwd_cum[d, bounds[s], k])
+            for s, d in enumerate(devices)
+        )
         return PipelineShape(
             classes=tuple(sequence),
             k=k,
@@ -176,6 +189,7 @@ class Partitioner:
             fill_s=sum(computes) + sum(links),
             optimizer_s=optimizer,
             stage_grad_bytes=grads,
+            stage_backward_s=backward,
         )
 
 

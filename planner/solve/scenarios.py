@@ -25,7 +25,14 @@ from hplan.planner.cost.evaluate import measured_ring
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.solve.device_classes import DeviceClass, class_link
 from hplan.planner.solve.partition import PipelineShape
-from hplan.runtime.contract.link_model import ring_all_reduce_time_s
+from hplan.runtime.contract.link_model import (
+    BUCKET_CAP_BYTES,
+    bucketed_all_reduce_time_s,
+    exposed_all_reduce_s,
+    last_bucket_bytes,
+    overlap_window_s,
+    ring_all_reduce_time_s,
+)
 
 
 class SyncEstimate(StrEnum):
@@ -139,13 +146,17 @@ def _components(nodes: frozenset[int], joined: Callable[[int, int], bool]) -> li
 def allreduce_estimate_s(
     problem: PlanningProblem, classes: Sequence[DeviceClass], scenario: Scenario, t: PipelineShape
 ) -> float:
-    """The all-reduce time one copy of ``t`` is charged under ``scenario``."""
+    """The all-reduce time one copy of ``t`` is charged under ``scenario``: what its stages'
+    rings leave after their last backward pass (``link_model.exposed_all_reduce_s``, as
+    ``evaluate.allreduce_time_s``). Over the whole model, the pass is the whole model's
+    backward on ``t``'s devices (exact for a one-stage copy)."""
     if scenario.single_replica:
         return 0.0
     n = scenario.max_copies
     if scenario.sync is SyncEstimate.WHOLE_MODEL:
         total = sum(t.stage_grad_bytes)
-        return ring_all_reduce_time_s(n, total, scenario.bandwidth_bytes_per_s, scenario.latency_s)
+        backward_s = sum(t.stage_backward_s)
+        return _exposed_s(n, total, backward_s, scenario.bandwidth_bytes_per_s, scenario.latency_s)
     floor = (  # the scenario's own figures already hold it; a stage-local link does not
         measured_ring(problem, _devices(classes, scenario.classes))
         if scenario.sync is SyncEstimate.STAGE_LOCAL
@@ -158,5 +169,18 @@ def allreduce_estimate_s(
             local_bw, local_lat = class_link(problem, classes, c, c)
             if math.isfinite(local_bw):
                 bw, lat = min(local_bw, floor[0]), max(local_lat, floor[1])
-        times.append(ring_all_reduce_time_s(n, t.stage_grad_bytes[s], bw, lat))
+        times.append(_exposed_s(n, t.stage_grad_bytes[s], t.stage_backward_s[s], bw, lat))
     return max(times, default=0.0)
+
+
+def _exposed_s(
+    num_ranks: int, num_bytes: float, backward_s: float, bandwidth: float, latency_s: float
+) -> float:
+    """A ring of ``num_ranks`` over ``num_bytes`` in buckets, overlapped with a backward
+    pass of ``backward_s``: the part left after the pass (``link_model``)."""
+    cap = BUCKET_CAP_BYTES
+    total_s = bucketed_all_reduce_time_s(num_ranks, num_bytes, bandwidth, latency_s, cap)
+    last_s = ring_all_reduce_time_s(
+        num_ranks, last_bucket_bytes(num_bytes, cap), bandwidth, latency_s
+    )
+    return exposed_all_reduce_s(total_s, overlap_window_s(backward_s, num_bytes, cap), last_s)

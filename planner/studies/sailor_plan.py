@@ -23,7 +23,8 @@ machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
 
 :func:`study_sim_spec` is the simulator's view: ``spec_from_plan`` plus what a plan cannot
 say: blocking point-to-point transfers (DeepSpeed's ``p2p.send``/``recv`` are blocking;
-``SimSpec.blocking_p2p``).
+``SimSpec.blocking_p2p``) and gradients summed after the whole schedule (its pipeline engine
+reduces them after the last micro-batch; ``SimSpec.bucket_cap_bytes`` None).
 """
 
 from __future__ import annotations
@@ -312,8 +313,8 @@ def message_size_range(data: SailorData, study: StudyPlan) -> tuple[float, float
 def study_sim_spec(plan: Plan) -> SimSpec:
     """The simulator's view of an imported study plan as the study's runtime runs it:
     ``spec_from_plan(plan)`` (the plan's cuts carry exactly what that runtime sends) with
-    blocking point-to-point transfers."""
-    return replace(spec_from_plan(plan), blocking_p2p=True)
+    blocking point-to-point transfers and the all-reduce after the schedule."""
+    return replace(spec_from_plan(plan), blocking_p2p=True, bucket_cap_bytes=None)
 
 
 def load_study_plan(

@@ -233,8 +233,9 @@ def layout_sim_spec(problem: PlanningProblem, layout: Layout, *, study_runtime: 
     """The simulator's view of a layout of ``problem`` (``spec_from_layout``), with every
     machine's outgoing inter-node transfers queued on its one network card.
 
-    ``study_runtime`` runs it as the study's runtime would, with blocking point-to-point
-    (see ``sailor_plan``); otherwise as hplan's runtime does (``isend``). Both send the same
+    ``study_runtime`` runs it as the study's runtime would, with blocking point-to-point and
+    the all-reduce after the schedule (see ``sailor_plan``); otherwise as hplan's runtime
+    does (``isend``, buckets launched during the last backward pass). Both send the same
     bytes: the cut's hidden state and its gradient.
     """
     spec = spec_from_layout(problem, layout)
@@ -247,7 +248,14 @@ def layout_sim_spec(problem: PlanningProblem, layout: Layout, *, study_runtime: 
             links.append(replace(link, forward=forward, backward=backward))
         replicas.append(replace(sim, links=tuple(links)))
     groups = _share_network_cards(problem, layout, spec.sync_groups)
-    return replace(spec, replicas=tuple(replicas), sync_groups=groups, blocking_p2p=study_runtime)
+    cap = None if study_runtime else spec.bucket_cap_bytes
+    return replace(
+        spec,
+        replicas=tuple(replicas),
+        sync_groups=groups,
+        blocking_p2p=study_runtime,
+        bucket_cap_bytes=cap,
+    )
 
 
 def _share_network_cards(

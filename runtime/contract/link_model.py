@@ -7,22 +7,35 @@ after another on a link direction by :class:`LinkQueue`) and all-reduces with
 matrix measurement and the study importer fit the same latency + bytes / bandwidth line
 with :func:`least_squares_alpha_beta`.
 
+The gradient all-reduce overlaps the last backward pass: the runtime sums gradients in
+buckets of at most :data:`BUCKET_CAP_BYTES`, each launched as soon as its gradients are
+final (``executor/grad_sync.py``). Cost model and simulator charge it with
+:func:`bucketed_all_reduce_time_s`, :func:`overlap_window_s` and
+:func:`exposed_all_reduce_s` (the formula is in the last one's docstring).
+
 Torch-free on purpose: the planner imports it without pulling in torch.distributed.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.quantities import BYTES_PER_MIB
 
 __all__ = [
+    "BUCKET_CAP_BYTES",
     "LinkQueue",
     "QueuedTransfer",
+    "bucketed_all_reduce_time_s",
+    "exposed_all_reduce_s",
     "group_ring_time_s",
+    "last_bucket_bytes",
     "least_squares_alpha_beta",
+    "overlap_window_s",
     "ring_all_reduce_time_s",
     "sync_order",
     "transfer_time_s",
@@ -71,7 +84,9 @@ class LinkQueue:
 
 
 def sync_order(ranks: Sequence[int]) -> tuple[int, tuple[int, ...]]:
-    """Sort key of gradient holder sets: the order in which every rank all-reduces them.
+    """Sort key of gradient holder sets: the order in which every rank creates their process
+    groups, and in which the simulator sums them (the runtime launches its buckets in
+    ``holders.grad_buckets``' order instead, as their gradients become final).
 
     Largest sets first, then by their ranks. A set shared by more ranks (tied embeddings
     across stages and replicas) waits for all of them anyway; run first, it lets the smaller
@@ -96,6 +111,73 @@ def ring_all_reduce_time_s(
         return 0.0
     steps = 2 * (num_ranks - 1)
     return steps / num_ranks * num_bytes / bandwidth_bytes_per_s + steps * latency_s
+
+
+BUCKET_CAP_BYTES = 25 * BYTES_PER_MIB
+"""Most wire bytes in one gradient bucket (one all-reduce): torch DDP's default
+``bucket_cap_mb=25`` (Li et al., "PyTorch Distributed: Experiences on Accelerating Data
+Parallel Training", VLDB 2020, section 3.2.3). A single parameter larger than this is a
+bucket of its own."""
+
+
+def _num_buckets(num_bytes: float, cap_bytes: float) -> int:
+    return max(1, math.ceil(num_bytes / cap_bytes))
+
+
+def last_bucket_bytes(num_bytes: float, cap_bytes: float) -> float:
+    """Bytes of the last of the buckets of ``num_bytes`` split at ``cap_bytes``: full buckets
+    first, the remainder last (the runtime fills buckets from the last layer back, so the
+    one that holds the first layers, launched last, is the partial one)."""
+    return num_bytes - (_num_buckets(num_bytes, cap_bytes) - 1) * cap_bytes
+
+
+def bucketed_all_reduce_time_s(
+    num_ranks: int,
+    num_bytes: float,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    cap_bytes: float,
+) -> float:
+    """Seconds of the rings of ``num_bytes`` in buckets of ``cap_bytes``, one after another.
+
+    The ring time of each bucket (:func:`ring_all_reduce_time_s`) summed: the whole
+    buffer's bandwidth term and each bucket's latency term,
+    ``ring(bytes) + (num_buckets - 1) * 2 (n - 1) * latency``.
+    """
+    if num_ranks < 2 or num_bytes <= 0:
+        return 0.0
+    extra_buckets = _num_buckets(num_bytes, cap_bytes) - 1
+    ring_s = ring_all_reduce_time_s(num_ranks, num_bytes, bandwidth_bytes_per_s, latency_s)
+    return ring_s + extra_buckets * 2 * (num_ranks - 1) * latency_s
+
+
+def overlap_window_s(backward_s: float, num_bytes: float, cap_bytes: float) -> float:
+    """Seconds of the last backward pass that a rank's all-reduce may overlap.
+
+    The backward pass of the rank's last micro-batch (``backward_s``) finalises its
+    ``num_bytes`` of gradients at an even rate (an assumption: bytes in proportion to
+    backward time); the first bucket is out after ``backward_s * cap_bytes / num_bytes``, and
+    the rest of the pass is the window: ``backward_s * max(0, 1 - cap_bytes / num_bytes)``
+    (0 when everything fits one bucket, which is launched at the end of the pass).
+    """
+    if num_bytes <= cap_bytes:
+        return 0.0
+    return backward_s * (1.0 - cap_bytes / num_bytes)
+
+
+def exposed_all_reduce_s(all_reduce_s: float, window_s: float, last_bucket_s: float) -> float:
+    """Seconds of all-reduce left after the last backward pass ends.
+
+    ``max(all_reduce_s - window_s, last_bucket_s)``: the reductions start a ``window_s``
+    before the pass ends (:func:`overlap_window_s`) and take ``all_reduce_s``
+    (:func:`bucketed_all_reduce_time_s`), but the last bucket holds gradients the pass
+    finalises at its very end, so its ring (``last_bucket_s``) is never hidden. It is the
+    two-bound model of wait-free backpropagation, where communication of the layers done
+    so far runs under the backward of the rest (Zhang et al., "Poseidon: An Efficient
+    Communication Architecture for Distributed Deep Learning on GPU Clusters", USENIX ATC
+    2017, section 3.1; bucketed as in torch DDP, Li et al., VLDB 2020).
+    """
+    return max(all_reduce_s - window_s, last_bucket_s)
 
 
 def group_ring_time_s(plan: Plan, ranks: Sequence[int], num_bytes: float) -> float:

@@ -12,13 +12,19 @@ wall-clock seconds measured on that rank; they split the step as
 - ``p2p_time_s``: posting and completing point-to-point sends, and emulated link delays;
 - ``wait_time_s``: blocked in point-to-point receives, waiting for a peer (pipeline
   bubbles and transfer time show up here);
-- ``allreduce_time_s``: gradient all-reduce (includes waiting for the slowest holder);
+- ``allreduce_time_s``: blocked in gradient all-reduces after the schedule: the part the
+  backward pass did not hide (includes waiting for the slowest holder), plus clipping's
+  gradient-norm sum;
 - ``optimizer_time_s``: the optimizer step;
 - ``other_time_s``: the rest (data loading, Python overhead).
 
 ``end_unix_time_s``: when the step ended (``time.time()``); consecutive steps' difference is
 the step as seen from outside, including what happens between steps (metrics, the job's
 per-step agreement, checkpoints).
+
+``allreduce_overlapped_time_s`` is not part of that sum: how long the gradient all-reduces
+ran beside the last backward pass, from the first bucket's launch to the end of the schedule
+(0 when none went out early, and in metrics written before hplan overlapped them).
 
 ``grad_norm``: the whole model's gradient L2 norm before clipping, the same on every rank
 (with the model file's ``MAX_GRAD_NORM`` only; null without it and in metrics written
@@ -69,6 +75,9 @@ class StepMetrics:
     """Wall-clock Unix time at the end of the step (after its optimizer step): the spacing of
     consecutive steps is the real throughput, every per-step overhead included (0: not
     recorded)."""
+    allreduce_overlapped_time_s: float = 0.0
+    """Gradient all-reduce running beside compute, outside the step's sum (0: none, or
+    not recorded)."""
 
 
 def metrics_path(metrics_dir: Path, rank: int) -> Path:
@@ -176,6 +185,8 @@ class RankSummary:
     allreduce_time_s: float
     optimizer_time_s: float
     peak_memory_bytes: int
+    allreduce_overlapped_time_s: float = 0.0
+    """Mean of ``StepMetrics.allreduce_overlapped_time_s``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,4 +273,5 @@ def rank_summary(records: list[StepMetrics]) -> RankSummary:
         allreduce_time_s=mean("allreduce_time_s"),
         optimizer_time_s=mean("optimizer_time_s"),
         peak_memory_bytes=max(r.peak_memory_bytes for r in records),
+        allreduce_overlapped_time_s=mean("allreduce_overlapped_time_s"),
     )

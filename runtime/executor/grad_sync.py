@@ -11,9 +11,33 @@ Replicas process different numbers of samples and may split layers differently, 
 
 One process group per distinct holder set, created on every rank in the same sorted order
 (``torch.distributed.new_group`` is collective over the whole world), with the plan's
-process-group timeout (not torch's 30-minute default). Gradients of one group
-are bucketed into one flat buffer; half-precision gradients are summed in float32 and cast
-back, so bf16 models work on gloo without loss of precision in the sum.
+process-group timeout (not torch's 30-minute default). Half-precision gradients are summed
+in float32 and cast back, so bf16 models work on gloo without loss of precision in the sum.
+
+Overlap with the backward pass (as torch DDP does; Li et al., "PyTorch Distributed", VLDB
+2020): a holder set's gradients are split into buckets of at most
+``link_model.BUCKET_CAP_BYTES`` wire bytes, in the reverse of the model's parameter order
+(``holders.grad_buckets``). A gradient is final after the rank's last backward pass of the
+step (the last backward action of its schedule); during that pass a
+``register_post_accumulate_grad_hook`` per parameter marks it done, and a bucket whose
+parameters are all done is flattened and its all-reduce launched (``async_op=True``).
+After the schedule :class:`GradSync` launches the buckets whose hooks never fired (a
+parameter that got no gradient this step: zeros, as a synchronous sum would add), waits
+for every bucket in launch order and writes the sums into ``.grad``; loss-scale unscaling
+and clipping follow, unchanged.
+
+Launch order, and why it cannot deadlock: all buckets of all holder sets lie in one global
+order, derived from the plan and canonical names alone (by the reversed model position
+of their first parameter), and every rank launches its own buckets as a subsequence of it:
+a bucket whose gradients are done waits until the rank's earlier buckets are out. With
+collectives on several groups, two ranks that issued them in opposite orders could each
+wait for the other (NCCL requires one order across communicators, and gloo's blocking
+calls would hang the same way); a single global order rules that out, since the
+earliest pending collective always has every holder ready to run it. The hooks never
+block: a pipeline peer may still be waiting for this rank's next send. The order matches
+the order in which a stage finalises its gradients (a stage is a contiguous range of
+units), so little overlap is lost; a tied weight (GPT's embedding, first used by the first
+unit) comes last on the rank holding the head, where its gradient is ready early.
 
 Gradient clipping (the model file's ``MAX_GRAD_NORM``, :class:`GradClip`): after the sum,
 every rank holds the full gradient of each of its parameters, so the whole model's L2
@@ -27,8 +51,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -37,7 +62,13 @@ from torch import Tensor, nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from hplan.runtime.contract.errors import PeerFailureError, PlanMismatchError, error_reason
-from hplan.runtime.contract.holders import RankSet, holder_sets, parameter_holders
+from hplan.runtime.contract.holders import (
+    RankSet,
+    grad_buckets,
+    holder_sets,
+    parameter_holders,
+)
+from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.seams import LinkDelay
 
@@ -72,57 +103,190 @@ def check_stage_parameters(plan: Plan, rank: int, names: Sequence[str]) -> None:
 
 
 @dataclass
+class _Launched:
+    """An all-reduce in flight: its flat buffer, the gradients it was built from, its work."""
+
+    flat: Tensor
+    grads: list[Tensor]
+    work: dist.Work
+
+
+@dataclass
 class GradBucket:
-    """The trainable parameters of this rank that one holder set shares."""
+    """Some trainable parameters of one holder set, summed in one all-reduce
+    (``holders.BucketSpec``)."""
 
     ranks: RankSet
     group: dist.ProcessGroup
     params: list[tuple[str, nn.Parameter]]
-    min_time_s: float
-    """Least all-reduce time, counted from the last holder's arrival (the run's
-    ``LinkDelay.all_reduce_floor_s``; 0: the real all-reduce alone)."""
+    min_time_s: float = 0.0
+    """Least all-reduce time, counted from when every holder has launched the bucket and
+    finished its own previous one (the run's ``LinkDelay.all_reduce_floor_s``; 0: the real
+    all-reduce alone; see :meth:`GradSync.finish`)."""
+    launched_s: float = 0.0
+    """When this step's all-reduce was launched (``time.monotonic``)."""
+    done_s: float = 0.0
+    """When its sums were in ``.grad`` (``time.monotonic``)."""
+    _launched: _Launched | None = field(default=None, repr=False)
 
-    def all_reduce(self) -> None:
-        """Sum the bucket's gradients over its holder set (float32 for half types).
+    def launch(self) -> None:
+        """Flatten the gradients (zeros for a parameter without one; float32 for half
+        types) and start summing them over the holder set, without waiting.
 
-        Emulated (``min_time_s`` > 0): the holders first agree on the latest arrival (a
-        one-number MAX all-reduce; the machine's clock is shared) and each returns no
-        sooner than that plus ``min_time_s``, as a ring finishes on every holder at once.
-        Counted from each holder's own arrival instead, a holder that came early left as
-        soon as the real reduction was done and started its next all-reduce while the
-        late ones still slept (in a rehearsal of two two-stage replicas the tied
-        embeddings' ring ended 4.2 ms apart on its holders).
+        Raises:
+            PeerFailureError: the all-reduce could not be started.
+        """
+        assert self._launched is None, "a bucket is launched once per step"
+        grads = [_grad_or_zeros(p) for _, p in self.params]
+        wire_dtype = _wire_dtype([g.dtype for g in grads])
+        flat = torch.cat([g.reshape(-1).to(wire_dtype) for g in grads])
+        self.launched_s = time.monotonic()
+        work = self.collective(flat, dist.ReduceOp.SUM, async_op=True)
+        assert work is not None
+        self._launched = _Launched(flat, grads, work)
+
+    def finish(self) -> None:
+        """Wait for the launched all-reduce and put the sums into ``.grad``.
 
         Raises:
             PeerFailureError: a holder died or the all-reduce timed out.
         """
-        grads = [_grad_or_zeros(p) for _, p in self.params]
-        wire_dtype = _wire_dtype([g.dtype for g in grads])
-        flat = torch.cat([g.reshape(-1).to(wire_dtype) for g in grads])
-        start_s = time.monotonic()
-        if self.min_time_s > 0:
-            arrival = torch.tensor([start_s], dtype=torch.float64, device=flat.device)
-            self._collective(arrival, dist.ReduceOp.MAX)
-            start_s = float(arrival.item())
-        self._collective(flat, dist.ReduceOp.SUM)
+        launched, self._launched = self._launched, None
+        assert launched is not None, "finish() follows launch()"
+        try:
+            launched.work.wait()
+        except RuntimeError as exc:
+            raise self._failure(exc) from None
         offset = 0
-        for (_, param), grad in zip(self.params, grads, strict=True):
+        for (_, param), grad in zip(self.params, launched.grads, strict=True):
             numel = grad.numel()
-            param.grad = flat[offset : offset + numel].view_as(grad).to(grad.dtype).clone()
+            chunk = launched.flat[offset : offset + numel]
+            param.grad = chunk.view_as(grad).to(grad.dtype).clone()
             offset += numel
-        remaining_s = start_s + self.min_time_s - time.monotonic()
+        self.done_s = time.monotonic()
+
+    def collective(
+        self, tensor: Tensor, op: dist.ReduceOp.RedOpType, *, async_op: bool = False
+    ) -> dist.Work | None:
+        """``dist.all_reduce`` of ``tensor`` on the holder set's group.
+
+        Raises:
+            PeerFailureError: a holder died or the all-reduce timed out.
+        """
+        try:
+            return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        except RuntimeError as exc:
+            raise self._failure(exc) from None
+
+    def _failure(self, exc: RuntimeError) -> PeerFailureError:
+        return PeerFailureError(
+            f"gradient all-reduce among ranks {list(self.ranks)} failed: {error_reason(exc)}; "
+            "check the logs of those ranks (one probably failed first)"
+        )
+
+
+def _unchanged(monotonic_s: float) -> float:
+    return monotonic_s
+
+
+class GradSync:
+    """This rank's buckets, each launched as soon as the step's last backward pass has
+    finalised its gradients (see the module docstring).
+
+    Per step: :meth:`arm` just before the rank's last backward pass, :meth:`finish` after
+    its schedule. The hooks stay on the parameters until :meth:`close`.
+    """
+
+    def __init__(self, buckets: Sequence[GradBucket]) -> None:
+        self.buckets = list(buckets)
+        self._missing: list[set[int]] = [set() for _ in self.buckets]
+        self._next = 0
+        """Index of the next bucket to launch: buckets go out in order."""
+        self._armed = False
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._hook(idx, param))
+            for idx, bucket in enumerate(self.buckets)
+            for _, param in bucket.params
+        ]
+
+    def _hook(self, idx: int, param: nn.Parameter) -> Callable[[Tensor], None]:
+        """The hook of ``param`` in bucket ``idx``. It holds this object weakly: a cycle
+        through the parameters would keep the process groups alive until the interpreter
+        exits, where destroying a gloo group aborts the process."""
+        key, sync = id(param), weakref.ref(self)
+
+        def on_grad(_: Tensor) -> None:
+            owner = sync()
+            if owner is None or not owner._armed:
+                return
+            owner._missing[idx].discard(key)
+            owner._launch_ready()
+
+        return on_grad
+
+    def arm(self) -> None:
+        """From now until :meth:`finish`, launch each bucket once all its parameters have
+        accumulated a gradient, and every bucket before it has been launched. Call right
+        before the rank's last backward pass of the step."""
+        self._missing = [{id(p) for _, p in b.params} for b in self.buckets]
+        self._armed = True
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and not self._missing[self._next]:
+            self.buckets[self._next].launch()
+            self._next += 1
+
+    def finish(self, timeline_s: Callable[[float], float] = _unchanged) -> None:
+        """Launch the buckets that are not out yet (a parameter that got no gradient in the
+        last backward pass held its bucket, and the rank's later ones, back: its gradient
+        or zeros go out now), wait for every bucket in launch order and put the sums into
+        ``.grad``.
+
+        Emulated (``min_time_s`` > 0), each bucket starts when every holder has launched it
+        and ended its own previous bucket (a one-number MAX all-reduce of that time over
+        the holders; the machine's clock is shared) and lasts ``min_time_s``: one ring after
+        another on each rank, ending at the same time on every holder, as a real ring does;
+        this returns no sooner than the last bucket's end. Launch times are placed on the
+        compute clock's timeline first (``timeline_s``, ``ComputeClock.timeline_s``: a
+        rehearsal stretches its blocks). Counted from each holder's own arrival instead, a
+        holder that came early left as soon as the real reduction was done and started its
+        next all-reduce while the late ones still slept (in a rehearsal of two two-stage
+        replicas the tied embeddings' ring ended 4.2 ms apart on its holders).
+
+        Raises:
+            PeerFailureError: a holder died or an all-reduce timed out.
+        """
+        self._armed = False
+        for bucket in self.buckets[self._next :]:
+            bucket.launch()
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.finish()
+        end_s = self._emulated_end_s(timeline_s)
+        remaining_s = end_s - time.monotonic()
         if remaining_s > 0:
             time.sleep(remaining_s)
 
-    def _collective(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
-        try:
-            dist.all_reduce(tensor, op=op, group=self.group)
-        except RuntimeError as exc:
-            raise PeerFailureError(
-                f"gradient all-reduce among ranks {list(self.ranks)} failed: "
-                f"{error_reason(exc)}; "
-                "check the logs of those ranks (one probably failed first)"
-            ) from None
+    def _emulated_end_s(self, timeline_s: Callable[[float], float]) -> float:
+        """When the last bucket ends under its floor (see :meth:`finish`); blocking
+        collectives, safe after the schedule: every rank runs them in the buckets' order."""
+        end_s = -math.inf
+        for bucket in self.buckets:
+            if bucket.min_time_s <= 0:
+                continue
+            device = bucket.params[0][1].device
+            launched_s = timeline_s(bucket.launched_s)
+            ready = torch.tensor([max(launched_s, end_s)], dtype=torch.float64, device=device)
+            bucket.collective(ready, dist.ReduceOp.MAX)
+            end_s = float(ready.item()) + bucket.min_time_s
+            bucket.done_s = max(bucket.done_s, end_s)
+        return end_s
+
+    def close(self) -> None:
+        """Remove the hooks from the parameters."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
 
 def _grad_or_zeros(param: nn.Parameter) -> Tensor:
@@ -208,8 +372,10 @@ def build_buckets(
     named_params: Sequence[tuple[str, nn.Parameter]],
     *,
     delay: LinkDelay | None = None,
+    cap_bytes: float = BUCKET_CAP_BYTES,
 ) -> list[GradBucket]:
-    """Create every holder-set process group (on all ranks) and this rank's buckets.
+    """Create every holder-set process group (on all ranks) and this rank's buckets, in
+    launch order (``holders.grad_buckets``).
 
     Must be called by every rank of the world, in the same program order, because
     ``new_group`` is collective. Parameters that do not require grad are skipped.
@@ -218,25 +384,26 @@ def build_buckets(
         named_params: this rank's stage parameters by canonical name.
         delay: the run's link delay (``seams.LinkDelay``): each bucket lasts at least its
             ``all_reduce_floor_s``; None: the real all-reduce alone.
+        cap_bytes: most wire bytes per bucket (a larger parameter is a bucket alone).
 
     Raises:
         PlanMismatchError: the stage's parameters differ from the plan's (see
             :func:`check_stage_parameters`).
     """
     check_stage_parameters(plan, rank, [name for name, _ in named_params])
-    holders = parameter_holders(plan)
+    groups = {
+        ranks: _new_group(ranks, plan.training.process_group_timeout_s)
+        for ranks in holder_sets(plan)
+    }
+    trainable = {n: p for n, p in named_params if p.requires_grad}
+    wire_bytes = {n: p.numel() * _wire_dtype([p.dtype]).itemsize for n, p in trainable.items()}
     buckets = []
-    for ranks in holder_sets(plan):
-        group = _new_group(ranks, plan.training.process_group_timeout_s)
-        if rank not in ranks:
-            continue
-        params = [(n, p) for n, p in named_params if holders[n] == ranks and p.requires_grad]
-        if not params:
-            continue
-        nbytes = sum(p.numel() * _wire_dtype([p.dtype]).itemsize for _, p in params)
-        min_time_s = 0.0 if delay is None else delay.all_reduce_floor_s(ranks, nbytes)
-        assert group is not None
-        buckets.append(GradBucket(ranks, group, params, min_time_s))
+    for spec in grad_buckets(plan, wire_bytes, cap_bytes):
+        group = groups[spec.ranks]
+        assert group is not None and rank in spec.ranks
+        floor_s = 0.0 if delay is None else delay.all_reduce_floor_s(spec.ranks, spec.num_bytes)
+        params = [(n, trainable[n]) for n in spec.names]
+        buckets.append(GradBucket(spec.ranks, group, params, floor_s))
     return buckets
 
 

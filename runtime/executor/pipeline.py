@@ -4,8 +4,9 @@
 receives the previous stage's boundary tensors, runs the stage on the graph inputs it
 reads and sends its outputs on (the last stage computes the weighted loss instead); a
 backward receives the gradients of those outputs, runs autograd and sends the gradients of
-what it received back. Then gradients are summed among their holders (``grad_sync.py``)
-and the optimizer steps.
+what it received back. Gradients are summed among their holders (``grad_sync.py``): the
+buckets go out during the rank's last backward pass as their gradients become final, and
+after the schedule the runner waits for them; then the optimizer steps.
 
 Memory strategy ``recompute``: the forward runs without autograd and keeps only its inputs;
 the backward re-runs it (same RNG state) with autograd, then backpropagates.
@@ -17,8 +18,9 @@ fails, the rank prints its replica's schedule as a rank-by-step table in
 above its one-line error (a peer's failure keeps one line: the table is a note on it).
 
 Timeline: each step records, on ``StepRunner.timeline``, when every forward, backward,
-blocking receive, send completion, all-reduce and optimizer step started and ended
-(``contract/timeline_file.py``; compute names like the schedule's ``s1.F.mb3``).
+blocking receive, send completion and optimizer step started and ended, and each gradient
+bucket's all-reduce from its launch to its sums in ``.grad`` (``contract/timeline_file.py``;
+compute names like the schedule's ``s1.F.mb3``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 from hplan.runtime.contract.timeline_file import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
 from hplan.runtime.executor.comm import StageComm, torch_dtype
 from hplan.runtime.executor.data import BatchSource, MicroBatch, stage_inputs
-from hplan.runtime.executor.grad_sync import GradBucket, GradClip, loss_weight
+from hplan.runtime.executor.grad_sync import GradBucket, GradClip, GradSync, loss_weight
 from hplan.runtime.executor.notation import schedule_table
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
@@ -106,7 +108,12 @@ class StepTimes:
     forward_s: float = 0.0
     """The forward part of ``compute_s``."""
     allreduce_s: float = 0.0
+    """Blocked in gradient all-reduces: waiting after the schedule for the buckets, and the
+    gradient-norm sum of clipping."""
     optimizer_s: float = 0.0
+    allreduce_overlapped_s: float = 0.0
+    """From the first bucket's launch, during the last backward pass, to the end of the
+    schedule: how long the reductions ran beside compute (0: none was launched early)."""
 
 
 class StepRunner:
@@ -129,6 +136,7 @@ class StepRunner:
     ) -> None:
         self.parts = parts
         self.buckets = buckets
+        self.sync = GradSync(buckets)
         self.clip = clip
         self.clock = clock
         rank_plan = parts.rank_plan
@@ -136,12 +144,16 @@ class StepRunner:
         num_stages = len(parts.plan.replica_ranks(rank_plan.replica))
         self.stages = build_schedule(parts.plan.training.schedule, num_stages, len(self.sizes))
         self.actions = self.stages[rank_plan.stage]
+        backwards = [i for i, a in enumerate(self.actions) if a.kind is ActionKind.BACKWARD]
+        self._last_backward = backwards[-1] if backwards else None
+        """Index of the rank's last backward action: gradients are final after it."""
         self.offset = parts.plan.sample_offset(rank_plan.replica)
         self.label = stage_label(rank_plan)
         self.recompute = rank_plan.memory_strategy is MemoryStrategy.RECOMPUTE
         self.times = StepTimes()
         self.timeline = TimelineRecorder(rank_plan.rank)
         self._allreduce_s = 0.0
+        self._overlapped_s = 0.0
         self._traced_float32 = _traced_float32_inputs(parts.plan, rank_plan)
         self._flight: dict[int, _InFlight] = {}
         self._losses: list[Tensor] = []
@@ -166,6 +178,8 @@ class StepRunner:
             if comm.post_ahead:  # this action's receive, then the next one's
                 for upcoming in self.actions[index : index + 2]:
                     self._post_recv(upcoming)
+            if index == self._last_backward:
+                self.sync.arm()
             try:
                 self._run_action(action)
             except HplanError as exc:
@@ -173,16 +187,26 @@ class StepRunner:
                 raise
         with self.timeline.span(WAIT, "send completion"):
             comm.wait_sends()
-        start_s = time.monotonic()
-        for bucket in self.buckets:
-            label = "all-reduce ranks " + ",".join(str(r) for r in bucket.ranks)
-            with self.timeline.span(ALL_REDUCE, label):
-                bucket.all_reduce()
-        self._allreduce_s = time.monotonic() - start_s
+        self._sync_gradients()
         if not self._losses:
             return None
         total = torch.stack([loss.float() for loss in self._losses]).sum()
         return float(total) * parts.plan.global_batch_size / parts.rank_plan.num_samples
+
+    def _sync_gradients(self) -> None:
+        """Wait for the gradient buckets (``GradSync.finish``); time the wait and what ran
+        before it, and put every bucket on the timeline."""
+        start_s = time.monotonic()
+        self.sync.finish(self.clock.timeline_s)
+        self._allreduce_s = time.monotonic() - start_s
+        launched = [self.clock.timeline_s(b.launched_s) for b in self.buckets]
+        self._overlapped_s = max(0.0, start_s - min(launched, default=start_s))
+        for bucket, launched_s in zip(self.buckets, launched, strict=True):
+            label = "all-reduce ranks " + ",".join(str(r) for r in bucket.ranks)
+            names = [n for n, _ in bucket.params]
+            self.timeline.add(
+                ALL_REDUCE, label, launched_s, bucket.done_s, first=names[0], params=len(names)
+            )
 
     def unscale_gradients(self) -> None:
         """Under loss scaling, divide the synced gradients by the scale and vote on
@@ -235,7 +259,9 @@ class StepRunner:
             compute_s += span.duration_s
             if span.phase is Phase.FORWARD:
                 forward_s += span.duration_s
-        self.times = StepTimes(compute_s, forward_s, self._allreduce_s, optimizer_s)
+        self.times = StepTimes(
+            compute_s, forward_s, self._allreduce_s, optimizer_s, self._overlapped_s
+        )
         return self.times
 
     # ----------------------------------------------------------------- for a compute clock

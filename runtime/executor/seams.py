@@ -106,6 +106,12 @@ class ComputeClock(ABC):
         """Called by every rank after each optimizer step (collectives allowed)."""
         return None
 
+    def timeline_s(self, monotonic_s: float) -> float:
+        """Where a moment of this step (a ``time.monotonic`` reading) lies on this clock's
+        timeline: the moment itself, unless the clock stretches its blocks (a rehearsal),
+        where work done inside a block counts as done proportionally later."""
+        return monotonic_s
+
     @abstractmethod
     def take_spans(self) -> list[ComputeSpan]:
         """The spans of the blocks since the last call, oldest first (waits for the device)."""
@@ -207,7 +213,8 @@ class LinkDelay:
     Point-to-point: when :meth:`delays` is true for a peer, the sender asks
     :meth:`ready_time_s` when its bytes may be used and sends that time ahead of them; the
     receiver, once the bytes are in, calls :meth:`hold_until` with it. All-reduce: a bucket
-    lasts at least :meth:`all_reduce_floor_s`, counted from its last holder's arrival.
+    lasts at least :meth:`all_reduce_floor_s`, counted from when its last holder launched
+    it and ended its previous bucket (``grad_sync.GradSync.finish``).
     """
 
     def delays(self, peer_rank: int) -> bool:

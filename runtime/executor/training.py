@@ -478,6 +478,7 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
         forward_time_s=times.forward_s,
         grad_norm=grad_norm,
         end_unix_time_s=time.time(),
+        allreduce_overlapped_time_s=times.allreduce_overlapped_s,
     )
 
 

@@ -8,9 +8,11 @@ seams (``executor/seams.py``), implemented.
   for the rank), by sleeping after it. See :class:`ComputeEmulation`.
 - :class:`EmulatedLinks` (the link delay): a point-to-point transfer reaches its receiver
   no sooner than ``time_scale * (latency + bytes / bandwidth)`` after it was sent, queued
-  behind the earlier ones on its link (``contract/link_model.LinkQueue``); an all-reduce
-  lasts at least ``time_scale`` times the ring time over its group's slowest link, counted
-  from the last holder's arrival.
+  behind the earlier ones on its link (``contract/link_model.LinkQueue``); a gradient
+  bucket's all-reduce lasts at least ``time_scale`` times the ring time over its group's
+  slowest link, counted from when every holder has launched it (a launch from a backward
+  hook placed on the stretched block, :meth:`EmulatedClock.timeline_s`) and ended its
+  previous bucket (``grad_sync.GradSync.finish``).
 
 The emulation reads the plan's report (its predicted times and speeds): replaying the
 planner's model is what a rehearsal of a GPU plan does. The executor never reads it.
@@ -170,6 +172,8 @@ class EmulatedClock(ComputeClock):
         self.rank = rank
         self.world_size = world_size
         self._spans: list[ComputeSpan] = []
+        self._worked_s: list[float] = []
+        """When the real work of each span in ``_spans`` ended (before the stretch)."""
         self._samples: dict[int, Sample] = {}
         """Stretched emulation, until timed: one micro-batch of each size (warm_compute)."""
 
@@ -192,8 +196,18 @@ class EmulatedClock(ComputeClock):
         return super().backward(label, mb, grads)
 
     def take_spans(self) -> list[ComputeSpan]:
-        spans, self._spans = self._spans, []
+        spans, self._spans, self._worked_s = self._spans, [], []
         return spans
+
+    def timeline_s(self, monotonic_s: float) -> float:
+        """A moment inside a block's real work, mapped onto the stretched block: 30% into
+        the work is 30% into the block (a gradient bucket launched from a backward hook
+        then starts where the emulated backward pass would have produced it)."""
+        for span, worked_s in zip(reversed(self._spans), reversed(self._worked_s), strict=True):
+            if span.start_s <= monotonic_s <= worked_s:
+                fraction = (monotonic_s - span.start_s) / max(worked_s - span.start_s, 1e-12)
+                return span.start_s + fraction * span.duration_s
+        return monotonic_s
 
     def after_step(self, step: int, runner: StepRunner, *, more_steps: bool) -> None:
         """After the first step of a stretched emulation: time the stage warm, the ranks
@@ -260,10 +274,12 @@ class EmulatedClock(ComputeClock):
             yield
             failed = False
         finally:
+            worked_s = time.monotonic()
             if not failed:
                 cpu_s = time.thread_time() - start_cpu_s
                 _sleep_until(start_s + max(floor_s, stretch * cpu_s))
             self._spans.append(ComputeSpan(phase, label, start_s, time.monotonic()))
+            self._worked_s.append(worked_s)
 
 
 def _sleep_until(deadline_s: float) -> None:

@@ -534,3 +534,35 @@ def test_bf16_autocast_runs_matmuls_at_the_bf16_peak_and_halves_activation_bytes
     assert fp32.static_memory_bytes[0] == cost.param_bytes * 4
     assert bf16.static_memory_bytes[0] == cost.param_bytes * 4.5
     assert tf32.static_memory_bytes[0] == fp32.static_memory_bytes[0]
+
+
+# --------------------------------------------------------------------------- all-reduce
+@pytest.mark.parametrize(
+    ("bandwidth", "exposed_s"),
+    [
+        # 100 MiB over 2 ranks: 0.1048576 s of rings at 1 GB/s; a 0.2 s backward hides all
+        # but the last 25 MiB bucket (0.0262144 s) ...
+        (1e9, 0.0262144),
+        # ... at 0.25 GB/s the rings take 0.4194304 s, 0.15 s of them under the backward
+        # (the part after the first bucket is out: 0.2 s * (1 - 25/100))
+        (0.25e9, 0.4194304 - 0.15),
+    ],
+)
+def test_the_all_reduce_overlaps_the_last_backward_but_for_the_last_bucket(bandwidth, exposed_s):
+    from hplan.planner.cost.evaluate import evaluate
+    from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+    from tests.fixtures.problems import Dev, make_problem
+
+    problem = make_problem(
+        [Dev("box", 1.0, 80e9), Dev("box", 1.0, 80e9)],
+        unit_work=[0.1],  # forward 0.1 s, backward 0.2 s per sample
+        global_batch_size=2,
+        micro_batch_sizes=(1,),
+        grad_bytes=[100 * 2**20],
+        intra_bandwidth=bandwidth,
+        latency_s=0.0,
+    )
+    layout = Layout(tuple(ReplicaLayout((StageLayout(d, 0, 1),), 1, 1, 1) for d in (0, 1)))
+    result = evaluate(problem, layout)
+    assert result.allreduce_time_s == pytest.approx(exposed_s)
+    assert result.step_time_s == pytest.approx(0.3 + exposed_s)

@@ -26,6 +26,7 @@ from hplan.planner.sim.engine import (
     simulate,
 )
 from hplan.planner.sim.spec import spec_from_layout
+from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES, exposed_all_reduce_s
 from hplan.runtime.contract.plan import Schedule
 from hplan.runtime.contract.schedule import build_schedule
 from tests.fixtures.problems import Dev, make_problem
@@ -152,7 +153,8 @@ def _specs(draw: st.DrawFn) -> SimSpec:
         members = tuple(sorted(draw(st.sets(st.integers(0, rank - 1), min_size=1, max_size=rank))))
         groups[members] = SimSyncGroup(members, draw(times), 2.0, draw(times))
     schedule = draw(st.sampled_from(list(Schedule)))
-    return SimSpec(tuple(replicas), tuple(groups.values()), schedule)
+    cap = draw(st.sampled_from([None, 0.5, 2.0, BUCKET_CAP_BYTES]))
+    return SimSpec(tuple(replicas), tuple(groups.values()), schedule, bucket_cap_bytes=cap)
 
 
 @settings(max_examples=150, deadline=None)
@@ -297,6 +299,54 @@ def test_the_set_every_replica_shares_is_all_reduced_first_then_the_stage_pairs_
     assert result.step_time_s == pytest.approx(first[1])
 
 
+# --------------------------------------------------------------------------- overlap
+def _two_replicas_sharing(num_bytes: float, bandwidth: float, cap: float | None) -> SimSpec:
+    # Two one-stage replicas (f = 1 s, b = 2 s, one micro-batch each) summing num_bytes
+    # over a link of `bandwidth` B/s and 0.1 s latency, in buckets of `cap` bytes.
+    return SimSpec(
+        (
+            SimReplica((_stage(0, 1.0, 2.0, 1, 0.5),), (), (1,)),
+            SimReplica((_stage(1, 1.0, 2.0, 1, 0.5),), (), (1,)),
+        ),
+        (SimSyncGroup((0, 1), num_bytes, bandwidth, 0.1),),
+        bucket_cap_bytes=cap,
+    )
+
+
+def test_buckets_go_out_during_the_last_backward_and_only_the_rest_is_exposed() -> None:
+    # 100 bytes in buckets of 25: rings of 4 x (25 B / 25 B/s + 2 x 0.1 s) = 4.8 s, the last
+    # one 1.2 s. The first bucket is out a quarter into the 2 s backward, at 1.5 s.
+    result = simulate(_two_replicas_sharing(100.0, 25.0, 25.0))
+    assert exposed_all_reduce_s(4.8, 1.5, 1.2) == pytest.approx(3.3)
+    for rank in (0, 1):
+        assert _span(result, rank, "s0.B.mb0") == (1.0, 3.0)
+        assert _span(result, rank, "all-reduce ranks 0,1") == pytest.approx((1.5, 6.3))
+        assert _span(result, rank, "optimizer") == pytest.approx((6.3, 6.8))
+    times = {r.rank: r for r in result.ranks}
+    assert times[0].communication_s == pytest.approx(3.3)  # only what the backward left
+    assert times[0].compute_s == pytest.approx(3.5)
+    assert times[0].idle_s == pytest.approx(0.0, abs=1e-12)
+    # one blocking ring after the schedule: 100 B / 25 B/s + 0.2 s
+    after = simulate(_two_replicas_sharing(100.0, 25.0, None))
+    assert _span(after, 0, "all-reduce ranks 0,1") == pytest.approx((3.0, 7.2))
+    _check_invariants(_two_replicas_sharing(100.0, 25.0, 25.0), result)
+
+
+def test_when_the_rings_are_faster_than_the_backward_only_the_last_bucket_is_exposed() -> None:
+    # rings of 4 x (0.25 + 0.2) = 1.8 s from 1.5 s would end at 3.3 s, but the last bucket's
+    # gradients are final at 3 s: 3 + 0.45 s.
+    result = simulate(_two_replicas_sharing(100.0, 100.0, 25.0))
+    assert _span(result, 0, "all-reduce ranks 0,1") == pytest.approx((1.5, 3.45))
+    assert result.step_time_s == pytest.approx(3.95)
+    path = result.critical_path
+    assert [e.label for e in path[-3:]] == ["s0.B.mb0", "all-reduce ranks 0,1", "optimizer"]
+
+
+def test_a_group_that_fits_one_bucket_starts_when_the_last_backward_ends() -> None:
+    result = simulate(_two_replicas_sharing(20.0, 25.0, 25.0))
+    assert _span(result, 0, "all-reduce ranks 0,1") == pytest.approx((3.0, 4.0))  # 0.8 + 0.2
+
+
 # --------------------------------------------------------------------------- vs evaluate.py
 def _dp_layout(devices: int, shares: list[int], mbs: int, num_units: int) -> Layout:
     return Layout(
@@ -307,13 +357,16 @@ def _dp_layout(devices: int, shares: list[int], mbs: int, num_units: int) -> Lay
     )
 
 
+@pytest.mark.parametrize("grad_scale", [1.0, 20.0, 200.0])  # one bucket, several, many
 @pytest.mark.parametrize("shares", [[8, 8, 8], [12, 8, 4], [20, 2, 2]])
-def test_single_stage_data_parallel_equals_the_cost_model_exactly(shares: list[int]) -> None:
+def test_single_stage_data_parallel_equals_the_cost_model_exactly(
+    shares: list[int], grad_scale: float
+) -> None:
     problem = make_problem(
         [Dev("a", 2.0, 80e9), Dev("a", 1.0, 80e9), Dev("b", 1.5, 80e9)],
         unit_work=[0.01, 0.02, 0.01],
         global_batch_size=sum(shares),
-        grad_bytes=[4e6, 8e6, 4e6],
+        grad_bytes=[4e6 * grad_scale, 8e6 * grad_scale, 4e6 * grad_scale],
         optimizer_s=0.003,
     )
     layout = _dp_layout(3, shares, 2, problem.num_units)

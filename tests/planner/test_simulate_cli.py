@@ -171,9 +171,9 @@ def test_the_second_opinion_prefers_what_the_simulator_finds_faster() -> None:
         global_batch_size=16,
         micro_batch_sizes=(1,),
         cut_bytes_per_sample=1.0,
-        inter_bandwidth=1e30,
+        inter_bandwidth=1e8,
         latency_s=0.015,
-        grad_bytes=3e28,  # a 90 ms all-reduce: 2 x 3e28 B / 1e30 B/s + 2 x 15 ms
+        grad_bytes=3e6,  # a 90 ms all-reduce in one bucket: 2 x 3e6 B / 1e8 B/s + 2 x 15 ms
     )
     pipeline = Layout((ReplicaLayout((StageLayout(0, 0, 1), StageLayout(1, 1, 2)), 1, 16, 16),))
     data_parallel = Layout(tuple(ReplicaLayout((StageLayout(d, 0, 2),), 1, 8, 8) for d in range(2)))

@@ -240,3 +240,29 @@ def test_max_stages_also_bounds_the_baselines_in_the_pool() -> None:
     assert max(r.num_stages for r in unbounded.layout.replicas) == 3
     bounded = solve(problem, SolveOptions(time_limit_s=10, max_stages=1))
     assert all(r.num_stages == 1 for r in bounded.layout.replicas)
+
+
+def test_the_search_charges_a_one_stage_copy_the_overlapped_all_reduce_the_evaluator_does():
+    from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+    from hplan.planner.solve.device_classes import device_classes
+    from hplan.planner.solve.partition import Partitioner
+    from hplan.planner.solve.scenarios import SyncEstimate, allreduce_estimate_s, make_scenarios
+
+    problem = make_problem(
+        [Dev("box", 1.0, 80 * GB), Dev("box", 1.0, 80 * GB)],
+        unit_work=[0.05, 0.05],
+        global_batch_size=2,
+        micro_batch_sizes=(1,),
+        grad_bytes=[60e6, 60e6],  # several buckets: the backward hides part of the rings
+        intra_bandwidth=0.5e9,
+    )
+    classes = device_classes(problem)
+    (scenario,) = [
+        s for s in make_scenarios(problem, classes) if s.sync is SyncEstimate.WHOLE_MODEL
+    ]
+    shape = Partitioner(problem, classes).best_split((0,), 0)
+    assert shape is not None
+    layout = Layout(tuple(ReplicaLayout((StageLayout(d, 0, 2),), 1, 1, 1) for d in (0, 1)))
+    evaluated = evaluate(problem, layout).allreduce_time_s
+    assert allreduce_estimate_s(problem, classes, scenario, shape) == pytest.approx(evaluated)
+    assert 0 < evaluated < 2 * 120e6 / 2 / 0.5e9  # less than the rings alone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,28 @@ def test_rehearsed_gpu_plan_spends_at_least_the_modelled_compute_time(tmp_path):
     assert result.predicted_samples_per_s == pytest.approx(
         plan.global_batch_size / (plan.report.predicted_step_time_s * scale)
     )
+
+
+def test_a_moment_inside_a_stretched_block_lies_proportionally_later_on_its_timeline():
+    from hplan.runtime.executor.seams import Phase
+    from hplan.runtime.rehearsal.emulation import ComputeEmulation, EmulatedClock
+
+    clock = EmulatedClock(ComputeEmulation(backward_s=0.05), rank=0, world_size=1)
+    before = time.monotonic()
+    with clock._block(Phase.BACKWARD, "s0.B.mb0", 1):  # a little work, then 50 ms at least
+        start = time.monotonic()
+        sum(range(10_000))
+        middle = time.monotonic()
+        sum(range(10_000))
+    (span,), (worked,) = clock._spans, clock._worked_s  # worked: when the real work ended
+    assert span.duration_s >= 0.05
+    assert span.start_s <= clock.timeline_s(start) <= clock.timeline_s(middle) <= span.end_s
+    fraction = (middle - span.start_s) / (worked - span.start_s)
+    assert clock.timeline_s(middle) == pytest.approx(span.start_s + fraction * span.duration_s)
+    assert clock.timeline_s(middle) >= middle
+    assert clock.timeline_s(worked) == pytest.approx(span.end_s)  # the work's end: the block's
+    assert clock.timeline_s(before) == before  # outside every block: unchanged
+    after = time.monotonic()
+    assert clock.timeline_s(after) == after
+    clock.take_spans()
+    assert clock.timeline_s(middle) == middle  # the step's blocks are gone
