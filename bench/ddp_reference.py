@@ -11,8 +11,15 @@ weighted by ``batch_sizes[r] * world / global_batch`` so that DDP's gradient ave
 gradient of the global batch's mean loss, as in hplan. Data: the model file's ``dataset()``
 (consecutive items, each rank its own slice of the global batch, default-collated) or, without
 one, ``sample_batch``. The optimizer is the model file's (default AdamW, lr 1e-3), as hplan's.
-Rank 0 writes ``{"end_unix_time_s": [...], "losses": [...]}``: the wall-clock end of every
-step (after ``optimizer.step()``).
+Rank 0 writes ``{"end_unix_time_s": [...], "losses": [...], "forward_backward_optimizer_s":
+[...]}``: the wall-clock end of every step (after ``optimizer.step()``), its loss and its
+three parts (the backward includes DDP's all-reduce); with ``HPLAN_DDP_PARTS=1`` every rank
+writes its own ``OUT.rank<r>.json`` too.
+
+``--solo`` (no torchrun, one process per node, all nodes at once): each process trains the
+model alone on ``--batch-sizes``' one size, without a process group, and writes its own
+step ends: what each node computes while the others compute too, the speeds a user would
+split DDP's batch by.
 """
 
 from __future__ import annotations
@@ -39,43 +46,49 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--solo", action="store_true", help="train alone, no process group")
     args = parser.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.solo:
+        rank, world = 0, 1
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        rank, world = dist.get_rank(), dist.get_world_size()
     assert len(sizes) == world, f"{len(sizes)} batch sizes for {world} ranks"
     global_batch = sum(sizes)
     model_file = load_model_file(args.model)
     torch.manual_seed(args.seed)
-    model = DistributedDataParallel(model_file.build_model())
+    model = model_file.build_model()
+    if not args.solo:
+        model = DistributedDataParallel(model)
     optimizer = model_file.optimizer(list(model.parameters()))
     dataset = model_file.dataset() if model_file.dataset is not None else None
     weight = sizes[rank] * world / global_batch
     first = sum(sizes[:rank])
-    ends, losses = [], []
+    ends, losses, parts = [], [], []
     for step in range(args.steps):
         if dataset is not None:
             start = (step * global_batch + first) % max(1, len(dataset) - sizes[rank])
             inputs, targets = default_collate([dataset[start + i] for i in range(sizes[rank])])
         else:
             inputs, targets = model_file.sample_batch(sizes[rank])
-        t0 = time.time()
+        start_s = time.time()
         optimizer.zero_grad(set_to_none=True)
         loss = model_file.loss_fn(model(inputs), targets)
-        t1 = time.time()
+        forward_s = time.time()
         (loss * weight).backward()
-        t2 = time.time()
+        backward_s = time.time()
         optimizer.step()
         ends.append(time.time())
-        if os.environ.get("DDP_DEBUG"):
-            print(
-                f"rank {rank} step {step} fwd {t1 - t0:.3f} bwd {t2 - t1:.3f} opt {ends[-1] - t2:.3f}",
-                flush=True,
-            )
-        losses.append(float(loss))
+        parts.append((forward_s - start_s, backward_s - forward_s, ends[-1] - backward_s))
+        losses.append(float(loss.detach()))
+    record = {"end_unix_time_s": ends, "losses": losses, "forward_backward_optimizer_s": parts}
     if rank == 0:
-        args.out.write_text(json.dumps({"end_unix_time_s": ends, "losses": losses}))
-    dist.destroy_process_group()
+        args.out.write_text(json.dumps(record))
+    if os.environ.get("HPLAN_DDP_PARTS"):  # every rank: where its step went
+        args.out.with_suffix(f".rank{rank}.json").write_text(json.dumps(record))
+    if not args.solo:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ a bridge, each node's link shaped by ``tc tbf`` and its CPU capped by a cgroup-v
 3. the generated ``launch/node-NAME.sh`` in each namespace (torchrun, gloo, hplan's runtime);
 
 against torch DDP (``ddp_reference.py``, the same model file, its optimizer, the same global
-batch) with equal batches and with batches split by the speeds the profiles measured. The
+batch) with equal batches and with batches split by measured speed: every node trains the
+model alone on an equal share, all at once, and the batch is split by the samples/s each
+reached. The
 runs are interleaved (round 1: hplan, DDP equal, DDP split; round 2 starts one further on; ...)
 because the machine is noisy. Throughput is the global batch over the spacing of rank 0's
 step ends after ``--warmup`` steps (every per-step overhead included). Printed per case:
@@ -20,8 +22,9 @@ step from its own metrics (compute, wait, point-to-point, all-reduce, optimizer,
     python bench/real_cluster.py [--models mlp,gpt] [--rounds 3] [--steps 30]
         [--cases hetero,homogeneous] [--calibrate] [--keep DIR]
 
-``--calibrate``: after the first hplan run of a case, ``hplan calibrate`` its metrics and solve
-again; the later rounds run the calibrated plan (the issue's "after at most one calibration").
+``--calibrate``: before the rounds, hplan's plan runs once, ``hplan calibrate`` reads that run
+and the case is solved again; the rounds run the calibrated plan (the issue's "after at most
+one calibration"), and the first run's measured and predicted samples/s are printed too.
 Needs root, iproute2 and cgroup v1's cpu controller; prints one line and exits 0 where they
 are missing.
 """
@@ -44,7 +47,6 @@ from pathlib import Path
 from common import GPT, HPLAN, ROOT, console, gpt_env, table
 from netns_cluster import NamespaceCluster, NodeShape, available
 
-from hplan.planner.profiling.profile_file import Profile
 from hplan.runtime.contract.metrics_file import StepMetrics, read_rank_metrics
 from hplan.runtime.contract.plan import Plan
 
@@ -85,6 +87,9 @@ class Case:
     predicted_samples_per_s: float = 0.0
     breakdown: dict[int, dict[str, float]] = field(default_factory=dict)
     plan_text: str = ""
+    first: tuple[float, float] | None = None
+    """With ``--calibrate``: the first run's measured and predicted samples/s."""
+    first_plan_text: str = ""
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
@@ -140,24 +145,28 @@ def profile_nodes(cluster: NamespaceCluster, model: Model, work: Path) -> Path:
     return out
 
 
-def speed_split(profiles: Path, model: Model, num_nodes: int) -> tuple[int, ...]:
-    """The global batch split in proportion to each node's measured samples/s (forward and
-    backward of every unit at the largest micro-batch size measured on all nodes)."""
-    merged = Profile()
-    for path in sorted(profiles.glob("*.json")):
-        merged = merged.merge(Profile.load(path))
-    per_device: dict[str, dict[int, float]] = {}
-    for t in merged.unit_timings:
-        sizes = per_device.setdefault(t.device, {})
-        sizes[t.micro_batch_size] = (
-            sizes.get(t.micro_batch_size, 0.0) + t.forward_s.median + t.backward_s.median
-        )
-    keys = [next(k for k in per_device if name in k) for name in NODE_NAMES[:num_nodes]]
-    size = max(set.intersection(*(set(per_device[k]) for k in keys)))
-    speeds = [size / per_device[k][size] for k in keys]
+def speed_split(cluster: NamespaceCluster, model: Model, steps: int, work: Path) -> tuple[int, ...]:
+    """The global batch split in proportion to each node's samples/s, measured with every
+    node training the model alone on an equal share at the same time (so that what the
+    nodes take from each other's caches and memory bandwidth counts): the best split a user
+    could give DDP by hand."""
+    equal = _equal_split(model.global_batch, len(cluster.nodes))
+    procs, logs = [], []
+    for i, size in enumerate(equal):
+        env = _env({**model.env, "OMP_NUM_THREADS": "1"})
+        log = work / f"solo-{i}.log"
+        argv = [sys.executable, str(DDP), str(model.path), "--solo", "--batch-sizes", str(size),
+                "--steps", str(steps), "--out", str(work / f"solo-{i}.json")]  # fmt: skip
+        procs.append(cluster.start(i, argv, log=log, env=env, cwd=work))
+        logs.append(log)
+    _wait_all(cluster, procs, 900, logs, "solo speed runs")
+    speeds = []
+    for i, size in enumerate(equal):
+        ends = json.loads((work / f"solo-{i}.json").read_text())["end_unix_time_s"]
+        speeds.append(_throughput(ends, size, WARMUP))
     raw = [model.global_batch * s / sum(speeds) for s in speeds]
     split = [int(r) for r in raw]
-    for i in sorted(range(num_nodes), key=lambda i: raw[i] - split[i], reverse=True):
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - split[i], reverse=True):
         if sum(split) == model.global_batch:
             break
         split[i] += 1
@@ -199,7 +208,7 @@ def run_ddp(cluster: NamespaceCluster, sizes: Sequence[int], model: Model, steps
     procs, logs = [], []
     for i in range(len(cluster.nodes)):
         # DDP at its best: one thread per rank, gloo on the namespace's own interface
-        env = _env({**model.env, "OMP_NUM_THREADS": "1", "DDP_DEBUG": "1",
+        env = _env({**model.env, "OMP_NUM_THREADS": "1",
                     "GLOO_SOCKET_IFNAME": f"{cluster.tag}-n{i}"})  # fmt: skip
         log = work / f"ddp-{tag}-{i}.log"
         argv = [str(BIN / "torchrun"), "--nnodes", str(len(cluster.nodes)), "--node-rank",
@@ -213,17 +222,22 @@ def run_ddp(cluster: NamespaceCluster, sizes: Sequence[int], model: Model, steps
     return _throughput(ends, model.global_batch, WARMUP)
 
 
-BREAKDOWN = ("compute", "wait", "p2p", "allreduce", "optimizer", "other")
+BREAKDOWN = ("forward", "backward", "wait", "p2p", "allreduce", "optimizer", "other")
 
 
 def breakdown(records: dict[int, list[StepMetrics]]) -> dict[int, dict[str, float]]:
-    """Median milliseconds per part of the step, per rank, after the warm-up steps."""
+    """Median milliseconds per part of the step, per rank, after the warm-up steps (the
+    backward is the compute time less the forward)."""
     out = {}
     for rank, steps in sorted(records.items()):
         timed = steps[WARMUP:]
         parts = {"step": statistics.median(s.step_time_s for s in timed) * 1e3}
         for part in BREAKDOWN:
-            parts[part] = statistics.median(getattr(s, f"{part}_time_s") for s in timed) * 1e3
+            if part == "backward":
+                values = [s.compute_time_s - s.forward_time_s for s in timed]
+            else:
+                values = [getattr(s, f"{part}_time_s") for s in timed]
+            parts[part] = statistics.median(values) * 1e3
         out[rank] = parts
     return out
 
@@ -236,12 +250,21 @@ def run_case(case: Case, args: argparse.Namespace, work: Path) -> None:
         cluster_file.write_text(_cluster_yaml(cluster))
         console.print(f"[bold]{model.name}[/] quotas {quotas}: profiling each node")
         profiles = profile_nodes(cluster, model, work)
-        case.split = speed_split(profiles, model, len(nodes))
+        case.split = speed_split(cluster, model, args.steps, work)
         plan_dir = work / "plan"
         env = _env(model.env)
         solve = ["solve", str(model.path), "-c", str(cluster_file), "--profile", str(profiles),
                  "-b", str(model.global_batch), "-o", str(plan_dir), "--master-port", str(PORT)]  # fmt: skip
         _hplan(*solve, env=env)
+        if args.calibrate:  # one real run, calibrate, solve again: the rounds run that plan
+            console.print("  first run, to calibrate")
+            case.first_plan_text = _plan_text(Plan.load(plan_dir / "plan.json"))
+            first, _ = run_hplan(cluster, plan_dir, model, args.steps, work, "first")
+            case.first = (first, Plan.load(plan_dir / "plan.json").report.predicted_samples_per_s)
+            calibrated = work / "calibrated"
+            _hplan("calibrate", str(plan_dir / "plan.json"), str(work / "metrics-first"),
+                   "--profile", str(profiles), "-o", str(calibrated), env=env)  # fmt: skip
+            _hplan(*solve[:5], str(calibrated), *solve[6:], env=env)
         equal = _equal_split(model.global_batch, len(nodes))
         runs = ["hplan", "ddp equal", "ddp split"]
         for r in range(args.rounds):
@@ -251,13 +274,7 @@ def run_case(case: Case, args: argparse.Namespace, work: Path) -> None:
                 if run == "hplan":
                     value, records = run_hplan(cluster, plan_dir, model, args.steps, work,
                                                f"r{r}")  # fmt: skip
-                    if r == 0 and args.calibrate:
-                        calibrated = work / "calibrated"
-                        _hplan("calibrate", str(plan_dir / "plan.json"), str(work / "metrics-r0"),
-                               "--profile", str(profiles), "-o", str(calibrated), env=env)  # fmt: skip
-                        _hplan(*solve[:5], str(calibrated), *solve[6:], env=env)
-                    else:
-                        case.breakdown = breakdown(records)
+                    case.breakdown = breakdown(records)
                 elif run == "ddp equal":
                     value = run_ddp(cluster, equal, model, args.steps, work, f"e{r}")
                 else:
@@ -265,10 +282,14 @@ def run_case(case: Case, args: argparse.Namespace, work: Path) -> None:
                 case.samples_per_s.setdefault(run, []).append(value)
         plan = Plan.load(plan_dir / "plan.json")
         case.predicted_samples_per_s = plan.report.predicted_samples_per_s
-        case.plan_text = ", ".join(
-            f"r{rp.rank} {rp.node} stage {rp.stage} {rp.micro_batch_size}x{rp.num_microbatches}"
-            for rp in plan.ranks
-        )
+        case.plan_text = _plan_text(plan)
+
+
+def _plan_text(plan: Plan) -> str:
+    return ", ".join(
+        f"r{rp.rank} {rp.node} stage {rp.stage} {rp.micro_batch_size}x{rp.num_microbatches}"
+        for rp in plan.ranks
+    )
 
 
 def _equal_split(total: int, parts: int) -> tuple[int, ...]:
@@ -300,6 +321,12 @@ def report(cases: Sequence[Case]) -> None:
         )
     console.print(out)
     for c in cases:
+        if c.first is not None:
+            console.print(
+                f"[bold]{c.model.name} {c.quotas}[/] before calibration: {c.first[0]:.0f} "
+                f"samples/s measured, {c.first[1]:.0f} predicted "
+                f"({c.first[0] / c.first[1]:.2f}); plan {c.first_plan_text}"
+            )
         console.print(f"[bold]{c.model.name} {c.quotas}[/] plan: {c.plan_text}")
         parts = table("hplan step breakdown, ms (median per rank, last round)",
                       ["rank", "step", *BREAKDOWN])  # fmt: skip
