@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hplan.runtime.contract.cpus import UsableCpus, cgroup_cpu_quota, usable_cpus
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import NodeSpec
 from hplan.runtime.executor.cli import main
-from hplan.runtime.contract.cpus import UsableCpus, cgroup_cpu_quota, usable_cpus
 from hplan.runtime.executor.machine import INTERFACE_ENV, Binding, bind_interface, choose_threads
 from hplan.runtime.executor.rendezvous import join_failure
 from hplan.runtime.executor.worker import RunOptions, training_steps
