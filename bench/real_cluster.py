@@ -5,7 +5,8 @@ a bridge, each node's link shaped by ``tc tbf`` and its CPU capped by a cgroup-v
 ``cpu`` device per node. hplan's real flow, as a user runs it:
 
 1. ``hplan profile --model M --node NAME`` inside each node (inside its quota);
-2. ``hplan solve M -c cluster.yaml --profile PROFILES``;
+2. ``hplan bandwidth``'s scripts in every node at once (the link matrix), then
+   ``hplan solve M -c cluster.yaml --profile PROFILES --bandwidth MATRIX``;
 3. the generated ``launch/node-NAME.sh`` in each namespace (torchrun, gloo, hplan's runtime);
 
 against torch DDP (``ddp_reference.py``, the same model file, its optimizer, the same global
@@ -145,6 +146,21 @@ def profile_nodes(cluster: NamespaceCluster, model: Model, work: Path) -> Path:
     return out
 
 
+def measure_links(cluster: NamespaceCluster, cluster_file: Path, work: Path) -> Path:
+    """``hplan bandwidth``'s scripts, one per namespace at once; the link matrix's path."""
+    scripts = work / "bandwidth"
+    _hplan("bandwidth", "--cluster", str(cluster_file), "--write-scripts", str(scripts),
+           "--master-port", str(PORT + 2), env=_env({}))  # fmt: skip
+    procs, logs = [], []
+    for i, name in enumerate(NODE_NAMES[: len(cluster.nodes)]):
+        log = work / f"bandwidth-{name}.log"
+        procs.append(cluster.start(i, ["bash", str(scripts / f"bandwidth-{name}.sh")], log=log,
+                                   env=_env({}), cwd=work))  # fmt: skip
+        logs.append(log)
+    _wait_all(cluster, procs, 900, logs, "hplan bandwidth")
+    return scripts / "bandwidth.json"
+
+
 def speed_split(cluster: NamespaceCluster, model: Model, steps: int, work: Path) -> tuple[int, ...]:
     """The global batch split in proportion to each node's samples/s, measured with every
     node training the model alone on an equal share at the same time (so that what the
@@ -250,11 +266,14 @@ def run_case(case: Case, args: argparse.Namespace, work: Path) -> None:
         cluster_file.write_text(_cluster_yaml(cluster))
         console.print(f"[bold]{model.name}[/] quotas {quotas}: profiling each node")
         profiles = profile_nodes(cluster, model, work)
+        console.print("  measuring the links (hplan bandwidth)")
+        links = measure_links(cluster, cluster_file, work)
         case.split = speed_split(cluster, model, args.steps, work)
         plan_dir = work / "plan"
         env = _env(model.env)
         solve = ["solve", str(model.path), "-c", str(cluster_file), "--profile", str(profiles),
-                 "-b", str(model.global_batch), "-o", str(plan_dir), "--master-port", str(PORT)]  # fmt: skip
+                 "-b", str(model.global_batch), "-o", str(plan_dir), "--master-port", str(PORT),
+                 "--bandwidth", str(links)]  # fmt: skip
         _hplan(*solve, env=env)
         if args.calibrate:  # one real run, calibrate, solve again: the rounds run that plan
             console.print("  first run, to calibrate")

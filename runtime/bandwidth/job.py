@@ -59,6 +59,7 @@ from hplan.runtime.contract.link_matrix import (
 )
 from hplan.runtime.contract.quantities import BYTES_PER_KIB, BYTES_PER_MIB
 from hplan.runtime.executor.cli import OneLineErrors, exit_with
+from hplan.runtime.executor.machine import bind_interface_towards
 from hplan.runtime.executor.rendezvous import join_process_group
 
 NODE_ENV = "HPLAN_NODE"
@@ -254,8 +255,10 @@ def _join(job: Job, args: argparse.Namespace) -> None:
     """
     if args.master_addr is None or args.master_port is None:
         raise ConfigError("pass --master-addr and --master-port (torchrun sets them)")
+    binding = bind_interface_towards(args.master_addr, job.backend)
+    via = f" via {binding.interface}" if binding.interface else ""
     say(f"rank {job.rank} ({job.name.label}) joining {job.world_size} ranks at "
-        f"{args.master_addr}:{args.master_port} ({job.backend})")  # fmt: skip
+        f"{args.master_addr}:{args.master_port} ({job.backend}{via})")  # fmt: skip
     join_process_group(
         backend=job.backend, rank=job.rank, world_size=job.world_size, host=args.master_addr,
         port=args.master_port, timeout_s=job.timeout_s, job="measurement",

@@ -149,6 +149,37 @@ def bind_interface(
     return Binding(variable, None, f"no interface here holds {address}")
 
 
+def bind_interface_towards(
+    host: str, backend: str, env: MutableMapping[str, str] | None = None
+) -> Binding:
+    """Point ``backend`` at the interface this machine reaches ``host`` through (the master,
+    for a job that knows no node address of its own, such as ``hplan bandwidth``), unless
+    the user set the backend's variable; what it binds.
+
+    The interface is the one holding the source address the kernel picks for ``host``
+    (a UDP socket's ``connect`` sends nothing, it only routes).
+    """
+    env = os.environ if env is None else env
+    variable = INTERFACE_ENV.get(backend, INTERFACE_ENV["gloo"])
+    given = env.get(variable, "").strip()
+    if given:
+        return Binding(variable, given, "yours", _ipv4_address(given.split(",")[0]))
+    address = resolve(host)
+    if address is None:
+        return Binding(variable, None, f"{host!r} does not resolve")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            source = probe.getsockname()[0]
+    except OSError:
+        return Binding(variable, None, f"no route to {address}")
+    for _, name in _interfaces():
+        if _ipv4_address(name) == source:
+            env[variable] = name
+            return Binding(variable, name, f"reaches {host}", source)
+    return Binding(variable, None, f"no interface here holds {source}")
+
+
 def resolve(host: str) -> str | None:
     """``host``'s IPv4 address (None when it does not resolve)."""
     try:

@@ -16,7 +16,13 @@ from hplan.runtime.contract.cpus import UsableCpus, cgroup_cpu_quota, usable_cpu
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import NodeSpec
 from hplan.runtime.executor.cli import main
-from hplan.runtime.executor.machine import INTERFACE_ENV, Binding, bind_interface, choose_threads
+from hplan.runtime.executor.machine import (
+    INTERFACE_ENV,
+    Binding,
+    bind_interface,
+    bind_interface_towards,
+    choose_threads,
+)
 from hplan.runtime.executor.rendezvous import join_failure
 from hplan.runtime.executor.worker import RunOptions, training_steps
 from hplan.runtime.rehearsal.launcher import free_port
@@ -108,6 +114,18 @@ def test_the_backend_talks_over_the_interface_of_the_nodes_address_or_the_plans(
     assert env == {NCCL: "lo"}
     with pytest.raises(ConfigError, match=r"names interface 'nosuch0' for node 'a'.*has lo"):
         bind_interface(replace(node, interface="nosuch0"), "gloo", {})
+
+
+def test_a_job_without_a_node_address_talks_over_the_interface_that_reaches_the_master() -> None:
+    env: dict[str, str] = {}
+    binding = bind_interface_towards("127.0.0.1", "gloo", env)
+    assert (binding.interface, binding.address, env) == ("lo", "127.0.0.1", {GLOO: "lo"})
+    env = {GLOO: "eth7"}  # the user's choice stays
+    assert bind_interface_towards("127.0.0.1", "gloo", env).source == "yours"
+    assert env == {GLOO: "eth7"}
+    env = {}
+    assert bind_interface_towards("no-such-host.invalid", "nccl", env).interface is None
+    assert env == {}
 
 
 def test_a_failed_join_names_the_address_and_interface_and_says_loopback_only_then() -> None:
