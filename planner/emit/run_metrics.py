@@ -106,8 +106,8 @@ def run_metrics(runs_dir: Path, plan_path: Path | None = None) -> RunMetrics:
     found = find_plan(runs_dir, plan_path)
     plan = Plan.load(found) if found is not None else None
     if plan is not None:
-        check_runs_of_plan(plan, runs)
         _check_ranks(plan, runs)
+        check_runs_of_plan(plan, runs)
     ranks = sorted({r.rank for run in runs for r in run.records})
     step_s, samples_s, loss = _job_figures(runs)
     return RunMetrics(

@@ -140,12 +140,31 @@ def sibling_group(plan: Plan, device: str) -> str:
 
 
 def check_runs_of_plan(plan: Plan, runs: Sequence[Run]) -> None:
-    """Refuse runs whose recorded ``plan.json`` (rehearsals write one) places ranks otherwise.
+    """Refuse runs whose recorded ``plan.json`` (rehearsals write one) places ranks otherwise,
+    or whose metrics (every run's) put a rank in another replica or stage, or give it
+    another number of samples, than ``plan`` does.
 
     Raises:
         ConfigError: a run folder holds the plan of another layout.
     """
+    ranks = {rp.rank: rp for rp in plan.ranks}
     for run in runs:
+        for record in run.records:
+            rp = ranks.get(record.rank)
+            if rp is None:
+                continue  # a rank the plan lacks: the callers name it
+            if (record.replica, record.stage, record.samples) != (
+                rp.replica,
+                rp.stage,
+                rp.num_samples,
+            ):
+                raise ConfigError(
+                    f"{run.path} is a run of another plan: its rank {record.rank} ran replica "
+                    f"{record.replica} stage {record.stage} with {record.samples} samples, the "
+                    "plan gives it "
+                    f"replica {rp.replica} stage {rp.stage} with {rp.num_samples}; give the "
+                    "plan that ran (--plan), or the runs of this plan"
+                )
         recorded = run.path / "plan.json"
         if not recorded.is_file():
             continue

@@ -630,3 +630,19 @@ def test_metrics_of_another_plan_or_no_run_is_one_line(tmp_path, capsys):
     )
     assert code == 2
     _assert_one_line_error(err, "ranks [0, 1, 2]", "the plan runs [0, 1]")
+
+
+def test_metrics_of_a_run_whose_ranks_ran_other_shares_than_the_plan_is_one_line(tmp_path, capsys):
+    from tests.fixtures.sample_plans import cpu_plan
+
+    plan = cpu_plan()
+    _metrics_run(tmp_path / "run", plan)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    rank0 = tmp_path / "run" / "rank-0.jsonl"
+    lines = [json.loads(line) for line in rank0.read_text().splitlines()]
+    rank0.write_text("".join(json.dumps({**line, "samples": 999}) + "\n" for line in lines))
+    code, _, err = _run(
+        ["metrics", str(tmp_path / "run"), "--plan", str(tmp_path / "plan.json")], capsys
+    )
+    assert code == 2
+    _assert_one_line_error(err, "a run of another plan", "rank 0 ran replica 0 stage 0 with 999")
