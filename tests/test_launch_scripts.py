@@ -24,24 +24,14 @@ import pytest
 from hplan.planner.cli.main import main
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.rehearsal.launcher import free_port
+from tests.fixtures.clusters import two_cpu_nodes_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = ROOT / "examples" / "mlp" / "model.py"
 BIN_DIR = Path(sys.executable).parent
 TIMEOUT_S = 180.0
 
-TWO_NODES = """\
-name: two-cpu-nodes
-nodes:
-  - name: left
-    host: 127.0.0.1
-    devices: [{type: cpu}]
-  - name: right
-    host: 127.0.0.1
-    devices: [{type: cpu}]
-links:
-  inter_node: {bandwidth_gbit_per_s: 10}
-"""
+TWO_NODES = two_cpu_nodes_yaml(bandwidth_gbit_per_s=10, name="two-cpu-nodes")
 
 needs_torchrun = pytest.mark.skipif(
     not (BIN_DIR / "torchrun").exists() or shutil.which("bash") is None,

@@ -44,11 +44,9 @@ from hplan.planner.cost.problem import PlanningProblem
 from hplan.runtime.contract.holders import holders, shared_bytes
 from hplan.runtime.contract.link_model import (
     BUCKET_CAP_BYTES,
-    bucketed_all_reduce_time_s,
+    bucket_rings_s,
     exposed_all_reduce_s,
-    last_bucket_bytes,
     overlap_window_s,
-    ring_all_reduce_time_s,
     transfer_time_s,
 )
 
@@ -228,11 +226,7 @@ def allreduce_time_s(
     last_s: dict[int, float] = defaultdict(float)
     for group, num_bytes in grad_sync_groups(problem, layout).items():
         bandwidth_bytes_per_s, latency_s = slowest_link(problem, group)
-        t = bucketed_all_reduce_time_s(
-            len(group), num_bytes, bandwidth_bytes_per_s, latency_s, BUCKET_CAP_BYTES
-        )
-        last_bytes = last_bucket_bytes(num_bytes, BUCKET_CAP_BYTES)
-        last = ring_all_reduce_time_s(len(group), last_bytes, bandwidth_bytes_per_s, latency_s)
+        t, last = bucket_rings_s(len(group), num_bytes, bandwidth_bytes_per_s, latency_s)
         for d in group:
             total_s[d] += t
             synced_bytes[d] += num_bytes

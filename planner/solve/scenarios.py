@@ -27,11 +27,9 @@ from hplan.planner.solve.device_classes import DeviceClass, class_link
 from hplan.planner.solve.partition import PipelineShape
 from hplan.runtime.contract.link_model import (
     BUCKET_CAP_BYTES,
-    bucketed_all_reduce_time_s,
+    bucket_rings_s,
     exposed_all_reduce_s,
-    last_bucket_bytes,
     overlap_window_s,
-    ring_all_reduce_time_s,
 )
 
 
@@ -178,9 +176,6 @@ def _exposed_s(
 ) -> float:
     """A ring of ``num_ranks`` over ``num_bytes`` in buckets, overlapped with a backward
     pass of ``backward_s``: the part left after the pass (``link_model``)."""
-    cap = BUCKET_CAP_BYTES
-    total_s = bucketed_all_reduce_time_s(num_ranks, num_bytes, bandwidth, latency_s, cap)
-    last_s = ring_all_reduce_time_s(
-        num_ranks, last_bucket_bytes(num_bytes, cap), bandwidth, latency_s
-    )
-    return exposed_all_reduce_s(total_s, overlap_window_s(backward_s, num_bytes, cap), last_s)
+    total_s, last_s = bucket_rings_s(num_ranks, num_bytes, bandwidth, latency_s)
+    window_s = overlap_window_s(backward_s, num_bytes, BUCKET_CAP_BYTES)
+    return exposed_all_reduce_s(total_s, window_s, last_s)

@@ -151,6 +151,23 @@ def bucketed_all_reduce_time_s(
     return ring_s + extra_buckets * 2 * (num_ranks - 1) * latency_s
 
 
+def bucket_rings_s(
+    num_ranks: int,
+    num_bytes: float,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    cap_bytes: float = BUCKET_CAP_BYTES,
+) -> tuple[float, float]:
+    """(every bucket's ring one after another, the last bucket's ring) in seconds, for
+    ``num_bytes`` of gradients in buckets of ``cap_bytes``
+    (:func:`bucketed_all_reduce_time_s`, :func:`last_bucket_bytes`)."""
+    total_s = bucketed_all_reduce_time_s(
+        num_ranks, num_bytes, bandwidth_bytes_per_s, latency_s, cap_bytes
+    )
+    last_bytes = last_bucket_bytes(num_bytes, cap_bytes)
+    return total_s, ring_all_reduce_time_s(num_ranks, last_bytes, bandwidth_bytes_per_s, latency_s)
+
+
 def overlap_window_s(backward_s: float, num_bytes: float, cap_bytes: float) -> float:
     """Seconds of the last backward pass that a rank's all-reduce may overlap.
 

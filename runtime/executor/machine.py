@@ -126,9 +126,9 @@ def bind_interface(
     """
     env = os.environ if env is None else env
     variable = INTERFACE_ENV.get(backend, INTERFACE_ENV["gloo"])
-    given = env.get(variable, "").strip()
-    if given:
-        return Binding(variable, given, "yours", _ipv4_address(given.split(",")[0]))
+    yours = _users_choice(variable, env)
+    if yours is not None:
+        return yours
     if node.interface is not None:
         names = [name for _, name in _interfaces()]
         if names and node.interface not in names:
@@ -142,11 +142,7 @@ def bind_interface(
     address = resolve(node.host)
     if address is None:
         return Binding(variable, None, f"{node.host!r} does not resolve")
-    for _, name in _interfaces():
-        if _ipv4_address(name) == address:
-            env[variable] = name
-            return Binding(variable, name, f"holds {node.host}", address)
-    return Binding(variable, None, f"no interface here holds {address}")
+    return _bind_holder(variable, address, f"holds {node.host}", env)
 
 
 def bind_interface_towards(
@@ -161,9 +157,9 @@ def bind_interface_towards(
     """
     env = os.environ if env is None else env
     variable = INTERFACE_ENV.get(backend, INTERFACE_ENV["gloo"])
-    given = env.get(variable, "").strip()
-    if given:
-        return Binding(variable, given, "yours", _ipv4_address(given.split(",")[0]))
+    yours = _users_choice(variable, env)
+    if yours is not None:
+        return yours
     address = resolve(host)
     if address is None:
         return Binding(variable, None, f"{host!r} does not resolve")
@@ -173,11 +169,26 @@ def bind_interface_towards(
             source = probe.getsockname()[0]
     except OSError:
         return Binding(variable, None, f"no route to {address}")
+    return _bind_holder(variable, source, f"reaches {host}", env)
+
+
+def _users_choice(variable: str, env: Mapping[str, str]) -> Binding | None:
+    """The interface the user named in ``variable``, else None."""
+    given = env.get(variable, "").strip()
+    if not given:
+        return None
+    return Binding(variable, given, "yours", _ipv4_address(given.split(",")[0]))
+
+
+def _bind_holder(
+    variable: str, address: str, source: str, env: MutableMapping[str, str]
+) -> Binding:
+    """Set ``variable`` to the interface holding ``address`` (``source`` says why)."""
     for _, name in _interfaces():
-        if _ipv4_address(name) == source:
+        if _ipv4_address(name) == address:
             env[variable] = name
-            return Binding(variable, name, f"reaches {host}", source)
-    return Binding(variable, None, f"no interface here holds {source}")
+            return Binding(variable, name, source, address)
+    return Binding(variable, None, f"no interface here holds {address}")
 
 
 def resolve(host: str) -> str | None:

@@ -27,6 +27,7 @@ from hplan.planner.profiling.windows import apportion, run_window
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
+from tests.fixtures.clusters import two_cpu_nodes_yaml
 from tests.fixtures.models import REPO_ROOT, write_model_file
 
 GPT = REPO_ROOT / "examples" / "gpt" / "model.py"
@@ -323,18 +324,7 @@ def test_a_profile_error_on_a_pipe_is_one_line_with_no_bar_residue(tmp_path, cap
                                 "exist; pass a path to model.py"]  # fmt: skip
 
 
-TWO_NODES = """\
-name: two-nodes
-nodes:
-  - name: left
-    host: 127.0.0.1
-    devices: [{type: cpu}]
-  - name: right
-    host: 127.0.0.1
-    devices: [{type: cpu}]
-links:
-  inter_node: {bandwidth_gbit_per_s: 1}
-"""
+TWO_NODES = two_cpu_nodes_yaml(bandwidth_gbit_per_s=1, name="two-nodes")
 
 
 def _on_node(profile: Profile, node: str, factor: float) -> Profile:
