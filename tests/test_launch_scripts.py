@@ -144,3 +144,27 @@ def test_sigterm_to_one_node_script_checkpoints_every_rank_and_the_job_resumes(
     for script, (code, output) in zip(scripts, again, strict=True):
         assert code == 0, f"{script.name} exited {code}:\n{output[-3000:]}"
     assert json.loads((resumed / "rank-1.jsonl").read_text())["step"] == steps[0]
+
+
+@needs_torchrun
+def test_a_mistake_in_the_options_stops_a_node_script_in_one_line_before_torchrun(
+    tmp_path: Path, capsys
+) -> None:
+    out = _solve(tmp_path, capsys)  # no --steps: the plan has no training length
+    script = out / "launch" / "node-left.sh"
+    for args, needle in (
+        ((), "the plan gives no training length"),
+        (("--steps", "0"), "--steps is 0"),
+        (("--steps", "2", "--model", str(tmp_path / "nope.py")), "nope.py"),
+    ):
+        env = {**os.environ, "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"}
+        env.pop("LOCAL_RANK", None)
+        proc = subprocess.run(
+            ["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True,
+            text=True, timeout=60, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        code, output = proc.returncode, proc.stdout + proc.stderr
+        lines = output.strip().splitlines()
+        assert code == 2, output
+        assert len(lines) == 1 and needle in lines[0], output
+        assert "torchrun" not in output.lower().replace("torchrun`", "")  # never started

@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, NoReturn
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from hplan.runtime.contract.errors import ConfigError, HplanError, report_internal_error
+from hplan.runtime.contract.errors import (
+    ConfigError,
+    HplanError,
+    ModelFileError,
+    report_internal_error,
+)
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.quantities import S_PER_MIN
 
@@ -123,6 +128,15 @@ def run_parser() -> argparse.ArgumentParser:
         description=RUN_DESCRIPTION,
     )
     add_run_arguments(run)
+    check = commands.add_parser(
+        "check",
+        help="check a node's ranks of a plan before torchrun starts",
+        description="Check what `run` checks before joining, for every rank of this node "
+        "(the options, the training length, the plan's backend and devices on this "
+        "machine, the network interface, the model file), so that a mistake is one line "
+        "and exit code 2 before torchrun starts; the launch scripts run it first.",
+    )
+    add_run_arguments(check)
     return parser
 
 
@@ -188,10 +202,48 @@ def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     run_rank(plan, rank, plan_model_path(plan.model.path, args.plan, args.model), options)
 
 
+def check_node(args: argparse.Namespace, plan: Plan) -> None:
+    """``check``: what :func:`_run` checks before anything waits, for every rank of the
+    node (``--node``/``HPLAN_NODE``, or ``--rank``), without joining or loading user code.
+
+    Raises:
+        HplanError: the first problem, naming the option or the file and the fix.
+    """
+    from hplan.runtime.capture.model_file import plan_model_path
+    from hplan.runtime.executor.machine import bind_interface
+    from hplan.runtime.executor.rendezvous import resolve_rank
+    from hplan.runtime.executor.training import check_options
+    from hplan.runtime.executor.worker import check_environment, run_backend
+
+    options = run_options(args)
+    check_options(plan, options)
+    first = resolve_rank(plan, rank=args.rank, node=args.node, local_rank="0")
+    node = plan.ranks[first].node
+    ranks = [first] if args.rank is not None else [r.rank for r in plan.ranks if r.node == node]
+    for rank in ranks:
+        check_environment(plan, rank, options)
+    bind_interface(plan.node(node), run_backend(plan, options), {})
+    model = plan_model_path(plan.model.path, args.plan, args.model)  # checks the plan's own
+    if not model.is_file():
+        raise ModelFileError(f"--model {str(model)!r} is not a file; pass the path of model.py")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (hplan errors: one line on stderr)."""
     args = run_parser().parse_args(argv)
+    if args.command == "check":
+        return _check_main(args)
     return run_one_rank(args, _run)
+
+
+def _check_main(args: argparse.Namespace) -> int:
+    where = f" (node {args.node})" if args.node else ""
+    try:
+        check_node(args, Plan.load(args.plan))
+    except HplanError as exc:
+        print(f"hplan run{where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    return 0
 
 
 def run_command(argv: list[str], *, prog: str) -> int:

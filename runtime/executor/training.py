@@ -104,7 +104,7 @@ def run_rank(
             SIGTERM, once the checkpoint is saved; ``DivergedError`` on a non-finite loss the
             model file stops on.
     """
-    _check_options(plan, options)
+    check_options(plan, options)
     seams = seams or Seams()
     check_environment(plan, rank, options)
     threads = set_rank_threads(plan, rank)
@@ -191,7 +191,12 @@ def _build_same_job(
     return parts, options
 
 
-def _check_options(plan: Plan, options: RunOptions) -> None:
+def check_options(plan: Plan, options: RunOptions) -> None:
+    """Check the run's options against each other and the plan (steps, checkpoints).
+
+    Raises:
+        ConfigError: naming the option and the fix.
+    """
     if options.steps is not None and options.steps < 1:
         raise ConfigError(f"--steps is {options.steps}; run at least one step")
     check_training_length(plan, options)

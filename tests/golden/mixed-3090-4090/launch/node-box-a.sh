@@ -39,6 +39,17 @@ if ! command -v torchrun >/dev/null 2>&1; then
   echo "hplan: 'torchrun' is not on PATH; activate the environment hplan and torch are installed in (for example: source .venv/bin/activate)" >&2
   exit 4
 fi
+# Check the options, the plan and this machine before torchrun starts, so that a mistake
+# (no training length, a missing model file, an interface this machine lacks) is one line
+# and exit code 2 rather than a traceback from every rank. The Python next to torchrun is
+# the environment's; a Python that cannot run the check (exit 1) leaves it to the ranks.
+PYTHON="$(dirname "$(command -v torchrun)")/python"
+[ -x "$PYTHON" ] || PYTHON="$(command -v python3 || command -v python || true)"
+if [ -n "$PYTHON" ]; then
+  status=0
+  "$PYTHON" -m hplan.runtime check "$PLAN" "$@" || status=$?
+  if [ "$status" -ge 2 ]; then exit "$status"; fi
+fi
 exec torchrun \
   --nnodes 2 \
   --node-rank 0 \
