@@ -284,7 +284,7 @@ def test_calibrating_a_rehearsal_with_a_straggler_moves_work_off_it(tmp_path):
     slow = "box/2"
     plan = _solve(tmp_path, strategy=Strategy.DATA_PARALLEL, model=model)  # 1/3 each
     run = tmp_path / "run"
-    options = {"steps": 6, "dilation": 4.0, "timeout_s": 240.0}  # dilation: head-room on 2 cores
+    options = {"steps": 10, "dilation": 4.0, "timeout_s": 240.0}  # dilation: head-room on 2 cores
     result = rehearse(plan, model_path=model, metrics_dir=run, slowdown={slow: 1.4}, **options)
     assert result.slowdown == {slow: 1.4}
     calibration = calibrate([(plan, load_runs(run))])
