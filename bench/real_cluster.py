@@ -180,13 +180,7 @@ def speed_split(cluster: NamespaceCluster, model: Model, steps: int, work: Path)
     for i, size in enumerate(equal):
         ends = json.loads((work / f"solo-{i}.json").read_text())["end_unix_time_s"]
         speeds.append(_throughput(ends, size, WARMUP))
-    raw = [model.global_batch * s / sum(speeds) for s in speeds]
-    split = [int(r) for r in raw]
-    for i in sorted(range(len(raw)), key=lambda i: raw[i] - split[i], reverse=True):
-        if sum(split) == model.global_batch:
-            break
-        split[i] += 1
-    return tuple(split)
+    return proportional_split(model.global_batch, speeds)
 
 
 def _throughput(ends: Sequence[float], global_batch: int, warmup: int) -> float:
@@ -311,9 +305,19 @@ def _plan_text(plan: Plan) -> str:
     )
 
 
+def proportional_split(total: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """``total`` samples in proportion to ``weights``, rounded by largest remainder (the
+    earlier part first on ties), summing to ``total``."""
+    raw = [total * w / sum(weights) for w in weights]
+    split = [int(r) for r in raw]
+    by_remainder = sorted(range(len(raw)), key=lambda i: split[i] - raw[i])
+    for i in by_remainder[: total - sum(split)]:
+        split[i] += 1
+    return tuple(split)
+
+
 def _equal_split(total: int, parts: int) -> tuple[int, ...]:
-    base, rest = divmod(total, parts)
-    return tuple(base + (1 if i < rest else 0) for i in range(parts))
+    return proportional_split(total, [1.0] * parts)
 
 
 def _ratio(num: Sequence[float], den: Sequence[float]) -> str:
