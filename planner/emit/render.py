@@ -29,6 +29,7 @@ from hplan.planner.textfmt import (
     wrap_phrases,
 )
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.holders import sync_summary
 from hplan.runtime.contract.plan import (
     BaselineReport,
     MemoryStrategy,
@@ -151,7 +152,7 @@ def _header(plan: Plan, width: int) -> list[Text]:
             "layout",
             f"global batch {plan.global_batch_size} · {count(plan.world_size, 'rank')} on "
             f"{count(len(nodes), 'node')} · {count(plan.num_replicas, 'replica')} · "
-            f"{plan.training.schedule} · sync {plan.training.sync_mode} · "
+            f"{plan.training.schedule} · sync {sync_summary(plan)} · "
             f"backend {plan.training.backend}",
         ),
         ("precision", _precision(plan)),

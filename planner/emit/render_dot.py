@@ -17,6 +17,7 @@ from hplan.planner.textfmt import (
     format_seconds,
     percent,
 )
+from hplan.runtime.contract.holders import sync_summary
 from hplan.runtime.contract.plan import Plan, RankPlan
 
 
@@ -67,7 +68,7 @@ def _dot_data_parallel_note(plan: Plan) -> str:
     if plan.num_replicas == 1:
         return "1 replica (no data parallelism)"
     return (
-        f"{plan.num_replicas} replicas, data parallel by {plan.training.sync_mode} "
+        f"{plan.num_replicas} replicas, data parallel by {sync_summary(plan)} "
         "(dashed: ranks that synchronise the units named)"
     )
 

@@ -49,7 +49,6 @@ from hplan.runtime.contract.plan import (
     RankPlan,
     RankReport,
     Schedule,
-    SyncMode,
     TensorSpec,
     microbatch_sizes,
     wire_spec,
@@ -108,7 +107,7 @@ def spec_from_plan(plan: Plan, *, scale_partial_microbatches: bool = False) -> S
             "the plan's report has no gradient sizes, so the all-reduce is not simulated; "
             "re-run `hplan solve` with this hplan",
         )
-    if plan.training.sync_mode is SyncMode.LOCAL_SGD:
+    if plan.training.sync is not None and plan.training.sync.local:
         notes += (
             "the plan asks for local SGD, which the runtime does not run yet; simulated with "
             "an all-reduce every step",

@@ -13,12 +13,12 @@ Torch-free, like the rest of the contract.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from hplan.runtime.contract.link_model import sync_order
-from hplan.runtime.contract.plan import GradSyncReport, Plan
+from hplan.runtime.contract.plan import GradSyncReport, OuterSyncSpec, Plan, SyncMode
 
 __all__ = [
     "BucketSpec",
@@ -28,9 +28,15 @@ __all__ = [
     "grad_sync_reports",
     "holder_sets",
     "holders",
+    "island_of_rank",
+    "island_samples",
+    "outer_fragments",
+    "outer_groups",
     "parameter_holders",
     "parameter_order",
     "shared_bytes",
+    "step_holders",
+    "sync_summary",
 ]
 
 RankSet = tuple[int, ...]
@@ -171,3 +177,101 @@ def grad_sync_reports(plan: Plan, wire_bytes: Mapping[str, int]) -> tuple[GradSy
         GradSyncReport(ranks=ranks, num_bytes=int(num_bytes))
         for ranks, num_bytes in sorted(groups.items())
     )
+
+
+# --------------------------------------------------------------------------- islands
+def island_of_rank(plan: Plan) -> dict[int, str]:
+    """Rank -> the name of its node's island (``training.sync``); one island ``""`` holding
+    every rank when the plan has no islands."""
+    sync = plan.training.sync
+    if sync is None:
+        return {r.rank: "" for r in plan.ranks}
+    island = {node: i.name for i in sync.islands for node in i.nodes}
+    return {r.rank: island[r.node] for r in plan.ranks}
+
+
+def island_samples(plan: Plan) -> dict[str, int]:
+    """Island name -> samples its replicas process per inner step (the sum of their batch
+    shares); the weights of its loss and of its pseudo-gradients."""
+    where = island_of_rank(plan)
+    samples: dict[str, int] = {}
+    for replica in range(plan.num_replicas):
+        first = plan.replica_ranks(replica)[0]
+        samples[where[first.rank]] = samples.get(where[first.rank], 0) + first.num_samples
+    return samples
+
+
+def outer_groups(plan: Plan) -> dict[RankSet, OuterSyncSpec]:
+    """Every holder set spanning two or more islands -> how it syncs: its entry in
+    ``training.sync.groups``, else ``all_reduce`` every step. Empty without islands."""
+    sync = plan.training.sync
+    if sync is None:
+        return {}
+    where = island_of_rank(plan)
+    listed = {g.ranks: g for g in sync.groups}
+    return {
+        ranks: listed.get(ranks, OuterSyncSpec(ranks=ranks, mode=SyncMode.ALL_REDUCE))
+        for ranks in holder_sets(plan)
+        if len({where[r] for r in ranks}) > 1
+    }
+
+
+def step_holders(plan: Plan) -> dict[str, tuple[RankSet, ...]]:
+    """Canonical parameter name -> the rank sets that each sum its gradient every step: one,
+    all its holders, except where its holder set syncs by ``local_sgd`` or ``async``: then
+    one per island, the holders inside that island (a set of one rank sums nothing)."""
+    where = island_of_rank(plan)
+    local = {ranks for ranks, g in outer_groups(plan).items() if g.mode is not SyncMode.ALL_REDUCE}
+    out: dict[str, tuple[RankSet, ...]] = {}
+    for name, ranks in parameter_holders(plan).items():
+        if ranks not in local:
+            out[name] = (ranks,)
+            continue
+        by_island: dict[str, list[int]] = {}
+        for r in ranks:
+            by_island.setdefault(where[r], []).append(r)
+        out[name] = tuple(sorted(tuple(v) for v in by_island.values()))
+    return out
+
+
+def outer_fragments(
+    group: OuterSyncSpec, names: Sequence[str], wire_bytes: Mapping[str, int]
+) -> tuple[tuple[str, ...], ...]:
+    """The group's parameters (``names``, in model order) cut into ``num_fragments``
+    contiguous fragments of about equal wire bytes (a fragment closes after the parameter
+    that brings the running total nearest to its share's end; every fragment keeps at least
+    one parameter); fewer when there are fewer parameters."""
+    total = sum(wire_bytes[n] for n in names)
+    count = min(group.num_fragments, len(names))
+    fragments: list[tuple[str, ...]] = []
+    current: list[str] = []
+    size = 0
+    for idx, name in enumerate(names):
+        current.append(name)
+        size += wire_bytes[name]
+        left_names = len(names) - idx - 1
+        left_fragments = count - len(fragments) - 1
+        target = total * (len(fragments) + 1) / count
+        if left_fragments > 0 and (
+            size >= target - wire_bytes[name] / 2 or left_names == left_fragments
+        ):
+            fragments.append(tuple(current))
+            current = []
+    if current:
+        fragments.append(tuple(current))
+    return tuple(fragments)
+
+
+def sync_summary(plan: Plan) -> str:
+    """A few words on how the plan syncs: ``all_reduce`` (one island, or every group
+    synchronous), else each mode with its H and the islands (``local_sgd H=50 across
+    islands a | b``)."""
+    sync = plan.training.sync
+    modes = sorted(
+        {(g.mode.value, g.local_steps) for g in outer_groups(plan).values()}
+        - {(SyncMode.ALL_REDUCE.value, 1)}
+    )
+    if sync is None or not modes:
+        return SyncMode.ALL_REDUCE.value
+    how = ", ".join(f"{mode} H={h}" for mode, h in modes)
+    return f"{how} across islands {' | '.join(i.name for i in sync.islands)}"

@@ -129,10 +129,31 @@ def wire_spec(spec: TensorSpec, sender: Precision) -> TensorSpec:
 
 
 class SyncMode(StrEnum):
-    """How data-parallel replicas keep their parameters in step."""
+    """How the holders of some parameters keep them in step across islands
+    (:class:`SyncSpec`).
+
+    - ``all_reduce``: their gradients are summed every step (inside an island always so).
+    - ``local_sgd`` (DiLoCo; Douillard et al., 2023): each island takes ``local_steps``
+      inner optimizer steps on its own; then the pseudo-gradients (global parameters minus
+      the island's) are averaged weighted by the samples each island processed, and an
+      outer optimizer (Nesterov SGD; the model file's ``OUTER_LR``, default 0.7, and
+      ``OUTER_MOMENTUM``, default 0.9) applies them to the global parameters, which every
+      island then continues from.
+    - ``async``: as ``local_sgd``, but the average of round k travels while round k + 1
+      computes and is applied at the end of round k + 1 (staleness: one round), each
+      island keeping its own change of round k + 1 on top of the new global parameters.
+    """
 
     ALL_REDUCE = "all_reduce"
     LOCAL_SGD = "local_sgd"
+    ASYNC = "async"
+
+
+class PseudoGradientDtype(StrEnum):
+    """The dtype pseudo-gradients cross the slow links in (averaged in float32 after)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
 
 
 class Backend(StrEnum):
@@ -310,6 +331,50 @@ class ClusterSpec:
 
 
 @record
+class IslandSpec:
+    """Nodes joined by fast links: inside an island every holder set sums its gradients
+    every step."""
+
+    name: str
+    nodes: tuple[str, ...]
+    """Node names (``NodeSpec.name``), in cluster order."""
+
+
+@record
+class OuterSyncSpec:
+    """How one holder set that spans two or more islands keeps its parameters in step."""
+
+    ranks: tuple[Index, ...]
+    """The sorted ranks holding the same parameters (``holders.holder_sets``)."""
+    mode: SyncMode
+    local_steps: Count = 1
+    """H: inner optimizer steps per outer sync (1 for ``all_reduce``)."""
+    num_fragments: Count = 1
+    """The group's parameters are cut into this many fragments of about equal bytes, in
+    model order (``holders.outer_fragments``); fragment f syncs at the steps s with
+    ``(s + 1 + f * local_steps // num_fragments) % local_steps == 0`` (Streaming DiLoCo's
+    staggered schedule), so at most one fragment travels at a time."""
+    wire_dtype: PseudoGradientDtype = PseudoGradientDtype.FLOAT32
+
+
+@record
+class SyncSpec:
+    """Islands and how each holder set spanning islands syncs. Holder sets inside one
+    island, and spanning ones not listed in ``groups``, sum their gradients every step."""
+
+    islands: tuple[IslandSpec, ...]
+    """Every node of the cluster in exactly one island."""
+    groups: tuple[OuterSyncSpec, ...] = ()
+    """At most one entry per spanning holder set, sorted by ranks."""
+
+    @property
+    def local(self) -> bool:
+        """Whether some group does not sum its gradients every step: then every replica lies
+        inside one island and the islands' losses are weighted by the island's samples."""
+        return any(g.mode is not SyncMode.ALL_REDUCE for g in self.groups)
+
+
+@record
 class RankPlan:
     """What one process runs."""
 
@@ -336,7 +401,9 @@ class TrainingSpec:
 
     schedule: Schedule = Schedule.ONE_F_ONE_B
     backend: Backend = Backend.GLOO
-    sync_mode: SyncMode = SyncMode.ALL_REDUCE
+    sync: SyncSpec | None = None
+    """Islands and cross-island sync modes; None: one island, every holder set all-reduces
+    its gradients every step."""
     seed: int = 0
     process_group_timeout_s: Positive = 300.0
     master_host: str = "127.0.0.1"
@@ -410,6 +477,24 @@ class GradSyncReport:
 
 
 @record
+class SyncChoiceReport:
+    """Why one cross-island holder set syncs the way the plan says (the planner's choice)."""
+
+    ranks: tuple[Index, ...]
+    mode: SyncMode
+    local_steps: Count
+    all_reduce_time_s: NonNegative
+    """What summing the group's gradients every step would expose per step."""
+    outer_sync_time_s: NonNegative
+    """One outer sync of the group's pseudo-gradients over its slowest link (0 for
+    ``all_reduce``)."""
+    exposed_time_per_step_s: NonNegative
+    """What the chosen mode adds to an average step."""
+    reason: str
+    """One line: why this mode and this H."""
+
+
+@record
 class Report:
     """Why this plan: predictions and solver facts. The runtime ignores it."""
 
@@ -443,6 +528,8 @@ class Report:
     """The gradient all-reduce groups of the plan, sorted by ranks; None: not recorded."""
     idle_devices: tuple[IdleDeviceReport, ...] = ()
     """Every device of the cluster no rank uses, in cluster order, with the reason."""
+    sync_choices: tuple[SyncChoiceReport, ...] = ()
+    """One per cross-island holder set of ``training.sync``, sorted by ranks."""
 
     def verify(self) -> None:
         """Every figure of the report and of its ranks and baselines is in its declared
@@ -756,6 +843,51 @@ def _verify_plan(plan: Plan) -> None:
         total += ranks[0].num_samples
     if total != plan.global_batch_size:
         _fail(f"batch shares sum to {total}, global_batch_size is {plan.global_batch_size}")
+    if plan.training.sync is not None:
+        _verify_sync(plan, plan.training.sync)
+
+
+def _verify_sync(plan: Plan, sync: SyncSpec) -> None:
+    from hplan.runtime.contract.holders import holder_sets  # holders imports this module
+
+    names = [i.name for i in sync.islands]
+    if len(set(names)) != len(names):
+        _fail(f"island names repeat: {names}")
+    placed = [n for i in sync.islands for n in i.nodes]
+    nodes = [n.name for n in plan.cluster.nodes]
+    if any(not i.nodes for i in sync.islands):
+        _fail("an island has no nodes")
+    if sorted(placed) != sorted(nodes):
+        _fail(f"islands must hold every node of the cluster once: {placed} vs {nodes}")
+    island = {n: i.name for i in sync.islands for n in i.nodes}
+    spanning = {s for s in holder_sets(plan) if len({island[plan.ranks[r].node] for r in s}) > 1}
+    seen: set[tuple[int, ...]] = set()
+    for group in sync.groups:
+        if group.ranks not in spanning:
+            _fail(
+                f"sync group {list(group.ranks)} is not a holder set spanning two or more "
+                "islands; re-run `hplan solve`"
+            )
+        if group.ranks in seen:
+            _fail(f"sync group {list(group.ranks)} is listed twice")
+        seen.add(group.ranks)
+        if group.mode is SyncMode.ALL_REDUCE and group.local_steps != 1:
+            _fail(f"sync group {list(group.ranks)} all-reduces every step: local_steps must be 1")
+        if group.num_fragments > group.local_steps and group.mode is not SyncMode.ALL_REDUCE:
+            _fail(
+                f"sync group {list(group.ranks)} has {group.num_fragments} fragments for "
+                f"{group.local_steps} local steps; at most one fragment per step"
+            )
+    if [g.ranks for g in sync.groups] != sorted(g.ranks for g in sync.groups):
+        _fail("sync groups must be sorted by ranks")
+    if sync.local:
+        for replica in range(plan.num_replicas):
+            where = {island[r.node] for r in plan.replica_ranks(replica)}
+            if len(where) > 1:
+                _fail(
+                    f"replica {replica} spans islands {sorted(where)}; with local_sgd or async "
+                    "every replica must lie inside one island"
+                )
 
 
 def _verify_replica(

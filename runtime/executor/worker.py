@@ -30,7 +30,8 @@ from hplan.runtime.contract.errors import (
     PlanMismatchError,
     error_reason,
 )
-from hplan.runtime.contract.plan import Plan, RankPlan, SyncMode, wire_spec
+from hplan.runtime.contract.holders import sync_summary
+from hplan.runtime.contract.plan import Plan, RankPlan, wire_spec
 from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
 from hplan.runtime.executor.pipeline import RankParts, stage_label
@@ -239,9 +240,9 @@ def build_rank(
         EnvironmentProblemError: the plan asks for a GPU this machine lacks.
     """
     rank_plan = plan.ranks[rank]
-    if plan.training.sync_mode is not SyncMode.ALL_REDUCE:
+    if plan.training.sync is not None and plan.training.sync.local:
         raise ConfigError(
-            f"plan asks for sync mode {plan.training.sync_mode.value!r}; this runtime runs "
+            f"plan asks for sync {sync_summary(plan)!r}; this runtime runs "
             "only 'all_reduce'; re-run `hplan solve` with synchronous all-reduce"
         )
     model_file = load_model_file(model_path or plan.model.path)

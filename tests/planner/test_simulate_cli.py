@@ -20,7 +20,7 @@ from hplan.planner.sim.spec import spec_from_layout, spec_from_plan
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import second_opinion, solve
 from hplan.runtime.contract.holders import grad_sync_reports
-from hplan.runtime.contract.plan import GradSyncReport, Plan, Schedule, SyncMode
+from hplan.runtime.contract.plan import GradSyncReport, Plan, Schedule
 from tests.fixtures.plans import GPT_MODEL, ReplicaShape, make_plan
 from tests.fixtures.problems import Dev, make_problem
 from tests.fixtures.sample_plans import cpu_plan, mixed_plan
@@ -186,5 +186,5 @@ def test_the_second_opinion_prefers_what_the_simulator_finds_faster() -> None:
 
 def test_local_sgd_plans_are_simulated_with_their_synchronous_all_reduce() -> None:
     plan = _predicted(mixed_plan())
-    assert plan.training.sync_mode is SyncMode.LOCAL_SGD
+    assert plan.training.sync is not None and plan.training.sync.local
     assert any("all-reduce every step" in n for n in spec_from_plan(plan).notes)

@@ -18,7 +18,7 @@ import torch
 
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError, PlanMismatchError, error_reason, one_line
-from hplan.runtime.contract.plan import MemoryStrategy, Schedule, SyncMode, TrainingSpec
+from hplan.runtime.contract.plan import MemoryStrategy, Schedule
 from hplan.runtime.executor.cli import main, run_one_rank
 from hplan.runtime.executor.rendezvous import resolve_rank
 from hplan.runtime.executor.worker import RunOptions, build_rank
@@ -37,6 +37,7 @@ from tests.fixtures.plans import (
     run_ranks,
     write_model,
 )
+from tests.fixtures.sample_plans import mixed_plan
 
 TIMEOUT_S = 90.0
 
@@ -114,9 +115,9 @@ def test_a_different_graph_is_a_plan_mismatch_before_anything_runs(
 def test_local_sgd_plans_are_rejected_with_a_clear_message(
     late_inputs: tuple[Path, object],
 ) -> None:
-    path, plan = late_inputs
-    local = replace(plan, training=TrainingSpec(sync_mode=SyncMode.LOCAL_SGD))
-    with pytest.raises(ConfigError, match="'local_sgd'"):
+    path, _ = late_inputs
+    local = mixed_plan()
+    with pytest.raises(ConfigError, match="local_sgd H=8"):
         build_rank(local, 0, path, RunOptions(steps=1))
 
 
