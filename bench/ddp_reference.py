@@ -9,8 +9,10 @@ Rank ``r`` trains on ``batch_sizes[r]`` samples per step: equal sizes are plain 
 ones are the hand split of a user who knows the nodes' speeds. Each rank's mean loss is
 weighted by ``batch_sizes[r] * world / global_batch`` so that DDP's gradient average is the
 gradient of the global batch's mean loss, as in hplan. Data: the model file's ``dataset()``
-(consecutive items, each rank its own slice of the global batch, default-collated) or, without
-one, ``sample_batch``. The optimizer is the model file's (default AdamW, lr 1e-3), as hplan's.
+in hplan's order (``runtime/executor/data.py``: the global batch of step ``t`` under
+``--seed``, each rank its own slice of it in rank order, default-collated), so that DDP and
+hplan with the same seed and split see the same samples; without one, ``sample_batch``.
+The optimizer is the model file's (default AdamW, lr 1e-3), as hplan's.
 Rank 0 writes ``{"end_unix_time_s": [...], "losses": [...], "forward_backward_optimizer_s":
 [...]}``: the wall-clock end of every step (after ``optimizer.step()``), its loss and its
 three parts (the backward includes DDP's all-reduce); with ``HPLAN_DDP_PARTS=1`` every rank
@@ -37,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
 from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.executor.data import global_batch_indices
 
 
 def main() -> None:
@@ -68,8 +71,9 @@ def main() -> None:
     ends, losses, parts = [], [], []
     for step in range(args.steps):
         if dataset is not None:
-            start = (step * global_batch + first) % max(1, len(dataset) - sizes[rank])
-            inputs, targets = default_collate([dataset[start + i] for i in range(sizes[rank])])
+            order = global_batch_indices(args.seed, step, len(dataset), global_batch)
+            mine = order[first : first + sizes[rank]]
+            inputs, targets = default_collate([dataset[int(i)] for i in mine])
         else:
             inputs, targets = model_file.sample_batch(sizes[rank])
         start_s = time.time()
