@@ -65,7 +65,13 @@ from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 from hplan.runtime.contract.timeline_file import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
 from hplan.runtime.executor.comm import StageComm, torch_dtype
 from hplan.runtime.executor.data import BatchSource, MicroBatch, stage_inputs
-from hplan.runtime.executor.grad_sync import GradBucket, GradClip, GradSync, loss_weight
+from hplan.runtime.executor.grad_sync import (
+    GradBucket,
+    GradClip,
+    GradSync,
+    loss_denominator,
+    loss_weight,
+)
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
 
@@ -162,6 +168,9 @@ class StepRunner:
         self._last_backward = backwards[-1] if backwards else None
         """Index of the rank's last backward action: gradients are final after it."""
         self.offset = parts.plan.sample_offset(rank_plan.replica)
+        self.loss_samples = loss_denominator(parts.plan, rank_plan.rank)
+        """What the weighted loss is a mean over: the global batch, or the rank's island's
+        samples when islands train on their own (``grad_sync.loss_denominator``)."""
         self.label = stage_label(rank_plan)
         self.recompute = rank_plan.memory_strategy is MemoryStrategy.RECOMPUTE
         self.times = StepTimes()
@@ -205,7 +214,7 @@ class StepRunner:
         if not self._losses:
             return None
         total = torch.stack([loss.float() for loss in self._losses]).sum()
-        return float(total) * parts.plan.global_batch_size / parts.rank_plan.num_samples
+        return float(total) * self.loss_samples / parts.rank_plan.num_samples
 
     def _sync_gradients(self) -> None:
         """Wait for the gradient buckets (``GradSync.finish``); time the wait and what ran
@@ -407,7 +416,7 @@ class StepRunner:
     def _loss(self, outputs: dict[str, Any], mb: MicroBatch) -> Tensor:
         targets = _to_device(mb.targets, self.parts.device)
         loss = checked_loss(self.parts.model_file, outputs["output"], targets)
-        return loss.reshape(()) * loss_weight(mb.num_samples, self.parts.plan.global_batch_size)
+        return loss.reshape(()) * loss_weight(mb.num_samples, self.loss_samples)
 
     def _backward(self, action: Action, mb: MicroBatch) -> None:
         parts = self.parts
