@@ -29,6 +29,14 @@ Convention (also in README.md):
   ``min(1, MAX_GRAD_NORM / (norm + 1e-6))``. A non-finite norm clips nothing (fp16 loss
   scaling skips that step; otherwise it is reported). The norm before clipping is in the
   per-step metrics (``grad_norm``).
+- ``OUTER_LR`` (optional, a number > 0; default 0.7) and ``OUTER_MOMENTUM`` (optional, a
+  number in [0, 1); default 0.9): the outer optimizer of plans whose islands train on
+  their own (``local_sgd``, ``async``; DiLoCo, Douillard et al., 2023, whose defaults
+  these are): ``torch.optim.SGD(lr=OUTER_LR, momentum=OUTER_MOMENTUM,
+  nesterov=OUTER_MOMENTUM > 0)`` over the global parameters, stepped on the islands'
+  sample-weighted pseudo-gradients at each outer sync (``executor/outer_sync.py``).
+  Unused by plans that all-reduce every step. With ``OUTER_LR = 1`` and
+  ``OUTER_MOMENTUM = 0`` an outer step is plain averaging of the islands' parameters.
 
 Loading a model file executes its code, with the same rights as the user running hplan.
 """
@@ -51,6 +59,10 @@ from torch import Tensor
 from hplan.runtime.contract.errors import ModelFileError, Terminated, one_line
 
 REQUIRED = ("build_model", "sample_batch", "loss_fn")
+DEFAULT_OUTER_LR = 0.7
+"""``OUTER_LR`` when the model file sets none (DiLoCo's; Douillard et al., 2023)."""
+DEFAULT_OUTER_MOMENTUM = 0.9
+"""``OUTER_MOMENTUM`` when the model file sets none (DiLoCo's)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,10 @@ class ModelFile:
     stop_on_nonfinite_loss: bool = False
     max_grad_norm: float | None = None
     """``MAX_GRAD_NORM``: the global L2 gradient norm to clip to each step; None: no clipping."""
+    outer_lr: float = DEFAULT_OUTER_LR
+    """``OUTER_LR``: the outer optimizer's learning rate (``local_sgd``, ``async``)."""
+    outer_momentum: float = DEFAULT_OUTER_MOMENTUM
+    """``OUTER_MOMENTUM``: the outer optimizer's Nesterov momentum (0: plain SGD)."""
 
     def optimizer(self, params: Sequence[Any]) -> Any:
         """The model file's ``make_optimizer(params)``, else AdamW with lr 1e-3."""
@@ -83,8 +99,8 @@ def load_model_file(path: str | Path) -> ModelFile:
     Raises:
         ModelFileError: the file is missing, raises while importing (the message gives the
             exception and the line in the file), lacks a required function, or sets
-            ``LEAF_MODULES``, ``STOP_ON_NONFINITE_LOSS`` or ``MAX_GRAD_NORM`` to a value
-            of the wrong kind.
+            ``LEAF_MODULES``, ``STOP_ON_NONFINITE_LOSS``, ``MAX_GRAD_NORM``, ``OUTER_LR``
+            or ``OUTER_MOMENTUM`` to a value of the wrong kind.
     """
     file = Path(path)
     if file.is_dir():
@@ -121,6 +137,8 @@ def load_model_file(path: str | Path) -> ModelFile:
         make_scheduler=_optional(module, "make_scheduler"),
         stop_on_nonfinite_loss=_flag(path, module, "STOP_ON_NONFINITE_LOSS"),
         max_grad_norm=_max_grad_norm(path, module),
+        outer_lr=_outer_lr(path, module),
+        outer_momentum=_outer_momentum(path, module),
     )
 
 
@@ -212,16 +230,45 @@ def _max_grad_norm(path: str | Path, module: Any) -> float | None:
     value = getattr(module, "MAX_GRAD_NORM", None)
     if value is None:
         return None
-    number = math.nan
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        try:
-            number = float(value)
-        except OverflowError:  # an int beyond float's range
-            number = math.inf
+    number = _number(value)
     if not (math.isfinite(number) and number > 0):
         raise ModelFileError(
             f"MAX_GRAD_NORM in {str(path)!r} is {value!r}; set it to a finite number > 0 "
             "(the global L2 gradient norm to clip to, e.g. 1.0) or remove it"
+        )
+    return number
+
+
+def _number(value: Any) -> float:
+    """``value`` as a float; NaN when it is not an int or float (bool is not a number)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float's range
+        return math.inf
+
+
+def _outer_lr(path: str | Path, module: Any) -> float:
+    value = getattr(module, "OUTER_LR", DEFAULT_OUTER_LR)
+    number = _number(value)
+    if not (math.isfinite(number) and number > 0):
+        raise ModelFileError(
+            f"OUTER_LR in {str(path)!r} is {value!r}; set it to a finite number > 0 (the "
+            f"outer learning rate of local_sgd/async plans, default {DEFAULT_OUTER_LR}) or "
+            "remove it"
+        )
+    return number
+
+
+def _outer_momentum(path: str | Path, module: Any) -> float:
+    value = getattr(module, "OUTER_MOMENTUM", DEFAULT_OUTER_MOMENTUM)
+    number = _number(value)
+    if not 0 <= number < 1:  # NaN fails too
+        raise ModelFileError(
+            f"OUTER_MOMENTUM in {str(path)!r} is {value!r}; set it to a number in [0, 1) (the "
+            f"outer Nesterov momentum of local_sgd/async plans, default "
+            f"{DEFAULT_OUTER_MOMENTUM}) or remove it"
         )
     return number
 

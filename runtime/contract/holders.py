@@ -1,8 +1,10 @@
 """Which ranks hold which parameters: the one place that answers it.
 
 A parameter is held by every rank whose stage holds a unit that uses it
-(``UnitSpec.params``); its gradient is summed among exactly those ranks, in all-reduces
-per distinct holder set (split into buckets of a capped size, :func:`grad_buckets`). The
+(``UnitSpec.params``); its gradient is summed every step among exactly those ranks, in
+all-reduces per distinct holder set (split into buckets of a capped size,
+:func:`grad_buckets`), except where the holder set spans islands and syncs by ``local_sgd``
+or ``async``: then among its holders inside each island (:func:`step_holders`). The
 runtime buckets gradients this way, checkpoints
 save each name once from its lowest holder, the plan's report records the buckets'
 bytes, and the planner's cost model groups a layout's units the same way before a plan
@@ -24,19 +26,23 @@ __all__ = [
     "BucketSpec",
     "RankSet",
     "buffer_holders",
+    "first_sync_step",
     "grad_buckets",
     "grad_sync_reports",
     "holder_sets",
     "holders",
     "island_of_rank",
+    "island_ranks",
     "island_samples",
     "outer_fragments",
     "outer_groups",
     "parameter_holders",
     "parameter_order",
     "shared_bytes",
+    "step_holder_sets",
     "step_holders",
     "sync_summary",
+    "syncs_after",
 ]
 
 RankSet = tuple[int, ...]
@@ -102,11 +108,15 @@ def grad_buckets(
 ) -> tuple[BucketSpec, ...]:
     """The gradient buckets of the parameters in ``wire_bytes``, in launch order.
 
-    Per holder set of two or more ranks: its parameters in the reverse of the model's
+    Per rank set that sums a gradient every step (:func:`step_holders`: a holder set, or
+    its part inside one island for a ``local_sgd``/``async`` group) of two or more ranks:
+    its parameters in the reverse of the model's
     order (:func:`parameter_order`; the order in which a backward pass finalises a stage's
     gradients), cut greedily into buckets of at most ``cap_bytes`` (a parameter larger
     than the cap is a bucket of its own). Every bucket of every set is then placed in one
-    global order, by the position of its first parameter in the reversed model order.
+    global order, by the position of its first parameter in the reversed model order, then
+    by its ranks (buckets of one parameter's island parts share a position; their ranks are
+    disjoint).
 
     Derived from the plan and canonical names alone, so every holder of a bucket computes
     the same bucket, and every rank's buckets are a subsequence of one global order: a rank
@@ -118,17 +128,18 @@ def grad_buckets(
             parameter; parameters absent from it (not trainable, or held elsewhere) are
             skipped.
     """
-    held = parameter_holders(plan)
+    every_step = step_holders(plan)
     backward = [n for n in reversed(parameter_order(plan)) if n in wire_bytes]
     position = {name: idx for idx, name in enumerate(backward)}
     by_set: dict[RankSet, list[str]] = {}
     for name in backward:
-        if len(held[name]) > 1:
-            by_set.setdefault(held[name], []).append(name)
+        for ranks in every_step[name]:
+            if len(ranks) > 1:
+                by_set.setdefault(ranks, []).append(name)
     buckets = [
         b for ranks, names in by_set.items() for b in _split(ranks, names, wire_bytes, cap_bytes)
     ]
-    return tuple(sorted(buckets, key=lambda b: position[b.names[0]]))
+    return tuple(sorted(buckets, key=lambda b: (position[b.names[0]], b.ranks)))
 
 
 def _split(
@@ -156,9 +167,17 @@ def buffer_holders(plan: Plan) -> dict[str, RankSet]:
 
 
 def holder_sets(plan: Plan) -> tuple[RankSet, ...]:
-    """Distinct holder sets of more than one rank: the process groups every rank creates,
-    in this order (``link_model.sync_order``; creating a group is collective)."""
+    """Distinct holder sets of more than one rank, in ``link_model.sync_order``. Without
+    ``local_sgd``/``async`` groups, the gradient process groups (:func:`step_holder_sets`)."""
     sets = {ranks for ranks in parameter_holders(plan).values() if len(ranks) > 1}
+    return tuple(sorted(sets, key=sync_order))
+
+
+def step_holder_sets(plan: Plan) -> tuple[RankSet, ...]:
+    """Distinct rank sets of more than one rank that sum some gradient every step
+    (:func:`step_holders`), in ``link_model.sync_order``: the gradient process groups every
+    rank creates, in this order. :func:`holder_sets` without ``local_sgd``/``async`` groups."""
+    sets = {ranks for found in step_holders(plan).values() for ranks in found if len(ranks) > 1}
     return tuple(sorted(sets, key=sync_order))
 
 
@@ -188,6 +207,16 @@ def island_of_rank(plan: Plan) -> dict[int, str]:
         return {r.rank: "" for r in plan.ranks}
     island = {node: i.name for i in sync.islands for node in i.nodes}
     return {r.rank: island[r.node] for r in plan.ranks}
+
+
+def island_ranks(plan: Plan) -> dict[str, RankSet]:
+    """Island name -> its sorted ranks, islands in the plan's order (islands without ranks
+    left out; one island ``""`` holding every rank when the plan has no islands)."""
+    where = island_of_rank(plan)
+    sync = plan.training.sync
+    names = [""] if sync is None else [i.name for i in sync.islands]
+    found = {name: tuple(r for r in sorted(where) if where[r] == name) for name in names}
+    return {name: ranks for name, ranks in found.items() if ranks}
 
 
 def island_samples(plan: Plan) -> dict[str, int]:
@@ -260,6 +289,20 @@ def outer_fragments(
     if current:
         fragments.append(tuple(current))
     return tuple(fragments)
+
+
+def syncs_after(group: OuterSyncSpec, fragment_idx: int, step: int) -> bool:
+    """Whether fragment ``fragment_idx`` of ``group`` syncs after step ``step`` (0-based):
+    ``(step + 1 + fragment_idx * H // F) % H == 0`` with H = ``local_steps``, F =
+    ``num_fragments`` (:class:`OuterSyncSpec`)."""
+    offset = fragment_idx * group.local_steps // group.num_fragments
+    return (step + 1 + offset) % group.local_steps == 0
+
+
+def first_sync_step(group: OuterSyncSpec, fragment_idx: int) -> int:
+    """The first step after which fragment ``fragment_idx`` of ``group`` syncs."""
+    offset = fragment_idx * group.local_steps // group.num_fragments
+    return (-(1 + offset)) % group.local_steps
 
 
 def sync_summary(plan: Plan) -> str:

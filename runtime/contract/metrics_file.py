@@ -3,7 +3,7 @@
 Each rank appends one JSON object per optimizer step to ``<dir>/rank-<r>.jsonl``. Times are
 wall-clock seconds measured on that rank; they split the step as
 
-``step = compute + p2p + wait + all-reduce + optimizer + other``
+``step = compute + p2p + wait + all-reduce + optimizer + outer sync + other``
 
 - ``forward_time_s``: the forward part of ``compute_time_s`` (its backward part is the rest;
   0 in metrics written before hplan recorded it);
@@ -16,6 +16,11 @@ wall-clock seconds measured on that rank; they split the step as
   backward pass did not hide (includes waiting for the slowest holder), plus clipping's
   gradient-norm sum;
 - ``optimizer_time_s``: the optimizer step;
+- ``outer_sync_time_s``: blocked in the cross-island syncs of ``local_sgd`` and ``async``
+  groups after the optimizer step (``executor/outer_sync.py``): the part this step waited
+  for (an ``async`` all-reduce running beside the steps counts only when a sync point
+  waited for it); 0 in steps without one, in plans that all-reduce every step, and in
+  metrics written before hplan recorded it;
 - ``other_time_s``: the rest (data loading, Python overhead).
 
 ``end_unix_time_s``: when the step ended (``time.time()``); consecutive steps' difference is
@@ -78,6 +83,9 @@ class StepMetrics:
     allreduce_overlapped_time_s: float = 0.0
     """Gradient all-reduce running beside compute, outside the step's sum (0: none, or
     not recorded)."""
+    outer_sync_time_s: float = 0.0
+    """Waited for cross-island outer syncs (``local_sgd``, ``async``) after the optimizer
+    step: exposed time, part of the step's sum (0: none, or not recorded)."""
 
 
 def metrics_path(metrics_dir: Path, rank: int) -> Path:
@@ -187,6 +195,8 @@ class RankSummary:
     peak_memory_bytes: int
     allreduce_overlapped_time_s: float = 0.0
     """Mean of ``StepMetrics.allreduce_overlapped_time_s``."""
+    outer_sync_time_s: float = 0.0
+    """Mean of ``StepMetrics.outer_sync_time_s``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,4 +284,5 @@ def rank_summary(records: list[StepMetrics]) -> RankSummary:
         optimizer_time_s=mean("optimizer_time_s"),
         peak_memory_bytes=max(r.peak_memory_bytes for r in records),
         allreduce_overlapped_time_s=mean("allreduce_overlapped_time_s"),
+        outer_sync_time_s=mean("outer_sync_time_s"),
     )

@@ -22,6 +22,24 @@ by DCP's deduplication; none names a rank or a position, except the RNG):
 - ``rng.<rank>``: that rank's random-number state, restored only under the same plan
   (another plan's ranks draw from their seeded streams again, and rank 0 says so).
 
+Islands that train on their own (``local_sgd``, ``async``: ``outer_sync.py``) hold
+different values of a local group's parameters, so those are saved apart:
+
+- ``model.<name>`` of such a parameter is G, its global value (every island's the same;
+  after a run's closing sync, what every island ends with), in the parameter's dtype;
+- ``outer.global.<name>``, ``outer.momentum.<name>``, ``outer.pending.<name>``: G in
+  float32, the outer optimizer's momentum, an ``async`` group's pending average (waited
+  for before saving), as a resume needs them (at a run's end: before its closing sync);
+- ``island.<island>.model.<name>``, ``island.<island>.start.<name>``,
+  ``island.<island>.optimizer.<name>.<key>``: each island's own parameters, its S
+  (``async``) and its inner optimizer's state.
+
+A resume under the same plan loads all of it and continues exactly as if the run had not
+stopped. Under another plan with local groups, every rank takes ``model.<name>`` (G) and
+the outer state starts again from it; under a plan without one, the outer state is dropped
+(rank 0 says so in one line). Either way the islands' inner optimizer state of those
+parameters starts afresh.
+
 An LR scheduler (the model file's ``make_scheduler``) is a function of the step: a resumed
 run steps it to the checkpoint's step. Loading requests exactly the names this rank holds, so
 a checkpoint written under one plan loads under any other plan of the same model and batch
@@ -56,6 +74,7 @@ from hplan.runtime.contract.errors import (
     error_reason,
 )
 from hplan.runtime.contract.plan import Plan
+from hplan.runtime.executor.outer_sync import OuterSync
 
 LATEST = "latest"
 """The file naming the newest complete checkpoint."""
@@ -77,6 +96,8 @@ class TrainState:
     device: torch.device
     scaler: ShardedGradScaler | None = None
     """The job's shared fp16 loss scaler (``precision.py``), when it has one."""
+    outer: OuterSync | None = None
+    """This rank's local groups' outer syncs (``outer_sync.py``), when it holds some."""
 
 
 @dataclass(frozen=True)
@@ -215,13 +236,21 @@ class Checkpointer:
         progress = Progress(
             steps_done, plan.global_batch_size, plan.training.seed, plan.digest(), scale
         )
-        return {
+        entries: dict[str, Any] = {
             "model": {name: p.detach() for name, p in state.params},
             "buffers": {name: b.detach() for name, b in state.stage.canonical_buffers()},
             "optimizer": _optimizer_state(state),
             "progress": progress.as_dict(),
             "rng": {str(state.rank): _rng_state(state.device)},
         }
+        if state.outer is not None:
+            state.outer.prepare_checkpoint()
+            entries["model"].update(state.outer.global_params())
+            island: dict[str, Any] = dict(state.outer.island_state())
+            island["optimizer"] = _take(entries["optimizer"], state.outer.names)
+            entries["outer"] = state.outer.shared_state()
+            entries["island"] = {state.outer.island: island}
+        return entries
 
     # ----------------------------------------------------------------- loading
     def load(self, step_dir: Path) -> int:
@@ -236,27 +265,17 @@ class Checkpointer:
         start_s = time.monotonic()
         state, plan = self.state, self.state.plan
         progress = self._load_progress(step_dir)
-        if (
-            progress["global_batch_size"] != plan.global_batch_size
-            or progress["seed"] != plan.training.seed
-        ):
-            raise ConfigError(
-                f"checkpoint {str(step_dir)!r} was written with global batch "
-                f"{progress['global_batch_size']} and seed {progress['seed']}; this plan has "
-                f"{plan.global_batch_size} and {plan.training.seed}, so the data position "
-                "cannot carry over: solve with the same -b and --seed, or use a fresh "
-                "--checkpoint-dir"
-            )
+        _check_same_data(step_dir, progress, plan)
+        steps_done = int(progress["step"])
         same_plan = progress["plan_digest"] == plan.digest()
-        _initialise_optimizer(state.optimizer)
-        request: dict[str, Any] = {
-            "model": {name: p.detach() for name, p in state.params},
-            "buffers": {name: b.detach() for name, b in state.stage.canonical_buffers()},
-            "optimizer": _optimizer_state(state),
-        }
-        if same_plan:
-            request["rng"] = {str(state.rank): _rng_state(state.device)}
-        never_stepped = _without_saved_optimizer_state(request["optimizer"], step_dir)
+        saved = _saved_keys(step_dir)
+        had_outer = saved is not None and any(k.startswith("outer.global.") for k in saved)
+        request = _load_request(state, same_plan, exact=same_plan and had_outer, step=steps_done)
+        never_stepped = _without_saved_optimizer_state(request["optimizer"], saved, "optimizer")
+        for island, entries in request.get("island", {}).items():
+            never_stepped += _without_saved_optimizer_state(
+                entries["optimizer"], saved, f"island.{island}.optimizer"
+            )
         try:
             with torch.no_grad():
                 dcp.load(request, checkpoint_id=step_dir, process_group=self._group)
@@ -265,31 +284,16 @@ class Checkpointer:
                 f"checkpoint {str(step_dir)!r} does not fit this model ({error_reason(exc)}); "
                 "was it written for another model? Use a fresh --checkpoint-dir"
             ) from None
-        _set_optimizer_state(state, request["optimizer"])
-        by_name = dict(state.params)
-        for name in never_stepped:  # as in the saved run: no state until the first step
-            state.optimizer.state.pop(by_name[name], None)
-        if same_plan:
-            _set_rng_state(state.device, request["rng"][str(state.rank)])
+        _set_loaded(state, request, steps_done, never_stepped)
         scale = float(progress.get("loss_scale", 0.0))
         if state.scaler is not None and scale > 0:
             state.scaler.update(new_scale=scale)
-        self._saved_step = self._published_step = int(progress["step"])
+        self._saved_step = self._published_step = steps_done
         if state.rank == 0:
-            other = (
-                ""
-                if same_plan
-                else " (written under another plan: parameters and optimizer state carried "
-                "over by name; each rank's random-number stream starts again from the seed)"
-            )
-            scaled = f" (loss scale {scale:g})" if state.scaler is not None and scale > 0 else ""
-            print(
-                f"hplan: resumed at step {self._saved_step} from {step_dir} in "
-                f"{time.monotonic() - start_s:.2f} s{scaled}{other}",
-                file=sys.stderr,
-                flush=True,
-            )
-        return self._saved_step
+            if had_outer:
+                _say_outer(plan, same_plan)
+            _say_resumed(step_dir, steps_done, time.monotonic() - start_s, same_plan, state, scale)
+        return steps_done
 
     def _load_progress(self, step_dir: Path) -> dict[str, Any]:
         progress: dict[str, Any] = {"progress": Progress(0, 0, 0, "").as_dict()}
@@ -314,6 +318,86 @@ class Checkpointer:
         return loaded
 
 
+def _check_same_data(step_dir: Path, progress: dict[str, Any], plan: Plan) -> None:
+    """Raises ConfigError: the checkpoint was written with another global batch or seed."""
+    if (
+        progress["global_batch_size"] == plan.global_batch_size
+        and progress["seed"] == plan.training.seed
+    ):
+        return
+    raise ConfigError(
+        f"checkpoint {str(step_dir)!r} was written with global batch "
+        f"{progress['global_batch_size']} and seed {progress['seed']}; this plan has "
+        f"{plan.global_batch_size} and {plan.training.seed}, so the data position "
+        "cannot carry over: solve with the same -b and --seed, or use a fresh "
+        "--checkpoint-dir"
+    )
+
+
+def _load_request(state: TrainState, same_plan: bool, *, exact: bool, step: int) -> dict[str, Any]:
+    """The tensors to load a checkpoint into (DCP loads in place), by key (module
+    docstring): with ``exact`` (the same plan, a checkpoint with outer state) a local
+    group's parameters come from this island's entries, and the outer state too."""
+    _initialise_optimizer(state.optimizer)
+    request: dict[str, Any] = {
+        "model": {name: p.detach() for name, p in state.params},
+        "buffers": {name: b.detach() for name, b in state.stage.canonical_buffers()},
+        "optimizer": _optimizer_state(state),
+    }
+    if same_plan:
+        request["rng"] = {str(state.rank): _rng_state(state.device)}
+    if exact and state.outer is not None:
+        shared, own = state.outer.load_request(step)
+        _take(request["model"], state.outer.names)
+        island: dict[str, Any] = dict(own)
+        island["optimizer"] = _take(request["optimizer"], state.outer.names)
+        request["outer"] = shared
+        request["island"] = {state.outer.island: island}
+    return request
+
+
+def _set_loaded(
+    state: TrainState, request: dict[str, Any], steps_done: int, never_stepped: list[str]
+) -> None:
+    """Put what DCP loaded into ``request`` in place: optimizer states, the outer state,
+    the random-number state."""
+    _set_optimizer_state(state, request["optimizer"])
+    for entries in request.get("island", {}).values():
+        _set_optimizer_state(state, entries["optimizer"])
+    if state.outer is not None and "outer" in request:
+        state.outer.loaded(request["outer"], steps_done)
+    elif state.outer is not None:
+        state.outer.restart()
+    by_name = dict(state.params)
+    for name in never_stepped:  # as in the saved run: no state until the first step
+        state.optimizer.state.pop(by_name[name], None)
+    if "rng" in request:
+        _set_rng_state(state.device, request["rng"][str(state.rank)])
+
+
+def _say_resumed(
+    step_dir: Path,
+    steps_done: int,
+    took_s: float,
+    same_plan: bool,
+    state: TrainState,
+    scale: float,
+) -> None:
+    """Rank 0's line on a resume."""
+    other = (
+        ""
+        if same_plan
+        else " (written under another plan: parameters and optimizer state carried "
+        "over by name; each rank's random-number stream starts again from the seed)"
+    )
+    scaled = f" (loss scale {scale:g})" if state.scaler is not None and scale > 0 else ""
+    print(
+        f"hplan: resumed at step {steps_done} from {step_dir} in {took_s:.2f} s{scaled}{other}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 # --------------------------------------------------------------------------- optimizer
 def _param_order(state: TrainState) -> dict[int, str]:
     return {id(p): name for name, p in state.params}
@@ -329,23 +413,56 @@ def _optimizer_state(state: TrainState) -> dict[str, dict[str, Any]]:
     }
 
 
+def _saved_keys(step_dir: Path) -> set[str] | None:
+    """The flattened keys of a checkpoint (None: its metadata is unreadable; the load
+    itself reports that)."""
+    try:
+        return set(dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata)
+    except Exception:
+        return None
+
+
+def _take(entries: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    """Remove the entries of ``names`` from ``entries``; return them."""
+    return {name: entries.pop(name) for name in sorted(names) if name in entries}
+
+
 def _without_saved_optimizer_state(
-    requested: dict[str, dict[str, Any]], step_dir: Path
+    requested: dict[str, dict[str, Any]], saved: set[str] | None, prefix: str
 ) -> list[str]:
     """Drop from ``requested`` the parameters whose optimizer state the checkpoint lacks
-    entirely (saved before their first optimizer step, e.g. every step so far skipped by
-    fp16 loss scaling); return their names. A parameter with part of its state is kept, so
-    that loading it fails as another model's would."""
-    try:
-        saved = set(dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata)
-    except Exception:  # unreadable metadata: the load itself reports it
+    entirely under ``prefix`` (saved before their first optimizer step, e.g. every step so
+    far skipped by fp16 loss scaling, or an island's under another plan); return their
+    names. A parameter with part of its state is kept, so that loading it fails as another
+    model's would."""
+    if saved is None:
         return []
     missing = [
-        name for name in requested if not any(key.startswith(f"optimizer.{name}.") for key in saved)
+        name for name in requested if not any(key.startswith(f"{prefix}.{name}.") for key in saved)
     ]
     for name in missing:
         del requested[name]
     return missing
+
+
+def _say_outer(plan: Plan, same_plan: bool) -> None:
+    """Rank 0's line on a checkpoint's outer-sync state that this plan does not carry on."""
+    sync = plan.training.sync
+    if sync is None or not sync.local:
+        print(
+            "hplan: the checkpoint's outer-sync state (local_sgd/async: the outer optimizer, "
+            "each island's progress since its last outer sync) is dropped: this plan has no "
+            "local_sgd or async group; training goes on from the global parameters",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif not same_plan:
+        print(
+            "hplan: the checkpoint's outer-sync state was written under another plan: the "
+            "outer optimizer and the islands start again from its global parameters",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _set_optimizer_state(state: TrainState, loaded: dict[str, dict[str, Any]]) -> None:

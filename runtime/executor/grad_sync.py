@@ -3,15 +3,17 @@
 Replicas process different numbers of samples and may split layers differently, so:
 
 - the last stage weights each micro-batch's loss by ``mb_samples / global_batch_size``
-  (:func:`loss_weight`); the sum over all micro-batches of all replicas is then the mean
-  over the global batch, whatever each replica's share;
+  (:func:`loss_weight`; under local sync by its island's samples, below); the sum over all
+  micro-batches of all replicas is then the mean over the global batch, whatever each
+  replica's share;
 - each parameter's gradient is summed (all-reduce SUM) among exactly the ranks that hold
   it: the ranks whose units list it in ``UnitSpec.params``. A parameter tied between two
   stages of one replica (GPT's embedding and head) is summed across those stages too.
 
-One process group per distinct holder set, created on every rank in the same sorted order
-(``torch.distributed.new_group`` is collective over the whole world), with the plan's
-process-group timeout (not torch's 30-minute default). Half-precision gradients are summed
+One process group per distinct rank set that sums gradients every step (a holder set, or
+its part inside an island; ``holders.step_holder_sets``), created on every rank in the
+same sorted order (``torch.distributed.new_group`` is collective over the whole world),
+with the plan's process-group timeout (not torch's 30-minute default). Half-precision gradients are summed
 in float32 and cast back, so bf16 models work on gloo without loss of precision in the sum.
 
 Overlap with the backward pass (as torch DDP does; Li et al., "PyTorch Distributed", VLDB
@@ -39,12 +41,32 @@ the order in which a stage finalises its gradients (a stage is a contiguous rang
 units), so little overlap is lost; a tied weight (GPT's embedding, first used by the first
 unit) comes last on the rank holding the head, where its gradient is ready early.
 
+Islands that train on their own (``training.sync.local``: some cross-island holder set
+syncs by ``local_sgd`` or ``async``, ``executor/outer_sync.py``): each island's step is a
+step on its own samples. The last stage weights a micro-batch's loss by ``mb_samples /
+island_samples`` of its island (:func:`loss_denominator`), so an island's gradients are the
+mean over the island's samples; a local group's gradients are summed among its holders
+inside each island only (``holders.step_holders``; the buckets of those island parts take
+their places in the one global launch order above, ties broken by their ranks, which are
+disjoint, so the deadlock argument stands; the cross-island outer syncs come after every
+bucket of the step, on groups of their own, in one order too: ``outer_sync.py``). A holder
+set that spans islands and all-reduces every step still sums over all its holders, each
+rank scaling its contribution by ``island_samples / global_batch_size`` first
+(:attr:`GradBucket.scale`): the sum of the islands' means weighted by their samples is the
+global batch's mean, as without islands. Without a local group nothing changes: weights over the global batch,
+scale 1 (no multiplication), bit for bit the synchronous runtime.
+
 Gradient clipping (the model file's ``MAX_GRAD_NORM``, :class:`GradClip`): after the sum,
 every rank holds the full gradient of each of its parameters, so the whole model's L2
 norm is the square root of the sum over parameters, each counted once, on its lowest
 holder (the rank checkpoints save it from, ``contract/holders.py``), of its squared norm:
 one SUM all-reduce of one number over every rank. Each rank then scales all of its
-gradients as ``torch.nn.utils.clip_grad_norm_`` does (``clip_grads_with_norm_``).
+gradients as ``torch.nn.utils.clip_grad_norm_`` does (``clip_grads_with_norm_``). Under
+local sync the norm is the island's: each parameter counted once per island (on its lowest
+holder there), summed over the island's ranks on a group of their own, since an island's
+step is its own. A plan that also all-reduces some cross-island holder set every step
+cannot clip so (its copies, the same gradient scaled by each island's own factor, would
+drift apart): :func:`build_grad_clip` refuses it.
 """
 
 from __future__ import annotations
@@ -61,26 +83,58 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from hplan.runtime.contract.errors import PeerFailureError, PlanMismatchError, error_reason
+from hplan.runtime.contract.errors import (
+    ConfigError,
+    PeerFailureError,
+    PlanMismatchError,
+    error_reason,
+)
 from hplan.runtime.contract.holders import (
     RankSet,
     grad_buckets,
-    holder_sets,
+    island_of_rank,
+    island_ranks,
+    island_samples,
+    outer_groups,
     parameter_holders,
+    step_holder_sets,
 )
 from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES
-from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.plan import Plan, SyncMode
 from hplan.runtime.executor.seams import LinkDelay
 
 
-def loss_weight(mb_samples: int, global_batch_size: int) -> float:
-    """Factor for one micro-batch's mean loss so that all of them sum to the global mean.
+def loss_weight(mb_samples: int, batch_samples: int) -> float:
+    """Factor for one micro-batch's mean loss so that all of them sum to the batch's mean.
 
-    ``loss_fn`` returns the mean over the ``mb_samples`` samples it is given; the global
-    batch mean is ``sum_mb mean_mb * mb_samples / global_batch_size``.
+    ``loss_fn`` returns the mean over the ``mb_samples`` samples it is given; the mean over
+    a batch of ``batch_samples`` (the global batch, or an island's samples under local
+    sync: :func:`loss_denominator`) is ``sum_mb mean_mb * mb_samples / batch_samples``.
     """
-    assert 0 < mb_samples <= global_batch_size
-    return mb_samples / global_batch_size
+    assert 0 < mb_samples <= batch_samples
+    return mb_samples / batch_samples
+
+
+def loss_denominator(plan: Plan, rank: int) -> int:
+    """The samples a step's loss is the mean over on ``rank``: its island's
+    (``holders.island_samples``) when islands train on their own (``training.sync.local``),
+    else the global batch's."""
+    sync = plan.training.sync
+    if sync is None or not sync.local:
+        return plan.global_batch_size
+    return island_samples(plan)[island_of_rank(plan)[rank]]
+
+
+def contribution_scale(plan: Plan, rank: int, ranks: RankSet) -> float:
+    """What ``rank`` multiplies its gradients by before summing them over ``ranks`` every
+    step: ``island_samples / global_batch_size`` of its island when islands train on their
+    own and ``ranks`` spans islands (an ``all_reduce`` group: the sum is then the global
+    mean), else 1 (module docstring)."""
+    sync = plan.training.sync
+    where = island_of_rank(plan)
+    if sync is None or not sync.local or len({where[r] for r in ranks}) == 1:
+        return 1.0
+    return island_samples(plan)[where[rank]] / plan.global_batch_size
 
 
 def check_stage_parameters(plan: Plan, rank: int, names: Sequence[str]) -> None:
@@ -119,6 +173,8 @@ class GradBucket:
     ranks: RankSet
     group: dist.ProcessGroup
     params: list[tuple[str, nn.Parameter]]
+    scale: float = 1.0
+    """This rank's contribution factor (:func:`contribution_scale`; 1: none applied)."""
     min_time_s: float = 0.0
     """Least all-reduce time, counted from when every holder has launched the bucket and
     finished its own previous one (the run's ``LinkDelay.all_reduce_floor_s``; 0: the real
@@ -140,6 +196,8 @@ class GradBucket:
         grads = [_grad_or_zeros(p) for _, p in self.params]
         wire_dtype = _wire_dtype([g.dtype for g in grads])
         flat = torch.cat([g.reshape(-1).to(wire_dtype) for g in grads])
+        if self.scale != 1.0:
+            flat.mul_(self.scale)
         self.launched_s = time.monotonic()
         work = self.collective(flat, dist.ReduceOp.SUM, async_op=True)
         assert work is not None
@@ -317,6 +375,10 @@ class GradClip:
     """Every trainable parameter of this rank: what it scales."""
     device: torch.device
     """Where the one-number all-reduce runs (the rank's device: NCCL needs a GPU tensor)."""
+    group: dist.ProcessGroup | None = None
+    """Whose norm: None, every rank's (the world); under local sync the island's group."""
+    over: str = "every rank"
+    """Whose norm, in words, for an error (``"island box-a's ranks [0, 1]"``)."""
 
     def clip(self) -> float:
         """Scale this rank's gradients by ``min(1, max_norm / (norm + 1e-6))``, where
@@ -332,10 +394,10 @@ class GradClip:
         local = get_total_norm(grads) if grads else torch.zeros(())
         squared = local.to(self.device, torch.float64).square().reshape(1)
         try:
-            dist.all_reduce(squared, op=dist.ReduceOp.SUM)
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.group)
         except RuntimeError as exc:
             raise PeerFailureError(
-                f"the gradient-norm all-reduce (MAX_GRAD_NORM) over every rank failed: "
+                f"the gradient-norm all-reduce (MAX_GRAD_NORM) over {self.over} failed: "
                 f"{error_reason(exc)}; check the other ranks' logs (one probably failed first)"
             ) from None
         total = squared.sqrt().reshape(())
@@ -354,16 +416,47 @@ def build_grad_clip(
 ) -> GradClip | None:
     """This rank's :class:`GradClip` for ``max_norm`` (None: no clipping, None returned).
 
+    Under local sync, creates one group per island of two or more ranks (on every rank, in
+    the islands' order: ``new_group`` is collective) and clips to the island's norm.
+
     Args:
         named_params: this rank's stage parameters by canonical name (as in
             :func:`build_buckets`, which checks them against the plan).
+
+    Raises:
+        ConfigError: islands train on their own and some cross-island holder set
+            all-reduces every step (module docstring).
     """
     if max_norm is None:
         return None
-    holders = parameter_holders(plan)
+    sync = plan.training.sync
     trainable = [(n, p) for n, p in named_params if p.requires_grad]
-    counted = [p for n, p in trainable if holders[n][0] == rank]
-    return GradClip(max_norm, counted, [p for _, p in trainable], device)
+    if sync is None or not sync.local:
+        holders = parameter_holders(plan)
+        counted = [p for n, p in trainable if holders[n][0] == rank]
+        return GradClip(max_norm, counted, [p for _, p in trainable], device)
+    _check_island_clipping(plan)
+    holders, where = parameter_holders(plan), island_of_rank(plan)
+    island = where[rank]
+    counted = [p for n, p in trainable if min(r for r in holders[n] if where[r] == island) == rank]
+    timeout_s = plan.training.process_group_timeout_s
+    groups = {name: _new_group(ranks, timeout_s) for name, ranks in island_ranks(plan).items()}
+    ranks = island_ranks(plan)[island]
+    over = f"island {island}'s ranks {list(ranks)}"
+    return GradClip(max_norm, counted, [p for _, p in trainable], device, groups[island], over)
+
+
+def _check_island_clipping(plan: Plan) -> None:
+    """Raises ConfigError: some cross-island holder set all-reduces every step while
+    islands clip to their own norms (its copies would drift apart)."""
+    every_step = [ranks for ranks, g in outer_groups(plan).items() if g.mode is SyncMode.ALL_REDUCE]
+    if every_step:
+        raise ConfigError(
+            f"MAX_GRAD_NORM with islands that train on their own clips each island to its "
+            f"own norm, but ranks {list(every_step[0])} all-reduce across islands every step "
+            "and their copies would drift apart; remove MAX_GRAD_NORM or sync that group by "
+            "local_sgd/async too (re-run `hplan solve`)"
+        )
 
 
 def build_buckets(
@@ -374,8 +467,8 @@ def build_buckets(
     delay: LinkDelay | None = None,
     cap_bytes: float = BUCKET_CAP_BYTES,
 ) -> list[GradBucket]:
-    """Create every holder-set process group (on all ranks) and this rank's buckets, in
-    launch order (``holders.grad_buckets``).
+    """Create every gradient process group (on all ranks; ``holders.step_holder_sets``)
+    and this rank's buckets, in launch order (``holders.grad_buckets``).
 
     Must be called by every rank of the world, in the same program order, because
     ``new_group`` is collective. Parameters that do not require grad are skipped.
@@ -393,17 +486,20 @@ def build_buckets(
     check_stage_parameters(plan, rank, [name for name, _ in named_params])
     groups = {
         ranks: _new_group(ranks, plan.training.process_group_timeout_s)
-        for ranks in holder_sets(plan)
+        for ranks in step_holder_sets(plan)
     }
     trainable = {n: p for n, p in named_params if p.requires_grad}
     wire_bytes = {n: p.numel() * _wire_dtype([p.dtype]).itemsize for n, p in trainable.items()}
     buckets = []
     for spec in grad_buckets(plan, wire_bytes, cap_bytes):
+        if rank not in spec.ranks:  # another island's part of a local group
+            continue
         group = groups[spec.ranks]
-        assert group is not None and rank in spec.ranks
+        assert group is not None
         floor_s = 0.0 if delay is None else delay.all_reduce_floor_s(spec.ranks, spec.num_bytes)
         params = [(n, trainable[n]) for n in spec.names]
-        buckets.append(GradBucket(spec.ranks, group, params, floor_s))
+        scale = contribution_scale(plan, rank, spec.ranks)
+        buckets.append(GradBucket(spec.ranks, group, params, scale, floor_s))
     return buckets
 
 

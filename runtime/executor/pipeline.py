@@ -14,8 +14,18 @@ the backward re-runs it (same RNG state) with autograd, then backpropagates.
 Every forward, backward and optimizer step runs inside the rank's compute clock
 (``seams.ComputeClock``), which times it (and, in a rehearsal, stretches it). When an action
 fails, the rank prints its replica's schedule as a rank-by-step table in
-``torch.distributed.pipelining``'s notation with the failed step marked (``notation.py``),
-above its one-line error (a peer's failure keeps one line: the table is a note on it).
+``torch.distributed.pipelining``'s notation with the failed step marked
+(:func:`schedule_table`), above its one-line error (a peer's failure keeps one line: the
+table is a note on it).
+
+The one adapter to ``torch.distributed.pipelining`` (:func:`pipelining_action`,
+:func:`schedule_table`): hplan builds its schedules itself (``contract/schedule.py``:
+integers in, actions out), but prints them as the pipelining module does, so that a reader
+who knows that module reads ours: ``1F3`` is stage 1's forward of micro-batch 3 and ``1B3``
+its full backward (``_Action``), and a replica's schedule is a rank-by-step grid
+(``_format_pipeline_order``). Both are private, alpha-marked names of torch; the test
+``tests/runtime/test_schedule.py`` pins what this module relies on (the text of every
+action parses back with ``_Action.from_str``, and the grid's layout).
 
 Timeline: each step records, on ``StepRunner.timeline``, when every forward, backward,
 blocking receive, send completion and optimizer step started and ended, and each gradient
@@ -28,13 +38,18 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _ComputationType,
+    _format_pipeline_order,
+)
 from torch.utils._pytree import tree_map
 
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
@@ -50,8 +65,13 @@ from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 from hplan.runtime.contract.timeline_file import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
 from hplan.runtime.executor.comm import StageComm, torch_dtype
 from hplan.runtime.executor.data import BatchSource, MicroBatch, stage_inputs
-from hplan.runtime.executor.grad_sync import GradBucket, GradClip, GradSync, loss_weight
-from hplan.runtime.executor.notation import schedule_table
+from hplan.runtime.executor.grad_sync import (
+    GradBucket,
+    GradClip,
+    GradSync,
+    loss_denominator,
+    loss_weight,
+)
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
 
@@ -148,6 +168,9 @@ class StepRunner:
         self._last_backward = backwards[-1] if backwards else None
         """Index of the rank's last backward action: gradients are final after it."""
         self.offset = parts.plan.sample_offset(rank_plan.replica)
+        self.loss_samples = loss_denominator(parts.plan, rank_plan.rank)
+        """What the weighted loss is a mean over: the global batch, or the rank's island's
+        samples when islands train on their own (``grad_sync.loss_denominator``)."""
         self.label = stage_label(rank_plan)
         self.recompute = rank_plan.memory_strategy is MemoryStrategy.RECOMPUTE
         self.times = StepTimes()
@@ -191,7 +214,7 @@ class StepRunner:
         if not self._losses:
             return None
         total = torch.stack([loss.float() for loss in self._losses]).sum()
-        return float(total) * parts.plan.global_batch_size / parts.rank_plan.num_samples
+        return float(total) * self.loss_samples / parts.rank_plan.num_samples
 
     def _sync_gradients(self) -> None:
         """Wait for the gradient buckets (``GradSync.finish``); time the wait and what ran
@@ -393,7 +416,7 @@ class StepRunner:
     def _loss(self, outputs: dict[str, Any], mb: MicroBatch) -> Tensor:
         targets = _to_device(mb.targets, self.parts.device)
         loss = checked_loss(self.parts.model_file, outputs["output"], targets)
-        return loss.reshape(()) * loss_weight(mb.num_samples, self.parts.plan.global_batch_size)
+        return loss.reshape(()) * loss_weight(mb.num_samples, self.loss_samples)
 
     def _backward(self, action: Action, mb: MicroBatch) -> None:
         parts = self.parts
@@ -446,3 +469,42 @@ def _set_rng_state(device: torch.device, state: tuple[Tensor, Tensor | None]) ->
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda, device)
+
+
+# --------------------------------------------------------------------------- pipelining notation
+_KINDS = {
+    ActionKind.FORWARD: _ComputationType.FORWARD,
+    ActionKind.BACKWARD: _ComputationType.FULL_BACKWARD,
+}
+
+
+def pipelining_action(action: Action) -> _Action:
+    """``action`` as ``torch.distributed.pipelining``'s ``_Action`` (same text: ``1F3``)."""
+    return _Action(action.stage, _KINDS[action.kind], action.microbatch)
+
+
+def schedule_table(
+    stages: Sequence[Sequence[Action]],
+    ranks: Sequence[int],
+    *,
+    failed: tuple[int, int] | None = None,
+) -> str:
+    """A replica's schedule as a rank-by-step grid, one column per stage.
+
+    Args:
+        stages: each stage's actions, in stage order.
+        ranks: the plan rank that runs each stage (the grid's columns ``Rank 0..`` are the
+            stages; a first line names their plan ranks).
+        failed: ``(stage, action index)`` of the action that failed: the row of that index
+            is marked ``<-- ERROR HERE`` (rows are positions in each stage's own list, not
+            moments in time: the other columns show each stage's action at that position).
+
+    Returns:
+        Lines of text ending with a newline.
+    """
+    order: dict[int, list[_Action | None]] = {
+        stage: [pipelining_action(a) for a in actions] for stage, actions in enumerate(stages)
+    }
+    columns = ", ".join(f"Rank {stage} = plan rank {rank}" for stage, rank in enumerate(ranks))
+    grid = _format_pipeline_order(order, error_step_number=None if failed is None else failed[1])
+    return f"columns: {columns}\n{grid}"

@@ -25,6 +25,11 @@ unscaled) gradients are clipped to that global norm before the optimizer step
 (``grad_sync.GradClip``); the norm before clipping goes into the step's metrics. A
 non-finite norm clips nothing: under fp16 loss scaling a non-finite gradient skips the
 step on every rank; otherwise rank 0 reports the norm and the step goes on.
+
+Islands that train on their own (``local_sgd``, ``async`` groups): after the optimizer
+step, the fragments due sync across islands (``outer_sync.OuterSync.after_step``; the
+run's last step closes every fragment); the time it takes is the step's
+``outer_sync_time_s``. ``--verify`` refuses such plans (``outer_sync.check_verify``).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from hplan.runtime.contract.errors import (
 from hplan.runtime.contract.metrics_file import MetricsWriter, StepMetrics
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.progress_lines import RunProgress, job_loss
-from hplan.runtime.contract.timeline_file import TimelineWriter
+from hplan.runtime.contract.timeline_file import ALL_REDUCE, TimelineWriter
 from hplan.runtime.executor.checkpoint import Checkpointer, TrainState, latest_checkpoint
 from hplan.runtime.executor.control import (
     Agreement,
@@ -64,6 +69,7 @@ from hplan.runtime.executor.control import (
 )
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip
 from hplan.runtime.executor.machine import set_rank_threads
+from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync, check_verify
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
 from hplan.runtime.executor.rendezvous import barrier
@@ -138,12 +144,20 @@ def _train(
 ) -> None:
     parts, options = _build_same_job(plan, rank, model_path, options, seams)
     buckets = build_buckets(plan, rank, parts.params, delay=seams.links)
-    checkpointer = _checkpointer(parts, options)
+    outer = build_outer_sync(
+        plan,
+        rank,
+        parts.params,
+        parts.model_file,
+        delay=seams.links,
+        keep_resume_state=options.checkpoint_dir is not None,
+    )
+    checkpointer = _checkpointer(parts, options, outer)
     first_step = _resume(checkpointer, options)
     scheduler = _scheduler(parts, first_step)
     clip = build_grad_clip(plan, rank, parts.params, parts.model_file.max_grad_norm, parts.device)
     runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device), clip)
-    loop = _Loop(parts, runner, options, checkpointer, scheduler)
+    loop = _Loop(parts, runner, options, checkpointer, scheduler, outer)
     barrier(rank, "start of training")
     with Preemption() as preemption:
         loop.run(first_step, preemption)
@@ -207,9 +221,13 @@ def check_options(plan: Plan, options: RunOptions) -> None:
         raise ConfigError(f"the checkpoint interval {every_s} s must be a finite number > 0")
     if options.checkpoint_dir is None and (options.resume or options.checkpoint_every_steps):
         raise ConfigError("--resume and --checkpoint-every-* need --checkpoint-dir DIR")
+    if options.verify_dir is not None:
+        check_verify(plan)
 
 
-def _checkpointer(parts: RankParts, options: RunOptions) -> Checkpointer | None:
+def _checkpointer(
+    parts: RankParts, options: RunOptions, outer: OuterSync | None
+) -> Checkpointer | None:
     if options.checkpoint_dir is None:
         return None
     state = TrainState(
@@ -220,6 +238,7 @@ def _checkpointer(parts: RankParts, options: RunOptions) -> Checkpointer | None:
         parts.optimizer,
         parts.device,
         parts.scaler,
+        outer,
     )
     return Checkpointer(
         options.checkpoint_dir,
@@ -277,9 +296,11 @@ class _Loop:
         options: RunOptions,
         checkpointer: Checkpointer | None,
         scheduler: object | None,
+        outer: OuterSync | None = None,
     ) -> None:
         self.parts, self.runner, self.options = parts, runner, options
         self.checkpointer, self.scheduler = checkpointer, scheduler
+        self.outer = outer
         self.control = StepControl(parts.device, parts.plan.num_replicas)
         self.progress: RunProgress | None = None
         """Rank 0's progress lines (``contract/progress_lines.py``), during :meth:`run`."""
@@ -326,7 +347,11 @@ class _Loop:
         try:
             for step in range(first_step, last_step + 1):
                 record = _train_step(
-                    self.runner, step, verify=options.verify_dir if step == first_step else None
+                    self.runner,
+                    step,
+                    verify=options.verify_dir if step == first_step else None,
+                    outer=self.outer,
+                    last=step == last_step,
                 )
                 if self.scheduler is not None:
                     self.scheduler.step()  # type: ignore[attr-defined]
@@ -443,9 +468,17 @@ class _Loop:
 _STOP = StepFlags.PREEMPTED | StepFlags.NONFINITE_LOSS
 
 
-def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetrics:
+def _train_step(
+    runner: StepRunner,
+    step: int,
+    verify: Path | None,
+    outer: OuterSync | None = None,
+    *,
+    last: bool = False,
+) -> StepMetrics:
     """One step; with ``verify`` (a folder), dropout is off for it (``random_ops.py``) and
-    its synced gradients and updated parameters are dumped there."""
+    its synced gradients and updated parameters are dumped there. With ``outer``, the
+    cross-island syncs due after it (``last``: the run's last step, which closes them)."""
     parts = runner.parts
     start_s = time.monotonic()
     parts.comm.reset_times()
@@ -456,6 +489,11 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
     if verify is not None:
         _dump_verify(parts, verify, "grads", loss)
     stepped = runner.optimizer_step()
+    outer_s = 0.0
+    if outer is not None:
+        outer_s = outer.after_step(step, last=last)
+        for label, span_start_s, span_end_s in outer.spans:
+            runner.timeline.add(ALL_REDUCE, label, span_start_s, span_end_s)
     if parts.rank_plan.rank == 0:
         _report_step(parts, step, stepped, grad_norm)
     if verify is not None:
@@ -463,7 +501,9 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
     times = runner.finish_step()
     step_s = time.monotonic() - start_s
     comm = parts.comm.reset_times()
-    accounted = times.compute_s + comm.p2p_s + comm.wait_s + times.allreduce_s + times.optimizer_s
+    accounted = (
+        times.compute_s + comm.p2p_s + comm.wait_s + times.allreduce_s + times.optimizer_s + outer_s
+    )
     rp = parts.rank_plan
     return StepMetrics(
         rank=rp.rank,
@@ -484,6 +524,7 @@ def _train_step(runner: StepRunner, step: int, verify: Path | None) -> StepMetri
         grad_norm=grad_norm,
         end_unix_time_s=time.time(),
         allreduce_overlapped_time_s=times.allreduce_overlapped_s,
+        outer_sync_time_s=outer_s,
     )
 
 

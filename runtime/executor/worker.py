@@ -30,7 +30,6 @@ from hplan.runtime.contract.errors import (
     PlanMismatchError,
     error_reason,
 )
-from hplan.runtime.contract.holders import sync_summary
 from hplan.runtime.contract.plan import Plan, RankPlan, wire_spec
 from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
@@ -236,15 +235,9 @@ def build_rank(
         ModelFileError: the model file cannot be loaded.
         PlanMismatchError: the re-traced graph differs from the plan's fingerprint, or the
             stage's parameters differ from the plan's.
-        ConfigError: the plan asks for a sync mode this runtime does not implement.
         EnvironmentProblemError: the plan asks for a GPU this machine lacks.
     """
     rank_plan = plan.ranks[rank]
-    if plan.training.sync is not None and plan.training.sync.local:
-        raise ConfigError(
-            f"plan asks for sync {sync_summary(plan)!r}; this runtime runs "
-            "only 'all_reduce'; re-run `hplan solve` with synchronous all-reduce"
-        )
     model_file = load_model_file(model_path or plan.model.path)
     device = rank_device(plan, rank_plan, options.device)
     if options.warn_model_change and rank_plan.local_rank == 0:

@@ -69,6 +69,7 @@ from hplan.runtime.contract.metrics_file import (
 )
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.timeline_file import check_trace_path, write_measured_trace
+from hplan.runtime.executor.outer_sync import check_verify
 from hplan.runtime.executor.worker import warn_if_model_changed
 from hplan.runtime.rehearsal.emulation import modelled_emulation, rank_speeds
 from hplan.runtime.rehearsal.launcher import ChildCommand, prepare_dir, run_children
@@ -226,7 +227,8 @@ def rehearse(
         steps: optimizer steps.
         verify: run step 0 with dropout off, also in one process on the whole global
             batch, and compare every synced gradient and parameter update
-            (``reference_check.verify_first_step``).
+            (``reference_check.verify_first_step``); refused for a plan whose islands
+            train on their own (``outer_sync.check_verify``).
         metrics_dir: where ranks write metrics and logs (default: a new temporary folder,
             deleted at the end unless the ranks failed: then the error names its logs).
         dilation: global time-dilation factor (default: :func:`default_dilation`).
@@ -247,6 +249,8 @@ def rehearse(
     _check_options(steps, dilation, time_scale, timeout_s)
     if verify and checkpointing is not None and checkpointing.resume:
         raise ConfigError("--verify compares step 0 with one process; it cannot go with --resume")
+    if verify:
+        check_verify(plan)
     if trace_path is not None:
         check_trace_path(trace_path)
     if metrics_dir is not None and Path(metrics_dir).exists() and not Path(metrics_dir).is_dir():

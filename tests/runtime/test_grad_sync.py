@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import traceback
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -20,9 +21,10 @@ from hplan.runtime.contract.holders import (
     holder_sets,
     parameter_holders,
     parameter_order,
+    step_holder_sets,
 )
 from hplan.runtime.contract.link_model import group_ring_time_s, ring_all_reduce_time_s, sync_order
-from hplan.runtime.contract.plan import microbatch_sizes
+from hplan.runtime.contract.plan import Plan, microbatch_sizes
 from hplan.runtime.executor.grad_sync import (
     GradBucket,
     GradSync,
@@ -102,8 +104,13 @@ def _wire_bytes(plan, rank: int | None = None) -> dict[str, int]:
     }
 
 
+def _synchronous(plan: Plan) -> Plan:
+    """``plan`` with every holder set summing its gradients every step (no islands)."""
+    return replace(plan, training=replace(plan.training, sync=None))
+
+
 def test_buckets_are_capped_and_follow_the_reversed_model_order_in_one_global_order() -> None:
-    plan = mixed_plan()
+    plan = _synchronous(mixed_plan())
     everything = grad_buckets(plan, _wire_bytes(plan), cap_bytes=250)
     backward = [n for n in reversed(parameter_order(plan))]
     position = {name: i for i, name in enumerate(backward)}
@@ -122,9 +129,24 @@ def test_buckets_are_capped_and_follow_the_reversed_model_order_in_one_global_or
 
 
 def test_without_a_cap_a_holder_set_is_one_bucket() -> None:
-    plan = mixed_plan()
+    plan = _synchronous(mixed_plan())
     buckets = grad_buckets(plan, _wire_bytes(plan), cap_bytes=float("inf"))
     assert sorted(b.ranks for b in buckets) == sorted(holder_sets(plan))
+    assert step_holder_sets(plan) == holder_sets(plan)
+
+
+def test_local_groups_bucket_their_island_parts_in_the_one_global_order() -> None:
+    plan = mixed_plan()  # local_sgd across box-a (ranks 0, 1) and box-b (ranks 2-4)
+    everything = grad_buckets(plan, _wire_bytes(plan), cap_bytes=250)
+    # only the tied embedding is held twice inside an island: (0, 1) and (2, 4)
+    assert [(b.ranks, b.names) for b in everything] == [
+        ((0, 1), ("tok_emb.weight",)),
+        ((2, 4), ("tok_emb.weight",)),
+    ]
+    assert step_holder_sets(plan) == ((0, 1), (2, 4))
+    for rank in range(plan.world_size):  # what a rank computes, less other islands' parts
+        own = grad_buckets(plan, _wire_bytes(plan, rank), cap_bytes=250)
+        assert [b for b in own if rank in b.ranks] == [b for b in everything if rank in b.ranks]
 
 
 # --------------------------------------------------------------------------- 2 processes

@@ -112,3 +112,16 @@ def test_a_partial_last_line_is_ignored_and_garbage_is_an_error(tmp_path: Path) 
 def test_an_empty_metrics_dir_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no rank-"):
         summarize_metrics(tmp_path)
+
+
+def test_outer_sync_time_round_trips_and_old_lines_read_as_zero(tmp_path: Path) -> None:
+    _write(tmp_path, [replace(_BASE, step=i, outer_sync_time_s=0.25 * i) for i in range(3)])
+    assert [r.outer_sync_time_s for r in read_rank_metrics(tmp_path / "rank-0.jsonl")] == [
+        0.0, 0.25, 0.5,
+    ]  # fmt: skip
+    assert summarize_metrics(tmp_path).ranks[0].outer_sync_time_s == pytest.approx(0.375)
+    old = (tmp_path / "rank-0.jsonl").read_text().splitlines()[2]
+    old = old.replace(', "outer_sync_time_s": 0.5', "")
+    assert "outer_sync" not in old
+    (tmp_path / "rank-0.jsonl").write_text(old + "\n")
+    assert read_rank_metrics(tmp_path / "rank-0.jsonl")[0].outer_sync_time_s == 0.0

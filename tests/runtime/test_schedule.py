@@ -132,7 +132,7 @@ def test_every_action_prints_in_torch_pipelinings_notation_and_parses_back(
 ) -> None:
     from torch.distributed.pipelining.schedules import _Action
 
-    from hplan.runtime.executor.notation import pipelining_action
+    from hplan.runtime.executor.pipeline import pipelining_action
 
     for actions in build_schedule(schedule, 3, 5):
         for action in actions:
@@ -144,7 +144,7 @@ def test_every_action_prints_in_torch_pipelinings_notation_and_parses_back(
 
 
 def test_a_failed_action_is_marked_in_a_rank_by_step_table() -> None:
-    from hplan.runtime.executor.notation import schedule_table
+    from hplan.runtime.executor.pipeline import schedule_table
 
     stages = build_schedule(Schedule.ONE_F_ONE_B, 2, 2)
     table = schedule_table(stages, [3, 5], failed=(1, 1))

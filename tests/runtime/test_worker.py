@@ -37,7 +37,6 @@ from tests.fixtures.plans import (
     run_ranks,
     write_model,
 )
-from tests.fixtures.sample_plans import mixed_plan
 
 TIMEOUT_S = 90.0
 
@@ -110,15 +109,6 @@ def test_a_different_graph_is_a_plan_mismatch_before_anything_runs(
     changed = replace(plan, model=replace(plan.model, graph_fingerprint="0" * 64))
     with pytest.raises(PlanMismatchError, match="graph fingerprint"):
         build_rank(changed, 1, path, RunOptions(steps=1))
-
-
-def test_local_sgd_plans_are_rejected_with_a_clear_message(
-    late_inputs: tuple[Path, object],
-) -> None:
-    path, _ = late_inputs
-    local = mixed_plan()
-    with pytest.raises(ConfigError, match="local_sgd H=8"):
-        build_rank(local, 0, path, RunOptions(steps=1))
 
 
 # --------------------------------------------------------------------------- weight twice
