@@ -848,8 +848,6 @@ def _verify_plan(plan: Plan) -> None:
 
 
 def _verify_sync(plan: Plan, sync: SyncSpec) -> None:
-    from hplan.runtime.contract.holders import holder_sets  # holders imports this module
-
     names = [i.name for i in sync.islands]
     if len(set(names)) != len(names):
         _fail(f"island names repeat: {names}")
@@ -860,7 +858,7 @@ def _verify_sync(plan: Plan, sync: SyncSpec) -> None:
     if sorted(placed) != sorted(nodes):
         _fail(f"islands must hold every node of the cluster once: {placed} vs {nodes}")
     island = {n: i.name for i in sync.islands for n in i.nodes}
-    spanning = {s for s in holder_sets(plan) if len({island[plan.ranks[r].node] for r in s}) > 1}
+    spanning = {s for s in _holder_sets(plan) if len({island[plan.ranks[r].node] for r in s}) > 1}
     seen: set[tuple[int, ...]] = set()
     for group in sync.groups:
         if group.ranks not in spanning:
@@ -912,6 +910,18 @@ def _verify_replica(
     for rank in ranks[:-1]:
         if rank.units[-1] not in cut_units:
             _fail(f"cut after unit {rank.units[-1]!r} (replica {replica}) is missing")
+
+
+def _holder_sets(plan: Plan) -> set[tuple[int, ...]]:
+    """The distinct sorted rank sets of two or more ranks that hold a parameter (what
+    ``holders.holder_sets`` orders; computed here, since ``holders`` imports this module)."""
+    units = {u.name: u for u in plan.units}
+    found: dict[str, set[int]] = {}
+    for rank in plan.ranks:
+        for unit in rank.units:
+            for name in units[unit].params:
+                found.setdefault(name, set()).add(rank.rank)
+    return {tuple(sorted(ranks)) for ranks in found.values() if len(ranks) > 1}
 
 
 def microbatch_sizes(num_samples: int, micro_batch_size: int) -> tuple[int, ...]:
