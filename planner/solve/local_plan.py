@@ -9,17 +9,18 @@ For a partition into islands (``islands.candidate_partitions``):
 2. Each island is solved alone for its share (the search, given as ``search_island``, on
    the problem restricted to its nodes and batch: ``cost.problem.restrict``). An island
    whose model does not fit is left idle.
-3. The islands' inner step times t_i(B_i) are made equal: from the last two solves of an
-   island, ``t_i(B) ~ a_i + c_i B`` (one solve: ``a_i = 0``, its throughput), and the
-   shares ``B_i = (T - a_i) / c_i`` with ``sum B_i = B`` (an island whose share would be
-   below one sample is left idle); then solved again. This repeats up to
-   :data:`LOCAL_SHARE_ROUNDS` times, or until the islands' times are within
-   :data:`SHARE_TOLERANCE` of each other.
-4. Every round's islands are combined into one layout (their replicas, in island order,
-   and ``IslandSync``); the whole batch is then shared again over every replica of every
-   island at the shapes found (``shares.share_samples``: water-filling by micro-batch, so
-   that the slowest replica of any island ends first), and
-   ``sync_choice.choose_local_steps`` picks H and the wire dtype.
+3. Every round's islands are combined into one layout (their replicas, in island order,
+   and ``IslandSync``), and the whole batch is shared again over every replica of every
+   island (:func:`reshared`: each replica at the micro-batch size that does the most by a
+   common step time, then water-filled by micro-batch, ``shares.share_samples``), so that
+   the slowest replica of any island ends first; ``sync_choice.choose_local_steps`` picks
+   H and the wire dtype.
+4. The next round solves the islands again for the shares the combined layout ended with
+   (their best shapes may differ at those shares); when those were solved already, for
+   the shares that equalise lines ``t_i(B) ~ a_i + c_i B`` fitted to each island's last
+   two solves (one solve: ``a_i = 0``, its throughput) with ``sum B_i = B`` (an island
+   whose share falls below one sample is left idle). At most :data:`LOCAL_SHARE_ROUNDS`
+   rounds, none for shares already solved.
 
 Every combined layout is returned; the caller re-costs them (``evaluate``, which includes
 the amortised outer sync) and keeps the best.
@@ -39,7 +40,7 @@ from hplan.planner.cost.evaluate import (
     standalone_samples_per_s,
 )
 from hplan.planner.cost.islands import Partition, island_names
-from hplan.planner.cost.layout import IslandSync, Layout
+from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout
 from hplan.planner.cost.problem import PlanningProblem, restrict
 from hplan.planner.cost.shares import share_samples
 from hplan.planner.solve.sync_choice import choose_local_steps
@@ -48,7 +49,6 @@ from hplan.runtime.contract.plan import SyncMode
 
 __all__ = [
     "LOCAL_SHARE_ROUNDS",
-    "SHARE_TOLERANCE",
     "IslandSearch",
     "local_layouts",
     "local_plans",
@@ -57,8 +57,6 @@ __all__ = [
 
 LOCAL_SHARE_ROUNDS = 4
 """Solves of each island per partition, at most (the first split and three refinements)."""
-SHARE_TOLERANCE = 0.02
-"""Islands whose inner steps are within 2% of each other finish together."""
 
 IslandSearch = Callable[[PlanningProblem, float], Sequence[Layout]]
 """(an island's problem, deadline on ``time.monotonic``) -> the layouts its search found
@@ -77,8 +75,8 @@ class _Solved:
 
 
 def split_batch(total: int, weights: Sequence[float]) -> list[int]:
-    """``total`` samples split in proportion to ``weights`` (largest remainder), each
-    positive weight at least one sample, each zero weight none.
+    """``total`` samples split in proportion to ``weights`` (largest remainder), every
+    positive weight at least one sample (taken from the largest shares), zero weights none.
 
     Raises:
         ValueError: fewer samples than positive weights.
@@ -90,14 +88,16 @@ def split_batch(total: int, weights: Sequence[float]) -> list[int]:
     if not active:
         return out
     weight = sum(weights[i] for i in active)
-    rest = total - len(active)
-    exact = {i: rest * weights[i] / weight for i in active}
+    exact = {i: total * weights[i] / weight for i in active}
     for i in active:
-        out[i] = 1 + math.floor(exact[i])
-    left = total - sum(out)
-    order = sorted(active, key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
-    for i in order[:left]:
+        out[i] = math.floor(exact[i])
+    order = sorted(active, key=lambda i: (-(exact[i] - out[i]), i))
+    for i in order[: total - sum(out)]:
         out[i] += 1
+    for i in active:
+        if out[i] == 0:
+            out[max(active, key=lambda j: (out[j], -j))] -= 1
+            out[i] = 1
     return out
 
 
@@ -163,17 +163,18 @@ def local_layouts(
     weights = [_island_speed(problem, island) for island in partition]
     solved: dict[tuple[int, int], _Solved | None] = {}
     points: list[list[tuple[int, float]]] = [[] for _ in partition]
+    tried: set[tuple[int, ...]] = set()
     out: list[Layout] = []
     shares = _shares(total, weights)
     for round_idx in range(LOCAL_SHARE_ROUNDS):
-        if shares is None or time.monotonic() >= deadline:
+        if shares is None or tuple(shares) in tried or time.monotonic() >= deadline:
             break
+        tried.add(tuple(shares))
         left = (LOCAL_SHARE_ROUNDS - round_idx) * sum(1 for s in shares if s > 0)
         results = _solve_round(problem, partition, shares, search_island, deadline, left, solved)
-        for i, result in enumerate(results):
-            if shares[i] > 0 and result is None:  # does not fit: the island stays idle
-                weights[i] = 0.0
         if any(shares[i] > 0 and results[i] is None for i in range(len(partition))):
+            for i, result in enumerate(results):  # does not fit: the island stays idle
+                weights[i] = 0.0 if shares[i] > 0 and result is None else weights[i]
             shares = _shares(total, weights)
             continue
         done = [r for r in results if r is not None]
@@ -183,13 +184,23 @@ def local_layouts(
             if result is not None:
                 points[i].append((result.batch, result.step_s))
         combined = _combined(problem, partition, done, mode, max_local_steps)
-        if combined is not None:
-            out.append(combined)
-        times = [r.step_s for r in done]
-        if max(times) <= (1 + SHARE_TOLERANCE) * min(times):
+        if combined is None:
             break
-        shares = _refined(total, weights, points)
+        out.append(combined)
+        shares = _island_totals(problem, combined)
+        if tuple(shares) in tried:
+            shares = _refined(total, weights, points)
     return out
+
+
+def _island_totals(problem: PlanningProblem, layout: Layout) -> list[int]:
+    """Samples each island of a local layout processes per step."""
+    assert layout.sync is not None
+    island = island_index(problem, layout.sync)
+    totals = [0] * len(layout.sync.islands)
+    for replica in layout.replicas:
+        totals[island[replica.stages[0].device_idx]] += replica.num_samples
+    return totals
 
 
 def _island_speed(problem: PlanningProblem, island: Sequence[str]) -> float:
@@ -282,43 +293,110 @@ def _combined(
     mode: SyncMode,
     max_local_steps: int,
 ) -> Layout | None:
+    """The islands' replicas as one layout, the batch shared again over all of them
+    (:func:`reshared`), H chosen; None when it is not a valid local layout."""
     sync = IslandSync(islands=partition, mode=mode)
     layout = Layout(tuple(r for result in done for r in result.layout.replicas), sync=sync)
     if layout_problems(problem, layout):
         return None
-    pipes = [p for result in done for p in _pipes(problem, result.layout)]
-    shares = share_samples(
-        [r.micro_batch_size for r in layout.replicas],
-        [base_s for base_s, _ in pipes],
-        [period_s for _, period_s in pipes],
-        problem.global_batch_size,
-    )
-    shared = Layout(
-        tuple(
-            replace(r, num_microbatches=math.ceil(n / r.micro_batch_size), num_samples=n)
-            for r, n in zip(layout.replicas, shares, strict=True)
-            if n > 0
-        ),
-        sync=sync,
-    )
-    valid = _islands_used(problem, shared) >= 2 and not layout_problems(problem, shared)
-    if valid and evaluate(problem, shared).step_time_s < evaluate(problem, layout).step_time_s:
+    extra_s = [e for result in done for e in _extra_s(problem, result.layout)]
+    shared = reshared(problem, layout, extra_s)
+    if shared is not None and _better(problem, shared, layout):
         layout = shared
     return choose_local_steps(problem, layout, max_local_steps)
 
 
-def _pipes(problem: PlanningProblem, island: Layout) -> list[tuple[float, float]]:
-    """(base, period) of each replica of one island's layout: its pipeline takes
-    ``base + (m - 1) * period`` for m micro-batches, base being its fill plus the island's
-    exposed all-reduce and optimizer step (``evaluate``; they do not change with shares)."""
+def _better(problem: PlanningProblem, candidate: Layout, current: Layout) -> bool:
+    """A valid local layout on two islands or more that is faster than ``current``."""
+    if _islands_used(problem, candidate) < 2 or layout_problems(problem, candidate):
+        return False
+    return evaluate(problem, candidate).step_time_s < evaluate(problem, current).step_time_s
+
+
+def _extra_s(problem: PlanningProblem, island: Layout) -> list[float]:
+    """Per replica of one island's layout: the island's exposed all-reduce and optimizer
+    step (``evaluate``), which the replica's share does not change."""
     ev = evaluate(problem, island)
-    extra_s = ev.allreduce_time_s + ev.optimizer_time_s
+    return [ev.allreduce_time_s + ev.optimizer_time_s] * len(island.replicas)
+
+
+_Option = tuple[int, float, float]
+"""(micro-batch size, base time, period) of a replica: m micro-batches take
+``base + (m - 1) * period``."""
+
+
+def reshared(problem: PlanningProblem, layout: Layout, extra_s: Sequence[float]) -> Layout | None:
+    """``layout`` with the global batch shared again over its replicas, each at the
+    micro-batch size that lets it do the most by a common step time.
+
+    Replica r at micro-batch size b (any candidate at which each of its stages fits its
+    device) takes ``extra_s[r] + fill + (m - 1) * period`` for m micro-batches
+    (``evaluate``). The smallest time T by which the replicas, each at its best size for
+    T, process the batch is found by bisection (capacities only grow with T); then
+    ``shares.share_samples`` water-fills the batch over them at those sizes. None when no
+    size fits some replica.
+    """
+    options = [_options(problem, r, e) for r, e in zip(layout.replicas, extra_s, strict=True)]
+    if not all(options):
+        return None
+    total = problem.global_batch_size
+
+    def best_at(time_s: float) -> list[_Option]:
+        """Per replica, the option doing the most by ``time_s``, then done soonest."""
+        return [max(opts, key=lambda o: _rank_at(o, time_s, total)) for opts in options]
+
+    lo, hi = 0.0, max(min(_pipe_s(o, total) for o in opts) for opts in options)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(_done_by(o, mid, total) for o in best_at(mid)) < total:
+            lo = mid
+        else:
+            hi = mid
+    chosen = best_at(hi)
+    shares = share_samples(
+        [o[0] for o in chosen], [o[1] for o in chosen], [o[2] for o in chosen], total
+    )
+    replicas = tuple(
+        replace(r, micro_batch_size=o[0], num_microbatches=math.ceil(n / o[0]), num_samples=n)
+        for r, o, n in zip(layout.replicas, chosen, shares, strict=True)
+        if n > 0
+    )
+    return replace(layout, replicas=replicas)
+
+
+def _options(problem: PlanningProblem, replica: ReplicaLayout, extra_s: float) -> list[_Option]:
+    """``replica``'s option at every micro-batch size at which its stages fit."""
     out = []
-    for costs in ev.stages:
+    for b in problem.micro_batch_sizes:
+        trial = replace(replica, micro_batch_size=b, num_microbatches=1, num_samples=b)
+        ev = evaluate(problem, Layout((trial,)))
+        if not ev.memory_ok:
+            continue
+        costs = ev.stages[0]
         computes = [c.compute_time_s for c in costs]
         links = [c.link_time_s for c in costs]
-        out.append((sum(computes) + sum(links) + extra_s, pipeline_period_s(computes, links)))
+        fill_s = sum(computes) + sum(links)
+        out.append((b, fill_s + extra_s, pipeline_period_s(computes, links)))
     return out
+
+
+def _done_by(option: _Option, time_s: float, total: int) -> int:
+    """Samples a replica at ``option`` finishes by ``time_s`` (at most ``total``)."""
+    b, base_s, period_s = option
+    if time_s < base_s:
+        return 0
+    steps = math.floor((time_s - base_s) / period_s + 1e-9) + 1 if period_s > 0 else total
+    return int(min(steps * b, total))
+
+
+def _rank_at(option: _Option, time_s: float, total: int) -> tuple[int, float]:
+    done = _done_by(option, time_s, total)
+    return done, -_pipe_s(option, done) if done else 0.0
+
+
+def _pipe_s(option: _Option, samples: int) -> float:
+    b, base_s, period_s = option
+    return base_s + (math.ceil(samples / b) - 1) * period_s
 
 
 def _islands_used(problem: PlanningProblem, layout: Layout) -> int:

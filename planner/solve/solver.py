@@ -155,9 +155,9 @@ class Pick:
 
 
 LOCAL_TIE_SHARE = 0.02
-"""Local plans within 2% of the fastest one's step count as tied; of those the one with the
-fewest islands in use, then the smallest H, is preferred (closer to synchronous training),
-and the simulator must find another more than 2% faster to replace it."""
+"""Local plans within 2% of the fastest one's step count as tied; of those the fastest with
+the fewest islands in use is preferred (closer to synchronous training), and the simulator
+must find another more than 2% faster to replace it."""
 
 
 def _closest_to_synchronous(
@@ -170,12 +170,11 @@ def _closest_to_synchronous(
     limit = ranked[0][2].step_time_s * (1 + LOCAL_TIE_SHARE)
     tied = [item for item in ranked if item[2].step_time_s <= limit]
 
-    def closeness(item: tuple[str, Layout, Evaluation]) -> tuple[int, int, float]:
+    def closeness(item: tuple[str, Layout, Evaluation]) -> tuple[int, float]:
         layout = item[1]
         assert layout.sync is not None
         islands = island_index(problem, layout.sync)
-        used = len({islands[d] for d in layout.device_indices})
-        return used, layout.sync.local_steps, item[2].step_time_s
+        return len({islands[d] for d in layout.device_indices}), item[2].step_time_s
 
     preferred = min(tied, key=closeness)
     return [preferred, *(item for item in ranked if item is not preferred)]
