@@ -71,7 +71,8 @@ sync_option = click.option(
     help=(
         "How replicas on islands of nodes joined by slow links sync. auto: all-reduce every "
         "step, unless that costs more than 10% of the step or leaves devices idle and local "
-        "SGD across islands is faster; all_reduce: every step (one island); local_sgd: "
+        "SGD across islands is more than 5% faster; all_reduce: every step (one island); "
+        "local_sgd: "
         "DiLoCo across islands, the outer sync every H steps (H the smallest whose sync "
         "costs <= 5% of H steps); async: as local_sgd, the outer sync hidden behind the next H "
         "steps and applied one round late."

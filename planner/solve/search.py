@@ -20,10 +20,12 @@ allows):
 
 On clusters of several nodes, each distinct node is also searched alone first, so that the
 answer is never worse than the best single-node layout. Where ``SolveOptions.sync`` allows
-local sync and the cluster has islands (``islands``), the local plans of every candidate
-partition follow (``local_plan``), each island searched the same way on its own. The answer is proven optimal under
-the planning model when every bisection step was proven by the MILP and the shape space
-was enumerated exhaustively; otherwise the report gives the gap to the best lower bound.
+local sync and the cluster has islands (``cost.islands``), the local plans of every
+candidate partition follow (``local_plan``), each island searched the same way on its own
+(they get :data:`LOCAL_SEARCH_SHARE` of the time). The answer is proven optimal under the
+planning model when every bisection step was proven by the MILP and the shape space was
+enumerated exhaustively; otherwise the report gives the gap to the best lower bound (local
+plans prove nothing: ``solver`` reports them as feasible, gap unknown).
 """
 
 from __future__ import annotations

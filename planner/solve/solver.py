@@ -229,7 +229,11 @@ def choose_sync(
     )
     if costly and faster:
         return local, (f"sync auto chose local sync: {sync_words}; {local_words}",)
-    why = "it is not faster" if costly else "synchronous sync is cheap and every device is used"
+    why = (
+        f"local sync is not {percent(AUTO_MIN_GAIN)} faster"
+        if costly
+        else "the all-reduce is cheap and every device is used"
+    )
     return synchronous, (f"sync auto kept all_reduce ({why}): {sync_words}; {local_words}",)
 
 
