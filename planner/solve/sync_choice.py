@@ -262,7 +262,7 @@ def _reason(
         )
         met = share <= LOCAL_SGD_SYNC_SHARE * (1 + _EPS)
     if wire:
-        tail += " (float32 would need H > --max-local-steps)"
+        tail += f" (in float32 it would need H > {max_local_steps})"
     if not met:
         exposed_s = amortised_outer_s(sync.mode, h, round_s, inner_s)
         tail += (
