@@ -48,6 +48,7 @@ test: lint typecheck unit
 bench: setup
 	$(PY) bench/solver.py
 	$(PY) bench/plan_quality.py
+	$(PY) bench/sync_modes.py
 	$(PY) bench/rehearsal.py
 
 clean:

@@ -72,6 +72,7 @@ from hplan.planner.solve.baselines import (
 )
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import SolveResult, solve
+from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError, ModelFileError
 from hplan.runtime.contract.plan import (
@@ -136,6 +137,10 @@ class SolveRequest:
     ``--steps`` at run time overrides it). None: see ``epochs``."""
     epochs: int | None = None
     """Passes over the model file's ``dataset()`` a run trains, instead of ``steps``."""
+    sync: str = SyncRequest.AUTO.value
+    """Which sync modes across islands the planner may choose (``solve.sync_choice``)."""
+    max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
+    """H at most under local sync (``--max-local-steps``)."""
 
     def verify(self) -> None:
         """Check every option that can be checked without the model: ranges, micro-batch
@@ -162,6 +167,7 @@ class SolveRequest:
             raise ConfigError(
                 f"--precision {self.precision!r} is not one of {', '.join(PRECISION_CHOICES)}"
             )
+        _check_sync(self.sync, self.max_local_steps)
         _check_model_path(self.model_path)
         for path, what in (
             (self.cluster_path, "cluster file"),
@@ -171,6 +177,17 @@ class SolveRequest:
         ):
             if path is not None and not path.exists():
                 raise ConfigError(f"{what} {str(path)!r} does not exist; pass an existing path")
+
+
+def _check_sync(sync: str, max_local_steps: int) -> None:
+    """``sync`` a ``SyncRequest`` value, ``max_local_steps`` >= 1 (a ConfigError otherwise)."""
+    choices = [r.value for r in SyncRequest]
+    if sync not in choices:
+        raise ConfigError(f"--sync {sync!r} is not one of {', '.join(choices)}")
+    if max_local_steps < 1:
+        raise ConfigError(
+            f"--max-local-steps {max_local_steps} must be >= 1 (inner steps per outer sync)"
+        )
 
 
 def _check_training_length(steps: int | None, epochs: int | None) -> None:
@@ -317,6 +334,7 @@ def cluster_pass(r: PassResults) -> ClusterInput:
     if request.nodes is not None or request.without:
         cluster = cluster.select(nodes=request.nodes, without=request.without)
     _check_device_mix(cluster)
+    _check_islands(cluster, SyncRequest(request.sync))
     return ClusterInput(cluster, notes, _device_precisions(request, cluster))
 
 
@@ -421,7 +439,11 @@ def solve_pass(r: PassResults) -> SolveResult:
     request, problem, runtime = _request(r), r["problem"], r["runtime_bytes"]
     if request.strategy is Strategy.HPLAN:
         options = SolveOptions(
-            time_limit_s=request.time_limit_s, backend=request.solver, max_stages=request.max_stages
+            time_limit_s=request.time_limit_s,
+            backend=request.solver,
+            max_stages=request.max_stages,
+            sync=SyncRequest(request.sync),
+            max_local_steps=request.max_local_steps,
         )
         return solve(problem, options, schedule=request.schedule, runtime=runtime)
     return _baseline(problem, request, runtime)
@@ -433,7 +455,13 @@ def report_pass(r: PassResults) -> Report:
     graph: ModelGraph = r["cost_graph"]
     source: UnitTimeSource = r["time_source"]
     notes = (*graph.notes, *r["trains_check"].notes, *r["cluster"].link_notes)
-    report = build_report(problem, result, cost_source=source.name, notes=notes)
+    report = build_report(
+        problem,
+        result,
+        cost_source=source.name,
+        notes=notes,
+        max_local_steps=request.max_local_steps,
+    )
     if not request.profile_paths:
         return report
     cluster = r["cluster"].cluster
@@ -632,6 +660,14 @@ def _unmeasured_kinds(
         if all(label == "roofline" for sizes in per_unit for label in sizes)
     }
     return tuple(sorted(kinds))
+
+
+def _check_islands(cluster: Cluster, sync: SyncRequest) -> None:
+    if sync in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC) and len(cluster.nodes) < 2:
+        raise ConfigError(
+            f"--sync {sync.value} syncs islands of nodes; cluster {cluster.source!r} has one "
+            "node: use --sync auto or all_reduce"
+        )
 
 
 def _check_device_mix(cluster: Cluster) -> None:

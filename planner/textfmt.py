@@ -12,7 +12,13 @@ import textwrap
 from collections.abc import Sequence
 
 from hplan.runtime.contract.plan import CutSpec, RankPlan, microbatch_sizes
-from hplan.runtime.contract.quantities import BYTES_PER_GB, BYTES_PER_KB, BYTES_PER_MB, MS_PER_S
+from hplan.runtime.contract.quantities import (
+    BITS_PER_BYTE,
+    BYTES_PER_GB,
+    BYTES_PER_KB,
+    BYTES_PER_MB,
+    MS_PER_S,
+)
 
 _DECIMAL_UNITS = ((BYTES_PER_GB, "GB"), (BYTES_PER_MB, "MB"), (BYTES_PER_KB, "kB"))
 _NUMBERED = re.compile(r"^(?P<prefix>.*)\.(?P<idx>\d+)$")
@@ -51,6 +57,15 @@ def format_bytes_pair(first_bytes: float, second_bytes: float) -> tuple[str, str
         if a != b or first_bytes == second_bytes:
             break
     return f"{a} {unit}", f"{b} {unit}"
+
+
+def format_link_speed(bandwidth_bytes_per_s: float) -> str:
+    """A link's speed in decimal bits, three significant digits: ``1.25e8 -> "1 Gb/s"``,
+    ``1.25e7 -> "100 Mb/s"``."""
+    gbit = bandwidth_bytes_per_s * BITS_PER_BYTE / BYTES_PER_GB
+    if gbit >= 1:
+        return f"{gbit:.3g} Gb/s"
+    return f"{gbit * 1e3:.3g} Mb/s"
 
 
 def format_seconds(time_s: float) -> str:

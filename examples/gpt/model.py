@@ -4,11 +4,13 @@ Model-file convention (see README): build_model, sample_batch, loss_fn, optional
 make_optimizer and dataset. Sizes can be changed with environment variables so the same
 file serves the demo, the tests and the benchmarks:
 
-    HPLAN_GPT_LAYERS (4), HPLAN_GPT_WIDTH (64), HPLAN_GPT_HEADS (4), HPLAN_GPT_SEQ (64)
+    HPLAN_GPT_LAYERS (4), HPLAN_GPT_WIDTH (64), HPLAN_GPT_HEADS (4), HPLAN_GPT_SEQ (64),
+    HPLAN_GPT_VOCAB (256)
 
-The vocabulary is bytes (256 tokens); dataset() trains on the text files shipped with
-hplan (the Markdown files at the top of the repository and the example model files), so no
-download is needed.
+GPT-2 124M is LAYERS=12 WIDTH=768 HEADS=12 SEQ=1024 VOCAB=50257. The vocabulary is bytes
+(256 tokens) by default; dataset() trains on the text files shipped with hplan (the
+Markdown files at the top of the repository and the example model files), so no download is
+needed (with a larger vocabulary its token ids stay below 256).
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB_SIZE = 256
+"""The default vocabulary: bytes."""
 
 
 def _size(name: str, default: int) -> int:
     """A model dimension from the environment, read at call time (not import time)."""
     return int(os.environ.get(f"HPLAN_GPT_{name}", str(default)))
+
+
+def vocab_size() -> int:
+    return _size("VOCAB", VOCAB_SIZE)
 
 
 def seq_len() -> int:
@@ -74,13 +81,15 @@ def _init_weights(module: nn.Module) -> None:
 
 
 class GPT(nn.Module):
-    def __init__(self, num_layers: int, width: int, num_heads: int, seq_len: int) -> None:
+    def __init__(
+        self, num_layers: int, width: int, num_heads: int, seq_len: int, vocab: int = VOCAB_SIZE
+    ) -> None:
         super().__init__()
-        self.tok_emb = nn.Embedding(VOCAB_SIZE, width)
+        self.tok_emb = nn.Embedding(vocab, width)
         self.pos_emb = nn.Embedding(seq_len, width)
         self.blocks = nn.ModuleList(Block(width, num_heads) for _ in range(num_layers))
         self.ln_f = nn.LayerNorm(width)
-        self.lm_head = nn.Linear(width, VOCAB_SIZE, bias=False)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied, as in GPT-2
         self.apply(_init_weights)
 
@@ -93,16 +102,16 @@ class GPT(nn.Module):
 
 
 def build_model() -> nn.Module:
-    return GPT(_size("LAYERS", 4), _size("WIDTH", 64), _size("HEADS", 4), seq_len())
+    return GPT(_size("LAYERS", 4), _size("WIDTH", 64), _size("HEADS", 4), seq_len(), vocab_size())
 
 
 def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, VOCAB_SIZE, (batch_size, seq_len() + 1))
+    tokens = torch.randint(0, vocab_size(), (batch_size, seq_len() + 1))
     return tokens[:, :-1], tokens[:, 1:]
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def make_optimizer(params):

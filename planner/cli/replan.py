@@ -19,10 +19,12 @@ from hplan.planner.cli.console import parse_sizes, stderr
 from hplan.planner.cli.progress import PhaseProgress
 from hplan.planner.cli.solve import (
     bandwidth_option,
+    max_local_steps_option,
     micro_batch_sizes_option,
     precision_option,
     print_plan,
     profile_option,
+    sync_option,
     time_limit_option,
     write_files,
 )
@@ -63,6 +65,8 @@ from hplan.runtime.contract.plan import Plan
 @time_limit_option
 @micro_batch_sizes_option
 @precision_option
+@sync_option
+@max_local_steps_option
 @profile_option
 @bandwidth_option
 @click.option(
@@ -81,6 +85,8 @@ def replan(
     time_limit_s: float,
     micro_batch_sizes: str | None,
     precision: str | None,
+    sync: str,
+    max_local_steps: int,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     model_override: Path | None,
@@ -119,6 +125,8 @@ def replan(
         bandwidth_path=bandwidth_path,
         without=left_out,
         precision=precision or _plan_precision(plan),
+        sync=sync,
+        max_local_steps=max_local_steps,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

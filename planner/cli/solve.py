@@ -16,7 +16,9 @@ import click
 from hplan.planner.cli.console import parse_sizes, stderr
 from hplan.planner.cli.progress import PhaseProgress
 from hplan.planner.hardware.catalog import PRECISION_CHOICES
+from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest
 from hplan.planner.textfmt import format_seconds
+from hplan.runtime.contract.holders import sync_summary
 from hplan.runtime.contract.plan import Schedule
 
 if TYPE_CHECKING:
@@ -60,6 +62,28 @@ precision_option = click.option(
         "fp32 on CPUs. fp32: PyTorch's defaults (matmuls in float32, convolutions in TF32); "
         "tf32: matmuls in TF32 too. Parameters and optimizer state stay in the model's dtype."
     ),
+)
+sync_option = click.option(
+    "--sync",
+    type=click.Choice([r.value for r in SyncRequest]),
+    default=SyncRequest.AUTO.value,
+    show_default=True,
+    help=(
+        "How replicas on islands of nodes joined by slow links sync. auto: all-reduce every "
+        "step, unless that costs more than 10% of the step or leaves devices idle and local "
+        "SGD across islands is more than 5% faster; all_reduce: every step (one island); "
+        "local_sgd: "
+        "DiLoCo across islands, the outer sync every H steps (H the smallest whose sync "
+        "costs <= 5% of H steps); async: as local_sgd, the outer sync hidden behind the next H "
+        "steps and applied one round late."
+    ),
+)
+max_local_steps_option = click.option(
+    "--max-local-steps",
+    type=int,
+    default=DEFAULT_MAX_LOCAL_STEPS,
+    show_default=True,
+    help="Largest H (inner steps per outer sync) under local_sgd and async.",
 )
 profile_option = click.option(
     "--profile",
@@ -144,6 +168,8 @@ profile_option = click.option(
     "(len(dataset()) // global batch size), counted by the ranks at run time.",
 )
 @precision_option
+@sync_option
+@max_local_steps_option
 @bandwidth_option
 @profile_option
 @click.option(
@@ -179,6 +205,8 @@ def solve(
     steps: int | None,
     epochs: int | None,
     precision: str | None,
+    sync: str,
+    max_local_steps: int,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     capture_path: Path | None,
@@ -210,6 +238,8 @@ def solve(
         capture_path=capture_path,
         steps=steps,
         epochs=epochs,
+        sync=sync,
+        max_local_steps=max_local_steps,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)
@@ -264,6 +294,9 @@ def print_plan(
                 {"device": idle.device, "kind": idle.kind, "reason": idle.reason}
                 for idle in report.idle_devices
             ],
+            "sync": sync_summary(outcome.plan),
+            "devices_used": outcome.plan.world_size,
+            "num_devices": len(outcome.plan.cluster.devices),
             "phase_times_s": phase_times_s,
             "total_time_s": total_s,
         }

@@ -28,6 +28,14 @@ L_d the ring of its last bucket (``link_model.exposed_all_reduce_s``).
 
 Memory of stage s of S with micro-batch size b under 1F1B: static bytes of its units +
 b * (S - s) * activation bytes per sample + send/receive buffers.
+
+A layout with islands under local sync (``Layout.sync``; ``cost.sync_cost``) sums every
+step only inside the islands (:func:`step_sync_groups`), and adds its outer sync round
+amortised over its H inner steps (:func:`outer_sync_time_s`)::
+
+    step_time = inner step (the formula above, islands' holder sets split)
+              + amortised outer sync (round / H for local SGD; for async what does not
+                fit behind H inner steps, per step)
 """
 
 from __future__ import annotations
@@ -39,14 +47,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.sync_cost import (
+    amortised_outer_s,
+    outer_round_s,
+    pseudo_gradient_bytes,
+    split_by_island,
+)
 from hplan.runtime.contract.holders import holders, shared_bytes
 from hplan.runtime.contract.link_model import (
     BUCKET_CAP_BYTES,
     bucket_rings_s,
     exposed_all_reduce_s,
     overlap_window_s,
+    ring_all_reduce_time_s,
     transfer_time_s,
 )
 
@@ -79,6 +94,14 @@ class Evaluation:
     stages: tuple[tuple[StageCost, ...], ...]
     """stages[r][s] for replica r, stage s."""
     memory_ok: bool
+    outer_sync_time_s: float = 0.0
+    """The outer sync of a layout with local sync, amortised per inner step (included in
+    ``step_time_s``; 0 without)."""
+
+    @property
+    def inner_step_time_s(self) -> float:
+        """The step without the amortised outer sync."""
+        return self.step_time_s - self.outer_sync_time_s
 
     @property
     def bottleneck(self) -> tuple[int, int]:
@@ -204,8 +227,8 @@ def allreduce_time_s(
 ) -> float:
     """Seconds of gradient all-reduce left after the slowest replica's pipeline ends.
 
-    Groups of devices holding the same parameters, merged by holder set
-    (:func:`grad_sync_groups`), each a ring per bucket over its slowest link
+    Groups of devices holding the same parameters, merged by holder set, that sum every
+    step (:func:`step_sync_groups`), each a ring per bucket over its slowest link
     (``link_model.bucketed_all_reduce_time_s``); a device runs its groups one after
     another, ``T_d`` in all. They start inside the device's last backward pass (one full
     micro-batch's backward of its stage, ``b_d``), so the device is done
@@ -224,7 +247,7 @@ def allreduce_time_s(
     total_s: dict[int, float] = defaultdict(float)
     synced_bytes: dict[int, float] = defaultdict(float)
     last_s: dict[int, float] = defaultdict(float)
-    for group, num_bytes in grad_sync_groups(problem, layout).items():
+    for group, num_bytes in step_sync_groups(problem, layout).items():
         bandwidth_bytes_per_s, latency_s = slowest_link(problem, group)
         t, last = bucket_rings_s(len(group), num_bytes, bandwidth_bytes_per_s, latency_s)
         for d in group:
@@ -269,6 +292,54 @@ def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int
     num_bytes = {("tie", i): tie.num_bytes for i, tie in enumerate(ties)}
     num_bytes.update({("unit", u): float(own_bytes[u]) for u in range(problem.num_units)})
     return shared_bytes(item_holders, num_bytes)
+
+
+def island_index(problem: PlanningProblem, sync: IslandSync) -> tuple[int, ...]:
+    """Island index of each device of ``problem`` (``sync.islands`` by node), shape (D,)."""
+    of_node = {node: i for i, island in enumerate(sync.islands) for node in island}
+    return tuple(of_node[node] for node in problem.device_nodes)
+
+
+def step_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int, ...], float]:
+    """Sorted device indices that sum gradients every step -> their bytes:
+    :func:`grad_sync_groups`, where under local sync every holder set spanning islands is
+    replaced by its members in each island (``sync_cost.split_by_island``)."""
+    groups = grad_sync_groups(problem, layout)
+    if layout.sync is None or not layout.sync.local:
+        return groups
+    inner, _ = split_by_island(groups, island_index(problem, layout.sync))
+    return inner
+
+
+def outer_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int, ...], float]:
+    """Holder sets (sorted devices) spanning islands -> the pseudo-gradient bytes one outer
+    sync sends, in the layout's wire dtype; empty without local sync."""
+    if layout.sync is None or not layout.sync.local:
+        return {}
+    _, outer = split_by_island(
+        grad_sync_groups(problem, layout), island_index(problem, layout.sync)
+    )
+    wire = layout.sync.wire_dtype
+    return {group: pseudo_gradient_bytes(num_bytes, wire) for group, num_bytes in outer.items()}
+
+
+def outer_ring_times_s(problem: PlanningProblem, layout: Layout) -> dict[tuple[int, ...], float]:
+    """Each spanning holder set -> seconds of its outer sync: a ring all-reduce of its
+    pseudo-gradient bytes over its slowest link (:func:`slowest_link`)."""
+    return {
+        group: ring_all_reduce_time_s(len(group), num_bytes, *slowest_link(problem, group))
+        for group, num_bytes in outer_sync_groups(problem, layout).items()
+    }
+
+
+def outer_sync_time_s(problem: PlanningProblem, layout: Layout, inner_step_s: float) -> float:
+    """The layout's outer sync round (``sync_cost.outer_round_s``) amortised over its H inner
+    steps of ``inner_step_s`` (``sync_cost.amortised_outer_s``); 0 without local sync."""
+    sync = layout.sync
+    if sync is None or not sync.local:
+        return 0.0
+    round_s = outer_round_s(outer_ring_times_s(problem, layout))
+    return amortised_outer_s(sync.mode, sync.local_steps, round_s, inner_step_s)
 
 
 def slowest_link(problem: PlanningProblem, group: tuple[int, ...]) -> tuple[float, float]:
@@ -318,7 +389,9 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
     )
     allreduce = allreduce_time_s(problem, layout, replica_times)
     optimizer = optimizer_time_s(problem, layout)
-    step = max(replica_times) + allreduce + optimizer
+    inner = max(replica_times) + allreduce + optimizer
+    outer = outer_sync_time_s(problem, layout, inner)
+    step = inner + outer
     memory_ok = all(
         c.memory_bytes <= problem.memory_capacity_bytes[c.device_idx]
         for costs in stages
@@ -333,6 +406,7 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
         optimizer_time_s=optimizer,
         stages=stages,
         memory_ok=memory_ok,
+        outer_sync_time_s=outer,
     )
 
 

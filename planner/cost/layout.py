@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hplan.runtime.contract.plan import PseudoGradientDtype, SyncMode
+
 
 @dataclass(frozen=True, slots=True)
 class StageLayout:
@@ -33,10 +35,36 @@ class ReplicaLayout:
 
 
 @dataclass(frozen=True, slots=True)
+class IslandSync:
+    """Islands of nodes and how the holder sets that span them sync (``SyncSpec``).
+
+    Every holder set spanning two or more islands syncs the same way: under ``local_sgd``
+    and ``async`` all of them sync their pseudo-gradients at the same steps, every
+    ``local_steps`` inner steps, so their rings share each device's links (the cost is the
+    round's, ``cost.sync_cost``).
+    """
+
+    islands: tuple[tuple[str, ...], ...]
+    """Node names of each island, in cluster order; every node of the problem once."""
+    mode: SyncMode
+    local_steps: int = 1
+    """H: inner optimizer steps per outer sync (1 for ``all_reduce``)."""
+    wire_dtype: PseudoGradientDtype = PseudoGradientDtype.FLOAT32
+    num_fragments: int = 1
+
+    @property
+    def local(self) -> bool:
+        """Whether the spanning holder sets skip the every-step all-reduce."""
+        return self.mode is not SyncMode.ALL_REDUCE
+
+
+@dataclass(frozen=True, slots=True)
 class Layout:
     """A whole layout: every replica. Devices not named in any stage stay idle."""
 
     replicas: tuple[ReplicaLayout, ...]
+    sync: IslandSync | None = None
+    """Islands and their sync; None: one island, every holder set all-reduces every step."""
 
     @property
     def device_indices(self) -> tuple[int, ...]:
@@ -68,3 +96,15 @@ class Layout:
                 )
         if len(set(self.device_indices)) != len(self.device_indices):
             raise ValueError("a device holds two stages")
+        if self.sync is not None:
+            _verify_sync(self.sync)
+
+
+def _verify_sync(sync: IslandSync) -> None:
+    nodes = [n for island in sync.islands for n in island]
+    if len(sync.islands) < 2 or not all(sync.islands) or len(set(nodes)) != len(nodes):
+        raise ValueError(f"islands {sync.islands} must be two or more disjoint node sets")
+    if sync.local_steps < 1 or (not sync.local and sync.local_steps != 1):
+        raise ValueError(f"{sync.mode} with {sync.local_steps} local steps")
+    if not 1 <= sync.num_fragments <= sync.local_steps:
+        raise ValueError(f"{sync.num_fragments} fragments for {sync.local_steps} local steps")

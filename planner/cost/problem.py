@@ -8,7 +8,8 @@ partition unit, ``k`` micro-batch-size candidate.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.typing import NDArray
@@ -137,3 +138,38 @@ class PlanningProblem:
                 raise ValueError(f"tied_params bytes {tie.num_bytes} must be finite and >= 0")
             if any(self.grad_bytes[i] < tie.num_bytes for i in units):
                 raise ValueError(f"tied_params bytes {tie.num_bytes} exceed a unit's grad_bytes")
+
+
+def restrict(
+    problem: PlanningProblem, devices: Sequence[int], global_batch_size: int | None = None
+) -> PlanningProblem:
+    """``problem`` on ``devices`` only (indices into it, in order), for a global batch of
+    ``global_batch_size`` (default: the same).
+
+    Every per-device array keeps the rows (and link matrix entries) of ``devices``; with a
+    smaller batch, the micro-batch-size candidates above it are dropped (the smallest one
+    always stays), so a layout of the result indexes the same sizes.
+    """
+    idx = np.array(devices)
+    batch = problem.global_batch_size if global_batch_size is None else global_batch_size
+    keep = [k for k, b in enumerate(problem.micro_batch_sizes) if b <= batch] or [0]
+
+    def rows(value: FloatArray | None) -> FloatArray | None:
+        return None if value is None else value[idx]
+
+    return replace(
+        problem,
+        device_names=tuple(problem.device_names[d] for d in devices),
+        device_nodes=tuple(problem.device_nodes[d] for d in devices),
+        device_kinds=tuple(problem.device_kinds[d] for d in devices),
+        global_batch_size=batch,
+        micro_batch_sizes=tuple(problem.micro_batch_sizes[k] for k in keep),
+        memory_capacity_bytes=problem.memory_capacity_bytes[idx],
+        fwd_time_s=problem.fwd_time_s[idx][:, :, keep],
+        bwd_time_s=problem.bwd_time_s[idx][:, :, keep],
+        optimizer_time_s=problem.optimizer_time_s[idx],
+        bandwidth_bytes_per_s=problem.bandwidth_bytes_per_s[np.ix_(idx, idx)],
+        latency_s=problem.latency_s[np.ix_(idx, idx)],
+        collective_latency_s=rows(problem.collective_latency_s),
+        collective_bus_bandwidth_bytes_per_s=rows(problem.collective_bus_bandwidth_bytes_per_s),
+    )

@@ -5,17 +5,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from hplan.planner.cost.layout import Layout
+from hplan.planner.cost.islands import island_names
+from hplan.planner.cost.layout import IslandSync, Layout
 from hplan.planner.frontend.cost_graph import ModelGraph
-from hplan.runtime.contract.holders import grad_sync_reports
+from hplan.runtime.contract.holders import grad_sync_reports, outer_groups
 from hplan.runtime.contract.plan import (
     ClusterSpec,
     CutSpec,
+    IslandSpec,
     ModelSpec,
+    OuterSyncSpec,
     Plan,
     Precision,
     RankPlan,
     Report,
+    SyncSpec,
     TrainingSpec,
 )
 
@@ -75,8 +79,34 @@ def build_plan(
         ranks=ranks,
         report=report,
     )
+    plan = with_islands(plan, layout.sync)
     plan.verify()
     return plan
+
+
+def with_islands(plan: Plan, sync: IslandSync | None) -> Plan:
+    """``plan`` whose ``TrainingSpec.sync`` holds the islands of ``sync`` (named by
+    ``islands.island_names``) and every holder set spanning them (``holders.outer_groups``)
+    syncing by its mode, H, fragments and wire dtype; ``plan`` itself without local sync."""
+    if sync is None or not sync.local:
+        return plan
+    islands = tuple(
+        IslandSpec(name=name, nodes=nodes)
+        for name, nodes in zip(island_names(sync.islands), sync.islands, strict=True)
+    )
+    spec = SyncSpec(islands=islands)
+    spanning = outer_groups(replace(plan, training=replace(plan.training, sync=spec)))
+    groups = tuple(
+        OuterSyncSpec(
+            ranks=ranks,
+            mode=sync.mode,
+            local_steps=sync.local_steps,
+            num_fragments=sync.num_fragments,
+            wire_dtype=sync.wire_dtype,
+        )
+        for ranks in sorted(spanning)
+    )
+    return replace(plan, training=replace(plan.training, sync=replace(spec, groups=groups)))
 
 
 def _rank_plans(

@@ -172,6 +172,9 @@ def _header(plan: Plan, width: int) -> list[Text]:
     lines = [title]
     for label, value in rows:
         lines += _labelled(label, value, width)
+    for idx, choice in enumerate(report.sync_choices):
+        lead = "" if len(report.sync_choices) == 1 else f"ranks {_ranks(choice.ranks)} · "
+        lines += _labelled("sync" if idx == 0 else "", lead + choice.reason, width)
     for idx, idle in enumerate(report.idle_devices):
         lines += _labelled(
             "idle" if idx == 0 else "", f"{idle.device} ({idle.kind}): {idle.reason}", width
@@ -182,6 +185,10 @@ def _header(plan: Plan, width: int) -> list[Text]:
         row[0].stylize(style, _LABEL_WIDTH, _LABEL_WIDTH + len(lead))
         lines += row
     return lines
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ",".join(str(r) for r in ranks)
 
 
 def training_length_text(plan: Plan) -> str:

@@ -24,7 +24,8 @@ from hplan.runtime.contract.plan import Plan, RankPlan
 def render_dot(plan: Plan) -> str:
     """The plan as graphviz DOT text, built with pydot.
 
-    One cluster per node, one graph node per rank (device kind, replica and stage, units,
+    One cluster per node (inside a dashed cluster per island, when the plan has islands),
+    one graph node per rank (device kind, replica and stage, units,
     batch share), solid pipeline edges labelled with the bytes one micro-batch sends across
     that boundary, dashed undirected edges between ranks of consecutive replicas that hold
     the same units (their gradients are synchronised), and a graph label with the summary.
@@ -34,16 +35,33 @@ def render_dot(plan: Plan) -> str:
     graph.set_node_defaults(shape="box", fontname="Helvetica")
     graph.set_edge_defaults(fontname="Helvetica", fontsize="10")
     graph.set("label", _dot_text(_dot_title(plan)))
+    islands = _dot_islands(plan)
     for node_idx, node in enumerate(plan.cluster.nodes):
         label = _dot_text(f"{node.name} ({node.host})")
         cluster = pydot.Subgraph(f"cluster_node{node_idx}", label=label)
         for rank in plan.ranks:
             if rank.node == node.name:
                 cluster.add_node(_dot_rank(rank, rank.rank == plan.report.bottleneck_rank))
-        graph.add_subgraph(cluster)
+        (islands.get(node.name) or graph).add_subgraph(cluster)
+    for island in dict.fromkeys(islands.values()):
+        graph.add_subgraph(island)
     for edge in _pipeline_edges(plan) + _data_parallel_edges(plan):
         graph.add_edge(edge)
     return graph.to_string()
+
+
+def _dot_islands(plan: Plan) -> dict[str, pydot.Subgraph]:
+    """Node name -> the dashed cluster of its island (``training.sync``); empty without
+    islands."""
+    sync = plan.training.sync
+    if sync is None:
+        return {}
+    out: dict[str, pydot.Subgraph] = {}
+    for idx, island in enumerate(sync.islands):
+        label = _dot_text(f"island {island.name}")
+        cluster = pydot.Subgraph(f"cluster_island{idx}", label=label, style="dashed")
+        out.update(dict.fromkeys(island.nodes, cluster))
+    return out
 
 
 def _dot_text(text: str) -> str:

@@ -23,8 +23,15 @@ from hplan.planner.solve.baselines import (
 from hplan.planner.solve.bound import throughput_bound_samples_per_s
 from hplan.planner.solve.idle import idle_reasons
 from hplan.planner.solve.solver import SolveResult
+from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, group_choices
 from hplan.planner.textfmt import count
-from hplan.runtime.contract.plan import BaselineReport, IdleDeviceReport, RankReport, Report
+from hplan.runtime.contract.plan import (
+    BaselineReport,
+    IdleDeviceReport,
+    RankReport,
+    Report,
+    SyncChoiceReport,
+)
 
 _BASELINES = (
     ("data parallel, equal batches (DDP)", data_parallel_equal),
@@ -105,11 +112,14 @@ def build_report(
     *,
     cost_source: str,
     notes: tuple[str, ...] = (),
+    max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS,
 ) -> Report:
     """The report of the plan made from ``result``.
 
     ``reference_time_per_sample_s``: forward + backward per sample of the whole model on the
     plan's fastest device at the plan's largest micro-batch size (rehearsal's time unit).
+    ``sync_choices``: one per holder set spanning the islands of a local layout
+    (``sync_choice.group_choices``; ``max_local_steps``: the bound its H was chosen under).
     """
     layout = result.layout
     ev = result.evaluation
@@ -138,7 +148,28 @@ def build_report(
         baselines=baseline_reports(problem),
         notes=(*notes, *_source_note(result), *result.notes),
         idle_devices=idle_device_reports(problem, result),
+        sync_choices=sync_choice_reports(problem, layout, max_local_steps),
     )
+
+
+def sync_choice_reports(
+    problem: PlanningProblem, layout: Layout, max_local_steps: int
+) -> tuple[SyncChoiceReport, ...]:
+    """The report's ``sync_choices`` of ``layout``, in its plan's ranks, sorted by ranks."""
+    ranks = rank_of_device(layout)
+    reports = (
+        SyncChoiceReport(
+            ranks=tuple(sorted(ranks[d] for d in choice.devices)),
+            mode=choice.mode,
+            local_steps=choice.local_steps,
+            all_reduce_time_s=choice.all_reduce_time_s,
+            outer_sync_time_s=choice.outer_sync_time_s,
+            exposed_time_per_step_s=choice.exposed_time_per_step_s,
+            reason=choice.reason,
+        )
+        for choice in group_choices(problem, layout, max_local_steps)
+    )
+    return tuple(sorted(reports, key=lambda r: r.ranks))
 
 
 def idle_device_reports(

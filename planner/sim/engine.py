@@ -35,6 +35,11 @@ step the way the runtime runs it (``runtime/executor/``: ``pipeline.py``, ``comm
    ``link_model.exposed_all_reduce_s`` on a timeline. Without it (None) a member is ready
    once its sends are complete and the group is one blocking ring.
 5. The optimizer step, once the rank's schedule and its all-reduces are done.
+6. Under local sync (``SimSpec.outer_syncs``): the outer sync round, amortised over its H
+   inner steps (``cost.sync_cost``: the round is every spanning set's ring one after
+   another on each member, the slowest member's total; per step local SGD adds round / H,
+   async what does not fit behind H inner steps, / H). It starts on every member when the
+   last member's step ends (the islands meet there), as one ``outer sync`` span.
 
 Every rank starts at 0; the step ends when the last rank ends. Per rank, the step splits
 into compute (forwards, backwards, optimizer), communication (all-reduce after the rank's
@@ -54,6 +59,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from hplan.planner.cost.sync_cost import amortised_outer_s, outer_round_s
 from hplan.planner.sim.ir import (
     COMPUTE_KINDS,
     EventKind,
@@ -61,6 +67,7 @@ from hplan.planner.sim.ir import (
     SimChannel,
     SimEvent,
     SimLink,
+    SimOuterSync,
     SimReplica,
     SimSpec,
     SimStage,
@@ -75,7 +82,7 @@ from hplan.runtime.contract.link_model import (
     ring_all_reduce_time_s,
     sync_order,
 )
-from hplan.runtime.contract.plan import Schedule
+from hplan.runtime.contract.plan import Schedule, SyncMode
 from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 
 __all__ = [
@@ -86,12 +93,14 @@ __all__ = [
     "SimChannel",
     "SimEvent",
     "SimLink",
+    "SimOuterSync",
     "SimReplica",
     "SimSpec",
     "SimStage",
     "SimSyncGroup",
     "SimulationResult",
     "critical_path",
+    "outer_time_per_step_s",
     "simulate",
 ]
 
@@ -172,6 +181,7 @@ class _Engine:
         self._all_reduce()
         for state in self.ranks.values():
             self._optimizer(state)
+        self._outer_sync()
 
     # ----------------------------------------------------------------- helpers
     def _push(self, time_s: float, what: int, rank: int) -> None:
@@ -407,6 +417,53 @@ class _Engine:
         )  # fmt: skip
         rank.clock_s += duration_s
         rank.compute_s += duration_s
+
+    def _outer_sync(self) -> None:
+        """The amortised outer sync rounds (module docstring, rule 6)."""
+        outer = self.spec.outer_syncs
+        if not outer:
+            return
+        inner_s = max(state.clock_s for state in self.ranks.values())
+        amortised_s = outer_time_per_step_s(outer, inner_s)
+        if amortised_s <= 0:
+            return
+        members = sorted({r for g in outer for r in g.ranks})
+        latest = max((self.ranks[r] for r in members), key=lambda m: (m.clock_s, -m.rank))
+        start_s, cause = latest.clock_s, latest.last
+        label = "outer sync (per inner step)"
+        for rank in members:
+            state = self.ranks[rank]
+            if state.clock_s < start_s:
+                self._add(
+                    SimEvent(
+                        EventKind.WAIT, rank, state.replica, state.stage, state.clock_s,
+                        start_s, "wait for the outer sync", None, None, cause,
+                    )
+                )  # fmt: skip
+            state.last = self._add(
+                SimEvent(
+                    EventKind.OUTER_SYNC, rank, state.replica, state.stage, start_s,
+                    start_s + amortised_s, label, None, None, cause,
+                )
+            )  # fmt: skip
+            state.comm_s += amortised_s
+            state.clock_s = start_s + amortised_s
+
+
+def outer_time_per_step_s(outer: tuple[SimOuterSync, ...], inner_step_s: float) -> float:
+    """Seconds the outer syncs add to an inner step of ``inner_step_s``: the sets of one
+    (mode, H) form a round (``sync_cost.outer_round_s``), amortised over H steps
+    (``sync_cost.amortised_outer_s``); rounds of different (mode, H), summed."""
+    rounds: dict[tuple[SyncMode, int], dict[tuple[int, ...], float]] = {}
+    for g in outer:
+        ring_s = ring_all_reduce_time_s(
+            len(g.ranks), g.num_bytes, g.bandwidth_bytes_per_s, g.latency_s
+        )
+        rounds.setdefault((g.mode, g.local_steps), {})[g.ranks] = ring_s
+    return sum(
+        amortised_outer_s(mode, steps, outer_round_s(rings), inner_step_s)
+        for (mode, steps), rings in rounds.items()
+    )
 
 
 # --------------------------------------------------------------------------- entry point

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES
-from hplan.runtime.contract.plan import Schedule
+from hplan.runtime.contract.plan import Schedule, SyncMode
 
 
 # --------------------------------------------------------------------------- input
@@ -81,6 +81,23 @@ class SimSyncGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class SimOuterSync:
+    """Pseudo-gradients that a holder set spanning islands averages once per round of
+    ``local_steps`` inner steps (one ring all-reduce)."""
+
+    ranks: tuple[int, ...]
+    """Sorted ranks of the holder set."""
+    num_bytes: float
+    """Bytes of one outer sync, in the wire dtype."""
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    mode: SyncMode = SyncMode.LOCAL_SGD
+    """``local_sgd`` or ``async``."""
+    local_steps: int = 1
+    """H: inner steps per outer sync."""
+
+
+@dataclass(frozen=True, slots=True)
 class SimSpec:
     """Everything the simulator needs about one training step."""
 
@@ -98,6 +115,9 @@ class SimSpec:
     (runtimes with blocking ``send``/``recv``, e.g. DeepSpeed's pipeline engine): a transfer
     costs both ends its wire time; the sender is blocked until its message has left the wire,
     and a receive takes at least the wire time from when it is posted."""
+    outer_syncs: tuple[SimOuterSync, ...] = ()
+    """Holder sets spanning islands under local sync (``sync_groups`` then hold only what
+    sums every step, inside the islands)."""
 
     def verify(self) -> None:
         """Check the spec's shapes and values.
@@ -118,6 +138,8 @@ class EventKind(StrEnum):
     TRANSFER = "transfer"
     """A point-to-point message on the wire (``rank`` is the sender, ``peer`` the receiver)."""
     ALLREDUCE = "all-reduce"
+    OUTER_SYNC = "outer sync"
+    """A round of outer syncs amortised over its H inner steps (local SGD, async)."""
     WAIT = "wait"
     """A rank blocked in a receive, or until its sends are complete."""
 
@@ -188,11 +210,18 @@ def _verify_spec(spec: SimSpec) -> None:
         raise ValueError("sync groups must have distinct rank sets (one group per holder set)")
     if spec.bucket_cap_bytes is not None and not spec.bucket_cap_bytes > 0:
         raise ValueError(f"bucket_cap_bytes must be > 0 or None, got {spec.bucket_cap_bytes}")
-    for group in spec.sync_groups:
+    groups: list[SimSyncGroup | SimOuterSync] = [*spec.sync_groups, *spec.outer_syncs]
+    for group in groups:
         if list(group.ranks) != sorted(set(group.ranks)) or not set(group.ranks) <= seen:
             raise ValueError(f"sync group {group.ranks}: ranks must be sorted, unique and known")
         if not (group.bandwidth_bytes_per_s > 0 and group.latency_s >= 0 and group.num_bytes >= 0):
             raise ValueError(f"sync group {group.ranks}: bandwidth > 0, latency and bytes >= 0")
+    for outer in spec.outer_syncs:
+        if outer.local_steps < 1 or outer.mode is SyncMode.ALL_REDUCE:
+            raise ValueError(
+                f"outer sync {outer.ranks}: needs local_sgd or async and H >= 1, got "
+                f"{outer.mode} H={outer.local_steps}"
+            )
 
 
 def _verify_replica(r_idx: int, replica: SimReplica, seen: set[int]) -> None:

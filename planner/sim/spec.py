@@ -4,10 +4,13 @@
   times are the report's per-rank predictions (``RankReport.forward_time_s`` ...); link
   bytes are the exact bytes the runtime sends for each micro-batch (``CutSpec`` tensors,
   gradients only for those that need one); the all-reduce groups are the holder sets the
-  runtime buckets by (``Report.grad_sync``; ties between stages included).
+  runtime buckets by (``Report.grad_sync``; ties between stages included). Under local
+  sync (``TrainingSpec.sync``) a holder set spanning islands sums every step only inside
+  each island (``holders.step_holders``), and syncs its pseudo-gradients in the outer sync
+  round (``SimSpec.outer_syncs``, amortised over its H inner steps).
 - :func:`spec_from_layout`: from the solver's ``(PlanningProblem, Layout)``, with the
   cost model's arrays (the same numbers as ``evaluate.py``; all-reduce groups by holder
-  set, tied parameters included, as there), or, given the :class:`RuntimeBytes` of the
+  set, tied parameters included, islands split as there), or, given the :class:`RuntimeBytes` of the
   model, with the bytes its plan's runtime will send and sum: then a layout simulates to
   exactly what :func:`spec_from_plan` gives for the plan built from it, and the solver's
   simulation of the chosen layout is the plan's ``simulated_step_time_s``.
@@ -28,12 +31,19 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
-from hplan.planner.cost.evaluate import grad_sync_groups, slowest_link
+from hplan.planner.cost.evaluate import (
+    island_index,
+    outer_sync_groups,
+    slowest_link,
+    step_sync_groups,
+)
 from hplan.planner.cost.layout import Layout, ReplicaLayout
 from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.sync_cost import pseudo_gradient_bytes, split_by_island
 from hplan.planner.sim.engine import (
     SimChannel,
     SimLink,
+    SimOuterSync,
     SimReplica,
     SimSpec,
     SimStage,
@@ -41,14 +51,21 @@ from hplan.planner.sim.engine import (
     simulate,
 )
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.holders import holders, shared_bytes
+from hplan.runtime.contract.holders import (
+    RankSet,
+    holders,
+    island_of_rank,
+    outer_groups,
+    shared_bytes,
+)
 from hplan.runtime.contract.plan import (
-    GradSyncReport,
+    OuterSyncSpec,
     Plan,
     Precision,
     RankPlan,
     RankReport,
     Schedule,
+    SyncMode,
     TensorSpec,
     microbatch_sizes,
     wire_spec,
@@ -101,19 +118,18 @@ def spec_from_plan(plan: Plan, *, scale_partial_microbatches: bool = False) -> S
     )
     notes: tuple[str, ...] = ()
     recorded = plan.report.grad_sync
-    groups = tuple(_plan_group(plan, g) for g in recorded or () if len(g.ranks) > 1)
     if recorded is None and plan.world_size > 1:
         notes = (
             "the plan's report has no gradient sizes, so the all-reduce is not simulated; "
             "re-run `hplan solve` with this hplan",
         )
-    if plan.training.sync is not None and plan.training.sync.local:
-        notes += (
-            "the plan asks for local SGD, which the runtime does not run yet; simulated with "
-            "an all-reduce every step",
-        )
+    groups, outer = _plan_groups(plan, {g.ranks: float(g.num_bytes) for g in recorded or ()})
     return SimSpec(
-        replicas=replicas, sync_groups=groups, schedule=plan.training.schedule, notes=notes
+        replicas=replicas,
+        sync_groups=groups,
+        schedule=plan.training.schedule,
+        notes=notes,
+        outer_syncs=outer,
     )
 
 
@@ -168,15 +184,51 @@ def cut_bytes(
     return forward, backward
 
 
-def _plan_group(plan: Plan, group: GradSyncReport) -> SimSyncGroup:
-    bandwidth_bytes_per_s, latency_s = plan.ring_channel(
-        [plan.ranks[r].device for r in group.ranks]
+def _plan_groups(
+    plan: Plan, recorded: Mapping[RankSet, float]
+) -> tuple[tuple[SimSyncGroup, ...], tuple[SimOuterSync, ...]]:
+    """The recorded holder sets as what sums every step and, under local sync, the outer
+    syncs of the sets spanning islands (``holders.outer_groups``)."""
+    local = {
+        ranks: spec
+        for ranks, spec in outer_groups(plan).items()
+        if spec.mode is not SyncMode.ALL_REDUCE and ranks in recorded
+    }
+    names = island_of_rank(plan)
+    index = {name: i for i, name in enumerate(sorted(set(names.values())))}
+    inner, spanning = split_by_island(
+        {r: b for r, b in recorded.items() if r in local}, {r: index[n] for r, n in names.items()}
     )
+    for ranks, num_bytes in recorded.items():
+        if ranks not in local and len(ranks) > 1:
+            inner[ranks] = inner.get(ranks, 0.0) + num_bytes
+    groups = tuple(_plan_group(plan, ranks, b) for ranks, b in sorted(inner.items()))
+    outer = tuple(
+        _plan_outer(plan, local[ranks], pseudo_gradient_bytes(b, local[ranks].wire_dtype))
+        for ranks, b in sorted(spanning.items())
+    )
+    return groups, outer
+
+
+def _plan_group(plan: Plan, ranks: RankSet, num_bytes: float) -> SimSyncGroup:
+    bandwidth_bytes_per_s, latency_s = plan.ring_channel([plan.ranks[r].device for r in ranks])
     return SimSyncGroup(
-        ranks=tuple(sorted(group.ranks)),
-        num_bytes=float(group.num_bytes),
+        ranks=tuple(sorted(ranks)),
+        num_bytes=num_bytes,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
         latency_s=latency_s,
+    )
+
+
+def _plan_outer(plan: Plan, spec: OuterSyncSpec, num_bytes: float) -> SimOuterSync:
+    group = _plan_group(plan, spec.ranks, num_bytes)
+    return SimOuterSync(
+        ranks=group.ranks,
+        num_bytes=num_bytes,
+        bandwidth_bytes_per_s=group.bandwidth_bytes_per_s,
+        latency_s=group.latency_s,
+        mode=spec.mode,
+        local_steps=spec.local_steps,
     )
 
 
@@ -230,12 +282,12 @@ def spec_from_layout(
     """
     rank_of = {d: r for r, d in enumerate(sorted(layout.device_indices))}
     replicas = tuple(_layout_replica(problem, r, rank_of, runtime) for r in layout.replicas)
-    groups = (
+    groups, outer = (
         _layout_groups(problem, layout, rank_of)
         if runtime is None
         else _runtime_groups(problem, layout, rank_of, runtime)
     )
-    return SimSpec(replicas=replicas, sync_groups=groups, schedule=schedule)
+    return SimSpec(replicas=replicas, sync_groups=groups, schedule=schedule, outer_syncs=outer)
 
 
 def _layout_replica(
@@ -300,18 +352,43 @@ def _sync_group(
 
 def _layout_groups(
     problem: PlanningProblem, layout: Layout, rank_of: Mapping[int, int]
-) -> tuple[SimSyncGroup, ...]:
+) -> tuple[tuple[SimSyncGroup, ...], tuple[SimOuterSync, ...]]:
+    """The cost model's holder sets: what sums every step, and the outer syncs."""
     groups = [
         _sync_group(problem, devices, [rank_of[d] for d in devices], num_bytes)
-        for devices, num_bytes in grad_sync_groups(problem, layout).items()
+        for devices, num_bytes in step_sync_groups(problem, layout).items()
     ]
-    return tuple(sorted(groups, key=lambda g: g.ranks))
+    outer = [
+        _outer_sync(problem, layout, devices, [rank_of[d] for d in devices], num_bytes)
+        for devices, num_bytes in outer_sync_groups(problem, layout).items()
+    ]
+    return tuple(sorted(groups, key=lambda g: g.ranks)), tuple(sorted(outer, key=lambda g: g.ranks))
+
+
+def _outer_sync(
+    problem: PlanningProblem,
+    layout: Layout,
+    devices: Sequence[int],
+    ranks: Sequence[int],
+    num_bytes: float,
+) -> SimOuterSync:
+    assert layout.sync is not None
+    group = _sync_group(problem, devices, ranks, num_bytes)
+    return SimOuterSync(
+        ranks=group.ranks,
+        num_bytes=num_bytes,
+        bandwidth_bytes_per_s=group.bandwidth_bytes_per_s,
+        latency_s=group.latency_s,
+        mode=layout.sync.mode,
+        local_steps=layout.sync.local_steps,
+    )
 
 
 def _runtime_groups(
     problem: PlanningProblem, layout: Layout, rank_of: Mapping[int, int], runtime: RuntimeBytes
-) -> tuple[SimSyncGroup, ...]:
-    """The buckets the plan's runtime will sum, as ``holders.grad_sync_reports`` records them."""
+) -> tuple[tuple[SimSyncGroup, ...], tuple[SimOuterSync, ...]]:
+    """The buckets the plan's runtime will sum, as ``holders.grad_sync_reports`` records them
+    (split by island under local sync, as ``spec_from_plan`` splits them)."""
     stages = [s for replica in layout.replicas for s in replica.stages]
     held = holders(
         (
@@ -324,11 +401,26 @@ def _runtime_groups(
         name: float(runtime.wire_bytes[name]) for name in sorted(held) if name in runtime.wire_bytes
     }
     device_of = {r: d for d, r in rank_of.items()}
+    by_set = {ranks: float(int(b)) for ranks, b in shared_bytes(held, wire).items()}
+    spanning: dict[RankSet, float] = {}
+    if layout.sync is not None and layout.sync.local:
+        islands = island_index(problem, layout.sync)
+        by_set, spanning = split_by_island(by_set, {r: islands[d] for d, r in rank_of.items()})
     groups = [
-        _sync_group(problem, [device_of[r] for r in ranks], ranks, float(int(num_bytes)))
-        for ranks, num_bytes in shared_bytes(held, wire).items()
+        _sync_group(problem, [device_of[r] for r in ranks], ranks, num_bytes)
+        for ranks, num_bytes in by_set.items()
     ]
-    return tuple(sorted(groups, key=lambda g: g.ranks))
+    outer = [
+        _outer_sync(
+            problem,
+            layout,
+            [device_of[r] for r in ranks],
+            ranks,
+            pseudo_gradient_bytes(num_bytes, layout.sync.wire_dtype),  # type: ignore[union-attr]
+        )
+        for ranks, num_bytes in spanning.items()
+    ]
+    return tuple(sorted(groups, key=lambda g: g.ranks)), tuple(sorted(outer, key=lambda g: g.ranks))
 
 
 def simulated_step_time_s(

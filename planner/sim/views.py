@@ -108,6 +108,8 @@ def _place(event: SimEvent) -> tuple[str, str]:
         return f"rank {event.rank} -> {event.peer}", "transfer"
     if event.kind is EventKind.ALLREDUCE:
         return event.label.removeprefix("all-reduce "), "all-reduce"
+    if event.kind is EventKind.OUTER_SYNC:
+        return "islands", "outer sync"
     return f"rank {event.rank}", "wait"
 
 
@@ -199,7 +201,7 @@ def _track(event: SimEvent) -> str:
         return COMPUTE
     if event.kind is EventKind.TRANSFER:
         return SEND_NEXT if event.label.startswith("F.") else SEND_PREVIOUS
-    if event.kind is EventKind.ALLREDUCE:
+    if event.kind in (EventKind.ALLREDUCE, EventKind.OUTER_SYNC):
         return ALL_REDUCE
     return WAIT
 

@@ -23,20 +23,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hplan.planner.cost.evaluate import (
     Evaluation,
     evaluate,
-    grad_sync_groups,
     slowest_link,
     stage_memory_bytes,
+    step_sync_groups,
 )
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.solve.validate import layout_problems
-from hplan.planner.textfmt import format_bytes_pair, format_seconds
-from hplan.runtime.contract.quantities import BITS_PER_BYTE, BYTES_PER_GB
+from hplan.planner.textfmt import format_bytes_pair, format_link_speed, format_seconds
 
 __all__ = ["IdleReason", "idle_reasons", "smallest_stage_bytes"]
 
@@ -107,7 +106,7 @@ def _costed_reason(
         f"{format_seconds(chosen.step_time_s)}"
     )
     if sync_s > 0 and sync_s >= longer_s:
-        link = _gbit_per_s(_sync_link_bytes_per_s(problem, with_layout, device_idx))
+        link = format_link_speed(_sync_link_bytes_per_s(problem, with_layout, device_idx))
         saving = (
             f"more than its compute saves ({format_seconds(-longer_s)})"
             if longer_s < 0
@@ -120,7 +119,7 @@ def _costed_reason(
     replica, stage = ev.bottleneck
     if with_layout.replicas[replica].stages[stage].device_idx == device_idx:
         return f"{head}: its stage would be the slowest of its pipeline"
-    link = _gbit_per_s(_pipeline_link_bytes_per_s(problem, with_layout, device_idx))
+    link = format_link_speed(_pipeline_link_bytes_per_s(problem, with_layout, device_idx))
     return (
         f"{head}: the pipeline gets {format_seconds(longer_s)} longer (transfers over the "
         f"{link} link and the bubble)"
@@ -162,7 +161,10 @@ def _extensions(
                     stages, replica.micro_batch_size, replica.num_microbatches, replica.num_samples
                 )
                 replicas = (*layout.replicas[:r], new, *layout.replicas[r + 1 :])
-                yield "with it as one more pipeline stage, the best layout", Layout(replicas)
+                yield (
+                    "with it as one more pipeline stage, the best layout",
+                    replace(layout, replicas=replicas),
+                )
 
 
 def _as_replica(
@@ -179,7 +181,7 @@ def _as_replica(
             own = ReplicaLayout(
                 (StageLayout(device_idx, 0, problem.num_units),), b, math.ceil(share / b), share
             )
-            yield "as one more replica, the best layout", Layout((*rest, own))
+            yield "as one more replica, the best layout", replace(layout, replicas=(*rest, own))
 
 
 def _reduced(problem: PlanningProblem, layout: Layout, total: int) -> tuple[ReplicaLayout, ...]:
@@ -200,15 +202,10 @@ def _reduced(problem: PlanningProblem, layout: Layout, total: int) -> tuple[Repl
     return tuple(out)
 
 
-def _gbit_per_s(bandwidth_bytes_per_s: float) -> str:
-    """``1.25e8`` -> ``"1 Gb/s"`` (decimal gigabits, three significant digits)."""
-    return f"{bandwidth_bytes_per_s * BITS_PER_BYTE / BYTES_PER_GB:.3g} Gb/s"
-
-
 def _sync_link_bytes_per_s(problem: PlanningProblem, layout: Layout, device_idx: int) -> float:
     """Slowest link (bytes/s) of the all-reduce groups ``device_idx`` would be in (its units'
-    and tied parameters' holders, ``grad_sync_groups``); inf when it would be in none."""
-    groups = [g for g in grad_sync_groups(problem, layout) if device_idx in g]
+    and tied parameters' holders that sum every step, ``step_sync_groups``); inf when it would be in none."""
+    groups = [g for g in step_sync_groups(problem, layout) if device_idx in g]
     return min((slowest_link(problem, g)[0] for g in groups), default=math.inf)
 
 

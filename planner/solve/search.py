@@ -19,26 +19,32 @@ allows):
    re-costs every candidate and the baselines and returns the fastest valid one.
 
 On clusters of several nodes, each distinct node is also searched alone first, so that the
-answer is never worse than the best single-node layout. The answer is proven optimal under
-the planning model when every bisection step was proven by the MILP and the shape space
-was enumerated exhaustively; otherwise the report gives the gap to the best lower bound.
+answer is never worse than the best single-node layout. Where ``SolveOptions.sync`` allows
+local sync and the cluster has islands (``cost.islands``), the local plans of every
+candidate partition follow (``local_plan``), each island searched the same way on its own
+(they get :data:`LOCAL_SEARCH_SHARE` of the time). The answer is proven optimal under the
+planning model when every bisection step was proven by the MILP and the shape space was
+enumerated exhaustively; otherwise the report gives the gap to the best lower bound (local
+plans prove nothing: ``solver`` reports them as feasible, gap unknown).
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.islands import Partition, candidate_partitions
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import PlanningProblem, restrict
+from hplan.planner.cost.shares import share_samples
 from hplan.planner.solve.device_classes import DeviceClass, device_classes, node_groups
+from hplan.planner.solve.local_plan import local_plans
 from hplan.planner.solve.milp import (
     CoverStatus,
     MilpBackend,
@@ -49,6 +55,7 @@ from hplan.planner.solve.milp import (
 from hplan.planner.solve.partition import PipelineShape
 from hplan.planner.solve.pipeline_shapes import enumerate_shapes
 from hplan.planner.solve.scenarios import Scenario, allreduce_estimate_s, make_scenarios
+from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest, wants_local
 from hplan.planner.solve.watchdog import run_with_deadline
 from hplan.planner.textfmt import format_bytes, format_bytes_pair
 from hplan.runtime.contract.errors import InfeasiblePlanError
@@ -57,6 +64,8 @@ TEMPLATE_BUDGET_SHARE = 0.4
 """Share of the remaining time the heuristic shape enumeration may use."""
 NODE_SEARCH_SHARE = 0.15
 """Share of the remaining time each single-node search may use."""
+LOCAL_SEARCH_SHARE = 0.5
+"""Share of the time limit kept for the local plans, when the search makes them."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,10 @@ class SolveOptions:
     micro-batch size) triples stays under this; otherwise use heuristics."""
     watchdog: bool = True
     """Run the search in a child process that is killed at the deadline (no leftovers)."""
+    sync: SyncRequest = SyncRequest.ALL_REDUCE
+    """Which sync modes across islands the planner may choose (``sync_choice``)."""
+    max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
+    """H at most, under local sync."""
 
 
 @dataclass(frozen=True)
@@ -262,54 +275,14 @@ def _copies(
     return out
 
 
-def _copy_time(copy: _Copy, samples: int) -> float:
-    m = math.ceil(samples / copy.shape.micro_batch_size)
-    return copy.base_s + (m - 1) * copy.shape.period_s if m > 0 else 0.0
-
-
 def share_batch(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
-    """Samples per copy minimising the slowest copy's time (water-filling by micro-batch).
-
-    Bulk first: bisection finds the latest time by which the copies' completed
-    micro-batches still fit in the batch; a heap then hands out the rest one micro-batch
-    at a time to the copy that would finish it first.
-    """
-    samples = _bulk_shares(copies, global_batch_size)
-    heap = [(_copy_time(c, samples[i] + c.shape.micro_batch_size), i) for i, c in enumerate(copies)]
-    heapq.heapify(heap)
-    left = global_batch_size - sum(samples)
-    while left > 0 and heap:
-        _, i = heapq.heappop(heap)
-        add = min(copies[i].shape.micro_batch_size, left)
-        samples[i] += add
-        left -= add
-        nxt = samples[i] + copies[i].shape.micro_batch_size
-        heapq.heappush(heap, (_copy_time(copies[i], nxt), i))
-    return samples
-
-
-def _bulk_shares(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
-    def done_by(time_s: float) -> list[int]:
-        out = []
-        for c in copies:
-            t = c.shape
-            if time_s < c.base_s:
-                out.append(0)
-                continue
-            steps = math.floor((time_s - c.base_s) / t.period_s) + 1 if t.period_s > 0 else math.inf
-            out.append(int(min(steps, global_batch_size)) * t.micro_batch_size)
-        return out
-
-    if not copies:
-        return []
-    lo, hi = 0.0, max(_copy_time(c, global_batch_size) for c in copies)
-    for _ in range(64):
-        mid = (lo + hi) / 2
-        if sum(done_by(mid)) <= global_batch_size:
-            lo = mid
-        else:
-            hi = mid
-    return done_by(lo) if sum(done_by(lo)) <= global_batch_size else [0] * len(copies)
+    """Samples per copy minimising the slowest copy's time (:func:`share_samples`)."""
+    return share_samples(
+        [c.shape.micro_batch_size for c in copies],
+        [c.base_s for c in copies],
+        [c.shape.period_s for c in copies],
+        global_batch_size,
+    )
 
 
 def layout_from_copies(copies: Sequence[_Copy], samples: Sequence[int]) -> Layout:
@@ -431,8 +404,9 @@ def search(
     deadline: float,
     report: Callable[[object], None],
 ) -> None:
-    """Single-node searches, then the whole cluster; ``report`` receives Candidates, then
-    the final SearchOutcome."""
+    """Single-node searches, then the whole cluster, then (when ``options.sync`` allows
+    them and they may be chosen) the local plans; ``report`` receives Candidates, then the
+    final SearchOutcome."""
     backend = select_backend(options.backend)
     outcome = SearchOutcome(backend=backend.value)
     if backend is MilpBackend.HEURISTIC:
@@ -441,21 +415,77 @@ def search(
             if options.backend == MilpBackend.HEURISTIC.value
             else "no MILP solver works here; used the greedy planner (install highspy)"
         )
-    for node in _single_nodes(problem):
-        sub, devices = subproblem(problem, node)
-        sub_deadline = time.monotonic() + NODE_SEARCH_SHARE * max(deadline - time.monotonic(), 0.0)
-        # The model may not fit one node alone; the whole cluster may still hold it.
-        with contextlib.suppress(InfeasiblePlanError):
-            search_problem(sub, options, backend, sub_deadline, _mapped(report, devices, node))
-    outcome.exhaustive, outcome.complete = search_problem(
-        problem, options, backend, deadline, report
+    partitions = candidate_partitions(problem) if options.sync is not SyncRequest.ALL_REDUCE else ()
+    main_deadline = deadline
+    if partitions:
+        main_deadline -= LOCAL_SEARCH_SHARE * max(deadline - time.monotonic(), 0.0)
+    synchronous: list[Candidate] = []
+
+    def keep(candidate: Candidate) -> None:
+        synchronous.append(candidate)
+        report(candidate)
+
+    outcome.exhaustive, outcome.complete = _search_nodes_and_whole(
+        problem, options, backend, main_deadline, keep
     )
+    if partitions and wants_local(problem, [c.layout for c in synchronous], options.sync):
+        _search_local(problem, partitions, options, backend, deadline, report)
     outcome.finished = time.monotonic() < deadline
     if not outcome.complete:
         outcome.notes.append(
             "the time limit cut the search short; the plan may improve with a longer --time-limit"
         )
     report(outcome)
+
+
+def _search_nodes_and_whole(
+    problem: PlanningProblem,
+    options: SolveOptions,
+    backend: MilpBackend,
+    deadline: float,
+    report: Callable[[Candidate], None],
+) -> tuple[bool, bool]:
+    """Each distinct node alone, then the whole problem; (exhaustive, complete) of the
+    whole problem's search."""
+    for node in _single_nodes(problem):
+        sub, devices = subproblem(problem, {node})
+        sub_deadline = time.monotonic() + NODE_SEARCH_SHARE * max(deadline - time.monotonic(), 0.0)
+        # The model may not fit one node alone; the whole cluster may still hold it.
+        with contextlib.suppress(InfeasiblePlanError):
+            search_problem(sub, options, backend, sub_deadline, _mapped(report, devices, node))
+    return search_problem(problem, options, backend, deadline, report)
+
+
+def _search_local(
+    problem: PlanningProblem,
+    partitions: Sequence[Partition],
+    options: SolveOptions,
+    backend: MilpBackend,
+    deadline: float,
+    report: Callable[[object], None],
+) -> None:
+    """Report the local plans of every partition (``local_plan.local_plans``), each island
+    searched as a whole problem is (:func:`_search_nodes_and_whole`)."""
+
+    def search_island(sub: PlanningProblem, sub_deadline: float) -> list[Layout]:
+        found: list[Layout] = []
+        with contextlib.suppress(InfeasiblePlanError):
+            _search_nodes_and_whole(
+                sub, options, backend, sub_deadline, lambda c: found.append(c.layout)
+            )
+        return found
+
+    plans = local_plans(
+        problem,
+        partitions,
+        search_island,
+        deadline,
+        mode=options.sync.mode,
+        max_local_steps=options.max_local_steps,
+    )
+    for label, layout in plans:
+        step_s = evaluate(problem, layout).step_time_s
+        report(Candidate(layout, label, step_s, 0.0, False, main=False))
 
 
 def _single_nodes(problem: PlanningProblem) -> list[str]:
@@ -466,7 +496,7 @@ def _single_nodes(problem: PlanningProblem) -> list[str]:
 
 
 def _mapped(
-    report: Callable[[object], None], devices: Sequence[int], node: str
+    report: Callable[[Candidate], None], devices: Sequence[int], node: str
 ) -> Callable[[Candidate], None]:
     def forward(candidate: Candidate) -> None:
         layout = Layout(
@@ -486,23 +516,14 @@ def _mapped(
     return forward
 
 
-def subproblem(problem: PlanningProblem, node: str) -> tuple[PlanningProblem, tuple[int, ...]]:
-    """The problem restricted to one node's devices, and their indices in ``problem``."""
-    devices = tuple(d for d, n in enumerate(problem.device_nodes) if n == node)
-    idx = np.array(devices)
-    sub = replace(
-        problem,
-        device_names=tuple(problem.device_names[d] for d in devices),
-        device_nodes=tuple(problem.device_nodes[d] for d in devices),
-        device_kinds=tuple(problem.device_kinds[d] for d in devices),
-        memory_capacity_bytes=problem.memory_capacity_bytes[idx],
-        fwd_time_s=problem.fwd_time_s[idx],
-        bwd_time_s=problem.bwd_time_s[idx],
-        optimizer_time_s=problem.optimizer_time_s[idx],
-        bandwidth_bytes_per_s=problem.bandwidth_bytes_per_s[np.ix_(idx, idx)],
-        latency_s=problem.latency_s[np.ix_(idx, idx)],
-    )
-    return sub, devices
+def subproblem(
+    problem: PlanningProblem, nodes: Collection[str], global_batch_size: int | None = None
+) -> tuple[PlanningProblem, tuple[int, ...]]:
+    """The problem restricted to the devices of ``nodes`` (``cost.problem.restrict``; for a
+    global batch of ``global_batch_size``, default the same), and their indices in
+    ``problem``."""
+    devices = tuple(d for d, n in enumerate(problem.device_nodes) if n in nodes)
+    return restrict(problem, devices, global_batch_size), devices
 
 
 def run_search(problem: PlanningProblem, options: SolveOptions) -> SearchOutcome:

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hplan.planner.cost.evaluate import Evaluation, evaluate
+from hplan.planner.cost.evaluate import Evaluation, evaluate, island_index
 from hplan.planner.cost.layout import Layout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.search import SearchOutcome, SolveOptions, diagnose_infeasible, run_search
+from hplan.planner.solve.sync_choice import (
+    AUTO_MIN_GAIN,
+    AUTO_SYNC_SHARE,
+    SyncRequest,
+    sync_cost_share,
+    usable_idle_devices,
+)
 from hplan.planner.solve.validate import layout_problems
+from hplan.planner.textfmt import format_seconds, percent
 from hplan.runtime.contract.errors import InfeasiblePlanError
-from hplan.runtime.contract.plan import Schedule, SolverStatus
+from hplan.runtime.contract.plan import PseudoGradientDtype, Schedule, SolverStatus
 
 __all__ = ["SolveOptions", "SolveResult", "second_opinion", "solve"]
 
@@ -70,6 +78,10 @@ def solve(
     plan's runtime will send and sum), each is simulated exactly as its plan will be, and
     the winner's simulated time is the plan's (``SolveResult.simulated_step_time_s``).
 
+    Local plans (islands that sync by local SGD or async, when ``options.sync`` allows
+    them) are ranked and simulated apart from the synchronous ones; which of the two bests
+    is returned follows ``options.sync`` (``sync_choice``).
+
     Raises:
         InfeasiblePlanError: nothing fits; the message names the binding constraint.
         SolverUnavailableError: a requested MILP backend does not work here.
@@ -77,39 +89,161 @@ def solve(
     options = options or SolveOptions()
     problem.verify()
     outcome = run_search(problem, options)
-    pool: list[tuple[str, Layout]] = [(c.scenario, c.layout) for c in outcome.candidates]
+    pool: list[tuple[str, Layout]] = [
+        (c.scenario, c.layout) for c in outcome.candidates if c.layout.sync is None
+    ]
     for name, baseline in (
         ("data parallel", data_parallel_equal(problem)),
         ("uniform pipeline", uniform_pipeline(problem)),
     ):
         if baseline is not None and _within_max_stages(baseline, options.max_stages):
             pool.append((f"baseline: {name}", baseline))
-    ranked = _ranked(problem, pool)
-    if not ranked:
+    local_pool = [(c.scenario, c.layout) for c in outcome.candidates if c.layout.sync is not None]
+    synchronous = _pick(problem, _ranked(problem, pool), schedule, runtime)
+    local_ranked = _closest_to_synchronous(problem, _ranked(problem, local_pool))
+    local = _pick(problem, local_ranked, schedule, runtime, margin=LOCAL_TIE_SHARE)
+    if synchronous is None and local is None:
         raise InfeasiblePlanError(diagnose_infeasible(problem))
-    top = ranked[:SIMULATED_CANDIDATES]
-    chosen, simulated = second_opinion(problem, [layout for _, layout, _ in top], schedule, runtime)
-    source, layout, ev = top[chosen]
-    status, gap = _status(outcome)
+    chosen, why = choose_sync(problem, options.sync, synchronous, local)
     notes = list(outcome.notes)
-    if chosen > 0:
-        notes.append(_preferred_note(top, simulated, chosen))
-        status, gap = _status_of_runner_up(status, gap, top[0][2].step_time_s, ev.step_time_s)
+    if chosen is synchronous:
+        status, gap = _status(outcome)
+        if synchronous.preferred_note:
+            notes.append(synchronous.preferred_note)
+            status, gap = _status_of_runner_up(
+                status, gap, synchronous.model_best_s, synchronous.evaluation.step_time_s
+            )
+    else:
+        status, gap = SolverStatus.FEASIBLE, None
+        notes.append(LOCAL_PLAN_NOTE)
+    notes += why
     if not outcome.exhaustive:
         notes.append(
             "too many candidate pipelines to enumerate: stage orders chosen by heuristics, "
             "unit splits by dynamic programming; the gap is measured within that search"
         )
     return SolveResult(
-        layout,
-        ev,
+        chosen.layout,
+        chosen.evaluation,
         status,
         gap,
         outcome.backend or "none",
-        source,
+        chosen.source,
         tuple(notes),
-        simulated_step_time_s=simulated[chosen],
+        simulated_step_time_s=chosen.simulated_s,
     )
+
+
+LOCAL_PLAN_NOTE = (
+    "each island was solved on its own for its share of the batch, the shares re-solved "
+    "until the islands finish their steps together: no optimality claim across islands"
+)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The best of a ranked pool after the simulator's second opinion."""
+
+    source: str
+    layout: Layout
+    evaluation: Evaluation
+    simulated_s: float | None
+    preferred_note: str | None
+    """Why the simulator's choice replaced the cost model's best (None: it did not)."""
+    model_best_s: float
+    """The cost model's best step time in the pool."""
+
+
+LOCAL_TIE_SHARE = 0.02
+"""Local plans within 2% of the fastest one's step count as tied; of those the fastest with
+the fewest islands in use is preferred (closer to synchronous training), and the simulator
+must find another more than 2% faster to replace it."""
+
+
+def _closest_to_synchronous(
+    problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]
+) -> list[tuple[str, Layout, Evaluation]]:
+    """``ranked`` (fastest first) with the preferred of the tied local plans first
+    (:data:`LOCAL_TIE_SHARE`)."""
+    if not ranked:
+        return ranked
+    limit = ranked[0][2].step_time_s * (1 + LOCAL_TIE_SHARE)
+    tied = [item for item in ranked if item[2].step_time_s <= limit]
+
+    def closeness(item: tuple[str, Layout, Evaluation]) -> tuple[int, float]:
+        layout = item[1]
+        assert layout.sync is not None
+        islands = island_index(problem, layout.sync)
+        return len({islands[d] for d in layout.device_indices}), item[2].step_time_s
+
+    preferred = min(tied, key=closeness)
+    return [preferred, *(item for item in ranked if item is not preferred)]
+
+
+def _pick(
+    problem: PlanningProblem,
+    ranked: list[tuple[str, Layout, Evaluation]],
+    schedule: Schedule,
+    runtime: RuntimeBytes | None,
+    margin: float = 1e-9,
+) -> Pick | None:
+    if not ranked:
+        return None
+    top = ranked[:SIMULATED_CANDIDATES]
+    layouts = [layout for _, layout, _ in top]
+    chosen, simulated = second_opinion(problem, layouts, schedule, runtime, margin=margin)
+    source, layout, ev = top[chosen]
+    note = _preferred_note(top, simulated, chosen) if chosen > 0 else None
+    return Pick(source, layout, ev, simulated[chosen], note, top[0][2].step_time_s)
+
+
+def choose_sync(
+    problem: PlanningProblem, request: SyncRequest, synchronous: Pick | None, local: Pick | None
+) -> tuple[Pick, tuple[str, ...]]:
+    """The synchronous or the local pick, as ``request`` says (``sync_choice``), and the
+    notes that say why. At least one pick is given."""
+    if local is None or synchronous is None:
+        chosen = local or synchronous
+        assert chosen is not None
+        missing = (
+            (f"--sync {request.value}: no local plan fits this cluster; the plan syncs every step",)
+            if local is None and request in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC)
+            else ()
+        )
+        return chosen, missing
+    if request is not SyncRequest.AUTO:
+        return local, ()
+    sync_ev, local_ev = synchronous.evaluation, local.evaluation
+    idle = usable_idle_devices(problem, synchronous.layout)
+    share = sync_cost_share(sync_ev)
+    costly = share > AUTO_SYNC_SHARE or bool(idle)
+    faster = local_ev.step_time_s < (1 - AUTO_MIN_GAIN) * sync_ev.step_time_s
+    used = len(set(synchronous.layout.device_indices))
+    sync_words = (
+        f"the best synchronous plan takes {format_seconds(sync_ev.step_time_s)} per step on "
+        f"{used} of {problem.num_devices} devices (all-reduce {percent(share)} of it)"
+    )
+    local_words = (
+        f"the best local plan ({local.source}, {sync_label(local.layout)}) "
+        f"{format_seconds(local_ev.step_time_s)}"
+    )
+    if costly and faster:
+        return local, (f"sync auto chose local sync: {sync_words}; {local_words}",)
+    why = (
+        f"local sync is not {percent(AUTO_MIN_GAIN)} faster"
+        if costly
+        else "the all-reduce is cheap and every device is used"
+    )
+    return synchronous, (f"sync auto kept all_reduce ({why}): {sync_words}; {local_words}",)
+
+
+def sync_label(layout: Layout) -> str:
+    """``local_sgd H=12`` (``bfloat16`` added when so) for a local layout."""
+    sync = layout.sync
+    if sync is None:
+        return "all_reduce"
+    wire = "" if sync.wire_dtype is PseudoGradientDtype.FLOAT32 else f", {sync.wire_dtype}"
+    return f"{sync.mode.value} H={sync.local_steps}{wire}"
 
 
 def _within_max_stages(layout: Layout, max_stages: int) -> bool:
@@ -136,11 +270,14 @@ def second_opinion(
     layouts: list[Layout],
     schedule: Schedule = Schedule.ONE_F_ONE_B,
     runtime: RuntimeBytes | None = None,
+    *,
+    margin: float = 1e-9,
 ) -> tuple[int, tuple[float | None, ...]]:
     """Index of the layout the simulator finds fastest, and every layout's simulated time.
 
     ``layouts`` come in the cost model's order; a layout must beat an earlier one by more
-    than a relative 1e-9 to be preferred. A layout too large to simulate (None, see
+    than a relative ``margin`` to be preferred. Local layouts are simulated with their
+    outer sync amortised (``sim.engine``, rule 6). A layout too large to simulate (None, see
     ``sim.spec.MAX_SIMULATED_MICROBATCHES``) is never preferred, and when the cost model's
     best is too large the cost model's order stands.
     """
@@ -151,7 +288,7 @@ def second_opinion(
     if best_s is None:
         return chosen, simulated
     for idx, time_s in enumerate(simulated):
-        if time_s is not None and time_s < best_s * (1 - 1e-9):
+        if time_s is not None and time_s < best_s * (1 - margin):
             chosen, best_s = idx, time_s
     return chosen, simulated
 
@@ -190,7 +327,7 @@ def _status(outcome: SearchOutcome) -> tuple[SolverStatus, float | None]:
     main = [c for c in outcome.candidates if c.main]
     if outcome.backend == "heuristic" or not main:
         return SolverStatus.HEURISTIC, None
-    best_model = min(c.model_time_s for c in outcome.candidates)
+    best_model = min(c.model_time_s for c in outcome.candidates if c.layout.sync is None)
     lower = min(c.lower_bound_s for c in main)
     gap = max(0.0, (best_model - lower) / best_model) if best_model > 0 else 0.0
     proven = outcome.finished and outcome.complete and all(c.proven for c in main)

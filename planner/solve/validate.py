@@ -6,7 +6,7 @@ solver or the evaluator on purpose.
 
 from __future__ import annotations
 
-from hplan.planner.cost.layout import Layout
+from hplan.planner.cost.layout import IslandSync, Layout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.textfmt import format_bytes_pair
 
@@ -18,7 +18,8 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     empty stage; no device is used twice; micro-batch sizes are candidates and the
     micro-batches hold the replica's samples; shares sum to the global batch; every stage's
     memory (static + activations of its in-flight micro-batches under 1F1B + boundary
-    buffers) fits its device.
+    buffers) fits its device; with islands, they hold every node of the problem once, and
+    under local sync every replica lies inside one island.
     """
     errors: list[str] = []
     seen: set[int] = set()
@@ -30,6 +31,23 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
         errors += _replica_problems(problem, r, replica, seen)
     if total != problem.global_batch_size:
         errors.append(f"batch shares sum to {total}, not {problem.global_batch_size}")
+    if layout.sync is not None:
+        errors += _island_problems(problem, layout, layout.sync)
+    return errors
+
+
+def _island_problems(problem: PlanningProblem, layout: Layout, sync: IslandSync) -> list[str]:
+    placed = sorted(n for island in sync.islands for n in island)
+    if placed != sorted(set(problem.device_nodes)):
+        return [f"islands {sync.islands} do not hold every node once"]
+    if not sync.local:
+        return []
+    island_of = {n: i for i, island in enumerate(sync.islands) for n in island}
+    errors = []
+    for r, replica in enumerate(layout.replicas):
+        where = {island_of[problem.device_nodes[s.device_idx]] for s in replica.stages}
+        if len(where) > 1:
+            errors.append(f"replica {r} spans islands under {sync.mode}")
     return errors
 
 

@@ -227,10 +227,20 @@ def _parse_dot(text: str) -> pydot.Dot:
 
 
 def test_dot_has_a_cluster_per_node_and_a_graph_node_per_rank() -> None:
-    graph = _parse_dot(render_dot(mixed_plan()))
-    clusters = graph.get_subgraphs()
+    plan = mixed_plan()
+    synchronous = replace(plan, training=replace(plan.training, sync=None))
+    clusters = _parse_dot(render_dot(synchronous)).get_subgraphs()
     assert [c.get("label") for c in clusters] == ['"box-a (10.0.0.1)"', '"box-b (10.0.0.2)"']
     assert [len(c.get_nodes()) for c in clusters] == [2, 3]
+
+
+def test_dot_puts_each_node_cluster_inside_its_island() -> None:
+    islands = _parse_dot(render_dot(mixed_plan())).get_subgraphs()
+    assert [c.get("label") for c in islands] == ['"island box-a"', '"island box-b"']
+    assert all(c.get("style") == "dashed" for c in islands)
+    nodes = [[n.get("label") for n in c.get_subgraphs()] for c in islands]
+    assert nodes == [['"box-a (10.0.0.1)"'], ['"box-b (10.0.0.2)"']]
+    assert [len(c.get_subgraphs()[0].get_nodes()) for c in islands] == [2, 3]
 
 
 def test_dot_pipeline_edges_carry_bytes_per_micro_batch() -> None:

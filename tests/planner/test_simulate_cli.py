@@ -15,12 +15,12 @@ import pytest
 from hplan.planner.cli.main import main
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
-from hplan.planner.sim.engine import simulate
+from hplan.planner.sim.engine import EventKind, outer_time_per_step_s, simulate
 from hplan.planner.sim.spec import spec_from_layout, spec_from_plan
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import second_opinion, solve
-from hplan.runtime.contract.holders import grad_sync_reports
-from hplan.runtime.contract.plan import GradSyncReport, Plan, Schedule
+from hplan.runtime.contract.holders import grad_sync_reports, island_of_rank, outer_groups
+from hplan.runtime.contract.plan import GradSyncReport, Plan, Schedule, SyncMode
 from tests.fixtures.plans import GPT_MODEL, ReplicaShape, make_plan
 from tests.fixtures.problems import Dev, make_problem
 from tests.fixtures.sample_plans import cpu_plan, mixed_plan
@@ -184,7 +184,21 @@ def test_the_second_opinion_prefers_what_the_simulator_finds_faster() -> None:
     assert second_opinion(problem, [data_parallel, pipeline], Schedule.ONE_F_ONE_B)[0] == 0
 
 
-def test_local_sgd_plans_are_simulated_with_their_synchronous_all_reduce() -> None:
-    plan = _predicted(mixed_plan())
-    assert plan.training.sync is not None and plan.training.sync.local
-    assert any("all-reduce every step" in n for n in spec_from_plan(plan).notes)
+def test_local_sgd_plans_sum_inside_islands_and_amortise_their_outer_sync() -> None:
+    base = _predicted(mixed_plan())
+    recorded = tuple(GradSyncReport(ranks=r, num_bytes=10**8) for r in sorted(outer_groups(base)))
+    plan = replace(base, report=replace(base.report, grad_sync=recorded))
+    spec = spec_from_plan(plan)
+    island = island_of_rank(plan)
+    assert spec.sync_groups and spec.notes == ()
+    assert all(len({island[r] for r in g.ranks}) == 1 for g in spec.sync_groups)
+    assert [o.ranks for o in spec.outer_syncs] == [g.ranks for g in recorded]
+    assert {(o.mode, o.local_steps) for o in spec.outer_syncs} == {(SyncMode.LOCAL_SGD, 8)}
+    inner_s = simulate(replace(spec, outer_syncs=())).step_time_s
+    local = simulate(spec)
+    assert local.step_time_s == pytest.approx(
+        inner_s + outer_time_per_step_s(spec.outer_syncs, inner_s)
+    )
+    assert any(e.kind is EventKind.OUTER_SYNC for e in local.events)
+    synchronous = replace(plan, training=replace(plan.training, sync=None))
+    assert simulate(spec_from_plan(synchronous)).step_time_s > local.step_time_s
