@@ -18,13 +18,14 @@ stage also gets the targets.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.data import default_collate
 
 from hplan.runtime.capture.model_file import ModelFile
@@ -78,6 +79,52 @@ def replica_indices(
     assert offset >= 0 and offset + count <= global_batch_size
     indices = global_batch_indices(seed, step, num_samples, global_batch_size)
     return indices[offset : offset + count]
+
+
+def batch_digest(batch: Any) -> str:
+    """A fingerprint of a raw batch (``BatchSource.global_batch``): its nesting, and every
+    tensor's dtype, shape and bytes, in order (a leaf that is not a tensor by its ``repr``
+    when it is a number, string, bool or None, else by its type's name alone).
+
+    ``rehearse --verify`` compares the ranks' step-0 batch with the one process's by it: a
+    model file whose ``dataset()`` reads files (the GPT example reads this repository's
+    Markdown files) gives other samples once one of them is edited.
+    """
+    leaves, spec = tree_flatten(batch)
+    digest = hashlib.sha256(str(spec).encode())
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            tensor = leaf.detach().cpu().contiguous()
+            digest.update(f"tensor {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif leaf is None or isinstance(leaf, int | float | str | bool):
+            digest.update(f"{type(leaf).__name__} {leaf!r}\n".encode())
+        else:
+            digest.update(f"{type(leaf).__qualname__}\n".encode())
+    return digest.hexdigest()
+
+
+def batch_tensors(batch: Any) -> list[Tensor]:
+    """The tensors of a raw batch, in pytree order, detached, on the CPU (what a rank saves
+    of it: other leaves may not load with ``torch.load(weights_only=True)``)."""
+    leaves, _ = tree_flatten(batch)
+    return [leaf.detach().cpu() for leaf in leaves if isinstance(leaf, Tensor)]
+
+
+def with_batch_tensors(batch: Any, tensors: Sequence[Tensor]) -> Any:
+    """``batch`` with its tensors replaced by ``tensors`` (as :func:`batch_tensors` gave
+    them, in order), its nesting and other leaves kept.
+
+    Raises:
+        ValueError: ``tensors`` has another count of tensors than ``batch``.
+    """
+    leaves, spec = tree_flatten(batch)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    if len(positions) != len(tensors):
+        raise ValueError(f"the batch has {len(positions)} tensors, {len(tensors)} were given")
+    for position, tensor in zip(positions, tensors, strict=True):
+        leaves[position] = tensor
+    return tree_unflatten(leaves, spec)
 
 
 def slice_samples(value: Any, start: int, stop: int) -> Any:

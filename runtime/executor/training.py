@@ -67,6 +67,7 @@ from hplan.runtime.executor.control import (
     StepFlags,
     check_same_job,
 )
+from hplan.runtime.executor.data import batch_digest, batch_tensors
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip
 from hplan.runtime.executor.machine import set_rank_threads
 from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync, check_verify
@@ -487,7 +488,7 @@ def _train_step(
     runner.unscale_gradients()
     grad_norm = runner.clip_gradients()  # before the dump: the gradients the optimizer uses
     if verify is not None:
-        _dump_verify(parts, verify, "grads", loss)
+        _dump_verify(parts, verify, "grads", loss, step)
     stepped = runner.optimizer_step()
     outer_s = 0.0
     if outer is not None:
@@ -497,7 +498,7 @@ def _train_step(
     if parts.rank_plan.rank == 0:
         _report_step(parts, step, stepped, grad_norm)
     if verify is not None:
-        _dump_verify(parts, verify, "params", loss)
+        _dump_verify(parts, verify, "params", loss, step)
     times = runner.finish_step()
     step_s = time.monotonic() - start_s
     comm = parts.comm.reset_times()
@@ -548,14 +549,29 @@ def _report_step(parts: RankParts, step: int, stepped: bool, grad_norm: float | 
         )
 
 
-def _dump_verify(parts: RankParts, directory: Path, kind: str, loss: float | None) -> None:
+def _dump_verify(
+    parts: RankParts, directory: Path, kind: str, loss: float | None, step: int
+) -> None:
     """Write ``<dir>/<kind>-rank-<r>.pt``: ``{"tensors": {name: tensor}, "loss", "samples"}``
     with this rank's gradients after the gradient sync (``grads``) or its parameters after
-    the optimizer step (``params``), by canonical name."""
+    the optimizer step (``params``), by canonical name.
+
+    With the gradients, the global batch of ``step`` as this rank's data source gives it:
+    its fingerprint (``"batch_digest"``, ``data.batch_digest``) on every rank, its tensors
+    (``"batch"``, ``data.batch_tensors``) on rank 0. The one-process reference runs on them
+    when the model file's data changed after the ranks read it (a ``dataset()`` that reads
+    files someone edited during the rehearsal), and refuses ranks that read different data
+    (``reference_check.verify_first_step``)."""
     directory.mkdir(parents=True, exist_ok=True)
+    payload: dict[str, object] = {"loss": loss, "samples": parts.rank_plan.num_samples}
     if kind == "grads":
-        tensors = {n: p.grad.detach().cpu().clone() for n, p in parts.params if p.grad is not None}
+        payload["tensors"] = {
+            n: p.grad.detach().cpu().clone() for n, p in parts.params if p.grad is not None
+        }
+        batch = parts.source.global_batch(step)
+        payload["batch_digest"] = batch_digest(batch)
+        if parts.rank_plan.rank == 0:
+            payload["batch"] = batch_tensors(batch)
     else:
-        tensors = {n: p.detach().cpu().clone() for n, p in parts.params}
-    payload = {"tensors": tensors, "loss": loss, "samples": parts.rank_plan.num_samples}
+        payload["tensors"] = {n: p.detach().cpu().clone() for n, p in parts.params}
     torch.save(payload, directory / f"{kind}-rank-{parts.rank_plan.rank}.pt")

@@ -29,6 +29,15 @@ Together they say: the ranks computed the right gradients and applied the right 
 Random operations: the verified step runs with dropout off in both runs
 (``executor/random_ops.py``); other random draws in the forward are recorded and named,
 since nothing here makes them agree.
+
+Data: the reference reads step 0's global batch again, in this process, after the ranks
+have finished. A model file's ``dataset()`` may read files (the GPT example trains on this
+repository's Markdown files), so an edit during the rehearsal gave the reference other
+samples than the ranks trained on, and a correct run failed by a third of a gradient
+(``make test`` while CHANGELOG.md was being written). So every rank dumps a fingerprint of
+its step-0 global batch and rank 0 its tensors (``executor/data.batch_digest``): ranks
+that disagree are refused (their run mixed data); when only the reference's batch differs,
+the reference runs on the ranks' batch, and a note says so.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan, Precision
-from hplan.runtime.executor.data import BatchSource
+from hplan.runtime.executor.data import BatchSource, batch_digest, with_batch_tensors
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.random_ops import DropoutOff, RandomDraws
 
@@ -178,6 +187,9 @@ class VerifyResult:
     random_draws: dict[str, int]
     """Other random operators the reference forward and backward ran, by ATen name."""
     passed: bool
+    data_changed: bool = False
+    """The model file gave this process other step-0 samples than the ranks trained on (its
+    data changed after they read it); the reference ran on the ranks' batch."""
 
     def describe(self) -> str:
         """One line: both comparisons and the verdict."""
@@ -189,6 +201,12 @@ class VerifyResult:
     def notes(self) -> list[str]:
         """What the check changed or could not control, for the user."""
         notes = []
+        if self.data_changed:
+            notes.append(
+                "verify: the model file's step-0 batch changed after the ranks read it (a file "
+                "its dataset() reads was edited during the rehearsal?); the reference ran on "
+                "the samples the ranks trained on"
+            )
         if self.dropout_off:
             calls = sum(self.dropout_off.values())
             notes.append(
@@ -212,6 +230,62 @@ class _Reference:
     loss: float
     dropout_off: dict[str, int]
     random_draws: dict[str, int]
+    data_changed: bool = False
+
+
+@dataclass(frozen=True)
+class _RanksBatch:
+    """Step 0's global batch as the ranks read it (``executor/training._dump_verify``)."""
+
+    digest: str
+    """``data.batch_digest`` of it, the same on every rank."""
+    tensors: list[torch.Tensor]
+    """Its tensors (``data.batch_tensors``), from rank 0's dump."""
+
+
+def _ranks_batch(grad_dumps: Sequence[Mapping[str, Any]]) -> _RanksBatch | None:
+    """The ranks' step-0 batch (None: dumps without one, from before they carried it).
+
+    Raises:
+        ConfigError: two ranks read different step-0 data.
+    """
+    digests = [d.get("batch_digest") for d in grad_dumps]
+    if not digests or digests[0] is None or "batch" not in grad_dumps[0]:
+        return None
+    for rank, digest in enumerate(digests):
+        if digest != digests[0]:
+            raise ConfigError(
+                f"verify: rank {rank} read other step-0 samples than rank 0, so the ranks "
+                "trained on different data (the model file's sample_batch()/dataset() gave "
+                "them different batches: was a file it reads edited while they started?); "
+                "rehearse again with the data unchanged"
+            )
+    return _RanksBatch(digests[0], list(grad_dumps[0]["batch"]))
+
+
+def _step_zero_batch(source: BatchSource, ranks_batch: _RanksBatch | None) -> tuple[Any, bool]:
+    """Step 0's global batch for the reference, and whether it is the ranks' rather than
+    what ``source`` reads now (the model file's data changed since the ranks read it).
+
+    Raises:
+        ConfigError: the ranks' batch does not fit the nesting of this one.
+    """
+    batch = source.global_batch(0)
+    if ranks_batch is None or batch_digest(batch) == ranks_batch.digest:
+        return batch, False
+    try:
+        theirs = with_batch_tensors(batch, ranks_batch.tensors)
+    except ValueError as exc:
+        theirs, reason = None, str(exc)
+    else:
+        reason = "its other leaves or its nesting differ"
+    if theirs is None or batch_digest(theirs) != ranks_batch.digest:
+        raise ConfigError(
+            "verify: the model file's step-0 batch changed after the ranks read it, and the "
+            f"ranks' batch does not fit the one read now ({reason}); rehearse again with the "
+            "data unchanged"
+        )
+    return theirs, True
 
 
 def verify_first_step(plan: Plan, model_file: ModelFile, verify_dir: Path) -> VerifyResult:
@@ -219,12 +293,14 @@ def verify_first_step(plan: Plan, model_file: ModelFile, verify_dir: Path) -> Ve
     ``verify_dir``) with one process (module docstring).
 
     Raises:
-        ConfigError: a dump names a parameter the model lacks, or no rank holds one.
+        ConfigError: a dump names a parameter the model lacks, or no rank holds one; the
+            ranks read different step-0 data, or rank 0's batch does not fit this one's.
     """
     grad_dumps = _load(verify_dir, "grads", plan.world_size)
     param_dumps = _load(verify_dir, "params", plan.world_size)
+    ranks_batch = _ranks_batch(grad_dumps)
     with torch.random.fork_rng(devices=[]):
-        reference = _reference_first_step(plan, model_file)
+        reference = _reference_first_step(plan, model_file, ranks_batch)
         _check_names(reference.initial, [d["tensors"] for d in param_dumps])
         synced = _first_copies([d["tensors"] for d in grad_dumps])
         replayed = replay_update(reference.model, model_file, synced)
@@ -249,6 +325,7 @@ def verify_first_step(plan: Plan, model_file: ModelFile, verify_dir: Path) -> Ve
         dropout_off=reference.dropout_off,
         random_draws=reference.random_draws,
         passed=gradients.passed and updates.passed,
+        data_changed=reference.data_changed,
     )
 
 
@@ -360,15 +437,20 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _reference_first_step(plan: Plan, model_file: ModelFile) -> _Reference:
-    """Step 0's gradients in one process, dropout off; the model keeps its initial
-    parameters (no optimizer step)."""
+def _reference_first_step(
+    plan: Plan, model_file: ModelFile, ranks_batch: _RanksBatch | None = None
+) -> _Reference:
+    """Step 0's gradients in one process, dropout off, on the ranks' step-0 batch when
+    given (:func:`_step_zero_batch`); the model keeps its initial parameters (no optimizer
+    step)."""
     model, source = _build(plan, model_file)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    batch = source.global_batch(0)
+    batch, changed = _step_zero_batch(source, ranks_batch)
     with DropoutOff() as off, RandomDraws() as draws:
         loss, _ = _forward_backward(model, model_file, batch, reference_precision(plan))
-    return _Reference(model, initial, _grads(model), loss, dict(off.calls), dict(draws.calls))
+    return _Reference(
+        model, initial, _grads(model), loss, dict(off.calls), dict(draws.calls), changed
+    )
 
 
 def replay_update(

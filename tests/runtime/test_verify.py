@@ -19,6 +19,7 @@ from rich.console import Console
 from torch import nn
 
 from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.random_ops import DropoutOff, RandomDraws
 from hplan.runtime.rehearsal.reference_check import (
@@ -250,3 +251,91 @@ def test_the_steps_after_the_verified_one_use_the_models_dropout(tmp_path: Path)
     assert later and all(
         loss is not None and not math.isclose(loss, first, rel_tol=1e-6) for loss in later
     )
+
+
+DATA_FROM_A_FILE = """
+    '''dataset() reads data.txt beside this file. The ranks listed in the environment's
+    EDITED_RANKS see other numbers: with EDITED_AT=loss they write them into the file at
+    their first loss (every rank has read it by then: an edit during the rehearsal), with
+    EDITED_AT=build they read them instead of the file (ranks that read different data).'''
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    DATA = Path(__file__).with_name("data.txt")
+    EDITED = " ".join(str((3 * i) % 11 - 5) for i in range(40))
+
+
+    def _edited(at):
+        ranks = os.environ.get("EDITED_RANKS", "").split(",")
+        return os.environ.get("RANK") in ranks and os.environ.get("EDITED_AT") == at
+
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 8)
+            self.b = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+
+    def build_model():
+        return Two()
+
+
+    def sample_batch(batch_size):
+        return torch.randn(batch_size, 4), torch.randn(batch_size, 1)
+
+
+    def dataset():
+        text = EDITED if _edited("build") else DATA.read_text()
+        values = [float(v) for v in text.split()]
+        return [
+            (torch.tensor(values[i : i + 4]), torch.tensor(values[i + 4 : i + 5]))
+            for i in range(0, len(values), 5)
+        ]
+
+
+    def loss_fn(out, target):
+        if _edited("loss"):
+            DATA.write_text(EDITED)
+        return F.mse_loss(out, target)
+"""
+
+
+def _data_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str) -> Plan:
+    """Two one-stage replicas (4 samples each) of DATA_FROM_A_FILE; rank 0 edits the data at
+    its first loss (``at="loss"``) or rank 1 reads other data (``at="build"``)."""
+    (tmp_path / "data.txt").write_text(" ".join(str(i % 7 - 3) for i in range(40)))
+    plan = make_plan(write_model(tmp_path, DATA_FROM_A_FILE), [ReplicaShape((-1,), 2, 4)] * 2)
+    monkeypatch.setenv("EDITED_AT", at)
+    monkeypatch.setenv("EDITED_RANKS", "0" if at == "loss" else "1")
+    return plan
+
+
+def test_verify_runs_the_reference_on_the_ranks_batch_when_the_data_changed_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `make test` failed so (gradients rel 3.5e-01, updates 0) while CHANGELOG.md, which the
+    # GPT example's dataset() reads, was being edited: the reference read the new text.
+    plan = _data_from_a_file(tmp_path, monkeypatch, "loss")
+    result, text = _rehearse(plan)
+    assert (tmp_path / "data.txt").read_text().startswith("-5 -2 1")  # rank 0 rewrote it
+    verified = result.verify
+    assert verified is not None and result.verify_passed is True, text
+    assert verified.data_changed and verified.gradients.relative_difference < 1e-5
+    assert verified.loss == pytest.approx(verified.reference_loss, rel=1e-6)
+    assert "verify: the model file's step-0 batch changed after the ranks read it" in text
+
+
+def test_verify_refuses_ranks_that_read_different_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = _data_from_a_file(tmp_path, monkeypatch, "build")
+    with pytest.raises(ConfigError, match="verify: rank 1 read other step-0 samples than rank 0"):
+        _rehearse(plan)
