@@ -63,10 +63,10 @@ FAST = 1.25e11  # 1 Tb/s
 
 # --------------------------------------------------------------------------- the rules
 def test_smallest_local_steps_meets_each_modes_rule() -> None:
-    # local SGD: the round costs at most 5% of H steps; async: it hides behind H steps
+    # the round costs at most 5% of H steps; async takes the same H and hides the round
     assert smallest_local_steps(SyncMode.LOCAL_SGD, 1.0, 0.5, 100) == 40
     assert LOCAL_SGD_SYNC_SHARE * 39 * 0.5 < 1.0 <= LOCAL_SGD_SYNC_SHARE * 40 * 0.5
-    assert smallest_local_steps(SyncMode.ASYNC, 1.0, 0.5, 100) == 2
+    assert smallest_local_steps(SyncMode.ASYNC, 1.0, 0.5, 100) == 40
     assert smallest_local_steps(SyncMode.LOCAL_SGD, 1.0, 0.5, 39) is None
     assert smallest_local_steps(SyncMode.LOCAL_SGD, 0.0, 0.5, 10) == 1
 
@@ -143,14 +143,17 @@ def test_sync_all_reduce_never_makes_a_local_plan() -> None:
     assert not any("sync auto" in n for n in result.notes)
 
 
-def test_async_hides_the_outer_sync_behind_h_steps() -> None:
+def test_async_takes_local_sgds_h_and_hides_the_outer_sync_behind_it() -> None:
     problem = _two_boxes(inter_bandwidth=SLOW)
     result = _solve(problem, SyncRequest.ASYNC)
     sync = result.layout.sync
     assert sync is not None and sync.mode is SyncMode.ASYNC
     ev = evaluate(problem, result.layout)
     round_s = outer_round_s(outer_ring_times_s(problem, result.layout))
-    assert sync.local_steps == math.ceil(round_s / ev.inner_step_time_s - 1e-9)
+    assert round_s > ev.inner_step_time_s  # the smallest hiding H would be > 1
+    assert sync.local_steps == math.ceil(
+        round_s / (LOCAL_SGD_SYNC_SHARE * ev.inner_step_time_s) - 1e-9
+    )
     assert ev.outer_sync_time_s == 0.0
 
 
