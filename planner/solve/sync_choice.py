@@ -270,8 +270,10 @@ def _reason(
         tail += f" (in float32 it would need H > {max_local_steps})"
     if not met:
         exposed_s = amortised_outer_s(sync.mode, h, round_s, inner_s)
-        tail += (
-            f"; H is capped at --max-local-steps {max_local_steps}: "
+        cost = (
             f"{format_seconds(exposed_s)} of each step is exposed"
+            if exposed_s > 0
+            else "the sync still hides behind the round"
         )
+        tail += f"; H is capped at --max-local-steps {max_local_steps} (5% wants more): {cost}"
     return f"{head}; {tail}"
