@@ -168,6 +168,11 @@ class SolveRequest:
                 f"--precision {self.precision!r} is not one of {', '.join(PRECISION_CHOICES)}"
             )
         _check_sync(self.sync, self.max_local_steps)
+        if self.strategy is not Strategy.HPLAN and self.sync not in ("auto", "all_reduce"):
+            raise ConfigError(
+                f"--strategy {self.strategy.value} is a baseline that all-reduces every step; "
+                f"--sync {self.sync} needs --strategy hplan"
+            )
         _check_model_path(self.model_path)
         for path, what in (
             (self.cluster_path, "cluster file"),

@@ -6,9 +6,10 @@ itself, or each subfolder that holds metrics). For every rank, the median over t
 after each run's first (which warms up; all steps when a run has one) of each part of a
 step: compute (forward and backward), wait (blocked in receives: bubbles and transfers),
 point-to-point (posting and completing sends), all-reduce, optimizer, other (data, Python);
-each also as its share of the rank's median step. For the job: the median step time (the
-slowest rank's, step by step) and global batch / that, against the plan report's
-predicted step time and samples/s.
+each also as its share of the rank's median step; the outer sync of local SGD / async plans
+is the mean per step (it runs once a round). For the job: the median step time (the
+slowest rank's, step by step; the mean when outer syncs ran, so that whole rounds count)
+and global batch / that, against the plan report's predicted step time and samples/s.
 
 A rehearsal's metrics are emulated seconds: they are divided by its recorded time scale
 (``emulation.json``), so that every figure is in seconds of the plan's hardware.
@@ -27,13 +28,21 @@ from rich.table import Table
 
 from hplan.planner.profiling.calibrate import Run, check_runs_of_plan, load_runs
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.metrics_file import StepMetrics, summarize_records
+from hplan.runtime.contract.metrics_file import (
+    StepMetrics,
+    has_outer_syncs,
+    summarize_records,
+    typical_step_time_s,
+)
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.quantities import MS_PER_S
 
-PARTS = ("compute", "wait", "p2p", "allreduce", "optimizer", "other")
+PARTS = ("compute", "wait", "p2p", "allreduce", "outer_sync", "optimizer", "other")
 """The parts of a step, in the order they are shown (``StepMetrics.<part>_time_s``)."""
-_HEADERS = {"p2p": "point-to-point", "allreduce": "all-reduce"}
+MEAN_PARTS = frozenset({"outer_sync"})
+"""Parts shown as their mean per step, not their median: an outer sync (local SGD, async)
+runs at one step in H, so its median is 0; the mean is its amortised cost per step."""
+_HEADERS = {"p2p": "point-to-point", "allreduce": "all-reduce", "outer_sync": "outer sync"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +164,10 @@ def _breakdown(rank: int, runs: Sequence[Run], plan: Plan | None) -> RankBreakdo
             for part in PARTS:
                 values[part].append(getattr(record, f"{part}_time_s") / run.time_scale)
     assert first is not None  # the rank came from the records
-    medians = {part: statistics.median(v) * MS_PER_S for part, v in values.items()}
+    medians = {
+        part: (statistics.fmean(v) if part in MEAN_PARTS else statistics.median(v)) * MS_PER_S
+        for part, v in values.items()
+    }
     return RankBreakdown(
         rank=rank,
         replica=first.replica,
@@ -183,8 +195,9 @@ def _job_figures(runs: Sequence[Run]) -> tuple[float, float, float | None]:
             f"no step that every rank reported in {', '.join(str(r.path) for r in runs)}; "
             "did the run end before its first step?"
         )
-    median_s = statistics.median(step_times_s)
-    return median_s, samples / median_s if median_s > 0 else 0.0, loss
+    rounds = any(has_outer_syncs(run.records) for run in runs)
+    step_s = typical_step_time_s(step_times_s, rounds=rounds)
+    return step_s, samples / step_s if step_s > 0 else 0.0, loss
 
 
 # --------------------------------------------------------------------------- views

@@ -48,7 +48,13 @@ from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import amortised_outer_s, outer_round_s, split_by_island
 from hplan.planner.solve.idle import smallest_stage_bytes
 from hplan.planner.solve.validate import layout_problems
-from hplan.planner.textfmt import format_bytes, format_link_speed, format_seconds, percent
+from hplan.planner.textfmt import (
+    count,
+    format_bytes,
+    format_link_speed,
+    format_seconds,
+    percent,
+)
 from hplan.runtime.contract.link_model import bucket_rings_s
 from hplan.runtime.contract.plan import PseudoGradientDtype, SyncMode
 
@@ -257,13 +263,14 @@ def _reason(
     if sync.mode is SyncMode.ASYNC:
         tail = (
             f"one outer sync{wire} takes {format_seconds(round_s)} and travels behind "
-            f"{h} steps ({format_seconds(span_s)})"
+            f"{count(h, 'step')} ({format_seconds(span_s)})"
         )
         met = round_s <= LOCAL_SGD_SYNC_SHARE * span_s * (1 + _EPS)
     else:
         share = round_s / span_s if span_s > 0 else 0.0
         tail = (
-            f"one outer sync{wire} takes {format_seconds(round_s)}, {percent(share)} of {h} steps"
+            f"one outer sync{wire} takes {format_seconds(round_s)}, {percent(share)} of "
+            f"{count(h, 'step')}"
         )
         met = share <= LOCAL_SGD_SYNC_SHARE * (1 + _EPS)
     if wire:

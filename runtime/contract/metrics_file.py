@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -176,6 +177,8 @@ class StepSummary:
     samples_per_s: float
     grad_norm: float | None = None
     """Global gradient L2 norm before clipping (``MAX_GRAD_NORM`` only, else None)."""
+    outer_sync_time_s: float = 0.0
+    """The longest outer-sync wait of any rank in this step (local SGD / async; else 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +210,8 @@ class MetricsSummary:
     """Steps every rank reported, in order."""
     ranks: tuple[RankSummary, ...]
     samples_per_s: float
-    """Global batch / median step time, over steps after the first (all if only one)."""
+    """Global batch / typical step time (:func:`typical_step_time_s`), over steps after the
+    first (all if only one)."""
 
 
 def summarize_metrics(metrics_dir: Path) -> MetricsSummary:
@@ -224,6 +228,22 @@ def summarize_metrics(metrics_dir: Path) -> MetricsSummary:
     return summarize_records(records)
 
 
+def has_outer_syncs(records: Sequence[StepMetrics]) -> bool:
+    """Whether some step waited for an outer sync (a local SGD or async plan's rounds)."""
+    return any(r.outer_sync_time_s > 0 for r in records)
+
+
+def typical_step_time_s(step_times_s: Sequence[float], *, rounds: bool) -> float:
+    """The median step time, robust to a stray slow step; with ``rounds`` (outer syncs ran,
+    :func:`has_outer_syncs`) the mean instead: a round's steps differ by design (one in H
+    syncs), and a median would leave the syncs out.
+
+    Raises:
+        statistics.StatisticsError: ``step_times_s`` is empty.
+    """
+    return statistics.fmean(step_times_s) if rounds else statistics.median(step_times_s)
+
+
 def summarize_records(records: list[StepMetrics]) -> MetricsSummary:
     """Summarise metrics records of any number of ranks (see :func:`summarize_metrics`)."""
     ranks = sorted({r.rank for r in records})
@@ -232,7 +252,8 @@ def summarize_records(records: list[StepMetrics]) -> MetricsSummary:
     steps = tuple(step_summary([by_rank[rank][i] for rank in ranks]) for i in range(num_common))
     timed = [s.step_time_s for s in steps[1:]] or [s.step_time_s for s in steps]
     samples = steps[0].samples if steps else 0
-    rate = samples / statistics.median(timed) if timed and statistics.median(timed) > 0 else 0.0
+    typical_s = typical_step_time_s(timed, rounds=has_outer_syncs(records)) if timed else 0.0
+    rate = samples / typical_s if typical_s > 0 else 0.0
     return MetricsSummary(
         steps=steps,
         ranks=tuple(rank_summary(by_rank[rank]) for rank in ranks),
@@ -259,6 +280,7 @@ def step_summary(records: list[StepMetrics]) -> StepSummary:
         samples=total,
         samples_per_s=total / step_time_s if step_time_s > 0 else 0.0,
         grad_norm=next((r.grad_norm for r in records if r.grad_norm is not None), None),
+        outer_sync_time_s=max(r.outer_sync_time_s for r in records),
     )
 
 

@@ -47,7 +47,6 @@ import dataclasses
 import math
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -66,6 +65,7 @@ from hplan.runtime.contract.metrics_file import (
     RankSummary,
     StepSummary,
     summarize_metrics,
+    typical_step_time_s,
 )
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.timeline_file import check_trace_path, write_measured_trace
@@ -471,10 +471,19 @@ def check_slowdown(plan: Plan, slowdown: Mapping[str, float]) -> tuple[str, ...]
     return tuple(name for name in slowdown if name not in used)
 
 
+def _typical_step(result: RehearsalResult) -> str:
+    """``median step 0.069 s``, or the mean over whole rounds when outer syncs ran (what
+    ``measured_samples_per_s`` is over, ``metrics_file.typical_step_time_s``)."""
+    timed = result.steps[1:] or result.steps  # as ``measured_samples_per_s``
+    times = [s.step_time_s for s in timed]
+    rounds = any(s.outer_sync_time_s > 0 for s in result.steps)
+    what = "mean step, outer syncs included" if rounds else "median step"
+    return f"{what} {typical_step_time_s(times, rounds=rounds):.3f} s"
+
+
 def _print_result(result: RehearsalResult, console: Console) -> None:
     console.print(
-        f"measured: {result.measured_samples_per_s:.2f} samples/s "
-        f"(median step {statistics.median(s.step_time_s for s in result.steps):.3f} s)"
+        f"measured: {result.measured_samples_per_s:.2f} samples/s ({_typical_step(result)})"
     )
     if result.predicted_samples_per_s is not None:
         ratio = result.measured_samples_per_s / result.predicted_samples_per_s

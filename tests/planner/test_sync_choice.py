@@ -246,6 +246,12 @@ def test_the_home_lab_trains_both_boxes_under_auto(tmp_path, capsys, monkeypatch
         plan.report.predicted_samples_per_s / plan.report.physical_bound_samples_per_s
     )
     assert sync_summary(plan) == summary["sync"]
+    listed = summary["sync_choices"]
+    assert [tuple(c["ranks"]) for c in listed] == [c.ranks for c in choices]
+    assert all(
+        c["mode"] == "local_sgd" and c["local_steps"] == sync.groups[0].local_steps for c in listed
+    )
+    assert [c["reason"] for c in listed] == [c.reason for c in choices]
 
 
 @pytest.mark.parametrize(
@@ -254,6 +260,10 @@ def test_the_home_lab_trains_both_boxes_under_auto(tmp_path, capsys, monkeypatch
         (["--sync", "sometimes"], ["'sometimes' is not one of", "hplan solve --help"]),
         (["--max-local-steps", "0"], ["--max-local-steps 0 must be >= 1"]),
         (["--sync", "local_sgd"], ["--sync local_sgd syncs islands of nodes", "has one node"]),
+        (
+            ["--strategy", "ddp", "--sync", "async"],
+            ["--strategy ddp is a baseline that all-reduces every step", "--strategy hplan"],
+        ),
     ],
 )
 def test_the_sync_options_are_checked_in_one_line(options, needles, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -13,6 +13,7 @@ from hplan.runtime.contract.metrics_file import (
     StepMetrics,
     read_rank_metrics,
     summarize_metrics,
+    summarize_records,
 )
 
 _BASE = StepMetrics(
@@ -125,3 +126,18 @@ def test_outer_sync_time_round_trips_and_old_lines_read_as_zero(tmp_path: Path) 
     assert "outer_sync" not in old
     (tmp_path / "rank-0.jsonl").write_text(old + "\n")
     assert read_rank_metrics(tmp_path / "rank-0.jsonl")[0].outer_sync_time_s == 0.0
+
+
+def test_rounds_with_outer_syncs_are_timed_by_their_mean_step() -> None:
+    # local SGD, H = 4: three fast steps and one that waits for the outer sync, twice over
+    times = [1.0, 0.1, 0.1, 0.1, 0.5, 0.1, 0.1, 0.1, 0.5]
+    records = [
+        replace(_BASE, step=i, step_time_s=t, loss=1.0, outer_sync_time_s=0.4 if t == 0.5 else 0.0)
+        for i, t in enumerate(times)
+    ]
+    summary = summarize_records(records)
+    timed = times[1:]
+    assert summary.samples_per_s == pytest.approx(6 / (sum(timed) / len(timed)))
+    assert [s.outer_sync_time_s for s in summary.steps] == [0.4 if t == 0.5 else 0.0 for t in times]
+    synchronous = summarize_records([replace(r, outer_sync_time_s=0.0) for r in records])
+    assert synchronous.samples_per_s == pytest.approx(6 / 0.1)  # the median: no rounds
