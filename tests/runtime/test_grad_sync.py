@@ -31,7 +31,7 @@ from hplan.runtime.executor.grad_sync import (
     check_stage_parameters,
     loss_weight,
 )
-from tests.fixtures.plans import ReplicaShape, make_plan, write_model
+from tests.fixtures.plans import TIED_LM, ReplicaShape, make_plan, write_model
 from tests.fixtures.processes import join_gloo, run_ranks
 from tests.fixtures.sample_plans import mixed_plan
 
@@ -260,7 +260,8 @@ def test_buckets_launch_during_the_last_backward_and_sum_exactly_as_after_it(
 # --------------------------------------------------------------------------- 3 processes
 TINY_CAP_BYTES = 200
 """Small enough that the stages below split into several buckets per holder set."""
-TIED_MODEL = """
+TIED_MODEL = (
+    """
     '''A small language model: its head is tied to its embedding, and every block has a
     damping factor that the forward pass reads without autograd (it never gets a
     gradient).'''
@@ -270,40 +271,9 @@ TIED_MODEL = """
 
     VOCAB, WIDTH, SEQ = 32, 8, 6
 
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(WIDTH, WIDTH)
-            self.damping = nn.Parameter(torch.ones(WIDTH))
-
-        def forward(self, x):
-            return x + torch.tanh(self.fc(x)) * self.damping.detach()
-
-
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok_emb = nn.Embedding(VOCAB, WIDTH)
-            self.blocks = nn.ModuleList(Block() for _ in range(3))
-            self.ln_f = nn.LayerNorm(WIDTH)
-            self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
-            self.lm_head.weight = self.tok_emb.weight
-
-        def forward(self, idx):
-            x = self.tok_emb(idx)
-            for block in self.blocks:
-                x = block(x)
-            return self.lm_head(self.ln_f(x))
-
-
-    def build_model():
-        return Tied()
-
-
-    def sample_batch(batch_size):
-        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
-        return tokens[:, :-1], tokens[:, 1:]
+"""
+    + TIED_LM
+    + """
 
 
     def loss_fn(logits, targets):
@@ -313,6 +283,7 @@ TIED_MODEL = """
     def make_optimizer(params):
         return torch.optim.SGD(params, lr=0.1)
 """
+)
 
 
 def _overlapped_step(rank: int, port: int, out_dir: str, plan_json: str) -> None:

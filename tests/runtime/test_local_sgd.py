@@ -32,6 +32,7 @@ from hplan.runtime.executor.training import check_options
 from hplan.runtime.executor.worker import RunOptions
 from hplan.runtime.rehearsal.reference_check import relative_difference
 from tests.fixtures.plans import (
+    TIED_LM,
     RankJob,
     RankOutcome,
     ReplicaShape,
@@ -46,7 +47,8 @@ from tests.fixtures.sample_plans import mixed_plan
 
 TIMEOUT_S = 120.0
 
-MODEL = """
+MODEL = (
+    """
     '''A small language model whose head is tied to its embedding; each block has a damping
     factor that gets no gradient.'''
     import os
@@ -59,40 +61,9 @@ MODEL = """
     VOCAB, WIDTH, SEQ = 16, 8, 4
     _CALLS = [0]
 
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(WIDTH, WIDTH)
-            self.damping = nn.Parameter(torch.ones(WIDTH))
-
-        def forward(self, x):
-            return x + torch.tanh(self.fc(x)) * self.damping.detach()
-
-
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok_emb = nn.Embedding(VOCAB, WIDTH)
-            self.blocks = nn.ModuleList(Block() for _ in range(3))
-            self.ln_f = nn.LayerNorm(WIDTH)
-            self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
-            self.lm_head.weight = self.tok_emb.weight
-
-        def forward(self, idx):
-            x = self.tok_emb(idx)
-            for block in self.blocks:
-                x = block(x)
-            return self.lm_head(self.ln_f(x))
-
-
-    def build_model():
-        return Tied()
-
-
-    def sample_batch(batch_size):
-        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
-        return tokens[:, :-1], tokens[:, 1:]
+"""
+    + TIED_LM
+    + """
 
 
     def loss_fn(logits, targets):
@@ -108,6 +79,7 @@ MODEL = """
     def make_optimizer(params):
         return {inner}
 """
+)
 SGD_MOMENTUM = "torch.optim.SGD(params, lr=0.2, momentum=0.5)"
 PLAIN_SGD = "torch.optim.SGD(params, lr=0.2)"
 
