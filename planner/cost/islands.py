@@ -11,13 +11,23 @@ coarsest cut that still has two islands). Nodes are never split.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
+import networkx as nx
 import numpy as np
 
 from hplan.planner.cost.problem import PlanningProblem
 
-__all__ = ["Partition", "candidate_partitions", "island_names", "node_link_bytes_per_s"]
+__all__ = [
+    "Partition",
+    "candidate_partitions",
+    "components",
+    "island_names",
+    "node_link_bytes_per_s",
+]
+
+_N = TypeVar("_N", bound=Hashable)
 
 Partition = tuple[tuple[str, ...], ...]
 """Islands, each its node names in problem order; islands ordered by their first node."""
@@ -44,7 +54,7 @@ def candidate_partitions(problem: PlanningProblem) -> tuple[Partition, ...]:
     levels = sorted(set(link.values()), reverse=True)
     found: list[Partition] = []
     for level in levels:
-        partition = _components(nodes, _faster_than(link, level))
+        partition = tuple(components(nodes, _faster_than(link, level)))
         if len(partition) > 1 and partition not in found:
             found.append(partition)
     return tuple(found)
@@ -54,20 +64,17 @@ def _faster_than(link: dict[tuple[str, str], float], level: float) -> Callable[[
     return lambda a, b: link[(a, b)] > level
 
 
-def _components(nodes: Sequence[str], joined: Callable[[str, str], bool]) -> Partition:
-    left = list(nodes)
-    out: list[tuple[str, ...]] = []
-    while left:
-        frontier = [left.pop(0)]
-        members = set(frontier)
-        while frontier:
-            a = frontier.pop()
-            for b in [x for x in left if joined(a, x)]:
-                left.remove(b)
-                members.add(b)
-                frontier.append(b)
-        out.append(tuple(n for n in nodes if n in members))
-    return tuple(out)
+def components(nodes: Sequence[_N], joined: Callable[[_N, _N], bool]) -> list[tuple[_N, ...]]:
+    """The connected components of ``nodes`` under ``joined`` (networkx), each in the order
+    of ``nodes``, ordered by their first member."""
+    graph: nx.Graph[_N] = nx.Graph()
+    graph.add_nodes_from(nodes)
+    graph.add_edges_from(
+        (a, b) for i, a in enumerate(nodes) for b in nodes[i + 1 :] if joined(a, b)
+    )
+    position = {node: i for i, node in enumerate(nodes)}
+    groups = [sorted(c, key=position.__getitem__) for c in nx.connected_components(graph)]
+    return [tuple(g) for g in sorted(groups, key=lambda g: position[g[0]])]
 
 
 def island_names(partition: Partition) -> tuple[str, ...]:

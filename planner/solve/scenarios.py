@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hplan.planner.cost.evaluate import measured_ring
+from hplan.planner.cost.islands import components
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.solve.device_classes import DeviceClass, class_link
 from hplan.planner.solve.partition import PipelineShape
@@ -84,7 +85,7 @@ def make_scenarios(problem: PlanningProblem, classes: Sequence[DeviceClass]) -> 
     levels = sorted({bw for bw, _ in links.values() if math.isfinite(bw)}, reverse=True)
     seen: set[frozenset[int]] = set()
     for level in levels:
-        for component in _components(everyone, _at_least(links, level)):
+        for component in map(frozenset, components(sorted(everyone), _at_least(links, level))):
             if component in seen:
                 continue
             seen.add(component)
@@ -123,22 +124,6 @@ def _at_least(
     links: dict[tuple[int, int], tuple[float, float]], level: float
 ) -> Callable[[int, int], bool]:
     return lambda a, b: links[(a, b)][0] >= level
-
-
-def _components(nodes: frozenset[int], joined: Callable[[int, int], bool]) -> list[frozenset[int]]:
-    left = sorted(nodes)
-    out = []
-    while left:
-        frontier = [left.pop(0)]
-        comp = set(frontier)
-        while frontier:
-            a = frontier.pop()
-            for b in [x for x in left if joined(a, x)]:
-                left.remove(b)
-                comp.add(b)
-                frontier.append(b)
-        out.append(frozenset(comp))
-    return out
 
 
 def allreduce_estimate_s(

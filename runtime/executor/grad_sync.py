@@ -440,7 +440,7 @@ def build_grad_clip(
     island = where[rank]
     counted = [p for n, p in trainable if min(r for r in holders[n] if where[r] == island) == rank]
     timeout_s = plan.training.process_group_timeout_s
-    groups = {name: _new_group(ranks, timeout_s) for name, ranks in island_ranks(plan).items()}
+    groups = {name: new_group(ranks, timeout_s) for name, ranks in island_ranks(plan).items()}
     ranks = island_ranks(plan)[island]
     over = f"island {island}'s ranks {list(ranks)}"
     return GradClip(max_norm, counted, [p for _, p in trainable], device, groups[island], over)
@@ -485,7 +485,7 @@ def build_buckets(
     """
     check_stage_parameters(plan, rank, [name for name, _ in named_params])
     groups = {
-        ranks: _new_group(ranks, plan.training.process_group_timeout_s)
+        ranks: new_group(ranks, plan.training.process_group_timeout_s)
         for ranks in step_holder_sets(plan)
     }
     trainable = {n: p for n, p in named_params if p.requires_grad}
@@ -503,11 +503,16 @@ def build_buckets(
     return buckets
 
 
-def _new_group(ranks: RankSet, timeout_s: float) -> dist.ProcessGroup | None:
+def new_group(ranks: RankSet, timeout_s: float, what: str = "gradient") -> dist.ProcessGroup | None:
+    """``dist.new_group`` of ``ranks`` with the plan's timeout (collective over the world).
+
+    Raises:
+        PeerFailureError: naming the ``what`` group and its ranks, when creating it fails.
+    """
     try:
         return dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise PeerFailureError(
-            f"creating the gradient group of ranks {list(ranks)} failed: {error_reason(exc)}; "
+            f"creating the {what} group of ranks {list(ranks)} failed: {error_reason(exc)}; "
             "check the logs of those ranks (one probably failed first)"
         ) from None

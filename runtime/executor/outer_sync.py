@@ -77,7 +77,6 @@ import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -86,7 +85,6 @@ from torch import Tensor, nn
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.contract.errors import ConfigError, PeerFailureError, error_reason
 from hplan.runtime.contract.holders import (
-    RankSet,
     first_sync_step,
     island_of_rank,
     island_samples,
@@ -99,6 +97,7 @@ from hplan.runtime.contract.holders import (
 )
 from hplan.runtime.contract.link_model import sync_order
 from hplan.runtime.contract.plan import DTYPE_BYTES, OuterSyncSpec, Plan, SyncMode
+from hplan.runtime.executor.grad_sync import new_group
 from hplan.runtime.executor.seams import LinkDelay
 
 State = dict[str, dict[str, Tensor]]
@@ -425,7 +424,7 @@ def build_outer_sync(
         key=lambda g: sync_order(g.ranks),
     )
     timeout_s = plan.training.process_group_timeout_s
-    groups = {g.ranks: _new_group(g.ranks, timeout_s) for g in local}
+    groups = {g.ranks: new_group(g.ranks, timeout_s, "outer-sync") for g in local}
     trainable = {n: p for n, p in named_params if p.requires_grad}
     fragments = [
         frag
@@ -482,16 +481,6 @@ def _outer_optimizer(global_: list[Tensor], model_file: ModelFile) -> torch.opti
         for g in global_:
             optimizer.state[g]["momentum_buffer"] = torch.zeros_like(g)
     return optimizer
-
-
-def _new_group(ranks: RankSet, timeout_s: float) -> dist.ProcessGroup | None:
-    try:
-        return dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise PeerFailureError(
-            f"creating the outer-sync group of ranks {list(ranks)} failed: "
-            f"{error_reason(exc)}; check the logs of those ranks (one probably failed first)"
-        ) from None
 
 
 def check_verify(plan: Plan) -> None:
