@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -295,18 +296,7 @@ def print_plan(
                 for idle in report.idle_devices
             ],
             "sync": sync_summary(outcome.plan),
-            "sync_choices": [
-                {
-                    "ranks": list(choice.ranks),
-                    "mode": choice.mode.value,
-                    "local_steps": choice.local_steps,
-                    "all_reduce_time_s": choice.all_reduce_time_s,
-                    "outer_sync_time_s": choice.outer_sync_time_s,
-                    "exposed_time_per_step_s": choice.exposed_time_per_step_s,
-                    "reason": choice.reason,
-                }
-                for choice in report.sync_choices
-            ],
+            "sync_choices": [asdict(choice) for choice in report.sync_choices],
             "devices_used": outcome.plan.world_size,
             "num_devices": len(outcome.plan.cluster.devices),
             "phase_times_s": phase_times_s,
