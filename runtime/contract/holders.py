@@ -24,6 +24,7 @@ from hplan.runtime.contract.plan import GradSyncReport, OuterSyncSpec, Plan, Syn
 
 __all__ = [
     "BucketSpec",
+    "OptimizerShards",
     "RankSet",
     "buffer_holders",
     "first_sync_step",
@@ -34,6 +35,7 @@ __all__ = [
     "island_of_rank",
     "island_ranks",
     "island_samples",
+    "optimizer_shards",
     "outer_fragments",
     "outer_groups",
     "parameter_holders",
@@ -157,6 +159,60 @@ def _split(
     if current:
         buckets.append(BucketSpec(ranks, tuple(current), size))
     return buckets
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerShards:
+    """How one holder set splits the optimizer state of its parameters (ZeRO stage 1).
+
+    The set's trainable parameters, in ``names`` order, are laid end to end as one flat
+    vector of ``num_elements``; rank ``r`` keeps the state of elements
+    ``bounds[r][0]:bounds[r][1]``, consecutive slices in rank order that cover the vector
+    once (a rank of weight 0 gets an empty slice).
+    """
+
+    ranks: RankSet
+    names: tuple[str, ...]
+    """Canonical names in the model's order (:func:`parameter_order`)."""
+    num_elements: int
+    bounds: dict[int, tuple[int, int]]
+
+
+def optimizer_shards(plan: Plan, numels: Mapping[str, int]) -> dict[RankSet, OptimizerShards]:
+    """The optimizer-state shards of every holder set of two or more ranks under ZeRO
+    stage 1, by set (the same on every rank: derived from the plan and the sizes alone).
+
+    Shard sizes follow the members' ``RankPlan.optimizer_shard_weight``: rank i of the set
+    ends its slice at ``round(N * (w_0 + ... + w_i) / (w_0 + ... + w_k))`` elements, so the
+    slices add up to the whole vector whatever the weights (``Plan.verify`` requires a
+    positive sum).
+
+    Args:
+        numels: canonical name -> elements of each trainable parameter; parameters absent
+            from it (frozen) are not sharded.
+    """
+    order = [n for n in parameter_order(plan) if n in numels]
+    held = parameter_holders(plan)
+    names_of: dict[RankSet, list[str]] = {}
+    for name in order:
+        ranks = held.get(name, ())
+        if len(ranks) > 1:
+            names_of.setdefault(ranks, []).append(name)
+    out: dict[RankSet, OptimizerShards] = {}
+    for ranks in sorted(names_of, key=sync_order):
+        names = tuple(names_of[ranks])
+        total = sum(int(numels[n]) for n in names)
+        weights = [plan.ranks[r].optimizer_shard_weight for r in ranks]
+        whole = sum(weights)
+        bounds: dict[int, tuple[int, int]] = {}
+        start, running = 0, 0.0
+        for r, w in zip(ranks, weights, strict=True):
+            running += w
+            stop = total if r == ranks[-1] else min(total, round(total * running / whole))
+            bounds[r] = (start, max(start, stop))
+            start = bounds[r][1]
+        out[ranks] = OptimizerShards(ranks, names, total, bounds)
+    return out
 
 
 def buffer_holders(plan: Plan) -> dict[str, RankSet]:

@@ -24,7 +24,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import field
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -75,10 +75,32 @@ class TraceMethod(StrEnum):
 
 
 class MemoryStrategy(StrEnum):
-    """What a rank does with activations between forward and backward."""
+    """What a rank does with activations between forward and backward.
+
+    - ``keep_activations``: every in-flight micro-batch keeps what autograd saves.
+    - ``recompute``: the stage's forward keeps only its inputs; the backward of each
+      micro-batch first runs the forward again (one extra forward per micro-batch), so at
+      most one micro-batch's activations are alive at a time (Chen et al., "Training Deep
+      Nets with Sublinear Memory Cost", 2016; Megatron-LM's full recomputation).
+    """
 
     KEEP = "keep_activations"
     RECOMPUTE = "recompute"
+
+
+class ZeroStage(IntEnum):
+    """How the optimizer state of parameters held by several ranks is kept.
+
+    - ``0``: every rank keeps the optimizer state of every parameter it holds.
+    - ``1``: each holder set's optimizer state is split among its ranks
+      (Rajbhandari et al., "ZeRO", SC 2020, stage 1 "P_os"), in shards whose sizes follow
+      each rank's ``optimizer_shard_weight`` (``holders.optimizer_shards``; shards may be
+      uneven, and a rank of weight 0 keeps none). After the gradients are summed each rank
+      steps its shard, and the updated shards are all-gathered.
+    """
+
+    NONE = 0
+    OPTIMIZER_STATE = 1
 
 
 class Precision(StrEnum):
@@ -241,6 +263,42 @@ class CutSpec:
 
 
 @record
+class ParameterSpec:
+    """One trainable parameter of the model, for sizing memory without torch."""
+
+    name: str
+    """Canonical name (``named_parameters()``)."""
+    num_elements: ByteCount
+    element_bytes: Count
+
+
+@record
+class UnitMemorySpec:
+    """What one partition unit adds to a stage's memory besides its parameters."""
+
+    unit: str
+    activation_bytes_per_sample: NonNegative
+    """Bytes autograd saves for the backward per sample (at the precision the plan was
+    costed in)."""
+    frozen_bytes: ByteCount
+    """Buffers and parameters without ``requires_grad`` (no gradient, no optimizer state)."""
+
+
+@record
+class MemoryModelSpec:
+    """The sizes the memory check reads (``contract.memory``): the plan's own prediction,
+    re-checked wherever a plan is loaded, under its schedule and memory strategies."""
+
+    optimizer_state_bytes_per_param_byte: NonNegative
+    """Optimizer state per trainable parameter byte: 2.0 for Adam/AdamW, 0 for SGD."""
+    parameters: tuple[ParameterSpec, ...]
+    """Every trainable parameter, in ``holders.parameter_order``; a unit's parameters not
+    listed are frozen (counted in its ``frozen_bytes``)."""
+    units: tuple[UnitMemorySpec, ...]
+    """One per unit, in unit order."""
+
+
+@record
 class ModelSpec:
     """Which model the plan is for, and how to rebuild its graph."""
 
@@ -393,6 +451,10 @@ class RankPlan:
     """Samples this replica processes per optimizer step (its batch share)."""
     memory_strategy: MemoryStrategy = MemoryStrategy.KEEP
     precision: Precision = Precision.FP32
+    optimizer_shard_weight: NonNegative = 1.0
+    """Under ``training.zero_stage`` 1: this rank's relative share of the optimizer state of
+    every holder set it belongs to (shards proportional to the members' weights; see
+    ``holders.optimizer_shards``). Ignored under stage 0."""
 
 
 @record
@@ -404,6 +466,8 @@ class TrainingSpec:
     sync: SyncSpec | None = None
     """Islands and cross-island sync modes; None: one island, every holder set all-reduces
     its gradients every step."""
+    zero_stage: ZeroStage = ZeroStage.NONE
+    """Sharding of the optimizer state among the ranks holding the same parameters."""
     seed: int = 0
     process_group_timeout_s: Positive = 300.0
     master_host: str = "127.0.0.1"
@@ -427,8 +491,10 @@ class RankReport:
     busy_time_s: NonNegative
     """Predicted compute time of one optimizer step."""
     memory_bytes: ByteCount
-    """Predicted peak memory: parameters, gradients, optimizer state, activations in flight."""
+    """Predicted peak memory: parameters, gradients, optimizer state, activations in flight,
+    workspace (the sum of the five ``*_memory_bytes`` below when they are given)."""
     memory_capacity_bytes: ByteCount
+    """What the plan may fill on the rank's device (``memory.usable_memory_bytes``)."""
     relative_speed: NonNegative = 1.0
     """This rank's device speed on this model relative to the plan's fastest device
     (standalone samples/s ratio, 1.0 = fastest); rehearsal stretches CPU compute by its
@@ -439,6 +505,19 @@ class RankReport:
     """Predicted backward compute of one full micro-batch on this rank."""
     optimizer_time_s: NonNegative = 0.0
     """Predicted optimizer step of this rank's parameters."""
+    parameter_memory_bytes: ByteCount = 0
+    """Parameters and buffers this rank holds (0 in all five: no breakdown recorded)."""
+    gradient_memory_bytes: ByteCount = 0
+    optimizer_state_memory_bytes: ByteCount = 0
+    """This rank's optimizer state: its shard under ZeRO stage 1."""
+    activation_memory_bytes: ByteCount = 0
+    """Activations of the micro-batches in flight at once under the schedule and the
+    rank's memory strategy."""
+    workspace_memory_bytes: ByteCount = 0
+    """Boundary send/receive buffers and autocast's half-precision weight copy."""
+    memory_strategy_time_s: NonNegative = 0.0
+    """What the rank's memory strategy adds to a step: recomputed forwards and, under ZeRO,
+    the all-gather of the updated shards."""
     cost_source: str = "roofline"
     """Where this rank's forward/backward times came from: ``roofline``, ``measured``,
     ``measured (interpolated)``, ``roofline x 0.42 (scaled by measured devices)``,
@@ -556,6 +635,8 @@ class Plan:
     training: TrainingSpec = field(default_factory=TrainingSpec)
     ranks: tuple[RankPlan, ...]
     report: Report
+    memory: MemoryModelSpec | None = None
+    """Sizes for the memory check at load; None: the plan carries none (not checked)."""
 
     # ----------------------------------------------------------------- derived views
     @property
@@ -845,6 +926,32 @@ def _verify_plan(plan: Plan) -> None:
         _fail(f"batch shares sum to {total}, global_batch_size is {plan.global_batch_size}")
     if plan.training.sync is not None:
         _verify_sync(plan, plan.training.sync)
+    if plan.training.zero_stage is not ZeroStage.NONE:
+        _verify_zero(plan)
+    if plan.memory is not None:
+        _verify_memory(plan, plan.memory)
+
+
+def _verify_zero(plan: Plan) -> None:
+    if plan.training.sync is not None and plan.training.sync.local:
+        _fail("zero_stage 1 with local_sgd or async groups is not supported; use zero_stage 0")
+    for ranks in sorted(_holder_sets(plan)):
+        if sum(plan.ranks[r].optimizer_shard_weight for r in ranks) <= 0:
+            _fail(
+                f"holder set {list(ranks)} has optimizer_shard_weight 0 on every rank; "
+                "give one of them a weight > 0"
+            )
+
+
+def _verify_memory(plan: Plan, memory: MemoryModelSpec) -> None:
+    if [u.unit for u in memory.units] != [u.name for u in plan.units]:
+        _fail("memory.units must list every unit once, in unit order")
+    names = {p.name for p in memory.parameters}
+    if len(names) != len(memory.parameters):
+        _fail("memory.parameters names repeat")
+    unknown = sorted(names - {p for u in plan.units for p in u.params})
+    if unknown:
+        _fail(f"memory.parameters names {unknown[0]!r}, which no unit uses")
 
 
 def _verify_sync(plan: Plan, sync: SyncSpec) -> None:

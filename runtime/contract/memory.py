@@ -1,0 +1,248 @@
+"""Memory of each rank of a plan, from the plan alone (no torch), and the check at load.
+
+One formula, used by the planner for the report and its last check before a plan is
+written, and by every command that loads a plan (``show``, ``rehearse``, ``run``), so that a
+plan edited by hand (a larger micro-batch, GPipe, a stage moved to a small device) is
+refused where it no longer fits. Per rank, bytes:
+
+- parameters: every trainable parameter its units use (each once) + its units' frozen
+  parameters and buffers;
+- gradients: its trainable parameters;
+- optimizer state: trainable bytes x ``optimizer_state_bytes_per_param_byte``, each holder
+  set's part reduced to this rank's shard under ZeRO stage 1 (``holders.optimizer_shards``);
+- activations: ``activation_bytes_per_sample`` of its units x micro-batch size x the
+  micro-batches in flight (:func:`in_flight_microbatches`); under ``recompute`` only the
+  stage's inputs are kept per micro-batch in flight, plus one micro-batch's activations
+  while its backward runs;
+- workspace: one receive and one send buffer of the boundary tensors on each side, and
+  under autocast the half-precision copy of the weights.
+
+Capacity: :func:`usable_memory_bytes`, the device's memory less a framework reserve, times
+``USABLE_MEMORY_FRACTION``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hplan.runtime.contract.holders import OptimizerShards, RankSet, optimizer_shards
+from hplan.runtime.contract.plan import (
+    DTYPE_BYTES,
+    DeviceSpec,
+    MemoryModelSpec,
+    MemoryStrategy,
+    Plan,
+    RankPlan,
+    Schedule,
+    TensorSpec,
+    ZeroStage,
+    wire_spec,
+)
+
+GIB: float = 1024.0**3
+
+# Memory a GPU process cannot plan with: the CUDA context (~300-500 MB on recent cards once
+# torch has initialised CUDA), cuBLAS workspaces and NCCL communicator buffers. 1 GiB is an
+# assumed round figure.
+GPU_RESERVE_BYTES: float = 1.0 * GIB
+# Memory a CPU rank process holds before its stage exists: the interpreter, torch and
+# hplan's runtime imported, gloo's process groups (measured RSS of a rank before it builds
+# its stage; see ``bench/memory_strategies.py``). CPU devices of a rehearsal declared with
+# less memory than this get the figure scaled (``cpu_reserve_bytes``).
+CPU_RESERVE_BYTES: float = 0.0
+
+# Share of the remaining memory a plan may fill; the rest is headroom for the caching
+# allocator's fragmentation and temporary buffers (assumed).
+USABLE_MEMORY_FRACTION: float = 0.9
+
+
+def device_reserve_bytes(kind: str) -> float:
+    """The framework reserve of a device kind (``cpu`` or a GPU catalog key), bytes."""
+    return CPU_RESERVE_BYTES if kind == "cpu" else GPU_RESERVE_BYTES
+
+
+def usable_memory_bytes(memory_bytes: float, kind: str) -> float:
+    """Memory a plan may fill on a device of ``memory_bytes`` and ``kind``: (memory -
+    reserve) x ``USABLE_MEMORY_FRACTION``, >= 0."""
+    return max(0.0, (memory_bytes - device_reserve_bytes(kind)) * USABLE_MEMORY_FRACTION)
+
+
+def device_capacity_bytes(device: DeviceSpec) -> float:
+    """:func:`usable_memory_bytes` of a plan's device."""
+    return usable_memory_bytes(device.memory_bytes, device.kind)
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """Predicted peak memory of one rank, by part, bytes."""
+
+    parameter_bytes: float
+    gradient_bytes: float
+    optimizer_state_bytes: float
+    activation_bytes: float
+    workspace_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return (
+            self.parameter_bytes
+            + self.gradient_bytes
+            + self.optimizer_state_bytes
+            + self.activation_bytes
+            + self.workspace_bytes
+        )
+
+
+def in_flight_microbatches(
+    schedule: Schedule, stage: int, num_stages: int, num_microbatches: int
+) -> int:
+    """Micro-batches whose activations stage ``stage`` of ``num_stages`` holds at once.
+
+    1F1B: ``min(num_stages - stage, num_microbatches)`` (S - s - 1 warm-up forwards plus
+    one before its first backward; Narayanan et al., SC 2021). GPipe: every micro-batch
+    (all forwards run before the first backward; Huang et al., NeurIPS 2019).
+    """
+    if schedule is Schedule.GPIPE:
+        return num_microbatches
+    return min(num_stages - stage, num_microbatches)
+
+
+def parameter_numels(memory: MemoryModelSpec) -> dict[str, int]:
+    """Canonical name -> elements of every trainable parameter (what ZeRO shards)."""
+    return {p.name: p.num_elements for p in memory.parameters}
+
+
+def rank_memory(
+    plan: Plan,
+    rank: RankPlan,
+    memory: MemoryModelSpec,
+    shards: Mapping[RankSet, OptimizerShards] | None = None,
+) -> RankMemory:
+    """The predicted peak memory of ``rank`` (see the module docstring).
+
+    Args:
+        shards: ``holders.optimizer_shards`` of the plan (computed when None).
+    """
+    units = {u.name: u for u in plan.units}
+    unit_memory = {u.unit: u for u in memory.units}
+    sizes = {p.name: p for p in memory.parameters}
+    held = [n for n in dict.fromkeys(p for u in rank.units for p in units[u].params) if n in sizes]
+    trainable = held
+    grad_bytes = sum(sizes[n].num_elements * sizes[n].element_bytes for n in trainable)
+    param_bytes = grad_bytes
+    state_factor = memory.optimizer_state_bytes_per_param_byte
+    state_bytes = grad_bytes * state_factor
+    if plan.training.zero_stage is ZeroStage.OPTIMIZER_STATE:
+        state_bytes = _sharded_state_bytes(plan, rank, memory, trainable, shards)
+    frozen = sum(unit_memory[u].frozen_bytes for u in rank.units)
+    per_sample = sum(unit_memory[u].activation_bytes_per_sample for u in rank.units)
+    replica = plan.replica_ranks(rank.replica)
+    b = rank.micro_batch_size
+    in_flight = in_flight_microbatches(
+        plan.training.schedule, rank.stage, len(replica), rank.num_microbatches
+    )
+    inputs = _boundary_bytes(plan, replica, rank.stage - 1) if rank.stage > 0 else 0.0
+    if rank.memory_strategy is MemoryStrategy.RECOMPUTE:
+        activations = inputs * b * in_flight + per_sample * b
+    else:
+        activations = per_sample * b * in_flight
+    outputs = _boundary_bytes(plan, replica, rank.stage) if rank.stage + 1 < len(replica) else 0.0
+    workspace = 2.0 * (inputs + outputs) * b
+    if rank.precision.autocast_dtype is not None:
+        workspace += sum(
+            sizes[n].num_elements * DTYPE_BYTES[rank.precision.autocast_dtype]
+            for n in held
+            if sizes[n].element_bytes > DTYPE_BYTES[rank.precision.autocast_dtype]
+        )
+    return RankMemory(
+        parameter_bytes=float(param_bytes + frozen),
+        gradient_bytes=float(grad_bytes),
+        optimizer_state_bytes=float(state_bytes),
+        activation_bytes=float(activations),
+        workspace_bytes=float(workspace),
+    )
+
+
+def _sharded_state_bytes(
+    plan: Plan,
+    rank: RankPlan,
+    memory: MemoryModelSpec,
+    trainable: list[str],
+    shards: Mapping[RankSet, OptimizerShards] | None,
+) -> float:
+    """Optimizer state of ``rank`` under ZeRO stage 1: the parameters only it holds in full,
+    its slice of every holder set it is in."""
+    if shards is None:
+        shards = optimizer_shards(plan, parameter_numels(memory))
+    sizes = {p.name: p for p in memory.parameters}
+    factor = memory.optimizer_state_bytes_per_param_byte
+    sharded = {n for s in shards.values() for n in s.names}
+    total = sum(
+        sizes[n].num_elements * sizes[n].element_bytes * factor
+        for n in trainable
+        if n not in sharded
+    )
+    for shard in shards.values():
+        if rank.rank not in shard.bounds:
+            continue
+        start, stop = shard.bounds[rank.rank]
+        offset = 0
+        for name in shard.names:
+            size = sizes[name].num_elements
+            overlap = max(0, min(stop, offset + size) - max(start, offset))
+            total += overlap * sizes[name].element_bytes * factor
+            offset += size
+    return total
+
+
+def _boundary_bytes(plan: Plan, replica: tuple[RankPlan, ...], stage: int) -> float:
+    """Bytes per sample crossing the cut after stage ``stage`` of ``replica``, as sent."""
+    cut = plan.cut_after(replica[stage].units[-1])
+    sender = replica[stage].precision
+    return float(sum(_tensor_bytes(wire_spec(t, sender)) for t in cut.tensors))
+
+
+def _tensor_bytes(spec: TensorSpec) -> int:
+    elements = 1
+    for dim in spec.shape_for(1):
+        elements *= dim
+    return elements * DTYPE_BYTES.get(spec.dtype, 4)
+
+
+def plan_memory(plan: Plan) -> tuple[RankMemory, ...] | None:
+    """Every rank's :class:`RankMemory` in rank order; None when the plan carries no sizes."""
+    if plan.memory is None:
+        return None
+    shards = (
+        optimizer_shards(plan, parameter_numels(plan.memory))
+        if plan.training.zero_stage is ZeroStage.OPTIMIZER_STATE
+        else None
+    )
+    return tuple(rank_memory(plan, r, plan.memory, shards) for r in plan.ranks)
+
+
+def memory_problems(plan: Plan) -> list[str]:
+    """One line per rank whose predicted peak exceeds its device's usable memory (empty: it
+    fits, or the plan carries no sizes)."""
+    found = plan_memory(plan)
+    if found is None:
+        return []
+    devices = {d.name: d for d in plan.cluster.devices}
+    problems = []
+    for rank, need in zip(plan.ranks, found, strict=True):
+        capacity = device_capacity_bytes(devices[rank.device])
+        if need.total_bytes > capacity:
+            problems.append(
+                f"rank {rank.rank} on {rank.device} needs {_gb(need.total_bytes)} under "
+                f"{plan.training.schedule.value} with micro-batch {rank.micro_batch_size} x "
+                f"{rank.num_microbatches} ({rank.memory_strategy.value}), its device has "
+                f"{_gb(capacity)} usable"
+            )
+    return problems
+
+
+def _gb(num_bytes: float) -> str:
+    if num_bytes >= 0.1 * GIB:
+        return f"{num_bytes / GIB:.2f} GiB"
+    return f"{num_bytes / 1024**2:.1f} MiB"

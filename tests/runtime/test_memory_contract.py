@@ -1,0 +1,132 @@
+"""The memory formula of ``contract.memory`` and the ZeRO shards of ``holders``: plan-only,
+no torch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hplan.runtime.contract.holders import optimizer_shards, parameter_holders
+from hplan.runtime.contract.memory import (
+    in_flight_microbatches,
+    memory_problems,
+    parameter_numels,
+    plan_memory,
+)
+from hplan.runtime.contract.plan import (
+    MemoryModelSpec,
+    MemoryStrategy,
+    ParameterSpec,
+    Plan,
+    PlanFileError,
+    Schedule,
+    UnitMemorySpec,
+    ZeroStage,
+)
+from tests.fixtures.sample_plans import datacentre_plan, mixed_plan
+
+NUMEL = 1000
+
+
+def _with_memory(plan: Plan, *, per_sample: float = 1e4, frozen: int = 0) -> Plan:
+    names = dict.fromkeys(p for u in plan.units for p in u.params)
+    spec = MemoryModelSpec(
+        optimizer_state_bytes_per_param_byte=2.0,
+        parameters=tuple(ParameterSpec(name=n, num_elements=NUMEL, element_bytes=4) for n in names),
+        units=tuple(
+            UnitMemorySpec(unit=u.name, activation_bytes_per_sample=per_sample, frozen_bytes=frozen)
+            for u in plan.units
+        ),
+    )
+    out = replace(plan, memory=spec)
+    out.verify()
+    return out
+
+
+def test_shards_cover_each_holder_sets_parameters_once_in_proportion_to_the_weights() -> None:
+    plan = _with_memory(datacentre_plan())
+    weights = {r.rank: float(r.rank % 3) + (r.rank == 0) for r in plan.ranks}
+    plan = replace(
+        plan,
+        ranks=tuple(replace(r, optimizer_shard_weight=weights[r.rank]) for r in plan.ranks),
+        training=replace(plan.training, zero_stage=ZeroStage.OPTIMIZER_STATE),
+    )
+    plan.verify()
+    shards = optimizer_shards(plan, parameter_numels(plan.memory))
+    held = parameter_holders(plan)
+    assert shards, "the mixed plan has replicas, so some holder set has two or more ranks"
+    for ranks, shard in shards.items():
+        assert all(held[n] == ranks for n in shard.names)
+        assert shard.num_elements == NUMEL * len(shard.names)
+        edges = [shard.bounds[r] for r in ranks]
+        assert edges[0][0] == 0 and edges[-1][1] == shard.num_elements
+        assert all(a[1] == b[0] for a, b in zip(edges, edges[1:], strict=False))
+        total = sum(weights[r] for r in ranks)
+        for r in ranks:
+            share = (shard.bounds[r][1] - shard.bounds[r][0]) / shard.num_elements
+            assert share == pytest.approx(weights[r] / total, abs=2 / shard.num_elements)
+
+
+def test_zero_cuts_the_optimizer_state_of_every_shared_parameter_and_nothing_else() -> None:
+    plan = _with_memory(datacentre_plan())
+    plain = plan_memory(plan)
+    zero = plan_memory(
+        replace(plan, training=replace(plan.training, zero_stage=ZeroStage.OPTIMIZER_STATE))
+    )
+    assert plain is not None and zero is not None
+    held = parameter_holders(plan)
+    units = {u.name: u for u in plan.units}
+    for rank, before, after in zip(plan.ranks, plain, zero, strict=True):
+        names = dict.fromkeys(p for u in rank.units for p in units[u].params)
+        expected = sum(NUMEL * 4 * 2.0 / len(held[n]) for n in names)
+        assert after.optimizer_state_bytes == pytest.approx(expected, rel=0.01)
+        assert before.optimizer_state_bytes == pytest.approx(NUMEL * 4 * 2.0 * len(names))
+        assert (after.parameter_bytes, after.gradient_bytes) == (
+            before.parameter_bytes,
+            before.gradient_bytes,
+        )
+
+
+def test_gpipe_holds_every_microbatch_and_recompute_one() -> None:
+    assert in_flight_microbatches(Schedule.ONE_F_ONE_B, 0, 4, 8) == 4
+    assert in_flight_microbatches(Schedule.ONE_F_ONE_B, 0, 4, 2) == 2
+    assert in_flight_microbatches(Schedule.GPIPE, 3, 4, 8) == 8
+    per_sample = 1e9  # far above the boundary tensors a recomputing stage keeps
+    plan = _with_memory(mixed_plan(), per_sample=per_sample)
+    keep = tuple(replace(r, memory_strategy=MemoryStrategy.KEEP) for r in plan.ranks)
+    plan = replace(plan, ranks=keep)
+    one_f_one_b = plan_memory(plan)
+    gpipe = plan_memory(replace(plan, training=replace(plan.training, schedule=Schedule.GPIPE)))
+    recompute = plan_memory(
+        replace(
+            plan,
+            ranks=tuple(replace(r, memory_strategy=MemoryStrategy.RECOMPUTE) for r in plan.ranks),
+        )
+    )
+    assert one_f_one_b is not None and gpipe is not None and recompute is not None
+    for rank, a, b, c in zip(plan.ranks, one_f_one_b, gpipe, recompute, strict=True):
+        per_microbatch = len(rank.units) * per_sample * rank.micro_batch_size
+        assert b.activation_bytes == pytest.approx(per_microbatch * rank.num_microbatches)
+        assert a.activation_bytes <= b.activation_bytes
+        assert c.activation_bytes < a.activation_bytes or a.activation_bytes == per_microbatch
+
+
+def test_a_plan_that_no_longer_fits_is_named_by_rank_bytes_and_capacity() -> None:
+    plan = _with_memory(mixed_plan())
+    assert memory_problems(plan) == []
+    huge = _with_memory(mixed_plan(), per_sample=1e12)
+    problems = memory_problems(huge)
+    assert problems and problems[0].startswith("rank 0 on ")
+    assert "GiB" in problems[0] and "usable" in problems[0]
+
+
+def test_zero_weights_of_zero_on_a_whole_holder_set_are_refused() -> None:
+    plan = _with_memory(datacentre_plan())
+    bad = replace(
+        plan,
+        ranks=tuple(replace(r, optimizer_shard_weight=0.0) for r in plan.ranks),
+        training=replace(plan.training, zero_stage=ZeroStage.OPTIMIZER_STATE),
+    )
+    with pytest.raises(PlanFileError, match="optimizer_shard_weight 0"):
+        bad.verify()
