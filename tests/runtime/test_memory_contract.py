@@ -3,6 +3,7 @@ no torch."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -61,7 +62,7 @@ def test_shards_cover_each_holder_sets_parameters_once_in_proportion_to_the_weig
         assert shard.num_elements == NUMEL * len(shard.names)
         edges = [shard.bounds[r] for r in ranks]
         assert edges[0][0] == 0 and edges[-1][1] == shard.num_elements
-        assert all(a[1] == b[0] for a, b in zip(edges, edges[1:], strict=False))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(edges))
         total = sum(weights[r] for r in ranks)
         for r in ranks:
             share = (shard.bounds[r][1] - shard.bounds[r][0]) / shard.num_elements
