@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.cost.problem_builder import (
     RooflineSource,
     UnitTimeSource,
@@ -49,7 +49,13 @@ from hplan.planner.cost.profiled_times import (
     profile_label,
     source_labels,
 )
-from hplan.planner.emit.plan_build import build_plan, model_spec, with_grad_sync
+from hplan.planner.emit.plan_build import (
+    build_plan,
+    memory_model_spec,
+    model_spec,
+    with_grad_sync,
+    with_memory,
+)
 from hplan.planner.emit.report import REQUESTED, build_report, with_cost_sources
 from hplan.planner.frontend.capture import CapturedModel, capture_model
 from hplan.planner.frontend.capture_file import (
@@ -141,6 +147,8 @@ class SolveRequest:
     """Which sync modes across islands the planner may choose (``solve.sync_choice``)."""
     max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
     """H at most under local sync (``--max-local-steps``)."""
+    recompute: str = RecomputePolicy.AUTO.value
+    """Which stages may recompute their activations (``RecomputePolicy``)."""
 
     def verify(self) -> None:
         """Check every option that can be checked without the model: ranges, micro-batch
@@ -168,6 +176,11 @@ class SolveRequest:
                 f"--precision {self.precision!r} is not one of {', '.join(PRECISION_CHOICES)}"
             )
         _check_sync(self.sync, self.max_local_steps)
+        if self.recompute not in {p.value for p in RecomputePolicy}:
+            raise ConfigError(
+                f"--recompute {self.recompute!r} is not one of "
+                f"{', '.join(p.value for p in RecomputePolicy)}"
+            )
         if self.strategy is not Strategy.HPLAN and self.sync not in ("auto", "all_reduce"):
             raise ConfigError(
                 f"--strategy {self.strategy.value} is a baseline that all-reduces every step; "
@@ -436,6 +449,7 @@ def problem_pass(r: PassResults) -> PlanningProblem:
         optimizer_state_bytes_per_param_byte=optimizer_factor,
         time_source=r["time_source"],
         precisions=r["cluster"].precisions.by_device,
+        recompute=RecomputePolicy(request.recompute),
     )
 
 
@@ -506,6 +520,7 @@ def plan_pass(r: PassResults) -> Plan:
         training=_training_spec(request, cluster, result),
         precisions=precisions,
     )
+    plan = with_memory(plan, memory_model_spec(graph, problem))
     return with_grad_sync(plan, r["runtime_bytes"].wire_bytes, result.simulated_step_time_s)
 
 

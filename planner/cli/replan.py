@@ -24,6 +24,7 @@ from hplan.planner.cli.solve import (
     precision_option,
     print_plan,
     profile_option,
+    recompute_option,
     sync_option,
     time_limit_option,
     write_files,
@@ -67,6 +68,7 @@ from hplan.runtime.contract.plan import Plan
 @precision_option
 @sync_option
 @max_local_steps_option
+@recompute_option
 @profile_option
 @bandwidth_option
 @click.option(
@@ -87,6 +89,7 @@ def replan(
     precision: str | None,
     sync: str,
     max_local_steps: int,
+    recompute: str,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     model_override: Path | None,
@@ -127,6 +130,7 @@ def replan(
         precision=precision or _plan_precision(plan),
         sync=sync,
         max_local_steps=max_local_steps,
+        recompute=recompute,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

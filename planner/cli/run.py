@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.memory import load_checked
 
 
 @click.command(
@@ -139,7 +139,7 @@ def rehearse(
         if checkpoint_dir is None
         else Checkpointing(checkpoint_dir.absolute(), resume, checkpoint_every_steps)
     )
-    plan = Plan.load(plan_path)
+    plan = load_checked(plan_path)
     result = run_rehearsal(
         plan,
         model_path=plan_model_path(plan.model.path, plan_path, model_path),

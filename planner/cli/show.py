@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.memory import load_checked
 from hplan.runtime.contract.plan import Plan
 
 
@@ -25,7 +26,7 @@ from hplan.runtime.contract.plan import Plan
 def show(plan_path: Path, fmt: str) -> None:
     """Show a plan: devices, stages, units, batch shares, predicted time and memory."""
     if fmt in ("svg", "png"):
-        _show_image(Plan.load(plan_path), fmt)
+        _show_image(load_checked(plan_path), fmt)
         return
     from hplan.planner.emit.render import (
         print_text,
@@ -35,7 +36,7 @@ def show(plan_path: Path, fmt: str) -> None:
         wide_console,
     )
 
-    plan = Plan.load(plan_path)
+    plan = load_checked(plan_path)
     if fmt == "text" and sys.stdout.isatty():
         print_text(plan, wide_console(stderr=False))
     elif fmt == "text":

@@ -79,6 +79,18 @@ sync_option = click.option(
         "steps and applied one round late."
     ),
 )
+recompute_option = click.option(
+    "--recompute",
+    type=click.Choice(["auto", "never", "always"]),
+    default="auto",
+    show_default=True,
+    help=(
+        "Activation recomputation per stage. auto: a stage recomputes (keeps only its "
+        "inputs, runs its forward again in the backward) where keeping its activations does "
+        "not fit its device and recomputing does, and the solver weighs the extra forward "
+        "against other splits and micro-batch sizes; never; always: every stage."
+    ),
+)
 max_local_steps_option = click.option(
     "--max-local-steps",
     type=int,
@@ -171,6 +183,7 @@ profile_option = click.option(
 @precision_option
 @sync_option
 @max_local_steps_option
+@recompute_option
 @bandwidth_option
 @profile_option
 @click.option(
@@ -208,6 +221,7 @@ def solve(
     precision: str | None,
     sync: str,
     max_local_steps: int,
+    recompute: str,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     capture_path: Path | None,
@@ -241,6 +255,7 @@ def solve(
         epochs=epochs,
         sync=sync,
         max_local_steps=max_local_steps,
+        recompute=recompute,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

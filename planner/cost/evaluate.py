@@ -27,7 +27,10 @@ pass, so a device's all-reduce T_d overlaps that pass: what is left after it is
 L_d the ring of its last bucket (``link_model.exposed_all_reduce_s``).
 
 Memory of stage s of S with micro-batch size b under 1F1B: static bytes of its units +
-b * (S - s) * activation bytes per sample + send/receive buffers.
+b * (S - s) * activation bytes per sample + send/receive buffers. A stage that recomputes
+(``StageLayout.recompute``) keeps only its input per micro-batch in flight plus one
+micro-batch's activations, and its compute runs the forward twice
+(``contract.memory``, the formula a plan is checked against when it loads).
 
 A layout with islands under local sync (``Layout.sync``; ``cost.sync_cost``) sums every
 step only inside the islands (:func:`step_sync_groups`), and adds its outer sync round
@@ -126,12 +129,18 @@ def link_time_s(problem: PlanningProblem, a: int, b: int, num_bytes: float) -> f
 
 
 def stage_compute_time_s(
-    problem: PlanningProblem, device_idx: int, start: int, stop: int, k: int
+    problem: PlanningProblem,
+    device_idx: int,
+    start: int,
+    stop: int,
+    k: int,
+    recompute: bool = False,
 ) -> float:
-    """Forward + backward time of units ``[start, stop)`` for one micro-batch (candidate k)."""
+    """Forward + backward time of units ``[start, stop)`` for one micro-batch (candidate k);
+    with ``recompute``, plus the forward the backward runs again."""
     fwd = problem.fwd_time_s[device_idx, start:stop, k].sum()
     bwd = problem.bwd_time_s[device_idx, start:stop, k].sum()
-    return float(fwd + bwd)
+    return float(fwd * (2 if recompute else 1) + bwd)
 
 
 def stage_memory_bytes(
@@ -140,14 +149,21 @@ def stage_memory_bytes(
     stop: int,
     micro_batch_size: int,
     in_flight: int,
+    recompute: bool = False,
 ) -> float:
     """Peak memory of a stage holding units ``[start, stop)``.
 
     Static state + activations of ``in_flight`` micro-batches + one receive and one send
-    buffer of the boundary tensors on each side.
+    buffer of the boundary tensors on each side. With ``recompute`` the activations are
+    the stage's input of each micro-batch in flight plus one micro-batch's activations.
     """
     static = problem.static_memory_bytes[start:stop].sum()
-    acts = problem.activation_bytes_per_sample[start:stop].sum() * micro_batch_size * in_flight
+    per_microbatch = problem.activation_bytes_per_sample[start:stop].sum() * micro_batch_size
+    if recompute:
+        inputs = problem.cut_bytes_per_sample[start - 1] if start > 0 else 0.0
+        acts = inputs * micro_batch_size * in_flight + per_microbatch
+    else:
+        acts = per_microbatch * in_flight
     buffers = 0.0
     if start > 0:
         buffers += 2 * problem.cut_bytes_per_sample[start - 1] * micro_batch_size
@@ -174,7 +190,7 @@ def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[St
     num_stages = replica.num_stages
     for s, stage in enumerate(replica.stages):
         compute = stage_compute_time_s(
-            problem, stage.device_idx, stage.unit_start, stage.unit_stop, k
+            problem, stage.device_idx, stage.unit_start, stage.unit_stop, k, stage.recompute
         )
         link = 0.0
         if s + 1 < num_stages:
@@ -187,7 +203,9 @@ def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[St
                 problem, nxt, stage.device_idx, problem.cut_grad_bytes_per_sample[cut] * b
             )
         in_flight = in_flight_microbatches(s, num_stages)
-        memory = stage_memory_bytes(problem, stage.unit_start, stage.unit_stop, b, in_flight)
+        memory = stage_memory_bytes(
+            problem, stage.unit_start, stage.unit_stop, b, in_flight, stage.recompute
+        )
         busy = compute * replica.num_samples / b
         costs.append(StageCost(stage.device_idx, compute, link, memory, busy))
     return tuple(costs)

@@ -18,6 +18,10 @@ class StageLayout:
     device_idx: int
     unit_start: int
     unit_stop: int
+    recompute: bool = False
+    """The stage keeps only its inputs and runs its forward again in each backward
+    (``MemoryStrategy.RECOMPUTE``): one extra forward per micro-batch, at most one
+    micro-batch's activations alive."""
 
 
 @dataclass(frozen=True, slots=True)

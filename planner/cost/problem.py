@@ -10,11 +10,27 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 import numpy as np
 from numpy.typing import NDArray
 
 FloatArray = NDArray[np.float64]
+
+
+class RecomputePolicy(StrEnum):
+    """Which stages may recompute their activations (``StageLayout.recompute``).
+
+    - ``auto``: a stage recomputes where keeping its activations does not fit and
+      recomputing does (the solver then weighs the extra forward against other layouts
+      and micro-batch sizes);
+    - ``never``: no stage recomputes;
+    - ``always``: every stage recomputes.
+    """
+
+    AUTO = "auto"
+    NEVER = "never"
+    ALWAYS = "always"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +93,11 @@ class PlanningProblem:
     0 where not measured; None: nothing measured (see ``CollectiveSpec``)."""
     collective_bus_bandwidth_bytes_per_s: FloatArray | None = None
     """The measured bus bandwidth of that all-reduce, shape (D,); inf where not measured."""
+    recompute: RecomputePolicy = RecomputePolicy.AUTO
+    """Which stages may recompute (``hplan solve --recompute``)."""
+    optimizer_state_bytes: FloatArray | None = None
+    """The optimizer state part of ``static_memory_bytes`` per unit, shape (U,) (what ZeRO
+    stage 1 shards); None: not split out (no sharding considered)."""
 
     @property
     def num_devices(self) -> int:

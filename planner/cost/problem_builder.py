@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from hplan.planner.cost.problem import PlanningProblem, TiedParams
+from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy, TiedParams
 from hplan.planner.hardware.catalog import (
     DeviceClass,
     DeviceType,
@@ -52,8 +52,12 @@ from hplan.planner.hardware.catalog import (
 )
 from hplan.planner.hardware.cluster import Cluster, Device
 from hplan.runtime.contract.errors import ConfigError, ModelFileError
+from hplan.runtime.contract.memory import (
+    CPU_RESERVE_BYTES,
+    GPU_RESERVE_BYTES,
+    USABLE_MEMORY_FRACTION,
+)
 from hplan.runtime.contract.plan import Precision, wire_spec
-from hplan.runtime.contract.quantities import gib_to_bytes
 
 if TYPE_CHECKING:
     from hplan.planner.frontend.cost_graph import ModelGraph, UnitCost
@@ -85,18 +89,12 @@ OP_OVERHEAD_S = 5e-6
 # Applied alike to FLOPs, bytes moved and op count.
 BACKWARD_TO_FORWARD_RATIO = 2.0
 
-# Memory a device loses before the model sees any: the CUDA context of a PyTorch process
-# (roughly 300-500 MiB on Ampere/Ada, as nvidia-smi shows for a process that only
-# initialised CUDA), cuBLAS workspaces and NCCL communicator buffers. 1 GiB is an assumed
-# round figure; CPU rehearsal devices have no such reserve.
+# The framework reserve and the usable fraction of a device's memory are the contract's
+# (``contract.memory``): a plan is checked against the same capacity wherever it loads.
 FRAMEWORK_RESERVE_BYTES: dict[DeviceClass, float] = {
-    DeviceClass.GPU: gib_to_bytes(1.0),
-    DeviceClass.CPU: 0.0,
+    DeviceClass.GPU: GPU_RESERVE_BYTES,
+    DeviceClass.CPU: CPU_RESERVE_BYTES,
 }
-
-# Share of the remaining memory the planner may fill; the rest is headroom for the caching
-# allocator's fragmentation and temporary buffers (assumed).
-USABLE_MEMORY_FRACTION = 0.9
 
 # Optimizer traffic per trainable parameter byte, besides the state: read the weight,
 # write the weight, read the gradient. The state is read and written once each.
@@ -313,6 +311,7 @@ def build_problem(
     optimizer_state_bytes_per_param_byte: float = 2.0,
     time_source: UnitTimeSource | None = None,
     precisions: Mapping[str, Precision] | None = None,
+    recompute: RecomputePolicy = RecomputePolicy.AUTO,
 ) -> PlanningProblem:
     """Fill and verify the solver's input for ``graph`` on ``cluster``.
 
@@ -328,6 +327,7 @@ def build_problem(
             Unit times use each device's own; memory and cut bytes are per unit, not per
             device, in the solver's problem, so they take the widest precision present
             (one fp32 device counts every device's activations and cut tensors in fp32).
+        recompute: which stages may recompute their activations (``--recompute``).
 
     Returns:
         A verified ``PlanningProblem`` (D devices in cluster order, U units, K sizes).
@@ -375,6 +375,8 @@ def build_problem(
             TiedParams(units, float(num_bytes))
             for units, num_bytes in sorted(graph.tied_trainable_bytes.items())
         ),
+        recompute=recompute,
+        optimizer_state_bytes=_array([c.trainable_param_bytes * factor for c in costs]),
         **_collective_arrays(cluster),
     )
     problem.verify()

@@ -7,20 +7,27 @@ from dataclasses import replace
 
 from hplan.planner.cost.islands import island_names
 from hplan.planner.cost.layout import IslandSync, Layout
+from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.frontend.cost_graph import ModelGraph
+from hplan.runtime.contract.errors import InfeasiblePlanError
 from hplan.runtime.contract.holders import grad_sync_reports, outer_groups
+from hplan.runtime.contract.memory import memory_problems, plan_memory
 from hplan.runtime.contract.plan import (
     ClusterSpec,
     CutSpec,
     IslandSpec,
+    MemoryModelSpec,
+    MemoryStrategy,
     ModelSpec,
     OuterSyncSpec,
+    ParameterSpec,
     Plan,
     Precision,
     RankPlan,
     Report,
     SyncSpec,
     TrainingSpec,
+    UnitMemorySpec,
 )
 
 
@@ -148,9 +155,71 @@ def _rank_plans(
                 num_microbatches=replica.num_microbatches,
                 num_samples=replica.num_samples,
                 precision=precisions.get(device_name, Precision.FP32),
+                memory_strategy=MemoryStrategy.RECOMPUTE
+                if stage.recompute
+                else MemoryStrategy.KEEP,
             )
         )
     return tuple(ranks), tuple(sorted(cut_idx))
+
+
+def memory_model_spec(graph: ModelGraph, problem: PlanningProblem) -> MemoryModelSpec:
+    """The sizes a plan carries for its memory check (``contract.memory``): each trainable
+    parameter's elements, each unit's activations per sample as the problem counts them
+    (at its widest precision) and its frozen bytes (buffers and frozen parameters)."""
+    factor = 0.0
+    trainable = sum(c.trainable_param_bytes for c in graph.unit_costs)
+    if problem.optimizer_state_bytes is not None and trainable > 0:
+        factor = float(problem.optimizer_state_bytes.sum()) / trainable
+    return MemoryModelSpec(
+        optimizer_state_bytes_per_param_byte=factor,
+        parameters=tuple(
+            ParameterSpec(name=name, num_elements=size.numel, element_bytes=size.element_bytes)
+            for name, size in graph.trainable_param_sizes.items()
+        ),
+        units=tuple(
+            UnitMemorySpec(
+                unit=unit.name,
+                activation_bytes_per_sample=float(problem.activation_bytes_per_sample[u]),
+                frozen_bytes=cost.param_bytes - cost.trainable_param_bytes + cost.buffer_bytes,
+            )
+            for u, (unit, cost) in enumerate(zip(graph.units, graph.unit_costs, strict=True))
+        ),
+    )
+
+
+def with_memory(plan: Plan, memory: MemoryModelSpec) -> Plan:
+    """``plan`` carrying ``memory``, each rank's report holding its predicted memory by part
+    (``contract.memory.rank_memory``: the formula every command re-checks at load).
+
+    Raises:
+        InfeasiblePlanError: some rank does not fit its device under the plan's own schedule
+            (the solver sizes in-flight micro-batches the 1F1B way; GPipe keeps all of
+            them): names the rank, and what to change.
+    """
+    plan = replace(plan, memory=memory)
+    problems = memory_problems(plan)
+    if problems:
+        raise InfeasiblePlanError(
+            f"the solver's layout does not fit under the plan's own schedule: {problems[0]}; "
+            "use --schedule 1f1b, smaller micro-batches (--micro-batch-sizes) or "
+            "--recompute always"
+        )
+    parts = plan_memory(plan)
+    assert parts is not None
+    ranks = tuple(
+        replace(
+            report,
+            memory_bytes=round(part.total_bytes),
+            parameter_memory_bytes=round(part.parameter_bytes),
+            gradient_memory_bytes=round(part.gradient_bytes),
+            optimizer_state_memory_bytes=round(part.optimizer_state_bytes),
+            activation_memory_bytes=round(part.activation_bytes),
+            workspace_memory_bytes=round(part.workspace_bytes),
+        )
+        for report, part in zip(plan.report.ranks, parts, strict=True)
+    )
+    return replace(plan, report=replace(plan.report, ranks=ranks))
 
 
 def with_grad_sync(

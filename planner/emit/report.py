@@ -84,8 +84,16 @@ def _rank_reports(
                     memory_capacity_bytes=round(float(problem.memory_capacity_bytes[device])),
                     relative_speed=speed[device] / fastest if fastest > 0 else 1.0,
                     forward_time_s=float(problem.fwd_time_s[device, units, k].sum()),
-                    backward_time_s=float(problem.bwd_time_s[device, units, k].sum()),
+                    backward_time_s=float(
+                        problem.bwd_time_s[device, units, k].sum()
+                        + problem.fwd_time_s[device, units, k].sum() * stage.recompute
+                    ),
                     optimizer_time_s=float(problem.optimizer_time_s[device, units].sum()),
+                    memory_strategy_time_s=float(
+                        problem.fwd_time_s[device, units, k].sum() * replica.num_microbatches
+                    )
+                    if stage.recompute
+                    else 0.0,
                 )
             )
     return tuple(sorted(reports, key=lambda r: r.rank))

@@ -1,8 +1,9 @@
 """Brute-force reference planner for tiny instances (tests compare the MILP with it).
 
 Enumerates every layout: every set of disjoint, ordered device sequences (the replicas),
-every contiguous unit split of each, every micro-batch size candidate, and every split of
-the global batch into positive shares; costs each with the exact evaluator. Exponential:
+every contiguous unit split of each, whether each stage recomputes (as the problem's
+``RecomputePolicy`` allows), every micro-batch size candidate, and every split of the
+global batch into positive shares; costs each with the exact evaluator. Exponential:
 use only with a handful of devices, units and samples.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.solve.validate import layout_problems
 
 
@@ -42,10 +43,21 @@ def _replica_options(
     problem: PlanningProblem, devices: tuple[int, ...]
 ) -> list[tuple[StageLayout, ...]]:
     u = problem.num_units
+    choices = {
+        RecomputePolicy.AUTO: (False, True),
+        RecomputePolicy.NEVER: (False,),
+        RecomputePolicy.ALWAYS: (True,),
+    }[problem.recompute]
     out = []
     for cuts in itertools.combinations(range(1, u), len(devices) - 1):
         bounds = (0, *cuts, u)
-        out.append(tuple(StageLayout(d, bounds[s], bounds[s + 1]) for s, d in enumerate(devices)))
+        for flags in itertools.product(choices, repeat=len(devices)):
+            out.append(
+                tuple(
+                    StageLayout(d, bounds[s], bounds[s + 1], flags[s])
+                    for s, d in enumerate(devices)
+                )
+            )
     return out
 
 

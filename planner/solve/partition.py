@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hplan.planner.cost.evaluate import in_flight_microbatches, link_time_s, pipeline_period_s
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.solve.device_classes import DeviceClass, pair_devices
 
 
@@ -40,6 +40,8 @@ class PipelineShape:
     stage_grad_bytes: tuple[float, ...]
     stage_backward_s: tuple[float, ...]
     """Backward time of one micro-batch on each stage (the pass its all-reduce overlaps)."""
+    recompute: tuple[bool, ...] = ()
+    """Per stage: whether it recomputes its activations (empty: none does)."""
 
     @property
     def num_stages(self) -> int:
@@ -78,6 +80,13 @@ class Partitioner:
             [np.zeros((p.num_devices, 1)), np.cumsum(p.optimizer_time_s, axis=1)], axis=1
         )
         self._grad_cum = np.concatenate([zero, np.cumsum(p.grad_bytes)])
+        self._fwd_cum = np.concatenate(
+            [
+                np.zeros((p.num_devices, 1, len(p.micro_batch_sizes))),
+                np.cumsum(p.fwd_time_s, axis=1),
+            ],
+            axis=1,
+        )
 
     # ------------------------------------------------------------------ stage costs
     def _compute(self, device: int, k: int) -> np.ndarray:
@@ -85,16 +94,42 @@ class Partitioner:
         cum = self._time_cum[device, :, k]
         return cum[None, :] - cum[:, None]
 
-    def _memory_ok(self, device: int, b: int, in_flight: int) -> np.ndarray:
+    def _memory_ok(
+        self, device: int, b: int, in_flight: int, recompute: bool = False
+    ) -> np.ndarray:
+        """(U+1, U+1): whether units [i, j) fit ``device`` (``evaluate.stage_memory_bytes``)."""
         u = self.problem.num_units
         static = self._static_cum[None, :] - self._static_cum[:, None]
-        acts = (self._act_cum[None, :] - self._act_cum[:, None]) * b * in_flight
+        per_microbatch = (self._act_cum[None, :] - self._act_cum[:, None]) * b
         cut = np.concatenate([[0.0], self.problem.cut_bytes_per_sample, [0.0]])
+        # Recomputing keeps each in-flight micro-batch's input and one's activations.
+        acts = (
+            per_microbatch + cut[:, None] * b * in_flight
+            if recompute
+            else per_microbatch * in_flight
+        )
         buffers = 2 * b * (cut[:, None] + cut[None, :])
         mem = static + acts + buffers
         ok = mem <= self.problem.memory_capacity_bytes[device]
         idx = np.arange(u + 1)
         return ok & (idx[:, None] < idx[None, :])
+
+    def _strategy(self, device: int, k: int, in_flight: int) -> tuple[np.ndarray, np.ndarray]:
+        """(compute matrix with inf where nothing fits, recompute flag matrix) of one stage
+        under the problem's ``RecomputePolicy``: keep where it fits (auto), recompute where
+        only that fits."""
+        b = self.problem.micro_batch_sizes[k]
+        policy = self.problem.recompute
+        keep_ok = self._memory_ok(device, b, in_flight) & (policy is not RecomputePolicy.ALWAYS)
+        if policy is RecomputePolicy.NEVER:
+            return np.where(keep_ok, self._compute(device, k), np.inf), np.zeros_like(keep_ok)
+        recompute_ok = self._memory_ok(device, b, in_flight, recompute=True)
+        cum = self._fwd_cum[device, :, k]
+        again = cum[None, :] - cum[:, None]
+        use_recompute = recompute_ok & ~keep_ok
+        compute = self._compute(device, k)
+        compute = np.where(keep_ok, compute, np.where(use_recompute, compute + again, np.inf))
+        return compute, use_recompute
 
     def _link_out(self, a: int, b_dev: int, b: int) -> np.ndarray:
         """(U+1,) link time per micro-batch of a cut placed at position j (after unit j-1)."""
@@ -111,28 +146,31 @@ class Partitioner:
         self, sequence: Sequence[int], k: int
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per stage: (compute matrix with inf where infeasible, outgoing link vector)."""
+        return [(compute, link) for compute, link, _ in self._stage_matrices(sequence, k)]
+
+    def _stage_matrices(
+        self, sequence: Sequence[int], k: int
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         b = self.problem.micro_batch_sizes[k]
         devices = pair_devices(self.classes, sequence)
         num_stages = len(sequence)
         mats = []
         for s, dev in enumerate(devices):
-            compute = self._compute(dev, k)
-            ok = self._memory_ok(dev, b, in_flight_microbatches(s, num_stages))
-            compute = np.where(ok, compute, np.inf)
+            compute, recompute = self._strategy(dev, k, in_flight_microbatches(s, num_stages))
             u = self.problem.num_units
             link = self._link_out(dev, devices[s + 1], b) if s + 1 < num_stages else np.zeros(u + 1)
-            mats.append((compute, link))
+            mats.append((compute, link, recompute))
         return mats
 
     # ------------------------------------------------------------------ splitting
     def best_split(self, sequence: Sequence[int], k: int) -> PipelineShape | None:
         """The split minimising the period; None if nothing fits."""
-        mats = self.stage_matrices(sequence, k)
+        mats = self._stage_matrices(sequence, k)
         u = self.problem.num_units
         best = np.full(u + 1, np.inf)
         best[0] = 0.0
         choices = []
-        for s, (compute, link) in enumerate(mats):
+        for s, (compute, link, _) in enumerate(mats):
             value = np.maximum(compute, link[None, :]) if s + 1 < len(mats) else compute
             cand = np.maximum(best[:, None], value)
             choices.append(np.argmin(cand, axis=0))
@@ -146,7 +184,7 @@ class Partitioner:
 
     def all_splits(self, sequence: Sequence[int], k: int) -> list[PipelineShape]:
         """Every feasible split, reduced to its (period, fill) Pareto front."""
-        mats = self.stage_matrices(sequence, k)
+        mats = self._stage_matrices(sequence, k)
         u = self.problem.num_units
         found = []
         for cuts in itertools.combinations(range(1, u), len(sequence) - 1):
@@ -160,7 +198,7 @@ class Partitioner:
         sequence: Sequence[int],
         k: int,
         bounds: tuple[int, ...],
-        mats: list[tuple[np.ndarray, np.ndarray]],
+        mats: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
     ) -> PipelineShape:
         devices = pair_devices(self.classes, sequence)
         computes = [float(mats[s][0][bounds[s], bounds[s + 1]]) for s in range(len(sequence))]
@@ -176,6 +214,7 @@ class Partitioner:
             float(self._grad_cum[bounds[s + 1]] - self._grad_cum[bounds[s]])
             for s in range(len(sequence))
         )
+        recompute = tuple(bool(mats[s][2][bounds[s], bounds[s + 1]]) for s in range(len(sequence)))
         backward = tuple(
             float(self._bwd_cum[d, bounds[s + 1], k] - self._bwd_cum[d, bounds[s], k])
             for s, d in enumerate(devices)
@@ -190,6 +229,7 @@ class Partitioner:
             optimizer_s=optimizer,
             stage_grad_bytes=grads,
             stage_backward_s=backward,
+            recompute=recompute,
         )
 
 

@@ -293,7 +293,8 @@ def layout_from_copies(copies: Sequence[_Copy], samples: Sequence[int]) -> Layou
             continue
         t = copy.shape
         stages = tuple(
-            StageLayout(copy.devices[s], t.bounds[s], t.bounds[s + 1]) for s in range(t.num_stages)
+            StageLayout(copy.devices[s], t.bounds[s], t.bounds[s + 1], t.recompute[s])
+            for s in range(t.num_stages)
         )
         replicas.append(
             ReplicaLayout(stages, t.micro_batch_size, math.ceil(n / t.micro_batch_size), n)

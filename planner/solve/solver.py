@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hplan.planner.cost.evaluate import Evaluation, evaluate, island_index
 from hplan.planner.cost.layout import Layout
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.search import SearchOutcome, SolveOptions, diagnose_infeasible, run_search
@@ -97,7 +97,7 @@ def solve(
         ("uniform pipeline", uniform_pipeline(problem)),
     ):
         if baseline is not None and _within_max_stages(baseline, options.max_stages):
-            pool.append((f"baseline: {name}", baseline))
+            pool.append((f"baseline: {name}", with_recompute_policy(problem, baseline)))
     local_pool = [(c.scenario, c.layout) for c in outcome.candidates if c.layout.sync is not None]
     synchronous = _pick(problem, _ranked(problem, pool), schedule, runtime)
     local_ranked = _closest_to_synchronous(problem, _ranked(problem, local_pool))
@@ -132,6 +132,18 @@ def solve(
         tuple(notes),
         simulated_step_time_s=chosen.simulated_s,
     )
+
+
+def with_recompute_policy(problem: PlanningProblem, layout: Layout) -> Layout:
+    """``layout`` with every stage recomputing under ``RecomputePolicy.ALWAYS`` (a baseline
+    built without the policy), else itself."""
+    if problem.recompute is not RecomputePolicy.ALWAYS:
+        return layout
+    replicas = tuple(
+        replace(r, stages=tuple(replace(s, recompute=True) for s in r.stages))
+        for r in layout.replicas
+    )
+    return replace(layout, replicas=replicas)
 
 
 LOCAL_PLAN_NOTE = (

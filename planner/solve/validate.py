@@ -7,7 +7,7 @@ solver or the evaluator on purpose.
 from __future__ import annotations
 
 from hplan.planner.cost.layout import IslandSync, Layout
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.textfmt import format_bytes_pair
 
 
@@ -17,7 +17,8 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     Rules: each replica places every unit exactly once, contiguously and in order, with no
     empty stage; no device is used twice; micro-batch sizes are candidates and the
     micro-batches hold the replica's samples; shares sum to the global batch; every stage's
-    memory (static + activations of its in-flight micro-batches under 1F1B + boundary
+    memory (static + activations of its in-flight micro-batches under 1F1B, or under
+    recomputation its inputs in flight and one micro-batch's activations + boundary
     buffers) fits its device; with islands, they hold every node of the problem once, and
     under local sync every replica lies inside one island.
     """
@@ -31,6 +32,11 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
         errors += _replica_problems(problem, r, replica, seen)
     if total != problem.global_batch_size:
         errors.append(f"batch shares sum to {total}, not {problem.global_batch_size}")
+    flags = {s.recompute for r in layout.replicas for s in r.stages}
+    if problem.recompute is RecomputePolicy.NEVER and True in flags:
+        errors.append("a stage recomputes under --recompute never")
+    if problem.recompute is RecomputePolicy.ALWAYS and False in flags:
+        errors.append("a stage keeps its activations under --recompute always")
     if layout.sync is not None:
         errors += _island_problems(problem, layout, layout.sync)
     return errors
@@ -73,7 +79,9 @@ def _replica_problems(problem: PlanningProblem, r: int, replica, seen: set[int])
                 "out of order or empty"
             )
         expected_start = stage.unit_stop
-        need = _memory(problem, stage.unit_start, stage.unit_stop, b, num_stages - s)
+        need = _memory(
+            problem, stage.unit_start, stage.unit_stop, b, num_stages - s, stage.recompute
+        )
         cap = float(problem.memory_capacity_bytes[stage.device_idx])
         if need > cap:
             need_text, cap_text = format_bytes_pair(need, cap)
@@ -86,11 +94,16 @@ def _replica_problems(problem: PlanningProblem, r: int, replica, seen: set[int])
     return errors
 
 
-def _memory(problem: PlanningProblem, start: int, stop: int, b: int, in_flight: int) -> float:
+def _memory(
+    problem: PlanningProblem, start: int, stop: int, b: int, in_flight: int, recompute: bool
+) -> float:
     need = 0.0
+    kept = 1 if recompute else in_flight
     for u in range(start, stop):
         need += float(problem.static_memory_bytes[u])
-        need += float(problem.activation_bytes_per_sample[u]) * b * in_flight
+        need += float(problem.activation_bytes_per_sample[u]) * b * kept
+    if recompute and start > 0:
+        need += float(problem.cut_bytes_per_sample[start - 1]) * b * in_flight
     if start > 0:
         need += 2.0 * float(problem.cut_bytes_per_sample[start - 1]) * b
     if stop < problem.num_units:

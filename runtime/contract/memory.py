@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from hplan.runtime.contract.errors import PlanFileError
 from hplan.runtime.contract.holders import OptimizerShards, RankSet, optimizer_shards
 from hplan.runtime.contract.plan import (
     DTYPE_BYTES,
@@ -246,3 +248,30 @@ def _gb(num_bytes: float) -> str:
     if num_bytes >= 0.1 * GIB:
         return f"{num_bytes / GIB:.2f} GiB"
     return f"{num_bytes / 1024**2:.1f} MiB"
+
+
+def check_fits(plan: Plan, where: str = "the plan") -> Plan:
+    """``plan`` itself when every rank fits its device (:func:`memory_problems`).
+
+    Raises:
+        PlanFileError: one line naming the first rank that does not fit, its bytes and its
+            device's capacity, and what to change.
+    """
+    problems = memory_problems(plan)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise PlanFileError(
+            f"{where} does not fit in memory: {problems[0]}{more}; lower the micro-batch size, "
+            "set memory_strategy recompute on that rank, or re-run `hplan solve`"
+        )
+    return plan
+
+
+def load_checked(path: str | Path) -> Plan:
+    """``Plan.load(path)``, refused when it does not fit (:func:`check_fits`): what
+    ``hplan show``, ``hplan rehearse`` and ``hplan run`` load a plan with.
+
+    Raises:
+        PlanFileError: the file is not a valid plan, or it does not fit in memory.
+    """
+    return check_fits(Plan.load(path), str(path))

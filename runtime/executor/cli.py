@@ -30,6 +30,7 @@ from hplan.runtime.contract.errors import (
     ModelFileError,
     report_internal_error,
 )
+from hplan.runtime.contract.memory import load_checked
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.quantities import S_PER_MIN
 
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 def _check_main(args: argparse.Namespace) -> int:
     where = f" (node {args.node})" if args.node else ""
     try:
-        check_node(args, Plan.load(args.plan))
+        check_node(args, load_checked(args.plan))
     except HplanError as exc:
         print(f"hplan run{where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
@@ -261,7 +262,7 @@ def run_one_rank(
 
     where = f" (node {args.node})" if args.node else ""
     try:
-        plan = Plan.load(args.plan)
+        plan = load_checked(args.plan)
         local_rank = os.environ.get("LOCAL_RANK")
         rank = resolve_rank(plan, rank=args.rank, node=args.node, local_rank=local_rank)
         where = f" (rank {rank})"
