@@ -60,6 +60,8 @@ def solve(
     summary["report"] = plan["report"]
     summary["num_replicas"] = len({r["replica"] for r in plan["ranks"]})
     summary["num_ranks"] = len(plan["ranks"])
+    summary["training"] = plan["training"]
+    summary["memory_strategies"] = [r["memory_strategy"] for r in plan["ranks"]]
     return summary
 
 

@@ -89,6 +89,7 @@ from hplan.runtime.contract.plan import (
     Schedule,
     SolverStatus,
     TrainingSpec,
+    ZeroStage,
 )
 
 
@@ -149,6 +150,9 @@ class SolveRequest:
     """H at most under local sync (``--max-local-steps``)."""
     recompute: str = RecomputePolicy.AUTO.value
     """Which stages may recompute their activations (``RecomputePolicy``)."""
+    zero: str = "auto"
+    """ZeRO stage 1 of the optimizer state: ``auto``, ``never``, ``always``
+    (``SolveOptions.zero``)."""
 
     def verify(self) -> None:
         """Check every option that can be checked without the model: ranges, micro-batch
@@ -176,6 +180,8 @@ class SolveRequest:
                 f"--precision {self.precision!r} is not one of {', '.join(PRECISION_CHOICES)}"
             )
         _check_sync(self.sync, self.max_local_steps)
+        if self.zero not in ("auto", "never", "always"):
+            raise ConfigError(f"--zero {self.zero!r} is not one of auto, never, always")
         if self.recompute not in {p.value for p in RecomputePolicy}:
             raise ConfigError(
                 f"--recompute {self.recompute!r} is not one of "
@@ -463,6 +469,7 @@ def solve_pass(r: PassResults) -> SolveResult:
             max_stages=request.max_stages,
             sync=SyncRequest(request.sync),
             max_local_steps=request.max_local_steps,
+            zero=request.zero,
         )
         return solve(problem, options, schedule=request.schedule, runtime=runtime)
     return _baseline(problem, request, runtime)
@@ -711,4 +718,7 @@ def _training_spec(request: SolveRequest, cluster: Cluster, result: SolveResult)
         master_port=request.master_port,
         steps=request.steps,
         epochs=request.epochs,
+        zero_stage=(
+            ZeroStage.OPTIMIZER_STATE if result.layout.optimizer_shard_weights else ZeroStage.NONE
+        ),
     )

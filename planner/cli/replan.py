@@ -28,6 +28,7 @@ from hplan.planner.cli.solve import (
     sync_option,
     time_limit_option,
     write_files,
+    zero_option,
 )
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
@@ -69,6 +70,7 @@ from hplan.runtime.contract.plan import Plan
 @sync_option
 @max_local_steps_option
 @recompute_option
+@zero_option
 @profile_option
 @bandwidth_option
 @click.option(
@@ -90,6 +92,7 @@ def replan(
     sync: str,
     max_local_steps: int,
     recompute: str,
+    zero: str,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     model_override: Path | None,
@@ -131,6 +134,7 @@ def replan(
         sync=sync,
         max_local_steps=max_local_steps,
         recompute=recompute,
+        zero=zero,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

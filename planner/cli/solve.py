@@ -91,6 +91,18 @@ recompute_option = click.option(
         "against other splits and micro-batch sizes; never; always: every stage."
     ),
 )
+zero_option = click.option(
+    "--zero",
+    type=click.Choice(["auto", "never", "always"]),
+    default="auto",
+    show_default=True,
+    help=(
+        "ZeRO stage 1: the ranks holding the same parameters split their optimizer state, "
+        "in uneven shards sized by each device's free memory (a rank with none keeps none), "
+        "and all-gather the updated parameters after each step. auto: searched too when the "
+        "best unsharded plan leaves a device idle, kept if faster; never; always."
+    ),
+)
 max_local_steps_option = click.option(
     "--max-local-steps",
     type=int,
@@ -184,6 +196,7 @@ profile_option = click.option(
 @sync_option
 @max_local_steps_option
 @recompute_option
+@zero_option
 @bandwidth_option
 @profile_option
 @click.option(
@@ -222,6 +235,7 @@ def solve(
     sync: str,
     max_local_steps: int,
     recompute: str,
+    zero: str,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     capture_path: Path | None,
@@ -256,6 +270,7 @@ def solve(
         sync=sync,
         max_local_steps=max_local_steps,
         recompute=recompute,
+        zero=zero,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

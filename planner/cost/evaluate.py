@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -58,6 +58,7 @@ from hplan.planner.cost.sync_cost import (
     pseudo_gradient_bytes,
     split_by_island,
 )
+from hplan.planner.cost.zero import allgather_time_s, state_saving_bytes
 from hplan.runtime.contract.holders import holders, shared_bytes
 from hplan.runtime.contract.link_model import (
     BUCKET_CAP_BYTES,
@@ -406,7 +407,9 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
         for costs, r in zip(stages, layout.replicas, strict=True)
     )
     allreduce = allreduce_time_s(problem, layout, replica_times)
-    optimizer = optimizer_time_s(problem, layout)
+    optimizer = optimizer_time_s(problem, layout) + allgather_time_s(problem, layout)
+    if layout.optimizer_shard_weights:
+        stages = _sharded(problem, layout, stages)
     inner = max(replica_times) + allreduce + optimizer
     outer = outer_sync_time_s(problem, layout, inner)
     step = inner + outer
@@ -425,6 +428,18 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
         stages=stages,
         memory_ok=memory_ok,
         outer_sync_time_s=outer,
+    )
+
+
+def _sharded(
+    problem: PlanningProblem, layout: Layout, stages: tuple[tuple[StageCost, ...], ...]
+) -> tuple[tuple[StageCost, ...], ...]:
+    """``stages`` with each stage's memory less the optimizer state ZeRO stage 1 leaves on
+    other devices (``cost.zero``)."""
+    saving = state_saving_bytes(problem, layout, layout.optimizer_shard_weights)
+    return tuple(
+        tuple(replace(c, memory_bytes=c.memory_bytes - saving[c.device_idx]) for c in costs)
+        for costs in stages
     )
 
 

@@ -69,6 +69,9 @@ class Layout:
     replicas: tuple[ReplicaLayout, ...]
     sync: IslandSync | None = None
     """Islands and their sync; None: one island, every holder set all-reduces every step."""
+    optimizer_shard_weights: tuple[float, ...] = ()
+    """ZeRO stage 1: each device's relative share of the optimizer state of the units it
+    shares, one weight per device of the problem (``cost.zero``); empty: no sharding."""
 
     @property
     def device_indices(self) -> tuple[int, ...]:

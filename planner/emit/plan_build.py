@@ -158,6 +158,11 @@ def _rank_plans(
                 memory_strategy=MemoryStrategy.RECOMPUTE
                 if stage.recompute
                 else MemoryStrategy.KEEP,
+                optimizer_shard_weight=(
+                    layout.optimizer_shard_weights[stage.device_idx]
+                    if layout.optimizer_shard_weights
+                    else 1.0
+                ),
             )
         )
     return tuple(ranks), tuple(sorted(cut_idx))

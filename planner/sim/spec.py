@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,7 @@ from hplan.planner.cost.evaluate import (
 from hplan.planner.cost.layout import Layout, ReplicaLayout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import pseudo_gradient_bytes, split_by_island
+from hplan.planner.cost.zero import allgather_time_s
 from hplan.planner.sim.engine import (
     SimChannel,
     SimLink,
@@ -282,6 +283,14 @@ def spec_from_layout(
     """
     rank_of = {d: r for r, d in enumerate(sorted(layout.device_indices))}
     replicas = tuple(_layout_replica(problem, r, rank_of, runtime) for r in layout.replicas)
+    gather_s = allgather_time_s(problem, layout)
+    if gather_s > 0:  # ZeRO stage 1: every rank waits for the shards after its step
+        replicas = tuple(
+            replace(
+                r, stages=tuple(replace(s, optimizer_s=s.optimizer_s + gather_s) for s in r.stages)
+            )
+            for r in replicas
+        )
     groups, outer = (
         _layout_groups(problem, layout, rank_of)
         if runtime is None

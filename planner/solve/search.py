@@ -86,6 +86,10 @@ class SolveOptions:
     """Which sync modes across islands the planner may choose (``sync_choice``)."""
     max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
     """H at most, under local sync."""
+    zero: str = "auto"
+    """ZeRO stage 1 (``hplan solve --zero``): ``auto`` (sharded layouts are searched too
+    when the best unsharded one leaves a device idle, and compete on speed), ``never``,
+    ``always`` (only sharded layouts)."""
 
 
 @dataclass(frozen=True)

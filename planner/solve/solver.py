@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from hplan.planner.cost.evaluate import Evaluation, evaluate, island_index
 from hplan.planner.cost.layout import Layout
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
+from hplan.planner.cost.zero import shard_weights, sharded_problem
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.search import SearchOutcome, SolveOptions, diagnose_infeasible, run_search
@@ -99,7 +100,19 @@ def solve(
         if baseline is not None and _within_max_stages(baseline, options.max_stages):
             pool.append((f"baseline: {name}", with_recompute_policy(problem, baseline)))
     local_pool = [(c.scenario, c.layout) for c in outcome.candidates if c.layout.sync is not None]
-    synchronous = _pick(problem, _ranked(problem, pool), schedule, runtime)
+    ranked = _ranked(problem, pool)
+    if options.zero == "always" or (
+        options.zero == "auto" and _leaves_devices_idle(problem, ranked)
+    ):
+        sharded = _ranked(problem, sharded_candidates(problem, options))
+        ranked = (
+            sharded
+            if options.zero == "always"
+            else sorted([*ranked, *sharded], key=lambda item: item[2].step_time_s)
+        )
+        if options.zero == "always":
+            local_pool = []
+    synchronous = _pick(problem, ranked, schedule, runtime)
     local_ranked = _closest_to_synchronous(problem, _ranked(problem, local_pool))
     local = _pick(problem, local_ranked, schedule, runtime, margin=LOCAL_TIE_SHARE)
     if synchronous is None and local is None:
@@ -132,6 +145,36 @@ def solve(
         tuple(notes),
         simulated_step_time_s=chosen.simulated_s,
     )
+
+
+def _leaves_devices_idle(
+    problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]
+) -> bool:
+    """Whether the fastest layout found leaves a device idle (or none was found): then
+    memory may be what binds, and ZeRO's shards may let the idle devices join."""
+    return not ranked or len(ranked[0][1].device_indices) < problem.num_devices
+
+
+def sharded_candidates(problem: PlanningProblem, options: SolveOptions) -> list[tuple[str, Layout]]:
+    """Layouts that fit with ZeRO stage 1's uneven shards (``cost.zero``): searched on the
+    problem with the least state any sharding leaves (``zero.sharded_problem``), each sized
+    by ``zero.shard_weights`` and kept only where every device then fits."""
+    sharded = sharded_problem(problem)
+    if sharded is None:
+        return []
+    found = []
+    for candidate in run_search(sharded, replace(options, sync=SyncRequest.ALL_REDUCE)).candidates:
+        layout = candidate.layout
+        if layout.sync is not None and layout.sync.local:
+            continue
+        evaluation = evaluate(problem, layout)
+        memory = {c.device_idx: c.memory_bytes for costs in evaluation.stages for c in costs}
+        weights = shard_weights(problem, layout, memory)
+        if weights is not None:
+            found.append(
+                (f"zero-1: {candidate.scenario}", replace(layout, optimizer_shard_weights=weights))
+            )
+    return found
 
 
 def with_recompute_policy(problem: PlanningProblem, layout: Layout) -> Layout:

@@ -27,9 +27,10 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     total = 0
     if not layout.replicas:
         return ["layout has no replicas"]
+    saving = _zero_saving(problem, layout)
     for r, replica in enumerate(layout.replicas):
         total += replica.num_samples
-        errors += _replica_problems(problem, r, replica, seen)
+        errors += _replica_problems(problem, r, replica, seen, saving)
     if total != problem.global_batch_size:
         errors.append(f"batch shares sum to {total}, not {problem.global_batch_size}")
     flags = {s.recompute for r in layout.replicas for s in r.stages}
@@ -57,7 +58,31 @@ def _island_problems(problem: PlanningProblem, layout: Layout, sync: IslandSync)
     return errors
 
 
-def _replica_problems(problem: PlanningProblem, r: int, replica, seen: set[int]) -> list[str]:  # type: ignore[no-untyped-def]
+def _zero_saving(problem: PlanningProblem, layout: Layout) -> dict[int, float]:
+    """Device -> optimizer-state bytes it leaves to the other holders of its units under
+    ZeRO stage 1 (a unit's state split in proportion to the holders' weights)."""
+    weights = layout.optimizer_shard_weights
+    if not weights or problem.optimizer_state_bytes is None:
+        return {}
+    holders: dict[int, list[int]] = {}
+    for replica in layout.replicas:
+        for stage in replica.stages:
+            for u in range(stage.unit_start, stage.unit_stop):
+                holders.setdefault(u, []).append(stage.device_idx)
+    saving: dict[int, float] = {}
+    for u, devices in holders.items():
+        if len(devices) < 2:
+            continue
+        total = sum(weights[d] for d in devices)
+        for d in devices:
+            kept = weights[d] / total if total > 0 else 0.0
+            saving[d] = saving.get(d, 0.0) + float(problem.optimizer_state_bytes[u]) * (1 - kept)
+    return saving
+
+
+def _replica_problems(  # type: ignore[no-untyped-def]
+    problem: PlanningProblem, r: int, replica, seen: set[int], saving: dict[int, float]
+) -> list[str]:
     errors = []
     expected_start = 0
     b = replica.micro_batch_size
@@ -81,7 +106,7 @@ def _replica_problems(problem: PlanningProblem, r: int, replica, seen: set[int])
         expected_start = stage.unit_stop
         need = _memory(
             problem, stage.unit_start, stage.unit_stop, b, num_stages - s, stage.recompute
-        )
+        ) - saving.get(stage.device_idx, 0.0)
         cap = float(problem.memory_capacity_bytes[stage.device_idx])
         if need > cap:
             need_text, cap_text = format_bytes_pair(need, cap)

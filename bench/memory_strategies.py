@@ -1,0 +1,133 @@
+"""Memory strategies where memory binds: the solver's mixed choice beside uniform ones.
+
+For each cluster and model, four `hplan solve` runs with the same cost model and batch:
+- ``mixed``: ``--recompute auto --zero auto`` (the solver picks per stage and per rank),
+- ``plain``: ``--recompute never --zero never`` (every stage keeps its activations, every
+  rank its whole optimizer state: what the solver could do before),
+- ``recompute``: ``--recompute always --zero never`` (everyone recomputes),
+- ``zero-1``: ``--recompute never --zero always`` (everyone shards its optimizer state).
+Prints each one's predicted samples/s (or why nothing fits), the devices it uses, and the
+mixed choice over the best uniform one. Target (issue 11): >= 1.2x where memory binds,
+never below 1.0x.
+
+The models are examples/gpt/model.py at public sizes (AdamW, fp32 master weights, the
+precision each card computes in by default): GPT-2 medium (24 x 1024, seq 1024, vocab
+50257), a 1.1B Llama-sized GPT (TinyLlama's hidden 2048, 22 layers, 32 heads, seq 2048,
+vocab 32000; a GELU MLP of 4x instead of SwiGLU's 5632) and a 3B one (OpenLLaMA-3B's hidden
+3200, 26 layers, 32 heads, seq 2048, vocab 32000).
+
+    python bench/memory_strategies.py [--time-limit 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from common import CLUSTERS, GPT, console, gpt_env, solve, table, write_cluster
+
+ONE_BOX = write_cluster(
+    """\
+name: one-box-3060x4-4090
+nodes:
+  - name: box
+    host: 127.0.0.1
+    devices:
+      - {type: rtx4090, count: 1}
+      - {type: rtx3060, count: 4}
+"""
+)
+MODELS = (
+    (
+        "GPT-2 medium",
+        {**gpt_env(layers=24, width=1024, heads=16, seq=1024), "HPLAN_GPT_VOCAB": "50257"},
+        32,
+    ),
+    (
+        "1.1B (TinyLlama size)",
+        {**gpt_env(layers=22, width=2048, heads=32, seq=2048), "HPLAN_GPT_VOCAB": "32000"},
+        32,
+    ),
+    (
+        "3B (OpenLLaMA-3B size)",
+        {**gpt_env(layers=26, width=3200, heads=32, seq=2048), "HPLAN_GPT_VOCAB": "32000"},
+        32,
+    ),
+)
+CLUSTER_ROWS = (("4x 3060 + 4090", ONE_BOX), ("home-lab", CLUSTERS / "home-lab.yaml"))
+STRATEGIES = {
+    "mixed": ["--recompute", "auto", "--zero", "auto"],
+    "plain": ["--recompute", "never", "--zero", "never"],
+    "recompute": ["--recompute", "always", "--zero", "never"],
+    "zero-1": ["--recompute", "never", "--zero", "always"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=20.0, help="per solve, seconds")
+    args = parser.parse_args()
+    columns = [
+        "cluster",
+        "model",
+        *(f"{name} samples/s" for name in STRATEGIES),
+        "mixed / best uniform",
+        "mixed uses",
+        "verdict",
+    ]
+    out = table("memory strategies (predicted; devices used / in the cluster)", columns)
+    for cluster_name, cluster in CLUSTER_ROWS:
+        for model_name, env, batch in MODELS:
+            results = {}
+            for name, flags in STRATEGIES.items():
+                with tempfile.TemporaryDirectory() as tmp:
+                    results[name] = solve(
+                        GPT,
+                        cluster,
+                        Path(tmp),
+                        env=env,
+                        args=["-b", str(batch), "--time-limit", str(args.time_limit), *flags],
+                    )
+            out.add_row(cluster_name, model_name, *_cells(results))
+            console.print(f"{cluster_name} · {model_name}: done")
+    console.print(out)
+
+
+def _rate(result: dict) -> float | None:
+    return None if "error" in result else float(result["predicted_samples_per_s"])
+
+
+def _cells(results: dict[str, dict]) -> list[str]:
+    cells = []
+    for result in results.values():
+        rate = _rate(result)
+        cells.append(
+            f"{rate:.2f} ({result['devices_used']}/{result['num_devices']})"
+            if rate is not None
+            else "does not fit"
+        )
+    mixed = _rate(results["mixed"])
+    uniform = [
+        r for name, res in results.items() if name != "mixed" and (r := _rate(res)) is not None
+    ]
+    if mixed is None:
+        return [*cells, "-", "-", results["mixed"]["error"][:80]]
+    best = max(uniform, default=None)
+    ratio = mixed / best if best else float("inf")
+    strategies = _strategies(results["mixed"])
+    plain = _rate(results["plain"])
+    binds = plain is None or results["plain"]["devices_used"] < results["plain"]["num_devices"]
+    verdict = "ok" if ratio >= 1.0 and (ratio >= 1.2 or not binds) else "BELOW TARGET"
+    return [*cells, f"{ratio:.2f}x" if best else "only mixed fits", strategies, verdict]
+
+
+def _strategies(result: dict) -> str:
+    kinds = result["memory_strategies"]
+    recompute = sum(1 for k in kinds if k == "recompute")
+    zero = ", zero-1 shards" if result["training"].get("zero_stage") else ""
+    return f"{recompute}/{len(kinds)} recompute{zero}"
+
+
+if __name__ == "__main__":
+    main()

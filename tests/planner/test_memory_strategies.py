@@ -1,0 +1,133 @@
+"""The solver's memory strategies: recomputation per stage and ZeRO stage 1's uneven shards,
+chosen where memory binds (issue 11)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.problem import RecomputePolicy
+from hplan.planner.cost.zero import state_saving_bytes
+from hplan.planner.solve.brute_force import brute_force
+from hplan.planner.solve.search import SolveOptions
+from hplan.planner.solve.solver import solve
+from hplan.planner.solve.validate import layout_problems
+from hplan.runtime.contract.errors import InfeasiblePlanError
+from tests.fixtures.problems import GB, Dev, make_problem
+
+FAST = SolveOptions(time_limit_s=30, watchdog=False)
+
+
+def _recompute_problem(policy: RecomputePolicy = RecomputePolicy.AUTO):  # type: ignore[no-untyped-def]
+    """Two 2.6 GB devices, 4 units of 0.25 GB static and 0.5 GB/sample of activations each:
+    no device holds the whole model; a two-stage pipeline keeping its activations fits
+    micro-batch 1 only (stage 0 holds two micro-batches in flight), and with stage 0
+    recomputing micro-batch 2 fits. Each micro-batch costs a fixed 10 s (larger is cheaper
+    per sample)."""
+    problem = make_problem(
+        [Dev("a", 1.0, 2.6 * GB), Dev("a", 1.0, 2.6 * GB)],
+        unit_work=[1.0] * 4,
+        global_batch_size=4,
+        micro_batch_sizes=(1, 2, 4),
+        static_bytes=0.25 * GB,
+        act_bytes_per_sample=0.5 * GB,
+        cut_bytes_per_sample=1e6,
+        per_microbatch_overhead_s=10.0,
+    )
+    return replace(problem, recompute=policy)
+
+
+def test_a_stage_recomputes_where_only_recomputing_fits_a_faster_micro_batch() -> None:
+    problem = _recompute_problem()
+    result = solve(problem, FAST)
+    (replica,) = result.layout.replicas
+    assert [s.recompute for s in replica.stages] == [True, False]
+    assert replica.micro_batch_size == 2
+    assert not layout_problems(problem, result.layout)
+    never = solve(_recompute_problem(RecomputePolicy.NEVER), FAST)
+    assert never.layout.replicas[0].micro_batch_size == 1
+    assert not never.layout.replicas[0].stages[0].recompute
+    assert result.evaluation.step_time_s < never.evaluation.step_time_s
+    best = brute_force(problem)
+    assert best is not None and result.evaluation.step_time_s == pytest.approx(best[0])
+
+
+def test_recomputing_costs_the_extra_forward_and_keeps_one_microbatch() -> None:
+    problem = _recompute_problem()
+    layout = solve(problem, FAST).layout
+    kept = replace(
+        layout,
+        replicas=tuple(
+            replace(r, stages=tuple(replace(s, recompute=False) for s in r.stages))
+            for r in layout.replicas
+        ),
+    )
+    with_recompute, without = evaluate(problem, layout), evaluate(problem, kept)
+    k = problem.micro_batch_sizes.index(layout.replicas[0].micro_batch_size)
+    first = layout.replicas[0].stages[0]
+    forward = float(
+        problem.fwd_time_s[first.device_idx, first.unit_start : first.unit_stop, k].sum()
+    )
+    assert with_recompute.stages[0][0].compute_time_s == pytest.approx(
+        without.stages[0][0].compute_time_s + forward
+    )
+    assert with_recompute.memory_ok and not without.memory_ok
+    assert layout_problems(problem, kept)  # the validator sees keeping does not fit
+
+
+def test_policies_are_obeyed() -> None:
+    always = solve(_recompute_problem(RecomputePolicy.ALWAYS), FAST)
+    assert all(s.recompute for r in always.layout.replicas for s in r.stages)
+    tight = replace(_recompute_problem(RecomputePolicy.NEVER), global_batch_size=4)
+    tight = replace(tight, memory_capacity_bytes=np.array([1.2 * GB, 1.2 * GB]))
+    with pytest.raises(InfeasiblePlanError):
+        solve(tight, FAST)
+
+
+def _zero_problem():  # type: ignore[no-untyped-def]
+    """Two 24 GB cards and one 10.5 GB card, one node, a model of one unit (no pipeline):
+    8 GB of parameters and gradients plus 8 GB of optimizer state. The small card cannot
+    hold a replica with its whole state, the 24 GB ones can; with the state sharded by
+    free memory all three can (evenly, a third of the state overflows the small card)."""
+    problem = make_problem(
+        [Dev("a", 2.0, 24 * GB), Dev("a", 2.0, 24 * GB), Dev("a", 1.0, 10.5 * GB)],
+        unit_work=[1.0],
+        global_batch_size=40,
+        micro_batch_sizes=(1, 2, 4, 8),
+        static_bytes=16 * GB,
+        act_bytes_per_sample=0.05 * GB,
+        grad_bytes=4 * GB,
+        intra_bandwidth=50e9,
+    )
+    return replace(
+        problem, optimizer_state_bytes=np.full(1, 8 * GB), recompute=RecomputePolicy.NEVER
+    )
+
+
+def test_zero_shards_unevenly_so_the_small_card_joins() -> None:
+    problem = _zero_problem()
+    plain = solve(problem, replace(FAST, zero="never"))
+    sharded = solve(problem, FAST)
+    weights = sharded.layout.optimizer_shard_weights
+    assert weights, "auto shards when the unsharded plan leaves the small card idle"
+    assert len(sharded.layout.device_indices) == 3 > len(plain.layout.device_indices)
+    assert weights[2] < weights[0] and weights[2] < weights[1]
+    assert sharded.evaluation.memory_ok and not layout_problems(problem, sharded.layout)
+    saving = state_saving_bytes(problem, sharded.layout, weights)
+    kept = {d: 8 * GB - saving[d] for d in range(3)}
+    assert sum(kept.values()) == pytest.approx(8 * GB)  # the shards add up to the state
+    assert sharded.evaluation.samples_per_s > plain.evaluation.samples_per_s
+    assert sharded.evaluation.optimizer_time_s > plain.evaluation.optimizer_time_s  # all-gather
+    even = replace(sharded.layout, optimizer_shard_weights=(1.0, 1.0, 1.0))
+    assert not evaluate(problem, even).memory_ok
+
+
+def test_zero_never_and_always() -> None:
+    problem = _zero_problem()
+    never = solve(problem, replace(FAST, zero="never"))
+    assert not never.layout.optimizer_shard_weights
+    always = solve(problem, replace(FAST, zero="always"))
+    assert always.layout.optimizer_shard_weights
