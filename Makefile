@@ -40,8 +40,9 @@ net-tools:
 	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; }; }; } || \
 	  echo "note: iproute2 (ip, tc) is not installed; the shaped-link bandwidth test will be skipped"
 
+# Two workers (pytest-xdist): CI has 2 cores and most tests wait on their ranks' processes.
 unit: setup net-tools
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2
 
 test: lint typecheck unit
 

@@ -100,7 +100,8 @@ zero_option = click.option(
         "ZeRO stage 1: the ranks holding the same parameters split their optimizer state, "
         "in uneven shards sized by each device's free memory (a rank with none keeps none), "
         "and all-gather the updated parameters after each step. auto: searched too when the "
-        "best unsharded plan leaves a device idle, kept if faster; never; always."
+        "best unsharded plan is bound by memory (a device idle, a stage recomputing or over 80% "
+        "full), kept if faster; never; always."
     ),
 )
 max_local_steps_option = click.option(

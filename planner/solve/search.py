@@ -88,7 +88,7 @@ class SolveOptions:
     """H at most, under local sync."""
     zero: str = "auto"
     """ZeRO stage 1 (``hplan solve --zero``): ``auto`` (sharded layouts are searched too
-    when the best unsharded one leaves a device idle, and compete on speed), ``never``,
+    when memory binds the best unsharded one, and compete on speed), ``never``,
     ``always`` (only sharded layouts)."""
 
 

@@ -101,9 +101,7 @@ def solve(
             pool.append((f"baseline: {name}", with_recompute_policy(problem, baseline)))
     local_pool = [(c.scenario, c.layout) for c in outcome.candidates if c.layout.sync is not None]
     ranked = _ranked(problem, pool)
-    if options.zero == "always" or (
-        options.zero == "auto" and _leaves_devices_idle(problem, ranked)
-    ):
+    if options.zero == "always" or (options.zero == "auto" and _memory_binds(problem, ranked)):
         sharded = _ranked(problem, sharded_candidates(problem, options))
         ranked = (
             sharded
@@ -147,12 +145,25 @@ def solve(
     )
 
 
-def _leaves_devices_idle(
-    problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]
-) -> bool:
-    """Whether the fastest layout found leaves a device idle (or none was found): then
-    memory may be what binds, and ZeRO's shards may let the idle devices join."""
-    return not ranked or len(ranked[0][1].device_indices) < problem.num_devices
+MEMORY_BINDS_SHARE = 0.8
+"""A stage filling more than this share of its device's usable memory counts as bound by
+memory (``_memory_binds``)."""
+
+
+def _memory_binds(problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]) -> bool:
+    """Whether memory may bind the fastest layout found, so that ZeRO's shards may help: none
+    was found, it leaves a device idle, a stage recomputes, or a stage fills more than
+    :data:`MEMORY_BINDS_SHARE` of its device."""
+    if not ranked:
+        return True
+    _, layout, evaluation = ranked[0]
+    full = any(
+        c.memory_bytes > MEMORY_BINDS_SHARE * float(problem.memory_capacity_bytes[c.device_idx])
+        for costs in evaluation.stages
+        for c in costs
+    )
+    recomputes = any(s.recompute for r in layout.replicas for s in r.stages)
+    return full or recomputes or len(layout.device_indices) < problem.num_devices
 
 
 def sharded_candidates(problem: PlanningProblem, options: SolveOptions) -> list[tuple[str, Layout]]:
