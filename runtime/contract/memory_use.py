@@ -156,10 +156,11 @@ def budget_problem(plan: Plan, record: StepMetrics) -> str | None:
         return None
     reserve = device_reserve_bytes(device.kind)
     predicted = _predicted_text(plan, record.rank)
+    measured_text, budget_text = format_bytes_pair(measured, budget)
     return (
         f"rank {rank.rank} on {rank.device} ({device.kind}) measured "
-        f"{format_bytes(measured)} of training memory by step {record.step} "
-        f"({_measured_how(record)}), over its device's budget of {format_bytes(budget)} "
+        f"{measured_text} of training memory by step {record.step} "
+        f"({_measured_how(record)}), over its device's budget of {budget_text} "
         f"(its declared {format_bytes(device.memory_bytes)} less the {device.kind} reserve "
         f"{format_bytes(reserve)}){predicted}: declare the memory {rank.device} really has "
         "in the cluster file and re-solve, or rehearse without --enforce-memory"
@@ -167,12 +168,13 @@ def budget_problem(plan: Plan, record: StepMetrics) -> str | None:
 
 
 def _measured_how(record: StepMetrics) -> str:
-    """``resident-set high-water 363.0 MB over its 326.7 MB baseline``."""
+    """``resident-set high-water 363.0 MB less the 326.7 MB its process held before its
+    stage was built``."""
     how = _MEASURES.get(record.memory_measure, "peak") if record.memory_measure else "peak"
     baseline = record.baseline_memory_bytes or 0
     return (
-        f"{how} {format_bytes(record.peak_memory_bytes)} over its {format_bytes(baseline)} "
-        "baseline before the stage was built"
+        f"{how} {format_bytes(record.peak_memory_bytes)} less the {format_bytes(baseline)} "
+        "its process held before its stage was built"
     )
 
 
@@ -266,8 +268,9 @@ def oom_cause(before: Mapping[str, int], after: Mapping[str, int]) -> str:
         return f"out of memory: the kernel's OOM killer counted {kills} meanwhile in {name}"
     if common:
         return (
-            f"not by the kernel's OOM killer: {common[0]} counted none meanwhile; a memory "
-            "watchdog (systemd-oomd, earlyoom, the batch system's limit) or a user sent it"
+            f"not by the kernel's OOM killer, which counted none meanwhile in {common[0]}; a "
+            "memory watchdog such as systemd-oomd or earlyoom, the batch system, or a user "
+            "sent it"
         )
     return "most likely out of memory; no OOM kill counter is readable here to tell"
 
@@ -286,7 +289,7 @@ def killed_description(
         else "no predicted peak in the plan report"
     )
     if last is not None:
-        measured = f"last measured {_last_measured(last)} (step {last.step}, {metrics})"
+        measured = f"last measured {_last_measured(last, metrics)}"
     elif metrics is not None:
         measured = f"no step measured before it died ({metrics} has none)"
     else:
@@ -300,16 +303,20 @@ def killed_description(
     )
 
 
-def _last_measured(record: StepMetrics) -> str:
-    """``36.2 MB of training memory (peak 363.0 MB over a 326.7 MB baseline)``, or the
-    peak alone without a baseline."""
+def _last_measured(record: StepMetrics, metrics: Path | None) -> str:
+    """``36.2 MB of training memory at step 3 (peak 363.0 MB over a 326.7 MB baseline;
+    m/rank-1.jsonl)``, or the peak alone without a baseline."""
+    where = "" if metrics is None else f"; {metrics}"
     measured = record.training_memory_bytes
     if measured is None:
-        return f"peak {format_bytes(record.peak_memory_bytes)} (no baseline recorded)"
+        return (
+            f"peak {format_bytes(record.peak_memory_bytes)} at step {record.step} (no "
+            f"baseline recorded{where})"
+        )
     return (
-        f"{format_bytes(measured)} of training memory (peak "
+        f"{format_bytes(measured)} of training memory at step {record.step} (peak "
         f"{format_bytes(record.peak_memory_bytes)} over a "
-        f"{format_bytes(record.baseline_memory_bytes or 0)} baseline)"
+        f"{format_bytes(record.baseline_memory_bytes or 0)} baseline{where})"
     )
 
 
@@ -318,9 +325,22 @@ def last_record(records: Sequence[StepMetrics]) -> StepMetrics | None:
     return max(records, key=lambda r: r.step, default=None)
 
 
-def format_bytes(num_bytes: float) -> str:
+_UNITS = ((BYTES_PER_GB, "GB"), (BYTES_PER_MB, "MB"), (BYTES_PER_KB, "kB"))
+
+
+def format_bytes(num_bytes: float, decimals: int = 1) -> str:
     """Decimal units for messages: ``1_500_000 -> "1.5 MB"``, ``512 -> "512 B"``."""
-    for scale_bytes, unit in ((BYTES_PER_GB, "GB"), (BYTES_PER_MB, "MB"), (BYTES_PER_KB, "kB")):
+    for scale_bytes, unit in _UNITS:
         if abs(num_bytes) >= scale_bytes:
-            return f"{num_bytes / scale_bytes:.1f} {unit}"
+            return f"{num_bytes / scale_bytes:.{decimals}f} {unit}"
     return f"{num_bytes:.0f} B"
+
+
+def format_bytes_pair(first_bytes: float, second_bytes: float) -> tuple[str, str]:
+    """Two different byte counts with as many decimals (1 to 4) as tell them apart:
+    ``(11.81e9, 11.8e9) -> ("11.81 GB", "11.80 GB")``."""
+    for decimals in (1, 2, 3):
+        pair = format_bytes(first_bytes, decimals), format_bytes(second_bytes, decimals)
+        if pair[0] != pair[1] or first_bytes == second_bytes:
+            return pair
+    return format_bytes(first_bytes, 4), format_bytes(second_bytes, 4)
