@@ -194,7 +194,7 @@ def _memory_measure(value: object) -> MemoryMeasure:
         ValueError: naming the value and the known ones.
     """
     try:
-        return MemoryMeasure(value)
+        return MemoryMeasure(str(value))
     except ValueError:
         known = ", ".join(m.value for m in MemoryMeasure)
         raise ValueError(f"memory_measure {value!r} is none of {known}") from None
