@@ -128,3 +128,17 @@ def test_the_memory_meter_counts_what_is_allocated_after_it_starts_and_keeps_the
     # the baseline is the resident set, far below the interpreter + torch lifetime peak
     again = MemoryMeter(torch.device("cpu"))
     assert again.peak_bytes() - again.baseline_bytes < 8 * 2**20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_meter_counts_the_allocators_bytes_from_its_start() -> None:
+    device = torch.device("cuda", 0)
+    before = torch.ones(2**20, device=device)  # 4 MiB held before the build: the baseline
+    meter = MemoryMeter(device)
+    assert meter.measure is MemoryMeasure.CUDA_ALLOCATED
+    assert meter.baseline_bytes >= before.numel() * 4
+    block = torch.ones(2**24, device=device)  # 64 MiB, freed again: the peak keeps it
+    del block
+    grown_bytes = meter.peak_bytes() - meter.baseline_bytes
+    assert 2**26 <= grown_bytes < 2**26 + 2**21
