@@ -39,12 +39,12 @@ needs_torchrun = pytest.mark.skipif(
 )
 
 
-def _solve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+def _solve(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path = MLP) -> Path:
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(TWO_NODES, encoding="utf-8")
     out = tmp_path / "out"
     argv = [
-        "solve", str(MLP), "--cluster", str(cluster), "-o", str(out), "-b", "8",
+        "solve", str(model), "--cluster", str(cluster), "-o", str(out), "-b", "8",
         "--strategy", "ddp", "--master-port", str(free_port()),  # torchrun's store; the only port
     ]  # fmt: skip
     with pytest.raises(SystemExit) as exit_info:
@@ -168,3 +168,39 @@ def test_a_mistake_in_the_options_stops_a_node_script_in_one_line_before_torchru
         assert code == 2, output
         assert len(lines) == 1 and needle in lines[0], output
         assert "torchrun" not in output.lower().replace("torchrun`", "")  # never started
+
+
+@needs_torchrun
+def test_a_rank_the_kernel_kills_is_one_line_with_its_memory_not_torchruns_table(
+    tmp_path: Path, capsys
+) -> None:
+    model = tmp_path / "model.py"  # rank 1 (node right) dies by SIGKILL in its second step
+    model.write_text(
+        MLP.read_text(encoding="utf-8").replace(
+            "def loss_fn(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:\n",
+            "CALLS = []\n\n\n"
+            "def loss_fn(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:\n"
+            "    import signal\n\n"
+            "    CALLS.append(1)\n"
+            "    if os.environ.get('RANK') == '1' and len(CALLS) == 2:\n"
+            "        os.kill(os.getpid(), signal.SIGKILL)\n",
+        ),
+        encoding="utf-8",
+    )
+    out = _solve(tmp_path, capsys, model)
+    plan = Plan.load(out / "plan.json")
+    assert plan.ranks[1].node == "right"
+    scripts = sorted((out / "launch").glob("node-*.sh"))
+    metrics = tmp_path / "metrics"
+    results = _run_all(scripts, tmp_path, "--steps", "3", "--metrics-dir", str(metrics))
+    (left_code, left), (right_code, right) = results
+    assert right_code == 1, right[-3000:]
+    killed = [line for line in right.splitlines() if line.startswith("hplan run (rank 1")]
+    assert len(killed) == 1, right[-3000:]
+    assert killed[0].startswith("hplan run (rank 1, node right): killed by SIGKILL ("), killed
+    assert "on node right, device right/0 (cpu" in killed[0]
+    assert "of training memory (plan report), last measured " in killed[0]
+    assert "at step 0 (peak " in killed[0] and str(metrics / "rank-1.jsonl") in killed[0]
+    assert "Traceback" not in right and "ChildFailedError" not in right, right[-3000:]
+    assert left_code is not None and left_code != 0  # its peer died: a peer failure
+    assert "hplan run (rank 0, node left): exited with code 1 (its error is above)" in left

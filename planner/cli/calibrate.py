@@ -1,7 +1,8 @@
 """``hplan calibrate``: measured runs -> per-rank error table and a corrected profile.
 
-A thin click layer over ``hplan.planner.profiling.calibrate``: the table goes to stderr, ``--json``
-to stdout, the corrected profile to ``-o DIR/calibrated.json``.
+A thin click layer over ``hplan.planner.profiling.calibrate``: the tables (times, then
+memory) go to stderr, ``--json`` to stdout, the corrected profile to
+``-o DIR/calibrated.json``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from hplan.planner.textfmt import format_seconds
+from hplan.planner.textfmt import format_bytes, format_seconds
 
 if TYPE_CHECKING:  # importing the CLI must not import torch (tests/test_architecture.py)
     from hplan.planner.profiling.calibrate import Calibration, RankError
+    from hplan.runtime.contract.memory_use import RankMemoryUse
 
 
 @click.command()
@@ -51,6 +53,9 @@ def calibrate(
 
     Prints the per-rank error table, flags devices more than 15% slower or faster than the
     other devices of their kind, and writes a corrected profile for `hplan solve --profile`.
+    Then, per rank, the predicted peak memory (and its parts, where the plan records them)
+    against the training memory measured: the peak less what the process held before its
+    stage was built (on CPU its resident set, on a GPU the CUDA allocator's).
     """
     from hplan.planner.emit.render import wide_console
     from hplan.planner.profiling.calibrate import calibrate as run_calibration
@@ -147,6 +152,56 @@ def print_calibration(result: Calibration, console: Console) -> None:
         console.print(
             f"[bold]straggler[/bold] {factor.device}: x {factor.time_factor:.2f} — {factor.reason}"
         )
+    if result.memory:
+        print_memory(result.memory, console)
+
+
+_PARTS = ("parameter", "gradient", "optimizer_state", "activation", "workspace")
+"""``MemoryBreakdown.<part>_bytes``, in the order shown."""
+_PART_HEADERS = ("params", "grads", "optimizer", "activations", "workspace")
+
+
+def _bytes_text(num_bytes: float | None) -> str:
+    return "-" if num_bytes is None else format_bytes(num_bytes)
+
+
+def memory_row(m: RankMemoryUse, *, parts: bool) -> list[str]:
+    """One row of the memory table (with the breakdown's columns when ``parts``)."""
+    breakdown = [
+        "-" if m.breakdown is None else format_bytes(getattr(m.breakdown, f"{p}_bytes"))
+        for p in _PARTS
+    ]
+    return [
+        str(m.rank),
+        m.device,
+        format_bytes(m.predicted_bytes) if m.predicted_bytes > 0 else "-",
+        *(breakdown if parts else []),
+        _bytes_text(m.measured_bytes),
+        "-" if m.ratio is None else f"{m.ratio:.2f}x",
+        _bytes_text(m.baseline_bytes),
+        format_bytes(m.budget_bytes),
+    ]
+
+
+def print_memory(memory: tuple[RankMemoryUse, ...], console: Console) -> None:
+    """The per-rank table of predicted and measured training memory."""
+    parts = any(m.breakdown is not None for m in memory)
+    table = Table(
+        title="predicted vs measured training memory, per rank (peak of every step and run)",
+        caption="measured: peak less the process's memory before its stage was built "
+        "(baseline); budget: device memory less its kind's reserve",
+    )
+    headers = ["rank", "device", "predicted", *(_PART_HEADERS if parts else ()), "measured"]
+    for header in (*headers, "measured/predicted", "baseline", "budget"):
+        table.add_column(header, justify="left" if header == "device" else "right")
+    for m in memory:
+        table.add_row(*memory_row(m, parts=parts))
+    console.print(table)
+    if any(m.measured_bytes is None for m in memory):
+        console.print(
+            "note: some metrics carry no baseline (written before hplan measured one); "
+            "re-run to measure their training memory"
+        )
 
 
 def calibration_summary(result: Calibration) -> dict[str, object]:
@@ -176,4 +231,25 @@ def calibration_summary(result: Calibration) -> dict[str, object]:
             {"device": f.device, "time_factor": f.time_factor, "reason": f.reason}
             for f in result.factors
         ],
+        "memory": [memory_json(m) for m in result.memory],
+    }
+
+
+def memory_json(m: RankMemoryUse) -> dict[str, object]:
+    """JSON-native view of one rank's memory, bytes."""
+    return {
+        "rank": m.rank,
+        "node": m.node,
+        "device": m.device,
+        "kind": m.kind,
+        "predicted_bytes": m.predicted_bytes,
+        "predicted_breakdown": None
+        if m.breakdown is None
+        else {f"{p}_bytes": getattr(m.breakdown, f"{p}_bytes") for p in _PARTS},
+        "measured_bytes": m.measured_bytes,
+        "measured_over_predicted": m.ratio,
+        "baseline_bytes": m.baseline_bytes,
+        "peak_bytes": m.peak_bytes,
+        "measure": None if m.measure is None else m.measure.value,
+        "budget_bytes": m.budget_bytes,
     }

@@ -106,6 +106,13 @@ def run(args: tuple[str, ...]) -> None:
     is_flag=True,
     help="Continue from the latest checkpoint in --checkpoint-dir (whatever plan wrote it).",
 )
+@click.option(
+    "--enforce-memory",
+    is_flag=True,
+    help="Fail, naming the rank, when a rank's measured training memory (its peak over what "
+    "its process held before its stage was built) exceeds its device's memory less the "
+    "device kind's reserve (for a GPU plan: its host memory standing in for the GPU's).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def rehearse(
     plan_path: Path,
@@ -121,6 +128,7 @@ def rehearse(
     checkpoint_dir: Path | None,
     checkpoint_every_steps: int | None,
     resume: bool,
+    enforce_memory: bool,
     as_json: bool,
 ) -> None:
     """Run every rank of a plan on this machine (CPU, gloo), emulating its hardware."""
@@ -152,6 +160,7 @@ def rehearse(
         trace_path=trace_path,
         slowdown=parse_slowdown(slowdowns),
         checkpointing=checkpointing,
+        enforce_memory=enforce_memory,
     )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))

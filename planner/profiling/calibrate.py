@@ -22,6 +22,11 @@ and the plan's report, and
    kind without unit timings in the profile (a plan solved from the roofline) carries its
    compute correction as a factor on every cluster device of that kind.
 
+It also sets each rank's predicted peak memory (the plan report's, with its breakdown where
+the report has one) beside the training memory its runs measured (the largest peak over
+the process's memory before its stage was built, over every step and run;
+``contract/memory_use.memory_use``), with their ratio.
+
 Units: the metrics of a rehearsal are emulated seconds; they are divided by the time scale
 the rehearsal recorded in ``emulation.json`` (emulated seconds per second of the plan's
 hardware) to get plan seconds. A real run has no such record: scale 1. The first step of
@@ -45,6 +50,7 @@ from hplan.planner.profiling.profile_file import (
 )
 from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.memory_use import RankMemoryUse, memory_use
 from hplan.runtime.contract.metrics_file import StepMetrics, read_rank_metrics
 from hplan.runtime.contract.plan import Plan
 
@@ -108,6 +114,8 @@ class Calibration:
     """Stragglers found by this calibration (their factor relative to their kind)."""
     profile: Profile
     """The corrected profile."""
+    memory: tuple[RankMemoryUse, ...] = ()
+    """Every rank's predicted and measured memory (of every plan, in order)."""
 
 
 # ------------------------------------------------------------------------------ math
@@ -495,10 +503,12 @@ def calibrate(
         ConfigError: see :func:`rank_errors`.
     """
     errors: list[RankError] = []
+    memory: list[RankMemoryUse] = []
     siblings: dict[str, str] = {}
     for plan, runs in observations:
         check_runs_of_plan(plan, runs)
         errors.extend(plan_errors := rank_errors(plan, runs))
+        memory.extend(memory_use(plan, [r for run in runs for r in run.records]))
         siblings.update({e.device: sibling_group(plan, e.device) for e in plan_errors})
     kinds = {e.device: e.kind for e in errors}
     ratios = device_ratios(errors)
@@ -519,7 +529,9 @@ def calibrate(
     profile = corrected_profile(
         base or Profile(), corrections, stragglers, cluster, optimizer, phases
     )
-    return Calibration(tuple(errors), corrections, optimizer, phases, ratios, stragglers, profile)
+    return Calibration(
+        tuple(errors), corrections, optimizer, phases, ratios, stragglers, profile, tuple(memory)
+    )
 
 
 def check_profile_out(out_dir: Path) -> None:

@@ -91,6 +91,13 @@ class DivergedError(HplanError):
     exit_code = 1
 
 
+class MemoryBudgetError(HplanError):
+    """A rank measured more training memory than its device offers the plan
+    (``hplan rehearse --enforce-memory``): the plan does not fit as it was planned."""
+
+    exit_code = 3
+
+
 class RehearsalChildError(HplanError):
     """A rank of the rehearsal failed; carries that rank's one-line error and exit code.
 

@@ -35,9 +35,18 @@ ran beside the last backward pass, from the first bucket's launch to the end of 
 (with the model file's ``MAX_GRAD_NORM`` only; null without it and in metrics written
 before hplan recorded it).
 
-``peak_memory_bytes``: ``torch.cuda.max_memory_allocated`` on a GPU; on CPU the resident-set
-peak of the process (``ru_maxrss``), which includes the Python interpreter and torch
-(measured by ``hplan.runtime.executor.seams.peak_memory_bytes``). This module needs no torch.
+Memory (measured by ``hplan.runtime.executor.seams.MemoryMeter``; ``memory_measure`` says
+how): ``baseline_memory_bytes`` is what the process held just before its stage was built
+(on CPU its resident set: the interpreter, torch, hplan and the process groups; on a GPU
+what the caching allocator had allocated, usually 0); ``peak_memory_bytes`` the peak from
+then to the end of this step (on CPU the resident-set high-water mark, on a GPU
+``torch.cuda.max_memory_allocated``). Their difference, :attr:`StepMetrics.training_memory_bytes`,
+is the rank's training memory: what the plan's memory formula predicts
+(``contract/memory.py``), the process's own overhead apart. Metrics written before hplan
+measured a baseline have ``baseline_memory_bytes`` null and a peak that, on CPU, is the
+process's whole lifetime peak (``ru_maxrss``).
+
+This module needs no torch.
 """
 
 from __future__ import annotations
@@ -47,9 +56,25 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from hplan.runtime.contract.errors import ConfigError
+
+
+class MemoryMeasure(StrEnum):
+    """How a rank measured its memory (``StepMetrics.memory_measure``)."""
+
+    CUDA_ALLOCATED = "cuda_allocated"
+    """``torch.cuda.max_memory_allocated`` since its peak was reset before the build, over
+    ``torch.cuda.memory_allocated`` then (tensors only: no CUDA context, no allocator cache)."""
+    RSS_HIGH_WATER = "rss_high_water"
+    """Linux: the resident-set high-water mark (``VmHWM``) since it was reset (``5`` written
+    to ``/proc/self/clear_refs``) before the build, over the resident set (``VmRSS``) then."""
+    RSS_LIFETIME_PEAK = "rss_lifetime_peak"
+    """Where the high-water mark cannot be reset (not Linux): the process's lifetime
+    resident-set peak (``ru_maxrss``), now and before the build. An underestimate when the
+    process peaked higher before its build (while importing) than it held at the build."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +97,8 @@ class StepMetrics:
     samples: int
     """Samples this rank's replica processed in the step."""
     peak_memory_bytes: int
+    """Peak memory from just before the stage was built to the end of this step (module
+    docstring; in metrics without a baseline, on CPU, the lifetime peak of the process)."""
     forward_time_s: float = 0.0
     """The forward part of ``compute_time_s`` (0: not recorded)."""
     grad_norm: float | None = None
@@ -87,6 +114,19 @@ class StepMetrics:
     outer_sync_time_s: float = 0.0
     """Waited for cross-island outer syncs (``local_sgd``, ``async``) after the optimizer
     step: exposed time, part of the step's sum (0: none, or not recorded)."""
+    baseline_memory_bytes: int | None = None
+    """Memory the process held just before its stage was built (None: not recorded)."""
+    memory_measure: MemoryMeasure | None = None
+    """How ``baseline_memory_bytes`` and ``peak_memory_bytes`` were measured (None: not
+    recorded)."""
+
+    @property
+    def training_memory_bytes(self) -> int | None:
+        """``peak_memory_bytes - baseline_memory_bytes`` (>= 0): what the stage, its optimizer
+        and its steps added to the process; None without a baseline."""
+        if self.baseline_memory_bytes is None:
+            return None
+        return max(0, self.peak_memory_bytes - self.baseline_memory_bytes)
 
 
 def metrics_path(metrics_dir: Path, rank: int) -> Path:
@@ -141,7 +181,23 @@ def parse_metrics_line(line: str) -> StepMetrics:
         for name in _MAYBE_NONFINITE:
             if isinstance(data.get(name), str):
                 data[name] = float(data[name])
+        measure = data.get("memory_measure")
+        if measure is not None:
+            data["memory_measure"] = _memory_measure(measure)
     return StepMetrics(**data)
+
+
+def _memory_measure(value: object) -> MemoryMeasure:
+    """``value`` as a :class:`MemoryMeasure`.
+
+    Raises:
+        ValueError: naming the value and the known ones.
+    """
+    try:
+        return MemoryMeasure(str(value))
+    except ValueError:
+        known = ", ".join(m.value for m in MemoryMeasure)
+        raise ValueError(f"memory_measure {value!r} is none of {known}") from None
 
 
 def read_rank_metrics(path: Path) -> list[StepMetrics]:
@@ -200,6 +256,10 @@ class RankSummary:
     """Mean of ``StepMetrics.allreduce_overlapped_time_s``."""
     outer_sync_time_s: float = 0.0
     """Mean of ``StepMetrics.outer_sync_time_s``."""
+    baseline_memory_bytes: int | None = None
+    """The process's memory before its stage was built (None: not recorded)."""
+    training_memory_bytes: int | None = None
+    """The largest ``StepMetrics.training_memory_bytes`` (None: no baseline recorded)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,4 +367,13 @@ def rank_summary(records: list[StepMetrics]) -> RankSummary:
         peak_memory_bytes=max(r.peak_memory_bytes for r in records),
         allreduce_overlapped_time_s=mean("allreduce_overlapped_time_s"),
         outer_sync_time_s=mean("outer_sync_time_s"),
+        baseline_memory_bytes=first.baseline_memory_bytes,
+        training_memory_bytes=max_training_memory_bytes(records),
     )
+
+
+def max_training_memory_bytes(records: Sequence[StepMetrics]) -> int | None:
+    """The largest training memory of ``records`` (one rank's), None when none has a
+    baseline."""
+    known = [m for r in records if (m := r.training_memory_bytes) is not None]
+    return max(known) if known else None

@@ -10,15 +10,25 @@ scripts export it: under torchrun an option spelled ``--node`` would be taken fo
 abbreviation of torchrun's ``--node-rank``). torch's C++ warnings (``TORCH_CPP_LOG_LEVEL``)
 are limited to errors unless the user set the variable: a rank that waits for its peers
 would otherwise print a stack trace per connection retry.
+
+``python -m hplan.runtime torchrun ARGS`` is torchrun itself (``torch.distributed.run``, in
+this process: the same arguments, the same handling of signals), which the launch scripts
+run when their Python runs hplan, so that how a rank ended is one line per failed rank: a
+rank the kernel killed (SIGKILL: out of memory, most likely) with its node, device,
+predicted peak and last measured memory (``contract/memory_use.py``), rather than
+torchrun's ``exitcode: -9`` table and traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -31,6 +41,13 @@ from hplan.runtime.contract.errors import (
     report_internal_error,
 )
 from hplan.runtime.contract.memory import load_checked
+from hplan.runtime.contract.memory_use import (
+    killed_description,
+    last_record,
+    oom_cause,
+    oom_kill_counts,
+)
+from hplan.runtime.contract.metrics_file import metrics_path, read_rank_metrics
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.quantities import S_PER_MIN
 
@@ -138,6 +155,15 @@ def run_parser() -> argparse.ArgumentParser:
         "and exit code 2 before torchrun starts; the launch scripts run it first.",
     )
     add_run_arguments(check)
+    commands.add_parser(
+        "torchrun",
+        help="torchrun itself, reporting each failed rank in one line",
+        description="Run torchrun (torch.distributed.run, same arguments) in this process; "
+        "each rank that fails is then one line, and a rank the kernel killed (SIGKILL) names "
+        "its node, device, predicted peak and last measured memory (the launch scripts use "
+        "it). See `torchrun --help` for the arguments.",
+        add_help=False,
+    )
     return parser
 
 
@@ -231,6 +257,9 @@ def check_node(args: argparse.Namespace, plan: Plan) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (hplan errors: one line on stderr)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"]:
+        return torchrun_main(argv[1:])
     args = run_parser().parse_args(argv)
     if args.command == "check":
         return _check_main(args)
@@ -278,6 +307,96 @@ def run_one_rank(
     except Exception as exc:  # a bug: one line, the traceback only when asked for
         return report_internal_error(exc, f"hplan run{where}")
     return 0
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """``torchrun ARGV`` in this process; returns its exit code: 0, the first failed
+    rank's own (1 when a signal ended it), or 128 + N when signal N stopped torchrun.
+
+    Each failed rank is one line on stderr (:func:`failure_line`); its own error is the
+    ``hplan run (rank R)`` line above it.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
+    ranks = _RankContext.of(args)
+    oom_before = oom_kill_counts()
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        for _, failure in sorted(exc.failures.items()):
+            line = ranks.failure_line(failure.local_rank, failure.exitcode, oom_before)
+            print(line, file=sys.stderr, flush=True)
+        first = exc.get_first_failure()[1].exitcode
+        return first if first > 0 else 1
+    except SignalException as exc:  # torchrun stopped its ranks (SIGTERM: they checkpoint)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+@dataclass(frozen=True)
+class _RankContext:
+    """What :func:`torchrun_main` knows of the ranks it starts: the plan, this node and the
+    metrics folder of ``-m hplan.runtime run PLAN ...`` (None each when it cannot tell)."""
+
+    plan: Plan | None
+    node: str | None
+    rank: int | None
+    metrics_dir: Path | None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> _RankContext:
+        """From torchrun's parsed arguments (its ``training_script_args``)."""
+        script_args = list(args.training_script_args)
+        if not (args.module and args.training_script == "hplan.runtime" and script_args):
+            return cls(None, None, None, None)
+        if script_args[0] != "run":
+            return cls(None, None, None, None)
+        try:
+            known, _ = command_parser(PROG).parse_known_args(script_args[1:])
+            plan = Plan.load(known.plan)
+        except (SystemExit, HplanError):  # the ranks say what is wrong, each in one line
+            return cls(None, None, None, None)
+        return cls(plan, known.node, known.rank, known.metrics_dir)
+
+    def failure_line(self, local_rank: int, exit_code: int, oom_before: dict[str, int]) -> str:
+        """One line on how the rank of ``local_rank`` ended with ``exit_code`` (negative: a
+        signal)."""
+        from hplan.runtime.executor.rendezvous import resolve_rank
+
+        rank = None
+        if self.plan is not None:
+            try:
+                rank = resolve_rank(
+                    self.plan, rank=self.rank, node=self.node, local_rank=str(local_rank)
+                )
+            except HplanError:
+                rank = None
+        who = f"rank {rank}" if rank is not None else f"local rank {local_rank}"
+        prefix = f"hplan run ({who}"
+        prefix += f", node {self.node})" if self.node else ")"
+        if exit_code > 0:
+            return f"{prefix}: exited with code {exit_code} (its error is above)"
+        if exit_code != -signal.SIGKILL:
+            return f"{prefix}: stopped by {_signal_name(-exit_code)}"
+        cause = oom_cause(oom_before, oom_kill_counts())
+        if self.plan is None or rank is None:
+            return f"{prefix}: killed by SIGKILL ({cause})"
+        metrics = metrics_path(self.metrics_dir, rank) if self.metrics_dir else None
+        last = None
+        if metrics is not None and metrics.is_file():
+            with contextlib.suppress(HplanError, OSError):
+                last = last_record(read_rank_metrics(metrics))
+        return f"{prefix}: {killed_description(self.plan, rank, cause, last, metrics)}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def exit_with(code: int) -> NoReturn:

@@ -1,4 +1,5 @@
-"""The executor's two seams: a compute clock and a link delay, with do-nothing defaults.
+"""The executor's two seams: a compute clock and a link delay, with do-nothing defaults;
+and its memory meter (:class:`MemoryMeter`).
 
 The executor runs a rank's real work and measures it; a rehearsal
 (``hplan.runtime.rehearsal``) emulates other hardware by plugging its own implementations
@@ -26,11 +27,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from hplan.runtime.contract.metrics_file import MemoryMeasure
 from hplan.runtime.contract.quantities import BYTES_PER_KIB, MS_PER_S
 
 if TYPE_CHECKING:
@@ -43,10 +46,10 @@ __all__ = [
     "CudaEventClock",
     "HostClock",
     "LinkDelay",
+    "MemoryMeter",
     "Phase",
     "Seams",
     "default_clock",
-    "peak_memory_bytes",
 ]
 
 
@@ -243,11 +246,78 @@ class Seams:
     links: LinkDelay = field(default_factory=LinkDelay)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process so far: the CUDA allocator's peak on a GPU, else the
-    process's resident-set peak (``ru_maxrss``, which includes the interpreter and torch)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+_PROC_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_RESET_HIGH_WATER = "5"
+"""Written to ``/proc/self/clear_refs``: reset the resident-set high-water mark (``VmHWM``)
+to the current resident set (Linux >= 4.0, ``Documentation/filesystems/proc.rst``)."""
+
+
+class MemoryMeter:
+    """A rank's memory from the moment it is started: its baseline then, its peak since.
+
+    Start it just before the rank's stage is built (after the interpreter, torch, hplan and
+    the process groups are in place): the difference of the two,
+    ``StepMetrics.training_memory_bytes``, is then the stage's parameters, gradients,
+    optimizer state, activations and buffers, what the plan predicts. How, by device
+    (``metrics_file.MemoryMeasure``):
+
+    - GPU: the allocator's peak is reset (``torch.cuda.reset_peak_memory_stats``); baseline
+      ``torch.cuda.memory_allocated``, peak ``torch.cuda.max_memory_allocated``;
+    - CPU on Linux: the high-water mark is reset (``5`` into ``/proc/self/clear_refs``);
+      baseline ``VmRSS``, peak ``VmHWM`` of ``/proc/self/status``;
+    - CPU elsewhere (or where ``clear_refs`` cannot be written): ``ru_maxrss``, the lifetime
+      peak, for both; the difference misses what the build reused of an earlier, higher
+      peak.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.measure = MemoryMeasure.CUDA_ALLOCATED
+            self.baseline_bytes = int(torch.cuda.memory_allocated(device))
+        elif _reset_high_water():
+            self.measure = MemoryMeasure.RSS_HIGH_WATER
+            self.baseline_bytes = _status_bytes("VmRSS")
+        else:
+            self.measure = MemoryMeasure.RSS_LIFETIME_PEAK
+            self.baseline_bytes = _lifetime_peak_bytes()
+
+    def peak_bytes(self) -> int:
+        """The peak since the meter started (or, ``RSS_LIFETIME_PEAK``, ever)."""
+        if self.measure is MemoryMeasure.CUDA_ALLOCATED:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.measure is MemoryMeasure.RSS_HIGH_WATER:
+            return _status_bytes("VmHWM")
+        return _lifetime_peak_bytes()
+
+
+def _reset_high_water() -> bool:
+    """Reset this process's resident-set high-water mark; False where Linux's interface
+    to do so is missing or refused."""
+    try:
+        _CLEAR_REFS.write_text(_RESET_HIGH_WATER, encoding="ascii")
+        _status_bytes("VmHWM")
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes.
+
+    Raises:
+        OSError: no such file. ValueError: no such field.
+    """
+    for line in _PROC_STATUS.read_text(encoding="ascii").splitlines():
+        name, _, value = line.partition(":")
+        if name == field:
+            return int(value.split()[0]) * BYTES_PER_KIB
+    raise ValueError(f"no {field} in {_PROC_STATUS}")
+
+
+def _lifetime_peak_bytes() -> int:
+    """``ru_maxrss`` of this process, in bytes (Linux reports kibibytes, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports kibibytes, macOS bytes.
     return int(peak if sys.platform == "darwin" else peak * BYTES_PER_KIB)

@@ -73,8 +73,8 @@ from hplan.runtime.executor.machine import set_rank_threads
 from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync, check_verify
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
-from hplan.runtime.executor.rendezvous import barrier
-from hplan.runtime.executor.seams import Seams, default_clock, peak_memory_bytes
+from hplan.runtime.executor.rendezvous import barrier, rank_device
+from hplan.runtime.executor.seams import MemoryMeter, Seams, default_clock
 from hplan.runtime.executor.worker import (
     RunOptions,
     build_rank,
@@ -143,7 +143,7 @@ def run_rank(
 def _train(
     plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions, seams: Seams
 ) -> None:
-    parts, options = _build_same_job(plan, rank, model_path, options, seams)
+    parts, options, memory = _build_same_job(plan, rank, model_path, options, seams)
     buckets = build_buckets(plan, rank, parts.params, delay=seams.links)
     outer = build_outer_sync(
         plan,
@@ -158,7 +158,7 @@ def _train(
     scheduler = _scheduler(parts, first_step)
     clip = build_grad_clip(plan, rank, parts.params, parts.model_file.max_grad_norm, parts.device)
     runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device), clip)
-    loop = _Loop(parts, runner, options, checkpointer, scheduler, outer)
+    loop = _Loop(parts, runner, options, checkpointer, scheduler, memory, outer)
     barrier(rank, "start of training")
     with Preemption() as preemption:
         loop.run(first_step, preemption)
@@ -167,9 +167,10 @@ def _train(
 
 def _build_same_job(
     plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions, seams: Seams
-) -> tuple[RankParts, RunOptions]:
+) -> tuple[RankParts, RunOptions, MemoryMeter]:
     """Build this rank, then check with every rank that all built the same job; return the
-    rank and ``options`` with the steps to train resolved (``worker.training_steps``).
+    rank, ``options`` with the steps to train resolved (``worker.training_steps``) and the
+    memory meter started just before the build (``seams.MemoryMeter``).
 
     Raises:
         HplanError: this rank's own build error (after telling the others).
@@ -181,8 +182,10 @@ def _build_same_job(
     except OSError:
         model_sha256 = None
     parts: RankParts | None = None
+    memory: MemoryMeter | None = None
     failure: HplanError | None = None
     try:
+        memory = MemoryMeter(rank_device(plan, plan.ranks[rank], options.device))
         parts = build_rank(plan, rank, model_path, options, links=seams.links)
         options = replace(
             options, steps=training_steps(plan, options, parts.source.steps_per_epoch)
@@ -202,8 +205,8 @@ def _build_same_job(
         if failure is not None:
             raise failure from None  # this rank's own error, with its exit code
         raise
-    assert parts is not None
-    return parts, options
+    assert parts is not None and memory is not None
+    return parts, options, memory
 
 
 def check_options(plan: Plan, options: RunOptions) -> None:
@@ -297,10 +300,12 @@ class _Loop:
         options: RunOptions,
         checkpointer: Checkpointer | None,
         scheduler: object | None,
+        memory: MemoryMeter,
         outer: OuterSync | None = None,
     ) -> None:
         self.parts, self.runner, self.options = parts, runner, options
         self.checkpointer, self.scheduler = checkpointer, scheduler
+        self.memory = memory
         self.outer = outer
         self.control = StepControl(parts.device, parts.plan.num_replicas)
         self.progress: RunProgress | None = None
@@ -349,6 +354,7 @@ class _Loop:
             for step in range(first_step, last_step + 1):
                 record = _train_step(
                     self.runner,
+                    self.memory,
                     step,
                     verify=options.verify_dir if step == first_step else None,
                     outer=self.outer,
@@ -471,6 +477,7 @@ _STOP = StepFlags.PREEMPTED | StepFlags.NONFINITE_LOSS
 
 def _train_step(
     runner: StepRunner,
+    memory: MemoryMeter,
     step: int,
     verify: Path | None,
     outer: OuterSync | None = None,
@@ -520,12 +527,14 @@ def _train_step(
         other_time_s=max(0.0, step_s - accounted),
         loss=loss,
         samples=rp.num_samples,
-        peak_memory_bytes=peak_memory_bytes(parts.device),
+        peak_memory_bytes=memory.peak_bytes(),
         forward_time_s=times.forward_s,
         grad_norm=grad_norm,
         end_unix_time_s=time.time(),
         allreduce_overlapped_time_s=times.allreduce_overlapped_s,
         outer_sync_time_s=outer_s,
+        baseline_memory_bytes=memory.baseline_bytes,
+        memory_measure=memory.measure,
     )
 
 

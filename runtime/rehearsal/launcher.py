@@ -12,7 +12,9 @@ reported it); on the first failure torch's process context stops the others, and
 timeout this module does, with SIGKILL (a terminated supervisor first sends SIGTERM and
 gives the ranks ``PREEMPTION_GRACE_S`` to checkpoint); then one error is raised: the failed rank's own
 last error line, preferring a root cause over the peer failures it causes (any rank's log
-may hold it), or the timeout.
+may hold it), or the timeout. A rehearsal rank that SIGKILL ended (the kernel's
+out-of-memory killer, a memory watchdog) is reported with its predicted and last measured
+memory (``contract/memory_use.py``).
 """
 
 from __future__ import annotations
@@ -41,8 +43,16 @@ from torch.distributed.elastic.multiprocessing.api import (
 from hplan.runtime.contract.errors import (
     ConfigError,
     HplanError,
+    MemoryBudgetError,
     PeerFailureError,
     RehearsalChildError,
+)
+from hplan.runtime.contract.memory_use import (
+    budget_problem,
+    killed_description,
+    last_record,
+    oom_cause,
+    oom_kill_counts,
 )
 from hplan.runtime.contract.metrics_file import (
     StepMetrics,
@@ -128,12 +138,38 @@ def prepare_dir(metrics_dir: Path, plan: Plan) -> Path:
 
 
 def run_children(
-    world_size: int, command: ChildCommand, timeout_s: float, console: Console
+    plan: Plan,
+    command: ChildCommand,
+    timeout_s: float,
+    console: Console,
+    *,
+    enforce_memory: bool = False,
 ) -> None:
-    """Start every rank of a rehearsal (a free port, one thread each) and supervise them."""
+    """Start every rank of a rehearsal of ``plan`` (a free port, one thread each) and
+    supervise them.
+
+    A rank killed by SIGKILL is reported with its figures and whether the kernel's
+    out-of-memory killer counted it (``memory_use.killed_description``). With
+    ``enforce_memory``, each step a rank reports is checked against its device's budget
+    (``memory_use.budget_problem``), and the first over it stops the rehearsal.
+
+    Raises:
+        RehearsalChildError: a rank failed. MemoryBudgetError: a rank exceeded its budget.
+        PeerFailureError: the timeout.
+    """
+    world_size = plan.world_size
     master_port = free_port()
     logs = [command.metrics_dir / f"rank-{r}.log" for r in range(world_size)]
-    progress = _Progress(command.metrics_dir, world_size, console)
+    check = _budget_check(plan) if enforce_memory else None
+    progress = _Progress(command.metrics_dir, world_size, console, check)
+    oom_before = oom_kill_counts()
+
+    def killed(rank: int) -> str:
+        path = metrics_path(command.metrics_dir, rank)
+        last = last_record(progress.records[rank]) if rank < world_size else None
+        cause = oom_cause(oom_before, oom_kill_counts())
+        return killed_description(plan, rank, cause, last, path)
+
     supervise(
         "hplan-rehearsal",
         [command.for_rank(rank, master_port) for rank in range(world_size)],
@@ -145,6 +181,7 @@ def run_children(
         failure=lambda rank, code, line: RehearsalChildError(
             f"rank {rank} failed (exit {code}): {line} (full log: {logs[rank]})", code
         ),
+        describe_kill=killed,
         timeout=lambda running: PeerFailureError(
             f"rehearsal timed out after {timeout_s:.0f} s with ranks {running} still "
             f"running (killed); see their logs in {logs[0].parent} and raise --timeout "
@@ -263,15 +300,35 @@ def last_error_line(log: Path, is_error_line: Callable[[str], bool]) -> str:
     return (tagged or lines or ["(no output)"])[-1]
 
 
-class _Progress:
-    """Prints each step once every rank has reported it (reads only new complete lines)."""
+def _budget_check(plan: Plan) -> Callable[[StepMetrics], None]:
+    """``--enforce-memory``: raise on a step whose training memory exceeds its rank's
+    device budget (``memory_use.budget_problem``)."""
 
-    def __init__(self, metrics_dir: Path, world_size: int, console: Console) -> None:
+    def check(record: StepMetrics) -> None:
+        problem = budget_problem(plan, record)
+        if problem is not None:
+            raise MemoryBudgetError(problem)
+
+    return check
+
+
+class _Progress:
+    """Prints each step once every rank has reported it (reads only new complete lines);
+    passes each new record to ``check`` first."""
+
+    def __init__(
+        self,
+        metrics_dir: Path,
+        world_size: int,
+        console: Console,
+        check: Callable[[StepMetrics], None] | None = None,
+    ) -> None:
         self.paths = [metrics_path(metrics_dir, r) for r in range(world_size)]
         self.offsets = [0] * world_size
         self.records: list[list[StepMetrics]] = [[] for _ in range(world_size)]
         self.console = console
         self.printed = 0
+        self.check = check
 
     def poll(self) -> None:
         """Print the steps that every rank has reported since the last poll."""
@@ -291,7 +348,10 @@ class _Progress:
         complete = new_complete_lines(path, self.offsets[rank])
         self.offsets[rank] += len(complete)
         for line in complete.decode("utf-8").splitlines():
-            self.records[rank].append(parse_metrics_line(line))
+            record = parse_metrics_line(line)
+            self.records[rank].append(record)
+            if self.check is not None:
+                self.check(record)
 
 
 @contextlib.contextmanager
@@ -315,6 +375,7 @@ def supervise(
     is_error_line: Callable[[str], bool],
     failure: Callable[[int, int, str], HplanError],
     timeout: Callable[[list[int]], HplanError],
+    describe_kill: Callable[[int], str] | None = None,
 ) -> None:
     """Run one process per rank until all end; on the first failure or at the timeout,
     stop them all and raise.
@@ -322,6 +383,8 @@ def supervise(
     Args:
         args: per rank, the arguments after the Python interpreter.
         logs: per rank, the file its stderr goes to.
+        describe_kill: what to say of a rank that SIGKILL ended (default: ``killed by
+            SIGKILL`` and its last line).
 
     Raises:
         ``failure(rank, exit code, its last error line)``: for the rank to report: a failed
@@ -342,7 +405,7 @@ def supervise(
                 if result is not None and result.is_failed():
                     failed = first_failed or sorted(result.failures)
                     codes = {r: h.proc.poll() for r, h in context.subprocess_handlers.items()}
-                    raise _reported(failed, codes, logs, is_error_line, failure)
+                    raise _reported(failed, codes, logs, is_error_line, failure, describe_kill)
                 if result is not None:
                     return
                 if time.monotonic() > deadline_s:
@@ -370,6 +433,7 @@ def _reported(
     logs: Sequence[Path],
     is_error_line: Callable[[str], bool],
     failure: Callable[[int, int, str], HplanError],
+    describe_kill: Callable[[int], str] | None = None,
 ) -> HplanError:
     """The error for the rank whose failure explains the others (see :func:`supervise`).
 
@@ -398,7 +462,9 @@ def _reported(
     rank = ranked[0] if ranked and not blame(ranked[0])[0] else (others or ranked)[0]
     code = codes.get(rank)
     line = lines[rank]
-    if code is not None and code < 0 and not is_error_line(line):
+    if code == -signal.SIGKILL and describe_kill is not None and not is_error_line(line):
+        line = describe_kill(rank)
+    elif code is not None and code < 0 and not is_error_line(line):
         line = f"killed by {_signal_name(-code)} (its last line: {line})"
     return failure(rank, code if code is not None and code > 0 else 1, line)
 

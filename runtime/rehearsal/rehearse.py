@@ -60,7 +60,12 @@ from rich.console import Console
 from hplan.runtime.capture.model_file import ModelFile, checked_loss, load_model_file
 from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.contract.emulation_file import EmulationRecord
-from hplan.runtime.contract.errors import ConfigError, PeerFailureError, RehearsalChildError
+from hplan.runtime.contract.errors import (
+    ConfigError,
+    MemoryBudgetError,
+    PeerFailureError,
+    RehearsalChildError,
+)
 from hplan.runtime.contract.metrics_file import (
     RankSummary,
     StepSummary,
@@ -219,6 +224,7 @@ def rehearse(
     trace_path: Path | None = None,
     slowdown: Mapping[str, float] | None = None,
     checkpointing: Checkpointing | None = None,
+    enforce_memory: bool = False,
 ) -> RehearsalResult:
     """Run every rank of ``plan`` on this machine, emulating its hardware.
 
@@ -240,9 +246,14 @@ def rehearse(
         trace_path: write the last step's measured timeline here (Chrome trace JSON).
         slowdown: device name -> factor (> 0) its compute is slowed by (a straggler).
         checkpointing: the ranks save checkpoints there (and resume from the latest).
+        enforce_memory: stop the rehearsal when a rank's measured training memory (its
+            peak over its memory before its stage was built) exceeds its device's memory
+            less the device kind's reserve (``contract/memory_use.py``).
 
     Raises:
-        RehearsalChildError: a rank failed; its one-line error and exit code are kept.
+        RehearsalChildError: a rank failed; its one-line error and exit code are kept (a
+            rank that SIGKILL ended: with its predicted and last measured memory).
+        MemoryBudgetError: ``enforce_memory`` and a rank exceeded its device's budget.
         PeerFailureError: the run exceeded ``timeout_s`` (every rank is killed).
         ModelFileError, ConfigError: bad inputs.
     """
@@ -270,6 +281,7 @@ def rehearse(
         trace_path=trace_path,
         slowdown=slowdown,
         checkpointing=checkpointing,
+        enforce_memory=enforce_memory,
     )
     for name in unused:
         run.console.print(f"note: --slowdown {name}: this plan runs no rank on it (no effect)")
@@ -279,7 +291,7 @@ def rehearse(
     keep = False
     try:
         return dataclasses.replace(run.into(temporary), metrics_dir=None)
-    except (RehearsalChildError, PeerFailureError):
+    except (RehearsalChildError, PeerFailureError, MemoryBudgetError):
         keep = True  # the message names the rank logs in it
         raise
     finally:
@@ -331,6 +343,7 @@ class _Run:
     trace_path: Path | None = None
     slowdown: dict[str, float] = dataclasses.field(default_factory=dict)
     checkpointing: Checkpointing | None = None
+    enforce_memory: bool = False
 
     def into(self, metrics_dir: Path) -> RehearsalResult:
         """Rehearse with metrics and logs in ``metrics_dir``; print and return the result."""
@@ -373,7 +386,7 @@ class _Run:
         command = ChildCommand(
             plan_path, self.model, self.steps, metrics_dir, dilation, scale, verify_dir, extra
         )
-        run_children(plan.world_size, command, self.timeout_s, console)
+        run_children(plan, command, self.timeout_s, console, enforce_memory=self.enforce_memory)
         summary = summarize_metrics(metrics_dir)
         verified = verify_first_step(plan, model_file, verify_dir) if verify_dir else None
         predicted = predicted_samples_per_s(plan, scale)

@@ -357,3 +357,32 @@ def test_runs_of_one_step_are_named_and_a_bad_output_is_refused_first(plan, tmp_
     with pytest.raises(ConfigError, match="is a file; give a directory"):
         check_profile_out(tmp_path / "afile")
     check_profile_out(tmp_path / "new")  # absent: fine, created when written
+
+
+def test_calibrate_sets_each_ranks_measured_training_memory_beside_its_prediction(tmp_path):
+    # 6 layers of width 1024: 25 MB of parameters, so that the plan's tensors (parameters,
+    # gradients, Adam's two moments: ~100 MB a rank) outweigh what a process adds besides
+    # (~15-30 MB: autograd, the traced model, gloo's buffers)
+    model = tmp_path / "wide_mlp.py"
+    text = MLP.read_text(encoding="utf-8")
+    text = text.replace('"HPLAN_MLP_WIDTH", "128"', '"HPLAN_MLP_WIDTH", "1024"')
+    model.write_text(text.replace('"HPLAN_MLP_LAYERS", "8"', '"HPLAN_MLP_LAYERS", "6"'))
+    plan = _solve(tmp_path, strategy=Strategy.DATA_PARALLEL, model=model)
+    run = tmp_path / "run"
+    rehearse(plan, model_path=model, metrics_dir=run, steps=2, dilation=4.0, timeout_s=240.0)
+    rows = calibrate([(plan, load_runs(run))]).memory
+    assert [r.rank for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert row.predicted_bytes > 90e6 and row.measured_bytes is not None
+        assert row.baseline_bytes is not None and row.baseline_bytes > 100e6  # torch and all
+        # every tensor the plan counts is resident (>= 1x); measured 2.3x on 2 cores: the
+        # rest is gradient buckets, the optimizer's temporaries and the process's growth
+        assert row.ratio is not None and 1.0 <= row.ratio <= 4.0, row
+    result = CliRunner().invoke(cli, ["calibrate", str(run / "plan.json"), str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    assert "predicted vs measured training memory" in result.stderr
+    assert "measured/predicted" in result.stderr
+    memory = json.loads(result.stdout)["memory"]
+    assert [m["rank"] for m in memory] == [0, 1, 2]
+    assert memory[0]["measured_over_predicted"] == pytest.approx(rows[0].ratio)
+    assert memory[0]["measure"] == "rss_high_water" and memory[0]["node"] == "box"

@@ -151,9 +151,10 @@ def test_node_script_runs_torchrun_with_the_node_rank_and_sizes() -> None:
     flat = " ".join(line.rstrip("\\").strip() for line in script.splitlines())
     assert "export HPLAN_NODE=box-b" in script.splitlines()
     assert (
-        "exec torchrun --nnodes 2 --node-rank 1 --nproc-per-node 3 --master-addr 10.0.0.1 "
-        '--master-port 29500 -m hplan.runtime run "$PLAN" "$@"'
+        'exec "${TORCHRUN[@]}" --nnodes 2 --node-rank 1 --nproc-per-node 3 --master-addr '
+        '10.0.0.1 --master-port 29500 -m hplan.runtime run "$PLAN" "$@"'
     ) in flat
+    assert "TORCHRUN=(torchrun)" in script.splitlines()
 
 
 def test_nodes_without_ranks_get_no_script_and_do_not_count() -> None:
@@ -324,6 +325,29 @@ def test_node_script_passes_plan_path_and_arguments_to_torchrun(tmp_path: Path) 
     ]  # fmt: skip
     assert Path(argv[argv.index("run") + 1]).resolve() == (out / "plan.json").resolve()
     assert _recorded_node(env) == "box-a"
+
+
+@needs_bash
+@pytest.mark.parametrize("check_exit", [0, 1])
+def test_node_script_runs_torchrun_in_hplans_wrapper_where_its_python_passes_the_check(
+    tmp_path: Path, check_exit: int
+) -> None:
+    out = _copied_out_dir(mixed_plan(), tmp_path)
+    env = _fake_tools(tmp_path)
+    python = tmp_path / "bin" / "python"  # next to torchrun: the environment's Python
+    python.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$3" = check ]; then exit {check_exit}; fi\n' + _RECORDER.split("\n", 1)[1],
+        encoding="utf-8",
+    )
+    python.chmod(0o755)
+    argv = _run(out / "launch" / "node-box-a.sh", env, tmp_path, "--steps", "3")
+    launcher = ["python", "-m", "hplan.runtime", "torchrun"] if check_exit == 0 else ["torchrun"]
+    assert argv == [
+        *launcher, "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "2",
+        "--master-addr", "10.0.0.1", "--master-port", "29500", "-m", "hplan.runtime", "run",
+        f"{out / 'launch'}/../plan.json", "--steps", "3",
+    ]  # fmt: skip
 
 
 @needs_bash

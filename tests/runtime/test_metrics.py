@@ -9,6 +9,7 @@ import pytest
 
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.metrics_file import (
+    MemoryMeasure,
     MetricsWriter,
     StepMetrics,
     read_rank_metrics,
@@ -141,3 +142,35 @@ def test_rounds_with_outer_syncs_are_timed_by_their_mean_step() -> None:
     assert [s.outer_sync_time_s for s in summary.steps] == [0.4 if t == 0.5 else 0.0 for t in times]
     synchronous = summarize_records([replace(r, outer_sync_time_s=0.0) for r in records])
     assert synchronous.samples_per_s == pytest.approx(6 / 0.1)  # the median: no rounds
+
+
+def test_training_memory_is_the_peak_over_the_baseline_and_old_lines_have_none(
+    tmp_path: Path,
+) -> None:
+    records = [
+        replace(
+            _BASE,
+            step=i,
+            peak_memory_bytes=peak,
+            baseline_memory_bytes=300,
+            memory_measure=MemoryMeasure.RSS_HIGH_WATER,
+        )
+        for i, peak in enumerate((350, 420, 410))
+    ]
+    _write(tmp_path, records)
+    path = tmp_path / "rank-0.jsonl"
+    assert read_rank_metrics(path) == records
+    assert '"memory_measure": "rss_high_water"' in path.read_text()
+    assert [r.training_memory_bytes for r in records] == [50, 120, 110]
+    summary = summarize_metrics(tmp_path).ranks[0]
+    assert (summary.baseline_memory_bytes, summary.training_memory_bytes) == (300, 120)
+    old = path.read_text().splitlines()[0]
+    old = old.replace(', "baseline_memory_bytes": 300, "memory_measure": "rss_high_water"', "")
+    assert "baseline" not in old and "measure" not in old
+    path.write_text(old + "\n")
+    [record] = read_rank_metrics(path)
+    assert record.baseline_memory_bytes is None and record.training_memory_bytes is None
+    assert summarize_metrics(tmp_path).ranks[0].training_memory_bytes is None
+    path.write_text(old.replace("}", ', "memory_measure": "vibes"}') + "\n")
+    with pytest.raises(ConfigError, match="memory_measure 'vibes' is none of cuda_allocated"):
+        read_rank_metrics(path)

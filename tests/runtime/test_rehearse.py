@@ -7,6 +7,7 @@ differ in batch share and layer split, one pipelined over two stages.
 from __future__ import annotations
 
 import io
+import re
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -18,11 +19,13 @@ from rich.console import Console
 from hplan.runtime.capture.model_file import checked_loss, load_model_file
 from hplan.runtime.contract.errors import (
     ConfigError,
+    MemoryBudgetError,
     ModelFileError,
     PeerFailureError,
     RehearsalChildError,
 )
-from hplan.runtime.contract.plan import Backend, Plan
+from hplan.runtime.contract.memory import CPU_RESERVE_BYTES, memory_problems, usable_memory_bytes
+from hplan.runtime.contract.plan import Backend, Plan, RankReport
 from hplan.runtime.rehearsal.emulation import rank_speeds
 from hplan.runtime.rehearsal.rehearse import (
     MIN_DILATION,
@@ -257,3 +260,86 @@ def test_a_rehearsal_that_cannot_fit_this_machine_is_refused_before_any_rank_sta
     small = tuple(replace(r, memory_bytes=10**8) for r in plan.report.ranks)
     _check_host_memory(replace(plan, report=replace(plan.report, ranks=small)), meminfo)
     _check_host_memory(big, tmp_path / "no-meminfo")  # not Linux: no check
+
+
+def _with_memory(plan: Plan, *, device_bytes: float, predicted_bytes: int) -> Plan:
+    """``plan`` with every device declaring ``device_bytes`` and every rank predicted at
+    ``predicted_bytes`` (the placeholder report has no ranks)."""
+    devices = tuple(replace(d, memory_bytes=int(device_bytes)) for d in plan.cluster.devices)
+    ranks = tuple(
+        RankReport(
+            rank=r.rank,
+            stage_time_per_microbatch_s=0.0,
+            busy_time_s=0.0,
+            memory_bytes=predicted_bytes,
+            memory_capacity_bytes=int(usable_memory_bytes(device_bytes, "cpu")),
+        )
+        for r in plan.ranks
+    )
+    return replace(
+        plan,
+        cluster=replace(plan.cluster, devices=devices),
+        report=replace(plan.report, ranks=ranks),
+    )
+
+
+def test_enforce_memory_fails_a_rank_over_its_declared_cpu_memory_in_one_line(
+    tmp_path: Path,
+) -> None:
+    path = write_model(tmp_path, NUMBERED_DATASET)
+    plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=4)])
+    # 1 MB for training: the predicted 20 kB fits (the plan is valid), what the ranks really
+    # add (their stage, autograd, gloo's buffers: several MB) does not
+    plan = _with_memory(plan, device_bytes=CPU_RESERVE_BYTES + 1e6, predicted_bytes=20_000)
+    assert memory_problems(plan) == []
+    result = rehearse(plan, steps=2, metrics_dir=tmp_path / "free", timeout_s=TIMEOUT_S)
+    measured = [r.training_memory_bytes for r in result.ranks]
+    assert all(m is not None and m > 1e6 for m in measured), measured  # it would not fit
+    with pytest.raises(MemoryBudgetError) as info:
+        rehearse(
+            plan,
+            steps=2,
+            metrics_dir=tmp_path / "enforced",
+            timeout_s=TIMEOUT_S,
+            enforce_memory=True,
+        )
+    message = str(info.value)
+    assert info.value.exit_code == 3 and "\n" not in message
+    assert re.search(
+        r"^rank [01] on n0/[01] \(cpu\) measured [\d.]+ MB of training memory by step 0 "
+        r"\(resident-set high-water [\d.]+ MB less the [\d.]+ MB its process held before "
+        r"its stage was built\), over its device's budget of 1\.0 MB \(its declared [\d.]+ "
+        r"[kMG]?B less the cpu reserve [\d.]+ [kMG]?B\); the plan predicted 20\.0 kB: declare",
+        message,
+    ), message
+
+
+KILLED_RANK = NUMBERED_DATASET.replace(
+    "    def loss_fn(pred, target):\n",
+    "    CALLS = []\n\n\n"
+    "    def loss_fn(pred, target):\n"
+    "        import signal\n"
+    "        CALLS.append(1)\n"
+    "        if os.environ.get('RANK') == '1' and len(CALLS) == 2:  # its second step\n"
+    "            os.kill(os.getpid(), signal.SIGKILL)\n",
+)
+
+
+def test_a_rank_killed_by_sigkill_is_reported_with_its_memory_not_a_bare_signal(
+    tmp_path: Path,
+) -> None:
+    path = write_model(tmp_path, KILLED_RANK)
+    plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=2)])
+    plan = _with_memory(plan, device_bytes=8e9, predicted_bytes=20_000)
+    with pytest.raises(RehearsalChildError) as info:
+        rehearse(plan, steps=3, metrics_dir=tmp_path / "m", timeout_s=TIMEOUT_S)
+    message = str(info.value)
+    assert "\n" not in message and info.value.exit_code == 1
+    assert message.startswith("rank 1 failed (exit 1): killed by SIGKILL ("), message
+    assert re.search(
+        r"\) on node n0, device n0/1 \(cpu, 8\.0 GB declared\): predicted peak 20\.0 kB of "
+        r"training memory \(plan report\), last measured [\d.]+ [kM]B of training memory at "
+        r"step 0 \(peak [\d.]+ MB over a [\d.]+ MB baseline; .*rank-1\.jsonl\); if it ran out "
+        "of memory",
+        message,
+    ), message

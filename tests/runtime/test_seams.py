@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.metrics_file import MemoryMeasure
 from hplan.runtime.executor.rendezvous import check_torchrun_rank, rendezvous_address
 from hplan.runtime.executor.seams import (
     CudaEventClock,
     HostClock,
     LinkDelay,
+    MemoryMeter,
     Phase,
     default_clock,
 )
@@ -107,3 +109,36 @@ def test_a_failing_action_shows_the_schedule_above_its_one_line_error(tmp_path: 
     assert lines[header + 1] == "columns: Rank 0 = plan rank 0, Rank 1 = plan rank 1"
     assert lines[header + 3].endswith("<-- ERROR HERE") and "1F0" in lines[header + 3]
     assert "Traceback" not in last.stderr
+
+
+def test_the_memory_meter_counts_what_is_allocated_after_it_starts_and_keeps_the_peak() -> None:
+    size_bytes = 64 * 2**20
+    meter = MemoryMeter(torch.device("cpu"))
+    block = torch.ones(size_bytes // 4)  # touched: resident
+    peak_bytes = meter.peak_bytes()
+    del block
+    # a peak, not the current size (Linux's resident-set counters are approximate per CPU)
+    assert meter.peak_bytes() >= peak_bytes - 2**20
+    grown_bytes = peak_bytes - meter.baseline_bytes
+    if meter.measure is MemoryMeasure.RSS_LIFETIME_PEAK:
+        assert grown_bytes >= 0  # the lifetime peak may already have been higher
+        return
+    assert meter.measure is MemoryMeasure.RSS_HIGH_WATER
+    assert size_bytes <= grown_bytes < size_bytes + 32 * 2**20
+    # the baseline is the resident set, far below the interpreter + torch lifetime peak
+    again = MemoryMeter(torch.device("cpu"))
+    assert again.peak_bytes() - again.baseline_bytes < 8 * 2**20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_meter_counts_the_allocators_bytes_from_its_start() -> None:
+    device = torch.device("cuda", 0)
+    before = torch.ones(2**20, device=device)  # 4 MiB held before the build: the baseline
+    meter = MemoryMeter(device)
+    assert meter.measure is MemoryMeasure.CUDA_ALLOCATED
+    assert meter.baseline_bytes >= before.numel() * 4
+    block = torch.ones(2**24, device=device)  # 64 MiB, freed again: the peak keeps it
+    del block
+    grown_bytes = meter.peak_bytes() - meter.baseline_bytes
+    assert 2**26 <= grown_bytes < 2**26 + 2**21

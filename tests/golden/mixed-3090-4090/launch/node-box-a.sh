@@ -43,14 +43,19 @@ fi
 # (no training length, a missing model file, an interface this machine lacks) is one line
 # and exit code 2 rather than a traceback from every rank. The Python next to torchrun is
 # the environment's; a Python that cannot run the check (exit 1) leaves it to the ranks.
+# Where it passes, torchrun runs inside hplan's wrapper (the same torchrun, in that Python),
+# which reports each failed rank in one line: a rank the kernel killed (SIGKILL, most
+# likely out of memory) with its device, its predicted and its last measured memory.
 PYTHON="$(dirname "$(command -v torchrun)")/python"
 [ -x "$PYTHON" ] || PYTHON="$(command -v python3 || command -v python || true)"
+TORCHRUN=(torchrun)
 if [ -n "$PYTHON" ]; then
   status=0
   "$PYTHON" -m hplan.runtime check "$PLAN" "$@" || status=$?
   if [ "$status" -ge 2 ]; then exit "$status"; fi
+  if [ "$status" -eq 0 ]; then TORCHRUN=("$PYTHON" -m hplan.runtime torchrun); fi
 fi
-exec torchrun \
+exec "${TORCHRUN[@]}" \
   --nnodes 2 \
   --node-rank 0 \
   --nproc-per-node 2 \
