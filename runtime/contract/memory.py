@@ -48,11 +48,12 @@ GIB: float = 1024.0**3
 # torch has initialised CUDA), cuBLAS workspaces and NCCL communicator buffers. 1 GiB is an
 # assumed round figure.
 GPU_RESERVE_BYTES: float = 1.0 * GIB
-# Memory a CPU rank process holds before its stage exists: the interpreter, torch and
-# hplan's runtime imported, gloo's process groups (measured RSS of a rank before it builds
-# its stage; see ``bench/memory_strategies.py``). CPU devices of a rehearsal declared with
-# less memory than this get the figure scaled (``cpu_reserve_bytes``).
-CPU_RESERVE_BYTES: float = 0.0
+# Memory a CPU rank process holds besides its training state: the interpreter, torch, hplan's
+# runtime and gloo's process groups before its stage is built (measured 325.7-326.8 MB of
+# RSS per rank with torch 2.13 on CPU, 1-3 ranks, ``baseline_memory_bytes`` in the metrics)
+# plus 15-30 MB more on first use (tracing, autograd, gloo buffers). A ``cpu`` device's
+# declared memory is what its process may hold in all (a cgroup's limit, say).
+CPU_RESERVE_BYTES: float = 360e6
 
 # Share of the remaining memory a plan may fill; the rest is headroom for the caching
 # allocator's fragmentation and temporary buffers (assumed).

@@ -183,7 +183,9 @@ def test_usable_memory_subtracts_the_reserve_then_keeps_a_fraction():
     expected = (24 * GIB - FRAMEWORK_RESERVE_BYTES[gpu.device_class]) * USABLE_MEMORY_FRACTION
     assert usable_memory_bytes(gpu) == pytest.approx(expected)
     assert usable_memory_bytes(gpu) < 24 * GIB * USABLE_MEMORY_FRACTION
-    assert usable_memory_bytes(CATALOG["cpu"]) == pytest.approx(4 * GIB * USABLE_MEMORY_FRACTION)
+    cpu = CATALOG["cpu"]
+    expected_cpu = (4 * GIB - FRAMEWORK_RESERVE_BYTES[cpu.device_class]) * USABLE_MEMORY_FRACTION
+    assert usable_memory_bytes(cpu) == pytest.approx(expected_cpu)
 
 
 def test_usable_memory_of_a_tiny_device_is_zero_not_negative():
@@ -438,7 +440,7 @@ def test_tied_parameters_sync_in_one_group_as_the_runtime_buckets_them(tmp_path)
     cluster.write_text(
         "name: four\nnodes:\n  - name: box\n    host: 127.0.0.1\n    devices:\n"
         "      - type: cpu\n        count: 2\n      - type: cpu\n        count: 2\n"
-        "        memory_gb: 0.006\n"
+        "        memory_gb: 0.366\n"
     )
     spans_stages = False
     for strategy in (Strategy.HPLAN, Strategy.UNIFORM_PIPELINE):
