@@ -41,8 +41,10 @@ net-tools:
 	  echo "note: iproute2 (ip, tc) is not installed; the shaped-link bandwidth test will be skipped"
 
 # Two workers (pytest-xdist): CI has 2 cores and most tests wait on their ranks' processes.
+# Timing-sensitive tests (marker `serial`) run alone afterwards, on a quiet machine.
 unit: setup net-tools
-	$(VENV)/bin/pytest -n 2
+	$(VENV)/bin/pytest -n 2 -m "not serial"
+	$(VENV)/bin/pytest -m serial
 
 test: lint typecheck unit
 

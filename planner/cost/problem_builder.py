@@ -55,6 +55,7 @@ from hplan.runtime.contract.errors import ConfigError, ModelFileError
 from hplan.runtime.contract.memory import (
     CPU_RESERVE_BYTES,
     GPU_RESERVE_BYTES,
+    OPTIMIZER_STEP_WORKSPACE,
     USABLE_MEMORY_FRACTION,
 )
 from hplan.runtime.contract.plan import Precision, wire_spec
@@ -278,10 +279,21 @@ def static_memory_bytes(
     autocast add the half-precision copy of the weights autocast makes for the forward
     (``activation_bytes_factor`` x parameter bytes; one copy: each micro-batch in flight
     holds its own until its backward, so pipelines with several in flight hold more).
+    Workspace the runtime allocates for them is counted too (``contract.memory``): the flat
+    copy of the gradients an all-reduce bucket takes (counted for every unit, shared or
+    not: conservative) and the optimizer step's temporaries.
     """
     trainable = cost.trainable_param_bytes
     frozen = cost.param_bytes - trainable
-    total = trainable * (2.0 + optimizer_state_bytes_per_param_byte) + frozen + cost.buffer_bytes
+    workspace = trainable * (
+        1.0 + (OPTIMIZER_STEP_WORKSPACE if optimizer_state_bytes_per_param_byte > 0 else 0.0)
+    )
+    total = (
+        trainable * (2.0 + optimizer_state_bytes_per_param_byte)
+        + frozen
+        + cost.buffer_bytes
+        + workspace
+    )
     if numerics is not None and numerics.precision.autocast_dtype is not None:
         total += cost.param_bytes * numerics.activation_bytes_factor
     return total

@@ -277,6 +277,7 @@ def _work_share(plan: Plan, device: str) -> float:
     return work.get(device, 0) / sum(work.values())
 
 
+@pytest.mark.serial
 def test_calibrating_a_rehearsal_with_a_straggler_moves_work_off_it(tmp_path):
     model = tmp_path / "wide_mlp.py"  # a wider MLP: compute well above timer noise
     text = MLP.read_text(encoding="utf-8")
@@ -378,7 +379,9 @@ def test_calibrate_sets_each_ranks_measured_training_memory_beside_its_predictio
         # every tensor the plan counts is resident (>= 1x); measured 2.3x on 2 cores: the
         # rest is gradient buckets, the optimizer's temporaries and the process's growth
         assert row.ratio is not None and 1.0 <= row.ratio <= 4.0, row
-    result = CliRunner().invoke(cli, ["calibrate", str(run / "plan.json"), str(run), "--json"])
+    result = CliRunner().invoke(
+        cli, ["calibrate", str(run / "plan.json"), str(run), "--json"], env={"COLUMNS": "200"}
+    )
     assert result.exit_code == 0, result.output
     assert "predicted vs measured training memory" in result.stderr
     assert "measured/predicted" in result.stderr

@@ -318,6 +318,7 @@ def numbered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Plan]:
         ("another loss function", "another model file"),
     ],
 )
+@pytest.mark.serial
 def test_a_rank_that_runs_another_job_ends_every_rank_in_one_line_within_seconds(
     numbered: tuple[Path, Plan], tmp_path: Path, case: str, says: str
 ) -> None:
@@ -356,6 +357,7 @@ def test_a_rank_that_runs_another_job_ends_every_rank_in_one_line_within_seconds
 
 
 # --------------------------------------------------------------------------- frozen and dead ranks
+@pytest.mark.serial
 def test_a_frozen_rank_ends_every_other_rank_within_the_heartbeat_timeout(
     tmp_path: Path,
 ) -> None:
@@ -382,6 +384,7 @@ def test_a_frozen_rank_ends_every_other_rank_within_the_heartbeat_timeout(
         assert re.search(r"rank 1 on node n0 (failed or )?stopped answering", lines[0]), lines
 
 
+@pytest.mark.serial
 def test_a_killed_rank_ends_every_other_rank_within_seconds_naming_it(tmp_path: Path) -> None:
     path = write_model(tmp_path, NUMBERED_DATASET)
     plan = make_plan(path, [ReplicaShape((1, 1), 5, 5), ReplicaShape((-1,), 5, 5)])
