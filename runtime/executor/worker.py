@@ -4,6 +4,11 @@
 plan says, checks the graph fingerprint, builds only this rank's ``StageModule`` and drops
 the rest; ``training.run_rank`` then trains it.
 
+The rank's optimizer is the model file's over the stage's trainable parameters
+(:func:`build_optimizer`). A stage without any (a frozen embedding alone) still gets one,
+over an empty placeholder parameter, so that every rank steps, schedules, unscales and
+checkpoints the same way.
+
 The executor reads only the plan's "what" (ranks, units, cuts, training); it never reads
 the plan's report. A rehearsal runs this same code with its emulation plugged into the two
 seams (``seams.py``: the compute clock and the link delay).
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,7 +259,7 @@ def build_rank(
     del traced
     stage.to(device)
     params = tuple(stage.canonical_parameters())
-    optimizer = model_file.optimizer([p for _, p in params if p.requires_grad])
+    optimizer = build_optimizer(model_file, params, device)
     source = BatchSource(
         model_file, binder, plan.training.seed, plan.global_batch_size, plan.model.inputs
     )
@@ -279,6 +284,31 @@ def build_rank(
         comm,
         scaler=loss_scaler(plan, device),
     )
+
+
+def build_optimizer(
+    model_file: ModelFile,
+    params: Sequence[tuple[str, nn.Parameter]],
+    device: torch.device,
+) -> torch.optim.Optimizer:
+    """The model file's optimizer over the stage's trainable parameters.
+
+    A stage without one (every parameter frozen, or none at all) gets the model file's
+    optimizer over one empty placeholder parameter instead (``torch.optim`` refuses an
+    empty list): it steps nothing, holds no state of a model parameter (checkpoints save
+    optimizer state by canonical name only), and keeps the hyperparameters an LR scheduler
+    reads, so that the training step, the scheduler, the loss scaler and the checkpoints
+    treat the rank like any other.
+
+    Args:
+        params: the stage's parameters by canonical name.
+        device: where the placeholder lives (the rank's device).
+    """
+    trainable = [p for _, p in params if p.requires_grad]
+    if not trainable:
+        trainable = [nn.Parameter(torch.empty(0, device=device))]
+    optimizer: torch.optim.Optimizer = model_file.optimizer(trainable)
+    return optimizer
 
 
 def warn_if_model_changed(plan: Plan, model_file: ModelFile) -> None:
