@@ -13,8 +13,10 @@ Replicas process different numbers of samples and may split layers differently, 
 One process group per distinct rank set that sums gradients every step (a holder set, or
 its part inside an island; ``holders.step_holder_sets``), created on every rank in the
 same sorted order (``torch.distributed.new_group`` is collective over the whole world),
-with the plan's process-group timeout (not torch's 30-minute default). Half-precision gradients are summed
-in float32 and cast back, so bf16 models work on gloo without loss of precision in the sum.
+with the plan's process-group timeout (not torch's 30-minute default) (:func:`step_groups`;
+under ZeRO stage 1 the broadcasts of the updated optimizer shards run on them too,
+``zero.py``). Half-precision gradients are summed in float32 and cast back, so bf16 models
+work on gloo without loss of precision in the sum.
 
 Overlap with the backward pass (as torch DDP does; Li et al., "PyTorch Distributed", VLDB
 2020): a holder set's gradients are split into buckets of at most

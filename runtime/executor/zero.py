@@ -35,7 +35,9 @@ padding), and a member without a slice sends nothing. (torch's NCCL all-gather o
 sizes is such broadcasts too.) They run on the gradient process groups
 (``grad_sync.step_groups``), launched without waiting set by set in
 ``holders.optimizer_shards`` order, each set's leaves and members in one order, the same on
-every rank, then waited for: the one global order of ``grad_sync.py``, so no deadlock.
+every rank, then waited for: the one global order of ``grad_sync.py``, so no deadlock. A
+rehearsal does not stretch them (``seams.LinkDelay`` emulates point-to-point transfers and
+the gradient all-reduces): they take what they take on its machine.
 
 The optimizer must be elementwise: each element's update reads only that element's
 parameter, gradient and state, and hyperparameters shared by its param group (SGD with
@@ -138,7 +140,8 @@ def shard_optimizer(
     """The model file's ``optimizer`` of this rank under ZeRO stage 1 (module docstring):
     a :class:`ShardedOptimizer`, or ``optimizer`` itself when the rank shares no trainable
     parameter with another rank. The shared parameters become views of their leaves'
-    buffers (in place; their values and shapes unchanged).
+    buffers (``param.data``, in place; their values and shapes unchanged), which they must
+    stay: the stage is on its device already, and nothing may move it after this.
 
     Args:
         optimizer: the model file's optimizer over every trainable parameter of ``params``,
@@ -156,7 +159,7 @@ def shard_optimizer(
     shards = [s for s in optimizer_shards(plan, numels).values() if rank in s.ranks]
     if not shards:
         return optimizer
-    group_of = _param_groups(optimizer, trainable)
+    group_of = _group_of(optimizer, trainable)
     leaves = [leaf for spec in shards for leaf in _set_leaves(spec, rank, trainable, group_of)]
     outer = [list(g["params"]) for g in optimizer.param_groups]
     sharded = {id(p) for leaf in leaves for p in leaf.params}
@@ -171,7 +174,7 @@ def shard_optimizer(
     return ShardedOptimizer(optimizer, outer, leaves, rank)
 
 
-def _param_groups(
+def _group_of(
     optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn.Parameter]
 ) -> dict[str, int]:
     """Canonical name -> the index of the optimizer's param group that holds it.
@@ -273,7 +276,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.rank = rank
         self.state = inner.state
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # no closure form
         """Copy each leaf's slice of the gradients into its ``.grad`` (zeros for a
         parameter without one), then step the inner optimizer with this optimizer's
         hyperparameters; the leaves' parameters change in place.
@@ -303,7 +306,7 @@ def _elementwise(value: Any, leaf: ShardLeaf) -> bool:
     return isinstance(value, Tensor) and value.shape == leaf.param.shape
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShardSync:
     """The collectives of this rank's shards: the updated slices to every holder after each
     step, the state to and from checkpoints (module docstring).
