@@ -14,7 +14,7 @@ wall-clock seconds measured on that rank; they split the step as
   bubbles and transfer time show up here);
 - ``allreduce_time_s``: blocked in gradient all-reduces after the schedule: the part the
   backward pass did not hide (includes waiting for the slowest holder), plus clipping's
-  gradient-norm sum;
+  gradient-norm sum and, under ZeRO stage 1, the all-gather of the updated shards;
 - ``optimizer_time_s``: the optimizer step;
 - ``outer_sync_time_s``: blocked in the cross-island syncs of ``local_sgd`` and ``async``
   groups after the optimizer step (``executor/outer_sync.py``): the part this step waited

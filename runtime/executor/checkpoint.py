@@ -34,6 +34,12 @@ different values of a local group's parameters, so those are saved apart:
   ``island.<island>.optimizer.<name>.<key>``: each island's own parameters, its S
   (``async``) and its inner optimizer's state.
 
+Under ZeRO stage 1 (``zero.py``) a rank keeps the optimizer state of only its slice of the
+parameters it shares, but ``optimizer.<name>.<key>`` is still each parameter's whole state:
+at a save the slices are gathered to the lowest rank of each holder set, which writes them;
+at a load every holder reads its set's whole state and keeps its slice. A checkpoint
+written under ZeRO so resumes under any plan, and one written without it under ZeRO.
+
 A resume under the same plan loads all of it and continues exactly as if the run had not
 stopped. Under another plan with local groups, every rank takes ``model.<name>`` (G) and
 the outer state starts again from it; under a plan without one, the outer state is dropped
@@ -75,6 +81,7 @@ from hplan.runtime.contract.errors import (
 )
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.outer_sync import OuterSync
+from hplan.runtime.executor.zero import ShardSync
 
 LATEST = "latest"
 """The file naming the newest complete checkpoint."""
@@ -98,6 +105,9 @@ class TrainState:
     """The job's shared fp16 loss scaler (``precision.py``), when it has one."""
     outer: OuterSync | None = None
     """This rank's local groups' outer syncs (``outer_sync.py``), when it holds some."""
+    shards: ShardSync | None = None
+    """Under ZeRO stage 1, the collectives of this rank's optimizer shards (``zero.py``),
+    when it holds some."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +253,8 @@ class Checkpointer:
             "progress": progress.as_dict(),
             "rng": {str(state.rank): _rng_state(state.device)},
         }
+        if state.shards is not None:  # the whole state of a set, from its lowest rank
+            entries["optimizer"].update(state.shards.gathered_state())
         if state.outer is not None:
             state.outer.prepare_checkpoint()
             entries["model"].update(state.outer.global_params())
@@ -344,6 +356,8 @@ def _load_request(state: TrainState, same_plan: bool, *, exact: bool, step: int)
         "buffers": {name: b.detach() for name, b in state.stage.canonical_buffers()},
         "optimizer": _optimizer_state(state),
     }
+    if state.shards is not None:
+        request["optimizer"].update(state.shards.state_request())
     if same_plan:
         request["rng"] = {str(state.rank): _rng_state(state.device)}
     if exact and state.outer is not None:
@@ -361,6 +375,9 @@ def _set_loaded(
 ) -> None:
     """Put what DCP loaded into ``request`` in place: optimizer states, the outer state,
     the random-number state."""
+    if state.shards is not None:
+        sharded = _take(request["optimizer"], state.shards.names)
+        state.shards.load_state(sharded, never_stepped)
     _set_optimizer_state(state, request["optimizer"])
     for entries in request.get("island", {}).values():
         _set_optimizer_state(state, entries["optimizer"])

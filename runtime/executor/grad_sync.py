@@ -13,8 +13,10 @@ Replicas process different numbers of samples and may split layers differently, 
 One process group per distinct rank set that sums gradients every step (a holder set, or
 its part inside an island; ``holders.step_holder_sets``), created on every rank in the
 same sorted order (``torch.distributed.new_group`` is collective over the whole world),
-with the plan's process-group timeout (not torch's 30-minute default). Half-precision gradients are summed
-in float32 and cast back, so bf16 models work on gloo without loss of precision in the sum.
+with the plan's process-group timeout (not torch's 30-minute default) (:func:`step_groups`;
+under ZeRO stage 1 the broadcasts of the updated optimizer shards run on them too,
+``zero.py``). Half-precision gradients are summed in float32 and cast back, so bf16 models
+work on gloo without loss of precision in the sum.
 
 Overlap with the backward pass (as torch DDP does; Li et al., "PyTorch Distributed", VLDB
 2020): a holder set's gradients are split into buckets of at most
@@ -74,7 +76,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -466,9 +468,10 @@ def build_buckets(
     *,
     delay: LinkDelay | None = None,
     cap_bytes: float = BUCKET_CAP_BYTES,
+    groups: Mapping[RankSet, dist.ProcessGroup | None] | None = None,
 ) -> list[GradBucket]:
-    """Create every gradient process group (on all ranks; ``holders.step_holder_sets``)
-    and this rank's buckets, in launch order (``holders.grad_buckets``).
+    """This rank's buckets, in launch order (``holders.grad_buckets``), on the gradient
+    process groups (``groups``; None: :func:`step_groups` creates them here).
 
     Must be called by every rank of the world, in the same program order, because
     ``new_group`` is collective. Parameters that do not require grad are skipped.
@@ -478,16 +481,16 @@ def build_buckets(
         delay: the run's link delay (``seams.LinkDelay``): each bucket lasts at least its
             ``all_reduce_floor_s``; None: the real all-reduce alone.
         cap_bytes: most wire bytes per bucket (a larger parameter is a bucket alone).
+        groups: :func:`step_groups` of the plan, created by the caller (who shares them:
+            ZeRO stage 1's broadcasts run on them too, ``zero.py``).
 
     Raises:
         PlanMismatchError: the stage's parameters differ from the plan's (see
             :func:`check_stage_parameters`).
     """
     check_stage_parameters(plan, rank, [name for name, _ in named_params])
-    groups = {
-        ranks: new_group(ranks, plan.training.process_group_timeout_s)
-        for ranks in step_holder_sets(plan)
-    }
+    if groups is None:
+        groups = step_groups(plan)
     trainable = {n: p for n, p in named_params if p.requires_grad}
     wire_bytes = {n: p.numel() * _wire_dtype([p.dtype]).itemsize for n, p in trainable.items()}
     buckets = []
@@ -501,6 +504,18 @@ def build_buckets(
         scale = contribution_scale(plan, rank, spec.ranks)
         buckets.append(GradBucket(spec.ranks, group, params, scale, floor_s))
     return buckets
+
+
+def step_groups(plan: Plan) -> dict[RankSet, dist.ProcessGroup | None]:
+    """Create every gradient process group, one per rank set that sums gradients every
+    step (``holders.step_holder_sets``), on every rank in that order (``new_group`` is
+    collective over the world: every rank must call this at the same point).
+
+    Raises:
+        PeerFailureError: creating a group failed.
+    """
+    timeout_s = plan.training.process_group_timeout_s
+    return {ranks: new_group(ranks, timeout_s) for ranks in step_holder_sets(plan)}
 
 
 def new_group(ranks: RankSet, timeout_s: float, what: str = "gradient") -> dist.ProcessGroup | None:

@@ -6,7 +6,8 @@ reads and sends its outputs on (the last stage computes the weighted loss instea
 backward receives the gradients of those outputs, runs autograd and sends the gradients of
 what it received back. Gradients are summed among their holders (``grad_sync.py``): the
 buckets go out during the rank's last backward pass as their gradients become final, and
-after the schedule the runner waits for them; then the optimizer steps.
+after the schedule the runner waits for them; then the optimizer steps (under ZeRO stage 1
+each rank its shards, which then travel to the other holders: ``zero.py``).
 
 Memory strategy ``recompute``: the forward runs without autograd and keeps only its inputs;
 the backward re-runs it (same RNG state) with autograd, then backpropagates.
@@ -74,6 +75,7 @@ from hplan.runtime.executor.grad_sync import (
 )
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
+from hplan.runtime.executor.zero import ShardSync
 
 
 def stage_label(rank_plan: RankPlan) -> str:
@@ -129,7 +131,8 @@ class StepTimes:
     """The forward part of ``compute_s``."""
     allreduce_s: float = 0.0
     """Blocked in gradient all-reduces: waiting after the schedule for the buckets, and the
-    gradient-norm sum of clipping."""
+    gradient-norm sum of clipping; under ZeRO stage 1 also the all-gather of the updated
+    shards."""
     optimizer_s: float = 0.0
     allreduce_overlapped_s: float = 0.0
     """From the first bucket's launch, during the last backward pass, to the end of the
@@ -145,6 +148,8 @@ class StepRunner:
 
     Args:
         clip: the rank's global-norm clipping (``MAX_GRAD_NORM``); None: no clipping.
+        shards: under ZeRO stage 1, the broadcasts of the rank's updated shards after each
+            optimizer step (``zero.ShardSync``); None: the optimizer is not sharded.
     """
 
     def __init__(
@@ -153,11 +158,13 @@ class StepRunner:
         buckets: list[GradBucket],
         clock: ComputeClock,
         clip: GradClip | None = None,
+        shards: ShardSync | None = None,
     ) -> None:
         self.parts = parts
         self.buckets = buckets
         self.sync = GradSync(buckets)
         self.clip = clip
+        self.shards = shards
         self.clock = clock
         rank_plan = parts.rank_plan
         self.sizes = microbatch_sizes(rank_plan.num_samples, rank_plan.micro_batch_size)
@@ -252,7 +259,10 @@ class StepRunner:
         return norm
 
     def optimizer_step(self) -> bool:
-        """Apply the optimizer to the synced (unscaled) gradients, then drop them.
+        """Apply the optimizer to the synced (unscaled) gradients, then drop them; under
+        ZeRO stage 1 then send the updated shards to their other holders (a collective of
+        each holder set, timed as all-reduce; none after a skipped step, which changed
+        nothing on any rank).
 
         Returns:
             False when loss scaling skipped the step (a non-finite gradient on some rank;
@@ -269,6 +279,11 @@ class StepRunner:
                 scaler.update()
                 stepped = scaler.get_scale() >= scale
             self.parts.optimizer.zero_grad(set_to_none=True)
+        if stepped and self.shards is not None:
+            start_s = time.monotonic()
+            with self.timeline.span(ALL_REDUCE, "all-gather optimizer shards"):
+                self.shards.all_gather()
+            self._allreduce_s += time.monotonic() - start_s
         return stepped
 
     def finish_step(self) -> StepTimes:

@@ -26,6 +26,12 @@ unscaled) gradients are clipped to that global norm before the optimizer step
 non-finite norm clips nothing: under fp16 loss scaling a non-finite gradient skips the
 step on every rank; otherwise rank 0 reports the norm and the step goes on.
 
+ZeRO stage 1 (``training.zero_stage``, ``zero.py``): after the gradients are summed,
+unscaled and clipped as always, each rank steps only its shards of the parameters it shares,
+and the updated shards then travel to the other holders (part of the step's
+``allreduce_time_s``); checkpoints gather and slice the shards' state, so that they keep
+their format.
+
 Islands that train on their own (``local_sgd``, ``async`` groups): after the optimizer
 step, the fragments due sync across islands (``outer_sync.OuterSync.after_step``; the
 run's last step closes every fragment); the time it takes is the step's
@@ -68,7 +74,7 @@ from hplan.runtime.executor.control import (
     check_same_job,
 )
 from hplan.runtime.executor.data import batch_digest, batch_tensors
-from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip
+from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip, step_groups
 from hplan.runtime.executor.machine import set_rank_threads
 from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync, check_verify
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
@@ -83,6 +89,7 @@ from hplan.runtime.executor.worker import (
     init_distributed,
     training_steps,
 )
+from hplan.runtime.executor.zero import ShardSync, build_shard_sync
 
 DEFAULT_CHECKPOINT_EVERY_S = 600.0
 """With a checkpoint folder and neither interval given: a checkpoint every 10 minutes."""
@@ -144,7 +151,9 @@ def _train(
     plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions, seams: Seams
 ) -> None:
     parts, options, memory = _build_same_job(plan, rank, model_path, options, seams)
-    buckets = build_buckets(plan, rank, parts.params, delay=seams.links)
+    groups = step_groups(plan)
+    buckets = build_buckets(plan, rank, parts.params, delay=seams.links, groups=groups)
+    shards = build_shard_sync(parts.optimizer, groups)
     outer = build_outer_sync(
         plan,
         rank,
@@ -153,11 +162,11 @@ def _train(
         delay=seams.links,
         keep_resume_state=options.checkpoint_dir is not None,
     )
-    checkpointer = _checkpointer(parts, options, outer)
+    checkpointer = _checkpointer(parts, options, outer, shards)
     first_step = _resume(checkpointer, options)
     scheduler = _scheduler(parts, first_step)
     clip = build_grad_clip(plan, rank, parts.params, parts.model_file.max_grad_norm, parts.device)
-    runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device), clip)
+    runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device), clip, shards)
     loop = _Loop(parts, runner, options, checkpointer, scheduler, memory, outer)
     barrier(rank, "start of training")
     with Preemption() as preemption:
@@ -230,7 +239,7 @@ def check_options(plan: Plan, options: RunOptions) -> None:
 
 
 def _checkpointer(
-    parts: RankParts, options: RunOptions, outer: OuterSync | None
+    parts: RankParts, options: RunOptions, outer: OuterSync | None, shards: ShardSync | None
 ) -> Checkpointer | None:
     if options.checkpoint_dir is None:
         return None
@@ -243,6 +252,7 @@ def _checkpointer(
         parts.device,
         parts.scaler,
         outer,
+        shards,
     )
     return Checkpointer(
         options.checkpoint_dir,

@@ -4,6 +4,12 @@
 plan says, checks the graph fingerprint, builds only this rank's ``StageModule`` and drops
 the rest; ``training.run_rank`` then trains it.
 
+The rank's optimizer is the model file's over the stage's trainable parameters
+(:func:`build_optimizer`). A stage without any (a frozen embedding alone) still gets one,
+over an empty placeholder parameter, so that every rank steps, schedules, unscales and
+checkpoints the same way. Under ZeRO stage 1 it steps only the rank's shards of the
+parameters it shares (``zero.py``).
+
 The executor reads only the plan's "what" (ranks, units, cuts, training); it never reads
 the plan's report. A rehearsal runs this same code with its emulation plugged into the two
 seams (``seams.py``: the compute clock and the link delay).
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +36,7 @@ from hplan.runtime.contract.errors import (
     PlanMismatchError,
     error_reason,
 )
-from hplan.runtime.contract.plan import Plan, RankPlan, wire_spec
+from hplan.runtime.contract.plan import Plan, RankPlan, ZeroStage, wire_spec
 from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
 from hplan.runtime.executor.pipeline import RankParts, stage_label
@@ -44,6 +50,7 @@ from hplan.runtime.executor.rendezvous import (
 from hplan.runtime.executor.seams import (
     LinkDelay,
 )
+from hplan.runtime.executor.zero import shard_optimizer
 
 
 @dataclass(frozen=True)
@@ -254,7 +261,7 @@ def build_rank(
     del traced
     stage.to(device)
     params = tuple(stage.canonical_parameters())
-    optimizer = model_file.optimizer([p for _, p in params if p.requires_grad])
+    optimizer = build_optimizer(plan, rank, model_file, params, device)
     source = BatchSource(
         model_file, binder, plan.training.seed, plan.global_batch_size, plan.model.inputs
     )
@@ -279,6 +286,44 @@ def build_rank(
         comm,
         scaler=loss_scaler(plan, device),
     )
+
+
+def build_optimizer(
+    plan: Plan,
+    rank: int,
+    model_file: ModelFile,
+    params: Sequence[tuple[str, nn.Parameter]],
+    device: torch.device,
+) -> torch.optim.Optimizer:
+    """The model file's optimizer over the stage's trainable parameters; under
+    ``training.zero_stage`` 1 it steps only this rank's shards of the parameters it shares
+    with other ranks (``zero.shard_optimizer``, which makes those parameters views of its
+    flat buffers).
+
+    A stage without a trainable parameter (every parameter frozen, or none at all) gets the
+    model file's optimizer over one empty placeholder parameter instead (``torch.optim``
+    refuses an empty list): it steps nothing, holds no state of a model parameter
+    (checkpoints save optimizer state by canonical name only), and keeps the
+    hyperparameters an LR scheduler reads, so that the training step, the scheduler, the
+    loss scaler and the checkpoints treat the rank like any other.
+
+    Args:
+        params: the stage's parameters by canonical name.
+        device: where the placeholder lives (the rank's device).
+
+    Raises:
+        ModelFileError: under ZeRO stage 1, an optimizer that cannot be sharded
+            (``zero.shard_optimizer``).
+    """
+    trainable = [p for _, p in params if p.requires_grad]
+    if not trainable:
+        placeholder = nn.Parameter(torch.empty(0, device=device))
+        empty: torch.optim.Optimizer = model_file.optimizer([placeholder])
+        return empty
+    optimizer: torch.optim.Optimizer = model_file.optimizer(trainable)
+    if plan.training.zero_stage is ZeroStage.NONE:
+        return optimizer
+    return shard_optimizer(plan, rank, optimizer, params, model_file.optimizer)
 
 
 def warn_if_model_changed(plan: Plan, model_file: ModelFile) -> None:

@@ -6,6 +6,7 @@ Every multi-process test runs under a timeout (``run_ranks`` kills what is left)
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError, PlanMismatchError, error_reason, one_line
@@ -23,9 +25,11 @@ from hplan.runtime.executor.cli import main, run_one_rank
 from hplan.runtime.executor.rendezvous import resolve_rank
 from hplan.runtime.executor.worker import RunOptions, build_rank
 from hplan.runtime.rehearsal.launcher import free_port
-from hplan.runtime.rehearsal.reference_check import reference_steps
+from hplan.runtime.rehearsal.reference_check import reference_steps, relative_difference
+from hplan.runtime.rehearsal.rehearse import rehearse
 from tests.fixtures.plans import (
     BF16_MLP,
+    FROZEN_EMBEDDING,
     LATE_INPUTS,
     NUMBERED_DATASET,
     WEIGHT_USED_TWICE,
@@ -34,6 +38,7 @@ from tests.fixtures.plans import (
     load_dumps,
     make_plan,
     rank_command,
+    read_checkpoint,
     run_ranks,
     write_model,
 )
@@ -167,6 +172,41 @@ def test_a_bf16_model_trains_through_a_pipeline_boundary_and_gradient_averaging(
     assert result.param_rel < 2e-2
     losses = [m["loss"] for m in _metrics(tmp_path / "m", 2)]
     assert all(torch.isfinite(torch.tensor(loss)) for loss in losses)
+
+
+# --------------------------------------------------------------------------- frozen stage
+def test_a_stage_of_frozen_parameters_only_trains_resumes_and_verifies_without_an_optimizer(
+    tmp_path: Path,
+) -> None:
+    path = write_model(tmp_path, FROZEN_EMBEDDING)
+    plan = make_plan(path, [ReplicaShape((1, -1), micro_batch_size=2, num_samples=4)])
+    assert plan.ranks[0].units == ("tok_emb",)  # the frozen embedding alone
+    ckpt, verify = tmp_path / "ckpt", tmp_path / "v"
+    _assert_all_ok(
+        run_ranks(plan, tmp_path / "a", "--steps", "3", "--verify-dir", str(verify),
+                  "--checkpoint-dir", str(ckpt), timeout_s=TIMEOUT_S)
+    )  # fmt: skip
+    result = compare_first_step(plan, path, verify)
+    assert result.missing == ()
+    assert result.grad_rel < 1e-5 and result.param_rel < 1e-4
+    _assert_all_ok(
+        run_ranks(plan, tmp_path / "b", "--steps", "1", "--checkpoint-dir", str(ckpt),
+                  "--resume", timeout_s=TIMEOUT_S)
+    )  # fmt: skip
+    saved = read_checkpoint(ckpt / "step-4", tmp_path)
+    reference = reference_steps(plan, load_model_file(path), num_steps=4)
+    for name, value in reference.params.items():  # MAX_GRAD_NORM clipped in both
+        assert relative_difference(saved["model"][name], value) < 1e-5, name
+    assert torch.equal(saved["model"]["tok_emb.weight"], reference.params["tok_emb.weight"])
+    assert sorted(saved["optimizer"]) == ["blocks.0.fc.bias", "blocks.0.fc.weight",
+                                          "blocks.1.fc.bias", "blocks.1.fc.weight",
+                                          "head.bias", "head.weight"]  # fmt: skip
+    rehearsal = rehearse(plan, steps=1, verify=True, timeout_s=TIMEOUT_S, console=_quiet())
+    assert rehearsal.verify is not None and rehearsal.verify.passed
+
+
+def _quiet() -> Console:
+    return Console(file=io.StringIO(), width=400)
 
 
 # --------------------------------------------------------------------------- data parallel
