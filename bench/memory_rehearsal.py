@@ -4,10 +4,11 @@ against the plan's prediction, and `--verify`.
 The plan: the GPT example (8 x 512, seq 128) solved as two pipelines of two stages on four
 CPU devices of one node (`--strategy uniform`, four micro-batches of 2 per replica), then
 given ZeRO stage 1 with uneven shards (weights 3 : 1 within each holder set) and
-recomputation on rank 0; each rank's predicted memory is re-derived for that plan (`contract.memory`, what `hplan show` checks). Then
-`hplan rehearse --verify --metrics-dir` and `hplan calibrate --json`, which sets each
-rank's training memory (peak resident set less the process before its stage was built)
-beside the prediction. Target (issue 11): within 15% per rank.
+recomputation on rank 0; each rank's predicted memory is re-derived for that plan
+(`contract.memory`, what `hplan show` checks). Then `hplan rehearse --verify
+--metrics-dir` and `hplan calibrate --json`, which sets each rank's training memory (peak
+resident set less the process before its stage was built) beside the prediction. Target
+(issue 11): within 15% per rank.
 
     python bench/memory_rehearsal.py
 """
