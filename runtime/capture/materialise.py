@@ -305,7 +305,9 @@ class _Scratch:
     def like(self, tensor: torch.Tensor, position: int) -> torch.Tensor:
         """A real tensor of ``tensor``'s shape, strides and dtype (uninitialised)."""
         sizes, strides = tuple(tensor.shape), tuple(tensor.stride())
-        numel = 0 if 0 in sizes else 1 + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))
+        numel = (
+            0 if 0 in sizes else 1 + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))
+        )
         key = (tensor.dtype, position)
         if key not in self._buffers or self._buffers[key].numel() < numel:
             self._buffers.pop(key, None)

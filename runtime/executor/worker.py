@@ -272,7 +272,7 @@ def _checked_trace(
     plan: Plan,
     model_file: ModelFile,
     model: nn.Module,
-    example: dict[str, Tensor],
+    example: Mapping[str, Tensor],
     fake_mode: FakeTensorMode | None = None,
 ) -> TracedModel:
     """Re-trace ``model`` exactly as the planner did (torch.export inside ``fake_mode``,
