@@ -17,8 +17,8 @@ whole model's memory on every rank. Two passes over ``build_model`` avoid that:
    full build, the kept tensors get the full build's values bit for bit, and the peak is
    the kept tensors plus the largest single random draw.
 
-:func:`materialise` does both for the tensors of a stage. What cannot be reproduced raises
-:class:`CannotMaterialise` (the caller then builds the whole model): an initialisation that
+``stage_tensors.materialise`` does both for the tensors of a stage. What cannot be
+reproduced raises :class:`CannotMaterialise` (the caller then builds the whole model): an initialisation that
 reads tensor values (``.item()``, ``trunc_normal_``'s rejection loop) stops pass 1, and a
 replay that calls other operators or gets other shapes than the record stops at the first
 difference.
@@ -49,7 +49,6 @@ __all__ = [
     "BuildRecord",
     "CannotMaterialise",
     "Step",
-    "materialise",
     "real_steps",
     "record_build",
     "replay_build",
@@ -339,86 +338,6 @@ class _Scratch:
 
         real_args, real_kwargs = pytree.tree_map(real, (args, kwargs))
         func(*real_args, **real_kwargs)
-
-
-# ----------------------------------------------------------------------- a stage
-@dataclass(frozen=True, slots=True)
-class _Slot:
-    """Where a module holds a tensor."""
-
-    module: nn.Module
-    kind: str
-    """``parameter``, ``buffer`` or ``attribute`` (a plain tensor attribute)."""
-    name: str
-    path: str
-    """Module path and name, from the root module."""
-    tensor: torch.Tensor
-
-
-def materialise(
-    module: nn.Module, record: BuildRecord, build: Callable[[], Any], seed: int
-) -> None:
-    """Replace every fake tensor of ``module`` by its full-build value.
-
-    ``module`` is made from ``record.model`` with the same module paths (a stage's graph
-    module): the tensors at those paths in a replayed build (:func:`replay_build`) that
-    builds only them (and what they depend on) take their places; ties stay ties.
-
-    Raises:
-        CannotMaterialise: a fake tensor of ``module`` is at no path of the model, or the
-            replay fails.
-    """
-    slots = [s for s in _slots(module) if is_fake(s.tensor)]
-    keep = []
-    for slot in slots:
-        source = _at_path(record.model, slot.path)
-        if source is None:
-            raise CannotMaterialise(f"the traced stage holds {slot.path!r}, not the model")
-        keep.append(record.ordinal(source))
-    built = replay_build(build, seed, record, real_steps(record, keep))
-    for slot in slots:
-        value = _at_path(built, slot.path)
-        if value is None or is_fake(value) or _kind(value) != _kind(slot.tensor):
-            raise CannotMaterialise(f"the second build did not make {slot.path!r}")
-        if value.shape != slot.tensor.shape or value.dtype != slot.tensor.dtype:
-            raise CannotMaterialise(f"the second build made {slot.path!r} of another shape")
-        _assign(slot, value)
-
-
-def _slots(module: nn.Module) -> Iterator[_Slot]:
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        tables = (("parameter", sub._parameters), ("buffer", sub._buffers))
-        for kind, table in (*tables, ("attribute", vars(sub))):
-            for name, value in table.items():
-                if isinstance(value, torch.Tensor):
-                    yield _Slot(sub, kind, name, f"{dot}{name}", value)
-
-
-def _at_path(model: nn.Module, path: str) -> torch.Tensor | None:
-    prefix, _, name = path.rpartition(".")
-    try:
-        sub = model.get_submodule(prefix)
-    except AttributeError:
-        return None
-    for table in (sub._parameters, sub._buffers, vars(sub)):
-        value = table.get(name)
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
-
-
-def _kind(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, nn.Parameter)
-
-
-def _assign(slot: _Slot, value: torch.Tensor) -> None:
-    if slot.kind == "parameter":
-        slot.module._parameters[slot.name] = value  # type: ignore[assignment]
-    elif slot.kind == "buffer":
-        slot.module._buffers[slot.name] = value
-    else:
-        setattr(slot.module, slot.name, value)
 
 
 # ----------------------------------------------------------------------- helpers

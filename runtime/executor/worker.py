@@ -3,7 +3,7 @@
 :func:`build_rank` loads the model file and builds this rank's ``StageModule``
 (:func:`rank_stage`): the model built on fake tensors with the plan's seed, re-traced the
 way the plan says, the graph fingerprint checked, and only the stage's own parameters and
-buffers built for real (``capture/materialise.py``); ``training.run_rank`` then trains it.
+buffers built for real (``capture/materialise.py``, ``capture/stage_tensors.py``); ``training.run_rank`` then trains it.
 
 The executor reads only the plan's "what" (ranks, units, cuts, training); it never reads
 the plan's report. A rehearsal runs this same code with its emulation plugged into the two
@@ -24,9 +24,10 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hplan.runtime.capture.materialise import CannotMaterialise, materialise, record_build
+from hplan.runtime.capture.materialise import CannotMaterialise, record_build
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
 from hplan.runtime.capture.stage import StageModule, build_stage
+from hplan.runtime.capture.stage_tensors import materialise
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
 from hplan.runtime.contract.errors import (
     ConfigError,
@@ -214,7 +215,7 @@ def rank_stage(
     prev, next_ = boundaries(plan, rank_plan)
     recv = [t.name for t in prev.specs] if prev else []
     send = [t.name for t in next_.specs] if next_ else []
-    reason = None
+    reason: str | None = None
     if not whole and len(rank_plan.units) < len(plan.units):
         try:
             return _own_stage(plan, rank_plan, model_file, recv, send)
@@ -247,7 +248,6 @@ def _own_stage(
     except (TraceError, PlanMismatchError) as exc:
         raise CannotMaterialise(f"on fake tensors: {error_reason(exc)}") from None
     stage = build_stage(traced, plan.units, rank_plan.units, recv=recv, send=send)
-    del traced
     materialise(stage.graph_module, record, model_file.build_model, seed)
     return stage, _binder(record.model)
 
@@ -284,8 +284,11 @@ def _checked_trace(
     """
     check_fed_inputs(plan, example)
     method = plan.model.trace_method
-    context = contextlib.nullcontext() if fake_mode is None else fake_mode
-    with context if method is TraceMethod.EXPORT else contextlib.nullcontext():
+    exporting = method is TraceMethod.EXPORT
+    context: contextlib.AbstractContextManager[Any] = (
+        fake_mode if exporting and fake_mode is not None else contextlib.nullcontext()
+    )
+    with context:
         traced = trace_model(model, example, leaf_modules=plan.model.leaf_modules, method=method)
     fingerprint = traced.fingerprint()
     if fingerprint != plan.model.graph_fingerprint:
