@@ -124,12 +124,11 @@ def main() -> None:
             "rank",
             "units",
             "stage MB",
-            "whole model: peak MB",
-            "stage only: peak MB",
-            "peak: whole / stage",
-            "build added MB: whole / stage",
-            "added: whole / stage",
-            "build s: whole / stage",
+            "peak MB whole / stage",
+            "peak ratio",
+            "added MB whole / stage",
+            "added ratio",
+            "build s whole / stage",
         ],
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,17 +144,16 @@ def main() -> None:
                 str(rank_plan.rank),
                 f"{rank_plan.units[0]}..{rank_plan.units[-1]}",
                 _mb(stage["stage_bytes"]),
-                _mb(whole["peak_bytes"]),
-                _mb(stage["peak_bytes"]),
-                f"{whole['peak_bytes'] / stage['peak_bytes']:.2f}x",
+                f"{_mb(whole['peak_bytes'])} / {_mb(stage['peak_bytes'])}",
+                _ratio(whole["peak_bytes"], stage["peak_bytes"]),
                 f"{_mb(whole['added_bytes'])} / {_mb(stage['added_bytes'])}",
                 _ratio(whole["added_bytes"], stage["added_bytes"]),
                 f"{whole['build_s']:.1f} / {stage['build_s']:.1f}",
             )
     console.print(out)
     console.print(
-        f"peak: the child's ru_maxrss; a child that only imports and loads the plan peaks at "
-        f"{_mb(floor)} MB. build added: its high-water mark during the build minus its RSS "
+        f"peak: the child's ru_maxrss (a child that only imports and loads the plan: "
+        f"{_mb(floor)} MB); added: its RSS high-water mark during the build minus its RSS "
         "before (VmHWM reset through /proc/self/clear_refs)"
     )
 
