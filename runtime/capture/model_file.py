@@ -3,7 +3,9 @@
 Convention (also in README.md):
 
 - ``build_model() -> torch.nn.Module`` (required). Called after ``torch.manual_seed``, so
-  every rank builds the same initial weights.
+  every rank builds the same initial weights. A rank calls it twice, on fake tensors and
+  then building only its own stage for real (``materialise.py``), so it must build the
+  same model every call.
 - ``sample_batch(batch_size: int) -> (inputs, targets)`` (required). ``inputs`` is a
   tensor (the first ``forward`` argument), a tuple (positional arguments) or a dict
   (keyword arguments by name); every tensor's dim 0 is the sample dimension.

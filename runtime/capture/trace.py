@@ -61,6 +61,7 @@ __all__ = [
     "repeated_containers",
     "target_name",
     "trace_model",
+    "user_location",
 ]
 
 CONTAINER_CLASSES = frozenset(
@@ -357,7 +358,7 @@ def _resolve_leaves(model: nn.Module, leaf_modules: Sequence[str]) -> tuple[str,
     return tuple(dict.fromkeys(paths))
 
 
-def _user_location(exc: BaseException) -> str:
+def user_location(exc: BaseException) -> str:
     """file:line (and the statement) of the innermost frame outside torch and hplan."""
     frames = [
         f
@@ -384,7 +385,7 @@ def _eager_reference(context: _Context) -> Any:
         const = [n for n, v in context.constants.items() if v is not None]
         raise TraceError(
             f"{type(context.model).__name__}.forward raised {one_line(exc)} at "
-            f"{_user_location(exc)} with inputs ({', '.join(context.fed)}) fed and "
+            f"{user_location(exc)} with inputs ({', '.join(context.fed)}) fed and "
             f"({', '.join(const) or 'no others'}) set; feed a combination forward supports "
             "from sample_batch"
         ) from None
@@ -426,7 +427,7 @@ def _symbolic(context: _Context, leaves: Sequence[str]) -> torch.fx.GraphModule:
             warnings.simplefilter("ignore")
             graph = tracer.trace(context.model, concrete_args=context.constants)
     except Exception as exc:
-        failure = Failure(tracer.failed_module or "", _user_location(exc), one_line(exc))
+        failure = Failure(tracer.failed_module or "", user_location(exc), one_line(exc))
         raise _SymbolicFailure(failure) from exc
     gm = torch.fx.GraphModule(tracer.root, graph, type(context.model).__name__)
     _drop_unfed_placeholders(gm, set(context.fed))

@@ -1,8 +1,9 @@
 """One rank of a plan: build its stage, run its schedule, sync gradients, step.
 
-:func:`build_rank` loads the model file, seeds, builds the model, re-traces it the way the
-plan says, checks the graph fingerprint, builds only this rank's ``StageModule`` and drops
-the rest; ``training.run_rank`` then trains it.
+:func:`build_rank` loads the model file and builds this rank's ``StageModule``
+(:func:`rank_stage`): the model built on fake tensors with the plan's seed, re-traced the
+way the plan says, the graph fingerprint checked, and only the stage's own parameters and
+buffers built for real (``capture/materialise.py``, ``capture/stage_tensors.py``); ``training.run_rank`` then trains it.
 
 The rank's optimizer is the model file's over the stage's trainable parameters
 (:func:`build_optimizer`). A stage without any (a frozen embedding alone) still gets one,
@@ -17,6 +18,7 @@ seams (``seams.py``: the compute clock and the link delay).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Mapping, Sequence
@@ -26,17 +28,21 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from hplan.runtime.capture.materialise import CannotMaterialise, record_build
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
-from hplan.runtime.capture.stage import build_stage
+from hplan.runtime.capture.stage import StageModule, build_stage
+from hplan.runtime.capture.stage_tensors import materialise
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
 from hplan.runtime.contract.errors import (
     ConfigError,
     ModelFileError,
     PlanMismatchError,
+    TraceError,
     error_reason,
 )
-from hplan.runtime.contract.plan import Plan, RankPlan, ZeroStage, wire_spec
+from hplan.runtime.contract.plan import Plan, RankPlan, TraceMethod, ZeroStage, wire_spec
 from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
 from hplan.runtime.executor.pipeline import RankParts, stage_label
@@ -194,26 +200,103 @@ def _example_inputs(model_file: ModelFile, model: nn.Module, seed: int) -> dict[
     return bind_inputs(model, inputs)
 
 
-def _retrace(plan: Plan, model_file: ModelFile) -> tuple[TracedModel, Binder]:
-    """Build the model with the plan's seed and re-trace it exactly as the planner did.
+def rank_stage(
+    plan: Plan, rank_plan: RankPlan, model_file: ModelFile, *, whole: bool = False
+) -> tuple[StageModule, Binder]:
+    """Build this rank's stage with the plan's seed, materialising only its own tensors.
+
+    The model is built on fake tensors and traced as the planner did; only the stage's
+    parameters and buffers are then built for real, with a full build's values
+    (``capture/materialise.py``). Where that cannot reproduce a full build, the whole model
+    is built on the CPU as before, and one line on stderr says so. A stage that is the
+    whole model is built whole.
+
+    Args:
+        whole: build the whole model on the CPU first in any case (what every rank did
+            before; ``bench/stage_memory.py`` compares the two).
 
     Raises:
         ModelFileError: ``build_model`` raises.
         PlanMismatchError: an input the plan feeds is missing, or the graph differs.
     """
+    prev, next_ = boundaries(plan, rank_plan)
+    recv = [t.name for t in prev.specs] if prev else []
+    send = [t.name for t in next_.specs] if next_ else []
+    reason: str | None = None
+    if not whole and len(rank_plan.units) < len(plan.units):
+        try:
+            return _own_stage(plan, rank_plan, model_file, recv, send)
+        except CannotMaterialise as exc:
+            reason = str(exc)
+    model = _build_whole(plan, model_file)
+    example = _example_inputs(model_file, model, plan.training.seed)
+    traced = _checked_trace(plan, model_file, model, example)
+    stage = build_stage(traced, plan.units, rank_plan.units, recv=recv, send=send)
+    if reason is not None:
+        print(
+            f"hplan: note: {stage_label(rank_plan)} built the whole model, not its stage "
+            f"alone ({reason})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return stage, _binder(model)
+
+
+def _own_stage(
+    plan: Plan, rank_plan: RankPlan, model_file: ModelFile, recv: list[str], send: list[str]
+) -> tuple[StageModule, Binder]:
+    """The stage from a fake build, its tensors materialised (raises CannotMaterialise)."""
+    seed = plan.training.seed
+    record = record_build(model_file.build_model, seed)
+    example = _example_inputs(model_file, record.model, seed)
+    fake = {k: record.fake_mode.from_tensor(v, static_shapes=True) for k, v in example.items()}
+    try:
+        traced = _checked_trace(plan, model_file, record.model, fake, record.fake_mode)
+    except (TraceError, PlanMismatchError) as exc:
+        raise CannotMaterialise(f"on fake tensors: {error_reason(exc)}") from None
+    stage = build_stage(traced, plan.units, rank_plan.units, recv=recv, send=send)
+    materialise(stage.graph_module, record, model_file.build_model, seed)
+    return stage, _binder(record.model)
+
+
+def _build_whole(plan: Plan, model_file: ModelFile) -> nn.Module:
+    """Build the model with the plan's seed.
+
+    Raises:
+        ModelFileError: ``build_model`` raises.
+    """
     torch.manual_seed(plan.training.seed)
     try:
-        model = model_file.build_model()
+        return model_file.build_model()
     except Exception as exc:
         raise ModelFileError(
             f"build_model() in {str(model_file.path)!r} raised {type(exc).__name__}: "
             f"{error_reason(exc)}; fix model.py"
         ) from None
-    example = _example_inputs(model_file, model, plan.training.seed)
+
+
+def _checked_trace(
+    plan: Plan,
+    model_file: ModelFile,
+    model: nn.Module,
+    example: Mapping[str, Tensor],
+    fake_mode: FakeTensorMode | None = None,
+) -> TracedModel:
+    """Re-trace ``model`` exactly as the planner did (torch.export inside ``fake_mode``,
+    when given) and check the graph fingerprint.
+
+    Raises:
+        PlanMismatchError: an input the plan feeds is missing, or the graph differs.
+        TraceError: the plan's method fails on this model.
+    """
     check_fed_inputs(plan, example)
-    traced = trace_model(
-        model, example, leaf_modules=plan.model.leaf_modules, method=plan.model.trace_method
+    method = plan.model.trace_method
+    exporting = method is TraceMethod.EXPORT
+    context: contextlib.AbstractContextManager[Any] = (
+        fake_mode if exporting and fake_mode is not None else contextlib.nullcontext()
     )
+    with context:
+        traced = trace_model(model, example, leaf_modules=plan.model.leaf_modules, method=method)
     fingerprint = traced.fingerprint()
     if fingerprint != plan.model.graph_fingerprint:
         raise PlanMismatchError(
@@ -222,7 +305,7 @@ def _retrace(plan: Plan, model_file: ModelFile) -> tuple[TracedModel, Binder]:
             f"{plan.model.graph_fingerprint[:12]} (its graph or its parameter shapes differ); "
             "re-run `hplan solve` with this model file"
         )
-    return traced, _binder(model)
+    return traced
 
 
 def build_rank(
@@ -249,16 +332,8 @@ def build_rank(
     device = rank_device(plan, rank_plan, options.device)
     if options.warn_model_change and rank_plan.local_rank == 0:
         warn_if_model_changed(plan, model_file)
-    traced, binder = _retrace(plan, model_file)
+    stage, binder = rank_stage(plan, rank_plan, model_file)
     prev, next_ = boundaries(plan, rank_plan)
-    stage = build_stage(
-        traced,
-        plan.units,
-        rank_plan.units,
-        recv=[t.name for t in prev.specs] if prev else [],
-        send=[t.name for t in next_.specs] if next_ else [],
-    )
-    del traced
     stage.to(device)
     params = tuple(stage.canonical_parameters())
     optimizer = build_optimizer(plan, rank, model_file, params, device)
