@@ -41,16 +41,10 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.pipelining.schedules import (
-    _Action,
-    _ComputationType,
-    _format_pipeline_order,
-)
 from torch.utils._pytree import tree_map
 
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
@@ -76,6 +70,10 @@ from hplan.runtime.executor.grad_sync import (
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
 from hplan.runtime.executor.zero import ShardSync
+
+if TYPE_CHECKING:
+    # 0.45 s to import (DTensor, sympy): the scaler is built only for fp16 plans.
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
 def stage_label(rank_plan: RankPlan) -> str:
@@ -487,15 +485,17 @@ def _set_rng_state(device: torch.device, state: tuple[Tensor, Tensor | None]) ->
 
 
 # --------------------------------------------------------------------------- pipelining notation
-_KINDS = {
-    ActionKind.FORWARD: _ComputationType.FORWARD,
-    ActionKind.BACKWARD: _ComputationType.FULL_BACKWARD,
-}
-
-
-def pipelining_action(action: Action) -> _Action:
+# torch.distributed.pipelining is imported where a schedule is printed, not at start-up: it
+# imports torch._dynamo, about 0.4 s of every rank's start on a CPU.
+def pipelining_action(action: Action) -> Any:
     """``action`` as ``torch.distributed.pipelining``'s ``_Action`` (same text: ``1F3``)."""
-    return _Action(action.stage, _KINDS[action.kind], action.microbatch)
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    kinds = {
+        ActionKind.FORWARD: _ComputationType.FORWARD,
+        ActionKind.BACKWARD: _ComputationType.FULL_BACKWARD,
+    }
+    return _Action(action.stage, kinds[action.kind], action.microbatch)
 
 
 def schedule_table(
@@ -517,7 +517,9 @@ def schedule_table(
     Returns:
         Lines of text ending with a newline.
     """
-    order: dict[int, list[_Action | None]] = {
+    from torch.distributed.pipelining.schedules import _format_pipeline_order
+
+    order: dict[int, list[Any]] = {
         stage: [pipelining_action(a) for a in actions] for stage, actions in enumerate(stages)
     }
     columns = ", ".join(f"Rank {stage} = plan rank {rank}" for stage, rank in enumerate(ranks))
