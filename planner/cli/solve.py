@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -79,30 +80,33 @@ sync_option = click.option(
         "steps and applied one round late."
     ),
 )
-recompute_option = click.option(
+
+
+def _policy_option(flag: str, help_text: str) -> Callable[[Callable[..., Any]], Any]:
+    """A ``--flag auto|never|always`` option (default ``auto``)."""
+    return click.option(
+        flag,
+        type=click.Choice(["auto", "never", "always"]),
+        default="auto",
+        show_default=True,
+        help=help_text,
+    )
+
+
+recompute_option = _policy_option(
     "--recompute",
-    type=click.Choice(["auto", "never", "always"]),
-    default="auto",
-    show_default=True,
-    help=(
-        "Activation recomputation per stage. auto: a stage recomputes (keeps only its "
-        "inputs, runs its forward again in the backward) where keeping its activations does "
-        "not fit its device and recomputing does, and the solver weighs the extra forward "
-        "against other splits and micro-batch sizes; never; always: every stage."
-    ),
+    "Activation recomputation per stage. auto: a stage recomputes (keeps only its "
+    "inputs, runs its forward again in the backward) where keeping its activations does "
+    "not fit its device and recomputing does, and the solver weighs the extra forward "
+    "against other splits and micro-batch sizes; never; always: every stage.",
 )
-zero_option = click.option(
+zero_option = _policy_option(
     "--zero",
-    type=click.Choice(["auto", "never", "always"]),
-    default="auto",
-    show_default=True,
-    help=(
-        "ZeRO stage 1: the ranks holding the same parameters split their optimizer state, "
-        "in uneven shards sized by each device's free memory (a rank with none keeps none), "
-        "and all-gather the updated parameters after each step. auto: searched too when the "
-        "best unsharded plan is bound by memory (a device idle, a stage recomputing or over 80% "
-        "full), kept if faster; never; always."
-    ),
+    "ZeRO stage 1: the ranks holding the same parameters split their optimizer state, "
+    "in uneven shards sized by each device's free memory (a rank with none keeps none), "
+    "and all-gather the updated parameters after each step. auto: searched too when the "
+    "best unsharded plan is bound by memory (a device idle, a stage recomputing or over 80% "
+    "full), kept if faster; never; always.",
 )
 max_local_steps_option = click.option(
     "--max-local-steps",

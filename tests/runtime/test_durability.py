@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from hplan.runtime.contract.metrics_file import read_rank_metrics
 from hplan.runtime.contract.plan import CutSpec, Plan
@@ -32,6 +31,7 @@ from tests.fixtures.plans import (
     RankOutcome,
     ReplicaShape,
     make_plan,
+    read_checkpoint,
     run_ranks,
     write_model,
 )
@@ -63,13 +63,6 @@ def _errors(stderr: str) -> list[str]:
         for line in stderr.splitlines()
         if "waiting for" not in line and "torch thread" not in line and parse_line(line) is None
     ]
-
-
-def _checkpoint(step_dir: Path, scratch: Path) -> dict:
-    """A whole checkpoint read back in this one process (no process group)."""
-    path = scratch / f"{step_dir.parent.name}-{step_dir.name}.pt"
-    dcp_to_torch_save(step_dir, path)
-    return torch.load(path, weights_only=False)
 
 
 def _global_losses(metrics_dir: Path, world_size: int) -> dict[int, float]:
@@ -138,7 +131,7 @@ def test_steps_resumed_under_other_plans_equal_one_uninterrupted_run(tmp_path: P
     }  # fmt: skip
     assert {n for n in names if n.startswith("rng.")} == {f"rng.{r}.cpu" for r in range(4)}
     _assert_same_state(
-        _checkpoint(pieces / "step-4", tmp_path), _checkpoint(whole / "step-4", tmp_path)
+        read_checkpoint(pieces / "step-4", tmp_path), read_checkpoint(whole / "step-4", tmp_path)
     )
     whole_losses = _global_losses(tmp_path / "m-whole", 2)
     resumed = {
@@ -209,7 +202,7 @@ def wide_plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
 def _assert_latest_loads(directory: Path, scratch: Path, expected_step: int | None) -> int:
     latest = latest_checkpoint(directory)
     assert latest is not None, sorted(p.name for p in directory.iterdir())
-    state = _checkpoint(latest, scratch)
+    state = read_checkpoint(latest, scratch)
     assert state["progress"]["step"] == int(latest.name.removeprefix("step-"))
     assert all(torch.isfinite(v).all() for v in state["model"].values())
     if expected_step is not None:
