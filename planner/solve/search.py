@@ -549,23 +549,47 @@ def run_search(problem: PlanningProblem, options: SolveOptions) -> SearchOutcome
 
 
 def diagnose_infeasible(problem: PlanningProblem) -> str:
-    """One line naming the binding memory constraint and what to change."""
+    """One line naming the binding memory constraint and what to change: the unit no device
+    holds, or the whole model against the cluster's memory, with what sharding the
+    optimizer state (``--zero``) and recomputing (``--recompute``) could still save, or that
+    even they cannot (no offload to host memory yet)."""
     smallest_mbs = problem.micro_batch_sizes[0]
     biggest = int(np.argmax(problem.memory_capacity_bytes))
     capacity = float(problem.memory_capacity_bytes[biggest])
     need = problem.static_memory_bytes + problem.activation_bytes_per_sample * smallest_mbs
     worst = int(np.argmax(need))
+    state = (
+        problem.optimizer_state_bytes
+        if problem.optimizer_state_bytes is not None
+        else np.zeros(problem.num_units)
+    )
     if need[worst] > capacity:
         need_text, capacity_text = format_bytes_pair(float(need[worst]), capacity)
+        floor = float(need[worst] - state[worst])
+        hint = (
+            f"; with its optimizer state sharded away (--zero) it would still need "
+            f"{format_bytes(floor)}"
+            if state[worst] > 0
+            else ""
+        )
         return (
             f"unit `{problem.unit_names[worst]}` needs {need_text} on every device of "
             "its stage (parameters, gradients, optimizer state and activations of "
             f"{smallest_mbs} sample); the largest device ({problem.device_names[biggest]}) has "
-            f"{capacity_text} usable; add a device with more memory than that"
+            f"{capacity_text} usable{hint}; add a device with more memory than that"
         )
     total = float(problem.static_memory_bytes.sum())
+    usable = float(problem.memory_capacity_bytes.sum())
+    if total > usable:
+        return (
+            f"the model needs {format_bytes(total)} for parameters, gradients, optimizer state "
+            f"and their workspace, more than the {format_bytes(usable)} all "
+            f"{problem.num_devices} devices have usable together: no pipeline, recomputation "
+            "or ZeRO shard fits it (optimizer-state offload to host memory is not supported "
+            "yet); add devices or memory, or train with an optimizer with less state (SGD)"
+        )
     return (
         f"the model needs {format_bytes(total)} for parameters, gradients and optimizer state plus "
         f"activations, and no pipeline of at most {problem.num_devices} devices holds it; add "
-        "devices or memory, or reduce the micro-batch size"
+        "devices or memory, reduce the micro-batch size, or allow --recompute auto and --zero auto"
     )

@@ -131,3 +131,23 @@ def test_zero_never_and_always() -> None:
     assert not never.layout.optimizer_shard_weights
     always = solve(problem, replace(FAST, zero="always"))
     assert always.layout.optimizer_shard_weights
+
+
+def test_a_model_larger_than_every_device_together_is_named_as_such() -> None:
+    problem = make_problem(
+        [Dev("a", 1.0, 1.5 * GB), Dev("a", 1.0, 1.5 * GB)],
+        unit_work=[1.0] * 4,
+        global_batch_size=2,
+        static_bytes=1 * GB,
+        act_bytes_per_sample=0.01 * GB,
+    )  # every unit fits a device, the four do not fit both
+    with pytest.raises(InfeasiblePlanError, match="no pipeline, recomputation or ZeRO shard"):
+        solve(problem, FAST)
+
+
+def test_a_unit_no_device_holds_says_what_sharding_would_leave() -> None:
+    problem = replace(_zero_problem(), memory_capacity_bytes=np.array([9.0, 9.0, 9.0]) * GB)
+    problem = replace(problem, optimizer_state_bytes=np.full(1, 8 * GB))
+    with pytest.raises(InfeasiblePlanError) as caught:
+        solve(replace(problem, memory_capacity_bytes=np.array([7.0, 7.0, 7.0]) * GB), FAST)
+    assert "with its optimizer state sharded away (--zero) it would still need" in str(caught.value)

@@ -143,6 +143,7 @@ def test_steps_resumed_under_other_plans_equal_one_uninterrupted_run(tmp_path: P
         assert loss == pytest.approx(whole_losses[step], rel=1e-5)
 
 
+@pytest.mark.serial  # both ranks must reach the check before either ends
 def test_a_resume_without_the_flag_or_from_another_batch_is_refused(tmp_path: Path) -> None:
     path = write_model(tmp_path, NUMBERED_DATASET)
     plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=5, num_samples=10)])
