@@ -26,7 +26,6 @@ from hplan.runtime.executor.rendezvous import resolve_rank
 from hplan.runtime.executor.worker import RunOptions, build_rank
 from hplan.runtime.rehearsal.launcher import free_port
 from hplan.runtime.rehearsal.reference_check import reference_steps, relative_difference
-from hplan.runtime.rehearsal.rehearse import rehearse
 from tests.fixtures.plans import (
     BF16_MLP,
     FROZEN_EMBEDDING,
@@ -175,7 +174,7 @@ def test_a_bf16_model_trains_through_a_pipeline_boundary_and_gradient_averaging(
 
 
 # --------------------------------------------------------------------------- frozen stage
-def test_a_stage_of_frozen_parameters_only_trains_resumes_and_verifies_without_an_optimizer(
+def test_a_stage_of_frozen_parameters_only_trains_resumes_and_equals_one_process(
     tmp_path: Path,
 ) -> None:
     path = write_model(tmp_path, FROZEN_EMBEDDING)
@@ -201,8 +200,6 @@ def test_a_stage_of_frozen_parameters_only_trains_resumes_and_verifies_without_a
     assert sorted(saved["optimizer"]) == ["blocks.0.fc.bias", "blocks.0.fc.weight",
                                           "blocks.1.fc.bias", "blocks.1.fc.weight",
                                           "head.bias", "head.weight"]  # fmt: skip
-    rehearsal = rehearse(plan, steps=1, verify=True, timeout_s=TIMEOUT_S, console=_quiet())
-    assert rehearsal.verify is not None and rehearsal.verify.passed
 
 
 def _quiet() -> Console:

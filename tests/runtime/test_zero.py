@@ -263,10 +263,8 @@ def test_checkpoints_resume_from_zero_without_it_and_into_it_equal_the_uninterru
     runs: dict, tmp_path: Path
 ) -> None:
     directory, plain, zero = runs["dir"], runs["plain"], runs["zero"]
-    other_weights = with_zero(plain, (1.0, 2.0, 1.0, 0.5))
-    cases = [  # (written under, resumed under)
+    cases = [  # (written under, resumed under); other weights load as plain -> zero does
         ("zero", plain),
-        ("zero", other_weights),
         ("plain", zero),
     ]
     uninterrupted = read_checkpoint(directory / "plain" / "ckpt" / f"step-{STEPS}", tmp_path)
