@@ -71,7 +71,9 @@ def shard_weights(
             state (``evaluate``'s ``StageCost.memory_bytes``).
 
     Each device's weight is its headroom: capacity less its memory without the state of
-    the units it shares (0 for a device whose other memory already fills it).
+    the units it shares (0 for a device whose other memory already fills it). A layout
+    whose devices share no unit gets weight 1 everywhere when it fits as it is (there is
+    nothing to shard).
     """
     if problem.optimizer_state_bytes is None:
         return None
@@ -80,8 +82,12 @@ def shard_weights(
         if len(devices) > 1:
             for d in devices:
                 shared_state[d] += float(problem.optimizer_state_bytes[u])
-    if not shared_state:
-        return None
+    if not shared_state:  # nothing to shard: the layout fits as it is, or not at all
+        fits = all(
+            need <= float(problem.memory_capacity_bytes[d]) * (1 + 1e-9)
+            for d, need in stage_memory_bytes.items()
+        )
+        return (1.0,) * problem.num_devices if fits else None
     weights = [0.0] * problem.num_devices
     for d, need in stage_memory_bytes.items():
         headroom = float(problem.memory_capacity_bytes[d]) - (need - shared_state[d])
