@@ -14,6 +14,7 @@ from hplan.planner.cost.evaluate import (
 )
 from hplan.planner.cost.layout import Layout
 from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.zero import allgather_time_s
 from hplan.planner.emit.plan_build import rank_of_device
 from hplan.planner.solve.baselines import (
     data_parallel_equal,
@@ -70,6 +71,7 @@ def _rank_reports(
     speed = {d: standalone_samples_per_s(problem, d) for d in layout.device_indices}
     fastest = max(speed.values())
     reports = []
+    gather_s = allgather_time_s(problem, layout)  # ZeRO-1: every rank waits for the shards
     for replica, replica_costs in zip(layout.replicas, result.evaluation.stages, strict=True):
         for stage, cost in zip(replica.stages, replica_costs, strict=True):
             device = stage.device_idx
@@ -92,8 +94,8 @@ def _rank_reports(
                     memory_strategy_time_s=float(
                         problem.fwd_time_s[device, units, k].sum() * replica.num_microbatches
                     )
-                    if stage.recompute
-                    else 0.0,
+                    * stage.recompute
+                    + gather_s,
                 )
             )
     return tuple(sorted(reports, key=lambda r: r.rank))
