@@ -31,7 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hplan.runtime.contract.errors import PlanFileError
-from hplan.runtime.contract.holders import OptimizerShards, RankSet, optimizer_shards
+from hplan.runtime.contract.holders import (
+    OptimizerShards,
+    RankSet,
+    optimizer_shards,
+    parameter_holders,
+)
 from hplan.runtime.contract.plan import (
     DTYPE_BYTES,
     DeviceSpec,
@@ -139,8 +144,10 @@ def rank_memory(
     units = {u.name: u for u in plan.units}
     unit_memory = {u.unit: u for u in memory.units}
     sizes = {p.name: p for p in memory.parameters}
-    held = [n for n in dict.fromkeys(p for u in rank.units for p in units[u].params) if n in sizes]
-    trainable = held
+    # the trainable parameters it holds (``memory.parameters`` lists only those)
+    trainable = [
+        n for n in dict.fromkeys(p for u in rank.units for p in units[u].params) if n in sizes
+    ]
     grad_bytes = sum(sizes[n].num_elements * sizes[n].element_bytes for n in trainable)
     param_bytes = grad_bytes
     state_factor = memory.optimizer_state_bytes_per_param_byte
@@ -161,14 +168,18 @@ def rank_memory(
         activations = per_sample * b * in_flight
     outputs = _boundary_bytes(plan, replica, rank.stage) if rank.stage + 1 < len(replica) else 0.0
     workspace = 2.0 * (inputs + outputs) * b
-    shared = _shared_names(plan)
-    workspace += sum(sizes[n].num_elements * sizes[n].element_bytes for n in held if n in shared)
+    holders_of = parameter_holders(plan)
+    workspace += sum(
+        sizes[n].num_elements * sizes[n].element_bytes
+        for n in trainable
+        if len(holders_of[n]) > 1  # all-reduced: its bucket holds a flat copy
+    )
     if state_factor > 0:
         workspace += OPTIMIZER_STEP_WORKSPACE * state_bytes / state_factor
     if rank.precision.autocast_dtype is not None:
         workspace += sum(
             sizes[n].num_elements * DTYPE_BYTES[rank.precision.autocast_dtype]
-            for n in held
+            for n in trainable
             if sizes[n].element_bytes > DTYPE_BYTES[rank.precision.autocast_dtype]
         )
     return RankMemory(
@@ -210,16 +221,6 @@ def _sharded_state_bytes(
             total += overlap * sizes[name].element_bytes * factor
             offset += size
     return total
-
-
-def _shared_names(plan: Plan) -> set[str]:
-    """Parameters held by two or more ranks (their gradients are all-reduced)."""
-    units = {u.name: u for u in plan.units}
-    count: dict[str, int] = {}
-    for rank in plan.ranks:
-        for name in dict.fromkeys(p for u in rank.units for p in units[u].params):
-            count[name] = count.get(name, 0) + 1
-    return {n for n, c in count.items() if c > 1}
 
 
 def _boundary_bytes(plan: Plan, replica: tuple[RankPlan, ...], stage: int) -> float:
