@@ -29,8 +29,11 @@ L_d the ring of its last bucket (``link_model.exposed_all_reduce_s``).
 Memory of stage s of S with micro-batch size b under 1F1B: static bytes of its units +
 b * (S - s) * activation bytes per sample + send/receive buffers. A stage that recomputes
 (``StageLayout.recompute``) keeps only its input per micro-batch in flight plus one
-micro-batch's activations, and its compute runs the forward twice
-(``contract.memory``, the formula a plan is checked against when it loads).
+micro-batch's activations, and its compute runs the forward twice; a stage that recomputes
+some units (``StageLayout.recompute_units``, selective) keeps those units' inputs instead of
+their activations plus one micro-batch of the largest one's, and runs their forward twice
+(``contract.memory.stage_activation_bytes``, the formula a plan is checked against when it
+loads).
 
 A layout with islands under local sync (``Layout.sync``; ``cost.sync_cost``) sums every
 step only inside the islands (:func:`step_sync_groups`), and adds its outer sync round
@@ -68,6 +71,7 @@ from hplan.runtime.contract.link_model import (
     ring_all_reduce_time_s,
     transfer_time_s,
 )
+from hplan.runtime.contract.memory import stage_activation_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +140,15 @@ def stage_compute_time_s(
     stop: int,
     k: int,
     recompute: bool = False,
+    recompute_units: Sequence[int] = (),
 ) -> float:
-    """Forward + backward time of units ``[start, stop)`` for one micro-batch (candidate k);
-    with ``recompute``, plus the forward the backward runs again."""
+    """Forward + backward time of units ``[start, stop)`` for one micro-batch (candidate k),
+    plus the forward the backward runs again: of every unit with ``recompute``, of the units
+    ``recompute_units`` (problem indices) under selective recomputation."""
     fwd = problem.fwd_time_s[device_idx, start:stop, k].sum()
     bwd = problem.bwd_time_s[device_idx, start:stop, k].sum()
-    return float(fwd * (2 if recompute else 1) + bwd)
+    again = fwd if recompute else problem.fwd_time_s[device_idx, list(recompute_units), k].sum()
+    return float(fwd + again + bwd)
 
 
 def stage_memory_bytes(
@@ -151,26 +158,39 @@ def stage_memory_bytes(
     micro_batch_size: int,
     in_flight: int,
     recompute: bool = False,
+    recompute_units: Sequence[int] = (),
 ) -> float:
     """Peak memory of a stage holding units ``[start, stop)``.
 
-    Static state + activations of ``in_flight`` micro-batches + one receive and one send
-    buffer of the boundary tensors on each side. With ``recompute`` the activations are
-    the stage's input of each micro-batch in flight plus one micro-batch's activations.
+    Static state + activations (``contract.memory.stage_activation_bytes``, the formula a
+    plan is checked with at load: ``in_flight`` micro-batches of them; with ``recompute``
+    the stage's input of each micro-batch in flight plus one micro-batch's activations;
+    with ``recompute_units`` those units' inputs instead of their activations, plus one
+    micro-batch of the largest one's) + one receive and one send buffer of the boundary
+    tensors on each side.
     """
     static = problem.static_memory_bytes[start:stop].sum()
-    per_microbatch = problem.activation_bytes_per_sample[start:stop].sum() * micro_batch_size
-    if recompute:
-        inputs = problem.cut_bytes_per_sample[start - 1] if start > 0 else 0.0
-        acts = inputs * micro_batch_size * in_flight + per_microbatch
-    else:
-        acts = per_microbatch * in_flight
+    chosen = set(recompute_units)
+    acts = stage_activation_bytes(
+        [float(problem.activation_bytes_per_sample[u]) for u in range(start, stop)],
+        [unit_input_bytes_per_sample(problem, u) for u in range(start, stop)],
+        [u in chosen for u in range(start, stop)],
+        micro_batch_size,
+        in_flight,
+        full_recompute=recompute,
+    )
     buffers = 0.0
     if start > 0:
         buffers += 2 * problem.cut_bytes_per_sample[start - 1] * micro_batch_size
     if stop < problem.num_units:
         buffers += 2 * problem.cut_bytes_per_sample[stop - 1] * micro_batch_size
     return float(static + acts + buffers)
+
+
+def unit_input_bytes_per_sample(problem: PlanningProblem, unit: int) -> float:
+    """Bytes per sample of the boundary before ``unit`` (the cut after ``unit - 1``; 0 for
+    the first): what a recomputed unit keeps of each micro-batch in flight."""
+    return float(problem.cut_bytes_per_sample[unit - 1]) if unit > 0 else 0.0
 
 
 def in_flight_microbatches(stage: int, num_stages: int) -> int:
@@ -191,7 +211,13 @@ def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[St
     num_stages = replica.num_stages
     for s, stage in enumerate(replica.stages):
         compute = stage_compute_time_s(
-            problem, stage.device_idx, stage.unit_start, stage.unit_stop, k, stage.recompute
+            problem,
+            stage.device_idx,
+            stage.unit_start,
+            stage.unit_stop,
+            k,
+            stage.recompute,
+            stage.recompute_units,
         )
         link = 0.0
         if s + 1 < num_stages:
@@ -205,7 +231,13 @@ def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[St
             )
         in_flight = in_flight_microbatches(s, num_stages)
         memory = stage_memory_bytes(
-            problem, stage.unit_start, stage.unit_stop, b, in_flight, stage.recompute
+            problem,
+            stage.unit_start,
+            stage.unit_stop,
+            b,
+            in_flight,
+            stage.recompute,
+            stage.recompute_units,
         )
         busy = compute * replica.num_samples / b
         costs.append(StageCost(stage.device_idx, compute, link, memory, busy))

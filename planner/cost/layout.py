@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hplan.runtime.contract.plan import PseudoGradientDtype, SyncMode
+from hplan.runtime.contract.plan import MemoryStrategy, PseudoGradientDtype, SyncMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +22,23 @@ class StageLayout:
     """The stage keeps only its inputs and runs its forward again in each backward
     (``MemoryStrategy.RECOMPUTE``): one extra forward per micro-batch, at most one
     micro-batch's activations alive."""
+    recompute_units: tuple[int, ...] = ()
+    """Selective recomputation (``MemoryStrategy.SELECTIVE``): the units (indices into the
+    problem, ascending, some but not all of the stage's) that keep only their input and run
+    their forward again in the backward; empty: none (or all, with ``recompute``)."""
+
+    @property
+    def memory_strategy(self) -> MemoryStrategy:
+        if self.recompute:
+            return MemoryStrategy.RECOMPUTE
+        return MemoryStrategy.SELECTIVE if self.recompute_units else MemoryStrategy.KEEP
+
+    @property
+    def recomputed_units(self) -> tuple[int, ...]:
+        """Every unit whose forward runs twice: all of them under ``recompute``."""
+        if self.recompute:
+            return tuple(range(self.unit_start, self.unit_stop))
+        return self.recompute_units
 
 
 @dataclass(frozen=True, slots=True)

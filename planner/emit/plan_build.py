@@ -17,7 +17,6 @@ from hplan.runtime.contract.plan import (
     CutSpec,
     IslandSpec,
     MemoryModelSpec,
-    MemoryStrategy,
     ModelSpec,
     OuterSyncSpec,
     ParameterSpec,
@@ -155,9 +154,8 @@ def _rank_plans(
                 num_microbatches=replica.num_microbatches,
                 num_samples=replica.num_samples,
                 precision=precisions.get(device_name, Precision.FP32),
-                memory_strategy=MemoryStrategy.RECOMPUTE
-                if stage.recompute
-                else MemoryStrategy.KEEP,
+                memory_strategy=stage.memory_strategy,
+                recompute_units=tuple(unit_names[u] for u in stage.recompute_units),
                 optimizer_shard_weight=(
                     layout.optimizer_shard_weights[stage.device_idx]
                     if layout.optimizer_shard_weights
@@ -187,6 +185,7 @@ def memory_model_spec(graph: ModelGraph, problem: PlanningProblem) -> MemoryMode
                 unit=unit.name,
                 activation_bytes_per_sample=float(problem.activation_bytes_per_sample[u]),
                 frozen_bytes=cost.param_bytes - cost.trainable_param_bytes + cost.buffer_bytes,
+                input_bytes_per_sample=float(problem.cut_bytes_per_sample[u - 1]) if u else 0.0,
             )
             for u, (unit, cost) in enumerate(zip(graph.units, graph.unit_costs, strict=True))
         ),

@@ -302,7 +302,7 @@ _COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
 def _rank_cells(
     rank: RankPlan, report: RankReport | None, marked: bool, plan_units: Sequence[object]
 ) -> list[Text]:
-    recompute = " R" if rank.memory_strategy == MemoryStrategy.RECOMPUTE else ""
+    recompute = _strategy_marker(rank)
     cells = [
         f"{rank.rank}{' *' if marked else ''}",
         rank.node,
@@ -315,6 +315,15 @@ def _rank_cells(
         ("-" if report is None else _memory_cell(report)) + recompute,
     ]
     return [Text(cell) for cell in cells]
+
+
+def _strategy_marker(rank: RankPlan) -> str:
+    """`` R`` (whole stage recomputed), `` R3/8`` (3 of its 8 units), or nothing."""
+    if rank.memory_strategy == MemoryStrategy.RECOMPUTE:
+        return " R"
+    if rank.memory_strategy == MemoryStrategy.SELECTIVE:
+        return f" R{len(rank.recompute_units)}/{len(rank.units)}"
+    return ""
 
 
 def _memory_cell(report: RankReport) -> str:
@@ -343,6 +352,8 @@ def _table_legend(plan: Plan) -> str:
     ]
     if any(r.memory_strategy == MemoryStrategy.RECOMPUTE for r in plan.ranks):
         parts.append("R: recomputes activations")
+    if any(r.memory_strategy == MemoryStrategy.SELECTIVE for r in plan.ranks):
+        parts.append("Rk/n: recomputes k of its n units (selective)")
     return "\n".join(parts)
 
 

@@ -77,6 +77,8 @@ def _rank_reports(
             device = stage.device_idx
             units = slice(stage.unit_start, stage.unit_stop)
             k = mbs_index(problem, replica.micro_batch_size)
+            # the forward the backward runs again (all units under recompute, some selective)
+            again_s = float(problem.fwd_time_s[device, list(stage.recomputed_units), k].sum())
             reports.append(
                 RankReport(
                     rank=ranks[device],
@@ -86,16 +88,9 @@ def _rank_reports(
                     memory_capacity_bytes=round(float(problem.memory_capacity_bytes[device])),
                     relative_speed=speed[device] / fastest if fastest > 0 else 1.0,
                     forward_time_s=float(problem.fwd_time_s[device, units, k].sum()),
-                    backward_time_s=float(
-                        problem.bwd_time_s[device, units, k].sum()
-                        + problem.fwd_time_s[device, units, k].sum() * stage.recompute
-                    ),
+                    backward_time_s=float(problem.bwd_time_s[device, units, k].sum()) + again_s,
                     optimizer_time_s=float(problem.optimizer_time_s[device, units].sum()),
-                    memory_strategy_time_s=float(
-                        problem.fwd_time_s[device, units, k].sum() * replica.num_microbatches
-                    )
-                    * stage.recompute
-                    + gather_s,
+                    memory_strategy_time_s=again_s * replica.num_microbatches + gather_s,
                 )
             )
     return tuple(sorted(reports, key=lambda r: r.rank))

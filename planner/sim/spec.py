@@ -311,8 +311,10 @@ def _layout_replica(
     for stage in replica.stages:
         d, units = stage.device_idx, slice(stage.unit_start, stage.unit_stop)
         forward_s = float(problem.fwd_time_s[d, units, k].sum())
-        # A recomputing stage runs its forward again inside each backward.
-        backward_s = float(problem.bwd_time_s[d, units, k].sum()) + forward_s * stage.recompute
+        # A recomputing stage runs its forward (selective: its recomputed units') again
+        # inside each backward.
+        again_s = float(problem.fwd_time_s[d, list(stage.recomputed_units), k].sum())
+        backward_s = float(problem.bwd_time_s[d, units, k].sum()) + again_s
         stages.append(
             SimStage(
                 rank=rank_of[d],

@@ -1,10 +1,11 @@
 """Brute-force reference planner for tiny instances (tests compare the MILP with it).
 
 Enumerates every layout: every set of disjoint, ordered device sequences (the replicas),
-every contiguous unit split of each, whether each stage recomputes (as the problem's
-``RecomputePolicy`` allows), every micro-batch size candidate, and every split of the
-global batch into positive shares; costs each with the exact evaluator. Exponential:
-use only with a handful of devices, units and samples.
+every contiguous unit split of each, whether each stage keeps its activations, recomputes
+some of its units (every prefix of ``cost.recompute.recompute_order`` the solver may take)
+or recomputes them all (as the problem's ``RecomputePolicy`` allows), every micro-batch
+size candidate, and every split of the global batch into positive shares; costs each with
+the exact evaluator. Exponential: use only with a handful of devices, units and samples.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
+from hplan.planner.cost.recompute import recompute_order, selected_units
 from hplan.planner.solve.validate import layout_problems
 
 
@@ -41,24 +43,39 @@ def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
 
 def _replica_options(
     problem: PlanningProblem, devices: tuple[int, ...]
-) -> list[tuple[StageLayout, ...]]:
+) -> list[tuple[int, tuple[StageLayout, ...]]]:
     u = problem.num_units
-    choices = {
-        RecomputePolicy.AUTO: (False, True),
-        RecomputePolicy.NEVER: (False,),
-        RecomputePolicy.ALWAYS: (True,),
-    }[problem.recompute]
-    out = []
+    out: list[tuple[int, tuple[StageLayout, ...]]] = []
     for cuts in itertools.combinations(range(1, u), len(devices) - 1):
         bounds = (0, *cuts, u)
-        for flags in itertools.product(choices, repeat=len(devices)):
-            out.append(
-                tuple(
-                    StageLayout(d, bounds[s], bounds[s + 1], flags[s])
-                    for s, d in enumerate(devices)
-                )
-            )
+        for k in range(len(problem.micro_batch_sizes)):
+            options = [
+                _stage_options(problem, d, bounds[s], bounds[s + 1], k)
+                for s, d in enumerate(devices)
+            ]
+            out.extend((k, stages) for stages in itertools.product(*options))
     return out
+
+
+def _stage_options(
+    problem: PlanningProblem, device: int, start: int, stop: int, k: int
+) -> list[StageLayout]:
+    """Keep, every selective prefix of ``recompute_order`` short of all the stage's units,
+    and whole-stage recomputation, as the problem's ``RecomputePolicy`` allows."""
+    keep = StageLayout(device, start, stop)
+    full = StageLayout(device, start, stop, recompute=True)
+    if problem.recompute is RecomputePolicy.NEVER:
+        return [keep]
+    if problem.recompute is RecomputePolicy.ALWAYS:
+        return [full]
+    order = recompute_order(problem, device, k)
+    subsets = {
+        chosen
+        for count in range(1, len(order) + 1)
+        if 0 < len(chosen := selected_units(order, start, stop, count)) < stop - start
+    }
+    selective = [StageLayout(device, start, stop, recompute_units=c) for c in sorted(subsets)]
+    return [keep, *selective, full]
 
 
 def brute_force(problem: PlanningProblem) -> tuple[float, Layout] | None:
@@ -80,18 +97,17 @@ def _best_for(
     if any(len(p) > problem.num_units for p in pipelines):
         return best
     stage_options = [_replica_options(problem, p) for p in pipelines]
-    mbs_options = [problem.micro_batch_sizes] * len(pipelines)
+    sizes = problem.micro_batch_sizes
     for shares in _compositions(problem.global_batch_size, len(pipelines)):
-        for stages in itertools.product(*stage_options):
-            for sizes in itertools.product(*mbs_options):
-                replicas = tuple(
-                    ReplicaLayout(st, b, math.ceil(n / b), n)
-                    for st, b, n in zip(stages, sizes, shares, strict=True)
-                )
-                layout = Layout(replicas)
-                if layout_problems(problem, layout):
-                    continue
-                step = evaluate(problem, layout).step_time_s
-                if best is None or step < best[0] - 1e-15:
-                    best = (step, layout)
+        for options in itertools.product(*stage_options):
+            replicas = tuple(
+                ReplicaLayout(st, sizes[k], math.ceil(n / sizes[k]), n)
+                for (k, st), n in zip(options, shares, strict=True)
+            )
+            layout = Layout(replicas)
+            if layout_problems(problem, layout):
+                continue
+            step = evaluate(problem, layout).step_time_s
+            if best is None or step < best[0] - 1e-15:
+                best = (step, layout)
     return best

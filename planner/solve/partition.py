@@ -20,8 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hplan.planner.cost.evaluate import in_flight_microbatches, link_time_s, pipeline_period_s
+from hplan.planner.cost.evaluate import (
+    in_flight_microbatches,
+    link_time_s,
+    pipeline_period_s,
+    unit_input_bytes_per_sample,
+)
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
+from hplan.planner.cost.recompute import recompute_order, selected_units
 from hplan.planner.solve.device_classes import DeviceClass, pair_devices
 
 
@@ -42,6 +48,9 @@ class PipelineShape:
     """Backward time of one micro-batch on each stage (the pass its all-reduce overlaps)."""
     recompute: tuple[bool, ...] = ()
     """Per stage: whether it recomputes its activations (empty: none does)."""
+    recompute_units: tuple[tuple[int, ...], ...] = ()
+    """Per stage: the units it recomputes selectively (empty: none; ``recompute`` covers
+    whole stages)."""
 
     @property
     def num_stages(self) -> int:
@@ -50,6 +59,20 @@ class PipelineShape:
     def time_s(self, num_microbatches: int, allreduce_s: float) -> float:
         """Step time of one copy running ``num_microbatches`` micro-batches."""
         return (num_microbatches - 1) * self.period_s + self.fill_s + self.optimizer_s + allreduce_s
+
+
+@dataclass(frozen=True, slots=True)
+class _StageMatrices:
+    """One stage position's options over every unit range [i, j) (``Partitioner._strategy``)."""
+
+    compute: np.ndarray
+    """(U+1, U+1) forward + backward (+ recomputed forwards) per micro-batch; inf: no fit."""
+    link: np.ndarray
+    """(U+1,) outgoing link time of a cut placed at position j."""
+    recompute: np.ndarray
+    """(U+1, U+1) whole-stage recomputation."""
+    counts: np.ndarray
+    """(U+1, U+1) selective recomputation: ``selected_units``'s count (0: none)."""
 
 
 class Partitioner:
@@ -87,6 +110,11 @@ class Partitioner:
             ],
             axis=1,
         )
+        self._cut = np.concatenate([[0.0], p.cut_bytes_per_sample, [0.0]])
+        self._unit_input = np.array([unit_input_bytes_per_sample(p, u) for u in range(p.num_units)])
+        idx = np.arange(p.num_units + 1)
+        self._nonempty = idx[:, None] < idx[None, :]
+        self._strategies: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------ stage costs
     def _compute(self, device: int, k: int) -> np.ndarray:
@@ -94,42 +122,93 @@ class Partitioner:
         cum = self._time_cum[device, :, k]
         return cum[None, :] - cum[:, None]
 
+    def _memory(self, device: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(U+1, U+1) matrices of units [i, j): static bytes + boundary buffers, and
+        activation bytes per micro-batch (``evaluate.stage_memory_bytes``'s parts)."""
+        static = self._static_cum[None, :] - self._static_cum[:, None]
+        per_microbatch = (self._act_cum[None, :] - self._act_cum[:, None]) * b
+        cut = self._cut
+        return static + 2 * b * (cut[:, None] + cut[None, :]), per_microbatch
+
     def _memory_ok(
         self, device: int, b: int, in_flight: int, recompute: bool = False
     ) -> np.ndarray:
         """(U+1, U+1): whether units [i, j) fit ``device`` (``evaluate.stage_memory_bytes``)."""
-        u = self.problem.num_units
-        static = self._static_cum[None, :] - self._static_cum[:, None]
-        per_microbatch = (self._act_cum[None, :] - self._act_cum[:, None]) * b
-        cut = np.concatenate([[0.0], self.problem.cut_bytes_per_sample, [0.0]])
+        fixed, per_microbatch = self._memory(device, b)
         # Recomputing keeps each in-flight micro-batch's input and one's activations.
         acts = (
-            per_microbatch + cut[:, None] * b * in_flight
+            per_microbatch + self._cut[:, None] * b * in_flight
             if recompute
             else per_microbatch * in_flight
         )
-        buffers = 2 * b * (cut[:, None] + cut[None, :])
-        mem = static + acts + buffers
-        ok = mem <= self.problem.memory_capacity_bytes[device]
-        idx = np.arange(u + 1)
-        return ok & (idx[:, None] < idx[None, :])
+        return (fixed + acts <= self.problem.memory_capacity_bytes[device]) & self._nonempty
 
-    def _strategy(self, device: int, k: int, in_flight: int) -> tuple[np.ndarray, np.ndarray]:
-        """(compute matrix with inf where nothing fits, recompute flag matrix) of one stage
-        under the problem's ``RecomputePolicy``: keep where it fits (auto), recompute where
-        only that fits."""
+    def _selective(self, device: int, k: int, in_flight: int) -> tuple[np.ndarray, np.ndarray]:
+        """Selective recomputation of units [i, j): (U+1, U+1) extra forward time of the
+        fewest units, taken in ``recompute_order``, that make the stage fit (inf: none
+        does, short of all of them), and how many of the order's units were looked at
+        (``selected_units``'s ``count``; 0: none fits)."""
+        p = self.problem
+        b = p.micro_batch_sizes[k]
+        fixed, per_microbatch = self._memory(device, b)
+        capacity = p.memory_capacity_bytes[device]
+        idx = np.arange(p.num_units + 1)
+        kept = per_microbatch.copy()
+        largest = np.zeros_like(kept)
+        again = np.zeros_like(kept)
+        chosen = np.zeros(kept.shape, dtype=int)
+        extra = np.full(kept.shape, np.inf)
+        counts = np.zeros(kept.shape, dtype=int)
+        for t, u in enumerate(recompute_order(p, device, k)):
+            inside = (idx[:, None] <= u) & (u < idx[None, :])
+            kept -= inside * (p.activation_bytes_per_sample[u] - self._unit_input[u]) * b
+            largest = np.maximum(largest, inside * p.activation_bytes_per_sample[u] * b)
+            again += inside * p.fwd_time_s[device, u, k]
+            chosen += inside
+            fits = fixed + kept * in_flight + largest <= capacity
+            new = inside & fits & np.isinf(extra) & (chosen < idx[None, :] - idx[:, None])
+            extra = np.where(new, again, extra)
+            counts = np.where(new, t + 1, counts)
+        return extra, counts
+
+    def _strategy(
+        self, device: int, k: int, in_flight: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per stage [i, j) under the problem's ``RecomputePolicy``: (compute matrix with
+        inf where nothing fits, whole-stage recompute flags, selective ``count``s, 0: none).
+        ``auto`` keeps activations where they fit, else recomputes the fewest units (the
+        cheapest per byte first) that make it fit, else recomputes the whole stage; each
+        is costed as the forward it runs again, so the split weighs it."""
+        key = (device, k, in_flight)
+        if key in self._strategies:
+            return self._strategies[key]
         b = self.problem.micro_batch_sizes[k]
         policy = self.problem.recompute
+        compute = self._compute(device, k)
         keep_ok = self._memory_ok(device, b, in_flight) & (policy is not RecomputePolicy.ALWAYS)
+        none = np.zeros(keep_ok.shape, dtype=int)
         if policy is RecomputePolicy.NEVER:
-            return np.where(keep_ok, self._compute(device, k), np.inf), np.zeros_like(keep_ok)
+            found = (np.where(keep_ok, compute, np.inf), np.zeros_like(keep_ok), none)
+            self._strategies[key] = found
+            return found
+        extra, counts = (
+            self._selective(device, k, in_flight)
+            if policy is RecomputePolicy.AUTO
+            else (np.full(compute.shape, np.inf), none)
+        )
+        use_selective = ~keep_ok & np.isfinite(extra)
         recompute_ok = self._memory_ok(device, b, in_flight, recompute=True)
         cum = self._fwd_cum[device, :, k]
         again = cum[None, :] - cum[:, None]
-        use_recompute = recompute_ok & ~keep_ok
-        compute = self._compute(device, k)
-        compute = np.where(keep_ok, compute, np.where(use_recompute, compute + again, np.inf))
-        return compute, use_recompute
+        use_recompute = recompute_ok & ~keep_ok & ~use_selective
+        cost = np.where(use_selective, compute + extra, compute + again)
+        found = (
+            np.where(keep_ok, compute, np.where(use_selective | use_recompute, cost, np.inf)),
+            use_recompute,
+            np.where(use_selective, counts, 0),
+        )
+        self._strategies[key] = found
+        return found
 
     def _link_out(self, a: int, b_dev: int, b: int) -> np.ndarray:
         """(U+1,) link time per micro-batch of a cut placed at position j (after unit j-1)."""
@@ -146,20 +225,20 @@ class Partitioner:
         self, sequence: Sequence[int], k: int
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per stage: (compute matrix with inf where infeasible, outgoing link vector)."""
-        return [(compute, link) for compute, link, _ in self._stage_matrices(sequence, k)]
+        return [(m.compute, m.link) for m in self._stage_matrices(sequence, k)]
 
-    def _stage_matrices(
-        self, sequence: Sequence[int], k: int
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def _stage_matrices(self, sequence: Sequence[int], k: int) -> list[_StageMatrices]:
         b = self.problem.micro_batch_sizes[k]
         devices = pair_devices(self.classes, sequence)
         num_stages = len(sequence)
         mats = []
         for s, dev in enumerate(devices):
-            compute, recompute = self._strategy(dev, k, in_flight_microbatches(s, num_stages))
+            compute, recompute, counts = self._strategy(
+                dev, k, in_flight_microbatches(s, num_stages)
+            )
             u = self.problem.num_units
             link = self._link_out(dev, devices[s + 1], b) if s + 1 < num_stages else np.zeros(u + 1)
-            mats.append((compute, link, recompute))
+            mats.append(_StageMatrices(compute, link, recompute, counts))
         return mats
 
     # ------------------------------------------------------------------ splitting
@@ -170,7 +249,8 @@ class Partitioner:
         best = np.full(u + 1, np.inf)
         best[0] = 0.0
         choices = []
-        for s, (compute, link, _) in enumerate(mats):
+        for s, m in enumerate(mats):
+            compute, link = m.compute, m.link
             value = np.maximum(compute, link[None, :]) if s + 1 < len(mats) else compute
             cand = np.maximum(best[:, None], value)
             choices.append(np.argmin(cand, axis=0))
@@ -189,7 +269,9 @@ class Partitioner:
         found = []
         for cuts in itertools.combinations(range(1, u), len(sequence) - 1):
             bounds = (0, *cuts, u)
-            if all(np.isfinite(mats[s][0][bounds[s], bounds[s + 1]]) for s in range(len(sequence))):
+            if all(
+                np.isfinite(mats[s].compute[bounds[s], bounds[s + 1]]) for s in range(len(sequence))
+            ):
                 found.append(self._shape(sequence, k, bounds, mats))
         return pareto(found)
 
@@ -198,12 +280,12 @@ class Partitioner:
         sequence: Sequence[int],
         k: int,
         bounds: tuple[int, ...],
-        mats: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        mats: list[_StageMatrices],
     ) -> PipelineShape:
         devices = pair_devices(self.classes, sequence)
-        computes = [float(mats[s][0][bounds[s], bounds[s + 1]]) for s in range(len(sequence))]
+        computes = [float(mats[s].compute[bounds[s], bounds[s + 1]]) for s in range(len(sequence))]
         links = [
-            float(mats[s][1][bounds[s + 1]]) if s + 1 < len(sequence) else 0.0
+            float(mats[s].link[bounds[s + 1]]) if s + 1 < len(sequence) else 0.0
             for s in range(len(sequence))
         ]
         optimizer = max(
@@ -214,7 +296,18 @@ class Partitioner:
             float(self._grad_cum[bounds[s + 1]] - self._grad_cum[bounds[s]])
             for s in range(len(sequence))
         )
-        recompute = tuple(bool(mats[s][2][bounds[s], bounds[s + 1]]) for s in range(len(sequence)))
+        recompute = tuple(
+            bool(mats[s].recompute[bounds[s], bounds[s + 1]]) for s in range(len(sequence))
+        )
+        selective = tuple(
+            selected_units(
+                recompute_order(self.problem, d, k),
+                bounds[s],
+                bounds[s + 1],
+                int(mats[s].counts[bounds[s], bounds[s + 1]]),
+            )
+            for s, d in enumerate(devices)
+        )
         backward = tuple(
             float(self._bwd_cum[d, bounds[s + 1], k] - self._bwd_cum[d, bounds[s], k])
             for s, d in enumerate(devices)
@@ -230,6 +323,7 @@ class Partitioner:
             stage_grad_bytes=grads,
             stage_backward_s=backward,
             recompute=recompute,
+            recompute_units=selective,
         )
 
 

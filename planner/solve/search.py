@@ -297,7 +297,13 @@ def layout_from_copies(copies: Sequence[_Copy], samples: Sequence[int]) -> Layou
             continue
         t = copy.shape
         stages = tuple(
-            StageLayout(copy.devices[s], t.bounds[s], t.bounds[s + 1], t.recompute[s])
+            StageLayout(
+                copy.devices[s],
+                t.bounds[s],
+                t.bounds[s + 1],
+                t.recompute[s],
+                t.recompute_units[s] if t.recompute_units else (),
+            )
             for s in range(t.num_stages)
         )
         replicas.append(

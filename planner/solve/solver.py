@@ -152,7 +152,7 @@ memory (``_memory_binds``)."""
 
 def _memory_binds(problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]) -> bool:
     """Whether memory may bind the fastest layout found, so that ZeRO's shards may help: none
-    was found, it leaves a device idle, a stage recomputes, or a stage fills more than
+    was found, it leaves a device idle, a stage recomputes (some or all of its units), or a stage fills more than
     :data:`MEMORY_BINDS_SHARE` of its device."""
     if not ranked:
         return True
@@ -162,7 +162,7 @@ def _memory_binds(problem: PlanningProblem, ranked: list[tuple[str, Layout, Eval
         for costs in evaluation.stages
         for c in costs
     )
-    recomputes = any(s.recompute for r in layout.replicas for s in r.stages)
+    recomputes = any(s.recomputed_units for r in layout.replicas for s in r.stages)
     return full or recomputes or len(layout.device_indices) < problem.num_devices
 
 
@@ -194,7 +194,7 @@ def with_recompute_policy(problem: PlanningProblem, layout: Layout) -> Layout:
     if problem.recompute is not RecomputePolicy.ALWAYS:
         return layout
     replicas = tuple(
-        replace(r, stages=tuple(replace(s, recompute=True) for s in r.stages))
+        replace(r, stages=tuple(replace(s, recompute=True, recompute_units=()) for s in r.stages))
         for r in layout.replicas
     )
     return replace(layout, replicas=replicas)

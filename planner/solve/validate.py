@@ -6,7 +6,7 @@ solver or the evaluator on purpose.
 
 from __future__ import annotations
 
-from hplan.planner.cost.layout import IslandSync, Layout
+from hplan.planner.cost.layout import IslandSync, Layout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.textfmt import format_bytes_pair
 
@@ -18,8 +18,10 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     empty stage; no device is used twice; micro-batch sizes are candidates and the
     micro-batches hold the replica's samples; shares sum to the global batch; every stage's
     memory (static + activations of its in-flight micro-batches under 1F1B, or under
-    recomputation its inputs in flight and one micro-batch's activations + boundary
-    buffers) fits its device; with islands, they hold every node of the problem once, and
+    recomputation its inputs in flight and one micro-batch's activations, or under selective
+    recomputation the recomputed units' inputs in flight instead of their activations and
+    one micro-batch of the largest one's + boundary buffers) fits its device; a selective
+    stage names some, not all, of its units; with islands, they hold every node of the problem once, and
     under local sync every replica lies inside one island.
     """
     errors: list[str] = []
@@ -33,11 +35,24 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
         errors += _replica_problems(problem, r, replica, seen, saving)
     if total != problem.global_batch_size:
         errors.append(f"batch shares sum to {total}, not {problem.global_batch_size}")
-    flags = {s.recompute for r in layout.replicas for s in r.stages}
-    if problem.recompute is RecomputePolicy.NEVER and True in flags:
+    stages = [s for r in layout.replicas for s in r.stages]
+    if problem.recompute is RecomputePolicy.NEVER and any(
+        s.recompute or s.recompute_units for s in stages
+    ):
         errors.append("a stage recomputes under --recompute never")
-    if problem.recompute is RecomputePolicy.ALWAYS and False in flags:
-        errors.append("a stage keeps its activations under --recompute always")
+    if problem.recompute is RecomputePolicy.ALWAYS and not all(s.recompute for s in stages):
+        errors.append("a stage keeps (some of) its activations under --recompute always")
+    for s in stages:
+        if s.recompute_units and (
+            s.recompute
+            or len(s.recompute_units) >= s.unit_stop - s.unit_start
+            or list(s.recompute_units) != sorted(set(s.recompute_units))
+            or not s.unit_start <= s.recompute_units[0] <= s.recompute_units[-1] < s.unit_stop
+        ):
+            errors.append(
+                f"stage on {problem.device_names[s.device_idx]} recomputes units "
+                f"{list(s.recompute_units)}: not some (not all) of [{s.unit_start}, {s.unit_stop})"
+            )
     if layout.sync is not None:
         errors += _island_problems(problem, layout, layout.sync)
     return errors
@@ -104,9 +119,7 @@ def _replica_problems(  # type: ignore[no-untyped-def]
                 "out of order or empty"
             )
         expected_start = stage.unit_stop
-        need = _memory(
-            problem, stage.unit_start, stage.unit_stop, b, num_stages - s, stage.recompute
-        ) - saving.get(stage.device_idx, 0.0)
+        need = _memory(problem, stage, b, num_stages - s) - saving.get(stage.device_idx, 0.0)
         cap = float(problem.memory_capacity_bytes[stage.device_idx])
         if need > cap:
             need_text, cap_text = format_bytes_pair(need, cap)
@@ -119,15 +132,23 @@ def _replica_problems(  # type: ignore[no-untyped-def]
     return errors
 
 
-def _memory(
-    problem: PlanningProblem, start: int, stop: int, b: int, in_flight: int, recompute: bool
-) -> float:
+def _memory(problem: PlanningProblem, stage: StageLayout, b: int, in_flight: int) -> float:
+    start, stop = stage.unit_start, stage.unit_stop
     need = 0.0
-    kept = 1 if recompute else in_flight
+    largest = 0.0
     for u in range(start, stop):
         need += float(problem.static_memory_bytes[u])
-        need += float(problem.activation_bytes_per_sample[u]) * b * kept
-    if recompute and start > 0:
+        act = float(problem.activation_bytes_per_sample[u]) * b
+        if stage.recompute:
+            need += act
+        elif u in stage.recompute_units:
+            # a checkpointed unit keeps its input; its backward holds its activations alone
+            need += float(problem.cut_bytes_per_sample[u - 1]) * b * in_flight if u else 0.0
+            largest = max(largest, act)
+        else:
+            need += act * in_flight
+    need += largest
+    if stage.recompute and start > 0:
         need += float(problem.cut_bytes_per_sample[start - 1]) * b * in_flight
     if start > 0:
         need += 2.0 * float(problem.cut_bytes_per_sample[start - 1]) * b

@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from hplan.runtime.capture.cuts import MISMATCH, node_units, replicable_nodes
+from hplan.runtime.capture.segments import Segment, run_segments, split_segments
 from hplan.runtime.capture.trace import TracedModel
 from hplan.runtime.contract.errors import PlanMismatchError
 from hplan.runtime.contract.plan import UnitSpec
@@ -36,6 +37,8 @@ class StageModule(nn.Module):
         out_spec: pytree.TreeSpec | None,
         param_names: Mapping[str, str],
         unit_names: tuple[str, ...],
+        node_units: Mapping[str, str] | None = None,
+        recompute_units: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.graph_module = graph_module
@@ -49,6 +52,10 @@ class StageModule(nn.Module):
         self.unit_names = unit_names
         self._out_spec = out_spec
         self._param_names = dict(param_names)
+        self.recompute_units = recompute_units
+        """Units run under ``torch.utils.checkpoint`` (selective recomputation)."""
+        self._node_units = dict(node_units or {})
+        self._segments: tuple[Segment, ...] | None = None
 
     def forward(
         self, inputs: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor]
@@ -68,12 +75,21 @@ class StageModule(nn.Module):
         """
         args = [self._take(inputs, n, "graph input") for n in self.input_names]
         args += [self._take(received, n, "received tensor") for n in self.recv_names]
-        result = self.graph_module(*args)
+        result = self._run(args)
         if not self.is_last:
             return dict(zip(self.send_names, result, strict=True))
         if self._out_spec is not None:
             result = pytree.tree_unflatten(list(result), self._out_spec)
         return {"output": result}
+
+    def _run(self, args: list[torch.Tensor]) -> Any:
+        if not self.recompute_units:
+            return self.graph_module(*args)
+        if self._segments is None:
+            self._segments = split_segments(
+                self.graph_module.graph, self._node_units, set(self.recompute_units)
+            )
+        return run_segments(self.graph_module, self._segments, args)
 
     def _take(self, values: Mapping[str, torch.Tensor], name: str, kind: str) -> torch.Tensor:
         if name not in values:
@@ -114,6 +130,7 @@ def build_stage(
     *,
     recv: Sequence[str],
     send: Sequence[str],
+    recompute_units: Sequence[str] = (),
 ) -> StageModule:
     """Build the stage that holds the nodes of ``stage_units``.
 
@@ -125,6 +142,8 @@ def build_stage(
         stage_units: names of this stage's units.
         recv: node names received from the previous stage (its placeholder order).
         send: node names sent to the next stage (its output order); ``()`` if last.
+        recompute_units: stage units to run under ``torch.utils.checkpoint``
+            (``MemoryStrategy.SELECTIVE``; ``segments.py``).
 
     Raises:
         PlanMismatchError: a unit lists a node the graph lacks, a graph node belongs to no
@@ -158,6 +177,8 @@ def build_stage(
         out_spec=pytree_info.out_spec if is_last and pytree_info is not None else None,
         param_names=traced.param_names,
         unit_names=tuple(stage_units),
+        node_units={name: units[idx].name for name, idx in node_unit.items() if idx in owned_idx},
+        recompute_units=tuple(recompute_units),
     )
 
 

@@ -10,10 +10,13 @@ refused where it no longer fits. Per rank, bytes:
 - gradients: its trainable parameters;
 - optimizer state: trainable bytes x ``optimizer_state_bytes_per_param_byte``, each holder
   set's part reduced to this rank's shard under ZeRO stage 1 (``holders.optimizer_shards``);
-- activations: ``activation_bytes_per_sample`` of its units x micro-batch size x the
-  micro-batches in flight (:func:`in_flight_microbatches`); under ``recompute`` only the
-  stage's inputs are kept per micro-batch in flight, plus one micro-batch's activations
-  while its backward runs;
+- activations: :func:`stage_activation_bytes`, by memory strategy: ``activation_bytes_per_sample``
+  of its units x micro-batch size x the micro-batches in flight
+  (:func:`in_flight_microbatches`); under ``recompute`` only the stage's inputs are kept
+  per micro-batch in flight, plus one micro-batch's activations while its backward runs;
+  under ``selective`` each recomputed unit keeps its input instead of its activations,
+  plus, while its backward runs, the largest recomputed unit's activations of one
+  micro-batch (the planner's evaluator calls the same function);
 - workspace: one receive and one send buffer of the boundary tensors on each side; the
   flat copies of the gradients it all-reduces with other ranks (every bucket is one
   ``torch.cat`` alive until the step's all-reduces are done, ``executor/grad_sync.py``);
@@ -26,7 +29,7 @@ Capacity: :func:`usable_memory_bytes`, the device's memory less a framework rese
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +128,47 @@ def in_flight_microbatches(
     return min(num_stages - stage, num_microbatches)
 
 
+def stage_activation_bytes(
+    activation_bytes_per_sample: Sequence[float],
+    input_bytes_per_sample: Sequence[float],
+    recomputed: Sequence[bool],
+    micro_batch_size: int,
+    in_flight: int,
+    full_recompute: bool = False,
+) -> float:
+    """Activation bytes a stage holds at its peak, by memory strategy.
+
+    Args:
+        activation_bytes_per_sample: per unit of the stage, in order: what autograd saves
+            per sample.
+        input_bytes_per_sample: per unit: bytes per sample of the boundary before it (0 for
+            the model's first unit); ``[0]`` is the stage's input.
+        recomputed: per unit: whether it is recomputed (``selective``; ignored when
+            ``full_recompute``).
+        micro_batch_size: samples per micro-batch, b.
+        in_flight: micro-batches in flight, m (:func:`in_flight_microbatches`).
+        full_recompute: the stage recomputes as a whole (``recompute``).
+
+    Returns:
+        keep: ``b m sum_u A_u``; ``recompute``: ``b m I_0 + b sum_u A_u``; ``selective``:
+        ``b m (sum_kept A_u + sum_recomputed I_u) + b max_recomputed A_u`` (A: activations
+        per sample, I: input per sample; a checkpointed unit saves its inputs, and its
+        backward re-runs its forward alone: Chen et al. 2016, ``torch.utils.checkpoint``).
+    """
+    b = float(micro_batch_size)
+    if full_recompute:
+        stage_input = input_bytes_per_sample[0] if input_bytes_per_sample else 0.0
+        return b * in_flight * stage_input + b * float(sum(activation_bytes_per_sample))
+    kept = 0.0
+    largest = 0.0
+    for act, inp, again in zip(
+        activation_bytes_per_sample, input_bytes_per_sample, recomputed, strict=True
+    ):
+        kept += inp if again else act
+        largest = max(largest, act) if again else largest
+    return b * in_flight * kept + b * largest
+
+
 def parameter_numels(memory: MemoryModelSpec) -> dict[str, int]:
     """Canonical name -> elements of every trainable parameter (what ZeRO shards)."""
     return {p.name: p.num_elements for p in memory.parameters}
@@ -155,17 +199,21 @@ def rank_memory(
     if plan.training.zero_stage is ZeroStage.OPTIMIZER_STATE:
         state_bytes = _sharded_state_bytes(plan, rank, memory, trainable, shards)
     frozen = sum(unit_memory[u].frozen_bytes for u in rank.units)
-    per_sample = sum(unit_memory[u].activation_bytes_per_sample for u in rank.units)
     replica = plan.replica_ranks(rank.replica)
     b = rank.micro_batch_size
     in_flight = in_flight_microbatches(
         plan.training.schedule, rank.stage, len(replica), rank.num_microbatches
     )
     inputs = _boundary_bytes(plan, replica, rank.stage - 1) if rank.stage > 0 else 0.0
-    if rank.memory_strategy is MemoryStrategy.RECOMPUTE:
-        activations = inputs * b * in_flight + per_sample * b
-    else:
-        activations = per_sample * b * in_flight
+    unit_inputs = [inputs] + [unit_memory[u].input_bytes_per_sample for u in rank.units[1:]]
+    activations = stage_activation_bytes(
+        [unit_memory[u].activation_bytes_per_sample for u in rank.units],
+        unit_inputs,
+        [u in rank.recompute_units for u in rank.units],
+        b,
+        in_flight,
+        full_recompute=rank.memory_strategy is MemoryStrategy.RECOMPUTE,
+    )
     outputs = _boundary_bytes(plan, replica, rank.stage) if rank.stage + 1 < len(replica) else 0.0
     workspace = 2.0 * (inputs + outputs) * b
     holders_of = parameter_holders(plan)
@@ -263,10 +311,17 @@ def memory_problems(plan: Plan) -> list[str]:
             problems.append(
                 f"rank {rank.rank} on {rank.device} needs {_gb(need.total_bytes)} under "
                 f"{plan.training.schedule.value} with micro-batch {rank.micro_batch_size} x "
-                f"{rank.num_microbatches} ({rank.memory_strategy.value}), its device has "
+                f"{rank.num_microbatches} ({strategy_text(rank)}), its device has "
                 f"{_gb(capacity)} usable"
             )
     return problems
+
+
+def strategy_text(rank: RankPlan) -> str:
+    """E.g. ``keep_activations``, ``recompute``, ``selective 3/8`` (units recomputed)."""
+    if rank.memory_strategy is MemoryStrategy.SELECTIVE:
+        return f"selective {len(rank.recompute_units)}/{len(rank.units)}"
+    return rank.memory_strategy.value
 
 
 def _gb(num_bytes: float) -> str:
@@ -287,7 +342,8 @@ def check_fits(plan: Plan, where: str = "the plan") -> Plan:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise PlanFileError(
             f"{where} does not fit in memory: {problems[0]}{more}; lower the micro-batch size, "
-            "set memory_strategy recompute on that rank, or re-run `hplan solve`"
+            "recompute more units on that rank (memory_strategy selective with more "
+            "recompute_units, or recompute), or re-run `hplan solve`"
         )
     return plan
 

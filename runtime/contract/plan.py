@@ -34,7 +34,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from hplan.runtime.contract.errors import PlanFileError
 from hplan.runtime.contract.versioned_file import record
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 # Value ranges, declared once: pydantic enforces them when a plan loads and when it is
 # verified, and they are part of plan.schema.json.
@@ -78,6 +78,12 @@ class MemoryStrategy(StrEnum):
     """What a rank does with activations between forward and backward.
 
     - ``keep_activations``: every in-flight micro-batch keeps what autograd saves.
+    - ``selective``: the units named in ``RankPlan.recompute_units`` (some of the stage's)
+      each keep only their input per micro-batch in flight and run their forward again in
+      the backward (``torch.utils.checkpoint`` per unit); the other units keep their
+      activations (Korthikanti et al., "Reducing Activation Recomputation in Large
+      Transformer Models", MLSys 2023, chose the ops; hplan chooses whole partition units,
+      the cheapest to recompute per byte saved first).
     - ``recompute``: the stage's forward keeps only its inputs; the backward of each
       micro-batch first runs the forward again (one extra forward per micro-batch), so at
       most one micro-batch's activations are alive at a time (Chen et al., "Training Deep
@@ -85,6 +91,7 @@ class MemoryStrategy(StrEnum):
     """
 
     KEEP = "keep_activations"
+    SELECTIVE = "selective"
     RECOMPUTE = "recompute"
 
 
@@ -282,6 +289,10 @@ class UnitMemorySpec:
     costed in)."""
     frozen_bytes: ByteCount
     """Buffers and parameters without ``requires_grad`` (no gradient, no optimizer state)."""
+    input_bytes_per_sample: NonNegative = 0.0
+    """Bytes per sample of the boundary before this unit (what the previous unit's cut
+    carries; 0 for the first unit): what a recomputed unit keeps per micro-batch in flight
+    (``MemoryStrategy.SELECTIVE``)."""
 
 
 @record
@@ -450,6 +461,9 @@ class RankPlan:
     num_samples: Count
     """Samples this replica processes per optimizer step (its batch share)."""
     memory_strategy: MemoryStrategy = MemoryStrategy.KEEP
+    recompute_units: tuple[str, ...] = ()
+    """Under ``memory_strategy`` ``selective``: the units of ``units`` (one or more, not all,
+    in stage order) that are recomputed; empty under the other strategies."""
     precision: Precision = Precision.FP32
     optimizer_shard_weight: NonNegative = 1.0
     """Under ``training.zero_stage`` 1: this rank's relative share of the optimizer state of
@@ -624,7 +638,7 @@ class Report:
 class Plan:
     """A complete, runnable training plan. See the module docstring."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     """Version of this format; a reader rejects other versions (see ``from_json``)."""
     model: ModelSpec
     global_batch_size: Count
@@ -1017,6 +1031,33 @@ def _verify_replica(
     for rank in ranks[:-1]:
         if rank.units[-1] not in cut_units:
             _fail(f"cut after unit {rank.units[-1]!r} (replica {replica}) is missing")
+    for rank in ranks:
+        _verify_recompute_units(rank)
+
+
+def _verify_recompute_units(rank: RankPlan) -> None:
+    """``recompute_units``: some (not all) of the rank's units, in order, under
+    ``selective`` only."""
+    chosen = rank.recompute_units
+    if rank.memory_strategy is not MemoryStrategy.SELECTIVE:
+        if chosen:
+            _fail(
+                f"rank {rank.rank} lists recompute_units under memory_strategy "
+                f"{rank.memory_strategy.value}; set memory_strategy selective or empty the list"
+            )
+        return
+    if not chosen or len(chosen) >= len(rank.units):
+        _fail(
+            f"rank {rank.rank} is selective with {len(chosen)} of its {len(rank.units)} units "
+            "recomputed; name some but not all of its units (none: keep_activations, all: "
+            "recompute)"
+        )
+    order = [u for u in rank.units if u in set(chosen)]
+    if list(chosen) != order or len(set(chosen)) != len(chosen):
+        _fail(
+            f"rank {rank.rank} recompute_units {list(chosen)} must be its own units, once "
+            f"each, in stage order ({', '.join(rank.units)})"
+        )
 
 
 def _holder_sets(plan: Plan) -> set[tuple[int, ...]]:

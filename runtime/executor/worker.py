@@ -231,7 +231,14 @@ def rank_stage(
     model = _build_whole(plan, model_file)
     example = _example_inputs(model_file, model, plan.training.seed)
     traced = _checked_trace(plan, model_file, model, example)
-    stage = build_stage(traced, plan.units, rank_plan.units, recv=recv, send=send)
+    stage = build_stage(
+        traced,
+        plan.units,
+        rank_plan.units,
+        recv=recv,
+        send=send,
+        recompute_units=rank_plan.recompute_units,
+    )
     if reason is not None:
         print(
             f"hplan: note: {stage_label(rank_plan)} built the whole model, not its stage "
@@ -254,7 +261,14 @@ def _own_stage(
         traced = _checked_trace(plan, model_file, record.model, fake, record.fake_mode)
     except (TraceError, PlanMismatchError) as exc:
         raise CannotMaterialise(f"on fake tensors: {error_reason(exc)}") from None
-    stage = build_stage(traced, plan.units, rank_plan.units, recv=recv, send=send)
+    stage = build_stage(
+        traced,
+        plan.units,
+        rank_plan.units,
+        recv=recv,
+        send=send,
+        recompute_units=rank_plan.recompute_units,
+    )
     materialise(stage.graph_module, record, model_file.build_model, seed)
     return stage, _binder(record.model)
 

@@ -151,3 +151,61 @@ def test_a_unit_no_device_holds_says_what_sharding_would_leave() -> None:
     with pytest.raises(InfeasiblePlanError) as caught:
         solve(replace(problem, memory_capacity_bytes=np.array([7.0, 7.0, 7.0]) * GB), FAST)
     assert "with its optimizer state sharded away (--zero) it would still need" in str(caught.value)
+
+
+def _selective_problem(policy: RecomputePolicy = RecomputePolicy.AUTO):  # type: ignore[no-untyped-def]
+    """Two 3.3 GB devices, 4 units of 1 GB static: only the split [0, 1] | [2, 3] fits. Units
+    1 and 3 hold 0.3 GB/sample of activations, units 0 and 2 0.1 GB, all the same forward
+    time, and a micro-batch costs a fixed 10 s. At micro-batch 2, stage 0 (two in flight)
+    keeping everything needs 3.6 GB; recomputing unit 1 alone, 3.0 GB; the whole stage,
+    2.8 GB."""
+    problem = make_problem(
+        [Dev("a", 1.0, 3.3 * GB), Dev("a", 1.0, 3.3 * GB)],
+        unit_work=[1.0] * 4,
+        global_batch_size=4,
+        micro_batch_sizes=(1, 2),
+        static_bytes=1.0 * GB,
+        act_bytes_per_sample=[0.1 * GB, 0.3 * GB, 0.1 * GB, 0.3 * GB],
+        per_microbatch_overhead_s=10.0,
+    )
+    return replace(problem, recompute=policy)
+
+
+def test_a_stage_recomputes_its_cheapest_unit_per_byte_where_that_fits_and_is_cheaper() -> None:
+    problem = _selective_problem()
+    result = solve(problem, FAST)
+    (replica,) = result.layout.replicas
+    first, second = replica.stages
+    assert replica.micro_batch_size == 2
+    assert (first.unit_start, first.unit_stop, first.recompute_units) == (0, 2, (1,))
+    assert not first.recompute and second.recomputed_units == ()
+    assert not layout_problems(problem, result.layout)
+    best = brute_force(problem)
+    assert best is not None and result.evaluation.step_time_s == pytest.approx(best[0])
+    # the same layout with stage 0 recomputing every unit: fits too, but is slower
+    full = replace(
+        result.layout,
+        replicas=(
+            replace(replica, stages=(replace(first, recompute=True, recompute_units=()), second)),
+        ),
+    )
+    assert not layout_problems(problem, full)
+    assert evaluate(problem, full).step_time_s > result.evaluation.step_time_s
+    # keeping unit 1's activations too does not fit; the evaluator and the validator agree
+    kept = replace(
+        full, replicas=(replace(replica, stages=(replace(first, recompute_units=()), second)),)
+    )
+    assert layout_problems(problem, kept) and not evaluate(problem, kept).memory_ok
+    k = problem.micro_batch_sizes.index(2)
+    assert result.evaluation.stages[0][0].compute_time_s == pytest.approx(
+        evaluate(problem, kept).stages[0][0].compute_time_s + problem.fwd_time_s[0, 1, k]
+    )
+    assert result.evaluation.stages[0][0].memory_bytes == pytest.approx(
+        2 * GB + 0.1 * GB * 2 * 2 + 1e6 * 2 * 2 + 0.3 * GB * 2 + 2 * 1e6 * 2
+    )
+    # --recompute always recomputes whole stages, never: micro-batch 1 only
+    always = solve(_selective_problem(RecomputePolicy.ALWAYS), FAST).layout
+    assert all(s.recompute and not s.recompute_units for r in always.replicas for s in r.stages)
+    never = solve(_selective_problem(RecomputePolicy.NEVER), FAST)
+    assert never.layout.replicas[0].micro_batch_size == 1
+    assert never.evaluation.step_time_s > result.evaluation.step_time_s

@@ -10,10 +10,12 @@ import pytest
 
 from hplan.runtime.contract.holders import optimizer_shards, parameter_holders
 from hplan.runtime.contract.memory import (
+    check_fits,
     in_flight_microbatches,
     memory_problems,
     parameter_numels,
     plan_memory,
+    stage_activation_bytes,
 )
 from hplan.runtime.contract.plan import (
     MemoryModelSpec,
@@ -131,3 +133,93 @@ def test_zero_weights_of_zero_on_a_whole_holder_set_are_refused() -> None:
     )
     with pytest.raises(PlanFileError, match="optimizer_shard_weight 0"):
         bad.verify()
+
+
+def test_selective_keeps_the_recomputed_units_inputs_and_one_microbatch_of_the_largest() -> None:
+    acts, inputs = [5.0, 40.0, 7.0, 30.0], [0.0, 2.0, 3.0, 1.0]
+    b, m = 3, 4
+    assert stage_activation_bytes(acts, inputs, [False] * 4, b, m) == b * m * 82.0
+    assert stage_activation_bytes(acts, inputs, [False] * 4, b, m, full_recompute=True) == (
+        b * 82.0
+    )
+    chosen = [False, True, False, True]
+    assert stage_activation_bytes(acts, inputs, chosen, b, m) == b * m * (5 + 2 + 7 + 1) + b * 40
+
+
+def _selective_plan(recomputed: tuple[str, ...]) -> Plan:
+    """The mixed plan with 3 GB/sample of activations in blocks.5 and blocks.6 (1e4
+    elsewhere), each unit's input 1 MB/sample; rank 0 (tok_emb..blocks.6) recomputes both,
+    rank 3 (blocks.5-9, micro-batch 3, two in flight) ``recomputed``."""
+    plan = _with_memory(mixed_plan())
+    assert plan.memory is not None
+    big = {"blocks.5", "blocks.6"}
+    units = tuple(
+        replace(
+            u, activation_bytes_per_sample=3e9 if u.unit in big else 1e4, input_bytes_per_sample=1e6
+        )
+        for u in plan.memory.units
+    )
+    ranks = list(plan.ranks)
+    ranks[0] = replace(
+        ranks[0], memory_strategy=MemoryStrategy.SELECTIVE, recompute_units=("blocks.5", "blocks.6")
+    )
+    ranks[3] = replace(
+        ranks[3], memory_strategy=MemoryStrategy.SELECTIVE, recompute_units=recomputed
+    )
+    out = replace(plan, memory=replace(plan.memory, units=units), ranks=tuple(ranks))
+    out.verify()
+    return out
+
+
+def test_a_selective_rank_fits_and_the_same_plan_edited_to_recompute_less_is_refused() -> None:
+    plan = _selective_plan(("blocks.5", "blocks.6"))
+    found = plan_memory(plan)
+    assert found is not None
+    # rank 3: kept blocks.7-9; the inputs of blocks.5 (the stage's, 1024 x 768 float32 per
+    # sample) and blocks.6; one micro-batch of one big unit
+    stage_input = 1024 * 768 * 4
+    assert found[3].activation_bytes == pytest.approx(3 * 2 * (3e4 + stage_input + 1e6) + 3 * 3e9)
+    assert check_fits(plan) is plan
+    keeping = replace(
+        plan,
+        ranks=tuple(
+            replace(r, memory_strategy=MemoryStrategy.KEEP, recompute_units=())
+            if r.rank == 3
+            else r
+            for r in plan.ranks
+        ),
+    )
+    assert memory_problems(keeping)[0].startswith("rank 3 on box-b/1")
+    edited = _selective_plan(("blocks.6",))
+    with pytest.raises(PlanFileError, match=r"rank 3 on box-b/1 needs .* \(selective 1/5\)"):
+        check_fits(edited)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "recomputed", "message"),
+    [
+        (MemoryStrategy.KEEP, ("blocks.6",), "lists recompute_units under memory_strategy keep"),
+        (MemoryStrategy.SELECTIVE, (), "selective with 0 of its 5 units"),
+        (
+            MemoryStrategy.SELECTIVE,
+            ("blocks.5", "blocks.6", "blocks.7", "blocks.8", "blocks.9"),
+            "selective with 5 of its 5 units",
+        ),
+        (
+            MemoryStrategy.SELECTIVE,
+            ("blocks.7", "blocks.6"),
+            "must be its own units, once each, in stage order",
+        ),
+        (MemoryStrategy.SELECTIVE, ("lm_head",), "must be its own units"),
+    ],
+)
+def test_recompute_units_that_do_not_say_a_selective_choice_are_refused_in_one_line(
+    strategy: MemoryStrategy, recomputed: tuple[str, ...], message: str
+) -> None:
+    plan = mixed_plan()
+    ranks = tuple(
+        replace(r, memory_strategy=strategy, recompute_units=recomputed) if r.rank == 3 else r
+        for r in plan.ranks
+    )
+    with pytest.raises(PlanFileError, match=message):
+        Plan.from_json(replace(plan, ranks=ranks).to_json())

@@ -38,7 +38,7 @@ def test_the_published_schema_pins_the_schema_version() -> None:
 def test_another_schema_version_says_to_re_solve() -> None:
     data = json.loads(cpu_plan().to_json())
     data["schema_version"] = 999
-    with pytest.raises(PlanFileError, match=r"schema_version is 999, this hplan reads 1"):
+    with pytest.raises(PlanFileError, match=r"schema_version is 999, this hplan reads 2"):
         Plan.from_json(json.dumps(data))
 
 

@@ -75,9 +75,14 @@ def test_late_inputs_mixed_dtype_cuts_and_uneven_microbatches_equal_one_process(
     assert readers["mask"] == {"blocks.0", "blocks.1", "blocks.2", "blocks.3"}
     assert readers["labels"] == {"head"}
     assert plan.ranks[0].num_microbatches == 3  # micro-batches of 3, 3 and 2 samples
-    # stages 1 and 2 recompute activations in the backward pass; stage 0 keeps them
-    recompute = [replace(r, memory_strategy=MemoryStrategy.RECOMPUTE) for r in plan.ranks[1:]]
-    plan = replace(plan, ranks=(plan.ranks[0], *recompute))
+    # stage 0 keeps its activations, stage 1 recomputes blocks.2 alone (selective,
+    # torch.utils.checkpoint), stage 2 recomputes the whole stage in the backward pass
+    selective = replace(
+        plan.ranks[1], memory_strategy=MemoryStrategy.SELECTIVE, recompute_units=("blocks.2",)
+    )
+    recompute = replace(plan.ranks[2], memory_strategy=MemoryStrategy.RECOMPUTE)
+    plan = replace(plan, ranks=(plan.ranks[0], selective, recompute))
+    plan.verify()
 
     outcomes = run_ranks(
         plan,
