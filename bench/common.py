@@ -62,6 +62,9 @@ def solve(
     summary["num_ranks"] = len(plan["ranks"])
     summary["training"] = plan["training"]
     summary["memory_strategies"] = [r["memory_strategy"] for r in plan["ranks"]]
+    summary["recompute_units"] = [
+        (len(r.get("recompute_units", ())), len(r["units"])) for r in plan["ranks"]
+    ]
     return summary
 
 

@@ -1,7 +1,8 @@
 """Memory strategies where memory binds: the solver's mixed choice beside uniform ones.
 
 For each cluster and model, four `hplan solve` runs with the same cost model and batch:
-- ``mixed``: ``--recompute auto --zero auto`` (the solver picks per stage and per rank),
+- ``mixed``: ``--recompute auto --zero auto`` (the solver picks per stage and per rank:
+  keep, recompute some units (selective) or all, and ZeRO-1 shards),
 - ``plain``: ``--recompute never --zero never`` (every stage keeps its activations, every
   rank its whole optimizer state: what the solver could do before),
 - ``recompute``: ``--recompute always --zero never`` (everyone recomputes),
@@ -125,8 +126,14 @@ def _cells(results: dict[str, dict]) -> list[str]:
 def _strategies(result: dict) -> str:
     kinds = result["memory_strategies"]
     recompute = sum(1 for k in kinds if k == "recompute")
+    selective = [
+        f"R{k}/{n}"
+        for kind, (k, n) in zip(kinds, result["recompute_units"], strict=True)
+        if kind == "selective"
+    ]
     zero = ", zero-1 shards" if result["training"].get("zero_stage") else ""
-    return f"{recompute}/{len(kinds)} recompute{zero}"
+    chosen = f", selective {' '.join(selective)}" if selective else ""
+    return f"{recompute}/{len(kinds)} recompute{chosen}{zero}"
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ class StageModule(nn.Module):
         self.recompute_units = recompute_units
         """Units run under ``torch.utils.checkpoint`` (selective recomputation)."""
         self._node_units = dict(node_units or {})
-        self._segments: tuple[Segment, ...] | None = None
+        self._segments: tuple[torch.fx.Node, tuple[Segment, ...]] | None = None
+        """The graph's first node when they were split, and the segments (first use)."""
 
     def forward(
         self, inputs: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor]
@@ -85,11 +86,13 @@ class StageModule(nn.Module):
     def _run(self, args: list[torch.Tensor]) -> Any:
         if not self.recompute_units:
             return self.graph_module(*args)
-        if self._segments is None:
-            self._segments = split_segments(
-                self.graph_module.graph, self._node_units, set(self.recompute_units)
-            )
-        return run_segments(self.graph_module, self._segments, args)
+        graph = self.graph_module.graph
+        first = next(iter(graph.nodes))
+        if self._segments is None or self._segments[0] is not first:
+            # first use, or a deep copy (whose graph copied its nodes apart from ours)
+            segments = split_segments(graph, self._node_units, set(self.recompute_units))
+            self._segments = (first, segments)
+        return run_segments(self.graph_module, self._segments[1], args)
 
     def _take(self, values: Mapping[str, torch.Tensor], name: str, kind: str) -> torch.Tensor:
         if name not in values:

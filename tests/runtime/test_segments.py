@@ -4,6 +4,7 @@ dropout masks, and the stage computes exactly what it computes keeping everythin
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -105,3 +106,6 @@ def test_recomputed_units_rerun_their_forward_with_the_same_dropout_masks(tmp_pa
     # and dropout really dropped: another seed gives other outputs
     torch.manual_seed(8)
     assert not torch.equal(selective({"x": x}, {})["output"], out_keep)
+    # a deep copy (the rehearsal's warm timer runs one) splits its own graph
+    twin = copy.deepcopy(selective)
+    torch.testing.assert_close(_run(twin, x)[1], grads_keep, rtol=0, atol=0)
