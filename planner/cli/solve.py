@@ -95,10 +95,11 @@ def _policy_option(flag: str, help_text: str) -> Callable[[Callable[..., Any]], 
 
 recompute_option = _policy_option(
     "--recompute",
-    "Activation recomputation per stage. auto: a stage recomputes (keeps only its "
-    "inputs, runs its forward again in the backward) where keeping its activations does "
-    "not fit its device and recomputing does, and the solver weighs the extra forward "
-    "against other splits and micro-batch sizes; never; always: every stage.",
+    "Activation recomputation per stage. auto: where keeping a stage's activations does "
+    "not fit its device, it recomputes the fewest of its units that make it fit (cheapest "
+    "forward per activation byte first; each keeps only its input and runs its forward "
+    "again in the backward), else all of them, and the solver weighs the extra forward "
+    "against other splits and micro-batch sizes; never; always: every stage, all units.",
 )
 zero_option = _policy_option(
     "--zero",

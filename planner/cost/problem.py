@@ -19,13 +19,15 @@ FloatArray = NDArray[np.float64]
 
 
 class RecomputePolicy(StrEnum):
-    """Which stages may recompute their activations (``StageLayout.recompute``).
+    """Which stages may recompute their activations (``StageLayout.recompute`` and
+    ``recompute_units``).
 
-    - ``auto``: a stage recomputes where keeping its activations does not fit and
-      recomputing does (the solver then weighs the extra forward against other layouts
-      and micro-batch sizes);
+    - ``auto``: where keeping a stage's activations does not fit, it recomputes the fewest
+      of its units that make it fit (``cost.recompute``: cheapest per byte first), else all
+      of them (the solver then weighs the extra forward against other layouts and
+      micro-batch sizes);
     - ``never``: no stage recomputes;
-    - ``always``: every stage recomputes.
+    - ``always``: every stage recomputes all of its units.
     """
 
     AUTO = "auto"

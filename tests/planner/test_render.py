@@ -32,7 +32,7 @@ from hplan.planner.textfmt import (
     wrap_phrases,
 )
 from hplan.runtime.contract.errors import ConfigError, PlanFileError
-from hplan.runtime.contract.plan import Plan, TensorSpec
+from hplan.runtime.contract.plan import MemoryStrategy, Plan, TensorSpec
 from tests.fixtures.sample_plans import (
     SAMPLE_PLANS,
     check_golden,
@@ -119,6 +119,18 @@ def test_text_table_marks_only_the_bottleneck_rank() -> None:
     assert marked[0].split()[:4] == ["4", "*", "box-b", "rtx3060"]
     assert "10.6/11.9 GB 89% R" in marked[0]
     assert any(line.startswith("* bottleneck: rank 4 (rtx3060 on box-b") for line in lines)
+
+
+def test_text_table_marks_a_selective_rank_with_its_recomputed_share_of_units() -> None:
+    plan = mixed_plan()
+    ranks = list(plan.ranks)
+    ranks[3] = replace(
+        ranks[3], memory_strategy=MemoryStrategy.SELECTIVE, recompute_units=("blocks.6", "blocks.8")
+    )
+    lines = render_text(replace(plan, ranks=tuple(ranks))).splitlines()
+    row = next(line for line in lines if line.lstrip().startswith("3 "))
+    assert row.rstrip().endswith(" R2/5")
+    assert "Rk/n: recomputes k of its n units (selective)" in lines
 
 
 def test_text_table_rows_show_units_compactly_and_batch_shares() -> None:
