@@ -122,7 +122,7 @@ class Partitioner:
         cum = self._time_cum[device, :, k]
         return cum[None, :] - cum[:, None]
 
-    def _memory(self, device: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    def _memory(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(U+1, U+1) matrices of units [i, j): static bytes + boundary buffers, and
         activation bytes per micro-batch (``evaluate.stage_memory_bytes``'s parts)."""
         static = self._static_cum[None, :] - self._static_cum[:, None]
@@ -134,7 +134,7 @@ class Partitioner:
         self, device: int, b: int, in_flight: int, recompute: bool = False
     ) -> np.ndarray:
         """(U+1, U+1): whether units [i, j) fit ``device`` (``evaluate.stage_memory_bytes``)."""
-        fixed, per_microbatch = self._memory(device, b)
+        fixed, per_microbatch = self._memory(b)
         # Recomputing keeps each in-flight micro-batch's input and one's activations.
         acts = (
             per_microbatch + self._cut[:, None] * b * in_flight
@@ -150,7 +150,7 @@ class Partitioner:
         (``selected_units``'s ``count``; 0: none fits)."""
         p = self.problem
         b = p.micro_batch_sizes[k]
-        fixed, per_microbatch = self._memory(device, b)
+        fixed, per_microbatch = self._memory(b)
         capacity = p.memory_capacity_bytes[device]
         idx = np.arange(p.num_units + 1)
         kept = per_microbatch.copy()
