@@ -70,6 +70,8 @@ from hplan.planner.hardware.catalog import PRECISION_CHOICES, DeviceClass, resol
 from hplan.planner.hardware.cluster import Cluster, Device, load_cluster, to_cluster_spec
 from hplan.planner.hardware.measured_links import load_measured_links
 from hplan.planner.passes import Pass, PassObserver, PassResults, run_passes
+from hplan.planner.profiling.comm_calibration import with_calibrated_collectives
+from hplan.planner.profiling.profile_file import load_profiles
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.baselines import (
     data_parallel_equal,
@@ -348,13 +350,21 @@ def _request(r: PassResults) -> SolveRequest:
 
 def cluster_pass(r: PassResults) -> ClusterInput:
     """The cluster, with measured links over the file's when ``bandwidth_path`` is given,
-    restricted to ``nodes`` less ``without`` (a re-plan for the devices left)."""
+    the profiles' calibrated node collectives (``hplan calibrate``) over those, restricted
+    to ``nodes`` less ``without`` (a re-plan for the devices left)."""
     request = _request(r)
     cluster = load_cluster(request.cluster_path)
     notes: tuple[str, ...] = ()
     if request.bandwidth_path is not None:
         measured = load_measured_links(cluster, request.bandwidth_path)
         cluster, notes = measured.cluster, (measured.note,)
+    if request.profile_paths:
+        cluster, calibrated = with_calibrated_collectives(
+            cluster,
+            load_profiles(request.profile_paths).node_collectives,
+            profile_label(request.profile_paths),
+        )
+        notes = (*notes, *calibrated)
     if request.nodes is not None or request.without:
         cluster = cluster.select(nodes=request.nodes, without=request.without)
     _check_device_mix(cluster)
