@@ -78,6 +78,7 @@ from hplan.planner.solve.baselines import (
     pipeline_possible,
     uniform_pipeline,
 )
+from hplan.planner.solve.previous import keep_previous
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import SolveResult, solve
 from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest
@@ -129,6 +130,9 @@ class SolveRequest:
     profile_paths: tuple[Path, ...] = ()
     """Measured profiles (``hplan profile``: files or directories of them, merged); their
     unit timings take precedence over the roofline. Empty: the roofline only."""
+    previous_plan_path: Path | None = None
+    """The plan a calibrated run measured (``--previous``): its layout is kept unless the
+    search's is predicted faster under this solve's model (``solve.previous``)."""
     bandwidth_path: Path | None = None
     """A measured link matrix (``hplan bandwidth``); its device pairs override the cluster
     file's links. None: the cluster file's links only."""
@@ -194,12 +198,18 @@ class SolveRequest:
                 f"--strategy {self.strategy.value} is a baseline that all-reduces every step; "
                 f"--sync {self.sync} needs --strategy hplan"
             )
+        if self.previous_plan_path is not None and self.strategy is not Strategy.HPLAN:
+            raise ConfigError(
+                f"--previous keeps a plan against the search's layout; --strategy "
+                f"{self.strategy.value} does not search (use --strategy hplan)"
+            )
         _check_model_path(self.model_path)
         for path, what in (
             (self.cluster_path, "cluster file"),
             *((path, "profile (--profile)") for path in self.profile_paths),
             (self.bandwidth_path, "bandwidth file (--bandwidth)"),
             (self.capture_path, "capture file (--capture)"),
+            (self.previous_plan_path, "previous plan (--previous)"),
         ):
             if path is not None and not path.exists():
                 raise ConfigError(f"{what} {str(path)!r} does not exist; pass an existing path")
@@ -470,7 +480,8 @@ def problem_pass(r: PassResults) -> PlanningProblem:
 
 
 def solve_pass(r: PassResults) -> SolveResult:
-    """The layout: solved, or the requested baseline's; simulated with the plan's bytes."""
+    """The layout: solved (or ``--previous``'s, when predicted no slower), or the requested
+    baseline's; simulated with the plan's bytes."""
     request, problem, runtime = _request(r), r["problem"], r["runtime_bytes"]
     if request.strategy is Strategy.HPLAN:
         options = SolveOptions(
@@ -481,7 +492,11 @@ def solve_pass(r: PassResults) -> SolveResult:
             max_local_steps=request.max_local_steps,
             zero=request.zero,
         )
-        return solve(problem, options, schedule=request.schedule, runtime=runtime)
+        result = solve(problem, options, schedule=request.schedule, runtime=runtime)
+        if request.previous_plan_path is None:
+            return result
+        path = request.previous_plan_path
+        return keep_previous(problem, result, Plan.load(path), path, request.schedule, runtime)
     return _baseline(problem, request, runtime)
 
 

@@ -214,6 +214,13 @@ profile_option = click.option(
     ),
 )
 @click.option(
+    "--previous",
+    "previous_plan_path",
+    type=click.Path(path_type=Path),
+    help="The plan a calibrated run measured (with --profile CALIBRATED): keep its layout "
+    "unless the search finds one predicted faster under the calibrated model.",
+)
+@click.option(
     "--dump-passes",
     "dump_dir",
     type=click.Path(path_type=Path),
@@ -244,6 +251,7 @@ def solve(
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     capture_path: Path | None,
+    previous_plan_path: Path | None,
     dump_dir: Path | None,
     as_json: bool,
 ) -> None:
@@ -270,6 +278,7 @@ def solve(
         bandwidth_path=bandwidth_path,
         precision=precision or "auto",
         capture_path=capture_path,
+        previous_plan_path=previous_plan_path,
         steps=steps,
         epochs=epochs,
         sync=sync,

@@ -169,3 +169,45 @@ def test_calibrating_a_rehearsal_on_slow_rings_moves_the_predicted_all_reduce_to
     # the cost model charges it too: the step grows by about the ring's growth
     grown_s = again.report.predicted_step_time_s - plan.report.predicted_step_time_s
     assert grown_s == pytest.approx(after_s - before_s, rel=0.25)
+
+
+# ------------------------------------------------------------------------------ --previous
+def test_previous_plan_is_kept_unless_the_search_is_predicted_faster(tmp_path):
+    cluster = tmp_path / "three.yaml"
+    cluster.write_text(THREE_NODES, encoding="utf-8")
+
+    def solve(name: str, strategy: Strategy, previous: Path | None = None, batch: int = 48):
+        request = SolveRequest(
+            model_path=MLP,
+            cluster_path=cluster,
+            global_batch_size=batch,
+            micro_batch_sizes=(8, 16),
+            strategy=strategy,
+            previous_plan_path=previous,
+            out_dir=tmp_path / name,
+        )
+        outcome = plan_training(request)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "plan.json").write_text(outcome.plan.to_json(), encoding="utf-8")
+        return outcome.plan
+
+    searched = solve("searched", Strategy.HPLAN)
+    ddp = solve("ddp", Strategy.DATA_PARALLEL)  # 16 samples per rank
+    shares = {0: (16, 2), 1: (8, 1), 2: (8, 1)}  # rank 0 twice the others' work: slower
+    ranks = tuple(
+        replace(r, micro_batch_size=shares[r.rank][0], num_microbatches=shares[r.rank][1],
+                num_samples=shares[r.rank][0] * shares[r.rank][1])
+        for r in ddp.ranks
+    )  # fmt: skip
+    (tmp_path / "uneven").mkdir()
+    (tmp_path / "uneven" / "plan.json").write_text(replace(ddp, ranks=ranks).to_json())
+    # a tie keeps the measured plan's layout; a slower one gives way to the search's
+    kept = solve("kept", Strategy.HPLAN, previous=tmp_path / "searched" / "plan.json")
+    assert [r.units for r in kept.ranks] == [r.units for r in searched.ranks]
+    assert any("kept its layout" in n for n in kept.report.notes)
+    replaced = solve("replaced", Strategy.HPLAN, previous=tmp_path / "uneven" / "plan.json")
+    assert [r.num_samples for r in replaced.ranks] != [32, 8, 8]
+    assert any("the search's layout" in n and "replaces it" in n for n in replaced.report.notes)
+    with pytest.raises(ConfigError, match=r"global batch is 48, this solve's 96") as info:
+        solve("other", Strategy.HPLAN, previous=tmp_path / "searched" / "plan.json", batch=96)
+    assert "\n" not in str(info.value)
