@@ -25,8 +25,9 @@ step from its own metrics (compute, wait, point-to-point, all-reduce, optimizer,
 
 ``--calibrate``: before the rounds, hplan's plan runs once, ``hplan calibrate`` reads that run
 (compute and all-reduce) and the case is solved again with ``--previous`` (the first plan
-stays unless the calibrated model predicts another faster); the rounds run the calibrated plan (the issue's "after at most
-one calibration"), and the first run's measured and predicted samples/s are printed too.
+stays unless the calibrated model predicts another faster); the rounds run the calibrated
+plan (the issue's "after at most one calibration"), and the first run's measured and
+predicted samples/s are printed too.
 Needs root, iproute2 and cgroup v1's cpu controller; prints one line and exits 0 where they
 are missing.
 """
