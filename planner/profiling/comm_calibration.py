@@ -49,7 +49,7 @@ from hplan.runtime.contract.link_model import (
     last_bucket_bytes,
     overlap_window_s,
 )
-from hplan.runtime.contract.plan import CollectiveSpec, Plan, SyncMode
+from hplan.runtime.contract.plan import CollectiveSpec, Plan
 
 __all__ = [
     "SetFit",
@@ -161,7 +161,7 @@ def fitted_sets(plan: Plan) -> dict[tuple[int, ...], float]:
     """Holder sets whose ranks sum no other set -> their bytes (see the module docstring)."""
     sets = {tuple(g.ranks): float(g.num_bytes) for g in plan.report.grad_sync or ()}
     sync = plan.training.sync
-    if sync is not None and sync.mode is not SyncMode.ALL_REDUCE:
+    if sync is not None and sync.local:
         return {}
     count: dict[int, int] = {}
     for ranks in sets:
