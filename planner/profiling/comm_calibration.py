@@ -148,9 +148,16 @@ def _exposed_s(
     return max(total_s - window_s, last_s)
 
 
+def waiting_s(exposed_s: Sequence[float]) -> float:
+    """The holders' mean wait for the last to launch, in one step: the mean excess of the
+    others' exposed all-reduce over the smallest (the last holder's), seconds."""
+    least = min(exposed_s)
+    return (sum(exposed_s) - len(exposed_s) * least) / (len(exposed_s) - 1)
+
+
 def _window_s(plan: Plan, rank: int, num_bytes: float) -> float:
     """The overlap window of ``rank``: its last micro-batch's predicted backward."""
-    report = plan.report.ranks[rank] if rank < len(plan.report.ranks) else None
+    report = next((r for r in plan.report.ranks if r.rank == rank), None)
     if report is None:
         return 0.0
     backward_s = report.backward_time_s / plan.ranks[rank].num_microbatches
@@ -190,12 +197,9 @@ def collective_fits(plan: Plan, exposed_s: Mapping[int, Mapping[int, float]]) ->
         steps = set.intersection(*(set(exposed_s.get(r, {})) for r in ranks))
         if not steps:
             continue
-        last = [min(exposed_s[r][s] for r in ranks) for s in sorted(steps)]
-        waits = [
-            statistics.fmean(exposed_s[r][s] for r in ranks) * len(ranks) / (len(ranks) - 1)
-            - min(exposed_s[r][s] for r in ranks) * len(ranks) / (len(ranks) - 1)
-            for s in sorted(steps)
-        ]
+        per_step = [[exposed_s[r][s] for r in ranks] for s in sorted(steps)]
+        last = [min(times) for times in per_step]
+        waits = [waiting_s(times) for times in per_step]
         bandwidth, latency = plan.ring_channel([plan.ranks[r].device for r in ranks])
         window_s = min(_window_s(plan, r, num_bytes) for r in ranks)
         measured_s = statistics.median(last)
