@@ -20,7 +20,7 @@ from hplan.planner.textfmt import format_bytes, format_seconds
 
 if TYPE_CHECKING:  # importing the CLI must not import torch (tests/test_architecture.py)
     from hplan.planner.profiling.calibrate import Calibration, RankError
-    from hplan.planner.profiling.comm_calibration import SetFit
+    from hplan.planner.profiling.comm_calibration import GroupFit
     from hplan.runtime.contract.memory_use import RankMemoryUse
 
 
@@ -161,10 +161,10 @@ def print_calibration(result: Calibration, console: Console) -> None:
         print_memory(result.memory, console)
 
 
-def collective_row(fit: SetFit) -> list[str]:
+def collective_row(fit: GroupFit) -> list[str]:
     """One row of the all-reduce table (times per step)."""
     return [
-        ",".join(map(str, fit.ranks)),
+        ",".join(map(str, fit.ranks)) + (f" ({fit.num_sets} sets)" if fit.num_sets > 1 else ""),
         format_bytes(fit.num_bytes),
         format_seconds(fit.predicted_s),
         format_seconds(fit.measured_s),
@@ -175,11 +175,11 @@ def collective_row(fit: SetFit) -> list[str]:
     ]
 
 
-def print_collectives(fits: tuple[SetFit, ...], console: Console) -> None:
-    """The per-holder-set all-reduce table: predicted, measured and the fitted latency."""
+def print_collectives(fits: tuple[GroupFit, ...], console: Console) -> None:
+    """The per-sync-group all-reduce table: predicted, measured and the fitted latency."""
     table = Table(
-        title="gradient all-reduce per holder set, per step (exposed after the backward)",
-        caption="measured: the holder that launched last (no waiting); wait: the others' "
+        title="gradient all-reduce per sync group, per step (exposed after the backward)",
+        caption="measured: the rank that launched last (no waiting); wait: the others' "
         "excess, waiting for it (the compute correction covers it)",
     )
     for header in (
@@ -271,6 +271,7 @@ def calibration_summary(result: Calibration) -> dict[str, object]:
         "all_reduce": [
             {
                 "ranks": list(f.ranks),
+                "num_sets": f.num_sets,
                 "num_bytes": f.num_bytes,
                 "predicted_s": f.predicted_s,
                 "measured_s": f.measured_s,

@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hplan.planner.profiling.comm_calibration import (
-    SetFit,
+    GroupFit,
     collective_fits,
     node_collectives,
 )
@@ -128,7 +128,7 @@ class Calibration:
     """The corrected profile."""
     memory: tuple[RankMemoryUse, ...] = ()
     """Every rank's predicted and measured memory (of every plan, in order)."""
-    collectives: tuple[SetFit, ...] = ()
+    collectives: tuple[GroupFit, ...] = ()
     """Each fitted holder set's all-reduce (of every plan, in order)."""
 
 
@@ -519,7 +519,7 @@ def calibrate(
     errors: list[RankError] = []
     memory: list[RankMemoryUse] = []
     siblings: dict[str, str] = {}
-    fits: list[SetFit] = []
+    fits: list[GroupFit] = []
     collectives: dict[str, NodeCollective] = {}
     for plan, runs in observations:
         check_runs_of_plan(plan, runs)

@@ -13,18 +13,17 @@ from hplan.planner.api import SolveRequest, Strategy, plan_training
 from hplan.planner.cli.main import cli
 from hplan.planner.profiling.calibrate import calibrate, load_runs, write_profile
 from hplan.planner.profiling.comm_calibration import (
+    Ring,
     collective_fits,
     fit_latency_per_step_s,
     node_collectives,
+    predicted_exposed_s,
+    sync_groups,
+    waiting_s,
 )
 from hplan.planner.profiling.profile_file import NodeCollective, Profile
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.link_model import (
-    BUCKET_CAP_BYTES,
-    bucket_rings_s,
-    exposed_all_reduce_s,
-    group_ring_time_s,
-)
+from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES, group_ring_time_s
 from hplan.runtime.contract.plan import CollectiveSpec, Plan
 from hplan.runtime.rehearsal.rehearse import rehearse
 
@@ -43,22 +42,39 @@ links:
 
 # ------------------------------------------------------------------------------ the fit
 @pytest.mark.parametrize(
-    ("num_bytes", "window_s"),
-    [(2e6, 0.0), (3 * BUCKET_CAP_BYTES, 0.004), (3 * BUCKET_CAP_BYTES, 1.0)],
+    ("sizes", "window_s"),
+    [
+        ((2e6,), 0.0),  # one bucket
+        ((3 * BUCKET_CAP_BYTES,), 0.004),  # three buckets, partly hidden: the sum's line
+        ((3 * BUCKET_CAP_BYTES,), 1.0),  # mostly hidden: the last bucket's line
+        ((2e6, 5e6), 0.0),  # a rank summing two sets one after another
+    ],
 )
-def test_the_fit_inverts_the_exposed_all_reduce(num_bytes, window_s):
-    # one bucket; three buckets partly hidden (the rings' line); mostly hidden (the last
-    # bucket's line): the fit gives back the latency the exposed time was made with
-    bandwidth, latency = 1e9, 0.0025
-    total, last = bucket_rings_s(3, num_bytes, bandwidth, latency)
-    measured = exposed_all_reduce_s(total, window_s, last)
-    fitted = fit_latency_per_step_s(measured, 3, num_bytes, bandwidth, window_s)
-    assert fitted == pytest.approx(latency, rel=1e-9)
+def test_the_fit_inverts_the_exposed_all_reduce(sizes, window_s):
+    latency = 0.0025
+    rings = [Ring((0, 1, 2)[: 2 + i], b, 1e9 * (i + 1), latency) for i, b in enumerate(sizes)]
+    measured = predicted_exposed_s(rings, window_s)
+    links = [replace(r, latency_s=1e-5) for r in rings]  # what the links said
+    assert fit_latency_per_step_s(measured, links, window_s) == pytest.approx(latency, rel=1e-6)
+    # a ring already slower keeps its own latency (alone, it explains the time: 0)
+    floors = [replace(links[0], latency_s=0.004), *links[1:]]
+    slow = predicted_exposed_s([replace(floors[0], latency_s=0.004), *rings[1:]], window_s)
+    assert fit_latency_per_step_s(slow, floors, window_s) == pytest.approx(
+        latency if len(rings) > 1 else 0.0, rel=1e-6
+    )
+    # what the links explain needs no latency of the nodes
+    assert fit_latency_per_step_s(0.0, links, window_s) == 0.0
 
 
 def test_the_fit_refuses_a_ring_of_one():
-    with pytest.raises(ValueError, match="1 ranks"):
-        fit_latency_per_step_s(0.01, 1, 1e6, 1e9)
+    with pytest.raises(ValueError, match="ranks=\\(0,\\)"):
+        fit_latency_per_step_s(0.01, [Ring((0,), 1e6, 1e9, 0.0)])
+
+
+def test_holder_sets_sharing_a_rank_form_one_sync_group():
+    a, b, c = Ring((0, 1), 1.0, 1.0, 0.0), Ring((1, 2), 1.0, 1.0, 0.0), Ring((3, 4), 1.0, 1.0, 0.0)
+    assert sync_groups([a, c, b]) == ((c,), (a, b))
+    assert waiting_s([0.04, 0.05, 0.03]) == pytest.approx(0.015)
 
 
 def _records_plan(tmp_path: Path) -> Plan:
@@ -86,15 +102,15 @@ def test_the_last_holder_is_the_collective_and_the_others_wait(tmp_path):
     assert fit.measured_s == pytest.approx(0.03)
     assert fit.wait_s == pytest.approx(0.015)
     assert fit.predicted_s == pytest.approx(ring_s)
-    assert fit.latency_per_step_s == pytest.approx(
-        fit_latency_per_step_s(0.03, 3, group.num_bytes, fit.bandwidth_bytes_per_s)
-    )
+    bandwidth, latency = plan.ring_channel([r.device for r in plan.ranks])
+    ring = Ring(tuple(group.ranks), float(group.num_bytes), bandwidth, latency)
+    assert fit.latency_per_step_s == pytest.approx(fit_latency_per_step_s(0.03, [ring]))
     nodes = node_collectives(plan, [fit])
     assert sorted(nodes) == ["a", "b", "c"]
     assert {c.latency_per_step_s for c in nodes.values()} == {fit.latency_per_step_s}
-    # a run faster than the links leaves the links' latency
+    # a run faster than the links calibrates no node
     (fast,) = collective_fits(plan, {r: {1: 0.0} for r in range(3)})
-    assert fast.latency_per_step_s == fast.link_latency_per_step_s
+    assert fast.latency_per_step_s == 0.0 and node_collectives(plan, [fast]) == {}
 
 
 # ------------------------------------------------------------------------------ the file
@@ -162,13 +178,13 @@ def test_calibrating_a_rehearsal_on_slow_rings_moves_the_predicted_all_reduce_to
         profile_paths=(tmp_path / "cal",),
         out_dir=tmp_path / "again",
     )
-    again = plan_training(request).plan
+    outcome = plan_training(request)
+    again = outcome.plan
     after_s = group_ring_time_s(again, group.ranks, group.num_bytes)
     assert abs(after_s - measured_s) < 0.25 * measured_s < abs(before_s - measured_s)
     assert any("all-reduce calibrated on a" in n for n in again.report.notes)
-    # the cost model charges it too: the step grows by about the ring's growth
-    grown_s = again.report.predicted_step_time_s - plan.report.predicted_step_time_s
-    assert grown_s == pytest.approx(after_s - before_s, rel=0.25)
+    # the cost model charges the same ring (one bucket: all of it is exposed)
+    assert outcome.result.evaluation.allreduce_time_s == pytest.approx(after_s, rel=1e-6)
 
 
 # ------------------------------------------------------------------------------ --previous
