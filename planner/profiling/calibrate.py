@@ -21,10 +21,11 @@ and the plan's report, and
    rehearsal here forwards ran 6-11% over their profile while backwards were within 5%). A
    kind without unit timings in the profile (a plan solved from the roofline) carries its
    compute correction as a factor on every cluster device of that kind;
-5. fits the gradient all-reduce (``comm_calibration``): per holder set, the exposed time
-   of the holder that launched last (the others' excess is waiting for it, which the
-   compute correction covers) against the links' prediction, as a ring latency per step;
-   each node of a fitted set gets it as a ``NodeCollective`` in the corrected profile,
+5. fits the gradient all-reduce (``comm_calibration``): per sync group (holder sets
+   sharing a rank), the exposed time of the rank that launched last (the others' excess
+   is waiting for it, which the compute correction covers) against the links'
+   prediction, as a node latency per ring step; each node of a group whose fit rises
+   above its own gets it as a ``NodeCollective`` in the corrected profile,
    which ``hplan solve --profile`` puts in the node's collective (cost model, simulator,
    search and rehearsal alike).
 
@@ -129,7 +130,7 @@ class Calibration:
     memory: tuple[RankMemoryUse, ...] = ()
     """Every rank's predicted and measured memory (of every plan, in order)."""
     collectives: tuple[GroupFit, ...] = ()
-    """Each fitted holder set's all-reduce (of every plan, in order)."""
+    """Each fitted sync group's all-reduce (of every plan, in order)."""
 
 
 # ------------------------------------------------------------------------------ math
