@@ -57,7 +57,7 @@ seed_option = click.option(
 )
 precision_option = click.option(
     "--precision",
-    type=click.Choice(PRECISION_CHOICES),
+    type=click.Choice(PRECISION_CHOICES, case_sensitive=False),
     help=(
         "What the devices compute in. auto (default): bf16 autocast on GPUs with bf16 "
         "tensor cores (Ampere and later), fp16 autocast with loss scaling on Volta/Turing, "
@@ -67,7 +67,7 @@ precision_option = click.option(
 )
 sync_option = click.option(
     "--sync",
-    type=click.Choice([r.value for r in SyncRequest]),
+    type=click.Choice([r.value for r in SyncRequest], case_sensitive=False),
     default=SyncRequest.AUTO.value,
     show_default=True,
     help=(
@@ -86,7 +86,7 @@ def _policy_option(flag: str, help_text: str) -> Callable[[Callable[..., Any]], 
     """A ``--flag auto|never|always`` option (default ``auto``)."""
     return click.option(
         flag,
-        type=click.Choice(["auto", "never", "always"]),
+        type=click.Choice(["auto", "never", "always"], case_sensitive=False),
         default="auto",
         show_default=True,
         help=help_text,
@@ -156,7 +156,7 @@ profile_option = click.option(
 @time_limit_option
 @click.option(
     "--solver",
-    type=click.Choice(["highs", "cbc", "heuristic"]),
+    type=click.Choice(["highs", "cbc", "heuristic"], case_sensitive=False),
     help="MILP backend (default: HiGHS, else CBC, else the greedy planner).",
 )
 @click.option(
@@ -164,7 +164,7 @@ profile_option = click.option(
 )
 @click.option(
     "--schedule",
-    type=click.Choice([s.value for s in Schedule]),
+    type=click.Choice([s.value for s in Schedule], case_sensitive=False),
     default=Schedule.ONE_F_ONE_B.value,
     show_default=True,
     help="Pipeline schedule the runtime uses.",
@@ -172,7 +172,7 @@ profile_option = click.option(
 @leaf_module_option
 @click.option(
     "--strategy",
-    type=click.Choice(["hplan", "ddp", "uniform"]),
+    type=click.Choice(["hplan", "ddp", "uniform"], case_sensitive=False),
     default="hplan",
     show_default=True,
     help="hplan: solve; ddp / uniform: emit that baseline's layout, to run it side by side.",
