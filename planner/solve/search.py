@@ -635,8 +635,8 @@ def _whole_model_line(
             "activations, or the nodes' host memory does not hold the offload (declare "
             "host_memory_gb in cluster.yaml); add devices or memory"
         )
+    still = f" (offloaded, it still needs {format_bytes(total - moved)})" if moved > 0 else ""
     return (
-        f"{head}: no pipeline, recomputation, ZeRO shard or optimizer-state offload fits it "
-        f"(offloaded, it still needs {format_bytes(total - moved)}); add devices or memory, or "
-        "train with an optimizer with less state (SGD)"
+        f"{head}: no pipeline, recomputation, ZeRO shard or optimizer-state offload fits "
+        f"it{still}; add devices or memory, or train with an optimizer with less state (SGD)"
     )

@@ -955,7 +955,10 @@ def _verify_offload(plan: Plan) -> None:
             "optimizer_offload false on every rank"
         )
     if plan.training.sync is not None and plan.training.sync.local:
-        _fail("optimizer_offload with local_sgd or async groups is not supported")
+        _fail(
+            "optimizer_offload with local_sgd or async groups is not supported; set "
+            "optimizer_offload false on every rank or sync every step (all_reduce)"
+        )
 
 
 def _verify_zero(plan: Plan) -> None:

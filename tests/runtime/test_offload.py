@@ -193,9 +193,7 @@ def _from_step(source: Path, step: int, target: Path) -> Path:
     return target
 
 
-def test_resumed_offload_to_plain_and_back_continue_the_run(
-    runs: dict, tmp_path: Path
-) -> None:
+def test_resumed_offload_to_plain_and_back_continue_the_run(runs: dict, tmp_path: Path) -> None:
     """Step 2 by the plain plan from the offloading run's step 1 (offload -> plain) equals
     the offloading run's own step 2 bit for bit: offload steps exactly as the plain runtime
     (with the gradient all-reduce and the clipping), and a plain plan reads its
