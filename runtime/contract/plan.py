@@ -463,7 +463,7 @@ class RankPlan:
     """This rank keeps its optimizer state and an fp32 master copy of its trainable
     parameters in host memory (pinned on CUDA) and steps the model file's optimizer there:
     after the backward and the gradient sync its gradients go to the host, the updated
-    parameters come back (``executor/offload.py``). Not combined with ZeRO stage 1 or
+    parameters come back (``executor/memory/offload.py``). Not combined with ZeRO stage 1 or
     local sync."""
 
 

@@ -80,7 +80,7 @@ from hplan.runtime.contract.errors import (
     error_reason,
 )
 from hplan.runtime.contract.plan import Plan
-from hplan.runtime.executor.offload import OffloadedOptimizer
+from hplan.runtime.executor.memory.offload import OffloadedOptimizer
 from hplan.runtime.executor.outer_sync import OuterSync
 from hplan.runtime.executor.zero import ShardSync
 

@@ -45,7 +45,7 @@ from hplan.runtime.contract.errors import (
 from hplan.runtime.contract.plan import Plan, RankPlan, TraceMethod, ZeroStage, wire_spec
 from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
-from hplan.runtime.executor.offload import offload_optimizer
+from hplan.runtime.executor.memory.offload import offload_optimizer
 from hplan.runtime.executor.pipeline import RankParts, stage_label
 from hplan.runtime.executor.precision import configure_matmul_precision, loss_scaler
 from hplan.runtime.executor.rendezvous import (

@@ -21,7 +21,7 @@ import torch
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import PlanFileError
 from hplan.runtime.contract.plan import Plan
-from hplan.runtime.executor.offload import OffloadedOptimizer
+from hplan.runtime.executor.memory.offload import OffloadedOptimizer
 from hplan.runtime.executor.worker import RunOptions, build_rank
 from hplan.runtime.rehearsal.reference_check import reference_steps, relative_difference
 from tests.fixtures.plans import (
