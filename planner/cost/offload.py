@@ -26,13 +26,12 @@ devices that do not fit without it (:func:`offload_flags`).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
 
 from hplan.planner.cost.layout import Layout
-from hplan.planner.cost.problem import FloatArray, PlanningProblem
+from hplan.planner.cost.problem import PlanningProblem
 
 PCIE_BANDWIDTH_BYTES_PER_S: float = 25e9
 """Effective host <-> GPU copy bandwidth of pinned memory over PCIe 4.0 x16, one direction:
@@ -168,10 +167,3 @@ def offload_flags(
         flags[d] = True
     result = tuple(flags)
     return result if host_fits(problem, replace(layout, optimizer_offload=result)) else None
-
-
-def host_capacity_by_device(
-    device_nodes: Sequence[str], node_capacity_bytes: dict[str, float]
-) -> FloatArray:
-    """Each device's node's usable host memory, shape (D,)."""
-    return np.array([node_capacity_bytes[n] for n in device_nodes], dtype=float)

@@ -335,6 +335,10 @@ def memory_problems(plan: Plan) -> list[str]:
     return problems + host_memory_problems(plan, found)
 
 
+HOST_PROBLEM = "the optimizer offload of ranks"
+"""How a line of :func:`host_memory_problems` starts."""
+
+
 def host_memory_problems(plan: Plan, found: tuple[RankMemory, ...]) -> list[str]:
     """One line per node whose offloading ranks' host memory (``RankMemory.host_bytes``)
     exceeds :func:`host_capacity_bytes`."""
@@ -348,7 +352,7 @@ def host_memory_problems(plan: Plan, found: tuple[RankMemory, ...]) -> list[str]
         if num_bytes > capacity:
             ranks = [r.rank for r in plan.ranks if r.node == node and r.optimizer_offload]
             problems.append(
-                f"the optimizer offload of ranks {ranks} needs {_gb(num_bytes)} of node "
+                f"{HOST_PROBLEM} {ranks} needs {_gb(num_bytes)} of node "
                 f"{node}'s host memory, it has {_gb(capacity)} usable"
             )
     return problems
@@ -370,11 +374,14 @@ def check_fits(plan: Plan, where: str = "the plan") -> Plan:
     problems = memory_problems(plan)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise PlanFileError(
-            f"{where} does not fit in memory: {problems[0]}{more}; lower the micro-batch size, "
-            "set memory_strategy recompute or optimizer_offload on that rank, or re-run "
-            "`hplan solve`"
+        fix = (
+            "set optimizer_offload false on some of those ranks, or re-run `hplan solve` "
+            "(with the node's host_memory_gb in cluster.yaml, if it has more)"
+            if problems[0].startswith(HOST_PROBLEM)
+            else "lower the micro-batch size, set memory_strategy recompute or "
+            "optimizer_offload on that rank, or re-run `hplan solve`"
         )
+        raise PlanFileError(f"{where} does not fit in memory: {problems[0]}{more}; {fix}")
     return plan
 
 
