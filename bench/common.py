@@ -62,6 +62,7 @@ def solve(
     summary["num_ranks"] = len(plan["ranks"])
     summary["training"] = plan["training"]
     summary["memory_strategies"] = [r["memory_strategy"] for r in plan["ranks"]]
+    summary["offloads"] = [r.get("optimizer_offload", False) for r in plan["ranks"]]
     return summary
 
 

@@ -159,6 +159,9 @@ class SolveRequest:
     zero: str = "auto"
     """ZeRO stage 1 of the optimizer state: ``auto``, ``never``, ``always``
     (``SolveOptions.zero``)."""
+    offload: str = "auto"
+    """Optimizer-state offload to host memory: ``auto``, ``never``, ``always``
+    (``SolveOptions.offload``)."""
 
     def verify(self) -> None:
         """Check every option that can be checked without the model: ranges, micro-batch
@@ -188,6 +191,13 @@ class SolveRequest:
         _check_sync(self.sync, self.max_local_steps)
         if self.zero not in ("auto", "never", "always"):
             raise ConfigError(f"--zero {self.zero!r} is not one of auto, never, always")
+        if self.offload not in ("auto", "never", "always"):
+            raise ConfigError(f"--offload {self.offload!r} is not one of auto, never, always")
+        if self.offload == "always" and self.zero == "always":
+            raise ConfigError(
+                "--offload always and --zero always cannot be combined (offload does not run "
+                "with ZeRO shards); choose one of them"
+            )
         if self.recompute not in {p.value for p in RecomputePolicy}:
             raise ConfigError(
                 f"--recompute {self.recompute!r} is not one of "
@@ -491,6 +501,7 @@ def solve_pass(r: PassResults) -> SolveResult:
             sync=SyncRequest(request.sync),
             max_local_steps=request.max_local_steps,
             zero=request.zero,
+            offload=request.offload,
         )
         result = solve(problem, options, schedule=request.schedule, runtime=runtime)
         if request.previous_plan_path is None:

@@ -21,6 +21,7 @@ from hplan.planner.cli.solve import (
     bandwidth_option,
     max_local_steps_option,
     micro_batch_sizes_option,
+    offload_option,
     precision_option,
     print_plan,
     profile_option,
@@ -71,6 +72,7 @@ from hplan.runtime.contract.plan import OuterSyncSpec, Plan, SyncMode
 @max_local_steps_option
 @recompute_option
 @zero_option
+@offload_option
 @profile_option
 @bandwidth_option
 @click.option(
@@ -93,6 +95,7 @@ def replan(
     max_local_steps: int,
     recompute: str,
     zero: str,
+    offload: str,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     model_override: Path | None,
@@ -139,6 +142,7 @@ def replan(
         ),
         recompute=recompute,
         zero=zero,
+        offload=offload,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

@@ -108,6 +108,15 @@ zero_option = _policy_option(
     "best unsharded plan is bound by memory (a device idle, a stage recomputing or over 80% "
     "full), kept if faster; never; always.",
 )
+offload_option = _policy_option(
+    "--offload",
+    "Optimizer-state offload: a rank keeps its optimizer state and a copy of its "
+    "parameters in host memory (pinned), copies its gradients there after the backward, "
+    "steps on the CPU and copies the parameters back (costed over PCIe and the host's "
+    "memory bandwidth). auto: searched when nothing cheaper fits (no plan, or a device "
+    "idle), kept only on the devices that need it and only if faster; never; always: "
+    "every rank. Not combined with ZeRO shards.",
+)
 max_local_steps_option = click.option(
     "--max-local-steps",
     type=int,
@@ -202,6 +211,7 @@ profile_option = click.option(
 @max_local_steps_option
 @recompute_option
 @zero_option
+@offload_option
 @bandwidth_option
 @profile_option
 @click.option(
@@ -248,6 +258,7 @@ def solve(
     max_local_steps: int,
     recompute: str,
     zero: str,
+    offload: str,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     capture_path: Path | None,
@@ -285,6 +296,7 @@ def solve(
         max_local_steps=max_local_steps,
         recompute=recompute,
         zero=zero,
+        offload=offload,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

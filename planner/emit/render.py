@@ -303,6 +303,7 @@ def _rank_cells(
     rank: RankPlan, report: RankReport | None, marked: bool, plan_units: Sequence[object]
 ) -> list[Text]:
     recompute = " R" if rank.memory_strategy == MemoryStrategy.RECOMPUTE else ""
+    recompute += " O" if rank.optimizer_offload else ""
     cells = [
         f"{rank.rank}{' *' if marked else ''}",
         rank.node,
@@ -343,6 +344,8 @@ def _table_legend(plan: Plan) -> str:
     ]
     if any(r.memory_strategy == MemoryStrategy.RECOMPUTE for r in plan.ranks):
         parts.append("R: recomputes activations")
+    if any(r.optimizer_offload for r in plan.ranks):
+        parts.append("O: optimizer state and step offloaded to host memory")
     return "\n".join(parts)
 
 
