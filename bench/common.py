@@ -65,6 +65,7 @@ def solve(
     summary["recompute_units"] = [
         (len(r.get("recompute_units", ())), len(r["units"])) for r in plan["ranks"]
     ]
+    summary["offloads"] = [r.get("optimizer_offload", False) for r in plan["ranks"]]
     return summary
 
 

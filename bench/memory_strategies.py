@@ -1,12 +1,15 @@
 """Memory strategies where memory binds: the solver's mixed choice beside uniform ones.
 
-For each cluster and model, four `hplan solve` runs with the same cost model and batch:
-- ``mixed``: ``--recompute auto --zero auto`` (the solver picks per stage and per rank:
-  keep, recompute some units (selective) or all, and ZeRO-1 shards),
+For each cluster and model, five `hplan solve` runs with the same cost model and batch:
+- ``mixed``: ``--recompute auto --zero auto --offload auto`` (the solver picks per stage
+  and per rank: keep, recompute some units (selective) or all, ZeRO-1 shards, offload),
 - ``plain``: ``--recompute never --zero never`` (every stage keeps its activations, every
   rank its whole optimizer state: what the solver could do before),
 - ``recompute``: ``--recompute always --zero never`` (everyone recomputes),
-- ``zero-1``: ``--recompute never --zero always`` (everyone shards its optimizer state).
+- ``zero-1``: ``--recompute never --zero always`` (everyone shards its optimizer state),
+- ``offload``: ``--recompute never --zero never --offload always`` (everyone keeps its
+  optimizer state in host memory and steps there).
+The uniform ones other than ``offload`` run with ``--offload never``.
 Prints each one's predicted samples/s (or why nothing fits), the devices it uses, and the
 mixed choice over the best uniform one, by the cost model's step time and by the
 simulator's (which the solver consults last when it picks between its best layouts, so
@@ -61,10 +64,11 @@ MODELS = (
 )
 CLUSTER_ROWS = (("4x 3060 + 4090", ONE_BOX), ("home-lab", CLUSTERS / "home-lab.yaml"))
 STRATEGIES = {
-    "mixed": ["--recompute", "auto", "--zero", "auto"],
-    "plain": ["--recompute", "never", "--zero", "never"],
-    "recompute": ["--recompute", "always", "--zero", "never"],
-    "zero-1": ["--recompute", "never", "--zero", "always"],
+    "mixed": ["--recompute", "auto", "--zero", "auto", "--offload", "auto"],
+    "plain": ["--recompute", "never", "--zero", "never", "--offload", "never"],
+    "recompute": ["--recompute", "always", "--zero", "never", "--offload", "never"],
+    "zero-1": ["--recompute", "never", "--zero", "always", "--offload", "never"],
+    "offload": ["--recompute", "never", "--zero", "never", "--offload", "always"],
 }
 
 
@@ -161,7 +165,9 @@ def _strategies(result: dict) -> str:
     ]
     zero = ", zero-1 shards" if result["training"].get("zero_stage") else ""
     chosen = f", selective {' '.join(selective)}" if selective else ""
-    return f"{recompute}/{len(kinds)} recompute{chosen}{zero}"
+    offload = sum(1 for flag in result["offloads"] if flag)
+    offloads = f", {offload}/{len(kinds)} offload" if offload else ""
+    return f"{recompute}/{len(kinds)} recompute{chosen}{zero}{offloads}"
 
 
 if __name__ == "__main__":

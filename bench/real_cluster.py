@@ -24,8 +24,10 @@ step from its own metrics (compute, wait, point-to-point, all-reduce, optimizer,
         [--cases hetero,homogeneous] [--calibrate] [--keep DIR]
 
 ``--calibrate``: before the rounds, hplan's plan runs once, ``hplan calibrate`` reads that run
-and the case is solved again; the rounds run the calibrated plan (the issue's "after at most
-one calibration"), and the first run's measured and predicted samples/s are printed too.
+(compute and all-reduce) and the case is solved again with ``--previous`` (the first plan
+stays unless the calibrated model predicts another faster); the rounds run the calibrated
+plan (the issue's "after at most one calibration"), and the first run's measured and
+predicted samples/s are printed too.
 Needs root, iproute2 and cgroup v1's cpu controller; prints one line and exits 0 where they
 are missing.
 """
@@ -165,10 +167,13 @@ def run_case(case: Case, args: argparse.Namespace, work: Path) -> None:
             case.first_plan_text = _plan_text(Plan.load(plan_dir / "plan.json"))
             first, _ = run_hplan(cluster, plan_dir, model, args, work, "first")
             case.first = (first, Plan.load(plan_dir / "plan.json").report.predicted_samples_per_s)
-            calibrated = work / "calibrated"
-            hplan_cli("calibrate", str(plan_dir / "plan.json"), str(work / "metrics-first"),
+            calibrated, first_plan = work / "calibrated", work / "plan-first.json"
+            shutil.copyfile(plan_dir / "plan.json", first_plan)
+            hplan_cli("calibrate", str(first_plan), str(work / "metrics-first"),
                       "--profile", str(profiles), "-o", str(calibrated), env=env)  # fmt: skip
-            hplan_cli(*solve[:5], str(calibrated), *solve[6:], env=env)
+            # the measured plan stays unless the calibrated model predicts another faster
+            hplan_cli(*solve[:5], str(calibrated), *solve[6:], "--previous", str(first_plan),
+                      env=env)  # fmt: skip
         equal = equal_split(model.global_batch, len(nodes))
         runs = ["hplan", "ddp equal", "ddp split"]
         for r in range(args.rounds):

@@ -70,12 +70,15 @@ from hplan.planner.hardware.catalog import PRECISION_CHOICES, DeviceClass, resol
 from hplan.planner.hardware.cluster import Cluster, Device, load_cluster, to_cluster_spec
 from hplan.planner.hardware.measured_links import load_measured_links
 from hplan.planner.passes import Pass, PassObserver, PassResults, run_passes
+from hplan.planner.profiling.comm_calibration import with_calibrated_collectives
+from hplan.planner.profiling.profile_file import load_profiles
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.baselines import (
     data_parallel_equal,
     pipeline_possible,
     uniform_pipeline,
 )
+from hplan.planner.solve.previous import keep_previous
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import SolveResult, solve
 from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest
@@ -127,6 +130,9 @@ class SolveRequest:
     profile_paths: tuple[Path, ...] = ()
     """Measured profiles (``hplan profile``: files or directories of them, merged); their
     unit timings take precedence over the roofline. Empty: the roofline only."""
+    previous_plan_path: Path | None = None
+    """The plan a calibrated run measured (``--previous``): its layout is kept unless the
+    search's is predicted faster under this solve's model (``solve.previous``)."""
     bandwidth_path: Path | None = None
     """A measured link matrix (``hplan bandwidth``); its device pairs override the cluster
     file's links. None: the cluster file's links only."""
@@ -153,6 +159,9 @@ class SolveRequest:
     zero: str = "auto"
     """ZeRO stage 1 of the optimizer state: ``auto``, ``never``, ``always``
     (``SolveOptions.zero``)."""
+    offload: str = "auto"
+    """Optimizer-state offload to host memory: ``auto``, ``never``, ``always``
+    (``SolveOptions.offload``)."""
 
     def verify(self) -> None:
         """Check every option that can be checked without the model: ranges, micro-batch
@@ -182,6 +191,13 @@ class SolveRequest:
         _check_sync(self.sync, self.max_local_steps)
         if self.zero not in ("auto", "never", "always"):
             raise ConfigError(f"--zero {self.zero!r} is not one of auto, never, always")
+        if self.offload not in ("auto", "never", "always"):
+            raise ConfigError(f"--offload {self.offload!r} is not one of auto, never, always")
+        if self.offload == "always" and self.zero == "always":
+            raise ConfigError(
+                "--offload always and --zero always cannot be combined (offload does not run "
+                "with ZeRO shards); choose one of them"
+            )
         if self.recompute not in {p.value for p in RecomputePolicy}:
             raise ConfigError(
                 f"--recompute {self.recompute!r} is not one of "
@@ -192,12 +208,18 @@ class SolveRequest:
                 f"--strategy {self.strategy.value} is a baseline that all-reduces every step; "
                 f"--sync {self.sync} needs --strategy hplan"
             )
+        if self.previous_plan_path is not None and self.strategy is not Strategy.HPLAN:
+            raise ConfigError(
+                f"--previous keeps a plan against the search's layout; --strategy "
+                f"{self.strategy.value} does not search (use --strategy hplan)"
+            )
         _check_model_path(self.model_path)
         for path, what in (
             (self.cluster_path, "cluster file"),
             *((path, "profile (--profile)") for path in self.profile_paths),
             (self.bandwidth_path, "bandwidth file (--bandwidth)"),
             (self.capture_path, "capture file (--capture)"),
+            (self.previous_plan_path, "previous plan (--previous)"),
         ):
             if path is not None and not path.exists():
                 raise ConfigError(f"{what} {str(path)!r} does not exist; pass an existing path")
@@ -348,13 +370,21 @@ def _request(r: PassResults) -> SolveRequest:
 
 def cluster_pass(r: PassResults) -> ClusterInput:
     """The cluster, with measured links over the file's when ``bandwidth_path`` is given,
-    restricted to ``nodes`` less ``without`` (a re-plan for the devices left)."""
+    the profiles' calibrated node collectives (``hplan calibrate``) over those, restricted
+    to ``nodes`` less ``without`` (a re-plan for the devices left)."""
     request = _request(r)
     cluster = load_cluster(request.cluster_path)
     notes: tuple[str, ...] = ()
     if request.bandwidth_path is not None:
         measured = load_measured_links(cluster, request.bandwidth_path)
         cluster, notes = measured.cluster, (measured.note,)
+    if request.profile_paths:
+        cluster, calibrated = with_calibrated_collectives(
+            cluster,
+            load_profiles(request.profile_paths).node_collectives,
+            profile_label(request.profile_paths),
+        )
+        notes = (*notes, *calibrated)
     if request.nodes is not None or request.without:
         cluster = cluster.select(nodes=request.nodes, without=request.without)
     _check_device_mix(cluster)
@@ -460,7 +490,8 @@ def problem_pass(r: PassResults) -> PlanningProblem:
 
 
 def solve_pass(r: PassResults) -> SolveResult:
-    """The layout: solved, or the requested baseline's; simulated with the plan's bytes."""
+    """The layout: solved (or ``--previous``'s, when predicted no slower), or the requested
+    baseline's; simulated with the plan's bytes."""
     request, problem, runtime = _request(r), r["problem"], r["runtime_bytes"]
     if request.strategy is Strategy.HPLAN:
         options = SolveOptions(
@@ -470,8 +501,13 @@ def solve_pass(r: PassResults) -> SolveResult:
             sync=SyncRequest(request.sync),
             max_local_steps=request.max_local_steps,
             zero=request.zero,
+            offload=request.offload,
         )
-        return solve(problem, options, schedule=request.schedule, runtime=runtime)
+        result = solve(problem, options, schedule=request.schedule, runtime=runtime)
+        if request.previous_plan_path is None:
+            return result
+        path = request.previous_plan_path
+        return keep_previous(problem, result, Plan.load(path), path, request.schedule, runtime)
     return _baseline(problem, request, runtime)
 
 

@@ -20,6 +20,7 @@ from hplan.planner.textfmt import format_bytes, format_seconds
 
 if TYPE_CHECKING:  # importing the CLI must not import torch (tests/test_architecture.py)
     from hplan.planner.profiling.calibrate import Calibration, RankError
+    from hplan.planner.profiling.comm_calibration import GroupFit
     from hplan.runtime.contract.memory_use import RankMemoryUse
 
 
@@ -52,7 +53,9 @@ def calibrate(
     """Compare the runs in RUNS_DIR (rank-*.jsonl, or subfolders of them) with PLAN's prediction.
 
     Prints the per-rank error table, flags devices more than 15% slower or faster than the
-    other devices of their kind, and writes a corrected profile for `hplan solve --profile`.
+    other devices of their kind, fits each holder set's gradient all-reduce (its last
+    holder's exposed time) as a ring latency per step on its nodes, and writes a corrected
+    profile for `hplan solve --profile` (compute and all-reduce).
     Then, per rank, the predicted peak memory (and its parts, where the plan records them)
     against the training memory measured: the peak less what the process held before its
     stage was built (on CPU its resident set, on a GPU the CUDA allocator's).
@@ -152,8 +155,41 @@ def print_calibration(result: Calibration, console: Console) -> None:
         console.print(
             f"[bold]straggler[/bold] {factor.device}: x {factor.time_factor:.2f} — {factor.reason}"
         )
+    if result.collectives:
+        print_collectives(result.collectives, console)
     if result.memory:
         print_memory(result.memory, console)
+
+
+def collective_row(fit: GroupFit) -> list[str]:
+    """One row of the all-reduce table (times per step)."""
+    return [
+        ",".join(map(str, fit.ranks)) + (f" ({fit.num_sets} sets)" if fit.num_sets > 1 else ""),
+        format_bytes(fit.num_bytes),
+        format_seconds(fit.predicted_s),
+        format_seconds(fit.measured_s),
+        _error_text(fit.measured_s, fit.predicted_s),
+        format_seconds(fit.wait_s),
+        format_seconds(fit.link_latency_per_step_s),
+        format_seconds(fit.latency_per_step_s),
+    ]
+
+
+def print_collectives(fits: tuple[GroupFit, ...], console: Console) -> None:
+    """The per-sync-group all-reduce table: predicted, measured and the fitted latency."""
+    table = Table(
+        title="gradient all-reduce per sync group, per step (exposed after the backward)",
+        caption="measured: the rank that launched last (no waiting); wait: the others' "
+        "excess, waiting for it (the compute correction covers it)",
+    )
+    for header in (
+        "ranks", "bytes", "predicted", "measured", "error", "wait",
+        "latency/ring step", "calibrated",
+    ):  # fmt: skip
+        table.add_column(header, justify="right")
+    for fit in fits:
+        table.add_row(*collective_row(fit))
+    console.print(table)
 
 
 _PARTS = ("parameter", "gradient", "optimizer_state", "activation", "workspace")
@@ -232,6 +268,23 @@ def calibration_summary(result: Calibration) -> dict[str, object]:
             for f in result.factors
         ],
         "memory": [memory_json(m) for m in result.memory],
+        "all_reduce": [
+            {
+                "ranks": list(f.ranks),
+                "num_sets": f.num_sets,
+                "num_bytes": f.num_bytes,
+                "predicted_s": f.predicted_s,
+                "measured_s": f.measured_s,
+                "wait_s": f.wait_s,
+                "link_latency_per_step_s": f.link_latency_per_step_s,
+                "latency_per_step_s": f.latency_per_step_s,
+            }
+            for f in result.collectives
+        ],
+        "node_collectives": [
+            {"node": c.node, "latency_per_step_s": c.latency_per_step_s, "reason": c.reason}
+            for c in result.profile.node_collectives
+        ],
     }
 
 

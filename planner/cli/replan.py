@@ -21,6 +21,7 @@ from hplan.planner.cli.solve import (
     bandwidth_option,
     max_local_steps_option,
     micro_batch_sizes_option,
+    offload_option,
     precision_option,
     print_plan,
     profile_option,
@@ -31,7 +32,7 @@ from hplan.planner.cli.solve import (
     zero_option,
 )
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.plan import OuterSyncSpec, Plan, SyncMode
 
 
 @click.command()
@@ -71,6 +72,7 @@ from hplan.runtime.contract.plan import Plan
 @max_local_steps_option
 @recompute_option
 @zero_option
+@offload_option
 @profile_option
 @bandwidth_option
 @click.option(
@@ -93,6 +95,7 @@ def replan(
     max_local_steps: int,
     recompute: str,
     zero: str,
+    offload: str,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     model_override: Path | None,
@@ -131,10 +134,15 @@ def replan(
         bandwidth_path=bandwidth_path,
         without=left_out,
         precision=precision or _plan_precision(plan),
-        sync=sync,
-        max_local_steps=max_local_steps,
+        sync=sync if _given("sync") else _plan_sync(plan),
+        max_local_steps=(
+            max_local_steps
+            if _given("max_local_steps")
+            else _plan_local_steps(plan, max_local_steps)
+        ),
         recompute=recompute,
         zero=zero,
+        offload=offload,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)
@@ -154,6 +162,31 @@ def _plan_precision(plan: Plan) -> str:
     """The precision the plan's ranks share (kept by a re-plan), else ``auto``."""
     used = {r.precision.value for r in plan.ranks}
     return used.pop() if len(used) == 1 else "auto"
+
+
+def _given(parameter: str) -> bool:
+    """Whether the command line set ``parameter`` (not its default)."""
+    source = click.get_current_context().get_parameter_source(parameter)
+    return source is not None and source is not click.core.ParameterSource.DEFAULT
+
+
+def _plan_sync(plan: Plan) -> str:
+    """The cross-island mode the plan runs (kept by a re-plan where it syncs locally), else
+    ``auto``."""
+    local = {g.mode.value for g in _local_groups(plan)}
+    return local.pop() if len(local) == 1 else "auto"
+
+
+def _plan_local_steps(plan: Plan, default: int) -> int:
+    """The bound on H for a re-plan: the default, raised to the plan's largest H."""
+    return max([default, *(g.local_steps for g in _local_groups(plan))])
+
+
+def _local_groups(plan: Plan) -> list[OuterSyncSpec]:
+    sync = plan.training.sync
+    if sync is None:
+        return []
+    return [g for g in sync.groups if g.mode is not SyncMode.ALL_REDUCE]
 
 
 def _left_out(

@@ -17,7 +17,7 @@ from hplan.runtime.contract.plan import Plan
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["text", "json", "dot", "svg", "png"]),
+    type=click.Choice(["text", "json", "dot", "svg", "png"], case_sensitive=False),
     default="text",
     show_default=True,
     help="text: a summary table; json: plan.json; dot: graphviz; svg / png: the simulated "

@@ -57,7 +57,7 @@ seed_option = click.option(
 )
 precision_option = click.option(
     "--precision",
-    type=click.Choice(PRECISION_CHOICES),
+    type=click.Choice(PRECISION_CHOICES, case_sensitive=False),
     help=(
         "What the devices compute in. auto (default): bf16 autocast on GPUs with bf16 "
         "tensor cores (Ampere and later), fp16 autocast with loss scaling on Volta/Turing, "
@@ -67,7 +67,7 @@ precision_option = click.option(
 )
 sync_option = click.option(
     "--sync",
-    type=click.Choice([r.value for r in SyncRequest]),
+    type=click.Choice([r.value for r in SyncRequest], case_sensitive=False),
     default=SyncRequest.AUTO.value,
     show_default=True,
     help=(
@@ -86,7 +86,7 @@ def _policy_option(flag: str, help_text: str) -> Callable[[Callable[..., Any]], 
     """A ``--flag auto|never|always`` option (default ``auto``)."""
     return click.option(
         flag,
-        type=click.Choice(["auto", "never", "always"]),
+        type=click.Choice(["auto", "never", "always"], case_sensitive=False),
         default="auto",
         show_default=True,
         help=help_text,
@@ -108,6 +108,15 @@ zero_option = _policy_option(
     "and all-gather the updated parameters after each step. auto: searched too when the "
     "best unsharded plan is bound by memory (a device idle, a stage recomputing or over 80% "
     "full), kept if faster; never; always.",
+)
+offload_option = _policy_option(
+    "--offload",
+    "Optimizer-state offload: a rank keeps its optimizer state and a copy of its "
+    "parameters in host memory (pinned), copies its gradients there after the backward, "
+    "steps on the CPU and copies the parameters back (costed over PCIe and the host's "
+    "memory bandwidth). auto: searched when nothing cheaper fits (no plan, or a device "
+    "idle), kept only on the devices that need it and only if faster; never; always: "
+    "every rank. Not combined with ZeRO shards.",
 )
 max_local_steps_option = click.option(
     "--max-local-steps",
@@ -157,7 +166,7 @@ profile_option = click.option(
 @time_limit_option
 @click.option(
     "--solver",
-    type=click.Choice(["highs", "cbc", "heuristic"]),
+    type=click.Choice(["highs", "cbc", "heuristic"], case_sensitive=False),
     help="MILP backend (default: HiGHS, else CBC, else the greedy planner).",
 )
 @click.option(
@@ -165,7 +174,7 @@ profile_option = click.option(
 )
 @click.option(
     "--schedule",
-    type=click.Choice([s.value for s in Schedule]),
+    type=click.Choice([s.value for s in Schedule], case_sensitive=False),
     default=Schedule.ONE_F_ONE_B.value,
     show_default=True,
     help="Pipeline schedule the runtime uses.",
@@ -173,7 +182,7 @@ profile_option = click.option(
 @leaf_module_option
 @click.option(
     "--strategy",
-    type=click.Choice(["hplan", "ddp", "uniform"]),
+    type=click.Choice(["hplan", "ddp", "uniform"], case_sensitive=False),
     default="hplan",
     show_default=True,
     help="hplan: solve; ddp / uniform: emit that baseline's layout, to run it side by side.",
@@ -203,6 +212,7 @@ profile_option = click.option(
 @max_local_steps_option
 @recompute_option
 @zero_option
+@offload_option
 @bandwidth_option
 @profile_option
 @click.option(
@@ -213,6 +223,13 @@ profile_option = click.option(
         "Capture file of MODEL (from `hplan capture`): plan from it instead of building and "
         "tracing the model again (same --seed and --leaf-module options)."
     ),
+)
+@click.option(
+    "--previous",
+    "previous_plan_path",
+    type=click.Path(path_type=Path),
+    help="The plan a calibrated run measured (with --profile CALIBRATED): keep its layout "
+    "unless the search finds one predicted faster under the calibrated model.",
 )
 @click.option(
     "--dump-passes",
@@ -242,9 +259,11 @@ def solve(
     max_local_steps: int,
     recompute: str,
     zero: str,
+    offload: str,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     capture_path: Path | None,
+    previous_plan_path: Path | None,
     dump_dir: Path | None,
     as_json: bool,
 ) -> None:
@@ -271,12 +290,14 @@ def solve(
         bandwidth_path=bandwidth_path,
         precision=precision or "auto",
         capture_path=capture_path,
+        previous_plan_path=previous_plan_path,
         steps=steps,
         epochs=epochs,
         sync=sync,
         max_local_steps=max_local_steps,
         recompute=recompute,
         zero=zero,
+        offload=offload,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

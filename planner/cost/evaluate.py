@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.offload import device_saving_bytes, stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import (
     amortised_outer_s,
@@ -418,9 +419,10 @@ def measured_ring(problem: PlanningProblem, devices: Sequence[int]) -> tuple[flo
 
 
 def optimizer_time_s(problem: PlanningProblem, layout: Layout) -> float:
-    """Slowest device's optimizer step over the units it holds."""
+    """Slowest device's optimizer step over the units it holds (offloaded where the layout
+    says so: ``cost.offload``)."""
     times = [
-        float(problem.optimizer_time_s[s.device_idx, s.unit_start : s.unit_stop].sum())
+        stage_optimizer_time_s(problem, layout, s.device_idx, s.unit_start, s.unit_stop)
         for r in layout.replicas
         for s in r.stages
     ]
@@ -442,6 +444,8 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
     optimizer = optimizer_time_s(problem, layout) + allgather_time_s(problem, layout)
     if layout.optimizer_shard_weights:
         stages = _sharded(problem, layout, stages)
+    if layout.optimizer_offload:
+        stages = _less(stages, device_saving_bytes(problem, layout))
     inner = max(replica_times) + allreduce + optimizer
     outer = outer_sync_time_s(problem, layout, inner)
     step = inner + outer
@@ -471,6 +475,18 @@ def _sharded(
     saving = state_saving_bytes(problem, layout, layout.optimizer_shard_weights)
     return tuple(
         tuple(replace(c, memory_bytes=c.memory_bytes - saving[c.device_idx]) for c in costs)
+        for costs in stages
+    )
+
+
+def _less(
+    stages: tuple[tuple[StageCost, ...], ...], saving: dict[int, float]
+) -> tuple[tuple[StageCost, ...], ...]:
+    """``stages`` with each device's memory less its ``saving`` (offload: ``cost.offload``)."""
+    return tuple(
+        tuple(
+            replace(c, memory_bytes=c.memory_bytes - saving.get(c.device_idx, 0.0)) for c in costs
+        )
         for costs in stages
     )
 

@@ -89,6 +89,9 @@ class Layout:
     optimizer_shard_weights: tuple[float, ...] = ()
     """ZeRO stage 1: each device's relative share of the optimizer state of the units it
     shares, one weight per device of the problem (``cost.zero``); empty: no sharding."""
+    optimizer_offload: tuple[bool, ...] = ()
+    """Per device of the problem: whether it keeps its optimizer state in host memory and
+    steps there (``cost.offload``); empty: none does."""
 
     @property
     def device_indices(self) -> tuple[int, ...]:

@@ -100,6 +100,19 @@ class PlanningProblem:
     optimizer_state_bytes: FloatArray | None = None
     """The optimizer state part of ``static_memory_bytes`` per unit, shape (U,) (what ZeRO
     stage 1 shards); None: not split out (no sharding considered)."""
+    offload_optimizer_time_s: FloatArray | None = None
+    """The optimizer step of each unit's parameters when the device offloads it to host
+    memory (``cost.offload.offload_step_time_s``), shape (D, U); None: offload not
+    considered."""
+    offload_saving_bytes: FloatArray | None = None
+    """Device memory of each unit that offload moves to the host (optimizer state and the
+    step's temporaries), shape (U,)."""
+    offload_host_bytes: FloatArray | None = None
+    """Host memory of each unit under offload (``contract.memory.offload_host_bytes``),
+    shape (U,)."""
+    host_capacity_bytes: FloatArray | None = None
+    """Usable host memory of each device's node, shared by the node's devices, shape (D,)
+    (``contract.memory.host_capacity_bytes``)."""
 
     @property
     def num_devices(self) -> int:
@@ -153,6 +166,18 @@ class PlanningProblem:
             self.collective_bus_bandwidth_bytes_per_s <= 0
         ):
             raise ValueError("PlanningProblem.collective_bus_bandwidth_bytes_per_s must be > 0")
+        offload = {
+            "offload_optimizer_time_s": (d, u),
+            "offload_saving_bytes": (u,),
+            "offload_host_bytes": (u,),
+            "host_capacity_bytes": (d,),
+        }
+        for name, shape in offload.items():
+            value = getattr(self, name)
+            if value is not None and (
+                value.shape != shape or np.any(value < 0) or not np.all(np.isfinite(value))
+            ):
+                raise ValueError(f"PlanningProblem.{name} must have shape {shape}, finite, >= 0")
         for tie in self.tied_params:
             units = list(tie.units)
             if len(units) < 2 or units != sorted(set(units)) or not 0 <= units[0] < units[-1] < u:
@@ -195,4 +220,6 @@ def restrict(
         latency_s=problem.latency_s[np.ix_(idx, idx)],
         collective_latency_s=rows(problem.collective_latency_s),
         collective_bus_bandwidth_bytes_per_s=rows(problem.collective_bus_bandwidth_bytes_per_s),
+        offload_optimizer_time_s=rows(problem.offload_optimizer_time_s),
+        host_capacity_bytes=rows(problem.host_capacity_bytes),
     )

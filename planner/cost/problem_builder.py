@@ -43,6 +43,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from hplan.planner.cost.offload import (
+    OPTIMIZER_STATE_PASSES,
+    OPTIMIZER_WEIGHT_GRAD_PASSES,
+    PCIE_BANDWIDTH_BYTES_PER_S,
+    offload_step_time_s,
+)
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy, TiedParams
 from hplan.planner.hardware.catalog import (
     DeviceClass,
@@ -57,6 +63,9 @@ from hplan.runtime.contract.memory import (
     GPU_RESERVE_BYTES,
     OPTIMIZER_STEP_WORKSPACE,
     USABLE_MEMORY_FRACTION,
+    offload_device_saving_bytes,
+    offload_host_bytes,
+    usable_host_memory_bytes,
 )
 from hplan.runtime.contract.plan import Precision, wire_spec
 
@@ -96,11 +105,6 @@ FRAMEWORK_RESERVE_BYTES: dict[DeviceClass, float] = {
     DeviceClass.GPU: GPU_RESERVE_BYTES,
     DeviceClass.CPU: CPU_RESERVE_BYTES,
 }
-
-# Optimizer traffic per trainable parameter byte, besides the state: read the weight,
-# write the weight, read the gradient. The state is read and written once each.
-_OPTIMIZER_WEIGHT_GRAD_PASSES = 3.0
-_OPTIMIZER_STATE_PASSES = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +241,8 @@ class RooflineSource:
         """Memory-bound optimizer step: weights read and written, gradients read, state
         read and written, at the device's effective memory bandwidth."""
         passes = (
-            _OPTIMIZER_WEIGHT_GRAD_PASSES
-            + _OPTIMIZER_STATE_PASSES * optimizer_state_bytes_per_param_byte
+            OPTIMIZER_WEIGHT_GRAD_PASSES
+            + OPTIMIZER_STATE_PASSES * optimizer_state_bytes_per_param_byte
         )
         num_bytes = cost.trainable_param_bytes * passes
         bandwidth = device.type.memory_bandwidth_bytes_per_s * self.memory_efficiency
@@ -390,9 +394,42 @@ def build_problem(
         recompute=recompute,
         optimizer_state_bytes=_array([c.trainable_param_bytes * factor for c in costs]),
         **_collective_arrays(cluster),
+        **_offload_arrays(cluster, costs, factor),
     )
     problem.verify()
     return problem
+
+
+def _offload_arrays(
+    cluster: Cluster, costs: Sequence[UnitCost], factor: float
+) -> dict[str, np.ndarray]:
+    """The problem's offload figures (``PlanningProblem.offload_*``, ``cost.offload``): a
+    GPU copies over PCIe, a ``cpu`` device within its own memory; each node's host memory
+    as ``contract.memory.usable_host_memory_bytes`` counts it, a rank on every device."""
+    trainable = [c.trainable_param_bytes for c in costs]
+    host = {
+        n.name: usable_host_memory_bytes(
+            n.host_memory_bytes, [d.type.memory_bytes for d in n.devices], len(n.devices)
+        )
+        for n in cluster.nodes
+    }
+
+    def transfer_bytes_per_s(device: Device) -> float:
+        if device.type.device_class is DeviceClass.CPU:
+            return device.type.memory_bandwidth_bytes_per_s
+        return PCIE_BANDWIDTH_BYTES_PER_S
+
+    return {
+        "offload_optimizer_time_s": _array(
+            [
+                [offload_step_time_s(t, factor, transfer_bytes_per_s(d)) for t in trainable]
+                for d in cluster.devices
+            ]
+        ),
+        "offload_saving_bytes": _array([offload_device_saving_bytes(t, factor) for t in trainable]),
+        "offload_host_bytes": _array([offload_host_bytes(t, factor) for t in trainable]),
+        "host_capacity_bytes": _array([host[d.node] for d in cluster.devices]),
+    }
 
 
 def _checked_optimizer_factor(factor: float) -> float:

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from hplan.planner.cost.islands import island_names
 from hplan.planner.cost.layout import IslandSync, Layout
+from hplan.planner.cost.offload import device_offloads
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.frontend.cost_graph import ModelGraph
 from hplan.runtime.contract.errors import InfeasiblePlanError
@@ -161,6 +162,7 @@ def _rank_plans(
                     if layout.optimizer_shard_weights
                     else 1.0
                 ),
+                optimizer_offload=device_offloads(layout, stage.device_idx),
             )
         )
     return tuple(ranks), tuple(sorted(cut_idx))
@@ -220,6 +222,7 @@ def with_memory(plan: Plan, memory: MemoryModelSpec) -> Plan:
             optimizer_state_memory_bytes=round(part.optimizer_state_bytes),
             activation_memory_bytes=round(part.activation_bytes),
             workspace_memory_bytes=round(part.workspace_bytes),
+            host_memory_bytes=round(part.host_bytes),
         )
         for report, part in zip(plan.report.ranks, parts, strict=True)
     )

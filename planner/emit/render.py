@@ -303,6 +303,7 @@ def _rank_cells(
     rank: RankPlan, report: RankReport | None, marked: bool, plan_units: Sequence[object]
 ) -> list[Text]:
     recompute = _strategy_marker(rank)
+    recompute += " O" if rank.optimizer_offload else ""
     cells = [
         f"{rank.rank}{' *' if marked else ''}",
         rank.node,
@@ -354,6 +355,8 @@ def _table_legend(plan: Plan) -> str:
         parts.append("R: recomputes activations")
     if any(r.memory_strategy == MemoryStrategy.SELECTIVE for r in plan.ranks):
         parts.append("Rk/n: recomputes k of its n units (selective)")
+    if any(r.optimizer_offload for r in plan.ranks):
+        parts.append("O: optimizer state and step offloaded to host memory")
     return "\n".join(parts)
 
 

@@ -12,7 +12,8 @@ from hplan.planner.cost.evaluate import (
     stage_compute_time_s,
     standalone_samples_per_s,
 )
-from hplan.planner.cost.layout import Layout
+from hplan.planner.cost.layout import Layout, StageLayout
+from hplan.planner.cost.offload import device_offloads, stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.zero import allgather_time_s
 from hplan.planner.emit.plan_build import rank_of_device
@@ -89,11 +90,24 @@ def _rank_reports(
                     relative_speed=speed[device] / fastest if fastest > 0 else 1.0,
                     forward_time_s=float(problem.fwd_time_s[device, units, k].sum()),
                     backward_time_s=float(problem.bwd_time_s[device, units, k].sum()) + again_s,
-                    optimizer_time_s=float(problem.optimizer_time_s[device, units].sum()),
-                    memory_strategy_time_s=again_s * replica.num_microbatches + gather_s,
+                    optimizer_time_s=stage_optimizer_time_s(
+                        problem, layout, device, stage.unit_start, stage.unit_stop
+                    ),
+                    memory_strategy_time_s=again_s * replica.num_microbatches
+                    + gather_s
+                    + _offload_extra_s(problem, layout, stage),
                 )
             )
     return tuple(sorted(reports, key=lambda r: r.rank))
+
+
+def _offload_extra_s(problem: PlanningProblem, layout: Layout, stage: StageLayout) -> float:
+    """What offloading the stage's optimizer step adds to it (0 where it does not)."""
+    if not device_offloads(layout, stage.device_idx):
+        return 0.0
+    start, stop = stage.unit_start, stage.unit_stop
+    own = float(problem.optimizer_time_s[stage.device_idx, start:stop].sum())
+    return max(0.0, stage_optimizer_time_s(problem, layout, stage.device_idx, start, stop) - own)
 
 
 REQUESTED = "requested: "

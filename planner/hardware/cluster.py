@@ -125,6 +125,8 @@ class Node:
     interface: str | None = None
     """The network interface its ranks talk over (cluster.yaml ``interface``); None: the
     one that holds ``host`` (the runtime finds it)."""
+    host_memory_bytes: float | None = None
+    """Its host memory (cluster.yaml ``host_memory_gb``); None: not declared."""
 
 
 @dataclass(frozen=True)
@@ -367,7 +369,8 @@ def _node(source: str, node_idx: int, entry: NodeEntry) -> Node:
         if link is not None
         else Link(gb_per_s_to_bytes_per_s(default_bw), us_to_s(default_lat))
     )
-    return Node(entry.name, entry.host, tuple(devices), intra, entry.interface)
+    host_memory = None if entry.host_memory_gb is None else entry.host_memory_gb * 1e9
+    return Node(entry.name, entry.host, tuple(devices), intra, entry.interface, host_memory)
 
 
 def _device_type(source: str, key_path: str, entry: DeviceEntry) -> DeviceType:
@@ -578,6 +581,7 @@ def to_cluster_spec(
             devices=tuple(d.name for d in n.devices),
             collective=cluster.node_collectives.get(n.name),
             interface=n.interface,
+            host_memory_bytes=None if n.host_memory_bytes is None else round(n.host_memory_bytes),
         )
         for n in cluster.nodes
     )

@@ -179,6 +179,9 @@ class NodeEntry(_Strict):
     interface: Interface | None = None
     """The network interface the node's ranks talk over (gloo and NCCL); default: the one
     that holds ``host``."""
+    host_memory_gb: Positive | None = None
+    """The node's host (CPU) memory in GB (10^9 bytes), what optimizer-state offload may
+    fill; default: assumed (``contract.memory.HOST_MEMORY_PER_DEVICE_MEMORY``)."""
 
 
 class ClusterFile(_Strict):

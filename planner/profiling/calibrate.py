@@ -20,7 +20,14 @@ and the plan's report, and
    backward times are corrected each by its own median ratio (*phase corrections*: in a
    rehearsal here forwards ran 6-11% over their profile while backwards were within 5%). A
    kind without unit timings in the profile (a plan solved from the roofline) carries its
-   compute correction as a factor on every cluster device of that kind.
+   compute correction as a factor on every cluster device of that kind;
+5. fits the gradient all-reduce (``comm_calibration``): per sync group (holder sets
+   sharing a rank), the exposed time of the rank that launched last (the others' excess
+   is waiting for it, which the compute correction covers) against the links'
+   prediction, as a node latency per ring step; each node of a group whose fit rises
+   above its own gets it as a ``NodeCollective`` in the corrected profile,
+   which ``hplan solve --profile`` puts in the node's collective (cost model, simulator,
+   search and rehearsal alike).
 
 It also sets each rank's predicted peak memory (the plan report's, with its breakdown where
 the report has one) beside the training memory its runs measured (the largest peak over
@@ -41,9 +48,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hplan.planner.profiling.comm_calibration import (
+    GroupFit,
+    collective_fits,
+    node_collectives,
+)
 from hplan.planner.profiling.profile_file import (
     DeviceFactor,
     MeasurementSource,
+    NodeCollective,
     Profile,
     Stat,
     UnitTiming,
@@ -116,6 +129,8 @@ class Calibration:
     """The corrected profile."""
     memory: tuple[RankMemoryUse, ...] = ()
     """Every rank's predicted and measured memory (of every plan, in order)."""
+    collectives: tuple[GroupFit, ...] = ()
+    """Each fitted sync group's all-reduce (of every plan, in order)."""
 
 
 # ------------------------------------------------------------------------------ math
@@ -505,9 +520,13 @@ def calibrate(
     errors: list[RankError] = []
     memory: list[RankMemoryUse] = []
     siblings: dict[str, str] = {}
+    fits: list[GroupFit] = []
+    collectives: dict[str, NodeCollective] = {}
     for plan, runs in observations:
         check_runs_of_plan(plan, runs)
         errors.extend(plan_errors := rank_errors(plan, runs))
+        fits.extend(plan_fits := collective_fits(plan, exposed_all_reduce_s(runs)))
+        collectives = merged_collectives(collectives, node_collectives(plan, plan_fits))
         memory.extend(memory_use(plan, [r for run in runs for r in run.records]))
         siblings.update({e.device: sibling_group(plan, e.device) for e in plan_errors})
     kinds = {e.device: e.kind for e in errors}
@@ -529,9 +548,42 @@ def calibrate(
     profile = corrected_profile(
         base or Profile(), corrections, stragglers, cluster, optimizer, phases
     )
+    kept = {c.node: c for c in profile.node_collectives} | collectives
+    profile = replace(profile, node_collectives=tuple(kept[k] for k in sorted(kept)))
     return Calibration(
-        tuple(errors), corrections, optimizer, phases, ratios, stragglers, profile, tuple(memory)
+        tuple(errors),
+        corrections,
+        optimizer,
+        phases,
+        ratios,
+        stragglers,
+        profile,
+        tuple(memory),
+        tuple(fits),
     )
+
+
+def exposed_all_reduce_s(runs: Sequence[Run]) -> dict[int, dict[int, float]]:
+    """Rank -> step key -> exposed all-reduce in seconds of the plan's hardware, warm-up
+    steps left out (``_timed``); run ``i``'s step ``s`` is key ``i * 2**32 + s``."""
+    out: dict[int, dict[int, float]] = {}
+    for i, run in enumerate(runs):
+        for rank in sorted({r.rank for r in run.records}):
+            for r in _timed([x for x in run.records if x.rank == rank]):
+                out.setdefault(rank, {})[i * 2**32 + r.step] = r.allreduce_time_s / run.time_scale
+    return out
+
+
+def merged_collectives(
+    old: Mapping[str, NodeCollective], new: Mapping[str, NodeCollective]
+) -> dict[str, NodeCollective]:
+    """Per node, the smaller latency of two plans' fits (``comm_calibration``: a node in a
+    fast ring cannot be what slows a slow one)."""
+    out = dict(old)
+    for node, c in new.items():
+        if node not in out or c.latency_per_step_s < out[node].latency_per_step_s:
+            out[node] = c
+    return out
 
 
 def check_profile_out(out_dir: Path) -> None:

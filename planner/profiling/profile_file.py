@@ -2,8 +2,9 @@
 
 A profile holds measurements of devices (achieved matmul FLOP/s per dtype, memory
 bandwidth), of a model's partition units on those devices (forward/backward time per
-micro-batch size, memory), and per-device correction factors found by ``hplan
-calibrate``. Device keys say what a measurement applies to:
+micro-batch size, memory), and what ``hplan calibrate`` found: per-device correction
+factors, and per-node collective costs (``NodeCollective``: the all-reduce a run measured,
+as a ring's latency per step). Device keys say what a measurement applies to:
 
 - a catalog kind (``rtx3090``): every device of that kind;
 - ``<kind>@<cluster node>`` (``cpu@left``): every device of that kind on one node
@@ -29,6 +30,7 @@ from typing import Any, Literal
 from pydantic import TypeAdapter
 
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.plan import NonNegative, Positive
 from hplan.runtime.contract.versioned_file import parse_versioned, record
 
 PROFILE_SCHEMA_VERSION = 1
@@ -131,6 +133,26 @@ class DeviceFactor:
 
 
 @record
+class NodeCollective:
+    """A node's all-reduce cost as a run measured it (``hplan calibrate``), as a ring.
+
+    ``hplan solve --profile`` puts it in the node's ``CollectiveSpec`` (replacing what
+    ``--bandwidth`` measured): every ring over a device of the node then pays at least
+    ``latency_per_step_s`` per ring step and runs no faster than
+    ``bus_bandwidth_bytes_per_s`` (``Plan.ring_channel``, ``link_model``).
+    """
+
+    node: str
+    """Cluster node name."""
+    latency_per_step_s: NonNegative
+    """Seconds per ring step: a ring of n ranks pays ``2 (n - 1)`` of them per call."""
+    bus_bandwidth_bytes_per_s: Positive
+    """Bus bandwidth (nccl-tests' convention); calibrate keeps the links' (it fits the
+    latency only)."""
+    reason: str
+
+
+@record
 class Profile:
     """A set of measurements; see the module docstring."""
 
@@ -140,6 +162,8 @@ class Profile:
     unit_timings: tuple[UnitTiming, ...] = ()
     device_factors: tuple[DeviceFactor, ...] = ()
     notes: tuple[str, ...] = ()
+    node_collectives: tuple[NodeCollective, ...] = ()
+    """Calibrated all-reduce costs per node (empty: the cluster's and links' own)."""
 
     def to_json(self) -> str:
         """Deterministic JSON text (2-space indent, declared field order, final newline)."""
@@ -210,6 +234,9 @@ class Profile:
         factors = {f.device: f for f in self.device_factors} | {
             f.device: f for f in other.device_factors
         }
+        collectives = {c.node: c for c in self.node_collectives} | {
+            c.node: c for c in other.node_collectives
+        }
         return replace(
             self,
             devices=tuple(devices[k] for k in sorted(devices)),
@@ -217,6 +244,7 @@ class Profile:
             unit_timings=tuple(timings[k] for k in sorted(timings)),
             device_factors=tuple(factors[k] for k in sorted(factors)),
             notes=tuple(dict.fromkeys((*self.notes, *other.notes))),
+            node_collectives=tuple(collectives[k] for k in sorted(collectives)),
         )
 
 

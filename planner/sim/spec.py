@@ -38,6 +38,7 @@ from hplan.planner.cost.evaluate import (
     step_sync_groups,
 )
 from hplan.planner.cost.layout import Layout, ReplicaLayout
+from hplan.planner.cost.offload import stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import pseudo_gradient_bytes, split_by_island
 from hplan.planner.cost.zero import allgather_time_s
@@ -282,7 +283,7 @@ def spec_from_layout(
         ValueError: a replica's micro-batch size is not one of the problem's candidates.
     """
     rank_of = {d: r for r, d in enumerate(sorted(layout.device_indices))}
-    replicas = tuple(_layout_replica(problem, r, rank_of, runtime) for r in layout.replicas)
+    replicas = tuple(_layout_replica(problem, r, rank_of, runtime, layout) for r in layout.replicas)
     gather_s = allgather_time_s(problem, layout)
     if gather_s > 0:  # ZeRO stage 1: every rank waits for the shards after its step
         replicas = tuple(
@@ -304,7 +305,10 @@ def _layout_replica(
     replica: ReplicaLayout,
     rank_of: Mapping[int, int],
     runtime: RuntimeBytes | None,
+    layout: Layout | None = None,
 ) -> SimReplica:
+    """One replica of a layout (``layout``: whose devices offload their optimizer step,
+    ``cost.offload``; None: none does)."""
     k = problem.micro_batch_sizes.index(replica.micro_batch_size)
     sizes = microbatch_sizes(replica.num_samples, replica.micro_batch_size)
     stages = []
@@ -321,7 +325,9 @@ def _layout_replica(
                 device=problem.device_kinds[d],
                 forward_s=(forward_s,) * len(sizes),
                 backward_s=(backward_s,) * len(sizes),
-                optimizer_s=float(problem.optimizer_time_s[d, units].sum()),
+                optimizer_s=stage_optimizer_time_s(
+                    problem, layout or Layout(()), d, stage.unit_start, stage.unit_stop
+                ),
             )
         )
     links = []

@@ -23,6 +23,11 @@ stage can run a micro-batch size the whole model cannot fit, and devices relativ
 at some units than others can each take the units they are best at. When the unit times of
 every device are proportional, N* equals the sum of each device's standalone rate at its
 per-unit best sizes.
+
+Where the LP solver fails (coefficients so far apart that HiGHS cannot scale them, as a
+capture file with an absurd figure makes), the bound falls back to the looser
+``sum_d budget_d / sum_u min_d t[d, u]``: every sample needs at least the fastest device's
+time on every unit, and the devices together have ``sum_d budget_d`` seconds per second.
 """
 
 from __future__ import annotations
@@ -63,8 +68,6 @@ def throughput_bound_samples_per_s(problem: PlanningProblem) -> float:
     Returns 0.0 when some unit fits no device, and ``inf`` when every unit costs no time
     on some device it fits (then nothing bounds the model's throughput).
 
-    Raises:
-        RuntimeError: the LP solver failed on this feasible, bounded LP (a bug).
     """
     times = unit_time_per_sample_s(problem)
     if np.any(np.all(np.isinf(times), axis=0)):
@@ -72,7 +75,17 @@ def throughput_bound_samples_per_s(problem: PlanningProblem) -> float:
     if np.all(np.any(times == 0.0, axis=0)):
         return math.inf
     rows, budgets = _merged_rows(times)
-    return _solve_lp(rows, budgets) * (1 + _BOUND_SLACK)
+    try:
+        optimum = _solve_lp(rows, budgets)
+    except (RuntimeError, IndexError, pulp.PulpSolverError):  # PuLP's HiGHS reader raises
+        optimum = _time_budget_bound(rows, budgets)  # IndexError on a failed solve
+    return optimum * (1 + _BOUND_SLACK)
+
+
+def _time_budget_bound(rows: FloatArray, budgets: FloatArray) -> float:
+    """Samples/s no layout exceeds: all devices' seconds per second over the least device
+    time one sample needs (each unit on its fastest device); looser than the LP's."""
+    return float(budgets.sum() / rows.min(axis=0).sum())
 
 
 def _merged_rows(times: FloatArray) -> tuple[FloatArray, FloatArray]:

@@ -90,6 +90,10 @@ class SolveOptions:
     """ZeRO stage 1 (``hplan solve --zero``): ``auto`` (sharded layouts are searched too
     when memory binds the best unsharded one, and compete on speed), ``never``,
     ``always`` (only sharded layouts)."""
+    offload: str = "auto"
+    """Optimizer-state offload to host memory (``hplan solve --offload``, ``cost.offload``):
+    ``auto`` (searched when nothing cheaper fits: no plan, or a device left idle; kept only
+    on the devices that need it, and only if faster), ``never``, ``always`` (every device)."""
 
 
 @dataclass(frozen=True)
@@ -554,11 +558,12 @@ def run_search(problem: PlanningProblem, options: SolveOptions) -> SearchOutcome
     return outcome
 
 
-def diagnose_infeasible(problem: PlanningProblem) -> str:
+def diagnose_infeasible(problem: PlanningProblem, offload: str = "never") -> str:
     """One line naming the binding memory constraint and what to change: the unit no device
     holds, or the whole model against the cluster's memory, with what sharding the
-    optimizer state (``--zero``) and recomputing (``--recompute``) could still save, or that
-    even they cannot (no offload to host memory yet)."""
+    optimizer state (``--zero``), recomputing (``--recompute``) and offloading the
+    optimizer state to host memory (``--offload``, searched unless ``offload`` is
+    ``never``) could still save, or that even they cannot."""
     smallest_mbs = problem.micro_batch_sizes[0]
     biggest = int(np.argmax(problem.memory_capacity_bytes))
     capacity = float(problem.memory_capacity_bytes[biggest])
@@ -569,15 +574,14 @@ def diagnose_infeasible(problem: PlanningProblem) -> str:
         if problem.optimizer_state_bytes is not None
         else np.zeros(problem.num_units)
     )
+    moved = (
+        problem.offload_saving_bytes
+        if problem.offload_saving_bytes is not None
+        else np.zeros(problem.num_units)
+    )
     if need[worst] > capacity:
         need_text, capacity_text = format_bytes_pair(float(need[worst]), capacity)
-        floor = float(need[worst] - state[worst])
-        hint = (
-            f"; with its optimizer state sharded away (--zero) it would still need "
-            f"{format_bytes(floor)}"
-            if state[worst] > 0
-            else ""
-        )
+        hint = _unit_hint(float(state[worst]), float(moved[worst]), float(need[worst]), offload)
         return (
             f"unit `{problem.unit_names[worst]}` needs {need_text} on every device of "
             "its stage (parameters, gradients, optimizer state and activations of "
@@ -587,15 +591,58 @@ def diagnose_infeasible(problem: PlanningProblem) -> str:
     total = float(problem.static_memory_bytes.sum())
     usable = float(problem.memory_capacity_bytes.sum())
     if total > usable:
-        return (
-            f"the model needs {format_bytes(total)} for parameters, gradients, optimizer state "
-            f"and their workspace, more than the {format_bytes(usable)} all "
-            f"{problem.num_devices} devices have usable together: no pipeline, recomputation "
-            "or ZeRO shard fits it (optimizer-state offload to host memory is not supported "
-            "yet); add devices or memory, or train with an optimizer with less state (SGD)"
-        )
+        return _whole_model_line(problem, total, usable, float(moved.sum()), offload)
     return (
         f"the model needs {format_bytes(total)} for parameters, gradients and optimizer state plus "
         f"activations, and no pipeline of at most {problem.num_devices} devices holds it; add "
-        "devices or memory, reduce the micro-batch size, or allow --recompute auto and --zero auto"
+        "devices or memory, reduce the micro-batch size, or allow --recompute auto, --zero auto "
+        "and --offload auto"
+    )
+
+
+def _unit_hint(state_bytes: float, moved_bytes: float, need_bytes: float, offload: str) -> str:
+    """What sharding (``--zero``) or offload (``--offload``) would leave of one unit."""
+    if moved_bytes > 0 and offload != "never":
+        return (
+            f"; even with its optimizer state offloaded to host memory it needs "
+            f"{format_bytes(need_bytes - moved_bytes)}"
+        )
+    if moved_bytes > 0:
+        return (
+            f"; with its optimizer state offloaded to host memory (--offload auto) it would "
+            f"need {format_bytes(need_bytes - moved_bytes)}"
+        )
+    if state_bytes > 0:
+        return (
+            f"; with its optimizer state sharded away (--zero) it would still need "
+            f"{format_bytes(need_bytes - state_bytes)}"
+        )
+    return ""
+
+
+def _whole_model_line(
+    problem: PlanningProblem, total: float, usable: float, moved: float, offload: str
+) -> str:
+    """The model's parameters, gradients and state against every device together."""
+    head = (
+        f"the model needs {format_bytes(total)} for parameters, gradients, optimizer state "
+        f"and their workspace, more than the {format_bytes(usable)} all "
+        f"{problem.num_devices} devices have usable together"
+    )
+    if moved > 0 and offload == "never":
+        return (
+            f"{head}; with the optimizer state offloaded to host memory it would need "
+            f"{format_bytes(total - moved)}: allow --offload auto, or add devices or memory"
+        )
+    if moved > 0 and total - moved <= usable:
+        return (
+            f"{head}; with the optimizer state offloaded to host memory it needs "
+            f"{format_bytes(total - moved)} on the devices, but no layout fits that with "
+            "activations, or the nodes' host memory does not hold the offload (declare "
+            "host_memory_gb in cluster.yaml); add devices or memory"
+        )
+    still = f" (offloaded, it still needs {format_bytes(total - moved)})" if moved > 0 else ""
+    return (
+        f"{head}: no pipeline, recomputation, ZeRO shard or optimizer-state offload fits "
+        f"it{still}; add devices or memory, or train with an optimizer with less state (SGD)"
     )

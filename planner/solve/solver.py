@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 from hplan.planner.cost.evaluate import Evaluation, evaluate, island_index
 from hplan.planner.cost.layout import Layout
+from hplan.planner.cost.offload import offload_flags, offload_problem
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.cost.zero import shard_weights, sharded_problem
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
@@ -89,7 +90,12 @@ def solve(
     """
     options = options or SolveOptions()
     problem.verify()
-    outcome = run_search(problem, options)
+    try:
+        outcome = run_search(problem, options)
+    except InfeasiblePlanError:
+        if options.offload == "never":
+            raise
+        outcome = SearchOutcome()  # offload may still fit it (below)
     pool: list[tuple[str, Layout]] = [
         (c.scenario, c.layout) for c in outcome.candidates if c.layout.sync is None
     ]
@@ -110,11 +116,21 @@ def solve(
         )
         if options.zero == "always":
             local_pool = []
+    if options.offload == "always" or (
+        options.offload == "auto" and _nothing_cheaper_fits(problem, ranked)
+    ):
+        offloaded = _ranked(problem, offload_candidates(problem, options))
+        ranked = (
+            offloaded
+            if options.offload == "always"
+            else sorted([*ranked, *offloaded], key=lambda item: item[2].step_time_s)
+        )
+        local_pool = [] if options.offload == "always" else local_pool
     synchronous = _pick(problem, ranked, schedule, runtime)
     local_ranked = _closest_to_synchronous(problem, _ranked(problem, local_pool))
     local = _pick(problem, local_ranked, schedule, runtime, margin=LOCAL_TIE_SHARE)
     if synchronous is None and local is None:
-        raise InfeasiblePlanError(diagnose_infeasible(problem))
+        raise InfeasiblePlanError(diagnose_infeasible(problem, offload=options.offload))
     chosen, why = choose_sync(problem, options.sync, synchronous, local)
     notes = list(outcome.notes)
     if chosen is synchronous:
@@ -174,7 +190,11 @@ def sharded_candidates(problem: PlanningProblem, options: SolveOptions) -> list[
     if sharded is None:
         return []
     found = []
-    for candidate in run_search(sharded, replace(options, sync=SyncRequest.ALL_REDUCE)).candidates:
+    try:
+        candidates = run_search(sharded, replace(options, sync=SyncRequest.ALL_REDUCE)).candidates
+    except InfeasiblePlanError:  # reached when the unsharded search found nothing either
+        return []
+    for candidate in candidates:
         layout = candidate.layout
         if layout.sync is not None and layout.sync.local:
             continue
@@ -184,6 +204,49 @@ def sharded_candidates(problem: PlanningProblem, options: SolveOptions) -> list[
         if weights is not None:
             found.append(
                 (f"zero-1: {candidate.scenario}", replace(layout, optimizer_shard_weights=weights))
+            )
+    return found
+
+
+def _nothing_cheaper_fits(
+    problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]
+) -> bool:
+    """Whether offload may help (``--offload auto``): no layout was found, or the fastest
+    leaves a device idle."""
+    return not ranked or len(ranked[0][1].device_indices) < problem.num_devices
+
+
+def offload_candidates(problem: PlanningProblem, options: SolveOptions) -> list[tuple[str, Layout]]:
+    """Layouts that fit with optimizer-state offload (``cost.offload``): searched on the
+    problem where every device offloads (``offload.offload_problem``); under ``auto`` each
+    keeps offload only on the devices that do not fit without it
+    (``offload.offload_flags``), under ``always`` on every device; kept only where every
+    device and every node's host memory then fit."""
+    offloaded = offload_problem(problem)
+    if offloaded is None:
+        return []
+    found = []
+    request = replace(options, sync=SyncRequest.ALL_REDUCE)
+    try:
+        candidates = run_search(offloaded, request).candidates
+    except InfeasiblePlanError:
+        return []
+    for candidate in candidates:
+        layout = candidate.layout
+        if layout.sync is not None and layout.sync.local:
+            continue
+        memory = {
+            c.device_idx: c.memory_bytes
+            for costs in evaluate(problem, layout).stages
+            for c in costs
+        }
+        if options.offload == "always":
+            flags: tuple[bool, ...] | None = tuple(d in memory for d in range(problem.num_devices))
+        else:
+            flags = offload_flags(problem, layout, memory)
+        if flags is not None and any(flags):
+            found.append(
+                (f"offload: {candidate.scenario}", replace(layout, optimizer_offload=flags))
             )
     return found
 

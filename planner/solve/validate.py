@@ -30,6 +30,10 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     if not layout.replicas:
         return ["layout has no replicas"]
     saving = _zero_saving(problem, layout)
+    offload = _offload_saving(problem, layout)
+    for d, num_bytes in offload.items():
+        saving[d] = saving.get(d, 0.0) + num_bytes
+    errors += _offload_problems(problem, layout)
     for r, replica in enumerate(layout.replicas):
         total += replica.num_samples
         errors += _replica_problems(problem, r, replica, seen, saving)
@@ -70,6 +74,56 @@ def _island_problems(problem: PlanningProblem, layout: Layout, sync: IslandSync)
         where = {island_of[problem.device_nodes[s.device_idx]] for s in replica.stages}
         if len(where) > 1:
             errors.append(f"replica {r} spans islands under {sync.mode}")
+    return errors
+
+
+def _offload_saving(problem: PlanningProblem, layout: Layout) -> dict[int, float]:
+    """Device -> bytes its optimizer offload moves to the host (its units' state and step
+    temporaries)."""
+    flags = layout.optimizer_offload
+    if not flags or problem.offload_saving_bytes is None:
+        return {}
+    saving: dict[int, float] = {}
+    for replica in layout.replicas:
+        for stage in replica.stages:
+            if flags[stage.device_idx]:
+                units = range(stage.unit_start, stage.unit_stop)
+                saving[stage.device_idx] = sum(
+                    float(problem.offload_saving_bytes[u]) for u in units
+                )
+    return saving
+
+
+def _offload_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
+    """Offload's own rules: one flag per device, not with ZeRO shards, figures present, and
+    every node's host memory holds the offload of its devices."""
+    flags = layout.optimizer_offload
+    if not flags:
+        return []
+    if len(flags) != problem.num_devices:
+        return [f"{len(flags)} offload flags for {problem.num_devices} devices"]
+    if layout.optimizer_shard_weights and any(flags):
+        return ["optimizer offload combined with ZeRO shards (not supported)"]
+    if problem.offload_host_bytes is None or problem.host_capacity_bytes is None:
+        return ["optimizer offload on a problem without offload figures"]
+    need: dict[str, float] = {}
+    capacity: dict[str, float] = {}
+    for replica in layout.replicas:
+        for stage in replica.stages:
+            d = stage.device_idx
+            node = problem.device_nodes[d]
+            capacity[node] = float(problem.host_capacity_bytes[d])
+            if flags[d]:
+                units = range(stage.unit_start, stage.unit_stop)
+                host = sum(float(problem.offload_host_bytes[u]) for u in units)
+                need[node] = need.get(node, 0.0) + host
+    errors = []
+    for node, num_bytes in need.items():
+        if num_bytes > capacity[node] * (1 + 1e-9):
+            need_text, cap_text = format_bytes_pair(num_bytes, capacity[node])
+            errors.append(
+                f"offload on node {node} needs {need_text} of host memory, has {cap_text}"
+            )
     return errors
 
 

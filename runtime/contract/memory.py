@@ -23,8 +23,14 @@ refused where it no longer fits. Per rank, bytes:
   the optimizer step's temporaries (:data:`OPTIMIZER_STEP_WORKSPACE` x the bytes it steps,
   for an optimizer with state); under autocast the half-precision copy of the weights.
 
+Under optimizer offload (``RankPlan.optimizer_offload``) the optimizer state and the
+optimizer step's temporaries leave the device for the host, which also keeps a copy of the
+trainable parameters and of their gradients (:func:`offload_host_bytes`); on a ``cpu``
+device the host is the device, so the state stays counted there and the two copies are
+added to its workspace.
+
 Capacity: :func:`usable_memory_bytes`, the device's memory less a framework reserve, times
-``USABLE_MEMORY_FRACTION``.
+``USABLE_MEMORY_FRACTION``; a node's host memory for offload, :func:`host_capacity_bytes`.
 """
 
 from __future__ import annotations
@@ -77,6 +83,13 @@ CPU_RESERVE_BYTES: float = 360e6
 USABLE_MEMORY_FRACTION: float = 0.9
 
 
+HOST_MEMORY_PER_DEVICE_MEMORY: float = 2.0
+"""Host memory assumed on a node whose plan declares none (``NodeSpec.host_memory_bytes``):
+this many times the memory of its devices. An assumption, the one place it is made: a
+common sizing of GPU servers, below NVIDIA's DGX H100 (2 TB of system memory for 8 x 80 GB
+of GPU memory, 3.2x; DGX H100 datasheet)."""
+
+
 def device_reserve_bytes(kind: str) -> float:
     """The framework reserve of a device kind (``cpu`` or a GPU catalog key), bytes."""
     return CPU_RESERVE_BYTES if kind == "cpu" else GPU_RESERVE_BYTES
@@ -93,15 +106,58 @@ def device_capacity_bytes(device: DeviceSpec) -> float:
     return usable_memory_bytes(device.memory_bytes, device.kind)
 
 
+def offload_host_bytes(trainable_bytes: float, state_factor: float) -> float:
+    """Host memory of a rank that offloads its optimizer, bytes: a copy of its trainable
+    parameters and one of their gradients (pinned on CUDA), the optimizer state
+    (``state_factor`` x the parameter bytes) and the step's temporaries
+    (:data:`OPTIMIZER_STEP_WORKSPACE`, for an optimizer with state)."""
+    temporaries = OPTIMIZER_STEP_WORKSPACE if state_factor > 0 else 0.0
+    return trainable_bytes * (2.0 + state_factor + temporaries)
+
+
+def offload_device_saving_bytes(trainable_bytes: float, state_factor: float) -> float:
+    """Device memory an offloading rank does not need, bytes: the optimizer state and the
+    step's temporaries."""
+    temporaries = OPTIMIZER_STEP_WORKSPACE if state_factor > 0 else 0.0
+    return trainable_bytes * (state_factor + temporaries)
+
+
+def host_capacity_bytes(plan: Plan, node: str) -> float:
+    """Host memory the offloading ranks of ``node`` may fill, bytes: its
+    ``host_memory_bytes`` (else :data:`HOST_MEMORY_PER_DEVICE_MEMORY` x its devices' memory)
+    less ``CPU_RESERVE_BYTES`` per rank it runs, times ``USABLE_MEMORY_FRACTION``."""
+    spec = next(n for n in plan.cluster.nodes if n.name == node)
+    memory = {d.name: d.memory_bytes for d in plan.cluster.devices}
+    num_ranks = sum(1 for r in plan.ranks if r.node == node)
+    return usable_host_memory_bytes(
+        spec.host_memory_bytes, [memory[d] for d in spec.devices], num_ranks
+    )
+
+
+def usable_host_memory_bytes(
+    host_memory_bytes: float | None, device_memory_bytes: Sequence[float], num_ranks: int
+) -> float:
+    """Host memory a node's offloading ranks may fill: its host memory (None: assumed,
+    :data:`HOST_MEMORY_PER_DEVICE_MEMORY` x the sum of ``device_memory_bytes``) less
+    ``CPU_RESERVE_BYTES`` for each of its ``num_ranks`` processes, times
+    ``USABLE_MEMORY_FRACTION``, >= 0."""
+    total = host_memory_bytes
+    if total is None:
+        total = HOST_MEMORY_PER_DEVICE_MEMORY * float(sum(device_memory_bytes))
+    return max(0.0, (total - num_ranks * CPU_RESERVE_BYTES) * USABLE_MEMORY_FRACTION)
+
+
 @dataclass(frozen=True, slots=True)
 class RankMemory:
-    """Predicted peak memory of one rank, by part, bytes."""
+    """Predicted peak memory of one rank, by part, bytes (``total_bytes``: on its device)."""
 
     parameter_bytes: float
     gradient_bytes: float
     optimizer_state_bytes: float
     activation_bytes: float
     workspace_bytes: float
+    host_bytes: float = 0.0
+    """Host memory of its optimizer offload (not part of ``total_bytes``)."""
 
     @property
     def total_bytes(self) -> float:
@@ -222,20 +278,30 @@ def rank_memory(
         for n in trainable
         if len(holders_of[n]) > 1  # all-reduced: its bucket holds a flat copy
     )
-    if state_factor > 0:
-        workspace += OPTIMIZER_STEP_WORKSPACE * state_bytes / state_factor
+    step_temporaries = (
+        OPTIMIZER_STEP_WORKSPACE * state_bytes / state_factor if state_factor else 0.0
+    )
+    workspace += step_temporaries
     if rank.precision.autocast_dtype is not None:
         workspace += sum(
             sizes[n].num_elements * DTYPE_BYTES[rank.precision.autocast_dtype]
             for n in trainable
             if sizes[n].element_bytes > DTYPE_BYTES[rank.precision.autocast_dtype]
         )
+    host = 0.0
+    if rank.optimizer_offload and rank.device_kind == "cpu":
+        workspace += 2.0 * grad_bytes  # the host copies, in the same memory
+    elif rank.optimizer_offload:
+        workspace -= step_temporaries  # the state and the step move to the host
+        state_bytes = 0.0
+        host = offload_host_bytes(grad_bytes, state_factor)
     return RankMemory(
         parameter_bytes=float(param_bytes + frozen),
         gradient_bytes=float(grad_bytes),
         optimizer_state_bytes=float(state_bytes),
         activation_bytes=float(activations),
         workspace_bytes=float(workspace),
+        host_bytes=float(host),
     )
 
 
@@ -314,6 +380,29 @@ def memory_problems(plan: Plan) -> list[str]:
                 f"{rank.num_microbatches} ({strategy_text(rank)}), its device has "
                 f"{_gb(capacity)} usable"
             )
+    return problems + host_memory_problems(plan, found)
+
+
+HOST_PROBLEM = "the optimizer offload of ranks"
+"""How a line of :func:`host_memory_problems` starts."""
+
+
+def host_memory_problems(plan: Plan, found: tuple[RankMemory, ...]) -> list[str]:
+    """One line per node whose offloading ranks' host memory (``RankMemory.host_bytes``)
+    exceeds :func:`host_capacity_bytes`."""
+    need: dict[str, float] = {}
+    for rank, part in zip(plan.ranks, found, strict=True):
+        if part.host_bytes > 0:
+            need[rank.node] = need.get(rank.node, 0.0) + part.host_bytes
+    problems = []
+    for node, num_bytes in need.items():
+        capacity = host_capacity_bytes(plan, node)
+        if num_bytes > capacity:
+            ranks = [r.rank for r in plan.ranks if r.node == node and r.optimizer_offload]
+            problems.append(
+                f"{HOST_PROBLEM} {ranks} needs {_gb(num_bytes)} of node "
+                f"{node}'s host memory, it has {_gb(capacity)} usable"
+            )
     return problems
 
 
@@ -340,11 +429,15 @@ def check_fits(plan: Plan, where: str = "the plan") -> Plan:
     problems = memory_problems(plan)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise PlanFileError(
-            f"{where} does not fit in memory: {problems[0]}{more}; lower the micro-batch size, "
-            "recompute more units on that rank (memory_strategy selective with more "
-            "recompute_units, or recompute), or re-run `hplan solve`"
+        fix = (
+            "set optimizer_offload false on some of those ranks, or re-run `hplan solve` "
+            "(with the node's host_memory_gb in cluster.yaml, if it has more)"
+            if problems[0].startswith(HOST_PROBLEM)
+            else "lower the micro-batch size, recompute more units on that rank (memory_strategy "
+            "selective with more recompute_units, or recompute), set optimizer_offload on it, "
+            "or re-run `hplan solve`"
         )
+        raise PlanFileError(f"{where} does not fit in memory: {problems[0]}{more}; {fix}")
     return plan
 
 

@@ -44,6 +44,9 @@ _MEASURES = {
 }
 """How each measure reads in a message."""
 
+CPU_KIND = "cpu"
+"""The device kind of a host CPU (the catalog's key)."""
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryBreakdown:
@@ -144,15 +147,24 @@ def memory_use(plan: Plan, records: Iterable[StepMetrics]) -> tuple[RankMemoryUs
 
 
 def budget_problem(plan: Plan, record: StepMetrics) -> str | None:
-    """One line when the training memory of ``record`` exceeds its rank's device budget
-    (:func:`memory_budget_bytes`); None when it fits or was not measured."""
-    measured = record.training_memory_bytes
-    if measured is None or not 0 <= record.rank < plan.world_size:
+    """One line when the memory of ``record`` exceeds its rank's device; None when it fits
+    or was not measured.
+
+    On a GPU the training memory (peak less baseline) is compared with the device's budget
+    (:func:`memory_budget_bytes`). A ``cpu`` device is the host process itself: what a
+    cgroup memory limit holds it to is the whole process, so its resident-set peak is
+    compared with the declared memory (the reserve is the planner's estimate of the part
+    before the stage is built; the measurement has the real one).
+    """
+    if not 0 <= record.rank < plan.world_size:
         return None
     rank = plan.ranks[record.rank]
     device = plan.device(rank.device)
+    if device.kind == CPU_KIND and record.memory_measure is not MemoryMeasure.CUDA_ALLOCATED:
+        return _process_problem(plan, record, device)
+    measured = record.training_memory_bytes
     budget = memory_budget_bytes(device)
-    if measured <= budget:
+    if measured is None or measured <= budget:
         return None
     reserve = device_reserve_bytes(device.kind)
     predicted = _predicted_text(plan, record.rank)
@@ -162,8 +174,31 @@ def budget_problem(plan: Plan, record: StepMetrics) -> str | None:
         f"{measured_text} of training memory by step {record.step} "
         f"({_measured_how(record)}), over its device's budget of {budget_text} "
         f"(its declared {format_bytes(device.memory_bytes)} less the {device.kind} reserve "
-        f"{format_bytes(reserve)}){predicted}: declare the memory {rank.device} really has "
-        "in the cluster file and re-solve, or rehearse without --enforce-memory"
+        f"{format_bytes(reserve)}){predicted}: {_remedy(rank.device)}"
+    )
+
+
+def _process_problem(plan: Plan, record: StepMetrics, device: DeviceSpec) -> str | None:
+    """:func:`budget_problem` for a ``cpu`` device: the process's peak against the
+    declared memory."""
+    if record.baseline_memory_bytes is None or record.peak_memory_bytes <= device.memory_bytes:
+        return None  # metrics without a baseline predate the measurement: unmeasured
+    rank = plan.ranks[record.rank]
+    how = _MEASURES.get(record.memory_measure, "peak") if record.memory_measure else "peak"
+    measured_text, declared_text = format_bytes_pair(record.peak_memory_bytes, device.memory_bytes)
+    return (
+        f"rank {rank.rank} on {rank.device} (cpu) measured a {how} of {measured_text} "
+        f"for its whole process by step {record.step} "
+        f"({format_bytes(record.baseline_memory_bytes)} before its stage was built), over "
+        f"the {declared_text} its device declares{_predicted_text(plan, record.rank)}: "
+        f"{_remedy(rank.device)}"
+    )
+
+
+def _remedy(device: str) -> str:
+    return (
+        f"declare the memory {device} really has in the cluster file and re-solve, or "
+        "rehearse without --enforce-memory"
     )
 
 

@@ -376,6 +376,10 @@ class NodeSpec:
     interface: str | None = None
     """The network interface the ranks of this node talk over (cluster.yaml's
     ``interface``: ``eth1``, ``ib0``); None: the interface that holds ``host`` here."""
+    host_memory_bytes: ByteCount | None = None
+    """The node's host (CPU) memory, what optimizer-state offload may fill
+    (``RankPlan.optimizer_offload``); None: not declared, ``contract.memory`` assumes
+    ``HOST_MEMORY_PER_DEVICE_MEMORY`` x the memory of its devices."""
 
 
 @record
@@ -469,6 +473,12 @@ class RankPlan:
     """Under ``training.zero_stage`` 1: this rank's relative share of the optimizer state of
     every holder set it belongs to (shards proportional to the members' weights; see
     ``holders.optimizer_shards``). Ignored under stage 0."""
+    optimizer_offload: bool = False
+    """This rank keeps its optimizer state and an fp32 master copy of its trainable
+    parameters in host memory (pinned on CUDA) and steps the model file's optimizer there:
+    after the backward and the gradient sync its gradients go to the host, the updated
+    parameters come back (``executor/memory/offload.py``). Not combined with ZeRO stage 1 or
+    local sync."""
 
 
 @record
@@ -530,8 +540,12 @@ class RankReport:
     workspace_memory_bytes: ByteCount = 0
     """Boundary send/receive buffers and autocast's half-precision weight copy."""
     memory_strategy_time_s: NonNegative = 0.0
-    """What the rank's memory strategy adds to a step: recomputed forwards and, under ZeRO,
-    the all-gather of the updated shards."""
+    """What the rank's memory strategy adds to a step: recomputed forwards, under ZeRO
+    the all-gather of the updated shards, under offload the transfers and the host's
+    optimizer step less the device's own optimizer step."""
+    host_memory_bytes: ByteCount = 0
+    """Host memory this rank's optimizer offload holds (0: it does not offload, or it runs
+    on a ``cpu`` device, where the host is its device)."""
     cost_source: str = "roofline"
     """Where this rank's forward/backward times came from: ``roofline``, ``measured``,
     ``measured (interpolated)``, ``roofline x 0.42 (scaled by measured devices)``,
@@ -942,8 +956,23 @@ def _verify_plan(plan: Plan) -> None:
         _verify_sync(plan, plan.training.sync)
     if plan.training.zero_stage is not ZeroStage.NONE:
         _verify_zero(plan)
+    if any(r.optimizer_offload for r in plan.ranks):
+        _verify_offload(plan)
     if plan.memory is not None:
         _verify_memory(plan, plan.memory)
+
+
+def _verify_offload(plan: Plan) -> None:
+    if plan.training.zero_stage is not ZeroStage.NONE:
+        _fail(
+            "optimizer_offload with zero_stage 1 is not supported; use zero_stage 0 or set "
+            "optimizer_offload false on every rank"
+        )
+    if plan.training.sync is not None and plan.training.sync.local:
+        _fail(
+            "optimizer_offload with local_sgd or async groups is not supported; set "
+            "optimizer_offload false on every rank or sync every step (all_reduce)"
+        )
 
 
 def _verify_zero(plan: Plan) -> None:

@@ -80,6 +80,7 @@ from hplan.runtime.contract.errors import (
     error_reason,
 )
 from hplan.runtime.contract.plan import Plan
+from hplan.runtime.executor.memory.offload import OffloadedOptimizer
 from hplan.runtime.executor.outer_sync import OuterSync
 from hplan.runtime.executor.zero import ShardSync
 
@@ -398,6 +399,8 @@ def _set_loaded(
     by_name = dict(state.params)
     for name in never_stepped:  # as in the saved run: no state until the first step
         state.optimizer.state.pop(by_name[name], None)
+    if isinstance(state.optimizer, OffloadedOptimizer):  # its host copies are stale now
+        state.optimizer.parameters_changed()
     if "rng" in request:
         _set_rng_state(state.device, request["rng"][str(state.rank)])
 

@@ -45,6 +45,7 @@ from hplan.runtime.contract.errors import (
 from hplan.runtime.contract.plan import Plan, RankPlan, TraceMethod, ZeroStage, wire_spec
 from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
+from hplan.runtime.executor.memory.offload import offload_optimizer
 from hplan.runtime.executor.pipeline import RankParts, stage_label
 from hplan.runtime.executor.precision import configure_matmul_precision, loss_scaler
 from hplan.runtime.executor.rendezvous import (
@@ -402,7 +403,8 @@ def build_optimizer(
 
     Raises:
         ModelFileError: under ZeRO stage 1, an optimizer that cannot be sharded
-            (``zero.shard_optimizer``).
+            (``zero.shard_optimizer``); under ``optimizer_offload``, one that is not a
+            ``torch.optim.Optimizer`` (``offload.offload_optimizer`` moves it to the host).
     """
     trainable = [p for _, p in params if p.requires_grad]
     if not trainable:
@@ -410,9 +412,26 @@ def build_optimizer(
         empty: torch.optim.Optimizer = model_file.optimizer([placeholder])
         return empty
     optimizer: torch.optim.Optimizer = model_file.optimizer(trainable)
+    if plan.ranks[rank].optimizer_offload:  # never with ZeRO (``Plan.verify``)
+        return offload_optimizer(_checked_torch_optimizer(optimizer), model_file.optimizer, device)
     if plan.training.zero_stage is ZeroStage.NONE:
         return optimizer
     return shard_optimizer(plan, rank, optimizer, params, model_file.optimizer)
+
+
+def _checked_torch_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    """``optimizer`` when it is a ``torch.optim.Optimizer`` (what offload can move).
+
+    Raises:
+        ModelFileError: it is not.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ModelFileError(
+            f"make_optimizer() returned a {type(optimizer).__name__}; optimizer_offload moves "
+            "a torch.optim.Optimizer's state to host memory: return one, or plan without "
+            "offload (hplan solve --offload never)"
+        )
+    return optimizer
 
 
 def warn_if_model_changed(plan: Plan, model_file: ModelFile) -> None:

@@ -161,3 +161,20 @@ def test_one_device_has_no_uniform_pipeline_baseline():
     problem = make_problem([Dev("a", 1.0, 24 * GB)], unit_work=[1.0] * 3, global_batch_size=4)
     assert uniform_pipeline(problem) is None
     assert [b.name.split(",")[0] for b in baseline_reports(problem)] == ["data parallel"]
+
+
+def test_a_bound_lp_the_solver_cannot_scale_falls_back_to_the_time_budget_bound():
+    """A unit 1e24 times slower than the others (a capture file with an absurd figure):
+    HiGHS fails on the LP, and the bound is the looser all-devices-time bound, which still
+    holds for the solved plan, instead of an internal error."""
+    problem = make_problem(
+        [Dev("a", 1.0, 24 * GB), Dev("b", 2.0, 24 * GB)],
+        unit_work=[1.0, 1.0, 1.0],
+        global_batch_size=8,
+        micro_batch_sizes=(1, 2, 4),
+    )
+    problem = _skewed(problem, np.array([[1e24, 1.0, 1.0], [1e24, 1.0, 1.0]]))
+    bound = throughput_bound_samples_per_s(problem)
+    times = unit_time_per_sample_s(problem)
+    assert bound == pytest.approx(2 / times.min(axis=0).sum(), rel=1e-6)
+    assert solve(problem, FAST).evaluation.samples_per_s <= bound

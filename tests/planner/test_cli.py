@@ -421,6 +421,7 @@ raise RuntimeError("model file imported")
         (["--master-port", "70000"], ["--master-port 70000"]),
         (["--profile", "no-such-profile"], ["profile (--profile)", "no-such-profile"]),
         (["--bandwidth", "no-such.json"], ["bandwidth file (--bandwidth)"]),
+        (["--offload", "always", "--zero", "always"], ["--offload always and --zero always"]),
     ],
 )
 def test_options_are_refused_before_the_model_file_is_imported(extra, needles, tmp_path, capsys):
@@ -515,6 +516,14 @@ def test_a_model_file_imports_the_modules_beside_it(tmp_path, capsys):
             ["'fp8' is not one of", "hplan solve --help"],
         ),
         (["solve", "--no-such-option"], ["No such option '--no-such-option'"]),
+        (
+            ["solve", "m.py", "-c", "c.yaml", "--offload", "sometimes"],
+            ["'sometimes' is not one of", "hplan solve --help"],
+        ),
+        (
+            ["replan", "p.json", "-c", "c.yaml", "--without", "x", "--offload", "x"],
+            ["'x' is not one of", "hplan replan --help"],
+        ),
         (["no-such-command"], ["No such command", "hplan --help"]),
     ],
 )

@@ -99,6 +99,7 @@ def test_profile_json_schema_describes_every_top_level_field():
         "unit_timings",
         "device_factors",
         "notes",
+        "node_collectives",
     }
 
 

@@ -14,6 +14,7 @@ from hplan.runtime.contract.plan import Plan
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "examples" / "mlp" / "model.py"
 MIXED = ROOT / "examples" / "clusters" / "mixed-3090-4090.yaml"
+HOME_LAB = ROOT / "examples" / "clusters" / "home-lab.yaml"
 
 THREE_CPU_NODES = """\
 name: three-cpu-nodes
@@ -131,3 +132,22 @@ def test_a_job_resumes_under_the_replan_for_the_nodes_left(
     assert code == 0, err
     assert read_rank_metrics(tmp_path / "m2" / "rank-0.jsonl")[0].step == 2
     assert (ckpt / "latest").read_text().strip() == "step-3"
+
+
+def test_replan_keeps_the_plans_local_sync_mode_unless_told_otherwise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An async plan over home-lab's 1 GbE re-planned without a card stays async (with no
+    --sync on the command line, whose default would be auto)."""
+    old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+    argv = ["solve", str(MLP), "-c", str(HOME_LAB), "-o", str(old_dir), "-b", "256",
+            "--sync", "async"]  # fmt: skip
+    code, _, err = _hplan(argv, capsys)
+    assert code == 0, err
+    argv = ["replan", str(old_dir / "plan.json"), "-c", str(HOME_LAB), "--without", "box-b/1",
+            "-o", str(new_dir)]  # fmt: skip
+    code, _, err = _hplan(argv, capsys)
+    assert code == 0, err
+    sync = Plan.load(new_dir / "plan.json").training.sync
+    assert sync is not None and sync.groups
+    assert {g.mode.value for g in sync.groups} == {"async"}

@@ -1,5 +1,5 @@
-"""The memory formula of ``contract.memory`` and the ZeRO shards of ``holders``: plan-only,
-no torch."""
+"""The memory formula of ``contract.memory``, the ZeRO shards of ``holders`` and optimizer
+offload's host memory: plan-only, no torch."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ import pytest
 
 from hplan.runtime.contract.holders import optimizer_shards, parameter_holders
 from hplan.runtime.contract.memory import (
+    CPU_RESERVE_BYTES,
+    OPTIMIZER_STEP_WORKSPACE,
     check_fits,
+    host_capacity_bytes,
     in_flight_microbatches,
     memory_problems,
+    offload_device_saving_bytes,
+    offload_host_bytes,
     parameter_numels,
     plan_memory,
     stage_activation_bytes,
@@ -27,7 +32,7 @@ from hplan.runtime.contract.plan import (
     UnitMemorySpec,
     ZeroStage,
 )
-from tests.fixtures.sample_plans import datacentre_plan, mixed_plan
+from tests.fixtures.sample_plans import cpu_plan, datacentre_plan, mixed_plan
 
 NUMEL = 1000
 
@@ -223,3 +228,56 @@ def test_recompute_units_that_do_not_say_a_selective_choice_are_refused_in_one_l
     )
     with pytest.raises(PlanFileError, match=message):
         Plan.from_json(replace(plan, ranks=ranks).to_json())
+
+
+def test_offload_moves_the_state_and_step_to_the_host_and_the_host_is_checked() -> None:
+    plan = _with_memory(datacentre_plan())
+    offloading = replace(plan, ranks=tuple(replace(r, optimizer_offload=True) for r in plan.ranks))
+    offloading.verify()
+    before, after = plan_memory(plan), plan_memory(offloading)
+    assert before is not None and after is not None
+    units = {u.name: u for u in plan.units}
+    for rank, a, b in zip(plan.ranks, before, after, strict=True):
+        trainable = NUMEL * 4 * len(dict.fromkeys(p for u in rank.units for p in units[u].params))
+        moved = offload_device_saving_bytes(trainable, 2.0)
+        assert moved == pytest.approx(trainable * (2.0 + OPTIMIZER_STEP_WORKSPACE))
+        assert b.optimizer_state_bytes == 0.0 and a.host_bytes == 0.0
+        assert b.total_bytes == pytest.approx(a.total_bytes - moved)
+        assert b.host_bytes == pytest.approx(offload_host_bytes(trainable, 2.0))
+    assert memory_problems(offloading) == []
+    node = offloading.cluster.nodes[0]
+    num_ranks = sum(1 for r in offloading.ranks if r.node == node.name)
+    reserve = round(num_ranks * CPU_RESERVE_BYTES)  # nothing left for the offload
+    tight = replace(
+        offloading,
+        cluster=replace(
+            offloading.cluster,
+            nodes=(replace(node, host_memory_bytes=reserve), *offloading.cluster.nodes[1:]),
+        ),
+    )
+    problems = memory_problems(tight)
+    assert len(problems) == 1 and f"node {node.name}'s host memory" in problems[0]
+    with pytest.raises(PlanFileError, match=r"host memory.*host_memory_gb"):
+        check_fits(tight)
+    assert host_capacity_bytes(tight, node.name) < host_capacity_bytes(offloading, node.name)
+
+
+def test_offload_on_a_cpu_rank_keeps_everything_in_its_memory() -> None:
+    plan = _with_memory(cpu_plan())
+    offloading = replace(plan, ranks=tuple(replace(r, optimizer_offload=True) for r in plan.ranks))
+    before, after = plan_memory(plan), plan_memory(offloading)
+    assert before is not None and after is not None
+    for a, b in zip(before, after, strict=True):
+        assert b.host_bytes == 0.0 and b.optimizer_state_bytes == a.optimizer_state_bytes
+        assert b.total_bytes == pytest.approx(a.total_bytes + 2 * a.gradient_bytes)  # the copies
+
+
+def test_offload_with_zero_or_local_sync_is_refused() -> None:
+    plan = _with_memory(datacentre_plan())
+    bad = replace(
+        plan,
+        ranks=tuple(replace(r, optimizer_offload=r.rank == 0) for r in plan.ranks),
+        training=replace(plan.training, zero_stage=ZeroStage.OPTIMIZER_STATE),
+    )
+    with pytest.raises(PlanFileError, match="optimizer_offload with zero_stage 1"):
+        bad.verify()

@@ -18,7 +18,7 @@ from hplan.runtime.contract.memory_use import (
     oom_kill_counts,
 )
 from hplan.runtime.contract.metrics_file import MemoryMeasure, StepMetrics
-from tests.fixtures.sample_plans import mixed_plan
+from tests.fixtures.sample_plans import cpu_plan, mixed_plan
 
 GB = 10**9
 
@@ -92,6 +92,25 @@ def test_a_step_over_the_device_budget_is_one_line_naming_rank_device_bytes_and_
         "was built), over its device's budget of 11.811 GB (its declared 12.9 GB less the "
         "rtx3060 reserve 1.1 GB); the plan predicted 10.6 GB: declare the memory box-b/2 "
     )
+
+
+def test_a_cpu_rank_is_held_to_its_declared_memory_by_its_whole_process() -> None:
+    """A ``cpu`` device is the rank's process: its resident-set peak is compared with the
+    declared memory (what a cgroup limit enforces), not the training memory with the
+    declared memory less the planner's 360 MB reserve (which refused ranks that fitted)."""
+    plan = cpu_plan()
+    rank = plan.ranks[-1]
+    device = plan.device(rank.device)
+    declared = int(device.memory_bytes)
+    baseline = 330 * 10**6
+    fits = _record(rank.rank, 3, declared - 10**6, baseline)
+    assert fits.training_memory_bytes > memory_budget_bytes(device)  # the old check refused it
+    assert budget_problem(plan, fits) is None
+    line = budget_problem(plan, _record(rank.rank, 3, declared + 10**6, baseline))
+    assert line is not None and "\n" not in line
+    assert line.startswith(f"rank {rank.rank} on {rank.device} (cpu) measured a resident-set ")
+    assert "for its whole process by step 3 (330.0 MB before its stage was built)" in line
+    assert line.endswith("re-solve, or rehearse without --enforce-memory")
 
 
 def _cgroup_root(tmp_path: Path, cgroup: str, files: dict[str, str]) -> Path:

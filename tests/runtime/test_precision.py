@@ -120,14 +120,20 @@ OVERFLOW_MODEL = """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [False, True], ids=["zero0", "zero1"])
-def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, zero):
+@pytest.mark.parametrize("strategy", ["zero0", "zero1", "offload"])
+def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, strategy):
     path = write_model(tmp_path, OVERFLOW_MODEL)
     # Replica 0: ranks 0 (first layers) and 1 (head); replica 1: rank 2 (everything).
     shape = [ReplicaShape((2, -1), 2, 4), ReplicaShape((-1,), 2, 4)]
     plan = with_precision(make_plan(path, shape), Precision.FP16)
-    if zero:  # the scaler unscales and steps a sharded optimizer; the skip sends nothing
+    if (
+        strategy == "zero1"
+    ):  # the scaler unscales and steps a sharded optimizer; the skip sends nothing
         plan = with_zero(plan, (1.0, 2.0, 1.0))
+    if strategy == "offload":  # rank 0 unscales on its device, steps (or not) on the host
+        plan = replace(
+            plan, ranks=(replace(plan.ranks[0], optimizer_offload=True), *plan.ranks[1:])
+        )
     assert plan.loss_scaling
     verify = tmp_path / "verify"
     outcomes = run_ranks(
