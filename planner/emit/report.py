@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from hplan.planner.cost.evaluate import (
+    candidate_index,
     evaluate,
-    mbs_index,
-    stage_compute_time_s,
     standalone_samples_per_s,
 )
 from hplan.planner.cost.layout import Layout
+from hplan.planner.cost.microbatch import units_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.zero import allgather_time_s
 from hplan.planner.emit.plan_build import rank_of_device
@@ -76,7 +76,8 @@ def _rank_reports(
         for stage, cost in zip(replica.stages, replica_costs, strict=True):
             device = stage.device_idx
             units = slice(stage.unit_start, stage.unit_stop)
-            k = mbs_index(problem, replica.micro_batch_size)
+            recomputed_s = cost.full.forward_s * (replica.num_microbatches - 1)
+            recomputed_s += cost.last.forward_s
             reports.append(
                 RankReport(
                     rank=ranks[device],
@@ -85,17 +86,12 @@ def _rank_reports(
                     memory_bytes=round(cost.memory_bytes),
                     memory_capacity_bytes=round(float(problem.memory_capacity_bytes[device])),
                     relative_speed=speed[device] / fastest if fastest > 0 else 1.0,
-                    forward_time_s=float(problem.fwd_time_s[device, units, k].sum()),
-                    backward_time_s=float(
-                        problem.bwd_time_s[device, units, k].sum()
-                        + problem.fwd_time_s[device, units, k].sum() * stage.recompute
-                    ),
+                    forward_time_s=cost.full.forward_s,
+                    backward_time_s=cost.full.backward_s,
+                    last_forward_time_s=cost.last.forward_s if cost.last != cost.full else 0.0,
+                    last_backward_time_s=cost.last.backward_s if cost.last != cost.full else 0.0,
                     optimizer_time_s=float(problem.optimizer_time_s[device, units].sum()),
-                    memory_strategy_time_s=float(
-                        problem.fwd_time_s[device, units, k].sum() * replica.num_microbatches
-                    )
-                    * stage.recompute
-                    + gather_s,
+                    memory_strategy_time_s=recomputed_s * stage.recompute + gather_s,
                 )
             )
     return tuple(sorted(reports, key=lambda r: r.rank))
@@ -139,9 +135,7 @@ def build_report(
     bottleneck_device = layout.replicas[replica].stages[stage].device_idx
     fastest = max(layout.device_indices, key=lambda d: (standalone_samples_per_s(problem, d), -d))
     reference_mbs = max(r.micro_batch_size for r in layout.replicas)
-    reference_s = stage_compute_time_s(
-        problem, fastest, 0, problem.num_units, mbs_index(problem, reference_mbs)
-    )
+    reference_s = float(sum(units_time_s(problem, fastest, 0, problem.num_units, reference_mbs)))
     return Report(
         predicted_step_time_s=ev.step_time_s,
         predicted_samples_per_s=ev.samples_per_s,
@@ -219,7 +213,7 @@ def with_cost_sources(
     ranks = rank_of_device(layout)
     by_rank: dict[int, list[str]] = {}
     for replica in layout.replicas:
-        k = mbs_index(problem, replica.micro_batch_size)
+        k = candidate_index(problem, replica.micro_batch_size)
         for stage in replica.stages:
             device = stage.device_idx
             units = range(stage.unit_start, stage.unit_stop)

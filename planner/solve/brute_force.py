@@ -2,19 +2,19 @@
 
 Enumerates every layout: every set of disjoint, ordered device sequences (the replicas),
 every contiguous unit split of each, whether each stage recomputes (as the problem's
-``RecomputePolicy`` allows), every micro-batch size candidate, and every split of the
-global batch into positive shares; costs each with the exact evaluator. Exponential:
+``RecomputePolicy`` allows), every micro-batch size candidate (cut to the share where it is
+larger: ``layout.replica_layout``), and every split of the global batch into positive
+shares; costs each with the exact evaluator. Exponential:
 use only with a handful of devices, units and samples.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 
 from hplan.planner.cost.evaluate import evaluate
-from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.solve.validate import layout_problems
 
@@ -85,8 +85,7 @@ def _best_for(
         for stages in itertools.product(*stage_options):
             for sizes in itertools.product(*mbs_options):
                 replicas = tuple(
-                    ReplicaLayout(st, b, math.ceil(n / b), n)
-                    for st, b, n in zip(stages, sizes, shares, strict=True)
+                    replica_layout(st, b, n) for st, b, n in zip(stages, sizes, shares, strict=True)
                 )
                 layout = Layout(replicas)
                 if layout_problems(problem, layout):

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hplan.planner.cost.evaluate import in_flight_microbatches, link_time_s, pipeline_period_s
+from hplan.planner.cost.evaluate import in_flight_microbatches, link_time_s
+from hplan.planner.cost.microbatch import pipeline_period_s
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.solve.device_classes import DeviceClass, pair_devices
 

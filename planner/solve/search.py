@@ -8,9 +8,11 @@ allows):
    optimally by ``partition`` (period P_t, fill F_t, optimizer time O_t).
 2. A copy of shape t running m micro-batches takes ``(m - 1) P_t + F_t + O_t + A_t``,
    where A_t is the gradient all-reduce time estimated for a sync *scenario*
-   (``scenarios``). For a target step time T a copy can therefore process
-   ``cap_t(T) = mbs_t * (floor((T - F_t - O_t - A_t) / P_t) + 1)`` samples.
-3. T is found by bisection over the finite set of possible copy times: T is feasible iff
+   (``scenarios``), less what a last micro-batch smaller than the others saves
+   (``cost.microbatch``: n samples cost ``PipeTimes.time_s(n)``). For a target step time T
+   a copy can therefore process ``cap_t(T) = PipeTimes.samples_by(T)`` samples.
+3. T is found by bisection over the finite set of possible copy times (every
+   ``time_s(n)``, n up to the global batch): T is feasible iff
    integer copy counts n_t exist with ``sum_t cap_t(T) n_t >= global batch``, no class
    over-used and at most the scenario's replica count — a small covering MILP
    (``milp.solve_cover``). Products of decisions (batch share x stage time) never appear,
@@ -31,7 +33,6 @@ plans prove nothing: ``solver`` reports them as feasible, gap unknown).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,10 +41,16 @@ import numpy as np
 
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.islands import Partition, candidate_partitions
-from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
+from hplan.planner.cost.microbatch import PipeTimes, pipe_times
 from hplan.planner.cost.problem import PlanningProblem, restrict
 from hplan.planner.cost.shares import share_samples
-from hplan.planner.solve.device_classes import DeviceClass, device_classes, node_groups
+from hplan.planner.solve.device_classes import (
+    DeviceClass,
+    device_classes,
+    node_groups,
+    pair_devices,
+)
 from hplan.planner.solve.local_plan import local_plans
 from hplan.planner.solve.milp import (
     CoverStatus,
@@ -123,24 +130,16 @@ class _Bisection:
 
     problem: PlanningProblem
     shapes: list[PipelineShape]
-    base_s: np.ndarray
-    period_s: np.ndarray
-    mbs: np.ndarray
+    pipes: list[PipeTimes]
+    """Each shape's step time for any share, on its class's first devices."""
     usage: np.ndarray
     available: np.ndarray
     max_copies: int
     backend: MilpBackend
 
     def capacity(self, target_s: float) -> np.ndarray:
-        slack = target_s - self.base_s
-        with np.errstate(divide="ignore", invalid="ignore"):
-            steps = np.where(
-                self.period_s > 0,
-                np.floor(slack / np.maximum(self.period_s, 1e-300) + 1e-9),
-                np.inf,
-            )
-        cap = np.where(slack >= -1e-12, self.mbs * (steps + 1), 0.0)
-        return np.minimum(cap, float(self.problem.global_batch_size))
+        b = self.problem.global_batch_size
+        return np.array([p.samples_by(target_s, b) for p in self.pipes], dtype=float)
 
     def check(self, target_s: float, deadline: float, minimize: bool = False):  # type: ignore[no-untyped-def]
         cap = self.capacity(target_s)
@@ -174,10 +173,9 @@ MAX_CANDIDATE_TIMES = 2_000_000
 def _candidate_times(bis: _Bisection) -> np.ndarray | None:
     """Every possible copy time, sorted; None when there are too many to list."""
     b = bis.problem.global_batch_size
-    counts = np.ceil(b / bis.mbs).astype(np.int64)
-    if int(counts.sum()) > MAX_CANDIDATE_TIMES:
+    if b * len(bis.pipes) > MAX_CANDIDATE_TIMES:
         return None
-    values = [bis.base_s[i] + np.arange(counts[i]) * bis.period_s[i] for i in range(len(counts))]
+    values = [p.times_s(b) for p in bis.pipes]
     return np.unique(np.concatenate(values)) if values else np.empty(0)
 
 
@@ -221,8 +219,8 @@ def _bisect_real(
 ) -> tuple[float, tuple[int, ...], float, bool] | None:
     """Bisection on the real line (huge batches): stops at a relative width of 1e-6."""
     b = bis.problem.global_batch_size
-    hi = float(np.max(bis.base_s + (np.ceil(b / bis.mbs) - 1) * bis.period_s))
-    lo = float(np.min(bis.base_s))
+    hi = max(p.time_s(b) for p in bis.pipes)
+    lo = min(p.time_s(1) for p in bis.pipes)
     status, counts, _ = bis.check(hi, deadline)
     if status is not CoverStatus.FEASIBLE or counts is None:
         return None
@@ -254,14 +252,35 @@ def _fewest_copies(
 class _Copy:
     shape: PipelineShape
     devices: tuple[int, ...]
-    base_s: float
+    pipe: PipeTimes
+    """Its step time for any share (``cost.microbatch``), the scenario's estimates added."""
+
+    @property
+    def stages(self) -> tuple[StageLayout, ...]:
+        return shape_stages(self.shape, self.devices)
+
+
+def shape_stages(shape: PipelineShape, devices: Sequence[int]) -> tuple[StageLayout, ...]:
+    """The stages of ``shape`` on ``devices`` (one per stage, in order)."""
+    return tuple(
+        StageLayout(devices[s], shape.bounds[s], shape.bounds[s + 1], shape.recompute[s])
+        for s in range(shape.num_stages)
+    )
+
+
+def shape_pipe(
+    problem: PlanningProblem, shape: PipelineShape, devices: Sequence[int], extra_s: float
+) -> PipeTimes:
+    """``cost.microbatch.pipe_times`` of ``shape`` on ``devices``, ``extra_s`` added."""
+    return pipe_times(problem, shape_stages(shape, devices), shape.micro_batch_size, extra_s)
 
 
 def _copies(
+    problem: PlanningProblem,
     classes: Sequence[DeviceClass],
     shapes: Sequence[PipelineShape],
     counts: Sequence[int],
-    base: np.ndarray,
+    extra: np.ndarray,
 ) -> list[_Copy]:
     used = {c: 0 for c in range(len(classes))}
     out = []
@@ -275,35 +294,26 @@ def _copies(
                 local[c] = local.get(c, 0) + 1
             for c, n in local.items():
                 used[c] += n
-            out.append(_Copy(t, tuple(devices), float(base[t_idx])))
+            pipe = shape_pipe(problem, t, devices, float(extra[t_idx]))
+            out.append(_Copy(t, tuple(devices), pipe))
     return out
 
 
 def share_batch(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
     """Samples per copy minimising the slowest copy's time (:func:`share_samples`)."""
-    return share_samples(
-        [c.shape.micro_batch_size for c in copies],
-        [c.base_s for c in copies],
-        [c.shape.period_s for c in copies],
-        global_batch_size,
-    )
+    return share_samples([c.pipe for c in copies], global_batch_size)
 
 
 def layout_from_copies(copies: Sequence[_Copy], samples: Sequence[int]) -> Layout:
-    """Replicas for every copy that received samples."""
-    replicas = []
-    for copy, n in zip(copies, samples, strict=True):
-        if n <= 0:
-            continue
-        t = copy.shape
-        stages = tuple(
-            StageLayout(copy.devices[s], t.bounds[s], t.bounds[s + 1], t.recompute[s])
-            for s in range(t.num_stages)
+    """Replicas for every copy that received samples (a micro-batch never larger than the
+    share: ``layout.replica_layout``)."""
+    return Layout(
+        tuple(
+            replica_layout(copy.stages, copy.shape.micro_batch_size, n)
+            for copy, n in zip(copies, samples, strict=True)
+            if n > 0
         )
-        replicas.append(
-            ReplicaLayout(stages, t.micro_batch_size, math.ceil(n / t.micro_batch_size), n)
-        )
-    return Layout(tuple(replicas))
+    )
 
 
 def _prune_copies(problem: PlanningProblem, copies: list[_Copy], deadline: float) -> Layout:
@@ -341,11 +351,8 @@ def _solve_scenario(
     chosen = [t for t in shapes if set(t.classes) <= scenario.classes]
     if not chosen:
         return None
-    base = np.array(
-        [
-            t.fill_s + t.optimizer_s + allreduce_estimate_s(problem, classes, scenario, t)
-            for t in chosen
-        ]
+    extra = np.array(
+        [t.optimizer_s + allreduce_estimate_s(problem, classes, scenario, t) for t in chosen]
     )
     usage = np.zeros((len(classes), len(chosen)), dtype=np.int64)
     for j, t in enumerate(chosen):
@@ -354,9 +361,10 @@ def _solve_scenario(
     bis = _Bisection(
         problem=problem,
         shapes=list(chosen),
-        base_s=base,
-        period_s=np.array([t.period_s for t in chosen]),
-        mbs=np.array([t.micro_batch_size for t in chosen], dtype=float),
+        pipes=[
+            shape_pipe(problem, t, pair_devices(classes, t.classes), float(e))
+            for t, e in zip(chosen, extra, strict=True)
+        ],
         usage=usage,
         available=np.array([c.size for c in classes], dtype=np.int64),
         max_copies=scenario.max_copies,
@@ -366,7 +374,7 @@ def _solve_scenario(
     if found is None:
         return None
     model_time, counts, lower, proven = found
-    copies = _copies(classes, chosen, counts, base)
+    copies = _copies(problem, classes, chosen, counts, extra)
     layout = _prune_copies(problem, copies, deadline)
     return Candidate(layout, scenario.name, model_time, lower, proven)
 
