@@ -36,7 +36,7 @@ compute still fits in T, so ``solve.bound`` stays a bound.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -273,6 +273,12 @@ class PipeTimes:
         if full == 0:
             return self.extra_s + float(self.alone_s[r])
         return self.extra_s + full * self.period_s + float(self.tail_s[r])
+
+    def charged_whole(self) -> PipeTimes:
+        """These times with a smaller last micro-batch charged as a full one (shares in
+        whole micro-batches, whose last backward hides the most all-reduce)."""
+        full = np.full_like(self.tail_s, self.tail_s[-1])
+        return replace(self, alone_s=full, tail_s=full)
 
     def times_s(self, limit: int) -> FloatArray:
         """:meth:`time_s` of 1, 2, ..., ``limit`` samples, shape (limit,)."""

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from hplan.planner.cost.microbatch import PipeTimes
 
-__all__ = ["share_samples"]
+__all__ = ["share_options", "share_samples"]
 
 _BISECTION_STEPS = 64
 
@@ -43,3 +43,15 @@ def share_samples(pipes: Sequence[PipeTimes], total: int) -> list[int]:
         left -= 1
         heapq.heappush(heap, (pipes[i].time_s(samples[i] + 1), i))
     return samples
+
+
+def share_options(pipes: Sequence[PipeTimes], total: int) -> list[list[int]]:
+    """The shares worth costing: :func:`share_samples` (pipelines ending together), and the
+    same water-filling in whole micro-batches (``PipeTimes.charged_whole``), whose last
+    micro-batch is a full one: its backward hides more of the gradient all-reduce
+    (``evaluate.allreduce_time_s``), which a share ending in a small micro-batch leaves
+    exposed. The caller keeps the one the evaluator rates faster (distinct, in this order).
+    """
+    by_sample = share_samples(pipes, total)
+    whole = share_samples([p.charged_whole() for p in pipes], total)
+    return [by_sample] if whole == by_sample else [by_sample, whole]

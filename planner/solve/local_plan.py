@@ -12,7 +12,7 @@ For a partition into islands (``islands.candidate_partitions``):
 3. Every round's islands are combined into one layout (their replicas, in island order,
    and ``IslandSync``), and the whole batch is shared again over every replica of every
    island (:func:`reshared`: each replica at the micro-batch size that does the most by a
-   common step time, then water-filled by sample, ``shares.share_samples``), so that
+   common step time, then water-filled, ``shares.share_options``), so that
    the slowest replica of any island ends first; ``sync_choice.choose_local_steps`` picks
    H and the wire dtype.
 4. The next round solves the islands again for the shares the combined layout ended with
@@ -42,7 +42,7 @@ from hplan.planner.cost.islands import Partition, island_names
 from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, replica_layout
 from hplan.planner.cost.microbatch import PipeTimes, pipe_times
 from hplan.planner.cost.problem import PlanningProblem, restrict
-from hplan.planner.cost.shares import share_samples
+from hplan.planner.cost.shares import share_options
 from hplan.planner.solve.sync_choice import choose_local_steps
 from hplan.planner.solve.validate import layout_problems
 from hplan.runtime.contract.plan import SyncMode
@@ -328,8 +328,9 @@ def reshared(problem: PlanningProblem, layout: Layout, extra_s: Sequence[float])
     device) takes ``extra_s[r]`` plus its pipeline time for its share, a last micro-batch
     smaller than b charged by its size (``cost.microbatch.PipeTimes``). The smallest time T
     by which the replicas, each at its best size for T, process the batch is found by
-    bisection (capacities only grow with T); then ``shares.share_samples`` water-fills the
-    batch over them at those sizes. None when no size fits some replica.
+    bisection (capacities only grow with T); then ``shares.share_options`` water-fills the
+    batch over them at those sizes (by sample, or in whole micro-batches where the
+    evaluator rates that faster). None when no size fits some replica.
     """
     options = [_options(problem, r, e) for r, e in zip(layout.replicas, extra_s, strict=True)]
     if not all(options):
@@ -348,13 +349,18 @@ def reshared(problem: PlanningProblem, layout: Layout, extra_s: Sequence[float])
         else:
             hi = mid
     chosen = best_at(hi)
-    shares = share_samples(chosen, total)
-    replicas = tuple(
-        replica_layout(r.stages, o.micro_batch_size, n)
-        for r, o, n in zip(layout.replicas, chosen, shares, strict=True)
-        if n > 0
-    )
-    return replace(layout, replicas=replicas)
+    options = [
+        replace(
+            layout,
+            replicas=tuple(
+                replica_layout(r.stages, o.micro_batch_size, n)
+                for r, o, n in zip(layout.replicas, chosen, shares, strict=True)
+                if n > 0
+            ),
+        )
+        for shares in share_options(chosen, total)
+    ]
+    return min(options, key=lambda option: evaluate(problem, option).step_time_s)
 
 
 def _options(problem: PlanningProblem, replica: ReplicaLayout, extra_s: float) -> list[PipeTimes]:

@@ -44,7 +44,7 @@ from hplan.planner.cost.islands import Partition, candidate_partitions
 from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
 from hplan.planner.cost.microbatch import PipeTimes, pipe_times
 from hplan.planner.cost.problem import PlanningProblem, restrict
-from hplan.planner.cost.shares import share_samples
+from hplan.planner.cost.shares import share_options
 from hplan.planner.solve.device_classes import (
     DeviceClass,
     device_classes,
@@ -171,12 +171,57 @@ MAX_CANDIDATE_TIMES = 2_000_000
 
 
 def _candidate_times(bis: _Bisection) -> np.ndarray | None:
-    """Every possible copy time, sorted; None when there are too many to list."""
+    """Every possible copy time of whole micro-batches (and of the whole batch), sorted;
+    None when there are too many to list."""
     b = bis.problem.global_batch_size
-    if b * len(bis.pipes) > MAX_CANDIDATE_TIMES:
+    counts = [-(-b // p.micro_batch_size) for p in bis.pipes]
+    if sum(counts) > MAX_CANDIDATE_TIMES:
         return None
-    values = [p.times_s(b) for p in bis.pipes]
+    values = []
+    for p, count in zip(bis.pipes, counts, strict=True):
+        samples = np.minimum(np.arange(1, count + 1) * p.micro_batch_size, b)
+        values.append(p.times_s(b)[samples - 1])
     return np.unique(np.concatenate(values)) if values else np.empty(0)
+
+
+def _times_between(bis: _Bisection, low_s: float, high_s: float) -> np.ndarray:
+    """Every possible copy time in ``(low_s, high_s]``, sorted (shares of any size)."""
+    b = bis.problem.global_batch_size
+    values = [t[(t > low_s) & (t <= high_s)] for t in (p.times_s(b) for p in bis.pipes)]
+    return np.unique(np.concatenate(values))
+
+
+@dataclass(frozen=True)
+class _Sorted:
+    """What a bisection over a sorted list of times found."""
+
+    index: int
+    """Of the smallest time found feasible."""
+    counts: tuple[int, ...]
+    infeasible: int
+    """Index of the largest time proven infeasible; -1 if none."""
+    definitive: bool
+    """Every check answered (none timed out or ended unknown)."""
+
+
+def _bisect_sorted(
+    bis: _Bisection, times: np.ndarray, deadline: float, counts: tuple[int, ...]
+) -> _Sorted:
+    """Bisection over ``times`` (sorted; the last one feasible with ``counts``)."""
+    lo, hi = 0, len(times) - 1
+    best_counts, definitive, infeasible = counts, True, -1
+    while lo < hi and time.monotonic() < deadline:
+        mid = (lo + hi) // 2
+        status, found, _ = bis.check(float(times[mid]), deadline)
+        if status is CoverStatus.FEASIBLE and found is not None:
+            hi, best_counts = mid, found
+            continue
+        lo = mid + 1
+        if status is CoverStatus.INFEASIBLE:
+            infeasible = max(infeasible, mid)
+        else:
+            definitive = False
+    return _Sorted(hi, best_counts, infeasible, definitive and lo >= hi)
 
 
 def _bisect(bis: _Bisection, deadline: float) -> tuple[float, tuple[int, ...], float, bool] | None:
@@ -184,34 +229,45 @@ def _bisect(bis: _Bisection, deadline: float) -> tuple[float, tuple[int, ...], f
 
     Feasibility is monotone in the target time (capacities only grow), so bisection over
     the finite set of possible copy times finds the optimum when every check is
-    definitive. Returns (time, copy counts, lower bound, proven) or None when nothing is
-    feasible.
+    definitive: first over the times of whole micro-batches, then over every time (shares
+    with a smaller last micro-batch) between the last infeasible and the first feasible one.
+    Returns (time, copy counts, lower bound, proven) or None when nothing is feasible.
     """
-    candidates = _candidate_times(bis)
-    if candidates is None:
+    coarse = _candidate_times(bis)
+    if coarse is None:
         return _bisect_real(bis, deadline)
-    if candidates.size == 0:
+    if coarse.size == 0:
         return None
-    lo, hi = 0, len(candidates) - 1
-    status, counts, _ = bis.check(float(candidates[hi]), deadline)
+    status, counts, _ = bis.check(float(coarse[-1]), deadline)
     if status is not CoverStatus.FEASIBLE or counts is None:
         return None
-    best_counts, definitive, proven_infeasible = counts, True, -1
-    while lo < hi and time.monotonic() < deadline:
-        mid = (lo + hi) // 2
-        status, counts, _ = bis.check(float(candidates[mid]), deadline)
-        if status is CoverStatus.FEASIBLE and counts is not None:
-            hi, best_counts = mid, counts
-            continue
-        lo = mid + 1
-        if status is CoverStatus.INFEASIBLE:
-            proven_infeasible = max(proven_infeasible, mid)
-        else:
-            definitive = False
-    proven = definitive and lo >= hi
-    best_counts = _fewest_copies(bis, float(candidates[hi]), deadline, best_counts)
-    lower = float(candidates[hi]) if proven else float(candidates[proven_infeasible + 1])
-    return float(candidates[hi]), best_counts, lower, proven
+    first = _bisect_sorted(bis, coarse, deadline, counts)
+    below = float(coarse[first.index - 1]) if first.index > 0 else -np.inf
+    fine = _times_between(bis, below, float(coarse[first.index]))
+    second = _bisect_sorted(bis, fine, deadline, first.counts)
+    found = float(fine[second.index])
+    proven = first.definitive and second.definitive
+    return found, second.counts, _lower_bound(bis, coarse, fine, first, second, proven), proven
+
+
+def _lower_bound(
+    bis: _Bisection,
+    coarse: np.ndarray,
+    fine: np.ndarray,
+    first: _Sorted,
+    second: _Sorted,
+    proven: bool,
+) -> float:
+    """The smallest copy time not proven infeasible by :func:`_bisect`'s two bisections."""
+    if proven:
+        return float(fine[second.index])
+    if second.infeasible >= 0:
+        return float(fine[second.infeasible + 1])
+    if first.infeasible == first.index - 1 >= 0:
+        return float(fine[0])
+    if first.infeasible >= 0:
+        return float(coarse[first.infeasible])
+    return min(p.time_s(1) for p in bis.pipes)
 
 
 def _bisect_real(
@@ -233,7 +289,6 @@ def _bisect_real(
         else:
             lo = mid
             lower = mid if status is CoverStatus.INFEASIBLE else lower
-    best_counts = _fewest_copies(bis, hi, deadline, best_counts)
     return hi, best_counts, lower, False
 
 
@@ -268,11 +323,26 @@ def shape_stages(shape: PipelineShape, devices: Sequence[int]) -> tuple[StageLay
     )
 
 
+_PipeCache = dict[tuple[PipelineShape, tuple[int, ...]], PipeTimes]
+"""Pipe times of (shape, devices) without extra time, shared by a problem's scenarios."""
+
+
 def shape_pipe(
-    problem: PlanningProblem, shape: PipelineShape, devices: Sequence[int], extra_s: float
+    problem: PlanningProblem,
+    shape: PipelineShape,
+    devices: Sequence[int],
+    extra_s: float,
+    cache: _PipeCache | None = None,
 ) -> PipeTimes:
     """``cost.microbatch.pipe_times`` of ``shape`` on ``devices``, ``extra_s`` added."""
-    return pipe_times(problem, shape_stages(shape, devices), shape.micro_batch_size, extra_s)
+    key = (shape, tuple(devices))
+    cached = None if cache is None else cache.get(key)
+    if cached is None:
+        stages = shape_stages(shape, devices)
+        cached = pipe_times(problem, stages, shape.micro_batch_size, 0.0)
+        if cache is not None:
+            cache[key] = cached
+    return replace(cached, extra_s=extra_s)
 
 
 def _copies(
@@ -281,6 +351,7 @@ def _copies(
     shapes: Sequence[PipelineShape],
     counts: Sequence[int],
     extra: np.ndarray,
+    cache: _PipeCache,
 ) -> list[_Copy]:
     used = {c: 0 for c in range(len(classes))}
     out = []
@@ -294,14 +365,18 @@ def _copies(
                 local[c] = local.get(c, 0) + 1
             for c, n in local.items():
                 used[c] += n
-            pipe = shape_pipe(problem, t, devices, float(extra[t_idx]))
+            pipe = shape_pipe(problem, t, devices, float(extra[t_idx]), cache)
             out.append(_Copy(t, tuple(devices), pipe))
     return out
 
 
-def share_batch(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
-    """Samples per copy minimising the slowest copy's time (:func:`share_samples`)."""
-    return share_samples([c.pipe for c in copies], global_batch_size)
+def shared_layout(problem: PlanningProblem, copies: Sequence[_Copy]) -> tuple[float, Layout]:
+    """(step time, layout) of ``copies`` sharing the global batch: of the shares
+    ``shares.share_options`` offers, the one the exact evaluator rates fastest."""
+    options = share_options([c.pipe for c in copies], problem.global_batch_size)
+    layouts = [layout_from_copies(copies, samples) for samples in options]
+    timed = [(evaluate(problem, layout).step_time_s, layout) for layout in layouts]
+    return min(timed, key=lambda item: item[0])
 
 
 def layout_from_copies(copies: Sequence[_Copy], samples: Sequence[int]) -> Layout:
@@ -322,16 +397,13 @@ def _prune_copies(problem: PlanningProblem, copies: list[_Copy], deadline: float
     The scenario's all-reduce estimate cannot see that fewer replicas sync faster; this
     local search on the exact cost model can (steepest descent, one replica at a time).
     """
-    b = problem.global_batch_size
     current = list(copies)
-    layout = layout_from_copies(current, share_batch(current, b))
-    best = evaluate(problem, layout).step_time_s
+    best, layout = shared_layout(problem, current)
     while len(current) > 1 and time.monotonic() < deadline:
         trials = []
         for i in range(len(current)):
-            rest = current[:i] + current[i + 1 :]
-            trial = layout_from_copies(rest, share_batch(rest, b))
-            trials.append((evaluate(problem, trial).step_time_s, i, trial))
+            step_s, trial = shared_layout(problem, current[:i] + current[i + 1 :])
+            trials.append((step_s, i, trial))
         step, i, trial = min(trials, key=lambda x: (x[0], x[1]))
         if step >= best * (1 - 1e-9):
             break
@@ -347,6 +419,7 @@ def _solve_scenario(
     scenario: Scenario,
     backend: MilpBackend,
     deadline: float,
+    cache: _PipeCache,
 ) -> Candidate | None:
     chosen = [t for t in shapes if set(t.classes) <= scenario.classes]
     if not chosen:
@@ -362,7 +435,7 @@ def _solve_scenario(
         problem=problem,
         shapes=list(chosen),
         pipes=[
-            shape_pipe(problem, t, pair_devices(classes, t.classes), float(e))
+            shape_pipe(problem, t, pair_devices(classes, t.classes), float(e), cache)
             for t, e in zip(chosen, extra, strict=True)
         ],
         usage=usage,
@@ -374,8 +447,14 @@ def _solve_scenario(
     if found is None:
         return None
     model_time, counts, lower, proven = found
-    copies = _copies(problem, classes, chosen, counts, extra)
-    layout = _prune_copies(problem, copies, deadline)
+    # The fewest replicas that meet the time, and the copies found: the exact evaluator
+    # (``_prune_copies``) decides, as the scenario's all-reduce estimate cannot.
+    fewest = _fewest_copies(bis, model_time, deadline, counts)
+    layouts = [
+        _prune_copies(problem, _copies(problem, classes, chosen, c, extra, cache), deadline)
+        for c in dict.fromkeys((fewest, counts))
+    ]
+    layout = min(layouts, key=lambda x: evaluate(problem, x).step_time_s)
     return Candidate(layout, scenario.name, model_time, lower, proven)
 
 
@@ -401,11 +480,14 @@ def search_problem(
             return False, False
         raise InfeasiblePlanError(diagnose_infeasible(problem))
     complete = found.complete
+    cache: _PipeCache = {}
     for scenario in make_scenarios(problem, classes):
         if time.monotonic() >= deadline:
             complete = False
             break
-        candidate = _solve_scenario(problem, classes, found.shapes, scenario, backend, deadline)
+        candidate = _solve_scenario(
+            problem, classes, found.shapes, scenario, backend, deadline, cache
+        )
         if candidate is not None:
             report(candidate)
     return found.exhaustive, complete
