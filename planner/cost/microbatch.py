@@ -260,9 +260,11 @@ class PipeTimes:
     """What the samples do not change (optimizer step, exposed all-reduce)."""
     period_s: float
     alone_s: FloatArray
-    """Shape (b,): [r - 1] one micro-batch of r samples through and back, F(r)."""
+    """Shape (b,): [r - 1] one micro-batch of r samples through and back, F(r)
+    (non-decreasing: a running maximum, as a larger share never ends sooner)."""
     tail_s: FloatArray
-    """Shape (b,): [r - 1] ``tail(r)`` after m - 1 >= 1 full micro-batches."""
+    """Shape (b,): [r - 1] ``tail(r)`` after m - 1 >= 1 full micro-batches (non-decreasing,
+    ``tail(b) = F``)."""
 
     def time_s(self, num_samples: int) -> float:
         """Seconds of a step of ``num_samples`` (0 for none)."""
@@ -291,21 +293,19 @@ class PipeTimes:
         """The most samples (at most ``limit``) whose step ends by ``time_s``."""
         budget = (time_s - self.extra_s) * (1 + _TOLERANCE) + _TOLERANCE * 1e-3
         b = self.micro_batch_size
-        fits = np.flatnonzero(self.alone_s <= budget)
-        best = int(fits[-1]) + 1 if fits.size else 0
-        lowest = float(self.tail_s.min())
-        if budget < self.period_s + lowest:
+        best = int(np.searchsorted(self.alone_s, budget, side="right"))
+        lowest = float(self.tail_s[0])
+        if budget < self.period_s + lowest or best < b:
             return min(best, limit)
         if self.period_s <= 0:
             return limit
-        full = int(np.floor((budget - lowest) / self.period_s))
-        full = min(full, -(-limit // b))
+        full = min(int((budget - lowest) / self.period_s), -(-limit // b))
         while full >= 1 and full * self.period_s + lowest > budget:
             full -= 1
-        if full >= 1:
-            r = int(np.flatnonzero(full * self.period_s + self.tail_s <= budget)[-1]) + 1
-            best = max(best, full * b + r)
-        return min(best, limit)
+        if full < 1:
+            return min(best, limit)
+        r = int(np.searchsorted(full * self.period_s + self.tail_s, budget, side="right"))
+        return min(max(best, full * b + r), limit)
 
 
 def pipe_times(
@@ -319,4 +319,5 @@ def pipe_times(
     last = stage_passes(problem, stages, sizes)
     tail = tail_s(full, last)
     tail[-1] = float(fill_s(full))
-    return PipeTimes(b, extra_s, period_s(full), fill_s(last), tail)
+    alone = np.maximum.accumulate(fill_s(last))
+    return PipeTimes(b, extra_s, period_s(full), alone, np.maximum.accumulate(tail))

@@ -11,6 +11,8 @@ from hplan.planner.cost.microbatch import PipeTimes
 __all__ = ["share_options", "share_samples"]
 
 _BISECTION_STEPS = 64
+_RELATIVE_WIDTH = 1e-13
+"""Bisection stops when its bracket is this narrow (relative): the heap does the rest."""
 
 
 def share_samples(pipes: Sequence[PipeTimes], total: int) -> list[int]:
@@ -26,6 +28,8 @@ def share_samples(pipes: Sequence[PipeTimes], total: int) -> list[int]:
         return []
     lo, hi = 0.0, min(p.time_s(total) for p in pipes)
     for _ in range(_BISECTION_STEPS):
+        if hi - lo <= _RELATIVE_WIDTH * hi:
+            break
         mid = (lo + hi) / 2
         if sum(p.samples_by(mid, total) for p in pipes) < total:
             lo = mid

@@ -349,7 +349,7 @@ def reshared(problem: PlanningProblem, layout: Layout, extra_s: Sequence[float])
         else:
             hi = mid
     chosen = best_at(hi)
-    options = [
+    shared = [
         replace(
             layout,
             replicas=tuple(
@@ -360,7 +360,7 @@ def reshared(problem: PlanningProblem, layout: Layout, extra_s: Sequence[float])
         )
         for shares in share_options(chosen, total)
     ]
-    return min(options, key=lambda option: evaluate(problem, option).step_time_s)
+    return min(shared, key=lambda option: evaluate(problem, option).step_time_s)
 
 
 def _options(problem: PlanningProblem, replica: ReplicaLayout, extra_s: float) -> list[PipeTimes]:

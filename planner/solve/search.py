@@ -212,6 +212,9 @@ def _bisect_sorted(
     best_counts, definitive, infeasible = counts, True, -1
     while lo < hi and time.monotonic() < deadline:
         mid = (lo + hi) // 2
+        if _still_covers(bis, float(times[mid]), best_counts):
+            hi = mid
+            continue
         status, found, _ = bis.check(float(times[mid]), deadline)
         if status is CoverStatus.FEASIBLE and found is not None:
             hi, best_counts = mid, found
@@ -222,6 +225,12 @@ def _bisect_sorted(
         else:
             definitive = False
     return _Sorted(hi, best_counts, infeasible, definitive and lo >= hi)
+
+
+def _still_covers(bis: _Bisection, target_s: float, counts: tuple[int, ...]) -> bool:
+    """Whether ``counts`` (feasible at a later time, so within every device class) still
+    covers the batch by ``target_s``: feasible without asking the MILP."""
+    return float(np.dot(bis.capacity(target_s), counts)) >= bis.problem.global_batch_size
 
 
 def _bisect(bis: _Bisection, deadline: float) -> tuple[float, tuple[int, ...], float, bool] | None:
