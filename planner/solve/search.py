@@ -12,7 +12,8 @@ allows):
    (``cost.microbatch``: n samples cost ``PipeTimes.time_s(n)``). For a target step time T
    a copy can therefore process ``cap_t(T) = PipeTimes.samples_by(T)`` samples.
 3. T is found by bisection over the finite set of possible copy times (every
-   ``time_s(n)``, n up to the global batch): T is feasible iff
+   ``time_s(n)``, n up to the global batch; first those of whole micro-batches, then every
+   one between the last infeasible and the first feasible of them): T is feasible iff
    integer copy counts n_t exist with ``sum_t cap_t(T) n_t >= global batch``, no class
    over-used and at most the scenario's replica count — a small covering MILP
    (``milp.solve_cover``). Products of decisions (batch share x stage time) never appear,
