@@ -8,15 +8,19 @@ One optimizer step of a layout takes (see ``evaluate``)::
 
     pipeline_time = (num_microbatches - 1) * period + fill_time
 
+(when every micro-batch is full; a smaller last one is charged by its size, with the 1F1B
+formula derived in ``cost.microbatch``)
+
 where, for a pipeline of stages s with compute time c_s per micro-batch (forward +
 backward of its units) and link time l_s between stage s and s+1 per micro-batch
 (activations forward plus gradients back, latency + bytes / bandwidth):
 ``period = max(max_s c_s, max_s l_s, max_s sum_{t>=s} (c_t + l_t) / (S - s))`` is the
 steady-state time per micro-batch of 1F1B (the last term: stage s holds at most S - s
 micro-batches while each makes the round trip through the later stages; see
-``pipeline_period_s``) and ``fill_time = sum_s c_s + sum_s l_s`` is the time one micro-batch takes through the
-whole pipeline and back (Narayanan et al., "Efficient Large-Scale Language Model Training
-on GPU Clusters Using Megatron-LM", SC 2021, section 2.2: bubble = (p - 1) stage times).
+``cost.microbatch.pipeline_period_s``) and ``fill_time = sum_s c_s + sum_s l_s`` is the
+time one micro-batch takes through the whole pipeline and back (Narayanan et al.,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021,
+section 2.2: bubble = (p - 1) stage times).
 
 Ring all-reduce of S bytes over n ranks: 2 (n - 1) / n * S / bandwidth + 2 (n - 1) *
 latency, over the slowest link of the group (Patarasuk and Yuan, "Bandwidth optimal
@@ -54,6 +58,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.microbatch import (
+    StagePasses,
+    in_flight_microbatches,
+    stage_passes,
+    units_time_s,
+)
+from hplan.planner.cost.microbatch import pipeline_time_s as microbatch_pipeline_time_s
 from hplan.planner.cost.offload import device_saving_bytes, stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import (
@@ -73,6 +84,28 @@ from hplan.runtime.contract.link_model import (
     transfer_time_s,
 )
 from hplan.runtime.contract.memory import stage_activation_bytes
+from hplan.runtime.contract.plan import microbatch_sizes
+
+
+@dataclass(frozen=True, slots=True)
+class MicrobatchTimes:
+    """Seconds one micro-batch spends on a stage."""
+
+    forward_s: float
+    backward_s: float
+    """With the forward again on a stage that recomputes."""
+    send_s: float
+    """Its activations to the next stage (0 on the last)."""
+    return_s: float
+    """Its gradients back from the next stage (0 on the last)."""
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def link_s(self) -> float:
+        return self.send_s + self.return_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +113,25 @@ class StageCost:
     """Predicted figures of one stage (one device)."""
 
     device_idx: int
-    compute_time_s: float
-    """Forward + backward of one full micro-batch."""
-    link_time_s: float
-    """Transfers to the next stage and gradients back, per micro-batch (0 for the last)."""
+    full: MicrobatchTimes
+    """One full micro-batch (the replica's micro-batch size)."""
+    last: MicrobatchTimes
+    """The replica's last micro-batch, smaller when the size does not divide its share
+    (``contract.plan.microbatch_sizes``); ``full`` otherwise."""
     memory_bytes: float
     busy_time_s: float
-    """Compute time over the whole step (all micro-batches)."""
+    """Compute time over the whole step (every micro-batch at its size)."""
+
+    @property
+    def compute_time_s(self) -> float:
+        """Forward + backward of one full micro-batch."""
+        return self.full.compute_s
+
+    @property
+    def link_time_s(self) -> float:
+        """Transfers to the next stage and gradients back, per full micro-batch (0 for the
+        last stage)."""
+        return self.full.link_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +165,12 @@ class Evaluation:
         return replica, int(np.argmax(costs))
 
 
-def mbs_index(problem: PlanningProblem, micro_batch_size: int) -> int:
-    """Index of a micro-batch size among the problem's candidates (ValueError if absent)."""
-    return problem.micro_batch_sizes.index(micro_batch_size)
+def candidate_index(problem: PlanningProblem, micro_batch_size: int) -> int:
+    """Index of ``micro_batch_size`` among the problem's candidates; for a size between
+    them (a replica's micro-batch cut to its share), of the next larger one (the largest
+    above them all): whose time labels stand for it."""
+    sizes = problem.micro_batch_sizes
+    return next((k for k, b in enumerate(sizes) if b >= micro_batch_size), len(sizes) - 1)
 
 
 def link_time_s(problem: PlanningProblem, a: int, b: int, num_bytes: float) -> float:
@@ -194,84 +242,52 @@ def unit_input_bytes_per_sample(problem: PlanningProblem, unit: int) -> float:
     return float(problem.cut_bytes_per_sample[unit - 1]) if unit > 0 else 0.0
 
 
-def in_flight_microbatches(stage: int, num_stages: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B.
-
-    Stage s of S runs S - s - 1 warm-up forwards plus one before its first backward
-    (Narayanan et al., SC 2021). A replica with fewer micro-batches than that holds fewer;
-    hplan charges the full count regardless (conservative by at most the difference, and
-    the same rule the solver uses when it splits units without knowing the batch share).
-    """
-    return num_stages - stage
-
-
 def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[StageCost, ...]:
-    k = mbs_index(problem, replica.micro_batch_size)
-    b = replica.micro_batch_size
+    b = min(replica.micro_batch_size, replica.num_samples)
+    sizes = microbatch_sizes(replica.num_samples, b)
+    passes = stage_passes(problem, replica.stages, np.array([b, sizes[-1]], dtype=float))
     costs = []
     num_stages = replica.num_stages
     for s, stage in enumerate(replica.stages):
-        compute = stage_compute_time_s(
-            problem,
-            stage.device_idx,
-            stage.unit_start,
-            stage.unit_stop,
-            k,
-            stage.recompute,
-            stage.recompute_units,
+        full, last = (
+            MicrobatchTimes(
+                float(passes.forward_s[s, i]),
+                float(passes.backward_s[s, i]),
+                float(passes.send_s[s, i]),
+                float(passes.return_s[s, i]),
+            )
+            for i in (0, 1)
         )
-        link = 0.0
-        if s + 1 < num_stages:
-            nxt = replica.stages[s + 1].device_idx
-            cut = stage.unit_stop - 1
-            link = link_time_s(
-                problem, stage.device_idx, nxt, problem.cut_bytes_per_sample[cut] * b
-            )
-            link += link_time_s(
-                problem, nxt, stage.device_idx, problem.cut_grad_bytes_per_sample[cut] * b
-            )
-        in_flight = in_flight_microbatches(s, num_stages)
         memory = stage_memory_bytes(
             problem,
             stage.unit_start,
             stage.unit_stop,
             b,
-            in_flight,
+            in_flight_microbatches(s, num_stages),
             stage.recompute,
             stage.recompute_units,
         )
-        busy = compute * replica.num_samples / b
-        costs.append(StageCost(stage.device_idx, compute, link, memory, busy))
+        busy = full.compute_s * (len(sizes) - 1) + last.compute_s
+        costs.append(StageCost(stage.device_idx, full, last, memory, busy))
     return tuple(costs)
 
 
 def pipeline_time_s(costs: tuple[StageCost, ...], num_microbatches: int) -> float:
-    """(m - 1) * period + fill time; see the module docstring."""
-    computes = [c.compute_time_s for c in costs]
-    links = [c.link_time_s for c in costs]
-    fill = sum(computes) + sum(links)
-    return (num_microbatches - 1) * pipeline_period_s(computes, links) + fill
+    """Seconds of one step of a pipeline of ``num_microbatches``, every one full but the
+    last (``StageCost.last``): ``(m - 1) * period + fill`` when the last is full too (module
+    docstring), else ``cost.microbatch.pipeline_time_s``."""
+    full = _passes([c.full for c in costs])
+    last = _passes([c.last for c in costs])
+    return microbatch_pipeline_time_s(full, last, num_microbatches)
 
 
-def pipeline_period_s(compute_times_s: Sequence[float], link_times_s: Sequence[float]) -> float:
-    """Steady-state seconds per micro-batch of a 1F1B pipeline.
-
-    ``compute_times_s[s]``: forward + backward of stage s per micro-batch;
-    ``link_times_s[s]``: activations from s to s + 1 plus gradients back (0 for the last).
-    The period is the largest of the slowest stage, the slowest link, and for every stage
-    s its round trip divided by the micro-batches 1F1B lets it hold,
-    ``sum_{t >= s} (c_t + l_t) / (S - s)``: a micro-batch's forward on stage s cannot be
-    followed by its backward there before it has gone through the later stages and links
-    and back, and at most ``S - s`` are on that trip at once (Little's law; the bound that
-    makes slow links between stages cost more than their own transfer time).
-    """
-    num_stages = len(compute_times_s)
-    period = max(max(compute_times_s), max(link_times_s))
-    round_trip = 0.0
-    for s in reversed(range(num_stages)):
-        round_trip += compute_times_s[s] + link_times_s[s]
-        period = max(period, round_trip / in_flight_microbatches(s, num_stages))
-    return period
+def _passes(times: Sequence[MicrobatchTimes]) -> StagePasses:
+    return StagePasses(
+        np.array([t.forward_s for t in times]),
+        np.array([t.backward_s for t in times]),
+        np.array([t.send_s for t in times]),
+        np.array([t.return_s for t in times]),
+    )
 
 
 def allreduce_time_s(
@@ -282,8 +298,9 @@ def allreduce_time_s(
     Groups of devices holding the same parameters, merged by holder set, that sum every
     step (:func:`step_sync_groups`), each a ring per bucket over its slowest link
     (``link_model.bucketed_all_reduce_time_s``); a device runs its groups one after
-    another, ``T_d`` in all. They start inside the device's last backward pass (one full
-    micro-batch's backward of its stage, ``b_d``), so the device is done
+    another, ``T_d`` in all. They start inside the device's last backward pass (its
+    stage's backward of the replica's last micro-batch, at that one's size, ``b_d``), so
+    the device is done
     ``link_model.exposed_all_reduce_s(T_d, overlap_window_s(b_d, B_d), L_d)`` after its
     replica's pipeline ends (``B_d``: the bytes it sums; ``L_d``: the ring of the largest
     last bucket of its groups). Every stage's last backward pass is taken to end with its
@@ -309,12 +326,13 @@ def allreduce_time_s(
     slowest_s = max(replica_times_s, default=0.0)
     end_s = slowest_s
     for replica, pipeline_s in zip(layout.replicas, replica_times_s, strict=True):
-        k = mbs_index(problem, replica.micro_batch_size)
+        last = microbatch_sizes(replica.num_samples, replica.micro_batch_size)[-1]
         for stage in replica.stages:
             d = stage.device_idx
             if d not in total_s:
                 continue
-            backward_s = float(problem.bwd_time_s[d, stage.unit_start : stage.unit_stop, k].sum())
+            _, backward = units_time_s(problem, d, stage.unit_start, stage.unit_stop, last)
+            backward_s = float(backward)
             window_s = overlap_window_s(backward_s, synced_bytes[d], BUCKET_CAP_BYTES)
             exposed_s = exposed_all_reduce_s(total_s[d], window_s, last_s[d])
             end_s = max(end_s, pipeline_s + exposed_s)
@@ -432,8 +450,9 @@ def optimizer_time_s(problem: PlanningProblem, layout: Layout) -> float:
 def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
     """Predicted step time, per-stage costs and memory of ``layout``.
 
-    Raises:
-        ValueError: a replica's micro-batch size is not one of the problem's candidates.
+    A replica runs ``contract.plan.microbatch_sizes(num_samples, micro_batch_size)``: every
+    micro-batch is charged by its size (``cost.microbatch``), memory at the full size (the
+    peak); a micro-batch size above the share is the share (what the runtime runs).
     """
     stages = tuple(_replica_costs(problem, r) for r in layout.replicas)
     replica_times = tuple(

@@ -55,6 +55,16 @@ class ReplicaLayout:
         return len(self.stages)
 
 
+def replica_layout(
+    stages: tuple[StageLayout, ...], micro_batch_size: int, num_samples: int
+) -> ReplicaLayout:
+    """The replica running ``num_samples`` in micro-batches of ``micro_batch_size``, cut to
+    one micro-batch of its share when the share is smaller (never a micro-batch larger
+    than the share: that is what the runtime would run, ``contract.plan.microbatch_sizes``)."""
+    b = min(micro_batch_size, num_samples)
+    return ReplicaLayout(stages, b, -(-num_samples // b), num_samples)
+
+
 @dataclass(frozen=True, slots=True)
 class IslandSync:
     """Islands of nodes and how the holder sets that span them sync (``SyncSpec``).

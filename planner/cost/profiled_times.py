@@ -13,7 +13,8 @@ first (``profiling/device_keys.py``):
 
 With timings, a (unit, micro-batch size) that was measured is used as is (``measured``;
 ``calibrated``/``imported`` when the timing says so); another size comes from the measured
-sizes around it as a fixed overhead plus a per-sample time (:func:`time_at_size`; ``measured
+sizes around it as a fixed overhead plus a per-sample time (``cost.microbatch.time_at_size``,
+the rule the planner prices any micro-batch size by; ``measured
 (interpolated)`` inside the measured range, ``measured (extrapolated)`` outside). A device
 whose figures the cluster file overrides (a ``cpu`` declared twice as fast) gets its kind's
 measurement scaled by the roofline ratio of its declared figures to the catalog's.
@@ -31,15 +32,14 @@ Finally a ``DeviceFactor`` for the device (``hplan calibrate``) multiplies its t
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import itertools
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hplan.planner.cost.microbatch import time_at_size
 from hplan.planner.cost.problem_builder import (
     Numerics,
     RooflineSource,
@@ -368,39 +368,6 @@ def _at_size(points: Mapping[int, _Point], size: int) -> tuple[_Point, str]:
     fwd = time_at_size([(s, points[s].fwd_s) for s in sizes], size)
     bwd = time_at_size([(s, points[s].bwd_s) for s in sizes], size)
     return _Point(fwd, bwd, points[sizes[0]].source), label
-
-
-def time_at_size(samples: Sequence[tuple[int, float]], size: float) -> float:
-    """Seconds of one micro-batch of ``size`` from measured ``(size, seconds)`` samples.
-
-    A micro-batch costs a fixed overhead plus a per-sample time, ``a + b * size``, with
-    ``a`` and ``b`` read off the measured sizes nearest ``size`` (so one micro-batch of 48
-    costs less than six of 8 by the overhead the measurements show, and a per-sample time
-    that falls with size, as on a CPU up to its cache, is followed):
-
-    - between two measured sizes: the line through them;
-    - above the largest: the line through the two largest, continued; when they took the
-      same time (nothing measured says what a sample costs) proportional to the largest;
-    - below the smallest: the line through the two smallest, continued, or proportional
-      to the smallest where that line would cross zero;
-    - one sample: proportional, ``y0 * size / x0``.
-
-    The times are first made non-decreasing in size (a running maximum): a larger
-    micro-batch never takes less time, so a dip is measurement noise.
-    """
-    ordered = sorted(samples)
-    xs = [float(x) for x, _ in ordered]
-    ys = list(itertools.accumulate((y for _, y in ordered), max))
-    if len(xs) == 1:
-        return ys[0] * size / xs[0]
-    idx = min(max(bisect.bisect_left(xs, size), 1), len(xs) - 1)
-    (x0, y0), (x1, y1) = (xs[idx - 1], ys[idx - 1]), (xs[idx], ys[idx])
-    slope = (y1 - y0) / (x1 - x0)
-    if size > x1 and slope <= 0:
-        return y1 * size / x1
-    if size < x0 and y0 - slope * x0 < 0:
-        return y0 * size / x0
-    return y0 + slope * (size - x0)
 
 
 # ------------------------------------------------------------------------------ loading

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from hplan.planner.cost.evaluate import (
+    candidate_index,
     evaluate,
-    mbs_index,
-    stage_compute_time_s,
     standalone_samples_per_s,
 )
 from hplan.planner.cost.layout import Layout, StageLayout
+from hplan.planner.cost.microbatch import recomputed_forward_s, units_time_s
 from hplan.planner.cost.offload import device_offloads, stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.zero import allgather_time_s
@@ -33,6 +33,7 @@ from hplan.runtime.contract.plan import (
     RankReport,
     Report,
     SyncChoiceReport,
+    microbatch_sizes,
 )
 
 _BASELINES = (
@@ -74,12 +75,13 @@ def _rank_reports(
     reports = []
     gather_s = allgather_time_s(problem, layout)  # ZeRO-1: every rank waits for the shards
     for replica, replica_costs in zip(layout.replicas, result.evaluation.stages, strict=True):
+        sizes = microbatch_sizes(
+            replica.num_samples, min(replica.micro_batch_size, replica.num_samples)
+        )
         for stage, cost in zip(replica.stages, replica_costs, strict=True):
             device = stage.device_idx
-            units = slice(stage.unit_start, stage.unit_stop)
-            k = mbs_index(problem, replica.micro_batch_size)
-            # the forward the backward runs again (all units under recompute, some selective)
-            again_s = float(problem.fwd_time_s[device, list(stage.recomputed_units), k].sum())
+            again_s = recomputed_forward_s(problem, stage, (sizes[0], sizes[-1]))
+            recomputed_s = float(again_s[0] * (replica.num_microbatches - 1) + again_s[1])
             reports.append(
                 RankReport(
                     rank=ranks[device],
@@ -88,12 +90,14 @@ def _rank_reports(
                     memory_bytes=round(cost.memory_bytes),
                     memory_capacity_bytes=round(float(problem.memory_capacity_bytes[device])),
                     relative_speed=speed[device] / fastest if fastest > 0 else 1.0,
-                    forward_time_s=float(problem.fwd_time_s[device, units, k].sum()),
-                    backward_time_s=float(problem.bwd_time_s[device, units, k].sum()) + again_s,
+                    forward_time_s=cost.full.forward_s,
+                    backward_time_s=cost.full.backward_s,
+                    last_forward_time_s=cost.last.forward_s if cost.last != cost.full else 0.0,
+                    last_backward_time_s=cost.last.backward_s if cost.last != cost.full else 0.0,
                     optimizer_time_s=stage_optimizer_time_s(
                         problem, layout, device, stage.unit_start, stage.unit_stop
                     ),
-                    memory_strategy_time_s=again_s * replica.num_microbatches
+                    memory_strategy_time_s=recomputed_s
                     + gather_s
                     + _offload_extra_s(problem, layout, stage),
                 )
@@ -148,9 +152,7 @@ def build_report(
     bottleneck_device = layout.replicas[replica].stages[stage].device_idx
     fastest = max(layout.device_indices, key=lambda d: (standalone_samples_per_s(problem, d), -d))
     reference_mbs = max(r.micro_batch_size for r in layout.replicas)
-    reference_s = stage_compute_time_s(
-        problem, fastest, 0, problem.num_units, mbs_index(problem, reference_mbs)
-    )
+    reference_s = float(sum(units_time_s(problem, fastest, 0, problem.num_units, reference_mbs)))
     return Report(
         predicted_step_time_s=ev.step_time_s,
         predicted_samples_per_s=ev.samples_per_s,
@@ -228,7 +230,7 @@ def with_cost_sources(
     ranks = rank_of_device(layout)
     by_rank: dict[int, list[str]] = {}
     for replica in layout.replicas:
-        k = mbs_index(problem, replica.micro_batch_size)
+        k = candidate_index(problem, replica.micro_batch_size)
         for stage in replica.stages:
             device = stage.device_idx
             units = range(stage.unit_start, stage.unit_stop)

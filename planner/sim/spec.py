@@ -15,9 +15,12 @@
   exactly what :func:`spec_from_plan` gives for the plan built from it, and the solver's
   simulation of the chosen layout is the plan's ``simulated_step_time_s``.
 
-Every micro-batch is charged the compute of a full micro-batch, as the cost model does and
-as a rehearsal of a GPU plan replays it; ``scale_partial_microbatches=True`` scales the
-last, smaller one instead (what stretched CPU compute does in a rehearsal of a cpu plan).
+From a layout, every micro-batch is charged the compute of its own size, as the cost model
+does (``cost.microbatch``). From a plan, a last micro-batch smaller than the others is
+charged what the report predicts for it (``RankReport.last_forward_time_s``); a plan
+without that prediction charges it a full one, as a rehearsal of a GPU plan replays it;
+``scale_partial_microbatches=True`` scales it by its size instead (what stretched CPU
+compute does in a rehearsal of a cpu plan).
 
 :func:`param_wire_bytes` gives the per-parameter bytes the runtime all-reduces, from which
 ``holders.grad_sync_reports`` computes the per-holder-set bytes a plan's report records.
@@ -31,6 +34,8 @@ from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from hplan.planner.cost.evaluate import (
     island_index,
     outer_sync_groups,
@@ -38,6 +43,7 @@ from hplan.planner.cost.evaluate import (
     step_sync_groups,
 )
 from hplan.planner.cost.layout import Layout, ReplicaLayout
+from hplan.planner.cost.microbatch import stage_passes
 from hplan.planner.cost.offload import stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import pseudo_gradient_bytes, split_by_island
@@ -151,12 +157,16 @@ def _plan_replica(
     stages = []
     for rank in ranks:
         report = reports[rank.rank]
+        forward = [report.forward_time_s * f for f in factors]
+        backward = [report.backward_time_s * f for f in factors]
+        if report.last_forward_time_s > 0 and not scale_partial:
+            forward[-1], backward[-1] = report.last_forward_time_s, report.last_backward_time_s
         stages.append(
             SimStage(
                 rank=rank.rank,
                 device=rank.device_kind,
-                forward_s=tuple(report.forward_time_s * f for f in factors),
-                backward_s=tuple(report.backward_time_s * f for f in factors),
+                forward_s=tuple(forward),
+                backward_s=tuple(backward),
                 optimizer_s=report.optimizer_time_s,
             )
         )
@@ -278,9 +288,6 @@ def spec_from_layout(
     Args:
         runtime: the bytes the plan's runtime will send and sum; given, the layout is
             simulated exactly as :func:`spec_from_plan` simulates its plan.
-
-    Raises:
-        ValueError: a replica's micro-batch size is not one of the problem's candidates.
     """
     rank_of = {d: r for r, d in enumerate(sorted(layout.device_indices))}
     replicas = tuple(_layout_replica(problem, r, rank_of, runtime, layout) for r in layout.replicas)
@@ -309,22 +316,19 @@ def _layout_replica(
 ) -> SimReplica:
     """One replica of a layout (``layout``: whose devices offload their optimizer step,
     ``cost.offload``; None: none does)."""
-    k = problem.micro_batch_sizes.index(replica.micro_batch_size)
     sizes = microbatch_sizes(replica.num_samples, replica.micro_batch_size)
+    # Each micro-batch at its size (``cost.microbatch``); a recomputing stage runs its
+    # forward (selective: its recomputed units') again inside each backward.
+    passes = stage_passes(problem, replica.stages, np.array(sizes, dtype=float))
     stages = []
-    for stage in replica.stages:
-        d, units = stage.device_idx, slice(stage.unit_start, stage.unit_stop)
-        forward_s = float(problem.fwd_time_s[d, units, k].sum())
-        # A recomputing stage runs its forward (selective: its recomputed units') again
-        # inside each backward.
-        again_s = float(problem.fwd_time_s[d, list(stage.recomputed_units), k].sum())
-        backward_s = float(problem.bwd_time_s[d, units, k].sum()) + again_s
+    for s, stage in enumerate(replica.stages):
+        d = stage.device_idx
         stages.append(
             SimStage(
                 rank=rank_of[d],
                 device=problem.device_kinds[d],
-                forward_s=(forward_s,) * len(sizes),
-                backward_s=(backward_s,) * len(sizes),
+                forward_s=tuple(float(x) for x in passes.forward_s[s]),
+                backward_s=tuple(float(x) for x in passes.backward_s[s]),
                 optimizer_s=stage_optimizer_time_s(
                     problem, layout or Layout(()), d, stage.unit_start, stage.unit_stop
                 ),

@@ -10,10 +10,8 @@
 
 from __future__ import annotations
 
-import math
-
 from hplan.planner.cost.evaluate import evaluate, in_flight_microbatches, stage_memory_bytes
-from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
 from hplan.planner.cost.problem import PlanningProblem
 
 
@@ -60,10 +58,9 @@ def _uniform_layout(problem: PlanningProblem, num_stages: int) -> Layout | None:
         return None
     b = max(fitting)
     replicas = tuple(
-        ReplicaLayout(
+        replica_layout(
             tuple(StageLayout(d, bounds[s], bounds[s + 1]) for s, d in enumerate(devices)),
             b,
-            math.ceil(share / b),
             share,
         )
         for devices, share in zip(pipelines, shares, strict=True)

@@ -4,18 +4,18 @@ Enumerates every layout: every set of disjoint, ordered device sequences (the re
 every contiguous unit split of each, whether each stage keeps its activations, recomputes
 some of its units (every prefix of ``cost.recompute.recompute_order`` the solver may take)
 or recomputes them all (as the problem's ``RecomputePolicy`` allows), every micro-batch
-size candidate, and every split of the global batch into positive shares; costs each with
+size candidate (cut to the share where it is larger: ``layout.replica_layout``), and every
+split of the global batch into positive shares; costs each with
 the exact evaluator. Exponential: use only with a handful of devices, units and samples.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 
 from hplan.planner.cost.evaluate import evaluate
-from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.cost.recompute import recompute_order, selected_units
 from hplan.planner.solve.validate import layout_problems
@@ -101,8 +101,7 @@ def _best_for(
     for shares in _compositions(problem.global_batch_size, len(pipelines)):
         for options in itertools.product(*stage_options):
             replicas = tuple(
-                ReplicaLayout(st, sizes[k], math.ceil(n / sizes[k]), n)
-                for (k, st), n in zip(options, shares, strict=True)
+                replica_layout(st, sizes[k], n) for (k, st), n in zip(options, shares, strict=True)
             )
             layout = Layout(replicas)
             if layout_problems(problem, layout):

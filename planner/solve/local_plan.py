@@ -12,7 +12,7 @@ For a partition into islands (``islands.candidate_partitions``):
 3. Every round's islands are combined into one layout (their replicas, in island order,
    and ``IslandSync``), and the whole batch is shared again over every replica of every
    island (:func:`reshared`: each replica at the micro-batch size that does the most by a
-   common step time, then water-filled by micro-batch, ``shares.share_samples``), so that
+   common step time, then water-filled, ``shares.share_options``), so that
    the slowest replica of any island ends first; ``sync_choice.choose_local_steps`` picks
    H and the wire dtype.
 4. The next round solves the islands again for the shares the combined layout ended with
@@ -36,13 +36,13 @@ from dataclasses import dataclass, replace
 from hplan.planner.cost.evaluate import (
     evaluate,
     island_index,
-    pipeline_period_s,
     standalone_samples_per_s,
 )
 from hplan.planner.cost.islands import Partition, island_names
-from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout
+from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, replica_layout
+from hplan.planner.cost.microbatch import PipeTimes, pipe_times
 from hplan.planner.cost.problem import PlanningProblem, restrict
-from hplan.planner.cost.shares import share_samples
+from hplan.planner.cost.shares import share_options
 from hplan.planner.solve.sync_choice import choose_local_steps
 from hplan.planner.solve.validate import layout_problems
 from hplan.runtime.contract.plan import SyncMode
@@ -320,83 +320,62 @@ def _extra_s(problem: PlanningProblem, island: Layout) -> list[float]:
     return [ev.allreduce_time_s + ev.optimizer_time_s] * len(island.replicas)
 
 
-_Option = tuple[int, float, float]
-"""(micro-batch size, base time, period) of a replica: m micro-batches take
-``base + (m - 1) * period``."""
-
-
 def reshared(problem: PlanningProblem, layout: Layout, extra_s: Sequence[float]) -> Layout | None:
     """``layout`` with the global batch shared again over its replicas, each at the
     micro-batch size that lets it do the most by a common step time.
 
     Replica r at micro-batch size b (any candidate at which each of its stages fits its
-    device) takes ``extra_s[r] + fill + (m - 1) * period`` for m micro-batches
-    (``evaluate``). The smallest time T by which the replicas, each at its best size for
-    T, process the batch is found by bisection (capacities only grow with T); then
-    ``shares.share_samples`` water-fills the batch over them at those sizes. None when no
-    size fits some replica.
+    device) takes ``extra_s[r]`` plus its pipeline time for its share, a last micro-batch
+    smaller than b charged by its size (``cost.microbatch.PipeTimes``). The smallest time T
+    by which the replicas, each at its best size for T, process the batch is found by
+    bisection (capacities only grow with T); then ``shares.share_options`` water-fills the
+    batch over them at those sizes (by sample, or in whole micro-batches where the
+    evaluator rates that faster). None when no size fits some replica.
     """
     options = [_options(problem, r, e) for r, e in zip(layout.replicas, extra_s, strict=True)]
     if not all(options):
         return None
     total = problem.global_batch_size
 
-    def best_at(time_s: float) -> list[_Option]:
+    def best_at(time_s: float) -> list[PipeTimes]:
         """Per replica, the option doing the most by ``time_s``, then done soonest."""
         return [max(opts, key=lambda o: _rank_at(o, time_s, total)) for opts in options]
 
-    lo, hi = 0.0, max(min(_pipe_s(o, total) for o in opts) for opts in options)
+    lo, hi = 0.0, max(min(o.time_s(total) for o in opts) for opts in options)
     for _ in range(60):
         mid = (lo + hi) / 2
-        if sum(_done_by(o, mid, total) for o in best_at(mid)) < total:
+        if sum(o.samples_by(mid, total) for o in best_at(mid)) < total:
             lo = mid
         else:
             hi = mid
     chosen = best_at(hi)
-    shares = share_samples(
-        [o[0] for o in chosen], [o[1] for o in chosen], [o[2] for o in chosen], total
-    )
-    replicas = tuple(
-        replace(r, micro_batch_size=o[0], num_microbatches=math.ceil(n / o[0]), num_samples=n)
-        for r, o, n in zip(layout.replicas, chosen, shares, strict=True)
-        if n > 0
-    )
-    return replace(layout, replicas=replicas)
+    shared = [
+        replace(
+            layout,
+            replicas=tuple(
+                replica_layout(r.stages, o.micro_batch_size, n)
+                for r, o, n in zip(layout.replicas, chosen, shares, strict=True)
+                if n > 0
+            ),
+        )
+        for shares in share_options(chosen, total)
+    ]
+    return min(shared, key=lambda option: evaluate(problem, option).step_time_s)
 
 
-def _options(problem: PlanningProblem, replica: ReplicaLayout, extra_s: float) -> list[_Option]:
-    """``replica``'s option at every micro-batch size at which its stages fit."""
+def _options(problem: PlanningProblem, replica: ReplicaLayout, extra_s: float) -> list[PipeTimes]:
+    """``replica``'s step time at every micro-batch size at which its stages fit."""
     out = []
     for b in problem.micro_batch_sizes:
         trial = replace(replica, micro_batch_size=b, num_microbatches=1, num_samples=b)
-        ev = evaluate(problem, Layout((trial,)))
-        if not ev.memory_ok:
-            continue
-        costs = ev.stages[0]
-        computes = [c.compute_time_s for c in costs]
-        links = [c.link_time_s for c in costs]
-        fill_s = sum(computes) + sum(links)
-        out.append((b, fill_s + extra_s, pipeline_period_s(computes, links)))
+        if evaluate(problem, Layout((trial,))).memory_ok:
+            out.append(pipe_times(problem, replica.stages, b, extra_s))
     return out
 
 
-def _done_by(option: _Option, time_s: float, total: int) -> int:
-    """Samples a replica at ``option`` finishes by ``time_s`` (at most ``total``)."""
-    b, base_s, period_s = option
-    if time_s < base_s:
-        return 0
-    steps = math.floor((time_s - base_s) / period_s + 1e-9) + 1 if period_s > 0 else total
-    return int(min(steps * b, total))
-
-
-def _rank_at(option: _Option, time_s: float, total: int) -> tuple[int, float]:
-    done = _done_by(option, time_s, total)
-    return done, -_pipe_s(option, done) if done else 0.0
-
-
-def _pipe_s(option: _Option, samples: int) -> float:
-    b, base_s, period_s = option
-    return base_s + (math.ceil(samples / b) - 1) * period_s
+def _rank_at(option: PipeTimes, time_s: float, total: int) -> tuple[int, float]:
+    done = option.samples_by(time_s, total)
+    return done, -option.time_s(done) if done else 0.0
 
 
 def _islands_used(problem: PlanningProblem, layout: Layout) -> int:

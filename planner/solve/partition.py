@@ -23,9 +23,9 @@ import numpy as np
 from hplan.planner.cost.evaluate import (
     in_flight_microbatches,
     link_time_s,
-    pipeline_period_s,
     unit_input_bytes_per_sample,
 )
+from hplan.planner.cost.microbatch import pipeline_period_s
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.cost.recompute import recompute_order, selected_units
 from hplan.planner.solve.device_classes import DeviceClass, pair_devices

@@ -8,9 +8,12 @@ allows):
    optimally by ``partition`` (period P_t, fill F_t, optimizer time O_t).
 2. A copy of shape t running m micro-batches takes ``(m - 1) P_t + F_t + O_t + A_t``,
    where A_t is the gradient all-reduce time estimated for a sync *scenario*
-   (``scenarios``). For a target step time T a copy can therefore process
-   ``cap_t(T) = mbs_t * (floor((T - F_t - O_t - A_t) / P_t) + 1)`` samples.
-3. T is found by bisection over the finite set of possible copy times: T is feasible iff
+   (``scenarios``), less what a last micro-batch smaller than the others saves
+   (``cost.microbatch``: n samples cost ``PipeTimes.time_s(n)``). For a target step time T
+   a copy can therefore process ``cap_t(T) = PipeTimes.samples_by(T)`` samples.
+3. T is found by bisection over the finite set of possible copy times (every
+   ``time_s(n)``, n up to the global batch; first those of whole micro-batches, then every
+   one between the last infeasible and the first feasible of them): T is feasible iff
    integer copy counts n_t exist with ``sum_t cap_t(T) n_t >= global batch``, no class
    over-used and at most the scenario's replica count — a small covering MILP
    (``milp.solve_cover``). Products of decisions (batch share x stage time) never appear,
@@ -31,7 +34,6 @@ plans prove nothing: ``solver`` reports them as feasible, gap unknown).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,10 +42,16 @@ import numpy as np
 
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.islands import Partition, candidate_partitions
-from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
+from hplan.planner.cost.microbatch import PipeTimes, pipe_times
 from hplan.planner.cost.problem import PlanningProblem, restrict
-from hplan.planner.cost.shares import share_samples
-from hplan.planner.solve.device_classes import DeviceClass, device_classes, node_groups
+from hplan.planner.cost.shares import share_options
+from hplan.planner.solve.device_classes import (
+    DeviceClass,
+    device_classes,
+    node_groups,
+    pair_devices,
+)
 from hplan.planner.solve.local_plan import local_plans
 from hplan.planner.solve.milp import (
     CoverStatus,
@@ -127,24 +135,16 @@ class _Bisection:
 
     problem: PlanningProblem
     shapes: list[PipelineShape]
-    base_s: np.ndarray
-    period_s: np.ndarray
-    mbs: np.ndarray
+    pipes: list[PipeTimes]
+    """Each shape's step time for any share, on its class's first devices."""
     usage: np.ndarray
     available: np.ndarray
     max_copies: int
     backend: MilpBackend
 
     def capacity(self, target_s: float) -> np.ndarray:
-        slack = target_s - self.base_s
-        with np.errstate(divide="ignore", invalid="ignore"):
-            steps = np.where(
-                self.period_s > 0,
-                np.floor(slack / np.maximum(self.period_s, 1e-300) + 1e-9),
-                np.inf,
-            )
-        cap = np.where(slack >= -1e-12, self.mbs * (steps + 1), 0.0)
-        return np.minimum(cap, float(self.problem.global_batch_size))
+        b = self.problem.global_batch_size
+        return np.array([p.samples_by(target_s, b) for p in self.pipes], dtype=float)
 
     def check(self, target_s: float, deadline: float, minimize: bool = False):  # type: ignore[no-untyped-def]
         cap = self.capacity(target_s)
@@ -176,13 +176,66 @@ MAX_CANDIDATE_TIMES = 2_000_000
 
 
 def _candidate_times(bis: _Bisection) -> np.ndarray | None:
-    """Every possible copy time, sorted; None when there are too many to list."""
+    """Every possible copy time of whole micro-batches (and of the whole batch), sorted;
+    None when there are too many to list."""
     b = bis.problem.global_batch_size
-    counts = np.ceil(b / bis.mbs).astype(np.int64)
-    if int(counts.sum()) > MAX_CANDIDATE_TIMES:
+    counts = [-(-b // p.micro_batch_size) for p in bis.pipes]
+    if sum(counts) > MAX_CANDIDATE_TIMES:
         return None
-    values = [bis.base_s[i] + np.arange(counts[i]) * bis.period_s[i] for i in range(len(counts))]
+    values = []
+    for p, count in zip(bis.pipes, counts, strict=True):
+        samples = np.minimum(np.arange(1, count + 1) * p.micro_batch_size, b)
+        values.append(p.times_s(b)[samples - 1])
     return np.unique(np.concatenate(values)) if values else np.empty(0)
+
+
+def _times_between(bis: _Bisection, low_s: float, high_s: float) -> np.ndarray:
+    """Every possible copy time in ``(low_s, high_s]``, sorted (shares of any size)."""
+    b = bis.problem.global_batch_size
+    values = [t[(t > low_s) & (t <= high_s)] for t in (p.times_s(b) for p in bis.pipes)]
+    return np.unique(np.concatenate(values))
+
+
+@dataclass(frozen=True)
+class _Sorted:
+    """What a bisection over a sorted list of times found."""
+
+    index: int
+    """Of the smallest time found feasible."""
+    counts: tuple[int, ...]
+    infeasible: int
+    """Index of the largest time proven infeasible; -1 if none."""
+    definitive: bool
+    """Every check answered (none timed out or ended unknown)."""
+
+
+def _bisect_sorted(
+    bis: _Bisection, times: np.ndarray, deadline: float, counts: tuple[int, ...]
+) -> _Sorted:
+    """Bisection over ``times`` (sorted; the last one feasible with ``counts``)."""
+    lo, hi = 0, len(times) - 1
+    best_counts, definitive, infeasible = counts, True, -1
+    while lo < hi and time.monotonic() < deadline:
+        mid = (lo + hi) // 2
+        if _still_covers(bis, float(times[mid]), best_counts):
+            hi = mid
+            continue
+        status, found, _ = bis.check(float(times[mid]), deadline)
+        if status is CoverStatus.FEASIBLE and found is not None:
+            hi, best_counts = mid, found
+            continue
+        lo = mid + 1
+        if status is CoverStatus.INFEASIBLE:
+            infeasible = max(infeasible, mid)
+        else:
+            definitive = False
+    return _Sorted(hi, best_counts, infeasible, definitive and lo >= hi)
+
+
+def _still_covers(bis: _Bisection, target_s: float, counts: tuple[int, ...]) -> bool:
+    """Whether ``counts`` (feasible at a later time, so within every device class) still
+    covers the batch by ``target_s``: feasible without asking the MILP."""
+    return float(np.dot(bis.capacity(target_s), counts)) >= bis.problem.global_batch_size
 
 
 def _bisect(bis: _Bisection, deadline: float) -> tuple[float, tuple[int, ...], float, bool] | None:
@@ -190,34 +243,45 @@ def _bisect(bis: _Bisection, deadline: float) -> tuple[float, tuple[int, ...], f
 
     Feasibility is monotone in the target time (capacities only grow), so bisection over
     the finite set of possible copy times finds the optimum when every check is
-    definitive. Returns (time, copy counts, lower bound, proven) or None when nothing is
-    feasible.
+    definitive: first over the times of whole micro-batches, then over every time (shares
+    with a smaller last micro-batch) between the last infeasible and the first feasible one.
+    Returns (time, copy counts, lower bound, proven) or None when nothing is feasible.
     """
-    candidates = _candidate_times(bis)
-    if candidates is None:
+    coarse = _candidate_times(bis)
+    if coarse is None:
         return _bisect_real(bis, deadline)
-    if candidates.size == 0:
+    if coarse.size == 0:
         return None
-    lo, hi = 0, len(candidates) - 1
-    status, counts, _ = bis.check(float(candidates[hi]), deadline)
+    status, counts, _ = bis.check(float(coarse[-1]), deadline)
     if status is not CoverStatus.FEASIBLE or counts is None:
         return None
-    best_counts, definitive, proven_infeasible = counts, True, -1
-    while lo < hi and time.monotonic() < deadline:
-        mid = (lo + hi) // 2
-        status, counts, _ = bis.check(float(candidates[mid]), deadline)
-        if status is CoverStatus.FEASIBLE and counts is not None:
-            hi, best_counts = mid, counts
-            continue
-        lo = mid + 1
-        if status is CoverStatus.INFEASIBLE:
-            proven_infeasible = max(proven_infeasible, mid)
-        else:
-            definitive = False
-    proven = definitive and lo >= hi
-    best_counts = _fewest_copies(bis, float(candidates[hi]), deadline, best_counts)
-    lower = float(candidates[hi]) if proven else float(candidates[proven_infeasible + 1])
-    return float(candidates[hi]), best_counts, lower, proven
+    first = _bisect_sorted(bis, coarse, deadline, counts)
+    below = float(coarse[first.index - 1]) if first.index > 0 else -np.inf
+    fine = _times_between(bis, below, float(coarse[first.index]))
+    second = _bisect_sorted(bis, fine, deadline, first.counts)
+    found = float(fine[second.index])
+    proven = first.definitive and second.definitive
+    return found, second.counts, _lower_bound(bis, coarse, fine, first, second, proven), proven
+
+
+def _lower_bound(
+    bis: _Bisection,
+    coarse: np.ndarray,
+    fine: np.ndarray,
+    first: _Sorted,
+    second: _Sorted,
+    proven: bool,
+) -> float:
+    """The smallest copy time not proven infeasible by :func:`_bisect`'s two bisections."""
+    if proven:
+        return float(fine[second.index])
+    if second.infeasible >= 0:
+        return float(fine[second.infeasible + 1])
+    if first.infeasible == first.index - 1 >= 0:
+        return float(fine[0])
+    if first.infeasible >= 0:
+        return float(coarse[first.infeasible])
+    return min(p.time_s(1) for p in bis.pipes)
 
 
 def _bisect_real(
@@ -225,8 +289,8 @@ def _bisect_real(
 ) -> tuple[float, tuple[int, ...], float, bool] | None:
     """Bisection on the real line (huge batches): stops at a relative width of 1e-6."""
     b = bis.problem.global_batch_size
-    hi = float(np.max(bis.base_s + (np.ceil(b / bis.mbs) - 1) * bis.period_s))
-    lo = float(np.min(bis.base_s))
+    hi = max(p.time_s(b) for p in bis.pipes)
+    lo = min(p.time_s(1) for p in bis.pipes)
     status, counts, _ = bis.check(hi, deadline)
     if status is not CoverStatus.FEASIBLE or counts is None:
         return None
@@ -239,7 +303,6 @@ def _bisect_real(
         else:
             lo = mid
             lower = mid if status is CoverStatus.INFEASIBLE else lower
-    best_counts = _fewest_copies(bis, hi, deadline, best_counts)
     return hi, best_counts, lower, False
 
 
@@ -258,14 +321,57 @@ def _fewest_copies(
 class _Copy:
     shape: PipelineShape
     devices: tuple[int, ...]
-    base_s: float
+    pipe: PipeTimes
+    """Its step time for any share (``cost.microbatch``), the scenario's estimates added."""
+
+    @property
+    def stages(self) -> tuple[StageLayout, ...]:
+        return shape_stages(self.shape, self.devices)
+
+
+def shape_stages(shape: PipelineShape, devices: Sequence[int]) -> tuple[StageLayout, ...]:
+    """The stages of ``shape`` on ``devices`` (one per stage, in order)."""
+    return tuple(
+        StageLayout(
+            devices[s],
+            shape.bounds[s],
+            shape.bounds[s + 1],
+            shape.recompute[s],
+            shape.recompute_units[s] if shape.recompute_units else (),
+        )
+        for s in range(shape.num_stages)
+    )
+
+
+_PipeCache = dict[tuple[PipelineShape, tuple[int, ...]], PipeTimes]
+"""Pipe times of (shape, devices) without extra time, shared by a problem's scenarios."""
+
+
+def shape_pipe(
+    problem: PlanningProblem,
+    shape: PipelineShape,
+    devices: Sequence[int],
+    extra_s: float,
+    cache: _PipeCache | None = None,
+) -> PipeTimes:
+    """``cost.microbatch.pipe_times`` of ``shape`` on ``devices``, ``extra_s`` added."""
+    key = (shape, tuple(devices))
+    cached = None if cache is None else cache.get(key)
+    if cached is None:
+        stages = shape_stages(shape, devices)
+        cached = pipe_times(problem, stages, shape.micro_batch_size, 0.0)
+        if cache is not None:
+            cache[key] = cached
+    return replace(cached, extra_s=extra_s)
 
 
 def _copies(
+    problem: PlanningProblem,
     classes: Sequence[DeviceClass],
     shapes: Sequence[PipelineShape],
     counts: Sequence[int],
-    base: np.ndarray,
+    extra: np.ndarray,
+    cache: _PipeCache,
 ) -> list[_Copy]:
     used = {c: 0 for c in range(len(classes))}
     out = []
@@ -279,41 +385,30 @@ def _copies(
                 local[c] = local.get(c, 0) + 1
             for c, n in local.items():
                 used[c] += n
-            out.append(_Copy(t, tuple(devices), float(base[t_idx])))
+            pipe = shape_pipe(problem, t, devices, float(extra[t_idx]), cache)
+            out.append(_Copy(t, tuple(devices), pipe))
     return out
 
 
-def share_batch(copies: Sequence[_Copy], global_batch_size: int) -> list[int]:
-    """Samples per copy minimising the slowest copy's time (:func:`share_samples`)."""
-    return share_samples(
-        [c.shape.micro_batch_size for c in copies],
-        [c.base_s for c in copies],
-        [c.shape.period_s for c in copies],
-        global_batch_size,
-    )
+def shared_layout(problem: PlanningProblem, copies: Sequence[_Copy]) -> tuple[float, Layout]:
+    """(step time, layout) of ``copies`` sharing the global batch: of the shares
+    ``shares.share_options`` offers, the one the exact evaluator rates fastest."""
+    options = share_options([c.pipe for c in copies], problem.global_batch_size)
+    layouts = [layout_from_copies(copies, samples) for samples in options]
+    timed = [(evaluate(problem, layout).step_time_s, layout) for layout in layouts]
+    return min(timed, key=lambda item: item[0])
 
 
 def layout_from_copies(copies: Sequence[_Copy], samples: Sequence[int]) -> Layout:
-    """Replicas for every copy that received samples."""
-    replicas = []
-    for copy, n in zip(copies, samples, strict=True):
-        if n <= 0:
-            continue
-        t = copy.shape
-        stages = tuple(
-            StageLayout(
-                copy.devices[s],
-                t.bounds[s],
-                t.bounds[s + 1],
-                t.recompute[s],
-                t.recompute_units[s] if t.recompute_units else (),
-            )
-            for s in range(t.num_stages)
+    """Replicas for every copy that received samples (a micro-batch never larger than the
+    share: ``layout.replica_layout``)."""
+    return Layout(
+        tuple(
+            replica_layout(copy.stages, copy.shape.micro_batch_size, n)
+            for copy, n in zip(copies, samples, strict=True)
+            if n > 0
         )
-        replicas.append(
-            ReplicaLayout(stages, t.micro_batch_size, math.ceil(n / t.micro_batch_size), n)
-        )
-    return Layout(tuple(replicas))
+    )
 
 
 def _prune_copies(problem: PlanningProblem, copies: list[_Copy], deadline: float) -> Layout:
@@ -322,16 +417,13 @@ def _prune_copies(problem: PlanningProblem, copies: list[_Copy], deadline: float
     The scenario's all-reduce estimate cannot see that fewer replicas sync faster; this
     local search on the exact cost model can (steepest descent, one replica at a time).
     """
-    b = problem.global_batch_size
     current = list(copies)
-    layout = layout_from_copies(current, share_batch(current, b))
-    best = evaluate(problem, layout).step_time_s
+    best, layout = shared_layout(problem, current)
     while len(current) > 1 and time.monotonic() < deadline:
         trials = []
         for i in range(len(current)):
-            rest = current[:i] + current[i + 1 :]
-            trial = layout_from_copies(rest, share_batch(rest, b))
-            trials.append((evaluate(problem, trial).step_time_s, i, trial))
+            step_s, trial = shared_layout(problem, current[:i] + current[i + 1 :])
+            trials.append((step_s, i, trial))
         step, i, trial = min(trials, key=lambda x: (x[0], x[1]))
         if step >= best * (1 - 1e-9):
             break
@@ -347,15 +439,13 @@ def _solve_scenario(
     scenario: Scenario,
     backend: MilpBackend,
     deadline: float,
+    cache: _PipeCache,
 ) -> Candidate | None:
     chosen = [t for t in shapes if set(t.classes) <= scenario.classes]
     if not chosen:
         return None
-    base = np.array(
-        [
-            t.fill_s + t.optimizer_s + allreduce_estimate_s(problem, classes, scenario, t)
-            for t in chosen
-        ]
+    extra = np.array(
+        [t.optimizer_s + allreduce_estimate_s(problem, classes, scenario, t) for t in chosen]
     )
     usage = np.zeros((len(classes), len(chosen)), dtype=np.int64)
     for j, t in enumerate(chosen):
@@ -364,9 +454,10 @@ def _solve_scenario(
     bis = _Bisection(
         problem=problem,
         shapes=list(chosen),
-        base_s=base,
-        period_s=np.array([t.period_s for t in chosen]),
-        mbs=np.array([t.micro_batch_size for t in chosen], dtype=float),
+        pipes=[
+            shape_pipe(problem, t, pair_devices(classes, t.classes), float(e), cache)
+            for t, e in zip(chosen, extra, strict=True)
+        ],
         usage=usage,
         available=np.array([c.size for c in classes], dtype=np.int64),
         max_copies=scenario.max_copies,
@@ -376,8 +467,14 @@ def _solve_scenario(
     if found is None:
         return None
     model_time, counts, lower, proven = found
-    copies = _copies(classes, chosen, counts, base)
-    layout = _prune_copies(problem, copies, deadline)
+    # The fewest replicas that meet the time, and the copies found: the exact evaluator
+    # (``_prune_copies``) decides, as the scenario's all-reduce estimate cannot.
+    fewest = _fewest_copies(bis, model_time, deadline, counts)
+    layouts = [
+        _prune_copies(problem, _copies(problem, classes, chosen, c, extra, cache), deadline)
+        for c in dict.fromkeys((fewest, counts))
+    ]
+    layout = min(layouts, key=lambda x: evaluate(problem, x).step_time_s)
     return Candidate(layout, scenario.name, model_time, lower, proven)
 
 
@@ -403,11 +500,14 @@ def search_problem(
             return False, False
         raise InfeasiblePlanError(diagnose_infeasible(problem))
     complete = found.complete
+    cache: _PipeCache = {}
     for scenario in make_scenarios(problem, classes):
         if time.monotonic() >= deadline:
             complete = False
             break
-        candidate = _solve_scenario(problem, classes, found.shapes, scenario, backend, deadline)
+        candidate = _solve_scenario(
+            problem, classes, found.shapes, scenario, backend, deadline, cache
+        )
         if candidate is not None:
             report(candidate)
     return found.exhaustive, complete

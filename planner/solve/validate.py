@@ -15,7 +15,8 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     """Every violated rule, as readable strings (empty list: valid).
 
     Rules: each replica places every unit exactly once, contiguously and in order, with no
-    empty stage; no device is used twice; micro-batch sizes are candidates and the
+    empty stage; no device is used twice; a micro-batch size is a candidate, or the
+    replica's share run as one micro-batch, and never larger than the share; the
     micro-batches hold the replica's samples; shares sum to the global batch; every stage's
     memory (static + activations of its in-flight micro-batches under 1F1B, or under
     recomputation its inputs in flight and one micro-batch's activations, or under selective
@@ -155,8 +156,10 @@ def _replica_problems(  # type: ignore[no-untyped-def]
     errors = []
     expected_start = 0
     b = replica.micro_batch_size
-    if b not in problem.micro_batch_sizes:
-        errors.append(f"replica {r}: micro-batch size {b} is not a candidate")
+    if b > replica.num_samples:
+        errors.append(f"replica {r}: micro-batch size {b} is larger than its share")
+    elif b not in problem.micro_batch_sizes and b != replica.num_samples:
+        errors.append(f"replica {r}: micro-batch size {b} is neither a candidate nor its share")
     if not (replica.num_microbatches - 1) * b < replica.num_samples <= replica.num_microbatches * b:
         errors.append(
             f"replica {r}: {replica.num_samples} samples do not fill "

@@ -527,6 +527,12 @@ class RankReport:
     """Predicted forward compute of one full micro-batch on this rank (0: not predicted)."""
     backward_time_s: NonNegative = 0.0
     """Predicted backward compute of one full micro-batch on this rank."""
+    last_forward_time_s: NonNegative = 0.0
+    """Predicted forward compute of the rank's last micro-batch where it is smaller than
+    the others (``microbatch_sizes``); 0: it is not, or nothing predicted it (a full one's
+    time stands for it)."""
+    last_backward_time_s: NonNegative = 0.0
+    """Predicted backward compute of that smaller last micro-batch (0 as above)."""
     optimizer_time_s: NonNegative = 0.0
     """Predicted optimizer step of this rank's parameters."""
     parameter_memory_bytes: ByteCount = 0

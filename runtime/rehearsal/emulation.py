@@ -31,7 +31,7 @@ from torch import Tensor
 
 from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.link_model import LinkQueue, group_ring_time_s
-from hplan.runtime.contract.plan import Backend, Plan
+from hplan.runtime.contract.plan import Backend, Plan, microbatch_sizes
 from hplan.runtime.executor.rendezvous import barrier
 from hplan.runtime.executor.seams import ComputeClock, ComputeSpan, LinkDelay, Phase, Seams
 from hplan.runtime.executor.worker import boundaries
@@ -125,7 +125,8 @@ class ComputeEmulation:
     emulation's sleeps runs colder than on a dedicated core). The emulated device is a
     CPU, so its real compute is the right model. *Modelled* (GPU plans, NCCL): each
     forward, backward and optimizer step lasts at least ``time_scale`` x the planner's
-    prediction for this rank (``RankReport.forward_time_s`` ...). A CPU cannot show a GPU's
+    prediction for this rank (``RankReport.forward_time_s`` ...; a smaller last micro-batch
+    its own, ``RankReport.last_forward_time_s``, where the report has it). A CPU cannot show a GPU's
     behaviour (launch overhead amortised by larger micro-batches, tensor-core peaks), so
     the plan's hardware model is replayed and the runtime's schedule, transfers and
     synchronisation are measured on top of it.
@@ -135,6 +136,11 @@ class ComputeEmulation:
     forward_s: float = 0.0
     backward_s: float = 0.0
     optimizer_s: float = 0.0
+    last_samples: int = 0
+    """Modelled mode: the size of the rank's last micro-batch when it is smaller than the
+    others and the report predicts it (0: none), which lasts at least the two below."""
+    last_forward_s: float = 0.0
+    last_backward_s: float = 0.0
     measure_warm: bool = False
     """Stretched mode: time the stage back to back after the first step."""
     warm: WarmTimes | None = None
@@ -151,10 +157,16 @@ def compute_emulation(plan: Plan, rank: int, emulation: Emulation | None) -> Com
         return ComputeEmulation(stretch=stretch, measure_warm=True)
     report = next(r for r in plan.report.ranks if r.rank == rank)
     scale = emulation.time_scale * slowdown
+    rank_plan = plan.ranks[rank]
+    last = microbatch_sizes(rank_plan.num_samples, rank_plan.micro_batch_size)[-1]
+    smaller = last < rank_plan.micro_batch_size and report.last_forward_time_s > 0
     return ComputeEmulation(
         forward_s=scale * report.forward_time_s,
         backward_s=scale * report.backward_time_s,
         optimizer_s=scale * report.optimizer_time_s,
+        last_samples=last if smaller else 0,
+        last_forward_s=scale * report.last_forward_time_s if smaller else 0.0,
+        last_backward_s=scale * report.last_backward_time_s if smaller else 0.0,
     )
 
 
@@ -250,9 +262,10 @@ class EmulatedClock(ComputeClock):
     def _floor_and_stretch(self, phase: Phase, num_samples: int) -> tuple[float, float]:
         """(least seconds, CPU-time factor) of a block: the stage's warm time when timed."""
         compute, warm = self.compute, self.compute.warm
+        last = num_samples == compute.last_samples
         floors = {
-            Phase.FORWARD: compute.forward_s,
-            Phase.BACKWARD: compute.backward_s,
+            Phase.FORWARD: compute.last_forward_s if last else compute.forward_s,
+            Phase.BACKWARD: compute.last_backward_s if last else compute.backward_s,
             Phase.OPTIMIZER: compute.optimizer_s,
         }
         if warm is None:

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from hplan.planner.api import SolveRequest, plan_training
+from hplan.planner.api import SolveRequest, Strategy, plan_training
+from hplan.runtime.executor.seams import Phase
 from hplan.runtime.rehearsal.emulation import (
+    EmulatedClock,
     Emulation,
     compute_emulation,
     modelled_emulation,
@@ -38,6 +40,35 @@ def test_gpu_plan_replays_the_predicted_forward_backward_and_optimizer_times():
         assert emulated.optimizer_s == pytest.approx(30.0 * report.optimizer_time_s)
         assert emulated.backward_s > emulated.forward_s > 0
     assert compute_emulation(plan, 0, None).forward_s == 0.0  # not rehearsing: no emulation
+
+
+def test_a_smaller_last_micro_batch_replays_its_own_predicted_times():
+    # Equal-batch data parallel: 44 samples over 5 GPUs at micro-batches of 4 gives
+    # 9 = 4 + 4 + 1 (and 8 = 4 + 4): a last micro-batch of 1 is charged as 1, not 4.
+    request = SolveRequest(
+        model_path=GPT,
+        cluster_path=CLUSTERS / "mixed-3090-4090.yaml",
+        global_batch_size=44,
+        micro_batch_sizes=(4,),
+        strategy=Strategy.DATA_PARALLEL,
+    )
+    plan = plan_training(request).plan
+    smaller = [r for r in plan.report.ranks if r.last_forward_time_s > 0]
+    assert len(smaller) == 4
+    for report in smaller:
+        emulated = compute_emulation(plan, report.rank, Emulation(dilation=2.0, time_scale=30.0))
+        clock = EmulatedClock(emulated, report.rank, plan.world_size)
+        assert emulated.last_samples == 1
+        assert clock._floor_and_stretch(Phase.FORWARD, 1)[0] == pytest.approx(
+            30.0 * report.last_forward_time_s
+        )
+        assert clock._floor_and_stretch(Phase.BACKWARD, 1)[0] == pytest.approx(
+            30.0 * report.last_backward_time_s
+        )
+        assert clock._floor_and_stretch(Phase.FORWARD, 4)[0] == pytest.approx(
+            30.0 * report.forward_time_s
+        )
+        assert report.last_forward_time_s < report.forward_time_s
 
 
 def test_cpu_plan_stretches_real_compute_by_the_planned_relative_speed():
