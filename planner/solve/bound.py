@@ -7,7 +7,11 @@ holding unit u at micro-batch size b spends ``(fwd + bwd)[d, u, b] / b`` seconds
 on it, and ``b`` is a size at which the unit alone fits the device (a stage holds at least
 the unit's static bytes and one micro-batch of its activations). So with
 
-    t[d, u] = min over candidate sizes b that fit of (fwd + bwd)[d, u, b] / b   (s/sample)
+    t[d, u] = min over sizes b that fit of (fwd + bwd)[d, u, b] / b   (s/sample)
+
+(b: the candidate sizes, and the other sizes up to the global batch that a share or a
+remainder micro-batch may take, timed as ``cost.microbatch`` interpolates them; see
+``unit_time_per_sample_s``)
 
 the samples/s ``x[d, u]`` each device gives each unit in any layout satisfy the linear
 program below, and its optimum N* bounds every layout's samples/s::
@@ -38,6 +42,7 @@ import warnings
 import numpy as np
 import pulp
 
+from hplan.planner.cost.microbatch import units_time_s
 from hplan.planner.cost.problem import FloatArray, PlanningProblem
 from hplan.planner.solve.watchdog import stdout_to_devnull
 
@@ -49,17 +54,48 @@ _BOUND_SLACK = 1e-9
 
 def unit_time_per_sample_s(problem: PlanningProblem) -> FloatArray:
     """Fastest forward + backward seconds per sample of each unit on each device, shape
-    (D, U); ``inf`` where the unit alone (its static bytes and one micro-batch of its
-    activations) fits the device at no candidate size up to the global batch."""
+    (D, U); ``inf`` where the unit alone fits the device at no micro-batch size up to the
+    global batch.
+
+    A plan's micro-batches are candidate sizes, or smaller ones (a share or a remainder)
+    whose time ``cost.microbatch`` interpolates linearly between candidates. Per sample,
+    a line ``a + c * b`` over ``b`` is monotone, so the fastest size up to the largest
+    that fits, ``B``, is a candidate up to ``B``, 1 or ``B`` itself; all are tried. "Fits":
+    the unit's static bytes less its optimizer state (which ZeRO or offload may take off
+    the device) and one micro-batch of its activations.
+    """
     sizes = np.array(problem.micro_batch_sizes, dtype=float)
     per_sample = (problem.fwd_time_s + problem.bwd_time_s) / sizes[None, None, :]
-    need = (
-        problem.static_memory_bytes[:, None]
-        + problem.activation_bytes_per_sample[:, None] * sizes[None, :]
-    )
+    state = problem.optimizer_state_bytes
+    static = problem.static_memory_bytes - (state if state is not None else 0.0)
+    acts = problem.activation_bytes_per_sample
+    need = static[:, None] + acts[:, None] * sizes[None, :]
     fits = need[None, :, :] <= problem.memory_capacity_bytes[:, None, None]
     fits &= (sizes <= problem.global_batch_size)[None, None, :]
-    return np.where(fits, per_sample, np.inf).min(axis=2)
+    best = np.where(fits, per_sample, np.inf).min(axis=2)
+    for d in range(problem.num_devices):
+        for u in range(problem.num_units):
+            largest = _largest_fitting_size(
+                float(problem.memory_capacity_bytes[d]), float(static[u]), float(acts[u]),
+                problem.global_batch_size,
+            )  # fmt: skip
+            if largest >= 1:
+                ends = np.array([1.0, float(largest)])
+                fwd, bwd = units_time_s(problem, d, u, u + 1, ends)
+                best[d, u] = min(best[d, u], float(((fwd + bwd) / ends).min()))
+    return best
+
+
+def _largest_fitting_size(
+    capacity_bytes: float, static_bytes: float, act_bytes_per_sample: float, limit: int
+) -> int:
+    """The largest micro-batch size up to ``limit`` whose bytes fit (0: none)."""
+    room = capacity_bytes - static_bytes
+    if room < 0:
+        return 0
+    if act_bytes_per_sample <= 0:
+        return limit
+    return int(min(limit, math.floor(room / act_bytes_per_sample)))
 
 
 def throughput_bound_samples_per_s(problem: PlanningProblem) -> float:
