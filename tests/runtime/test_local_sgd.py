@@ -10,8 +10,10 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -227,20 +229,32 @@ def _assert_close(actual: dict, expected: dict, rtol: float, atol: float = 1e-7)
 
 
 # --------------------------------------------------------------------------- equalities
+PLAIN_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def plain_synchronous(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A model of plain SGD with plain averaging (outer lr 1, no momentum), and the
+    checkpoint after ``PLAIN_STEPS`` steps of its synchronous plan (``_pipeline_and_single``),
+    run once for the module."""
+    directory = tmp_path_factory.mktemp("plain")
+    path = _model(directory, PLAIN_SGD, OUTER_LR=1.0, OUTER_MOMENTUM=0.0)
+    synchronous = _pipeline_and_single(path)
+    ckpt = _train(synchronous, directory / "sync", PLAIN_STEPS)
+    return path, _read(ckpt / f"step-{PLAIN_STEPS}")
+
+
 @pytest.mark.parametrize("tied_every_step", [False, True])
 def test_local_sgd_every_step_with_plain_averaging_equals_the_synchronous_plan(
-    tmp_path: Path, tied_every_step: bool
+    tmp_path: Path, plain_synchronous: tuple[Path, dict], tied_every_step: bool
 ) -> None:
     # tied_every_step: the tied embedding (ranks 0, 1, 2) all-reduces across islands every
     # step, each island's contribution scaled by its share of the global batch
-    path = _model(tmp_path, PLAIN_SGD, OUTER_LR=1.0, OUTER_MOMENTUM=0.0)
+    path, want = plain_synchronous
     local = _pipeline_and_single(path, mode=SyncMode.LOCAL_SGD, local_steps=1)
     if tied_every_step:
         local = _every_step(local, (0, 1, 2))
-    synchronous = _pipeline_and_single(path)
-    steps = 4
-    got = _read(_train(local, tmp_path / "local", steps) / f"step-{steps}")
-    want = _read(_train(synchronous, tmp_path / "sync", steps) / f"step-{steps}")
+    got = _read(_train(local, tmp_path / "local", PLAIN_STEPS) / f"step-{PLAIN_STEPS}")
     _assert_close(got["model"], want["model"], rtol=1e-5)
     islands = got["island"]
     assert sorted(islands) == ["box-a", "box-b"]
@@ -399,16 +413,33 @@ def test_an_island_that_stops_answering_ends_the_job_in_one_line_naming_it(
 
 
 # --------------------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def three_steps(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[SyncMode], tuple[Plan, Path]]:
+    """``mode`` -> the plan ``_two_single(mode, H = 2)`` and its checkpoint folder after 3
+    steps (each mode run once for the module; copy the folder before resuming in it)."""
+    runs: dict[SyncMode, tuple[Plan, Path]] = {}
+
+    def run(mode: SyncMode) -> tuple[Plan, Path]:
+        if mode not in runs:
+            directory = tmp_path_factory.mktemp(f"three-{mode.value}")
+            plan = _two_single(_model(directory), mode=mode, local_steps=2)
+            runs[mode] = (plan, _train(plan, directory, 3))
+        return runs[mode]
+
+    return run
+
+
 @pytest.mark.parametrize("mode", [SyncMode.LOCAL_SGD, SyncMode.ASYNC])
 def test_a_resume_continues_exactly_as_one_uninterrupted_run(
-    tmp_path: Path, mode: SyncMode
+    tmp_path: Path, three_steps: Callable[[SyncMode], tuple[Plan, Path]], mode: SyncMode
 ) -> None:
     # H = 2 does not divide k = 3: the first part ends between two sync points
-    path = _model(tmp_path)
-    plan = _two_single(path, mode=mode, local_steps=2)
+    plan, after_three = three_steps(mode)
     whole = _read(_train(plan, tmp_path / "whole", 5) / "step-5")
     pieces = tmp_path / "pieces"
-    _train(plan, pieces, 3)
+    shutil.copytree(after_three, pieces / "ckpt")
     ckpt = _train(plan, pieces, 2, "--resume")
     resumed = _read(ckpt / "step-5")
     for key in ("model", "outer", "island"):
@@ -428,10 +459,12 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def test_a_plan_without_local_groups_resumes_from_the_global_parameters(tmp_path: Path) -> None:
-    path = _model(tmp_path)
-    local = _two_single(path, mode=SyncMode.LOCAL_SGD, local_steps=2)
-    ckpt = _train(local, tmp_path, 3)
+def test_a_plan_without_local_groups_resumes_from_the_global_parameters(
+    tmp_path: Path, three_steps: Callable[[SyncMode], tuple[Plan, Path]]
+) -> None:
+    local, after_three = three_steps(SyncMode.LOCAL_SGD)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(after_three, ckpt)
     synchronous = replace(local, training=replace(local.training, sync=None))
     outcomes = run_ranks(synchronous, tmp_path / "b", "--steps", "1", "--checkpoint-dir",
                          str(ckpt), "--resume", timeout_s=TIMEOUT_S)  # fmt: skip
