@@ -29,6 +29,7 @@ compute does in a rehearsal of a cpu plan).
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
@@ -47,7 +48,6 @@ from hplan.planner.cost.microbatch import stage_passes
 from hplan.planner.cost.offload import stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import pseudo_gradient_bytes, split_by_island
-from hplan.planner.cost.zero import allgather_time_s
 from hplan.planner.sim.engine import (
     SimChannel,
     SimLink,
@@ -66,6 +66,7 @@ from hplan.runtime.contract.holders import (
     outer_groups,
     shared_bytes,
 )
+from hplan.runtime.contract.link_model import ring_all_reduce_time_s
 from hplan.runtime.contract.plan import (
     OuterSyncSpec,
     Plan,
@@ -132,6 +133,8 @@ def spec_from_plan(plan: Plan, *, scale_partial_microbatches: bool = False) -> S
             "re-run `hplan solve` with this hplan",
         )
     groups, outer = _plan_groups(plan, {g.ranks: float(g.num_bytes) for g in recorded or ()})
+    if plan.training.zero_stage >= 1:
+        replicas = _with_allgather(replicas, groups)
     return SimSpec(
         replicas=replicas,
         sync_groups=groups,
@@ -291,20 +294,38 @@ def spec_from_layout(
     """
     rank_of = {d: r for r, d in enumerate(sorted(layout.device_indices))}
     replicas = tuple(_layout_replica(problem, r, rank_of, runtime, layout) for r in layout.replicas)
-    gather_s = allgather_time_s(problem, layout)
-    if gather_s > 0:  # ZeRO stage 1: every rank waits for the shards after its step
-        replicas = tuple(
-            replace(
-                r, stages=tuple(replace(s, optimizer_s=s.optimizer_s + gather_s) for s in r.stages)
-            )
-            for r in replicas
-        )
     groups, outer = (
         _layout_groups(problem, layout, rank_of)
         if runtime is None
         else _runtime_groups(problem, layout, rank_of, runtime)
     )
+    if layout.optimizer_shard_weights:
+        replicas = _with_allgather(replicas, groups)
     return SimSpec(replicas=replicas, sync_groups=groups, schedule=schedule, outer_syncs=outer)
+
+
+def _with_allgather(
+    replicas: tuple[SimReplica, ...], groups: Sequence[SimSyncGroup]
+) -> tuple[SimReplica, ...]:
+    """ZeRO stage 1: every rank waits, after its optimizer step, for the slowest rank's
+    all-gathers of its holder sets' updated parameters (each half a ring all-reduce of the
+    set's bytes over its channel, as ``cost.zero.allgather_time_s``)."""
+    per_rank: dict[int, float] = defaultdict(float)
+    for group in groups:
+        if len(group.ranks) < 2:
+            continue
+        ring_s = ring_all_reduce_time_s(
+            len(group.ranks), group.num_bytes, group.bandwidth_bytes_per_s, group.latency_s
+        )
+        for rank in group.ranks:
+            per_rank[rank] += ring_s / 2
+    gather_s = max(per_rank.values(), default=0.0)
+    if gather_s <= 0:
+        return replicas
+    return tuple(
+        replace(r, stages=tuple(replace(s, optimizer_s=s.optimizer_s + gather_s) for s in r.stages))
+        for r in replicas
+    )
 
 
 def _layout_replica(
