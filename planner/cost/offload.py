@@ -86,6 +86,16 @@ def offload_problem(problem: PlanningProblem) -> PlanningProblem | None:
     )
 
 
+CPU_KIND = "cpu"
+"""The device kind of a host CPU: its memory is the host's, so offload frees none of it
+(``contract.memory`` counts an offloading ``cpu`` rank's copies on the device)."""
+
+
+def can_offload(problem: PlanningProblem, device_idx: int) -> bool:
+    """Whether offloading frees memory on ``device_idx`` (a GPU; not a ``cpu`` device)."""
+    return problem.device_kinds[device_idx] != CPU_KIND
+
+
 def device_offloads(layout: Layout, device_idx: int) -> bool:
     """Whether ``device_idx`` offloads its optimizer in ``layout``."""
     return bool(layout.optimizer_offload) and layout.optimizer_offload[device_idx]
@@ -162,7 +172,7 @@ def offload_flags(
         if need <= capacity:
             continue
         start, stop = held[d]
-        if need - float(saving[start:stop].sum()) > capacity:
+        if not can_offload(problem, d) or need - float(saving[start:stop].sum()) > capacity:
             return None
         flags[d] = True
     result = tuple(flags)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from hplan.planner.cost.evaluate import Evaluation, evaluate, island_index
 from hplan.planner.cost.layout import Layout
-from hplan.planner.cost.offload import offload_flags, offload_problem
+from hplan.planner.cost.offload import can_offload, offload_flags, offload_problem
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.cost.zero import shard_weights, sharded_problem
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
@@ -21,7 +21,7 @@ from hplan.planner.solve.sync_choice import (
 )
 from hplan.planner.solve.validate import layout_problems
 from hplan.planner.textfmt import format_seconds, percent
-from hplan.runtime.contract.errors import InfeasiblePlanError
+from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
 from hplan.runtime.contract.plan import PseudoGradientDtype, Schedule, SolverStatus
 
 __all__ = ["SolveOptions", "SolveResult", "second_opinion", "solve"]
@@ -86,10 +86,18 @@ def solve(
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the binding constraint.
+        ConfigError: ``--offload always`` on a cluster without a GPU.
         SolverUnavailableError: a requested MILP backend does not work here.
     """
     options = options or SolveOptions()
     problem.verify()
+    if options.offload == "always" and not any(
+        can_offload(problem, d) for d in range(problem.num_devices)
+    ):
+        raise ConfigError(
+            "--offload always: no device of this cluster can offload its optimizer state (a "
+            "cpu device's memory is the host's); use --offload auto or never"
+        )
     try:
         outcome = run_search(problem, options)
     except InfeasiblePlanError:
@@ -220,8 +228,9 @@ def offload_candidates(problem: PlanningProblem, options: SolveOptions) -> list[
     """Layouts that fit with optimizer-state offload (``cost.offload``): searched on the
     problem where every device offloads (``offload.offload_problem``); under ``auto`` each
     keeps offload only on the devices that do not fit without it
-    (``offload.offload_flags``), under ``always`` on every device; kept only where every
-    device and every node's host memory then fit."""
+    (``offload.offload_flags``), under ``always`` on every GPU (a ``cpu`` device's memory
+    is the host's: offload frees none of it); kept only where every device and every
+    node's host memory then fit."""
     offloaded = offload_problem(problem)
     if offloaded is None:
         return []
@@ -241,7 +250,9 @@ def offload_candidates(problem: PlanningProblem, options: SolveOptions) -> list[
             for c in costs
         }
         if options.offload == "always":
-            flags: tuple[bool, ...] | None = tuple(d in memory for d in range(problem.num_devices))
+            flags: tuple[bool, ...] | None = tuple(
+                d in memory and can_offload(problem, d) for d in range(problem.num_devices)
+            )
         else:
             flags = offload_flags(problem, layout, memory)
         if flags is not None and any(flags):

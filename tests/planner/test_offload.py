@@ -15,7 +15,7 @@ from hplan.planner.sim.spec import simulated_step_time_s
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import solve
 from hplan.planner.solve.validate import layout_problems
-from hplan.runtime.contract.errors import InfeasiblePlanError
+from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
 from tests.fixtures.problems import GB, Dev, make_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False, zero="never")
@@ -109,3 +109,19 @@ def test_the_offloaded_step_costs_pcie_both_ways_and_the_host_step() -> None:
     trainable = 12e9  # a 3B-parameter fp32 model under AdamW
     seconds = offload_step_time_s(trainable, 2.0, 25e9, 25e9)
     assert seconds == pytest.approx(2 * 12e9 / 25e9 + 12e9 * 7 / 25e9)
+
+
+def test_a_cpu_device_never_offloads_its_memory_is_the_hosts() -> None:
+    """The small device as a ``cpu``: offload frees nothing there (``contract.memory``
+    counts its copies on the device), so auto leaves it idle rather than plan an offload
+    the load check refuses, always offloads only the GPUs, and a cluster of cpu devices
+    alone refuses ``always`` in one line."""
+    problem = _problem()
+    problem = replace(problem, device_kinds=(*problem.device_kinds[:2], "cpu"))
+    auto = solve(problem, FAST)
+    assert not any(auto.layout.optimizer_offload) and 2 not in auto.layout.device_indices
+    always = solve(problem, replace(FAST, offload="always"))
+    assert always.layout.optimizer_offload[2] is False
+    cpus = replace(problem, device_kinds=("cpu", "cpu", "cpu"))
+    with pytest.raises(ConfigError, match="--offload always: no device of this cluster can"):
+        solve(cpus, replace(FAST, offload="always"))
