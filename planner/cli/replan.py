@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -33,6 +34,9 @@ from hplan.planner.cli.solve import (
 )
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import OuterSyncSpec, Plan, SyncMode
+
+if TYPE_CHECKING:
+    from hplan.planner.hardware.cluster import Cluster
 
 
 @click.command()
@@ -134,7 +138,7 @@ def replan(
         bandwidth_path=bandwidth_path,
         without=left_out,
         precision=precision or _plan_precision(plan),
-        sync=sync if _given("sync") else _plan_sync(plan),
+        sync=sync if _given("sync") else _plan_sync(plan, _nodes_left(cluster, left_out)),
         max_local_steps=(
             max_local_steps
             if _given("max_local_steps")
@@ -170,11 +174,16 @@ def _given(parameter: str) -> bool:
     return source is not None and source is not click.core.ParameterSource.DEFAULT
 
 
-def _plan_sync(plan: Plan) -> str:
-    """The cross-island mode the plan runs (kept by a re-plan where it syncs locally), else
-    ``auto``."""
+def _plan_sync(plan: Plan, nodes_left: int) -> str:
+    """The cross-island mode the plan runs (kept by a re-plan where it syncs locally and
+    more than one node is left to sync across), else ``auto``."""
     local = {g.mode.value for g in _local_groups(plan)}
-    return local.pop() if len(local) == 1 else "auto"
+    return local.pop() if len(local) == 1 and nodes_left > 1 else "auto"
+
+
+def _nodes_left(cluster: Cluster, left_out: tuple[str, ...]) -> int:
+    """How many nodes hold a device the re-plan may use."""
+    return len({d.node for d in cluster.devices if d.name not in left_out})
 
 
 def _plan_local_steps(plan: Plan, default: int) -> int:

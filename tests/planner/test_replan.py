@@ -138,7 +138,8 @@ def test_replan_keeps_the_plans_local_sync_mode_unless_told_otherwise(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An async plan over home-lab's 1 GbE re-planned without a card stays async (with no
-    --sync on the command line, whose default would be auto)."""
+    --sync on the command line, whose default would be auto); without a whole box, one
+    node is left and the re-plan syncs every step."""
     old_dir, new_dir = tmp_path / "old", tmp_path / "new"
     argv = ["solve", str(MLP), "-c", str(HOME_LAB), "-o", str(old_dir), "-b", "256",
             "--sync", "async"]  # fmt: skip
@@ -151,3 +152,7 @@ def test_replan_keeps_the_plans_local_sync_mode_unless_told_otherwise(
     sync = Plan.load(new_dir / "plan.json").training.sync
     assert sync is not None and sync.groups
     assert {g.mode.value for g in sync.groups} == {"async"}
+    argv = ["replan", str(old_dir / "plan.json"), "-c", str(HOME_LAB), "--without", "box-b",
+            "-o", str(tmp_path / "one-box")]  # fmt: skip
+    code, _, err = _hplan(argv, capsys)  # one node left: nothing to sync across, so auto
+    assert code == 0, err
