@@ -232,14 +232,7 @@ def rank_stage(
     model = _build_whole(plan, model_file)
     example = _example_inputs(model_file, model, plan.training.seed)
     traced = _checked_trace(plan, model_file, model, example)
-    stage = build_stage(
-        traced,
-        plan.units,
-        rank_plan.units,
-        recv=recv,
-        send=send,
-        recompute_units=rank_plan.recompute_units,
-    )
+    stage = _split_stage(traced, plan, rank_plan, recv, send)
     if reason is not None:
         print(
             f"hplan: note: {stage_label(rank_plan)} built the whole model, not its stage "
@@ -248,6 +241,20 @@ def rank_stage(
             flush=True,
         )
     return stage, _binder(model)
+
+
+def _split_stage(
+    traced: TracedModel, plan: Plan, rank_plan: RankPlan, recv: list[str], send: list[str]
+) -> StageModule:
+    """The rank's stage cut from the traced model (its units, boundaries, recomputed units)."""
+    return build_stage(
+        traced,
+        plan.units,
+        rank_plan.units,
+        recv=recv,
+        send=send,
+        recompute_units=rank_plan.recompute_units,
+    )
 
 
 def _own_stage(
@@ -262,14 +269,7 @@ def _own_stage(
         traced = _checked_trace(plan, model_file, record.model, fake, record.fake_mode)
     except (TraceError, PlanMismatchError) as exc:
         raise CannotMaterialise(f"on fake tensors: {error_reason(exc)}") from None
-    stage = build_stage(
-        traced,
-        plan.units,
-        rank_plan.units,
-        recv=recv,
-        send=send,
-        recompute_units=rank_plan.recompute_units,
-    )
+    stage = _split_stage(traced, plan, rank_plan, recv, send)
     materialise(stage.graph_module, record, model_file.build_model, seed)
     return stage, _binder(record.model)
 
