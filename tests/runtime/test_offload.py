@@ -25,7 +25,8 @@ from hplan.runtime.executor.memory.offload import OffloadedOptimizer
 from hplan.runtime.executor.worker import RunOptions, build_rank
 from hplan.runtime.rehearsal.reference_check import reference_steps, relative_difference
 from tests.fixtures.plans import (
-    TIED_LM,
+    OPTIMIZER_ENV,
+    TIED_LM_OPTIMIZERS,
     RankOutcome,
     ReplicaShape,
     compare_first_step,
@@ -38,40 +39,6 @@ from tests.fixtures.plans import (
 
 TIMEOUT_S = 90.0
 OFFLOADING = (1,)
-OPTIMIZER_ENV = "HPLAN_TEST_OPTIMIZER"
-MODEL = (
-    """
-    import os
-
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    VOCAB, WIDTH, SEQ = 32, 8, 6
-    MAX_GRAD_NORM = 1.0
-
-"""
-    + TIED_LM
-    + """
-
-    def loss_fn(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-    def make_optimizer(params):
-        kind = os.environ.get("HPLAN_TEST_OPTIMIZER", "adamw")
-        if kind == "sgd":
-            return torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)
-        if kind == "adagrad":  # creates its state at construction
-            return torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.1)
-        matrices = [p for p in params if p.dim() >= 2]
-        vectors = [p for p in params if p.dim() < 2]
-        return torch.optim.AdamW(
-            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-            lr=1e-2,
-        )
-"""
-)
 
 
 def with_offload(plan: Plan, ranks: tuple[int, ...]) -> Plan:
@@ -91,7 +58,7 @@ def _ok(outcomes: list[RankOutcome]) -> None:
 
 def _plans(directory: Path) -> tuple[Path, Plan, Plan]:
     """The model file, the plain plan and the same plan with rank 1 offloading."""
-    path = write_model(directory, MODEL)
+    path = write_model(directory, TIED_LM_OPTIMIZERS)
     plain = make_plan(path, [ReplicaShape((2, -1), 2, 4), ReplicaShape((-1,), 2, 6)])
     return path, plain, with_offload(plain, OFFLOADING)
 

@@ -26,7 +26,8 @@ from hplan.runtime.executor.zero import ShardedOptimizer
 from hplan.runtime.rehearsal.reference_check import reference_steps, relative_difference
 from hplan.runtime.rehearsal.rehearse import rehearse
 from tests.fixtures.plans import (
-    TIED_LM,
+    OPTIMIZER_ENV,
+    TIED_LM_OPTIMIZERS,
     RankOutcome,
     ReplicaShape,
     compare_first_step,
@@ -39,42 +40,6 @@ from tests.fixtures.plans import (
 
 TIMEOUT_S = 90.0
 WEIGHTS = (3.0, 1.0, 0.0, 1.0)
-OPTIMIZER_ENV = "HPLAN_TEST_OPTIMIZER"
-MODEL = (
-    """
-    import os
-
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    VOCAB, WIDTH, SEQ = 32, 8, 6
-    MAX_GRAD_NORM = 1.0
-
-"""
-    + TIED_LM
-    + """
-
-    def loss_fn(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-    def make_optimizer(params):
-        kind = os.environ.get("HPLAN_TEST_OPTIMIZER", "adamw")
-        if kind == "sgd":
-            return torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)
-        if kind == "adagrad":  # creates its state at construction
-            return torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.1)
-        if kind == "lbfgs":
-            return torch.optim.LBFGS(params)
-        matrices = [p for p in params if p.dim() >= 2]
-        vectors = [p for p in params if p.dim() < 2]
-        return torch.optim.AdamW(
-            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-            lr=1e-2,
-        )
-"""
-)
 
 
 def _ok(outcomes: list[RankOutcome]) -> None:
@@ -84,7 +49,7 @@ def _ok(outcomes: list[RankOutcome]) -> None:
 
 def _plans(directory: Path) -> tuple[Path, Plan, Plan]:
     """The model file, the plain plan and the same plan under ZeRO stage 1 (``WEIGHTS``)."""
-    path = write_model(directory, MODEL)
+    path = write_model(directory, TIED_LM_OPTIMIZERS)
     plain = make_plan(path, [ReplicaShape((2, -1), 2, 4), ReplicaShape((1, -1), 2, 6)])
     return path, plain, with_zero(plain, WEIGHTS)
 
@@ -188,7 +153,7 @@ def test_an_optimizer_that_is_not_elementwise_is_refused_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(OPTIMIZER_ENV, "lbfgs")
-    path = write_model(tmp_path, MODEL)
+    path = write_model(tmp_path, TIED_LM_OPTIMIZERS)
     plain = make_plan(path, [ReplicaShape((-1,), 2, 4), ReplicaShape((-1,), 2, 4)])
     build_rank(plain, 0, path, RunOptions(steps=1, device="cpu"))  # fine without ZeRO
     zero = with_zero(plain, (1.0, 1.0))
