@@ -160,7 +160,7 @@ def _header(plan: Plan, width: int) -> list[Text]:
         ("predicted", _predicted(report)),
         (
             "bound",
-            f"{report.physical_bound_samples_per_s:.1f} samples/s (every device computing, no bubble or sync) · "
+            f"{report.physical_bound_samples_per_s:.1f} samples/s (no bubble or sync; at this batch) · "
             f"efficiency {percent(report.efficiency)}",
         ),
         (

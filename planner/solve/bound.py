@@ -28,6 +28,35 @@ at some units than others can each take the units they are best at. When the uni
 every device are proportional, N* equals the sum of each device's standalone rate at its
 per-unit best sizes.
 
+**The global batch.** The LP credits every device with its best per-sample rate, as if it
+had as many samples as it could use. A step has ``B`` (the global batch) samples, and a
+micro-batch costs at least a fixed overhead whatever its size (kernel launches: with a
+small model and batch the overhead is most of the step). So the bound also solves, per
+step, the mixed-integer program (:func:`_step_time_lower_bound_s`)::
+
+    minimise T  subject to  sum_d n[d, u] = B                  for every unit u
+                            n[d, u] <= B y[d, u],  y binary    (device d runs unit u)
+                            z[d, u] >= t[d, u] n[d, u]
+                            z[d, u] >= a_k[d, u] y[d, u] + c_k[d, u] n[d, u]   for each k
+                            T >= sum_u z[d, u]                  for every device d
+
+where ``a_k + c_k x`` are lines below the time of one micro-batch of x samples of unit u on
+d over every size it may take (``1 <= x <= L``, L the largest that fits, at most B), with
+``a_k > 0``. A device that runs n > 0 samples of u in m >= 1 micro-batches of sizes x_j
+spends ``sum_j time(x_j) >= m a_k + c_k n >= a_k + c_k n`` and ``>= t n`` on it, so every
+layout's step takes at least T* and ``B / T*`` bounds its samples/s. The MILP lets a
+device pay only its own units' overheads, as pipeline stages do; but each micro-batch also
+runs every unit, forward then backward, one after another, so T* is also at least the sum
+over units of the least ``a + c`` of any device (:func:`_unit_path_s`). And a pipeline
+stage waits, before its first forward and after its last backward, for the micro-batches'
+passes through the stages before it: a device (one stage: its units ``y[d, .]`` are
+contiguous) whose first unit is ``v`` adds the path of units ``u < v`` to its busy time
+(``p[d, u] >= 1 - sum_{u' <= u} y[d, u']``). Stages after it are not counted: 1F1B fills
+that time with the stage's other forwards and backwards. Without a fixed
+overhead (``a_k = 0``) this is the LP again. The reported bound is the smaller of the two.
+When the MILP stops at its time limit, HiGHS's proven lower bound on T (its dual bound)
+is used, so the result stays a bound.
+
 Where the LP solver fails (coefficients so far apart that HiGHS cannot scale them, as a
 capture file with an absurd figure makes), the bound falls back to the looser
 ``sum_d budget_d / sum_u min_d t[d, u]``: every sample needs at least the fastest device's
@@ -51,6 +80,12 @@ __all__ = ["throughput_bound_samples_per_s", "unit_time_per_sample_s"]
 _BOUND_SLACK = 1e-9
 """Relative headroom added to the LP's optimum, for the LP solver's tolerances."""
 
+_MILP_TIME_LIMIT_S = 1.0
+"""Time limit of the step-time MILP; past it, HiGHS's proven lower bound is used."""
+
+_MILP_GAP = 0.01
+"""Relative gap at which the step-time MILP stops; its proven lower bound is used."""
+
 
 def unit_time_per_sample_s(problem: PlanningProblem) -> FloatArray:
     """Fastest forward + backward seconds per sample of each unit on each device, shape
@@ -66,8 +101,7 @@ def unit_time_per_sample_s(problem: PlanningProblem) -> FloatArray:
     """
     sizes = np.array(problem.micro_batch_sizes, dtype=float)
     per_sample = (problem.fwd_time_s + problem.bwd_time_s) / sizes[None, None, :]
-    state = problem.optimizer_state_bytes
-    static = problem.static_memory_bytes - (state if state is not None else 0.0)
+    static = _static_less_optimizer_state(problem)
     acts = problem.activation_bytes_per_sample
     need = static[:, None] + acts[:, None] * sizes[None, :]
     fits = need[None, :, :] <= problem.memory_capacity_bytes[:, None, None]
@@ -84,6 +118,13 @@ def unit_time_per_sample_s(problem: PlanningProblem) -> FloatArray:
                 fwd, bwd = units_time_s(problem, d, u, u + 1, ends)
                 best[d, u] = min(best[d, u], float(((fwd + bwd) / ends).min()))
     return best
+
+
+def _static_less_optimizer_state(problem: PlanningProblem) -> FloatArray:
+    """Each unit's static bytes less its optimizer state (ZeRO or offload may take it off
+    the device), shape (U,)."""
+    state = problem.optimizer_state_bytes
+    return problem.static_memory_bytes - (state if state is not None else 0.0)
 
 
 def _largest_fitting_size(
@@ -115,7 +156,210 @@ def throughput_bound_samples_per_s(problem: PlanningProblem) -> float:
         optimum = _solve_lp(rows, budgets)
     except (RuntimeError, IndexError, pulp.PulpSolverError):  # PuLP's HiGHS reader raises
         optimum = _time_budget_bound(rows, budgets)  # IndexError on a failed solve
+    try:
+        step_s = _step_time_lower_bound_s(problem, times)
+    except (RuntimeError, IndexError, pulp.PulpSolverError):
+        step_s = 0.0  # the LP's bound alone
+    if step_s > 0:
+        optimum = min(optimum, problem.global_batch_size / step_s)
     return optimum * (1 + _BOUND_SLACK)
+
+
+def micro_batch_lines(
+    problem: PlanningProblem, device_idx: int, unit_idx: int
+) -> list[tuple[float, float]]:
+    """Lines ``(a_s, c_s_per_sample)`` with ``a > 0`` lying below the forward + backward
+    seconds of one micro-batch of unit ``unit_idx`` on ``device_idx`` at every size it may
+    take (1 up to the largest that fits, at most the global batch); ``[]`` where the
+    device's times are not regular (below).
+
+    A stage's time at size x is read off the candidates' *summed* times
+    (``cost.microbatch.units_time_s``). Where every unit's forward and backward times on the
+    device do not decrease with size and their line below the smallest candidate does not
+    cross zero ("regular"), that reading is at least the sum of the units' own lines
+    through their candidates (:func:`_piecewise_line`), so lines below each unit's add up
+    to a line below the stage's. A dip
+    (measurement noise, which the reading smooths with a running maximum) breaks this, and
+    then the device gets no lines (the LP's per-sample constraint alone holds). A line lies
+    below a piecewise-linear time where it lies below it at the candidates, at 1 and at the
+    largest size. The slopes tried: 0 and each segment's.
+    """
+    if not _regular_times(problem, device_idx):
+        return []
+    largest = _largest_fitting_size(
+        float(problem.memory_capacity_bytes[device_idx]),
+        float(_static_less_optimizer_state(problem)[unit_idx]),
+        float(problem.activation_bytes_per_sample[unit_idx]),
+        problem.global_batch_size,
+    )
+    if largest < 1:
+        return []
+    at = {1.0, float(largest)} | {float(k) for k in problem.micro_batch_sizes if k <= largest}
+    sizes = np.array(sorted(at))
+    times = _piecewise_line(
+        problem.micro_batch_sizes, problem.fwd_time_s[device_idx, unit_idx], sizes
+    )
+    times += _piecewise_line(
+        problem.micro_batch_sizes, problem.bwd_time_s[device_idx, unit_idx], sizes
+    )
+    slopes = {0.0} | {float(c) for c in np.diff(times) / np.diff(sizes) if c > 0}
+    lines = []
+    for slope in sorted(slopes):
+        intercept = float((times - slope * sizes).min())
+        if intercept > 0:
+            lines.append((intercept, slope))
+    return lines
+
+
+def _piecewise_line(candidates: tuple[int, ...], times_s: FloatArray, at: FloatArray) -> FloatArray:
+    """Seconds at each size of ``at`` on the lines through consecutive candidates, the end
+    ones continued (``cost.microbatch.time_at_sizes`` without its running maximum and its
+    proportional fallbacks, which on regular times only add to it); proportional with one
+    candidate."""
+    xs = np.asarray(candidates, dtype=float)
+    if len(xs) == 1:
+        return np.asarray(times_s[0] * at / xs[0], dtype=float)
+    idx = np.clip(np.searchsorted(xs, at, side="left"), 1, len(xs) - 1)
+    slope = (times_s[idx] - times_s[idx - 1]) / (xs[idx] - xs[idx - 1])
+    return np.asarray(times_s[idx - 1] + slope * (at - xs[idx - 1]), dtype=float)
+
+
+def _regular_times(problem: PlanningProblem, device_idx: int) -> bool:
+    """Every unit's forward and backward times on the device are non-decreasing over the
+    candidate sizes, and their line through the two smallest candidates is non-negative at
+    size 0 (see :func:`micro_batch_lines`)."""
+    sizes = np.asarray(problem.micro_batch_sizes, dtype=float)
+    for times in (problem.fwd_time_s[device_idx], problem.bwd_time_s[device_idx]):
+        if len(sizes) < 2:
+            continue
+        if np.any(np.diff(times, axis=1) < 0):
+            return False
+        slope = (times[:, 1] - times[:, 0]) / (sizes[1] - sizes[0])
+        if np.any(times[:, 0] - slope * sizes[0] < 0):
+            return False
+    return True
+
+
+def _step_time_lower_bound_s(problem: PlanningProblem, times: FloatArray) -> float:
+    """The least step time (s) of any layout processing the global batch (module docstring's
+    MILP); 0.0 where no device has a fixed micro-batch cost (then the LP says it all).
+
+    Args:
+        problem: the planning problem (D devices, U units).
+        times: :func:`unit_time_per_sample_s`, shape (D, U); ``inf`` where u fits d at no size.
+
+    Raises:
+        RuntimeError: the MILP ended without an optimum or a proven lower bound.
+    """
+    batch = float(problem.global_batch_size)
+    lines = {
+        (d, u): micro_batch_lines(problem, d, u)
+        for d in range(problem.num_devices)
+        for u in range(problem.num_units)
+        if math.isfinite(times[d, u])
+    }
+    if not any(lines.values()):
+        return 0.0
+    unit_path_s = _unit_path_s(problem, lines)
+    regular = [_regular_times(problem, d) for d in range(problem.num_devices)]
+    model = pulp.LpProblem("hplan_step_time_bound", pulp.LpMinimize)
+    step = _variable(model, "step_s")
+    model += step
+    samples, busy, holds, waits, device_time = {}, {}, {}, {}, {}
+    for d in range(problem.num_devices):  # a regular device holds one stage [i, j) or none
+        if regular[d]:
+            fits = [(d, u) in lines for u in range(problem.num_units)]
+            stages = {
+                (i, j): _variable(model, f"x_{d}_{i}_{j}", binary=True)
+                for i in range(problem.num_units)
+                for j in range(i + 1, problem.num_units + 1)
+                if all(fits[i:j])
+            }
+            model += pulp.lpSum(stages.values()) <= 1, f"one_stage_{d}"
+            for u in range(problem.num_units):
+                if fits[u]:
+                    holds[d, u] = pulp.lpSum(x for (i, j), x in stages.items() if i <= u < j)
+            waits[d] = pulp.lpSum(float(unit_path_s[:i].sum()) * x for (i, _), x in stages.items())
+    for (d, u), unit_lines in lines.items():
+        n = samples[d, u] = _variable(model, f"n_{d}_{u}")
+        z = busy[d, u] = _variable(model, f"z_{d}_{u}")
+        model += z >= float(times[d, u]) * n
+        if (d, u) in holds:
+            model += n <= batch * holds[d, u], f"held_{d}_{u}"
+            for i, (intercept, slope) in enumerate(unit_lines):
+                model += z >= intercept * holds[d, u] + slope * n, f"line_{d}_{u}_{i}"
+    for u in range(problem.num_units):
+        model += pulp.lpSum(n for (_, uu), n in samples.items() if uu == u) == batch
+    model += step >= float(unit_path_s.sum()), "critical_path"
+    for d in range(problem.num_devices):
+        used = [z for (dd, _), z in busy.items() if dd == d]
+        if not used:
+            continue
+        device_time[d] = pulp.lpSum(used) + waits.get(d, 0)
+        model += step >= device_time[d], f"device_{d}"
+    for d, twin in _twins(problem, times, regular):  # identical devices: order their times
+        if d in device_time and twin in device_time:
+            model += device_time[d] >= device_time[twin], f"twin_{d}_{twin}"
+    solver = _lp_solver(time_limit_s=_MILP_TIME_LIMIT_S, gap_rel=_MILP_GAP)
+    with warnings.catch_warnings(), stdout_to_devnull():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        status = model.solve(solver)
+    path_s = float(unit_path_s.sum())
+    proven = _highs_dual_bound(model)  # within the gap of the optimum, never above it
+    if proven is None and pulp.LpStatus[status] == "Optimal" and step.value() is not None:
+        proven = float(step.value()) * (1 - _MILP_GAP)  # CBC: its optimum within the gap
+    if proven is None:
+        raise RuntimeError(f"the step-time bound MILP ended {pulp.LpStatus[status]}")
+    return max(proven * (1 - _BOUND_SLACK), path_s)
+
+
+def _twins(
+    problem: PlanningProblem, times: FloatArray, regular: list[bool]
+) -> list[tuple[int, int]]:
+    """Pairs ``(d, d')``, ``d < d'``, of consecutive identical devices (same times, memory
+    and regularity): swapping two of them changes no layout's time, so the MILP may order
+    their busy times (symmetry breaking, which keeps its optimum)."""
+    pairs = []
+    for d in range(problem.num_devices):
+        for twin in range(d + 1, problem.num_devices):
+            same = (
+                regular[d] == regular[twin]
+                and problem.memory_capacity_bytes[d] == problem.memory_capacity_bytes[twin]
+                and np.array_equal(times[d], times[twin])
+                and np.array_equal(problem.fwd_time_s[d], problem.fwd_time_s[twin])
+                and np.array_equal(problem.bwd_time_s[d], problem.bwd_time_s[twin])
+            )
+            if same:
+                pairs.append((d, twin))
+                break
+    return pairs
+
+
+def _unit_path_s(
+    problem: PlanningProblem, lines: dict[tuple[int, int], list[tuple[float, float]]]
+) -> FloatArray:
+    """Seconds a micro-batch spends at least on each unit, forward and backward, whichever
+    device runs it: ``min_d max (a + c)`` over the lines of ``u`` on the devices it fits
+    (a line's value at one sample; the times do not decrease with size), 0 for a unit that
+    fits a device without lines; shape (U,). A micro-batch runs its units one after
+    another, so every step lasts at least their sum.
+    """
+    path_s = np.zeros(problem.num_units)
+    for u in range(problem.num_units):
+        on_devices = [unit_lines for (_, uu), unit_lines in lines.items() if uu == u]
+        if on_devices and all(on_devices):
+            path_s[u] = min(max(a + c for a, c in unit_lines) for unit_lines in on_devices)
+    return path_s
+
+
+def _highs_dual_bound(model: pulp.LpProblem) -> float | None:
+    """HiGHS's proven lower bound on a stopped MILP's objective, if it has one."""
+    highs = getattr(model, "solverModel", None)
+    try:
+        bound = float(highs.getInfo().mip_dual_bound)  # type: ignore[union-attr]
+    except AttributeError:
+        return None
+    return bound if math.isfinite(bound) and bound > 0 else None
 
 
 def _time_budget_bound(rows: FloatArray, budgets: FloatArray) -> float:
@@ -155,16 +399,17 @@ def _solve_lp(rows: FloatArray, budgets: FloatArray) -> float:
     return float(samples.value())
 
 
-def _variable(model: pulp.LpProblem, name: str) -> pulp.LpVariable:
-    """A non-negative continuous variable (PuLP >= 3.3 attaches it to the model)."""
+def _variable(model: pulp.LpProblem, name: str, *, binary: bool = False) -> pulp.LpVariable:
+    """A non-negative continuous (or binary) variable (PuLP >= 3.3 attaches it to the model)."""
+    cat = "Binary" if binary else "Continuous"
     if hasattr(model, "add_variable"):
-        return model.add_variable(name, lowBound=0)
-    return pulp.LpVariable(name, lowBound=0)
+        return model.add_variable(name, lowBound=0, cat=cat)
+    return pulp.LpVariable(name, lowBound=0, cat=cat)
 
 
-def _lp_solver() -> pulp.LpSolver:
+def _lp_solver(time_limit_s: float | None = None, gap_rel: float | None = None) -> pulp.LpSolver:
     """HiGHS in-process (one thread, as ``milp``), else PuLP's CBC."""
-    highs = pulp.HiGHS(msg=False, threads=1)
+    highs = pulp.HiGHS(msg=False, threads=1, timeLimit=time_limit_s, gapRel=gap_rel)
     if highs.available():
         return highs
-    return pulp.PULP_CBC_CMD(msg=False)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap_rel)

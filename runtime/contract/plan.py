@@ -615,8 +615,10 @@ class Report:
     predicted_samples_per_s: NonNegative
     physical_bound_samples_per_s: NonNegative
     """Samples/s no layout exceeds under the planning model: every device computing the
-    whole step at its fastest per-sample unit times, no bubble, sync or optimizer
-    (``hplan.planner.solve.bound``; 0 when not computed)."""
+    whole step at its fastest per-sample unit times, no bubble, sync or optimizer, and
+    at most the global batch per step, with each micro-batch's fixed cost, its trip through
+    every unit and a stage's wait for the stages before it (``hplan.planner.solve.bound``;
+    0 when not computed)."""
     efficiency: NonNegative
     """predicted_samples_per_s / physical_bound_samples_per_s."""
     bottleneck_rank: Index
