@@ -117,6 +117,20 @@ def wide_console(*, stderr: bool) -> Console:
     return Console(stderr=stderr, highlight=False, width=max(detected, TEXT_WIDTH))
 
 
+PIPE_WIDTH = 1000
+"""Columns of :func:`table_console` when its output is not a terminal: wider than any table
+hplan prints, so none folds its rows or cuts a cell to ``…``."""
+
+
+def table_console(*, stderr: bool) -> Console:
+    """A rich console for wide tables (``hplan calibrate``): on a
+    terminal as :func:`wide_console`; in a pipe, a file or a CI log (where rich would assume
+    80 columns) ``PIPE_WIDTH`` columns, lines unwrapped, so every table prints whole."""
+    if Console(stderr=stderr).is_terminal:
+        return wide_console(stderr=stderr)
+    return Console(stderr=stderr, highlight=False, width=PIPE_WIDTH, soft_wrap=True)
+
+
 _PRECISION_WORDS = {
     Precision.FP32: "fp32 (PyTorch defaults: float32 matmuls; convolutions in TF32 where the "
     "GPU has it)",
