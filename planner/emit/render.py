@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hplan.planner.emit.render_dot import render_dot
+from hplan.planner.solve.previous import PREVIOUS_BACKEND
 from hplan.planner.textfmt import (
     batch_share,
     count,
@@ -177,11 +178,7 @@ def _header(plan: Plan, width: int) -> list[Text]:
             f"{report.physical_bound_samples_per_s:.1f} samples/s (every device computing, no bubble or sync) · "
             f"efficiency {percent(report.efficiency)}",
         ),
-        (
-            "solver",
-            f"{report.solver_status} ({gap}) · {report.solver_backend} · "
-            f"costs from {report.cost_source}",
-        ),
+        ("solver", f"{_solver_text(report, gap)} · costs from {report.cost_source}"),
     ]
     lines = [title]
     for label, value in rows:
@@ -199,6 +196,14 @@ def _header(plan: Plan, width: int) -> list[Text]:
         row[0].stylize(style, _LABEL_WIDTH, _LABEL_WIDTH + len(lead))
         lines += row
     return lines
+
+
+def _solver_text(report: Report, gap: str) -> str:
+    """``optimal (gap 0.0%) · highs``; for a layout kept from ``--previous``, that it was
+    kept (no solver chose it; the notes give both predictions)."""
+    if report.solver_backend == PREVIOUS_BACKEND:
+        return "kept the --previous plan's layout (predicted no slower than the search's)"
+    return f"{report.solver_status} ({gap}) · {report.solver_backend}"
 
 
 def _ranks(ranks: Sequence[int]) -> str:
