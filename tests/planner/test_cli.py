@@ -703,3 +703,32 @@ def test_a_plan_given_as_profile_is_named_a_plan(mlp_plan, tmp_path, capsys):
     code, _, err = _run([*argv, "--profile", str(mlp_plan)], capsys)
     assert code == 2
     _assert_one_line_error(err, f"'{mlp_plan}' is a plan, not a profile")
+
+
+def test_a_metrics_folder_of_an_earlier_run_is_refused_not_overwritten(mlp_plan, tmp_path, capsys):
+    from hplan.runtime.executor.cli import main as runtime_main
+
+    metrics = tmp_path / "m"
+    metrics.mkdir()
+    (metrics / "rank-1.jsonl").write_text("earlier\n")
+    code, _, err = _run(
+        ["rehearse", str(mlp_plan), "--steps", "1", "--metrics-dir", str(metrics)], capsys
+    )
+    assert code == 2
+    _assert_one_line_error(
+        err, "already holds an earlier run's metrics (rank-1.jsonl)", "new folder"
+    )
+    check = [
+        "check",
+        str(mlp_plan),
+        "--node",
+        "fast",
+        "--steps",
+        "1",
+        "--metrics-dir",
+        str(metrics),
+    ]
+    assert runtime_main(check) == 2
+    _assert_one_line_error(capsys.readouterr().err, "already holds an earlier run's metrics")
+    assert (metrics / "rank-1.jsonl").read_text() == "earlier\n"
+    assert sorted(p.name for p in metrics.iterdir()) == ["rank-1.jsonl"]
