@@ -674,6 +674,16 @@ def _edited_plan(plan_path: Path, out: Path, edit) -> Path:
         ["calibrate", "{plan}", "{runs}"],
         ["replan", "{plan}", "-c", str(CLUSTERS / "cpu-rehearsal.yaml"), "--without", "slow"],
         ["run", "{plan}", "--node", "fast"],
+        [
+            "solve",
+            str(MLP),
+            "-c",
+            str(CLUSTERS / "cpu-rehearsal.yaml"),
+            "-o",
+            "{runs}",
+            "--previous",
+            "{plan}",
+        ],
     ],
     ids=lambda argv: argv[0],
 )
