@@ -806,6 +806,11 @@ class Plan:
             raise PlanFileError(f"plan is not valid JSON ({exc}); re-run `hplan solve`") from None
         if not isinstance(data, dict):
             raise PlanFileError("plan JSON must be an object; re-run `hplan solve`")
+        if "ranks" not in data or "cluster" not in data:
+            raise PlanFileError(
+                "this is not a plan (no 'ranks' or 'cluster'; a profile or another hplan "
+                "file?); give the plan.json `hplan solve` wrote"
+            )
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanFileError(

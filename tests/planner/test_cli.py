@@ -713,6 +713,11 @@ def test_a_plan_given_as_profile_is_named_a_plan(mlp_plan, tmp_path, capsys):
     code, _, err = _run([*argv, "--profile", str(mlp_plan)], capsys)
     assert code == 2
     _assert_one_line_error(err, f"'{mlp_plan}' is a plan, not a profile")
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"schema_version": 1, "devices": []}))
+    code, _, err = _run(["show", str(profile)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "is not a plan", "the plan.json `hplan solve` wrote")
 
 
 def test_a_metrics_folder_of_an_earlier_run_is_refused_not_overwritten(mlp_plan, tmp_path, capsys):
