@@ -171,6 +171,7 @@ class SolveRequest:
         Raises:
             ConfigError: naming the option, its value and the allowed range.
             ModelFileError: the model file is missing or a directory.
+            PlanFileError: the ``--previous`` plan is not a valid, complete plan.
         """
         if self.global_batch_size < 1:
             raise ConfigError(f"global batch size {self.global_batch_size} must be >= 1 (-b)")
@@ -223,6 +224,8 @@ class SolveRequest:
         ):
             if path is not None and not path.exists():
                 raise ConfigError(f"{what} {str(path)!r} does not exist; pass an existing path")
+        if self.previous_plan_path is not None:
+            Plan.load(self.previous_plan_path)  # a bad plan is refused before the solve
 
 
 def _check_sync(sync: str, max_local_steps: int) -> None:

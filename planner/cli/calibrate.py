@@ -60,7 +60,7 @@ def calibrate(
     against the training memory measured: the peak less what the process held before its
     stage was built (on CPU its resident set, on a GPU the CUDA allocator's).
     """
-    from hplan.planner.emit.render import wide_console
+    from hplan.planner.emit.render import table_console
     from hplan.planner.profiling.calibrate import calibrate as run_calibration
     from hplan.planner.profiling.calibrate import (
         check_profile_out,
@@ -77,7 +77,7 @@ def calibrate(
     base = load_profiles(profile_paths) if profile_paths else None
     runs = load_runs(runs_dir)
     result = run_calibration([(plan, runs)], base)
-    stderr = wide_console(stderr=True)
+    stderr = table_console(stderr=True)
     print_calibration(result, stderr)
     for path in single_step_runs(runs):
         stderr.print(

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 _GIGA = 1e9
 _TERA = 1e12
 _MS_PER_S = 1e3
-_MIB = 2**20
+_MEGA = 1e6
 _MAX_SIZE_COLUMNS = 6
 
 
@@ -190,7 +190,7 @@ def profile_tables(profile: Profile) -> list[Table]:
 def _device_table(profile: Profile) -> Table:
     dtypes = list(dict.fromkeys(d for p in profile.devices for d in p.matmul_flops_per_s))
     table = Table(title="devices (median ± half the p10-p90 range)", title_justify="left")
-    for column in ("key", "name", "memory MiB", *(f"{d} TFLOP/s" for d in dtypes), "copy GB/s"):
+    for column in ("key", "name", "memory GB", *(f"{d} TFLOP/s" for d in dtypes), "copy GB/s"):
         table.add_column(column)
     for device in profile.devices:
         flops = device.matmul_flops_per_s
@@ -198,7 +198,7 @@ def _device_table(profile: Profile) -> Table:
         table.add_row(
             device.key,
             device.name,
-            f"{device.memory_bytes / _MIB:.0f}",
+            f"{device.memory_bytes / _GIGA:.1f}",
             *(_spread(flops[d], _TERA, 3) if d in flops else "-" for d in dtypes),
             _spread(bandwidth, _GIGA, 1) if bandwidth else "-",
         )
@@ -224,7 +224,7 @@ def _unit_table(profile: Profile) -> Table:
     for size in sizes:
         table.add_column(f"mbs {size}", justify="right")
     table.add_column("optimizer ms", justify="right")
-    table.add_column(f"activations / peak MiB (mbs {sizes[-1]})", justify="right")
+    table.add_column(f"activations / peak MB (mbs {sizes[-1]})", justify="right")
     rows: dict[tuple[str, str], dict[int, UnitTiming]] = {}
     for t in profile.unit_timings:
         rows.setdefault((t.device, t.unit), {})[t.micro_batch_size] = t
@@ -238,7 +238,7 @@ def _unit_table(profile: Profile) -> Table:
             )
         last = by_size[max(by_size)]
         optimizer = last.optimizer_s
-        memory = f"{last.activation_bytes / _MIB:.2f} / {last.peak_bytes / _MIB:.2f}"
+        memory = f"{last.activation_bytes / _MEGA:.2f} / {last.peak_bytes / _MEGA:.2f}"
         table.add_row(device, unit, *cells, "-" if optimizer is None else _ms(optimizer), memory)
     return table
 

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hplan.planner.emit.render_dot import render_dot
+from hplan.planner.solve.previous import PREVIOUS_BACKEND
 from hplan.planner.textfmt import (
     batch_share,
     count,
@@ -117,6 +118,20 @@ def wide_console(*, stderr: bool) -> Console:
     return Console(stderr=stderr, highlight=False, width=max(detected, TEXT_WIDTH))
 
 
+PIPE_WIDTH = 1000
+"""Columns of :func:`table_console` when its output is not a terminal: wider than any table
+hplan prints, so none folds its rows or cuts a cell to ``…``."""
+
+
+def table_console(*, stderr: bool) -> Console:
+    """A rich console for wide tables (``hplan calibrate``): on a
+    terminal as :func:`wide_console`; in a pipe, a file or a CI log (where rich would assume
+    80 columns) ``PIPE_WIDTH`` columns, lines unwrapped, so every table prints whole."""
+    if Console(stderr=stderr).is_terminal:
+        return wide_console(stderr=stderr)
+    return Console(stderr=stderr, highlight=False, width=PIPE_WIDTH, soft_wrap=True)
+
+
 _PRECISION_WORDS = {
     Precision.FP32: "fp32 (PyTorch defaults: float32 matmuls; convolutions in TF32 where the "
     "GPU has it)",
@@ -163,11 +178,7 @@ def _header(plan: Plan, width: int) -> list[Text]:
             f"{report.physical_bound_samples_per_s:.1f} samples/s (no bubble or sync; at this batch) · "
             f"efficiency {percent(report.efficiency)}",
         ),
-        (
-            "solver",
-            f"{report.solver_status} ({gap}) · {report.solver_backend} · "
-            f"costs from {report.cost_source}",
-        ),
+        ("solver", f"{_solver_text(report, gap)} · costs from {report.cost_source}"),
     ]
     lines = [title]
     for label, value in rows:
@@ -185,6 +196,14 @@ def _header(plan: Plan, width: int) -> list[Text]:
         row[0].stylize(style, _LABEL_WIDTH, _LABEL_WIDTH + len(lead))
         lines += row
     return lines
+
+
+def _solver_text(report: Report, gap: str) -> str:
+    """``optimal (gap 0.0%) · highs``; for a layout kept from ``--previous``, that it was
+    kept (no solver chose it; the notes give both predictions)."""
+    if report.solver_backend == PREVIOUS_BACKEND:
+        return "kept the --previous plan's layout (predicted no slower than the search's)"
+    return f"{report.solver_status} ({gap}) · {report.solver_backend}"
 
 
 def _ranks(ranks: Sequence[int]) -> str:

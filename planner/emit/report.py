@@ -24,6 +24,7 @@ from hplan.planner.solve.baselines import (
 )
 from hplan.planner.solve.bound import throughput_bound_samples_per_s
 from hplan.planner.solve.idle import idle_reasons
+from hplan.planner.solve.previous import PREVIOUS_BACKEND
 from hplan.planner.solve.solver import SolveResult
 from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, group_choices
 from hplan.planner.textfmt import count
@@ -122,7 +123,7 @@ def _source_note(result: SolveResult) -> tuple[str, ...]:
     """Where the layout came from; nothing for a baseline the user asked for (its own note
     says so)."""
     source = result.source
-    if source.startswith(REQUESTED):
+    if source.startswith(REQUESTED) or result.backend == PREVIOUS_BACKEND:
         return ()
     if source.startswith("baseline"):
         return (f"the {source} was the fastest layout found",)

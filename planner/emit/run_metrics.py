@@ -116,7 +116,7 @@ def run_metrics(runs_dir: Path, plan_path: Path | None = None) -> RunMetrics:
     plan = Plan.load(found) if found is not None else None
     if plan is not None:
         _check_ranks(plan, runs)
-        check_runs_of_plan(plan, runs)
+        check_runs_of_plan(plan, runs, "give the plan that ran (--plan PLAN)")
     ranks = sorted({r.rank for run in runs for r in run.records})
     step_s, samples_s, loss = _job_figures(runs)
     return RunMetrics(

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hplan.planner.hardware.catalog import lookup_device_type, normalize_name
+from hplan.planner.textfmt import format_bytes
 from hplan.runtime.contract.errors import ConfigError
 
 Detail = str | int | float | bool
-_MIB = 2**20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -360,11 +360,12 @@ def _with_torch_peers(index: int, gpu: GpuInfo, gpus: Sequence[GpuInfo]) -> GpuI
 
 
 def describe_gpu(gpu: GpuInfo) -> str:
-    """One line: ``cuda:0 NVIDIA GeForce RTX 3090 (rtx3090), 24576 MiB, 0000:01:00.0``."""
+    """One line: ``cuda:0 NVIDIA GeForce RTX 3090 (rtx3090), 25.8 GB, 0000:01:00.0`` (decimal
+    GB, as every figure hplan prints)."""
     where = f"cuda:{gpu.torch_index}" if gpu.torch_index is not None else "not usable by torch"
     known = "" if gpu.in_catalog else ", not in the device catalog"
     return (
-        f"{where} {gpu.name} ({gpu.kind}{known}), {gpu.memory_total_bytes // _MIB} MiB, "
+        f"{where} {gpu.name} ({gpu.kind}{known}), {format_bytes(gpu.memory_total_bytes)}, "
         f"PCI {gpu.pci_bus_id or '?'}"
     )
 
@@ -374,5 +375,5 @@ def iter_details(discovery: Discovery) -> Iterator[str]:
     for gpu in discovery.gpus:
         yield describe_gpu(gpu)
     cpu = discovery.cpu
-    yield f"cpu {cpu.name}, {cpu.num_cores} cores, {cpu.memory_total_bytes // _MIB} MiB"
+    yield f"cpu {cpu.name}, {cpu.num_cores} cores, {format_bytes(cpu.memory_total_bytes)}"
     yield from discovery.notes

@@ -162,10 +162,18 @@ def sibling_group(plan: Plan, device: str) -> str:
     )
 
 
-def check_runs_of_plan(plan: Plan, runs: Sequence[Run]) -> None:
+CALIBRATE_PLAN = "give the plan that ran as `hplan calibrate`'s PLAN argument"
+"""How :func:`check_runs_of_plan` tells ``hplan calibrate``'s user to give another plan."""
+
+
+def check_runs_of_plan(plan: Plan, runs: Sequence[Run], give_plan: str = CALIBRATE_PLAN) -> None:
     """Refuse runs whose recorded ``plan.json`` (rehearsals write one) places ranks otherwise,
     or whose metrics (every run's) put a rank in another replica or stage, or give it
     another number of samples, than ``plan`` does.
+
+    Args:
+        give_plan: the fix's first half, naming how the command takes the plan (its
+            option or argument).
 
     Raises:
         ConfigError: a run folder holds the plan of another layout.
@@ -185,8 +193,8 @@ def check_runs_of_plan(plan: Plan, runs: Sequence[Run]) -> None:
                     f"{run.path} is a run of another plan: its rank {record.rank} ran replica "
                     f"{record.replica} stage {record.stage} with {record.samples} samples, the "
                     "plan gives it "
-                    f"replica {rp.replica} stage {rp.stage} with {rp.num_samples}; give the "
-                    "plan that ran (--plan), or the runs of this plan"
+                    f"replica {rp.replica} stage {rp.stage} with {rp.num_samples}; "
+                    f"{give_plan}, or the runs of this plan"
                 )
         recorded = run.path / "plan.json"
         if not recorded.is_file():
@@ -195,7 +203,7 @@ def check_runs_of_plan(plan: Plan, runs: Sequence[Run]) -> None:
         if ran.ranks != plan.ranks:
             raise ConfigError(
                 f"{run.path} is a run of another plan (its plan.json places ranks otherwise); "
-                "give the plan that ran, or the runs of this plan"
+                f"{give_plan}, or the runs of this plan"
             )
 
 

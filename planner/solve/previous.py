@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hplan.planner.cost.evaluate import evaluate
-from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.solver import SolveResult
@@ -26,10 +26,15 @@ from hplan.runtime.contract.plan import (
     Plan,
     Schedule,
     SolverStatus,
+    SyncMode,
     ZeroStage,
 )
 
-__all__ = ["keep_previous", "layout_of_plan"]
+__all__ = ["PREVIOUS_BACKEND", "keep_previous", "layout_of_plan"]
+
+PREVIOUS_BACKEND = "previous plan"
+"""``SolveResult.backend`` (and the report's ``solver_backend``) of a kept ``--previous``
+layout: no solver chose it, so the summary says it was kept rather than a solver status."""
 
 
 def _refuse(path: Path, what: str) -> ConfigError:
@@ -39,15 +44,48 @@ def _refuse(path: Path, what: str) -> ConfigError:
     )
 
 
+def _island_sync(plan: Plan, problem: PlanningProblem, path: Path) -> IslandSync | None:
+    """The solver's form of ``plan``'s islands and their sync (``Layout.sync``); None when
+    the plan has no islands.
+
+    Raises:
+        ConfigError: the islands hold another cluster's nodes, or the holder sets that span
+            them sync in different ways (the solver gives them all one mode and H).
+    """
+    sync = plan.training.sync
+    if sync is None:
+        return None
+    islands = tuple(i.nodes for i in sync.islands)
+    placed = sorted(n for nodes in islands for n in nodes)
+    if placed != sorted(set(problem.device_nodes)):
+        raise _refuse(path, f"its islands hold nodes {placed}, this cluster has others")
+    ways = {(g.mode, g.local_steps, g.wire_dtype, g.num_fragments) for g in sync.groups}
+    if len(ways) > 1:
+        raise _refuse(
+            path,
+            "its holder sets sync across islands in different ways (modes or H); hplan "
+            "solve gives them all one, so it cannot re-predict this plan",
+        )
+    if not ways:
+        return IslandSync(islands=islands, mode=SyncMode.ALL_REDUCE)
+    mode, local_steps, wire_dtype, num_fragments = ways.pop()
+    return IslandSync(
+        islands=islands,
+        mode=mode,
+        local_steps=local_steps,
+        wire_dtype=wire_dtype,
+        num_fragments=num_fragments,
+    )
+
+
 def layout_of_plan(plan: Plan, problem: PlanningProblem, path: Path) -> Layout:
     """The solver's layout of ``plan``, in ``problem``'s device and unit indices.
 
     Raises:
-        ConfigError: the plan has islands, or a device, unit, global batch or micro-batch
-            size the problem lacks (naming it).
+        ConfigError: the plan has a device, node, unit, global batch or micro-batch size the
+            problem lacks (naming it), or islands synced in more than one way.
     """
-    if plan.training.sync is not None:
-        raise _refuse(path, "a plan with islands cannot be compared")
+    sync = _island_sync(plan, problem, path)
     if plan.global_batch_size != problem.global_batch_size:
         raise _refuse(
             path,
@@ -94,7 +132,7 @@ def layout_of_plan(plan: Plan, problem: PlanningProblem, path: Path) -> Layout:
     if plan.training.zero_stage is not ZeroStage.NONE:
         by_device = {devices[r.device]: r.optimizer_shard_weight for r in plan.ranks}
         weights = tuple(by_device.get(d, 0.0) for d in range(len(problem.device_names)))
-    layout = Layout(replicas=tuple(replicas), optimizer_shard_weights=weights)
+    layout = Layout(replicas=tuple(replicas), sync=sync, optimizer_shard_weights=weights)
     try:
         layout.verify()
     except ValueError as exc:
@@ -147,8 +185,8 @@ def keep_previous(
         evaluation=evaluation,
         status=SolverStatus.HEURISTIC,
         gap=None,
-        backend=result.backend,
-        source="previous plan",
+        backend=PREVIOUS_BACKEND,
+        source=PREVIOUS_BACKEND,
         notes=(*result.notes, note),
         simulated_step_time_s=simulated_s,
     )

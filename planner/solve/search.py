@@ -720,6 +720,40 @@ def _unit_hint(state_bytes: float, moved_bytes: float, need_bytes: float, offloa
     return ""
 
 
+def _host_binding(problem: PlanningProblem, shed_bytes: float, moved_bytes: float) -> str | None:
+    """The host memory constraint, when it is what binds: offloading enough optimizer state
+    to shed ``shed_bytes`` of device memory needs more host memory than the nodes have
+    usable. None when it does not bind (or the problem has no offload figures).
+
+    The host bytes needed are at least ``shed_bytes`` x (host bytes / device bytes moved)
+    over the whole model (``offload_host_bytes`` / ``offload_saving_bytes``): every unit
+    moves about that ratio.
+    """
+    if problem.offload_host_bytes is None or problem.host_capacity_bytes is None:
+        return None
+    if moved_bytes <= 0:
+        return None
+    need = shed_bytes * float(problem.offload_host_bytes.sum()) / moved_bytes
+    by_node = {
+        node: float(problem.host_capacity_bytes[d]) for d, node in enumerate(problem.device_nodes)
+    }
+    have = sum(by_node.values())
+    if need <= have:
+        return None
+    if len(by_node) == 1:
+        where = f"node {next(iter(by_node))} has {format_bytes(have)} usable"
+    else:
+        nodes = ", ".join(f"{n} {format_bytes(b)}" for n, b in list(by_node.items())[:4])
+        more = f" and {len(by_node) - 4} more" if len(by_node) > 4 else ""
+        where = f"the nodes have {format_bytes(have)} usable together ({nodes}{more})"
+    return (
+        f"host memory binds: that offload needs at least {format_bytes(need)} of host memory "
+        f"and {where} (host_memory_gb in cluster.yaml, or twice the node's device memory when "
+        "not given, less a reserve per rank); raise host_memory_gb where a node has more, or "
+        "add devices or memory"
+    )
+
+
 def _whole_model_line(
     problem: PlanningProblem, total: float, usable: float, moved: float, offload: str
 ) -> str:
@@ -735,11 +769,16 @@ def _whole_model_line(
             f"{format_bytes(total - moved)}: allow --offload auto, or add devices or memory"
         )
     if moved > 0 and total - moved <= usable:
-        return (
+        offloaded = (
             f"{head}; with the optimizer state offloaded to host memory it needs "
-            f"{format_bytes(total - moved)} on the devices, but no layout fits that with "
-            "activations, or the nodes' host memory does not hold the offload (declare "
-            "host_memory_gb in cluster.yaml); add devices or memory"
+            f"{format_bytes(total - moved)} on the devices"
+        )
+        host = _host_binding(problem, total - usable, moved)
+        if host is not None:
+            return f"{offloaded}, which fits, but {host}"
+        return (
+            f"{offloaded}, but no layout fits that with activations; add devices or memory, "
+            "or reduce the micro-batch size"
         )
     still = f" (offloaded, it still needs {format_bytes(total - moved)})" if moved > 0 else ""
     return (

@@ -57,6 +57,7 @@ from hplan.runtime.contract.plan import (
     DeviceSpec,
     GradSyncReport,
     LinkSpec,
+    MemoryModelSpec,
     ModelSpec,
     NodeSpec,
     Plan,
@@ -67,6 +68,7 @@ from hplan.runtime.contract.plan import (
     TensorSpec,
     TraceMethod,
     TrainingSpec,
+    UnitMemorySpec,
     UnitSpec,
 )
 
@@ -151,9 +153,32 @@ def import_study_plan(data: SailorData, study: StudyPlan) -> Plan:
         training=TrainingSpec(),
         ranks=tuple(ranks),
         report=_report(data, study, tuple(ranks), tuple(reports)),
+        memory=_memory_spec(data),
     )
     plan.verify()
     return plan
+
+
+def _memory_spec(data: SailorData) -> MemoryModelSpec:
+    """The study model's sizes for the memory check at load (``plan.memory``). Its units
+    name no parameters (the study gives counts, not tensors), so each layer's
+    mixed-precision Adam state (``ADAM_MIXED_BYTES_PER_PARAM`` per parameter) is its
+    ``frozen_bytes``, and its activations per sample are the study's ``act_mem_bytes``;
+    both at tp 1, the whole layer (a tp group is one device with its GPUs' memory summed).
+    """
+    info = data.llm_info["1"]
+    return MemoryModelSpec(
+        optimizer_state_bytes_per_param_byte=0.0,
+        parameters=(),
+        units=tuple(
+            UnitMemorySpec(
+                unit=unit_name(i),
+                activation_bytes_per_sample=float(info[str(i)]["act_mem_bytes"]),
+                frozen_bytes=int(info[str(i)]["params_floats"]) * ADAM_MIXED_BYTES_PER_PARAM,
+            )
+            for i in range(data.num_layers)
+        ),
+    )
 
 
 def _model_spec() -> ModelSpec:

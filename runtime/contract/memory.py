@@ -58,6 +58,7 @@ from hplan.runtime.contract.plan import (
     ZeroStage,
     wire_spec,
 )
+from hplan.runtime.contract.quantities import format_bytes_pair
 
 GIB: float = 1024.0**3
 
@@ -374,11 +375,12 @@ def memory_problems(plan: Plan) -> list[str]:
     for rank, need in zip(plan.ranks, found, strict=True):
         capacity = device_capacity_bytes(devices[rank.device])
         if need.total_bytes > capacity:
+            need_text, capacity_text = format_bytes_pair(need.total_bytes, capacity)
             problems.append(
-                f"rank {rank.rank} on {rank.device} needs {_gb(need.total_bytes)} under "
+                f"rank {rank.rank} on {rank.device} needs {need_text} under "
                 f"{plan.training.schedule.value} with micro-batch {rank.micro_batch_size} x "
                 f"{rank.num_microbatches} ({strategy_text(rank)}), its device has "
-                f"{_gb(capacity)} usable"
+                f"{capacity_text} usable"
             )
     return problems + host_memory_problems(plan, found)
 
@@ -399,9 +401,10 @@ def host_memory_problems(plan: Plan, found: tuple[RankMemory, ...]) -> list[str]
         capacity = host_capacity_bytes(plan, node)
         if num_bytes > capacity:
             ranks = [r.rank for r in plan.ranks if r.node == node and r.optimizer_offload]
+            need_text, capacity_text = format_bytes_pair(num_bytes, capacity)
             problems.append(
-                f"{HOST_PROBLEM} {ranks} needs {_gb(num_bytes)} of node "
-                f"{node}'s host memory, it has {_gb(capacity)} usable"
+                f"{HOST_PROBLEM} {ranks} needs {need_text} of node "
+                f"{node}'s host memory, it has {capacity_text} usable"
             )
     return problems
 
@@ -411,12 +414,6 @@ def strategy_text(rank: RankPlan) -> str:
     if rank.memory_strategy is MemoryStrategy.SELECTIVE:
         return f"selective {len(rank.recompute_units)}/{len(rank.units)}"
     return rank.memory_strategy.value
-
-
-def _gb(num_bytes: float) -> str:
-    if num_bytes >= 0.1 * GIB:
-        return f"{num_bytes / GIB:.2f} GiB"
-    return f"{num_bytes / 1024**2:.1f} MiB"
 
 
 def check_fits(plan: Plan, where: str = "the plan") -> Plan:

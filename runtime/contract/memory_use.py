@@ -35,7 +35,7 @@ from pathlib import Path
 from hplan.runtime.contract.memory import device_reserve_bytes
 from hplan.runtime.contract.metrics_file import MemoryMeasure, StepMetrics
 from hplan.runtime.contract.plan import DeviceSpec, Plan, RankReport
-from hplan.runtime.contract.quantities import BYTES_PER_GB, BYTES_PER_KB, BYTES_PER_MB
+from hplan.runtime.contract.quantities import format_bytes, format_bytes_pair
 
 _MEASURES = {
     MemoryMeasure.CUDA_ALLOCATED: "CUDA allocated",
@@ -358,24 +358,3 @@ def _last_measured(record: StepMetrics, metrics: Path | None) -> str:
 def last_record(records: Sequence[StepMetrics]) -> StepMetrics | None:
     """The record of the latest step (None: none)."""
     return max(records, key=lambda r: r.step, default=None)
-
-
-_UNITS = ((BYTES_PER_GB, "GB"), (BYTES_PER_MB, "MB"), (BYTES_PER_KB, "kB"))
-
-
-def format_bytes(num_bytes: float, decimals: int = 1) -> str:
-    """Decimal units for messages: ``1_500_000 -> "1.5 MB"``, ``512 -> "512 B"``."""
-    for scale_bytes, unit in _UNITS:
-        if abs(num_bytes) >= scale_bytes:
-            return f"{num_bytes / scale_bytes:.{decimals}f} {unit}"
-    return f"{num_bytes:.0f} B"
-
-
-def format_bytes_pair(first_bytes: float, second_bytes: float) -> tuple[str, str]:
-    """Two different byte counts with as many decimals (1 to 4) as tell them apart:
-    ``(11.81e9, 11.8e9) -> ("11.81 GB", "11.80 GB")``."""
-    for decimals in (1, 2, 3):
-        pair = format_bytes(first_bytes, decimals), format_bytes(second_bytes, decimals)
-        if pair[0] != pair[1] or first_bytes == second_bytes:
-            return pair
-    return format_bytes(first_bytes, 4), format_bytes(second_bytes, 4)

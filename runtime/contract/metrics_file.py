@@ -134,6 +134,22 @@ def metrics_path(metrics_dir: Path, rank: int) -> Path:
     return metrics_dir / f"rank-{rank}.jsonl"
 
 
+def check_fresh_metrics_dir(metrics_dir: Path, ranks: Sequence[int]) -> None:
+    """Refuse a metrics folder that already holds metrics of one of ``ranks`` (an earlier
+    run's): a run writes its ``rank-<r>.jsonl`` from scratch and would overwrite them.
+
+    Raises:
+        ConfigError: naming the folder, the first such file and the fix.
+    """
+    found = [metrics_path(metrics_dir, r) for r in ranks if metrics_path(metrics_dir, r).exists()]
+    if found:
+        raise ConfigError(
+            f"--metrics-dir {str(metrics_dir)!r} already holds an earlier run's metrics "
+            f"({found[0].name}); give each run a new folder (a resumed run too), or remove "
+            "that run's rank-*.jsonl to overwrite it"
+        )
+
+
 class MetricsWriter:
     """Appends :class:`StepMetrics` as JSON lines, one flushed line per step."""
 

@@ -29,7 +29,7 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import Field, Strict, TypeAdapter, ValidationError
 
 from hplan.runtime.contract.errors import PlanFileError
 from hplan.runtime.contract.versioned_file import record
@@ -49,6 +49,9 @@ Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 """A finite number > 0 (a bandwidth, a peak, a timeout)."""
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 """A finite number >= 0 (a time, a latency, a speed ratio)."""
+Flag = Annotated[bool, Strict()]
+"""JSON ``true`` or ``false`` only: ``"yes"``, ``1`` or ``"false"`` are refused at load
+(pydantic's lax mode would read ``"yes"`` as true)."""
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
@@ -212,7 +215,7 @@ class TensorSpec:
     """torch dtype name without the ``torch.`` prefix, e.g. ``float32``, ``int64``, ``bool``."""
     batch_dim: Index | None
     """Dimension whose size is ``shape[batch_dim] * micro_batch_size``; None: not batched."""
-    requires_grad: bool
+    requires_grad: Flag
     """True when a gradient flows back across the boundary (float tensors only)."""
 
     def shape_for(self, micro_batch_size: int) -> tuple[int, ...]:
@@ -343,7 +346,7 @@ class DeviceSpec:
     peak_flops: Positive
     """Peak FLOP/s for the model's dtype (used for emulation and reports)."""
     memory_bandwidth_bytes_per_s: Positive
-    consumer_card: bool
+    consumer_card: Flag
     """GeForce-class card: peer-to-peer over PCIe is unreliable, NCCL P2P is disabled."""
 
 
@@ -473,7 +476,7 @@ class RankPlan:
     """Under ``training.zero_stage`` 1: this rank's relative share of the optimizer state of
     every holder set it belongs to (shards proportional to the members' weights; see
     ``holders.optimizer_shards``). Ignored under stage 0."""
-    optimizer_offload: bool = False
+    optimizer_offload: Flag = False
     """This rank keeps its optimizer state and an fp32 master copy of its trainable
     parameters in host memory (pinned on CUDA) and steps the model file's optimizer there:
     after the backward and the gradient sync its gradients go to the host, the updated
@@ -672,7 +675,9 @@ class Plan:
     ranks: tuple[RankPlan, ...]
     report: Report
     memory: MemoryModelSpec | None = None
-    """Sizes for the memory check at load; None: the plan carries none (not checked)."""
+    """Sizes for the memory check at load (``contract.memory.check_fits``). ``hplan solve``
+    always writes them and :meth:`from_json` refuses a file without them (a plan whose
+    memory cannot be re-checked is not run); None only while the planner builds a plan."""
 
     # ----------------------------------------------------------------- derived views
     @property
@@ -793,8 +798,9 @@ class Plan:
         """Parse and validate plan JSON.
 
         Raises:
-            PlanFileError: not JSON, wrong schema version, unknown keys, wrong types, or an
-                inconsistent plan (see :meth:`verify`). The message names the field.
+            PlanFileError: not JSON, wrong schema version, unknown keys, wrong types, no
+                ``memory`` section, or an inconsistent plan (see :meth:`verify`). The message
+                names the field.
         """
         try:
             data = json.loads(text)
@@ -802,6 +808,11 @@ class Plan:
             raise PlanFileError(f"plan is not valid JSON ({exc}); re-run `hplan solve`") from None
         if not isinstance(data, dict):
             raise PlanFileError("plan JSON must be an object; re-run `hplan solve`")
+        if "ranks" not in data or "cluster" not in data:
+            raise PlanFileError(
+                "this is not a plan (no 'ranks' or 'cluster'; a profile or another hplan "
+                "file?); give the plan.json `hplan solve` wrote"
+            )
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanFileError(
@@ -813,6 +824,12 @@ class Plan:
         except ValidationError as exc:
             raise PlanFileError(_validation_message(exc, data, ())) from None
         _verify_plan(plan)
+        if plan.memory is None:
+            raise PlanFileError(
+                "plan has no 'memory' section (the sizes its memory is checked with), so it "
+                "cannot be checked against its devices; re-run `hplan solve` to write a "
+                "complete plan.json"
+            )
         return plan
 
     @staticmethod
@@ -888,6 +905,12 @@ def _validation_message(exc: ValidationError, data: Any, prefix: Loc) -> str:
     """One line for pydantic's first error on plan ``data`` (at ``prefix`` in a plan)."""
     first = exc.errors()[0]
     loc: Loc = (*prefix, *first["loc"])
+    if first["type"] == "bool_type":
+        where = ".".join(str(p) for p in loc)
+        return (
+            f"plan field {where!r} is {first['input']!r}; it must be true or false (a JSON "
+            "boolean, not a string or number): fix that value or re-run `hplan solve`"
+        )
     if first["type"] not in _RANGE_ERRORS:
         where = ".".join(str(p) for p in loc)
         return f"plan field {where!r}: {first['msg']}; re-run `hplan solve`"

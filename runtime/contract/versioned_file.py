@@ -23,6 +23,19 @@ _T = TypeVar("_T")
 _STRICT = ConfigDict(extra="forbid", revalidate_instances="always")
 
 
+_PLAN_KEYS = frozenset({"schema_version", "model", "units", "cuts", "cluster", "ranks", "report"})
+"""Top-level keys every ``plan.json`` has (``contract.plan.Plan``), and no other file."""
+
+
+def _plan_kind(data: object) -> str | None:
+    """``"plan"`` when ``data`` is a parsed ``plan.json``, else None: so a plan given where
+    another file belongs (``--profile plan.json``) is named as a plan, not reported as that
+    file with the wrong schema version."""
+    if isinstance(data, dict) and data.keys() >= _PLAN_KEYS:
+        return "plan"
+    return None
+
+
 @dataclass_transform(frozen_default=True, kw_only_default=True)
 def record(cls: type[_T]) -> type[_T]:
     """Make ``cls`` a file record: ``@dataclass(frozen=True, slots=True, kw_only=True)``
@@ -50,6 +63,9 @@ def parse_versioned(
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{what} {source!r} is not valid JSON ({exc}); {fix}") from None
+    other = _plan_kind(data)
+    if other is not None and other != what:
+        raise ConfigError(f"{source!r} is a {other}, not a {what}: give a {what} here ({fix})")
     found = data.get("schema_version") if isinstance(data, dict) else None
     if found is None:
         raise ConfigError(

@@ -47,7 +47,11 @@ from hplan.runtime.contract.memory_use import (
     oom_cause,
     oom_kill_counts,
 )
-from hplan.runtime.contract.metrics_file import metrics_path, read_rank_metrics
+from hplan.runtime.contract.metrics_file import (
+    check_fresh_metrics_dir,
+    metrics_path,
+    read_rank_metrics,
+)
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.quantities import S_PER_MIN
 
@@ -226,6 +230,8 @@ def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     options = run_options(args)
     check_training_length(plan, options)  # before anything waits or loads user code
     check_environment(plan, rank, options)
+    if options.metrics_dir is not None:
+        check_fresh_metrics_dir(options.metrics_dir, [rank])
     run_rank(plan, rank, plan_model_path(plan.model.path, args.plan, args.model), options)
 
 
@@ -249,6 +255,8 @@ def check_node(args: argparse.Namespace, plan: Plan) -> None:
     ranks = [first] if args.rank is not None else [r.rank for r in plan.ranks if r.node == node]
     for rank in ranks:
         check_environment(plan, rank, options)
+    if options.metrics_dir is not None:
+        check_fresh_metrics_dir(options.metrics_dir, ranks)
     bind_interface(plan.node(node), run_backend(plan, options), {})
     model = plan_model_path(plan.model.path, args.plan, args.model)  # checks the plan's own
     if not model.is_file():

@@ -69,6 +69,7 @@ from hplan.runtime.contract.errors import (
 from hplan.runtime.contract.metrics_file import (
     RankSummary,
     StepSummary,
+    check_fresh_metrics_dir,
     summarize_metrics,
     typical_step_time_s,
 )
@@ -266,6 +267,8 @@ def rehearse(
         check_trace_path(trace_path)
     if metrics_dir is not None and Path(metrics_dir).exists() and not Path(metrics_dir).is_dir():
         raise ConfigError(f"metrics folder {str(metrics_dir)!r} is a file; give a directory")
+    if metrics_dir is not None:
+        check_fresh_metrics_dir(Path(metrics_dir), [r.rank for r in plan.ranks])
     _check_host_memory(plan)
     slowdown = dict(slowdown or {})
     unused = check_slowdown(plan, slowdown)

@@ -230,6 +230,9 @@ def test_calibrate_cli_prints_the_table_and_writes_the_profile(plan, tmp_path):
         cli, ["calibrate", str(plan_path), str(tmp_path / "runs"), "-o", str(out), "--json"]
     )
     assert result.exit_code == 0, result.output
+    # Not a terminal: the tables print whole, at any width (rich would assume 80 columns).
+    assert "…" not in result.stderr
+    assert "measured/predicted" in result.stderr
     summary = json.loads(result.stdout)
     assert summary["kind_corrections"] == {"cpu": pytest.approx(1.0)}
     assert summary["stragglers"] == []
@@ -327,8 +330,10 @@ def test_runs_of_another_plan_are_refused(plan, tmp_path):
     folder.mkdir()
     (folder / "plan.json").write_text(other.to_json(), encoding="utf-8")
     run = Run(folder, 1.0, _records(plan, {}, 1.0))
-    with pytest.raises(ConfigError, match="run of another plan"):
+    with pytest.raises(ConfigError, match="run of another plan") as refused:
         calibrate([(plan, [run])])
+    assert "`hplan calibrate`'s PLAN argument" in str(refused.value)
+    assert "--plan" not in str(refused.value)  # calibrate has no such option
     (folder / "plan.json").write_text(plan.to_json(), encoding="utf-8")
     assert calibrate([(plan, [run])]).factors == ()
 

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from hplan.planner.api import SolveRequest, Strategy, plan_training
 from hplan.planner.cli.main import cli
+from hplan.planner.emit.render import render_text
 from hplan.planner.profiling.calibrate import calibrate, load_runs, write_profile
 from hplan.planner.profiling.comm_calibration import (
     Ring,
@@ -23,8 +24,16 @@ from hplan.planner.profiling.comm_calibration import (
 )
 from hplan.planner.profiling.profile_file import NodeCollective, Profile
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.holders import outer_groups
 from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES, group_ring_time_s
-from hplan.runtime.contract.plan import CollectiveSpec, Plan
+from hplan.runtime.contract.plan import (
+    CollectiveSpec,
+    IslandSpec,
+    OuterSyncSpec,
+    Plan,
+    SyncMode,
+    SyncSpec,
+)
 from hplan.runtime.rehearsal.rehearse import rehearse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -221,6 +230,24 @@ def test_previous_plan_is_kept_unless_the_search_is_predicted_faster(tmp_path):
     kept = solve("kept", Strategy.HPLAN, previous=tmp_path / "searched" / "plan.json")
     assert [r.units for r in kept.ranks] == [r.units for r in searched.ranks]
     assert any("kept its layout" in n for n in kept.report.notes)
+    solver_line = next(x for x in render_text(kept).splitlines() if x.startswith("solver"))
+    assert "kept the --previous plan's layout" in solver_line and "heuristic" not in solver_line
+    assert not any("found by the search scenario" in n for n in kept.report.notes)
+    # a plan with islands (one per node, local SGD every 4 steps) is re-predicted too
+    islands = tuple(IslandSpec(name=n.name, nodes=(n.name,)) for n in searched.cluster.nodes)
+    placed = replace(searched.training, sync=SyncSpec(islands=islands))
+    groups = tuple(
+        OuterSyncSpec(ranks=ranks, mode=SyncMode.LOCAL_SGD, local_steps=4)
+        for ranks in sorted(outer_groups(replace(searched, training=placed)))
+    )
+    local = replace(
+        searched, training=replace(placed, sync=SyncSpec(islands=islands, groups=groups))
+    )
+    local.verify()
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "plan.json").write_text(local.to_json())
+    again = solve("again", Strategy.HPLAN, previous=tmp_path / "local" / "plan.json")
+    assert any(n.startswith("--previous ") for n in again.report.notes)
     replaced = solve("replaced", Strategy.HPLAN, previous=tmp_path / "uneven" / "plan.json")
     assert [r.num_samples for r in replaced.ranks] != [32, 8, 8]
     assert any("the search's layout" in n and "replaces it" in n for n in replaced.report.notes)

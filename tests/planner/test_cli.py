@@ -655,3 +655,95 @@ def test_metrics_of_a_run_whose_ranks_ran_other_shares_than_the_plan_is_one_line
     )
     assert code == 2
     _assert_one_line_error(err, "a run of another plan", "rank 0 ran replica 0 stage 0 with 999")
+
+
+# --------------------------------------------------------------------------- incomplete plans
+def _edited_plan(plan_path: Path, out: Path, edit) -> Path:
+    data = json.loads(plan_path.read_text())
+    edit(data)
+    out.write_text(json.dumps(data))
+    return out
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["show", "{plan}"],
+        ["simulate", "{plan}"],
+        ["rehearse", "{plan}", "--steps", "1"],
+        ["calibrate", "{plan}", "{runs}"],
+        ["replan", "{plan}", "-c", str(CLUSTERS / "cpu-rehearsal.yaml"), "--without", "slow"],
+        ["run", "{plan}", "--node", "fast"],
+        [
+            "solve",
+            str(MLP),
+            "-c",
+            str(CLUSTERS / "cpu-rehearsal.yaml"),
+            "-o",
+            "{runs}",
+            "--previous",
+            "{plan}",
+        ],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_every_command_refuses_a_plan_without_its_memory_section(
+    command, mlp_plan, tmp_path, capsys
+):
+    plan = _edited_plan(mlp_plan, tmp_path / "plan.json", lambda d: d.pop("memory"))
+    (tmp_path / "runs").mkdir()
+    argv = [a.format(plan=plan, runs=tmp_path / "runs") for a in command]
+    code, _, err = _run(argv, capsys)
+    assert code == 2
+    _assert_one_line_error(err, "no 'memory' section", "re-run `hplan solve`")
+
+
+def test_a_non_boolean_optimizer_offload_is_refused(mlp_plan, tmp_path, capsys):
+    def offload_yes(data):
+        data["ranks"][0]["optimizer_offload"] = "yes"
+
+    plan = _edited_plan(mlp_plan, tmp_path / "plan.json", offload_yes)
+    code, _, err = _run(["show", str(plan)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "ranks.0.optimizer_offload' is 'yes'", "true or false")
+
+
+def test_a_plan_given_as_profile_is_named_a_plan(mlp_plan, tmp_path, capsys):
+    argv = ["solve", str(MLP), "-c", str(CLUSTERS / "cpu-rehearsal.yaml"), "-o", str(tmp_path)]
+    code, _, err = _run([*argv, "--profile", str(mlp_plan)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, f"'{mlp_plan}' is a plan, not a profile")
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"schema_version": 1, "devices": []}))
+    code, _, err = _run(["show", str(profile)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "is not a plan", "the plan.json `hplan solve` wrote")
+
+
+def test_a_metrics_folder_of_an_earlier_run_is_refused_not_overwritten(mlp_plan, tmp_path, capsys):
+    from hplan.runtime.executor.cli import main as runtime_main
+
+    metrics = tmp_path / "m"
+    metrics.mkdir()
+    (metrics / "rank-1.jsonl").write_text("earlier\n")
+    code, _, err = _run(
+        ["rehearse", str(mlp_plan), "--steps", "1", "--metrics-dir", str(metrics)], capsys
+    )
+    assert code == 2
+    _assert_one_line_error(
+        err, "already holds an earlier run's metrics (rank-1.jsonl)", "new folder"
+    )
+    check = [
+        "check",
+        str(mlp_plan),
+        "--node",
+        "fast",
+        "--steps",
+        "1",
+        "--metrics-dir",
+        str(metrics),
+    ]
+    assert runtime_main(check) == 2
+    _assert_one_line_error(capsys.readouterr().err, "already holds an earlier run's metrics")
+    assert (metrics / "rank-1.jsonl").read_text() == "earlier\n"
+    assert sorted(p.name for p in metrics.iterdir()) == ["rank-1.jsonl"]

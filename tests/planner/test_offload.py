@@ -12,7 +12,7 @@ import pytest
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.offload import offload_step_time_s
 from hplan.planner.sim.spec import simulated_step_time_s
-from hplan.planner.solve.search import SolveOptions
+from hplan.planner.solve.search import SolveOptions, diagnose_infeasible
 from hplan.planner.solve.solver import solve
 from hplan.planner.solve.validate import layout_problems
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
@@ -125,3 +125,25 @@ def test_a_cpu_device_never_offloads_its_memory_is_the_hosts() -> None:
     cpus = replace(problem, device_kinds=("cpu", "cpu", "cpu"))
     with pytest.raises(ConfigError, match="--offload always: no device of this cluster can"):
         solve(cpus, replace(FAST, offload="always"))
+
+
+def test_infeasible_message_names_host_memory_when_it_binds() -> None:
+    """Four 8 GB units (4 GB of it optimizer state) on three 10 GB cards: offloaded, the
+    devices hold the model; the offload needs >= 4 GB of host memory, the node has 1 GB."""
+    devices = [Dev("a", 1.0, 10 * GB) for _ in range(3)]
+    problem = make_problem(devices, unit_work=[1.0] * 4, global_batch_size=4, static_bytes=8 * GB)
+    offloading = replace(
+        problem,
+        optimizer_state_bytes=np.full(4, 4 * GB),
+        offload_optimizer_time_s=np.full((3, 4), OFFLOAD_S),
+        offload_saving_bytes=np.full(4, 4 * GB),
+        offload_host_bytes=np.full(4, 8 * GB),
+        host_capacity_bytes=np.full(3, 1 * GB),
+    )
+    with pytest.raises(InfeasiblePlanError) as tight:
+        solve(offloading, FAST)
+    message = str(tight.value)
+    assert "host memory binds" in message and "node a has 1.0 GB usable" in message
+    assert "at least 4.0 GB of host memory" in message and "host_memory_gb" in message
+    roomy = replace(offloading, host_capacity_bytes=np.full(3, 100 * GB))
+    assert "host memory binds" not in diagnose_infeasible(roomy, "auto")

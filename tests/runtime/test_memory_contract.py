@@ -126,7 +126,8 @@ def test_a_plan_that_no_longer_fits_is_named_by_rank_bytes_and_capacity() -> Non
     huge = _with_memory(mixed_plan(), per_sample=1e12)
     problems = memory_problems(huge)
     assert problems and problems[0].startswith("rank 0 on ")
-    assert "GiB" in problems[0] and "usable" in problems[0]
+    assert " GB " in problems[0] and "usable" in problems[0]
+    assert "GiB" not in problems[0] and "MiB" not in problems[0]  # decimal units, as elsewhere
 
 
 def test_zero_weights_of_zero_on_a_whole_holder_set_are_refused() -> None:
