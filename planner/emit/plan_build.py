@@ -9,7 +9,7 @@ from hplan.planner.cost.islands import island_names
 from hplan.planner.cost.layout import IslandSync, Layout
 from hplan.planner.cost.offload import device_offloads
 from hplan.planner.cost.problem import PlanningProblem
-from hplan.planner.frontend.cost_graph import ModelGraph
+from hplan.planner.frontend.cost_graph import ModelGraph, UnitCost
 from hplan.runtime.contract.errors import InfeasiblePlanError
 from hplan.runtime.contract.holders import grad_sync_reports, outer_groups
 from hplan.runtime.contract.memory import memory_problems, plan_memory
@@ -168,6 +168,19 @@ def _rank_plans(
     return tuple(ranks), tuple(sorted(cut_idx))
 
 
+def parameter_specs(graph: ModelGraph) -> tuple[ParameterSpec, ...]:
+    """Each trainable parameter's name, elements and element bytes, as a plan carries them."""
+    return tuple(
+        ParameterSpec(name=name, num_elements=size.numel, element_bytes=size.element_bytes)
+        for name, size in graph.trainable_param_sizes.items()
+    )
+
+
+def frozen_bytes(cost: UnitCost) -> int:
+    """A unit's bytes that no optimizer updates: frozen parameters and buffers."""
+    return cost.param_bytes - cost.trainable_param_bytes + cost.buffer_bytes
+
+
 def memory_model_spec(graph: ModelGraph, problem: PlanningProblem) -> MemoryModelSpec:
     """The sizes a plan carries for its memory check (``contract.memory``): each trainable
     parameter's elements, each unit's activations per sample as the problem counts them
@@ -178,15 +191,12 @@ def memory_model_spec(graph: ModelGraph, problem: PlanningProblem) -> MemoryMode
         factor = float(problem.optimizer_state_bytes.sum()) / trainable
     return MemoryModelSpec(
         optimizer_state_bytes_per_param_byte=factor,
-        parameters=tuple(
-            ParameterSpec(name=name, num_elements=size.numel, element_bytes=size.element_bytes)
-            for name, size in graph.trainable_param_sizes.items()
-        ),
+        parameters=parameter_specs(graph),
         units=tuple(
             UnitMemorySpec(
                 unit=unit.name,
                 activation_bytes_per_sample=float(problem.activation_bytes_per_sample[u]),
-                frozen_bytes=cost.param_bytes - cost.trainable_param_bytes + cost.buffer_bytes,
+                frozen_bytes=frozen_bytes(cost),
                 input_bytes_per_sample=float(problem.cut_bytes_per_sample[u - 1]) if u else 0.0,
             )
             for u, (unit, cost) in enumerate(zip(graph.units, graph.unit_costs, strict=True))
