@@ -213,14 +213,14 @@ def _group_of(
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ModelFileError(
-            f"make_optimizer() returned a {type(optimizer).__name__}; zero_stage 1 shards "
-            "a torch.optim.Optimizer's state: return one, or use zero_stage 0"
+            f"make_optimizer() returned a {type(optimizer).__name__}; ZeRO (zero_stage 1 or "
+            "2) shards a torch.optim.Optimizer's state: return one, or use zero_stage 0"
         )
     for name, why in NOT_ELEMENTWISE.items():
         cls = getattr(torch.optim, name, None)
         if isinstance(cls, type) and isinstance(optimizer, cls):
             raise ModelFileError(
-                f"zero_stage 1 steps each rank's slice of the parameters alone, but {name} "
+                f"ZeRO steps each rank's slice of the parameters alone, but {name} "
                 f"is not elementwise ({why}); use an elementwise optimizer (SGD, Adam, "
                 "AdamW ...) or zero_stage 0"
             )
@@ -229,7 +229,7 @@ def _group_of(
     if missing:
         raise ModelFileError(
             f"make_optimizer() left parameter {missing[0]!r} out of its optimizer; under "
-            "zero_stage 1 it must optimize every parameter it is given"
+            "ZeRO (zero_stage 1 or 2) it must optimize every parameter it is given"
         )
     return {n: index[id(p)] for n, p in trainable.items()}
 
