@@ -14,11 +14,15 @@ glibc's mmap threshold pinned at 64 KiB (``MALLOC_MMAP_THRESHOLD_``), so that fr
 tensors go back to the system at once and the resident set follows the live tensors (the
 difference is the heap's fragmentation, which the prediction does not model).
 
-    python bench/memory_rehearsal.py
+    python bench/memory_rehearsal.py [--zero-stage 2]
+
+``--zero-stage 2`` gives the plan ZeRO stage 2 instead (the summed gradients sharded too,
+with the same weights).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -83,6 +87,9 @@ def _strategy(rank: RankPlan) -> dict[str, Any]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--zero-stage", type=int, choices=(1, 2), default=1)
+    stage = ZeroStage(parser.parse_args().zero_stage)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan"
         solved = _run(
@@ -101,9 +108,7 @@ def main() -> None:
             )
             for r in plan.ranks
         )
-        plan = replace(
-            plan, ranks=ranks, training=replace(plan.training, zero_stage=ZeroStage.OPTIMIZER_STATE)
-        )
+        plan = replace(plan, ranks=ranks, training=replace(plan.training, zero_stage=stage))
         assert plan.memory is not None
         plan = with_memory(plan, plan.memory)
         plan.verify()
@@ -116,7 +121,7 @@ def main() -> None:
         f"shard weight {r.optimizer_shard_weight:g}"
         for r in plan.ranks
     )
-    console.print(f"plan: {layout}; zero_stage 1; rehearse --verify {verify}")
+    console.print(f"plan: {layout}; zero_stage {int(stage)}; rehearse --verify {verify}")
     out_table = table(
         "predicted vs measured training memory per rank (MB)",
         ["rank", "predicted", "params", "grads", "optimizer", "activations", "workspace",

@@ -6,7 +6,8 @@ For each cluster and model, five `hplan solve` runs with the same cost model and
 - ``plain``: ``--recompute never --zero never`` (every stage keeps its activations, every
   rank its whole optimizer state: what the solver could do before),
 - ``recompute``: ``--recompute always --zero never`` (everyone recomputes),
-- ``zero-1``: ``--recompute never --zero always`` (everyone shards its optimizer state),
+- ``zero-1``: ``--recompute never --zero always`` (everyone shards its optimizer state;
+  stage 2, the summed gradients too, where stage 1 does not fit),
 - ``offload``: ``--recompute never --zero never --offload always`` (everyone keeps its
   optimizer state in host memory and steps there).
 The uniform ones other than ``offload`` run with ``--offload never``.
@@ -163,7 +164,8 @@ def _strategies(result: dict) -> str:
         for kind, (k, n) in zip(kinds, result["recompute_units"], strict=True)
         if kind == "selective"
     ]
-    zero = ", zero-1 shards" if result["training"].get("zero_stage") else ""
+    stage = result["training"].get("zero_stage")
+    zero = f", zero-{stage} shards" if stage else ""
     chosen = f", selective {' '.join(selective)}" if selective else ""
     offload = sum(1 for flag in result["offloads"] if flag)
     offloads = f", {offload}/{len(kinds)} offload" if offload else ""

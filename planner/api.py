@@ -157,7 +157,7 @@ class SolveRequest:
     recompute: str = RecomputePolicy.AUTO.value
     """Which stages may recompute their activations (``RecomputePolicy``)."""
     zero: str = "auto"
-    """ZeRO stage 1 of the optimizer state: ``auto``, ``never``, ``always``
+    """ZeRO (stage 1, or 2 where 1 does not fit): ``auto``, ``never``, ``always``
     (``SolveOptions.zero``)."""
     offload: str = "auto"
     """Optimizer-state offload to host memory: ``auto``, ``never``, ``always``
@@ -758,6 +758,8 @@ def _training_spec(request: SolveRequest, cluster: Cluster, result: SolveResult)
         steps=request.steps,
         epochs=request.epochs,
         zero_stage=(
-            ZeroStage.OPTIMIZER_STATE if result.layout.optimizer_shard_weights else ZeroStage.NONE
+            ZeroStage(result.layout.zero_stage)
+            if result.layout.optimizer_shard_weights
+            else ZeroStage.NONE
         ),
     )

@@ -103,11 +103,12 @@ recompute_option = _policy_option(
 )
 zero_option = _policy_option(
     "--zero",
-    "ZeRO stage 1: the ranks holding the same parameters split their optimizer state, "
+    "ZeRO: the ranks holding the same parameters split their optimizer state (stage 1), "
     "in uneven shards sized by each device's free memory (a rank with none keeps none), "
-    "and all-gather the updated parameters after each step. auto: searched too when the "
-    "best unsharded plan is bound by memory (a device idle, a stage recomputing or over 80% "
-    "full), kept if faster; never; always.",
+    "and all-gather the updated parameters after each step; where stage 1 does not fit, "
+    "stage 2 also shards the summed gradients. auto: searched too when the best unsharded "
+    "plan is bound by memory (a device idle, a stage recomputing or over 80% full), kept "
+    "if faster; never; always.",
 )
 offload_option = _policy_option(
     "--offload",

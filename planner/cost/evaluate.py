@@ -73,7 +73,7 @@ from hplan.planner.cost.sync_cost import (
     pseudo_gradient_bytes,
     split_by_island,
 )
-from hplan.planner.cost.zero import allgather_time_s, state_saving_bytes
+from hplan.planner.cost.zero import allgather_time_s, gradient_saving_bytes, state_saving_bytes
 from hplan.runtime.contract.holders import holders, shared_bytes
 from hplan.runtime.contract.link_model import (
     BUCKET_CAP_BYTES,
@@ -490,8 +490,11 @@ def _sharded(
     problem: PlanningProblem, layout: Layout, stages: tuple[tuple[StageCost, ...], ...]
 ) -> tuple[tuple[StageCost, ...], ...]:
     """``stages`` with each stage's memory less the optimizer state ZeRO stage 1 leaves on
-    other devices (``cost.zero``)."""
+    other devices, and under stage 2 less the flat gradient copies (``cost.zero``)."""
     saving = state_saving_bytes(problem, layout, layout.optimizer_shard_weights)
+    if layout.zero_stage == 2:
+        for d, num_bytes in gradient_saving_bytes(problem, layout).items():
+            saving[d] += num_bytes
     return tuple(
         tuple(replace(c, memory_bytes=c.memory_bytes - saving[c.device_idx]) for c in costs)
         for costs in stages

@@ -97,8 +97,12 @@ class Layout:
     sync: IslandSync | None = None
     """Islands and their sync; None: one island, every holder set all-reduces every step."""
     optimizer_shard_weights: tuple[float, ...] = ()
-    """ZeRO stage 1: each device's relative share of the optimizer state of the units it
-    shares, one weight per device of the problem (``cost.zero``); empty: no sharding."""
+    """ZeRO stage 1 or 2: each device's relative share of the optimizer state (and under
+    stage 2 of the summed gradients) of the units it shares, one weight per device of the
+    problem (``cost.zero``); empty: no sharding."""
+    zero_stage: int = 1
+    """With ``optimizer_shard_weights``: 1 (optimizer state) or 2 (and the summed gradients,
+    ``cost.zero.gradient_saving_bytes``); ignored without them."""
     optimizer_offload: tuple[bool, ...] = ()
     """Per device of the problem: whether it keeps its optimizer state in host memory and
     steps there (``cost.offload``); empty: none does."""

@@ -1,4 +1,5 @@
-"""ZeRO stage 1 on a layout: uneven optimizer-state shards and what they cost.
+"""ZeRO stages 1 and 2 on a layout: uneven optimizer-state (and gradient) shards and what
+they cost.
 
 Under ZeRO stage 1 (Rajbhandari et al., "ZeRO", SC 2020, P_os) the devices that hold the
 same unit split its optimizer state: device d of holder set H keeps
@@ -17,6 +18,18 @@ parameters, a ring all-gather of ``P`` parameter bytes over its slowest link,
 and Yuan, JPDC 2009). A device runs its sets' all-gathers one after another; the step
 waits for the slowest device (:func:`allgather_time_s`). The gradient all-reduce is
 unchanged (stage 1 does not shard gradients).
+
+ZeRO stage 2 (P_os+g, section 5.2 of the paper) shards the summed gradients with the same
+weights: each member's part of a bucket is reduced to it alone (``runtime/executor/zero.py``),
+so a device no longer keeps the flat copy of every shared gradient that an all-reduce
+makes, only one bucket of it at a time (:func:`gradient_saving_bytes`; the gradients
+themselves still accumulate whole over the micro-batches, ``contract.memory``).
+Communication: the paper's section 7.2 gives stage 2 the volume of data parallelism, a
+reduce-scatter of the gradients and an all-gather of the parameters (2 x the parameters
+per rank, as stage 1); the runtime's per-member reductions move each part once, no more
+than the all-reduce stage 1 runs. It is costed here exactly as stage 1 (the same all-reduce
+time and the same all-gather), an upper bound, so that the solver takes stage 2 only where
+stage 1 does not fit (``solve.solver.sharded_candidates``).
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ import numpy as np
 
 from hplan.planner.cost.layout import Layout
 from hplan.planner.cost.problem import PlanningProblem
-from hplan.runtime.contract.link_model import ring_all_reduce_time_s
+from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES, ring_all_reduce_time_s
 
 
 def unit_holders(layout: Layout) -> dict[int, tuple[int, ...]]:
@@ -61,8 +74,31 @@ def state_saving_bytes(
     return saving
 
 
+def gradient_saving_bytes(problem: PlanningProblem, layout: Layout) -> dict[int, float]:
+    """Device index -> bytes it does not keep under ZeRO stage 2 besides stage 1's saving:
+    the flat copy of the gradients of the units it shares (counted in every unit's static
+    memory, ``problem_builder.static_memory_bytes``), less one bucket still in flight, at
+    most ``max(BUCKET_CAP_BYTES, the largest shared unit's gradient bytes)`` (a parameter
+    larger than the cap is a bucket alone, and lies inside one unit)."""
+    shared: dict[int, float] = defaultdict(float)
+    largest: dict[int, float] = defaultdict(float)
+    for u, devices in unit_holders(layout).items():
+        if len(devices) < 2:
+            continue
+        for d in devices:
+            shared[d] += float(problem.grad_bytes[u])
+            largest[d] = max(largest[d], float(problem.grad_bytes[u]))
+    return {
+        d: max(0.0, total - min(total, max(BUCKET_CAP_BYTES, largest[d])))
+        for d, total in shared.items()
+    }
+
+
 def shard_weights(
-    problem: PlanningProblem, layout: Layout, stage_memory_bytes: dict[int, float]
+    problem: PlanningProblem,
+    layout: Layout,
+    stage_memory_bytes: dict[int, float],
+    zero_stage: int = 1,
 ) -> tuple[float, ...] | None:
     """Shard weights that let every device of ``layout`` fit, or None when none do.
 
@@ -71,12 +107,16 @@ def shard_weights(
             state (``evaluate``'s ``StageCost.memory_bytes``).
 
     Each device's weight is its headroom: capacity less its memory without the state of
-    the units it shares (0 for a device whose other memory already fills it). A layout
+    the units it shares (0 for a device whose other memory already fills it); under
+    ``zero_stage`` 2 its memory is first less :func:`gradient_saving_bytes`. A layout
     whose devices share no unit gets weight 1 everywhere when it fits as it is (there is
     nothing to shard).
     """
     if problem.optimizer_state_bytes is None:
         return None
+    if zero_stage == 2:
+        freed = gradient_saving_bytes(problem, layout)
+        stage_memory_bytes = {d: m - freed.get(d, 0.0) for d, m in stage_memory_bytes.items()}
     shared_state: dict[int, float] = defaultdict(float)
     for u, devices in unit_holders(layout).items():
         if len(devices) > 1:
@@ -126,13 +166,15 @@ def allgather_time_s(problem: PlanningProblem, layout: Layout) -> float:
     return max(per_device.values(), default=0.0)
 
 
-def sharded_problem(problem: PlanningProblem) -> PlanningProblem | None:
+def sharded_problem(problem: PlanningProblem, zero_stage: int = 1) -> PlanningProblem | None:
     """``problem`` whose units carry none of their optimizer state: what a device keeps
     with an uneven shard of weight 0, the most any sharding could save, so the search finds
     every layout ZeRO might make fit (each is then sized with :func:`shard_weights` and
     kept only if every device fits). None when the problem has no optimizer state to shard
-    or a single device."""
+    or a single device. Under ``zero_stage`` 2 each unit's flat gradient copy is left out
+    too (:func:`gradient_saving_bytes` before its one bucket)."""
     state = problem.optimizer_state_bytes
     if state is None or problem.num_devices < 2 or not np.any(state > 0):
         return None
-    return replace(problem, static_memory_bytes=problem.static_memory_bytes - state)
+    freed = state + (problem.grad_bytes if zero_stage == 2 else 0.0)
+    return replace(problem, static_memory_bytes=problem.static_memory_bytes - freed)

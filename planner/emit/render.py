@@ -30,7 +30,7 @@ from hplan.planner.textfmt import (
     wrap_phrases,
 )
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.holders import sync_summary
+from hplan.runtime.contract.holders import holder_sets, sync_summary
 from hplan.runtime.contract.plan import (
     BaselineReport,
     MemoryStrategy,
@@ -272,8 +272,11 @@ def _rank_table(plan: Plan) -> Table:
     minimum width is its longest group, so no name or ``all 8 units`` is ever broken."""
     reports = {r.rank: r for r in plan.report.ranks}
     bottleneck = plan.report.bottleneck_rank
+    zero = _zero_markers(plan)
     rows = [
-        _rank_cells(rank, reports.get(rank.rank), rank.rank == bottleneck, plan.units)
+        _rank_cells(
+            rank, reports.get(rank.rank), rank.rank == bottleneck, plan.units, zero.get(rank.rank)
+        )
         for rank in plan.ranks
     ]
     headers = [Text(header) for header, _ in _COLUMNS]
@@ -319,10 +322,15 @@ _COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
 
 
 def _rank_cells(
-    rank: RankPlan, report: RankReport | None, marked: bool, plan_units: Sequence[object]
+    rank: RankPlan,
+    report: RankReport | None,
+    marked: bool,
+    plan_units: Sequence[object],
+    zero: str | None = None,
 ) -> list[Text]:
     recompute = _strategy_marker(rank)
     recompute += " O" if rank.optimizer_offload else ""
+    recompute += f" {zero}" if zero else ""
     cells = [
         f"{rank.rank}{' *' if marked else ''}",
         rank.node,
@@ -344,6 +352,23 @@ def _strategy_marker(rank: RankPlan) -> str:
     if rank.memory_strategy == MemoryStrategy.SELECTIVE:
         return f" R{len(rank.recompute_units)}/{len(rank.units)}"
     return ""
+
+
+def _zero_markers(plan: Plan) -> dict[int, str]:
+    """Rank -> ``Z1``/``Z2`` (its ZeRO stage) for every rank that shares a trainable
+    parameter with another rank under ZeRO, ``Z2 s0.25`` when its shard weight is not that
+    of the set's largest member (its share of the set's largest weight); others absent."""
+    stage = int(plan.training.zero_stage)
+    if stage == 0:
+        return {}
+    out: dict[int, str] = {}
+    for ranks in holder_sets(plan):
+        top = max(plan.ranks[r].optimizer_shard_weight for r in ranks)
+        for r in ranks:
+            weight = plan.ranks[r].optimizer_shard_weight
+            share = "" if top <= 0 or weight == top else f" s{weight / top:.2f}"
+            out.setdefault(r, f"Z{stage}{share}")
+    return out
 
 
 def _memory_cell(report: RankReport) -> str:
@@ -376,6 +401,14 @@ def _table_legend(plan: Plan) -> str:
         parts.append("Rk/n: recomputes k of its n units (selective)")
     if any(r.optimizer_offload for r in plan.ranks):
         parts.append("O: optimizer state and step offloaded to host memory")
+    if _zero_markers(plan):
+        what = "optimizer state" if int(plan.training.zero_stage) == 1 else "optimizer state "
+        what += "" if int(plan.training.zero_stage) == 1 else "and summed gradients"
+        parts.append(
+            f"Z{int(plan.training.zero_stage)}: ZeRO stage {int(plan.training.zero_stage)}, "
+            f"{what} sharded among the ranks holding the same parameters; s0.25: a shard "
+            "weight a quarter of the set's largest"
+        )
     return "\n".join(parts)
 
 

@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     from hplan.planner.frontend.cost_graph import ModelGraph
 
 WIRE_BYTES_MIN = 4
-"""The runtime sums gradients in float32 or wider (``grad_sync._wire_dtype``)."""
+"""The runtime sums gradients in float32 or wider (``grad_sync.wire_dtype``)."""
 
 MAX_SIMULATED_MICROBATCHES = 4096
 """Replicas with more micro-batches per step than this are not simulated (the event list
@@ -484,7 +484,7 @@ def param_wire_bytes(graph: ModelGraph) -> dict[str, int]:
     """Canonical name -> bytes the runtime all-reduces for each trainable parameter.
 
     Elements times the wire dtype's size: float32, or the parameter's dtype when wider
-    (``grad_sync._wire_dtype``). Names are canonical as in ``StageModule``.
+    (``grad_sync.wire_dtype``). Names are canonical as in ``StageModule``.
     """
     return {
         name: size.numel * max(WIRE_BYTES_MIN, size.element_bytes)

@@ -132,7 +132,12 @@ def layout_of_plan(plan: Plan, problem: PlanningProblem, path: Path) -> Layout:
     if plan.training.zero_stage is not ZeroStage.NONE:
         by_device = {devices[r.device]: r.optimizer_shard_weight for r in plan.ranks}
         weights = tuple(by_device.get(d, 0.0) for d in range(len(problem.device_names)))
-    layout = Layout(replicas=tuple(replicas), sync=sync, optimizer_shard_weights=weights)
+    layout = Layout(
+        replicas=tuple(replicas),
+        sync=sync,
+        optimizer_shard_weights=weights,
+        zero_stage=max(1, int(plan.training.zero_stage)),
+    )
     try:
         layout.verify()
     except ValueError as exc:

@@ -95,7 +95,7 @@ class SolveOptions:
     max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
     """H at most, under local sync."""
     zero: str = "auto"
-    """ZeRO stage 1 (``hplan solve --zero``): ``auto`` (sharded layouts are searched too
+    """ZeRO stage 1, or 2 where 1 does not fit (``hplan solve --zero``): ``auto`` (sharded layouts are searched too
     when memory binds the best unsharded one, and compete on speed), ``never``,
     ``always`` (only sharded layouts)."""
     offload: str = "auto"

@@ -191,28 +191,33 @@ def _memory_binds(problem: PlanningProblem, ranked: list[tuple[str, Layout, Eval
 
 
 def sharded_candidates(problem: PlanningProblem, options: SolveOptions) -> list[tuple[str, Layout]]:
-    """Layouts that fit with ZeRO stage 1's uneven shards (``cost.zero``): searched on the
+    """Layouts that fit with ZeRO's uneven shards (``cost.zero``): stage 1, searched on the
     problem with the least state any sharding leaves (``zero.sharded_problem``), each sized
-    by ``zero.shard_weights`` and kept only where every device then fits."""
-    sharded = sharded_problem(problem)
-    if sharded is None:
-        return []
-    found = []
-    try:
-        candidates = run_search(sharded, replace(options, sync=SyncRequest.ALL_REDUCE)).candidates
-    except InfeasiblePlanError:  # reached when the unsharded search found nothing either
-        return []
-    for candidate in candidates:
-        layout = candidate.layout
-        if layout.sync is not None and layout.sync.local:
+    by ``zero.shard_weights`` and kept only where every device then fits; then stage 2,
+    searched on the problem that also leaves out the flat gradient copies, kept only for
+    layouts that stage 1 cannot fit (stage 2 is costed as stage 1, so where both fit the
+    solver keeps stage 1)."""
+    found: list[tuple[str, Layout]] = []
+    for stage in (1, 2):
+        sharded = sharded_problem(problem, stage)
+        if sharded is None:
+            return found
+        try:
+            search = run_search(sharded, replace(options, sync=SyncRequest.ALL_REDUCE))
+        except InfeasiblePlanError:  # the unsharded search found nothing either
             continue
-        evaluation = evaluate(problem, layout)
-        memory = {c.device_idx: c.memory_bytes for costs in evaluation.stages for c in costs}
-        weights = shard_weights(problem, layout, memory)
-        if weights is not None:
-            found.append(
-                (f"zero-1: {candidate.scenario}", replace(layout, optimizer_shard_weights=weights))
-            )
+        for candidate in search.candidates:
+            layout = candidate.layout
+            if layout.sync is not None and layout.sync.local:
+                continue
+            evaluation = evaluate(problem, layout)
+            memory = {c.device_idx: c.memory_bytes for costs in evaluation.stages for c in costs}
+            if stage == 2 and shard_weights(problem, layout, memory) is not None:
+                continue  # stage 1 fits it: found above, or by a layout at least as fast
+            weights = shard_weights(problem, layout, memory, stage)
+            if weights is not None:
+                sharded_layout = replace(layout, optimizer_shard_weights=weights, zero_stage=stage)
+                found.append((f"zero-{stage}: {candidate.scenario}", sharded_layout))
     return found
 
 

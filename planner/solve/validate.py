@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hplan.planner.cost.layout import IslandSync, Layout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
+from hplan.planner.cost.zero import gradient_saving_bytes
 from hplan.planner.textfmt import format_bytes_pair
 
 
@@ -130,7 +131,8 @@ def _offload_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
 
 def _zero_saving(problem: PlanningProblem, layout: Layout) -> dict[int, float]:
     """Device -> optimizer-state bytes it leaves to the other holders of its units under
-    ZeRO stage 1 (a unit's state split in proportion to the holders' weights)."""
+    ZeRO stage 1 (a unit's state split in proportion to the holders' weights), and under
+    stage 2 the flat gradient copies (``cost.zero.gradient_saving_bytes``)."""
     weights = layout.optimizer_shard_weights
     if not weights or problem.optimizer_state_bytes is None:
         return {}
@@ -147,6 +149,9 @@ def _zero_saving(problem: PlanningProblem, layout: Layout) -> dict[int, float]:
         for d in devices:
             kept = weights[d] / total if total > 0 else 0.0
             saving[d] = saving.get(d, 0.0) + float(problem.optimizer_state_bytes[u]) * (1 - kept)
+    if layout.zero_stage == 2:
+        for d, num_bytes in gradient_saving_bytes(problem, layout).items():
+            saving[d] = saving.get(d, 0.0) + num_bytes
     return saving
 
 

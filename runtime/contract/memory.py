@@ -9,7 +9,8 @@ refused where it no longer fits. Per rank, bytes:
   parameters and buffers;
 - gradients: its trainable parameters;
 - optimizer state: trainable bytes x ``optimizer_state_bytes_per_param_byte``, each holder
-  set's part reduced to this rank's shard under ZeRO stage 1 (``holders.optimizer_shards``);
+  set's part reduced to this rank's shard under ZeRO stage 1 or 2
+  (``holders.optimizer_shards``);
 - activations: :func:`stage_activation_bytes`, by memory strategy: ``activation_bytes_per_sample``
   of its units x micro-batch size x the micro-batches in flight
   (:func:`in_flight_microbatches`); under ``recompute`` only the stage's inputs are kept
@@ -19,9 +20,20 @@ refused where it no longer fits. Per rank, bytes:
   micro-batch (the planner's evaluator calls the same function);
 - workspace: one receive and one send buffer of the boundary tensors on each side; the
   flat copies of the gradients it all-reduces with other ranks (every bucket is one
-  ``torch.cat`` alive until the step's all-reduces are done, ``executor/grad_sync.py``);
+  ``torch.cat`` alive until the step's all-reduces are done, ``executor/grad_sync.py``;
+  under ZeRO stage 2 only the largest such bucket: a bucket's flat copy replaces the
+  gradients it was made of, and after the reduction only the rank's shard of it is kept,
+  :func:`largest_bucket_bytes`);
   the optimizer step's temporaries (:data:`OPTIMIZER_STEP_WORKSPACE` x the bytes it steps,
   for an optimizer with state); under autocast the half-precision copy of the weights.
+
+ZeRO stage 2 still counts the whole gradients: they accumulate over the step's
+micro-batches in ``.grad`` (autograd's own buffers) until the last backward, and no
+reduction can start earlier (replicas run different numbers of micro-batches, so a
+per-micro-batch reduction would not pair up across holders; ``executor/zero.py``). What
+stage 2 saves is the flat copies above, less one bucket, and the whole summed gradients
+kept until the optimizer step under stage 1: the peak is then ``G + largest bucket``
+instead of ``G + shared G`` (G: the rank's trainable gradient bytes).
 
 Under optimizer offload (``RankPlan.optimizer_offload``) the optimizer state and the
 optimizer step's temporaries leave the device for the host, which also keeps a copy of the
@@ -43,9 +55,11 @@ from hplan.runtime.contract.errors import PlanFileError
 from hplan.runtime.contract.holders import (
     OptimizerShards,
     RankSet,
+    grad_buckets,
     optimizer_shards,
     parameter_holders,
 )
+from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES
 from hplan.runtime.contract.plan import (
     DTYPE_BYTES,
     DeviceSpec,
@@ -253,7 +267,7 @@ def rank_memory(
     param_bytes = grad_bytes
     state_factor = memory.optimizer_state_bytes_per_param_byte
     state_bytes = grad_bytes * state_factor
-    if plan.training.zero_stage is ZeroStage.OPTIMIZER_STATE:
+    if plan.training.zero_stage is not ZeroStage.NONE:
         state_bytes = _sharded_state_bytes(plan, rank, memory, trainable, shards)
     frozen = sum(unit_memory[u].frozen_bytes for u in rank.units)
     replica = plan.replica_ranks(rank.replica)
@@ -274,11 +288,14 @@ def rank_memory(
     outputs = _boundary_bytes(plan, replica, rank.stage) if rank.stage + 1 < len(replica) else 0.0
     workspace = 2.0 * (inputs + outputs) * b
     holders_of = parameter_holders(plan)
-    workspace += sum(
-        sizes[n].num_elements * sizes[n].element_bytes
-        for n in trainable
-        if len(holders_of[n]) > 1  # all-reduced: its bucket holds a flat copy
-    )
+    if plan.training.zero_stage is ZeroStage.GRADIENTS:
+        workspace += largest_bucket_bytes(plan, rank.rank, memory, trainable)
+    else:
+        workspace += sum(
+            sizes[n].num_elements * sizes[n].element_bytes
+            for n in trainable
+            if len(holders_of[n]) > 1  # all-reduced: its bucket holds a flat copy
+        )
     step_temporaries = (
         OPTIMIZER_STEP_WORKSPACE * state_bytes / state_factor if state_factor else 0.0
     )
@@ -306,6 +323,22 @@ def rank_memory(
     )
 
 
+def largest_bucket_bytes(
+    plan: Plan, rank: int, memory: MemoryModelSpec, trainable: Sequence[str]
+) -> float:
+    """Wire bytes of the largest gradient bucket ``rank`` sums with other ranks
+    (``holders.grad_buckets`` at ``link_model.BUCKET_CAP_BYTES``; half-precision gradients
+    travel as float32, ``executor/grad_sync.py``); 0 when it shares no trainable parameter.
+
+    Args:
+        trainable: the canonical names of the rank's trainable parameters.
+    """
+    sizes = {p.name: p for p in memory.parameters}
+    wire = {n: sizes[n].num_elements * max(4, sizes[n].element_bytes) for n in trainable}
+    buckets = grad_buckets(plan, wire, BUCKET_CAP_BYTES)
+    return float(max((b.num_bytes for b in buckets if rank in b.ranks), default=0))
+
+
 def _sharded_state_bytes(
     plan: Plan,
     rank: RankPlan,
@@ -313,7 +346,7 @@ def _sharded_state_bytes(
     trainable: list[str],
     shards: Mapping[RankSet, OptimizerShards] | None,
 ) -> float:
-    """Optimizer state of ``rank`` under ZeRO stage 1: the parameters only it holds in full,
+    """Optimizer state of ``rank`` under ZeRO stage 1 or 2: the parameters only it holds in full,
     its slice of every holder set it is in."""
     if shards is None:
         shards = optimizer_shards(plan, parameter_numels(memory))
@@ -358,7 +391,7 @@ def plan_memory(plan: Plan) -> tuple[RankMemory, ...] | None:
         return None
     shards = (
         optimizer_shards(plan, parameter_numels(plan.memory))
-        if plan.training.zero_stage is ZeroStage.OPTIMIZER_STATE
+        if plan.training.zero_stage is not ZeroStage.NONE
         else None
     )
     return tuple(rank_memory(plan, r, plan.memory, shards) for r in plan.ranks)

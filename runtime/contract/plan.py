@@ -107,10 +107,17 @@ class ZeroStage(IntEnum):
       each rank's ``optimizer_shard_weight`` (``holders.optimizer_shards``; shards may be
       uneven, and a rank of weight 0 keeps none). After the gradients are summed each rank
       steps its shard, and the updated shards are all-gathered.
+    - ``2``: stage 1, and the summed gradients are sharded the same way (ZeRO stage 2
+      "P_os+g"): each slice of a gradient is reduced to the rank that keeps its optimizer
+      state only, the other ranks drop it, and no rank holds a whole summed gradient of a
+      shared parameter. Gradients still accumulate whole over the step's micro-batches
+      (``executor/zero.py`` says why), so what it saves is the summed copy
+      (``contract.memory``).
     """
 
     NONE = 0
     OPTIMIZER_STATE = 1
+    GRADIENTS = 2
 
 
 class Precision(StrEnum):
@@ -473,15 +480,16 @@ class RankPlan:
     in stage order) that are recomputed; empty under the other strategies."""
     precision: Precision = Precision.FP32
     optimizer_shard_weight: NonNegative = 1.0
-    """Under ``training.zero_stage`` 1: this rank's relative share of the optimizer state of
-    every holder set it belongs to (shards proportional to the members' weights; see
-    ``holders.optimizer_shards``). Ignored under stage 0."""
+    """Under ``training.zero_stage`` 1 or 2: this rank's relative share of the optimizer
+    state (and under stage 2 of the summed gradients) of every holder set it belongs to
+    (shards proportional to the members' weights; see ``holders.optimizer_shards``).
+    Ignored under stage 0."""
     optimizer_offload: Flag = False
     """This rank keeps its optimizer state and an fp32 master copy of its trainable
     parameters in host memory (pinned on CUDA) and steps the model file's optimizer there:
     after the backward and the gradient sync its gradients go to the host, the updated
-    parameters come back (``executor/memory/offload.py``). Not combined with ZeRO stage 1 or
-    local sync."""
+    parameters come back (``executor/memory/offload.py``). Not combined with ZeRO (stage 1
+    or 2) or local sync."""
 
 
 @record
@@ -494,7 +502,8 @@ class TrainingSpec:
     """Islands and cross-island sync modes; None: one island, every holder set all-reduces
     its gradients every step."""
     zero_stage: ZeroStage = ZeroStage.NONE
-    """Sharding of the optimizer state among the ranks holding the same parameters."""
+    """Sharding of the optimizer state (stage 1), and of the summed gradients too (stage 2),
+    among the ranks holding the same parameters."""
     seed: int = 0
     process_group_timeout_s: Positive = 300.0
     master_host: str = "127.0.0.1"
@@ -996,8 +1005,8 @@ def _verify_plan(plan: Plan) -> None:
 def _verify_offload(plan: Plan) -> None:
     if plan.training.zero_stage is not ZeroStage.NONE:
         _fail(
-            "optimizer_offload with zero_stage 1 is not supported; use zero_stage 0 or set "
-            "optimizer_offload false on every rank"
+            f"optimizer_offload with zero_stage {int(plan.training.zero_stage)} is not "
+            "supported; use zero_stage 0 or set optimizer_offload false on every rank"
         )
     if plan.training.sync is not None and plan.training.sync.local:
         _fail(
@@ -1008,7 +1017,10 @@ def _verify_offload(plan: Plan) -> None:
 
 def _verify_zero(plan: Plan) -> None:
     if plan.training.sync is not None and plan.training.sync.local:
-        _fail("zero_stage 1 with local_sgd or async groups is not supported; use zero_stage 0")
+        _fail(
+            f"zero_stage {int(plan.training.zero_stage)} with local_sgd or async groups is "
+            "not supported; use zero_stage 0"
+        )
     for ranks in sorted(_holder_sets(plan)):
         if sum(plan.ranks[r].optimizer_shard_weight for r in ranks) <= 0:
             _fail(

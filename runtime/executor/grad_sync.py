@@ -195,9 +195,9 @@ class GradBucket:
             PeerFailureError: the all-reduce could not be started.
         """
         assert self._launched is None, "a bucket is launched once per step"
-        grads = [_grad_or_zeros(p) for _, p in self.params]
-        wire_dtype = _wire_dtype([g.dtype for g in grads])
-        flat = torch.cat([g.reshape(-1).to(wire_dtype) for g in grads])
+        grads = [grad_or_zeros(p) for _, p in self.params]
+        wire = wire_dtype([g.dtype for g in grads])
+        flat = torch.cat([g.reshape(-1).to(wire) for g in grads])
         if self.scale != 1.0:
             flat.mul_(self.scale)
         self.launched_s = time.monotonic()
@@ -349,13 +349,13 @@ class GradSync:
         self._hooks = []
 
 
-def _grad_or_zeros(param: nn.Parameter) -> Tensor:
+def grad_or_zeros(param: nn.Parameter) -> Tensor:
     if param.grad is None:
         return torch.zeros_like(param)
     return param.grad
 
 
-def _wire_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+def wire_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     wire = torch.float32
     for dtype in dtypes:
         wire = torch.promote_types(wire, dtype)
@@ -492,7 +492,7 @@ def build_buckets(
     if groups is None:
         groups = step_groups(plan)
     trainable = {n: p for n, p in named_params if p.requires_grad}
-    wire_bytes = {n: p.numel() * _wire_dtype([p.dtype]).itemsize for n, p in trainable.items()}
+    wire_bytes = {n: p.numel() * wire_dtype([p.dtype]).itemsize for n, p in trainable.items()}
     buckets = []
     for spec in grad_buckets(plan, wire_bytes, cap_bytes):
         if rank not in spec.ranks:  # another island's part of a local group

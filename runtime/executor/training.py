@@ -30,7 +30,10 @@ ZeRO stage 1 (``training.zero_stage``, ``zero.py``): after the gradients are sum
 unscaled and clipped as always, each rank steps only its shards of the parameters it shares,
 and the updated shards then travel to the other holders (part of the step's
 ``allreduce_time_s``); checkpoints gather and slice the shards' state, so that they keep
-their format.
+their format. Under stage 2 each shard of a shared gradient is reduced to its rank alone
+(``zero.ReducedBucket``), so unscaling and clipping act on the shards (each element's
+gradient on one rank: counted once in the global norm), and ``--verify`` gathers the
+shards for its dump (``zero.ShardSync.gathered_grads``).
 
 Islands that train on their own (``local_sgd``, ``async`` groups): after the optimizer
 step, the fragments due sync across islands (``outer_sync.OuterSync.after_step``; the
@@ -46,11 +49,13 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from hplan.runtime.contract.errors import (
     ConfigError,
@@ -89,7 +94,12 @@ from hplan.runtime.executor.worker import (
     init_distributed,
     training_steps,
 )
-from hplan.runtime.executor.zero import ShardSync, build_shard_sync
+from hplan.runtime.executor.zero import (
+    ShardSync,
+    build_shard_sync,
+    gradient_holders,
+    reduce_to_owners,
+)
 
 DEFAULT_CHECKPOINT_EVERY_S = 600.0
 """With a checkpoint folder and neither interval given: a checkpoint every 10 minutes."""
@@ -153,6 +163,7 @@ def _train(
     parts, options, memory = _build_same_job(plan, rank, model_path, options, seams)
     groups = step_groups(plan)
     buckets = build_buckets(plan, rank, parts.params, delay=seams.links, groups=groups)
+    buckets = reduce_to_owners(buckets, parts.optimizer)  # ZeRO stage 2
     shards = build_shard_sync(parts.optimizer, groups)
     outer = build_outer_sync(
         plan,
@@ -166,6 +177,9 @@ def _train(
     first_step = _resume(checkpointer, options)
     scheduler = _scheduler(parts, first_step)
     clip = build_grad_clip(plan, rank, parts.params, parts.model_file.max_grad_norm, parts.device)
+    held = gradient_holders(parts.optimizer)
+    if clip is not None and held is not None:  # ZeRO stage 2: each element on one rank
+        clip = replace(clip, counted=held, params=held)
     runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device), clip, shards)
     loop = _Loop(parts, runner, options, checkpointer, scheduler, memory, outer)
     barrier(rank, "start of training")
@@ -505,7 +519,8 @@ def _train_step(
     runner.unscale_gradients()
     grad_norm = runner.clip_gradients()  # before the dump: the gradients the optimizer uses
     if verify is not None:
-        _dump_verify(parts, verify, "grads", loss, step)
+        sharded = runner.shards.gathered_grads() if runner.shards is not None else {}
+        _dump_verify(parts, verify, "grads", loss, step, sharded)
     stepped = runner.optimizer_step()
     outer_s = 0.0
     if outer is not None:
@@ -569,7 +584,12 @@ def _report_step(parts: RankParts, step: int, stepped: bool, grad_norm: float | 
 
 
 def _dump_verify(
-    parts: RankParts, directory: Path, kind: str, loss: float | None, step: int
+    parts: RankParts,
+    directory: Path,
+    kind: str,
+    loss: float | None,
+    step: int,
+    sharded: Mapping[str, Tensor] | None = None,
 ) -> None:
     """Write ``<dir>/<kind>-rank-<r>.pt``: ``{"tensors": {name: tensor}, "loss", "samples"}``
     with this rank's gradients after the gradient sync (``grads``) or its parameters after
@@ -586,7 +606,7 @@ def _dump_verify(
     if kind == "grads":
         payload["tensors"] = {
             n: p.grad.detach().cpu().clone() for n, p in parts.params if p.grad is not None
-        }
+        } | {n: g.detach().cpu() for n, g in (sharded or {}).items()}
         batch = parts.source.global_batch(step)
         payload["batch_digest"] = batch_digest(batch)
         if parts.rank_plan.rank == 0:

@@ -8,7 +8,7 @@ buffers built for real (``capture/materialise.py``, ``capture/stage_tensors.py``
 The rank's optimizer is the model file's over the stage's trainable parameters
 (:func:`build_optimizer`). A stage without any (a frozen embedding alone) still gets one,
 over an empty placeholder parameter, so that every rank steps, schedules, unscales and
-checkpoints the same way. Under ZeRO stage 1 it steps only the rank's shards of the
+checkpoints the same way. Under ZeRO (stage 1 or 2) it steps only the rank's shards of the
 parameters it shares (``zero.py``).
 
 The executor reads only the plan's "what" (ranks, units, cuts, training); it never reads
@@ -386,7 +386,7 @@ def build_optimizer(
     device: torch.device,
 ) -> torch.optim.Optimizer:
     """The model file's optimizer over the stage's trainable parameters; under
-    ``training.zero_stage`` 1 it steps only this rank's shards of the parameters it shares
+    ``training.zero_stage`` 1 or 2 it steps only this rank's shards of the parameters it shares
     with other ranks (``zero.shard_optimizer``, which makes those parameters views of its
     flat buffers).
 
@@ -402,7 +402,7 @@ def build_optimizer(
         device: where the placeholder lives (the rank's device).
 
     Raises:
-        ModelFileError: under ZeRO stage 1, an optimizer that cannot be sharded
+        ModelFileError: under ZeRO (stage 1 or 2), an optimizer that cannot be sharded
             (``zero.shard_optimizer``); under ``optimizer_offload``, one that is not a
             ``torch.optim.Optimizer`` (``offload.offload_optimizer`` moves it to the host).
     """

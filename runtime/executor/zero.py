@@ -1,4 +1,5 @@
-"""ZeRO stage 1: each holder set's optimizer state split among its ranks, in uneven shards.
+"""ZeRO stages 1 and 2: each holder set's optimizer state (and under stage 2 its summed
+gradients) split among its ranks, in uneven shards.
 
 Under ``training.zero_stage`` 1 (``contract.plan.ZeroStage``; Rajbhandari et al., "ZeRO",
 SC 2020, stage 1) the parameters that several ranks hold (a holder set,
@@ -39,6 +40,29 @@ every rank, then waited for: the one global order of ``grad_sync.py``, so no dea
 rehearsal does not stretch them (``seams.LinkDelay`` emulates point-to-point transfers and
 the gradient all-reduces): they take what they take on its machine.
 
+ZeRO stage 2 (``ZeroStage.GRADIENTS``; Rajbhandari et al., SC 2020, section 5.2
+"P_os+g"): the same shards, and step 1 changes: each bucket of a holder set's gradients
+(``holders.grad_buckets``) is laid out in the set's order, so that every member's part of it
+is one contiguous range of the bucket (or a few, where a bucket is not one run of the set's
+vector), and each part is summed with ``dist.reduce`` to its member alone
+(:class:`ReducedBucket`) instead of all-reduced to every holder. A bucket's flat copy
+replaces its parameters' ``.grad`` as it is launched (they are final after the step's last
+backward, ``grad_sync.py``), and once its reductions are done the member copies its own part
+into its leaves' ``.grad`` and drops the rest: from then on no rank holds a summed gradient
+of a shared parameter, only its shard. Why ``dist.reduce`` per member rather than
+``reduce_scatter``: gloo has no reduce-scatter, and torch's takes one size per rank (uneven
+shards would be padded, as for the all-gather above); a reduce per member works on gloo and
+NCCL alike and moves each member's part once. Why the gradients still accumulate whole over
+the step's micro-batches: the replicas of a holder set run different numbers of
+micro-batches (their batch shares differ), so a reduction per micro-batch would not pair up
+across holders, and a hook that waited for a reduction inside the backward could deadlock
+with a pipeline peer (or a tied weight's other stage) still waiting for this rank's send.
+Under stage 2 the optimizer's param groups hold the rank's unshared parameters and its
+leaves, the tensors whose ``.grad`` it has: what the loss scaler unscales and checks for
+infinities, what clipping measures and scales (``training.py``: each element's gradient
+lives on one rank, so the global norm counts it once), what ``zero_grad`` clears.
+``--verify`` gathers the shards for its dump (:meth:`ShardSync.gathered_grads`).
+
 The optimizer must be elementwise: each element's update reads only that element's
 parameter, gradient and state, and hyperparameters shared by its param group (SGD with
 momentum, Adam, AdamW, Adagrad, RMSprop ... are). Then stepping the slices equals stepping
@@ -60,8 +84,9 @@ and one written without it resumes under ZeRO.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
@@ -70,7 +95,8 @@ from torch import Tensor, nn
 
 from hplan.runtime.contract.errors import ModelFileError, PeerFailureError, error_reason
 from hplan.runtime.contract.holders import OptimizerShards, RankSet, optimizer_shards
-from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.plan import Plan, ZeroStage
+from hplan.runtime.executor.grad_sync import GradBucket, grad_or_zeros, wire_dtype
 
 NOT_ELEMENTWISE: Final = {
     "Adafactor": "its second moment of a matrix is factored over rows and columns",
@@ -171,7 +197,10 @@ def shard_optimizer(
         probe = make_optimizer([leaf.param for leaf in leaves])
         for leaf in leaves:
             optimizer.state[leaf.param] = probe.state[leaf.param]
-    return ShardedOptimizer(optimizer, outer, leaves, rank)
+    if plan.training.zero_stage is not ZeroStage.GRADIENTS:
+        return ShardedOptimizer(optimizer, outer, leaves, rank)
+    held = [list(g["params"]) for g in optimizer.param_groups]  # what has a .grad (stage 2)
+    return ShardedOptimizer(optimizer, held, leaves, rank, {s.ranks: s for s in shards})
 
 
 def _group_of(
@@ -184,14 +213,14 @@ def _group_of(
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ModelFileError(
-            f"make_optimizer() returned a {type(optimizer).__name__}; zero_stage 1 shards "
-            "a torch.optim.Optimizer's state: return one, or use zero_stage 0"
+            f"make_optimizer() returned a {type(optimizer).__name__}; ZeRO (zero_stage 1 or "
+            "2) shards a torch.optim.Optimizer's state: return one, or use zero_stage 0"
         )
     for name, why in NOT_ELEMENTWISE.items():
         cls = getattr(torch.optim, name, None)
         if isinstance(cls, type) and isinstance(optimizer, cls):
             raise ModelFileError(
-                f"zero_stage 1 steps each rank's slice of the parameters alone, but {name} "
+                f"ZeRO steps each rank's slice of the parameters alone, but {name} "
                 f"is not elementwise ({why}); use an elementwise optimizer (SGD, Adam, "
                 "AdamW ...) or zero_stage 0"
             )
@@ -200,7 +229,7 @@ def _group_of(
     if missing:
         raise ModelFileError(
             f"make_optimizer() left parameter {missing[0]!r} out of its optimizer; under "
-            "zero_stage 1 it must optimize every parameter it is given"
+            "ZeRO (zero_stage 1 or 2) it must optimize every parameter it is given"
         )
     return {n: index[id(p)] for n, p in trainable.items()}
 
@@ -265,7 +294,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params_by_group: Sequence[Sequence[nn.Parameter]],
         leaves: Sequence[ShardLeaf],
         rank: int,
+        gradient_shards: Mapping[RankSet, OptimizerShards] | None = None,
     ) -> None:
+        """
+        Args:
+            params_by_group: per param group of ``inner``, the parameters this optimizer's
+                group lists: the stage's (stage 1), or the rank's unshared ones and its
+                leaves (stage 2).
+            gradient_shards: under ZeRO stage 2, the shards of the rank's holder sets
+                (``holders.optimizer_shards``): the gradients are sharded too, reduced
+                straight into the leaves' ``.grad`` (:class:`ReducedBucket`); None: stage 1.
+        """
         groups = [
             {**_hyperparameters(g), "params": list(p)}
             for g, p in zip(inner.param_groups, params_by_group, strict=True)
@@ -275,6 +314,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.leaves = tuple(leaves)
         self.rank = rank
         self.state = inner.state
+        self.gradient_shards = gradient_shards
+
+    @property
+    def grads_sharded(self) -> bool:
+        """Whether the leaves' ``.grad`` is reduced into directly (ZeRO stage 2)."""
+        return self.gradient_shards is not None
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # no closure form
         """Copy each leaf's slice of the gradients into its ``.grad`` (zeros for a
@@ -289,7 +334,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner.update(_hyperparameters(outer))
         for leaf in self.leaves:
-            leaf.param.grad = leaf.slice_of([p.grad for p in leaf.params], self.rank)
+            if not self.grads_sharded:
+                leaf.param.grad = leaf.slice_of([p.grad for p in leaf.params], self.rank)
+            elif leaf.param.grad is None:  # stage 2, an empty slice: stepped (and given its
+                leaf.param.grad = torch.zeros_like(leaf.param)  # state) as on every member
         self.inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -346,6 +394,37 @@ class ShardSync:
                 work.wait()
             except RuntimeError as exc:
                 raise self._failure(leaf, "broadcast of the updated shards", exc) from None
+
+    def gathered_grads(self) -> dict[str, Tensor]:
+        """{canonical name: its whole summed gradient} of every sharded parameter, under
+        ZeRO stage 2: each member broadcasts its leaves' ``.grad`` (zeros where it has none)
+        to the set's other members (one-off memory of the set's gradients, for
+        ``--verify``'s dump); empty under stage 1, whose parameters keep their gradients.
+
+        Raises:
+            PeerFailureError: a holder died or a broadcast timed out.
+        """
+        if not self.optimizer.grads_sharded:
+            return {}
+        out: dict[str, Tensor] = {}
+        for leaf in self.optimizer.leaves:
+            full = torch.zeros_like(leaf.flat)
+            launched = []
+            for member in leaf.ranks:
+                start, stop = leaf.bounds[member]
+                if stop <= start:
+                    continue
+                if member == self.rank and leaf.param.grad is not None:
+                    full[start:stop] = leaf.param.grad
+                launched.append(self._broadcast(leaf, full[start:stop], member))
+            for work in launched:
+                try:
+                    work.wait()
+                except RuntimeError as exc:
+                    raise self._failure(leaf, "broadcast of the gradient shards", exc) from None
+            for idx, name in enumerate(leaf.names):
+                out[name] = _part(full, leaf, idx)
+        return out
 
     def gathered_state(self) -> dict[str, dict[str, Any]]:
         """{canonical name: its whole optimizer state} of every sharded parameter whose
@@ -448,7 +527,7 @@ class ShardSync:
 
     def _failure(self, leaf: ShardLeaf, what: str, exc: RuntimeError) -> PeerFailureError:
         return PeerFailureError(
-            f"the {what} among ranks {list(leaf.ranks)} (ZeRO stage 1) failed: "
+            f"the {what} among ranks {list(leaf.ranks)} (ZeRO) failed: "
             f"{error_reason(exc)}; check the logs of those ranks (one probably failed first)"
         )
 
@@ -480,3 +559,165 @@ def build_shard_sync(
         assert group is not None, "a holder set's members are in its group"
         mine[leaf.ranks] = group
     return ShardSync(optimizer, mine)
+
+
+def gradient_holders(optimizer: torch.optim.Optimizer) -> list[nn.Parameter] | None:
+    """Under ZeRO stage 2, the tensors whose ``.grad`` this rank holds after the gradient
+    sync (its unshared trainable parameters and its leaves: each element's summed gradient
+    on exactly one rank), what clipping measures and scales; None otherwise (the stage's
+    parameters hold their gradients)."""
+    if not isinstance(optimizer, ShardedOptimizer) or not optimizer.grads_sharded:
+        return None
+    return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """A contiguous range of a :class:`ReducedBucket`'s flat buffer that one member keeps."""
+
+    start: int
+    stop: int
+    owner: int
+    copies: tuple[tuple[ShardLeaf, int, int, int], ...]
+    """On the owner: ``(leaf, where, start, stop)``: ``flat[start:stop]`` goes to
+    ``leaf.param.grad[where:]``; empty on the other members."""
+
+
+@dataclass
+class ReducedBucket(GradBucket):
+    """A gradient bucket under ZeRO stage 2: laid out in its holder set's order and summed
+    by ``dist.reduce`` of each member's part to that member alone, which keeps it in its
+    leaves' ``.grad`` (module docstring). Launched, waited for and timed as any bucket
+    (``grad_sync.GradSync``)."""
+
+    segments: tuple[_Segment, ...] = ()
+    _flat: Tensor | None = field(default=None, repr=False)
+    _works: list[dist.Work] = field(default_factory=list, repr=False)
+
+    def launch(self) -> None:
+        """Flatten the gradients (zeros for a parameter without one; float32 for half
+        types), drop the parameters' ``.grad`` and start each member's reduction.
+
+        Raises:
+            PeerFailureError: a reduction could not be started.
+        """
+        assert self._flat is None, "a bucket is launched once per step"
+        grads = [grad_or_zeros(p) for _, p in self.params]
+        wire = wire_dtype([g.dtype for g in grads])
+        flat = torch.cat([g.reshape(-1).to(wire) for g in grads])
+        del grads
+        if self.scale != 1.0:
+            flat.mul_(self.scale)
+        for _, param in self.params:
+            param.grad = None
+        self.launched_s = time.monotonic()
+        works = []
+        for seg in self.segments:
+            try:
+                work = dist.reduce(
+                    flat[seg.start : seg.stop],
+                    dst=seg.owner,
+                    op=dist.ReduceOp.SUM,
+                    group=self.group,
+                    async_op=True,
+                )
+            except RuntimeError as exc:
+                raise self._failure(exc) from None
+            assert work is not None
+            works.append(work)
+        self._flat, self._works = flat, works
+
+    def finish(self) -> None:
+        """Wait for the reductions and add this rank's parts to its leaves' ``.grad``
+        (created as zeros at the step's first part); drop the flat buffer.
+
+        Raises:
+            PeerFailureError: a holder died or a reduction timed out.
+        """
+        flat, works = self._flat, self._works
+        assert flat is not None, "finish() follows launch()"
+        self._flat, self._works = None, []
+        for work in works:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise self._failure(exc) from None
+        for seg in self.segments:
+            for leaf, where, start, stop in seg.copies:
+                if leaf.param.grad is None:
+                    leaf.param.grad = torch.zeros_like(leaf.param)
+                target = leaf.param.grad[where : where + stop - start]
+                target.copy_(flat[start:stop])
+        self.done_s = time.monotonic()
+
+
+def reduce_to_owners(
+    buckets: Sequence[GradBucket], optimizer: torch.optim.Optimizer
+) -> list[GradBucket]:
+    """``buckets`` as :class:`ReducedBucket` under ZeRO stage 2 (``optimizer`` a
+    :class:`ShardedOptimizer` sharding gradients); unchanged otherwise.
+
+    Every member of a set computes the same segments, in the same order (from the plan's
+    shards and the bucket's names alone), so their reductions pair up.
+    """
+    if not isinstance(optimizer, ShardedOptimizer) or optimizer.gradient_shards is None:
+        return list(buckets)
+    sets = optimizer.gradient_shards
+    leaf_of = {n: (leaf, idx) for leaf in optimizer.leaves for idx, n in enumerate(leaf.names)}
+    out: list[GradBucket] = []
+    for bucket in buckets:
+        spec = sets[bucket.ranks]
+        numels = [p.numel() for p in _by_name(optimizer, spec.names)]
+        offsets = dict(zip(spec.names, itertools.accumulate(numels, initial=0), strict=False))
+        params = sorted(bucket.params, key=lambda item: offsets[item[0]])
+        segments = _segments(params, offsets, spec, leaf_of, optimizer.rank)
+        out.append(
+            ReducedBucket(
+                bucket.ranks,
+                bucket.group,
+                params,
+                bucket.scale,
+                bucket.min_time_s,
+                segments=segments,
+            )
+        )
+    return out
+
+
+def _by_name(optimizer: ShardedOptimizer, names: Sequence[str]) -> list[nn.Parameter]:
+    """The stage's parameters of ``names`` (each in one of the optimizer's leaves)."""
+    found = {n: leaf.params[i] for leaf in optimizer.leaves for i, n in enumerate(leaf.names)}
+    return [found[n] for n in names]
+
+
+def _segments(
+    params: Sequence[tuple[str, nn.Parameter]],
+    offsets: Mapping[str, int],
+    spec: OptimizerShards,
+    leaf_of: Mapping[str, tuple[ShardLeaf, int]],
+    rank: int,
+) -> tuple[_Segment, ...]:
+    """The members' parts of a bucket whose flat buffer lays ``params`` end to end (in the
+    set's order): per parameter, its overlap with each member's slice of the set's vector
+    (``spec.bounds``), merged where one member's parts touch in the buffer."""
+    parts: list[tuple[int, int, int, tuple[tuple[ShardLeaf, int, int, int], ...]]] = []
+    position = 0
+    for name, param in params:
+        offset, numel = offsets[name], param.numel()
+        for member, (lo, hi) in spec.bounds.items():
+            first, last = max(lo, offset) - offset, min(hi, offset + numel) - offset
+            if first >= last:
+                continue
+            start, stop = position + first, position + last
+            copies: tuple[tuple[ShardLeaf, int, int, int], ...] = ()
+            if member == rank:
+                leaf, idx = leaf_of[name]
+                where = leaf.offsets[idx] + first - leaf.bounds[rank][0]
+                copies = ((leaf, where, start, stop),)
+            if parts and parts[-1][2] == member and parts[-1][1] == start:
+                head = parts.pop()
+                parts.append((head[0], stop, member, head[3] + copies))
+            else:
+                parts.append((start, stop, member, copies))
+        position += numel
+    return tuple(_Segment(start, stop, owner, copies) for start, stop, owner, copies in parts)

@@ -1,5 +1,5 @@
-"""The solver's memory strategies: recomputation per stage and ZeRO stage 1's uneven shards,
-chosen where memory binds (issue 11)."""
+"""The solver's memory strategies: recomputation per stage and ZeRO stage 1's (and 2's)
+uneven shards, chosen where memory binds (issue 11)."""
 
 from __future__ import annotations
 
@@ -131,6 +131,40 @@ def test_zero_never_and_always() -> None:
     assert not never.layout.optimizer_shard_weights
     always = solve(problem, replace(FAST, zero="always"))
     assert always.layout.optimizer_shard_weights
+
+
+def _zero2_problem(small_gb: float):  # type: ignore[no-untyped-def]
+    """Two 24 GB cards and a small one, one node, a model of four units (each 1 GB of
+    parameters, 1 GB of gradients, 1 GB of their all-reduce copy and 1 GB of optimizer
+    state): stage 1 leaves the small card at least 12 GB (its state sharded away), stage 2
+    9 GB (the copies too, less one 1 GB bucket), plus activations."""
+    problem = make_problem(
+        [Dev("a", 2.0, 24 * GB), Dev("a", 2.0, 24 * GB), Dev("a", 1.0, small_gb * GB)],
+        unit_work=[1.0] * 4,
+        global_batch_size=40,
+        micro_batch_sizes=(1, 2, 4, 8),
+        static_bytes=4 * GB,
+        act_bytes_per_sample=0.01 * GB,
+        grad_bytes=1 * GB,
+        intra_bandwidth=50e9,
+    )
+    return replace(
+        problem, optimizer_state_bytes=np.full(4, 1 * GB), recompute=RecomputePolicy.NEVER
+    )
+
+
+def test_zero_stage_2_where_stage_1_does_not_fit_and_stage_1_where_it_does() -> None:
+    options = replace(FAST, max_stages=1)
+    tight = solve(_zero2_problem(10.5), options)  # stage 1 needs >= 12 GB there
+    assert tight.layout.optimizer_shard_weights and tight.layout.zero_stage == 2
+    assert len(tight.layout.device_indices) == 3
+    assert tight.evaluation.memory_ok and not layout_problems(_zero2_problem(10.5), tight.layout)
+    stage1 = replace(tight.layout, zero_stage=1)
+    assert not evaluate(_zero2_problem(10.5), stage1).memory_ok
+    assert layout_problems(_zero2_problem(10.5), stage1)  # the validator counts it too
+    roomy = solve(_zero2_problem(14.0), options)  # stage 1 fits: same cost, stage 1 kept
+    assert roomy.layout.optimizer_shard_weights and roomy.layout.zero_stage == 1
+    assert len(roomy.layout.device_indices) == 3
 
 
 def test_a_model_larger_than_every_device_together_is_named_as_such() -> None:

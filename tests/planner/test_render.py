@@ -32,7 +32,7 @@ from hplan.planner.textfmt import (
     wrap_phrases,
 )
 from hplan.runtime.contract.errors import ConfigError, PlanFileError
-from hplan.runtime.contract.plan import MemoryStrategy, Plan, TensorSpec
+from hplan.runtime.contract.plan import MemoryStrategy, Plan, TensorSpec, ZeroStage
 from tests.fixtures.sample_plans import (
     SAMPLE_PLANS,
     check_golden,
@@ -131,6 +131,24 @@ def test_text_table_marks_a_selective_rank_with_its_recomputed_share_of_units() 
     row = next(line for line in lines if line.lstrip().startswith("3 "))
     assert row.rstrip().endswith(" R2/5")
     assert "Rk/n: recomputes k of its n units (selective)" in lines
+
+
+def test_text_table_marks_zero_ranks_with_their_stage_and_a_smaller_shard() -> None:
+    plan = datacentre_plan()
+    weights = (0.5, 1.0)
+    plan = replace(
+        plan,
+        ranks=tuple(
+            replace(r, optimizer_shard_weight=w) for r, w in zip(plan.ranks, weights, strict=True)
+        ),
+        training=replace(plan.training, zero_stage=ZeroStage.GRADIENTS),
+    )
+    lines = render_text(plan).splitlines()
+    rows = [line.rstrip() for line in lines if line.lstrip()[:1] in ("0", "1")]
+    assert rows[0].endswith(" Z2 s0.50") and rows[1].endswith(" Z2"), rows
+    assert any(line.startswith("Z2: ZeRO stage 2") for line in lines)
+    plain = render_text(datacentre_plan())
+    assert " Z" not in plain
 
 
 def test_text_table_rows_show_units_compactly_and_batch_shares() -> None:

@@ -37,11 +37,13 @@ from tests.fixtures.sample_plans import cpu_plan, datacentre_plan, mixed_plan
 NUMEL = 1000
 
 
-def _with_memory(plan: Plan, *, per_sample: float = 1e4, frozen: int = 0) -> Plan:
+def _with_memory(
+    plan: Plan, *, per_sample: float = 1e4, frozen: int = 0, numel: int = NUMEL
+) -> Plan:
     names = dict.fromkeys(p for u in plan.units for p in u.params)
     spec = MemoryModelSpec(
         optimizer_state_bytes_per_param_byte=2.0,
-        parameters=tuple(ParameterSpec(name=n, num_elements=NUMEL, element_bytes=4) for n in names),
+        parameters=tuple(ParameterSpec(name=n, num_elements=numel, element_bytes=4) for n in names),
         units=tuple(
             UnitMemorySpec(unit=u.name, activation_bytes_per_sample=per_sample, frozen_bytes=frozen)
             for u in plan.units
@@ -94,6 +96,40 @@ def test_zero_cuts_the_optimizer_state_of_every_shared_parameter_and_nothing_els
             before.parameter_bytes,
             before.gradient_bytes,
         )
+
+
+def test_zero_stage_2_keeps_one_bucket_of_the_summed_copies_and_is_checked_at_load() -> None:
+    big = 10_000_000  # 40 MB per parameter: above the 25 MB bucket cap, a bucket each
+    plan = _with_memory(datacentre_plan(), numel=big)
+    one = replace(plan, training=replace(plan.training, zero_stage=ZeroStage.OPTIMIZER_STATE))
+    two = replace(plan, training=replace(plan.training, zero_stage=ZeroStage.GRADIENTS))
+    two.verify()
+    first, second = plan_memory(one), plan_memory(two)
+    assert first is not None and second is not None
+    held = parameter_holders(plan)
+    units = {u.name: u for u in plan.units}
+    saved = 0.0
+    for rank, a, b in zip(plan.ranks, first, second, strict=True):
+        names = dict.fromkeys(p for u in rank.units for p in units[u].params)
+        shared = [n for n in names if len(held[n]) > 1]
+        assert (b.optimizer_state_bytes, b.gradient_bytes) == (
+            a.optimizer_state_bytes,
+            a.gradient_bytes,
+        )  # the state as stage 1; the gradients still accumulate whole
+        bucket = big * 4.0 if shared else 0.0
+        assert b.workspace_bytes == pytest.approx(
+            a.workspace_bytes - big * 4 * len(shared) + bucket
+        )
+        saved += a.total_bytes - b.total_bytes
+    assert saved > 0
+    edited = replace(  # by hand: every rank of the stage-2 plan at a huge activation size
+        _with_memory(datacentre_plan(), numel=big, per_sample=1e12),
+        training=two.training,
+    )
+    with pytest.raises(PlanFileError) as caught:
+        check_fits(edited, "plan.json")
+    line = str(caught.value)
+    assert "\n" not in line and "rank " in line and "GiB" in line
 
 
 def test_gpipe_holds_every_microbatch_and_recompute_one() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hplan.runtime.capture.model_file import load_model_file
-from hplan.runtime.contract.plan import Plan, Precision, wire_spec
+from hplan.runtime.contract.plan import Plan, Precision, ZeroStage, wire_spec
 from hplan.runtime.executor.worker import boundaries
 from tests.fixtures.plans import (
     ReplicaShape,
@@ -120,7 +120,7 @@ OVERFLOW_MODEL = """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["zero0", "zero1", "offload"])
+@pytest.mark.parametrize("strategy", ["zero0", "zero1", "zero2", "offload"])
 def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, strategy):
     path = write_model(tmp_path, OVERFLOW_MODEL)
     # Replica 0: ranks 0 (first layers) and 1 (head); replica 1: rank 2 (everything).
@@ -130,6 +130,8 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, str
         strategy == "zero1"
     ):  # the scaler unscales and steps a sharded optimizer; the skip sends nothing
         plan = with_zero(plan, (1.0, 2.0, 1.0))
+    if strategy == "zero2":  # the inf reaches only the bias's owner, whose vote skips all
+        plan = with_zero(plan, (1.0, 2.0, 1.0), ZeroStage.GRADIENTS)
     if strategy == "offload":  # rank 0 unscales on its device, steps (or not) on the host
         plan = replace(
             plan, ranks=(replace(plan.ranks[0], optimizer_offload=True), *plan.ranks[1:])

@@ -1,5 +1,7 @@
 """ZeRO stage 1: uneven optimizer-state shards, stepped per rank and exchanged, against the
 unsharded runtime (bit for bit) and one process; checkpoints across plans; the refusals.
+ZeRO stage 2 (the summed gradients sharded too) on the same plan and weights, in the same
+module-scoped runs.
 
 The plan: a tied-embedding language model (``TIED_LM``) in two replicas split differently
 (replica 0: ranks 0 and 1, replica 1: ranks 2 and 3), so that its holder sets differ by
@@ -20,7 +22,7 @@ from rich.console import Console
 
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.holders import optimizer_shards, parameter_holders
-from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.plan import Plan, ZeroStage
 from hplan.runtime.executor.worker import RunOptions, build_rank
 from hplan.runtime.executor.zero import ShardedOptimizer
 from hplan.runtime.rehearsal.reference_check import reference_steps, relative_difference
@@ -175,13 +177,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     checkpoint after every step and ``--verify-dir``."""
     directory = tmp_path_factory.mktemp("zero")
     path, plain, zero = _plans(directory)
-    for name, plan in (("plain", plain), ("zero", zero)):
+    zero2 = with_zero(plain, WEIGHTS, ZeroStage.GRADIENTS)
+    for name, plan in (("plain", plain), ("zero", zero), ("zero2", zero2)):
         _ok(
             run_ranks(plan, directory / name, "--steps", str(STEPS), "--checkpoint-dir",
                       str(directory / name / "ckpt"), "--checkpoint-every-steps", "1",
                       "--verify-dir", str(directory / name / "verify"), timeout_s=TIMEOUT_S)
         )  # fmt: skip
-    return {"dir": directory, "path": path, "plain": plain, "zero": zero}
+    return {"dir": directory, "path": path, "plain": plain, "zero": zero, "zero2": zero2}
 
 
 def test_zero_steps_equal_the_unsharded_run_bit_for_bit_and_one_process(
@@ -199,6 +202,29 @@ def test_zero_steps_equal_the_unsharded_run_bit_for_bit_and_one_process(
     assert sharded["model"].keys() == reference.params.keys()
     for name, value in reference.params.items():
         assert relative_difference(sharded["model"][name], value) < 1e-5, name
+
+
+def test_zero_stage_2_equals_one_process_every_gradient_and_parameter_and_the_plain_run(
+    runs: dict, tmp_path: Path
+) -> None:
+    """Stage 2 at 3:1:0:1 (a weight-0 rank, holder sets that differ, a tied weight, clipping
+    to MAX_GRAD_NORM): the first step's gradients (each rank's shards, gathered for the
+    dump) and parameters against one process, and three steps against the plain run."""
+    directory, path, zero2 = runs["dir"], runs["path"], runs["zero2"]
+    first = compare_first_step(zero2, path, directory / "zero2" / "verify")
+    assert first.missing == ()
+    assert first.grad_rel < 1e-5 and first.param_rel < 1e-4
+    assert first.loss == pytest.approx(first.reference_loss, rel=1e-5)
+    sharded = read_checkpoint(directory / "zero2" / "ckpt" / f"step-{STEPS}", tmp_path)
+    plain = read_checkpoint(directory / "plain" / "ckpt" / f"step-{STEPS}", tmp_path)
+    assert sharded["model"].keys() == plain["model"].keys()
+    for name, value in plain["model"].items():  # reduce and all-reduce may sum in two orders
+        assert relative_difference(sharded["model"][name], value) < 1e-6, name
+    assert sharded["optimizer"].keys() == plain["optimizer"].keys()
+    for name, state in plain["optimizer"].items():
+        for key, value in state.items():
+            got = torch.as_tensor(sharded["optimizer"][name][key]).double()
+            assert relative_difference(got, torch.as_tensor(value).double()) < 1e-5, (name, key)
 
 
 def _assert_equal_state(actual: dict, expected: dict) -> None:
