@@ -129,7 +129,7 @@ def test_zero_stage_2_keeps_one_bucket_of_the_summed_copies_and_is_checked_at_lo
     with pytest.raises(PlanFileError) as caught:
         check_fits(edited, "plan.json")
     line = str(caught.value)
-    assert "\n" not in line and "rank " in line and "GiB" in line
+    assert "\n" not in line and "rank " in line and " GB" in line
 
 
 def test_gpipe_holds_every_microbatch_and_recompute_one() -> None:
