@@ -233,8 +233,14 @@ def test_a_rank_killed_inside_a_save_leaves_a_complete_latest_checkpoint(
     assert survivor.returncode == 1, survivor.stderr
     assert len(_errors(survivor.stderr)) == 1, survivor.stderr
     assert "PeerFailureError" in survivor.stderr and "Traceback" not in survivor.stderr
-    named = "rank 1 on node n0 failed" if rank == 1 else "(rank 0's node n0) stopped answering"
-    assert named in survivor.stderr, survivor.stderr
+    # rank 0 also hosts the store: the survivor notices either the store or the missing
+    # heartbeat first (the latter under load); both name the rank and its node
+    named = (
+        ("rank 1 on node n0 failed",)
+        if rank == 1
+        else ("(rank 0's node n0) stopped answering", "rank 0 on node n0 failed")
+    )
+    assert any(text in survivor.stderr for text in named), survivor.stderr
     _assert_latest_loads(ckpt, tmp_path, latest_step)
 
 
