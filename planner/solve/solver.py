@@ -85,7 +85,7 @@ def solve(
     is returned follows ``options.sync`` (``sync_choice``).
 
     Where memory shapes the answer (a stage recomputes, optimizer state is sharded or
-    offloaded, or a device is left idle) and the request has an ``auto`` among
+    offloaded, or a device is left idle while a stage is nearly full) and the request has an ``auto`` among
     ``--recompute``, ``--zero`` and ``--offload``, each uniform strategy it allows
     (:func:`uniform_strategies`: everyone plain, recomputing, on ZeRO-1 or offloading) is
     solved too, each within ``options.time_limit_s``, and its result is taken when faster as
@@ -101,7 +101,7 @@ def solve(
     options = options or SolveOptions()
     problem.verify()
     result = _solve_once(problem, options, schedule, runtime)
-    if not _uses_memory_strategy(problem, result.layout):
+    if not _memory_shaped(problem, result):
         return result
     for name, uniform_problem, uniform_options in uniform_strategies(problem, options):
         try:
@@ -222,7 +222,8 @@ def uniform_strategies(
     found = []
     for name, recompute, zero, offload in UNIFORM_STRATEGIES:
         uniform = (recompute.value, zero, offload)
-        if uniform == request or any(r not in (u, "auto") for r, u in zip(request, uniform)):
+        allowed = all(r in (u, "auto") for r, u in zip(request, uniform, strict=True))
+        if uniform == request or not allowed:
             continue
         if offload == "always" and not any(
             can_offload(problem, d) for d in range(problem.num_devices)
@@ -238,18 +239,20 @@ def uniform_strategies(
     return found
 
 
-def _uses_memory_strategy(problem: PlanningProblem, layout: Layout) -> bool:
-    """Whether memory shaped ``layout``: a stage recomputes (some or all of its units), it
-    shards or offloads optimizer state, or it leaves a device idle."""
-    recomputes = any(
-        s.recompute or s.recompute_units for r in layout.replicas for s in r.stages
+def _memory_shaped(problem: PlanningProblem, result: SolveResult) -> bool:
+    """Whether memory shaped ``result``: a stage recomputes (some or all of its units), it
+    shards or offloads optimizer state, or it leaves a device idle while a stage fills more
+    than :data:`MEMORY_BINDS_SHARE` of its device (idle for memory, not for speed)."""
+    layout = result.layout
+    recomputes = any(s.recompute or s.recompute_units for r in layout.replicas for s in r.stages)
+    strategy = recomputes or bool(layout.optimizer_shard_weights) or any(layout.optimizer_offload)
+    idle = len(set(layout.device_indices)) < problem.num_devices
+    full = any(
+        c.memory_bytes > MEMORY_BINDS_SHARE * float(problem.memory_capacity_bytes[c.device_idx])
+        for costs in result.evaluation.stages
+        for c in costs
     )
-    return (
-        recomputes
-        or bool(layout.optimizer_shard_weights)
-        or any(layout.optimizer_offload)
-        or len(set(layout.device_indices)) < problem.num_devices
-    )
+    return strategy or (idle and full)
 
 
 def _reported_s(result: SolveResult, simulated: bool) -> float:
