@@ -84,8 +84,8 @@ def solve(
     them) are ranked and simulated apart from the synchronous ones; which of the two bests
     is returned follows ``options.sync`` (``sync_choice``).
 
-    Where memory shapes the answer (a stage recomputes, optimizer state is sharded or
-    offloaded, or a device is left idle while a stage is nearly full) and the request has an ``auto`` among
+    Where memory may shape the answer (a stage recomputes, optimizer state is sharded or
+    offloaded, or a stage nearly fills its device) and the request has an ``auto`` among
     ``--recompute``, ``--zero`` and ``--offload``, each uniform strategy it allows
     (:func:`uniform_strategies`: everyone plain, recomputing, on ZeRO-1 or offloading) is
     solved too, each within ``options.time_limit_s``, and its result is taken when faster as
@@ -240,19 +240,20 @@ def uniform_strategies(
 
 
 def _memory_shaped(problem: PlanningProblem, result: SolveResult) -> bool:
-    """Whether memory shaped ``result``: a stage recomputes (some or all of its units), it
-    shards or offloads optimizer state, or it leaves a device idle while a stage fills more
-    than :data:`MEMORY_BINDS_SHARE` of its device (idle for memory, not for speed)."""
+    """Whether memory may have shaped ``result``: a stage recomputes (some or all of its
+    units), it shards or offloads optimizer state, or a stage fills more than
+    :data:`MEMORY_BINDS_SHARE` of its device (the searches under ``auto`` and under a
+    uniform strategy then take different paths; on a cluster with room to spare they are
+    the same search)."""
     layout = result.layout
     recomputes = any(s.recompute or s.recompute_units for r in layout.replicas for s in r.stages)
     strategy = recomputes or bool(layout.optimizer_shard_weights) or any(layout.optimizer_offload)
-    idle = len(set(layout.device_indices)) < problem.num_devices
     full = any(
         c.memory_bytes > MEMORY_BINDS_SHARE * float(problem.memory_capacity_bytes[c.device_idx])
         for costs in result.evaluation.stages
         for c in costs
     )
-    return strategy or (idle and full)
+    return strategy or full
 
 
 def _reported_s(result: SolveResult, simulated: bool) -> float:
