@@ -376,7 +376,9 @@ class _Loop:
                     writer.write(record)
                 if timeline is not None:
                     timeline.write(step, self.runner.timeline.events)
-                self.runner.clock.after_step(step, self.runner, more_steps=step < last_step)
+                # a rehearsal times a copy of the stage after its first step: not training
+                with self.memory.excluded() if step == first_step else contextlib.nullcontext():
+                    self.runner.clock.after_step(step, self.runner, more_steps=step < last_step)
                 if self.progress is not None:
                     self.progress.step_done(step, record.step_time_s)
                 self._after(step + 1, self._flags(record, preemption), record)
