@@ -80,7 +80,12 @@ from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync, check
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
 from hplan.runtime.executor.rendezvous import barrier, rank_device
-from hplan.runtime.executor.seams import MemoryMeter, Seams, default_clock
+from hplan.runtime.executor.seams import (
+    MemoryMeter,
+    Seams,
+    default_clock,
+    preload_build_modules,
+)
 from hplan.runtime.executor.worker import (
     RunOptions,
     build_rank,
@@ -194,6 +199,7 @@ def _build_same_job(
     memory: MemoryMeter | None = None
     failure: HplanError | None = None
     try:
+        preload_build_modules()  # the library, not the stage: in the baseline
         memory = MemoryMeter(rank_device(plan, plan.ranks[rank], options.device))
         parts = build_rank(plan, rank, model_path, options, links=seams.links)
         options = replace(
