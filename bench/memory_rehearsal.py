@@ -11,8 +11,10 @@ what `hplan show` checks). Then `hplan rehearse --verify
 resident set less the process before its stage was built) beside the prediction. Target
 (issue 11): within 15% per rank. The rehearsal runs twice: as a user runs it, and with
 glibc's mmap threshold pinned at 64 KiB (``MALLOC_MMAP_THRESHOLD_``), so that freed
-tensors go back to the system at once and the resident set follows the live tensors (the
-difference is the heap's fragmentation, which the prediction does not model).
+tensors go back to the system at once and the resident set follows the live memory (the
+difference is the heap's free memory that glibc keeps resident, which the prediction does
+not model). Neither counts the rehearsal's warm timing of a copy of each stage after the
+first step (``MemoryMeter.excluded``): it is the rehearsal's, not the plan's.
 
     python bench/memory_rehearsal.py [--zero-stage 2]
 

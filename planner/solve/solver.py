@@ -24,7 +24,7 @@ from hplan.planner.textfmt import format_seconds, percent
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
 from hplan.runtime.contract.plan import PseudoGradientDtype, Schedule, SolverStatus
 
-__all__ = ["SolveOptions", "SolveResult", "second_opinion", "solve"]
+__all__ = ["SolveOptions", "SolveResult", "second_opinion", "solve", "uniform_strategies"]
 
 SIMULATED_CANDIDATES = 5
 """How many of the cost model's best distinct layouts the simulator re-times."""
@@ -84,6 +84,15 @@ def solve(
     them) are ranked and simulated apart from the synchronous ones; which of the two bests
     is returned follows ``options.sync`` (``sync_choice``).
 
+    Where memory may shape the answer (a stage recomputes, optimizer state is sharded or
+    offloaded, or a stage nearly fills its device) and the request has an ``auto`` among
+    ``--recompute``, ``--zero`` and ``--offload``, each uniform strategy it allows
+    (:func:`uniform_strategies`: everyone plain, recomputing, on ZeRO-1 or offloading) is
+    solved too, each within ``options.time_limit_s``, and its result is taken when faster as
+    the plans report them (:func:`_faster_of`): the mixed choice is then never slower than
+    a uniform one's by construction. The heuristic searches (stage orders) of the two can
+    differ, so a uniform search may find a layout the mixed one misses.
+
     Raises:
         InfeasiblePlanError: nothing fits; the message names the binding constraint.
         ConfigError: ``--offload always`` on a cluster without a GPU.
@@ -91,6 +100,26 @@ def solve(
     """
     options = options or SolveOptions()
     problem.verify()
+    result = _solve_once(problem, options, schedule, runtime)
+    if not _memory_shaped(problem, result):
+        return result
+    for name, uniform_problem, uniform_options in uniform_strategies(problem, options):
+        try:
+            other = _solve_once(uniform_problem, uniform_options, schedule, runtime)
+        except InfeasiblePlanError:
+            continue
+        result = _faster_of(problem, result, other, name, schedule, runtime)
+    return result
+
+
+def _solve_once(
+    problem: PlanningProblem,
+    options: SolveOptions,
+    schedule: Schedule,
+    runtime: RuntimeBytes | None,
+) -> SolveResult:
+    """:func:`solve` under one setting of ``--recompute``, ``--zero`` and ``--offload``
+    (the problem's recompute policy, the options' others), without the uniform ones."""
     if options.offload == "always" and not any(
         can_offload(problem, d) for d in range(problem.num_devices)
     ):
@@ -166,6 +195,116 @@ def solve(
         chosen.source,
         tuple(notes),
         simulated_step_time_s=chosen.simulated_s,
+    )
+
+
+UNIFORM_STRATEGIES: tuple[tuple[str, RecomputePolicy, str, str], ...] = (
+    ("plain", RecomputePolicy.NEVER, "never", "never"),
+    ("recompute", RecomputePolicy.ALWAYS, "never", "never"),
+    ("zero-1", RecomputePolicy.NEVER, "always", "never"),
+    ("offload", RecomputePolicy.NEVER, "never", "always"),
+)
+"""The uniform memory strategies (name, ``--recompute``, ``--zero``, ``--offload``): every
+rank the same, as ``bench/memory_strategies.py`` compares them with the mixed choice."""
+
+
+def uniform_strategies(
+    problem: PlanningProblem, options: SolveOptions
+) -> list[tuple[str, PlanningProblem, SolveOptions]]:
+    """The uniform strategies a mixed request also allows, as problems and options to solve.
+
+    A strategy is allowed when each of its three settings equals the request's or the
+    request's is ``auto``; the request's own setting is left out, and so is ``offload``
+    where no device can offload (a ``cpu`` device's memory is the host's). Empty when the
+    request has no ``auto`` (it is uniform itself).
+    """
+    request = (problem.recompute.value, options.zero, options.offload)
+    found = []
+    for name, recompute, zero, offload in UNIFORM_STRATEGIES:
+        uniform = (recompute.value, zero, offload)
+        allowed = all(r in (u, "auto") for r, u in zip(request, uniform, strict=True))
+        if uniform == request or not allowed:
+            continue
+        if offload == "always" and not any(
+            can_offload(problem, d) for d in range(problem.num_devices)
+        ):
+            continue
+        found.append(
+            (
+                name,
+                replace(problem, recompute=recompute),
+                replace(options, zero=zero, offload=offload),
+            )
+        )
+    return found
+
+
+def _memory_shaped(problem: PlanningProblem, result: SolveResult) -> bool:
+    """Whether memory may have shaped ``result``: a stage recomputes (some or all of its
+    units), it shards or offloads optimizer state, or a stage fills more than
+    :data:`MEMORY_BINDS_SHARE` of its device (the searches under ``auto`` and under a
+    uniform strategy then take different paths; on a cluster with room to spare they are
+    the same search)."""
+    layout = result.layout
+    recomputes = any(s.recompute or s.recompute_units for r in layout.replicas for s in r.stages)
+    strategy = recomputes or bool(layout.optimizer_shard_weights) or any(layout.optimizer_offload)
+    full = any(
+        c.memory_bytes > MEMORY_BINDS_SHARE * float(problem.memory_capacity_bytes[c.device_idx])
+        for costs in result.evaluation.stages
+        for c in costs
+    )
+    return strategy or full
+
+
+def _reported_s(result: SolveResult, simulated: bool) -> float:
+    """The step time the plan reports: simulated when ``simulated``, else the cost model's."""
+    if simulated and result.simulated_step_time_s is not None:
+        return result.simulated_step_time_s
+    return result.evaluation.step_time_s
+
+
+def _faster_of(
+    problem: PlanningProblem,
+    mixed: SolveResult,
+    other: SolveResult,
+    name: str,
+    schedule: Schedule,
+    runtime: RuntimeBytes | None,
+) -> SolveResult:
+    """``mixed``, or the uniform strategy ``name``'s result ``other`` (re-costed and
+    re-simulated on ``problem``) when that is faster.
+
+    Both are compared as the plans report them (as ``--previous`` is): simulated where
+    both were simulated, else the cost model's step; a tie keeps ``mixed``. A layout
+    ``problem``'s validator refuses is never taken.
+    """
+    if layout_problems(problem, other.layout):
+        return mixed
+    evaluation = evaluate(problem, other.layout)
+    simulated = mixed.simulated_step_time_s is not None and other.simulated_step_time_s is not None
+    simulated_s = (
+        simulated_step_time_s(problem, other.layout, schedule, runtime) if simulated else None
+    )
+    candidate = replace(other, evaluation=evaluation, simulated_step_time_s=simulated_s)
+    mixed_s = _reported_s(mixed, simulated)
+    other_s = _reported_s(candidate, simulated)
+    if not other_s < mixed_s:
+        return mixed
+    status, gap = _status_of_runner_up(
+        mixed.status, mixed.gap, mixed.evaluation.step_time_s, evaluation.step_time_s
+    )
+    how = "simulated" if simulated else "cost model"
+    note = (
+        f"the uniform {name} strategy's layout ({other.source}) takes "
+        f"{format_seconds(other_s)} per step ({how}), less than the {format_seconds(mixed_s)} "
+        f"of the mixed search's best ({mixed.source}): chose it"
+    )
+    return replace(
+        candidate,
+        status=status,
+        gap=gap,
+        source=f"uniform {name}: {other.source}",
+        notes=(*other.notes, note),
     )
 
 

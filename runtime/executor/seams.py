@@ -20,6 +20,10 @@ defaults do no more than time the block.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import gc
+import importlib
 import resource
 import sys
 import time
@@ -50,6 +54,7 @@ __all__ = [
     "Phase",
     "Seams",
     "default_clock",
+    "preload_build_modules",
 ]
 
 
@@ -273,6 +278,8 @@ class MemoryMeter:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._excluded_peak_bytes = 0
+        """The peak before the last :meth:`excluded` window (0: none yet)."""
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             self.measure = MemoryMeasure.CUDA_ALLOCATED
@@ -285,12 +292,73 @@ class MemoryMeter:
             self.baseline_bytes = _lifetime_peak_bytes()
 
     def peak_bytes(self) -> int:
-        """The peak since the meter started (or, ``RSS_LIFETIME_PEAK``, ever)."""
+        """The peak since the meter started (or, ``RSS_LIFETIME_PEAK``, ever), outside the
+        :meth:`excluded` windows."""
+        return max(self._excluded_peak_bytes, self._measured_peak_bytes())
+
+    def _measured_peak_bytes(self) -> int:
         if self.measure is MemoryMeasure.CUDA_ALLOCATED:
             return int(torch.cuda.max_memory_allocated(self.device))
         if self.measure is MemoryMeasure.RSS_HIGH_WATER:
             return _status_bytes("VmHWM")
         return _lifetime_peak_bytes()
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """What runs inside is not the rank's training (a rehearsal timing a copy of its
+        stage): its peak is left out of :meth:`peak_bytes`.
+
+        The peak so far is kept; after the window, Python's cyclic garbage is collected
+        (what the window left in reference cycles), the C heap's free memory is given
+        back to the system (glibc's ``malloc_trim``, where there is one: freed blocks
+        below its mmap threshold stay resident otherwise), and the peak is reset to what
+        the process holds then, so what the window left behind still counts. Where the
+        peak cannot be reset (``RSS_LIFETIME_PEAK``) the window counts.
+        """
+        before_bytes = self.peak_bytes()
+        try:
+            yield
+        finally:
+            gc.collect()
+            _trim_heap()
+            if self.measure is MemoryMeasure.CUDA_ALLOCATED:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                self._excluded_peak_bytes = before_bytes
+            elif self.measure is MemoryMeasure.RSS_HIGH_WATER and _reset_high_water():
+                self._excluded_peak_bytes = before_bytes
+
+
+BUILD_MODULES = (
+    "torch.export",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch._subclasses.fake_tensor",
+    "torch.fx.experimental.symbolic_shapes",
+)
+"""The parts of torch a rank's build imports on first use (its stage is traced with
+``torch.export`` on fake tensors, ``worker.rank_stage``): 37.8 MB of resident set with
+torch 2.13 on CPU (``VmRSS`` before and after importing them in a process that had
+imported hplan's runtime); a rehearsal rank's measured training memory fell by 38.7 MB
+once they were imported before its baseline (``bench/memory_rehearsal.py``, rank 0)."""
+
+
+def preload_build_modules() -> None:
+    """Import :data:`BUILD_MODULES`, so that a :class:`MemoryMeter` started after counts
+    them in the process's baseline, with the interpreter and torch, not in the training
+    memory that the plan predicts."""
+    for name in BUILD_MODULES:
+        importlib.import_module(name)
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim(0)``); a
+    no-op where the C library has no such function."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _reset_high_water() -> bool:

@@ -85,7 +85,12 @@ from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync, check
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
 from hplan.runtime.executor.rendezvous import barrier, rank_device
-from hplan.runtime.executor.seams import MemoryMeter, Seams, default_clock
+from hplan.runtime.executor.seams import (
+    MemoryMeter,
+    Seams,
+    default_clock,
+    preload_build_modules,
+)
 from hplan.runtime.executor.worker import (
     RunOptions,
     build_rank,
@@ -208,6 +213,7 @@ def _build_same_job(
     memory: MemoryMeter | None = None
     failure: HplanError | None = None
     try:
+        preload_build_modules()  # the library, not the stage: in the baseline
         memory = MemoryMeter(rank_device(plan, plan.ranks[rank], options.device))
         parts = build_rank(plan, rank, model_path, options, links=seams.links)
         options = replace(
@@ -390,7 +396,9 @@ class _Loop:
                     writer.write(record)
                 if timeline is not None:
                     timeline.write(step, self.runner.timeline.events)
-                self.runner.clock.after_step(step, self.runner, more_steps=step < last_step)
+                # a rehearsal times a copy of the stage after its first step: not training
+                with self.memory.excluded() if step == first_step else contextlib.nullcontext():
+                    self.runner.clock.after_step(step, self.runner, more_steps=step < last_step)
                 if self.progress is not None:
                     self.progress.step_done(step, record.step_time_s)
                 self._after(step + 1, self._flags(record, preemption), record)

@@ -11,9 +11,11 @@ import pytest
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.problem import RecomputePolicy
 from hplan.planner.cost.zero import state_saving_bytes
+from hplan.planner.sim.spec import simulated_step_time_s
+from hplan.planner.solve import solver as solver_module
 from hplan.planner.solve.brute_force import brute_force
 from hplan.planner.solve.search import SolveOptions
-from hplan.planner.solve.solver import solve
+from hplan.planner.solve.solver import solve, uniform_strategies
 from hplan.planner.solve.validate import layout_problems
 from hplan.runtime.contract.errors import InfeasiblePlanError
 from tests.fixtures.problems import GB, Dev, make_problem
@@ -246,3 +248,56 @@ def test_a_stage_recomputes_its_cheapest_unit_per_byte_where_that_fits_and_is_ch
     never = solve(_selective_problem(RecomputePolicy.NEVER), FAST)
     assert never.layout.replicas[0].micro_batch_size == 1
     assert never.evaluation.step_time_s > result.evaluation.step_time_s
+
+
+def test_uniform_strategies_are_those_the_request_allows() -> None:
+    problem = _recompute_problem()
+    names = [name for name, _, _ in uniform_strategies(problem, FAST)]
+    assert names == ["plain", "recompute", "zero-1", "offload"]
+    _, plain_problem, plain_options = uniform_strategies(problem, FAST)[0]
+    assert plain_problem.recompute is RecomputePolicy.NEVER
+    assert (plain_options.zero, plain_options.offload) == ("never", "never")
+    no_zero = replace(FAST, zero="never", offload="never")
+    assert [n for n, _, _ in uniform_strategies(problem, no_zero)] == ["plain", "recompute"]
+    never = replace(problem, recompute=RecomputePolicy.NEVER)
+    assert [n for n, _, _ in uniform_strategies(never, no_zero)] == []  # plain itself
+
+
+def test_the_mixed_choice_is_never_slower_than_a_uniform_strategy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The mixed search's own answer is made worse than plain's (its stages recompute at
+    micro-batch 1); the solver must then return a uniform strategy's layout, as fast as the
+    best of them as the plans report it."""
+    problem = _recompute_problem()
+    real = solver_module._solve_once
+
+    def worse_mixed(p, options, schedule, runtime):  # type: ignore[no-untyped-def]
+        result = real(p, options, schedule, runtime)
+        if p.recompute is not RecomputePolicy.AUTO:
+            return result
+        plain = real(replace(p, recompute=RecomputePolicy.NEVER), options, schedule, runtime)
+        layout = replace(
+            plain.layout,
+            replicas=tuple(
+                replace(r, stages=tuple(replace(s, recompute=True) for s in r.stages))
+                for r in plain.layout.replicas
+            ),
+        )
+        simulated_s = simulated_step_time_s(p, layout, schedule, runtime)
+        return replace(
+            result,
+            layout=layout,
+            evaluation=evaluate(p, layout),
+            simulated_step_time_s=simulated_s,
+            source="worse",
+        )
+
+    monkeypatch.setattr(solver_module, "_solve_once", worse_mixed)
+    chosen = solve(problem, FAST)
+    uniform = [solve(p, o) for _, p, o in uniform_strategies(problem, FAST)[:2]]
+    best_s = min(r.evaluation.step_time_s for r in uniform)
+    assert chosen.source.startswith("uniform ")
+    assert chosen.evaluation.step_time_s == pytest.approx(best_s)
+    assert any("uniform" in note and "chose it" in note for note in chosen.notes)
+    assert not layout_problems(problem, chosen.layout)

@@ -130,6 +130,21 @@ def test_the_memory_meter_counts_what_is_allocated_after_it_starts_and_keeps_the
     assert again.peak_bytes() - again.baseline_bytes < 8 * 2**20
 
 
+def test_the_memory_meter_leaves_out_an_excluded_window_but_not_what_it_left_behind() -> None:
+    size_bytes = 96 * 2**20  # above glibc's largest mmap threshold: freed at once
+    meter = MemoryMeter(torch.device("cpu"))
+    if meter.measure is not MemoryMeasure.RSS_HIGH_WATER:
+        pytest.skip("needs a resettable resident-set high-water mark (Linux)")
+    before_bytes = meter.peak_bytes()
+    with meter.excluded():
+        timing_copy = torch.ones(size_bytes // 4)  # a rehearsal's copy of the stage, say
+        del timing_copy
+        kept = torch.ones(size_bytes // 8)  # still held after the window: counted
+    assert meter.peak_bytes() < before_bytes + size_bytes // 2 + 16 * 2**20
+    assert meter.peak_bytes() >= before_bytes + size_bytes // 2 - 2**20
+    del kept
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_meter_counts_the_allocators_bytes_from_its_start() -> None:
