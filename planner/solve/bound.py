@@ -83,6 +83,11 @@ _BOUND_SLACK = 1e-9
 _MILP_TIME_LIMIT_S = 1.0
 """Time limit of the step-time MILP; past it, HiGHS's proven lower bound is used."""
 
+_MILP_MAX_STAGE_VARIABLES = 3000
+"""Above this many (device, first unit, last unit) stage variables the MILP is not built
+(PuLP takes longer to build it than HiGHS to solve it: 32 devices and 62 units took 50 s);
+the critical path alone then bounds the step."""
+
 _MILP_GAP = 0.01
 """Relative gap at which the step-time MILP stops; its proven lower bound is used."""
 
@@ -156,10 +161,7 @@ def throughput_bound_samples_per_s(problem: PlanningProblem) -> float:
         optimum = _solve_lp(rows, budgets)
     except (RuntimeError, IndexError, pulp.PulpSolverError):  # PuLP's HiGHS reader raises
         optimum = _time_budget_bound(rows, budgets)  # IndexError on a failed solve
-    try:
-        step_s = _step_time_lower_bound_s(problem, times)
-    except (RuntimeError, IndexError, pulp.PulpSolverError):
-        step_s = 0.0  # the LP's bound alone
+    step_s = _step_time_lower_bound_s(problem, times)
     if step_s > 0:
         optimum = min(optimum, problem.global_batch_size / step_s)
     return optimum * (1 + _BOUND_SLACK)
@@ -241,17 +243,15 @@ def _regular_times(problem: PlanningProblem, device_idx: int) -> bool:
 
 
 def _step_time_lower_bound_s(problem: PlanningProblem, times: FloatArray) -> float:
-    """The least step time (s) of any layout processing the global batch (module docstring's
-    MILP); 0.0 where no device has a fixed micro-batch cost (then the LP says it all).
+    """A least step time (s) of any layout processing the global batch: the module
+    docstring's MILP, or the critical path alone where the MILP is too large to build or
+    ends without a proven bound; 0.0 where no device has a fixed micro-batch cost (then
+    the LP says it all).
 
     Args:
         problem: the planning problem (D devices, U units).
         times: :func:`unit_time_per_sample_s`, shape (D, U); ``inf`` where u fits d at no size.
-
-    Raises:
-        RuntimeError: the MILP ended without an optimum or a proven lower bound.
     """
-    batch = float(problem.global_batch_size)
     lines = {
         (d, u): micro_batch_lines(problem, d, u)
         for d in range(problem.num_devices)
@@ -261,6 +261,28 @@ def _step_time_lower_bound_s(problem: PlanningProblem, times: FloatArray) -> flo
     if not any(lines.values()):
         return 0.0
     unit_path_s = _unit_path_s(problem, lines)
+    path_s = float(unit_path_s.sum())
+    num_stages = problem.num_devices * problem.num_units * (problem.num_units + 1) // 2
+    if num_stages > _MILP_MAX_STAGE_VARIABLES:
+        return path_s  # too large to build quickly: the critical path alone
+    try:
+        return max(_step_time_milp_s(problem, times, lines, unit_path_s), path_s)
+    except (RuntimeError, IndexError, pulp.PulpSolverError):  # no proven bound
+        return path_s
+
+
+def _step_time_milp_s(
+    problem: PlanningProblem,
+    times: FloatArray,
+    lines: dict[tuple[int, int], list[tuple[float, float]]],
+    unit_path_s: FloatArray,
+) -> float:
+    """The module docstring's MILP: its proven least step time (s).
+
+    Raises:
+        RuntimeError: it ended without an optimum or a proven lower bound.
+    """
+    batch = float(problem.global_batch_size)
     regular = [_regular_times(problem, d) for d in range(problem.num_devices)]
     model = pulp.LpProblem("hplan_step_time_bound", pulp.LpMinimize)
     step = _variable(model, "step_s")
@@ -304,13 +326,12 @@ def _step_time_lower_bound_s(problem: PlanningProblem, times: FloatArray) -> flo
     with warnings.catch_warnings(), stdout_to_devnull():
         warnings.simplefilter("ignore", DeprecationWarning)
         status = model.solve(solver)
-    path_s = float(unit_path_s.sum())
     proven = _highs_dual_bound(model)  # within the gap of the optimum, never above it
     if proven is None and pulp.LpStatus[status] == "Optimal" and step.value() is not None:
         proven = float(step.value()) * (1 - _MILP_GAP)  # CBC: its optimum within the gap
     if proven is None:
         raise RuntimeError(f"the step-time bound MILP ended {pulp.LpStatus[status]}")
-    return max(proven * (1 - _BOUND_SLACK), path_s)
+    return proven * (1 - _BOUND_SLACK)
 
 
 def _twins(

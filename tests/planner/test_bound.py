@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hplan.planner.cost.evaluate import evaluate, standalone_samples_per_s
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.microbatch import units_time_s
 from hplan.planner.solve.bound import throughput_bound_samples_per_s, unit_time_per_sample_s
 from hplan.planner.solve.brute_force import brute_force
 from hplan.planner.solve.solver import SolveOptions, solve
@@ -204,3 +205,18 @@ def test_a_bound_lp_the_solver_cannot_scale_falls_back_to_the_time_budget_bound(
     times = unit_time_per_sample_s(problem)
     assert bound == pytest.approx(2 / times.min(axis=0).sum(), rel=1e-6)
     assert solve(problem, FAST).evaluation.samples_per_s <= bound
+
+
+def test_a_problem_too_large_for_the_milp_keeps_the_critical_path():
+    """4 devices x 40 units is past the MILP's size limit: the bound is then the batch over
+    one micro-batch's trip through every unit, not the per-sample LP alone."""
+    problem = make_problem(
+        [Dev("a", 1.0, 24 * GB)] * 4,
+        unit_work=[0.01] * 40,
+        global_batch_size=4,
+        micro_batch_sizes=(1, 2, 4),
+        grad_bytes=0.0,
+        per_microbatch_overhead_s=1.0,
+    )
+    path_s = sum(float(sum(units_time_s(problem, 0, u, u + 1, 1.0))) for u in range(40))
+    assert throughput_bound_samples_per_s(problem) == pytest.approx(4 / path_s, rel=1e-6)
