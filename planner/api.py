@@ -107,6 +107,11 @@ class Strategy(StrEnum):
     ``uniform``)."""
 
 
+MAX_GLOBAL_BATCH_SIZE = 2**30
+"""The largest ``-b`` accepted (samples per optimizer step). The search's arrays grow with
+the batch: 10^12 ran out of memory inside the solver after 35 s (a fresh-user trial)."""
+
+
 @dataclass(frozen=True)
 class SolveRequest:
     """What ``hplan solve`` was asked for."""
@@ -173,8 +178,11 @@ class SolveRequest:
             ModelFileError: the model file is missing or a directory.
             PlanFileError: the ``--previous`` plan is not a valid, complete plan.
         """
-        if self.global_batch_size < 1:
-            raise ConfigError(f"global batch size {self.global_batch_size} must be >= 1 (-b)")
+        if not 1 <= self.global_batch_size <= MAX_GLOBAL_BATCH_SIZE:
+            raise ConfigError(
+                f"global batch size {self.global_batch_size} is outside "
+                f"1..{MAX_GLOBAL_BATCH_SIZE:,} (-b); give a batch of samples per optimizer step"
+            )
         _check_micro_batch_sizes(self.micro_batch_sizes, self.global_batch_size)
         if not (math.isfinite(self.time_limit_s) and self.time_limit_s > 0):
             raise ConfigError(
