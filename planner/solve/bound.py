@@ -168,12 +168,13 @@ def throughput_bound_samples_per_s(problem: PlanningProblem) -> float:
 
 
 def micro_batch_lines(
-    problem: PlanningProblem, device_idx: int, unit_idx: int
+    problem: PlanningProblem, device_idx: int, unit_idx: int, static_bytes: FloatArray
 ) -> list[tuple[float, float]]:
     """Lines ``(a_s, c_s_per_sample)`` with ``a > 0`` lying below the forward + backward
     seconds of one micro-batch of unit ``unit_idx`` on ``device_idx`` at every size it may
-    take (1 up to the largest that fits, at most the global batch); ``[]`` where the
-    device's times are not regular (below).
+    take (1 up to the largest that fits, at most the global batch), for a device whose
+    times are regular (below; :func:`_regular_times`, which the caller checks once per
+    device). ``static_bytes``: :func:`_static_less_optimizer_state`, shape (U,).
 
     A stage's time at size x is read off the candidates' *summed* times
     (``cost.microbatch.units_time_s``). Where every unit's forward and backward times on the
@@ -186,11 +187,9 @@ def micro_batch_lines(
     below a piecewise-linear time where it lies below it at the candidates, at 1 and at the
     largest size. The slopes tried: 0 and each segment's.
     """
-    if not _regular_times(problem, device_idx):
-        return []
     largest = _largest_fitting_size(
         float(problem.memory_capacity_bytes[device_idx]),
-        float(_static_less_optimizer_state(problem)[unit_idx]),
+        float(static_bytes[unit_idx]),
         float(problem.activation_bytes_per_sample[unit_idx]),
         problem.global_batch_size,
     )
@@ -252,8 +251,10 @@ def _step_time_lower_bound_s(problem: PlanningProblem, times: FloatArray) -> flo
         problem: the planning problem (D devices, U units).
         times: :func:`unit_time_per_sample_s`, shape (D, U); ``inf`` where u fits d at no size.
     """
+    regular = [_regular_times(problem, d) for d in range(problem.num_devices)]
+    static = _static_less_optimizer_state(problem)
     lines = {
-        (d, u): micro_batch_lines(problem, d, u)
+        (d, u): micro_batch_lines(problem, d, u, static) if regular[d] else []
         for d in range(problem.num_devices)
         for u in range(problem.num_units)
         if math.isfinite(times[d, u])
@@ -266,7 +267,7 @@ def _step_time_lower_bound_s(problem: PlanningProblem, times: FloatArray) -> flo
     if num_stages > _MILP_MAX_STAGE_VARIABLES:
         return path_s  # too large to build quickly: the critical path alone
     try:
-        return max(_step_time_milp_s(problem, times, lines, unit_path_s), path_s)
+        return max(_step_time_milp_s(problem, times, lines, unit_path_s, regular), path_s)
     except (RuntimeError, IndexError, pulp.PulpSolverError):  # no proven bound
         return path_s
 
@@ -276,6 +277,7 @@ def _step_time_milp_s(
     times: FloatArray,
     lines: dict[tuple[int, int], list[tuple[float, float]]],
     unit_path_s: FloatArray,
+    regular: list[bool],
 ) -> float:
     """The module docstring's MILP: its proven least step time (s).
 
@@ -283,7 +285,6 @@ def _step_time_milp_s(
         RuntimeError: it ended without an optimum or a proven lower bound.
     """
     batch = float(problem.global_batch_size)
-    regular = [_regular_times(problem, d) for d in range(problem.num_devices)]
     model = pulp.LpProblem("hplan_step_time_bound", pulp.LpMinimize)
     step = _variable(model, "step_s")
     model += step

@@ -96,20 +96,26 @@ def test_the_sum_of_standalone_devices_is_exceeded_where_the_bound_is_not():
     assert bound <= rate * 1.011
 
 
+def _overhead_problem(num_units: int):  # type: ignore[no-untyped-def]
+    """Four equal devices, ``num_units`` units of little work, and a 1 s fixed cost per
+    micro-batch on each unit; batch 4."""
+    return make_problem(
+        [Dev("a", 1.0, 24 * GB)] * 4,
+        unit_work=[0.01] * num_units,
+        global_batch_size=4,
+        micro_batch_sizes=(1, 2, 4),
+        grad_bytes=0.0,
+        per_microbatch_overhead_s=1.0,
+    )
+
+
 def test_with_a_fixed_cost_per_micro_batch_and_a_small_batch_the_bound_is_the_critical_path():
     """The demo's regime: a micro-batch costs 1 s of overhead on each of four units
     whatever its size, and the batch is 4 samples. Per-sample rates (the LP) credit each of
     the four devices with its rate at micro-batch 4 (1.28 samples/s). But every micro-batch
     pays the overhead of all four units one after another, so no layout beats four replicas
     of one sample each (0.33 samples/s), which the bound now says to its MILP gap."""
-    problem = make_problem(
-        [Dev("a", 1.0, 24 * GB)] * 4,
-        unit_work=[0.01] * 4,
-        global_batch_size=4,
-        micro_batch_sizes=(1, 2, 4),
-        grad_bytes=0.0,
-        per_microbatch_overhead_s=1.0,
-    )
+    problem = _overhead_problem(4)
     bound = throughput_bound_samples_per_s(problem)
     replicas = Layout(tuple(ReplicaLayout((StageLayout(d, 0, 4),), 1, 1, 1) for d in range(4)))
     rate = evaluate(problem, replicas).samples_per_s
@@ -210,13 +216,6 @@ def test_a_bound_lp_the_solver_cannot_scale_falls_back_to_the_time_budget_bound(
 def test_a_problem_too_large_for_the_milp_keeps_the_critical_path():
     """4 devices x 40 units is past the MILP's size limit: the bound is then the batch over
     one micro-batch's trip through every unit, not the per-sample LP alone."""
-    problem = make_problem(
-        [Dev("a", 1.0, 24 * GB)] * 4,
-        unit_work=[0.01] * 40,
-        global_batch_size=4,
-        micro_batch_sizes=(1, 2, 4),
-        grad_bytes=0.0,
-        per_microbatch_overhead_s=1.0,
-    )
+    problem = _overhead_problem(40)
     path_s = sum(float(sum(units_time_s(problem, 0, u, u + 1, 1.0))) for u in range(40))
     assert throughput_bound_samples_per_s(problem) == pytest.approx(4 / path_s, rel=1e-6)
