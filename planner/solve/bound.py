@@ -168,47 +168,51 @@ def throughput_bound_samples_per_s(problem: PlanningProblem) -> float:
 
 
 def micro_batch_lines(
-    problem: PlanningProblem, device_idx: int, unit_idx: int, static_bytes: FloatArray
+    problem: PlanningProblem, device_idx: int, first: int, stop: int, static_bytes: FloatArray
 ) -> list[tuple[float, float]]:
     """Lines ``(a_s, c_s_per_sample)`` with ``a > 0`` lying below the forward + backward
-    seconds of one micro-batch of unit ``unit_idx`` on ``device_idx`` at every size it may
-    take (1 up to the largest that fits, at most the global batch), for a device whose
-    times are regular (below; :func:`_regular_times`, which the caller checks once per
-    device). ``static_bytes``: :func:`_static_less_optimizer_state`, shape (U,).
+    seconds of one micro-batch of the stage of units ``first .. stop - 1`` on
+    ``device_idx`` at every size it may take (1 up to the largest at which the stage fits,
+    at most the global batch), for a device whose times are regular (below;
+    :func:`_regular_times`, which the caller checks once per device). ``static_bytes``:
+    :func:`_static_less_optimizer_state`, shape (U,). Empty where the stage fits at no size.
 
     A stage's time at size x is read off the candidates' *summed* times
     (``cost.microbatch.units_time_s``). Where every unit's forward and backward times on the
     device do not decrease with size and their line below the smallest candidate does not
     cross zero ("regular"), that reading is at least the sum of the units' own lines
-    through their candidates (:func:`_piecewise_line`), so lines below each unit's add up
-    to a line below the stage's. A dip
-    (measurement noise, which the reading smooths with a running maximum) breaks this, and
-    then the device gets no lines (the LP's per-sample constraint alone holds). A line lies
-    below a piecewise-linear time where it lies below it at the candidates, at 1 and at the
-    largest size. The slopes tried: 0 and each segment's.
+    through their candidates (:func:`_piecewise_line`), so lines below that sum lie below
+    the stage's time. A dip (measurement noise, which the reading smooths with a running
+    maximum) breaks this, and then the device gets no lines (the LP's per-sample
+    constraint alone holds). A line lies below a piecewise-linear time where it lies below
+    it at the candidates, at 1 and at the largest size. The slopes tried: 0 and each
+    segment's; of slopes within 1e-6 of each other only the highest line is kept.
     """
     largest = _largest_fitting_size(
         float(problem.memory_capacity_bytes[device_idx]),
-        float(static_bytes[unit_idx]),
-        float(problem.activation_bytes_per_sample[unit_idx]),
+        float(static_bytes[first:stop].sum()),
+        float(problem.activation_bytes_per_sample[first:stop].sum()),
         problem.global_batch_size,
     )
     if largest < 1:
         return []
     at = {1.0, float(largest)} | {float(k) for k in problem.micro_batch_sizes if k <= largest}
     sizes = np.array(sorted(at))
-    times = _piecewise_line(
-        problem.micro_batch_sizes, problem.fwd_time_s[device_idx, unit_idx], sizes
-    )
-    times += _piecewise_line(
-        problem.micro_batch_sizes, problem.bwd_time_s[device_idx, unit_idx], sizes
-    )
+    times = np.zeros_like(sizes)
+    for unit in range(first, stop):
+        for pass_times in (problem.fwd_time_s, problem.bwd_time_s):
+            times += _piecewise_line(problem.micro_batch_sizes, pass_times[device_idx, unit], sizes)
     slopes = {0.0} | {float(c) for c in np.diff(times) / np.diff(sizes) if c > 0}
-    lines = []
+    lines: list[tuple[float, float]] = []
     for slope in sorted(slopes):
         intercept = float((times - slope * sizes).min())
-        if intercept > 0:
-            lines.append((intercept, slope))
+        if intercept <= 0:
+            continue
+        if lines and slope - lines[-1][1] <= 1e-6 * slope:
+            if intercept > lines[-1][0]:
+                lines[-1] = (intercept, slope)
+            continue
+        lines.append((intercept, slope))
     return lines
 
 
@@ -253,30 +257,103 @@ def _step_time_lower_bound_s(problem: PlanningProblem, times: FloatArray) -> flo
     """
     regular = [_regular_times(problem, d) for d in range(problem.num_devices)]
     static = _static_less_optimizer_state(problem)
-    lines = {
-        (d, u): micro_batch_lines(problem, d, u, static) if regular[d] else []
+    unit_lines = {
+        (d, u): micro_batch_lines(problem, d, u, u + 1, static) if regular[d] else []
         for d in range(problem.num_devices)
         for u in range(problem.num_units)
         if math.isfinite(times[d, u])
     }
-    if not any(lines.values()):
+    if not any(unit_lines.values()):
         return 0.0
-    unit_path_s = _unit_path_s(problem, lines)
+    unit_path_s = _unit_path_s(problem, unit_lines)
+    unit_slope_s = _unit_slope_s(problem, unit_lines, static)
     path_s = float(unit_path_s.sum())
     num_stages = problem.num_devices * problem.num_units * (problem.num_units + 1) // 2
     if num_stages > _MILP_MAX_STAGE_VARIABLES:
         return path_s  # too large to build quickly: the critical path alone
+    stages = _stage_lines(problem, times, unit_lines, regular, static)
     try:
-        return max(_step_time_milp_s(problem, times, lines, unit_path_s, regular), path_s)
+        step_s = _step_time_milp_s(problem, times, stages, unit_path_s, unit_slope_s, regular)
+        return max(step_s, path_s)
     except (RuntimeError, IndexError, pulp.PulpSolverError):  # no proven bound
         return path_s
+
+
+Stage = tuple[int, int, int]
+"""A regular device and the units it may hold as one stage: (device, first, stop)."""
+
+
+def _stage_lines(
+    problem: PlanningProblem,
+    times: FloatArray,
+    unit_lines: dict[tuple[int, int], list[tuple[float, float]]],
+    regular: list[bool],
+    static_bytes: FloatArray,
+) -> dict[Stage, tuple[list[tuple[float, float]], float]]:
+    """Every stage a regular device may hold (each unit fits it alone and has lines, and
+    the stage fits as a whole): its :func:`micro_batch_lines` and its least seconds per
+    sample (the sum of its units' ``times``)."""
+    stages = {}
+    for d in range(problem.num_devices):
+        if not regular[d]:
+            continue
+        for first in range(problem.num_units):
+            for stop in range(first + 1, problem.num_units + 1):
+                if not unit_lines.get((d, stop - 1)):
+                    break
+                lines = micro_batch_lines(problem, d, first, stop, static_bytes)
+                if not lines:
+                    break  # a longer stage fits no better
+                stages[d, first, stop] = (lines, float(times[d, first:stop].sum()))
+    return stages
+
+
+def _stage_time_s(lines: list[tuple[float, float]], per_sample_s: float, samples: float) -> float:
+    """The least seconds a stage spends on ``samples`` samples: its highest line there."""
+    return max([a + c * samples for a, c in lines] + [per_sample_s * samples])
+
+
+def _data_parallel_step_s(
+    problem: PlanningProblem,
+    stages: dict[Stage, tuple[list[tuple[float, float]], float]],
+    unit_path_s: FloatArray,
+) -> float:
+    """The MILP's step time (s) of one of its own layouts: every device that may hold the
+    whole model as one stage a share of the batch (found by bisection on the step time),
+    never less than the critical path; ``inf`` where no device may hold the whole model.
+    An upper bound on the MILP's optimum, which caps each stage's samples (a cut that
+    keeps the optimum)."""
+    batch = problem.global_batch_size
+    whole = [stages[key] for key in stages if key[1] == 0 and key[2] == problem.num_units]
+    if not whole:
+        return math.inf
+
+    def most_samples(step_s: float) -> float:
+        total = 0.0
+        for lines, per_sample_s in whole:
+            if _stage_time_s(lines, per_sample_s, 0.0) > step_s:
+                continue
+            low, high = 0.0, float(batch)
+            for _ in range(60):
+                mid = (low + high) / 2
+                low, high = (mid, high) if _stage_time_s(lines, per_sample_s, mid) <= step_s else (low, mid)
+            total += low
+        return total
+
+    high_s = min(_stage_time_s(lines, t, batch) for lines, t in whole)
+    low_s = 0.0
+    for _ in range(60):
+        mid_s = (low_s + high_s) / 2
+        low_s, high_s = (low_s, mid_s) if most_samples(mid_s) >= batch else (mid_s, high_s)
+    return max(high_s * (1 + 1e-9), float(unit_path_s.sum()))
 
 
 def _step_time_milp_s(
     problem: PlanningProblem,
     times: FloatArray,
-    lines: dict[tuple[int, int], list[tuple[float, float]]],
+    stages: dict[Stage, tuple[list[tuple[float, float]], float]],
     unit_path_s: FloatArray,
+    unit_slope_s: FloatArray,
     regular: list[bool],
 ) -> float:
     """The module docstring's MILP: its proven least step time (s).
@@ -285,41 +362,71 @@ def _step_time_milp_s(
         RuntimeError: it ended without an optimum or a proven lower bound.
     """
     batch = float(problem.global_batch_size)
+    step_cap_s = _data_parallel_step_s(problem, stages, unit_path_s)
     model = pulp.LpProblem("hplan_step_time_bound", pulp.LpMinimize)
     step = _variable(model, "step_s")
     model += step
-    samples, busy, holds, waits, device_time = {}, {}, {}, {}, {}
-    for d in range(problem.num_devices):  # a regular device holds one stage [i, j) or none
+    unit_samples: dict[int, list[pulp.LpVariable]] = {u: [] for u in range(problem.num_units)}
+    device_busy: dict[int, list[pulp.LpAffineExpression]] = {}
+    holds: dict[int, list[pulp.LpVariable]] = {}
+    for (d, first, stop), (lines, per_sample_s) in stages.items():
+        wait_s = float(unit_path_s[:first].sum())
+        name = f"{d}_{first}_{stop}"
+        whole = first == 0 and stop == problem.num_units
+        # a stage of a pipeline runs two micro-batches or more, each paying the fixed cost,
+        # or one micro-batch, which passes every other unit while the stage waits
+        others_slope_s = float(unit_slope_s.sum() - unit_slope_s[first:stop].sum())
+        others_path_s = float(unit_path_s.sum() - unit_path_s[first:stop].sum())
+        most_one = _most_samples(
+            lines, per_sample_s, step_cap_s - others_path_s + others_slope_s, batch,
+            extra_per_sample_s=others_slope_s,
+        )  # fmt: skip
+        most_split = -1.0 if whole else _most_samples(
+            lines, per_sample_s, step_cap_s - wait_s, batch, fixed_count=2
+        )  # fmt: skip
+        if whole:
+            most_one = _most_samples(lines, per_sample_s, step_cap_s, batch)
+        if most_one < 0 and most_split < 0:
+            continue  # holding it takes longer than a known layout's whole step
+        held = _variable(model, f"x_{name}", binary=True)
+        n = _variable(model, f"n_{name}")
+        z = _variable(model, f"z_{name}")
+        model += z >= per_sample_s * n, f"rate_{name}"
+        if most_split < 0:  # one micro-batch only
+            split: pulp.LpAffineExpression | float = 0.0
+        elif most_one < 0:  # two or more only
+            split = held
+        else:
+            split = _variable(model, f"w_{name}", binary=True)
+            model += split <= held, f"split_{name}"
+        model += n <= max(most_one, 0.0) * (held - split) + most_split * split, f"held_{name}"
+        for k, (intercept, slope) in enumerate(lines):
+            model += z >= intercept * (held + split) + slope * n, f"line_{name}_{k}"
+        if not whole:
+            model += (
+                step >= z + others_path_s * held + others_slope_s * (n - held - batch * split),
+                f"one_micro_batch_{name}",
+            )
+        holds.setdefault(d, []).append(held)
+        device_busy.setdefault(d, []).append(z + wait_s * held)
+        for u in range(first, stop):
+            unit_samples[u].append(n)
+    for d in range(problem.num_devices):  # irregular devices: the per-sample time alone
         if regular[d]:
-            fits = [(d, u) in lines for u in range(problem.num_units)]
-            stages = {
-                (i, j): _variable(model, f"x_{d}_{i}_{j}", binary=True)
-                for i in range(problem.num_units)
-                for j in range(i + 1, problem.num_units + 1)
-                if all(fits[i:j])
-            }
-            model += pulp.lpSum(stages.values()) <= 1, f"one_stage_{d}"
-            for u in range(problem.num_units):
-                if fits[u]:
-                    holds[d, u] = pulp.lpSum(x for (i, j), x in stages.items() if i <= u < j)
-            waits[d] = pulp.lpSum(float(unit_path_s[:i].sum()) * x for (i, _), x in stages.items())
-    for (d, u), unit_lines in lines.items():
-        n = samples[d, u] = _variable(model, f"n_{d}_{u}")
-        z = busy[d, u] = _variable(model, f"z_{d}_{u}")
-        model += z >= float(times[d, u]) * n
-        if (d, u) in holds:
-            model += n <= batch * holds[d, u], f"held_{d}_{u}"
-            for i, (intercept, slope) in enumerate(unit_lines):
-                model += z >= intercept * holds[d, u] + slope * n, f"line_{d}_{u}_{i}"
-    for u in range(problem.num_units):
-        model += pulp.lpSum(n for (_, uu), n in samples.items() if uu == u) == batch
-    model += step >= float(unit_path_s.sum()), "critical_path"
-    for d in range(problem.num_devices):
-        used = [z for (dd, _), z in busy.items() if dd == d]
-        if not used:
             continue
-        device_time[d] = pulp.lpSum(used) + waits.get(d, 0)
-        model += step >= device_time[d], f"device_{d}"
+        for u in range(problem.num_units):
+            if math.isfinite(times[d, u]):
+                n = _variable(model, f"n_{d}_{u}")
+                unit_samples[u].append(n)
+                device_busy.setdefault(d, []).append(float(times[d, u]) * n)
+    for d, held in holds.items():
+        model += pulp.lpSum(held) <= 1, f"one_stage_{d}"
+    for u, samples in unit_samples.items():
+        model += pulp.lpSum(samples) == batch, f"unit_{u}"
+    model += step >= float(unit_path_s.sum()), "critical_path"
+    device_time = {d: pulp.lpSum(busy) for d, busy in device_busy.items()}
+    for d, busy_s in device_time.items():
+        model += step >= busy_s, f"device_{d}"
     for d, twin in _twins(problem, times, regular):  # identical devices: order their times
         if d in device_time and twin in device_time:
             model += device_time[d] >= device_time[twin], f"twin_{d}_{twin}"
@@ -333,6 +440,31 @@ def _step_time_milp_s(
     if proven is None:
         raise RuntimeError(f"the step-time bound MILP ended {pulp.LpStatus[status]}")
     return proven * (1 - _BOUND_SLACK)
+
+
+def _most_samples(
+    lines: list[tuple[float, float]],
+    per_sample_s: float,
+    within_s: float,
+    batch: float,
+    *,
+    fixed_count: int = 1,
+    extra_per_sample_s: float = 0.0,
+) -> float:
+    """The most samples a stage can run within ``within_s`` seconds, at most ``batch``
+    (negative where even none fit), when it pays its fixed cost ``fixed_count`` times and
+    spends ``extra_per_sample_s`` more on each sample (other units' time it waits for)."""
+    if math.isinf(within_s):
+        return batch
+    most = batch
+    for intercept, slope in lines:
+        if fixed_count * intercept > within_s:
+            return -1.0
+        if slope + extra_per_sample_s > 0:
+            most = min(most, (within_s - fixed_count * intercept) / (slope + extra_per_sample_s))
+    if per_sample_s + extra_per_sample_s > 0:
+        most = min(most, within_s / (per_sample_s + extra_per_sample_s))
+    return most
 
 
 def _twins(
@@ -372,6 +504,41 @@ def _unit_path_s(
         if on_devices and all(on_devices):
             path_s[u] = min(max(a + c for a, c in unit_lines) for unit_lines in on_devices)
     return path_s
+
+
+def _unit_slope_s(
+    problem: PlanningProblem,
+    lines: dict[tuple[int, int], list[tuple[float, float]]],
+    static_bytes: FloatArray,
+) -> FloatArray:
+    """Seconds per sample each unit's forward and backward time rises at least, between one
+    sample and any larger size, whichever device runs it: the least slope of its
+    piecewise-linear time (:func:`_piecewise_line`) on the devices it fits; 0 for a unit
+    that fits a device without lines; shape (U,). With :func:`_unit_path_s`, a micro-batch
+    of x samples spends at least ``path + slope * (x - 1)`` seconds on the unit.
+    """
+    slope_s = np.zeros(problem.num_units)
+    for u in range(problem.num_units):
+        on_devices = [d for (d, uu) in lines if uu == u]
+        if not on_devices or not all(lines[d, u] for d in on_devices):
+            continue
+        least = math.inf
+        for d in on_devices:
+            largest = _largest_fitting_size(
+                float(problem.memory_capacity_bytes[d]), float(static_bytes[u]),
+                float(problem.activation_bytes_per_sample[u]), problem.global_batch_size,
+            )  # fmt: skip
+            sizes = np.array(sorted({1.0, float(max(largest, 1))} | {
+                float(k) for k in problem.micro_batch_sizes if k <= largest
+            }))  # fmt: skip
+            if len(sizes) < 2:
+                least = 0.0
+                break
+            times = _piecewise_line(problem.micro_batch_sizes, problem.fwd_time_s[d, u], sizes)
+            times += _piecewise_line(problem.micro_batch_sizes, problem.bwd_time_s[d, u], sizes)
+            least = min(least, float((np.diff(times) / np.diff(sizes)).min()))
+        slope_s[u] = max(0.0, least)
+    return slope_s
 
 
 def _highs_dual_bound(model: pulp.LpProblem) -> float | None:
