@@ -18,9 +18,9 @@ $(VENV)/.ready: pyproject.toml
 	@touch $@
 
 demo: setup
-	$(HPLAN) solve examples/gpt/model.py --cluster examples/clusters/mixed-3090-4090.yaml -o $(DEMO_OUT)
+	$(HPLAN) solve examples/gpt/model.py --cluster examples/clusters/mixed-3090-4090.yaml -b 2048 -o $(DEMO_OUT)
 	$(HPLAN) show $(DEMO_OUT)/plan.json
-	$(HPLAN) rehearse $(DEMO_OUT)/plan.json --steps 20 --verify
+	$(HPLAN) rehearse $(DEMO_OUT)/plan.json --steps 8
 
 lint: setup
 	$(VENV)/bin/ruff check planner runtime templates tests bench examples

@@ -23,7 +23,7 @@ ROWS = (
     ("home-lab", "GPT-2 124M", GPT2_124M, 512),
     ("two-site", "GPT-2 124M", GPT2_124M, 512),
     ("mixed-3090-4090", "GPT-2 124M", GPT2_124M, 512),
-    ("mixed-3090-4090", "gpt 4x64 (make demo)", DEMO, 32),
+    ("mixed-3090-4090", "gpt 4x64 (make demo)", DEMO, 2048),
 )
 
 

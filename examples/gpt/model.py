@@ -9,8 +9,9 @@ file serves the demo, the tests and the benchmarks:
 
 GPT-2 124M is LAYERS=12 WIDTH=768 HEADS=12 SEQ=1024 VOCAB=50257. The vocabulary is bytes
 (256 tokens) by default; dataset() trains on the text files shipped with hplan (the
-Markdown files at the top of the repository and the example model files), so no download is
-needed (with a larger vocabulary its token ids stay below 256).
+Markdown files at the top of the repository and the example model files, in windows that
+start every half window), so no download is needed (with a larger vocabulary its token ids
+stay below 256).
 """
 
 from __future__ import annotations
@@ -119,17 +120,19 @@ def make_optimizer(params):
 
 
 class _ByteWindows(torch.utils.data.Dataset):
-    """Non-overlapping windows of seq_len + 1 bytes; item = (input ids, next-byte targets)."""
+    """Windows of seq_len + 1 bytes starting every half window (so the shipped text gives
+    enough samples for a global batch of 2048); item = (input ids, next-byte targets)."""
 
     def __init__(self, data: bytes, length: int) -> None:
         self.tokens = torch.tensor(list(data), dtype=torch.long)
         self.length = length
+        self.stride = max(1, length // 2)
 
     def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.length
+        return max(0, (len(self.tokens) - 1 - self.length) // self.stride + 1)
 
     def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = idx * self.length
+        start = idx * self.stride
         window = self.tokens[start : start + self.length + 1]
         return window[:-1], window[1:]
 

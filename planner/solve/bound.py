@@ -32,30 +32,42 @@ per-unit best sizes.
 had as many samples as it could use. A step has ``B`` (the global batch) samples, and a
 micro-batch costs at least a fixed overhead whatever its size (kernel launches: with a
 small model and batch the overhead is most of the step). So the bound also solves, per
-step, the mixed-integer program (:func:`_step_time_lower_bound_s`)::
+step, a mixed-integer program over stages (:func:`_step_time_milp_s`). A stage ``s`` is a
+device ``d`` and a run of units ``i .. j - 1``; ``x_s`` (binary) says d holds it (at most
+one stage per device), ``n_s`` how many samples pass it per step (every sample that passes
+a stage passes all its units), ``m_s`` its micro-batches::
 
-    minimise T  subject to  sum_d n[d, u] = B                  for every unit u
-                            n[d, u] <= B y[d, u],  y binary    (device d runs unit u)
-                            z[d, u] >= t[d, u] n[d, u]
-                            z[d, u] >= a_k[d, u] y[d, u] + c_k[d, u] n[d, u]   for each k
-                            T >= sum_u z[d, u]                  for every device d
+    minimise T  subject to  sum over stages s holding u of n_s = B    for every unit u
+                            z_s >= t_s n_s,   z_s >= a_k (x_s + w_s) + c_k n_s   for each k
+                            T >= sum_s (z_s + P(< i) x_s)                for every device d
+                            T >= z_s + P(others) x_s + q(others) (n_s - x_s - B w_s)
+                            T >= P(all)
 
-where ``a_k + c_k x`` are lines below the time of one micro-batch of x samples of unit u on
-d over every size it may take (``1 <= x <= L``, L the largest that fits, at most B), with
-``a_k > 0``. A device that runs n > 0 samples of u in m >= 1 micro-batches of sizes x_j
-spends ``sum_j time(x_j) >= m a_k + c_k n >= a_k + c_k n`` and ``>= t n`` on it, so every
-layout's step takes at least T* and ``B / T*`` bounds its samples/s. The MILP lets a
-device pay only its own units' overheads, as pipeline stages do; but each micro-batch also
-runs every unit, forward then backward, one after another, so T* is also at least the sum
-over units of the least ``a + c`` of any device (:func:`_unit_path_s`). And a pipeline
-stage waits, before its first forward and after its last backward, for the micro-batches'
-passes through the stages before it: a device (one stage: its units ``y[d, .]`` are
-contiguous) whose first unit is ``v`` adds the path of units ``u < v`` to its busy time
-(``p[d, u] >= 1 - sum_{u' <= u} y[d, u']``). Stages after it are not counted: 1F1B fills
-that time with the stage's other forwards and backwards. Without a fixed
-overhead (``a_k = 0``) this is the LP again. The reported bound is the smaller of the two.
-When the MILP stops at its time limit, HiGHS's proven lower bound on T (its dual bound)
-is used, so the result stays a bound.
+where ``a_k + c_k x`` are lines below the time of one micro-batch of x samples of the stage
+over every size it may take (``1 <= x <= L``, L the largest at which the stage fits, at most
+B; :func:`micro_batch_lines`), ``t_s`` the sum of its units' ``t[d, u]``, ``P`` the least
+seconds one sample spends on units (forward and backward, on whichever device:
+:func:`_unit_path_s`) and ``q`` the least rise per further sample (:func:`_unit_slope_s`),
+so a micro-batch of x samples spends at least ``P + q (x - 1)`` on them. Why each holds:
+
+- m micro-batches of sizes x_j spend ``sum_j time(x_j) >= m a_k + c_k n`` seconds, and at
+  least ``t_s n``;
+- a stage that is not the whole model runs two micro-batches or more (``w_s = 1``: two
+  fixed costs), or one (``w_s = 0``), which passes every other unit, forward then backward,
+  while the stage waits;
+- a stage waits, before its first forward and after its last backward, for a
+  micro-batch's passes through the units before it (stages after it are not counted: 1F1B
+  fills that time with the stage's other forwards and backwards);
+- every micro-batch runs every unit, one after another (the critical path).
+
+Identical devices are ordered by busy time (symmetry breaking), and each stage's samples
+are capped by what it can run within the step of one of the program's own layouts (data
+parallel over the devices that hold the whole model, :func:`_data_parallel_step_s`): cuts
+that keep the optimum and let HiGHS prove it fast. Devices whose times dip with size get
+no lines (below) and enter with ``t[d, u]`` per sample alone. Without a fixed overhead
+(``a_k = 0``) this is the LP again. The reported bound is the smaller of the two. When the
+MILP stops at its time limit, HiGHS's proven lower bound on T (its dual bound) is used,
+so the result stays a bound.
 
 Where the LP solver fails (coefficients so far apart that HiGHS cannot scale them, as a
 capture file with an absurd figure makes), the bound falls back to the looser
@@ -336,7 +348,9 @@ def _data_parallel_step_s(
             low, high = 0.0, float(batch)
             for _ in range(60):
                 mid = (low + high) / 2
-                low, high = (mid, high) if _stage_time_s(lines, per_sample_s, mid) <= step_s else (low, mid)
+                low, high = (
+                    (mid, high) if _stage_time_s(lines, per_sample_s, mid) <= step_s else (low, mid)
+                )
             total += low
         return total
 
