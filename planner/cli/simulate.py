@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from hplan.runtime.contract.memory import load_checked
 from hplan.runtime.contract.plan import Plan
 
 
@@ -86,7 +87,7 @@ def simulate(
             stderr.print(f"wrote {write_plan}")
     else:
         assert plan_path is not None
-        plan, source = Plan.load(plan_path), plan_path
+        plan, source = load_checked(plan_path), plan_path
         spec = spec_from_plan(plan)
     result = run_simulation(spec)
     predicted_s = plan.report.predicted_step_time_s or None

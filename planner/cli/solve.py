@@ -37,7 +37,9 @@ time_limit_option = click.option(
     type=float,
     default=60.0,
     show_default=True,
-    help="Wall-clock limit of the solver in seconds; the best plan found by then is kept.",
+    help="Wall-clock limit in seconds of each layout search; the best plan found by then is "
+    "kept. A solve may run several searches (one per sync mode or uniform memory strategy "
+    "it compares), and capture, costing and the report come on top.",
 )
 bandwidth_option = click.option(
     "--bandwidth",

@@ -307,6 +307,11 @@ def load_cluster(path: str | Path) -> Cluster:
         raise ConfigError(f"{file}: not UTF-8 text; save it as UTF-8 YAML") from None
     if data is None:
         raise ConfigError(f"{file}: file is empty; describe `nodes:` (see examples/clusters/)")
+    if isinstance(data, dict) and "ranks" in data and "schema_version" in data:
+        raise ConfigError(
+            f"{file} is a plan (plan.json), not a cluster file; pass the cluster.yaml it was "
+            "solved for (examples in examples/clusters/)"
+        )
     default_name = re.sub(r"[^A-Za-z0-9_.-]", "-", file.stem).lstrip("-_.") or "cluster"
     return parse_cluster(data, source=str(file), default_name=default_name[:63])
 

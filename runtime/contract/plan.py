@@ -38,12 +38,13 @@ SCHEMA_VERSION: Final = 2
 
 # Value ranges, declared once: pydantic enforces them when a plan loads and when it is
 # verified, and they are part of plan.schema.json.
-Index = Annotated[int, Field(ge=0)]
-"""A rank, stage, replica or position: an integer >= 0."""
-Count = Annotated[int, Field(ge=1)]
-"""A number of things that must be at least one (samples, micro-batches)."""
-ByteCount = Annotated[int, Field(ge=0)]
-Port = Annotated[int, Field(ge=1, le=65534)]
+Index = Annotated[int, Strict(), Field(ge=0)]
+"""A rank, stage, replica or position: a JSON integer >= 0 (``"3"`` and ``3.0`` are refused:
+pydantic's lax mode would read them as 3)."""
+Count = Annotated[int, Strict(), Field(ge=1)]
+"""A number of things that must be at least one (samples, micro-batches); a JSON integer."""
+ByteCount = Annotated[int, Strict(), Field(ge=0)]
+Port = Annotated[int, Strict(), Field(ge=1, le=65534)]
 """A TCP port; 65535 is kept free (the runtime once used ``port + 1``)."""
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 """A finite number > 0 (a bandwidth, a peak, a timeout)."""
@@ -504,7 +505,7 @@ class TrainingSpec:
     zero_stage: ZeroStage = ZeroStage.NONE
     """Sharding of the optimizer state (stage 1), and of the summed gradients too (stage 2),
     among the ranks holding the same parameters."""
-    seed: int = 0
+    seed: Annotated[int, Strict()] = 0
     process_group_timeout_s: Positive = 300.0
     master_host: str = "127.0.0.1"
     master_port: Port = 29500
@@ -823,6 +824,11 @@ class Plan:
                 "file?); give the plan.json `hplan solve` wrote"
             )
         version = data.get("schema_version")
+        if isinstance(version, str) and version.strip() == str(SCHEMA_VERSION):
+            raise PlanFileError(
+                f"plan schema_version is the string {version!r}; write the number "
+                f"{SCHEMA_VERSION} (no quotes) or re-run `hplan solve`"
+            )
         if version != SCHEMA_VERSION:
             raise PlanFileError(
                 f"plan schema_version is {version!r}, this hplan reads {SCHEMA_VERSION}; "
@@ -919,6 +925,12 @@ def _validation_message(exc: ValidationError, data: Any, prefix: Loc) -> str:
         return (
             f"plan field {where!r} is {first['input']!r}; it must be true or false (a JSON "
             "boolean, not a string or number): fix that value or re-run `hplan solve`"
+        )
+    if first["type"] == "int_type":
+        where = ".".join(str(p) for p in loc)
+        return (
+            f"plan field {where!r} is {first['input']!r}; it must be a JSON integer (no "
+            "quotes, no decimal point): fix that value or re-run `hplan solve`"
         )
     if first["type"] not in _RANGE_ERRORS:
         where = ".".join(str(p) for p in loc)
@@ -1093,9 +1105,13 @@ def _verify_replica(
         _fail(f"replica {replica} has an empty stage")
     first = ranks[0]
     for rank in ranks:
-        same = (rank.micro_batch_size, rank.num_microbatches, rank.num_samples)
-        if same != (first.micro_batch_size, first.num_microbatches, first.num_samples):
-            _fail(f"replica {replica} ranks disagree on micro-batching")
+        for name in ("micro_batch_size", "num_microbatches", "num_samples"):
+            if getattr(rank, name) != getattr(first, name):
+                _fail(
+                    f"replica {replica}: rank {rank.rank} has {name} {getattr(rank, name)}, "
+                    f"rank {first.rank} (stage 0) {getattr(first, name)}; every stage of a "
+                    "replica runs the same micro-batches"
+                )
     if not (first.num_microbatches - 1) * first.micro_batch_size < first.num_samples:
         _fail(f"replica {replica} has an empty micro-batch")
     if first.num_samples > first.micro_batch_size * first.num_microbatches:

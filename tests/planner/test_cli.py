@@ -708,6 +708,24 @@ def test_a_non_boolean_optimizer_offload_is_refused(mlp_plan, tmp_path, capsys):
     _assert_one_line_error(err, "ranks.0.optimizer_offload' is 'yes'", "true or false")
 
 
+@pytest.mark.parametrize("command", ["show", "simulate"])
+def test_a_plan_whose_devices_lost_their_memory_is_refused(command, mlp_plan, tmp_path, capsys):
+    def tiny_devices(data):
+        for device in data["cluster"]["devices"]:
+            device["memory_bytes"] = 1000
+
+    plan = _edited_plan(mlp_plan, tmp_path / "plan.json", tiny_devices)
+    code, _, err = _run([command, str(plan)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "does not fit in memory", "rank 0")
+
+
+def test_a_plan_given_as_cluster_is_named_a_plan(mlp_plan, tmp_path, capsys):
+    code, _, err = _run(["solve", str(MLP), "-c", str(mlp_plan), "-o", str(tmp_path)], capsys)
+    assert code == 2
+    _assert_one_line_error(err, "is a plan (plan.json), not a cluster file")
+
+
 def test_a_plan_given_as_profile_is_named_a_plan(mlp_plan, tmp_path, capsys):
     argv = ["solve", str(MLP), "-c", str(CLUSTERS / "cpu-rehearsal.yaml"), "-o", str(tmp_path)]
     code, _, err = _run([*argv, "--profile", str(mlp_plan)], capsys)

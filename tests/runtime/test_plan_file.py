@@ -42,6 +42,34 @@ def test_another_schema_version_says_to_re_solve() -> None:
         Plan.from_json(json.dumps(data))
 
 
+def test_a_schema_version_written_as_a_string_says_to_write_the_number() -> None:
+    data = json.loads(cpu_plan().to_json())
+    data["schema_version"] = str(SCHEMA_VERSION)
+    with pytest.raises(PlanFileError, match=r"the string '2'; write the number 2 \(no quotes\)"):
+        Plan.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize("value", ["32", 32.0, True])
+def test_integer_fields_take_json_integers_only(value: object) -> None:
+    data = json.loads(cpu_plan().to_json())
+    data["ranks"][0]["micro_batch_size"] = value
+    with pytest.raises(PlanFileError, match=r"'ranks.0.micro_batch_size' is .* a JSON integer"):
+        Plan.from_json(json.dumps(data))
+    data = json.loads(cpu_plan().to_json())
+    data["training"]["seed"] = value
+    with pytest.raises(PlanFileError, match=r"'training.seed' is .* a JSON integer"):
+        Plan.from_json(json.dumps(data))
+
+
+def test_stages_of_a_replica_that_disagree_name_the_field_and_both_ranks() -> None:
+    data = json.loads(cpu_plan().to_json())
+    ranks = [r for r in data["ranks"] if r["replica"] == 0]
+    assert len(ranks) > 1, "the sample plan needs a replica of two stages"
+    ranks[1]["num_samples"] = 999
+    with pytest.raises(PlanFileError, match=r"num_samples 999, rank \d+ \(stage 0\) \d+"):
+        Plan.from_json(json.dumps(data))
+
+
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
