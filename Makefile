@@ -40,10 +40,11 @@ net-tools:
 	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; }; }; } || \
 	  echo "note: iproute2 (ip, tc) is not installed; the shaped-link bandwidth test will be skipped"
 
-# Two workers (pytest-xdist): CI has 2 cores and most tests wait on their ranks' processes.
+# Two workers (pytest-xdist): CI has 2 cores and most tests wait on their ranks' processes;
+# loadgroup keeps a module marked xdist_group on one worker (its module fixture built once).
 # Timing-sensitive tests (marker `serial`) run alone afterwards, on a quiet machine.
 unit: setup net-tools
-	$(VENV)/bin/pytest -n 2 -m "not serial"
+	$(VENV)/bin/pytest -n 2 --dist loadgroup -m "not serial"
 	$(VENV)/bin/pytest -m serial
 
 test: lint typecheck unit

@@ -44,8 +44,9 @@ a stage passes all its units), ``m_s`` its micro-batches::
                             T >= P(all)
 
 where ``a_k + c_k x`` are lines below the time of one micro-batch of x samples of the stage
-over every size it may take (``1 <= x <= L``, L the largest at which the stage fits, at most
-B; :func:`micro_batch_lines`), ``t_s`` the sum of its units' ``t[d, u]``, ``P`` the least
+over every size it may take (``1 <= x <= L``, L the largest at which the stage's static bytes
+and one micro-batch of its largest unit's activations fit, at most B;
+:func:`micro_batch_lines`), ``t_s`` the sum of its units' ``t[d, u]``, ``P`` the least
 seconds one sample spends on units (forward and backward, on whichever device:
 :func:`_unit_path_s`) and ``q`` the least rise per further sample (:func:`_unit_slope_s`),
 so a micro-batch of x samples spends at least ``P + q (x - 1)`` on them. Why each holds:
@@ -184,9 +185,11 @@ def micro_batch_lines(
 ) -> list[tuple[float, float]]:
     """Lines ``(a_s, c_s_per_sample)`` with ``a > 0`` lying below the forward + backward
     seconds of one micro-batch of the stage of units ``first .. stop - 1`` on
-    ``device_idx`` at every size it may take (1 up to the largest at which the stage fits,
-    at most the global batch), for a device whose times are regular (below;
-    :func:`_regular_times`, which the caller checks once per device). ``static_bytes``:
+    ``device_idx`` at every size it may take (1 up to the largest at which the stage fits:
+    its static bytes and one micro-batch of its largest unit's activations, the least that
+    selective recomputation of every unit holds; at most the global batch), for a device
+    whose times are regular (below; :func:`_regular_times`, which the caller checks once
+    per device). ``static_bytes``:
     :func:`_static_less_optimizer_state`, shape (U,). Empty where the stage fits at no size.
 
     A stage's time at size x is read off the candidates' *summed* times
@@ -203,9 +206,9 @@ def micro_batch_lines(
     largest = _largest_fitting_size(
         float(problem.memory_capacity_bytes[device_idx]),
         float(static_bytes[first:stop].sum()),
-        float(problem.activation_bytes_per_sample[first:stop].sum()),
+        float(problem.activation_bytes_per_sample[first:stop].max()),
         problem.global_batch_size,
-    )
+    )  # a stage that recomputes every unit holds at least one unit's activations at a time
     if largest < 1:
         return []
     at = {1.0, float(largest)} | {float(k) for k in problem.micro_batch_sizes if k <= largest}

@@ -43,6 +43,8 @@ from tests.fixtures.plans import (
 TIMEOUT_S = 90.0
 WEIGHTS = (3.0, 1.0, 0.0, 1.0)
 
+pytestmark = pytest.mark.xdist_group("zero-runs")  # one worker builds the `runs` fixture
+
 
 def _ok(outcomes: list[RankOutcome]) -> None:
     for outcome in outcomes:
