@@ -85,6 +85,7 @@ from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError, ModelFileError
 from hplan.runtime.contract.plan import (
+    MAX_LOCAL_STEPS,
     Backend,
     Plan,
     Precision,
@@ -241,9 +242,10 @@ def _check_sync(sync: str, max_local_steps: int) -> None:
     choices = [r.value for r in SyncRequest]
     if sync not in choices:
         raise ConfigError(f"--sync {sync!r} is not one of {', '.join(choices)}")
-    if max_local_steps < 1:
+    if not 1 <= max_local_steps <= MAX_LOCAL_STEPS:
         raise ConfigError(
-            f"--max-local-steps {max_local_steps} must be >= 1 (inner steps per outer sync)"
+            f"--max-local-steps {max_local_steps} must be in 1..{MAX_LOCAL_STEPS} (inner "
+            "steps per outer sync)"
         )
 
 

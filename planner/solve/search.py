@@ -679,7 +679,10 @@ def diagnose_infeasible(problem: PlanningProblem, offload: str = "never") -> str
         if problem.offload_saving_bytes is not None
         else np.zeros(problem.num_units)
     )
-    if need[worst] > capacity:
+    if problem.device_kinds[biggest] == "cpu":
+        moved = np.zeros(problem.num_units)  # a cpu device's state is in host memory already
+    rescued = offload != "never" and need[worst] - moved[worst] <= capacity
+    if need[worst] > capacity and not rescued:  # else offload fits the unit: look further
         need_text, capacity_text = format_bytes_pair(float(need[worst]), capacity)
         hint = _unit_hint(float(state[worst]), float(moved[worst]), float(need[worst]), offload)
         return (
@@ -692,6 +695,13 @@ def diagnose_infeasible(problem: PlanningProblem, offload: str = "never") -> str
     usable = float(problem.memory_capacity_bytes.sum())
     if total > usable:
         return _whole_model_line(problem, total, usable, float(moved.sum()), offload)
+    host = _host_binding(problem, float(need[worst]) - capacity, float(moved.sum()))
+    if rescued and host is not None:
+        return (
+            f"unit `{problem.unit_names[worst]}` fits the largest device "
+            f"({problem.device_names[biggest]}) only with its optimizer state offloaded to host "
+            f"memory, but {host}"
+        )
     return (
         f"the model needs {format_bytes(total)} for parameters, gradients and optimizer state plus "
         f"activations, and no pipeline of at most {problem.num_devices} devices holds it; add "

@@ -45,6 +45,10 @@ Count = Annotated[int, Strict(), Field(ge=1)]
 """A number of things that must be at least one (samples, micro-batches); a JSON integer."""
 ByteCount = Annotated[int, Strict(), Field(ge=0)]
 Port = Annotated[int, Strict(), Field(ge=1, le=65534)]
+MAX_LOCAL_STEPS = 1_000_000
+"""The most inner steps per outer sync a plan may carry (DiLoCo uses 500)."""
+LocalSteps = Annotated[int, Strict(), Field(ge=1, le=MAX_LOCAL_STEPS)]
+"""H: inner optimizer steps per outer sync, a JSON integer in 1 .. MAX_LOCAL_STEPS."""
 """A TCP port; 65535 is kept free (the runtime once used ``port + 1``)."""
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 """A finite number > 0 (a bandwidth, a peak, a timeout)."""
@@ -431,7 +435,7 @@ class OuterSyncSpec:
     ranks: tuple[Index, ...]
     """The sorted ranks holding the same parameters (``holders.holder_sets``)."""
     mode: SyncMode
-    local_steps: Count = 1
+    local_steps: LocalSteps = 1
     """H: inner optimizer steps per outer sync (1 for ``all_reduce``)."""
     num_fragments: Count = 1
     """The group's parameters are cut into this many fragments of about equal bytes, in
@@ -608,7 +612,7 @@ class SyncChoiceReport:
 
     ranks: tuple[Index, ...]
     mode: SyncMode
-    local_steps: Count
+    local_steps: LocalSteps
     all_reduce_time_s: NonNegative
     """What summing the group's gradients every step would expose per step."""
     outer_sync_time_s: NonNegative
@@ -682,6 +686,7 @@ class Plan:
     """Only the cuts some replica uses, in unit order."""
     cluster: ClusterSpec
     training: TrainingSpec = field(default_factory=TrainingSpec)
+    """Defaults only for plans built in code: :meth:`from_json` refuses a file without it."""
     ranks: tuple[RankPlan, ...]
     report: Report
     memory: MemoryModelSpec | None = None
@@ -824,6 +829,11 @@ class Plan:
                 "file?); give the plan.json `hplan solve` wrote"
             )
         version = data.get("schema_version")
+        if isinstance(version, float) and version == SCHEMA_VERSION:
+            raise PlanFileError(
+                f"plan schema_version is {version!r}; write the integer {SCHEMA_VERSION} or "
+                "re-run `hplan solve`"
+            )
         if isinstance(version, str) and version.strip() == str(SCHEMA_VERSION):
             raise PlanFileError(
                 f"plan schema_version is the string {version!r}; write the number "
@@ -833,6 +843,11 @@ class Plan:
             raise PlanFileError(
                 f"plan schema_version is {version!r}, this hplan reads {SCHEMA_VERSION}; "
                 "re-run `hplan solve` with this version"
+            )
+        if "training" not in data:  # its defaults (all_reduce, gloo) would run another job
+            raise PlanFileError(
+                "plan has no 'training' section (schedule, backend, sync), so it cannot be run "
+                "as solved; re-run `hplan solve` to write a complete plan.json"
             )
         try:
             plan = _adapter().validate_python(data)

@@ -105,6 +105,17 @@ def test_infeasible_messages_say_what_offload_leaves() -> None:
     assert "largest device (a/0)" in message
 
 
+def test_a_unit_that_offload_would_fit_is_not_blamed_the_host_memory_is() -> None:
+    """9 GB cards: the 16 GB unit fits once its 8 GB of state is offloaded, but the node
+    has 1 GB of host memory; the message names that, not the unit's size."""
+    with pytest.raises(InfeasiblePlanError) as caught:
+        solve(_problem(host_bytes=1 * GB, capacity_gb=(9, 9, 9)), FAST)
+    message = str(caught.value)
+    assert "even with its optimizer state offloaded" not in message
+    assert "only with its optimizer state offloaded to host memory, but host memory" in message
+    assert "\n" not in message
+
+
 def test_the_offloaded_step_costs_pcie_both_ways_and_the_host_step() -> None:
     trainable = 12e9  # a 3B-parameter fp32 model under AdamW
     seconds = offload_step_time_s(trainable, 2.0, 25e9, 25e9)

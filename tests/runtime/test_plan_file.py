@@ -49,6 +49,17 @@ def test_a_schema_version_written_as_a_string_says_to_write_the_number() -> None
         Plan.from_json(json.dumps(data))
 
 
+def test_a_schema_version_of_2_0_or_a_plan_without_training_is_refused() -> None:
+    data = json.loads(cpu_plan().to_json())
+    data["schema_version"] = 2.0
+    with pytest.raises(PlanFileError, match=r"schema_version is 2.0; write the integer 2"):
+        Plan.from_json(json.dumps(data))
+    data = json.loads(cpu_plan().to_json())
+    del data["training"]
+    with pytest.raises(PlanFileError, match=r"no 'training' section"):
+        Plan.from_json(json.dumps(data))
+
+
 @pytest.mark.parametrize("value", ["32", 32.0, True])
 def test_integer_fields_take_json_integers_only(value: object) -> None:
     data = json.loads(cpu_plan().to_json())
