@@ -260,6 +260,8 @@ def _baseline_line(plan: Plan, baseline: BaselineReport) -> tuple[str, str, str]
     name = baseline.name
     if baseline.samples_per_s is None or baseline.samples_per_s <= 0:
         lead = f"{name}: does not fit"
+        if baseline.note.startswith("does not fit"):  # the note says it already
+            return f"{name}: {baseline.note}", lead, "yellow"
         return f"{lead} — {baseline.note}", lead, "yellow"
     ratio = plan.report.predicted_samples_per_s / baseline.samples_per_s
     lead = f"{ratio:.2f}×"

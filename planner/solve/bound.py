@@ -207,12 +207,7 @@ def micro_batch_lines(
     it at the candidates, at 1 and at the largest size. The slopes tried: 0 and each
     segment's; of slopes within 1e-6 of each other only the highest line is kept.
     """
-    largest = _largest_fitting_size(
-        float(problem.memory_capacity_bytes[device_idx]),
-        float(static_bytes[first:stop].sum()),
-        float(problem.activation_bytes_per_sample[first:stop].max()),
-        problem.global_batch_size,
-    )  # a stage that recomputes every unit holds at least one unit's activations at a time
+    largest = _stage_largest_size(problem, device_idx, first, stop, static_bytes)
     if largest < 1:
         return []
     at = {1.0, float(largest)} | {float(k) for k in problem.micro_batch_sizes if k <= largest}
@@ -309,22 +304,43 @@ def _stage_lines(
     regular: list[bool],
     static_bytes: FloatArray,
 ) -> dict[Stage, tuple[list[tuple[float, float]], float]]:
-    """Every stage a regular device may hold (each unit fits it alone and has lines, and
-    the stage fits as a whole): its :func:`micro_batch_lines` and its least seconds per
-    sample (the sum of its units' ``times``)."""
+    """Every stage a regular device may hold (each unit fits it alone, and the stage fits
+    as a whole: :func:`_stage_fits`): its :func:`micro_batch_lines` (none where its times
+    have no fixed part) and its least seconds per sample (the sum of its units' ``times``)."""
     stages = {}
     for d in range(problem.num_devices):
         if not regular[d]:
             continue
         for first in range(problem.num_units):
             for stop in range(first + 1, problem.num_units + 1):
-                if not unit_lines.get((d, stop - 1)):
-                    break
-                lines = micro_batch_lines(problem, d, first, stop, static_bytes)
-                if not lines:
+                if (d, stop - 1) not in unit_lines or not _stage_fits(
+                    problem, d, first, stop, static_bytes
+                ):
                     break  # a longer stage fits no better
+                lines = micro_batch_lines(problem, d, first, stop, static_bytes)
                 stages[d, first, stop] = (lines, float(times[d, first:stop].sum()))
     return stages
+
+
+def _stage_fits(
+    problem: PlanningProblem, device_idx: int, first: int, stop: int, static_bytes: FloatArray
+) -> bool:
+    """The stage's static bytes and one sample of its largest unit's activations fit."""
+    return _stage_largest_size(problem, device_idx, first, stop, static_bytes) >= 1
+
+
+def _stage_largest_size(
+    problem: PlanningProblem, device_idx: int, first: int, stop: int, static_bytes: FloatArray
+) -> int:
+    """The largest micro-batch at which the stage may run: its static bytes and one
+    micro-batch of its largest unit's activations fit (a stage that recomputes every unit
+    holds no less), at most the global batch; 0 where none fits."""
+    return _largest_fitting_size(
+        float(problem.memory_capacity_bytes[device_idx]),
+        float(static_bytes[first:stop].sum()),
+        float(problem.activation_bytes_per_sample[first:stop].max()),
+        problem.global_batch_size,
+    )
 
 
 def _stage_time_s(lines: list[tuple[float, float]], per_sample_s: float, samples: float) -> float:

@@ -494,7 +494,8 @@ def _typical_step(result: RehearsalResult) -> str:
     times = [s.step_time_s for s in timed]
     rounds = any(s.outer_sync_time_s > 0 for s in result.steps)
     what = "mean step, outer syncs included" if rounds else "median step"
-    return f"{what} {typical_step_time_s(times, rounds=rounds):.3f} s"
+    skipped = ", step 0 left out" if len(result.steps) > 1 else ""
+    return f"{what} {typical_step_time_s(times, rounds=rounds):.3f} s{skipped}"
 
 
 def _print_result(result: RehearsalResult, console: Console) -> None:
