@@ -258,7 +258,7 @@ def test_the_home_lab_trains_both_boxes_under_auto(tmp_path, capsys, monkeypatch
     ("options", "needles"),
     [
         (["--sync", "sometimes"], ["'sometimes' is not one of", "hplan solve --help"]),
-        (["--max-local-steps", "0"], ["--max-local-steps 0 must be >= 1"]),
+        (["--max-local-steps", "0"], ["--max-local-steps 0 must be in 1..1000000"]),
         (["-b", "1000000000000"], ["global batch size 1000000000000 is outside 1..1,073,741,824"]),
         (["--sync", "local_sgd"], ["--sync local_sgd syncs islands of nodes", "has one node"]),
         (
