@@ -134,14 +134,11 @@ def test_a_solve_builds_and_traces_the_model_once(monkeypatch: pytest.MonkeyPatc
         ("gpt", "mixed-3090-4090", 32),
         ("gpt", "cpu-small-memory", 32),
         ("mlp", "two-site", 64),
-        ("hf_gpt2", "mixed-3090-4090", 16),
     ],
 )
 def test_the_plans_simulated_step_is_what_hplan_simulate_gives(
     model: str, cluster: str, batch: int
 ) -> None:
-    if model == "hf_gpt2":
-        pytest.importorskip("transformers")
     request = SolveRequest(
         model_path=EXAMPLES / model / "model.py",
         cluster_path=CLUSTERS / f"{cluster}.yaml",
