@@ -207,15 +207,9 @@ def micro_batch_lines(
     it at the candidates, at 1 and at the largest size. The slopes tried: 0 and each
     segment's; of slopes within 1e-6 of each other only the highest line is kept.
     """
-    largest = _stage_largest_size(problem, device_idx, first, stop, static_bytes)
-    if largest < 1:
+    sizes, times = _stage_times_s(problem, device_idx, first, stop, static_bytes)
+    if len(sizes) == 0:
         return []
-    at = {1.0, float(largest)} | {float(k) for k in problem.micro_batch_sizes if k <= largest}
-    sizes = np.array(sorted(at))
-    times = np.zeros_like(sizes)
-    for unit in range(first, stop):
-        for pass_times in (problem.fwd_time_s, problem.bwd_time_s):
-            times += _piecewise_line(problem.micro_batch_sizes, pass_times[device_idx, unit], sizes)
     slopes = {0.0} | {float(c) for c in np.diff(times) / np.diff(sizes) if c > 0}
     lines: list[tuple[float, float]] = []
     for slope in sorted(slopes):
@@ -228,6 +222,26 @@ def micro_batch_lines(
             continue
         lines.append((intercept, slope))
     return lines
+
+
+def _stage_times_s(
+    problem: PlanningProblem, device_idx: int, first: int, stop: int, static_bytes: FloatArray
+) -> tuple[FloatArray, FloatArray]:
+    """The sizes a stage of units ``first .. stop - 1`` may run on ``device_idx`` at which
+    its time bends (1, the candidates that fit, the largest that fits:
+    :func:`_stage_largest_size`), and the sum of its units' forward and backward seconds
+    there on their lines through the candidates (:func:`_piecewise_line`); both empty where
+    the stage fits at no size."""
+    largest = _stage_largest_size(problem, device_idx, first, stop, static_bytes)
+    if largest < 1:
+        return np.zeros(0), np.zeros(0)
+    at = {1.0, float(largest)} | {float(k) for k in problem.micro_batch_sizes if k <= largest}
+    sizes = np.array(sorted(at))
+    times = np.zeros_like(sizes)
+    for unit in range(first, stop):
+        for pass_times in (problem.fwd_time_s, problem.bwd_time_s):
+            times += _piecewise_line(problem.micro_batch_sizes, pass_times[device_idx, unit], sizes)
+    return sizes, times
 
 
 def _piecewise_line(candidates: tuple[int, ...], times_s: FloatArray, at: FloatArray) -> FloatArray:
@@ -305,7 +319,7 @@ def _stage_lines(
     static_bytes: FloatArray,
 ) -> dict[Stage, tuple[list[tuple[float, float]], float]]:
     """Every stage a regular device may hold (each unit fits it alone, and the stage fits
-    as a whole: :func:`_stage_fits`): its :func:`micro_batch_lines` (none where its times
+    as a whole: :func:`_stage_largest_size`): its :func:`micro_batch_lines` (none where its times
     have no fixed part) and its least seconds per sample (the sum of its units' ``times``)."""
     stages = {}
     for d in range(problem.num_devices):
@@ -313,20 +327,12 @@ def _stage_lines(
             continue
         for first in range(problem.num_units):
             for stop in range(first + 1, problem.num_units + 1):
-                if (d, stop - 1) not in unit_lines or not _stage_fits(
-                    problem, d, first, stop, static_bytes
-                ):
+                fits = _stage_largest_size(problem, d, first, stop, static_bytes) >= 1
+                if (d, stop - 1) not in unit_lines or not fits:
                     break  # a longer stage fits no better
                 lines = micro_batch_lines(problem, d, first, stop, static_bytes)
                 stages[d, first, stop] = (lines, float(times[d, first:stop].sum()))
     return stages
-
-
-def _stage_fits(
-    problem: PlanningProblem, device_idx: int, first: int, stop: int, static_bytes: FloatArray
-) -> bool:
-    """The stage's static bytes and one sample of its largest unit's activations fit."""
-    return _stage_largest_size(problem, device_idx, first, stop, static_bytes) >= 1
 
 
 def _stage_largest_size(
@@ -565,18 +571,10 @@ def _unit_slope_s(
             continue
         least = math.inf
         for d in on_devices:
-            largest = _largest_fitting_size(
-                float(problem.memory_capacity_bytes[d]), float(static_bytes[u]),
-                float(problem.activation_bytes_per_sample[u]), problem.global_batch_size,
-            )  # fmt: skip
-            sizes = np.array(sorted({1.0, float(max(largest, 1))} | {
-                float(k) for k in problem.micro_batch_sizes if k <= largest
-            }))  # fmt: skip
+            sizes, times = _stage_times_s(problem, d, u, u + 1, static_bytes)
             if len(sizes) < 2:
                 least = 0.0
                 break
-            times = _piecewise_line(problem.micro_batch_sizes, problem.fwd_time_s[d, u], sizes)
-            times += _piecewise_line(problem.micro_batch_sizes, problem.bwd_time_s[d, u], sizes)
             least = min(least, float((np.diff(times) / np.diff(sizes)).min()))
         slope_s[u] = max(0.0, least)
     return slope_s
