@@ -89,24 +89,37 @@ def test_policies_are_obeyed() -> None:
         solve(tight, FAST)
 
 
+def _three_cards(  # type: ignore[no-untyped-def]
+    small_gb: float,
+    num_units: int,
+    static_gb: float,
+    state_gb: float,
+    act_gb: float,
+    grad_gb: float,
+):
+    """Two 24 GB cards (speed 2) and a ``small_gb`` card (speed 1) on one node, a model of
+    ``num_units`` units, each with ``static_gb`` of static bytes of which ``state_gb`` is
+    optimizer state; no recomputation."""
+    problem = make_problem(
+        [Dev("a", 2.0, 24 * GB), Dev("a", 2.0, 24 * GB), Dev("a", 1.0, small_gb * GB)],
+        unit_work=[1.0] * num_units,
+        global_batch_size=40,
+        micro_batch_sizes=(1, 2, 4, 8),
+        static_bytes=static_gb * GB,
+        act_bytes_per_sample=act_gb * GB,
+        grad_bytes=grad_gb * GB,
+        intra_bandwidth=50e9,
+    )
+    state = np.full(num_units, state_gb * GB)
+    return replace(problem, optimizer_state_bytes=state, recompute=RecomputePolicy.NEVER)
+
+
 def _zero_problem():  # type: ignore[no-untyped-def]
     """Two 24 GB cards and one 10.5 GB card, one node, a model of one unit (no pipeline):
     8 GB of parameters and gradients plus 8 GB of optimizer state. The small card cannot
     hold a replica with its whole state, the 24 GB ones can; with the state sharded by
     free memory all three can (evenly, a third of the state overflows the small card)."""
-    problem = make_problem(
-        [Dev("a", 2.0, 24 * GB), Dev("a", 2.0, 24 * GB), Dev("a", 1.0, 10.5 * GB)],
-        unit_work=[1.0],
-        global_batch_size=40,
-        micro_batch_sizes=(1, 2, 4, 8),
-        static_bytes=16 * GB,
-        act_bytes_per_sample=0.05 * GB,
-        grad_bytes=4 * GB,
-        intra_bandwidth=50e9,
-    )
-    return replace(
-        problem, optimizer_state_bytes=np.full(1, 8 * GB), recompute=RecomputePolicy.NEVER
-    )
+    return _three_cards(10.5, 1, static_gb=16.0, state_gb=8.0, act_gb=0.05, grad_gb=4.0)
 
 
 def test_zero_shards_unevenly_so_the_small_card_joins() -> None:
@@ -140,19 +153,7 @@ def _zero2_problem(small_gb: float):  # type: ignore[no-untyped-def]
     parameters, 1 GB of gradients, 1 GB of their all-reduce copy and 1 GB of optimizer
     state): stage 1 leaves the small card at least 12 GB (its state sharded away), stage 2
     9 GB (the copies too, less one 1 GB bucket), plus activations."""
-    problem = make_problem(
-        [Dev("a", 2.0, 24 * GB), Dev("a", 2.0, 24 * GB), Dev("a", 1.0, small_gb * GB)],
-        unit_work=[1.0] * 4,
-        global_batch_size=40,
-        micro_batch_sizes=(1, 2, 4, 8),
-        static_bytes=4 * GB,
-        act_bytes_per_sample=0.01 * GB,
-        grad_bytes=1 * GB,
-        intra_bandwidth=50e9,
-    )
-    return replace(
-        problem, optimizer_state_bytes=np.full(4, 1 * GB), recompute=RecomputePolicy.NEVER
-    )
+    return _three_cards(small_gb, 4, static_gb=4.0, state_gb=1.0, act_gb=0.01, grad_gb=1.0)
 
 
 def test_zero_stage_2_where_stage_1_does_not_fit_and_stage_1_where_it_does() -> None:
