@@ -23,7 +23,9 @@ each is a kernel of its own that runs between the matmuls, at memory speed, so s
 per-kernel rooflines (Williams et al.'s roofline applied kernel by kernel, as in Yang et
 al., "Hierarchical Roofline Analysis", 2020) is closer to a step than one roofline of
 the unit's totals, which would hide them under the matmuls. Activation bytes scale with
-the precision's ``activation_bytes_factor``.
+the precision's ``activation_bytes_factor``. Where a convolution runs on tensor cores
+(``catalog.runs_on_tensor_cores``) on channels-first tensors, cuDNN's transposes add
+``LAYOUT_TRANSPOSE_PASSES x channels_first_conv_io_bytes_per_sample`` to the serial bytes.
 
 A measured profile plugs in as another ``UnitTimeSource`` (its ``name`` goes into the
 plan's report as ``cost_source``).
@@ -55,6 +57,7 @@ from hplan.planner.hardware.catalog import (
     DeviceType,
     compute_dtype,
     peak_flops_per_s,
+    runs_on_tensor_cores,
 )
 from hplan.planner.hardware.cluster import Cluster, Device
 from hplan.runtime.contract.errors import ConfigError, ModelFileError
@@ -78,8 +81,9 @@ if TYPE_CHECKING:
 # kernels are costed apart (the serial memory-bound term), so Megatron-LM's 52% of A100
 # peak end to end (Narayanan et al., SC 2021) counts them twice. 0.7 was chosen against
 # published single-GPU training throughput (bench/roofline_accuracy.py: 0.5 predicted
-# 0.44-1.45x of it, 0.7 0.63-1.61x with 9 of 12 cases within 0.75-1.33x); it is an
-# in-sample fit, not a validation. A measured profile replaces it.
+# 0.44-1.45x of it, 0.7 0.63-1.61x; with each model file running the kernels its
+# publication ran and cuDNN's layout transposes costed, 0.82-1.20x in all 12 cases); it
+# is an in-sample fit, not a validation. A measured profile replaces it.
 COMPUTE_EFFICIENCY = 0.7
 
 # Fraction of the peak DRAM bandwidth that memory-bound kernels reach. Jia et al.,
@@ -87,6 +91,14 @@ COMPUTE_EFFICIENCY = 0.7
 # about 750 of V100's 900 GB/s (83%); STREAM-style copies on Ampere/Ada reach similar
 # fractions. 0.8 rounds that down.
 MEMORY_EFFICIENCY = 0.8
+
+# cuDNN's tensor-core convolutions compute in channels-last (NHWC); given channels-first
+# (NCHW) tensors, the library transposes the input in and the output back, each a read and
+# a write of the tensor (NVIDIA, "Convolutional Layers User's Guide", Deep Learning
+# Performance documentation, "Tensor Layouts In Memory: NCHW vs NHWC"). So a
+# channels-first convolution on tensor cores moves twice its activation input and output
+# bytes more, at memory speed; backward like the forward (BACKWARD_TO_FORWARD_RATIO).
+LAYOUT_TRANSPOSE_PASSES = 2.0
 
 # Fixed cost per graph op: PyTorch eager dispatch plus a CUDA kernel launch, each a few
 # microseconds (the CUDA C++ Best Practices Guide puts kernel launch overhead in the
@@ -213,7 +225,8 @@ class RooflineSource:
     ) -> UnitTimes:
         """Roofline forward and backward time of one micro-batch of ``micro_batch_size``:
         matmuls at the peak of ``numerics.compute_dtype``, activation traffic scaled by
-        ``numerics.activation_bytes_factor``."""
+        ``numerics.activation_bytes_factor``; on tensor cores, channels-first convolutions
+        also pay cuDNN's transposes (:data:`LAYOUT_TRANSPOSE_PASSES`)."""
         peak = peak_flops_per_s(
             device.type,
             numerics.compute_dtype,
@@ -221,7 +234,14 @@ class RooflineSource:
         )
         flops = cost.fwd_flops_per_sample * micro_batch_size
         factor = numerics.activation_bytes_factor * micro_batch_size
-        serial_bytes = cost.memory_bound_io_bytes_per_sample * factor
+        serial_per_sample = cost.memory_bound_io_bytes_per_sample
+        if runs_on_tensor_cores(
+            device.type, numerics.compute_dtype, allow_tf32=numerics.allow_tf32
+        ):
+            serial_per_sample += (
+                LAYOUT_TRANSPOSE_PASSES * cost.channels_first_conv_io_bytes_per_sample
+            )
+        serial_bytes = serial_per_sample * factor
         overlapped_bytes = (
             cost.param_bytes
             + (cost.io_bytes_per_sample - cost.memory_bound_io_bytes_per_sample) * factor

@@ -57,7 +57,8 @@ __all__ = [
     "sha256_of_file",
 ]
 
-CAPTURE_SCHEMA_VERSION: Final = 1
+CAPTURE_SCHEMA_VERSION: Final = 2
+"""2: convolutions' channels-first bytes (``channels_first_conv_bytes``) added."""
 
 
 @record
@@ -87,6 +88,7 @@ class UnitCostRecord:
     num_ops: ByteCount
     """A count >= 0 (``ByteCount`` is the contract's integer >= 0)."""
     memory_bound_io_bytes_per_sample: NonNegative
+    channels_first_conv_io_bytes_per_sample: NonNegative
 
 
 @record
@@ -104,6 +106,7 @@ class NodeRecord:
     output_bytes: float
     saved_bytes: float
     io_bytes: float
+    channels_first_conv_bytes: float
     tensor: TensorSpec | None
     unit: str | None
 
@@ -147,7 +150,7 @@ class TrainsRecord:
 class CaptureFile:
     """The whole capture file (see the module docstring)."""
 
-    schema_version: Literal[1] = CAPTURE_SCHEMA_VERSION
+    schema_version: Literal[2] = CAPTURE_SCHEMA_VERSION
     model_path: str
     """The model file as ``hplan capture`` was given it (for messages only)."""
     model_sha256: str

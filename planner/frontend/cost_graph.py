@@ -64,6 +64,10 @@ class UnitCost:
     (elementwise, normalisation, softmax, copies: ``FlopCounterMode`` counts only matmuls,
     convolutions and attention). They run as kernels of their own, between the matmuls,
     so the cost model adds their time instead of hiding it under the matmuls'."""
+    channels_first_conv_io_bytes_per_sample: float = 0.0
+    """Activation input plus output bytes of the unit's channels-first (NCHW) convolutions,
+    per sample: what cuDNN transposes to and from channels-last around a tensor-core
+    convolution (``node_costs.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +97,8 @@ class ModelGraph:
     """torch dtype name of most parameter bytes, e.g. ``float32``."""
     graph: CostGraph
     """One node per fx node: the structure (``graph.structure_graph``) plus, per sample,
-    ``flops``, ``output_bytes``, ``saved_bytes``, ``io_bytes``, ``tensor`` (the output's
+    ``flops``, ``output_bytes``, ``saved_bytes``, ``io_bytes``,
+    ``channels_first_conv_bytes``, ``tensor`` (the output's
     ``TensorSpec`` when it may cross a cut, else None) and ``unit`` (None for placeholders
     and the output); edge attribute ``bytes``, per sample."""
     notes: tuple[str, ...]
@@ -266,6 +271,7 @@ def _add_costs(graph: CostGraph, costs: Mapping[str, NodeCost]) -> None:
         data["output_bytes"] = cost.output_bytes if cost else 0.0
         data["saved_bytes"] = cost.saved_bytes if cost else 0.0
         data["io_bytes"] = cost.io_bytes if cost else 0.0
+        data["channels_first_conv_bytes"] = cost.channels_first_conv_bytes if cost else 0.0
         data["tensor"] = cost.spec if cost else None
     for source, _, data in graph.edges(data=True):
         data["bytes"] = graph.nodes[source]["output_bytes"]
@@ -313,6 +319,9 @@ def _unit_costs(
                 io_bytes_per_sample=sum(d["io_bytes"] for d in nodes),
                 memory_bound_io_bytes_per_sample=sum(
                     d["io_bytes"] for d in nodes if d["flops"] == 0
+                ),
+                channels_first_conv_io_bytes_per_sample=sum(
+                    d["channels_first_conv_bytes"] for d in nodes
                 ),
                 num_ops=sum(1 for d in nodes if d["op"].startswith("call_")),
             )

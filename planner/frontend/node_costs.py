@@ -10,6 +10,12 @@ between the two runs divided by the difference of the batch sizes, so parameters
 out. It runs on the capture's fake tensors (no memory, no compute); a graph captured on
 real CPU tensors runs on a meta copy (``capture.meta_copy``) when it can, else on its CPU
 tensors.
+
+Convolutions whose activations are channels-first (NCHW / NCDHW, PyTorch's default) also
+record their input and output bytes: cuDNN's tensor-core kernels compute in channels-last
+(NHWC) and transpose NCHW tensors in and out around them (NVIDIA, "Convolutional Layers
+User's Guide", Deep Learning Performance documentation, section "Tensor Layouts In Memory:
+NCHW vs NHWC"), which the cost model charges where a convolution runs on tensor cores.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from hplan.planner.frontend.attention_costs import FusedAttentionCosts
@@ -71,6 +78,8 @@ class _NodeRun:
     read_bytes: int
     written_bytes: int
     output_bytes: int
+    channels_first_conv_bytes: int = 0
+    """Input plus output bytes of the node's channels-first convolutions."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,49 @@ class NodeCost:
     io_bytes: float
     output_bytes: float
     spec: TensorSpec | None
+    channels_first_conv_bytes: float = 0.0
+    """Activation input plus output bytes of the node's convolutions whose input is
+    channels-first (what cuDNN transposes around a tensor-core convolution)."""
+
+
+_CONVOLUTIONS = (torch.ops.aten.convolution.default,)
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+class ChannelsFirstConvolutions(TorchDispatchMode):
+    """Adds up the activation input and output bytes of every 2-D or 3-D convolution that
+    runs channels-first (:attr:`num_bytes`).
+
+    A model converted with ``model.to(memory_format=torch.channels_last)`` has channels-last
+    weights, and on CUDA a convolution with a channels-last input or weight runs
+    channels-last (``cudnn_conv_suggest_memory_format``). The weights decide here, for the
+    whole model: fake and meta kernels do not keep every op's memory format (batch norm
+    returns channels-first), so the activations' strides cannot be trusted past the first
+    layer, and a 1x1 kernel's strides fit both layouts.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.num_bytes = 0
+        self.channels_last_model = any(_strictly_channels_last(p) for p in module.parameters())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        if func in _CONVOLUTIONS and not self.channels_last_model:
+            activation = args[0]
+            if activation.dim() in _CHANNELS_LAST and not _strictly_channels_last(activation):
+                self.num_bytes += tensor_nbytes(activation) + tensor_nbytes(output)
+        return output
+
+
+def _strictly_channels_last(tensor: torch.Tensor) -> bool:
+    """A 4-D or 5-D tensor laid out channels-last and not also channels-first."""
+    layout = _CHANNELS_LAST.get(tensor.dim())
+    return (
+        layout is not None
+        and tensor.is_contiguous(memory_format=layout)
+        and not tensor.is_contiguous()
+    )
 
 
 class _Meter(torch.fx.Interpreter):
@@ -95,10 +147,11 @@ class _Meter(torch.fx.Interpreter):
         self._saved: list[torch.Tensor] = []
         self._counter = FlopCounterMode(display=False)
         self._attention = FusedAttentionCosts(self._counter, self._pack)
+        self._convolutions = ChannelsFirstConvolutions(gm)
 
     def measure(self, args: Sequence[torch.Tensor]) -> dict[str, _NodeRun]:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        with self._counter, hooks, self._attention, _warnings_ignored():
+        with self._counter, self._convolutions, hooks, self._attention, _warnings_ignored():
             self.run(*args, enable_io_processing=False)
         self._keep.clear()
         return self.runs
@@ -111,6 +164,7 @@ class _Meter(torch.fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         flops_before = self._flops()
         extra_before = self._attention.extra_saved_bytes
+        convolutions_before = self._convolutions.num_bytes
         self._saved = []
         result = super().run_node(n)
         inputs = _tensors((args, kwargs))
@@ -133,6 +187,7 @@ class _Meter(torch.fx.Interpreter):
             read_bytes=sum(tensor_nbytes(t) for t in inputs) if moves and fresh else 0,
             written_bytes=sum(tensor_nbytes(t) for t in fresh) if moves else 0,
             output_bytes=sum(tensor_nbytes(t) for t in outputs),
+            channels_first_conv_bytes=self._convolutions.num_bytes - convolutions_before,
         )
         return result
 
@@ -240,6 +295,7 @@ def _per_sample(name: str, a: _NodeRun, b: _NodeRun, small: int, large: int) -> 
         io_bytes=slope(a.read_bytes + a.written_bytes, b.read_bytes + b.written_bytes),
         output_bytes=slope(a.output_bytes, b.output_bytes),
         spec=_tensor_spec(name, a, b, small, large),
+        channels_first_conv_bytes=slope(a.channels_first_conv_bytes, b.channels_first_conv_bytes),
     )
 
 

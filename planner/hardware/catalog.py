@@ -369,6 +369,28 @@ def has_bf16_tensor_cores(device: DeviceType) -> bool:
     return device.bf16_flops_per_s > device.fp32_flops_per_s
 
 
+def runs_on_tensor_cores(device: DeviceType, dtype: str, *, allow_tf32: bool = False) -> bool:
+    """Whether matmuls and convolutions in ``dtype`` run on ``device``'s tensor cores:
+    float16 where its fp16 peak beats its fp32 one (Volta and later), bfloat16 and TF32
+    (float32 with ``allow_tf32``) on GPUs with bf16 tensor cores (both came with Ampere; a
+    GeForce Ampere or Ada card's TF32 peak equals its fp32 one, so peaks alone cannot tell).
+
+    Raises:
+        ConfigError: a dtype with no catalog peak.
+    """
+    short = _DTYPE_ALIASES.get(dtype.removeprefix("torch."))
+    if device.device_class is not DeviceClass.GPU:
+        return False
+    if short == "float16":
+        return device.fp16_flops_per_s > device.fp32_flops_per_s
+    if short == "bfloat16" or (short == "float32" and allow_tf32):
+        return has_bf16_tensor_cores(device)
+    if short == "float32":
+        return False
+    peak_flops_per_s(device, dtype)  # raises the one-line error for a dtype with no peak
+    return False
+
+
 def resolve_precision(requested: str, device: DeviceType, *, device_name: str) -> Precision:
     """The precision a device computes in for ``--precision requested``.
 

@@ -169,6 +169,40 @@ def test_frozen_parameters_are_not_trainable_bytes(tmp_path):
     assert [(c.param_bytes, c.trainable_param_bytes) for c in costs] == [(80, 0), (80, 80)]
 
 
+_CONV_MODEL = """\
+    def build_model():
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 1), nn.Flatten(), nn.Linear(8 * 16 * 16, 4),
+        )
+        return model{layout}
+
+    def sample_batch(batch_size):
+        images = torch.randn(batch_size, 3, 16, 16){layout}
+        return images, torch.randn(batch_size, 4)
+
+    def loss_fn(out, target):
+        return ((out - target) ** 2).mean()
+    """
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected_bytes"),
+    [
+        # first conv: input 3x16x16 + output 8x16x16; the 1x1 conv: 8x16x16 in and out
+        ("", 4 * (3 * 256 + 8 * 256 + 8 * 256 + 8 * 256)),
+        (".to(memory_format=torch.channels_last)", 0),
+    ],
+)
+def test_channels_first_convolutions_record_their_activation_bytes(
+    tmp_path, layout, expected_bytes
+):
+    path = _write(tmp_path, _CONV_MODEL.format(layout=layout))
+    costs = build_model_graph(load_model_file(path)).unit_costs
+    total = sum(c.channels_first_conv_io_bytes_per_sample for c in costs)
+    assert total == pytest.approx(expected_bytes)
+
+
 @pytest.mark.parametrize(
     ("body", "error", "needle"),
     [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hplan.planner.cost.problem_builder import (
     FRAMEWORK_RESERVE_BYTES,
     USABLE_MEMORY_FRACTION,
+    Numerics,
     RooflineSource,
     UnitTimes,
     build_problem,
@@ -25,6 +26,7 @@ from hplan.planner.cost.problem_builder import (
 )
 from hplan.planner.frontend.cost_graph import build_model_graph
 from hplan.planner.hardware.catalog import CATALOG, resolve_precision
+from hplan.planner.hardware.cluster import Device
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
 from hplan.runtime.contract.errors import ConfigError, ModelFileError
 from hplan.runtime.contract.memory import OPTIMIZER_STEP_WORKSPACE
@@ -233,6 +235,38 @@ def test_bfloat16_uses_the_tensor_core_peak():
         stand_in_graph([big], param_dtype="bfloat16"), cluster, global_batch_size=1
     ).fwd_time_s
     assert fp32[0, 0, 0] / bf16[0, 0, 0] == pytest.approx(312 / 19.5, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("device", "precision", "transposed"),
+    [
+        ("a100-80gb", Precision.TF32, True),
+        ("a100-80gb", Precision.BF16, True),
+        ("rtx3090", Precision.TF32, True),  # TF32 peak = fp32 peak, yet tensor cores
+        ("v100-16gb", Precision.FP16, True),
+        ("a100-80gb", Precision.FP32, False),
+        ("v100-16gb", Precision.TF32, False),  # Volta has no TF32
+        ("cpu", Precision.FP32, False),
+    ],
+)
+def test_channels_first_convolutions_pay_transposes_only_on_tensor_cores(
+    device, precision, transposed
+):
+    """cuDNN transposes channels-first tensors around tensor-core convolutions: two more
+    passes over the convolutions' activation input and output bytes, at memory speed."""
+    plain = unit_cost("conv", fwd_flops_per_sample=0, param_bytes=0, io_bytes_per_sample=0,
+                      num_ops=0)  # fmt: skip
+    nchw = replace(plain, channels_first_conv_io_bytes_per_sample=1e6)
+    numerics = Numerics("float32", precision)
+    dev = Device(name="d", node="n", local_index=0, type=CATALOG[device])
+    source = RooflineSource()
+    extra_s = (
+        source.unit_times(dev, nchw, 8, numerics).fwd_time_s
+        - source.unit_times(dev, plain, 8, numerics).fwd_time_s
+    )
+    bandwidth = CATALOG[device].memory_bandwidth_bytes_per_s * source.memory_efficiency
+    expected_s = 2 * 1e6 * 8 * numerics.activation_bytes_factor / bandwidth
+    assert extra_s == pytest.approx(expected_s if transposed else 0.0)
 
 
 @pytest.mark.parametrize(
