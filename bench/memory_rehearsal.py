@@ -9,12 +9,14 @@ recomputation of the whole stage on rank 0 and of every other unit on rank 1
 what `hplan show` checks). Then `hplan rehearse --verify
 --metrics-dir` and `hplan calibrate --json`, which sets each rank's training memory (peak
 resident set less the process before its stage was built) beside the prediction. Target
-(issue 11): within 15% per rank. The rehearsal runs twice: as a user runs it, and with
-glibc's mmap threshold pinned at 64 KiB (``MALLOC_MMAP_THRESHOLD_``), so that freed
-tensors go back to the system at once and the resident set follows the live memory (the
-difference is the heap's free memory that glibc keeps resident, which the prediction does
-not model). Neither counts the rehearsal's warm timing of a copy of each stage after the
-first step (``MemoryMeter.excluded``): it is the rehearsal's, not the plan's.
+(issue 11): within 15% per rank. The rehearsal runs twice: plain, and with
+``--enforce-memory``, under which the ranks pin glibc's mmap threshold at 64 KiB
+(``launcher.released_heap_env``), so that freed tensors go back to the system at once and
+the resident set follows the live memory (the difference is the heap's free memory that
+glibc keeps resident by default, which the prediction does not model). Beside each it
+prints the ranks' measured compute per step, the price of that setting. Neither counts the
+rehearsal's warm timing of a copy of each stage after the first step
+(``MemoryMeter.excluded``): it is the rehearsal's, not the plan's.
 
     python bench/memory_rehearsal.py [--zero-stage 2]
 
@@ -55,24 +57,28 @@ WEIGHTS = (3.0, 3.0, 1.0, 1.0)
 two 2-stage pipelines) the first keeps three quarters of the optimizer state."""
 
 
-MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
-
-def _run(args: list[str], extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **ENV, **(extra or {})}
-    return subprocess.run([*HPLAN, *args], env=env, capture_output=True, text=True, check=False)
-
-
-def _rehearse(plan_path: Path, run: Path, extra: dict[str, str] | None) -> tuple[bool, list[dict]]:
-    """``hplan rehearse --verify`` of the plan, then calibrate's memory rows."""
-    rehearsed = _run(
-        ["rehearse", str(plan_path), "--verify", "--steps", "6", "--metrics-dir", str(run)], extra
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    return subprocess.run(
+        [*HPLAN, *args], env={**env, **ENV}, capture_output=True, text=True, check=False
     )
+
+
+def _rehearse(plan_path: Path, run: Path, flags: list[str]) -> tuple[bool, list[dict], dict]:
+    """``hplan rehearse --verify`` of the plan, then calibrate's memory rows and each rank's
+    measured compute seconds per step."""
+    rehearsed = _run(
+        ["rehearse", str(plan_path), "--verify", "--steps", "6", "--metrics-dir", str(run),
+         *flags]
+    )  # fmt: skip
     if rehearsed.returncode != 0:
         console.print(rehearsed.stderr.strip()[-2000:])
     calibrated = _run(["calibrate", str(plan_path), str(run), "--json"])
-    memory = json.loads(calibrated.stdout)["memory"] if calibrated.returncode == 0 else []
-    return rehearsed.returncode == 0, memory
+    if calibrated.returncode != 0:
+        return False, [], {}
+    found = json.loads(calibrated.stdout)
+    compute = {r["rank"]: r["measured_compute_s"] for r in found["ranks"]}
+    return rehearsed.returncode == 0, found["memory"], compute
 
 
 def _strategy(rank: RankPlan) -> dict[str, Any]:
@@ -115,8 +121,10 @@ def main() -> None:
         plan = with_memory(plan, plan.memory)
         plan.verify()
         (out / "plan.json").write_text(plan.to_json(), encoding="utf-8")
-        passed, memory = _rehearse(out / "plan.json", Path(tmp) / "run", None)
-        passed_pinned, pinned = _rehearse(out / "plan.json", Path(tmp) / "pinned", MMAP_THRESHOLD)
+        passed, memory, compute = _rehearse(out / "plan.json", Path(tmp) / "run", [])
+        passed_pinned, pinned, compute_pinned = _rehearse(
+            out / "plan.json", Path(tmp) / "pinned", ["--enforce-memory"]
+        )
         verify = "passed" if passed and passed_pinned else "FAILED"
     layout = ", ".join(
         f"rank {r.rank}: replica {r.replica} stage {r.stage}, {strategy_text(r)}, "
@@ -127,12 +135,13 @@ def main() -> None:
     out_table = table(
         "predicted vs measured training memory per rank (MB)",
         ["rank", "predicted", "params", "grads", "optimizer", "activations", "workspace",
-         "measured", "measured / predicted", "verdict", "pinned mmap", "pinned / predicted"],
+         "plain", "plain / predicted", "enforced", "enforced / predicted", "verdict",
+         "compute ms plain", "compute ms enforced"],
     )  # fmt: skip
     reports = {r.rank: r for r in plan.report.ranks}
     for m, p in zip(memory, pinned, strict=True):
         report = reports[m["rank"]]
-        ratio = m["measured_over_predicted"]
+        ratio = p["measured_over_predicted"]
         verdict = "ok" if ratio is not None and abs(ratio - 1) <= 0.15 else "OFF TARGET"
         out_table.add_row(
             str(m["rank"]),
@@ -142,13 +151,35 @@ def main() -> None:
             f"{report.optimizer_state_memory_bytes / 1e6:.1f}",
             f"{report.activation_memory_bytes / 1e6:.1f}",
             f"{report.workspace_memory_bytes / 1e6:.1f}",
-            f"{m['measured_bytes'] / 1e6:.1f}" if m["measured_bytes"] is not None else "-",
-            f"{ratio:.2f}" if ratio is not None else "-",
+            _mb(m["measured_bytes"]),
+            _ratio(m["measured_over_predicted"]),
+            _mb(p["measured_bytes"]),
+            _ratio(ratio),
             verdict,
-            f"{p['measured_bytes'] / 1e6:.1f}" if p["measured_bytes"] is not None else "-",
-            f"{p['measured_over_predicted']:.2f}" if p["measured_over_predicted"] else "-",
+            _ms(compute.get(m["rank"])),
+            _ms(compute_pinned.get(m["rank"])),
         )
     console.print(out_table)
+    slower = [
+        compute_pinned[r] / compute[r] for r in compute if compute.get(r) and compute_pinned.get(r)
+    ]
+    if slower:
+        console.print(
+            f"compute per step under --enforce-memory / plain: {min(slower):.2f}-"
+            f"{max(slower):.2f}x (one run each, same machine)"
+        )
+
+
+def _mb(num_bytes: float | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 1e6:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
 if __name__ == "__main__":

@@ -111,7 +111,9 @@ def run(args: tuple[str, ...]) -> None:
     is_flag=True,
     help="Fail, naming the rank, when a rank's measured training memory (its peak over what "
     "its process held before its stage was built) exceeds its device's memory less the "
-    "device kind's reserve (for a GPU plan: its host memory standing in for the GPU's).",
+    "device kind's reserve (for a GPU plan: its host memory standing in for the GPU's). "
+    "The ranks then give freed memory back to the system at once (glibc's mmap threshold "
+    "at 64 KiB), so CPU compute runs slower.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def rehearse(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hplan.runtime.contract.errors import RehearsalChildError
 from hplan.runtime.contract.memory import GPU_RESERVE_BYTES
 from hplan.runtime.contract.memory_use import (
     MemoryBreakdown,
@@ -18,6 +19,12 @@ from hplan.runtime.contract.memory_use import (
     oom_kill_counts,
 )
 from hplan.runtime.contract.metrics_file import MemoryMeasure, StepMetrics
+from hplan.runtime.rehearsal.launcher import (
+    MMAP_THRESHOLD_ENV,
+    free_port,
+    released_heap_env,
+    supervise,
+)
 from tests.fixtures.sample_plans import cpu_plan, mixed_plan
 
 GB = 10**9
@@ -176,3 +183,35 @@ def test_a_killed_rank_names_its_node_device_prediction_and_last_measurement() -
         plan, 3, cause, None, Path("m/rank-3.jsonl")
     )
     assert "run with --metrics-dir DIR" in killed_description(plan, 3, cause, None, None)
+
+
+# --------------------------------------------------------------- --enforce-memory's allocator
+def test_enforced_ranks_get_the_released_heap_setting_unless_the_user_set_one(monkeypatch):
+    monkeypatch.delenv(MMAP_THRESHOLD_ENV, raising=False)
+    assert released_heap_env() == {MMAP_THRESHOLD_ENV: "65536"}
+    monkeypatch.setenv(MMAP_THRESHOLD_ENV, "131072")
+    assert released_heap_env() == {}  # the user's own value stays, inherited
+
+
+@pytest.mark.parametrize(("extra_env", "exit_code"), [({"HPLAN_PROBE": "set"}, 0), (None, 5)])
+def test_supervised_ranks_receive_the_extra_environment(tmp_path, extra_env, exit_code):
+    """What ``run_children`` passes for ``--enforce-memory`` reaches every rank process."""
+    probe = "import os, sys; sys.exit(0 if os.environ.get('HPLAN_PROBE') == 'set' else 5)"
+    logs = [tmp_path / f"rank-{r}.log" for r in range(2)]
+
+    def failure(rank: int, code: int, line: str) -> RehearsalChildError:
+        return RehearsalChildError(f"rank {rank} exit {code}", code)
+
+    def supervised() -> None:
+        supervise(
+            "probe", [["-c", probe]] * 2, logs, 60.0, master_port=free_port(),
+            on_poll=lambda: None, is_error_line=lambda line: False, failure=failure,
+            timeout=lambda running: RehearsalChildError(f"timeout {running}", 1),
+            extra_env=extra_env,
+        )  # fmt: skip
+
+    if exit_code == 0:
+        supervised()
+    else:
+        with pytest.raises(RehearsalChildError, match=f"exit {exit_code}"):
+            supervised()
