@@ -173,8 +173,7 @@ def _capture_fake(
     """
     mode = FakeTensorMode(shape_env=ShapeEnv(tracked_fakes=[]), allow_non_fake_inputs=True)
     with torch.random.fork_rng(devices=[]):
-        with mode:
-            model = _build(model_file, seed)
+        model = _build_fake(model_file, seed, mode)
         batches = {b: _sample_batch(model_file, b) for b in sizes}
     inputs = {
         b: {k: _fake_of(mode, v) for k, v in bind_inputs(model, batch[0]).items()}
@@ -188,6 +187,35 @@ def _capture_fake(
             args = [feed[n] for n in traced.input_names]
             torch.fx.Interpreter(traced.graph_module).run(*args, enable_io_processing=False)
     return CapturedModel(model_file, model, traced, batches, inputs, seed, fake_mode=mode)
+
+
+def _build_fake(model_file: ModelFile, seed: int, mode: FakeTensorMode) -> nn.Module:
+    """``build_model`` under ``mode``; where it converts its own parameters (``model.to(
+    memory_format=torch.channels_last)``, ``.to(torch.bfloat16)``), which torch cannot do
+    to fake parameters (``nn.Module._apply`` swaps them, and a fake tensor is weakly
+    referenced: "Couldn't swap"), built on the meta device instead and given fake CPU
+    storage of the same shapes, dtypes and strides (``to_empty``), parameters shared
+    between modules kept shared. Raises what the build raises otherwise."""
+    try:
+        with mode:
+            return _build(model_file, seed)
+    except ModelFileError as exc:
+        if "Couldn't swap" not in str(exc):
+            raise
+    with torch.device("meta"):
+        model = _build(model_file, seed)
+    owners = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
+    shared = [
+        (name, owners[id(p)])
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if owners[id(p)] != name
+    ]
+    with mode:
+        model = model.to_empty(device="cpu")
+    for name, owner in shared:  # to_empty gives each module its own new parameter
+        module_path, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(module_path), attribute, model.get_parameter(owner))
+    return model
 
 
 def _fake_of(mode: FakeTensorMode, value: Any) -> Any:

@@ -104,12 +104,13 @@ class ChannelsFirstConvolutions(TorchDispatchMode):
     """Adds up the activation input and output bytes of every 2-D or 3-D convolution that
     runs channels-first (:attr:`num_bytes`).
 
-    A model converted with ``model.to(memory_format=torch.channels_last)`` has channels-last
-    weights, and on CUDA a convolution with a channels-last input or weight runs
-    channels-last (``cudnn_conv_suggest_memory_format``). The weights decide here, for the
-    whole model: fake and meta kernels do not keep every op's memory format (batch norm
-    returns channels-first), so the activations' strides cannot be trusted past the first
-    layer, and a 1x1 kernel's strides fit both layouts.
+    On CUDA a convolution runs channels-last when its input or its weight is channels-last
+    (``cudnn_conv_suggest_memory_format``); ``model.to(memory_format=torch.channels_last)``
+    makes the weights so. Here the weight decides, then the input: fake and meta kernels do
+    not keep every op's memory format (batch norm returns channels-first), so an input's
+    strides cannot be trusted past the first layer. A weight whose strides fit both layouts
+    (a 1x1 or depthwise kernel) follows the rest of the model: channels-last when any
+    weight of it is.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -119,11 +120,18 @@ class ChannelsFirstConvolutions(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         output = func(*args, **(kwargs or {}))
-        if func in _CONVOLUTIONS and not self.channels_last_model:
-            activation = args[0]
-            if activation.dim() in _CHANNELS_LAST and not _strictly_channels_last(activation):
+        if func in _CONVOLUTIONS and args[0].dim() in _CHANNELS_LAST:
+            activation, weight = args[0], args[1]
+            if not self._runs_channels_last(activation, weight):
                 self.num_bytes += tensor_nbytes(activation) + tensor_nbytes(output)
         return output
+
+    def _runs_channels_last(self, activation: torch.Tensor, weight: torch.Tensor) -> bool:
+        if _strictly_channels_last(weight) or _strictly_channels_last(activation):
+            return True
+        layout = _CHANNELS_LAST[weight.dim()]
+        either = weight.is_contiguous() and weight.is_contiguous(memory_format=layout)
+        return either and self.channels_last_model
 
 
 def _strictly_channels_last(tensor: torch.Tensor) -> bool:

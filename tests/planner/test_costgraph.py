@@ -198,9 +198,44 @@ def test_channels_first_convolutions_record_their_activation_bytes(
     tmp_path, layout, expected_bytes
 ):
     path = _write(tmp_path, _CONV_MODEL.format(layout=layout))
-    costs = build_model_graph(load_model_file(path)).unit_costs
-    total = sum(c.channels_first_conv_io_bytes_per_sample for c in costs)
+    graph = build_model_graph(load_model_file(path))
+    total = sum(c.channels_first_conv_io_bytes_per_sample for c in graph.unit_costs)
     assert total == pytest.approx(expected_bytes)
+    assert not any("real CPU tensors" in note for note in graph.notes), graph.notes
+
+
+def test_a_model_that_converts_its_own_parameters_is_captured_on_fake_tensors(tmp_path):
+    """torch cannot convert fake parameters in place (``.to(memory_format=...)`` or a
+    dtype); the capture builds such a model on meta and keeps its shared parameters shared."""
+    path = _write(
+        tmp_path,
+        """\
+        class Tied(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(50, 16)
+                self.conv = nn.Conv2d(1, 1, 3, padding=1)
+                self.head = nn.Linear(16, 50, bias=False)
+                self.head.weight = self.emb.weight
+
+            def forward(self, x):
+                return self.head(self.conv(self.emb(x).unsqueeze(1)).squeeze(1))
+
+        def build_model():
+            return Tied().to(memory_format=torch.channels_last)
+
+        def sample_batch(batch_size):
+            x = torch.randint(0, 50, (batch_size, 8))
+            return x, x
+
+        def loss_fn(out, target):
+            return nn.functional.cross_entropy(out.reshape(-1, 50), target.reshape(-1))
+        """,
+    )
+    graph = build_model_graph(load_model_file(path))
+    assert not any("real CPU tensors" in note for note in graph.notes), graph.notes
+    assert list(graph.trainable_param_sizes) == ["emb.weight", "conv.weight", "conv.bias"]
+    assert list(graph.tied_trainable_bytes.values()) == [50 * 16 * 4]
 
 
 @pytest.mark.parametrize(
