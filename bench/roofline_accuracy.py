@@ -18,7 +18,7 @@ the publication ran, where that differs from the HF default:
   (``memory_format: nhwc`` in DeepLearningExamples' ``configs.yml``; its TF32 and FP32
   runs are channels-first). The RTX 3090 source does not state its layout; the fp16 row
   assumes channels-last (Keras's default ``image_data_format``); channels-first, the
-  model predicts 0.65x there (cuDNN's transposes around tensor-core convolutions).
+  model predicts 0.68x there (cuDNN's transposes around tensor-core convolutions).
 
     python bench/roofline_accuracy.py [--only NAME]
 

@@ -23,9 +23,11 @@ each is a kernel of its own that runs between the matmuls, at memory speed, so s
 per-kernel rooflines (Williams et al.'s roofline applied kernel by kernel, as in Yang et
 al., "Hierarchical Roofline Analysis", 2020) is closer to a step than one roofline of
 the unit's totals, which would hide them under the matmuls. Activation bytes scale with
-the precision's ``activation_bytes_factor``. Where a convolution runs on tensor cores
-(``catalog.runs_on_tensor_cores``) on channels-first tensors, cuDNN's transposes add
-``LAYOUT_TRANSPOSE_PASSES x channels_first_conv_io_bytes_per_sample`` to the serial bytes.
+the precision's ``activation_bytes_factor``. Convolutions (``conv_flops_per_sample``, part of
+the FLOPs) take the faster of CUDA cores at the fp32 peak and, where their dtype runs on
+tensor cores (``convolution_paths``; float32 ones in TF32, cuDNN's default), the tensor-core
+peak plus cuDNN's transposes of channels-first tensors:
+``LAYOUT_TRANSPOSE_PASSES x channels_first_conv_io_bytes_per_sample`` more serial bytes.
 
 A measured profile plugs in as another ``UnitTimeSource`` (its ``name`` goes into the
 plan's report as ``cost_source``).
@@ -225,35 +227,41 @@ class RooflineSource:
     ) -> UnitTimes:
         """Roofline forward and backward time of one micro-batch of ``micro_batch_size``:
         matmuls at the peak of ``numerics.compute_dtype``, activation traffic scaled by
-        ``numerics.activation_bytes_factor``; on tensor cores, channels-first convolutions
-        also pay cuDNN's transposes (:data:`LAYOUT_TRANSPOSE_PASSES`)."""
+        ``numerics.activation_bytes_factor``; convolutions by the faster of the ways cuDNN
+        may run them (:func:`convolution_paths`: on tensor cores, channels-first ones pay
+        :data:`LAYOUT_TRANSPOSE_PASSES` more passes over their activations)."""
         peak = peak_flops_per_s(
             device.type,
             numerics.compute_dtype,
             allow_tf32=numerics.allow_tf32,
         )
-        flops = cost.fwd_flops_per_sample * micro_batch_size
         factor = numerics.activation_bytes_factor * micro_batch_size
-        serial_per_sample = cost.memory_bound_io_bytes_per_sample
-        if runs_on_tensor_cores(
-            device.type, numerics.compute_dtype, allow_tf32=numerics.allow_tf32
-        ):
-            serial_per_sample += (
-                LAYOUT_TRANSPOSE_PASSES * cost.channels_first_conv_io_bytes_per_sample
-            )
-        serial_bytes = serial_per_sample * factor
         overlapped_bytes = (
             cost.param_bytes
             + (cost.io_bytes_per_sample - cost.memory_bound_io_bytes_per_sample) * factor
         )
         bandwidth = device.type.memory_bandwidth_bytes_per_s * self.memory_efficiency
-        times = []
-        for ratio in (1.0, BACKWARD_TO_FORWARD_RATIO):
-            fused = self._time_s(
-                device.type, peak, ratio * flops, ratio * overlapped_bytes, ratio * cost.num_ops
-            )
-            times.append(fused + ratio * serial_bytes / bandwidth)
-        return UnitTimes(fwd_time_s=times[0], bwd_time_s=times[1])
+        matmul_flops = (cost.fwd_flops_per_sample - cost.conv_flops_per_sample) * micro_batch_size
+        best: list[float] | None = None
+        for conv_peak, transposed in convolution_paths(device.type, numerics):
+            # the convolutions' FLOPs in matmul-peak FLOPs, so one roofline takes both
+            flops = matmul_flops + cost.conv_flops_per_sample * micro_batch_size * peak / conv_peak
+            serial_per_sample = cost.memory_bound_io_bytes_per_sample
+            if transposed:
+                serial_per_sample += (
+                    LAYOUT_TRANSPOSE_PASSES * cost.channels_first_conv_io_bytes_per_sample
+                )
+            times = [
+                self._time_s(
+                    device.type, peak, ratio * flops, ratio * overlapped_bytes, ratio * cost.num_ops
+                )
+                + ratio * serial_per_sample * factor / bandwidth
+                for ratio in (1.0, BACKWARD_TO_FORWARD_RATIO)
+            ]
+            if best is None or sum(times) < sum(best):
+                best = times
+        assert best is not None
+        return UnitTimes(fwd_time_s=best[0], bwd_time_s=best[1])
 
     def optimizer_time_s(
         self, device: Device, cost: UnitCost, optimizer_state_bytes_per_param_byte: float
@@ -281,6 +289,26 @@ class RooflineSource:
             memory_efficiency=self.memory_efficiency,
             op_overhead_s=self.op_overhead_s,
         )
+
+
+def convolution_paths(device: DeviceType, numerics: Numerics) -> tuple[tuple[float, bool], ...]:
+    """The ways convolutions may run on ``device``: (peak FLOP/s, whether channels-first
+    activations pay cuDNN's layout transposes) each; the cost model takes the faster, as
+    cuDNN's algorithm choice does.
+
+    On a GPU: CUDA cores at the fp32 peak, no transposes; and, where the convolution's dtype
+    runs on tensor cores, at the tensor-core peak with transposes. A float32 convolution
+    may take TF32 tensor cores whatever ``numerics.precision`` says of matmuls:
+    ``torch.backends.cudnn.allow_tf32`` is True by default. Elsewhere one way: the
+    matmuls' peak.
+    """
+    dtype = numerics.compute_dtype
+    if device.device_class is not DeviceClass.GPU:
+        return ((peak_flops_per_s(device, dtype, allow_tf32=numerics.allow_tf32), False),)
+    paths = [(device.fp32_flops_per_s, False)]
+    if runs_on_tensor_cores(device, dtype, allow_tf32=True):
+        paths.append((peak_flops_per_s(device, dtype, allow_tf32=True), True))
+    return tuple(paths)
 
 
 def usable_memory_bytes(device: DeviceType) -> float:

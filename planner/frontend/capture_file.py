@@ -58,7 +58,8 @@ __all__ = [
 ]
 
 CAPTURE_SCHEMA_VERSION: Final = 2
-"""2: convolutions' channels-first bytes (``channels_first_conv_bytes``) added."""
+"""2: convolutions' FLOPs and channels-first bytes (``conv_flops``,
+``channels_first_conv_bytes``) added."""
 
 
 @record
@@ -89,6 +90,7 @@ class UnitCostRecord:
     """A count >= 0 (``ByteCount`` is the contract's integer >= 0)."""
     memory_bound_io_bytes_per_sample: NonNegative
     channels_first_conv_io_bytes_per_sample: NonNegative
+    conv_flops_per_sample: NonNegative
 
 
 @record
@@ -107,6 +109,7 @@ class NodeRecord:
     saved_bytes: float
     io_bytes: float
     channels_first_conv_bytes: float
+    conv_flops: float
     tensor: TensorSpec | None
     unit: str | None
 

@@ -68,6 +68,9 @@ class UnitCost:
     """Activation input plus output bytes of the unit's channels-first (NCHW) convolutions,
     per sample: what cuDNN transposes to and from channels-last around a tensor-core
     convolution (``node_costs.py``)."""
+    conv_flops_per_sample: float = 0.0
+    """The part of ``fwd_flops_per_sample`` done by convolutions (cuDNN's: they may run on
+    tensor cores where the matmuls do not, ``problem_builder.RooflineSource``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,7 @@ class ModelGraph:
     graph: CostGraph
     """One node per fx node: the structure (``graph.structure_graph``) plus, per sample,
     ``flops``, ``output_bytes``, ``saved_bytes``, ``io_bytes``,
-    ``channels_first_conv_bytes``, ``tensor`` (the output's
+    ``channels_first_conv_bytes``, ``conv_flops``, ``tensor`` (the output's
     ``TensorSpec`` when it may cross a cut, else None) and ``unit`` (None for placeholders
     and the output); edge attribute ``bytes``, per sample."""
     notes: tuple[str, ...]
@@ -272,6 +275,7 @@ def _add_costs(graph: CostGraph, costs: Mapping[str, NodeCost]) -> None:
         data["saved_bytes"] = cost.saved_bytes if cost else 0.0
         data["io_bytes"] = cost.io_bytes if cost else 0.0
         data["channels_first_conv_bytes"] = cost.channels_first_conv_bytes if cost else 0.0
+        data["conv_flops"] = cost.conv_flops if cost else 0.0
         data["tensor"] = cost.spec if cost else None
     for source, _, data in graph.edges(data=True):
         data["bytes"] = graph.nodes[source]["output_bytes"]
@@ -323,6 +327,7 @@ def _unit_costs(
                 channels_first_conv_io_bytes_per_sample=sum(
                     d["channels_first_conv_bytes"] for d in nodes
                 ),
+                conv_flops_per_sample=sum(d["conv_flops"] for d in nodes),
                 num_ops=sum(1 for d in nodes if d["op"].startswith("call_")),
             )
         )

@@ -30,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from hplan.planner.frontend.attention_costs import FusedAttentionCosts
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
@@ -80,6 +80,8 @@ class _NodeRun:
     output_bytes: int
     channels_first_conv_bytes: int = 0
     """Input plus output bytes of the node's channels-first convolutions."""
+    conv_flops: float = 0.0
+    """FLOPs of the node's convolutions (part of ``flops``)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,9 @@ class NodeCost:
     channels_first_conv_bytes: float = 0.0
     """Activation input plus output bytes of the node's convolutions whose input is
     channels-first (what cuDNN transposes around a tensor-core convolution)."""
+    conv_flops: float = 0.0
+    """FLOPs of the node's convolutions, part of ``flops`` (cuDNN runs them, on tensor
+    cores or not: ``problem_builder.RooflineSource``)."""
 
 
 _CONVOLUTIONS = (torch.ops.aten.convolution.default,)
@@ -101,8 +106,9 @@ _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 class ChannelsFirstConvolutions(TorchDispatchMode):
-    """Adds up the activation input and output bytes of every 2-D or 3-D convolution that
-    runs channels-first (:attr:`num_bytes`).
+    """Adds up the FLOPs of every convolution (:attr:`flops`) and the activation input and
+    output bytes of every 2-D or 3-D convolution that runs channels-first
+    (:attr:`num_bytes`).
 
     On CUDA a convolution runs channels-last when its input or its weight is channels-last
     (``cudnn_conv_suggest_memory_format``); ``model.to(memory_format=torch.channels_last)``
@@ -116,14 +122,19 @@ class ChannelsFirstConvolutions(TorchDispatchMode):
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
         self.num_bytes = 0
+        self.flops = 0
         self.channels_last_model = any(_strictly_channels_last(p) for p in module.parameters())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         output = func(*args, **(kwargs or {}))
-        if func in _CONVOLUTIONS and args[0].dim() in _CHANNELS_LAST:
-            activation, weight = args[0], args[1]
-            if not self._runs_channels_last(activation, weight):
-                self.num_bytes += tensor_nbytes(activation) + tensor_nbytes(output)
+        if func not in _CONVOLUTIONS:
+            return output
+        activation, weight, transposed = args[0], args[1], bool(args[6])
+        self.flops += conv_flop_count(
+            list(activation.shape), list(weight.shape), list(output.shape), transposed
+        )
+        if activation.dim() in _CHANNELS_LAST and not self._runs_channels_last(activation, weight):
+            self.num_bytes += tensor_nbytes(activation) + tensor_nbytes(output)
         return output
 
     def _runs_channels_last(self, activation: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -173,6 +184,7 @@ class _Meter(torch.fx.Interpreter):
         flops_before = self._flops()
         extra_before = self._attention.extra_saved_bytes
         convolutions_before = self._convolutions.num_bytes
+        conv_flops_before = self._convolutions.flops
         self._saved = []
         result = super().run_node(n)
         inputs = _tensors((args, kwargs))
@@ -196,6 +208,7 @@ class _Meter(torch.fx.Interpreter):
             written_bytes=sum(tensor_nbytes(t) for t in fresh) if moves else 0,
             output_bytes=sum(tensor_nbytes(t) for t in outputs),
             channels_first_conv_bytes=self._convolutions.num_bytes - convolutions_before,
+            conv_flops=float(self._convolutions.flops - conv_flops_before),
         )
         return result
 
@@ -304,6 +317,7 @@ def _per_sample(name: str, a: _NodeRun, b: _NodeRun, small: int, large: int) -> 
         output_bytes=slope(a.output_bytes, b.output_bytes),
         spec=_tensor_spec(name, a, b, small, large),
         channels_first_conv_bytes=slope(a.channels_first_conv_bytes, b.channels_first_conv_bytes),
+        conv_flops=slope(a.conv_flops, b.conv_flops),
     )
 
 

@@ -201,6 +201,8 @@ def test_channels_first_convolutions_record_their_activation_bytes(
     graph = build_model_graph(load_model_file(path))
     total = sum(c.channels_first_conv_io_bytes_per_sample for c in graph.unit_costs)
     assert total == pytest.approx(expected_bytes)
+    # 2 x kernel elements x output positions: 2 x 8*3*3*3 x 256 + 2 x 8*8 x 256
+    assert sum(c.conv_flops_per_sample for c in graph.unit_costs) == pytest.approx(143_360)
     assert not any("real CPU tensors" in note for note in graph.notes), graph.notes
 
 

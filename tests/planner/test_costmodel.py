@@ -237,36 +237,48 @@ def test_bfloat16_uses_the_tensor_core_peak():
     assert fp32[0, 0, 0] / bf16[0, 0, 0] == pytest.approx(312 / 19.5, rel=1e-3)
 
 
+def _conv_unit_s(device: str, precision: Precision, channels_first_bytes: float) -> float:
+    """Forward seconds of a unit of convolutions only (1 TFLOP per sample, 8 samples)."""
+    conv = replace(
+        unit_cost("conv", fwd_flops_per_sample=1e12, param_bytes=0, io_bytes_per_sample=0,
+                  num_ops=0),
+        conv_flops_per_sample=1e12,
+        channels_first_conv_io_bytes_per_sample=channels_first_bytes,
+    )  # fmt: skip
+    dev = Device(name="d", node="n", local_index=0, type=CATALOG[device])
+    return RooflineSource().unit_times(dev, conv, 8, Numerics("float32", precision)).fwd_time_s
+
+
 @pytest.mark.parametrize(
-    ("device", "precision", "transposed"),
+    ("device", "precision", "transposes_s"),
     [
-        ("a100-80gb", Precision.TF32, True),
-        ("a100-80gb", Precision.BF16, True),
-        ("rtx3090", Precision.TF32, True),  # TF32 peak = fp32 peak, yet tensor cores
-        ("v100-16gb", Precision.FP16, True),
-        ("a100-80gb", Precision.FP32, False),
-        ("v100-16gb", Precision.TF32, False),  # Volta has no TF32
-        ("cpu", Precision.FP32, False),
+        # TF32 tensor cores (8x the A100's fp32 peak) win despite the transposes: 2 passes
+        # over 1 GB per sample x 8 samples at 0.8 x 2039 GB/s
+        ("a100-80gb", Precision.TF32, 2 * 8e9 / (0.8 * 2039e9)),
+        ("a100-80gb", Precision.FP32, 2 * 8e9 / (0.8 * 2039e9)),  # cuDNN's TF32 default
+        ("a100-80gb", Precision.BF16, 2 * 4e9 / (0.8 * 2039e9)),  # half-precision bytes
+        ("rtx3090", Precision.TF32, 0.0),  # TF32 peak = fp32 peak: CUDA cores, no transposes
+        ("v100-16gb", Precision.FP32, 0.0),  # Volta has no TF32
+        ("cpu", Precision.FP32, 0.0),
     ],
 )
-def test_channels_first_convolutions_pay_transposes_only_on_tensor_cores(
-    device, precision, transposed
+def test_channels_first_convolutions_pay_transposes_where_tensor_cores_are_faster(
+    device, precision, transposes_s
 ):
-    """cuDNN transposes channels-first tensors around tensor-core convolutions: two more
-    passes over the convolutions' activation input and output bytes, at memory speed."""
-    plain = unit_cost("conv", fwd_flops_per_sample=0, param_bytes=0, io_bytes_per_sample=0,
-                      num_ops=0)  # fmt: skip
-    nchw = replace(plain, channels_first_conv_io_bytes_per_sample=1e6)
-    numerics = Numerics("float32", precision)
-    dev = Device(name="d", node="n", local_index=0, type=CATALOG[device])
-    source = RooflineSource()
-    extra_s = (
-        source.unit_times(dev, nchw, 8, numerics).fwd_time_s
-        - source.unit_times(dev, plain, 8, numerics).fwd_time_s
-    )
-    bandwidth = CATALOG[device].memory_bandwidth_bytes_per_s * source.memory_efficiency
-    expected_s = 2 * 1e6 * 8 * numerics.activation_bytes_factor / bandwidth
-    assert extra_s == pytest.approx(expected_s if transposed else 0.0)
+    """cuDNN transposes channels-first tensors around tensor-core convolutions (two passes
+    over the convolutions' activation input and output bytes, at memory speed), and picks
+    CUDA cores where those are no slower."""
+    channels_first_s = _conv_unit_s(device, precision, channels_first_bytes=1e9)
+    channels_last_s = _conv_unit_s(device, precision, channels_first_bytes=0.0)
+    assert channels_first_s - channels_last_s == pytest.approx(transposes_s)
+
+
+@pytest.mark.parametrize("device", ["a100-80gb", "rtx3090", "rtx4090", "l4", "v100-16gb"])
+@pytest.mark.parametrize("channels_first_bytes", [0.0, 1e9, 1e11])
+def test_convolutions_in_tf32_are_never_predicted_slower_than_in_fp32(device, channels_first_bytes):
+    tf32_s = _conv_unit_s(device, Precision.TF32, channels_first_bytes)
+    fp32_s = _conv_unit_s(device, Precision.FP32, channels_first_bytes)
+    assert tf32_s <= fp32_s * (1 + 1e-12)
 
 
 @pytest.mark.parametrize(
