@@ -19,10 +19,12 @@ or traced on fake tensors, it is built and traced on real CPU tensors instead, a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -147,7 +149,8 @@ def capture_model(
     notes: tuple[str, ...] = ()
     if tensors is CaptureTensors.FAKE:
         try:
-            return _capture_fake(model_file, leaves, seed, (small, large))
+            with _fake_tensor_log_quiet():
+                return _capture_fake(model_file, leaves, seed, (small, large))
         except Exception as exc:  # the real tensors below decide whether it is the model's
             notes = (
                 "captured on real CPU tensors: the model does not build or trace on fake "
@@ -187,6 +190,20 @@ def _capture_fake(
             args = [feed[n] for n in traced.input_names]
             torch.fx.Interpreter(traced.graph_module).run(*args, enable_io_processing=False)
     return CapturedModel(model_file, model, traced, batches, inputs, seed, fake_mode=mode)
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_quiet() -> Iterator[None]:
+    """torch logs a traceback at ERROR level when an op fails on fake tensors, before it
+    raises; the capture turns what it raises into one line (or falls back to real
+    tensors), so that log is noise on the user's terminal."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _build_fake(model_file: ModelFile, seed: int, mode: FakeTensorMode) -> nn.Module:

@@ -383,11 +383,13 @@ def _eager_reference(context: _Context) -> Any:
             return context.model(**context.fed, **context.constants)
     except Exception as exc:
         const = [n for n, v in context.constants.items() if v is not None]
+        location = user_location(exc)
+        at = "" if location == UNKNOWN_LINE else f" at {location}"
         raise TraceError(
-            f"{type(context.model).__name__}.forward raised {one_line(exc)} at "
-            f"{user_location(exc)} with inputs ({', '.join(context.fed)}) fed and "
-            f"({', '.join(const) or 'no others'}) set; feed a combination forward supports "
-            "from sample_batch"
+            f"{type(context.model).__name__}.forward raised {one_line(exc)}{at} with inputs "
+            f"({', '.join(context.fed)}) fed and ({', '.join(const) or 'no others'}) set; "
+            "fix model.py so that forward runs on what sample_batch returns (its shapes, "
+            "and which inputs it feeds)"
         ) from None
 
 

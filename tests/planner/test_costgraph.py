@@ -290,3 +290,23 @@ def test_batch_sizes_must_be_two_distinct_positive_integers():
     for sizes in ((2, 2), (0, 3)):
         with pytest.raises(ValueError, match="batch_sizes"):
             build_model_graph(model_file, batch_sizes=sizes)
+
+
+def test_a_shape_mismatch_is_one_line_with_no_torch_traceback_on_stderr(tmp_path, capfd):
+    path = _write(
+        tmp_path,
+        """\
+        def build_model():
+            return nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(10, 10))
+
+        def sample_batch(batch_size):
+            return torch.randn(batch_size, 3, 32, 32), torch.randint(0, 10, (batch_size,))
+
+        def loss_fn(out, target):
+            return nn.functional.cross_entropy(out, target)
+        """,
+    )
+    with pytest.raises(TraceError, match="cannot be multiplied") as info:
+        build_model_graph(load_model_file(path))
+    assert "\n" not in str(info.value) and "an unknown line" not in str(info.value)
+    assert "Traceback" not in capfd.readouterr().err
