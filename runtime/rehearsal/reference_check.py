@@ -190,6 +190,9 @@ class VerifyResult:
     data_changed: bool = False
     """The model file gave this process other step-0 samples than the ranks trained on (its
     data changed after they read it); the reference ran on the ranks' batch."""
+    batch_norms: tuple[str, ...] = ()
+    """The model's batch-norm modules, when the plan splits the global batch (their
+    statistics are then each micro-batch's, not the whole batch's)."""
 
     def describe(self) -> str:
         """One line: both comparisons and the verdict."""
@@ -212,6 +215,14 @@ class VerifyResult:
             notes.append(
                 f"verify: dropout was off in step 0 in both runs ({calls} dropout calls with "
                 "p > 0 run at p = 0); the steps after it use the model's dropout"
+            )
+        if self.batch_norms:
+            shown = ", ".join(self.batch_norms[:3]) + (", ..." if len(self.batch_norms) > 3 else "")
+            notes.append(
+                f"verify: the model has batch norm ({shown}); it normalises each micro-batch "
+                "by that micro-batch's statistics, so the ranks' gradients depend on how the "
+                "plan splits the batch (as under DDP without SyncBatchNorm) and need not match "
+                "one process on the whole batch"
             )
         if self.random_draws:
             names = ", ".join(f"{name} x{n}" for name, n in sorted(self.random_draws.items()))
@@ -326,7 +337,22 @@ def verify_first_step(plan: Plan, model_file: ModelFile, verify_dir: Path) -> Ve
         random_draws=reference.random_draws,
         passed=gradients.passed and updates.passed,
         data_changed=reference.data_changed,
+        batch_norms=_batch_norms(reference.model) if _splits_batch(plan) else (),
     )
+
+
+def _batch_norms(model: torch.nn.Module) -> tuple[str, ...]:
+    """Paths of the model's batch-norm modules (they normalise by the batch in training)."""
+    return tuple(
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+    )
+
+
+def _splits_batch(plan: Plan) -> bool:
+    """Whether some rank runs a micro-batch smaller than the global batch."""
+    return any(r.micro_batch_size < plan.global_batch_size for r in plan.ranks)
 
 
 def compare_gradients(

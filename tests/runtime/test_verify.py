@@ -23,6 +23,9 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.random_ops import DropoutOff, RandomDraws
 from hplan.runtime.rehearsal.reference_check import (
+    VerifyResult,
+    WorstDifference,
+    _batch_norms,
     compare_gradients,
     compare_updates,
     replay_update,
@@ -339,3 +342,15 @@ def test_verify_refuses_ranks_that_read_different_data(
     plan = _data_from_a_file(tmp_path, monkeypatch, "build")
     with pytest.raises(ConfigError, match="verify: rank 1 read other step-0 samples than rank 0"):
         _rehearse(plan)
+
+
+def test_a_failed_verify_of_a_batch_norm_model_says_why_it_may_differ() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.GroupNorm(2, 4))
+    assert _batch_norms(model) == ("1",)  # group norm is per sample: not listed
+    worst = WorstDifference("1.bias", 0, 0.49, 1e-4, False)
+    result = VerifyResult(
+        gradients=worst, updates=worst, loss=None, reference_loss=1.0, dropout_off={},
+        random_draws={}, passed=False, batch_norms=_batch_norms(model),
+    )  # fmt: skip
+    (note,) = result.notes()
+    assert note.startswith("verify: the model has batch norm (1); it normalises each micro-batch")
