@@ -236,7 +236,7 @@ def main() -> None:
         return
     cases = [c for c in CASES if args.only is None or args.only in c.name]
     out = table(
-        "single-device prediction (roofline, no profile) / published training throughput",
+        f"single-device prediction (roofline, no profile) / published training throughput; target {LOW}-{HIGH}x",
         ["case", "batch", "predicted", "published", "pred/pub", "within", "solve s"],
     )
     predicted: dict[str, float] = {}
