@@ -71,9 +71,22 @@ def parse_versioned(
         raise ConfigError(
             f"{source!r} is not an hplan {what} (a JSON object with a schema_version); {fix}"
         )
+    shown = json.dumps(found)
+    if isinstance(found, bool) or not isinstance(found, int):
+        if isinstance(found, (str, float)) and str(found).strip() in (str(version), f"{version}.0"):
+            raise ConfigError(
+                f"{what} {source!r} has schema_version {shown}; write the integer {version} "
+                f"(no quotes, no decimals), or {fix}"
+            )
+        raise ConfigError(f"{what} {source!r} has schema_version {shown}, not an integer; {fix}")
+    if found > version:
+        raise ConfigError(
+            f"{what} {source!r} has schema_version {found}, from a newer hplan (this one "
+            f"reads {version}); upgrade hplan, or {fix}"
+        )
     if found != version:
         raise ConfigError(
-            f"{what} {source!r} has schema_version {found!r}, this hplan reads {version}; {fix}"
+            f"{what} {source!r} has schema_version {found}, this hplan reads {version}; {fix}"
         )
     try:
         return adapter.validate_python(data)

@@ -184,6 +184,14 @@ def _edited(text: str, case: str) -> str:
         return text[: len(text) // 2]
     if case == "unknown version":
         data["schema_version"] = 99
+    elif case == "older version":
+        data["schema_version"] = 1
+    elif case == "version as a string":
+        data["schema_version"] = str(data["schema_version"])
+    elif case == "version as a float":
+        data["schema_version"] = float(data["schema_version"])
+    elif case == "version as a boolean":
+        data["schema_version"] = True
     elif case == "not a capture":
         data = {"units": []}
     elif case == "unknown key":
@@ -199,7 +207,11 @@ def _edited(text: str, case: str) -> str:
 
 CORRUPTIONS = {
     "truncated": "not valid JSON",
-    "unknown version": "schema_version 99",
+    "unknown version": "schema_version 99, from a newer hplan",
+    "older version": "schema_version 1, this hplan reads 2",
+    "version as a string": 'schema_version "2"; write the integer 2',
+    "version as a float": "schema_version 2.0; write the integer 2",
+    "version as a boolean": "schema_version true, not an integer",
     "not a capture": "not an hplan capture file",
     "unknown key": "'extra'",
     "wrong type": "param_bytes",
