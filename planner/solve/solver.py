@@ -315,7 +315,8 @@ memory (``_memory_binds``)."""
 
 def _memory_binds(problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]) -> bool:
     """Whether memory may bind the fastest layout found, so that ZeRO's shards may help: none
-    was found, it leaves a device idle, a stage recomputes (some or all of its units), or a stage fills more than
+    was found, it leaves idle a device the whole model does not fit (:func:`_idle_for_memory`),
+    a stage recomputes (some or all of its units), or a stage fills more than
     :data:`MEMORY_BINDS_SHARE` of its device."""
     if not ranked:
         return True
@@ -326,7 +327,23 @@ def _memory_binds(problem: PlanningProblem, ranked: list[tuple[str, Layout, Eval
         for c in costs
     )
     recomputes = any(s.recomputed_units for r in layout.replicas for s in r.stages)
-    return full or recomputes or len(layout.device_indices) < problem.num_devices
+    return full or recomputes or _idle_for_memory(problem, layout)
+
+
+def _idle_for_memory(problem: PlanningProblem, layout: Layout) -> bool:
+    """Whether ``layout`` leaves idle a device that cannot hold the whole model (its
+    parameters, gradients and optimizer state and one sample's activations): memory may be
+    why it is idle. A device that could hold it is idle for speed (its links, its launch
+    overhead), which no memory strategy changes."""
+    whole_bytes = float(problem.static_memory_bytes.sum()) + float(
+        problem.activation_bytes_per_sample.sum()
+    ) * min(problem.micro_batch_sizes)
+    used = set(layout.device_indices)
+    return any(
+        whole_bytes > float(problem.memory_capacity_bytes[d])
+        for d in range(problem.num_devices)
+        if d not in used
+    )
 
 
 def sharded_candidates(problem: PlanningProblem, options: SolveOptions) -> list[tuple[str, Layout]]:
@@ -364,8 +381,8 @@ def _nothing_cheaper_fits(
     problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]
 ) -> bool:
     """Whether offload may help (``--offload auto``): no layout was found, or the fastest
-    leaves a device idle."""
-    return not ranked or len(ranked[0][1].device_indices) < problem.num_devices
+    leaves idle a device the whole model does not fit (:func:`_idle_for_memory`)."""
+    return not ranked or _idle_for_memory(problem, ranked[0][1])
 
 
 def offload_candidates(problem: PlanningProblem, options: SolveOptions) -> list[tuple[str, Layout]]:
