@@ -105,7 +105,7 @@ _CONVOLUTIONS = (torch.ops.aten.convolution.default,)
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
-class ChannelsFirstConvolutions(TorchDispatchMode):
+class ConvolutionCosts(TorchDispatchMode):
     """Adds up the FLOPs of every convolution (:attr:`flops`) and the activation input and
     output bytes of every 2-D or 3-D convolution that runs channels-first
     (:attr:`num_bytes`).
@@ -166,7 +166,7 @@ class _Meter(torch.fx.Interpreter):
         self._saved: list[torch.Tensor] = []
         self._counter = FlopCounterMode(display=False)
         self._attention = FusedAttentionCosts(self._counter, self._pack)
-        self._convolutions = ChannelsFirstConvolutions(gm)
+        self._convolutions = ConvolutionCosts(gm)
 
     def measure(self, args: Sequence[torch.Tensor]) -> dict[str, _NodeRun]:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
