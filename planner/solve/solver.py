@@ -332,9 +332,10 @@ def _memory_binds(problem: PlanningProblem, ranked: list[tuple[str, Layout, Eval
 
 def _idle_for_memory(problem: PlanningProblem, layout: Layout) -> bool:
     """Whether ``layout`` leaves idle a device that cannot hold the whole model (its
-    parameters, gradients and optimizer state and one sample's activations): memory may be
-    why it is idle. A device that could hold it is idle for speed (its links, its launch
-    overhead), which no memory strategy changes."""
+    parameters, gradients and optimizer state and one micro-batch of the smallest size's
+    activations; a tied parameter counts in each unit that uses it, so this errs towards
+    "cannot"): memory may be why it is idle. A device that could hold it is idle for speed
+    (its links, its launch overhead), which no memory strategy changes."""
     whole_bytes = float(problem.static_memory_bytes.sum()) + float(
         problem.activation_bytes_per_sample.sum()
     ) * min(problem.micro_batch_sizes)

@@ -230,11 +230,12 @@ def released_heap_env() -> dict[str, str]:
 
     By default glibc raises its mmap threshold to the size of the largest block freed (up
     to 32 MiB), so tensors come from the heap, and the heap's freed memory stays resident:
-    a CPU rehearsal rank's peak resident set was 1.29-1.58x its predicted training memory
+    a CPU rehearsal rank's peak resident set was 1.33-1.67x its predicted training memory
     that way, against 0.92-1.13x with the threshold pinned (``bench/memory_rehearsal.py``),
     and a plan that fits would fail the budget check on memory no tensor holds. The cost
-    is a page fault per page of each new tensor: a CPU training step measured up to 1.3x
-    slower (see that bench), which is why plain rehearsals keep glibc's default.
+    is a page fault per page of each new tensor: the ranks' compute per step measured
+    1.25-1.49x slower (that bench, one run each), which is why plain rehearsals keep
+    glibc's default.
     """
     if MMAP_THRESHOLD_ENV in os.environ:
         return {}
