@@ -259,13 +259,18 @@ def test_plan_records_the_model_path_relative_to_the_output_folder(tmp_path, cap
     out = tmp_path / "out" / "demo"
     argv = ["solve", str(MLP), "--cluster", str(CLUSTERS / "cpu-rehearsal.yaml"), "-b", "8"]
     texts = []
-    for cwd in (ROOT, tmp_path):  # the same inputs from two directories: the same bytes
+    for cwd in (ROOT, tmp_path):  # the same inputs from two directories: the same plan
         monkeypatch.chdir(cwd)
         code, _, err = _run([*argv, "-o", str(out)], capsys)
         assert code == 0, err
-        texts.append((out / "plan.json").read_bytes())
-    assert texts[0] == texts[1]
-    recorded = Plan.from_json(texts[0].decode()).model.path
+        texts.append((out / "plan.json").read_text())
+    # The report is left out: its bound comes from a MILP under a wall-clock limit, which a
+    # loaded machine can stop at a looser (still proven) bound.
+    plans = [json.loads(text) for text in texts]
+    for plan in plans:
+        plan.pop("report")
+    assert plans[0] == plans[1]
+    recorded = Plan.from_json(texts[0]).model.path
     assert not Path(recorded).is_absolute()
     assert (out / recorded).resolve() == MLP.resolve()
 
