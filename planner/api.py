@@ -516,7 +516,9 @@ def solve_pass(r: PassResults) -> SolveResult:
             zero=request.zero,
             offload=request.offload,
         )
-        result = solve(problem, options, schedule=request.schedule, runtime=runtime)
+        result = solve(
+            problem, options, schedule=request.schedule, runtime=runtime, with_bound=True
+        )
         if request.previous_plan_path is None:
             return result
         path = request.previous_plan_path

@@ -147,7 +147,9 @@ def build_report(
     """
     layout = result.layout
     ev = result.evaluation
-    bound = throughput_bound_samples_per_s(problem)
+    bound = result.bound_samples_per_s
+    if bound is None:
+        bound = throughput_bound_samples_per_s(problem)
     bound = bound if math.isfinite(bound) else 0.0
     replica, stage = ev.bottleneck
     bottleneck_device = layout.replicas[replica].stages[stage].device_idx

@@ -37,6 +37,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
 from hplan.runtime.contract.errors import HplanError, ModelFileError, one_line
+from hplan.runtime.contract.plan import TraceMethod
 
 DEFAULT_BATCH_SIZES = (2, 3)
 """The two batch sizes every node is measured at (per-sample figures are their slope)."""
@@ -169,7 +170,8 @@ def _capture_fake(
 ) -> CapturedModel:
     """The capture on fake tensors (see the module docstring); raises whatever fails,
     including a run of the traced graph (modules kept whole run their own code, which may
-    need tensor values).
+    need tensor values; a graph from ``torch.export`` ran on these fakes as it was made,
+    and is not run again).
 
     The mode has a shape environment that records its fakes, so that ``torch.export``
     reuses it (and the model's fake parameters) rather than making its own.
@@ -185,10 +187,11 @@ def _capture_fake(
     feed = inputs[sizes[0]]
     with mode:
         traced = trace_model(model, feed, leaf_modules=leaves)
-        with torch.no_grad(), warnings.catch_warnings():  # modules kept whole may need values
-            warnings.simplefilter("ignore")
-            args = [feed[n] for n in traced.input_names]
-            torch.fx.Interpreter(traced.graph_module).run(*args, enable_io_processing=False)
+        if traced.method is not TraceMethod.EXPORT:  # export ran every op on these fakes
+            with torch.no_grad(), warnings.catch_warnings():  # modules kept whole run code
+                warnings.simplefilter("ignore")  # that may need values
+                args = [feed[n] for n in traced.input_names]
+                torch.fx.Interpreter(traced.graph_module).run(*args, enable_io_processing=False)
     return CapturedModel(model_file, model, traced, batches, inputs, seed, fake_mode=mode)
 
 

@@ -641,12 +641,18 @@ def subproblem(
     return restrict(problem, devices, global_batch_size), devices
 
 
-def run_search(problem: PlanningProblem, options: SolveOptions) -> SearchOutcome:
-    """``search`` under the wall-clock limit (a watchdog child process by default)."""
+def run_search(
+    problem: PlanningProblem,
+    options: SolveOptions,
+    meanwhile: Callable[[], None] | None = None,
+) -> SearchOutcome:
+    """``search`` under the wall-clock limit (a watchdog child process by default);
+    ``meanwhile`` runs in this process while the child searches (``run_with_deadline``)."""
     items, finished = run_with_deadline(
         lambda deadline, report: search(problem, options, deadline, report),
         options.time_limit_s,
         use_child=options.watchdog,
+        meanwhile=meanwhile,
     )
     candidates = [item for item in items if isinstance(item, Candidate)]
     outcomes = [item for item in items if isinstance(item, SearchOutcome)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hplan.planner.cost.evaluate import Evaluation, evaluate, island_index
@@ -11,6 +12,7 @@ from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.cost.zero import shard_weights, sharded_problem
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.solve.bound import throughput_bound_samples_per_s
 from hplan.planner.solve.search import SearchOutcome, SolveOptions, diagnose_infeasible, run_search
 from hplan.planner.solve.sync_choice import (
     AUTO_MIN_GAIN,
@@ -45,6 +47,9 @@ class SolveResult:
     notes: tuple[str, ...]
     simulated_step_time_s: float | None = None
     """Step time of the chosen layout in the event-driven simulator (None: not simulated)."""
+    bound_samples_per_s: float | None = None
+    """The problem's throughput bound (``bound.throughput_bound_samples_per_s``), computed
+    while the search ran when :func:`solve` was asked ``with_bound``; None: not computed."""
 
     def verify(self) -> None:
         """Check the result's consistency; raise ValueError naming the first problem.
@@ -68,6 +73,7 @@ def solve(
     *,
     schedule: Schedule = Schedule.ONE_F_ONE_B,
     runtime: RuntimeBytes | None = None,
+    with_bound: bool = False,
 ) -> SolveResult:
     """Find the fastest layout for ``problem`` within ``options.time_limit_s``.
 
@@ -93,6 +99,10 @@ def solve(
     a uniform one's by construction. The heuristic searches (stage orders) of the two can
     differ, so a uniform search may find a layout the mixed one misses.
 
+    ``with_bound``: also compute the problem's throughput bound (the report's "bound"
+    line), in this process while the first search runs in its watchdog child (a second
+    core makes it free), into ``SolveResult.bound_samples_per_s``.
+
     Raises:
         InfeasiblePlanError: nothing fits; the message names the binding constraint.
         ConfigError: ``--offload always`` on a cluster without a GPU.
@@ -100,16 +110,19 @@ def solve(
     """
     options = options or SolveOptions()
     problem.verify()
-    result = _solve_once(problem, options, schedule, runtime)
-    if not _memory_shaped(problem, result):
-        return result
-    for name, uniform_problem, uniform_options in uniform_strategies(problem, options):
-        try:
-            other = _solve_once(uniform_problem, uniform_options, schedule, runtime)
-        except InfeasiblePlanError:
-            continue
-        result = _faster_of(problem, result, other, name, schedule, runtime)
-    return result
+    bound: list[float] = []
+    meanwhile = (
+        (lambda: bound.append(throughput_bound_samples_per_s(problem))) if with_bound else None
+    )
+    result = _solve_once(problem, options, schedule, runtime, meanwhile)
+    if _memory_shaped(problem, result):
+        for name, uniform_problem, uniform_options in uniform_strategies(problem, options):
+            try:
+                other = _solve_once(uniform_problem, uniform_options, schedule, runtime)
+            except InfeasiblePlanError:
+                continue
+            result = _faster_of(problem, result, other, name, schedule, runtime)
+    return replace(result, bound_samples_per_s=bound[0]) if bound else result
 
 
 def _solve_once(
@@ -117,6 +130,7 @@ def _solve_once(
     options: SolveOptions,
     schedule: Schedule,
     runtime: RuntimeBytes | None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> SolveResult:
     """:func:`solve` under one setting of ``--recompute``, ``--zero`` and ``--offload``
     (the problem's recompute policy, the options' others), without the uniform ones."""
@@ -128,7 +142,7 @@ def _solve_once(
             "cpu device's memory is the host's); use --offload auto or never"
         )
     try:
-        outcome = run_search(problem, options)
+        outcome = run_search(problem, options, meanwhile)
     except InfeasiblePlanError:
         if options.offload == "never":
             raise

@@ -47,12 +47,18 @@ def run_with_deadline(
     time_limit_s: float,
     *,
     use_child: bool,
+    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[list[object], bool]:
     """Call ``work(deadline, report)``; return (reported items, finished in time).
 
     ``work`` must stop by ``deadline`` (a ``time.monotonic()`` value) on its own; with
     ``use_child`` it runs in a child process that is killed ``_GRACE_S`` after the
     limit if it does not. HplanErrors raised by ``work`` propagate.
+
+    ``meanwhile`` (no arguments; it keeps its own result) runs in this process while the
+    child works, so a second core does it at no wall-clock cost; without a child, after
+    ``work``. Items the child reported while it ran are still collected when it ends
+    after the limit.
     """
     start = time.monotonic()
     limit_s = checked_time_limit_s(time_limit_s)
@@ -61,12 +67,17 @@ def run_with_deadline(
         items: list[object] = []
         with stdout_to_devnull():
             work(deadline, items.append)
+        if meanwhile is not None:
+            meanwhile()
         return items, True
-    return _in_child(work, deadline, start + limit_s)
+    return _in_child(work, deadline, start + limit_s, meanwhile)
 
 
 def _in_child(
-    work: Callable[[float, Callable[[object], None]], None], deadline: float, kill_at: float
+    work: Callable[[float, Callable[[object], None]], None],
+    deadline: float,
+    kill_at: float,
+    meanwhile: Callable[[], None] | None,
 ) -> tuple[list[object], bool]:
     ctx = mp.get_context("fork")
     results: Any = ctx.Queue()
@@ -75,6 +86,10 @@ def _in_child(
     items: list[object] = []
     finished = False
     try:
+        if meanwhile is not None:
+            meanwhile()
+            # past the limit (meanwhile ran long): still take what the child has sent
+            kill_at = max(kill_at, time.monotonic() + _POLL_S)
         while time.monotonic() < kill_at:
             try:
                 item = results.get(timeout=min(_POLL_S, max(kill_at - time.monotonic(), 0.01)))

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.solve import milp, search
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
+from hplan.planner.solve.bound import throughput_bound_samples_per_s
 from hplan.planner.solve.brute_force import brute_force
 from hplan.planner.solve.solver import SolveOptions, solve
 from hplan.planner.solve.validate import layout_problems
+from hplan.planner.solve.watchdog import run_with_deadline
 from hplan.runtime.contract.errors import InfeasiblePlanError, SolverUnavailableError
 from hplan.runtime.contract.plan import SolverStatus
 from tests.fixtures.problems import GB, Dev, make_problem, random_tiny_problem
@@ -221,6 +223,37 @@ def test_watchdog_stops_a_hanging_solver_and_returns_the_best_plan_found(monkeyp
     assert time.monotonic() - started < 15
     assert result.status is not SolverStatus.OPTIMAL
     assert layout_problems(problem, result.layout) == []
+    assert mp.active_children() == []
+
+
+def test_the_bound_computed_beside_the_search_is_the_bound_and_the_plan_is_unchanged():
+    problem = make_problem(
+        [Dev("a", 1.0, 24 * GB), Dev("a", 1.5, 24 * GB), Dev("b", 2.0, 12 * GB)],
+        unit_work=[1.0, 0.5, 2.0, 1.0],
+        global_batch_size=12,
+        per_microbatch_overhead_s=0.1,
+    )
+    plain = solve(problem, SolveOptions(time_limit_s=30))
+    assert plain.bound_samples_per_s is None
+    for watchdog in (True, False):
+        bounded = solve(problem, SolveOptions(time_limit_s=30, watchdog=watchdog), with_bound=True)
+        assert bounded.bound_samples_per_s == throughput_bound_samples_per_s(problem)
+        assert bounded.layout == plain.layout
+
+
+def test_work_beside_the_search_that_outlasts_its_limit_keeps_what_the_search_found():
+    def work(deadline, report):
+        report("found early")
+        time.sleep(max(deadline - time.monotonic(), 0))
+        report("found at the deadline")
+
+    started = time.monotonic()
+    items, finished = run_with_deadline(
+        work, 2.0, use_child=True, meanwhile=lambda: time.sleep(3.0)
+    )
+    assert items == ["found early", "found at the deadline"]
+    assert finished
+    assert time.monotonic() - started < 10
     assert mp.active_children() == []
 
 
