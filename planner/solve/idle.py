@@ -119,8 +119,11 @@ def _costed_reason(
     replica, stage = ev.bottleneck
     if with_layout.replicas[replica].stages[stage].device_idx == device_idx:
         return f"{head}: its stage would be the slowest of its pipeline"
-    link = format_link_speed(_pipeline_link_bytes_per_s(problem, with_layout, device_idx))
+    link_bytes_per_s = _pipeline_link_bytes_per_s(problem, with_layout, device_idx)
     sync = f", and gradient sync {format_seconds(sync_s)} more" if sync_s > 0 else ""
+    if not math.isfinite(link_bytes_per_s):  # its replica has no pipeline link
+        return f"{head}: the slowest replica gets {format_seconds(longer_s)} longer{sync}"
+    link = format_link_speed(link_bytes_per_s)
     return (
         f"{head}: the pipeline gets {format_seconds(longer_s)} longer (transfers over the "
         f"{link} link and the bubble){sync}"

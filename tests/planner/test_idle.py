@@ -54,3 +54,20 @@ def test_every_device_used_means_no_idle_reports():
     result = solve(problem, FAST)
     assert len(set(result.layout.device_indices)) == 2
     assert idle_device_reports(problem, result) == ()
+
+
+def test_a_replica_without_pipeline_links_is_not_said_to_transfer_over_a_link():
+    """A third, slower device as one more single-stage replica makes the slowest replica
+    longer; the reason says so, not "transfers over the inf Gb/s link"."""
+    problem = make_problem(
+        [Dev("a", 1.0, 24 * GB), Dev("a", 1.0, 24 * GB), Dev("a", 0.5, 24 * GB)],
+        unit_work=[1.0, 1.0],
+        global_batch_size=6,
+        per_microbatch_overhead_s=0.1,
+    )
+    result = solve(problem, FAST)
+    (idle,) = idle_reasons(problem, result.layout, result.evaluation)
+    assert idle.device_idx == 2
+    assert idle.reason.startswith("as one more replica")
+    assert "the slowest replica gets 0.600 s longer" in idle.reason
+    assert "link" not in idle.reason
