@@ -329,9 +329,10 @@ memory (``_memory_binds``)."""
 
 def _memory_binds(problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]) -> bool:
     """Whether memory may bind the fastest layout found, so that ZeRO's shards may help: none
-    was found, it leaves idle a device the whole model does not fit (:func:`_idle_for_memory`),
-    a stage recomputes (some or all of its units), or a stage fills more than
-    :data:`MEMORY_BINDS_SHARE` of its device."""
+    was found, it leaves idle a device the whole model does not fit (:func:`_idle_for_memory`)
+    or gives such a device part of the model (:func:`_split_for_memory`: with shards it might
+    hold a whole replica), a stage recomputes (some or all of its units), or a stage fills
+    more than :data:`MEMORY_BINDS_SHARE` of its device."""
     if not ranked:
         return True
     _, layout, evaluation = ranked[0]
@@ -341,7 +342,35 @@ def _memory_binds(problem: PlanningProblem, ranked: list[tuple[str, Layout, Eval
         for c in costs
     )
     recomputes = any(s.recomputed_units for r in layout.replicas for s in r.stages)
-    return full or recomputes or _idle_for_memory(problem, layout)
+    return (
+        full
+        or recomputes
+        or _idle_for_memory(problem, layout)
+        or _split_for_memory(problem, layout)
+    )
+
+
+def _whole_model_bytes(problem: PlanningProblem) -> float:
+    """Parameters, gradients and optimizer state of the whole model and one micro-batch of
+    the smallest size's activations (a tied parameter counts in each unit that uses it, so
+    this errs towards "does not fit")."""
+    return float(problem.static_memory_bytes.sum()) + float(
+        problem.activation_bytes_per_sample.sum()
+    ) * min(problem.micro_batch_sizes)
+
+
+def _split_for_memory(problem: PlanningProblem, layout: Layout) -> bool:
+    """Whether ``layout`` gives a device that cannot hold the whole model
+    (:func:`_whole_model_bytes`) a stage of part of it: memory may be why that device is a
+    pipeline stage rather than a replica (seen: four 12 GB cards as one GPT-2 medium
+    pipeline, 0.628 s a step simulated, where ZeRO-1 replicas take 0.599 s)."""
+    whole_bytes = _whole_model_bytes(problem)
+    return any(
+        len(replica.stages) > 1
+        and whole_bytes > float(problem.memory_capacity_bytes[stage.device_idx])
+        for replica in layout.replicas
+        for stage in replica.stages
+    )
 
 
 def _idle_for_memory(problem: PlanningProblem, layout: Layout) -> bool:
@@ -350,9 +379,7 @@ def _idle_for_memory(problem: PlanningProblem, layout: Layout) -> bool:
     activations; a tied parameter counts in each unit that uses it, so this errs towards
     "cannot"): memory may be why it is idle. A device that could hold it is idle for speed
     (its links, its launch overhead), which no memory strategy changes."""
-    whole_bytes = float(problem.static_memory_bytes.sum()) + float(
-        problem.activation_bytes_per_sample.sum()
-    ) * min(problem.micro_batch_sizes)
+    whole_bytes = _whole_model_bytes(problem)
     used = set(layout.device_indices)
     return any(
         whole_bytes > float(problem.memory_capacity_bytes[d])
