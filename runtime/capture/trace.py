@@ -301,9 +301,18 @@ class _Context:
         )
 
 
+_TRAINING_VALUES: dict[str, Any] = {"use_cache": False}
+"""Forward parameters whose default is None, traced at these values when ``sample_batch``
+leaves them unset: a training step reads no key/value cache (Hugging Face's ``use_cache=None``
+means the config's, True for generation), and the cache object it would return cannot be
+traced or cross a stage boundary."""
+
+
 def _split_inputs(
     model: nn.Module, example_inputs: Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fed tensors and the constants of ``model.forward``'s parameters: a value
+    ``example_inputs`` gives, else the default, else :data:`_TRAINING_VALUES`' or None."""
     signature = inspect.signature(model.forward).parameters
     fed: dict[str, Any] = {}
     constants: dict[str, Any] = {}
@@ -316,7 +325,8 @@ def _split_inputs(
         elif name in example_inputs and value is not None:
             constants[name] = value
         else:
-            constants[name] = None if param.default is inspect.Parameter.empty else param.default
+            default = None if param.default is inspect.Parameter.empty else param.default
+            constants[name] = _TRAINING_VALUES.get(name) if default is None else default
     unknown = sorted(set(example_inputs) - set(signature))
     if unknown:
         raise TraceError(

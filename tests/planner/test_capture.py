@@ -53,7 +53,7 @@ def _is_real_float(value: Any) -> bool:
     )
 
 
-def _hf_file(tmp_path: Path, family: str, **kwargs: str) -> Path:
+def _hf_file(tmp_path: Path, family: str, **kwargs: Any) -> Path:
     pytest.importorskip("transformers")
     return fx.write_hf_model_file(tmp_path, family, **kwargs)
 
@@ -82,6 +82,26 @@ def test_the_fake_graph_is_the_graph_a_rank_traces_on_real_tensors(family, tmp_p
     inputs = bind_inputs(model, model_file.sample_batch(2)[0])
     real = trace_model(model, inputs, method=captured.traced.method)
     assert real.fingerprint() == captured.traced.fingerprint()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stock_configs_with_their_key_value_cache_on_are_traced_without_it(family, tmp_path):
+    """``use_cache`` left at the config's default (True): forward would return a cache
+    object torch.export cannot trace; a training step reads none, so it is traced False,
+    on fake tensors and on the real ones a rank traces alike."""
+    model_file = load_model_file(_hf_file(tmp_path, family, use_cache=None))
+    captured = capture_model(model_file)
+    assert captured.tensors is CaptureTensors.FAKE and captured.notes == ()
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    assert model.config.use_cache
+    inputs = bind_inputs(model, model_file.sample_batch(2)[0])
+    real = trace_model(model, inputs, method=captured.traced.method)
+    assert real.fingerprint() == captured.traced.fingerprint()
+    interpreter = torch.fx.Interpreter(real.graph_module)
+    outputs = interpreter.run(*inputs.values(), enable_io_processing=False)
+    shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(outputs)]
+    assert shapes == [(2, fx.HF_SEQ, fx.HF_VOCAB)]  # the logits, no key/value cache
 
 
 @pytest.mark.parametrize("family", FAMILIES)
