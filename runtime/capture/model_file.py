@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hplan.runtime.contract.errors import ModelFileError, Terminated, one_line
+from hplan.runtime.contract.errors import ModelFileError, Terminated, error_reason, one_line
 
 REQUIRED = ("build_model", "sample_batch", "loss_fn")
 DEFAULT_OUTER_LR = 0.7
@@ -87,6 +87,21 @@ class ModelFile:
     """``OUTER_LR``: the outer optimizer's learning rate (``local_sgd``, ``async``)."""
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
     """``OUTER_MOMENTUM``: the outer optimizer's Nesterov momentum (0: plain SGD)."""
+
+    def build(self) -> Any:
+        """The model file's ``build_model()`` (the caller seeds it).
+
+        Raises:
+            ModelFileError: ``build_model`` raises (the message names the file and the
+                error, and says to fix model.py).
+        """
+        try:
+            return self.build_model()
+        except Exception as exc:
+            raise ModelFileError(
+                f"build_model() in {str(self.path)!r} raised {type(exc).__name__}: "
+                f"{error_reason(exc)}; fix model.py"
+            ) from None
 
     def optimizer(self, params: Sequence[Any]) -> Any:
         """The model file's ``make_optimizer(params)``, else AdamW with lr 1e-3."""

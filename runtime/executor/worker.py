@@ -281,13 +281,7 @@ def _build_whole(plan: Plan, model_file: ModelFile) -> nn.Module:
         ModelFileError: ``build_model`` raises.
     """
     torch.manual_seed(plan.training.seed)
-    try:
-        return model_file.build_model()
-    except Exception as exc:
-        raise ModelFileError(
-            f"build_model() in {str(model_file.path)!r} raised {type(exc).__name__}: "
-            f"{error_reason(exc)}; fix model.py"
-        ) from None
+    return model_file.build()
 
 
 def _checked_trace(

@@ -426,7 +426,7 @@ def _rms(tensors: Sequence[torch.Tensor]) -> float:
 
 def _build(plan: Plan, model_file: ModelFile) -> tuple[torch.nn.Module, BatchSource]:
     torch.manual_seed(plan.training.seed)
-    model = model_file.build_model()
+    model = model_file.build()
     source = BatchSource(
         model_file,
         lambda raw: bind_inputs(model, raw),

@@ -184,7 +184,7 @@ def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: i
     batch_size = plan.report.reference_micro_batch_size
     with _one_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.training.seed)
-        model = model_file.build_model()
+        model = model_file.build()
         inputs, targets = model_file.sample_batch(batch_size)
         bound = bind_inputs(model, inputs)
 

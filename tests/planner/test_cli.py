@@ -386,6 +386,19 @@ def test_rehearse_prints_both_predictions_warns_once_and_cleans_up(
     assert list(scratch.iterdir()) == []  # the temporary metrics folder is gone
 
 
+def test_a_model_whose_build_raises_at_rehearse_is_the_model_files_fault_not_hplans(
+    mlp_plan, tmp_path, capsys
+):
+    edited = tmp_path / "model.py"
+    edited.write_text(MLP.read_text() + "\n\ndef build_model():\n    raise RuntimeError('boom')\n")
+    code, _, err = _run(["rehearse", str(mlp_plan), "--steps", "1", "--model", str(edited)], capsys)
+    assert code == 2, err
+    assert "Traceback" not in err and "internal error" not in err
+    last = err.strip().splitlines()[-1]  # after the warning that the model file differs
+    for needle in ("hplan: error:", "build_model()", "RuntimeError: boom", "fix model.py"):
+        assert needle in last, (needle, last)
+
+
 def test_a_termination_while_importing_the_model_is_not_blamed_on_the_model(tmp_path: Path) -> None:
     from hplan.runtime.capture.model_file import load_model_file
     from hplan.runtime.contract.errors import Terminated
