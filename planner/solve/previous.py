@@ -82,8 +82,9 @@ def layout_of_plan(plan: Plan, problem: PlanningProblem, path: Path) -> Layout:
     """The solver's layout of ``plan``, in ``problem``'s device and unit indices.
 
     Raises:
-        ConfigError: the plan has a device, node, unit, global batch or micro-batch size the
-            problem lacks (naming it), or islands synced in more than one way.
+        ConfigError: the plan has a device, node, unit or global batch the problem lacks
+            (naming it), or islands synced in more than one way. Its micro-batch sizes need
+            not be candidates of the problem (the cost model interpolates between them).
     """
     sync = _island_sync(plan, problem, path)
     if plan.global_batch_size != problem.global_batch_size:
@@ -103,13 +104,9 @@ def layout_of_plan(plan: Plan, problem: PlanningProblem, path: Path) -> Layout:
             unknown = [u for u in r.units if u not in units]
             if unknown:
                 raise _refuse(path, f"its unit {unknown[0]!r} is not in this model")
+        # its micro-batch size need not be a candidate (the solver's own plans may run a
+        # share as one micro-batch of any size; the cost model interpolates)
         first = ranks[0]
-        if first.micro_batch_size not in problem.micro_batch_sizes:
-            raise _refuse(
-                path,
-                f"its micro-batch size {first.micro_batch_size} is not among this solve's "
-                f"{list(problem.micro_batch_sizes)} (add it with --micro-batch-sizes)",
-            )
         stages = tuple(
             StageLayout(
                 device_idx=devices[r.device],

@@ -251,6 +251,17 @@ def test_previous_plan_is_kept_unless_the_search_is_predicted_faster(tmp_path):
     replaced = solve("replaced", Strategy.HPLAN, previous=tmp_path / "uneven" / "plan.json")
     assert [r.num_samples for r in replaced.ranks] != [32, 8, 8]
     assert any("the search's layout" in n and "replaces it" in n for n in replaced.report.notes)
+    # each share as one micro-batch of a size no candidate has (as the solver's own plans
+    # run them: seen 2119 in bench/real_cluster.py) is re-predicted, not refused
+    odd = {0: (24, 1), 1: (12, 1), 2: (12, 1)}
+    odd_ranks = tuple(
+        replace(r, micro_batch_size=odd[r.rank][0], num_microbatches=1, num_samples=odd[r.rank][0])
+        for r in ddp.ranks
+    )
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "plan.json").write_text(replace(ddp, ranks=odd_ranks).to_json())
+    odd_again = solve("odd-again", Strategy.HPLAN, previous=tmp_path / "odd" / "plan.json")
+    assert any(n.startswith("--previous ") for n in odd_again.report.notes)
     with pytest.raises(ConfigError, match=r"global batch is 48, this solve's 96") as info:
         solve("other", Strategy.HPLAN, previous=tmp_path / "searched" / "plan.json", batch=96)
     assert "\n" not in str(info.value)
