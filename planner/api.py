@@ -444,7 +444,7 @@ def cost_graph_pass(r: PassResults) -> ModelGraph:
     captured: Capture = r["capture"]
     if isinstance(captured, StoredCapture):
         return captured.graph
-    return model_graph(captured)
+    return model_graph(captured, r["trains_check"].loss_memory)
 
 
 def trains_check_pass(r: PassResults) -> TrainsVerdict:
@@ -594,16 +594,16 @@ PASSES: Sequence[Pass] = (
     Pass("cluster", cluster_pass),
     Pass("capture", capture_pass, _capturing),
     Pass(
-        "cost_graph",
-        cost_graph_pass,
-        lambda r: "the capture file's cost graph" if _stored(r) else "measuring the graph",
-    ),
-    Pass(
         "trains_check",
         trains_check_pass,
         lambda r: (
             "the capture file's trains check" if _stored(r) else "checking that the model trains"
         ),
+    ),
+    Pass(
+        "cost_graph",
+        cost_graph_pass,
+        lambda r: "the capture file's cost graph" if _stored(r) else "measuring the graph",
     ),
     Pass(
         "runtime_bytes",
@@ -619,7 +619,7 @@ PASSES: Sequence[Pass] = (
 
 PHASES: Sequence[tuple[str, tuple[str, ...]]] = (
     ("cluster", ("cluster",)),
-    ("capture", ("capture", "cost_graph", "trains_check", "runtime_bytes")),
+    ("capture", ("capture", "trains_check", "cost_graph", "runtime_bytes")),
     ("cost", ("time_source", "problem")),
     ("solve", ("solve",)),
     ("report", ("report", "plan")),
@@ -658,11 +658,12 @@ def capture_to_file(
     _check_model_path(model_path)
     model_file = load_model_file(model_path)
     captured = capture_model(model_file, leaf_modules=leaf_modules, seed=seed)
-    graph = model_graph(captured)
+    trains = check_trains(captured)
+    graph = model_graph(captured, trains.loss_memory)
     graph.verify()
     record = capture_record(
         graph,
-        check_trains(captured),
+        trains,
         optimizer_state_bytes_per_param_byte=optimizer_state_factor(
             model_file, param_dtype=graph.param_dtype
         ),

@@ -32,6 +32,7 @@ from hplan.planner.frontend.graph import (
 )
 from hplan.planner.frontend.node_costs import NodeCost, measure_node_costs, tensor_nbytes
 from hplan.planner.frontend.partition_units import assign_units
+from hplan.planner.frontend.trains_check import LossMemory
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel
 from hplan.runtime.contract.errors import ModelFileError
@@ -214,8 +215,11 @@ def build_model_graph(
     return model_graph(captured)
 
 
-def model_graph(captured: CapturedModel) -> ModelGraph:
+def model_graph(captured: CapturedModel, loss_memory: LossMemory | None = None) -> ModelGraph:
     """The cost graph of a captured model (see the module docstring).
+
+    ``loss_memory``: what ``loss_fn`` saves (the trains check's measurement), charged with
+    the model outputs to the unit that produces them (:func:`_output_bytes_by_unit`).
 
     Returns:
         The model graph: units, per-unit costs (per-sample figures for one sample), the
@@ -239,7 +243,7 @@ def model_graph(captured: CapturedModel) -> ModelGraph:
     )
     return ModelGraph(
         units=units,
-        unit_costs=_unit_costs(model, graph, units, node_unit),
+        unit_costs=_unit_costs(model, graph, units, node_unit, loss_memory),
         cuts=cuts,
         inputs=_input_specs(traced, graph, units, node_unit),
         param_dtype=_param_dtype(model),
@@ -303,10 +307,11 @@ def _unit_costs(
     graph: CostGraph,
     units: Sequence[UnitSpec],
     node_unit: Mapping[str, int],
+    loss_memory: LossMemory | None,
 ) -> tuple[UnitCost, ...]:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    held = _output_bytes_by_unit(graph, node_unit, len(units))
+    held = _output_bytes_by_unit(graph, node_unit, len(units), loss_memory)
     result = []
     for idx, unit in enumerate(units):
         nodes = [graph.nodes[n] for n in unit.nodes]
@@ -335,18 +340,30 @@ def _unit_costs(
 
 
 def _output_bytes_by_unit(
-    graph: CostGraph, node_unit: Mapping[str, int], num_units: int
+    graph: CostGraph, node_unit: Mapping[str, int], num_units: int, loss: LossMemory | None
 ) -> list[float]:
-    """Per-sample bytes of the graph outputs, charged to the unit that produces each.
+    """Per-sample bytes the loss holds at the start of the backward, charged to the unit
+    that produces each graph output (the loss's own to the unit of the largest output).
 
     The outputs (e.g. the logits, batch x seq x vocab) stay alive until the loss and its
-    backward have run, like saved activations.
+    backward have run, like saved activations. With ``loss`` (what ``loss_fn`` saved),
+    the loss's backward adds, while every activation of the last stage is still saved:
+    the loss's saved tensors, the gradient of the outputs (their bytes again) and one
+    gradient the size of the loss's largest saved tensor, which its backward makes before
+    freeing the one it reads (cross-entropy: the gradient of its log-softmax, logits-sized;
+    so logits-sized tensors peak at four: logits, log-softmax, and their two gradients).
     """
     held = [0.0] * max(num_units, 1)
     output = next(n for n, d in graph.nodes(data=True) if d["op"] == OUTPUT)
-    for name in graph.predecessors(output):
-        if name in node_unit:
-            held[node_unit[name]] += graph.nodes[name]["output_bytes"]
+    produced = [n for n in graph.predecessors(output) if n in node_unit]
+    for name in produced:
+        factor = 1 if loss is None else 2  # the outputs and, with a loss, their gradient
+        held[node_unit[name]] += factor * graph.nodes[name]["output_bytes"]
+    if loss is not None and produced:
+        largest = max(produced, key=lambda n: graph.nodes[n]["output_bytes"])
+        held[node_unit[largest]] += loss.saved_bytes_per_sample + (
+            loss.largest_saved_bytes_per_sample
+        )
     return held
 
 

@@ -14,10 +14,12 @@ is final. Nothing is built or traced again.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -25,6 +27,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
 from hplan.runtime.capture.model_file import check_loss_value, checked_loss
@@ -48,6 +51,47 @@ _NEEDS_VALUES = (
 
 
 @dataclass(frozen=True)
+class LossMemory:
+    """Bytes per sample that ``loss_fn`` saves for its backward (each storage once), and
+    the largest of them: the loss's own activations, beside the model outputs it reads
+    (cross-entropy saves its log-softmax, one tensor the size of the logits)."""
+
+    saved_bytes_per_sample: float
+    largest_saved_bytes_per_sample: float
+
+
+class _SavedByLoss(contextlib.AbstractContextManager["_SavedByLoss"]):
+    """Records the storages autograd saves while the loss runs (each counted once)."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[StorageWeakRef, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        self.sizes[StorageWeakRef(storage)] = storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> _SavedByLoss:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def per_sample(self, batch_size: int, inputs: Any) -> LossMemory:
+        """The saved bytes per sample, leaving out what the loss received (the model's
+        outputs and the targets, counted elsewhere)."""
+        given = {StorageWeakRef(t.untyped_storage()) for t in _tensor_leaves(inputs)}
+        own = [n for key, n in self.sizes.items() if key not in given]
+        return LossMemory(sum(own) / batch_size, max(own, default=0) / batch_size)
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+@dataclass(frozen=True)
 class TrainsVerdict:
     """The model trains: its loss needs a gradient. Where the check ran."""
 
@@ -55,6 +99,9 @@ class TrainsVerdict:
     """One of :data:`CHECK_DEVICES`."""
     notes: tuple[str, ...] = ()
     """Why the check was static, when it was."""
+    loss_memory: LossMemory | None = None
+    """What ``loss_fn`` saved for its backward, per sample; None where it did not run
+    (a static verdict, or one read from a capture file)."""
 
     def verify(self) -> None:
         """The verdict names one of :data:`CHECK_DEVICES`."""
@@ -86,13 +133,15 @@ def check_trains(captured: CapturedModel) -> TrainsVerdict:
     inputs, targets = _batch(captured)
     try:
         meta = meta_copy(model)
-        _forward_and_loss(captured, meta, to_meta(inputs), to_meta(targets), on_cpu=False)
-        return TrainsVerdict("meta")
+        loss_memory = _forward_and_loss(
+            captured, meta, to_meta(inputs), to_meta(targets), on_cpu=False
+        )
+        return TrainsVerdict("meta", loss_memory=loss_memory)
     except Exception:  # maybe only the meta device's fault: the CPU run decides
         pass
     with preserved(model), torch.enable_grad():
-        _forward_and_loss(captured, model, inputs, targets, on_cpu=True)
-    return TrainsVerdict("cpu")
+        loss_memory = _forward_and_loss(captured, model, inputs, targets, on_cpu=True)
+    return TrainsVerdict("cpu", loss_memory=loss_memory)
 
 
 def _check_fake(captured: CapturedModel) -> TrainsVerdict:
@@ -110,7 +159,7 @@ def _check_fake(captured: CapturedModel) -> TrainsVerdict:
             f"the model's forward raised {one_line(exc)} on {where}; fix model.py"
         ) from None
     try:
-        with mode, torch.enable_grad():
+        with mode, torch.enable_grad(), _SavedByLoss() as saved:
             loss = model_file.loss_fn(outputs, targets)
     except _NEEDS_VALUES as exc:
         return _static("loss_fn", exc)
@@ -120,7 +169,8 @@ def _check_fake(captured: CapturedModel) -> TrainsVerdict:
             "targets from sample_batch); fix loss_fn in model.py"
         ) from None
     check_loss_value(model_file, loss, require_grad=True)
-    return TrainsVerdict("fake")
+    batch_size = _batch_size(captured)
+    return TrainsVerdict("fake", loss_memory=saved.per_sample(batch_size, (outputs, targets)))
 
 
 def _static(what: str, exc: BaseException) -> TrainsVerdict:
@@ -131,15 +181,17 @@ def _static(what: str, exc: BaseException) -> TrainsVerdict:
     return TrainsVerdict("static", (note,))
 
 
+def _batch_size(captured: CapturedModel) -> int:
+    return CHECK_BATCH_SIZE if CHECK_BATCH_SIZE in captured.batches else captured.batch_sizes[0]
+
+
 def _batch(captured: CapturedModel) -> tuple[Any, Any]:
-    if CHECK_BATCH_SIZE in captured.batches:
-        return captured.batches[CHECK_BATCH_SIZE]
-    return captured.batches[captured.batch_sizes[0]]
+    return captured.batches[_batch_size(captured)]
 
 
 def _forward_and_loss(
     captured: CapturedModel, model: nn.Module, inputs: Any, targets: Any, *, on_cpu: bool
-) -> None:
+) -> LossMemory:
     model_file = captured.model_file
     bound = bind_inputs(model, inputs)
     try:
@@ -151,4 +203,6 @@ def _forward_and_loss(
             f"the model's forward raised {type(exc).__name__} on sample_batch"
             f"({CHECK_BATCH_SIZE}) from {str(model_file.path)!r}; fix model.py"
         ) from None
-    checked_loss(model_file, outputs, targets, require_grad=True)
+    with _SavedByLoss() as saved:
+        checked_loss(model_file, outputs, targets, require_grad=True)
+    return saved.per_sample(_batch_size(captured), (outputs, targets))

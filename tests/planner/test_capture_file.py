@@ -135,7 +135,7 @@ def test_a_solve_from_the_capture_file_does_not_build_or_trace_the_model(
     assert (tmp_path / "out" / "plan.json").is_file()
     dumped = json.loads((dump / "02-capture.json").read_text())
     assert dumped["__type__"] == "StoredCapture" and dumped["source"] == str(capture)
-    assert json.loads((dump / "03-cost_graph.json").read_text())["traced"] is None
+    assert json.loads((dump / "04-cost_graph.json").read_text())["traced"] is None
     # and without the capture file the same solve builds the model, and fails here
     monkeypatch.undo()  # the real passes back, the guard still set
     monkeypatch.setenv("HPLAN_TEST_REFUSE_BUILD", "1")

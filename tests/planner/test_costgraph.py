@@ -310,3 +310,38 @@ def test_a_shape_mismatch_is_one_line_with_no_torch_traceback_on_stderr(tmp_path
         build_model_graph(load_model_file(path))
     assert "\n" not in str(info.value) and "an unknown line" not in str(info.value)
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_the_loss_stage_holds_the_losses_own_tensors_and_the_gradients_of_its_backward(
+    tmp_path,
+):
+    """Cross-entropy over 1000 classes: its log-softmax (saved) and, at the start of the
+    backward, the gradients of the logits and of the log-softmax: three more logits-sized
+    tensors per sample (4000 bytes each in float32) on the unit that makes the logits."""
+    from hplan.planner.frontend.capture import capture_model
+    from hplan.planner.frontend.cost_graph import model_graph
+    from hplan.planner.frontend.trains_check import check_trains
+
+    path = _write(
+        tmp_path,
+        """
+        import torch.nn.functional as F
+
+        def build_model():
+            return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1000))
+
+        def sample_batch(n):
+            return torch.randn(n, 8), torch.randint(0, 1000, (n,))
+
+        def loss_fn(logits, targets):
+            return F.cross_entropy(logits, targets)
+        """,
+    )
+    captured = capture_model(load_model_file(path))
+    verdict = check_trains(captured)
+    assert verdict.loss_memory is not None
+    assert verdict.loss_memory.saved_bytes_per_sample == pytest.approx(4000, rel=0.01)
+    assert verdict.loss_memory.largest_saved_bytes_per_sample == pytest.approx(4000, rel=0.01)
+    without = model_graph(captured).unit_costs[-1].activation_bytes_per_sample
+    with_loss = model_graph(captured, verdict.loss_memory).unit_costs[-1]
+    assert with_loss.activation_bytes_per_sample - without == pytest.approx(12_000, rel=0.01)

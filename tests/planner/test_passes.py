@@ -69,7 +69,7 @@ def test_every_pass_result_can_be_written_for_debugging(tmp_path: Path) -> None:
     names = sorted(p.name for p in tmp_path.iterdir())
     expected = ["00-request.json"] + [f"{i:02d}-{p.name}.json" for i, p in enumerate(PASSES, 1)]
     assert names == expected
-    graph = json.loads((tmp_path / "03-cost_graph.json").read_text())
+    graph = json.loads((tmp_path / "04-cost_graph.json").read_text())
     assert graph["__type__"] == "ModelGraph" and graph["graph"]["nodes"]
     assert json.loads((tmp_path / f"{len(PASSES):02d}-plan.json").read_text())["ranks"]
     assert len(plan.ranks) >= 1
@@ -84,7 +84,7 @@ def test_a_failing_pass_leaves_its_error_beside_the_results_before_it(tmp_path: 
     with pytest.raises(ModelFileError, match="needs no gradient"):
         plan_training(request, dump_dir=tmp_path / "dump")
     names = sorted(p.name for p in (tmp_path / "dump").iterdir())
-    assert names[-1] == "04-trains_check.error.txt" and "03-cost_graph.json" in names
+    assert names[-1] == "03-trains_check.error.txt" and "02-capture.json" in names
 
 
 def test_debug_json_views_arrays_graphs_tensors_and_non_finite_numbers() -> None:
