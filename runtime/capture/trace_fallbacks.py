@@ -167,6 +167,11 @@ def _drop_export_extras(gm: torch.fx.GraphModule, names: list[str], fed: set[str
                 "feed it as a tensor or leave it at its default"
             )
         gm.graph.erase_node(node)
+    codegen = gm.graph._codegen
+    if isinstance(codegen, torch.fx.graph._PyTreeCodeGen):  # called with the fed inputs only
+        kept = [name for name in names if name in fed]
+        in_spec = pytree.tree_structure(((), dict.fromkeys(kept, 0)))
+        codegen.pytree_info = codegen.pytree_info._replace(orig_args=kept, in_spec=in_spec)
     gm.recompile()
 
 
