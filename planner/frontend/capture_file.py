@@ -353,7 +353,8 @@ def load_capture(
             with another seed, ``--leaf-module`` list or batch sizes. One line, naming the
             file and what differs, saying to re-run ``hplan capture``.
     """
-    rerun = f"re-run `hplan capture {model_path} -o {path}`"
+    target = path if path.suffix == ".json" else Path("capture.json")  # never a cluster file
+    rerun = f"re-run `hplan capture {model_path} -o {target}`"
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -394,7 +395,7 @@ def load_capture(
             flags = _flags(wanted)
             raise ConfigError(
                 f"capture file {str(path)!r} was made with {name} {_shown(found)}, this solve "
-                f"asks for {_shown(want)}; re-run `hplan capture {model_path} -o {path}{flags}`"
+                f"asks for {_shown(want)}; re-run `hplan capture {model_path} -o {target}{flags}`"
             )
     try:
         capture = StoredCapture(

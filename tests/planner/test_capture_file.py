@@ -263,3 +263,13 @@ def test_a_plan_given_as_the_capture_is_named_and_not_overwritten(tmp_path, caps
     line = _one_line(err, "is a plan (plan.json), not a capture file", "-o capture.json")
     assert f"-o {out / 'plan.json'}" not in line
     assert (out / "plan.json").read_bytes() == before
+
+
+def test_a_cluster_file_given_as_the_capture_is_not_proposed_as_the_output(tmp_path, capsys):
+    cluster = CLUSTERS / "cpu-rehearsal.yaml"
+    code, err = _solve(
+        MLP, "cpu-rehearsal.yaml", tmp_path / "out", capsys, "--capture", str(cluster)
+    )
+    assert code == 2
+    line = _one_line(err, str(cluster), "-o capture.json")
+    assert f"-o {cluster}" not in line
