@@ -121,12 +121,27 @@ def _costed_reason(
         return f"{head}: its stage would be the slowest of its pipeline"
     link_bytes_per_s = _pipeline_link_bytes_per_s(problem, with_layout, device_idx)
     sync = f", and gradient sync {format_seconds(sync_s)} more" if sync_s > 0 else ""
+    sync += _other_costs(ev, chosen)
     if not math.isfinite(link_bytes_per_s):  # its replica has no pipeline link
         return f"{head}: the slowest replica gets {format_seconds(longer_s)} longer{sync}"
     link = format_link_speed(link_bytes_per_s)
     return (
         f"{head}: the pipeline gets {format_seconds(longer_s)} longer (transfers over the "
         f"{link} link and the bubble){sync}"
+    )
+
+
+def _other_costs(ev: Evaluation, chosen: Evaluation) -> str:
+    """ ", the optimizer step ... more, the outer sync ... more": the parts of the longer step
+    besides its replicas and gradient sync (empty where neither grows)."""
+    parts = [
+        ("the optimizer step", ev.optimizer_time_s - chosen.optimizer_time_s),
+        ("the outer sync (per step)", ev.outer_sync_time_s - chosen.outer_sync_time_s),
+    ]
+    return "".join(
+        f", {name} {format_seconds(more_s)} more"
+        for name, more_s in parts
+        if more_s > _SAME_STEP * chosen.step_time_s
     )
 
 
