@@ -21,6 +21,7 @@ from hplan.planner.cli.bandwidth import bandwidth
 from hplan.planner.cli.calibrate import calibrate
 from hplan.planner.cli.capture import capture
 from hplan.planner.cli.console import stderr
+from hplan.planner.cli.devices import devices
 from hplan.planner.cli.metrics import metrics
 from hplan.planner.cli.profile import profile
 from hplan.planner.cli.replan import replan
@@ -46,6 +47,7 @@ def cli() -> None:
       bash out/launch/node-<name>.sh --metrics-dir runs/   # on each real node
       hplan metrics runs/ --plan out/plan.json             # the run against the plan
       hplan replan out/plan.json -c cluster.yaml --without box-b   # a node is lost
+      hplan devices                                        # the device types cluster.yaml names
 
     Loading model.py executes it, with your rights.
     """
@@ -63,6 +65,7 @@ for _command in (
     simulate,
     calibrate,
     metrics,
+    devices,
 ):
     cli.add_command(_command)
 

@@ -783,3 +783,16 @@ def test_a_metrics_folder_of_an_earlier_run_is_refused_not_overwritten(mlp_plan,
     _assert_one_line_error(capsys.readouterr().err, "already holds an earlier run's metrics")
     assert (metrics / "rank-1.jsonl").read_text() == "earlier\n"
     assert sorted(p.name for p in metrics.iterdir()) == ["rank-1.jsonl"]
+
+
+def test_devices_lists_the_catalog_with_its_figures_and_sources(capsys):
+    from hplan.planner.hardware.catalog import device_type_names
+
+    code, out, _ = _run(["devices", "--json"], capsys)
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["type"] for r in rows] == list(device_type_names())
+    a100 = next(r for r in rows if r["type"] == "a100-80gb")
+    assert a100["bf16_flops_per_s"] == 312e12 and a100["source"]
+    code, _, err = _run(["devices"], capsys)
+    assert code == 0 and "rtx4090" in err and "memory GiB" in err
