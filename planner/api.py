@@ -8,10 +8,12 @@ checked by its own ``verify()``; ``passes.run_passes`` runs them and names a fai
 2. ``capture``: the model built once, its two example batches, its graph traced once
    (``frontend/capture.py``); with ``--capture FILE``, the capture file of ``hplan capture``
    instead, checked against the model file and settings (``frontend/capture_file.py``);
-3. ``cost_graph``: the networkx cost graph: per-node costs, partition units, cuts
-   (``frontend/cost_graph.py``; the file's, when the capture came from one);
-4. ``trains_check``: the loss of the captured model can be trained on
-   (``frontend/trains_check.py``; the file's verdict, when the capture came from one);
+3. ``trains_check``: the loss of the captured model can be trained on, and what it saves
+   for its backward (``frontend/trains_check.py``; the file's verdict, when the capture
+   came from one);
+4. ``cost_graph``: the networkx cost graph: per-node costs (the last unit's with the
+   loss's), partition units, cuts (``frontend/cost_graph.py``; the file's, when the capture
+   came from one);
 5. ``runtime_bytes``: what a plan of this model sends across each cut and sums per
    gradient bucket (``sim/spec.RuntimeBytes``);
 6. ``time_source``: unit times from a measured profile, or the roofline (``cost/``);
