@@ -428,6 +428,33 @@ def _checked_torch_optimizer(optimizer: object) -> torch.optim.Optimizer:
     return optimizer
 
 
+def check_graph_early(plan: Plan, model_file: ModelFile) -> None:
+    """Trace the model as the ranks will and check its fingerprint against the plan's, so
+    that a model file whose graph changed is refused before any work (rehearse's whole-model
+    timing, the ranks' start). On fake tensors; a mismatch there is confirmed on real CPU
+    tensors (as a rank would fall back to). Where the model cannot be traced here, the
+    ranks report it.
+
+    Raises:
+        PlanMismatchError: the graph differs from the plan's (the ranks' message).
+        ModelFileError: ``build_model`` raises.
+    """
+    seed = plan.training.seed
+    try:
+        record = record_build(model_file.build_model, seed)
+        example = _example_inputs(model_file, record.model, seed)
+        fake = {k: record.fake_mode.from_tensor(v, static_shapes=True) for k, v in example.items()}
+        _checked_trace(plan, model_file, record.model, fake, record.fake_mode)
+        return
+    except (CannotMaterialise, TraceError, PlanMismatchError):
+        pass  # confirmed (or not) on real tensors below
+    model = _build_whole(plan, model_file)
+    try:
+        _checked_trace(plan, model_file, model, _example_inputs(model_file, model, seed))
+    except TraceError:
+        return
+
+
 def warn_if_model_changed(plan: Plan, model_file: ModelFile) -> None:
     """One warning line on stderr when model.py is not the file the plan was made for.
 

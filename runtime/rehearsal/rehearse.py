@@ -76,7 +76,7 @@ from hplan.runtime.contract.metrics_file import (
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.timeline_file import check_trace_path, write_measured_trace
 from hplan.runtime.executor.outer_sync import check_verify
-from hplan.runtime.executor.worker import warn_if_model_changed
+from hplan.runtime.executor.worker import check_graph_early, warn_if_model_changed
 from hplan.runtime.rehearsal.emulation import modelled_emulation, rank_speeds
 from hplan.runtime.rehearsal.launcher import ChildCommand, prepare_dir, run_children
 from hplan.runtime.rehearsal.reference_check import VerifyResult, verify_first_step
@@ -353,6 +353,8 @@ class _Run:
         plan, console = self.plan, self.console
         model_file = load_model_file(self.model)
         warn_if_model_changed(plan, model_file)  # once here; the ranks do not repeat it
+        if model_file.sha256 != plan.model.sha256:
+            check_graph_early(plan, model_file)  # before minutes of timing and rank start-up
         cores = len(os.sched_getaffinity(0))
         dilation = self.dilation or default_dilation(plan, cores)
         console.print(

@@ -399,6 +399,19 @@ def test_a_model_whose_build_raises_at_rehearse_is_the_model_files_fault_not_hpl
         assert needle in last, (needle, last)
 
 
+def test_a_model_whose_graph_changed_is_refused_before_the_rehearsal_times_anything(
+    mlp_plan, tmp_path, capsys
+):
+    edited = tmp_path / "model.py"
+    text = MLP.read_text()
+    assert 'os.environ.get("HPLAN_MLP_WIDTH", "128")' in text
+    edited.write_text(text.replace('os.environ.get("HPLAN_MLP_WIDTH", "128")', '"96"'))
+    code, _, err = _run(["rehearse", str(mlp_plan), "--steps", "1", "--model", str(edited)], capsys)
+    assert code == 2, err
+    assert "graph fingerprint" in err.strip().splitlines()[-1]
+    assert "timing the whole model" not in err
+
+
 def test_a_termination_while_importing_the_model_is_not_blamed_on_the_model(tmp_path: Path) -> None:
     from hplan.runtime.capture.model_file import load_model_file
     from hplan.runtime.contract.errors import Terminated
