@@ -1,8 +1,9 @@
 """Draw per-rank timelines (simulated or measured) as SVG or PNG with matplotlib.
 
 One row per rank: forwards, backwards and the optimizer step as bars (micro-batch ids
-written in the bars wide enough to hold them), all-reduces in the same lane, transfers as
-a thin strip under the bars and waits as a thin strip above them. Uses matplotlib's
+written in the bars wide enough to hold them), all-reduces as a strip just under the bars
+(their buckets overlap the backward, which a shared lane would hide), transfers as a
+thin strip under that and waits as a thin strip above the bars. Uses matplotlib's
 object API with the Agg canvas (no pyplot, no display, no global backend switch).
 
 SVG output is deterministic: the same events give the same bytes (a fixed
@@ -29,8 +30,14 @@ _COLOURS = {
     WAIT: "#E45756",
 }
 _MB = re.compile(r"\.([FB])\.mb(\d+)$")
-_LANES = {"bar": (0.30, 0.50), "transfer": (0.10, 0.16), WAIT: (0.84, 0.08)}
-"""Per lane: (bottom offset within the row, height); a row is 1 unit tall."""
+_LANES = {
+    "transfer": (0.06, 0.10),
+    ALL_REDUCE: (0.18, 0.10),
+    "bar": (0.30, 0.50),
+    WAIT: (0.84, 0.08),
+}
+"""Per lane: (bottom offset within the row, height); a row is 1 unit tall; lanes do not
+overlap."""
 
 
 def plot_timeline(
@@ -92,7 +99,7 @@ def _category(event: TimelineEvent) -> tuple[str, str]:
         match = _MB.search(event.name)
         return "bar", match.group(1) if match else "optimizer"
     if event.track == ALL_REDUCE:
-        return "bar", ALL_REDUCE
+        return ALL_REDUCE, ALL_REDUCE
     if event.track == WAIT:
         return WAIT, WAIT
     return "transfer", "transfer"

@@ -3,6 +3,7 @@ solver's second opinion."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -202,3 +203,16 @@ def test_local_sgd_plans_sum_inside_islands_and_amortise_their_outer_sync() -> N
     assert any(e.kind is EventKind.OUTER_SYNC for e in local.events)
     synchronous = replace(plan, training=replace(plan.training, sync=None))
     assert simulate(spec_from_plan(synchronous)).step_time_s > local.step_time_s
+
+
+def test_the_timeline_draws_an_all_reduce_beside_the_backward_it_overlaps_not_over_it() -> None:
+    from hplan.planner.emit.timeline_plot import _LANES, _category
+    from hplan.runtime.contract.timeline_file import ALL_REDUCE, COMPUTE, TimelineEvent
+
+    backward = TimelineEvent(0, COMPUTE, "s0.B.mb0", 0.0, 0.098)
+    bucket = TimelineEvent(0, ALL_REDUCE, "all-reduce ranks 0,1", 0.003, 0.095)
+    (b_lane, b_colour), (a_lane, a_colour) = _category(backward), _category(bucket)
+    assert (b_colour, a_colour) == ("B", ALL_REDUCE) and b_lane != a_lane
+    spans = sorted((bottom, bottom + height) for bottom, height in _LANES.values())
+    assert all(top <= bottom for (_, top), (bottom, _) in itertools.pairwise(spans))
+    assert spans[0][0] >= 0 and spans[-1][1] <= 1
