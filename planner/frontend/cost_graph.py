@@ -356,8 +356,8 @@ def _output_bytes_by_unit(
     held = [0.0] * max(num_units, 1)
     output = next(n for n, d in graph.nodes(data=True) if d["op"] == OUTPUT)
     produced = [n for n in graph.predecessors(output) if n in node_unit]
+    factor = 1 if loss is None else 2  # the outputs and, with a loss, their gradient
     for name in produced:
-        factor = 1 if loss is None else 2  # the outputs and, with a loss, their gradient
         held[node_unit[name]] += factor * graph.nodes[name]["output_bytes"]
     if loss is not None and produced:
         largest = max(produced, key=lambda n: graph.nodes[n]["output_bytes"])

@@ -14,7 +14,6 @@ is final. Nothing is built or traced again.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,24 +59,17 @@ class LossMemory:
     largest_saved_bytes_per_sample: float
 
 
-class _SavedByLoss(contextlib.AbstractContextManager["_SavedByLoss"]):
+class _SavedByLoss(torch.autograd.graph.saved_tensors_hooks):
     """Records the storages autograd saves while the loss runs (each counted once)."""
 
     def __init__(self) -> None:
         self.sizes: dict[StorageWeakRef, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        super().__init__(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         self.sizes[StorageWeakRef(storage)] = storage.nbytes()
         return tensor
-
-    def __enter__(self) -> _SavedByLoss:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
 
     def per_sample(self, batch_size: int, inputs: Any) -> LossMemory:
         """The saved bytes per sample, leaving out what the loss received (the model's
@@ -158,8 +150,9 @@ def _check_fake(captured: CapturedModel) -> TrainsVerdict:
         raise ModelFileError(
             f"the model's forward raised {one_line(exc)} on {where}; fix model.py"
         ) from None
+    saved = _SavedByLoss()
     try:
-        with mode, torch.enable_grad(), _SavedByLoss() as saved:
+        with mode, torch.enable_grad(), saved:
             loss = model_file.loss_fn(outputs, targets)
     except _NEEDS_VALUES as exc:
         return _static("loss_fn", exc)
@@ -203,6 +196,7 @@ def _forward_and_loss(
             f"the model's forward raised {type(exc).__name__} on sample_batch"
             f"({CHECK_BATCH_SIZE}) from {str(model_file.path)!r}; fix model.py"
         ) from None
-    with _SavedByLoss() as saved:
+    saved = _SavedByLoss()
+    with saved:
         checked_loss(model_file, outputs, targets, require_grad=True)
     return saved.per_sample(_batch_size(captured), (outputs, targets))

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hplan.runtime.capture.materialise import CannotMaterialise, record_build
+from hplan.runtime.capture.materialise import BuildRecord, CannotMaterialise, record_build
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
 from hplan.runtime.capture.stage import StageModule, build_stage
 from hplan.runtime.capture.stage_tensors import materialise
@@ -261,17 +261,23 @@ def _own_stage(
     plan: Plan, rank_plan: RankPlan, model_file: ModelFile, recv: list[str], send: list[str]
 ) -> tuple[StageModule, Binder]:
     """The stage from a fake build, its tensors materialised (raises CannotMaterialise)."""
+    try:
+        record, traced = _fake_checked_trace(plan, model_file)
+    except (TraceError, PlanMismatchError) as exc:
+        raise CannotMaterialise(f"on fake tensors: {error_reason(exc)}") from None
+    stage = _split_stage(traced, plan, rank_plan, recv, send)
+    materialise(stage.graph_module, record, model_file.build_model, plan.training.seed)
+    return stage, _binder(record.model)
+
+
+def _fake_checked_trace(plan: Plan, model_file: ModelFile) -> tuple[BuildRecord, TracedModel]:
+    """The model built on fake tensors with the plan's seed and traced as the planner did,
+    its fingerprint checked (raises CannotMaterialise, TraceError, PlanMismatchError)."""
     seed = plan.training.seed
     record = record_build(model_file.build_model, seed)
     example = _example_inputs(model_file, record.model, seed)
     fake = {k: record.fake_mode.from_tensor(v, static_shapes=True) for k, v in example.items()}
-    try:
-        traced = _checked_trace(plan, model_file, record.model, fake, record.fake_mode)
-    except (TraceError, PlanMismatchError) as exc:
-        raise CannotMaterialise(f"on fake tensors: {error_reason(exc)}") from None
-    stage = _split_stage(traced, plan, rank_plan, recv, send)
-    materialise(stage.graph_module, record, model_file.build_model, seed)
-    return stage, _binder(record.model)
+    return record, _checked_trace(plan, model_file, record.model, fake, record.fake_mode)
 
 
 def _build_whole(plan: Plan, model_file: ModelFile) -> nn.Module:
@@ -439,18 +445,15 @@ def check_graph_early(plan: Plan, model_file: ModelFile) -> None:
         PlanMismatchError: the graph differs from the plan's (the ranks' message).
         ModelFileError: ``build_model`` raises.
     """
-    seed = plan.training.seed
     try:
-        record = record_build(model_file.build_model, seed)
-        example = _example_inputs(model_file, record.model, seed)
-        fake = {k: record.fake_mode.from_tensor(v, static_shapes=True) for k, v in example.items()}
-        _checked_trace(plan, model_file, record.model, fake, record.fake_mode)
+        _fake_checked_trace(plan, model_file)
         return
     except (CannotMaterialise, TraceError, PlanMismatchError):
         pass  # confirmed (or not) on real tensors below
     model = _build_whole(plan, model_file)
+    example = _example_inputs(model_file, model, plan.training.seed)
     try:
-        _checked_trace(plan, model_file, model, _example_inputs(model_file, model, seed))
+        _checked_trace(plan, model_file, model, example)
     except TraceError:
         return
 
