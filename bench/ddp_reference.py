@@ -15,7 +15,8 @@ hplan with the same seed and split see the same samples; without one, ``sample_b
 The optimizer is the model file's (default AdamW, lr 1e-3), as hplan's.
 Rank 0 writes ``{"end_unix_time_s": [...], "losses": [...], "forward_backward_optimizer_s":
 [...]}``: the wall-clock end of every step (after ``optimizer.step()``), its loss and its
-three parts (the backward includes DDP's all-reduce); with ``HPLAN_DDP_PARTS=1`` every rank
+three parts (the backward includes DDP's all-reduce) and ``"cpu_s"``, the process's CPU
+seconds per step (``time.process_time``, data loading included); with ``HPLAN_DDP_PARTS=1`` every rank
 writes its own ``OUT.rank<r>.json`` too.
 
 ``--solo`` (no torchrun, one process per node, all nodes at once): each process trains the
@@ -68,7 +69,8 @@ def main() -> None:
     dataset = model_file.dataset() if model_file.dataset is not None else None
     weight = sizes[rank] * world / global_batch
     first = sum(sizes[:rank])
-    ends, losses, parts = [], [], []
+    ends, losses, parts, cpu_s = [], [], [], []
+    last_cpu_s = time.process_time()
     for step in range(args.steps):
         if dataset is not None:
             order = global_batch_indices(args.seed, step, len(dataset), global_batch)
@@ -86,7 +88,14 @@ def main() -> None:
         ends.append(time.time())
         parts.append((forward_s - start_s, backward_s - forward_s, ends[-1] - backward_s))
         losses.append(float(loss.detach()))
-    record = {"end_unix_time_s": ends, "losses": losses, "forward_backward_optimizer_s": parts}
+        cpu_s.append(time.process_time() - last_cpu_s)
+        last_cpu_s += cpu_s[-1]
+    record = {
+        "end_unix_time_s": ends,
+        "losses": losses,
+        "forward_backward_optimizer_s": parts,
+        "cpu_s": cpu_s,
+    }
     if rank == 0:
         args.out.write_text(json.dumps(record))
     if os.environ.get("HPLAN_DDP_PARTS"):  # every rank: where its step went

@@ -101,6 +101,8 @@ class Case:
     first: tuple[float, float] | None = None
     """With ``--calibrate``: the first run's measured and predicted samples/s."""
     first_plan_text: str = ""
+    cpu_ms: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Rank -> (hplan, DDP split) median CPU milliseconds per step, last round."""
 
 
 def speed_split(
@@ -188,9 +190,25 @@ def run_case(case: Case, args: argparse.Namespace, work: Path) -> None:
                 else:
                     value = ddp_samples_per_s(cluster, case.split, model, args, work, f"s{r}")
                 case.samples_per_s.setdefault(run, []).append(value)
+        if args.rounds:
+            last = work / f"ddp-s{args.rounds - 1}.json"
+            case.cpu_ms = _cpu_ms(records, last, args.warmup)  # the last round's hplan run
         plan = Plan.load(plan_dir / "plan.json")
         case.predicted_samples_per_s = plan.report.predicted_samples_per_s
         case.plan_text = _plan_text(plan)
+
+
+def _cpu_ms(
+    records: dict[int, list[StepMetrics]], ddp_out: Path, warmup: int
+) -> dict[int, tuple[float, float]]:
+    """Per rank, the median CPU milliseconds of a step of hplan (``records``, the round's
+    run) and of DDP (``ddp_out``'s per-rank files), after ``warmup`` steps."""
+    out = {}
+    for rank, steps in sorted(records.items()):
+        ddp = json.loads(ddp_out.with_suffix(f".rank{rank}.json").read_text())["cpu_s"]
+        hplan_ms = statistics.median(s.cpu_time_s for s in steps[warmup:]) * 1e3
+        out[rank] = (hplan_ms, statistics.median(ddp[warmup:]) * 1e3)
+    return out
 
 
 def _plan_text(plan: Plan) -> str:
@@ -231,6 +249,12 @@ def report(cases: Sequence[Case]) -> None:
         for rank, row in c.breakdown.items():
             parts.add_row(str(rank), *(f"{row[k]:.1f}" for k in ("step", *BREAKDOWN)))
         console.print(parts)
+        if c.cpu_ms:
+            cpu = table("CPU ms per step (median per rank, last round)",
+                        ["rank", "hplan", "DDP split"])  # fmt: skip
+            for rank, (hplan_ms, ddp_ms) in c.cpu_ms.items():
+                cpu.add_row(str(rank), f"{hplan_ms:.1f}", f"{ddp_ms:.1f}")
+            console.print(cpu)
 
 
 def main() -> None:

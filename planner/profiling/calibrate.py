@@ -39,6 +39,14 @@ the rehearsal recorded in ``emulation.json`` (emulated seconds per second of the
 hardware) to get plan seconds. A real run has no such record: scale 1. The first step of
 each run (warm-up) is left out when a run has more than one; a rank's figure is the median
 over the remaining steps of every run.
+
+CPU ranks under a CPU quota: a compute or optimizer block's wall time depends on how long
+the rank idled before it (a rank that waits for its peers has quota left and runs its next
+block at a full core's speed), so it is read as the block's CPU time over the rank's quota
+(``StepMetrics.sustained_s``) where the quota binds and the run recorded the CPU time; the
+profile measures the same (``windows.sustained``). On the three-node benchmark a slow node
+that idled read 0.80x its profile by wall time and was credited a speed it lost once given
+more work.
 """
 
 from __future__ import annotations
@@ -328,12 +336,17 @@ def rank_errors(plan: Plan, runs: Sequence[Run]) -> tuple[RankError, ...]:
                     "this plan? (each run folder must hold every rank's rank-<r>.jsonl)"
                 )
             for r in _timed(mine):
-                samples["compute"].append(r.compute_time_s / run.time_scale)
+                compute_s = r.sustained_s(r.compute_time_s, r.compute_cpu_time_s)
+                samples["compute"].append(compute_s / run.time_scale)
                 rest_s = r.step_time_s - r.compute_time_s - r.optimizer_time_s
                 samples["rest"].append(rest_s / run.time_scale)
                 samples["step"].append(r.step_time_s / run.time_scale)
-                samples["opt"].append(r.optimizer_time_s / run.time_scale)
-                samples["forward"].append(r.forward_time_s / run.time_scale)
+                opt_s = r.sustained_s(r.optimizer_time_s, r.optimizer_cpu_time_s)
+                samples["opt"].append(opt_s / run.time_scale)
+                forward_s = r.forward_time_s * (
+                    compute_s / r.compute_time_s if r.compute_time_s > 0 else 1.0
+                )
+                samples["forward"].append(forward_s / run.time_scale)
         compute_s = optimizer_s = forward_share = 0.0
         report = predicted.get(rank_plan.rank)
         if report is not None:

@@ -30,9 +30,10 @@ from hplan.planner.profiling.profile_file import Stat
 from hplan.planner.profiling.windows import (
     DEFAULT_NUM_WINDOWS,
     DEFAULT_WINDOW_S,
-    apportion,
     run_window,
+    sustained,
 )
+from hplan.runtime.contract.cpus import usable_cpus
 
 _MIB = 2**20
 
@@ -160,7 +161,7 @@ def time_call(
     ``num_windows`` windows of at least ``window_s`` wall seconds, after ``num_warmup`` calls."""
     for _ in range(num_warmup):
         fn()
-    watch = Stopwatch(device)
+    watch = Stopwatch(device, quota_cores=usable_cpus().quota_cores)
     return [watch.window([fn], window_s)[0] for _ in range(num_windows)]
 
 
@@ -171,29 +172,37 @@ class Stopwatch:
         self,
         device: torch.device,
         clock: Callable[[], float] = time.perf_counter,
-        cpu_clock: Callable[[], float] = time.thread_time,
+        cpu_clock: Callable[[], float] = time.process_time,
+        quota_cores: float | None = None,
     ) -> None:
         """
         Args:
             clock: wall seconds (``time.perf_counter``); the CPU laps and every window's
                 length are read from it.
-            cpu_clock: this thread's CPU seconds (``time.thread_time``), by which a CPU
-                window's wall time is shared out among its calls.
+            cpu_clock: this process's CPU seconds (``time.process_time``: every torch
+                thread's), by which a CPU window's wall time is shared out among its calls.
+            quota_cores: the process's cgroup CPU quota in cores (``contract.cpus``); None:
+                none. Where it is below the torch threads a window runs, a CPU call's sample
+                is its CPU seconds over the quota (``windows.sustained``).
         """
         self.device = device
         self.clock = clock
         self.cpu_clock = cpu_clock
+        self.quota_cores = quota_cores
 
     def window(self, calls: Sequence[Callable[[], object]], window_s: float) -> list[float]:
         """Run ``calls`` one after the other, again and again, until at least ``window_s``
         wall seconds have passed (once at least); the mean seconds of each call
         (``windows.run_window``). On a CPU the calls' wall time is shared out by their
-        thread CPU time (``windows.apportion``)."""
+        CPU time (``windows.apportion``), or under a binding CPU quota each call takes its
+        CPU time over the quota (``windows.sustained``)."""
         if self.device.type == "cuda":
             return run_window(lambda: self.laps(calls), len(calls), window_s, self.clock)
         num_calls = len(calls)
         means = run_window(lambda: self._cpu_laps(calls), 2 * num_calls, window_s, self.clock)
-        return apportion(means[:num_calls], means[num_calls:])
+        return sustained(
+            means[:num_calls], means[num_calls:], self.quota_cores, torch.get_num_threads()
+        )
 
     def _cpu_laps(self, calls: Sequence[Callable[[], object]]) -> list[float]:
         """Run ``calls`` once each: the wall seconds of each, then the CPU seconds of each.

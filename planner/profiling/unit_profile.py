@@ -55,6 +55,7 @@ from hplan.planner.profiling.windows import (
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.stage import StageModule, build_stage
 from hplan.runtime.capture.trace import bind_inputs, target_name
+from hplan.runtime.contract.cpus import usable_cpus
 from hplan.runtime.contract.errors import ConfigError, ModelFileError, one_line
 
 OnStep = Callable[[str, bool, int | None], None]
@@ -293,7 +294,7 @@ class _Profiler:
         self.device = device
         self.device_key = device_key
         self.options = options
-        self.watch = Stopwatch(device)
+        self.watch = Stopwatch(device, quota_cores=usable_cpus().quota_cores)
         self.binder = _signature_module(model_file)
         self.shared: dict[str, UnitTiming] = {}
         """This round's timings by unit key (identical units share them)."""

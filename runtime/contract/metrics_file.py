@@ -31,6 +31,14 @@ per-step agreement, checkpoints).
 ran beside the last backward pass, from the first bucket's launch to the end of the schedule
 (0 when none went out early, and in metrics written before hplan overlapped them).
 
+CPU time (CPU ranks): ``compute_cpu_time_s`` and ``optimizer_cpu_time_s`` are the CPU
+seconds the process used in the compute and optimizer blocks, ``cpu_time_s`` in the whole
+step (communication threads included); ``cpu_quota_cores`` is the rank's share of its
+cgroup's CPU quota and ``num_threads`` its torch threads. Under a quota that binds, a block's
+wall time depends on how long the rank idled before it; its CPU time over the quota is its
+sustained time (:meth:`StepMetrics.sustained_s`), the figure ``hplan profile`` measures. All
+0 (quota null) in metrics written before hplan recorded them.
+
 ``grad_norm``: the whole model's gradient L2 norm before clipping, the same on every rank
 (with the model file's ``MAX_GRAD_NORM`` only; null without it and in metrics written
 before hplan recorded it).
@@ -119,6 +127,29 @@ class StepMetrics:
     memory_measure: MemoryMeasure | None = None
     """How ``baseline_memory_bytes`` and ``peak_memory_bytes`` were measured (None: not
     recorded)."""
+    compute_cpu_time_s: float = 0.0
+    """CPU seconds (every thread of the process) the forwards and backwards used (0: not
+    recorded, or a GPU rank)."""
+    optimizer_cpu_time_s: float = 0.0
+    """CPU seconds the optimizer step used (0: not recorded, or a GPU rank)."""
+    cpu_time_s: float = 0.0
+    """CPU seconds the process used in the whole step, communication threads included
+    (0: not recorded)."""
+    cpu_quota_cores: float | None = None
+    """This rank's share of its cgroup's CPU quota, in cores (the quota over the plan's
+    ranks on its node; ``contract/cpus.py``); None: no quota."""
+    num_threads: int = 0
+    """torch intra-op threads the rank ran (0: not recorded). A quota below it binds: the
+    rank's sustained compute time is its CPU time over the quota
+    (``profiling/windows.sustained``)."""
+
+    def sustained_s(self, wall_s: float, cpu_s: float) -> float:
+        """A CPU block's sustained seconds: ``cpu_s / cpu_quota_cores`` where this rank's quota
+        binds (below its threads) and the CPU time was recorded, else ``wall_s``."""
+        quota = self.cpu_quota_cores
+        if quota is not None and 0 < quota < self.num_threads and cpu_s > 0:
+            return cpu_s / quota
+        return wall_s
 
     @property
     def training_memory_bytes(self) -> int | None:

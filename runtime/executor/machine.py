@@ -85,6 +85,29 @@ def set_rank_threads(
     return ThreadChoice(threads, f"{cpus.describe()} / {on_node} {ranks} on node {node}")
 
 
+@dataclass(frozen=True, slots=True)
+class CpuShare:
+    """The CPU a rank may use, as its metrics record it (``StepMetrics.cpu_quota_cores``)."""
+
+    quota_cores: float | None
+    """Its share of the cgroup's CPU quota: the quota over the plan's ranks on its node
+    (None: no quota)."""
+    num_threads: int
+    """Its torch intra-op threads."""
+
+
+NO_CPU_SHARE = CpuShare(None, 0)
+"""Nothing known (the default of code that does not say)."""
+
+
+def rank_cpu_share(plan: Plan, rank: int, root: Path = Path("/")) -> CpuShare:
+    """This rank's :class:`CpuShare` (read once, at the start of training)."""
+    quota = usable_cpus(root).quota_cores
+    node = plan.ranks[rank].node
+    on_node = max(1, sum(1 for r in plan.ranks if r.node == node))
+    return CpuShare(None if quota is None else quota / on_node, torch.get_num_threads())
+
+
 # --------------------------------------------------------------------------- interfaces
 INTERFACE_ENV = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 """The variable that names the network interface of each backend."""

@@ -135,6 +135,10 @@ class StepTimes:
     allreduce_overlapped_s: float = 0.0
     """From the first bucket's launch, during the last backward pass, to the end of the
     schedule: how long the reductions ran beside compute (0: none was launched early)."""
+    compute_cpu_s: float = 0.0
+    """CPU seconds of the forwards and backwards (``ComputeSpan.cpu_s``; 0: not measured)."""
+    optimizer_cpu_s: float = 0.0
+    """CPU seconds of the optimizer step (0: not measured)."""
 
 
 class StepRunner:
@@ -286,17 +290,25 @@ class StepRunner:
 
     def finish_step(self) -> StepTimes:
         """This step's compute spans from the clock: into :attr:`times` and the timeline."""
-        compute_s = forward_s = optimizer_s = 0.0
+        compute_s = forward_s = optimizer_s = compute_cpu_s = optimizer_cpu_s = 0.0
         for span in self.clock.take_spans():
             self.timeline.add(COMPUTE, span.label, span.start_s, span.end_s)
             if span.phase is Phase.OPTIMIZER:
                 optimizer_s += span.duration_s
+                optimizer_cpu_s += span.cpu_s
                 continue
             compute_s += span.duration_s
+            compute_cpu_s += span.cpu_s
             if span.phase is Phase.FORWARD:
                 forward_s += span.duration_s
         self.times = StepTimes(
-            compute_s, forward_s, self._allreduce_s, optimizer_s, self._overlapped_s
+            compute_s,
+            forward_s,
+            self._allreduce_s,
+            optimizer_s,
+            self._overlapped_s,
+            compute_cpu_s,
+            optimizer_cpu_s,
         )
         return self.times
 

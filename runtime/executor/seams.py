@@ -75,6 +75,9 @@ class ComputeSpan:
     """E.g. ``s1.F.mb3`` (the schedule's action) or ``optimizer``."""
     start_s: float
     end_s: float
+    cpu_s: float = 0.0
+    """CPU seconds the process used during the block, every thread's (0: not measured, as
+    on a GPU, whose work the host only launches)."""
 
     @property
     def duration_s(self) -> float:
@@ -133,18 +136,22 @@ class ComputeClock(ABC):
 
 
 class HostClock(ComputeClock):
-    """Times each block with ``time.monotonic`` (CPU work runs synchronously)."""
+    """Times each block with ``time.monotonic`` (CPU work runs synchronously), and the CPU
+    time it used with ``time.process_time``: under a cgroup CPU quota a block's wall time
+    depends on how long the rank idled before it (a rank that waits for its peers runs its
+    next block at a full core's speed), its CPU time does not (``windows.sustained``)."""
 
     def __init__(self) -> None:
         self._spans: list[ComputeSpan] = []
 
     @contextlib.contextmanager
     def _block(self, phase: Phase, label: str, num_samples: int) -> Iterator[None]:
-        start_s = time.monotonic()
+        start_s, start_cpu_s = time.monotonic(), time.process_time()
         try:
             yield
         finally:
-            self._spans.append(ComputeSpan(phase, label, start_s, time.monotonic()))
+            cpu_s = time.process_time() - start_cpu_s  # read first: it brings a pause due
+            self._spans.append(ComputeSpan(phase, label, start_s, time.monotonic(), cpu_s))
 
     def take_spans(self) -> list[ComputeSpan]:
         spans, self._spans = self._spans, []

@@ -80,7 +80,12 @@ from hplan.runtime.executor.control import (
 )
 from hplan.runtime.executor.data import batch_digest, batch_tensors
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip, step_groups
-from hplan.runtime.executor.machine import set_rank_threads
+from hplan.runtime.executor.machine import (
+    NO_CPU_SHARE,
+    CpuShare,
+    rank_cpu_share,
+    set_rank_threads,
+)
 from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync, check_verify
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
@@ -348,6 +353,7 @@ class _Loop:
         self.pauses_s: list[float] = []
         """How long training waited for each periodic checkpoint."""
         self.rank = parts.rank_plan.rank
+        self.cpu_share = rank_cpu_share(parts.plan, self.rank)
 
     def _report_pauses(self, last_s: float) -> None:
         """Rank 0 says what the checkpoints cost training (one line on stderr)."""
@@ -389,6 +395,7 @@ class _Loop:
                     verify=options.verify_dir if step == first_step else None,
                     outer=self.outer,
                     last=step == last_step,
+                    cpu_share=self.cpu_share,
                 )
                 if self.scheduler is not None:
                     self.scheduler.step()  # type: ignore[attr-defined]
@@ -515,12 +522,14 @@ def _train_step(
     outer: OuterSync | None = None,
     *,
     last: bool = False,
+    cpu_share: CpuShare = NO_CPU_SHARE,
 ) -> StepMetrics:
     """One step; with ``verify`` (a folder), dropout is off for it (``random_ops.py``) and
     its synced gradients and updated parameters are dumped there. With ``outer``, the
-    cross-island syncs due after it (``last``: the run's last step, which closes them)."""
+    cross-island syncs due after it (``last``: the run's last step, which closes them).
+    ``cpu_share``: the rank's CPU quota and threads, recorded with its CPU times."""
     parts = runner.parts
-    start_s = time.monotonic()
+    start_s, start_cpu_s = time.monotonic(), time.process_time()
     parts.comm.reset_times()
     with DropoutOff() if verify is not None else contextlib.nullcontext():
         loss = runner.run(step)
@@ -540,6 +549,7 @@ def _train_step(
     if verify is not None:
         _dump_verify(parts, verify, "params", loss, step)
     times = runner.finish_step()
+    cpu_s = time.process_time() - start_cpu_s
     step_s = time.monotonic() - start_s
     comm = parts.comm.reset_times()
     accounted = (
@@ -568,6 +578,11 @@ def _train_step(
         outer_sync_time_s=outer_s,
         baseline_memory_bytes=memory.baseline_bytes,
         memory_measure=memory.measure,
+        compute_cpu_time_s=times.compute_cpu_s,
+        optimizer_cpu_time_s=times.optimizer_cpu_s,
+        cpu_time_s=cpu_s,
+        cpu_quota_cores=cpu_share.quota_cores,
+        num_threads=cpu_share.num_threads,
     )
 
 

@@ -105,6 +105,39 @@ def _records(plan: Plan, compute_ratio: dict[str, float], scale: float) -> tuple
 
 
 # ---------------------------------------------------------------------------- error math
+def test_a_rank_under_a_binding_cpu_quota_is_read_by_its_cpu_time_over_the_quota(plan):
+    # every rank idled before its blocks and ran them at a full core's speed (wall time =
+    # CPU time = the prediction x 0.45); rank 2's 0.45-core quota binds (one thread): its
+    # sustained compute is its CPU time over the quota, the prediction
+    records = []
+    for r in _records(plan, {}, 1.0):
+        cpu_s = r.compute_time_s * 0.45
+        quota = 0.45 if r.rank == 2 else None
+        records.append(
+            replace(
+                r,
+                compute_time_s=cpu_s,
+                compute_cpu_time_s=cpu_s,
+                optimizer_time_s=0.045,
+                optimizer_cpu_time_s=0.045,
+                cpu_quota_cores=quota,
+                num_threads=1,
+            )
+        )
+    errors = {e.rank: e for e in rank_errors(plan, [Run(Path("run"), 1.0, tuple(records))])}
+    assert errors[2].measured_compute_s == pytest.approx(errors[2].predicted_compute_s)
+    assert errors[2].measured_optimizer_s == pytest.approx(0.1)
+    for rank in (0, 1):  # no quota: the wall time
+        assert errors[rank].measured_compute_s == pytest.approx(
+            0.45 * errors[rank].predicted_compute_s
+        )
+        assert errors[rank].measured_optimizer_s == pytest.approx(0.045)
+    # a quota above the rank's threads does not bind: the wall time
+    loose = [replace(r, cpu_quota_cores=1.5) for r in records]
+    errors = {e.rank: e for e in rank_errors(plan, [Run(Path("run"), 1.0, tuple(loose))])}
+    assert errors[2].measured_compute_s == pytest.approx(0.45 * errors[2].predicted_compute_s)
+
+
 def test_relative_error_is_signed_and_relative_to_the_prediction():
     assert relative_error(1.1, 1.0) == pytest.approx(0.1)
     assert relative_error(0.5, 2.0) == pytest.approx(-0.75)

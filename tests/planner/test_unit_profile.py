@@ -15,7 +15,7 @@ from torch import nn
 from hplan.planner.cli.main import main
 from hplan.planner.frontend.capture import CaptureTensors
 from hplan.planner.frontend.cost_graph import build_model_graph
-from hplan.planner.profiling.microbench import Stopwatch
+from hplan.planner.profiling.microbench import Stopwatch, one_cpu_thread
 from hplan.planner.profiling.profile_file import Profile
 from hplan.planner.profiling.unit_memory import LiveBytes, measure_unit_memory
 from hplan.planner.profiling.unit_profile import (
@@ -23,7 +23,7 @@ from hplan.planner.profiling.unit_profile import (
     first_sweep_sizes,
     profile_units,
 )
-from hplan.planner.profiling.windows import apportion, run_window
+from hplan.planner.profiling.windows import apportion, run_window, sustained
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan
@@ -96,7 +96,7 @@ class _RecordingWatch(Stopwatch):
 
     windows: ClassVar[list[tuple[float, float]]] = []
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, quota_cores: float | None = None) -> None:
         super().__init__(device, clock=_TickingClock(), cpu_clock=_TickingClock())
 
     def window(self, calls, window_s):
@@ -146,6 +146,21 @@ def test_a_cpu_windows_pauses_are_shared_out_by_cpu_time():
     watch = Stopwatch(torch.device("cpu"), clock=wall, cpu_clock=cpu)
     first, second = watch.window([lambda: None, paused], 0.0)
     assert first == second == pytest.approx((2 * 2**-10 + 0.5) / 2)
+
+
+def test_under_a_binding_cpu_quota_a_call_takes_its_cpu_time_over_the_quota():
+    # a 0.45-core quota and one thread: 0.0315 s of CPU is 0.07 s sustained, whatever the
+    # window's wall time (a burst at a full core's speed, or a pause landing in it)
+    assert sustained([0.0315], [0.0315], 0.45, 1) == pytest.approx([0.07])
+    assert sustained([0.1, 0.5], [0.1, 0.1], 0.45, 1) == pytest.approx([0.1 / 0.45] * 2)
+    # no quota, or one that does not bind (1.5 cores for one thread): the wall time, shared
+    assert sustained([0.1, 0.5], [0.1, 0.1], None, 1) == pytest.approx([0.3, 0.3])
+    assert sustained([0.1, 0.5], [0.1, 0.1], 1.5, 1) == pytest.approx([0.3, 0.3])
+    assert sustained([0.1, 0.5], [0.1, 0.1], 1.5, 2) == pytest.approx([0.1 / 1.5] * 2)
+    wall, cpu = _TickingClock(), _TickingClock(2**-12)
+    watch = Stopwatch(torch.device("cpu"), clock=wall, cpu_clock=cpu, quota_cores=0.5)
+    with one_cpu_thread(torch.device("cpu")):
+        assert watch.window([lambda: None], 0.0) == [pytest.approx(2**-12 / 0.5)]
 
 
 def test_every_unit_timing_is_the_mean_of_a_window_of_at_least_the_minimum(tiny_gpt, ticking):

@@ -30,7 +30,11 @@ def test_rank_0_shows_the_jobs_loss_although_its_stage_computes_none(tmp_path: P
         plan, tmp_path / "run", "--steps", "12", "--metrics-dir", str(metrics), timeout_s=TIMEOUT_S
     )
     assert [o.returncode for o in outcomes] == [0, 0, 0], [o.stderr[-2000:] for o in outcomes]
-    assert read_rank_metrics(metrics / "rank-0.jsonl")[0].loss is None  # computes no loss
+    first = read_rank_metrics(metrics / "rank-0.jsonl")
+    assert first[0].loss is None  # computes no loss
+    # CPU ranks record the CPU time of their blocks and their threads
+    assert all(r.compute_cpu_time_s > 0 and r.cpu_time_s >= r.compute_cpu_time_s for r in first)
+    assert all(r.optimizer_cpu_time_s > 0 and r.num_threads >= 1 for r in first)
     steps = summarize_metrics(metrics).steps
     progress = _lines(outcomes[0].stderr, "progress")
     assert len(progress) >= 2  # the first loss, then every 10% (here: every 2 steps)
