@@ -16,7 +16,8 @@ The optimizer is the model file's (default AdamW, lr 1e-3), as hplan's.
 Rank 0 writes ``{"end_unix_time_s": [...], "losses": [...], "forward_backward_optimizer_s":
 [...]}``: the wall-clock end of every step (after ``optimizer.step()``), its loss and its
 three parts (the backward includes DDP's all-reduce) and ``"cpu_s"``, the process's CPU
-seconds per step (``time.process_time``, data loading included); with ``HPLAN_DDP_PARTS=1`` every rank
+seconds per step (``time.process_time``, data loading included) and
+``"forward_backward_optimizer_cpu_s"``, those of the three parts; with ``HPLAN_DDP_PARTS=1`` every rank
 writes its own ``OUT.rank<r>.json`` too.
 
 ``--solo`` (no torchrun, one process per node, all nodes at once): each process trains the
@@ -69,7 +70,7 @@ def main() -> None:
     dataset = model_file.dataset() if model_file.dataset is not None else None
     weight = sizes[rank] * world / global_batch
     first = sum(sizes[:rank])
-    ends, losses, parts, cpu_s = [], [], [], []
+    ends, losses, parts, cpu_s, cpu_parts = [], [], [], [], []
     last_cpu_s = time.process_time()
     for step in range(args.steps):
         if dataset is not None:
@@ -78,15 +79,22 @@ def main() -> None:
             inputs, targets = default_collate([dataset[int(i)] for i in mine])
         else:
             inputs, targets = model_file.sample_batch(sizes[rank])
-        start_s = time.time()
+        start_s, start_cpu_s = time.time(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
         loss = model_file.loss_fn(model(inputs), targets)
-        forward_s = time.time()
+        forward_s, forward_cpu_s = time.time(), time.process_time()
         (loss * weight).backward()
-        backward_s = time.time()
+        backward_s, backward_cpu_s = time.time(), time.process_time()
         optimizer.step()
         ends.append(time.time())
         parts.append((forward_s - start_s, backward_s - forward_s, ends[-1] - backward_s))
+        cpu_parts.append(
+            (
+                forward_cpu_s - start_cpu_s,
+                backward_cpu_s - forward_cpu_s,
+                time.process_time() - backward_cpu_s,
+            )
+        )
         losses.append(float(loss.detach()))
         cpu_s.append(time.process_time() - last_cpu_s)
         last_cpu_s += cpu_s[-1]
@@ -95,6 +103,7 @@ def main() -> None:
         "losses": losses,
         "forward_backward_optimizer_s": parts,
         "cpu_s": cpu_s,
+        "forward_backward_optimizer_cpu_s": cpu_parts,
     }
     if rank == 0:
         args.out.write_text(json.dumps(record))
