@@ -143,14 +143,17 @@ def run_at_once(
 
 
 def profile_nodes(cluster: NamespaceCluster, model: Model, work: Path) -> Path:
-    """Profile every node inside its own quota, one after another; return the folder."""
+    """Profile every node inside its own quota, all at once (as a user profiles the machines
+    of a cluster, and as DDP's split speeds are measured: the nodes of this one machine share
+    its cores' caches and memory bandwidth in the runs too); return the folder."""
     out = work / "profiles"
     env = clean_env(model.env)
-    for i, node in enumerate(cluster.nodes):
-        log = work / f"profile-{node.name}.log"
-        argv = [*HPLAN, "profile", "--model", str(model.path), "--node", node.name, "-o", str(out)]
-        proc = cluster.start(i, argv, log=log, env=env, cwd=work)
-        wait_all(cluster, [proc], [log], f"hplan profile on {node.name}")
+    jobs = {
+        i: ([*HPLAN, "profile", "--model", str(model.path), "--node", node.name, "-o", str(out)],
+            env)
+        for i, node in enumerate(cluster.nodes)
+    }  # fmt: skip
+    run_at_once(cluster, jobs, work, "profile", "hplan profile")
     return out
 
 
