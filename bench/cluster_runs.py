@@ -1,7 +1,7 @@
 """hplan's real flow and torch DDP on a :class:`NamespaceCluster`, as a user runs them: what
 the real-cluster benchmarks (``real_cluster.py``, ``slow_links.py``) share.
 
-- :func:`profile_nodes`: ``hplan profile --model M --node NAME`` inside each node, in turn;
+- :func:`profile_nodes`: ``hplan profile --model M --node NAME`` inside each node, all at once;
 - :func:`measure_links`: ``hplan bandwidth``'s scripts in every node at once (the matrix);
 - :func:`run_launch_scripts`: the generated ``launch/node-NAME.sh`` in each namespace
   (torchrun, gloo, hplan's runtime) with ``--steps`` and ``--metrics-dir``; every rank's
