@@ -150,7 +150,8 @@ class HostClock(ComputeClock):
         try:
             yield
         finally:
-            cpu_s = time.process_time() - start_cpu_s  # read first: it brings a pause due
+            # the CPU clock first: reading it is where a due quota pause falls (microbench)
+            cpu_s = time.process_time() - start_cpu_s
             self._spans.append(ComputeSpan(phase, label, start_s, time.monotonic(), cpu_s))
 
     def take_spans(self) -> list[ComputeSpan]:
