@@ -155,6 +155,8 @@ def print_calibration(result: Calibration, console: Console) -> None:
         console.print(
             f"[bold]straggler[/bold] {factor.device}: x {factor.time_factor:.2f} — {factor.reason}"
         )
+    for factor in result.speed_factors:
+        console.print(f"speed {factor.device}: x {factor.time_factor:.3f} — {factor.reason}")
     if result.collectives:
         print_collectives(result.collectives, console)
     if result.memory:
@@ -266,6 +268,10 @@ def calibration_summary(result: Calibration) -> dict[str, object]:
         "stragglers": [
             {"device": f.device, "time_factor": f.time_factor, "reason": f.reason}
             for f in result.factors
+        ],
+        "speed_factors": [
+            {"device": f.device, "time_factor": f.time_factor, "reason": f.reason}
+            for f in result.speed_factors
         ],
         "memory": [memory_json(m) for m in result.memory],
         "all_reduce": [

@@ -13,6 +13,9 @@ and the plan's report, and
    kind's devices, so that of two devices the faster is the reference) by more than
    ``STRAGGLER_THRESHOLD`` (15%) and gives it a ``DeviceFactor`` (its ratio over the
    kind correction), with a reason naming the numbers;
+   A device that is no straggler but computed more than ``SPEED_THRESHOLD`` (5%) off its
+   kind's correction gets a factor too (a *speed factor*): the next solve then shares the
+   batch by each device's measured speed, not only by its kind's;
 4. writes a corrected profile: the input profile's unit timings of each kind scaled by the
    kind correction and their optimizer times by the kind's measured/predicted optimizer
    ratio (source ``calibrated``), existing device factors multiplied by the new ones. When
@@ -51,6 +54,7 @@ more work.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -78,6 +82,13 @@ from hplan.runtime.contract.plan import Plan
 STRAGGLER_THRESHOLD = 0.15
 """A device whose compute ratio differs from its kind's reference by more than this is a
 straggler (issue 3: "differs from other devices of its type by more than 15%")."""
+SPEED_THRESHOLD = 0.05
+"""A device that is no straggler but whose compute ratio differs from its kind's correction
+by more than this gets its own factor too (a *speed factor*), so that the next solve
+shares the batch by its measured speed. Below it a difference is run-to-run noise: on
+``bench/real_cluster.py`` a rank's sustained compute in three runs of the same plan spread
+by 1.5-6% (once 11%), while profiles of three identical 0.6-core nodes taken minutes
+apart differed by 10% (5.57-6.15 ms per sample)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +150,9 @@ class Calibration:
     """Every rank's predicted and measured memory (of every plan, in order)."""
     collectives: tuple[GroupFit, ...] = ()
     """Each fitted sync group's all-reduce (of every plan, in order)."""
+    speed_factors: tuple[DeviceFactor, ...] = ()
+    """Devices within the straggler threshold but more than ``SPEED_THRESHOLD`` off their
+    kind's correction: their factor relative to it (in the profile with the stragglers')."""
 
 
 # ------------------------------------------------------------------------------ math
@@ -563,11 +577,12 @@ def calibrate(
         )
         for name, value in sorted(relative.items())
     )
+    speeds = speed_factors(ratios, kinds, corrections, relative)
     cluster = {d.name: d.kind for plan, _ in observations for d in plan.cluster.devices}
     optimizer = optimizer_corrections(errors, relative)
     phases = phase_corrections(errors, relative)
     profile = corrected_profile(
-        base or Profile(), corrections, stragglers, cluster, optimizer, phases
+        base or Profile(), corrections, (*stragglers, *speeds), cluster, optimizer, phases
     )
     kept = {c.node: c for c in profile.node_collectives} | collectives
     profile = replace(profile, node_collectives=tuple(kept[k] for k in sorted(kept)))
@@ -581,7 +596,37 @@ def calibrate(
         profile,
         tuple(memory),
         tuple(fits),
+        speeds,
     )
+
+
+def speed_factors(
+    device_ratios: Mapping[str, float],
+    device_kinds: Mapping[str, str],
+    corrections: Mapping[str, float],
+    stragglers: Mapping[str, float],
+    threshold: float = SPEED_THRESHOLD,
+) -> tuple[DeviceFactor, ...]:
+    """A factor for each device that is no straggler and whose ratio differs from its kind's
+    correction by more than ``threshold``: its ratio over the correction, so that the
+    corrected profile times it as measured (``SPEED_THRESHOLD``)."""
+    factors = []
+    for name, value in sorted(device_ratios.items()):
+        kind = device_kinds[name]
+        if name in stragglers or kind not in corrections or math.isnan(value):
+            continue
+        relative = value / corrections[kind]
+        if abs(relative - 1.0) > threshold:
+            direction = "slower" if relative > 1 else "faster"
+            reason = (
+                f"{name} computed {value:.2f}x its predicted time, its kind {kind} "
+                f"{corrections[kind]:.2f}x: {abs(relative - 1) * 100:.0f}% {direction} "
+                f"(speed threshold {threshold * 100:.0f}%)"
+            )
+            factors.append(
+                DeviceFactor(device=name, kind=kind, time_factor=relative, reason=reason)
+            )
+    return tuple(factors)
 
 
 def exposed_all_reduce_s(runs: Sequence[Run]) -> dict[int, dict[int, float]]:

@@ -22,6 +22,7 @@ from hplan.planner.profiling.calibrate import (
     optimizer_corrections,
     rank_errors,
     relative_error,
+    speed_factors,
     write_profile,
 )
 from hplan.planner.profiling.profile_file import (
@@ -105,6 +106,23 @@ def _records(plan: Plan, compute_ratio: dict[str, float], scale: float) -> tuple
 
 
 # ---------------------------------------------------------------------------- error math
+def test_a_device_more_than_5_percent_off_its_kind_gets_a_speed_factor(plan):
+    ratios = {"a/0": 1.126, "b/0": 1.172, "c/0": 1.062, "d/0": 1.10, "e/0": 2.0}
+    kinds = dict.fromkeys(ratios, "cpu")
+    corrections = {"cpu": 1.126}
+    found = speed_factors(ratios, kinds, corrections, stragglers={"e/0": 1.8})
+    # b 4% slower and d 2% faster: noise; c 5.7% faster gets 0.943; e is a straggler
+    assert [(f.device, round(f.time_factor, 3)) for f in found] == [("c/0", 0.943)]
+    assert "6% faster (speed threshold 5%)" in found[0].reason
+    # through calibrate (10% slower: no straggler): the corrected profile times it as measured
+    run = Run(Path("run"), 1.0, _records(plan, {"box/2": 1.1}, 1.0))
+    result = calibrate([(plan, [run])])
+    assert [f.device for f in result.speed_factors] == ["box/2"]
+    (factor,) = [f for f in result.profile.device_factors if f.device == "box/2"]
+    assert factor.time_factor * result.kind_corrections["cpu"] == pytest.approx(1.1)
+    assert result.factors == ()  # no straggler
+
+
 def test_a_rank_under_a_binding_cpu_quota_is_read_by_its_cpu_time_over_the_quota(plan):
     # every rank idled before its blocks and ran them at a full core's speed (wall time =
     # CPU time = the prediction x 0.45); rank 2's 0.45-core quota binds (one thread): its
