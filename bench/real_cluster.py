@@ -17,8 +17,10 @@ runs are interleaved (round 1: hplan, DDP equal, DDP split; round 2 starts one f
 because the machine is noisy. Throughput is the global batch over the spacing of rank 0's
 step ends after ``--warmup`` steps (every per-step overhead included). Printed per case:
 samples/s of each run, the ratios hplan/DDP (median and range over rounds), the plan's
-predicted samples/s against hplan's measured, and the median per-rank breakdown of hplan's
-step from its own metrics (compute, wait, point-to-point, all-reduce, optimizer, other).
+predicted samples/s against hplan's measured, the median per-rank breakdown of hplan's
+step from its own metrics (compute, wait, point-to-point, all-reduce, optimizer, other), and
+each rank's CPU milliseconds per step in hplan's and in DDP split's last runs (under a CPU
+quota a node's speed is its CPU time over its quota, so this is where their work differs).
 
     python bench/real_cluster.py [--models mlp,gpt] [--rounds 3] [--steps 30]
         [--cases hetero,homogeneous] [--calibrate] [--keep DIR]
