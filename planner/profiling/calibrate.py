@@ -274,13 +274,22 @@ def kind_corrections(
     return {kind: statistics.median(values) for kind, values in sorted(by_kind.items())}
 
 
-def straggler_reason(device: str, kind: str, relative: float, reference: float) -> str:
-    """One line naming the numbers behind a straggler's factor."""
+def straggler_reason(
+    device: str,
+    kind: str,
+    relative: float,
+    reference: float,
+    *,
+    compared_with: str = "the other {kind} devices",
+    threshold: str = f"threshold {STRAGGLER_THRESHOLD * 100:.0f}%",
+) -> str:
+    """One line naming the numbers behind a device's factor (a straggler's by default;
+    ``compared_with`` and ``threshold`` name another rule's reference and threshold)."""
     direction = "slower" if relative > 1 else "faster"
     return (
-        f"{device} computed {relative * reference:.2f}x its predicted time, the other "
-        f"{kind} devices {reference:.2f}x: {abs(relative - 1) * 100:.0f}% {direction} "
-        f"(threshold {STRAGGLER_THRESHOLD * 100:.0f}%)"
+        f"{device} computed {relative * reference:.2f}x its predicted time, "
+        f"{compared_with.format(kind=kind)} {reference:.2f}x: {abs(relative - 1) * 100:.0f}% "
+        f"{direction} ({threshold})"
     )
 
 
@@ -617,11 +626,13 @@ def speed_factors(
             continue
         relative = value / corrections[kind]
         if abs(relative - 1.0) > threshold:
-            direction = "slower" if relative > 1 else "faster"
-            reason = (
-                f"{name} computed {value:.2f}x its predicted time, its kind {kind} "
-                f"{corrections[kind]:.2f}x: {abs(relative - 1) * 100:.0f}% {direction} "
-                f"(speed threshold {threshold * 100:.0f}%)"
+            reason = straggler_reason(
+                name,
+                kind,
+                relative,
+                corrections[kind],
+                compared_with="its kind {kind}",
+                threshold=f"speed threshold {threshold * 100:.0f}%",
             )
             factors.append(
                 DeviceFactor(device=name, kind=kind, time_factor=relative, reason=reason)

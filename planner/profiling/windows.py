@@ -30,6 +30,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from hplan.runtime.contract.cpus import quota_binds
+
 DEFAULT_WINDOW_S = 0.3
 """Wall seconds a window lasts at least: three CFS periods, so one window's share of a
 quota is off by at most a third of a period's quota (less after the median of several)."""
@@ -70,7 +72,7 @@ def sustained(
 
     Example: on a 0.45-core quota, one thread, a call of 0.0315 s CPU takes 0.07 s.
     """
-    if quota_cores is not None and 0 < quota_cores < num_threads and sum(cpu_s) > 0:
+    if quota_cores is not None and quota_binds(quota_cores, num_threads) and sum(cpu_s) > 0:
         return [c / quota_cores for c in cpu_s]
     return apportion(wall_s, cpu_s)
 

@@ -51,6 +51,13 @@ class UsableCpus:
         return f"{self.cores} usable CPUs (affinity {self.affinity}{quota})"
 
 
+def quota_binds(quota_cores: float | None, num_threads: int) -> bool:
+    """Whether a CPU quota of ``quota_cores`` limits ``num_threads`` busy threads: then a
+    block's sustained time is its CPU time over the quota, whatever its wall time showed
+    (``planner/profiling/windows.sustained``, ``StepMetrics.sustained_s``)."""
+    return quota_cores is not None and 0 < quota_cores < num_threads
+
+
 def usable_cpus(root: Path = Path("/")) -> UsableCpus:
     """This process's usable CPUs (module docstring); ``root`` is where ``/proc`` lives
     (tests give a fake tree)."""

@@ -67,6 +67,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from hplan.runtime.contract.cpus import quota_binds
 from hplan.runtime.contract.errors import ConfigError
 
 
@@ -147,7 +148,7 @@ class StepMetrics:
         """A CPU block's sustained seconds: ``cpu_s / cpu_quota_cores`` where this rank's quota
         binds (below its threads) and the CPU time was recorded, else ``wall_s``."""
         quota = self.cpu_quota_cores
-        if quota is not None and 0 < quota < self.num_threads and cpu_s > 0:
+        if quota is not None and quota_binds(quota, self.num_threads) and cpu_s > 0:
             return cpu_s / quota
         return wall_s
 
