@@ -73,7 +73,7 @@ def set_rank_threads(
     ``OMP_NUM_THREADS`` for the processes it starts; what was chosen and why."""
     env = os.environ if env is None else env
     node = plan.ranks[rank].node
-    on_node = sum(1 for r in plan.ranks if r.node == node)
+    on_node = ranks_on_node(plan, rank)
     cpus = usable_cpus(root)
     threads = choose_threads(env, cpus, on_node)
     if threads is None:
@@ -96,16 +96,17 @@ class CpuShare:
     """Its torch intra-op threads."""
 
 
-NO_CPU_SHARE = CpuShare(None, 0)
-"""Nothing known (the default of code that does not say)."""
+def ranks_on_node(plan: Plan, rank: int) -> int:
+    """How many of the plan's ranks share ``rank``'s node (itself included)."""
+    node = plan.ranks[rank].node
+    return sum(1 for r in plan.ranks if r.node == node)
 
 
 def rank_cpu_share(plan: Plan, rank: int, root: Path = Path("/")) -> CpuShare:
     """This rank's :class:`CpuShare` (read once, at the start of training)."""
     quota = usable_cpus(root).quota_cores
-    node = plan.ranks[rank].node
-    on_node = max(1, sum(1 for r in plan.ranks if r.node == node))
-    return CpuShare(None if quota is None else quota / on_node, torch.get_num_threads())
+    share = None if quota is None else quota / ranks_on_node(plan, rank)
+    return CpuShare(share, torch.get_num_threads())
 
 
 # --------------------------------------------------------------------------- interfaces

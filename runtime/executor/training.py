@@ -81,7 +81,6 @@ from hplan.runtime.executor.control import (
 from hplan.runtime.executor.data import batch_digest, batch_tensors
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip, step_groups
 from hplan.runtime.executor.machine import (
-    NO_CPU_SHARE,
     CpuShare,
     rank_cpu_share,
     set_rank_threads,
@@ -522,7 +521,7 @@ def _train_step(
     outer: OuterSync | None = None,
     *,
     last: bool = False,
-    cpu_share: CpuShare = NO_CPU_SHARE,
+    cpu_share: CpuShare,
 ) -> StepMetrics:
     """One step; with ``verify`` (a folder), dropout is off for it (``random_ops.py``) and
     its synced gradients and updated parameters are dumped there. With ``outer``, the
