@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -278,8 +279,12 @@ def _fake_tools(tmp_path: Path) -> dict[str, str]:
     for tool, body in (("torchrun", _RECORDER), ("hplan", _RECORDER), ("srun", _FAKE_SRUN)):
         (bin_dir / tool).write_text(body, encoding="utf-8")
         (bin_dir / tool).chmod(0o755)
+    # without the virtual environment pytest may run in (an activated one puts its python3,
+    # which imports hplan, first on PATH): the scripts must find no Python of hplan's here
+    venv_bin = str(Path(sys.prefix) / "bin") if sys.prefix != sys.base_prefix else None
+    path = os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)
     return {
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "PATH": os.pathsep.join([str(bin_dir), *(d for d in path if d != venv_bin)]),
         "HOME": str(tmp_path),
         "HPLAN_TEST_RECORD": str(tmp_path / "record"),
     }
