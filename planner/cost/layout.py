@@ -65,6 +65,25 @@ def replica_layout(
     return ReplicaLayout(stages, b, -(-num_samples // b), num_samples)
 
 
+def even_size(num_samples: int, num_microbatches: int) -> int:
+    """Samples per micro-batch when ``num_samples`` are cut into ``num_microbatches``
+    nearly equal ones: ``ceil(n / k)`` (the last micro-batch takes the rest, at most
+    ``k - 1`` short). Raises ``ValueError`` for a count outside ``1..num_samples``."""
+    if not 1 <= num_microbatches <= num_samples:
+        raise ValueError(
+            f"num_microbatches {num_microbatches} must be between 1 and num_samples {num_samples}"
+        )
+    return -(-num_samples // num_microbatches)
+
+
+def is_even_cut(num_samples: int, micro_batch_size: int) -> bool:
+    """Whether micro-batches of ``micro_batch_size`` cut ``num_samples`` evenly: the size is
+    :func:`even_size` of the count it gives (1,365 at 455: yes; at 512: no, the last is 341)."""
+    if not 1 <= micro_batch_size <= num_samples:
+        return False
+    return even_size(num_samples, -(-num_samples // micro_batch_size)) == micro_batch_size
+
+
 @dataclass(frozen=True, slots=True)
 class IslandSync:
     """Islands of nodes and how the holder sets that span them sync (``SyncSpec``).

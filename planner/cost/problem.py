@@ -113,6 +113,12 @@ class PlanningProblem:
     host_capacity_bytes: FloatArray | None = None
     """Usable host memory of each device's node, shared by the node's devices, shape (D,)
     (``contract.memory.host_capacity_bytes``)."""
+    time_spread: FloatArray | None = None
+    """How far apart a device's measured times lie, shape (D,): the p10-p90 width of its
+    whole model's forward + backward over the profile's rounds, relative to the median, the
+    median over its profiled micro-batch sizes (0.05: 5%); 0 for an estimated device; None:
+    nothing measured. Predictions closer than this cannot be ranked
+    (``cost.even_microbatches``)."""
 
     @property
     def num_devices(self) -> int:
@@ -154,6 +160,11 @@ class PlanningProblem:
             raise ValueError(f"global_batch_size {self.global_batch_size} must be >= 1")
         if d == 0 or u == 0:
             raise ValueError("a problem needs at least one device and one unit")
+        if self.time_spread is not None and (
+            self.time_spread.shape != (d,)
+            or not np.all(np.isfinite(self.time_spread) & (self.time_spread >= 0))
+        ):
+            raise ValueError(f"PlanningProblem.time_spread must have shape {(d,)}, finite, >= 0")
         for name in ("collective_latency_s", "collective_bus_bandwidth_bytes_per_s"):
             value = getattr(self, name)
             if value is not None and (value.shape != (d,) or np.any(np.isnan(value))):
@@ -222,4 +233,5 @@ def restrict(
         collective_bus_bandwidth_bytes_per_s=rows(problem.collective_bus_bandwidth_bytes_per_s),
         offload_optimizer_time_s=rows(problem.offload_optimizer_time_s),
         host_capacity_bytes=rows(problem.host_capacity_bytes),
+        time_spread=rows(problem.time_spread),
     )

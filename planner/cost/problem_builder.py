@@ -188,6 +188,11 @@ class UnitTimeSource(Protocol):
         """Optimizer-step time of the unit's trainable parameters on ``device``."""
         ...
 
+    def time_spread(self, device: Device) -> float:
+        """Relative spread of ``device``'s measured times (``PlanningProblem.time_spread``);
+        0 for estimates."""
+        ...
+
 
 def roofline_time_s(
     *,
@@ -221,6 +226,10 @@ class RooflineSource:
     @property
     def name(self) -> str:
         return "roofline"
+
+    def time_spread(self, device: Device) -> float:
+        """0: an estimate has no measurement spread."""
+        return 0.0
 
     def unit_times(
         self, device: Device, cost: UnitCost, micro_batch_size: int, numerics: Numerics
@@ -441,6 +450,7 @@ def build_problem(
         ),
         recompute=recompute,
         optimizer_state_bytes=_array([c.trainable_param_bytes * factor for c in costs]),
+        time_spread=_array([source.time_spread(d) for d in devices]),
         **_collective_arrays(cluster),
         **_offload_arrays(cluster, costs, factor),
     )

@@ -84,6 +84,8 @@ class _Measured:
 
     points: dict[str, dict[int, _Point]]
     optimizer_s: dict[str, float]
+    spread: float = 0.0
+    """:func:`time_spread` of these timings."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +159,12 @@ class MeasuredSource:
             device.type.device_class, optimizer_state_bytes_per_param_byte
         )
         return estimate * ratio * self._factor(device)
+
+    def time_spread(self, device: Device) -> float:
+        """The spread of the timings that stand for ``device`` (:func:`time_spread`); 0
+        when none do (its times are estimates)."""
+        key = self._timing_key(device)
+        return self._measured[key].spread if key else 0.0
 
     def source_label(self, device: Device, cost: UnitCost, micro_batch_size: int) -> str:
         """Where ``unit_times`` got this number from, for the plan report."""
@@ -324,7 +332,33 @@ def _index_timings(timings: Iterable[UnitTiming]) -> dict[str, _Measured]:
             bound.setdefault(key_kind(t.device), []).append(t)
     for kind, group in bound.items():
         measured[f"{kind}{_POOLED}"] = _pooled(group)
+    by_key: dict[str, list[UnitTiming]] = {}
+    for t in timings:
+        by_key.setdefault(t.device, []).append(t)
+    for key, own in by_key.items():
+        measured[key].spread = time_spread(own)
+    for kind, group in bound.items():
+        measured[f"{kind}{_POOLED}"].spread = statistics.median(
+            measured[k].spread for k in {t.device for t in group}
+        )
     return measured
+
+
+def time_spread(timings: Sequence[UnitTiming]) -> float:
+    """How far apart one device's timings lie: at each micro-batch size, the p10-p90 width of
+    the forward + backward summed over the units timed at it, over its median; the median of
+    those over the sizes (``PlanningProblem.time_spread``). 0 without timings.
+
+    Over the MLP example's profiles under a 0.6-core CPU quota the width was 3-9% at most
+    sizes, 17-33% at a few (a sweep that met a neighbour): the median over sizes keeps
+    those few from deciding."""
+    sums: dict[int, list[float]] = {}
+    for t in timings:
+        total = sums.setdefault(t.micro_batch_size, [0.0, 0.0, 0.0])
+        for i, q in enumerate(("p10", "median", "p90")):
+            total[i] += getattr(t.forward_s, q) + getattr(t.backward_s, q)
+    widths = [(p90 - p10) / median for p10, median, p90 in sums.values() if median > 0]
+    return max(0.0, statistics.median(widths)) if widths else 0.0
 
 
 def _bound(key: str) -> bool:

@@ -4,8 +4,10 @@ Enumerates every layout: every set of disjoint, ordered device sequences (the re
 every contiguous unit split of each, whether each stage keeps its activations, recomputes
 some of its units (every prefix of ``cost.recompute.recompute_order`` the solver may take)
 or recomputes them all (as the problem's ``RecomputePolicy`` allows), every micro-batch
-size candidate (cut to the share where it is larger: ``layout.replica_layout``), and every
-split of the global batch into positive shares; costs each with
+size candidate (cut to the share where it is larger: ``layout.replica_layout``) and the even
+cut of the share into as many micro-batches (``layout.even_size``, what
+``cost.even_microbatches`` makes of it), and every split of the global batch into positive
+shares; costs each with
 the exact evaluator. Exponential: use only with a handful of devices, units and samples.
 """
 
@@ -15,7 +17,8 @@ import itertools
 from collections.abc import Iterator
 
 from hplan.planner.cost.evaluate import evaluate
-from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
+from hplan.planner.cost.even_microbatches import microbatch_counts
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout, even_size, replica_layout
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.cost.recompute import recompute_order, selected_units
 from hplan.planner.solve.validate import layout_problems
@@ -100,13 +103,25 @@ def _best_for(
     sizes = problem.micro_batch_sizes
     for shares in _compositions(problem.global_batch_size, len(pipelines)):
         for options in itertools.product(*stage_options):
-            replicas = tuple(
-                replica_layout(st, sizes[k], n) for (k, st), n in zip(options, shares, strict=True)
-            )
-            layout = Layout(replicas)
-            if layout_problems(problem, layout):
-                continue
-            step = evaluate(problem, layout).step_time_s
-            if best is None or step < best[0] - 1e-15:
-                best = (step, layout)
+            cuts = [
+                _cuts(problem, replica_layout(st, sizes[k], n))
+                for (k, st), n in zip(options, shares, strict=True)
+            ]
+            for replicas in itertools.product(*cuts):
+                layout = Layout(replicas)
+                if layout_problems(problem, layout):
+                    continue
+                step = evaluate(problem, layout).step_time_s
+                if best is None or step < best[0] - 1e-15:
+                    best = (step, layout)
     return best
+
+
+def _cuts(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[ReplicaLayout, ...]:
+    """The replica as cut, then its share cut evenly into every count
+    ``cost.even_microbatches`` prices (once each)."""
+    n = replica.num_samples
+    sizes = {even_size(n, k) for k in microbatch_counts(problem.micro_batch_sizes, n)}
+    sizes.discard(replica.micro_batch_size)
+    even = (ReplicaLayout(replica.stages, b, -(-n // b), n) for b in sorted(sizes))
+    return (replica, *even)

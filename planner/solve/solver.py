@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hplan.planner.cost.evaluate import Evaluation, evaluate, island_index
+from hplan.planner.cost.even_microbatches import even_microbatches
 from hplan.planner.cost.layout import Layout
 from hplan.planner.cost.offload import can_offload, offload_flags, offload_problem
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
@@ -601,10 +602,12 @@ def _within_max_stages(layout: Layout, max_stages: int) -> bool:
 def _ranked(
     problem: PlanningProblem, pool: list[tuple[str, Layout]]
 ) -> list[tuple[str, Layout, Evaluation]]:
-    """Valid distinct layouts of the pool, fastest first under the cost model (stable)."""
+    """Valid distinct layouts of the pool, each with its shares cut into equal micro-batches
+    (``even_microbatches``), fastest first under the cost model (stable)."""
     seen: set[Layout] = set()
     ranked = []
-    for source, layout in pool:
+    for source, pooled in pool:
+        layout = even_microbatches(problem, pooled)
         if layout in seen or layout_problems(problem, layout):
             continue
         seen.add(layout)

@@ -6,7 +6,7 @@ solver or the evaluator on purpose.
 
 from __future__ import annotations
 
-from hplan.planner.cost.layout import IslandSync, Layout, StageLayout
+from hplan.planner.cost.layout import IslandSync, Layout, StageLayout, is_even_cut
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.cost.zero import gradient_saving_bytes
 from hplan.planner.textfmt import format_bytes_pair
@@ -16,7 +16,8 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     """Every violated rule, as readable strings (empty list: valid).
 
     Rules: each replica places every unit exactly once, contiguously and in order, with no
-    empty stage; no device is used twice; a micro-batch size is a candidate, or the
+    empty stage; no device is used twice; a micro-batch size is a candidate, the
+    replica's share cut into equal micro-batches no larger than the largest candidate, or the
     replica's share run as one micro-batch, and never larger than the share; the
     micro-batches hold the replica's samples; shares sum to the global batch; every stage's
     memory (static + activations of its in-flight micro-batches under 1F1B, or under
@@ -155,6 +156,15 @@ def _zero_saving(problem: PlanningProblem, layout: Layout) -> dict[int, float]:
     return saving
 
 
+def _allowed_size(problem: PlanningProblem, num_samples: int, micro_batch_size: int) -> bool:
+    """A candidate, the share as one micro-batch, or the share cut into equal micro-batches
+    (``layout.is_even_cut``) no larger than the largest candidate."""
+    b = micro_batch_size
+    if b in problem.micro_batch_sizes or b == num_samples:
+        return True
+    return b <= problem.micro_batch_sizes[-1] and is_even_cut(num_samples, b)
+
+
 def _replica_problems(  # type: ignore[no-untyped-def]
     problem: PlanningProblem, r: int, replica, seen: set[int], saving: dict[int, float]
 ) -> list[str]:
@@ -163,8 +173,11 @@ def _replica_problems(  # type: ignore[no-untyped-def]
     b = replica.micro_batch_size
     if b > replica.num_samples:
         errors.append(f"replica {r}: micro-batch size {b} is larger than its share")
-    elif b not in problem.micro_batch_sizes and b != replica.num_samples:
-        errors.append(f"replica {r}: micro-batch size {b} is neither a candidate nor its share")
+    elif not _allowed_size(problem, replica.num_samples, b):
+        errors.append(
+            f"replica {r}: micro-batch size {b} is neither a candidate, nor its share cut "
+            "evenly within the largest candidate, nor its share"
+        )
     if not (replica.num_microbatches - 1) * b < replica.num_samples <= replica.num_microbatches * b:
         errors.append(
             f"replica {r}: {replica.num_samples} samples do not fill "

@@ -337,6 +337,9 @@ class _FixedSource:
     def optimizer_time_s(self, device, cost, optimizer_state_bytes_per_param_byte):
         return 0.5
 
+    def time_spread(self, device):
+        return 0.0
+
 
 def test_a_measured_time_source_replaces_the_roofline():
     source = _FixedSource()

@@ -1,0 +1,102 @@
+"""Cut each replica's share into micro-batches of equal size; the cost model picks how many.
+
+The search prices the candidate micro-batch sizes (powers of two unless ``--micro-batch-sizes``
+names others), so a share that is not a multiple of the size ends in a smaller micro-batch:
+1,365 samples at 512 run as 512 + 512 + 341. That ragged cut is never kept. Each replica's
+share is cut instead into ``k`` micro-batches of ``ceil(n / k)`` samples (the last one at most
+``k - 1`` samples short), for every count ``k`` a candidate size gives (``ceil(n / c)``) and for
+``k = 1``; the cost model (``evaluate``) picks the count, the shares stay as the search set
+them.
+
+Why: measured with hplan's runtime (the MLP example at 8 x 256, 1,365 samples a step, one CPU
+rank per node, ``OMP_NUM_THREADS=1``), three micro-batches of 455 computed in less CPU time
+than 512 + 512 + 341 in each setting tried, while the cost model priced the two within 1% of
+each other:
+
+- a quiet core, medians of four runs of 40 steps: 42.6 against 44.7 ms a step;
+- alone under a 0.6-core cgroup quota, two runs: 50.6 and 45.2 against 49.0 and 55.0 ms;
+- three such ranks on three 0.6-core nodes sharing two cores (``bench/real_cluster.py``'s
+  cluster), two rounds: 59.2-63.7 against 61.2-66.0 ms per rank, and 0.93x against 0.89x the
+  samples/s of torch DDP with one micro-batch of the whole share.
+
+Two micro-batches of 683 ran fastest or within noise of the fastest in all three (quiet
+42.3 ms, quota 44.0-45.1 ms, cluster 0.96x DDP). An even cut is also the one Megatron-LM and
+torch's pipelining schedules require (the batch divisible by the micro-batch size).
+
+Ties go to fewer micro-batches: counts the cost model prices within the measurement spread of
+the replica's devices (:func:`tie_share`, ``PlanningProblem.time_spread``: the p10-p90 width of
+their profiled times) of the best, in step time and in the replica's own pipeline time, are
+ties, and the fewest micro-batches among them wins. The profile cannot rank them closer: the
+same node under a 0.6-core quota, profiled twice minutes apart, moved by 3-5% (51.2 and 53.6 us
+a sample at 512, 54.0 and 52.5 at 1,024). Estimated times (the roofline) have no spread, and
+the cost model alone decides. A replica of one stage gains nothing from more micro-batches
+but memory and the per-sample differences the profile measured, and fewer did no worse in
+the cluster runs above: one micro-batch of 1,366 ran at 0.98x DDP, two of 683 at 0.96x, three
+of 455 at 0.93x (the cost model preferred three by 0.3%); the GPT example (4 x 128, 32
+sequences a node on three 0.6-core nodes) ran one micro-batch of 32 at 1.00x DDP, four of 8
+at 0.97x, two of 16 at 0.97x, though its profile priced 8 a sequence 15% below 16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hplan.planner.cost.evaluate import Evaluation, evaluate
+from hplan.planner.cost.layout import Layout, ReplicaLayout, even_size
+from hplan.planner.cost.problem import PlanningProblem
+
+__all__ = ["even_microbatches", "microbatch_counts", "tie_share"]
+
+
+def microbatch_counts(candidate_sizes: tuple[int, ...], num_samples: int) -> list[int]:
+    """The micro-batch counts to price for a share of ``num_samples``: one, and the count of
+    every candidate size up to the share (``ceil(n / c)``), ascending, without repeats."""
+    counts = {1} | {-(-num_samples // c) for c in candidate_sizes if c <= num_samples}
+    return sorted(counts)
+
+
+def even_microbatches(problem: PlanningProblem, layout: Layout) -> Layout:
+    """``layout`` with every replica's share cut evenly, its count the cost model's choice
+    (module docstring); replicas are settled one after another, in order. A count whose
+    micro-batches no longer fit memory (``Evaluation.memory_ok``) is skipped; when none
+    fits the replica keeps its micro-batches.
+
+    Returns:
+        A layout with the same stages and shares (the same layout when nothing changes).
+    """
+    for r, replica in enumerate(layout.replicas):
+        n = replica.num_samples
+        options: list[tuple[int, Layout, Evaluation]] = []
+        for b in sorted({even_size(n, k) for k in microbatch_counts(problem.micro_batch_sizes, n)}):
+            k = -(-n // b)  # a count may give the size of a smaller one: 10 in 6 is 5 x 2
+            cut = replace(replica, micro_batch_size=b, num_microbatches=k)
+            option = replace(
+                layout, replicas=(*layout.replicas[:r], cut, *layout.replicas[r + 1 :])
+            )
+            evaluation = evaluate(problem, option)
+            if evaluation.memory_ok:
+                options.append((k, option, evaluation))
+        if options:
+            layout = _fewest_within_tie(options, r, tie_share(problem, replica))
+    return layout
+
+
+def tie_share(problem: PlanningProblem, replica: ReplicaLayout) -> float:
+    """How close two predictions for ``replica`` must be to count as a tie: the largest
+    ``PlanningProblem.time_spread`` of its devices (0 without measurements)."""
+    if problem.time_spread is None:
+        return 0.0
+    return max(float(problem.time_spread[s.device_idx]) for s in replica.stages)
+
+
+def _fewest_within_tie(
+    options: list[tuple[int, Layout, Evaluation]], r: int, share: float
+) -> Layout:
+    """The layout with the fewest micro-batches among those whose step time is within
+    ``share`` of the best, and of those, whose replica ``r``'s own pipeline time is within
+    ``share`` of the best of them (at 0: the fastest step, then replica, then count)."""
+    best_step_s = min(ev.step_time_s for _, _, ev in options)
+    near = [o for o in options if o[2].step_time_s <= best_step_s * (1 + share)]
+    best_own_s = min(ev.replica_times_s[r] for _, _, ev in near)
+    tied = [o for o in near if o[2].replica_times_s[r] <= best_own_s * (1 + share)]
+    return min(tied, key=lambda o: (o[0], o[2].step_time_s))[1]
