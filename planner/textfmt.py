@@ -128,11 +128,13 @@ def batch_share(rank: RankPlan) -> str:
 
     ``24 (4×6)``: 24 samples in 6 micro-batches of 4. ``16 (3×5+1)``: 16 samples in 5
     micro-batches of 3 and one of 1 (see :func:`hplan.runtime.contract.plan.microbatch_sizes`).
+    ``1389 (695+694)``: one micro-batch of 695 and one of 694.
     """
     sizes = microbatch_sizes(rank.num_samples, rank.micro_batch_size)
     full = sum(1 for s in sizes if s == rank.micro_batch_size)
     rest = "" if len(sizes) == full else f"+{sizes[-1]}"
-    return f"{rank.num_samples} ({rank.micro_batch_size}×{full}{rest})"
+    times = "" if full == 1 and rest else f"×{full}"
+    return f"{rank.num_samples} ({rank.micro_batch_size}{times}{rest})"
 
 
 def boundary_bytes(cut: CutSpec, micro_batch_size: int) -> int:

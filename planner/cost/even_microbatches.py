@@ -9,9 +9,9 @@ share is cut instead into ``k`` micro-batches of ``ceil(n / k)`` samples (the la
 them.
 
 Why: measured with hplan's runtime (the MLP example at 8 x 256, 1,365 samples a step, one CPU
-rank per node, ``OMP_NUM_THREADS=1``), three micro-batches of 455 computed in less CPU time
-than 512 + 512 + 341 in each setting tried, while the cost model priced the two within 1% of
-each other:
+rank per node, ``OMP_NUM_THREADS=1``), three micro-batches of 455 took less CPU time than
+512 + 512 + 341 in the median of each setting tried, while the cost model priced the two
+within 1% of each other:
 
 - a quiet core, medians of four runs of 40 steps: 42.6 against 44.7 ms a step;
 - alone under a 0.6-core cgroup quota, two runs: 50.6 and 45.2 against 49.0 and 55.0 ms;

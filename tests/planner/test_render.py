@@ -217,6 +217,8 @@ def test_batch_share_shows_micro_batches_and_the_remainder() -> None:
     ranks = mixed_plan().ranks
     assert batch_share(ranks[0]) == "24 (4×6)"
     assert batch_share(ranks[2]) == "16 (3×5+1)"
+    two = replace(ranks[2], num_samples=1389, micro_batch_size=695, num_microbatches=2)
+    assert batch_share(two) == "1389 (695+694)"
 
 
 @pytest.mark.parametrize(
