@@ -6,7 +6,8 @@ a bridge, each node's link shaped by ``tc tbf`` and its CPU capped by a cgroup-v
 
 1. ``hplan profile --model M --node NAME`` inside each node (inside its quota);
 2. ``hplan bandwidth``'s scripts in every node at once (the link matrix), then
-   ``hplan solve M -c cluster.yaml --profile PROFILES --bandwidth MATRIX``;
+   ``hplan solve M -c cluster.yaml --profile PROFILES --bandwidth MATRIX --sync all_reduce``
+   (DDP's training: every gradient summed every step, never local SGD);
 3. the generated ``launch/node-NAME.sh`` in each namespace (torchrun, gloo, hplan's runtime);
 
 against torch DDP (``ddp_reference.py``, the same model file, its optimizer, the same global
@@ -164,7 +165,9 @@ def run_case(case: Case, args: argparse.Namespace, work: Path) -> None:
         env = clean_env(model.env)
         solve = ["solve", str(model.path), "-c", str(cluster_file), "--profile", str(profiles),
                  "-b", str(model.global_batch), "-o", str(plan_dir), "--master-port", str(PORT),
-                 "--bandwidth", str(links)]  # fmt: skip
+                 "--bandwidth", str(links), "--sync", "all_reduce"]  # fmt: skip
+        # --sync all_reduce: DDP's training, a sum of every gradient every step; under
+        # --sync auto a calibrated plan took local SGD (H=3) here, which trains otherwise
         hplan_cli(*solve, env=env)
         if args.calibrate:  # one real run, calibrate, solve again: the rounds run that plan
             console.print("  first run, to calibrate")
