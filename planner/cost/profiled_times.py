@@ -321,7 +321,9 @@ def _index_timings(timings: Iterable[UnitTiming]) -> dict[str, _Measured]:
     """Timings by device key, plus a pooled ``kind*`` entry per kind with bound keys."""
     measured: dict[str, _Measured] = {}
     bound: dict[str, list[UnitTiming]] = {}
+    by_key: dict[str, list[UnitTiming]] = {}
     for t in timings:
+        by_key.setdefault(t.device, []).append(t)
         entry = measured.setdefault(t.device, _Measured({}, {}))
         entry.points.setdefault(t.unit, {})[t.micro_batch_size] = _Point(
             t.forward_s.median, t.backward_s.median, t.source
@@ -330,14 +332,10 @@ def _index_timings(timings: Iterable[UnitTiming]) -> dict[str, _Measured]:
             entry.optimizer_s[t.unit] = t.optimizer_s
         if _bound(t.device):
             bound.setdefault(key_kind(t.device), []).append(t)
-    for kind, group in bound.items():
-        measured[f"{kind}{_POOLED}"] = _pooled(group)
-    by_key: dict[str, list[UnitTiming]] = {}
-    for t in timings:
-        by_key.setdefault(t.device, []).append(t)
     for key, own in by_key.items():
         measured[key].spread = time_spread(own)
     for kind, group in bound.items():
+        measured[f"{kind}{_POOLED}"] = _pooled(group)
         measured[f"{kind}{_POOLED}"].spread = statistics.median(
             measured[k].spread for k in {t.device for t in group}
         )
