@@ -42,10 +42,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hplan.planner.cost.evaluate import Evaluation, evaluate
-from hplan.planner.cost.layout import Layout, ReplicaLayout, even_size
+from hplan.planner.cost.layout import Layout, ReplicaLayout, even_size, replica_layout
 from hplan.planner.cost.problem import PlanningProblem
 
-__all__ = ["even_microbatches", "microbatch_counts", "tie_share"]
+__all__ = ["even_microbatches", "even_sizes", "microbatch_counts", "tie_share"]
 
 
 def microbatch_counts(candidate_sizes: tuple[int, ...], num_samples: int) -> list[int]:
@@ -53,6 +53,14 @@ def microbatch_counts(candidate_sizes: tuple[int, ...], num_samples: int) -> lis
     every candidate size up to the share (``ceil(n / c)``), ascending, without repeats."""
     counts = {1} | {-(-num_samples // c) for c in candidate_sizes if c <= num_samples}
     return sorted(counts)
+
+
+def even_sizes(candidate_sizes: tuple[int, ...], num_samples: int) -> list[int]:
+    """The micro-batch sizes that cut ``num_samples`` evenly into each of
+    :func:`microbatch_counts`, ascending, without repeats (one count may give the size of
+    another: 10 in 6 is 5 x 2, as in 5)."""
+    counts = microbatch_counts(candidate_sizes, num_samples)
+    return sorted({even_size(num_samples, k) for k in counts})
 
 
 def even_microbatches(problem: PlanningProblem, layout: Layout) -> Layout:
@@ -65,17 +73,15 @@ def even_microbatches(problem: PlanningProblem, layout: Layout) -> Layout:
         A layout with the same stages and shares (the same layout when nothing changes).
     """
     for r, replica in enumerate(layout.replicas):
-        n = replica.num_samples
         options: list[tuple[int, Layout, Evaluation]] = []
-        for b in sorted({even_size(n, k) for k in microbatch_counts(problem.micro_batch_sizes, n)}):
-            k = -(-n // b)  # a count may give the size of a smaller one: 10 in 6 is 5 x 2
-            cut = replace(replica, micro_batch_size=b, num_microbatches=k)
+        for b in even_sizes(problem.micro_batch_sizes, replica.num_samples):
+            cut = replica_layout(replica.stages, b, replica.num_samples)
             option = replace(
                 layout, replicas=(*layout.replicas[:r], cut, *layout.replicas[r + 1 :])
             )
             evaluation = evaluate(problem, option)
             if evaluation.memory_ok:
-                options.append((k, option, evaluation))
+                options.append((cut.num_microbatches, option, evaluation))
         if options:
             layout = _fewest_within_tie(options, r, tie_share(problem, replica))
     return layout

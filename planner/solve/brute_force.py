@@ -17,8 +17,8 @@ import itertools
 from collections.abc import Iterator
 
 from hplan.planner.cost.evaluate import evaluate
-from hplan.planner.cost.even_microbatches import microbatch_counts
-from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout, even_size, replica_layout
+from hplan.planner.cost.even_microbatches import even_sizes
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout, replica_layout
 from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
 from hplan.planner.cost.recompute import recompute_order, selected_units
 from hplan.planner.solve.validate import layout_problems
@@ -121,7 +121,5 @@ def _cuts(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[ReplicaLayo
     """The replica as cut, then its share cut evenly into every count
     ``cost.even_microbatches`` prices (once each)."""
     n = replica.num_samples
-    sizes = {even_size(n, k) for k in microbatch_counts(problem.micro_batch_sizes, n)}
-    sizes.discard(replica.micro_batch_size)
-    even = (ReplicaLayout(replica.stages, b, -(-n // b), n) for b in sorted(sizes))
-    return (replica, *even)
+    sizes = [b for b in even_sizes(problem.micro_batch_sizes, n) if b != replica.micro_batch_size]
+    return (replica, *(replica_layout(replica.stages, b, n) for b in sizes))
