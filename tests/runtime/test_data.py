@@ -121,3 +121,21 @@ def test_sample_batch_source_is_deterministic_and_leaves_the_global_rng_alone(
     b, _ = source.global_batch(2)
     c, _ = source.global_batch(3)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_an_epochs_order_is_drawn_once_and_a_batch_is_the_callers_own(monkeypatch) -> None:
+    epoch_permutation.cache_clear()
+    draws = []
+    randperm = torch.randperm
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        draws.append(args[0])
+        return randperm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randperm", counted)
+    batches = [global_batch_indices(7, s, 1000, 10) for s in range(5)]
+    assert draws == [1000]  # five steps of one epoch: one draw, as DistributedSampler
+    expected = batches[0].clone()
+    batches[0].zero_()  # the caller's copy; the kept order is untouched
+    assert torch.equal(global_batch_indices(7, 0, 1000, 10), expected)
+    assert draws == [1000]
