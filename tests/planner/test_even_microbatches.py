@@ -7,12 +7,21 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from hplan.planner.cost.even_microbatches import even_microbatches, microbatch_counts
-from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout, even_size, is_even_cut
+from hplan.planner.cost.even_microbatches import even_microbatches, microbatch_counts, rebalanced
+from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.layout import (
+    IslandSync,
+    Layout,
+    ReplicaLayout,
+    StageLayout,
+    even_size,
+    is_even_cut,
+)
 from hplan.planner.cost.profiled_times import time_spread
 from hplan.planner.profiling.profile_file import Stat, UnitTiming
 from hplan.planner.solve.solver import SolveOptions, solve
 from hplan.planner.solve.validate import layout_problems
+from hplan.runtime.contract.plan import SyncMode
 from tests.fixtures.problems import GB, Dev, make_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False)
@@ -111,3 +120,60 @@ def test_time_spread_is_the_median_over_sizes_of_the_relative_p10_p90_width():
     ]
     assert time_spread(timings) == pytest.approx(0.04)
     assert time_spread([]) == 0.0
+
+
+def _two_replicas(shares: tuple[int, int], counts: tuple[int, int] = (1, 1)):
+    """Two equal devices on two nodes; the MLP-like unit of ``_problem`` on each."""
+    problem = make_problem(
+        [Dev("a", 1.0, 100 * GB), Dev("b", 1.0, 100 * GB)],
+        unit_work=[1.0],
+        global_batch_size=sum(shares),
+        micro_batch_sizes=SIZES,
+        static_bytes=0.0,
+        act_bytes_per_sample=0.1 * GB,
+    )
+    fwd = np.repeat(FORWARD_S[None, None, :], 2, axis=0)
+    problem = replace(problem, fwd_time_s=fwd, bwd_time_s=2 * fwd)
+    replicas = tuple(
+        ReplicaLayout((StageLayout(d, 0, 1),), even_size(n, k), k, n)
+        for d, (n, k) in enumerate(zip(shares, counts, strict=True))
+    )
+    return problem, Layout(replicas)
+
+
+def test_shares_are_moved_until_the_replicas_end_together_keeping_their_counts():
+    # 12 + 4 samples on two equal devices: one replica waits for the other; 8 + 8 ends
+    # together, 1.4x faster by the cost model
+    problem, start = _two_replicas((12, 4))
+    balanced = rebalanced(problem, start)
+    assert [(r.num_samples, r.num_microbatches) for r in balanced.replicas] == [(8, 1), (8, 1)]
+    assert evaluate(problem, balanced).step_time_s < evaluate(problem, start).step_time_s / 1.4
+    assert not layout_problems(problem, balanced)
+    # two micro-batches stay two: 12 as 6 + 6 and 4 as 2 + 2 become 8 as 4 + 4 each
+    problem, start = _two_replicas((12, 4), counts=(2, 2))
+    assert [
+        (r.num_samples, r.micro_batch_size, r.num_microbatches)
+        for r in rebalanced(problem, start).replicas
+    ] == [(8, 4, 2), (8, 4, 2)]
+    # already balanced: the same layout
+    problem, start = _two_replicas((8, 8))
+    assert rebalanced(problem, start) is start
+
+
+def test_shares_are_not_moved_past_the_largest_candidate_nor_between_local_islands():
+    # 16 samples as 8 + 8 beside one micro-batch of 32: the 32 take longer, so samples move
+    # to the two micro-batches, which then grow past 8
+    problem, start = _two_replicas((16, 32), counts=(2, 1))
+    moved = rebalanced(problem, start)
+    assert moved.replicas[0].num_samples > 16 and moved.replicas[0].num_microbatches == 2
+    assert not layout_problems(problem, moved)
+    # with 8 the largest candidate, a cut of two above 8 is not allowed: nothing moves
+    small = replace(
+        problem,
+        micro_batch_sizes=(4, 8),
+        fwd_time_s=problem.fwd_time_s[:, :, :2],
+        bwd_time_s=problem.bwd_time_s[:, :, :2],
+    )
+    assert rebalanced(small, start) is start
+    local = replace(start, sync=IslandSync((("a",), ("b",)), SyncMode.LOCAL_SGD, local_steps=4))
+    assert rebalanced(problem, local) is local
