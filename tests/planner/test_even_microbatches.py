@@ -7,8 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from hplan.planner.cost.even_microbatches import even_microbatches, microbatch_counts, rebalanced
 from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.even_microbatches import even_microbatches, microbatch_counts, rebalanced
 from hplan.planner.cost.layout import (
     IslandSync,
     Layout,

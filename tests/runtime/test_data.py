@@ -123,6 +123,25 @@ def test_sample_batch_source_is_deterministic_and_leaves_the_global_rng_alone(
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_a_sampled_batch_seeds_the_cpu_generator_alone(tmp_path: Path, monkeypatch) -> None:
+    # torch.manual_seed would queue a seed for every accelerator with a formatted stack,
+    # every step; the batch is the one torch.manual_seed's CPU seed gives
+    model_file = load_model_file(
+        write_model(tmp_path, NUMBERED_DATASET.replace("def dataset", "def _no"))
+    )
+    source = BatchSource(model_file, lambda x: {"x": x}, seed=0, global_batch_size=4)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)  # step 2 of seed 0
+        expected, _ = model_file.sample_batch(4)
+
+    def refused(seed: int) -> None:
+        raise AssertionError("torch.manual_seed called per step")
+
+    monkeypatch.setattr(torch, "manual_seed", refused)
+    got, _ = source.global_batch(2)
+    assert torch.equal(got, expected)
+
+
 def test_an_epochs_order_is_drawn_once_and_a_batch_is_the_callers_own(monkeypatch) -> None:
     epoch_permutation.cache_clear()
     draws = []
