@@ -10,8 +10,10 @@ boundary tensors travel point-to-point (``comm.py``), gradients are summed among
 holding each parameter (``grad_sync.py``), metrics are written per step
 (``contract/metrics_file.py``). The number of steps is ``--steps``, else the plan's
 (``worker.training_steps``). Rank 0 prints progress lines and a summary
-(``contract/progress_lines.py``); the job's loss reaches it with the agreement below. After
-every step the ranks agree, one step late, on what to do (``control.StepControl``):
+(``contract/progress_lines.py``); the job's loss reaches it with the agreement below. About
+every ``control.CONTROL_PERIOD_S`` (every few steps, as rank 0 proposes from its step time;
+at a checkpoint's step and at the last) the ranks agree, one step late, on what to do
+(``control.StepControl``):
 
 - a checkpoint every ``checkpoint_every_steps`` steps (every rank counts) or every
   ``checkpoint_every_s`` seconds (rank 0's clock), asynchronous by default, and one at the
@@ -77,6 +79,7 @@ from hplan.runtime.executor.control import (
     StepControl,
     StepFlags,
     check_same_job,
+    control_interval_steps,
 )
 from hplan.runtime.executor.data import batch_digest, batch_tensors
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip, step_groups
@@ -342,6 +345,13 @@ class _Loop:
         self.memory = memory
         self.outer = outer
         self.control = StepControl(parts.device, parts.plan.num_replicas)
+        self.control_every = 1
+        """Steps between two exchanges of the step flags: 1 until the ranks read rank 0's
+        proposal (``control.control_interval_steps``) in an agreement."""
+        self.held = StepFlags.NONE
+        """This rank's flags since the last exchange, posted at the next."""
+        self.step_times_s: list[float] = []
+        """This rank's step times so far (rank 0's set the interval it proposes)."""
         self.progress: RunProgress | None = None
         """Rank 0's progress lines (``contract/progress_lines.py``), during :meth:`run`."""
         self.every_steps = options.checkpoint_every_steps
@@ -407,7 +417,7 @@ class _Loop:
                     self.runner.clock.after_step(step, self.runner, more_steps=step < last_step)
                 if self.progress is not None:
                     self.progress.step_done(step, record.step_time_s)
-                self._after(step + 1, self._flags(record, preemption), record)
+                self._after(step + 1, self._flags(record, preemption), record, step == last_step)
             self._finish(last_step + 1, self._collect().flags)
             if self.progress is not None:
                 self.progress.summary()
@@ -437,6 +447,14 @@ class _Loop:
             flags |= StepFlags.CHECKPOINT_DUE
         return flags
 
+    def _proposal(self) -> int:
+        """Rank 0's steps between exchanges, from the median of its last steps (the first,
+        a warm-up, left out once there are others); 0 on other ranks."""
+        if self.rank != 0:
+            return 0
+        recent = self.step_times_s[1:][-_PROPOSAL_STEPS:] or self.step_times_s
+        return control_interval_steps(statistics.median(recent))
+
     def _collect(self) -> Agreement:
         """The job's agreement on the values posted last (``StepControl.finish``)."""
         return self._heard(self.control.finish())
@@ -448,9 +466,12 @@ class _Loop:
             self.progress.loss_known(agreement.step, loss)
         return agreement
 
-    def _after(self, steps_done: int, flags: StepFlags, record: StepMetrics) -> None:
-        """Post this step's ``flags`` (and its loss, on a last stage) and act on what the
-        job agreed one step earlier.
+    def _after(
+        self, steps_done: int, flags: StepFlags, record: StepMetrics, last: bool = False
+    ) -> None:
+        """Hold this step's ``flags``; on an exchange step (every ``control_every`` steps,
+        a checkpoint's step and the run's ``last``) post them (and this step's loss, on a
+        last stage); on the step after an exchange, act on what the job agreed there.
 
         A checkpoint waits for this step's agreement first, so that the state it saves is
         never one that a rank has found diverged.
@@ -458,16 +479,31 @@ class _Loop:
         Raises:
             PreemptedError, DivergedError: see :meth:`_finish`.
         """
-        written = self.checkpointer.written_step() if self.checkpointer is not None else -1
-        loss = None if record.loss is None else (record.replica, record.loss)
-        agreement = self._heard(self.control.exchange(flags, written, step=record.step, loss=loss))
+        self.held |= flags
+        self.step_times_s.append(record.step_time_s)
+        due_steps = (
+            self.checkpointer is not None
+            and self.every_steps is not None
+            and steps_done % self.every_steps == 0
+        )
+        if last or due_steps or steps_done % self.control_every == 0:
+            written = self.checkpointer.written_step() if self.checkpointer is not None else -1
+            loss = None if record.loss is None else (record.replica, record.loss)
+            posted, self.held = self.held, StepFlags.NONE
+            agreement = self.control.exchange(
+                posted, written, step=record.step, loss=loss, interval_steps=self._proposal()
+            )
+        else:  # the last exchange's values, read once (nothing when already read)
+            agreement = self.control.finish()
+        agreement = self._heard(agreement)
+        if agreement.interval_steps > 0:  # every rank reads it at the same step
+            self.control_every = agreement.interval_steps
         agreed = agreement.flags
         if agreed & _STOP:
             self._finish(steps_done, agreed)
         if self.checkpointer is None:
             return
         self.checkpointer.publish_written(agreement.written_step)
-        due_steps = self.every_steps is not None and steps_done % self.every_steps == 0
         if not (due_steps or agreed & StepFlags.CHECKPOINT_DUE):
             return
         now = self._collect().flags
@@ -511,6 +547,8 @@ class _Loop:
 
 
 _STOP = StepFlags.PREEMPTED | StepFlags.NONFINITE_LOSS
+_PROPOSAL_STEPS = 20
+"""Rank 0's last steps whose median time sets the interval it proposes."""
 
 
 def _train_step(

@@ -1,0 +1,82 @@
+"""The step flags are exchanged about every CONTROL_PERIOD_S, at the interval rank 0 proposes."""
+
+from __future__ import annotations
+
+import json
+import math
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from hplan.runtime.contract.errors import PreemptedError
+from hplan.runtime.executor.control import (
+    CONTROL_PERIOD_S,
+    StepControl,
+    StepFlags,
+    control_interval_steps,
+)
+from hplan.runtime.executor.training import _Loop
+from tests.fixtures.processes import join_gloo, run_ranks
+
+STEP_S = 0.1
+PREEMPTED_AT = 17
+"""Rank 1 is preempted (SIGTERM's flag) after this many steps."""
+
+
+def test_the_interval_is_the_steps_that_fit_the_period() -> None:
+    assert CONTROL_PERIOD_S == 0.5
+    assert control_interval_steps(0.1) == 5
+    assert control_interval_steps(0.3) == 1  # a step longer than half the period: every step
+    assert control_interval_steps(1e-3) == 500
+    assert control_interval_steps(0.0) == control_interval_steps(math.nan) == 1
+
+
+def _loop(rank: int) -> _Loop:
+    """A loop with what ``_after`` needs: no checkpoints, no progress lines."""
+    loop = object.__new__(_Loop)
+    loop.rank = rank
+    loop.control = StepControl(torch.device("cpu"), num_replicas=1)
+    loop.control_every, loop.held, loop.step_times_s = 1, StepFlags.NONE, []
+    loop.checkpointer, loop.every_steps, loop.progress = None, None, None
+    return loop
+
+
+def _steps(rank: int, port: int, out_dir: str) -> None:
+    try:
+        join_gloo(rank, port)
+        loop = _loop(rank)
+        exchanges: list[int] = []
+        exchange = loop.control.exchange
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            exchanges.append(steps_done)
+            return exchange(*args, **kwargs)
+
+        loop.control.exchange = counted  # type: ignore[method-assign]
+        stopped = None
+        for steps_done in range(1, 40):
+            record = SimpleNamespace(step=steps_done - 1, step_time_s=STEP_S, loss=1.0, replica=0)
+            flags = StepFlags.PREEMPTED if rank == 1 and steps_done == PREEMPTED_AT else 0
+            try:
+                loop._after(steps_done, StepFlags(flags), record)  # type: ignore[arg-type]
+            except PreemptedError:
+                stopped = steps_done
+                break
+        result = {"exchanges": exchanges, "stopped": stopped, "every": loop.control_every}
+        (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(result))
+    except Exception:
+        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+
+
+def test_ranks_exchange_every_fifth_step_of_a_tenth_of_a_second_and_stop_together(
+    tmp_path: Path,
+) -> None:
+    assert run_ranks(_steps, 2, tmp_path) == [0, 0]
+    results = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1]
+    # every step until rank 0's proposal (5: 0.1 s steps in 0.5 s) is read after step 2,
+    # then every fifth; rank 1's flag of step 17 rides the exchange of step 20, and both
+    # ranks act on it when they read that agreement, one step later
+    assert results[0] == {"exchanges": [1, 2, 5, 10, 15, 20], "stopped": 21, "every": 5}
