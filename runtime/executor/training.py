@@ -51,6 +51,7 @@ import math
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -350,8 +351,10 @@ class _Loop:
         proposal (``control.control_interval_steps``) in an agreement."""
         self.held = StepFlags.NONE
         """This rank's flags since the last exchange, posted at the next."""
-        self.step_times_s: list[float] = []
-        """This rank's step times so far (rank 0's set the interval it proposes)."""
+        self.step_times_s: deque[float] = deque(maxlen=_PROPOSAL_STEPS)
+        """This rank's last step times, the run's first (a warm-up) left out; rank 0's set
+        the interval it proposes."""
+        self.warmed_up = False
         self.progress: RunProgress | None = None
         """Rank 0's progress lines (``contract/progress_lines.py``), during :meth:`run`."""
         self.every_steps = options.checkpoint_every_steps
@@ -448,12 +451,13 @@ class _Loop:
         return flags
 
     def _proposal(self) -> int:
-        """Rank 0's steps between exchanges, from the median of its last steps (the first,
-        a warm-up, left out once there are others); 0 on other ranks."""
+        """Rank 0's steps between exchanges, from the median of its last steps (1 before
+        it has timed one after the first); 0 on other ranks."""
         if self.rank != 0:
             return 0
-        recent = self.step_times_s[1:][-_PROPOSAL_STEPS:] or self.step_times_s
-        return control_interval_steps(statistics.median(recent))
+        if not self.step_times_s:
+            return 1
+        return control_interval_steps(statistics.median(self.step_times_s))
 
     def _collect(self) -> Agreement:
         """The job's agreement on the values posted last (``StepControl.finish``)."""
@@ -480,7 +484,9 @@ class _Loop:
             PreemptedError, DivergedError: see :meth:`_finish`.
         """
         self.held |= flags
-        self.step_times_s.append(record.step_time_s)
+        if self.warmed_up:
+            self.step_times_s.append(record.step_time_s)
+        self.warmed_up = True
         due_steps = (
             self.checkpointer is not None
             and self.every_steps is not None

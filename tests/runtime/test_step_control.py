@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import traceback
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,7 +39,8 @@ def _loop(rank: int) -> _Loop:
     loop = object.__new__(_Loop)
     loop.rank = rank
     loop.control = StepControl(torch.device("cpu"), num_replicas=1)
-    loop.control_every, loop.held, loop.step_times_s = 1, StepFlags.NONE, []
+    loop.control_every, loop.held, loop.warmed_up = 1, StepFlags.NONE, False
+    loop.step_times_s = deque(maxlen=20)
     loop.checkpointer, loop.every_steps, loop.progress = None, None, None
     return loop
 
@@ -76,7 +78,7 @@ def test_ranks_exchange_every_fifth_step_of_a_tenth_of_a_second_and_stop_togethe
     assert run_ranks(_steps, 2, tmp_path) == [0, 0]
     results = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert results[0] == results[1]
-    # every step until rank 0's proposal (5: 0.1 s steps in 0.5 s) is read after step 2,
-    # then every fifth; rank 1's flag of step 17 rides the exchange of step 20, and both
-    # ranks act on it when they read that agreement, one step later
-    assert results[0] == {"exchanges": [1, 2, 5, 10, 15, 20], "stopped": 21, "every": 5}
+    # every step until rank 0's proposal (5: 0.1 s steps in 0.5 s, from its second step on)
+    # is read after step 3, then every fifth; rank 1's flag of step 17 rides the exchange
+    # of step 20, and both ranks act on it when they read that agreement, one step later
+    assert results[0] == {"exchanges": [1, 2, 3, 5, 10, 15, 20], "stopped": 21, "every": 5}
