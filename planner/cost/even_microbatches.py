@@ -5,8 +5,8 @@ names others), so a share that is not a multiple of the size ends in a smaller m
 1,365 samples at 512 run as 512 + 512 + 341. That ragged cut is never kept. Each replica's
 share is cut instead into ``k`` micro-batches of ``ceil(n / k)`` samples (the last one at most
 ``k - 1`` samples short), for every count ``k`` a candidate size gives (``ceil(n / c)``) and for
-``k = 1``; the cost model (``evaluate``) picks the count, the shares stay as the search set
-them.
+``k = 1``; the cost model (``evaluate``) picks the count. The shares are then moved until
+the replicas end together again under their new cuts (:func:`rebalanced`).
 
 Why: measured with hplan's runtime (the MLP example at 8 x 256, 1,365 samples a step, one CPU
 rank per node, ``OMP_NUM_THREADS=1``), three micro-batches of 455 took less CPU time than
@@ -47,6 +47,11 @@ from hplan.planner.cost.problem import PlanningProblem
 
 __all__ = ["even_microbatches", "even_sizes", "microbatch_counts", "rebalanced", "tie_share"]
 
+REBALANCE_ROUNDS = 4
+"""Most rounds of :func:`rebalanced`. A replica's time is close to linear in its share (a
+fixed cost plus a per-sample time, ``cost.microbatch``), so each round lands near the
+balance and the next only corrects the rounding and the curve."""
+
 
 def microbatch_counts(candidate_sizes: tuple[int, ...], num_samples: int) -> list[int]:
     """The micro-batch counts to price for a share of ``num_samples``: one, and the count of
@@ -70,7 +75,8 @@ def even_microbatches(problem: PlanningProblem, layout: Layout) -> Layout:
     fits the replica keeps its micro-batches.
 
     Returns:
-        A layout with the same stages and shares (the same layout when nothing changes).
+        A layout with the same stages, its shares rebalanced for the new cuts
+        (:func:`rebalanced`; the same layout when nothing changes).
     """
     for r, replica in enumerate(layout.replicas):
         options: list[tuple[int, Layout, Evaluation]] = []
@@ -120,11 +126,6 @@ def rebalanced(problem: PlanningProblem, layout: Layout) -> Layout:
             break
         best, best_eval = option, evaluation
     return best
-
-
-REBALANCE_ROUNDS = 4
-"""Rounds of :func:`rebalanced`; a replica's time is nearly linear in its share, so two
-rounds usually settle it."""
 
 
 def _balanced_shares(layout: Layout, replica_times_s: tuple[float, ...]) -> list[int]:
