@@ -450,6 +450,16 @@ class _Loop:
             flags |= StepFlags.CHECKPOINT_DUE
         return flags
 
+    def _post(self, record: StepMetrics) -> Agreement:
+        """Post the flags held since the last exchange, this step's loss (on a last stage)
+        and rank 0's proposed interval; return the previous exchange's agreement."""
+        written = self.checkpointer.written_step() if self.checkpointer is not None else -1
+        loss = None if record.loss is None else (record.replica, record.loss)
+        held, self.held = self.held, StepFlags.NONE
+        return self.control.exchange(
+            held, written, step=record.step, loss=loss, interval_steps=self._proposal()
+        )
+
     def _proposal(self) -> int:
         """Rank 0's steps between exchanges, from the median of its last steps (1 before
         it has timed one after the first); 0 on other ranks."""
@@ -492,16 +502,9 @@ class _Loop:
             and self.every_steps is not None
             and steps_done % self.every_steps == 0
         )
-        if last or due_steps or steps_done % self.control_every == 0:
-            written = self.checkpointer.written_step() if self.checkpointer is not None else -1
-            loss = None if record.loss is None else (record.replica, record.loss)
-            posted, self.held = self.held, StepFlags.NONE
-            agreement = self.control.exchange(
-                posted, written, step=record.step, loss=loss, interval_steps=self._proposal()
-            )
-        else:  # the last exchange's values, read once (nothing when already read)
-            agreement = self.control.finish()
-        agreement = self._heard(agreement)
+        posted = last or due_steps or steps_done % self.control_every == 0
+        # off an exchange step: the last exchange's values, read once (nothing when read)
+        agreement = self._heard(self._post(record) if posted else self.control.finish())
         if agreement.interval_steps > 0:  # every rank reads it at the same step
             self.control_every = agreement.interval_steps
         agreed = agreement.flags
@@ -512,6 +515,8 @@ class _Loop:
         self.checkpointer.publish_written(agreement.written_step)
         if not (due_steps or agreed & StepFlags.CHECKPOINT_DUE):
             return
+        if not posted:  # every rank read the same agreement here: all post this step's flags
+            self._post(record)
         now = self._collect().flags
         if now & _STOP:
             self._finish(steps_done, now)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hplan.runtime.contract.errors import PreemptedError
+from hplan.runtime.contract.errors import DivergedError, PreemptedError
 from hplan.runtime.executor.control import (
     CONTROL_PERIOD_S,
     StepControl,
@@ -82,3 +82,58 @@ def test_ranks_exchange_every_fifth_step_of_a_tenth_of_a_second_and_stop_togethe
     # is read after step 3, then every fifth; rank 1's flag of step 17 rides the exchange
     # of step 20, and both ranks act on it when they read that agreement, one step later
     assert results[0] == {"exchanges": [1, 2, 3, 5, 10, 15, 20], "stopped": 21, "every": 5}
+
+
+class _Saves:
+    """A checkpointer that only records the steps it was asked to save."""
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+
+    def written_step(self) -> int:
+        return -1
+
+    def publish_written(self, written_everywhere: int) -> None:
+        pass
+
+    def save(self, steps_done: int) -> None:
+        self.saved.append(steps_done)
+
+    def wait(self) -> None:
+        pass
+
+
+def _checkpoint_after_divergence(rank: int, port: int, out_dir: str) -> None:
+    try:
+        join_gloo(rank, port)
+        loop = _loop(rank)
+        loop.checkpointer = _Saves()
+        loop.saved_s, loop.pauses_s = 0.0, []
+        diverged = None
+        for steps_done in range(1, 20):
+            record = SimpleNamespace(step=steps_done - 1, step_time_s=STEP_S, loss=1.0, replica=0)
+            flags = StepFlags.NONE
+            if rank == 0 and steps_done == 8:  # rank 0's clock: a checkpoint is due
+                flags = StepFlags.CHECKPOINT_DUE
+            if rank == 1 and steps_done == 11:  # rank 1's loss went non-finite
+                flags = StepFlags.NONFINITE_LOSS
+            try:
+                loop._after(steps_done, flags, record)  # type: ignore[arg-type]
+            except DivergedError:
+                diverged = steps_done
+                break
+        result = {"saved": loop.checkpointer.saved, "diverged": diverged}
+        (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(result))
+    except Exception:
+        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+
+
+def test_a_checkpoint_agreed_between_exchanges_never_saves_a_diverged_state(
+    tmp_path: Path,
+) -> None:
+    # rank 0's due checkpoint rides the exchange of step 10 and is read after step 11, off
+    # an exchange step; rank 1's loss went non-finite in step 11: the ranks post that step's
+    # flags before saving, find the divergence and stop without saving
+    assert run_ranks(_checkpoint_after_divergence, 2, tmp_path) == [0, 0]
+    results = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1] == {"saved": [], "diverged": 11}
