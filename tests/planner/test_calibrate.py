@@ -106,14 +106,17 @@ def _records(plan: Plan, compute_ratio: dict[str, float], scale: float) -> tuple
 
 
 # ---------------------------------------------------------------------------- error math
-def test_a_device_more_than_5_percent_off_its_kind_gets_a_speed_factor(plan):
-    ratios = {"a/0": 1.126, "b/0": 1.172, "c/0": 1.062, "d/0": 1.10, "e/0": 2.0}
+def test_a_device_more_than_2_percent_off_its_kind_gets_a_speed_factor(plan):
+    ratios = {"a/0": 1.126, "b/0": 1.173, "c/0": 1.062, "d/0": 1.11, "e/0": 2.0}
     kinds = dict.fromkeys(ratios, "cpu")
     corrections = {"cpu": 1.126}
     found = speed_factors(ratios, kinds, corrections, stragglers={"e/0": 1.8})
-    # b 4% slower and d 2% faster: noise; c 5.7% faster gets 0.943; e is a straggler
-    assert [(f.device, round(f.time_factor, 3)) for f in found] == [("c/0", 0.943)]
-    assert "6% faster (speed threshold 5%)" in found[0].reason
+    # b 4.2% slower (the fast node of the real-cluster benchmark, left uncorrected under a
+    # 5% threshold, was its next plan's bottleneck) gets 1.042, c 5.7% faster 0.943; d 1.4%
+    # faster: within the threshold; e is a straggler
+    found_factors = [(f.device, round(f.time_factor, 3)) for f in found]
+    assert found_factors == [("b/0", 1.042), ("c/0", 0.943)]
+    assert "4% slower (speed threshold 2%)" in found[0].reason
     # through calibrate (10% slower: no straggler): the corrected profile times it as measured
     run = Run(Path("run"), 1.0, _records(plan, {"box/2": 1.1}, 1.0))
     result = calibrate([(plan, [run])])
