@@ -22,6 +22,7 @@ from hplan.planner.profiling.unit_profile import (
     UnitProfileOptions,
     first_sweep_sizes,
     profile_units,
+    whole_model_notes,
 )
 from hplan.planner.profiling.windows import apportion, run_window, sustained
 from hplan.runtime.capture.model_file import load_model_file
@@ -166,7 +167,9 @@ def test_under_a_binding_cpu_quota_a_call_takes_its_cpu_time_over_the_quota():
 def test_every_unit_timing_is_the_mean_of_a_window_of_at_least_the_minimum(tiny_gpt, ticking):
     model_file = load_model_file(tiny_gpt)
     graph = build_model_graph(model_file, tensors=CaptureTensors.CPU)
-    options = UnitProfileOptions(micro_batch_sizes=(1, 2), num_warmup=0, window_s=0.05)
+    options = UnitProfileOptions(
+        micro_batch_sizes=(1, 2), num_warmup=0, window_s=0.05, whole_model=False
+    )
     result = profile_units(model_file, graph, torch.device("cpu"), "cpu", options)
     # one window per size and round over every unit, one per round over the optimizers
     assert len(ticking) == options.rounds * 2 + options.rounds
@@ -177,10 +180,41 @@ def test_every_unit_timing_is_the_mean_of_a_window_of_at_least_the_minimum(tiny_
         assert timing.forward_s.num_samples == options.rounds
 
 
+def test_unit_times_are_scaled_to_sum_to_the_whole_models_window(tiny_gpt, ticking):
+    # on the ticking clock every lap takes 2**-10 s: each unit alone, and the whole model's
+    # forward (every unit in order) and backward (in reverse) as one call each. So the
+    # units' times at each size must sum to the whole model's, in their timed proportions
+    model_file = load_model_file(tiny_gpt)
+    graph = build_model_graph(model_file, tensors=CaptureTensors.CPU)
+    options = UnitProfileOptions(micro_batch_sizes=(1, 2), num_warmup=0, window_s=0.05)
+    result = profile_units(model_file, graph, torch.device("cpu"), "cpu", options)
+    # per size and round a window over the units and one over the whole model; optimizers
+    assert len(ticking) == options.rounds * 2 * 2 + options.rounds
+    num_units = len(graph.units)
+    for size in (1, 2):
+        at_size = [t for t in result.timings if t.micro_batch_size == size]
+        assert len(at_size) == num_units > 1
+        assert sum(t.forward_s.median for t in at_size) == pytest.approx(2**-10)
+        assert sum(t.backward_s.median for t in at_size) == pytest.approx(2**-10)
+        assert [t.forward_s.median for t in at_size] == pytest.approx([2**-10 / num_units] * num_units)
+    factor = f"x{1 / num_units:.2f}"
+    (note,) = [n for n in result.notes if n.startswith("unit times scaled")]
+    assert note.endswith(f"1: forward {factor}, backward {factor}, 2: forward {factor}, "
+                         f"backward {factor}")  # fmt: skip
+    assert whole_model_notes({4: [], 8: [(1.1, 1.0)]}) == (
+        "unit times scaled to the whole model's forward + backward at each micro-batch size "
+        "(units timed alone run on warmer caches): 8: forward x1.10, backward x1.00",
+        "the whole model ran out of memory at micro-batch sizes 4: their unit times stand as "
+        "timed alone",
+    )
+
+
 def _sweep(tiny_gpt, **options):
     model_file = load_model_file(tiny_gpt)
     graph = build_model_graph(model_file, tensors=CaptureTensors.CPU)
-    chosen = UnitProfileOptions(num_warmup=0, window_s=0.0, optimizer=False, rounds=1, **options)
+    chosen = UnitProfileOptions(
+        num_warmup=0, window_s=0.0, optimizer=False, rounds=1, whole_model=False, **options
+    )
     return profile_units(model_file, graph, torch.device("cpu"), "cpu", chosen)
 
 
