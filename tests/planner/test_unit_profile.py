@@ -196,7 +196,9 @@ def test_unit_times_are_scaled_to_sum_to_the_whole_models_window(tiny_gpt, ticki
         assert len(at_size) == num_units > 1
         assert sum(t.forward_s.median for t in at_size) == pytest.approx(2**-10)
         assert sum(t.backward_s.median for t in at_size) == pytest.approx(2**-10)
-        assert [t.forward_s.median for t in at_size] == pytest.approx([2**-10 / num_units] * num_units)
+        assert [t.forward_s.median for t in at_size] == pytest.approx(
+            [2**-10 / num_units] * num_units
+        )
     factor = f"x{1 / num_units:.2f}"
     (note,) = [n for n in result.notes if n.startswith("unit times scaled")]
     assert note.endswith(f"1: forward {factor}, backward {factor}, 2: forward {factor}, "
