@@ -26,12 +26,13 @@ position ids, masks ...). Per (unit, micro-batch size):
   window runs every unit's forward in order, then every backward in reverse order, as one
   micro-batch of a step runs them, and the units' forward (backward) times at that size are
   scaled so that they sum to the whole model's. A unit timed alone runs its backward right
-  after its own forward, on weights and activations still in cache; in a step every other
-  unit runs in between. On this project's 2-core VM (GPT example, 4 blocks of width 128,
-  one thread) the units alone summed to 3.51 ms a sample at micro-batch 8 and 3.91 at 32,
-  while the whole model ran 3.90 and 3.98: alone, the units made small micro-batches look
-  10% cheaper than they train, and plans chose 4 micro-batches of 8 where one of 32 ran
-  as fast.
+  after its own forward, on its own weights and activations again and again; in a step every
+  other unit runs in between. The factors differ by size and are not all above 1 (MLP
+  example, width 256: forward x0.93 at micro-batch 64, x1.29 at 2048). On this project's
+  2-core VM (GPT example, 4 blocks of width 128, one thread) the units alone summed to 3.51
+  ms a sample at micro-batch 8 and 3.91 at 32, while the whole model ran 3.90 and 3.98:
+  alone, the units made small micro-batches look 10% cheaper than they train, and plans
+  chose 4 micro-batches of 8 where one of 32 ran as fast.
 
 Without explicit sizes the first sweep picks them: powers of two from 1 up to the first
 whose forward + backward of the whole model takes ``time_budget_s`` (beyond it a micro-batch's
@@ -230,7 +231,7 @@ def whole_model_notes(factors: Mapping[int, Sequence[tuple[float, float]]]) -> t
         )
         notes.append(
             "unit times scaled to the whole model's forward + backward at each micro-batch "
-            f"size (units timed alone run on warmer caches): {parts}"
+            f"size (each unit had run alone, its backward right after its forward): {parts}"
         )
     if skipped:
         notes.append(

@@ -205,7 +205,8 @@ def test_unit_times_are_scaled_to_sum_to_the_whole_models_window(tiny_gpt, ticki
                          f"backward {factor}")  # fmt: skip
     assert whole_model_notes({4: [], 8: [(1.1, 1.0)]}) == (
         "unit times scaled to the whole model's forward + backward at each micro-batch size "
-        "(units timed alone run on warmer caches): 8: forward x1.10, backward x1.00",
+        "(each unit had run alone, its backward right after its forward): 8: forward x1.10, "
+        "backward x1.00",
         "the whole model ran out of memory at micro-batch sizes 4: their unit times stand as "
         "timed alone",
     )
