@@ -89,10 +89,11 @@ shares the batch by its measured speed. A difference left uncorrected stays in t
 plan as an imbalance; one corrected that was noise puts the noise there instead. So the
 threshold bounds the bias, not the noise: on ``bench/real_cluster.py`` (GPT, quotas
 0.9/0.45/0.45) the fast node computed 4.2% slower than its kind's correction, got no
-factor under the former 5%, and in each of three runs of the next plan computed 6% longer
-a step than the two slow nodes (230 against 217 ms of CPU over its quota) and was the
-bottleneck. A rank's sustained compute in three runs of the same plan spread by 1.5-6%
-(once 11%)."""
+factor under the former 5%, and in each of three runs of the next plan was the bottleneck
+(228-232 ms of CPU over its quota a step, the slow nodes 211-223 ms). The noise is as
+large: a rank's sustained compute in three runs of the same plan spread by 1.5-6% (once
+11%), and in another benchmark run one of three 0.6-core nodes measured 6-9% faster than
+the others in the first run and no faster in the three runs after it."""
 
 
 @dataclass(frozen=True, slots=True)
