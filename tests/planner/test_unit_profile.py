@@ -212,6 +212,35 @@ def test_unit_times_are_scaled_to_sum_to_the_whole_models_window(tiny_gpt, ticki
     )
 
 
+class _WholeModelOutOfMemory(_RecordingWatch):
+    """The ticking stopwatch, whose whole-model windows (two calls: every forward, every
+    backward) run out of memory as the CPU allocator reports it; unit windows time."""
+
+    def window(self, calls, window_s):
+        if len(calls) == 2:
+            calls[0]()  # the whole model's forward holds every unit's activations
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to ...")
+        return super().window(calls, window_s)
+
+
+def test_a_whole_model_out_of_memory_keeps_the_unit_times_and_says_so(tiny_gpt, monkeypatch):
+    import hplan.planner.profiling.unit_profile as unit_profile
+
+    monkeypatch.setattr(unit_profile, "Stopwatch", _WholeModelOutOfMemory)
+    model_file = load_model_file(tiny_gpt)
+    graph = build_model_graph(model_file, tensors=CaptureTensors.CPU)
+    options = UnitProfileOptions(micro_batch_sizes=(1, 2), num_warmup=0, window_s=0.0)
+    result = profile_units(model_file, graph, torch.device("cpu"), "cpu", options)
+    # the sizes stay, each unit as timed alone (one tick), with a note naming the sizes
+    assert result.micro_batch_sizes == (1, 2)
+    assert {t.forward_s.median for t in result.timings} == {2**-10}
+    assert {t.backward_s.median for t in result.timings} == {2**-10}
+    assert result.notes[-1] == (
+        "the whole model ran out of memory at micro-batch sizes 1, 2: their unit times stand "
+        "as timed alone"
+    )
+
+
 def _sweep(tiny_gpt, **options):
     model_file = load_model_file(tiny_gpt)
     graph = build_model_graph(model_file, tensors=CaptureTensors.CPU)
