@@ -6,6 +6,7 @@ import json
 import math
 import traceback
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,31 +46,51 @@ def _loop(rank: int) -> _Loop:
     return loop
 
 
-def _steps(rank: int, port: int, out_dir: str) -> None:
+def _in_rank(rank: int, port: int, out_dir: str, body: Callable[[_Loop], dict]) -> None:
+    """Join the two-rank gloo job, run ``body`` on a fresh loop, write what it returns to
+    ``rank-<rank>.json`` (an error's traceback to ``error-<rank>.txt``)."""
     try:
         join_gloo(rank, port)
-        loop = _loop(rank)
-        exchanges: list[int] = []
-        exchange = loop.control.exchange
-
-        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-            exchanges.append(steps_done)
-            return exchange(*args, **kwargs)
-
-        loop.control.exchange = counted  # type: ignore[method-assign]
-        stopped = None
-        for steps_done in range(1, 40):
-            record = SimpleNamespace(step=steps_done - 1, step_time_s=STEP_S, loss=1.0, replica=0)
-            flags = StepFlags.PREEMPTED if rank == 1 and steps_done == PREEMPTED_AT else 0
-            try:
-                loop._after(steps_done, StepFlags(flags), record)  # type: ignore[arg-type]
-            except PreemptedError:
-                stopped = steps_done
-                break
-        result = {"exchanges": exchanges, "stopped": stopped, "every": loop.control_every}
+        result = body(_loop(rank))
         (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(result))
     except Exception:
         (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+
+
+def _drive(
+    loop: _Loop, num_steps: int, flags_at: Callable[[int], StepFlags], stop: type[Exception]
+) -> int | None:
+    """``loop._after`` for steps 1 .. ``num_steps - 1`` of STEP_S each, with the flags
+    ``flags_at(steps_done)`` gives; the step at which it raised ``stop`` (None: never)."""
+    for steps_done in range(1, num_steps):
+        record = SimpleNamespace(step=steps_done - 1, step_time_s=STEP_S, loss=1.0, replica=0)
+        try:
+            loop._after(steps_done, flags_at(steps_done), record)  # type: ignore[arg-type]
+        except stop:
+            return steps_done
+    return None
+
+
+def _steps(rank: int, port: int, out_dir: str) -> None:
+    def body(loop: _Loop) -> dict:
+        exchanges: list[int] = []
+        current = [0]
+        exchange = loop.control.exchange
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            exchanges.append(current[0])
+            return exchange(*args, **kwargs)
+
+        def flags_at(steps_done: int) -> StepFlags:
+            current[0] = steps_done
+            preempted = rank == 1 and steps_done == PREEMPTED_AT
+            return StepFlags.PREEMPTED if preempted else StepFlags.NONE
+
+        loop.control.exchange = counted  # type: ignore[method-assign]
+        stopped = _drive(loop, 40, flags_at, PreemptedError)
+        return {"exchanges": exchanges, "stopped": stopped, "every": loop.control_every}
+
+    _in_rank(rank, port, out_dir, body)
 
 
 def test_ranks_exchange_every_fifth_step_of_a_tenth_of_a_second_and_stop_together(
@@ -104,28 +125,22 @@ class _Saves:
 
 
 def _checkpoint_after_divergence(rank: int, port: int, out_dir: str) -> None:
-    try:
-        join_gloo(rank, port)
-        loop = _loop(rank)
-        loop.checkpointer = _Saves()
+    def body(loop: _Loop) -> dict:
+        saves = _Saves()
+        loop.checkpointer = saves
         loop.saved_s, loop.pauses_s = 0.0, []
-        diverged = None
-        for steps_done in range(1, 20):
-            record = SimpleNamespace(step=steps_done - 1, step_time_s=STEP_S, loss=1.0, replica=0)
-            flags = StepFlags.NONE
+
+        def flags_at(steps_done: int) -> StepFlags:
             if rank == 0 and steps_done == 8:  # rank 0's clock: a checkpoint is due
-                flags = StepFlags.CHECKPOINT_DUE
+                return StepFlags.CHECKPOINT_DUE
             if rank == 1 and steps_done == 11:  # rank 1's loss went non-finite
-                flags = StepFlags.NONFINITE_LOSS
-            try:
-                loop._after(steps_done, flags, record)  # type: ignore[arg-type]
-            except DivergedError:
-                diverged = steps_done
-                break
-        result = {"saved": loop.checkpointer.saved, "diverged": diverged}
-        (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(result))
-    except Exception:
-        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+                return StepFlags.NONFINITE_LOSS
+            return StepFlags.NONE
+
+        diverged = _drive(loop, 20, flags_at, DivergedError)
+        return {"saved": saves.saved, "diverged": diverged}
+
+    _in_rank(rank, port, out_dir, body)
 
 
 def test_a_checkpoint_agreed_between_exchanges_never_saves_a_diverged_state(
