@@ -1,10 +1,19 @@
 """Predict the step time and memory of a layout under hplan's cost model.
 
-One optimizer step of a layout takes (see ``evaluate``)::
+One optimizer step of a layout takes, in the steady state of step after step (see
+``evaluate``)::
 
-    step_time = max over replicas of pipeline_time
+    step_time = max over replicas of (optimizer time + pipeline_time)
               + gradient all-reduce time left after the pipelines (``allreduce_time_s``)
-              + optimizer time (slowest device)
+
+A step's gradient all-reduce is the one point where every replica meets; between two of
+them each device runs its optimizer step and then its pipeline of the next step, so a
+replica's optimizer time (its slowest stage's) counts with its own pipeline, not the
+slowest device's with everyone's: a slower device's longer optimizer step is balanced
+by a smaller batch share, like its compute. On ``bench/real_cluster.py`` (MLP, CPU
+quotas 0.9/0.45/0.45) the plan's optimizer steps were 3.4 ms on the fast node and 6.9 ms
+on the slow ones. With ZeRO's all-gather after the optimizer steps (a second meeting
+point) the slowest optimizer step plus the all-gather precede every pipeline.
 
     pipeline_time = (num_microbatches - 1) * period + fill_time
 
@@ -151,6 +160,9 @@ class Evaluation:
     outer_sync_time_s: float = 0.0
     """The outer sync of a layout with local sync, amortised per inner step (included in
     ``step_time_s``; 0 without)."""
+    replica_starts_s: tuple[float, ...] = ()
+    """Per replica, what precedes its pipeline in a step: its optimizer step (its slowest
+    stage's), or under ZeRO the slowest one's plus the all-gather (module docstring)."""
 
     @property
     def inner_step_time_s(self) -> float:
@@ -439,12 +451,21 @@ def measured_ring(problem: PlanningProblem, devices: Sequence[int]) -> tuple[flo
 def optimizer_time_s(problem: PlanningProblem, layout: Layout) -> float:
     """Slowest device's optimizer step over the units it holds (offloaded where the layout
     says so: ``cost.offload``)."""
-    times = [
-        stage_optimizer_time_s(problem, layout, s.device_idx, s.unit_start, s.unit_stop)
+    return max(replica_optimizer_times_s(problem, layout), default=0.0)
+
+
+def replica_optimizer_times_s(problem: PlanningProblem, layout: Layout) -> tuple[float, ...]:
+    """Per replica (in ``layout.replicas`` order), its slowest stage's optimizer step."""
+    return tuple(
+        max(
+            (
+                stage_optimizer_time_s(problem, layout, s.device_idx, s.unit_start, s.unit_stop)
+                for s in r.stages
+            ),
+            default=0.0,
+        )
         for r in layout.replicas
-        for s in r.stages
-    ]
-    return max(times, default=0.0)
+    )
 
 
 def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
@@ -459,13 +480,20 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
         pipeline_time_s(costs, r.num_microbatches)
         for costs, r in zip(stages, layout.replicas, strict=True)
     )
-    allreduce = allreduce_time_s(problem, layout, replica_times)
-    optimizer = optimizer_time_s(problem, layout) + allgather_time_s(problem, layout)
+    optimizers = replica_optimizer_times_s(problem, layout)
+    gather = allgather_time_s(problem, layout)
+    optimizer = max(optimizers, default=0.0) + gather
+    # a replica starts its pipeline once its own devices have stepped; under ZeRO the
+    # all-gather after the optimizer steps is a second meeting point: once the slowest
+    # step and the gathers are done
+    starts = (optimizer,) * len(replica_times) if layout.optimizer_shard_weights else optimizers
+    started = tuple(o + t for o, t in zip(starts, replica_times, strict=True))
+    allreduce = allreduce_time_s(problem, layout, started)
+    inner = max(started) + allreduce
     if layout.optimizer_shard_weights:
         stages = _sharded(problem, layout, stages)
     if layout.optimizer_offload:
         stages = _less(stages, device_saving_bytes(problem, layout))
-    inner = max(replica_times) + allreduce + optimizer
     outer = outer_sync_time_s(problem, layout, inner)
     step = inner + outer
     memory_ok = all(
@@ -483,6 +511,7 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
         stages=stages,
         memory_ok=memory_ok,
         outer_sync_time_s=outer,
+        replica_starts_s=tuple(starts),
     )
 
 

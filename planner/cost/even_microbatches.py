@@ -101,12 +101,13 @@ def rebalanced(problem: PlanningProblem, layout: Layout) -> Layout:
     smaller last one); cut evenly, a replica's time changes, and the replicas no longer end
     together: on ``bench/real_cluster.py``'s three 0.6-core nodes (the MLP example, calibrated)
     the cost model itself predicted 88.0, 84.1 and 84.3 ms for the three replicas of its
-    best layout. Each round gives replica ``r`` the share ``n_r * T / t_r`` (its samples at
-    the rate its predicted time ``t_r`` shows, all ending at the same ``T``; rounded by the
-    largest remainder), up to ``REBALANCE_ROUNDS`` rounds, each kept only when the cost model
-    predicts a strictly shorter step and its micro-batches fit memory and stay allowed (an
-    even cut no larger than the largest candidate, or one micro-batch). Layouts whose islands
-    sync locally keep their shares (each island's are its own).
+    best layout. Each round gives replica ``r`` the share ``(T - o_r) * n_r / t_r`` (its
+    samples at the rate its predicted time ``t_r`` shows, after its optimizer step ``o_r``,
+    all ending at the same ``T``; rounded by the largest remainder), up to
+    ``REBALANCE_ROUNDS`` rounds, each kept only when the cost model predicts a strictly
+    shorter step and its micro-batches fit memory and stay allowed (an even cut no larger
+    than the largest candidate, or one micro-batch). Layouts whose islands sync locally keep
+    their shares (each island's are its own).
 
     Returns:
         A layout with the same stages and micro-batch counts (the same layout when no
@@ -116,7 +117,7 @@ def rebalanced(problem: PlanningProblem, layout: Layout) -> Layout:
         return layout
     best, best_eval = layout, evaluate(problem, layout)
     for _ in range(REBALANCE_ROUNDS):
-        shares = _balanced_shares(best, best_eval.replica_times_s)
+        shares = _balanced_shares(best, best_eval.replica_times_s, best_eval.replica_starts_s)
         replicas = [_even_cut(problem, r, n) for r, n in zip(best.replicas, shares, strict=True)]
         if any(r is None for r in replicas):
             break
@@ -128,14 +129,21 @@ def rebalanced(problem: PlanningProblem, layout: Layout) -> Layout:
     return best
 
 
-def _balanced_shares(layout: Layout, replica_times_s: tuple[float, ...]) -> list[int]:
-    """Shares summing to the layout's, each replica's proportional to its samples per
-    second at its current share (largest remainder; at least one sample each)."""
+def _balanced_shares(
+    layout: Layout, replica_times_s: tuple[float, ...], starts_s: tuple[float, ...]
+) -> list[int]:
+    """Shares summing to the layout's such that every replica, after what precedes its
+    pipeline (``starts_s``: its optimizer step, ``evaluate.Evaluation.replica_starts_s``),
+    ends at the same time, each computing at its samples per second at its current share
+    (largest remainder; at least one sample each)."""
     total = sum(r.num_samples for r in layout.replicas)
     rates = [
         r.num_samples / max(t, 1e-12) for r, t in zip(layout.replicas, replica_times_s, strict=True)
     ]
-    exact = [total * rate / sum(rates) for rate in rates]
+    starts = starts_s or (0.0,) * len(rates)
+    end_s = (total + sum(rate * s for rate, s in zip(rates, starts, strict=True))) / sum(rates)
+    room = [max(0.0, (end_s - s) * rate) for rate, s in zip(rates, starts, strict=True)]
+    exact = [total * x / sum(room) for x in room]
     shares = [max(1, int(x)) for x in exact]
     by_remainder = sorted(range(len(exact)), key=lambda i: int(exact[i]) - exact[i])
     for i in by_remainder[: max(0, total - sum(shares))]:

@@ -34,7 +34,12 @@ step the way the runtime runs it (``runtime/executor/``: ``pipeline.py``, ``comm
    ``max(start + all of its rings, last pass end + last ring)``, which is
    ``link_model.exposed_all_reduce_s`` on a timeline. Without it (None) a member is ready
    once its sends are complete and the group is one blocking ring.
-5. The optimizer step, once the rank's schedule and its all-reduces are done.
+5. The optimizer step of the step before: a rank runs it first, then its schedule. A
+   step repeats between two gradient all-reduces, where every replica meets; in between
+   each rank steps its optimizer and runs its next schedule, so the simulated step is the
+   steady state of step after step, and a rank's optimizer time counts with its own
+   schedule (the cost model's ``evaluate``). In the runtime the optimizer step ends a step
+   (``training.py``): the same cycle, cut elsewhere.
 6. Under local sync (``SimSpec.outer_syncs``): the outer sync round, amortised over its H
    inner steps (``cost.sync_cost``: the round is every spanning set's ring one after
    another on each member, the slowest member's total; per step local SGD adds round / H,
@@ -167,7 +172,9 @@ class _Engine:
 
     def run(self) -> None:
         for rank in sorted(self.ranks):
-            self._push(0.0, _FREE, rank)
+            state = self.ranks[rank]
+            self._optimizer(state)  # the previous step's: this step's schedule follows it
+            self._push(state.clock_s, _FREE, rank)
         while self.heap:
             time_s, _, what, rank = heapq.heappop(self.heap)
             if what == _FREE:
@@ -179,8 +186,6 @@ class _Engine:
         for state in self.ranks.values():
             self._complete_sends(state)
         self._all_reduce()
-        for state in self.ranks.values():
-            self._optimizer(state)
         self._outer_sync()
 
     # ----------------------------------------------------------------- helpers

@@ -309,7 +309,9 @@ def _with_allgather(
 ) -> tuple[SimReplica, ...]:
     """ZeRO stage 1: every rank waits, after its optimizer step, for the slowest rank's
     all-gathers of its holder sets' updated parameters (each half a ring all-reduce of the
-    set's bytes over its channel, as ``cost.zero.allgather_time_s``)."""
+    set's bytes over its channel, as ``cost.zero.allgather_time_s``), which start once the
+    slowest optimizer step is done: each rank's optimizer time becomes the slowest one's
+    plus the gathers."""
     per_rank: dict[int, float] = defaultdict(float)
     for group in groups:
         if len(group.ranks) < 2:
@@ -322,8 +324,9 @@ def _with_allgather(
     gather_s = max(per_rank.values(), default=0.0)
     if gather_s <= 0:
         return replicas
+    slowest_s = max(s.optimizer_s for r in replicas for s in r.stages)
     return tuple(
-        replace(r, stages=tuple(replace(s, optimizer_s=s.optimizer_s + gather_s) for s in r.stages))
+        replace(r, stages=tuple(replace(s, optimizer_s=slowest_s + gather_s) for s in r.stages))
         for r in replicas
     )
 

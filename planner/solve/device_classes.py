@@ -3,7 +3,7 @@
 Two nodes are *interchangeable* when they hold the same devices (kind, memory, unit times),
 the same links inside, the same links to every other node, and the same link between each
 other — typically several identical workstations on one switch. A *device class* is the set
-of devices of one kind (same memory and unit times) over one group of interchangeable
+of devices of one kind (same memory, unit times and optimizer times) over one group of interchangeable
 nodes, listed node by node: a shape that takes "the next free device" of its classes
 therefore packs each pipeline into as few nodes as possible. Without the grouping, 16
 identical nodes of three GPU kinds would give 48 classes, and the shape count would
@@ -44,6 +44,7 @@ def _device_key(problem: PlanningProblem, d: int) -> tuple[object, ...]:
         float(problem.memory_capacity_bytes[d]),
         problem.fwd_time_s[d].tobytes(),
         problem.bwd_time_s[d].tobytes(),
+        problem.optimizer_time_s[d].tobytes(),  # a step balances it too (cost.evaluate)
     )
 
 

@@ -166,7 +166,8 @@ def test_every_event_order_rule_holds_on_random_plans(spec: SimSpec) -> None:
 # --------------------------------------------------------------------------- hand-computed
 def test_two_stage_pipeline_gives_the_hand_computed_timeline() -> None:
     # f = 1, b = 2 on both stages; 1 byte over 4 B/s (0.25 s) + 0.5 s latency each way;
-    # a tied weight (8 bytes) all-reduced over the same link; optimizer 0.5 s and 0.25 s.
+    # a tied weight (8 bytes) all-reduced over the same link; optimizer 0.5 s and 0.25 s,
+    # the previous step's, before each rank's schedule.
     link = SimChannel(4.0, 0.5)
     spec = SimSpec(
         replicas=(
@@ -180,18 +181,18 @@ def test_two_stage_pipeline_gives_the_hand_computed_timeline() -> None:
     )
     result = simulate(spec)
     expected = {
-        (0, "s0.F.mb0"): (0.0, 1.0),
-        (0, "s0.F.mb1"): (1.0, 2.0),
-        (1, "s1.F.mb0"): (1.75, 2.75),  # waits for the first transfer: 1 + 0.25 + 0.5
-        (1, "s1.B.mb0"): (2.75, 4.75),
-        (1, "s1.F.mb1"): (4.75, 5.75),
-        (1, "s1.B.mb1"): (5.75, 7.75),
-        (0, "s0.B.mb0"): (5.5, 7.5),
-        (0, "s0.B.mb1"): (8.5, 10.5),
-        (0, "all-reduce ranks 0,1"): (10.5, 13.5),  # 2 (n-1)/n * 8 / 4 + 2 (n-1) * 0.5 = 3
-        (1, "all-reduce ranks 0,1"): (10.5, 13.5),
-        (0, "optimizer"): (13.5, 14.0),
-        (1, "optimizer"): (13.5, 13.75),
+        (0, "optimizer"): (0.0, 0.5),
+        (1, "optimizer"): (0.0, 0.25),
+        (0, "s0.F.mb0"): (0.5, 1.5),
+        (0, "s0.F.mb1"): (1.5, 2.5),
+        (1, "s1.F.mb0"): (2.25, 3.25),  # waits for the first transfer: 1.5 + 0.25 + 0.5
+        (1, "s1.B.mb0"): (3.25, 5.25),
+        (1, "s1.F.mb1"): (5.25, 6.25),
+        (1, "s1.B.mb1"): (6.25, 8.25),
+        (0, "s0.B.mb0"): (6.0, 8.0),
+        (0, "s0.B.mb1"): (9.0, 11.0),
+        (0, "all-reduce ranks 0,1"): (11.0, 14.0),  # 2 (n-1)/n * 8 / 4 + 2 (n-1) * 0.5 = 3
+        (1, "all-reduce ranks 0,1"): (11.0, 14.0),
     }
     for (rank, label), span in expected.items():
         assert _span(result, rank, label) == pytest.approx(span), label
@@ -239,8 +240,8 @@ def test_a_boundary_of_zero_bytes_sends_nothing_and_waits_for_nothing() -> None:
 
 
 def test_a_send_completes_only_once_the_receiver_posts_its_receive() -> None:
-    # Stage 0's slow backward posts the receive of B.mb1 at 13 s; stage 1 sent it at 5 s and
-    # its optimizer step (1 s) waits until then, as the runtime's wait_sends does.
+    # After their optimizer steps (1 s), stage 0's slow backward posts the receive of B.mb1
+    # at 14 s; stage 1 sent it at 6 s and is done only then, as the runtime's wait_sends.
     spec = SimSpec(
         (
             SimReplica(
@@ -249,8 +250,8 @@ def test_a_send_completes_only_once_the_receiver_posts_its_receive() -> None:
         )
     )
     result = simulate(spec)
-    assert _span(result, 1, "send completion") == (5.0, 13.0)
-    assert _span(result, 1, "optimizer") == (13.0, 14.0)
+    assert _span(result, 1, "send completion") == (6.0, 14.0)
+    assert {r.rank: r.end_s for r in result.ranks}[1] == 14.0
     assert result.step_time_s == pytest.approx(24.0)
 
 
@@ -265,9 +266,9 @@ def test_replicas_wait_for_the_slowest_member_of_each_all_reduce() -> None:
     )
     result = simulate(spec)
     ring_s = 2.2  # 2 (n-1)/n * 10 B / 5 B/s + 2 (n-1) * 0.1 s, n = 2
-    assert _span(result, 1, "wait for all-reduce ranks 0,1") == (1.0, 3.0)
-    assert _span(result, 1, "all-reduce ranks 0,1") == pytest.approx((3.0, 3.0 + ring_s))
-    assert result.step_time_s == pytest.approx(3.0 + ring_s + 0.5)
+    assert _span(result, 1, "wait for all-reduce ranks 0,1") == (1.5, 3.5)  # after 0.5 s optimizers
+    assert _span(result, 1, "all-reduce ranks 0,1") == pytest.approx((3.5, 3.5 + ring_s))
+    assert result.step_time_s == pytest.approx(0.5 + 3.0 + ring_s)
     ranks = {r.rank: r for r in result.ranks}
     assert ranks[1].idle_s == pytest.approx(2.0)
     assert result.bottleneck_rank == 0
@@ -315,36 +316,38 @@ def _two_replicas_sharing(num_bytes: float, bandwidth: float, cap: float | None)
 
 def test_buckets_go_out_during_the_last_backward_and_only_the_rest_is_exposed() -> None:
     # 100 bytes in buckets of 25: rings of 4 x (25 B / 25 B/s + 2 x 0.1 s) = 4.8 s, the last
-    # one 1.2 s. The first bucket is out a quarter into the 2 s backward, at 1.5 s.
+    # one 1.2 s. After the 0.5 s optimizer step, the first bucket is out a quarter into the
+    # 2 s backward, at 2 s.
     result = simulate(_two_replicas_sharing(100.0, 25.0, 25.0))
     assert exposed_all_reduce_s(4.8, 1.5, 1.2) == pytest.approx(3.3)
     for rank in (0, 1):
-        assert _span(result, rank, "s0.B.mb0") == (1.0, 3.0)
-        assert _span(result, rank, "all-reduce ranks 0,1") == pytest.approx((1.5, 6.3))
-        assert _span(result, rank, "optimizer") == pytest.approx((6.3, 6.8))
+        assert _span(result, rank, "optimizer") == pytest.approx((0.0, 0.5))
+        assert _span(result, rank, "s0.B.mb0") == (1.5, 3.5)
+        assert _span(result, rank, "all-reduce ranks 0,1") == pytest.approx((2.0, 6.8))
     times = {r.rank: r for r in result.ranks}
     assert times[0].communication_s == pytest.approx(3.3)  # only what the backward left
     assert times[0].compute_s == pytest.approx(3.5)
     assert times[0].idle_s == pytest.approx(0.0, abs=1e-12)
     # one blocking ring after the schedule: 100 B / 25 B/s + 0.2 s
     after = simulate(_two_replicas_sharing(100.0, 25.0, None))
-    assert _span(after, 0, "all-reduce ranks 0,1") == pytest.approx((3.0, 7.2))
+    assert _span(after, 0, "all-reduce ranks 0,1") == pytest.approx((3.5, 7.7))
     _check_invariants(_two_replicas_sharing(100.0, 25.0, 25.0), result)
 
 
 def test_when_the_rings_are_faster_than_the_backward_only_the_last_bucket_is_exposed() -> None:
-    # rings of 4 x (0.25 + 0.2) = 1.8 s from 1.5 s would end at 3.3 s, but the last bucket's
-    # gradients are final at 3 s: 3 + 0.45 s.
+    # rings of 4 x (0.25 + 0.2) = 1.8 s from 2 s would end at 3.8 s, but the last bucket's
+    # gradients are final at 3.5 s: 3.5 + 0.45 s.
     result = simulate(_two_replicas_sharing(100.0, 100.0, 25.0))
-    assert _span(result, 0, "all-reduce ranks 0,1") == pytest.approx((1.5, 3.45))
+    assert _span(result, 0, "all-reduce ranks 0,1") == pytest.approx((2.0, 3.95))
     assert result.step_time_s == pytest.approx(3.95)
-    path = result.critical_path
-    assert [e.label for e in path[-3:]] == ["s0.B.mb0", "all-reduce ranks 0,1", "optimizer"]
+    path = [e.label for e in result.critical_path]
+    assert path[0] == "optimizer"
+    assert path[-2:] == ["s0.B.mb0", "all-reduce ranks 0,1"]
 
 
 def test_a_group_that_fits_one_bucket_starts_when_the_last_backward_ends() -> None:
     result = simulate(_two_replicas_sharing(20.0, 25.0, 25.0))
-    assert _span(result, 0, "all-reduce ranks 0,1") == pytest.approx((3.0, 4.0))  # 0.8 + 0.2
+    assert _span(result, 0, "all-reduce ranks 0,1") == pytest.approx((3.5, 4.5))  # 0.8 + 0.2
 
 
 # --------------------------------------------------------------------------- vs evaluate.py

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.solve import milp, search
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.bound import throughput_bound_samples_per_s
@@ -299,3 +301,43 @@ def test_the_search_charges_a_one_stage_copy_the_overlapped_all_reduce_the_evalu
     evaluated = evaluate(problem, layout).allreduce_time_s
     assert allreduce_estimate_s(problem, classes, scenario, shape) == pytest.approx(evaluated)
     assert 0 < evaluated < 2 * 120e6 / 2 / 0.5e9  # less than the rings alone
+
+
+def _slow_optimizer_problem() -> object:
+    """Two devices that compute alike (10 ms a sample, one unit), one of whose optimizer
+    steps takes 0.3 s against 0.1 s: no all-reduce costs (gradients of 1 byte)."""
+    problem = make_problem(
+        [Dev("a", 1.0, 80 * GB), Dev("b", 1.0, 80 * GB)],
+        unit_work=[0.01 / 3],  # forward 1/3, backward 2/3 of 10 ms
+        global_batch_size=100,
+        micro_batch_sizes=(100,),
+        grad_bytes=[1.0],
+    )
+    slower = np.array([[0.1], [0.3]])
+    return replace(problem, optimizer_time_s=slower)
+
+
+def test_a_step_counts_each_replicas_optimizer_with_its_own_pipeline() -> None:
+    # Between two all-reduces each device steps its optimizer and then computes: the step is
+    # max(0.1 + n_a * 10 ms, 0.3 + n_b * 10 ms) (+ a tiny all-reduce), not the slowest
+    # pipeline plus the slowest optimizer step.
+    problem = _slow_optimizer_problem()
+    layout = Layout(
+        (
+            ReplicaLayout((StageLayout(0, 0, 1),), 60, 1, 60),
+            ReplicaLayout((StageLayout(1, 0, 1),), 40, 1, 40),
+        )
+    )
+    ev = evaluate(problem, layout)
+    assert ev.step_time_s == pytest.approx(0.7 + ev.allreduce_time_s, rel=1e-9)
+    assert ev.allreduce_time_s < 1e-3
+    assert ev.optimizer_time_s == pytest.approx(0.3)  # the report's slowest device
+
+
+def test_the_device_with_the_slower_optimizer_step_gets_the_smaller_share() -> None:
+    # Shares that end the pipelines together (50 | 50) would take 0.3 + 0.5 = 0.8 s; the
+    # 0.2 s the slower optimizer step costs is balanced by 10 samples each way: 0.7 s.
+    result = solve(_slow_optimizer_problem(), FAST)
+    shares = {r.stages[0].device_idx: r.num_samples for r in result.layout.replicas}
+    assert shares == {0: 60, 1: 40}
+    assert result.evaluation.step_time_s == pytest.approx(0.7, abs=1e-3)
