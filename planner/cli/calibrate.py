@@ -157,10 +157,6 @@ def print_calibration(result: Calibration, console: Console) -> None:
         )
     for factor in result.speed_factors:
         console.print(f"speed {factor.device}: x {factor.time_factor:.3f} — {factor.reason}")
-    for host in result.host_work:
-        console.print(
-            f"host work {host.device}: {format_seconds(host.step_host_s)} a step — {host.reason}"
-        )
     if result.collectives:
         print_collectives(result.collectives, console)
     if result.memory:
@@ -294,10 +290,6 @@ def calibration_summary(result: Calibration) -> dict[str, object]:
         "node_collectives": [
             {"node": c.node, "latency_per_step_s": c.latency_per_step_s, "reason": c.reason}
             for c in result.profile.node_collectives
-        ],
-        "host_work": [
-            {"device": h.device, "step_host_s": h.step_host_s, "reason": h.reason}
-            for h in result.host_work
         ],
     }
 

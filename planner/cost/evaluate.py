@@ -3,7 +3,7 @@
 One optimizer step of a layout takes, in the steady state of step after step (see
 ``evaluate``)::
 
-    step_time = max over replicas of (host work + optimizer time + pipeline_time)
+    step_time = max over replicas of (optimizer time + pipeline_time)
               + gradient all-reduce time left after the pipelines (``allreduce_time_s``)
 
 A step's gradient all-reduce is the one point where every replica meets; between two of
@@ -13,10 +13,7 @@ slowest device's with everyone's: a slower device's longer optimizer step is bal
 by a smaller batch share, like its compute. On ``bench/real_cluster.py`` (MLP, CPU
 quotas 0.9/0.45/0.45) the plan's optimizer steps were 3.4 ms on the fast node and 6.9 ms
 on the slow ones. With ZeRO's all-gather after the optimizer steps (a second meeting
-point) the slowest optimizer step plus the all-gather precede every pipeline. A CPU
-device's host work per step (``PlanningProblem.step_host_time_s``: data, the gradient
-buckets' copies and the collectives' CPU work, measured by ``hplan calibrate``) runs on
-the device itself and counts with its optimizer step.
+point) the slowest optimizer step plus the all-gather precede every pipeline.
 
     pipeline_time = (num_microbatches - 1) * period + fill_time
 
@@ -164,9 +161,8 @@ class Evaluation:
     """The outer sync of a layout with local sync, amortised per inner step (included in
     ``step_time_s``; 0 without)."""
     replica_starts_s: tuple[float, ...] = ()
-    """Per replica, what precedes its pipeline in a step: its host work and optimizer step
-    (its slowest stage's), or under ZeRO the slowest one's plus the all-gather (module
-    docstring)."""
+    """Per replica, what precedes its pipeline in a step: its optimizer step (its slowest
+    stage's), or under ZeRO the slowest one's plus the all-gather (module docstring)."""
 
     @property
     def inner_step_time_s(self) -> float:
@@ -458,16 +454,12 @@ def optimizer_time_s(problem: PlanningProblem, layout: Layout) -> float:
     return max(replica_optimizer_times_s(problem, layout), default=0.0)
 
 
-def replica_optimizer_times_s(
-    problem: PlanningProblem, layout: Layout, *, with_host: bool = False
-) -> tuple[float, ...]:
-    """Per replica (in ``layout.replicas`` order), its slowest stage's optimizer step; with
-    ``with_host``, each stage's host work per step added (``PlanningProblem.host_time_s``)."""
+def replica_optimizer_times_s(problem: PlanningProblem, layout: Layout) -> tuple[float, ...]:
+    """Per replica (in ``layout.replicas`` order), its slowest stage's optimizer step."""
     return tuple(
         max(
             (
                 stage_optimizer_time_s(problem, layout, s.device_idx, s.unit_start, s.unit_stop)
-                + (problem.host_time_s(s.device_idx) if with_host else 0.0)
                 for s in r.stages
             ),
             default=0.0,
@@ -488,14 +480,13 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
         pipeline_time_s(costs, r.num_microbatches)
         for costs, r in zip(stages, layout.replicas, strict=True)
     )
+    optimizers = replica_optimizer_times_s(problem, layout)
     gather = allgather_time_s(problem, layout)
-    optimizer = optimizer_time_s(problem, layout) + gather
-    # a replica starts its pipeline once its own devices have done their host work and
-    # stepped; under ZeRO the all-gather after the optimizer steps is a second meeting
-    # point: once the slowest of them and the gathers are done
-    own = replica_optimizer_times_s(problem, layout, with_host=True)
-    shared = (max(own, default=0.0) + gather,) * len(replica_times)
-    starts = shared if layout.optimizer_shard_weights else own
+    optimizer = max(optimizers, default=0.0) + gather
+    # a replica starts its pipeline once its own devices have stepped; under ZeRO the
+    # all-gather after the optimizer steps is a second meeting point: once the slowest
+    # step and the gathers are done
+    starts = (optimizer,) * len(replica_times) if layout.optimizer_shard_weights else optimizers
     started = tuple(o + t for o, t in zip(starts, replica_times, strict=True))
     allreduce = allreduce_time_s(problem, layout, started)
     inner = max(started) + allreduce

@@ -119,17 +119,6 @@ class PlanningProblem:
     median over its profiled micro-batch sizes (0.05: 5%); 0 for an estimated device; None:
     nothing measured. Predictions closer than this cannot be ranked
     (``cost.even_microbatches``)."""
-    step_host_time_s: FloatArray | None = None
-    """Each device's host work per step, shape (D,): CPU work outside its forwards,
-    backwards and optimizer step that runs on the device itself (a CPU device), as a run
-    measured it (``profile_file.HostWork``); it precedes the device's pipeline with its
-    optimizer step (``cost.evaluate``). 0 where not measured; None: nothing measured."""
-
-    def host_time_s(self, device_idx: int) -> float:
-        """``step_host_time_s`` of one device (0 without measurements)."""
-        if self.step_host_time_s is None:
-            return 0.0
-        return float(self.step_host_time_s[device_idx])
 
     @property
     def num_devices(self) -> int:
@@ -176,13 +165,6 @@ class PlanningProblem:
             or not np.all(np.isfinite(self.time_spread) & (self.time_spread >= 0))
         ):
             raise ValueError(f"PlanningProblem.time_spread must have shape {(d,)}, finite, >= 0")
-        if self.step_host_time_s is not None and (
-            self.step_host_time_s.shape != (d,)
-            or not np.all(np.isfinite(self.step_host_time_s) & (self.step_host_time_s >= 0))
-        ):
-            raise ValueError(
-                f"PlanningProblem.step_host_time_s must have shape {(d,)}, finite, >= 0"
-            )
         for name in ("collective_latency_s", "collective_bus_bandwidth_bytes_per_s"):
             value = getattr(self, name)
             if value is not None and (value.shape != (d,) or np.any(np.isnan(value))):
@@ -252,5 +234,4 @@ def restrict(
         offload_optimizer_time_s=rows(problem.offload_optimizer_time_s),
         host_capacity_bytes=rows(problem.host_capacity_bytes),
         time_spread=rows(problem.time_spread),
-        step_host_time_s=rows(problem.step_host_time_s),
     )

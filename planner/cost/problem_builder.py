@@ -193,11 +193,6 @@ class UnitTimeSource(Protocol):
         0 for estimates."""
         ...
 
-    def step_host_time_s(self, device: Device) -> float:
-        """``device``'s measured host work per step (``PlanningProblem.step_host_time_s``);
-        0 where none was measured."""
-        ...
-
 
 def roofline_time_s(
     *,
@@ -234,10 +229,6 @@ class RooflineSource:
 
     def time_spread(self, device: Device) -> float:
         """0: an estimate has no measurement spread."""
-        return 0.0
-
-    def step_host_time_s(self, device: Device) -> float:
-        """0: the roofline knows no host work."""
         return 0.0
 
     def unit_times(
@@ -460,7 +451,6 @@ def build_problem(
         recompute=recompute,
         optimizer_state_bytes=_array([c.trainable_param_bytes * factor for c in costs]),
         time_spread=_array([source.time_spread(d) for d in devices]),
-        step_host_time_s=_array([source.step_host_time_s(d) for d in devices]),
         **_collective_arrays(cluster),
         **_offload_arrays(cluster, costs, factor),
     )

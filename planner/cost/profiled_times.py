@@ -126,7 +126,6 @@ class MeasuredSource:
         self._measured = _index_timings(profile.unit_timings)
         self._devices = {d.key: d for d in profile.devices}
         self._factors = {f.device: f for f in profile.device_factors}
-        self._host = {h.device: h for h in profile.host_work}
         self._ratios = self._class_ratios()
         self._cache: dict[tuple[str, str, int], _Estimate] = {}
 
@@ -166,12 +165,6 @@ class MeasuredSource:
         when none do (its times are estimates)."""
         key = self._timing_key(device)
         return self._measured[key].spread if key else 0.0
-
-    def step_host_time_s(self, device: Device) -> float:
-        """The host work per step a run measured on ``device`` (``HostWork``, matched by
-        cluster device name and kind); 0 where none was measured."""
-        host = self._host.get(device.name)
-        return host.step_host_s if host is not None and host.kind == device.kind else 0.0
 
     def source_label(self, device: Device, cost: UnitCost, micro_batch_size: int) -> str:
         """Where ``unit_times`` got this number from, for the plan report."""

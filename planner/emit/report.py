@@ -98,7 +98,6 @@ def _rank_reports(
                     optimizer_time_s=stage_optimizer_time_s(
                         problem, layout, device, stage.unit_start, stage.unit_stop
                     ),
-                    host_time_s=problem.host_time_s(device),
                     memory_strategy_time_s=recomputed_s
                     + gather_s
                     + _offload_extra_s(problem, layout, stage),

@@ -30,14 +30,7 @@ and the plan's report, and
    prediction, as a node latency per ring step; each node of a group whose fit rises
    above its own gets it as a ``NodeCollective`` in the corrected profile,
    which ``hplan solve --profile`` puts in the node's collective (cost model, simulator,
-   search and rehearsal alike);
-6. on CPU ranks whose quota binds, measures the host work per step (CPU seconds outside
-   the compute and optimizer blocks over the quota: data, the gradient buckets' copies and
-   the collectives' CPU work, bookkeeping; ``host_work``) into the corrected profile
-   (``HostWork``): on a CPU device it runs on the device itself, so the next solve
-   balances it like the optimizer step (``cost.evaluate``). On the three-node benchmark
-   (MLP, quotas 0.9/0.45/0.45) it was 4.4-6.1 ms of CPU a step on every node: 5-7 ms of
-   the fast node's time and 10-11 ms of a slow node's.
+   search and rehearsal alike).
 
 It also sets each rank's predicted peak memory (the plan report's, with its breakdown where
 the report has one) beside the training memory its runs measured (the largest peak over
@@ -74,7 +67,6 @@ from hplan.planner.profiling.comm_calibration import (
 )
 from hplan.planner.profiling.profile_file import (
     DeviceFactor,
-    HostWork,
     MeasurementSource,
     NodeCollective,
     Profile,
@@ -166,9 +158,6 @@ class Calibration:
     speed_factors: tuple[DeviceFactor, ...] = ()
     """Devices within the straggler threshold but more than ``SPEED_THRESHOLD`` off their
     kind's correction: their factor relative to it (in the profile with the stragglers')."""
-    host_work: tuple[HostWork, ...] = ()
-    """The CPU devices' host work per step these runs measured (:func:`host_work`; in the
-    profile too)."""
 
 
 # ------------------------------------------------------------------------------ math
@@ -610,13 +599,7 @@ def calibrate(
         base or Profile(), corrections, (*stragglers, *speeds), cluster, optimizer, phases
     )
     kept = {c.node: c for c in profile.node_collectives} | collectives
-    measured_host = {h.device: h for plan, runs in observations for h in host_work(plan, runs)}
-    host = {h.device: h for h in profile.host_work} | measured_host
-    profile = replace(
-        profile,
-        node_collectives=tuple(kept[k] for k in sorted(kept)),
-        host_work=tuple(host[k] for k in sorted(host)),
-    )
+    profile = replace(profile, node_collectives=tuple(kept[k] for k in sorted(kept)))
     return Calibration(
         tuple(errors),
         corrections,
@@ -628,37 +611,7 @@ def calibrate(
         tuple(memory),
         tuple(fits),
         speeds,
-        tuple(measured_host[k] for k in sorted(measured_host)),
     )
-
-
-def host_work(plan: Plan, runs: Sequence[Run]) -> tuple[HostWork, ...]:
-    """Each CPU rank's host work per step (``StepMetrics.host_sustained_s``: its CPU seconds
-    outside its compute and optimizer blocks over its quota), the median over the timed
-    steps of every run, in seconds of the plan's hardware; only ranks whose quota bound in
-    every timed step (elsewhere the host work is not the device's own time)."""
-    found = []
-    for rank_plan in plan.ranks:
-        values = [
-            None if r.host_sustained_s is None else r.host_sustained_s / run.time_scale
-            for run in runs
-            for r in _timed([x for x in run.records if x.rank == rank_plan.rank])
-        ]
-        measured = [v for v in values if v is not None]
-        if not measured or len(measured) < len(values):
-            continue
-        seconds = statistics.median(measured)
-        found.append(
-            HostWork(
-                device=rank_plan.device,
-                kind=rank_plan.device_kind,
-                step_host_s=seconds,
-                reason=f"rank {rank_plan.rank}: CPU work outside its forwards, backwards and "
-                f"optimizer step, over its CPU quota: {seconds * 1e3:.2f} ms a step (median of "
-                f"{len(values)} steps)",
-            )
-        )
-    return tuple(found)
 
 
 def speed_factors(

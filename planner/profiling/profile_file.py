@@ -3,9 +3,8 @@
 A profile holds measurements of devices (achieved matmul FLOP/s per dtype, memory
 bandwidth), of a model's partition units on those devices (forward/backward time per
 micro-batch size, memory), and what ``hplan calibrate`` found: per-device correction
-factors, per-node collective costs (``NodeCollective``: the all-reduce a run measured,
-as a ring's latency per step) and CPU devices' host work per step (``HostWork``). Device
-keys say what a measurement applies to:
+factors, and per-node collective costs (``NodeCollective``: the all-reduce a run measured,
+as a ring's latency per step). Device keys say what a measurement applies to:
 
 - a catalog kind (``rtx3090``): every device of that kind;
 - ``<kind>@<cluster node>`` (``cpu@left``): every device of that kind on one node
@@ -154,24 +153,6 @@ class NodeCollective:
 
 
 @record
-class HostWork:
-    """A CPU device's work per step outside its forwards, backwards and optimizer step, as a
-    run measured it (``hplan calibrate``): data, the gradient buckets' copies and the
-    collectives' own CPU work, the runtime's bookkeeping. On a CPU device that work runs on
-    the device itself, at its speed: a node with half the cores takes twice as long for it,
-    so the batch shares balance it as they balance the optimizer step (``cost.evaluate``).
-    """
-
-    device: str
-    """Cluster device name (``slow-a/0``)."""
-    kind: str
-    step_host_s: NonNegative
-    """Seconds per step: the rank's CPU seconds outside its compute and optimizer blocks
-    over its CPU quota (``StepMetrics.sustained_s``), the median over the run's steps."""
-    reason: str
-
-
-@record
 class Profile:
     """A set of measurements; see the module docstring."""
 
@@ -183,8 +164,6 @@ class Profile:
     notes: tuple[str, ...] = ()
     node_collectives: tuple[NodeCollective, ...] = ()
     """Calibrated all-reduce costs per node (empty: the cluster's and links' own)."""
-    host_work: tuple[HostWork, ...] = ()
-    """Calibrated host work per step of CPU devices (empty: none measured)."""
 
     def to_json(self) -> str:
         """Deterministic JSON text (2-space indent, declared field order, final newline)."""
@@ -258,7 +237,6 @@ class Profile:
         collectives = {c.node: c for c in self.node_collectives} | {
             c.node: c for c in other.node_collectives
         }
-        host = {h.device: h for h in self.host_work} | {h.device: h for h in other.host_work}
         return replace(
             self,
             devices=tuple(devices[k] for k in sorted(devices)),
@@ -267,7 +245,6 @@ class Profile:
             device_factors=tuple(factors[k] for k in sorted(factors)),
             notes=tuple(dict.fromkeys((*self.notes, *other.notes))),
             node_collectives=tuple(collectives[k] for k in sorted(collectives)),
-            host_work=tuple(host[k] for k in sorted(host)),
         )
 
 

@@ -34,8 +34,7 @@ step the way the runtime runs it (``runtime/executor/``: ``pipeline.py``, ``comm
    ``max(start + all of its rings, last pass end + last ring)``, which is
    ``link_model.exposed_all_reduce_s`` on a timeline. Without it (None) a member is ready
    once its sends are complete and the group is one blocking ring.
-5. The optimizer step of the step before (with a CPU device's host work per step,
-   ``SimStage.host_s``): a rank runs it first, then its schedule. A
+5. The optimizer step of the step before: a rank runs it first, then its schedule. A
    step repeats between two gradient all-reduces, where every replica meets; in between
    each rank steps its optimizer and runs its next schedule, so the simulated step is the
    steady state of step after step, and a rank's optimizer time counts with its own
@@ -412,14 +411,13 @@ class _Engine:
         return end_s, cause
 
     def _optimizer(self, rank: _Rank) -> None:
-        duration_s = rank.spec.optimizer_s + rank.spec.host_s
+        duration_s = rank.spec.optimizer_s
         if duration_s <= 0:
             return
-        label = "host work + optimizer" if rank.spec.host_s > 0 else "optimizer"
         rank.last = self._add(
             SimEvent(
                 EventKind.OPTIMIZER, rank.rank, rank.replica, rank.stage, rank.clock_s,
-                rank.clock_s + duration_s, label, None, None, rank.last,
+                rank.clock_s + duration_s, "optimizer", None, None, rank.last,
             )
         )  # fmt: skip
         rank.clock_s += duration_s

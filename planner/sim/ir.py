@@ -40,9 +40,6 @@ class SimStage:
     backward_s: tuple[float, ...]
     """Backward time of each micro-batch (recomputation included where it applies)."""
     optimizer_s: float
-    host_s: float = 0.0
-    """Host work per step on a CPU device (``PlanningProblem.step_host_time_s``), run with
-    the optimizer step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +235,7 @@ def _verify_replica(r_idx: int, replica: SimReplica, seen: set[int]) -> None:
         if stage.rank in seen:
             raise ValueError(f"{where}: rank {stage.rank} appears twice")
         seen.add(stage.rank)
-        times = (*stage.forward_s, *stage.backward_s, stage.optimizer_s, stage.host_s)
+        times = (*stage.forward_s, *stage.backward_s, stage.optimizer_s)
         if len(stage.forward_s) != num_mb or len(stage.backward_s) != num_mb:
             raise ValueError(f"{where}: needs one forward and backward time per micro-batch")
         if not all(math.isfinite(t) and t >= 0 for t in times):

@@ -171,7 +171,6 @@ def _plan_replica(
                 forward_s=tuple(forward),
                 backward_s=tuple(backward),
                 optimizer_s=report.optimizer_time_s,
-                host_s=report.host_time_s,
             )
         )
     links = tuple(_plan_link(plan, a, b, sizes) for a, b in pairwise(ranks))
@@ -325,14 +324,9 @@ def _with_allgather(
     gather_s = max(per_rank.values(), default=0.0)
     if gather_s <= 0:
         return replicas
-    slowest_s = max(s.optimizer_s + s.host_s for r in replicas for s in r.stages)
+    slowest_s = max(s.optimizer_s for r in replicas for s in r.stages)
     return tuple(
-        replace(
-            r,
-            stages=tuple(
-                replace(s, optimizer_s=slowest_s + gather_s, host_s=0.0) for s in r.stages
-            ),
-        )
+        replace(r, stages=tuple(replace(s, optimizer_s=slowest_s + gather_s) for s in r.stages))
         for r in replicas
     )
 
@@ -362,7 +356,6 @@ def _layout_replica(
                 optimizer_s=stage_optimizer_time_s(
                     problem, layout or Layout(()), d, stage.unit_start, stage.unit_stop
                 ),
-                host_s=problem.host_time_s(d),
             )
         )
     links = []

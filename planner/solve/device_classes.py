@@ -45,7 +45,6 @@ def _device_key(problem: PlanningProblem, d: int) -> tuple[object, ...]:
         problem.fwd_time_s[d].tobytes(),
         problem.bwd_time_s[d].tobytes(),
         problem.optimizer_time_s[d].tobytes(),  # a step balances it too (cost.evaluate)
-        problem.host_time_s(d),
     )
 
 

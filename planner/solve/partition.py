@@ -288,9 +288,8 @@ class Partitioner:
             float(mats[s].link[bounds[s + 1]]) if s + 1 < len(sequence) else 0.0
             for s in range(len(sequence))
         ]
-        optimizer = max(  # with the device's host work: both precede its pipeline
+        optimizer = max(
             float(self._opt_cum[d, bounds[s + 1]] - self._opt_cum[d, bounds[s]])
-            + self.problem.host_time_s(d)
             for s, d in enumerate(devices)
         )
         grads = tuple(

@@ -153,18 +153,6 @@ class StepMetrics:
         return wall_s
 
     @property
-    def host_sustained_s(self) -> float | None:
-        """CPU seconds outside the compute and optimizer blocks over this rank's quota,
-        where the quota binds and the CPU times were recorded (the rank's host work, in its
-        sustained seconds: ``profile_file.HostWork``); else None."""
-        quota = self.cpu_quota_cores
-        if quota is None or not quota_binds(quota, self.num_threads) or self.cpu_time_s <= 0:
-            return None
-        return (
-            max(0.0, self.cpu_time_s - self.compute_cpu_time_s - self.optimizer_cpu_time_s) / quota
-        )
-
-    @property
     def training_memory_bytes(self) -> int | None:
         """``peak_memory_bytes - baseline_memory_bytes`` (>= 0): what the stage, its optimizer
         and its steps added to the process; None without a baseline."""

@@ -552,12 +552,6 @@ class RankReport:
     """Predicted backward compute of that smaller last micro-batch (0 as above)."""
     optimizer_time_s: NonNegative = 0.0
     """Predicted optimizer step of this rank's parameters."""
-    host_time_s: NonNegative = 0.0
-    """The rank's CPU work per step outside its forwards, backwards and optimizer step
-    (data, gradient-bucket copies and the collectives' own CPU work, bookkeeping), in its
-    device's seconds, as ``hplan calibrate`` measured it on a CPU device under a quota
-    (``profile_file.HostWork``); 0: not measured. Runs before the rank's schedule, with its
-    optimizer step (``cost.evaluate``)."""
     parameter_memory_bytes: ByteCount = 0
     """Parameters and buffers this rank holds (0 in all five: no breakdown recorded)."""
     gradient_memory_bytes: ByteCount = 0

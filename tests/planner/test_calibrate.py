@@ -27,7 +27,6 @@ from hplan.planner.profiling.calibrate import (
 )
 from hplan.planner.profiling.profile_file import (
     DeviceFactor,
-    HostWork,
     MeasurementSource,
     Profile,
     Stat,
@@ -158,48 +157,6 @@ def test_a_rank_under_a_binding_cpu_quota_is_read_by_its_cpu_time_over_the_quota
     loose = [replace(r, cpu_quota_cores=1.5) for r in records]
     errors = {e.rank: e for e in rank_errors(plan, [Run(Path("run"), 1.0, tuple(loose))])}
     assert errors[2].measured_compute_s == pytest.approx(0.45 * errors[2].predicted_compute_s)
-
-
-def test_host_work_is_the_cpu_outside_compute_and_optimizer_over_a_binding_quota(plan):
-    # rank 2 (0.45 cores) used 10 ms of CPU a step besides 30 ms computing and 5 ms in its
-    # optimizer: 10 / 0.45 = 22.2 ms of its time; ranks without a quota measure none
-    records = [
-        replace(
-            r,
-            compute_cpu_time_s=0.030,
-            optimizer_cpu_time_s=0.005,
-            cpu_time_s=0.045,
-            cpu_quota_cores=0.45 if r.rank == 2 else None,
-            num_threads=1,
-        )
-        for r in _records(plan, {}, 1.0)
-    ]
-    result = calibrate([(plan, [Run(Path("run"), 1.0, tuple(records))])])
-    (host,) = result.host_work
-    assert (host.device, host.kind) == ("box/2", "cpu")
-    assert host.step_host_s == pytest.approx(0.010 / 0.45)
-    assert result.profile.host_work == result.host_work
-    # a run that recorded no CPU time (a GPU rank, an older runtime) measures none
-    bare = [replace(r, cpu_time_s=0.0) for r in records]
-    assert calibrate([(plan, [Run(Path("run"), 1.0, tuple(bare))])]).host_work == ()
-
-
-def test_a_device_with_more_host_work_gets_a_smaller_share(tmp_path):
-    # three alike CPUs (a step of about 1.3 ms); box/2 measured 0.2 ms of host work a step:
-    # the next solve gives it fewer samples than the others, and the plan reports it
-    base = _solve(tmp_path, name="base")
-    assert len({r.num_samples for r in base.ranks}) == 1  # alike: equal shares
-    profile = Profile(
-        host_work=(HostWork(device="box/2", kind="cpu", step_host_s=0.0002, reason="test"),)
-    )
-    path = tmp_path / "host.json"
-    path.write_text(profile.to_json(), encoding="utf-8")
-    solved = _solve(tmp_path, profile=path, name="host")
-    shares = {r.device: r.num_samples for r in solved.ranks if r.stage == 0}
-    assert shares["box/2"] < min(shares["box/0"], shares["box/1"])
-    by_rank = {r.rank: r for r in solved.report.ranks}
-    hosts = {r.device: by_rank[r.rank].host_time_s for r in solved.ranks}
-    assert hosts == pytest.approx({"box/0": 0.0, "box/1": 0.0, "box/2": 0.0002})
 
 
 def test_relative_error_is_signed_and_relative_to_the_prediction():

@@ -340,9 +340,6 @@ class _FixedSource:
     def time_spread(self, device):
         return 0.0
 
-    def step_host_time_s(self, device):
-        return 0.0
-
 
 def test_a_measured_time_source_replaces_the_roofline():
     source = _FixedSource()

@@ -12,7 +12,6 @@ from hplan.planner.profiling.machine_profile import profile_file_name
 from hplan.planner.profiling.profile_file import (
     DeviceFactor,
     DeviceProfile,
-    HostWork,
     MeasurementSource,
     ModelRef,
     Profile,
@@ -101,19 +100,7 @@ def test_profile_json_schema_describes_every_top_level_field():
         "device_factors",
         "notes",
         "node_collectives",
-        "host_work",
     }
-
-
-def test_merging_profiles_keeps_each_devices_latest_host_work():
-    def host(device: str, seconds: float) -> HostWork:
-        return HostWork(device=device, kind="cpu", step_host_s=seconds, reason="a run")
-
-    old = Profile(host_work=(host("a/0", 0.004),))
-    new = Profile(host_work=(host("a/0", 0.005), host("b/0", 0.01)))
-    merged = old.merge(new)
-    assert [(h.device, h.step_host_s) for h in merged.host_work] == [("a/0", 0.005), ("b/0", 0.01)]
-    assert Profile.from_json(merged.to_json()) == merged
 
 
 def test_loading_a_directory_merges_every_profile_in_it(tmp_path):
