@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.sim.engine import simulate
+from hplan.planner.sim.spec import spec_from_layout
 from hplan.planner.solve import milp, search
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.bound import throughput_bound_samples_per_s
@@ -278,7 +280,6 @@ def test_max_stages_also_bounds_the_baselines_in_the_pool() -> None:
 
 
 def test_the_search_charges_a_one_stage_copy_the_overlapped_all_reduce_the_evaluator_does():
-    from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
     from hplan.planner.solve.device_classes import device_classes
     from hplan.planner.solve.partition import Partitioner
     from hplan.planner.solve.scenarios import SyncEstimate, allreduce_estimate_s, make_scenarios
@@ -332,6 +333,9 @@ def test_a_step_counts_each_replicas_optimizer_with_its_own_pipeline() -> None:
     assert ev.step_time_s == pytest.approx(0.7 + ev.allreduce_time_s, rel=1e-9)
     assert ev.allreduce_time_s < 1e-3
     assert ev.optimizer_time_s == pytest.approx(0.3)  # the report's slowest device
+    # the simulator runs the same cycle: each rank's optimizer step, then its schedule
+    simulated = simulate(spec_from_layout(problem, layout)).step_time_s
+    assert simulated == pytest.approx(ev.step_time_s, rel=1e-9)
 
 
 def test_the_device_with_the_slower_optimizer_step_gets_the_smaller_share() -> None:
