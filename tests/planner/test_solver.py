@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.sim.engine import simulate
 from hplan.planner.sim.spec import spec_from_layout
 from hplan.planner.solve import milp, search
@@ -304,7 +305,7 @@ def test_the_search_charges_a_one_stage_copy_the_overlapped_all_reduce_the_evalu
     assert 0 < evaluated < 2 * 120e6 / 2 / 0.5e9  # less than the rings alone
 
 
-def _slow_optimizer_problem() -> object:
+def _slow_optimizer_problem() -> PlanningProblem:
     """Two devices that compute alike (10 ms a sample, one unit), one of whose optimizer
     steps takes 0.3 s against 0.1 s: no all-reduce costs (gradients of 1 byte)."""
     problem = make_problem(
