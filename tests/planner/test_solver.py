@@ -346,3 +346,23 @@ def test_the_device_with_the_slower_optimizer_step_gets_the_smaller_share() -> N
     shares = {r.stages[0].device_idx: r.num_samples for r in result.layout.replicas}
     assert shares == {0: 60, 1: 40}
     assert result.evaluation.step_time_s == pytest.approx(0.7, abs=1e-3)
+
+
+def test_under_zero_the_slowest_optimizer_step_and_the_gather_precede_every_pipeline() -> None:
+    # ZeRO stage 1's all-gather after the optimizer steps is a second meeting point: both
+    # replicas start their pipelines after the 0.3 s step and the gather, whatever their own
+    # optimizer step; the simulator runs the same cycle
+    problem = replace(_slow_optimizer_problem(), optimizer_state_bytes=np.array([1e3]))
+    layout = Layout(
+        (
+            ReplicaLayout((StageLayout(0, 0, 1),), 60, 1, 60),
+            ReplicaLayout((StageLayout(1, 0, 1),), 40, 1, 40),
+        ),
+        optimizer_shard_weights=(1.0, 1.0),
+    )
+    ev = evaluate(problem, layout)
+    assert ev.replica_starts_s[0] == ev.replica_starts_s[1] == pytest.approx(ev.optimizer_time_s)
+    assert ev.optimizer_time_s >= 0.3  # the slowest step plus the gather
+    assert ev.step_time_s == pytest.approx(ev.optimizer_time_s + 0.6 + ev.allreduce_time_s)
+    simulated = simulate(spec_from_layout(problem, layout)).step_time_s
+    assert simulated == pytest.approx(ev.step_time_s, rel=1e-9)
