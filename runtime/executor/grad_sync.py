@@ -206,7 +206,12 @@ class GradBucket:
         self._launched = _Launched(flat, grads, work)
 
     def finish(self) -> None:
-        """Wait for the launched all-reduce and put the sums into ``.grad``.
+        """Wait for the launched all-reduce and put the sums into ``.grad``: views of the
+        summed buffer where a gradient's dtype is the wire's (no copy; the buffer lives
+        until ``zero_grad`` drops them), a converted copy otherwise. A copy per step cost
+        0.20 ms of CPU on the 0.54 M parameters of ``bench/real_cluster.py``'s MLP (a view
+        0.05 ms, both timed alone); DDP's buckets are no copies either with
+        ``gradient_as_bucket_view``.
 
         Raises:
             PeerFailureError: a holder died or the all-reduce timed out.
@@ -220,8 +225,8 @@ class GradBucket:
         offset = 0
         for (_, param), grad in zip(self.params, launched.grads, strict=True):
             numel = grad.numel()
-            chunk = launched.flat[offset : offset + numel]
-            param.grad = chunk.view_as(grad).to(grad.dtype).clone()
+            chunk = launched.flat[offset : offset + numel].view_as(grad)
+            param.grad = chunk if chunk.dtype == grad.dtype else chunk.to(grad.dtype)
             offset += numel
         self.done_s = time.monotonic()
 

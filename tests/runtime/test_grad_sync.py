@@ -357,3 +357,43 @@ def test_overlapped_buckets_of_replicas_split_differently_equal_the_sum_after_th
         assert result["first_launch_s"] < result["last_final_s"]  # before the backward ended
         assert result["launched_in_backward"] >= 1
         assert result["overlapped_s"] > 0
+
+
+def _views_of_the_sum(rank: int, port: int, out_dir: str) -> None:
+    try:
+        join_gloo(rank, port)
+        weight = nn.Parameter(torch.zeros(2, 3))
+        bias = nn.Parameter(torch.zeros(3))
+        half = nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+        bucket = GradBucket((0, 1), dist.group.WORLD, [("w", weight), ("b", bias), ("h", half)])
+        sync = GradSync([bucket])
+        result = {}
+        for step in range(2):  # the second step's sums are fresh, not added to the first's
+            for p in (weight, bias, half):
+                p.grad = torch.full_like(p, float((rank + 1) * (step + 1)))
+            sync.finish()
+            result[f"sums-{step}"] = [p.grad.float().flatten().tolist() for p in (weight, bias, half)]
+            result[f"dtypes-{step}"] = [str(p.grad.dtype) for p in (weight, bias, half)]
+            storages = {p.grad.untyped_storage().data_ptr() for p in (weight, bias)}
+            result[f"one_buffer-{step}"] = len(storages) == 1
+            result[f"half_apart-{step}"] = half.grad.untyped_storage().data_ptr() not in storages
+            for p in (weight, bias, half):
+                p.grad = None  # what the runtime's zero_grad(set_to_none=True) does
+        (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+    except Exception:
+        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_summed_gradients_are_views_of_the_bucket_and_a_half_gradient_a_copy_in_its_dtype(
+    tmp_path: Path,
+) -> None:
+    assert run_ranks(_views_of_the_sum, 2, tmp_path) == [0, 0]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        for step in range(2):
+            total = 3.0 * (step + 1)  # ranks give 1 and 2 (times the step's factor)
+            assert result[f"sums-{step}"] == [[total] * 6, [total] * 3, [total] * 4]
+            assert result[f"dtypes-{step}"] == ["torch.float32", "torch.float32", "torch.bfloat16"]
+            assert result[f"one_buffer-{step}"] and result[f"half_apart-{step}"]
