@@ -372,7 +372,9 @@ def _views_of_the_sum(rank: int, port: int, out_dir: str) -> None:
             for p in (weight, bias, half):
                 p.grad = torch.full_like(p, float((rank + 1) * (step + 1)))
             sync.finish()
-            result[f"sums-{step}"] = [p.grad.float().flatten().tolist() for p in (weight, bias, half)]
+            result[f"sums-{step}"] = [
+                p.grad.float().flatten().tolist() for p in (weight, bias, half)
+            ]
             result[f"dtypes-{step}"] = [str(p.grad.dtype) for p in (weight, bias, half)]
             storages = {p.grad.untyped_storage().data_ptr() for p in (weight, bias)}
             result[f"one_buffer-{step}"] = len(storages) == 1
