@@ -3,9 +3,7 @@ time model, and the buckets' all-reduce overlapped with the last backward pass."
 
 from __future__ import annotations
 
-import json
 import time
-import traceback
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -32,7 +30,7 @@ from hplan.runtime.executor.grad_sync import (
     loss_weight,
 )
 from tests.fixtures.plans import TIED_LM, ReplicaShape, make_plan, write_model
-from tests.fixtures.processes import join_gloo, run_ranks
+from tests.fixtures.processes import join_gloo, rank_results, run_ranks, write_rank_result
 from tests.fixtures.sample_plans import mixed_plan
 
 
@@ -157,7 +155,7 @@ RING_S = 0.3
 
 
 def _emulated_all_reduce(rank: int, port: int, out_dir: str) -> None:
-    try:
+    def body() -> object:
         join_gloo(rank, port)
         weight = nn.Parameter(torch.zeros(3))
         weight.grad = torch.full((3,), float(rank + 1))
@@ -168,18 +166,16 @@ def _emulated_all_reduce(rank: int, port: int, out_dir: str) -> None:
         arrived_s = time.monotonic()
         sync.finish()
         times = {"arrived_s": arrived_s, "left_s": time.monotonic(), "grad": weight.grad.tolist()}
-        (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(times))
-        dist.destroy_process_group()
-    except Exception:
-        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
+        return times
+
+    write_rank_result(out_dir, rank, body)
 
 
 def test_an_emulated_all_reduce_ends_on_every_holder_a_ring_time_after_the_last_arrival(
     tmp_path: Path,
 ) -> None:
     assert run_ranks(_emulated_all_reduce, 2, tmp_path) == [0, 0]
-    early, late = (json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2))
+    early, late = rank_results(tmp_path, 2)
     assert early["grad"] == late["grad"] == [3.0, 3.0, 3.0]
     assert late["arrived_s"] - early["arrived_s"] > LATE_S * 0.9
     for times in (early, late):  # monotonic clocks are one clock on one machine
@@ -199,7 +195,7 @@ class _Layers(nn.Module):
 
 
 def _overlapped_buckets(rank: int, port: int, out_dir: str) -> None:
-    try:
+    def body() -> object:
         join_gloo(rank, port)
         torch.manual_seed(0)
         model = _Layers()
@@ -232,19 +228,16 @@ def _overlapped_buckets(rank: int, port: int, out_dir: str) -> None:
             "backward_end_s": backward_end_s,
             "names": [b.params[0][0] for b in buckets],
         }
-        (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
-    except Exception:
-        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
+        return result
+
+    write_rank_result(out_dir, rank, body)
 
 
 def test_buckets_launch_during_the_last_backward_and_sum_exactly_as_after_it(
     tmp_path: Path,
 ) -> None:
     assert run_ranks(_overlapped_buckets, 2, tmp_path) == [0, 0]
-    for rank in range(2):
-        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+    for result in rank_results(tmp_path, 2):
         assert result["exact"]
         assert result["offset_grad"] == [0.0] * 6  # no gradient: summed as zeros, at the end
         launched = dict(zip(result["names"], result["launched_s"], strict=True))
@@ -294,7 +287,7 @@ def _overlapped_step(rank: int, port: int, out_dir: str, plan_json: str) -> None
     from hplan.runtime.executor.seams import HostClock
     from hplan.runtime.executor.worker import RunOptions, build_rank
 
-    try:
+    def body() -> object:
         plan = Plan.from_json(plan_json)
         join_gloo(rank, port, world_size=plan.world_size)
         parts = build_rank(plan, rank, None, RunOptions(steps=1, device="cpu"))
@@ -331,11 +324,9 @@ def _overlapped_step(rank: int, port: int, out_dir: str, plan_json: str) -> None
             "launched_in_backward": sum(e.start_s < backward_end_s for e in spans),
             "overlapped_s": times.allreduce_overlapped_s,
         }
-        (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
-    except Exception:
-        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
+        return result
+
+    write_rank_result(out_dir, rank, body)
 
 
 def test_overlapped_buckets_of_replicas_split_differently_equal_the_sum_after_the_backward(
@@ -349,8 +340,7 @@ def test_overlapped_buckets_of_replicas_split_differently_equal_the_sum_after_th
     assert held["tok_emb.weight"] == (0, 1, 2)
     assert held["blocks.0.damping"] == (0, 1) and held["blocks.2.damping"] == (0, 2)
     assert run_ranks(_overlapped_step, 3, tmp_path, plan.to_json()) == [0, 0, 0]
-    for rank in range(3):
-        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+    for result in rank_results(tmp_path, 3):
         assert result["differ"] == []  # bit for bit
         assert result["damping"] and not any(result["damping"])  # no gradient: zeros
         assert result["num_buckets"] > len(result["holder_sets"])  # several per holder set
@@ -360,14 +350,14 @@ def test_overlapped_buckets_of_replicas_split_differently_equal_the_sum_after_th
 
 
 def _views_of_the_sum(rank: int, port: int, out_dir: str) -> None:
-    try:
+    def body() -> object:
         join_gloo(rank, port)
         weight = nn.Parameter(torch.zeros(2, 3))
         bias = nn.Parameter(torch.zeros(3))
         half = nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
         bucket = GradBucket((0, 1), dist.group.WORLD, [("w", weight), ("b", bias), ("h", half)])
         sync = GradSync([bucket])
-        result = {}
+        result: dict[str, object] = {}
         for step in range(2):  # the second step's sums are fresh, not added to the first's
             for p in (weight, bias, half):
                 p.grad = torch.full_like(p, float((rank + 1) * (step + 1)))
@@ -381,19 +371,16 @@ def _views_of_the_sum(rank: int, port: int, out_dir: str) -> None:
             result[f"half_apart-{step}"] = half.grad.untyped_storage().data_ptr() not in storages
             for p in (weight, bias, half):
                 p.grad = None  # what the runtime's zero_grad(set_to_none=True) does
-        (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
-    except Exception:
-        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
+        return result
+
+    write_rank_result(out_dir, rank, body)
 
 
 def test_summed_gradients_are_views_of_the_bucket_and_a_half_gradient_a_copy_in_its_dtype(
     tmp_path: Path,
 ) -> None:
     assert run_ranks(_views_of_the_sum, 2, tmp_path) == [0, 0]
-    for rank in range(2):
-        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+    for result in rank_results(tmp_path, 2):
         for step in range(2):
             total = 3.0 * (step + 1)  # ranks give 1 and 2 (times the step's factor)
             assert result[f"sums-{step}"] == [[total] * 6, [total] * 3, [total] * 4]
