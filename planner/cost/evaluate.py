@@ -12,8 +12,9 @@ replica's optimizer time (its slowest stage's) counts with its own pipeline, not
 slowest device's with everyone's: a slower device's longer optimizer step is balanced
 by a smaller batch share, like its compute. On ``bench/real_cluster.py`` (MLP, CPU
 quotas 0.9/0.45/0.45) the calibrated profile priced the optimizer step at 3.4 ms on the
-fast node and 6.9 ms on the slow ones. With ZeRO's all-gather after the optimizer steps (a second meeting
-point) the slowest optimizer step plus the all-gather precede every pipeline.
+fast node and 6.9 ms on the slow ones. With ZeRO's all-gather after the optimizer steps
+(a second meeting point) the slowest optimizer step plus the all-gather precede every
+pipeline.
 
     pipeline_time = (num_microbatches - 1) * period + fill_time
 

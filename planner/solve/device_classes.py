@@ -5,9 +5,9 @@ the same links inside, the same links to every other node, and the same link bet
 other — typically several identical workstations on one switch. A *device class* is the set
 of devices of one kind (same memory, unit times and optimizer times) over one group of
 interchangeable nodes, listed node by node: a shape that takes "the next free device" of
-its classes therefore packs each pipeline into as few nodes as possible. Without the grouping, 16
-identical nodes of three GPU kinds would give 48 classes, and the shape count would
-explode; with it they give 3.
+its classes therefore packs each pipeline into as few nodes as possible. Without the
+grouping, 16 identical nodes of three GPU kinds would give 48 classes, and the shape count
+would explode; with it they give 3.
 """
 
 from __future__ import annotations
