@@ -1,5 +1,7 @@
 """A heterogeneous cluster on one machine: network namespaces on a bridge, each with its own
-shaped link (``tc ... tbf``) and its own CPU quota (cgroup v1 ``cpu.cfs_quota_us``).
+shaped link (``tc ... tbf``) and its own CPU quota (cgroup v1 ``cpu.cfs_quota_us``), and,
+where the quotas pack onto the machine's cores (:func:`pack_cores`), cores of its own
+(cgroup v1 ``cpuset``).
 
 Node ``i`` of a :class:`NamespaceCluster` is the namespace ``<tag>-<i>`` at
 ``10.<subnet>.0.<i+1>``; its veth pair joins the bridge ``<tag>-br``; both ends of the pair
@@ -8,8 +10,16 @@ with :meth:`NamespaceCluster.start` run inside the node's namespace and CPU grou
 their children), in a session of their own. Leaving the ``with`` block kills the processes
 it started (by process group) and removes the namespaces, the bridge and the groups.
 
-Needs root, ``ip`` and ``tc`` (iproute2) and cgroup v1's ``cpu`` controller;
-:func:`available` says whether this machine has them.
+Why cores of its own: a quota caps a node's CPU time per period, not which of the machine's
+cores it runs on or when; a node that waited for its peers has quota left and runs on any
+free core, so nodes of one machine compete for its cores as machines of a cluster never do.
+On the 2-core development machine (quotas 0.9 / 0.45 / 0.45, the GPT example, 51 of 96
+samples on the fast node) the fast node's compute ran at 0.84-0.88 of a core (its CPU time
+over its wall time, three runs) where its quota gives 0.9; pinned as :func:`pack_cores` packs
+it (alone on one core, 50 samples), at 0.95 (``bench/real_cluster.py``, stop 31).
+
+Needs root, ``ip`` and ``tc`` (iproute2) and cgroup v1's ``cpu`` controller (``cpuset`` to
+pin); :func:`available` says whether this machine has them.
 """
 
 from __future__ import annotations
@@ -26,16 +36,45 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_CPUSET = Path("/sys/fs/cgroup/cpuset")
 CFS_PERIOD_US = 100_000
 
 
 @dataclass(frozen=True)
 class NodeShape:
-    """One node: its name, its CPU quota in cores and its link's rate in Mbit/s."""
+    """One node: its name, its CPU quota in cores, its link's rate in Mbit/s and the
+    machine's cores it runs on (None: any)."""
 
     name: str
     cpu_cores: float
     rate_mbit_per_s: float
+    cores: tuple[int, ...] | None = None
+
+
+def pack_cores(quotas_cores: Sequence[float], cores: Sequence[int]) -> list[tuple[int, ...] | None]:
+    """Cores for nodes of ``quotas_cores`` (in cores) so that no two nodes share a core beyond
+    its capacity: first fit, largest quota first, a node of quota above one core on whole
+    free cores. Every node None (unpinned) when they do not all fit: 0.9 / 0.45 / 0.45 on
+    two cores packs as ``(0,)``, ``(1,)``, ``(1,)``; 0.6 / 0.6 / 0.6 does not pack.
+    """
+    free = {core: 1.0 for core in cores}
+    out: list[tuple[int, ...] | None] = [None] * len(quotas_cores)
+    for index in sorted(range(len(quotas_cores)), key=lambda i: -quotas_cores[i]):
+        quota = quotas_cores[index]
+        if quota > 1.0:
+            whole = [c for c, left in free.items() if left == 1.0][: math.ceil(quota)]
+            if len(whole) < math.ceil(quota):
+                return [None] * len(quotas_cores)
+            for core in whole:
+                free[core] = 0.0
+            out[index] = tuple(whole)
+            continue
+        fits = [c for c, left in free.items() if left >= quota - 1e-9]
+        if not fits:
+            return [None] * len(quotas_cores)
+        free[fits[0]] -= quota
+        out[index] = (fits[0],)
+    return out
 
 
 TIMER_HZ = 100
@@ -88,6 +127,12 @@ class NamespaceCluster:
     def _group(self, index: int) -> Path:
         return CGROUP_CPU / f"{self.tag}-{index}"
 
+    def _cpuset(self, index: int) -> Path | None:
+        """Node ``index``'s cpuset group; None where it runs on any core."""
+        if self.nodes[index].cores is None:
+            return None
+        return CGROUP_CPUSET / f"{self.tag}-{index}"
+
     def __enter__(self) -> NamespaceCluster:
         try:
             self._create()
@@ -125,6 +170,13 @@ class NamespaceCluster:
             group.mkdir(exist_ok=True)
             (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
             (group / "cpu.cfs_quota_us").write_text(str(int(node.cpu_cores * CFS_PERIOD_US)))
+            pinned = self._cpuset(i)
+            if pinned is not None:
+                assert node.cores is not None
+                pinned.mkdir(exist_ok=True)
+                mems = (CGROUP_CPUSET / "cpuset.mems").read_text().strip()
+                (pinned / "cpuset.mems").write_text(mems)
+                (pinned / "cpuset.cpus").write_text(",".join(map(str, node.cores)))
 
     def start(
         self,
@@ -137,8 +189,10 @@ class NamespaceCluster:
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` in node ``index``'s namespace and CPU group; output to ``log``."""
         tasks = self._group(index) / "tasks"
-        # join the CPU group first: inside `ip netns exec` /sys is the namespace's own
-        shell = f'echo $$ > {tasks} && exec ip netns exec {self.namespace(index)} "$@"'
+        pinned = self._cpuset(index)
+        join = f"echo $$ > {tasks}" + (f" && echo $$ > {pinned / 'tasks'}" if pinned else "")
+        # join the CPU groups first: inside `ip netns exec` /sys is the namespace's own
+        shell = f'{join} && exec ip netns exec {self.namespace(index)} "$@"'
         with log.open("wb") as sink:
             proc = subprocess.Popen(
                 ["sh", "-c", shell, "sh", *argv],
@@ -174,15 +228,21 @@ class NamespaceCluster:
         for i in range(len(self.nodes)):
             subprocess.run(["ip", "netns", "del", self.namespace(i)], capture_output=True)
             subprocess.run(["ip", "link", "del", f"{self.tag}-h{i}"], capture_output=True)
-            group = self._group(i)
-            if group.exists():
-                for pid in (group / "tasks").read_text().split():  # only ours can be there
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
-                for _ in range(50):  # a killed task leaves the group once it is reaped
-                    try:
-                        group.rmdir()
-                        break
-                    except OSError:
-                        time.sleep(0.1)
+            for group in (self._group(i), self._cpuset(i)):
+                if group is not None and group.exists():
+                    _remove_group(group)
         subprocess.run(["ip", "link", "del", f"{self.tag}-br"], capture_output=True)
+
+
+def _remove_group(group: Path) -> None:
+    """Kill the tasks left in one of the cluster's groups (only ours can be there) and
+    remove it."""
+    for pid in (group / "tasks").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    for _ in range(50):  # a killed task leaves the group once it is reaped
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)

@@ -31,6 +31,10 @@ quota a node's speed is its CPU time over its quota, so this is where their work
 stays unless the calibrated model predicts another faster); the rounds run the calibrated
 plan (the issue's "after at most one calibration"), and the first run's measured and
 predicted samples/s are printed too.
+``--pin`` (the default; ``--no-pin`` to turn it off): where the quotas pack onto this
+machine's cores (``netns_cluster.pack_cores``: 0.9 / 0.45 / 0.45 on two cores does, 0.6 / 0.6
+/ 0.6 does not), each node also runs on cores of its own (cgroup v1 cpuset), as the machines
+of a cluster do; the report says which cases ran pinned.
 Needs root, iproute2 and cgroup v1's cpu controller; prints one line and exits 0 where they
 are missing.
 """
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -67,7 +72,7 @@ from cluster_runs import (
     wait_all,
 )
 from common import GPT, ROOT, console, gpt_env, table
-from netns_cluster import NamespaceCluster, NodeShape, available
+from netns_cluster import CGROUP_CPUSET, NamespaceCluster, NodeShape, available, pack_cores
 
 from hplan.runtime.contract.metrics_file import StepMetrics
 from hplan.runtime.contract.plan import Plan
@@ -106,6 +111,19 @@ class Case:
     first_plan_text: str = ""
     cpu_ms: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Rank -> (hplan, DDP split) median CPU milliseconds per step, last round."""
+    cores: tuple[tuple[int, ...] | None, ...] = ()
+    """Each node's cores (None: unpinned)."""
+
+
+def node_shapes(quotas: Sequence[float], pin: bool) -> list[NodeShape]:
+    """The case's nodes, pinned to cores of their own where ``pin`` and the quotas pack."""
+    cores: list[tuple[int, ...] | None] = [None] * len(quotas)
+    if pin and CGROUP_CPUSET.exists():
+        cores = pack_cores(quotas, sorted(os.sched_getaffinity(0)))
+    return [
+        NodeShape(name, quota, RATE_MBIT_PER_S, where)
+        for name, quota, where in zip(NODE_NAMES, quotas, cores, strict=False)
+    ]
 
 
 def speed_split(
@@ -152,7 +170,8 @@ def ddp_samples_per_s(
 
 def run_case(case: Case, args: argparse.Namespace, work: Path) -> None:
     model, quotas = case.model, case.quotas
-    nodes = [NodeShape(n, q, RATE_MBIT_PER_S) for n, q in zip(NODE_NAMES, quotas, strict=False)]
+    nodes = node_shapes(quotas, args.pin)
+    case.cores = tuple(n.cores for n in nodes)
     with NamespaceCluster(nodes, tag="hprc", subnet=214) as cluster:
         cluster_file = work / "cluster.yaml"
         cluster_file.write_text(cluster_yaml(cluster, "real-cluster", RATE_MBIT_PER_S))
@@ -223,6 +242,13 @@ def _plan_text(plan: Plan) -> str:
     )
 
 
+def _cores_text(cores: Sequence[tuple[int, ...] | None]) -> str:
+    """`` cores 0/1/1`` for pinned nodes, nothing for unpinned ones."""
+    if not cores or any(c is None for c in cores):
+        return ""
+    return " cores " + "/".join(",".join(map(str, c)) for c in cores if c is not None)
+
+
 def report(cases: Sequence[Case]) -> None:
     out = table("hplan vs torch DDP, real namespace cluster (median of rounds, range)",
                 ["case", "hplan samples/s", "DDP equal", "DDP split", "split",
@@ -231,7 +257,7 @@ def report(cases: Sequence[Case]) -> None:
         s = c.samples_per_s
         hplan = statistics.median(s["hplan"])
         out.add_row(
-            f"{c.model.name} {'/'.join(f'{q:g}' for q in c.quotas)}",
+            f"{c.model.name} {'/'.join(f'{q:g}' for q in c.quotas)}{_cores_text(c.cores)}",
             f"{hplan:.0f}",
             f"{statistics.median(s['ddp equal']):.0f}",
             f"{statistics.median(s['ddp split']):.0f}",
@@ -270,6 +296,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=WARMUP)
     parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--keep", type=Path, help="keep the work folder here")
     args = parser.parse_args()
     missing = available()
