@@ -245,13 +245,13 @@ def pydantic_message(exc: ValidationError) -> str:
             "(top level): the file must be a mapping with a `nodes:` list (see examples/clusters/)"
         )
     if kind == "missing":
-        return f"{path}: required key is missing"
+        return f"{path}: required key is missing; add it (examples/clusters/README.md has the keys)"
     message = str(error["msg"]).removeprefix("Value error, ")
     if kind == "value_error":
         return f"{path}: {message}"
     shown = repr(error.get("input"))
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return f"{path}: {message} (got {shown})"
+    return f"{path}: {message} (got {shown}); change it in the cluster file"
 
 
 def _key_path(loc: tuple[int | str, ...]) -> str:

@@ -327,10 +327,13 @@ BAD_CASES = {
     ),
     "zero count": (
         lambda d: d["nodes"][0]["devices"][0].update(count=0),
-        r"nodes\[0\]\.devices\[0\]\.count: ",
+        r"nodes\[0\]\.devices\[0\]\.count: .*\(got 0\); change it in the cluster file$",
     ),
     "node without devices": (lambda d: d["nodes"][0].update(devices=[]), r"nodes\[0\]\.devices: "),
-    "missing host": (lambda d: d["nodes"][0].pop("host"), r"nodes\[0\]\.host: required key"),
+    "missing host": (
+        lambda d: d["nodes"][0].pop("host"),
+        r"nodes\[0\]\.host: required key is missing; add it \(examples/clusters/README\.md",
+    ),
     "text where a number belongs": (
         lambda d: d["links"]["inter_node"].update(bandwidth_gbit_per_s="fast"),
         r"links\.inter_node\.bandwidth_gbit_per_s: .*valid number \(got 'fast'\)",
