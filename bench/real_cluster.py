@@ -289,16 +289,54 @@ def report(cases: Sequence[Case]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp,gpt")
-    parser.add_argument("--cases", default="hetero,homogeneous")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=WARMUP)
-    parser.add_argument("--calibrate", action="store_true")
-    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True)
+    parser = argparse.ArgumentParser(
+        description="hplan against torch DDP on a heterogeneous cluster of network namespaces "
+        "with CPU quotas and shaped links, built on this machine (needs root).",
+        epilog="Each case: every node profiled in its quota, hplan's plan solved and run with "
+        "its generated launch scripts, against DDP with equal batches and with batches split by "
+        "measured speed, in interleaved rounds.",
+    )
+    parser.add_argument(
+        "--models",
+        default="mlp,gpt",
+        help=f"comma-separated, of {', '.join(MODELS)} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cases",
+        default="hetero,homogeneous",
+        help="comma-separated: hetero (quotas 0.9/0.45/0.45 cores), homogeneous "
+        "(0.6/0.6/0.6) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of hplan, DDP equal and DDP split (default: 3)",
+    )
+    parser.add_argument("--steps", type=int, default=30, help="steps of each run (default: 30)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=WARMUP,
+        help=f"steps left out of each run's samples/s (default: {WARMUP})",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="run hplan's plan once, `hplan calibrate` it and solve again first",
+    )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each node on cores of its own where the quotas pack (default: on)",
+    )
     parser.add_argument("--keep", type=Path, help="keep the work folder here")
     args = parser.parse_args()
+    for option, given, valid in (("--models", args.models, MODELS), ("--cases", args.cases, CASES)):
+        unknown = [name for name in given.split(",") if name not in valid]
+        if unknown:
+            parser.error(f"{option}: unknown {unknown[0]!r}; valid: {', '.join(valid)}")
     missing = available()
     if missing:
         print(f"real_cluster: skipped: {missing}")
