@@ -20,7 +20,7 @@ waits for the slowest device (:func:`allgather_time_s`). The gradient all-reduce
 unchanged (stage 1 does not shard gradients).
 
 ZeRO stage 2 (P_os+g, section 5.2 of the paper) shards the summed gradients with the same
-weights: each member's part of a bucket is reduced to it alone (``runtime/executor/zero.py``),
+weights: each member's part of a bucket is reduced to it alone (``runtime/executor/memory/zero.py``),
 so a device no longer keeps the flat copy of every shared gradient that an all-reduce
 makes, only one bucket of it at a time (:func:`gradient_saving_bytes`; the gradients
 themselves still accumulate whole over the micro-batches, ``contract.memory``).

@@ -30,7 +30,7 @@ refused where it no longer fits. Per rank, bytes:
 ZeRO stage 2 still counts the whole gradients: they accumulate over the step's
 micro-batches in ``.grad`` (autograd's own buffers) until the last backward, and no
 reduction can start earlier (replicas run different numbers of micro-batches, so a
-per-micro-batch reduction would not pair up across holders; ``executor/zero.py``). What
+per-micro-batch reduction would not pair up across holders; ``executor/memory/zero.py``). What
 stage 2 saves is the flat copies above, less one bucket, and the whole summed gradients
 kept until the optimizer step under stage 1: the peak is then ``G + largest bucket``
 instead of ``G + shared G`` (G: the rank's trainable gradient bytes).

@@ -116,7 +116,7 @@ class ZeroStage(IntEnum):
       "P_os+g"): each slice of a gradient is reduced to the rank that keeps its optimizer
       state only, the other ranks drop it, and no rank holds a whole summed gradient of a
       shared parameter. Gradients still accumulate whole over the step's micro-batches
-      (``executor/zero.py`` says why), so what it saves is the summed copy
+      (``executor/memory/zero.py`` says why), so what it saves is the summed copy
       (``contract.memory``).
     """
 

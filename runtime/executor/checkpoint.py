@@ -81,8 +81,8 @@ from hplan.runtime.contract.errors import (
 )
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.memory.offload import OffloadedOptimizer
+from hplan.runtime.executor.memory.zero import ShardSync
 from hplan.runtime.executor.outer_sync import OuterSync
-from hplan.runtime.executor.zero import ShardSync
 
 if TYPE_CHECKING:
     # 0.45 s to import (DTensor, sympy): the scaler is built only for fp16 plans.

@@ -69,7 +69,7 @@ from hplan.runtime.executor.grad_sync import (
 )
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
-from hplan.runtime.executor.zero import ShardSync
+from hplan.runtime.executor.memory.zero import ShardSync
 
 if TYPE_CHECKING:
     # 0.45 s to import (DTensor, sympy): the scaler is built only for fp16 plans.

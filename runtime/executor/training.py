@@ -107,7 +107,7 @@ from hplan.runtime.executor.worker import (
     init_distributed,
     training_steps,
 )
-from hplan.runtime.executor.zero import (
+from hplan.runtime.executor.memory.zero import (
     ShardSync,
     build_shard_sync,
     gradient_holders,

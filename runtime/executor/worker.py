@@ -57,7 +57,7 @@ from hplan.runtime.executor.rendezvous import (
 from hplan.runtime.executor.seams import (
     LinkDelay,
 )
-from hplan.runtime.executor.zero import shard_optimizer
+from hplan.runtime.executor.memory.zero import shard_optimizer
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from rich.console import Console
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.holders import optimizer_shards, parameter_holders
 from hplan.runtime.contract.plan import Plan, ZeroStage
+from hplan.runtime.executor.memory.zero import ShardedOptimizer
 from hplan.runtime.executor.worker import RunOptions, build_rank
-from hplan.runtime.executor.zero import ShardedOptimizer
 from hplan.runtime.rehearsal.reference_check import reference_steps, relative_difference
 from hplan.runtime.rehearsal.rehearse import rehearse
 from tests.fixtures.plans import (
