@@ -113,6 +113,9 @@ class Case:
     """Rank -> (hplan, DDP split) median CPU milliseconds per step, last round."""
     cores: tuple[tuple[int, ...] | None, ...] = ()
     """Each node's cores (None: unpinned)."""
+    shares: list[str] = field(default_factory=list)
+    """Each hplan round's batch shares per rank, first step -> last (the runtime moves
+    them as the ranks' measured speeds ask, ``executor/rebalance.py``)."""
 
 
 def node_shapes(quotas: Sequence[float], pin: bool) -> list[NodeShape]:
@@ -209,6 +212,7 @@ def run_case(case: Case, args: argparse.Namespace, work: Path) -> None:
                 if run == "hplan":
                     value, records = run_hplan(cluster, plan_dir, model, args, work, f"r{r}")
                     case.breakdown = breakdown(records, args.warmup)
+                    case.shares.append(_shares_text(records))
                 elif run == "ddp equal":
                     value = ddp_samples_per_s(cluster, equal, model, args, work, f"e{r}")
                 else:
@@ -240,6 +244,14 @@ def _plan_text(plan: Plan) -> str:
         f"r{rp.rank} {rp.node} stage {rp.stage} {rp.micro_batch_size}x{rp.num_microbatches}"
         for rp in plan.ranks
     )
+
+
+def _shares_text(records: dict[int, list[StepMetrics]]) -> str:
+    """``50|23|23 -> 51|22|23``: every rank's samples at its first and last step."""
+    ranks = sorted(records)
+    first = "|".join(str(records[r][0].samples) for r in ranks)
+    last = "|".join(str(records[r][-1].samples) for r in ranks)
+    return first if first == last else f"{first} -> {last}"
 
 
 def _cores_text(cores: Sequence[tuple[int, ...] | None]) -> str:
@@ -275,6 +287,8 @@ def report(cases: Sequence[Case]) -> None:
                 f"({c.first[0] / c.first[1]:.2f}); plan {c.first_plan_text}"
             )
         console.print(f"[bold]{c.model.name} {c.quotas}[/] plan: {c.plan_text}")
+        if c.shares:
+            console.print(f"  samples a rank in each round: {'; '.join(c.shares)}")
         parts = table("hplan step breakdown, ms (median per rank, last round)",
                       ["rank", "step", *BREAKDOWN])  # fmt: skip
         for rank, row in c.breakdown.items():

@@ -118,7 +118,10 @@ def error_row(e: RankError) -> list[str]:
 
 
 def print_calibration(result: Calibration, console: Console) -> None:
-    """The per-rank error table, the kind corrections and the stragglers."""
+    """The per-rank error table, the kind corrections, the stragglers, the speed classes read
+    as one speed and the speed factors."""
+    from hplan.planner.profiling.calibrate import POOL_THRESHOLD
+
     table = Table(
         title="predicted vs measured, per step, in seconds of the plan's hardware",
         caption="comm+wait: step - compute - optimizer (transfers, bubbles, all-reduce)",
@@ -154,6 +157,13 @@ def print_calibration(result: Calibration, console: Console) -> None:
     for factor in result.factors:
         console.print(
             f"[bold]straggler[/bold] {factor.device}: x {factor.time_factor:.2f} — {factor.reason}"
+        )
+    for speed_class in result.pooled:
+        console.print(
+            f"one speed {', '.join(speed_class.devices)}: measured "
+            f"{speed_class.spread * 100:.1f}% apart a sample (within "
+            f"{POOL_THRESHOLD * 100:.0f}%), each read at their median "
+            f"{format_seconds(speed_class.pooled_per_sample_s)} a sample"
         )
     for factor in result.speed_factors:
         console.print(f"speed {factor.device}: x {factor.time_factor:.3f} — {factor.reason}")
@@ -272,6 +282,14 @@ def calibration_summary(result: Calibration) -> dict[str, object]:
         "speed_factors": [
             {"device": f.device, "time_factor": f.time_factor, "reason": f.reason}
             for f in result.speed_factors
+        ],
+        "pooled": [
+            {
+                "devices": list(c.devices),
+                "measured_per_sample_s": list(c.measured_per_sample_s),
+                "pooled_per_sample_s": c.pooled_per_sample_s,
+            }
+            for c in result.pooled
         ],
         "memory": [memory_json(m) for m in result.memory],
         "all_reduce": [

@@ -15,7 +15,12 @@ and the plan's report, and
    kind correction), with a reason naming the numbers;
    A device that is no straggler but computed more than ``SPEED_THRESHOLD`` (2%) off its
    kind's correction gets a factor too (a *speed factor*): the next solve then shares the
-   batch by each device's measured speed, not only by its kind's;
+   batch by each device's measured speed, not only by its kind's. Devices the plan timed
+   alike (a *speed class*: the same kind and declared speed, predicted compute a sample
+   within ``CLASS_THRESHOLD``, 5%) whose measured compute a sample lies within
+   ``POOL_THRESHOLD`` (6%) of each other are read as one speed, their median: a difference
+   that small is within one run's noise, and two identical nodes should not get unequal
+   shares from it;
 4. writes a corrected profile: the input profile's unit timings of each kind scaled by the
    kind correction and their optimizer times by the kind's measured/predicted optimizer
    ratio (source ``calibrated``), existing device factors multiplied by the new ones. When
@@ -94,6 +99,21 @@ factor under the former 5%, and in each of three runs of the next plan was the b
 large: a rank's sustained compute in three runs of the same plan spread by 1.5-6% (once
 11%), and in another benchmark run one of three 0.6-core nodes measured 6-9% faster than
 the others in the first run and no faster in the three runs after it."""
+CLASS_THRESHOLD = 0.05
+"""Devices of one sibling group (``sibling_group``) whose predicted compute a sample differs by
+at most this belong to one *speed class*: the plan timed them alike (two nodes profiled alike,
+or the same card twice), so a measured difference between them is the run's, not the
+profile's."""
+POOL_THRESHOLD = 0.06
+"""The members of a speed class whose measured compute a sample lies within this of each other
+(largest over smallest) are read as one speed, the class's median: the spread of one rank's
+sustained compute over runs of the same plan (1.5-6%, ``SPEED_THRESHOLD``). Unpooled, one
+run's noise went into the next plan: on ``bench/real_cluster.py`` (GPT, quotas 0.9 / 0.45 /
+0.45, the two slow nodes profiled alike) four of five calibrated plans gave the slow nodes
+unequal shares (22 | 24, 22 | 23, 22 | 24, 23 | 22: slow-a the fewer in three, slow-b in
+one), and in six interleaved rounds against DDP split a symmetric plan (50 | 23 | 23) ran
+1.017x, an unequal one (25x2 | 22 | 24) 1.005x. A real difference below the threshold is
+split between the members: each is then off by less than it (half of it for two)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +146,8 @@ class RankError:
     """The forward part of ``predicted_compute_s``."""
     measured_forward_s: float = 0.0
     """The forward part of ``measured_compute_s`` (0: the runs did not record it)."""
+    samples: int = 0
+    """Samples of the global batch the rank computed a step (its plan's ``num_samples``)."""
 
     @property
     def compute_ratio(self) -> float:
@@ -158,6 +180,24 @@ class Calibration:
     speed_factors: tuple[DeviceFactor, ...] = ()
     """Devices within the straggler threshold but more than ``SPEED_THRESHOLD`` off their
     kind's correction: their factor relative to it (in the profile with the stragglers')."""
+    pooled: tuple[SpeedClass, ...] = ()
+    """Speed classes whose members were read as one speed (``POOL_THRESHOLD``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedClass:
+    """Devices the plan timed alike, with their measured compute a sample (``POOL_THRESHOLD``)."""
+
+    devices: tuple[str, ...]
+    measured_per_sample_s: tuple[float, ...]
+    """Each device's median measured compute a sample, seconds, in ``devices``' order."""
+    pooled_per_sample_s: float
+    """Their median: what each of them is read as (seconds a sample)."""
+
+    @property
+    def spread(self) -> float:
+        """Largest over smallest measured compute a sample, minus 1 (0.04: 4% apart)."""
+        return max(self.measured_per_sample_s) / min(self.measured_per_sample_s) - 1.0
 
 
 # ------------------------------------------------------------------------------ math
@@ -206,12 +246,14 @@ def check_runs_of_plan(plan: Plan, runs: Sequence[Run], give_plan: str = CALIBRA
         ConfigError: a run folder holds the plan of another layout.
     """
     ranks = {rp.rank: rp for rp in plan.ranks}
+    moving = plan.fixed_shares_reason() is None  # its runs may move samples
     for run in runs:
         for record in run.records:
             rp = ranks.get(record.rank)
             if rp is None:
                 continue  # a rank the plan lacks: the callers name it
-            if (record.replica, record.stage, record.samples) != (
+            samples = rp.num_samples if moving else record.samples
+            if (record.replica, record.stage, samples) != (
                 rp.replica,
                 rp.stage,
                 rp.num_samples,
@@ -364,7 +406,10 @@ def rank_errors(plan: Plan, runs: Sequence[Run]) -> tuple[RankError, ...]:
                     "this plan? (each run folder must hold every rank's rank-<r>.jsonl)"
                 )
             for r in _timed(mine):
-                compute_s = r.sustained_s(r.compute_time_s, r.compute_cpu_time_s)
+                # a run that moved samples (``rebalance.py``): its compute at the plan's
+                # share, read as linear in the samples
+                share = rank_plan.num_samples / r.samples if r.samples > 0 else 1.0
+                compute_s = r.sustained_s(r.compute_time_s, r.compute_cpu_time_s) * share
                 samples["compute"].append(compute_s / run.time_scale)
                 rest_s = r.step_time_s - r.compute_time_s - r.optimizer_time_s
                 samples["rest"].append(rest_s / run.time_scale)
@@ -372,7 +417,7 @@ def rank_errors(plan: Plan, runs: Sequence[Run]) -> tuple[RankError, ...]:
                 opt_s = r.sustained_s(r.optimizer_time_s, r.optimizer_cpu_time_s)
                 samples["opt"].append(opt_s / run.time_scale)
                 forward_s = r.forward_time_s * (
-                    compute_s / r.compute_time_s if r.compute_time_s > 0 else 1.0
+                    compute_s / r.compute_time_s if r.compute_time_s > 0 else share
                 )
                 samples["forward"].append(forward_s / run.time_scale)
         compute_s = optimizer_s = forward_share = 0.0
@@ -397,6 +442,7 @@ def rank_errors(plan: Plan, runs: Sequence[Run]) -> tuple[RankError, ...]:
                 measured_optimizer_s=statistics.median(samples["opt"]),
                 predicted_forward_s=compute_s * forward_share,
                 measured_forward_s=statistics.median(samples["forward"]) if recorded else 0.0,
+                samples=rank_plan.num_samples,
             )
         )
     _check_ranks(plan, runs)
@@ -581,7 +627,9 @@ def calibrate(
     kinds = {e.device: e.kind for e in errors}
     ratios = device_ratios(errors)
     relative = find_stragglers(ratios, siblings, threshold)
-    corrections = kind_corrections(ratios, kinds, relative)
+    pooled = pooled_classes(errors, siblings, relative)
+    read = pooled_ratios(errors, pooled) | {n: v for n, v in ratios.items() if not _in(n, pooled)}
+    corrections = kind_corrections(read, kinds, relative)
     stragglers = tuple(
         DeviceFactor(
             device=name,
@@ -591,7 +639,12 @@ def calibrate(
         )
         for name, value in sorted(relative.items())
     )
-    speeds = speed_factors(ratios, kinds, corrections, relative)
+    speeds = tuple(
+        replace(f, reason=f"{f.reason}; {_pooled_reason(f.device, pooled)}")
+        if _in(f.device, pooled)
+        else f
+        for f in speed_factors(read, kinds, corrections, relative)
+    )
     cluster = {d.name: d.kind for plan, _ in observations for d in plan.cluster.devices}
     optimizer = optimizer_corrections(errors, relative)
     phases = phase_corrections(errors, relative)
@@ -611,7 +664,81 @@ def calibrate(
         tuple(memory),
         tuple(fits),
         speeds,
+        pooled,
     )
+
+
+def _in(device: str, classes: Sequence[SpeedClass]) -> bool:
+    return any(device in c.devices for c in classes)
+
+
+def _pooled_reason(device: str, classes: Sequence[SpeedClass]) -> str:
+    (speed_class,) = [c for c in classes if device in c.devices]
+    return (
+        f"read at the median of its speed class {', '.join(speed_class.devices)} "
+        f"(measured {speed_class.spread * 100:.1f}% apart a sample, pool threshold "
+        f"{POOL_THRESHOLD * 100:.0f}%)"
+    )
+
+
+def _per_sample_s(errors: Sequence[RankError], measured: bool) -> dict[str, float]:
+    """Device -> median compute a sample (measured or predicted) over its ranks, seconds."""
+    by_device: dict[str, list[float]] = {}
+    for e in errors:
+        if e.samples > 0 and e.predicted_compute_s > 0:
+            value = e.measured_compute_s if measured else e.predicted_compute_s
+            by_device.setdefault(e.device, []).append(value / e.samples)
+    return {name: statistics.median(values) for name, values in sorted(by_device.items())}
+
+
+def pooled_classes(
+    errors: Sequence[RankError],
+    siblings: Mapping[str, str],
+    stragglers: Mapping[str, float],
+    class_threshold: float = CLASS_THRESHOLD,
+    pool_threshold: float = POOL_THRESHOLD,
+) -> tuple[SpeedClass, ...]:
+    """The speed classes whose members measured within ``pool_threshold`` of each other.
+
+    A class is a run of devices of one sibling group, in order of predicted compute a sample,
+    each within ``class_threshold`` of the run's first; stragglers belong to none. Classes
+    of one device, and classes whose members measured further apart, are left out (their
+    devices keep their own ratios).
+
+    Args:
+        errors: every rank's predicted and measured times (:func:`rank_errors`).
+        siblings: device name -> its sibling group (:func:`sibling_group`).
+        stragglers: devices :func:`find_stragglers` flagged.
+    """
+    predicted = _per_sample_s(errors, measured=False)
+    measured = _per_sample_s(errors, measured=True)
+    by_group: dict[str, list[str]] = {}
+    for name in sorted(predicted, key=lambda n: (predicted[n], n)):
+        if name not in stragglers and not math.isnan(measured[name]):
+            by_group.setdefault(siblings[name], []).append(name)
+    classes: list[list[str]] = []
+    for names in by_group.values():
+        current: list[str] = []
+        for name in names:
+            if current and predicted[name] > predicted[current[0]] * (1 + class_threshold):
+                classes.append(current)
+                current = []
+            current.append(name)
+        classes.append(current)
+    out = []
+    for members in classes:
+        values = tuple(measured[n] for n in members)
+        if len(members) > 1 and max(values) <= min(values) * (1 + pool_threshold):
+            out.append(SpeedClass(tuple(members), values, statistics.median(values)))
+    return tuple(out)
+
+
+def pooled_ratios(errors: Sequence[RankError], classes: Sequence[SpeedClass]) -> dict[str, float]:
+    """Each pooled device's ratio read at its class's speed: the class's median measured
+    compute a sample over the device's predicted compute a sample (so that the corrected
+    profile times every member alike)."""
+    predicted = _per_sample_s(errors, measured=False)
+    return {n: c.pooled_per_sample_s / predicted[n] for c in classes for n in c.devices}
 
 
 def speed_factors(

@@ -738,6 +738,18 @@ class Plan:
                 return node
         raise PlanFileError(f"plan has no node {name!r}; re-run `hplan solve`")
 
+    def fixed_shares_reason(self) -> str | None:
+        """Why a run of this plan keeps its batch shares throughout (None: its replicas may
+        move samples between steps as their measured speeds ask, ``executor/rebalance.py``:
+        two or more replicas of one stage each that sum their gradients every step)."""
+        if self.num_replicas < 2:
+            return "one replica"
+        if any(len(self.replica_ranks(r)) > 1 for r in range(self.num_replicas)):
+            return "a replica is a pipeline"
+        if self.training.sync is not None and self.training.sync.local:
+            return "islands train on their own"
+        return None
+
     def sample_offset(self, replica: int) -> int:
         """Index of this replica's first sample within the global batch."""
         firsts = [self.replica_ranks(r)[0] for r in range(replica)]

@@ -73,15 +73,18 @@ def _value(value: object) -> str:
     return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
 
 
-def job_loss(plan: Plan, losses: Sequence[float | None]) -> float | None:
-    """The global batch's mean loss from each replica's mean loss (sample-weighted); None
+def job_loss(
+    plan: Plan, losses: Sequence[float | None], shares: Sequence[int] | None = None
+) -> float | None:
+    """The global batch's mean loss from each replica's mean loss, weighted by its samples
+    (``shares``, one per replica: the ones the step ran with; default the plan's); None
     while a replica's is missing."""
     if len(losses) != plan.num_replicas or any(loss is None for loss in losses):
         return None
+    if shares is None:
+        shares = [plan.replica_ranks(r)[0].num_samples for r in range(plan.num_replicas)]
     total = sum(
-        loss * plan.replica_ranks(replica)[0].num_samples
-        for replica, loss in enumerate(losses)
-        if loss is not None
+        loss * samples for loss, samples in zip(losses, shares, strict=True) if loss is not None
     )
     return total / plan.global_batch_size
 

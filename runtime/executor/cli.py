@@ -133,6 +133,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="rendezvous port when not under torchrun (default: $MASTER_PORT, else the plan's)",
     )
     parser.add_argument(
+        "--no-rebalance",
+        action="store_true",
+        help="keep the plan's batch shares for the whole run (default: replicas of one stage "
+        "that sync every step move samples to the faster ones as measured; the training "
+        "is the same)",
+    )
+    parser.add_argument(
         "--verify-dir",
         type=Path,
         help="run step one with dropout off and dump its synced gradients and updated "
@@ -217,6 +224,7 @@ def run_options(args: argparse.Namespace, **overrides: object) -> RunOptions:
         "checkpoint_every_s": None if minutes is None else minutes * S_PER_MIN,
         "async_checkpoints": not args.sync_checkpoints,
         "heartbeat_timeout_s": timeout_s,
+        "rebalance": not args.no_rebalance,
         **overrides,
     }
     return RunOptions(**values)  # type: ignore[arg-type]

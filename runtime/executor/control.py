@@ -190,6 +190,11 @@ class Agreement:
     loss that was not finite reads ``inf``."""
     interval_steps: int = 0
     """Steps between exchanges from here on, as rank 0 proposed (0: no proposal)."""
+    speeds: tuple[tuple[float, float] | None, ...] = ()
+    """Each replica's measured (seconds a sample, fixed seconds) at its current share
+    (``rebalance.ShareBalancer.posted``; None: not posted)."""
+    speed_epoch: int = -1
+    """The share changes the ranks had made when they posted ``speeds``."""
 
 
 _NOTHING = Agreement(StepFlags.NONE, -1)
@@ -202,7 +207,9 @@ class StepControl:
 
     The losses ride in the same MAX all-reduce, so that rank 0 can show the job's loss
     without a collective of its own: a replica's last stage posts its loss in the
-    replica's slot (a non-finite one as ``inf``), every other rank ``-inf``.
+    replica's slot (a non-finite one as ``inf``), every other rank ``-inf``. So do the
+    replicas' measured speeds for ``rebalance.ShareBalancer`` (a slot each for seconds a
+    sample and fixed seconds, and the ranks' share epoch).
     """
 
     def __init__(self, device: torch.device, num_replicas: int = 1) -> None:
@@ -218,11 +225,15 @@ class StepControl:
         step: int = -1,
         loss: tuple[int, float] | None = None,
         interval_steps: int = 0,
+        speed: tuple[int, float, float] | None = None,
+        speed_epoch: int = -1,
     ) -> Agreement:
         """Post this rank's ``flags``, newest completely written checkpoint step,
         ``loss`` (its replica, its replica's mean loss; last stages only) of ``step`` and
-        proposed ``interval_steps`` (rank 0; 0 elsewhere) for the next call; return what
-        the ranks posted at the previous call, combined (nothing at the first call).
+        proposed ``interval_steps`` (rank 0; 0 elsewhere) and ``speed`` (its replica, seconds
+        a sample, fixed seconds; under share epoch ``speed_epoch``) for the next call;
+        return what the ranks posted at the previous call, combined (nothing at the first
+        call).
 
         Every rank must call it at the same steps, in the same order (:meth:`finish`
         reads the values posted last without posting).
@@ -238,6 +249,11 @@ class StepControl:
         if loss is not None:
             replica, value = loss
             values[3 + replica] = value if math.isfinite(value) else math.inf
+        speeds = [_NO_LOSS] * (2 * self._num_replicas)
+        if speed is not None:
+            replica, per_sample_s, fixed_s = speed
+            speeds[replica], speeds[self._num_replicas + replica] = per_sample_s, fixed_s
+        values += [float(speed_epoch), *speeds]
         tensor = torch.tensor(values, dtype=torch.float64, device=self._device)
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
@@ -260,13 +276,25 @@ class StepControl:
             work.wait()
         except RuntimeError as exc:
             raise _lost(exc) from None
-        flags, negated, interval, *losses = tensor.tolist()
+        flags, negated, interval, *rest = tensor.tolist()
+        n = self._num_replicas
+        losses, epoch, per_sample, fixed = (
+            rest[:n],
+            rest[n],
+            rest[n + 1 : 2 * n + 1],
+            rest[2 * n + 1 :],
+        )
         return Agreement(
             StepFlags(int(flags)),
             -int(negated),
             step,
             tuple(None if v == _NO_LOSS else v for v in losses),
             int(interval),
+            tuple(
+                None if a == _NO_LOSS or b == _NO_LOSS else (a, b)
+                for a, b in zip(per_sample, fixed, strict=True)
+            ),
+            int(epoch),
         )
 
 

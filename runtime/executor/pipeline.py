@@ -67,9 +67,9 @@ from hplan.runtime.executor.grad_sync import (
     loss_denominator,
     loss_weight,
 )
+from hplan.runtime.executor.memory.zero import ShardSync
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
-from hplan.runtime.executor.memory.zero import ShardSync
 
 if TYPE_CHECKING:
     # 0.45 s to import (DTensor, sympy): the scaler is built only for fp16 plans.
@@ -203,9 +203,7 @@ class StepRunner:
         comm = parts.comm
         self.timeline = TimelineRecorder(parts.rank_plan.rank)
         self._losses = []
-        self._batches = parts.source.microbatches(
-            step, self.offset, parts.rank_plan.num_samples, self.sizes
-        )
+        self._batches = parts.source.microbatches(step, self.offset, self.num_samples, self.sizes)
         for index, action in enumerate(self.actions):
             if comm.post_ahead:  # this action's receive, then the next one's
                 for upcoming in self.actions[index : index + 2]:
@@ -223,7 +221,19 @@ class StepRunner:
         if not self._losses:
             return None
         total = torch.stack([loss.float() for loss in self._losses]).sum()
-        return float(total) * self.loss_samples / parts.rank_plan.num_samples
+        return float(total) * self.loss_samples / self.num_samples
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of the global batch this rank's replica computes a step (its share)."""
+        return sum(self.sizes)
+
+    def reshare(self, offset: int, sizes: tuple[int, ...]) -> None:
+        """Take samples ``[offset, offset + sum(sizes))`` of the global batch from the next
+        step on, cut into ``sizes`` (as many micro-batches as before:
+        ``rebalance.ShareBalancer``)."""
+        assert len(sizes) == len(self.sizes) and all(n > 0 for n in sizes)
+        self.offset, self.sizes = offset, sizes
 
     def _sync_gradients(self) -> None:
         """Wait for the gradient buckets (``GradSync.finish``); time the wait and what ran

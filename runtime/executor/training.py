@@ -89,9 +89,16 @@ from hplan.runtime.executor.machine import (
     rank_cpu_share,
     set_rank_threads,
 )
+from hplan.runtime.executor.memory.zero import (
+    ShardSync,
+    build_shard_sync,
+    gradient_holders,
+    reduce_to_owners,
+)
 from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync, check_verify
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
+from hplan.runtime.executor.rebalance import ReplicaSpeed, ShareBalancer
 from hplan.runtime.executor.rendezvous import barrier, rank_device
 from hplan.runtime.executor.seams import (
     MemoryMeter,
@@ -106,12 +113,6 @@ from hplan.runtime.executor.worker import (
     check_training_length,
     init_distributed,
     training_steps,
-)
-from hplan.runtime.executor.memory.zero import (
-    ShardSync,
-    build_shard_sync,
-    gradient_holders,
-    reduce_to_owners,
 )
 
 DEFAULT_CHECKPOINT_EVERY_S = 600.0
@@ -366,6 +367,13 @@ class _Loop:
         """How long training waited for each periodic checkpoint."""
         self.rank = parts.rank_plan.rank
         self.cpu_share = rank_cpu_share(parts.plan, self.rank)
+        self.balancer = (
+            ShareBalancer(parts.plan, self.rank)
+            if options.rebalance and parts.plan.fixed_shares_reason() is None
+            else None
+        )
+        """The replicas' shares as their measured speeds ask (``rebalance.py``); None: the
+        plan's throughout."""
 
     def _report_pauses(self, last_s: float) -> None:
         """Rank 0 says what the checkpoints cost training (one line on stderr)."""
@@ -411,6 +419,8 @@ class _Loop:
                 )
                 if self.scheduler is not None:
                     self.scheduler.step()  # type: ignore[attr-defined]
+                if self.balancer is not None:
+                    self.balancer.observe(record)
                 if writer is not None:
                     writer.write(record)
                 if timeline is not None:
@@ -456,8 +466,20 @@ class _Loop:
         written = self.checkpointer.written_step() if self.checkpointer is not None else -1
         loss = None if record.loss is None else (record.replica, record.loss)
         held, self.held = self.held, StepFlags.NONE
+        speed, epoch = None, -1
+        if self.balancer is not None:
+            epoch = self.balancer.epoch
+            if (posted := self.balancer.posted()) is not None:
+                replica, measured = posted
+                speed = (replica, measured.compute_per_sample_s, measured.fixed_s)
         return self.control.exchange(
-            held, written, step=record.step, loss=loss, interval_steps=self._proposal()
+            held,
+            written,
+            step=record.step,
+            loss=loss,
+            interval_steps=self._proposal(),
+            speed=speed,
+            speed_epoch=epoch,
         )
 
     def _proposal(self) -> int:
@@ -476,9 +498,32 @@ class _Loop:
     def _heard(self, agreement: Agreement) -> Agreement:
         """Pass the losses of an agreement to rank 0's progress; return the agreement."""
         if self.progress is not None:
-            loss = job_loss(self.parts.plan, agreement.losses)
+            shares = None
+            if self.balancer is not None and agreement.step is not None:
+                shares = self.balancer.shares_at(agreement.step)
+            loss = job_loss(self.parts.plan, agreement.losses, shares)
             self.progress.loss_known(agreement.step, loss)
         return agreement
+
+    def _reshare(self, agreement: Agreement, next_step: int) -> None:
+        """Take the shares the agreement's speeds ask for from ``next_step`` on (every rank
+        reads the same agreement at the same step, so all change together); rank 0 says so."""
+        if self.balancer is None or not agreement.speeds:
+            return
+        speeds = [None if s is None else ReplicaSpeed(*s) for s in agreement.speeds]
+        old = self.balancer.shares
+        change = self.balancer.agreed(agreement.speed_epoch, speeds, next_step)
+        if change is None:
+            return
+        self.runner.reshare(self.balancer.offset(), self.balancer.sizes())
+        if self.rank == 0:
+            print(
+                f"hplan: from step {next_step}: batch shares {_shares_text(old)} -> "
+                f"{_shares_text(change.shares)} (the replicas' measured speeds; predicted "
+                f"step {change.predicted_gain * 100:.1f}% shorter)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _after(
         self, steps_done: int, flags: StepFlags, record: StepMetrics, last: bool = False
@@ -507,6 +552,7 @@ class _Loop:
         agreement = self._heard(self._post(record) if posted else self.control.finish())
         if agreement.interval_steps > 0:  # every rank reads it at the same step
             self.control_every = agreement.interval_steps
+        self._reshare(agreement, steps_done)
         agreed = agreement.flags
         if agreed & _STOP:
             self._finish(steps_done, agreed)
@@ -555,6 +601,10 @@ class _Loop:
                 else "no --checkpoint-dir, so nothing was saved"
             )
             raise PreemptedError(f"preempted (SIGTERM) after {steps_done} steps: {where}")
+
+
+def _shares_text(shares: tuple[int, ...]) -> str:
+    return " | ".join(str(n) for n in shares)
 
 
 _STOP = StepFlags.PREEMPTED | StepFlags.NONFINITE_LOSS
@@ -617,7 +667,7 @@ def _train_step(
         optimizer_time_s=times.optimizer_s,
         other_time_s=max(0.0, step_s - accounted),
         loss=loss,
-        samples=rp.num_samples,
+        samples=runner.num_samples,
         peak_memory_bytes=memory.peak_bytes(),
         forward_time_s=times.forward_s,
         grad_norm=grad_norm,

@@ -46,6 +46,7 @@ from hplan.runtime.contract.plan import Plan, RankPlan, TraceMethod, ZeroStage, 
 from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
 from hplan.runtime.executor.memory.offload import offload_optimizer
+from hplan.runtime.executor.memory.zero import shard_optimizer
 from hplan.runtime.executor.pipeline import RankParts, stage_label
 from hplan.runtime.executor.precision import configure_matmul_precision, loss_scaler
 from hplan.runtime.executor.rendezvous import (
@@ -57,7 +58,6 @@ from hplan.runtime.executor.rendezvous import (
 from hplan.runtime.executor.seams import (
     LinkDelay,
 )
-from hplan.runtime.executor.memory.zero import shard_optimizer
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,9 @@ class RunOptions:
     """Write checkpoints from a background thread while training goes on."""
     heartbeat_timeout_s: float = 30.0
     """A peer whose heartbeat stops for this long ends the job (``control.Heartbeat``)."""
+    rebalance: bool = True
+    """Move samples between replicas as their measured speeds ask (``rebalance.py``; plans
+    of one-stage replicas that sync every step)."""
 
     def settings(self) -> dict[str, object]:
         """The options every rank of a job must share (``control.check_same_job``)."""
@@ -102,6 +105,7 @@ class RunOptions:
             "checkpoint_every_s": self.checkpoint_every_s,
             "async_checkpoints": self.async_checkpoints,
             "verify": self.verify_dir is not None,
+            "rebalance": self.rebalance,
         }
 
 

@@ -67,6 +67,7 @@ def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
         backend="gloo",
         master_host="127.0.0.1",
         warn_model_change=False,  # `hplan rehearse` warned once
+        rebalance=False,  # its compute replays the plan's predictions: nothing to follow
     )
     check_environment(plan, rank, options)
     model = plan_model_path(plan.model.path, args.plan, args.model)

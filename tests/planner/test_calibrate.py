@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from hplan.planner.api import SolveRequest, Strategy, plan_training
 from hplan.planner.cli.main import cli
 from hplan.planner.profiling.calibrate import (
+    RankError,
     Run,
     calibrate,
     corrected_profile,
@@ -20,6 +21,8 @@ from hplan.planner.profiling.calibrate import (
     kind_corrections,
     load_runs,
     optimizer_corrections,
+    pooled_classes,
+    pooled_ratios,
     rank_errors,
     relative_error,
     speed_factors,
@@ -124,6 +127,70 @@ def test_a_device_more_than_2_percent_off_its_kind_gets_a_speed_factor(plan):
     (factor,) = [f for f in result.profile.device_factors if f.device == "box/2"]
     assert factor.time_factor * result.kind_corrections["cpu"] == pytest.approx(1.1)
     assert result.factors == ()  # no straggler
+
+
+def _error(device: str, predicted_s: float, measured_s: float, samples: int) -> RankError:
+    """A rank of ``device`` computing ``samples`` a step, predicted and measured seconds."""
+    return RankError(0, device, "cpu", predicted_s, measured_s, 0.0, 0.0, 1.0, 1.0, samples=samples)
+
+
+def test_devices_timed_alike_that_measured_within_6_percent_are_read_as_one_speed():
+    errors = [
+        _error("fast", 0.10, 0.10, 50),  # 2.0 ms a sample: a class of its own
+        _error("slow-a", 0.092, 0.098, 23),  # predicted 4.0 ms a sample, measured 4.26
+        _error("slow-b", 0.0938, 0.1052, 23),  # predicted 4.08 (2% off), measured 4.57: 7%
+        _error("slow-c", 0.0920, 0.1000, 23),  # predicted 4.0, measured 4.35
+        _error("other", 0.092, 0.092, 23),  # timed like slow-a but declared otherwise
+        _error("lame", 0.092, 0.20, 23),  # a straggler belongs to no class
+    ]
+    siblings = {e.device: "cpu" for e in errors} | {"other": "cpu (declared 0.2 TFLOP/s)"}
+    classes = pooled_classes(errors, siblings, stragglers={"lame": 2.0})
+    # slow-a, slow-b and slow-c are one class by their predictions, but measured 7% apart
+    assert classes == ()
+    classes = pooled_classes(errors[:2] + errors[3:], siblings, stragglers={"lame": 2.0})
+    (pooled,) = classes
+    assert pooled.devices == ("slow-a", "slow-c")
+    assert pooled.spread == pytest.approx(0.1000 / 0.098 - 1)
+    # read at the class's median: the corrected profile times both alike per sample, even
+    # where their profiles differed
+    errors[3] = _error("slow-c", 0.0938, 0.1000, 23)
+    (pooled,) = pooled_classes(errors[:2] + errors[3:], siblings, stragglers={"lame": 2.0})
+    ratios = pooled_ratios(errors, (pooled,))
+    assert set(ratios) == {"slow-a", "slow-c"}
+    assert 0.092 * ratios["slow-a"] == pytest.approx(0.0938 * ratios["slow-c"])
+    assert 0.092 * ratios["slow-a"] == pytest.approx(0.099)  # the median of 0.098 and 0.100
+
+
+def test_calibrate_pools_identical_devices_whose_difference_is_within_one_runs_noise(plan):
+    # box/2 computed 4% slower than its two identical siblings: below POOL_THRESHOLD, so no
+    # speed factor for it and the next plan shares the batch alike (at 10% it gets one:
+    # test_a_device_more_than_2_percent_off_its_kind_gets_a_speed_factor)
+    run = Run(Path("run"), 1.0, _records(plan, {"box/2": 1.04}, 1.0))
+    result = calibrate([(plan, [run])])
+    assert result.speed_factors == ()
+    assert [c.devices for c in result.pooled] == [("box/0", "box/1", "box/2")]
+    assert result.device_ratios["box/2"] == pytest.approx(1.04)  # the table shows the run
+    assert result.kind_corrections["cpu"] == pytest.approx(1.0)
+
+
+def test_a_run_whose_shares_moved_is_read_at_the_plans_shares(plan):
+    # the runtime moved samples between the replicas (executor/rebalance.py): box/0 ran
+    # 1.5x its share at 1.5x its compute, box/1 the rest; read at the plan's shares, both
+    # computed as predicted
+    assert plan.fixed_shares_reason() is None
+    (first, second, *_) = plan.ranks
+    moved = first.num_samples // 2
+    records = []
+    for r in _records(plan, {}, 1.0):
+        scale = 1.0
+        if r.rank == first.rank:
+            scale = (first.num_samples + moved) / first.num_samples
+        elif r.rank == second.rank:
+            scale = (second.num_samples - moved) / second.num_samples
+        samples = round(r.samples * scale)
+        records.append(replace(r, samples=samples, compute_time_s=r.compute_time_s * scale))
+    result = calibrate([(plan, [Run(Path("run"), 1.0, tuple(records))])])
+    assert all(v == pytest.approx(1.0) for v in result.device_ratios.values())
 
 
 def test_a_rank_under_a_binding_cpu_quota_is_read_by_its_cpu_time_over_the_quota(plan):

@@ -43,6 +43,7 @@ def _loop(rank: int) -> _Loop:
     loop.control_every, loop.held, loop.warmed_up = 1, StepFlags.NONE, False
     loop.step_times_s = deque(maxlen=20)
     loop.checkpointer, loop.every_steps, loop.progress = None, None, None
+    loop.balancer = None
     return loop
 
 
