@@ -166,8 +166,15 @@ def ddp_samples_per_s(
     cluster: NamespaceCluster, sizes: Sequence[int], model: Model, args: argparse.Namespace,
     work: Path, tag: str,
 ) -> float:  # fmt: skip
-    """torch DDP with ``sizes[i]`` samples per step on node ``i``; samples/s."""
-    run = run_ddp(cluster, sizes, model, args.steps, work, tag, port=PORT + 1)
+    """torch DDP with ``sizes[i]`` samples per step on node ``i``; samples/s. A run that
+    fails is run once more, and says so: one of the torch DDP reference's ranks once
+    aborted inside torch (``terminate called without an active exception``) and ended a
+    half-hour benchmark."""
+    try:
+        run = run_ddp(cluster, sizes, model, args.steps, work, tag, port=PORT + 1)
+    except SystemExit as failure:
+        console.print(f"  DDP run {tag} failed, running it once more: {str(failure)[-300:]}")
+        run = run_ddp(cluster, sizes, model, args.steps, work, f"{tag}-again", port=PORT + 1)
     return throughput(run.end_unix_time_s, model.global_batch, args.warmup)
 
 
@@ -220,6 +227,8 @@ def run_case(case: Case, args: argparse.Namespace, work: Path) -> None:
                 case.samples_per_s.setdefault(run, []).append(value)
         if args.rounds:
             last = work / f"ddp-s{args.rounds - 1}.json"
+            if (again := work / f"ddp-s{args.rounds - 1}-again.json").exists():
+                last = again  # the first try failed (``ddp_samples_per_s``)
             case.cpu_ms = _cpu_ms(records, last, args.warmup)  # the last round's hplan run
         plan = Plan.load(plan_dir / "plan.json")
         case.predicted_samples_per_s = plan.report.predicted_samples_per_s

@@ -14,17 +14,21 @@ sum). torch DDP's per-rank batch is fixed for a run.
 :class:`ShareBalancer` does it for plans whose replicas are one stage each and sync every
 step (``Plan.fixed_shares_reason``):
 
-1. each rank keeps its last ``WINDOW_STEPS`` steps at the current shares: its sustained
-   compute a sample (``StepMetrics.sustained_s``: CPU time over the quota where a CPU quota
-   binds, else wall time) and its sustained optimizer step;
-2. it posts their medians in the step-control exchange (``control.StepControl``: one MAX
-   all-reduce the ranks already run about every half second), in its replica's slot;
+1. each rank keeps its last ``WINDOW_STEPS`` steps: its sustained compute a sample
+   (``StepMetrics.sustained_s``: CPU time over the quota where a CPU quota binds, else wall
+   time) and its sustained optimizer step. A sample's time hardly depends on how many the
+   share has (a change moves a few percent of them), so steps of earlier shares stay in the
+   window;
+2. once it holds ``MIN_WINDOW_STEPS``, it posts their medians in the step-control exchange
+   (``control.StepControl``: one MAX all-reduce the ranks already run about every half
+   second), in its replica's slot;
 3. every rank reads the same agreement at the same step and computes the same new shares
    (:func:`balanced_shares`: the replicas end their compute and optimizer together, each
    share at least one sample a micro-batch and its micro-batches at most ``MAX_GROWTH`` of
    the plan's and within the rank's memory, :func:`sample_caps`), and takes them from its
    next step when they shorten the predicted step by more than ``MIN_GAIN``; values posted
-   before the last change (an older ``epoch``) are ignored.
+   before the last change (an older ``epoch``: the speeds that change was made from) are
+   ignored.
 
 Each replica keeps its plan's number of micro-batches, cut evenly (``even_cut``). Pipelines
 (a replica of several stages), islands that train on their own and rehearsals (their
@@ -47,6 +51,7 @@ from hplan.runtime.contract.plan import Plan, microbatch_sizes
 __all__ = [
     "MAX_GROWTH",
     "MIN_GAIN",
+    "MIN_WINDOW_STEPS",
     "WINDOW_STEPS",
     "ReplicaSpeed",
     "ShareBalancer",
@@ -56,8 +61,18 @@ __all__ = [
     "predicted_step_s",
 ]
 
-WINDOW_STEPS = 6
-"""Steps at the current shares a rank measures before it posts its speed (their median)."""
+WINDOW_STEPS = 20
+"""The most recent steps whose median speed a rank posts. On ``bench/real_cluster.py`` a
+slow node's compute a sample moved by about 5% from step to step and by up to 10% between
+thirds of a 60-step run. With the median of the last 6 steps since the previous change, the
+MLP's first calibration run (quotas 0.9/0.45/0.45) changed its shares six times in 60 steps,
+back and forth (slow-a 913, 955, 924, 895, 988 samples). Replayed on three kept runs of each
+case (``bench/share_replay.py``), the last 20 steps changed them 0-4 times a run and kept
+the MLP's ranks 0.7-1.1% closer to balance than its fixed calibrated shares (hetero
+quotas), -1.0 to +1.2% (equal quotas); the GPT's 96 sequences rarely move (one is 4% of a
+slow node's share)."""
+MIN_WINDOW_STEPS = 6
+"""Steps a rank measures before it posts its speed at all."""
 MIN_GAIN = 0.02
 """New shares are taken only when they shorten the predicted step (compute and optimizer of
 the slowest replica) by more than this: a rank's step-to-step noise must not move samples
@@ -195,17 +210,17 @@ class ShareBalancer:
         self._window: deque[ReplicaSpeed] = deque(maxlen=WINDOW_STEPS)
 
     def observe(self, record: StepMetrics) -> None:
-        """Keep a step's measured speed (steps at other shares are ignored)."""
-        samples = self.shares[self.replica]
-        if record.samples != samples or samples <= 0:
+        """Keep a step's measured speed."""
+        if record.samples <= 0:
             return
         compute_s = record.sustained_s(record.compute_time_s, record.compute_cpu_time_s)
         fixed_s = record.sustained_s(record.optimizer_time_s, record.optimizer_cpu_time_s)
-        self._window.append(ReplicaSpeed(compute_s / samples, fixed_s))
+        self._window.append(ReplicaSpeed(compute_s / record.samples, fixed_s))
 
     def posted(self) -> tuple[int, ReplicaSpeed] | None:
-        """(replica, its median speed over the window) once the window is full, else None."""
-        if len(self._window) < WINDOW_STEPS:
+        """(replica, its median speed over the window) once it holds ``MIN_WINDOW_STEPS``,
+        else None."""
+        if len(self._window) < MIN_WINDOW_STEPS:
             return None
         return self.replica, ReplicaSpeed(
             statistics.median(s.compute_per_sample_s for s in self._window),
@@ -233,7 +248,6 @@ class ShareBalancer:
         self.shares = shares
         self.epoch += 1
         self.changes.append(change)
-        self._window.clear()
         return change
 
     def sizes(self, replica: int | None = None) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from hplan.runtime.contract.metrics_file import StepMetrics
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.rebalance import (
     MAX_GROWTH,
+    MIN_WINDOW_STEPS,
     WINDOW_STEPS,
     ReplicaSpeed,
     ShareBalancer,
@@ -119,10 +120,10 @@ def test_the_balancer_posts_after_a_window_changes_once_and_ignores_stale_values
 ) -> None:
     plan = _plan(model_path, (12, 12), (12, 12))
     balancers = [ShareBalancer(plan, rank) for rank in range(2)]
-    for step in range(1, WINDOW_STEPS):
+    for step in range(1, MIN_WINDOW_STEPS):
         balancers[0].observe(_record(0, 12, 0.24, 0.01, step))
-        assert balancers[0].posted() is None  # the window is not full yet
-    balancers[0].observe(_record(0, 12, 0.24, 0.01, WINDOW_STEPS))
+        assert balancers[0].posted() is None  # too few steps yet
+    balancers[0].observe(_record(0, 12, 0.24, 0.01, MIN_WINDOW_STEPS))
     replica, speed = balancers[0].posted()  # type: ignore[misc]
     assert replica == 0 and speed == ReplicaSpeed(pytest.approx(0.02), pytest.approx(0.01))
     # replica 1 computes twice as fast: every rank takes the same change from step 9 on
@@ -133,9 +134,11 @@ def test_the_balancer_posts_after_a_window_changes_once_and_ignores_stale_values
     assert changes[0].predicted_gain == pytest.approx((0.25 / 0.19) - 1)
     assert [b.sizes() for b in balancers] == [(9,), (15,)]
     assert [b.offset() for b in balancers] == [0, 9]
-    assert balancers[0].posted() is None  # measured at the old shares: gone
-    balancers[0].observe(_record(0, 12, 0.24, 0.01))  # a record of the old shares: ignored
-    assert len(balancers[0]._window) == 0
+    # the window keeps the steps of the old shares (a sample's time) and takes the new
+    # ones, up to WINDOW_STEPS: 0.27 s for 9 samples is 0.03 s a sample
+    for step in range(9, 9 + WINDOW_STEPS):
+        balancers[0].observe(_record(0, 9, 0.27, 0.01, step))
+    assert balancers[0].posted()[1].compute_per_sample_s == pytest.approx(0.03)  # type: ignore[index]
     # the values posted before the change come back one exchange later: stale
     assert balancers[0].agreed(0, speeds, next_step=12) is None
     # a missing replica, or a gain under MIN_GAIN, changes nothing
