@@ -11,9 +11,11 @@ under three policies and prints the mean step of each:
 - *hindsight*: the single best split for the whole run, from every step's speeds (what no
   policy can know in advance).
 
-A replayed step lasts its slowest rank's compute and optimizer at the replayed shares: each
-rank's measured sustained compute a sample (CPU time over its quota where the quota binds)
-times its share, plus its optimizer step. All-reduce and waits are left out, so the ratios
+A replayed step lasts its slowest rank's compute and fixed time at the replayed shares
+(``rebalance.step_speed``): each rank's measured sustained compute a sample (CPU time over
+its quota where the quota binds) times its share, plus its sustained time outside compute
+(under a binding quota all its CPU time outside compute over the quota, else its optimizer
+step). All-reduce and waits are left out, so the ratios
 say how much closer to balance a policy keeps the ranks, not the run's speed.
 
     python bench/share_replay.py DIR [--every 5]
@@ -39,6 +41,7 @@ from hplan.runtime.executor.rebalance import (
     ShareBalancer,
     balanced_shares,
     predicted_step_s,
+    step_speed,
 )
 
 Speeds = list[list[ReplicaSpeed]]
@@ -52,16 +55,7 @@ def step_speeds(metrics_dir: Path, plan: Plan) -> Speeds:
         (rank,) = plan.replica_ranks(replica)
         by_replica.append(read_rank_metrics(metrics_dir / f"rank-{rank.rank}.jsonl")[1:])
     steps = min(len(records) for records in by_replica)
-    return [
-        [
-            ReplicaSpeed(
-                r.sustained_s(r.compute_time_s, r.compute_cpu_time_s) / r.samples,
-                r.sustained_s(r.optimizer_time_s, r.optimizer_cpu_time_s),
-            )
-            for r in (records[t] for records in by_replica)
-        ]
-        for t in range(steps)
-    ]
+    return [[step_speed(records[t]) for records in by_replica] for t in range(steps)]
 
 
 def _record(replica: int, samples: int, speed: ReplicaSpeed) -> StepMetrics:
@@ -120,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not cases:
         parser.error(f"{args.keep} holds no case-* folders of bench/real_cluster.py --keep")
     out = table(
-        "share policies replayed: mean step of the slowest rank's compute and optimizer",
+        "share policies replayed: mean step of the slowest rank's compute and fixed time",
         ["case", "run", "plan", "fixed ms", "runtime", "changes", "hindsight", "best split"],
     )
     for case in cases:

@@ -16,14 +16,18 @@ step (``Plan.fixed_shares_reason``):
 
 1. each rank keeps its last ``WINDOW_STEPS`` steps: its sustained compute a sample
    (``StepMetrics.sustained_s``: CPU time over the quota where a CPU quota binds, else wall
-   time) and its sustained optimizer step. A sample's time hardly depends on how many the
-   share has (a change moves a few percent of them), so steps of earlier shares stay in the
-   window;
+   time) and the step's sustained time that does not grow with the share: under a binding
+   quota, all of the step's CPU time outside compute over the quota (the optimizer, the
+   collective library's threads after the backward, the runtime's bookkeeping: every CPU
+   second of a quota-bound rank costs it 1 / quota seconds of its step), else the optimizer
+   step's wall time (the rest, the all-reduce's tail, is the same on every rank). A
+   sample's time hardly depends on how many the share has (a change moves a few percent of
+   them), so steps of earlier shares stay in the window;
 2. once it holds ``MIN_WINDOW_STEPS``, it posts their medians in the step-control exchange
    (``control.StepControl``: one MAX all-reduce the ranks already run about every half
    second), in its replica's slot;
 3. every rank reads the same agreement at the same step and computes the same new shares
-   (:func:`balanced_shares`: the replicas end their compute and optimizer together, each
+   (:func:`balanced_shares`: the replicas end their compute and fixed time together, each
    share at least one sample a micro-batch and its micro-batches at most ``MAX_GROWTH`` of
    the plan's and within the rank's memory, :func:`sample_caps`), and takes them from its
    next step when they shorten the predicted step by more than ``MIN_GAIN``; values posted
@@ -59,6 +63,7 @@ __all__ = [
     "balanced_shares",
     "even_cut",
     "predicted_step_s",
+    "step_speed",
 ]
 
 WINDOW_STEPS = 20
@@ -74,7 +79,7 @@ slow node's share)."""
 MIN_WINDOW_STEPS = 6
 """Steps a rank measures before it posts its speed at all."""
 MIN_GAIN = 0.02
-"""New shares are taken only when they shorten the predicted step (compute and optimizer of
+"""New shares are taken only when they shorten the predicted step (compute and fixed time of
 the slowest replica) by more than this: a rank's step-to-step noise must not move samples
 back and forth. Each change costs nothing but a new cut of the next batch."""
 MAX_GROWTH = 1.25
@@ -89,7 +94,7 @@ class ReplicaSpeed:
     compute_per_sample_s: float
     """Sustained forward + backward seconds a sample."""
     fixed_s: float
-    """Sustained seconds a step that do not grow with the share (the optimizer step)."""
+    """Sustained seconds a step that do not grow with the share (:meth:`ShareBalancer.observe`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +164,26 @@ def balanced_shares(
     return tuple(shares)
 
 
+def step_speed(record: StepMetrics) -> ReplicaSpeed:
+    """A step's sustained compute a sample and, under a binding CPU quota, all its CPU time
+    outside compute over the quota, else its optimizer step's wall time (module docstring).
+    On ``bench/real_cluster.py``'s MLP (quotas 0.9 / 0.45 / 0.45) a step's CPU outside
+    compute was 6.6-8.1 ms on every rank, the optimizer's 2.9-3.3 ms of it: the optimizer
+    alone left 3.6-4.8 ms of CPU a step out, 9-11 ms of a slow node's step and 4-5 ms of the
+    fast one's.
+
+    Raises:
+        ValueError: the record has no samples.
+    """
+    if record.samples <= 0:
+        raise ValueError(f"rank {record.rank} step {record.step} computed no samples")
+    compute_s = record.sustained_s(record.compute_time_s, record.compute_cpu_time_s)
+    fixed_s = record.sustained_s(
+        record.optimizer_time_s, record.cpu_time_s - record.compute_cpu_time_s
+    )
+    return ReplicaSpeed(compute_s / record.samples, fixed_s)
+
+
 def sample_caps(plan: Plan, growth: float = MAX_GROWTH) -> tuple[int, ...]:
     """Per replica, the most samples its share may reach: its plan's micro-batch count at
     the largest micro-batch of at most ``growth`` times the plan's whose predicted peak
@@ -210,12 +235,9 @@ class ShareBalancer:
         self._window: deque[ReplicaSpeed] = deque(maxlen=WINDOW_STEPS)
 
     def observe(self, record: StepMetrics) -> None:
-        """Keep a step's measured speed."""
-        if record.samples <= 0:
-            return
-        compute_s = record.sustained_s(record.compute_time_s, record.compute_cpu_time_s)
-        fixed_s = record.sustained_s(record.optimizer_time_s, record.optimizer_cpu_time_s)
-        self._window.append(ReplicaSpeed(compute_s / record.samples, fixed_s))
+        """Keep a step's measured speed (:func:`step_speed`)."""
+        if record.samples > 0:
+            self._window.append(step_speed(record))
 
     def posted(self) -> tuple[int, ReplicaSpeed] | None:
         """(replica, its median speed over the window) once it holds ``MIN_WINDOW_STEPS``,

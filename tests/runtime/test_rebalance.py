@@ -154,6 +154,23 @@ def test_the_balancer_posts_after_a_window_changes_once_and_ignores_stale_values
     assert balancers[0].shares_at(8) == (12, 12) and balancers[0].shares_at(9) == (9, 15)
 
 
+def test_under_a_binding_quota_all_cpu_outside_compute_is_fixed_time(model_path: Path) -> None:
+    balancer = ShareBalancer(_plan(model_path, (12, 12), (12, 12)), 0)
+    record = replace(
+        _record(0, 12, 0.05, 0.004),
+        compute_cpu_time_s=0.0216,
+        optimizer_cpu_time_s=0.0018,
+        cpu_time_s=0.0252,  # 3.6 ms outside compute: the optimizer and 1.8 ms of comm
+        cpu_quota_cores=0.45,
+        num_threads=1,
+    )
+    for _ in range(MIN_WINDOW_STEPS):
+        balancer.observe(record)
+    _, speed = balancer.posted()  # type: ignore[misc]
+    assert speed.compute_per_sample_s == pytest.approx(0.0216 / 0.45 / 12)
+    assert speed.fixed_s == pytest.approx(0.0036 / 0.45)  # not the optimizer's 0.0018 / 0.45
+
+
 def test_a_run_whose_shares_moved_trains_as_one_process_does(
     model_path: Path, tmp_path: Path
 ) -> None:
