@@ -236,7 +236,8 @@ CALIBRATE_PLAN = "give the plan that ran as `hplan calibrate`'s PLAN argument"
 def check_runs_of_plan(plan: Plan, runs: Sequence[Run], give_plan: str = CALIBRATE_PLAN) -> None:
     """Refuse runs whose recorded ``plan.json`` (rehearsals write one) places ranks otherwise,
     or whose metrics (every run's) put a rank in another replica or stage, or give it
-    another number of samples, than ``plan`` does.
+    another number of samples, than ``plan`` does (the samples only where the plan's shares
+    stay fixed: the runtime moves those of one-stage replicas, ``Plan.fixed_shares_reason``).
 
     Args:
         give_plan: the fix's first half, naming how the command takes the plan (its

@@ -419,7 +419,7 @@ class _Loop:
                 )
                 if self.scheduler is not None:
                     self.scheduler.step()  # type: ignore[attr-defined]
-                if self.balancer is not None:
+                if self.balancer is not None and step != first_step:  # not the warm-up
                     self.balancer.observe(record)
                 if writer is not None:
                     writer.write(record)

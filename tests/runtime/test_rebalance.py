@@ -15,6 +15,7 @@ from hplan.runtime.contract.metrics_file import StepMetrics
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.rebalance import (
     MAX_GROWTH,
+    MIN_GAIN,
     MIN_WINDOW_STEPS,
     WINDOW_STEPS,
     ReplicaSpeed,
@@ -147,9 +148,11 @@ def test_the_balancer_posts_after_a_window_changes_once_and_ignores_stale_values
     # than 0.1915 s now
     near = [ReplicaSpeed(0.02, 0.01), ReplicaSpeed(0.0121, 0.01)]
     assert balancers[0].agreed(1, near, next_step=12) is None
-    # 2% shorter is not enough either: 0.0132 s a sample would end 9 | 15 at 0.208 s and
-    # 10 | 14 at 0.2048 s
-    slightly = [ReplicaSpeed(0.02, 0.01), ReplicaSpeed(0.0132, 0.01)]
+    # a gain under MIN_GAIN: at 0.0137 s a sample replica 1 ends 9 | 15 at 0.2155 s, and
+    # 10 | 14 would end at 0.21 s, 2.6% sooner
+    assert MIN_GAIN == 0.03
+    slightly = [ReplicaSpeed(0.02, 0.01), ReplicaSpeed(0.0137, 0.01)]
+    assert balanced_shares(24, slightly, (1, 1), (15, 15)) == (10, 14)
     assert balancers[0].agreed(1, slightly, next_step=12) is None
     assert balancers[0].shares_at(8) == (12, 12) and balancers[0].shares_at(9) == (9, 15)
 
