@@ -174,6 +174,7 @@ def test_under_a_binding_quota_all_cpu_outside_compute_is_fixed_time(model_path:
     assert speed.fixed_s == pytest.approx(0.0036 / 0.45)  # not the optimizer's 0.0018 / 0.45
 
 
+@pytest.mark.serial  # the ranks' measured speeds decide: other tests' load can reverse them
 def test_a_run_whose_shares_moved_trains_as_one_process_does(
     model_path: Path, tmp_path: Path
 ) -> None:
@@ -193,7 +194,7 @@ def test_a_run_whose_shares_moved_trains_as_one_process_does(
         for r in range(2)
     ]
     assert samples[0][0] == 12 and samples[1][0] == 4
-    assert samples[0][-1] == 11 and samples[1][-1] == 5
+    assert samples[0][-1] == 11 and samples[1][-1] == 5  # replica 1's cap: floor(4 x 1.25)
     assert all(a + b == 16 for a, b in zip(*samples, strict=True))  # every step, together
     assert "batch shares 12 | 4 -> 11 | 5" in outcomes[0].stderr
     saved = read_checkpoint(ckpt / f"step-{steps}", tmp_path)
