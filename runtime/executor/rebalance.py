@@ -216,6 +216,10 @@ def sample_caps(plan: Plan, growth: float = MAX_GROWTH) -> tuple[int, ...]:
     return tuple(caps)
 
 
+def _usable(speed: ReplicaSpeed) -> bool:
+    return speed.compute_per_sample_s > 0 and math.isfinite(speed.fixed_s)
+
+
 class ShareBalancer:
     """One rank's view of the replicas' shares (module docstring); every rank of the job
     holds one and they change together.
@@ -261,13 +265,10 @@ class ShareBalancer:
     ) -> ShareChange | None:
         """Act on an agreement's speeds (posted under ``epoch``): the change taken from
         ``next_step`` on, or None (stale or missing values, or too small a gain)."""
-        if epoch != self.epoch or any(s is None for s in speeds):
+        known = [s for s in speeds if s is not None and _usable(s)]
+        if epoch != self.epoch or len(known) != len(speeds):
             return None
-        known = [s for s in speeds if s is not None]
-        if any(not (s.compute_per_sample_s > 0 and math.isfinite(s.fixed_s)) for s in known):
-            return None
-        floors = self.counts
-        shares = balanced_shares(self.plan.global_batch_size, known, floors, self.caps)
+        shares = balanced_shares(self.plan.global_batch_size, known, self.counts, self.caps)
         before_s = predicted_step_s(self.shares, known)
         after_s = predicted_step_s(shares, known)
         gain = before_s / after_s - 1.0
