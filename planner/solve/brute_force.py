@@ -3,7 +3,7 @@
 Enumerates every layout: every set of disjoint, ordered device sequences (the replicas),
 every contiguous unit split of each, whether each stage keeps its activations, recomputes
 some of its units (every prefix of ``cost.recompute.recompute_order`` the solver may take)
-or recomputes them all (as the problem's ``RecomputePolicy`` allows), every micro-batch
+or recomputes them all (as the problem's ``Policy`` allows), every micro-batch
 size candidate (cut to the share where it is larger: ``layout.replica_layout``) and the even
 cut of the share into as many micro-batches (``layout.even_size``, what
 ``cost.even_microbatches`` makes of it), and every split of the global batch into positive
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.even_microbatches import even_sizes
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout, replica_layout
-from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
+from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.recompute import recompute_order, selected_units
 from hplan.planner.solve.validate import layout_problems
 
@@ -64,12 +64,12 @@ def _stage_options(
     problem: PlanningProblem, device: int, start: int, stop: int, k: int
 ) -> list[StageLayout]:
     """Keep, every selective prefix of ``recompute_order`` short of all the stage's units,
-    and whole-stage recomputation, as the problem's ``RecomputePolicy`` allows."""
+    and whole-stage recomputation, as the problem's ``Policy`` allows."""
     keep = StageLayout(device, start, stop)
     full = StageLayout(device, start, stop, recompute=True)
-    if problem.recompute is RecomputePolicy.NEVER:
+    if problem.recompute is Policy.NEVER:
         return [keep]
-    if problem.recompute is RecomputePolicy.ALWAYS:
+    if problem.recompute is Policy.ALWAYS:
         return [full]
     order = recompute_order(problem, device, k)
     subsets = {

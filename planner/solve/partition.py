@@ -21,14 +21,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from hplan.planner.cost.evaluate import (
-    in_flight_microbatches,
     link_time_s,
+    max_microbatches,
     unit_input_bytes_per_sample,
 )
+from hplan.planner.cost.layout import StageLayout
 from hplan.planner.cost.microbatch import pipeline_period_s
-from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
+from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.recompute import recompute_order, selected_units
 from hplan.planner.solve.device_classes import DeviceClass, pair_devices
+from hplan.runtime.contract.memory import in_flight_microbatches
+from hplan.runtime.contract.plan import Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,16 @@ class PipelineShape:
     recompute_units: tuple[tuple[int, ...], ...] = ()
     """Per stage: the units it recomputes selectively (empty: none; ``recompute`` covers
     whole stages)."""
+    max_microbatches: int | None = None
+    """The most micro-batches its stages hold in memory (GPipe keeps every one in flight,
+    ``evaluate.max_microbatches``); None: any number (1F1B)."""
+
+    @property
+    def max_samples(self) -> int | None:
+        """:attr:`max_microbatches` in samples."""
+        if self.max_microbatches is None:
+            return None
+        return self.max_microbatches * self.micro_batch_size
 
     @property
     def num_stages(self) -> int:
@@ -174,7 +187,7 @@ class Partitioner:
     def _strategy(
         self, device: int, k: int, in_flight: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per stage [i, j) under the problem's ``RecomputePolicy``: (compute matrix with
+        """Per stage [i, j) under the problem's ``Policy``: (compute matrix with
         inf where nothing fits, whole-stage recompute flags, selective ``count``s, 0: none).
         ``auto`` keeps activations where they fit, else recomputes the fewest units (the
         cheapest per byte first) that make it fit, else recomputes the whole stage; each
@@ -185,15 +198,15 @@ class Partitioner:
         b = self.problem.micro_batch_sizes[k]
         policy = self.problem.recompute
         compute = self._compute(device, k)
-        keep_ok = self._memory_ok(device, b, in_flight) & (policy is not RecomputePolicy.ALWAYS)
+        keep_ok = self._memory_ok(device, b, in_flight) & (policy is not Policy.ALWAYS)
         none = np.zeros(keep_ok.shape, dtype=int)
-        if policy is RecomputePolicy.NEVER:
+        if policy is Policy.NEVER:
             found = (np.where(keep_ok, compute, np.inf), np.zeros_like(keep_ok), none)
             self._strategies[key] = found
             return found
         extra, counts = (
             self._selective(device, k, in_flight)
-            if policy is RecomputePolicy.AUTO
+            if policy is Policy.AUTO
             else (np.full(compute.shape, np.inf), none)
         )
         use_selective = ~keep_ok & np.isfinite(extra)
@@ -221,30 +234,32 @@ class Partitioner:
             out[j] = fwd + bwd
         return out
 
-    def stage_matrices(
-        self, sequence: Sequence[int], k: int
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per stage: (compute matrix with inf where infeasible, outgoing link vector)."""
-        return [(m.compute, m.link) for m in self._stage_matrices(sequence, k)]
-
-    def _stage_matrices(self, sequence: Sequence[int], k: int) -> list[_StageMatrices]:
+    def _stage_matrices(
+        self, sequence: Sequence[int], k: int, num_microbatches: int | None
+    ) -> list[_StageMatrices]:
+        """Per stage position, its options with the micro-batches in flight the schedule
+        gives ``num_microbatches`` (None: at most ``S - s`` under 1F1B)."""
         b = self.problem.micro_batch_sizes[k]
         devices = pair_devices(self.classes, sequence)
         num_stages = len(sequence)
         mats = []
         for s, dev in enumerate(devices):
-            compute, recompute, counts = self._strategy(
-                dev, k, in_flight_microbatches(s, num_stages)
+            in_flight = in_flight_microbatches(
+                self.problem.schedule, s, num_stages, num_microbatches
             )
+            compute, recompute, counts = self._strategy(dev, k, in_flight)
             u = self.problem.num_units
             link = self._link_out(dev, devices[s + 1], b) if s + 1 < num_stages else np.zeros(u + 1)
             mats.append(_StageMatrices(compute, link, recompute, counts))
         return mats
 
     # ------------------------------------------------------------------ splitting
-    def best_split(self, sequence: Sequence[int], k: int) -> PipelineShape | None:
-        """The split minimising the period; None if nothing fits."""
-        mats = self._stage_matrices(sequence, k)
+    def best_split(
+        self, sequence: Sequence[int], k: int, num_microbatches: int | None = None
+    ) -> PipelineShape | None:
+        """The split minimising the period with ``num_microbatches`` (a level of
+        :func:`microbatch_levels`) in flight; None if nothing fits."""
+        mats = self._stage_matrices(sequence, k, num_microbatches)
         u = self.problem.num_units
         best = np.full(u + 1, np.inf)
         best[0] = 0.0
@@ -262,9 +277,12 @@ class Partitioner:
             bounds.append(int(choice[bounds[-1]]))
         return self._shape(sequence, k, tuple(reversed(bounds)), mats)
 
-    def all_splits(self, sequence: Sequence[int], k: int) -> list[PipelineShape]:
-        """Every feasible split, reduced to its (period, fill) Pareto front."""
-        mats = self._stage_matrices(sequence, k)
+    def all_splits(
+        self, sequence: Sequence[int], k: int, num_microbatches: int | None = None
+    ) -> list[PipelineShape]:
+        """Every feasible split with ``num_microbatches`` in flight, reduced to its Pareto
+        front (:func:`pareto`)."""
+        mats = self._stage_matrices(sequence, k, num_microbatches)
         u = self.problem.num_units
         found = []
         for cuts in itertools.combinations(range(1, u), len(sequence) - 1):
@@ -312,6 +330,11 @@ class Partitioner:
             float(self._bwd_cum[d, bounds[s + 1], k] - self._bwd_cum[d, bounds[s], k])
             for s, d in enumerate(devices)
         )
+        b = self.problem.micro_batch_sizes[k]
+        stages = [
+            StageLayout(d, bounds[s], bounds[s + 1], recompute[s], selective[s])
+            for s, d in enumerate(devices)
+        ]
         return PipelineShape(
             classes=tuple(sequence),
             k=k,
@@ -324,15 +347,33 @@ class Partitioner:
             stage_backward_s=backward,
             recompute=recompute,
             recompute_units=selective,
+            max_microbatches=max_microbatches(self.problem, stages, b),
         )
 
 
+def microbatch_levels(problem: PlanningProblem, k: int) -> tuple[int | None, ...]:
+    """The micro-batches in flight a pipeline shape is split for at micro-batch candidate
+    ``k``: under 1F1B one level, None (at most ``S - s`` whatever the count); under GPipe,
+    where every micro-batch is in flight, 1, 2, 4, ... up to the global batch's count, so
+    that a shape recomputing enough for many micro-batches is found beside one that keeps
+    its activations for a few."""
+    if problem.schedule is not Schedule.GPIPE:
+        return (None,)
+    most = -(-problem.global_batch_size // problem.micro_batch_sizes[k])
+    levels = [1]
+    while levels[-1] < most:
+        levels.append(min(2 * levels[-1], most))
+    return tuple(levels)
+
+
 def pareto(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
-    """Pipeline shapes not dominated in (period, fill, optimizer time)."""
+    """Pipeline shapes not dominated in (period, fill, optimizer time) by one that holds at
+    least as many micro-batches in memory (:attr:`PipelineShape.max_microbatches`)."""
     keep = []
     for t in shapes:
         dominated = any(
             o is not t
+            and _holds_as_many(o, t)
             and o.period_s <= t.period_s
             and o.fill_s <= t.fill_s
             and o.optimizer_s <= t.optimizer_s
@@ -341,5 +382,11 @@ def pareto(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
         )
         if not dominated:
             keep.append(t)
-    unique = {(t.bounds, t.classes, t.k): t for t in keep}
+    unique = {(t.bounds, t.classes, t.k, t.recompute, t.recompute_units): t for t in keep}
     return list(unique.values())
+
+
+def _holds_as_many(a: PipelineShape, b: PipelineShape) -> bool:
+    if a.max_microbatches is None:
+        return True
+    return b.max_microbatches is not None and a.max_microbatches >= b.max_microbatches

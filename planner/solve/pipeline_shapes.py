@@ -22,7 +22,12 @@ from hplan.planner.solve.device_classes import (
     multisets,
     num_distinct_orders,
 )
-from hplan.planner.solve.partition import Partitioner, PipelineShape, pareto
+from hplan.planner.solve.partition import (
+    Partitioner,
+    PipelineShape,
+    microbatch_levels,
+    pareto,
+)
 
 EXTRA_STAGES = 3
 """Heuristic search: longest pipeline = shortest that fits + this."""
@@ -58,10 +63,21 @@ def enumerate_shapes(
             for ms in multisets(sizes, s)
             for order in distinct_orders(ms)
             for k in range(len(problem.micro_batch_sizes))
-            for t in partitioner.all_splits(order, k)
+            for t in _all_levels(problem, partitioner, order, k)
         ]
         return ShapeSet(found, exhaustive=True, complete=True)
     return _heuristic(problem, partitioner, sizes, longest, budget_deadline)
+
+
+def _all_levels(
+    problem: PlanningProblem, partitioner: Partitioner, order: tuple[int, ...], k: int
+) -> list[PipelineShape]:
+    """Every split of ``order`` at candidate ``k``, at each micro-batches-in-flight level
+    (``partition.microbatch_levels``: one under 1F1B), the levels' fronts merged."""
+    levels = microbatch_levels(problem, k)
+    if len(levels) == 1:
+        return partitioner.all_splits(order, k, levels[0])
+    return pareto([t for level in levels for t in partitioner.all_splits(order, k, level)])
 
 
 def _exhaustive_count(
@@ -69,7 +85,7 @@ def _exhaustive_count(
 ) -> int:
     """(order, split, micro-batch size) triples, counted until ``limit`` is passed."""
     total = 0
-    k = len(problem.micro_batch_sizes)
+    k = sum(len(microbatch_levels(problem, k)) for k in range(len(problem.micro_batch_sizes)))
     for s in range(1, longest + 1):
         splits = math.comb(problem.num_units - 1, s - 1)
         for ms in multisets(sizes, s):
@@ -96,7 +112,12 @@ def _heuristic(
                 return ShapeSet(found, exhaustive=False, complete=False)
             for k in range(len(problem.micro_batch_sizes)):
                 orders = heuristic_orders(problem, partitioner.classes, ms)
-                costed = [t for seq in orders if (t := partitioner.best_split(seq, k))]
+                costed = [
+                    t
+                    for seq in orders
+                    for level in microbatch_levels(problem, k)
+                    if (t := partitioner.best_split(seq, k, level))
+                ]
                 if costed:
                     smallest_fit = s if smallest_fit is None else smallest_fit
                     found.extend(pareto(costed))
