@@ -40,9 +40,9 @@ time_limit_option = click.option(
     type=float,
     default=60.0,
     show_default=True,
-    help="Wall-clock limit in seconds of each layout search; the best plan found by then is "
-    "kept. A solve may run several searches (one per sync mode or uniform memory strategy "
-    "it compares), and capture, costing and the report come on top.",
+    help="Wall-clock limit in seconds of the whole solve after the model's capture: every "
+    "search, the evaluation, simulation and choice of the candidates, and the report; the "
+    "best plan found by then is kept.",
 )
 bandwidth_option = click.option(
     "--bandwidth",

@@ -16,7 +16,6 @@ bounds the whole solve however many families and generators run.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -387,15 +386,40 @@ class _Run:
     first_share: float
     """The share of the time left the first search gets (:data:`FIRST_SEARCH_SHARE`, or all
     of it when nothing may follow)."""
-    searches: dict[tuple[str, Policy, SyncRequest], SearchOutcome | None] = field(
-        default_factory=dict
-    )
+    searches: dict[tuple[object, ...], SearchOutcome | None] = field(default_factory=dict)
     found: list[Found] = field(default_factory=list)
 
     def share_deadline(self) -> float:
         """The deadline of the next search: its share of the time left."""
         share = LATER_SEARCH_SHARE if self.searches else self.first_share
         return time.monotonic() + share * max(self.deadline_s - time.monotonic(), 0.0)
+
+    def variant_search(self, kind: str) -> VariantSearch:
+        """A synchronous search of a problem variant (ZeRO's, offload's), each variant once
+        whichever family asks; the first ask of a kind takes its share of the time left,
+        split between that kind's variants (ZeRO's two stages)."""
+        deadline_s: list[float] = []
+
+        def run_search(variant: PlanningProblem, key: str, parts_left: int) -> list[Candidate]:
+            memo = (kind, key, variant.recompute, SyncRequest.ALL_REDUCE)
+            if memo in self.searches:
+                outcome = self.searches[memo]
+                return [] if outcome is None else outcome.candidates
+            if not deadline_s:
+                deadline_s.append(self.share_deadline())
+            part_s = max(deadline_s[0] - time.monotonic(), 0.0) / max(parts_left, 1)
+            items: list[object] = []
+            options = replace(self.options, sync=SyncRequest.ALL_REDUCE)
+            try:
+                search(variant, options, time.monotonic() + part_s, items.append)
+            except InfeasiblePlanError:
+                self.searches[memo] = None
+                return []
+            candidates = [i for i in items if isinstance(i, Candidate)]
+            self.searches[memo] = SearchOutcome(candidates=candidates)
+            return candidates
+
+        return run_search
 
     def keep(self, family: Family, generator: str, segment: int, candidate: Candidate) -> None:
         pool = Pool.LOCAL if candidate.layout.sync is not None else Pool.SYNCHRONOUS
@@ -410,6 +434,9 @@ class _Run:
 
 
 Generator = Callable[[_Run, Family], None]
+VariantSearch = Callable[[PlanningProblem, str, int], list[Candidate]]
+"""Searches a problem variant (named by a key, with the variants of its kind still to go)
+and gives its synchronous candidates (:meth:`_Run.variant_search`)."""
 """Adds a family's layouts to the run (:meth:`_Run.keep`)."""
 
 
@@ -472,7 +499,7 @@ def baselines_generator(run: _Run, family: Family) -> None:
 def zero_generator(run: _Run, family: Family) -> None:
     """Layouts that fit with ZeRO's uneven shards (:func:`sharded_candidates`)."""
     problem = family.problem(run.problem)
-    for candidate in sharded_candidates(problem, run.options, run.share_deadline()):
+    for candidate in sharded_candidates(problem, run.options, run.variant_search("zero")):
         run.keep(family, "zero", 1, candidate)
 
 
@@ -480,7 +507,7 @@ def offload_generator(run: _Run, family: Family) -> None:
     """Layouts that fit with optimizer-state offload (:func:`offload_candidates`)."""
     problem = family.problem(run.problem)
     options = family.options(run.options)
-    for candidate in offload_candidates(problem, options, run.share_deadline()):
+    for candidate in offload_candidates(problem, options, run.variant_search("offload")):
         run.keep(family, "offload", 2, candidate)
 
 
@@ -653,29 +680,20 @@ def _families_seen(ordered: Sequence[Family], items: Sequence[object]) -> tuple[
 
 # --------------------------------------------------------------------------- ZeRO, offload
 def sharded_candidates(
-    problem: PlanningProblem, options: SolveOptions, deadline_s: float
+    problem: PlanningProblem, options: SolveOptions, search_variant: VariantSearch
 ) -> list[Candidate]:
     """Layouts that fit with ZeRO's uneven shards (``cost.zero``): stage 1, searched on the
     problem with the least state any sharding leaves (``zero.sharded_problem``), each sized
     by ``zero.shard_weights`` and kept only where every device then fits; then stage 2,
     searched on the problem that also leaves out the flat gradient copies, kept only for
     layouts that stage 1 cannot fit (stage 2 is costed as stage 1, so where both fit the
-    solver keeps stage 1). The two stages share the time left until ``deadline_s``."""
+    solver keeps stage 1)."""
     found: list[Candidate] = []
     for stage in (1, 2):
         sharded = sharded_problem(problem, stage)
         if sharded is None:
             return found
-        stage_deadline_s = time.monotonic() + max(deadline_s - time.monotonic(), 0.0) / (3 - stage)
-        items: list[object] = []
-        with contextlib.suppress(InfeasiblePlanError):  # the unsharded search found nothing either
-            search(
-                sharded,
-                replace(options, sync=SyncRequest.ALL_REDUCE),
-                stage_deadline_s,
-                items.append,
-            )
-        for candidate in (i for i in items if isinstance(i, Candidate)):
+        for candidate in search_variant(sharded, f"stage {stage}", 3 - stage):
             layout = candidate.layout
             if layout.sync is not None and layout.sync.local:
                 continue
@@ -697,7 +715,7 @@ def sharded_candidates(
 
 
 def offload_candidates(
-    problem: PlanningProblem, options: SolveOptions, deadline_s: float
+    problem: PlanningProblem, options: SolveOptions, search_variant: VariantSearch
 ) -> list[Candidate]:
     """Layouts that fit with optimizer-state offload (``cost.offload``): searched on the
     problem where every device offloads (``offload.offload_problem``); under ``auto`` each
@@ -708,13 +726,9 @@ def offload_candidates(
     offloaded = offload_problem(problem)
     if offloaded is None:
         return []
-    items: list[object] = []
-    try:
-        search(offloaded, replace(options, sync=SyncRequest.ALL_REDUCE), deadline_s, items.append)
-    except InfeasiblePlanError:
-        return []
+    items = search_variant(offloaded, "offload", 1)
     found = []
-    for candidate in (i for i in items if isinstance(i, Candidate)):
+    for candidate in items:
         layout = candidate.layout
         if layout.sync is not None and layout.sync.local:
             continue
