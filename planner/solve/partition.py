@@ -1,20 +1,26 @@
-"""Pipeline shapes: an ordered list of device classes, a micro-batch size, and the best
-contiguous split of the partition units over them.
+"""Pipeline shapes: which the solver considers, and the best split of the units over each.
 
-A *device class* is a set of interchangeable devices (``hplan.planner.solve.device_classes``). A
-*pipeline shape* is an ordered list ``(c_0, ..., c_{S-1})`` of classes
-(a class may repeat up to its size) with a micro-batch size; the solver decides how many
-copies of each shape to run. For one shape the split of units over stages is
-solved exactly here, by a dynamic program over cut positions that minimises the period
-(the slowest stage or link per micro-batch) subject to every stage's memory (ties: the first
-split found). On tiny instances every split is enumerated instead and all
-(period, fill) Pareto-optimal splits are kept, so that the solver's answer matches a
+A *device class* is a set of interchangeable devices (``device_classes``). A *pipeline
+shape* is an ordered list ``(c_0, ..., c_{S-1})`` of classes (a class may repeat up to its
+size) with a micro-batch size; the solver decides how many copies of each shape to run. For
+one shape the split of units over stages is solved exactly here, by a dynamic program over
+cut positions that minimises the period (the slowest stage or link per micro-batch) subject
+to every stage's memory (ties: the first split found); on tiny instances every split is
+enumerated and all Pareto-optimal splits are kept, so that the solver's answer matches a
 brute-force search exactly.
+
+Which shapes (:func:`enumerate_shapes`): on small instances every ordering of every
+multiset of classes and every split; on larger ones each multiset in a few promising orders
+(:func:`heuristic_orders`), split by dynamic programming, for pipelines up to
+:data:`EXTRA_STAGES` longer than the shortest that fits, until a time budget; the answer is
+then marked as coming from a partial search.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +35,13 @@ from hplan.planner.cost.layout import StageLayout
 from hplan.planner.cost.microbatch import pipeline_period_s
 from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.recompute import recompute_order, selected_units
-from hplan.planner.solve.device_classes import DeviceClass, pair_devices
+from hplan.planner.solve.device_classes import (
+    DeviceClass,
+    distinct_orders,
+    multisets,
+    num_distinct_orders,
+    pair_devices,
+)
 from hplan.runtime.contract.memory import in_flight_microbatches
 from hplan.runtime.contract.plan import Schedule
 
@@ -390,3 +402,133 @@ def _holds_as_many(a: PipelineShape, b: PipelineShape) -> bool:
     if a.max_microbatches is None:
         return True
     return b.max_microbatches is not None and a.max_microbatches >= b.max_microbatches
+
+
+# --------------------------------------------------------------------------- which shapes
+EXTRA_STAGES = 3
+"""Heuristic search: longest pipeline = shortest that fits + this."""
+
+
+@dataclass(frozen=True)
+class ShapeSet:
+    """The costed shapes and how they were found."""
+
+    shapes: list[PipelineShape]
+    exhaustive: bool
+    """Every order and every split was enumerated (no heuristic, no time cut)."""
+    complete: bool
+    """The heuristic enumeration finished before its time budget."""
+
+
+def enumerate_shapes(
+    problem: PlanningProblem,
+    classes: Sequence[DeviceClass],
+    *,
+    max_stages: int,
+    exhaustive_limit: int,
+    budget_deadline: float,
+) -> ShapeSet:
+    """Costed shapes worth considering (see the module docstring)."""
+    partitioner = Partitioner(problem, classes)
+    sizes = [c.size for c in classes]
+    longest = min(max_stages, problem.num_units, problem.num_devices)
+    if _exhaustive_count(problem, sizes, longest, exhaustive_limit) <= exhaustive_limit:
+        found = [
+            t
+            for s in range(1, longest + 1)
+            for ms in multisets(sizes, s)
+            for order in distinct_orders(ms)
+            for k in range(len(problem.micro_batch_sizes))
+            for t in _all_levels(problem, partitioner, order, k)
+        ]
+        return ShapeSet(found, exhaustive=True, complete=True)
+    return _heuristic(problem, partitioner, sizes, longest, budget_deadline)
+
+
+def _all_levels(
+    problem: PlanningProblem, partitioner: Partitioner, order: tuple[int, ...], k: int
+) -> list[PipelineShape]:
+    """Every split of ``order`` at candidate ``k``, at each micro-batches-in-flight level
+    (``partition.microbatch_levels``: one under 1F1B), the levels' fronts merged."""
+    levels = microbatch_levels(problem, k)
+    if len(levels) == 1:
+        return partitioner.all_splits(order, k, levels[0])
+    return pareto([t for level in levels for t in partitioner.all_splits(order, k, level)])
+
+
+def _exhaustive_count(
+    problem: PlanningProblem, sizes: Sequence[int], longest: int, limit: int
+) -> int:
+    """(order, split, micro-batch size) triples, counted until ``limit`` is passed."""
+    total = 0
+    k = sum(len(microbatch_levels(problem, k)) for k in range(len(problem.micro_batch_sizes)))
+    for s in range(1, longest + 1):
+        splits = math.comb(problem.num_units - 1, s - 1)
+        for ms in multisets(sizes, s):
+            total += num_distinct_orders(ms) * splits * k
+            if total > limit:
+                return total
+    return total
+
+
+def _heuristic(
+    problem: PlanningProblem,
+    partitioner: Partitioner,
+    sizes: Sequence[int],
+    longest: int,
+    budget_deadline: float,
+) -> ShapeSet:
+    found: list[PipelineShape] = []
+    smallest_fit: int | None = None
+    for s in range(1, longest + 1):
+        if smallest_fit is not None and s > smallest_fit + EXTRA_STAGES:
+            break
+        for ms in multisets(sizes, s):
+            if time.monotonic() > budget_deadline:
+                return ShapeSet(found, exhaustive=False, complete=False)
+            for k in range(len(problem.micro_batch_sizes)):
+                orders = heuristic_orders(problem, partitioner.classes, ms)
+                costed = [
+                    t
+                    for seq in orders
+                    for level in microbatch_levels(problem, k)
+                    if (t := partitioner.best_split(seq, k, level))
+                ]
+                if costed:
+                    smallest_fit = s if smallest_fit is None else smallest_fit
+                    found.extend(pareto(costed))
+    return ShapeSet(found, exhaustive=False, complete=True)
+
+
+def heuristic_orders(
+    problem: PlanningProblem, classes: Sequence[DeviceClass], ms: tuple[int, ...]
+) -> list[tuple[int, ...]]:
+    """Stage orders worth trying: most memory first (stage 0 holds the most activations),
+    grouped by node (fewest slow hops; nodes by memory, then fastest node first and slowest
+    node first), and fastest first; all orders of short pipelines. Ties go by node name
+    and class index, so that the order of the cluster file decides as little as possible."""
+
+    def memory(c: int) -> float:
+        return float(problem.memory_capacity_bytes[classes[c].rep])
+
+    def speed(c: int) -> float:
+        return -float(problem.fwd_time_s[classes[c].rep].sum())
+
+    def node(c: int) -> str:
+        return problem.device_nodes[classes[c].rep]
+
+    node_memory: dict[str, float] = {}
+    node_time: dict[str, float] = {}
+    for c in ms:
+        node_memory[node(c)] = node_memory.get(node(c), 0.0) + memory(c)
+        node_time[node(c)] = node_time.get(node(c), 0.0) - speed(c)
+    orders = {
+        tuple(sorted(ms, key=lambda c: (-memory(c), c))),
+        tuple(sorted(ms, key=lambda c: (-node_memory[node(c)], node(c), -memory(c), c))),
+        tuple(sorted(ms, key=lambda c: (node_time[node(c)], node(c), -speed(c), c))),
+        tuple(sorted(ms, key=lambda c: (-node_time[node(c)], node(c), speed(c), c))),
+        tuple(sorted(ms, key=lambda c: (-speed(c), -memory(c), c))),
+    }
+    if len(ms) <= 3:
+        orders.update(distinct_orders(ms))
+    return sorted(orders)

@@ -62,8 +62,7 @@ from hplan.planner.solve.milp import (
     select_backend,
     solve_cover,
 )
-from hplan.planner.solve.partition import PipelineShape
-from hplan.planner.solve.pipeline_shapes import enumerate_shapes
+from hplan.planner.solve.partition import PipelineShape, enumerate_shapes
 from hplan.planner.solve.scenarios import Scenario, allreduce_estimate_s, make_scenarios
 from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest, wants_local
 from hplan.planner.solve.watchdog import run_with_deadline
