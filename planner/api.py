@@ -1,31 +1,16 @@
 """The compiler as a pass pipeline: model file + cluster file -> verified Plan.
 
-:data:`PASSES`, in order (each a named pure function of the results before it, its result
-checked by its own ``verify()``; ``passes.run_passes`` runs them and names a failing pass):
-
-1. ``cluster``: cluster.yaml, with measured links over its own (``hardware/``), and what
-   each device computes in, for ``--precision`` (``hardware/catalog.resolve_precision``);
-2. ``capture``: the model built once, its two example batches, its graph traced once
-   (``frontend/capture.py``); with ``--capture FILE``, the capture file of ``hplan capture``
-   instead, checked against the model file and settings (``frontend/capture_file.py``);
-3. ``trains_check``: the loss of the captured model can be trained on, and what it saves
-   for its backward (``frontend/trains_check.py``; the file's verdict, when the capture
-   came from one);
-4. ``cost_graph``: the networkx cost graph: per-node costs (the last unit's with the
-   loss's), partition units, cuts (``frontend/cost_graph.py``; the file's, when the capture
-   came from one);
-5. ``runtime_bytes``: what a plan of this model sends across each cut and sums per
-   gradient bucket (``sim/spec.RuntimeBytes``);
-6. ``time_source``: unit times from a measured profile, or the roofline (``cost/``);
-7. ``problem``: the solver's arrays (``cost/problem_builder.py``);
-8. ``solve``: the layout, re-costed, validated, and simulated once with the bytes its plan
-   will send (``solve/solver.py``; or a baseline's layout when asked);
-9. ``report``: the plan's "why" (``emit/report.py``);
-10. ``plan``: the plan, its gradient buckets and the solver's simulated step time
-    (``emit/plan_build.py``).
+:data:`PASSES`, in order, each a named pure function of the results before it whose result
+is checked by its own ``verify()`` (``passes.run_passes`` runs them and names a failing
+pass; ``hplan solve --dump-passes DIR`` writes every result as JSON): ``cluster``
+(``hardware/``), ``capture``, ``trains_check``, ``cost_graph`` (``frontend/``; or a capture
+file), ``runtime_bytes`` (``sim/spec``), ``time_source`` and ``problem`` (``cost/``), the
+solver's named steps ``generate``, ``evaluate``, ``validate``, ``simulate`` and ``choose``
+(``solve/``), then ``report`` and ``plan`` (``emit/``). ``--time-limit`` counts from the cost
+passes on: the capture apart, it bounds the solve.
 
 The CLI calls :func:`plan_training` and ``hplan.planner.emit.artifacts.emit``; nothing else
-plans. ``hplan solve --dump-passes DIR`` writes every pass's result as JSON.
+plans.
 """
 
 from __future__ import annotations
