@@ -323,6 +323,12 @@ def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[St
     return tuple(costs)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _replica_time_s(problem: PlanningProblem, replica: ReplicaLayout) -> float:
+    """:func:`pipeline_time_s` of ``replica`` (cached like :func:`_replica_costs`)."""
+    return pipeline_time_s(_replica_costs(problem, replica), replica.num_microbatches)
+
+
 def pipeline_time_s(costs: tuple[StageCost, ...], num_microbatches: int) -> float:
     """Seconds of one step of a pipeline of ``num_microbatches``, every one full but the
     last (``StageCost.last``): ``(m - 1) * period + fill`` when the last is full too (module
@@ -425,6 +431,14 @@ def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int
     units, in one group, as the runtime buckets them. Only holder sets of two or more
     devices (a parameter on one device needs no sync).
     """
+    return dict(_grad_sync_groups(problem, tuple(r.stages for r in layout.replicas)))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _grad_sync_groups(
+    problem: PlanningProblem, placement: tuple[tuple[StageLayout, ...], ...]
+) -> dict[tuple[int, ...], float]:
+    """:func:`grad_sync_groups` of a placement (cached by the problem's identity; read-only)."""
     ties = problem.tied_params
     own_bytes = problem.grad_bytes.astype(float)
     for tie in ties:
@@ -435,7 +449,7 @@ def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int
         tied = [("tie", i) for i, tie in enumerate(ties) if set(tie.units) & set(units)]
         return tied + [("unit", u) for u in units]
 
-    stages = [s for replica in layout.replicas for s in replica.stages]
+    stages = [s for stages in placement for s in stages]
     item_holders = holders((s.device_idx, items(s)) for s in stages)
     num_bytes = {("tie", i): tie.num_bytes for i, tie in enumerate(ties)}
     num_bytes.update({("unit", u): float(own_bytes[u]) for u in range(problem.num_units)})
@@ -542,10 +556,7 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
     peak); a micro-batch size above the share is the share (what the runtime runs).
     """
     stages = tuple(_replica_costs(problem, r) for r in layout.replicas)
-    replica_times = tuple(
-        pipeline_time_s(costs, r.num_microbatches)
-        for costs, r in zip(stages, layout.replicas, strict=True)
-    )
+    replica_times = tuple(_replica_time_s(problem, r) for r in layout.replicas)
     optimizers = replica_optimizer_times_s(problem, layout)
     gather = allgather_time_s(problem, layout)
     optimizer = max(optimizers, default=0.0) + gather
