@@ -55,6 +55,7 @@ from hplan.runtime.contract.plan import (
     Plan,
     RankPlan,
     microbatch_sizes,
+    wire_spec,
 )
 from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 from hplan.runtime.contract.timeline_file import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
@@ -187,6 +188,7 @@ class StepRunner:
         self._allreduce_s = 0.0
         self._overlapped_s = 0.0
         self._traced_float32 = _traced_float32_inputs(parts.plan, rank_plan)
+        self._narrowed = _narrowed_outputs(parts.plan, rank_plan)
         self._flight: dict[int, _InFlight] = {}
         self._losses: list[Tensor] = []
         self._batches: list[MicroBatch] = []
@@ -422,17 +424,18 @@ class StepRunner:
         return autocast(self.parts.device, self.parts.rank_plan.precision)
 
     def _to_wire(self, outputs: dict[str, Any]) -> dict[str, Any]:
-        """Cast the floating outputs the next stage receives to the dtype they travel in
-        (``contract.plan.wire_spec``; a no-op outside autocast). The cast is part of the
+        """Cast the float32 outputs that the plan sends narrower to the dtype they travel in
+        (``contract.plan.wire_spec``: under autocast; nothing otherwise). Any other dtype
+        is left as it is, so that the send's check against the plan
+        (``comm.check_boundary_tensors``) sees the real tensor. The cast is part of the
         autograd graph, so the gradient that comes back in that dtype flows through it."""
-        comm = self.parts.comm
-        if comm.next is None:
+        if not self._narrowed:
             return outputs
         cast = dict(outputs)
-        for spec in comm.next.specs:
-            value = cast.get(spec.name)
-            if isinstance(value, Tensor) and value.is_floating_point():
-                cast[spec.name] = value.to(torch_dtype(spec.dtype))
+        for name, dtype in self._narrowed.items():
+            value = cast.get(name)
+            if isinstance(value, Tensor) and value.dtype == torch.float32:
+                cast[name] = value.to(dtype)
         return cast
 
     def _from_wire(self, received: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
@@ -488,6 +491,17 @@ def _traced_float32_inputs(plan: Plan, rank_plan: RankPlan) -> frozenset[str]:
         return frozenset()
     before = plan.units[[u.name for u in plan.units].index(rank_plan.units[0]) - 1].name
     return frozenset(t.name for t in plan.cut_after(before).tensors if t.dtype == "float32")
+
+
+def _narrowed_outputs(plan: Plan, rank_plan: RankPlan) -> dict[str, torch.dtype]:
+    """The float32 tensors (as traced) this rank sends its next stage in a narrower dtype,
+    by name: the autocast dtype of a bf16/fp16 rank (``contract.plan.wire_spec``)."""
+    replica = plan.replica_ranks(rank_plan.replica)
+    if rank_plan.stage == len(replica) - 1:
+        return {}
+    cut = plan.cut_after(rank_plan.units[-1])
+    wire = [wire_spec(t, rank_plan.precision) for t in cut.tensors]
+    return {w.name: torch_dtype(w.dtype) for t, w in zip(cut.tensors, wire, strict=True) if w != t}
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
