@@ -58,13 +58,12 @@ from hplan.runtime.contract.link_matrix import (
     fit_alpha_beta,
 )
 from hplan.runtime.contract.quantities import BYTES_PER_KIB, BYTES_PER_MIB
-from hplan.runtime.executor.cli import OneLineErrors, exit_with
+from hplan.runtime.executor.cli import NODE_ENV, OneLineErrors
 from hplan.runtime.executor.machine import bind_interface_towards
 from hplan.runtime.executor.rendezvous import join_process_group
 
-NODE_ENV = "HPLAN_NODE"
-PROG = "hplan bandwidth"
-say = stderr_say(PROG)
+_PROG = "hplan bandwidth"
+say = stderr_say(_PROG)
 
 
 @dataclass(frozen=True)
@@ -349,7 +348,7 @@ def _fit_notes(
     )
 
 
-def summary_lines(result: BandwidthFile) -> list[str]:
+def link_summary_lines(result: BandwidthFile) -> list[str]:
     """Human summary: one line per pair and per node all-reduce."""
     lines = []
     for pair in result.pairs:
@@ -364,7 +363,7 @@ def summary_lines(result: BandwidthFile) -> list[str]:
     return lines
 
 
-def run_rank(args: argparse.Namespace) -> None:
+def measure_rank(args: argparse.Namespace) -> None:
     """Join, measure, and (rank 0) write ``args.out`` and print the summary."""
     sweep = sweep_from(args)
     job = job_from(args)
@@ -378,7 +377,7 @@ def run_rank(args: argparse.Namespace) -> None:
         ) from None
     if job.rank == 0:
         result.save(args.out)
-        for line in (*summary_lines(result), *result.notes):
+        for line in (*link_summary_lines(result), *result.notes):
             say(line)
         say(f"wrote {args.out}")
     dist.destroy_process_group()
@@ -398,9 +397,9 @@ def main(argv: list[str] | None = None) -> int:
 
             follow_supervisor()  # a rank of `--local`: ends with the process that started it
             torch.set_num_threads(1)
-            run_rank(args)
+            measure_rank(args)
     except HplanError as exc:
-        print(f"{PROG}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"{_PROG}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
@@ -430,8 +429,3 @@ def sweep_argv(args: argparse.Namespace) -> list[str]:
         "--repeats", str(args.repeats), "--warmup", str(args.warmup),
         "--size-budget-s", repr(args.size_budget_s), "--timeout-s", repr(args.timeout_s),
     ]  # fmt: skip
-
-
-def run_main() -> None:
-    """Run :func:`main` as the process's entry point (``executor.cli.exit_with``)."""
-    exit_with(main())
