@@ -380,7 +380,7 @@ class CheckpointPolicy:
         )
 
 
-class RunReport:
+class RunReporter:
     """What a rank writes as it trains: its metrics and timeline files (``--metrics-dir``)
     and, on rank 0, the progress lines and summary (``contract/progress_lines.py``), whose
     loss is the job's, weighted by the shares each step ran with."""
@@ -506,7 +506,7 @@ class StepLoop:
             checkpoint_every_steps=checkpoints.every_steps,
             balancer=self.balancer,
         )
-        self.report = RunReport(parts.plan, self.rank, options, step.first_step, self.balancer)
+        self.reporter = RunReporter(parts.plan, self.rank, options, step.first_step, self.balancer)
 
     def run(self, preemption: Preemption) -> RunEnd:
         """Train the run's steps; how the run ended (the loop's one way out)."""
@@ -516,7 +516,7 @@ class StepLoop:
             for step in range(first_step, last_step + 1):
                 last = step == last_step
                 record = self.step.run(step, last=last)  # schedule, gradient sync, optimizer
-                self.report.step(record, self.step.runner.timeline.events)  # metrics
+                self.reporter.step(record, self.step.runner.timeline.events)  # metrics
                 self.step.after_step(step, last=last)  # the compute clock's turn
                 decision = self._agree(record, preemption, last=last)  # stop? save? shares?
                 if decision.stop is not None:
@@ -525,7 +525,7 @@ class StepLoop:
                     self.checkpoints.save(decision.steps_done)
             return self._end(self._follow(self.agreement.finish(last_step + 1)))
         finally:
-            self.report.close()
+            self.reporter.close()
 
     def _agree(self, record: StepMetrics, preemption: Preemption, *, last: bool) -> Decision:
         """Post what this rank asks after the step of ``record``; follow what the job
@@ -561,7 +561,7 @@ class StepLoop:
         """Take what the agreements read say: the job's losses (rank 0's progress), new
         shares, the checkpoint every rank has written."""
         for reading in decision.readings:
-            self.report.loss(reading)
+            self.reporter.loss(reading)
             if reading.reshare is not None:
                 self._reshare(reading)
         self.checkpoints.publish(decision.written_step)
@@ -590,7 +590,7 @@ class StepLoop:
             return RunEnd(decision.steps_done, decision.stop)
         saved = self.checkpoints.save_last(decision.steps_done, self.rank)
         if decision.stop is None:
-            self.report.summary()
+            self.reporter.summary()
         return RunEnd(decision.steps_done, decision.stop, saved)
 
 
