@@ -608,23 +608,26 @@ def _train_step(
     last: bool = False,
     cpu_share: CpuShare,
 ) -> StepMetrics:
-    """One step; with ``verify`` (a folder), dropout is off for it (``random_ops.py``) and
-    its synced gradients and updated parameters are dumped there. With ``outer``, the
-    cross-island syncs due after it (``last``: the run's last step, which closes them).
-    ``cpu_share``: the rank's CPU quota and threads, recorded with its CPU times."""
+    """One step: the schedule (forward and backward of the micro-batches) and gradient
+    sync, the synced gradients unscaled (fp16 loss scaling) and clipped (``MAX_GRAD_NORM``;
+    ``grad_sync.GradClip``), the optimizer (under ZeRO its shards, ``zero.py``), then with
+    ``outer`` the cross-island syncs due (``last``: the run's last step, which closes them).
+    With ``verify`` (a folder), dropout is off for it (``random_ops.py``) and its synced
+    gradients and updated parameters are dumped there. ``cpu_share``: the rank's CPU quota
+    and threads, recorded with its CPU times."""
     parts = runner.parts
     start_s, start_cpu_s = time.monotonic(), time.process_time()
     parts.comm.reset_times()
     with DropoutOff() if verify is not None else contextlib.nullcontext():
-        loss = runner.run(step)
+        loss = runner.run(step)  # schedule, then the gradient sync
     runner.unscale_gradients()
     grad_norm = runner.clip_gradients()  # before the dump: the gradients the optimizer uses
     if verify is not None:
         sharded = runner.shards.gathered_grads() if runner.shards is not None else {}
         _dump_verify(parts, verify, "grads", loss, step, sharded)
-    stepped = runner.optimizer_step()
+    stepped = runner.optimizer_step()  # optimizer
     outer_s = 0.0
-    if outer is not None:
+    if outer is not None:  # islands that train on their own
         outer_s = outer.after_step(step, last=last)
         for label, span_start_s, span_end_s in outer.spans:
             runner.timeline.add(ALL_REDUCE, label, span_start_s, span_end_s)
