@@ -6,18 +6,13 @@ per CPU "device")::
     HPLAN_NODE=box-a torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 \\
         --master-addr box-a --master-port 29400 -m hplan.runtime.bandwidth -o bw.json
 
-or let ``hplan bandwidth --cluster cluster.yaml --write-scripts DIR`` write those commands,
-one script per node. Without torchrun, give ``--rank --world-size --master-addr
---master-port`` yourself, or ``--local N`` to start N processes on this machine (gloo on
-127.0.0.1: a rehearsal of the measurement).
-
-Every ordered pair of ranks is timed one pair at a time over a sweep of message sizes, then
-an all-reduce among the ranks of each node; the fits and raw samples go to one JSON file
-(:class:`hplan.runtime.contract.link_matrix.BandwidthFile`), written by rank 0. Ranks are named
-by host and local rank, and by the cluster device name ``<node>/<local_rank>`` when the
-node is known: ``--node``, else ``HPLAN_NODE``, else with ``--cluster cluster.yaml`` the
-node at position ``GROUP_RANK`` (torchrun's node rank) in the file. Only the node names
-and device counts are read from the file. Progress goes to stderr.
+or let ``hplan bandwidth --cluster cluster.yaml --write-scripts DIR`` write those commands;
+without torchrun give ``--rank --world-size --master-addr --master-port``, or ``--local N``
+for N processes on this machine (gloo on 127.0.0.1). Every ordered pair of ranks is timed
+over a sweep of message sizes, then an all-reduce among each node's ranks; rank 0 writes
+the fits and samples to one JSON file (``contract.link_matrix.BandwidthFile``). A rank is
+named ``<node>/<local_rank>`` when its node is known (``--node``, else ``HPLAN_NODE``, else
+with ``--cluster`` the node at torchrun's ``GROUP_RANK``), else by host and local rank.
 """
 
 from __future__ import annotations

@@ -214,9 +214,8 @@ class Checkpointer:
         return self._published_step
 
     def publish_written(self, written_everywhere: int) -> None:
-        """Publish the save in flight once every rank has written it (the job's agreement
-        after a step says so, ``agreement.StepAgreement``): ``latest`` then moves at once,
-        not at the next save.
+        """Publish the save in flight once every rank has written it (``StepControl``'s
+        agreement says so): ``latest`` then moves at once, not at the next save.
 
         Raises:
             PeerFailureError: see :meth:`wait`.
