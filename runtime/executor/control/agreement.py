@@ -258,7 +258,14 @@ class StepAgreement:
         written_step: int | None = None,
         save: bool = False,
     ) -> Decision:
-        return Decision(steps_done, stop, save, written_step, self._interval, readings)
+        return Decision(
+            steps_done,
+            stop=stop,
+            checkpoint=save,
+            written_step=written_step,
+            interval_steps=self._interval,
+            readings=readings,
+        )
 
 
 def _readings(read: Agreement, reshared: Reading | None = None) -> tuple[Reading, ...]:
