@@ -174,7 +174,7 @@ def test_calibrate_pools_identical_devices_whose_difference_is_within_one_runs_n
 
 
 def test_a_run_whose_shares_moved_is_read_at_the_plans_shares(plan):
-    # the runtime moved samples between the replicas (executor/rebalance.py): box/0 ran
+    # the runtime moved samples between the replicas (executor/control/rebalance.py): box/0 ran
     # 1.5x its share at 1.5x its compute, box/1 the rest; read at the plan's shares, both
     # computed as predicted
     assert plan.fixed_shares_reason() is None
