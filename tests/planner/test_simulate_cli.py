@@ -131,6 +131,12 @@ def test_simulate_rejects_a_plan_without_predictions_in_one_line(
     assert err.count("\n") == 1 and "re-run `hplan solve`" in err
 
 
+def test_simulate_needs_a_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["simulate"], capsys)
+    assert code == 2
+    assert "PLAN_PATH" in err
+
+
 def test_show_draws_the_same_svg_twice_and_a_png(tmp_path: Path) -> None:
     path = _write(_predicted(replace(cpu_plan(), training=replace(cpu_plan().training))), tmp_path)
     svgs = [
