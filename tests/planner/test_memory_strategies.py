@@ -13,11 +13,11 @@ from hplan.planner.cost.problem import RecomputePolicy
 from hplan.planner.cost.zero import state_saving_bytes
 from hplan.planner.sim.spec import simulated_step_time_s
 from hplan.planner.solve import solver as solver_module
-from hplan.planner.solve.brute_force import brute_force
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import solve, uniform_strategies
 from hplan.planner.solve.validate import layout_problems
 from hplan.runtime.contract.errors import InfeasiblePlanError
+from tests.fixtures.brute_force import brute_force
 from tests.fixtures.problems import GB, Dev, make_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False)
