@@ -449,12 +449,6 @@ def measured_ring(problem: PlanningProblem, devices: Sequence[int]) -> tuple[flo
     )
 
 
-def optimizer_time_s(problem: PlanningProblem, layout: Layout) -> float:
-    """Slowest device's optimizer step over the units it holds (offloaded where the layout
-    says so: ``cost.offload``)."""
-    return max(replica_optimizer_times_s(problem, layout), default=0.0)
-
-
 def replica_optimizer_times_s(problem: PlanningProblem, layout: Layout) -> tuple[float, ...]:
     """Per replica (in ``layout.replicas`` order), its slowest stage's optimizer step."""
     return tuple(
@@ -564,8 +558,3 @@ def standalone_samples_per_s(problem: PlanningProblem, device_idx: int) -> float
         if acts <= capacity or k == 0:
             fallback = max(fallback, rate)
     return best if best > 0 else fallback
-
-
-def single_stage(device_idx: int, num_units: int) -> tuple[StageLayout, ...]:
-    """A one-stage pipeline holding every unit on ``device_idx``."""
-    return (StageLayout(device_idx, 0, num_units),)

@@ -470,8 +470,3 @@ def source_labels(
     if label is None:
         return tuple(tuple((source.name,) * len(sizes) for _ in costs) for _ in devices)
     return tuple(tuple(tuple(label(d, c, s) for s in sizes) for c in costs) for d in devices)
-
-
-def summarize_labels(labels: Iterable[str]) -> str:
-    """Distinct labels in first-seen order, joined with ``"; "``."""
-    return "; ".join(dict.fromkeys(labels))

@@ -92,10 +92,6 @@ class Link:
     bandwidth_bytes_per_s: float
     latency_s: float
 
-    def transfer_time_s(self, num_bytes: float) -> float:
-        """Seconds to send ``num_bytes`` over this link (Hockney's alpha-beta model)."""
-        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
-
 
 @dataclass(frozen=True, slots=True)
 class Device:

@@ -206,11 +206,6 @@ def ratio(measured: float, predicted: float) -> float:
     return measured / predicted if predicted > 0 else float("nan")
 
 
-def relative_error(measured: float, predicted: float) -> float:
-    """``(measured - predicted) / predicted`` (0.1: measured 10% above the prediction)."""
-    return measured / predicted - 1.0 if predicted > 0 else float("nan")
-
-
 def kind_reference(ratios: Sequence[float]) -> float:
     """The ratio a kind's devices are compared against: their lower median.
 

@@ -69,12 +69,6 @@ def recorded_emulation(emulation: Emulation, metrics_dir: Path | None) -> Emulat
     return emulation if record is None else replace(emulation, slowdown=dict(record.slowdown))
 
 
-def recorded_slowdown(metrics_dir: Path | None) -> dict[str, float]:
-    """The ``slowdown`` a rehearsal recorded in ``metrics_dir`` ({} if none)."""
-    record = EmulationRecord.load(metrics_dir)
-    return {} if record is None else dict(record.slowdown)
-
-
 # --------------------------------------------------------------------------- speeds
 def modelled_emulation(plan: Plan) -> bool:
     """True for GPU plans whose report predicts every rank's compute (see ComputeEmulation)."""
