@@ -153,6 +153,18 @@ def test_show_draws_the_same_svg_twice_and_a_png(tmp_path: Path) -> None:
     assert png.stdout.startswith(b"\x89PNG\r\n\x1a\n")
 
 
+@pytest.mark.parametrize("fmt", ["svg", "png"])
+def test_show_without_matplotlib_says_what_to_install_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fmt: str
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    path = _write(_predicted(cpu_plan()), tmp_path)
+    code, out, err = _run(["show", str(path), "--format", fmt], capsys)
+    assert code == 4  # environment
+    assert out == ""
+    assert err.count("\n") == 1 and "pip install 'hplan[plot]'" in err, err
+
+
 # --------------------------------------------------------------------------- solver
 def test_the_solver_reports_the_simulated_time_of_its_layout() -> None:
     problem = make_problem(
