@@ -221,12 +221,6 @@ class Partitioner:
             out[j] = fwd + bwd
         return out
 
-    def stage_matrices(
-        self, sequence: Sequence[int], k: int
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per stage: (compute matrix with inf where infeasible, outgoing link vector)."""
-        return [(m.compute, m.link) for m in self._stage_matrices(sequence, k)]
-
     def _stage_matrices(self, sequence: Sequence[int], k: int) -> list[_StageMatrices]:
         b = self.problem.micro_batch_sizes[k]
         devices = pair_devices(self.classes, sequence)

@@ -220,7 +220,7 @@ UNIFORM_STRATEGIES: tuple[tuple[str, RecomputePolicy, str, str], ...] = (
     ("offload", RecomputePolicy.NEVER, "never", "always"),
 )
 """The uniform memory strategies (name, ``--recompute``, ``--zero``, ``--offload``): every
-rank the same, as ``bench/memory_strategies.py`` compares them with the mixed choice."""
+rank the same, as ``bench/plan_quality.py --compare memory`` compares them with the mixed choice."""
 
 
 def uniform_strategies(

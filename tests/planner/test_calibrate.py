@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from hplan.planner.profiling.calibrate import (
     pooled_classes,
     pooled_ratios,
     rank_errors,
-    relative_error,
     speed_factors,
     write_profile,
 )
@@ -38,7 +36,7 @@ from hplan.planner.profiling.profile_file import (
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.metrics_file import StepMetrics
 from hplan.runtime.contract.plan import Plan
-from hplan.runtime.rehearsal.emulation import Emulation, compute_emulation, recorded_slowdown
+from hplan.runtime.rehearsal.emulation import Emulation, compute_emulation, recorded_emulation
 from hplan.runtime.rehearsal.rehearse import check_slowdown, parse_slowdown, rehearse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,12 +224,6 @@ def test_a_rank_under_a_binding_cpu_quota_is_read_by_its_cpu_time_over_the_quota
     assert errors[2].measured_compute_s == pytest.approx(0.45 * errors[2].predicted_compute_s)
 
 
-def test_relative_error_is_signed_and_relative_to_the_prediction():
-    assert relative_error(1.1, 1.0) == pytest.approx(0.1)
-    assert relative_error(0.5, 2.0) == pytest.approx(-0.75)
-    assert math.isnan(relative_error(1.0, 0.0))
-
-
 def test_rank_errors_convert_emulated_seconds_with_the_time_scale_and_skip_warm_up(plan):
     scale = 7.0
     run = Run(Path("run"), scale, _records(plan, {"box/2": 1.5}, scale))
@@ -388,10 +380,11 @@ def test_slowdown_stretches_only_the_slowed_device(plan):
 
 
 def test_the_ranks_read_the_recorded_slowdown(tmp_path):
-    assert recorded_slowdown(None) == {}
-    assert recorded_slowdown(tmp_path) == {}
+    plain = Emulation(dilation=2.0, time_scale=5.0)
+    assert recorded_emulation(plain, None).slowdown == {}
+    assert recorded_emulation(plain, tmp_path).slowdown == {}
     (tmp_path / "emulation.json").write_text(json.dumps({"slowdown": {"x": 1.4}}))
-    assert recorded_slowdown(tmp_path) == {"x": 1.4}
+    assert recorded_emulation(plain, tmp_path).slowdown == {"x": 1.4}
 
 
 # ---------------------------------------------------------------------------- end to end
