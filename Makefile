@@ -52,7 +52,7 @@ test: lint typecheck unit
 bench: setup
 	$(PY) bench/solver.py
 	$(PY) bench/plan_quality.py
-	$(PY) bench/sync_modes.py
+	$(PY) bench/plan_quality.py --compare sync
 	$(PY) bench/rehearsal.py
 
 clean:

@@ -1,7 +1,7 @@
 """Simulator fidelity against real runs: every measured plan of the Sailor study.
 
 For each ``plans/<cluster>/plan_config_*.json`` under the data folder: import it as an hplan
-``Plan`` (``hplan.planner.studies.sailor_plan``), simulate one iteration with hplan's simulator as the
+``Plan`` (``bench/sailor/plan.py``), simulate one iteration with hplan's simulator as the
 study's runtime runs it (blocking point-to-point, fp32 gradient all-reduce after the last
 backward, then the optimizer), and print the measured iteration time (``real``), the
 prediction and the relative error; then the median and worst |error| per cluster. Targets
@@ -25,16 +25,17 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from hplan.planner.sim.engine import simulate
-from hplan.planner.sim.ir import EventKind, SimulationResult
-from hplan.planner.studies.sailor_data import load_sailor
-from hplan.planner.studies.sailor_plan import import_study_plan, study_sim_spec
-from hplan.planner.studies.sailor_study import (
+from sailor.data import load_sailor
+from sailor.plan import import_study_plan, study_sim_spec
+from sailor.study import (
     StudyPlan,
     StudyStage,
     read_study_plan,
     study_plan_paths,
 )
+
+from hplan.planner.sim.engine import simulate
+from hplan.planner.sim.ir import EventKind, SimulationResult
 from hplan.runtime.contract.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

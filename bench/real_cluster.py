@@ -115,7 +115,7 @@ class Case:
     """Each node's cores (None: unpinned)."""
     shares: list[str] = field(default_factory=list)
     """Each hplan round's batch shares per rank, first step -> last (the runtime moves
-    them as the ranks' measured speeds ask, ``executor/rebalance.py``)."""
+    them as the ranks' measured speeds ask, ``executor/control/rebalance.py``)."""
 
 
 def node_shapes(quotas: Sequence[float], pin: bool) -> list[NodeShape]:

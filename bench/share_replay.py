@@ -5,7 +5,7 @@ hplan round of each case whose plan's replicas are one stage each, this replays 
 under three policies and prints the mean step of each:
 
 - *fixed*: the plan's shares throughout;
-- *runtime*: ``executor/rebalance.py``'s ``ShareBalancer`` (the runtime's own code), fed
+- *runtime*: ``executor/control/rebalance.py``'s ``ShareBalancer`` (the runtime's own code), fed
   each step's speeds, deciding every ``--every`` steps on the speeds posted one decision
   earlier (the step control's one-exchange lag);
 - *hindsight*: the single best split for the whole run, from every step's speeds (what no
@@ -36,7 +36,7 @@ from common import console, table
 
 from hplan.runtime.contract.metrics_file import StepMetrics, read_rank_metrics
 from hplan.runtime.contract.plan import Plan
-from hplan.runtime.executor.rebalance import (
+from hplan.runtime.executor.control.rebalance import (
     ReplicaSpeed,
     ShareBalancer,
     balanced_shares,

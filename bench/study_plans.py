@@ -3,7 +3,7 @@
 For each measured plan under ``plans/mit`` (consumer GPUs, 1 GbE-class links between
 machines): build the planning problem of OPT-350 on the same machines, the same global batch
 and the micro-batch sizes the study profiled on every device kind
-(``hplan.planner.studies.sailor_solve.study_problem``), solve it with ``hplan.planner.solve.solver.solve``,
+(``bench/sailor/solve.py``: ``study_problem``), solve it with ``hplan.planner.solve.solver.solve``,
 and simulate hplan's layout. The solver's cost model times each link alone, so it is run on
 two views (links as measured, and inter-node links divided among the GPUs that share a
 machine's network card, ``shared_nic``) and the layout that simulates faster is kept; the
@@ -31,20 +31,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hplan.planner.cost.layout import Layout
-from hplan.planner.cost.problem import PlanningProblem
-from hplan.planner.sim.engine import simulate
-from hplan.planner.solve.search import SolveOptions
-from hplan.planner.solve.solver import solve
-from hplan.planner.studies.sailor_data import SailorData, load_sailor
-from hplan.planner.studies.sailor_plan import import_study_plan, study_sim_spec
-from hplan.planner.studies.sailor_solve import (
+from sailor.data import SailorData, load_sailor
+from sailor.plan import import_study_plan, study_sim_spec
+from sailor.solve import (
     Granularity,
     layout_sim_spec,
     profiled_micro_batch_sizes,
     study_problem,
 )
-from hplan.planner.studies.sailor_study import StudyPlan, read_study_plan, study_plan_paths
+from sailor.study import StudyPlan, read_study_plan, study_plan_paths
+
+from hplan.planner.cost.layout import Layout
+from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.sim.engine import simulate
+from hplan.planner.solve.search import SolveOptions
+from hplan.planner.solve.solver import solve
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from hplan.runtime.contract.plan import Plan
 
 
 @click.command()
-@click.argument("plan_path", type=click.Path(path_type=Path), required=False)
+@click.argument("plan_path", type=click.Path(path_type=Path))
 @click.option(
     "--trace",
     "trace_path",
@@ -25,34 +25,7 @@ from hplan.runtime.contract.plan import Plan
     help="Write the timeline as Chrome trace JSON (open in chrome://tracing or Perfetto).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-@click.option(
-    "--import-study",
-    "study_path",
-    type=click.Path(path_type=Path),
-    help="Instead of PLAN_PATH: a measured plan of the Sailor study (plan_config_*.json), "
-    "imported as an hplan plan and simulated as the study's runtime runs it.",
-)
-@click.option(
-    "--profiles",
-    "study_root",
-    type=click.Path(path_type=Path),
-    help="The Sailor data folder (profiles/, network/, plans/) for --import-study; default: "
-    "two folders above the plan file.",
-)
-@click.option(
-    "--write-plan",
-    "write_plan",
-    type=click.Path(path_type=Path),
-    help="With --import-study: also write the imported plan as plan.json here.",
-)
-def simulate(
-    plan_path: Path | None,
-    trace_path: Path | None,
-    as_json: bool,
-    study_path: Path | None,
-    study_root: Path | None,
-    write_plan: Path | None,
-) -> None:
+def simulate(plan_path: Path, trace_path: Path | None, as_json: bool) -> None:
     """Simulate one training step of a plan: step time, per-rank busy/idle, bubble, bottleneck.
 
     Each rank runs its pipeline schedule; transfers queue on their links; gradients are
@@ -72,43 +45,20 @@ def simulate(
     if trace_path is not None:
         check_trace_path(trace_path)
 
-    if (plan_path is None) == (study_path is None):
-        raise click.UsageError("give either PLAN_PATH or --import-study (one of them)")
-    if study_path is None and (study_root is not None or write_plan is not None):
-        raise click.UsageError("--profiles and --write-plan go with --import-study")
-    measured_s: float | None = None
-    if study_path is not None:
-        from hplan.planner.studies.sailor_plan import load_study_plan
-
-        _, study, plan, spec = load_study_plan(study_path, study_root)
-        measured_s, source = study.real_s, study_path
-        if write_plan is not None:
-            write_plan.write_text(plan.to_json(), encoding="utf-8")
-            stderr.print(f"wrote {write_plan}")
-    else:
-        assert plan_path is not None
-        plan, source = load_checked(plan_path), plan_path
-        spec = spec_from_plan(plan)
-    result = run_simulation(spec)
+    plan = load_checked(plan_path)
+    result = run_simulation(spec_from_plan(plan))
     predicted_s = plan.report.predicted_step_time_s or None
     print_simulation(result, stderr, predicted_step_time_s=predicted_s)
-    if measured_s is not None:
-        error = (result.step_time_s - measured_s) / measured_s
-        stderr.print(
-            f"[bold]measured[/bold]  {measured_s:g} s per step in the study (error {error:+.1%})"
-        )
     if trace_path is not None:
         write_chrome_trace(
             trace_path,
             timeline_events(result),
             process_names=process_names(result),
-            other_data={"source": "hplan simulate", "plan": str(source), "time_unit": "s"},
+            other_data={"source": "hplan simulate", "plan": str(plan_path), "time_unit": "s"},
         )
         stderr.print(f"wrote {trace_path} (open it in chrome://tracing or ui.perfetto.dev)")
     if as_json:
         summary = simulation_summary(result, predicted_step_time_s=predicted_s)
-        if measured_s is not None:
-            summary["measured_step_time_s"] = measured_s
         click.echo(json.dumps(summary, indent=2))
 
 

@@ -1,61 +1,21 @@
 """Predict the step time and memory of a layout under hplan's cost model.
 
-One optimizer step of a layout takes, in the steady state of step after step (see
-``evaluate``)::
+One optimizer step in the steady state of step after step (:func:`evaluate`)::
 
     step_time = max over replicas of (optimizer time + pipeline_time)
               + gradient all-reduce time left after the pipelines (``allreduce_time_s``)
-
-A step's gradient all-reduce is the one point where every replica meets; between two of
-them each device runs its optimizer step and then its pipeline of the next step, so a
-replica's optimizer time (its slowest stage's) counts with its own pipeline, not the
-slowest device's with everyone's: a slower device's longer optimizer step is balanced
-by a smaller batch share, like its compute. On ``bench/real_cluster.py`` (MLP, CPU
-quotas 0.9/0.45/0.45) the calibrated profile priced the optimizer step at 3.4 ms on the
-fast node and 6.9 ms on the slow ones. With ZeRO's all-gather after the optimizer steps
-(a second meeting point) the slowest optimizer step plus the all-gather precede every
-pipeline.
-
+              + amortised outer sync under local sync (``outer_sync_time_s``)
     pipeline_time = (num_microbatches - 1) * period + fill_time
 
-(when every micro-batch is full; a smaller last one is charged by its size, with the 1F1B
-formula derived in ``cost.microbatch``)
-
-where, for a pipeline of stages s with compute time c_s per micro-batch (forward +
-backward of its units) and link time l_s between stage s and s+1 per micro-batch
-(activations forward plus gradients back, latency + bytes / bandwidth):
-``period = max(max_s c_s, max_s l_s, max_s sum_{t>=s} (c_t + l_t) / (S - s))`` is the
-steady-state time per micro-batch of 1F1B (the last term: stage s holds at most S - s
-micro-batches while each makes the round trip through the later stages; see
-``cost.microbatch.pipeline_period_s``) and ``fill_time = sum_s c_s + sum_s l_s`` is the
-time one micro-batch takes through the whole pipeline and back (Narayanan et al.,
-"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021,
-section 2.2: bubble = (p - 1) stage times).
-
-Ring all-reduce of S bytes over n ranks: 2 (n - 1) / n * S / bandwidth + 2 (n - 1) *
-latency, over the slowest link of the group (Patarasuk and Yuan, "Bandwidth optimal
-all-reduce algorithms for clusters of workstations", JPDC 2009), once per bucket of at most
-``link_model.BUCKET_CAP_BYTES``. The runtime launches the buckets during the last backward
-pass, so a device's all-reduce T_d overlaps that pass: what is left after it is
-``max(T_d - W_d, L_d)``, with W_d the part of the pass after its first bucket is out and
-L_d the ring of its last bucket (``link_model.exposed_all_reduce_s``).
-
-Memory of stage s of S with micro-batch size b under 1F1B: static bytes of its units +
-b * (S - s) * activation bytes per sample + send/receive buffers. A stage that recomputes
-(``StageLayout.recompute``) keeps only its input per micro-batch in flight plus one
-micro-batch's activations, and its compute runs the forward twice; a stage that recomputes
-some units (``StageLayout.recompute_units``, selective) keeps those units' inputs instead of
-their activations plus one micro-batch of the largest one's, and runs their forward twice
-(``contract.memory.stage_activation_bytes``, the formula a plan is checked against when it
-loads).
-
-A layout with islands under local sync (``Layout.sync``; ``cost.sync_cost``) sums every
-step only inside the islands (:func:`step_sync_groups`), and adds its outer sync round
-amortised over its H inner steps (:func:`outer_sync_time_s`)::
-
-    step_time = inner step (the formula above, islands' holder sets split)
-              + amortised outer sync (round / H for local SGD; for async what does not
-                fit behind H inner steps, per step)
+The all-reduce is where every replica meets, so a replica's own optimizer step counts with
+its own pipeline (with ZeRO's all-gather, a second meeting point, the slowest one precedes
+every pipeline). Under local sync the step sums only inside the islands
+(:func:`step_sync_groups`) and adds the outer round amortised over its H inner steps
+(``cost.sync_cost``). The 1F1B period and fill are ``cost.microbatch``'s (Narayanan et al., SC
+2021, section 2.2); the bucketed ring all-reduce over a group's slowest link, overlapped
+with the last backward pass, is ``link_model.exposed_all_reduce_s``'s (Patarasuk and Yuan,
+JPDC 2009); a stage's memory under 1F1B, recomputation included, is
+``contract.memory.stage_activation_bytes``'s (the formula a plan is checked against).
 """
 
 from __future__ import annotations
@@ -528,12 +488,6 @@ def measured_ring(problem: PlanningProblem, devices: Sequence[int]) -> tuple[flo
     )
 
 
-def optimizer_time_s(problem: PlanningProblem, layout: Layout) -> float:
-    """Slowest device's optimizer step over the units it holds (offloaded where the layout
-    says so: ``cost.offload``)."""
-    return max(replica_optimizer_times_s(problem, layout), default=0.0)
-
-
 def replica_optimizer_times_s(problem: PlanningProblem, layout: Layout) -> tuple[float, ...]:
     """Per replica (in ``layout.replicas`` order), its slowest stage's optimizer step."""
     return tuple(
@@ -640,8 +594,3 @@ def standalone_samples_per_s(problem: PlanningProblem, device_idx: int) -> float
         if acts <= capacity or k == 0:
             fallback = max(fallback, rate)
     return best if best > 0 else fallback
-
-
-def single_stage(device_idx: int, num_units: int) -> tuple[StageLayout, ...]:
-    """A one-stage pipeline holding every unit on ``device_idx``."""
-    return (StageLayout(device_idx, 0, num_units),)

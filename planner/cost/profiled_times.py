@@ -1,33 +1,13 @@
 """Unit times from a measured profile (``hplan profile``), with the roofline as fallback.
 
-:class:`MeasuredSource` is a ``UnitTimeSource`` (see ``problem_builder.py``). For a cluster
-device of kind ``K`` named ``N`` on node ``M`` it looks for unit timings under, most specific
-first (``profiling/device_keys.py``):
-
-1. ``K@N`` (this very device, e.g. ``hplan profile --node`` on a GPU machine);
-2. ``K@M`` (every ``K`` of this node: ``hplan profile --node M`` on a CPU machine);
-3. ``K#<uuid>`` where ``device_uuids`` binds ``N`` to that card;
-4. ``K`` (every device of the kind);
-5. ``K*``: the kind's measurements bound to cards (``K#<uuid>``) or to other nodes and
-   devices (``K@...``), pooled (median per unit and size).
-
-With timings, a (unit, micro-batch size) that was measured is used as is (``measured``;
-``calibrated``/``imported`` when the timing says so); another size comes from the measured
-sizes around it as a fixed overhead plus a per-sample time (``cost.microbatch.time_at_size``,
-the rule the planner prices any micro-batch size by; ``measured
-(interpolated)`` inside the measured range, ``measured (extrapolated)`` outside). A device
-whose figures the cluster file overrides (a ``cpu`` declared twice as fast) gets its kind's
-measurement scaled by the roofline ratio of its declared figures to the catalog's.
-
-A device with no timings gets the roofline estimate times the median measured-to-roofline
-ratio of (forward + backward) over every measured (device, unit, size) of the same device
-class (``roofline x 0.42 (scaled by measured devices)``); a CPU's ratio says nothing about
-a GPU, so without a measured device of its class the device gets the roofline on its
-kind's measured matmul FLOP/s and bandwidth when the profile has them
-(``roofline (measured device peaks)``), else the plain roofline.
-
-Finally a ``DeviceFactor`` for the device (``hplan calibrate``) multiplies its times
-(``... x 1.40 (calibrated factor)``).
+:class:`MeasuredSource` is a ``UnitTimeSource`` (see ``problem_builder.py``). It looks a
+device's timings up most specific key first (``profiling/device_keys.py``: the device, its
+node, its card, its kind, the kind's pooled measurements); a measured (unit, size) is used as
+is, another size comes from the sizes around it (``cost.microbatch.time_at_size``), and a
+device the cluster file re-rates gets its kind's measurement scaled by the roofline ratio.
+A device with no timings gets the roofline times the median measured-to-roofline ratio of
+its device class, else the roofline on its kind's measured peaks, else the plain roofline;
+a ``DeviceFactor`` (``hplan calibrate``) multiplies the result.
 """
 
 from __future__ import annotations
@@ -470,8 +450,3 @@ def source_labels(
     if label is None:
         return tuple(tuple((source.name,) * len(sizes) for _ in costs) for _ in devices)
     return tuple(tuple(tuple(label(d, c, s) for s in sizes) for c in costs) for d in devices)
-
-
-def summarize_labels(labels: Iterable[str]) -> str:
-    """Distinct labels in first-seen order, joined with ``"; "``."""
-    return "; ".join(dict.fromkeys(labels))

@@ -1,13 +1,10 @@
 """Draw per-rank timelines (simulated or measured) as SVG or PNG with matplotlib.
 
-One row per rank: forwards, backwards and the optimizer step as bars (micro-batch ids
-written in the bars wide enough to hold them), all-reduces as a strip just under the bars
-(their buckets overlap the backward, which a shared lane would hide), transfers as a
-thin strip under that and waits as a thin strip above the bars. Uses matplotlib's
-object API with the Agg canvas (no pyplot, no display, no global backend switch).
-
-SVG output is deterministic: the same events give the same bytes (a fixed
-``svg.hashsalt``, no date in the metadata, text drawn as paths).
+One row per rank: compute as bars, all-reduces, transfers and waits as thin strips in lanes
+of their own (a bucket's all-reduce overlaps the backward it follows). matplotlib is an
+optional extra (``hplan[plot]``), imported only when a picture is drawn; its object API with
+the Agg canvas (no pyplot, no display, no global backend switch). SVG output is
+deterministic: a fixed ``svg.hashsalt``, no date in the metadata, text drawn as paths.
 """
 
 from __future__ import annotations
@@ -17,10 +14,14 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.errors import ConfigError, EnvironmentProblemError
 from hplan.runtime.contract.timeline_file import ALL_REDUCE, COMPUTE, WAIT, TimelineEvent
 
 FORMATS = ("svg", "png")
+MISSING_MATPLOTLIB = (
+    "the svg/png timeline needs matplotlib, which is not installed; "
+    "install it with `pip install 'hplan[plot]'` (or `pip install matplotlib`)"
+)
 _COLOURS = {
     "F": "#4C78A8",
     "B": "#54A24B",
@@ -56,12 +57,16 @@ def plot_timeline(
 
     Raises:
         ConfigError: an unknown format, or no events.
+        EnvironmentProblemError: matplotlib is not installed.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown image format {fmt!r}; use one of {', '.join(FORMATS)}")
     if not events:
         raise ConfigError("the timeline has no events to draw")
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise EnvironmentProblemError(MISSING_MATPLOTLIB) from None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

@@ -36,7 +36,7 @@ from hplan.planner.frontend.trains_check import LossMemory
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel
 from hplan.runtime.contract.errors import ModelFileError
-from hplan.runtime.contract.plan import DTYPE_BYTES, InputSpec, TensorSpec, TraceMethod, UnitSpec
+from hplan.runtime.contract.plan import InputSpec, TensorSpec, TraceMethod, UnitSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,11 +172,6 @@ class ModelGraph:
             )
             if not all(math.isfinite(v) and v >= 0 for v in numbers):
                 raise ValueError(f"unit {cost.name!r} has a cost that is not finite and >= 0")
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a torch dtype name (``float32`` -> 4; see ``plan.DTYPE_BYTES``)."""
-    return DTYPE_BYTES[dtype]
 
 
 # ----------------------------------------------------------------------- the builders

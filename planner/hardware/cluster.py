@@ -1,25 +1,14 @@
 """cluster.yaml: which machines, which devices, how fast the links are.
 
-``load_cluster(path)`` validates the file with pydantic (unknown keys rejected everywhere,
-every quantity key carries its unit) and returns a frozen ``Cluster``. Every mistake raises
-``ConfigError`` with one line naming the file, the key path (``nodes[1].devices[0].memory_gb``)
-and what is allowed. The format is described in ``examples/clusters/README.md``; its
-pydantic schema is in ``cluster_schema.py``.
+``load_cluster(path)`` validates the file with pydantic (``cluster_schema.py``; format in
+``examples/clusters/README.md``) and returns a frozen ``Cluster``; every mistake is a one-line
+``ConfigError`` naming the file, the key path and what is allowed. Devices are ordered node
+by node, entries in file order, and named ``<node>/<local_index>``.
 
-Device order is fixed: node by node in file order, and within a node the device entries
-in file order, each repeated ``count`` times. Devices of a node are therefore contiguous,
-and are named ``<node>/<local_index>``.
-
-Link defaults (alpha-beta: ``time = latency + bytes / bandwidth``):
-
-- Inside a GPU node: PCIe 4.0 x16, 31.5 GB/s per direction (16 GT/s x 16 lanes x 128b/130b
-  encoding, PCI-SIG PCI Express Base Specification 4.0) and 10 us, the order of NCCL's
-  small-message point-to-point latency over PCIe (an assumption, not a measurement).
-- Inside a CPU node: 5 GB/s and 20 us, nominal figures for gloo over TCP loopback between
-  processes of one machine (assumed).
-- Between nodes there is no default bandwidth: give ``links.inter_node``, per-pair
-  ``links.pairs`` or a ``links.matrix``. A link that gives no latency gets 50 us, the order
-  of a TCP one-way latency inside a LAN (assumed).
+Link defaults (alpha-beta): inside a GPU node PCIe 4.0 x16, 31.5 GB/s per direction (PCI-SIG
+Base Specification 4.0) and 10 us (assumed, NCCL's small-message latency order); inside a
+CPU node 5 GB/s and 20 us (assumed, gloo over TCP loopback); between nodes no default
+bandwidth (give ``links``), and 50 us latency where a link gives none (assumed, a LAN's TCP).
 """
 
 from __future__ import annotations
@@ -91,10 +80,6 @@ class Link:
 
     bandwidth_bytes_per_s: float
     latency_s: float
-
-    def transfer_time_s(self, num_bytes: float) -> float:
-        """Seconds to send ``num_bytes`` over this link (Hockney's alpha-beta model)."""
-        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
 
 
 @dataclass(frozen=True, slots=True)

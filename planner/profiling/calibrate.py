@@ -1,60 +1,16 @@
 """Calibration: compare measured runs with the plan's prediction and correct the profile.
 
-``hplan calibrate PLAN RUNS_DIR`` reads the per-rank metrics of one or more runs of a plan
-(``rank-*.jsonl``, from ``hplan rehearse --metrics-dir`` or ``hplan run --metrics-dir``)
-and the plan's report, and
-
-1. prints, per rank, predicted and measured compute (forward + backward of every
-   micro-batch of a step), the rest of the step (communication, waiting, bubbles: step -
-   compute - optimizer) and the step time, with relative errors;
-2. per device kind, takes the median measured/predicted compute ratio over that kind's
-   devices (the *kind correction*), leaving out stragglers;
-3. flags a device whose ratio differs from its kind's reference (the lower median of the
-   kind's devices, so that of two devices the faster is the reference) by more than
-   ``STRAGGLER_THRESHOLD`` (15%) and gives it a ``DeviceFactor`` (its ratio over the
-   kind correction), with a reason naming the numbers;
-   A device that is no straggler but computed more than ``SPEED_THRESHOLD`` (2%) off its
-   kind's correction gets a factor too (a *speed factor*): the next solve then shares the
-   batch by each device's measured speed, not only by its kind's. Devices the plan timed
-   alike (a *speed class*: the same kind and declared speed, predicted compute a sample
-   within ``CLASS_THRESHOLD``, 5%) whose measured compute a sample lies within
-   ``POOL_THRESHOLD`` (6%) of each other are read as one speed, their median: a difference
-   that small is within one run's noise, and two identical nodes should not get unequal
-   shares from it;
-4. writes a corrected profile: the input profile's unit timings of each kind scaled by the
-   kind correction and their optimizer times by the kind's measured/predicted optimizer
-   ratio (source ``calibrated``), existing device factors multiplied by the new ones. When
-   the runs recorded their forward time (``StepMetrics.forward_time_s``), forward and
-   backward times are corrected each by its own median ratio (*phase corrections*: in a
-   rehearsal here forwards ran 6-11% over their profile while backwards were within 5%). A
-   kind without unit timings in the profile (a plan solved from the roofline) carries its
-   compute correction as a factor on every cluster device of that kind;
-5. fits the gradient all-reduce (``comm_calibration``): per sync group (holder sets
-   sharing a rank), the exposed time of the rank that launched last (the others' excess
-   is waiting for it, which the compute correction covers) against the links'
-   prediction, as a node latency per ring step; each node of a group whose fit rises
-   above its own gets it as a ``NodeCollective`` in the corrected profile,
-   which ``hplan solve --profile`` puts in the node's collective (cost model, simulator,
-   search and rehearsal alike).
-
-It also sets each rank's predicted peak memory (the plan report's, with its breakdown where
-the report has one) beside the training memory its runs measured (the largest peak over
-the process's memory before its stage was built, over every step and run;
-``contract/memory_use.memory_use``), with their ratio.
-
-Units: the metrics of a rehearsal are emulated seconds; they are divided by the time scale
-the rehearsal recorded in ``emulation.json`` (emulated seconds per second of the plan's
-hardware) to get plan seconds. A real run has no such record: scale 1. The first step of
-each run (warm-up) is left out when a run has more than one; a rank's figure is the median
-over the remaining steps of every run.
-
-CPU ranks under a CPU quota: a compute or optimizer block's wall time depends on how long
-the rank idled before it (a rank that waits for its peers has quota left and runs its next
-block at a full core's speed), so it is read as the block's CPU time over the rank's quota
-(``StepMetrics.sustained_s``) where the quota binds and the run recorded the CPU time; the
-profile measures the same (``windows.sustained``). On the three-node benchmark a slow node
-that idled read 0.80x its profile by wall time and was credited a speed it lost once given
-more work.
+``hplan calibrate PLAN RUNS_DIR`` reads the per-rank metrics of runs of a plan (rehearsed or
+real; a rehearsal's emulated seconds divided by its recorded time scale, the warm-up step left
+out, a rank's figure the median over steps) and the plan's report. It prints per-rank
+predicted and measured compute, rest of the step and memory; takes each device kind's median
+measured/predicted compute ratio (the kind correction); gives a ``DeviceFactor`` to a
+straggler (``STRAGGLER_THRESHOLD`` off its kind's reference) and to a device measurably off its
+kind (``SPEED_THRESHOLD``; devices timed alike that measured within ``POOL_THRESHOLD`` count
+as one speed); writes a corrected profile (timings scaled per kind and per phase, optimizer
+times, device factors); and fits the gradient all-reduce per node (``comm_calibration``).
+A CPU rank under a binding quota is read by its CPU time over the quota
+(``StepMetrics.sustained_s``), as the profile measures it.
 """
 
 from __future__ import annotations
@@ -204,11 +160,6 @@ class SpeedClass:
 def ratio(measured: float, predicted: float) -> float:
     """``measured / predicted``; NaN when nothing was predicted."""
     return measured / predicted if predicted > 0 else float("nan")
-
-
-def relative_error(measured: float, predicted: float) -> float:
-    """``(measured - predicted) / predicted`` (0.1: measured 10% above the prediction)."""
-    return measured / predicted - 1.0 if predicted > 0 else float("nan")
 
 
 def kind_reference(ratios: Sequence[float]) -> float:

@@ -1,6 +1,7 @@
 """``python -m hplan.runtime.bandwidth``: measure the link matrix (see :mod:`.job`)."""
 
-from hplan.runtime.bandwidth.job import run_main
+from hplan.runtime.bandwidth.job import main
+from hplan.runtime.executor.cli import exit_with
 
 if __name__ == "__main__":
-    run_main()
+    exit_with(main())

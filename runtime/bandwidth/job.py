@@ -6,18 +6,13 @@ per CPU "device")::
     HPLAN_NODE=box-a torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 \\
         --master-addr box-a --master-port 29400 -m hplan.runtime.bandwidth -o bw.json
 
-or let ``hplan bandwidth --cluster cluster.yaml --write-scripts DIR`` write those commands,
-one script per node. Without torchrun, give ``--rank --world-size --master-addr
---master-port`` yourself, or ``--local N`` to start N processes on this machine (gloo on
-127.0.0.1: a rehearsal of the measurement).
-
-Every ordered pair of ranks is timed one pair at a time over a sweep of message sizes, then
-an all-reduce among the ranks of each node; the fits and raw samples go to one JSON file
-(:class:`hplan.runtime.contract.link_matrix.BandwidthFile`), written by rank 0. Ranks are named
-by host and local rank, and by the cluster device name ``<node>/<local_rank>`` when the
-node is known: ``--node``, else ``HPLAN_NODE``, else with ``--cluster cluster.yaml`` the
-node at position ``GROUP_RANK`` (torchrun's node rank) in the file. Only the node names
-and device counts are read from the file. Progress goes to stderr.
+or let ``hplan bandwidth --cluster cluster.yaml --write-scripts DIR`` write those commands;
+without torchrun give ``--rank --world-size --master-addr --master-port``, or ``--local N``
+for N processes on this machine (gloo on 127.0.0.1). Every ordered pair of ranks is timed
+over a sweep of message sizes, then an all-reduce among each node's ranks; rank 0 writes
+the fits and samples to one JSON file (``contract.link_matrix.BandwidthFile``). A rank is
+named ``<node>/<local_rank>`` when its node is known (``--node``, else ``HPLAN_NODE``, else
+with ``--cluster`` the node at torchrun's ``GROUP_RANK``), else by host and local rank.
 """
 
 from __future__ import annotations
@@ -58,13 +53,12 @@ from hplan.runtime.contract.link_matrix import (
     fit_alpha_beta,
 )
 from hplan.runtime.contract.quantities import BYTES_PER_KIB, BYTES_PER_MIB
-from hplan.runtime.executor.cli import OneLineErrors, exit_with
+from hplan.runtime.executor.cli import NODE_ENV, OneLineErrors
 from hplan.runtime.executor.machine import bind_interface_towards
 from hplan.runtime.executor.rendezvous import join_process_group
 
-NODE_ENV = "HPLAN_NODE"
-PROG = "hplan bandwidth"
-say = stderr_say(PROG)
+_PROG = "hplan bandwidth"
+say = stderr_say(_PROG)
 
 
 @dataclass(frozen=True)
@@ -349,7 +343,7 @@ def _fit_notes(
     )
 
 
-def summary_lines(result: BandwidthFile) -> list[str]:
+def link_summary_lines(result: BandwidthFile) -> list[str]:
     """Human summary: one line per pair and per node all-reduce."""
     lines = []
     for pair in result.pairs:
@@ -364,7 +358,7 @@ def summary_lines(result: BandwidthFile) -> list[str]:
     return lines
 
 
-def run_rank(args: argparse.Namespace) -> None:
+def measure_rank(args: argparse.Namespace) -> None:
     """Join, measure, and (rank 0) write ``args.out`` and print the summary."""
     sweep = sweep_from(args)
     job = job_from(args)
@@ -378,7 +372,7 @@ def run_rank(args: argparse.Namespace) -> None:
         ) from None
     if job.rank == 0:
         result.save(args.out)
-        for line in (*summary_lines(result), *result.notes):
+        for line in (*link_summary_lines(result), *result.notes):
             say(line)
         say(f"wrote {args.out}")
     dist.destroy_process_group()
@@ -398,9 +392,9 @@ def main(argv: list[str] | None = None) -> int:
 
             follow_supervisor()  # a rank of `--local`: ends with the process that started it
             torch.set_num_threads(1)
-            run_rank(args)
+            measure_rank(args)
     except HplanError as exc:
-        print(f"{PROG}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"{_PROG}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
@@ -430,8 +424,3 @@ def sweep_argv(args: argparse.Namespace) -> list[str]:
         "--repeats", str(args.repeats), "--warmup", str(args.warmup),
         "--size-budget-s", repr(args.size_budget_s), "--timeout-s", repr(args.timeout_s),
     ]  # fmt: skip
-
-
-def run_main() -> None:
-    """Run :func:`main` as the process's entry point (``executor.cli.exit_with``)."""
-    exit_with(main())

@@ -26,7 +26,6 @@ __all__ = [
     "BucketSpec",
     "OptimizerShards",
     "RankSet",
-    "buffer_holders",
     "first_sync_step",
     "grad_buckets",
     "grad_sync_reports",
@@ -213,13 +212,6 @@ def optimizer_shards(plan: Plan, numels: Mapping[str, int]) -> dict[RankSet, Opt
             start = bounds[r][1]
         out[ranks] = OptimizerShards(ranks, names, total, bounds)
     return out
-
-
-def buffer_holders(plan: Plan) -> dict[str, RankSet]:
-    """Canonical buffer name -> sorted ranks whose units read it, by name."""
-    units = {u.name: u for u in plan.units}
-    pairs = ((r.rank, (b for u in r.units for b in units[u].buffers)) for r in plan.ranks)
-    return dict(sorted(holders(pairs).items()))
 
 
 def holder_sets(plan: Plan) -> tuple[RankSet, ...]:

@@ -4,7 +4,7 @@ The planner's cost model (``cost/evaluate.py``), its step simulator (``sim/engin
 the rehearsal's link emulation all time transfers with :func:`transfer_time_s` (queued one
 after another on a link direction by :class:`LinkQueue`) and all-reduces with
 :func:`ring_all_reduce_time_s` over :func:`group_ring_time_s`'s slowest link; the link
-matrix measurement and the study importer fit the same latency + bytes / bandwidth line
+matrix measurement and the Sailor benchmarks fit the same latency + bytes / bandwidth line
 with :func:`least_squares_alpha_beta`.
 
 The gradient all-reduce overlaps the last backward pass: the runtime sums gradients in

@@ -740,7 +740,7 @@ class Plan:
 
     def fixed_shares_reason(self) -> str | None:
         """Why a run of this plan keeps its batch shares throughout (None: its replicas may
-        move samples between steps as their measured speeds ask, ``executor/rebalance.py``:
+        move samples between steps as their measured speeds ask, ``executor/control/rebalance.py``:
         two or more replicas of one stage each that sum their gradients every step)."""
         if self.num_replicas < 2:
             return "one replica"

@@ -34,21 +34,6 @@ def gib_to_bytes(gib: float) -> float:
     return gib * BYTES_PER_GIB
 
 
-def mib_to_bytes(mib: float) -> float:
-    """Binary mebibytes to bytes (1 MiB = 2^20 bytes)."""
-    return mib * BYTES_PER_MIB
-
-
-def bytes_to_gb(num_bytes: float) -> float:
-    """Bytes to decimal gigabytes, for messages."""
-    return num_bytes / BYTES_PER_GB
-
-
-def bytes_to_gib(num_bytes: float) -> float:
-    """Bytes to binary gibibytes, for messages."""
-    return num_bytes / BYTES_PER_GIB
-
-
 def gb_per_s_to_bytes_per_s(gb_per_s: float) -> float:
     """GB/s (10^9 bytes per second) to bytes/s."""
     return gb_per_s * BYTES_PER_GB
@@ -69,24 +54,9 @@ def gflops_to_flops(gflops: float) -> float:
     return gflops * FLOPS_PER_GFLOP
 
 
-def flops_to_tflops(flops: float) -> float:
-    """FLOP/s to TFLOP/s, for messages."""
-    return flops / FLOPS_PER_TFLOP
-
-
 def us_to_s(us: float) -> float:
     """Microseconds to seconds."""
     return us / US_PER_S
-
-
-def ms_to_s(ms: float) -> float:
-    """Milliseconds to seconds."""
-    return ms / MS_PER_S
-
-
-def s_to_us(seconds: float) -> float:
-    """Seconds to microseconds, for messages."""
-    return seconds * US_PER_S
 
 
 _UNITS = ((BYTES_PER_GB, "GB"), (BYTES_PER_MB, "MB"), (BYTES_PER_KB, "kB"))

@@ -1,22 +1,17 @@
 """``python -m hplan.runtime run PLAN ...``: what the launch scripts run on every rank.
 
-Thin: parse the options, load the plan, find this process's rank, call
-:func:`hplan.runtime.executor.worker.run_rank`. An hplan error ends the process with one
-line on stderr and the error class's exit code (no traceback). ``hplan run`` is this same
-command (``hplan run --help`` prints this parser's help).
+Thin: parse the options, load the plan, find this process's rank, check the options once
+(:func:`run_options`) and this machine, call :func:`hplan.runtime.executor.training.run_rank`.
+An hplan error ends the process with one line on stderr and the error class's exit code (no
+traceback). ``hplan run`` is this same command. The node comes from ``--node`` or
+``HPLAN_NODE`` (the launch scripts export it: under torchrun ``--node`` would be taken for
+an abbreviation of ``--node-rank``). torch's C++ warnings are limited to errors unless the
+user set ``TORCH_CPP_LOG_LEVEL`` (a waiting rank would print a stack trace per retry).
 
-The node comes from ``--node`` or the ``HPLAN_NODE`` environment variable (the launch
-scripts export it: under torchrun an option spelled ``--node`` would be taken for an
-abbreviation of torchrun's ``--node-rank``). torch's C++ warnings (``TORCH_CPP_LOG_LEVEL``)
-are limited to errors unless the user set the variable: a rank that waits for its peers
-would otherwise print a stack trace per connection retry.
-
-``python -m hplan.runtime torchrun ARGS`` is torchrun itself (``torch.distributed.run``, in
-this process: the same arguments, the same handling of signals), which the launch scripts
-run when their Python runs hplan, so that how a rank ended is one line per failed rank: a
-rank the kernel killed (SIGKILL: out of memory, most likely) with its node, device,
-predicted peak and last measured memory (``contract/memory_use.py``), rather than
-torchrun's ``exitcode: -9`` table and traceback.
+``python -m hplan.runtime torchrun ARGS`` is torchrun itself, in this process; the launch
+scripts run it so that a failed rank is one line: one the kernel killed (SIGKILL: out of
+memory, most likely) with its node, device, predicted peak and last measured memory
+(``contract/memory_use.py``), not torchrun's ``exitcode: -9`` table and traceback.
 """
 
 from __future__ import annotations
@@ -188,55 +183,54 @@ def command_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def check_master_port(port: int | None) -> None:
-    """Reject a port outside 1..65534.
+def run_options(
+    args: argparse.Namespace,
+    plan: Plan,
+    *,
+    device: str | None = None,
+    backend: str | None = None,
+    master_host: str | None = None,
+    warn_model_change: bool = True,
+    rebalance: bool = True,
+) -> RunOptions:
+    """The run options of :func:`add_run_arguments`' arguments, checked against ``plan``: a
+    launch's one validation of its options (the keywords are what the launcher sets beyond
+    the command line; ``rebalance=False`` overrides ``--no-rebalance``'s absence).
 
     Raises:
-        ConfigError: naming the port.
-    """
-    if port is not None and not 1 <= port <= 65534:
-        raise ConfigError(f"--master-port {port} must be in 1..65534")
-
-
-def run_options(args: argparse.Namespace, **overrides: object) -> RunOptions:
-    """The run options of :func:`add_run_arguments`' arguments (``overrides`` on top).
-
-    Raises:
-        ConfigError: a value out of range.
+        ConfigError: a value out of range, or one the plan cannot run with.
     """
     from hplan.runtime.executor.worker import RunOptions
 
-    check_master_port(args.master_port)
     minutes = args.checkpoint_every_min
-    timeout_s = args.heartbeat_timeout_s
     if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
         raise ConfigError(f"--checkpoint-every-min {minutes} must be a finite number > 0")
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise ConfigError(f"--heartbeat-timeout-s {timeout_s} must be a finite number > 0")
-    values: dict[str, object] = {
-        "steps": args.steps,
-        "metrics_dir": args.metrics_dir,
-        "checkpoint_dir": args.checkpoint_dir,
-        "verify_dir": args.verify_dir,
-        "master_port": args.master_port,
-        "resume": args.resume,
-        "checkpoint_every_steps": args.checkpoint_every_steps,
-        "checkpoint_every_s": None if minutes is None else minutes * S_PER_MIN,
-        "async_checkpoints": not args.sync_checkpoints,
-        "heartbeat_timeout_s": timeout_s,
-        "rebalance": not args.no_rebalance,
-        **overrides,
-    }
-    return RunOptions(**values)  # type: ignore[arg-type]
+    options = RunOptions(
+        steps=args.steps,
+        metrics_dir=args.metrics_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        verify_dir=args.verify_dir,
+        device=device,
+        backend=backend,
+        master_host=master_host,
+        master_port=args.master_port,
+        warn_model_change=warn_model_change,
+        resume=args.resume,
+        checkpoint_every_steps=args.checkpoint_every_steps,
+        checkpoint_every_s=None if minutes is None else minutes * S_PER_MIN,
+        async_checkpoints=not args.sync_checkpoints,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        rebalance=rebalance and not args.no_rebalance,
+    )
+    return options.for_plan(plan)
 
 
 def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     from hplan.runtime.capture.model_file import plan_model_path
     from hplan.runtime.executor.training import run_rank
-    from hplan.runtime.executor.worker import check_environment, check_training_length
+    from hplan.runtime.executor.worker import check_environment
 
-    options = run_options(args)
-    check_training_length(plan, options)  # before anything waits or loads user code
+    options = run_options(args, plan)  # before anything waits or loads user code
     check_environment(plan, rank, options)
     if options.metrics_dir is not None:
         check_fresh_metrics_dir(options.metrics_dir, [rank])
@@ -253,11 +247,9 @@ def check_node(args: argparse.Namespace, plan: Plan) -> None:
     from hplan.runtime.capture.model_file import plan_model_path
     from hplan.runtime.executor.machine import bind_interface
     from hplan.runtime.executor.rendezvous import resolve_rank
-    from hplan.runtime.executor.training import check_options
     from hplan.runtime.executor.worker import check_environment, run_backend
 
-    options = run_options(args)
-    check_options(plan, options)
+    options = run_options(args, plan)
     first = resolve_rank(plan, rank=args.rank, node=args.node, local_rank="0")
     node = plan.ranks[first].node
     ranks = [first] if args.rank is not None else [r.rank for r in plan.ranks if r.node == node]

@@ -1,37 +1,21 @@
 """One optimizer step of one rank: its pipeline schedule, loss, and backward passes.
 
 :class:`StepRunner` walks the rank's action list (``contract/schedule.py``): a forward
-receives the previous stage's boundary tensors, runs the stage on the graph inputs it
-reads and sends its outputs on (the last stage computes the weighted loss instead); a
-backward receives the gradients of those outputs, runs autograd and sends the gradients of
-what it received back. Gradients are summed among their holders (``grad_sync.py``): the
-buckets go out during the rank's last backward pass as their gradients become final, and
-after the schedule the runner waits for them; then the optimizer steps (under ZeRO stage 1
-each rank its shards, which then travel to the other holders: ``zero.py``).
+receives the previous stage's boundary tensors, runs the stage on the graph inputs it reads
+and sends its outputs on, checked against the plan before any cast (only float32 outputs
+that travel in the autocast dtype are cast, ``contract.plan.wire_spec``); the last stage
+computes the weighted loss instead. A backward receives the gradients of those outputs,
+runs autograd and sends back the gradients of what it received. The gradient buckets are
+summed among their holders (``grad_sync.py``) as they become final in the last backward;
+then the optimizer steps (under ZeRO, its shards: ``zero.py``). Memory strategy
+``recompute`` re-runs the forward (same RNG state) in the backward. Every block runs in the
+rank's compute clock (``seams.ComputeClock``), which times it for the step's timeline.
 
-Memory strategy ``recompute``: the forward runs without autograd and keeps only its inputs;
-the backward re-runs it (same RNG state) with autograd, then backpropagates.
-
-Every forward, backward and optimizer step runs inside the rank's compute clock
-(``seams.ComputeClock``), which times it (and, in a rehearsal, stretches it). When an action
-fails, the rank prints its replica's schedule as a rank-by-step table in
-``torch.distributed.pipelining``'s notation with the failed step marked
-(:func:`schedule_table`), above its one-line error (a peer's failure keeps one line: the
-table is a note on it).
-
-The one adapter to ``torch.distributed.pipelining`` (:func:`pipelining_action`,
-:func:`schedule_table`): hplan builds its schedules itself (``contract/schedule.py``:
-integers in, actions out), but prints them as the pipelining module does, so that a reader
-who knows that module reads ours: ``1F3`` is stage 1's forward of micro-batch 3 and ``1B3``
-its full backward (``_Action``), and a replica's schedule is a rank-by-step grid
-(``_format_pipeline_order``). Both are private, alpha-marked names of torch; the test
-``tests/runtime/test_schedule.py`` pins what this module relies on (the text of every
-action parses back with ``_Action.from_str``, and the grid's layout).
-
-Timeline: each step records, on ``StepRunner.timeline``, when every forward, backward,
-blocking receive, send completion and optimizer step started and ended, and each gradient
-bucket's all-reduce from its launch to its sums in ``.grad`` (``contract/timeline_file.py``;
-compute names like the schedule's ``s1.F.mb3``).
+A failed action prints the replica's schedule as a rank-by-step table above its one-line
+error (:func:`schedule_table`). That table and :func:`pipelining_action` are the one adapter
+to ``torch.distributed.pipelining``: hplan builds its schedules itself but prints them in
+that module's notation (``1F3``: stage 1's forward of micro-batch 3), through private,
+alpha-marked names of torch that ``tests/runtime/test_schedule.py`` pins.
 """
 
 from __future__ import annotations
@@ -55,6 +39,7 @@ from hplan.runtime.contract.plan import (
     Plan,
     RankPlan,
     microbatch_sizes,
+    wire_spec,
 )
 from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 from hplan.runtime.contract.timeline_file import ALL_REDUCE, COMPUTE, WAIT, TimelineRecorder
@@ -187,6 +172,7 @@ class StepRunner:
         self._allreduce_s = 0.0
         self._overlapped_s = 0.0
         self._traced_float32 = _traced_float32_inputs(parts.plan, rank_plan)
+        self._narrowed = _narrowed_outputs(parts.plan, rank_plan)
         self._flight: dict[int, _InFlight] = {}
         self._losses: list[Tensor] = []
         self._batches: list[MicroBatch] = []
@@ -422,17 +408,18 @@ class StepRunner:
         return autocast(self.parts.device, self.parts.rank_plan.precision)
 
     def _to_wire(self, outputs: dict[str, Any]) -> dict[str, Any]:
-        """Cast the floating outputs the next stage receives to the dtype they travel in
-        (``contract.plan.wire_spec``; a no-op outside autocast). The cast is part of the
+        """Cast the float32 outputs that the plan sends narrower to the dtype they travel in
+        (``contract.plan.wire_spec``: under autocast; nothing otherwise). Any other dtype
+        is left as it is, so that the send's check against the plan
+        (``comm.check_boundary_tensors``) sees the real tensor. The cast is part of the
         autograd graph, so the gradient that comes back in that dtype flows through it."""
-        comm = self.parts.comm
-        if comm.next is None:
+        if not self._narrowed:
             return outputs
         cast = dict(outputs)
-        for spec in comm.next.specs:
-            value = cast.get(spec.name)
-            if isinstance(value, Tensor) and value.is_floating_point():
-                cast[spec.name] = value.to(torch_dtype(spec.dtype))
+        for name, dtype in self._narrowed.items():
+            value = cast.get(name)
+            if isinstance(value, Tensor) and value.dtype == torch.float32:
+                cast[name] = value.to(dtype)
         return cast
 
     def _from_wire(self, received: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
@@ -488,6 +475,17 @@ def _traced_float32_inputs(plan: Plan, rank_plan: RankPlan) -> frozenset[str]:
         return frozenset()
     before = plan.units[[u.name for u in plan.units].index(rank_plan.units[0]) - 1].name
     return frozenset(t.name for t in plan.cut_after(before).tensors if t.dtype == "float32")
+
+
+def _narrowed_outputs(plan: Plan, rank_plan: RankPlan) -> dict[str, torch.dtype]:
+    """The float32 tensors (as traced) this rank sends its next stage in a narrower dtype,
+    by name: the autocast dtype of a bf16/fp16 rank (``contract.plan.wire_spec``)."""
+    replica = plan.replica_ranks(rank_plan.replica)
+    if rank_plan.stage == len(replica) - 1:
+        return {}
+    cut = plan.cut_after(rank_plan.units[-1])
+    wire = [wire_spec(t, rank_plan.precision) for t in cut.tensors]
+    return {w.name: torch_dtype(w.dtype) for t, w in zip(cut.tensors, wire, strict=True) if w != t}
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

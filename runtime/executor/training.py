@@ -1,46 +1,14 @@
-"""The training loop of one rank: steps, metrics, checkpoints, and how a run ends.
+"""The training loop of one rank: join, build, resume, train, and how the run ends.
 
-:func:`run_rank` sets the rank's torch threads from its node's usable CPUs
-(``machine.set_rank_threads``; rank 0 says how many and why), joins the job, runs the
-heartbeat watchdog from then on, builds the rank (``worker.build_rank``), checks that
-every rank built the same plan, model and options
-(``control.check_same_job``), resumes from the latest checkpoint when asked, and runs its
-steps: the micro-batches of this rank's replica go through the pipeline schedule (``pipeline.py``),
-boundary tensors travel point-to-point (``comm.py``), gradients are summed among the ranks
-holding each parameter (``grad_sync.py``), metrics are written per step
-(``contract/metrics_file.py``). The number of steps is ``--steps``, else the plan's
-(``worker.training_steps``). Rank 0 prints progress lines and a summary
-(``contract/progress_lines.py``); the job's loss reaches it with the agreement below. About
-every ``control.CONTROL_PERIOD_S`` (every few steps, as rank 0 proposes from its step time;
-at a checkpoint's step and at the last) the ranks agree, one step late, on what to do
-(``control.StepControl``):
-
-- a checkpoint every ``checkpoint_every_steps`` steps (every rank counts) or every
-  ``checkpoint_every_s`` seconds (rank 0's clock), asynchronous by default, and one at the
-  end (``checkpoint.py``);
-- SIGTERM (preemption): finish the step, save a checkpoint, exit 143;
-- a loss that is not finite: reported on the rank that computed it; the job stops (exit 1,
-  no checkpoint of the diverged state) when the model file sets ``STOP_ON_NONFINITE_LOSS``.
-
-With the model file's ``MAX_GRAD_NORM``, the synced (and, under fp16 loss scaling,
-unscaled) gradients are clipped to that global norm before the optimizer step
-(``grad_sync.GradClip``); the norm before clipping goes into the step's metrics. A
-non-finite norm clips nothing: under fp16 loss scaling a non-finite gradient skips the
-step on every rank; otherwise rank 0 reports the norm and the step goes on.
-
-ZeRO stage 1 (``training.zero_stage``, ``zero.py``): after the gradients are summed,
-unscaled and clipped as always, each rank steps only its shards of the parameters it shares,
-and the updated shards then travel to the other holders (part of the step's
-``allreduce_time_s``); checkpoints gather and slice the shards' state, so that they keep
-their format. Under stage 2 each shard of a shared gradient is reduced to its rank alone
-(``zero.ReducedBucket``), so unscaling and clipping act on the shards (each element's
-gradient on one rank: counted once in the global norm), and ``--verify`` gathers the
-shards for its dump (``zero.ShardSync.gathered_grads``).
-
-Islands that train on their own (``local_sgd``, ``async`` groups): after the optimizer
-step, the fragments due sync across islands (``outer_sync.OuterSync.after_step``; the
-run's last step closes every fragment); the time it takes is the step's
-``outer_sync_time_s``. ``--verify`` refuses such plans (``outer_sync.check_verify``).
+:func:`run_rank` joins the job (its threads, the heartbeat watchdog), builds the rank
+(``worker.build_rank``), checks that every rank built the same job
+(``control/same_job.py``), resumes from the latest checkpoint when asked and runs
+:class:`StepLoop`. Each step is a short sequence: the schedule and gradient sync
+(``pipeline.py``, ``grad_sync.py``), the optimizer (under ZeRO its shards, ``zero.py``; then
+any cross-island sync, ``outer_sync.py``), the metrics (``contract/metrics_file.py``, rank
+0's progress), the job's agreement after the step (``control/agreement.py``: stop, checkpoint,
+shares) and a checkpoint when agreed (``checkpoint.py``). The loop ends in one place, with a
+:class:`RunEnd`; :func:`run_rank` turns a stop into its error and exit code there.
 """
 
 from __future__ import annotations
@@ -51,9 +19,8 @@ import math
 import statistics
 import sys
 import time
-from collections import deque
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -70,35 +37,25 @@ from hplan.runtime.contract.errors import (
 from hplan.runtime.contract.metrics_file import MetricsWriter, StepMetrics
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.progress_lines import RunProgress, job_loss
-from hplan.runtime.contract.timeline_file import ALL_REDUCE, TimelineWriter
+from hplan.runtime.contract.timeline_file import ALL_REDUCE, TimelineEvent, TimelineWriter
 from hplan.runtime.executor.checkpoint import Checkpointer, TrainState, latest_checkpoint
-from hplan.runtime.executor.control import (
-    Agreement,
-    Heartbeat,
-    JobIdentity,
-    Preemption,
-    StepControl,
-    StepFlags,
-    check_same_job,
-    control_interval_steps,
-)
+from hplan.runtime.executor.control.agreement import Decision, Reading, StepAgreement, StopReason
+from hplan.runtime.executor.control.exchange import StepControl, StepFlags
+from hplan.runtime.executor.control.liveness import Heartbeat, Preemption
+from hplan.runtime.executor.control.rebalance import ShareBalancer
+from hplan.runtime.executor.control.same_job import JobIdentity, check_same_job
 from hplan.runtime.executor.data import batch_digest, batch_tensors
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip, step_groups
-from hplan.runtime.executor.machine import (
-    CpuShare,
-    rank_cpu_share,
-    set_rank_threads,
-)
+from hplan.runtime.executor.machine import CpuShare, rank_cpu_share, set_rank_threads
 from hplan.runtime.executor.memory.zero import (
     ShardSync,
     build_shard_sync,
     gradient_holders,
     reduce_to_owners,
 )
-from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync, check_verify
+from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
-from hplan.runtime.executor.rebalance import ReplicaSpeed, ShareBalancer
 from hplan.runtime.executor.rendezvous import barrier, rank_device
 from hplan.runtime.executor.seams import (
     MemoryMeter,
@@ -106,14 +63,7 @@ from hplan.runtime.executor.seams import (
     default_clock,
     preload_build_modules,
 )
-from hplan.runtime.executor.worker import (
-    RunOptions,
-    build_rank,
-    check_environment,
-    check_training_length,
-    init_distributed,
-    training_steps,
-)
+from hplan.runtime.executor.worker import RunOptions, build_rank, init_distributed, training_steps
 
 DEFAULT_CHECKPOINT_EVERY_S = 600.0
 """With a checkpoint folder and neither interval given: a checkpoint every 10 minutes."""
@@ -133,6 +83,8 @@ def run_rank(
     ``check_same_job`` refuses otherwise, on every rank.
 
     Args:
+        options: checked against ``plan`` once, at the launch (``RunOptions.for_plan``),
+            and this machine against the rank (``worker.check_environment``).
         seams: what times and delays the work (default: the real hardware, timed).
 
     Raises:
@@ -142,9 +94,7 @@ def run_rank(
             SIGTERM, once the checkpoint is saved; ``DivergedError`` on a non-finite loss the
             model file stops on.
     """
-    check_options(plan, options)
     seams = seams or Seams()
-    check_environment(plan, rank, options)
     threads = set_rank_threads(plan, rank)
     if rank == 0:
         print(
@@ -195,10 +145,16 @@ def _train(
     if clip is not None and held is not None:  # ZeRO stage 2: each element on one rank
         clip = replace(clip, counted=held, params=held)
     runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device), clip, shards)
-    loop = _Loop(parts, runner, options, checkpointer, scheduler, memory, outer)
+    step = RankStep(runner, memory, scheduler, outer, options.verify_dir, first_step)
     barrier(rank, "start of training")
+    loop = StepLoop(step, options, CheckpointPolicy.of(checkpointer, options))
     with Preemption() as preemption:
-        loop.run(first_step, preemption)
+        end = loop.run(preemption)
+    # How the run ended, in one place. A stop the job agreed on ends the rank with its
+    # error and exit code. Elastic restarts go here: a membership change will be a
+    # StopReason of its own, which the caller answers by starting over under the plan for
+    # the ranks still there, from the checkpoint this run just saved (``end.checkpoint``).
+    end.raise_if_stopped()
     barrier(rank, "end of training")
 
 
@@ -245,26 +201,6 @@ def _build_same_job(
         raise
     assert parts is not None and memory is not None
     return parts, options, memory
-
-
-def check_options(plan: Plan, options: RunOptions) -> None:
-    """Check the run's options against each other and the plan (steps, checkpoints).
-
-    Raises:
-        ConfigError: naming the option and the fix.
-    """
-    if options.steps is not None and options.steps < 1:
-        raise ConfigError(f"--steps is {options.steps}; run at least one step")
-    check_training_length(plan, options)
-    if options.checkpoint_every_steps is not None and options.checkpoint_every_steps < 1:
-        raise ConfigError(f"--checkpoint-every-steps {options.checkpoint_every_steps} must be >= 1")
-    every_s = options.checkpoint_every_s
-    if every_s is not None and not (math.isfinite(every_s) and every_s > 0):
-        raise ConfigError(f"the checkpoint interval {every_s} s must be a finite number > 0")
-    if options.checkpoint_dir is None and (options.resume or options.checkpoint_every_steps):
-        raise ConfigError("--resume and --checkpoint-every-* need --checkpoint-dir DIR")
-    if options.verify_dir is not None:
-        check_verify(plan)
 
 
 def _checkpointer(
@@ -329,56 +265,106 @@ def _scheduler(parts: RankParts, first_step: int) -> object | None:
     return scheduler
 
 
-class _Loop:
-    """The steps of one rank, with their checkpoints and their endings (module docstring)."""
+@dataclass(frozen=True)
+class RunEnd:
+    """How a rank's run ended (:meth:`StepLoop.run`)."""
 
-    def __init__(
-        self,
-        parts: RankParts,
-        runner: StepRunner,
-        options: RunOptions,
-        checkpointer: Checkpointer | None,
-        scheduler: object | None,
-        memory: MemoryMeter,
-        outer: OuterSync | None = None,
-    ) -> None:
-        self.parts, self.runner, self.options = parts, runner, options
-        self.checkpointer, self.scheduler = checkpointer, scheduler
-        self.memory = memory
-        self.outer = outer
-        self.control = StepControl(parts.device, parts.plan.num_replicas)
-        self.control_every = 1
-        """Steps between two exchanges of the step flags: 1 until the ranks read rank 0's
-        proposal (``control.control_interval_steps``) in an agreement."""
-        self.held = StepFlags.NONE
-        """This rank's flags since the last exchange, posted at the next."""
-        self.step_times_s: deque[float] = deque(maxlen=_PROPOSAL_STEPS)
-        """This rank's last step times, the run's first (a warm-up) left out; rank 0's set
-        the interval it proposes."""
-        self.warmed_up = False
-        self.progress: RunProgress | None = None
-        """Rank 0's progress lines (``contract/progress_lines.py``), during :meth:`run`."""
-        self.every_steps = options.checkpoint_every_steps
-        self.every_s = options.checkpoint_every_s
-        if self.every_steps is None and self.every_s is None:
-            self.every_s = DEFAULT_CHECKPOINT_EVERY_S
+    steps_done: int
+    stop: StopReason | None = None
+    """Why the job stopped early (None: every step was trained)."""
+    checkpoint: Path | None = None
+    """The checkpoint saved at the end (None: none)."""
+
+    def raise_if_stopped(self) -> None:
+        """Raise the error of a stop (nothing for a run that trained every step).
+
+        Raises:
+            DivergedError: a loss was not finite and the model file stops on it.
+            PreemptedError: SIGTERM, after the checkpoint is saved.
+        """
+        if self.stop is StopReason.DIVERGED:
+            raise DivergedError(
+                f"stopped after step {self.steps_done - 1}: a loss was not finite "
+                "(STOP_ON_NONFINITE_LOSS in the model file); the diverged state was not "
+                "saved"
+            )
+        if self.stop is StopReason.PREEMPTED:
+            where = (
+                f"checkpoint {self.checkpoint} saved; resume with --resume"
+                if self.checkpoint is not None
+                else "no --checkpoint-dir, so nothing was saved"
+            )
+            raise PreemptedError(f"preempted (SIGTERM) after {self.steps_done} steps: {where}")
+
+
+@dataclass
+class CheckpointPolicy:
+    """When this rank saves checkpoints, and what the saves cost training.
+
+    Every ``every_steps`` steps (every rank counts), when ``every_s`` seconds have passed
+    since the last (rank 0's clock; the job agrees on it), and at the end; asynchronous
+    unless ``--sync-checkpoints``. Without a checkpointer every call does nothing.
+    """
+
+    checkpointer: Checkpointer | None
+    every_steps: int | None = None
+    every_s: float | None = None
+    saved_s: float = field(default_factory=time.monotonic)
+    """When the last periodic save ended (or the run started)."""
+    pauses_s: list[float] = field(default_factory=list)
+    """How long training waited for each periodic save."""
+
+    @classmethod
+    def of(cls, checkpointer: Checkpointer | None, options: RunOptions) -> CheckpointPolicy:
+        """The run's intervals (both unset: every ``DEFAULT_CHECKPOINT_EVERY_S``)."""
+        every_steps, every_s = options.checkpoint_every_steps, options.checkpoint_every_s
+        if every_steps is None and every_s is None:
+            every_s = DEFAULT_CHECKPOINT_EVERY_S
+        return cls(checkpointer, every_steps, every_s)
+
+    def due_by_clock(self) -> bool:
+        """``every_s`` has passed since the last save (what rank 0 asks the job for)."""
+        if self.checkpointer is None or self.every_s is None:
+            return False
+        return time.monotonic() - self.saved_s >= self.every_s
+
+    def written_step(self) -> int:
+        """The newest step this rank has written completely (-1: none)."""
+        return self.checkpointer.written_step() if self.checkpointer is not None else -1
+
+    def publish(self, written_everywhere: int | None) -> None:
+        """Publish the save every rank has written (None: nothing agreed to publish)."""
+        if self.checkpointer is not None and written_everywhere is not None:
+            self.checkpointer.publish_written(written_everywhere)
+
+    def save(self, steps_done: int) -> None:
+        """A periodic save, timed as a pause of training."""
+        if self.checkpointer is None:
+            return
+        start_s = time.monotonic()
+        self.checkpointer.save(steps_done)
         self.saved_s = time.monotonic()
-        self.pauses_s: list[float] = []
-        """How long training waited for each periodic checkpoint."""
-        self.rank = parts.rank_plan.rank
-        self.cpu_share = rank_cpu_share(parts.plan, self.rank)
-        self.balancer = (
-            ShareBalancer(parts.plan, self.rank)
-            if options.rebalance and parts.plan.fixed_shares_reason() is None
-            else None
-        )
-        """The replicas' shares as their measured speeds ask (``rebalance.py``); None: the
-        plan's throughout."""
+        self.pauses_s.append(self.saved_s - start_s)
+
+    def wait(self) -> None:
+        """Finish a save in flight."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def save_last(self, steps_done: int, rank: int) -> Path | None:
+        """The run's last save, waited for; rank 0 says what the saves cost training.
+        Returns its folder (None: no checkpoints)."""
+        if self.checkpointer is None:
+            return None
+        start_s = time.monotonic()
+        self.checkpointer.save(steps_done)
+        self.checkpointer.wait()
+        if rank == 0:
+            self._report_pauses(time.monotonic() - start_s)
+        return self.checkpointer.directory / f"step-{steps_done}"
 
     def _report_pauses(self, last_s: float) -> None:
-        """Rank 0 says what the checkpoints cost training (one line on stderr)."""
-        if self.rank != 0 or self.checkpointer is None:
-            return
+        assert self.checkpointer is not None
         mode = "asynchronous" if self.checkpointer.asynchronous else "synchronous"
         periodic = (
             f"{len(self.pauses_s)} periodic ({mode}) paused training "
@@ -393,56 +379,168 @@ class _Loop:
             flush=True,
         )
 
-    def run(self, first_step: int, preemption: Preemption) -> None:
-        options = self.options
-        writer = MetricsWriter(options.metrics_dir, self.rank) if options.metrics_dir else None
-        timeline = TimelineWriter(options.metrics_dir, self.rank) if options.metrics_dir else None
+
+class RunReporter:
+    """What a rank writes as it trains: its metrics and timeline files (``--metrics-dir``)
+    and, on rank 0, the progress lines and summary (``contract/progress_lines.py``), whose
+    loss is the job's, weighted by the shares each step ran with."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        options: RunOptions,
+        first_step: int,
+        balancer: ShareBalancer | None,
+    ) -> None:
         assert options.steps is not None  # resolved by _build_same_job
-        last_step = first_step + options.steps - 1
-        if self.rank == 0:
+        folder = options.metrics_dir
+        self.plan = plan
+        self.balancer = balancer
+        self.metrics = MetricsWriter(folder, rank) if folder is not None else None
+        self.timeline = TimelineWriter(folder, rank) if folder is not None else None
+        self.progress = None
+        if rank == 0:
             self.progress = RunProgress(
-                self.parts.plan,
+                plan,
                 first_step=first_step,
                 num_steps=options.steps,
                 compare=options.device is None,  # not on the plan's devices: no prediction
             )
+
+    def step(self, record: StepMetrics, events: list[TimelineEvent]) -> None:
+        """A step's metrics, timeline and time."""
+        if self.metrics is not None:
+            self.metrics.write(record)
+        if self.timeline is not None:
+            self.timeline.write(record.step, events)
+        if self.progress is not None:
+            self.progress.step_done(record.step, record.step_time_s)
+
+    def loss(self, reading: Reading) -> None:
+        """The job's loss of a step, once the agreement brings it (rank 0's progress)."""
+        if self.progress is None:
+            return
+        shares = self.balancer.shares_at(reading.step) if self.balancer is not None else None
+        self.progress.loss_known(reading.step, job_loss(self.plan, reading.losses, shares))
+
+    def summary(self) -> None:
+        """Rank 0's summary of a run that trained every step."""
+        if self.progress is not None:
+            self.progress.summary()
+
+    def close(self) -> None:
+        """Stop the live line and close the files, however the run ended."""
+        if self.progress is not None:
+            self.progress.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.timeline is not None:
+            self.timeline.close()
+
+
+class RankStep:
+    """One optimizer step of this rank, and its metrics (:func:`_train_step`)."""
+
+    def __init__(
+        self,
+        runner: StepRunner,
+        memory: MemoryMeter,
+        scheduler: object | None,
+        outer: OuterSync | None,
+        verify_dir: Path | None,
+        first_step: int,
+    ) -> None:
+        self.runner, self.memory = runner, memory
+        self.scheduler, self.outer = scheduler, outer
+        self.verify_dir = verify_dir
+        """``--verify``: the run's first step is dumped there (``_dump_verify``)."""
+        self.first_step = first_step
+        self.cpu_share = rank_cpu_share(runner.parts.plan, runner.parts.rank_plan.rank)
+
+    def run(self, step: int, *, last: bool) -> StepMetrics:
+        """Schedule, gradient sync and optimizer of ``step``, then the LR scheduler's step."""
+        verify = self.verify_dir if step == self.first_step else None
+        record = _train_step(
+            self.runner, self.memory, step, verify, self.outer, last=last, cpu_share=self.cpu_share
+        )
+        if self.scheduler is not None:
+            self.scheduler.step()  # type: ignore[attr-defined]
+        return record
+
+    def after_step(self, step: int, *, last: bool) -> None:
+        """The compute clock's work between steps (``ComputeClock.after_step``; a rehearsal
+        times a copy of the stage after its first step: not training's memory)."""
+        with self.memory.excluded() if step == self.first_step else contextlib.nullcontext():
+            self.runner.clock.after_step(step, self.runner, more_steps=not last)
+
+
+class StepLoop:
+    """The steps of one rank, what the job agrees after each, and how the run ends.
+
+    Args:
+        step: the work of one step (schedule, gradient sync, optimizer).
+        options: the run's options, ``steps`` resolved.
+        checkpoints: when to save.
+    """
+
+    def __init__(self, step: RankStep, options: RunOptions, checkpoints: CheckpointPolicy) -> None:
+        parts = step.runner.parts
+        assert options.steps is not None  # resolved by _build_same_job
+        self.step = step
+        self.rank = parts.rank_plan.rank
+        self.num_steps = options.steps
+        self.stop_on_nonfinite_loss = parts.model_file.stop_on_nonfinite_loss
+        self.checkpoints = checkpoints
+        self.balancer = (
+            ShareBalancer(parts.plan, self.rank)
+            if options.rebalance and parts.plan.fixed_shares_reason() is None
+            else None
+        )
+        """The replicas' shares as their measured speeds ask (``rebalance.py``); None: the
+        plan's throughout."""
+        self.agreement = StepAgreement(
+            StepControl(parts.device, parts.plan.num_replicas),
+            rank=self.rank,
+            checkpointing=checkpoints.checkpointer is not None,
+            checkpoint_every_steps=checkpoints.every_steps,
+            balancer=self.balancer,
+        )
+        self.reporter = RunReporter(parts.plan, self.rank, options, step.first_step, self.balancer)
+
+    def run(self, preemption: Preemption) -> RunEnd:
+        """Train the run's steps; how the run ended (the loop's one way out)."""
+        first_step = self.step.first_step
+        last_step = first_step + self.num_steps - 1
         try:
             for step in range(first_step, last_step + 1):
-                record = _train_step(
-                    self.runner,
-                    self.memory,
-                    step,
-                    verify=options.verify_dir if step == first_step else None,
-                    outer=self.outer,
-                    last=step == last_step,
-                    cpu_share=self.cpu_share,
-                )
-                if self.scheduler is not None:
-                    self.scheduler.step()  # type: ignore[attr-defined]
-                if self.balancer is not None and step != first_step:  # not the warm-up
-                    self.balancer.observe(record)
-                if writer is not None:
-                    writer.write(record)
-                if timeline is not None:
-                    timeline.write(step, self.runner.timeline.events)
-                # a rehearsal times a copy of the stage after its first step: not training
-                with self.memory.excluded() if step == first_step else contextlib.nullcontext():
-                    self.runner.clock.after_step(step, self.runner, more_steps=step < last_step)
-                if self.progress is not None:
-                    self.progress.step_done(step, record.step_time_s)
-                self._after(step + 1, self._flags(record, preemption), record, step == last_step)
-            self._finish(last_step + 1, self._collect().flags)
-            if self.progress is not None:
-                self.progress.summary()
+                last = step == last_step
+                record = self.step.run(step, last=last)  # schedule, gradient sync, optimizer
+                self.reporter.step(record, self.step.runner.timeline.events)  # metrics
+                self.step.after_step(step, last=last)  # the compute clock's turn
+                decision = self._agree(record, preemption, last=last)  # stop? save? shares?
+                if decision.stop is not None:
+                    return self._end(decision)  # the job agreed to stop: see _train
+                if decision.checkpoint:
+                    self.checkpoints.save(decision.steps_done)
+            return self._end(self._follow(self.agreement.finish(last_step + 1)))
         finally:
-            if self.progress is not None:
-                self.progress.close()
-            if writer is not None:
-                writer.close()
-            if timeline is not None:
-                timeline.close()
+            self.reporter.close()
 
-    def _flags(self, record: StepMetrics, preemption: Preemption) -> StepFlags:
+    def _agree(self, record: StepMetrics, preemption: Preemption, *, last: bool) -> Decision:
+        """Post what this rank asks after the step of ``record``; follow what the job
+        decided (``control/agreement.py``)."""
+        decision = self.agreement.after_step(
+            record.step + 1,
+            record,
+            self._asks(record, preemption),
+            written_step=self.checkpoints.written_step(),
+            last=last,
+        )
+        return self._follow(decision)
+
+    def _asks(self, record: StepMetrics, preemption: Preemption) -> StepFlags:
+        """What this rank asks of the job after the step of ``record``."""
         flags = StepFlags.NONE
         if preemption.received:
             flags |= StepFlags.PREEMPTED
@@ -453,163 +551,51 @@ class _Loop:
                 file=sys.stderr,
                 flush=True,
             )
-            if self.parts.model_file.stop_on_nonfinite_loss:
+            if self.stop_on_nonfinite_loss:
                 flags |= StepFlags.NONFINITE_LOSS
-        due_s = self.every_s is not None and time.monotonic() - self.saved_s >= self.every_s
-        if self.rank == 0 and self.checkpointer is not None and due_s:
+        if self.rank == 0 and self.checkpoints.due_by_clock():
             flags |= StepFlags.CHECKPOINT_DUE
         return flags
 
-    def _post(self, record: StepMetrics) -> Agreement:
-        """Post the flags held since the last exchange, this step's loss (on a last stage)
-        and rank 0's proposed interval; return the previous exchange's agreement."""
-        written = self.checkpointer.written_step() if self.checkpointer is not None else -1
-        loss = None if record.loss is None else (record.replica, record.loss)
-        held, self.held = self.held, StepFlags.NONE
-        speed, epoch = None, -1
-        if self.balancer is not None:
-            epoch = self.balancer.epoch
-            if (posted := self.balancer.posted()) is not None:
-                replica, measured = posted
-                speed = (replica, measured.compute_per_sample_s, measured.fixed_s)
-        return self.control.exchange(
-            held,
-            written,
-            step=record.step,
-            loss=loss,
-            interval_steps=self._proposal(),
-            speed=speed,
-            speed_epoch=epoch,
-        )
+    def _follow(self, decision: Decision) -> Decision:
+        """Take what the agreements read say: the job's losses (rank 0's progress), new
+        shares, the checkpoint every rank has written."""
+        for reading in decision.readings:
+            self.reporter.loss(reading)
+            if reading.reshare is not None:
+                self._reshare(reading)
+        self.checkpoints.publish(decision.written_step)
+        return decision
 
-    def _proposal(self) -> int:
-        """Rank 0's steps between exchanges, from the median of its last steps (1 before
-        it has timed one after the first); 0 on other ranks."""
-        if self.rank != 0:
-            return 0
-        if not self.step_times_s:
-            return 1
-        return control_interval_steps(statistics.median(self.step_times_s))
-
-    def _collect(self) -> Agreement:
-        """The job's agreement on the values posted last (``StepControl.finish``)."""
-        return self._heard(self.control.finish())
-
-    def _heard(self, agreement: Agreement) -> Agreement:
-        """Pass the losses of an agreement to rank 0's progress; return the agreement."""
-        if self.progress is not None:
-            shares = None
-            if self.balancer is not None and agreement.step is not None:
-                shares = self.balancer.shares_at(agreement.step)
-            loss = job_loss(self.parts.plan, agreement.losses, shares)
-            self.progress.loss_known(agreement.step, loss)
-        return agreement
-
-    def _reshare(self, agreement: Agreement, next_step: int) -> None:
-        """Take the shares the agreement's speeds ask for from ``next_step`` on (every rank
-        reads the same agreement at the same step, so all change together); rank 0 says so."""
-        if self.balancer is None or not agreement.speeds:
-            return
-        speeds = [None if s is None else ReplicaSpeed(*s) for s in agreement.speeds]
-        old = self.balancer.shares
-        change = self.balancer.agreed(agreement.speed_epoch, speeds, next_step)
-        if change is None:
-            return
-        self.runner.reshare(self.balancer.offset(), self.balancer.sizes())
+    def _reshare(self, reading: Reading) -> None:
+        """Cut the batch at the new shares from the next step on; rank 0 says so."""
+        change = reading.reshare
+        assert change is not None and self.balancer is not None
+        self.step.runner.reshare(self.balancer.offset(), self.balancer.sizes())
         if self.rank == 0:
             print(
-                f"hplan: from step {next_step}: batch shares {_shares_text(old)} -> "
-                f"{_shares_text(change.shares)} (the replicas' measured speeds; predicted "
-                f"step {change.predicted_gain * 100:.1f}% shorter)",
+                f"hplan: from step {change.first_step}: batch shares "
+                f"{_shares_text(reading.shares_before)} -> {_shares_text(change.shares)} (the "
+                f"replicas' measured speeds; predicted step {change.predicted_gain * 100:.1f}% "
+                "shorter)",
                 file=sys.stderr,
                 flush=True,
             )
 
-    def _after(
-        self, steps_done: int, flags: StepFlags, record: StepMetrics, last: bool = False
-    ) -> None:
-        """Hold this step's ``flags``; on an exchange step (every ``control_every`` steps,
-        a checkpoint's step and the run's ``last``) post them (and this step's loss, on a
-        last stage); on the step after an exchange, act on what the job agreed there.
-
-        A checkpoint waits for this step's agreement first, so that the state it saves is
-        never one that a rank has found diverged.
-
-        Raises:
-            PreemptedError, DivergedError: see :meth:`_finish`.
-        """
-        self.held |= flags
-        if self.warmed_up:
-            self.step_times_s.append(record.step_time_s)
-        self.warmed_up = True
-        due_steps = (
-            self.checkpointer is not None
-            and self.every_steps is not None
-            and steps_done % self.every_steps == 0
-        )
-        posted = last or due_steps or steps_done % self.control_every == 0
-        # off an exchange step: the last exchange's values, read once (nothing when read)
-        agreement = self._heard(self._post(record) if posted else self.control.finish())
-        if agreement.interval_steps > 0:  # every rank reads it at the same step
-            self.control_every = agreement.interval_steps
-        self._reshare(agreement, steps_done)
-        agreed = agreement.flags
-        if agreed & _STOP:
-            self._finish(steps_done, agreed)
-        if self.checkpointer is None:
-            return
-        self.checkpointer.publish_written(agreement.written_step)
-        if not (due_steps or agreed & StepFlags.CHECKPOINT_DUE):
-            return
-        if not posted:  # every rank read the same agreement here: all post this step's flags
-            self._post(record)
-        now = self._collect().flags
-        if now & _STOP:
-            self._finish(steps_done, now)
-        start_s = time.monotonic()
-        self.checkpointer.save(steps_done)
-        self.saved_s = time.monotonic()
-        self.pauses_s.append(self.saved_s - start_s)
-
-    def _finish(self, steps_done: int, agreed: StepFlags) -> None:
-        """End the run after ``steps_done`` steps: the last checkpoint, then how it ended
-        (``agreed``, with the flags still in flight, says how).
-
-        Raises:
-            DivergedError: a loss was not finite and the model file stops on it.
-            PreemptedError: SIGTERM, after the checkpoint is saved.
-        """
-        agreed |= self._collect().flags
-        if agreed & StepFlags.NONFINITE_LOSS:
-            if self.checkpointer is not None:
-                self.checkpointer.wait()
-            raise DivergedError(
-                f"stopped after step {steps_done - 1}: a loss was not finite "
-                "(STOP_ON_NONFINITE_LOSS in the model file); the diverged state was not "
-                "saved"
-            )
-        if self.checkpointer is not None:
-            start_s = time.monotonic()
-            self.checkpointer.save(steps_done)
-            self.checkpointer.wait()
-            self._report_pauses(time.monotonic() - start_s)
-        if agreed & StepFlags.PREEMPTED:
-            where = (
-                f"checkpoint {self.checkpointer.directory / f'step-{steps_done}'} saved; "
-                "resume with --resume"
-                if self.checkpointer is not None
-                else "no --checkpoint-dir, so nothing was saved"
-            )
-            raise PreemptedError(f"preempted (SIGTERM) after {steps_done} steps: {where}")
+    def _end(self, decision: Decision) -> RunEnd:
+        """The run ends after ``decision.steps_done`` steps: the last checkpoint (none of a
+        diverged state), rank 0's summary when every step was trained."""
+        if decision.stop is StopReason.DIVERGED:
+            self.checkpoints.wait()
+            return RunEnd(decision.steps_done, decision.stop)
+        saved = self.checkpoints.save_last(decision.steps_done, self.rank)
+        if decision.stop is None:
+            self.reporter.summary()
+        return RunEnd(decision.steps_done, decision.stop, saved)
 
 
 def _shares_text(shares: tuple[int, ...]) -> str:
     return " | ".join(str(n) for n in shares)
-
-
-_STOP = StepFlags.PREEMPTED | StepFlags.NONFINITE_LOSS
-_PROPOSAL_STEPS = 20
-"""Rank 0's last steps whose median time sets the interval it proposes."""
 
 
 def _train_step(
@@ -622,23 +608,26 @@ def _train_step(
     last: bool = False,
     cpu_share: CpuShare,
 ) -> StepMetrics:
-    """One step; with ``verify`` (a folder), dropout is off for it (``random_ops.py``) and
-    its synced gradients and updated parameters are dumped there. With ``outer``, the
-    cross-island syncs due after it (``last``: the run's last step, which closes them).
-    ``cpu_share``: the rank's CPU quota and threads, recorded with its CPU times."""
+    """One step: the schedule (forward and backward of the micro-batches) and gradient
+    sync, the synced gradients unscaled (fp16 loss scaling) and clipped (``MAX_GRAD_NORM``;
+    ``grad_sync.GradClip``), the optimizer (under ZeRO its shards, ``zero.py``), then with
+    ``outer`` the cross-island syncs due (``last``: the run's last step, which closes them).
+    With ``verify`` (a folder), dropout is off for it (``random_ops.py``) and its synced
+    gradients and updated parameters are dumped there. ``cpu_share``: the rank's CPU quota
+    and threads, recorded with its CPU times."""
     parts = runner.parts
     start_s, start_cpu_s = time.monotonic(), time.process_time()
     parts.comm.reset_times()
     with DropoutOff() if verify is not None else contextlib.nullcontext():
-        loss = runner.run(step)
+        loss = runner.run(step)  # schedule, then the gradient sync
     runner.unscale_gradients()
     grad_norm = runner.clip_gradients()  # before the dump: the gradients the optimizer uses
     if verify is not None:
         sharded = runner.shards.gathered_grads() if runner.shards is not None else {}
         _dump_verify(parts, verify, "grads", loss, step, sharded)
-    stepped = runner.optimizer_step()
+    stepped = runner.optimizer_step()  # optimizer
     outer_s = 0.0
-    if outer is not None:
+    if outer is not None:  # islands that train on their own
         outer_s = outer.after_step(step, last=last)
         for label, span_start_s, span_end_s in outer.spans:
             runner.timeline.add(ALL_REDUCE, label, span_start_s, span_end_s)

@@ -1,25 +1,21 @@
-"""One rank of a plan: build its stage, run its schedule, sync gradients, step.
+"""One rank of a plan: its run options, and the build of its stage, optimizer and links.
 
+:class:`RunOptions` is what ``hplan run`` was asked beyond the plan, checked once per launch.
 :func:`build_rank` loads the model file and builds this rank's ``StageModule``
 (:func:`rank_stage`): the model built on fake tensors with the plan's seed, re-traced the
 way the plan says, the graph fingerprint checked, and only the stage's own parameters and
-buffers built for real (``capture/materialise.py``, ``capture/stage_tensors.py``); ``training.run_rank`` then trains it.
-
-The rank's optimizer is the model file's over the stage's trainable parameters
-(:func:`build_optimizer`). A stage without any (a frozen embedding alone) still gets one,
-over an empty placeholder parameter, so that every rank steps, schedules, unscales and
-checkpoints the same way. Under ZeRO (stage 1 or 2) it steps only the rank's shards of the
-parameters it shares (``zero.py``).
-
-The executor reads only the plan's "what" (ranks, units, cuts, training); it never reads
-the plan's report. A rehearsal runs this same code with its emulation plugged into the two
-seams (``seams.py``: the compute clock and the link delay).
+buffers built for real (``capture/materialise.py``, ``capture/stage_tensors.py``);
+``training.run_rank`` then trains it. A stage without a trainable parameter still gets an
+optimizer, over an empty placeholder (:func:`build_optimizer`), so that every rank steps,
+unscales and checkpoints alike. The executor reads only the plan's "what" (ranks, units,
+cuts, training), never its report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +43,7 @@ from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
 from hplan.runtime.executor.memory.offload import offload_optimizer
 from hplan.runtime.executor.memory.zero import shard_optimizer
+from hplan.runtime.executor.outer_sync import check_verify
 from hplan.runtime.executor.pipeline import RankParts, stage_label
 from hplan.runtime.executor.precision import configure_matmul_precision, loss_scaler
 from hplan.runtime.executor.rendezvous import (
@@ -59,10 +56,20 @@ from hplan.runtime.executor.seams import (
     LinkDelay,
 )
 
+NO_LENGTH = (
+    "the plan gives no training length; pass --steps N to the launch script (or `hplan "
+    "run`), or re-run `hplan solve ... --steps N` (or --epochs E) to record it in the plan"
+)
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class RunOptions:
-    """What ``hplan run`` was asked to do beyond the plan."""
+    """What ``hplan run`` was asked to do beyond the plan, valid by construction.
+
+    Each value is checked when the options are made (``ConfigError`` naming the option and
+    the fix); :meth:`for_plan` checks them against the plan, once per launch
+    (``cli.run_options``).
+    """
 
     steps: int | None = None
     """Optimizer steps to train (``--steps``); None: the plan's training length
@@ -86,17 +93,53 @@ class RunOptions:
     """Save a checkpoint every this many steps (None: by time only)."""
     checkpoint_every_s: float | None = None
     """Save a checkpoint when this long has passed since the last (None: by steps only;
-    both None: every ``DEFAULT_CHECKPOINT_EVERY_S``)."""
+    both None: every ``training.DEFAULT_CHECKPOINT_EVERY_S``)."""
     async_checkpoints: bool = True
     """Write checkpoints from a background thread while training goes on."""
     heartbeat_timeout_s: float = 30.0
-    """A peer whose heartbeat stops for this long ends the job (``control.Heartbeat``)."""
+    """A peer whose heartbeat stops for this long ends the job (``liveness.Heartbeat``)."""
     rebalance: bool = True
     """Move samples between replicas as their measured speeds ask (``rebalance.py``; plans
     of one-stage replicas that sync every step)."""
 
+    def __post_init__(self) -> None:
+        """Check each value (and that checkpoint options have a folder).
+
+        Raises:
+            ConfigError: naming the option and the fix.
+        """
+        port, timeout_s = self.master_port, self.heartbeat_timeout_s
+        if port is not None and not 1 <= port <= 65534:
+            raise ConfigError(f"--master-port {port} must be in 1..65534")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ConfigError(f"--heartbeat-timeout-s {timeout_s} must be a finite number > 0")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"--steps is {self.steps}; run at least one step")
+        every_steps, every_s = self.checkpoint_every_steps, self.checkpoint_every_s
+        if every_steps is not None and every_steps < 1:
+            raise ConfigError(f"--checkpoint-every-steps {every_steps} must be >= 1")
+        if every_s is not None and not (math.isfinite(every_s) and every_s > 0):
+            raise ConfigError(f"the checkpoint interval {every_s} s must be a finite number > 0")
+        if self.checkpoint_dir is None and (self.resume or every_steps):
+            raise ConfigError("--resume and --checkpoint-every-* need --checkpoint-dir DIR")
+
+    def for_plan(self, plan: Plan) -> RunOptions:
+        """These options, checked against ``plan`` (before joining or loading user code).
+
+        Raises:
+            ConfigError: neither ``--steps`` nor the plan's steps or epochs give the
+                training length, or ``--verify`` of a plan whose islands train on their
+                own (``outer_sync.check_verify``).
+        """
+        training = plan.training
+        if self.steps is None and training.steps is None and training.epochs is None:
+            raise ConfigError(NO_LENGTH)
+        if self.verify_dir is not None:
+            check_verify(plan)
+        return self
+
     def settings(self) -> dict[str, object]:
-        """The options every rank of a job must share (``control.check_same_job``)."""
+        """The options every rank of a job must share (``same_job.check_same_job``)."""
         return {
             "steps": self.steps,
             "resume": self.resume,
@@ -110,23 +153,6 @@ class RunOptions:
 
 
 # --------------------------------------------------------------------------- training length
-NO_LENGTH = (
-    "the plan gives no training length; pass --steps N to the launch script (or `hplan "
-    "run`), or re-run `hplan solve ... --steps N` (or --epochs E) to record it in the plan"
-)
-
-
-def check_training_length(plan: Plan, options: RunOptions) -> None:
-    """Check, before joining, that the run knows how many steps to train.
-
-    Raises:
-        ConfigError: neither ``--steps`` nor the plan's steps or epochs give it.
-    """
-    training = plan.training
-    if options.steps is None and training.steps is None and training.epochs is None:
-        raise ConfigError(NO_LENGTH)
-
-
 def training_steps(plan: Plan, options: RunOptions, steps_per_epoch: int | None) -> int:
     """Steps this run trains: ``--steps``, else the plan's steps, else its epochs times
     ``steps_per_epoch`` (the model file's ``dataset()``, None without one).

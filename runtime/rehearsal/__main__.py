@@ -1,7 +1,7 @@
 """``python -m hplan.runtime.rehearsal PLAN --rank R ...``: one rank of a rehearsal.
 
 What ``hplan rehearse`` starts for every rank of a plan (``launcher.py``): the executor's
-own rank (``executor/worker.run_rank``) on this machine's CPU, gloo on 127.0.0.1, one
+own rank (``executor/training.run_rank``) on this machine's CPU, gloo on 127.0.0.1, one
 thread, with the emulation plugged into its two seams (``emulation.py``). The options are
 those of ``python -m hplan.runtime run`` plus the emulation's dilation and time scale.
 """
@@ -63,6 +63,7 @@ def _run(args: argparse.Namespace, plan: Plan, rank: int) -> None:
     )
     options = run_options(
         args,
+        plan,
         device="cpu",
         backend="gloo",
         master_host="127.0.0.1",

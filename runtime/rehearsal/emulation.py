@@ -1,21 +1,12 @@
 """How a rehearsal makes this machine look like the plan's hardware: the executor's two
 seams (``executor/seams.py``), implemented.
 
-- :class:`EmulatedClock` (the compute clock): every forward, backward and optimizer step
-  lasts ``stretch`` times its CPU time (cpu plans; from the second step, ``stretch`` times
-  the stage's warm CPU time of that phase and micro-batch size, ``warm_compute.py``), or
-  at least its modelled duration (GPU plans: ``time_scale`` times the planner's prediction
-  for the rank), by sleeping after it. See :class:`ComputeEmulation`.
-- :class:`EmulatedLinks` (the link delay): a point-to-point transfer reaches its receiver
-  no sooner than ``time_scale * (latency + bytes / bandwidth)`` after it was sent, queued
-  behind the earlier ones on its link (``contract/link_model.LinkQueue``); a gradient
-  bucket's all-reduce lasts at least ``time_scale`` times the ring time over its group's
-  slowest link, counted from when every holder has launched it (a launch from a backward
-  hook placed on the stretched block, :meth:`EmulatedClock.timeline_s`) and ended its
-  previous bucket (``grad_sync.GradSync.finish``).
-
-The emulation reads the plan's report (its predicted times and speeds): replaying the
-planner's model is what a rehearsal of a GPU plan does. The executor never reads it.
+:class:`EmulatedClock` stretches every forward, backward and optimizer step (cpu plans: a
+multiple of its CPU time; GPU plans: at least ``time_scale`` times the planner's prediction,
+see :class:`ComputeEmulation`). :class:`EmulatedLinks` delays each transfer to its alpha-beta
+time on a queued link (``contract/link_model.LinkQueue``) and each gradient bucket's all-reduce
+to its ring time once every holder has launched it. The emulation reads the plan's report
+(replaying the planner's model is what a rehearsal of a GPU plan does); the executor never does.
 """
 
 from __future__ import annotations
@@ -67,12 +58,6 @@ def recorded_emulation(emulation: Emulation, metrics_dir: Path | None) -> Emulat
     """
     record = EmulationRecord.load(metrics_dir)
     return emulation if record is None else replace(emulation, slowdown=dict(record.slowdown))
-
-
-def recorded_slowdown(metrics_dir: Path | None) -> dict[str, float]:
-    """The ``slowdown`` a rehearsal recorded in ``metrics_dir`` ({} if none)."""
-    record = EmulationRecord.load(metrics_dir)
-    return {} if record is None else dict(record.slowdown)
 
 
 # --------------------------------------------------------------------------- speeds

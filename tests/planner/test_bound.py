@@ -13,9 +13,9 @@ from hplan.planner.cost.evaluate import evaluate, standalone_samples_per_s
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.microbatch import units_time_s
 from hplan.planner.solve.bound import throughput_bound_samples_per_s, unit_time_per_sample_s
-from hplan.planner.solve.brute_force import brute_force
 from hplan.planner.solve.solver import SolveOptions, solve
 from hplan.runtime.contract.errors import InfeasiblePlanError
+from tests.fixtures.brute_force import brute_force
 from tests.fixtures.problems import GB, Dev, make_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from hplan.planner.profiling.calibrate import (
     pooled_classes,
     pooled_ratios,
     rank_errors,
-    relative_error,
     speed_factors,
     write_profile,
 )
@@ -38,7 +36,7 @@ from hplan.planner.profiling.profile_file import (
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.metrics_file import StepMetrics
 from hplan.runtime.contract.plan import Plan
-from hplan.runtime.rehearsal.emulation import Emulation, compute_emulation, recorded_slowdown
+from hplan.runtime.rehearsal.emulation import Emulation, compute_emulation, recorded_emulation
 from hplan.runtime.rehearsal.rehearse import check_slowdown, parse_slowdown, rehearse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,7 +172,7 @@ def test_calibrate_pools_identical_devices_whose_difference_is_within_one_runs_n
 
 
 def test_a_run_whose_shares_moved_is_read_at_the_plans_shares(plan):
-    # the runtime moved samples between the replicas (executor/rebalance.py): box/0 ran
+    # the runtime moved samples between the replicas (executor/control/rebalance.py): box/0 ran
     # 1.5x its share at 1.5x its compute, box/1 the rest; read at the plan's shares, both
     # computed as predicted
     assert plan.fixed_shares_reason() is None
@@ -224,12 +222,6 @@ def test_a_rank_under_a_binding_cpu_quota_is_read_by_its_cpu_time_over_the_quota
     loose = [replace(r, cpu_quota_cores=1.5) for r in records]
     errors = {e.rank: e for e in rank_errors(plan, [Run(Path("run"), 1.0, tuple(loose))])}
     assert errors[2].measured_compute_s == pytest.approx(0.45 * errors[2].predicted_compute_s)
-
-
-def test_relative_error_is_signed_and_relative_to_the_prediction():
-    assert relative_error(1.1, 1.0) == pytest.approx(0.1)
-    assert relative_error(0.5, 2.0) == pytest.approx(-0.75)
-    assert math.isnan(relative_error(1.0, 0.0))
 
 
 def test_rank_errors_convert_emulated_seconds_with_the_time_scale_and_skip_warm_up(plan):
@@ -388,10 +380,11 @@ def test_slowdown_stretches_only_the_slowed_device(plan):
 
 
 def test_the_ranks_read_the_recorded_slowdown(tmp_path):
-    assert recorded_slowdown(None) == {}
-    assert recorded_slowdown(tmp_path) == {}
+    plain = Emulation(dilation=2.0, time_scale=5.0)
+    assert recorded_emulation(plain, None).slowdown == {}
+    assert recorded_emulation(plain, tmp_path).slowdown == {}
     (tmp_path / "emulation.json").write_text(json.dumps({"slowdown": {"x": 1.4}}))
-    assert recorded_slowdown(tmp_path) == {"x": 1.4}
+    assert recorded_emulation(plain, tmp_path).slowdown == {"x": 1.4}
 
 
 # ---------------------------------------------------------------------------- end to end

@@ -15,13 +15,13 @@ import pytest
 
 from hplan.planner.cost.evaluate import evaluate, max_microbatches, stage_memory_bytes
 from hplan.planner.cost.problem import Policy
-from hplan.planner.solve.brute_force import brute_force
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import solve
 from hplan.planner.solve.validate import layout_problems
 from hplan.runtime.contract.errors import InfeasiblePlanError
 from hplan.runtime.contract.memory import in_flight_microbatches
 from hplan.runtime.contract.plan import MemoryStrategy, Plan, Schedule
+from tests.fixtures.brute_force import brute_force
 from tests.fixtures.problems import GB, Dev, make_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False)

@@ -13,11 +13,11 @@ from hplan.planner.cost.problem import Policy
 from hplan.planner.cost.zero import state_saving_bytes
 from hplan.planner.sim.spec import simulated_step_time_s
 from hplan.planner.solve import solver as solver_module
-from hplan.planner.solve.brute_force import brute_force
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import solve, uniform_strategies
 from hplan.planner.solve.validate import layout_problems
 from hplan.runtime.contract.errors import InfeasiblePlanError
+from tests.fixtures.brute_force import brute_force
 from tests.fixtures.problems import GB, Dev, make_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False)
@@ -144,7 +144,7 @@ def test_zero_auto_shards_where_a_small_card_serves_only_as_a_pipeline_stage() -
     """The small card cannot hold the whole model (four units of 2 GB static), so unsharded
     it is one stage of a two-stage pipeline; with the optimizer state sharded it holds a
     replica of its own, which is faster. Memory binds there although no device is idle or
-    full (seen in bench/memory_strategies.py: GPT-2 medium on four 3060s and a 4090)."""
+    full (seen in bench/plan_quality.py --compare memory: GPT-2 medium on four 3060s and a 4090)."""
     problem = _three_cards(8.0, 4, static_gb=2.0, state_gb=1.0, act_gb=0.01, grad_gb=0.5)
     never = solve(problem, replace(FAST, zero="never"))
     assert [len(r.stages) for r in never.layout.replicas] == [1, 2]

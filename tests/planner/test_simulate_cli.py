@@ -131,6 +131,12 @@ def test_simulate_rejects_a_plan_without_predictions_in_one_line(
     assert err.count("\n") == 1 and "re-run `hplan solve`" in err
 
 
+def test_simulate_needs_a_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["simulate"], capsys)
+    assert code == 2
+    assert "PLAN_PATH" in err
+
+
 def test_show_draws_the_same_svg_twice_and_a_png(tmp_path: Path) -> None:
     path = _write(_predicted(replace(cpu_plan(), training=replace(cpu_plan().training))), tmp_path)
     svgs = [
@@ -145,6 +151,18 @@ def test_show_draws_the_same_svg_twice_and_a_png(tmp_path: Path) -> None:
         [*CLI, "show", str(path), "--format", "png"], capture_output=True, check=True
     )
     assert png.stdout.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.parametrize("fmt", ["svg", "png"])
+def test_show_without_matplotlib_says_what_to_install_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fmt: str
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    path = _write(_predicted(cpu_plan()), tmp_path)
+    code, out, err = _run(["show", str(path), "--format", fmt], capsys)
+    assert code == 4  # environment
+    assert out == ""
+    assert err.count("\n") == 1 and "pip install 'hplan[plot]'" in err, err
 
 
 # --------------------------------------------------------------------------- solver

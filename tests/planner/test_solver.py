@@ -19,12 +19,12 @@ from hplan.planner.sim.spec import spec_from_layout
 from hplan.planner.solve import milp, search
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.bound import throughput_bound_samples_per_s
-from hplan.planner.solve.brute_force import brute_force
 from hplan.planner.solve.solver import SolveOptions, solve
 from hplan.planner.solve.validate import layout_problems
 from hplan.planner.solve.watchdog import run_with_deadline
 from hplan.runtime.contract.errors import InfeasiblePlanError, SolverUnavailableError
 from hplan.runtime.contract.plan import SolverStatus
+from tests.fixtures.brute_force import brute_force
 from tests.fixtures.problems import GB, Dev, make_problem, random_tiny_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False)

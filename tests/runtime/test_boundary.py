@@ -1,8 +1,10 @@
-"""Boundary tensors: checks against the plan, byte transport, and a real 2-process exchange."""
+"""Boundary tensors: checks against the plan, byte transport, a real 2-process exchange, and
+a pipeline whose real tensors differ from its plan."""
 
 from __future__ import annotations
 
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,8 @@ from hplan.runtime.executor.comm import (
     wire_buffer,
 )
 from hplan.runtime.rehearsal.emulation import EmulatedLink, EmulatedLinks
+from tests.fixtures.plans import NUMBERED_DATASET, ReplicaShape, make_plan, write_model
+from tests.fixtures.plans import run_ranks as run_plan
 from tests.fixtures.processes import join_gloo, run_ranks
 
 HIDDEN = TensorSpec(name="h", shape=(1, 4, 3), dtype="float32", batch_dim=0, requires_grad=True)
@@ -178,3 +182,27 @@ def test_two_processes_exchange_boundary_tensors_bit_exactly_with_gradients_for_
         assert torch.equal(grads[mb]["h"], torch.full((size, 4, 3), 2.0))
         assert grads[mb]["hb"].dtype == torch.bfloat16
         assert torch.equal(grads[mb]["hb"], torch.full((3, size), 3.0, dtype=torch.bfloat16))
+
+
+# --------------------------------------------------------------------------- a pipeline's ranks
+def test_a_boundary_dtype_that_differs_from_the_plan_is_one_line_on_both_ranks(
+    tmp_path: Path,
+) -> None:
+    # plan.json says the cut's tensor is float64, the stage computes float32: the sender
+    # checks the real tensor before any cast (a cast to the plan's dtype would hide it and
+    # fail the receiver's compute with a dtype error); the receiver names the sender
+    path = write_model(tmp_path, NUMBERED_DATASET)
+    plan = make_plan(path, [ReplicaShape((1, 1), micro_batch_size=2, num_samples=4)])
+    cut = plan.cuts[0]
+    edited = replace(cut, tensors=(replace(cut.tensors[0], dtype="float64"),))
+    plan = replace(plan, cuts=(edited,))
+    sender, receiver = run_plan(plan, tmp_path / "run", "--steps", "1", timeout_s=60.0)
+    assert sender.returncode == 2, sender.stderr[-2000:]
+    line = sender.stderr.strip().splitlines()[-1]
+    assert line.startswith("hplan run (rank 0): PlanMismatchError: cut after "), line
+    assert "(rank 0 -> rank 1): tensor 'relu' has dtype float32, the plan expects float64; " in line
+    assert line.endswith("re-run `hplan solve` with this model file"), line
+    assert receiver.returncode == 1, receiver.stderr[-2000:]
+    line = receiver.stderr.strip().splitlines()[-1]
+    assert line.startswith("hplan run (rank 1): PeerFailureError: ") and "rank 0" in line, line
+    assert "internal error" not in sender.stderr + receiver.stderr

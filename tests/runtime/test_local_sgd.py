@@ -30,7 +30,6 @@ from hplan.runtime.contract.holders import outer_fragments, parameter_holders, p
 from hplan.runtime.contract.metrics_file import read_rank_metrics
 from hplan.runtime.contract.plan import Plan, PseudoGradientDtype, SyncMode
 from hplan.runtime.executor.grad_sync import build_grad_clip
-from hplan.runtime.executor.training import check_options
 from hplan.runtime.executor.worker import RunOptions
 from hplan.runtime.rehearsal.reference_check import relative_difference
 from tests.fixtures.plans import (
@@ -479,7 +478,7 @@ def test_a_plan_without_local_groups_resumes_from_the_global_parameters(
 def test_verify_refuses_a_plan_whose_islands_train_on_their_own(tmp_path: Path) -> None:
     plan = _two_single(_model(tmp_path), mode=SyncMode.ASYNC, local_steps=2)
     with pytest.raises(ConfigError, match=r"--verify compares one synchronous step .* async H=2"):
-        check_options(plan, RunOptions(steps=1, verify_dir=tmp_path / "v"))
+        RunOptions(steps=1, verify_dir=tmp_path / "v").for_plan(plan)
 
 
 def test_island_clipping_is_refused_beside_a_group_that_all_reduces_across_islands() -> None:

@@ -1,4 +1,4 @@
-"""Batch shares that follow the replicas' measured speeds (``executor/rebalance.py``): the
+"""Batch shares that follow the replicas' measured speeds (``executor/control/rebalance.py``): the
 shares they balance to, when a change is taken, and that a run whose shares moved trains as
 one process does."""
 
@@ -13,7 +13,7 @@ import pytest
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.metrics_file import StepMetrics
 from hplan.runtime.contract.plan import Plan
-from hplan.runtime.executor.rebalance import (
+from hplan.runtime.executor.control.rebalance import (
     MAX_GROWTH,
     MIN_GAIN,
     MIN_WINDOW_STEPS,

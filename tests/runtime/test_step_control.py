@@ -5,21 +5,19 @@ from __future__ import annotations
 import json
 import math
 import traceback
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from hplan.runtime.contract.errors import DivergedError, PreemptedError
-from hplan.runtime.executor.control import (
+from hplan.runtime.executor.control.agreement import StepAgreement, StopReason
+from hplan.runtime.executor.control.exchange import (
     CONTROL_PERIOD_S,
     StepControl,
     StepFlags,
     control_interval_steps,
 )
-from hplan.runtime.executor.training import _Loop
 from tests.fixtures.processes import join_gloo, run_ranks
 
 STEP_S = 0.1
@@ -35,48 +33,44 @@ def test_the_interval_is_the_steps_that_fit_the_period() -> None:
     assert control_interval_steps(0.0) == control_interval_steps(math.nan) == 1
 
 
-def _loop(rank: int) -> _Loop:
-    """A loop with what ``_after`` needs: no checkpoints, no progress lines."""
-    loop = object.__new__(_Loop)
-    loop.rank = rank
-    loop.control = StepControl(torch.device("cpu"), num_replicas=1)
-    loop.control_every, loop.held, loop.warmed_up = 1, StepFlags.NONE, False
-    loop.step_times_s = deque(maxlen=20)
-    loop.checkpointer, loop.every_steps, loop.progress = None, None, None
-    loop.balancer = None
-    return loop
-
-
-def _in_rank(rank: int, port: int, out_dir: str, body: Callable[[_Loop], dict]) -> None:
-    """Join the two-rank gloo job, run ``body`` on a fresh loop, write what it returns to
+def _in_rank(rank: int, port: int, out_dir: str, body: Callable[[], dict]) -> None:
+    """Join the two-rank gloo job, run ``body``, write what it returns to
     ``rank-<rank>.json`` (an error's traceback to ``error-<rank>.txt``)."""
     try:
         join_gloo(rank, port)
-        result = body(_loop(rank))
+        result = body()
         (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(result))
     except Exception:
         (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
 
 
 def _drive(
-    loop: _Loop, num_steps: int, flags_at: Callable[[int], StepFlags], stop: type[Exception]
+    agreement: StepAgreement,
+    num_steps: int,
+    flags_at: Callable[[int], StepFlags],
+    stop: StopReason,
+    saved: list[int] | None = None,
 ) -> int | None:
-    """``loop._after`` for steps 1 .. ``num_steps - 1`` of STEP_S each, with the flags
-    ``flags_at(steps_done)`` gives; the step at which it raised ``stop`` (None: never)."""
+    """``agreement.after_step`` for steps 1 .. ``num_steps - 1`` of STEP_S each, with the
+    flags ``flags_at(steps_done)`` gives; the step at which the job agreed to ``stop``
+    (None: never). The steps it agreed to checkpoint go to ``saved``."""
     for steps_done in range(1, num_steps):
         record = SimpleNamespace(step=steps_done - 1, step_time_s=STEP_S, loss=1.0, replica=0)
-        try:
-            loop._after(steps_done, flags_at(steps_done), record)  # type: ignore[arg-type]
-        except stop:
+        decision = agreement.after_step(steps_done, record, flags_at(steps_done))  # type: ignore[arg-type]
+        if decision.stop is stop:
             return steps_done
+        assert decision.stop is None, decision
+        if decision.checkpoint and saved is not None:
+            saved.append(steps_done)
     return None
 
 
 def _steps(rank: int, port: int, out_dir: str) -> None:
-    def body(loop: _Loop) -> dict:
+    def body() -> dict:
         exchanges: list[int] = []
         current = [0]
-        exchange = loop.control.exchange
+        control = StepControl(torch.device("cpu"), num_replicas=1)
+        exchange = control.exchange
 
         def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
             exchanges.append(current[0])
@@ -87,9 +81,10 @@ def _steps(rank: int, port: int, out_dir: str) -> None:
             preempted = rank == 1 and steps_done == PREEMPTED_AT
             return StepFlags.PREEMPTED if preempted else StepFlags.NONE
 
-        loop.control.exchange = counted  # type: ignore[method-assign]
-        stopped = _drive(loop, 40, flags_at, PreemptedError)
-        return {"exchanges": exchanges, "stopped": stopped, "every": loop.control_every}
+        control.exchange = counted  # type: ignore[method-assign]
+        agreement = StepAgreement(control, rank=rank)
+        stopped = _drive(agreement, 40, flags_at, StopReason.PREEMPTED)
+        return {"exchanges": exchanges, "stopped": stopped, "every": agreement.interval_steps}
 
     _in_rank(rank, port, out_dir, body)
 
@@ -106,30 +101,11 @@ def test_ranks_exchange_every_fifth_step_of_a_tenth_of_a_second_and_stop_togethe
     assert results[0] == {"exchanges": [1, 2, 3, 5, 10, 15, 20], "stopped": 21, "every": 5}
 
 
-class _Saves:
-    """A checkpointer that only records the steps it was asked to save."""
-
-    def __init__(self) -> None:
-        self.saved: list[int] = []
-
-    def written_step(self) -> int:
-        return -1
-
-    def publish_written(self, written_everywhere: int) -> None:
-        pass
-
-    def save(self, steps_done: int) -> None:
-        self.saved.append(steps_done)
-
-    def wait(self) -> None:
-        pass
-
-
 def _checkpoint_after_divergence(rank: int, port: int, out_dir: str) -> None:
-    def body(loop: _Loop) -> dict:
-        saves = _Saves()
-        loop.checkpointer = saves
-        loop.saved_s, loop.pauses_s = 0.0, []
+    def body() -> dict:
+        control = StepControl(torch.device("cpu"), num_replicas=1)
+        agreement = StepAgreement(control, rank=rank, checkpointing=True)
+        saved: list[int] = []
 
         def flags_at(steps_done: int) -> StepFlags:
             if rank == 0 and steps_done == 8:  # rank 0's clock: a checkpoint is due
@@ -138,8 +114,8 @@ def _checkpoint_after_divergence(rank: int, port: int, out_dir: str) -> None:
                 return StepFlags.NONFINITE_LOSS
             return StepFlags.NONE
 
-        diverged = _drive(loop, 20, flags_at, DivergedError)
-        return {"saved": saves.saved, "diverged": diverged}
+        diverged = _drive(agreement, 20, flags_at, StopReason.DIVERGED, saved)
+        return {"saved": saved, "diverged": diverged}
 
     _in_rank(rank, port, out_dir, body)
 

@@ -5,7 +5,7 @@ data-parallel replicas, each a machine running the stage as a tensor-parallel gr
 ``tp`` GPUs: ``[[[gpu, gpus_per_node, zone]], tp]``. ``real`` is the measured iteration time,
 ``red_grads`` the measured time of the gradient all-reduce call (waiting included) and
 ``max_mem`` the peak memory of the busiest GPU (see the data folder's README).
-``sailor_plan.import_study_plan`` turns a :class:`StudyPlan` into an hplan ``Plan``.
+``plan.import_study_plan`` turns a :class:`StudyPlan` into an hplan ``Plan``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hplan.planner.studies.sailor_data import SailorData
 from hplan.runtime.contract.errors import ConfigError
+
+from .data import SailorData
 
 
 @dataclass(frozen=True, slots=True)

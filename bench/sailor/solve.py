@@ -1,21 +1,12 @@
-"""Plan against the study: hplan's solver on the machines of a measured Sailor plan.
+"""Plan against the study: hplan's planning problem on the machines of a measured plan.
 
 :func:`study_problem` builds the ``PlanningProblem`` for OPT-350 on the same machines as a
-study plan (same global batch, the micro-batch sizes the study profiled on every device),
-from the imported profile and network curves. Two views of the machines:
-
-- ``Granularity.GPU``: every GPU is its own device (tp 1), the way hplan's runtime runs
-  them; two GPUs of one machine are joined by the study's intra-node curve, machines by
-  its inter-node curve;
-- ``Granularity.MACHINE``: each machine is one logical device, the tensor-parallel group
-  the study used (its tp), so hplan chooses only the layout over the study's own devices.
-
-Arrays (D devices, U = 26 layers, K sizes): forward/backward/optimizer times from the
-profile; static memory = 16 bytes per parameter (mixed-precision Adam); activations = the
-study's ``act_mem_bytes`` (tp 1) per sample; a cut carries the float32 hidden state and
-nothing else (neither runtime sends the attention mask: hplan's delivers graph inputs to the
-stages that read them, the study's keeps it on every stage); gradients are all-reduced in
-fp32.
+study plan (same global batch, the micro-batch sizes the study profiled on every device kind)
+from the imported profile and network curves, at one of two granularities:
+``Granularity.GPU`` (every GPU a device, as hplan's runtime runs them) or
+``Granularity.MACHINE`` (each machine one tensor-parallel device, as the study ran them).
+Static memory is 16 bytes per parameter (mixed-precision Adam), a cut carries the float32
+hidden state only, and gradients are all-reduced in fp32.
 """
 
 from __future__ import annotations
@@ -30,7 +21,9 @@ from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.sim.ir import SimChannel, SimSpec, SimSyncGroup
 from hplan.planner.sim.spec import spec_from_layout
-from hplan.planner.studies.sailor_data import (
+from hplan.runtime.contract.errors import ConfigError
+
+from .data import (
     ADAM_MIXED_BYTES_PER_PARAM,
     BandwidthCurve,
     SailorData,
@@ -40,9 +33,8 @@ from hplan.planner.studies.sailor_data import (
     intra_node_curve,
     unit_name,
 )
-from hplan.planner.studies.sailor_plan import GRAD_WIRE_BYTES, hidden_state
-from hplan.planner.studies.sailor_study import Machine, StudyPlan
-from hplan.runtime.contract.errors import ConfigError
+from .plan import GRAD_WIRE_BYTES, hidden_state
+from .study import Machine, StudyPlan
 
 UNMEASURED_S = 1e6
 """Time given to a (device, micro-batch size) the study did not profile: never chosen."""
@@ -234,7 +226,7 @@ def layout_sim_spec(problem: PlanningProblem, layout: Layout, *, study_runtime: 
     machine's outgoing inter-node transfers queued on its one network card.
 
     ``study_runtime`` runs it as the study's runtime would, with blocking point-to-point and
-    the all-reduce after the schedule (see ``sailor_plan``); otherwise as hplan's runtime
+    the all-reduce after the schedule (see ``plan.py``); otherwise as hplan's runtime
     does (``isend``, buckets launched during the last backward pass). Both send the same
     bytes: the cut's hidden state and its gradient.
     """

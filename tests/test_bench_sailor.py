@@ -1,8 +1,8 @@
-"""Import of the published Sailor measurements: profiles, network fit, plans, and the
-simulator's blocking point-to-point mode they need.
+"""bench/sailor/: the import of the published Sailor measurements (profiles, network fit,
+plans) that bench/fidelity.py and bench/study_plans.py run on.
 
 Tests that read the study's data skip when ``../shared/data/sailor`` is absent (a clone
-without it); the simulator and error-path tests always run.
+without it); the error-path tests always run.
 """
 
 from __future__ import annotations
@@ -10,22 +10,32 @@ from __future__ import annotations
 import json
 import math
 import os
-from itertools import pairwise
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hplan.planner.profiling.profile_file import MeasurementSource, Profile
-from hplan.planner.sim.engine import SimChannel, SimLink, SimReplica, SimSpec, SimStage, simulate
-from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.plan import Plan
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 
-DATA = Path(
-    os.environ.get(
-        "HPLAN_SAILOR_DATA", Path(__file__).resolve().parents[3] / "shared" / "data" / "sailor"
-    )
+from sailor.data import (  # noqa: E402
+    SailorData,
+    curves_alpha_beta,
+    import_profile,
+    inter_node_curve,
+    load_sailor,
 )
+from sailor.plan import import_study_plan, study_sim_spec  # noqa: E402
+from sailor.solve import Granularity, layout_sim_spec, study_layout, study_problem  # noqa: E402
+from sailor.study import read_study_plan, study_plan_paths  # noqa: E402
+
+from hplan.planner.profiling.profile_file import MeasurementSource, Profile  # noqa: E402
+from hplan.planner.sim.engine import simulate  # noqa: E402
+from hplan.runtime.contract.errors import ConfigError  # noqa: E402
+from hplan.runtime.contract.plan import Plan  # noqa: E402
+
+DATA = Path(os.environ.get("HPLAN_SAILOR_DATA", ROOT.parent / "shared" / "data" / "sailor"))
 """The study's data folder: ``$HPLAN_SAILOR_DATA``, else ``../shared/data/sailor`` beside the
 checkout (a git worktree elsewhere sets the variable)."""
 needs_data = pytest.mark.skipif(
@@ -35,69 +45,11 @@ needs_data = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def data():  # type: ignore[no-untyped-def]
-    from hplan.planner.studies.sailor_data import load_sailor
-
     return load_sailor(DATA)
-
-
-# --------------------------------------------------------------------------- simulator
-def _two_stage(blocking: bool, num_mb: int = 2) -> SimSpec:
-    """Two stages, forward and backward 1 s each, messages that take 1 s on the wire."""
-    stages = tuple(SimStage(r, "gpu", (1.0,) * num_mb, (1.0,) * num_mb, 0.0) for r in (0, 1))
-    channel = SimChannel(1.0, 0.0)
-    link = SimLink(channel, channel, (1.0,) * num_mb, (1.0,) * num_mb)
-    replica = SimReplica(stages, (link,), (1,) * num_mb)
-    return SimSpec(replicas=(replica,), blocking_p2p=blocking)
-
-
-def test_isend_overlaps_transfers_with_compute() -> None:
-    # s0: F0 [0,1] F1 [1,2]; s1: F0 [2,3] B0 [3,4] F1 [4,5] B1 [5,6]; s0: B0 [5,6] B1 [7,8].
-    assert simulate(_two_stage(blocking=False)).step_time_s == pytest.approx(8.0)
-
-
-def test_blocking_p2p_charges_the_wire_time_to_both_ends() -> None:
-    # s0: F0 [0,1] send [1,2] F1 [2,3] send [3,4]; s1: F0 [2,3] B0 [3,4] send [4,5],
-    # receive F1 posted at 5 takes 1 s -> F1 [6,7] B1 [7,8] send [8,9]; s0: B0 [5,6], B1 [9,10].
-    result = simulate(_two_stage(blocking=True))
-    assert result.step_time_s == pytest.approx(10.0)
-    s1 = [e for e in result.events if e.rank == 1 and e.label == "s1.F.mb1"]
-    assert [(e.start_s, e.end_s) for e in s1] == [(6.0, 7.0)]
-
-
-def test_blocking_p2p_ranks_never_compute_while_sending() -> None:
-    result = simulate(_two_stage(blocking=True, num_mb=5))
-    for rank in (0, 1):
-        spans = sorted(
-            (e.start_s, e.end_s)
-            for e in result.events
-            if e.rank == rank and (e.kind.value in ("forward", "backward") or "send" in e.label)
-        )
-        for (_, end), (start, _) in pairwise(spans):
-            assert start >= end - 1e-12
-
-
-def test_a_middle_stage_receives_and_sends_at_once_on_full_duplex_links() -> None:
-    # Three stages, two micro-batches, 1 s per pass and per message, isend (hplan's runtime).
-    # s0: F0 [0,1] F1 [1,2]; link 0 forward: A0 [1,2], A1 [2,3]. s1: F0 [2,3] F1 [3,4];
-    # link 1 forward: A0 [3,4], A1 [4,5]. s2: F0 [4,5] B0 [5,6] F1 [6,7] B1 [7,8]; link 1 back:
-    # G0 [6,7], G1 [8,9]. s1: B0 [7,8], then at [8,9] it sends G0 to s0 while it receives G1
-    # from s2 (two cards' directions, neither waits), B1 [9,10], G1 to s0 [10,11]; s0: B0
-    # [9,10], B1 [11,12]. Were a card one queue for both directions, G1 would arrive at 10
-    # and the step end at 13.
-    stages = tuple(SimStage(r, "gpu", (1.0, 1.0), (1.0, 1.0), 0.0) for r in range(3))
-    channel = SimChannel(1.0, 0.0)
-    link = SimLink(channel, channel, (1.0, 1.0), (1.0, 1.0))
-    spec = SimSpec(replicas=(SimReplica(stages, (link, link), (1, 1)),))
-    result = simulate(spec)
-    assert result.step_time_s == pytest.approx(12.0)
-    s1 = {e.label: (e.start_s, e.end_s) for e in result.events if e.rank == 1}
-    assert s1["s1.B.mb1"] == (9.0, 10.0)
 
 
 def _network(entries: dict[tuple[str, int, str, int], float]):  # type: ignore[no-untyped-def]
     """A data folder holding only inter-node curves: flat ``GB/s`` (c0) with that maximum."""
-    from hplan.planner.studies.sailor_data import SailorData
-
     inter: dict = {}
     for (gpu_a, tp_a, gpu_b, tp_b), gb_per_s in entries.items():
         by_tp = inter.setdefault("z", {}).setdefault(gpu_a, {}).setdefault(str(tp_a), {})
@@ -109,8 +61,6 @@ def _network(entries: dict[tuple[str, int, str, int], float]):  # type: ignore[n
 
 
 def test_a_tp_group_gets_at_least_the_bandwidth_fewer_gpus_measured() -> None:
-    from hplan.planner.studies.sailor_data import inter_node_curve
-
     # Like Titan-RTX -> RTX-2080 in the study: fast at tp 2 and 4, a copied slow fit at 1 and 8.
     data = _network({("A", 1, "B", 1): 0.11, ("A", 2, "B", 2): 2.8, ("A", 4, "B", 4): 2.8,
                      ("A", 8, "B", 8): 0.11, ("C", 1, "C", 1): 10.0, ("C", 4, "C", 4): 40.0,
@@ -129,15 +79,11 @@ def test_a_tp_group_gets_at_least_the_bandwidth_fewer_gpus_measured() -> None:
 
 
 def test_not_a_study_folder_is_a_config_error(tmp_path: Path) -> None:
-    from hplan.planner.studies.sailor_data import load_sailor
-
     with pytest.raises(ConfigError, match="not the Sailor data folder"):
         load_sailor(tmp_path)
 
 
 def test_study_plan_with_uneven_data_parallel_stages_is_refused(tmp_path: Path) -> None:
-    from hplan.planner.studies.sailor_study import read_study_plan
-
     machine = [[["RTX-3090", 1, "z"]], 1]
     raw = {
         "zone": "z",
@@ -165,8 +111,6 @@ def test_study_plan_with_uneven_data_parallel_stages_is_refused(tmp_path: Path) 
 # --------------------------------------------------------------------------- profiles
 @needs_data
 def test_imported_profile_round_trips_and_is_marked_imported(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.studies.sailor_data import import_profile
-
     profile = import_profile(data)
     assert Profile.from_json(profile.to_json()) == profile
     assert {t.source for t in profile.unit_timings} == {MeasurementSource.IMPORTED}
@@ -188,8 +132,6 @@ def test_imported_profile_round_trips_and_is_marked_imported(data) -> None:  # t
 def test_imported_profile_numbers_equal_the_source_files(  # type: ignore[no-untyped-def]
     data, device: str, unit: str, mbs: int, expected: tuple[float, float, float]
 ) -> None:
-    from hplan.planner.studies.sailor_data import import_profile
-
     (timing,) = [
         t
         for t in import_profile(data).unit_timings
@@ -222,8 +164,6 @@ def test_model_sizes_match_opt350_shapes(data) -> None:  # type: ignore[no-untyp
 def test_alpha_beta_fit_reproduces_the_curve_within_3_percent(  # type: ignore[no-untyped-def]
     data, src: tuple[str, int], dst: tuple[str, int], lo_bytes: float, hi_bytes: float
 ) -> None:
-    from hplan.planner.studies.sailor_data import curves_alpha_beta, inter_node_curve
-
     zone = "us-central1-a"
     curves = [
         inter_node_curve(data, (zone, *src), (zone, *dst)),
@@ -238,8 +178,6 @@ def test_alpha_beta_fit_reproduces_the_curve_within_3_percent(  # type: ignore[n
 
 @needs_data
 def test_curve_matches_the_readme_formula_by_hand(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.studies.sailor_data import inter_node_curve
-
     zone = "us-central1-a"
     curve = inter_node_curve(data, (zone, "RTX-3090", 2), (zone, "Titan-RTX", 2))
     c2, c1, c0 = curve.c2, curve.c1, curve.c0
@@ -250,9 +188,6 @@ def test_curve_matches_the_readme_formula_by_hand(data) -> None:  # type: ignore
 # --------------------------------------------------------------------------- plans
 @needs_data
 def test_every_study_plan_imports_as_a_valid_plan(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.studies.sailor_plan import import_study_plan
-    from hplan.planner.studies.sailor_study import read_study_plan, study_plan_paths
-
     paths = study_plan_paths(data)
     assert len(paths) >= 3
     for path in paths:
@@ -266,9 +201,6 @@ def test_every_study_plan_imports_as_a_valid_plan(data) -> None:  # type: ignore
 
 @needs_data
 def test_imported_plan_carries_the_profile_times_of_its_stages(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.studies.sailor_plan import import_study_plan
-    from hplan.planner.studies.sailor_study import read_study_plan
-
     study = read_study_plan(DATA / "plans" / "mit" / "plan_config_N2_D1.json")
     plan = import_study_plan(data, study)
     titan = data.layer_times("Titan-RTX", 2, 2)
@@ -281,15 +213,6 @@ def test_imported_plan_carries_the_profile_times_of_its_stages(data) -> None:  #
 
 @needs_data
 def test_study_layout_costs_the_same_as_a_plan_or_a_problem(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.studies.sailor_plan import import_study_plan, study_sim_spec
-    from hplan.planner.studies.sailor_solve import (
-        Granularity,
-        layout_sim_spec,
-        study_layout,
-        study_problem,
-    )
-    from hplan.planner.studies.sailor_study import read_study_plan
-
     for name in ("plan_config_N2_D1", "plan_config_N2_D2"):
         study = read_study_plan(DATA / "plans" / "mit" / f"{name}.json")
         as_plan = simulate(study_sim_spec(import_study_plan(data, study)))
@@ -300,10 +223,10 @@ def test_study_layout_costs_the_same_as_a_plan_or_a_problem(data) -> None:  # ty
 
 @needs_data
 def test_the_study_runtime_sends_only_the_float32_hidden_state(data) -> None:  # type: ignore[no-untyped-def]
-    from hplan.planner.studies.sailor_plan import load_study_plan
-
     # Four tp-8 stages: each tp rank sends 1/8 of the hidden state, no attention mask.
-    _, study, plan, spec = load_study_plan(DATA / "plans" / "mit" / "plan_config_N4_D1.json")
+    study = read_study_plan(DATA / "plans" / "mit" / "plan_config_N4_D1.json")
+    plan = import_study_plan(data, study)
+    spec = study_sim_spec(plan)
     hidden_bytes = study.mbs * 2048 * 1024 * 4  # (mbs, seq, hidden) float32
     assert {t.name for cut in plan.cuts for t in cut.tensors} == {"hidden_states"}
     assert spec.blocking_p2p
@@ -321,46 +244,26 @@ def test_the_study_runtime_sends_only_the_float32_hidden_state(data) -> None:  #
         ("plan_config_N4_D4", 0.05),
     ],
 )
-def test_measured_mit_plans_are_simulated_close_to_their_real_time(
-    name: str, tolerance: float
+def test_measured_mit_plans_are_simulated_close_to_their_real_time(  # type: ignore[no-untyped-def]
+    data, name: str, tolerance: float
 ) -> None:
-    from hplan.planner.studies.sailor_plan import load_study_plan
-
-    _, study, _, spec = load_study_plan(DATA / "plans" / "mit" / f"{name}.json")
-    predicted_s = simulate(spec).step_time_s
+    study = read_study_plan(DATA / "plans" / "mit" / f"{name}.json")
+    predicted_s = simulate(study_sim_spec(import_study_plan(data, study))).step_time_s
     assert abs(predicted_s / study.real_s - 1) < tolerance, (predicted_s, study.real_s)
 
 
-# --------------------------------------------------------------------------- CLI
-def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    from hplan.planner.cli.main import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exit_info.value.code or 0), out, err
-
-
-def test_simulate_needs_a_plan_or_a_study_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _cli(["simulate"], capsys)
-    assert code == 2
-    assert "--import-study" in err
-
-
 @needs_data
-def test_simulate_imports_a_study_plan_and_prints_its_measured_time(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_an_imported_study_plan_is_written_read_back_and_simulated_near_its_measured_time(  # type: ignore[no-untyped-def]
+    data, tmp_path: Path
 ) -> None:
-    study = DATA / "plans" / "mit" / "plan_config_N2_D2.json"
+    # What `hplan simulate --import-study ... --write-plan` did before the importer moved here.
+    study = read_study_plan(DATA / "plans" / "mit" / "plan_config_N2_D2.json")
     written = tmp_path / "plan.json"
-    argv = ["simulate", "--import-study", str(study), "--profiles", str(DATA), "--json"]
-    code, out, err = _cli([*argv, "--write-plan", str(written)], capsys)
-    assert code == 0, err
-    summary = json.loads(out)
-    assert summary["measured_step_time_s"] == pytest.approx(91.78)
-    assert abs(summary["step_time_s"] / 91.78 - 1) < 0.25
-    assert "measured" in err
-    assert Plan.load(written).global_batch_size == 256
+    written.write_text(import_study_plan(data, study).to_json(), encoding="utf-8")
+    plan = Plan.load(written)
+    assert study.real_s == pytest.approx(91.78)
+    assert abs(simulate(study_sim_spec(plan)).step_time_s / 91.78 - 1) < 0.25
+    assert plan.global_batch_size == 256
 
 
 @needs_data
@@ -383,9 +286,6 @@ def test_unprofiled_micro_batch_size_is_fitted_between_its_neighbours(data) -> N
 def test_plan_of_two_pipelines_with_an_unmeasured_link_imports(  # type: ignore[no-untyped-def]
     data, tmp_path: Path
 ) -> None:
-    from hplan.planner.studies.sailor_plan import import_study_plan, study_sim_spec
-    from hplan.planner.studies.sailor_study import read_study_plan
-
     def machine(gpu: str, tp: int) -> list[object]:
         return [[[gpu, 8, "us-central1-a"]], tp]
 
@@ -428,8 +328,6 @@ def test_plan_of_two_pipelines_with_an_unmeasured_link_imports(  # type: ignore[
     [("not json", "(Expecting value: line 1"), ('{"zone": "x"}', "(no key 'pipeline_list')")],
 )
 def test_a_file_that_is_no_study_plan_is_one_line_naming_why(tmp_path, text, reason):
-    from hplan.planner.studies.sailor_study import read_study_plan
-
     path = tmp_path / "plan_config_1.json"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(ConfigError, match="is not a Sailor plan_config file") as info:

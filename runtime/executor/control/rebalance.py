@@ -1,42 +1,19 @@
 """Batch shares that follow the replicas' measured speeds during a run.
 
-A plan shares the global batch by the speeds its profile predicted; a real node then runs
-at its own speed, which drifts: on this project's three-node benchmark
-(``bench/real_cluster.py``) one rank's sustained compute moved by 1.5-6% between runs of the
-same plan, and a share calibrated from one run carried that run's noise into the next
-(two identical nodes got 22 and 24 samples). hplan gives every sample its place in the
-global batch whatever the shares (``data.py``: a replica takes samples ``[offset, offset +
-share)`` of it, and every micro-batch's loss is weighted by its samples over the global
-batch, ``grad_sync.loss_weight``), so moving samples between replicas between two steps
-leaves the summed gradient, and so the training, as it was (up to the order of a float
-sum). torch DDP's per-rank batch is fixed for a run.
-
-:class:`ShareBalancer` does it for plans whose replicas are one stage each and sync every
-step (``Plan.fixed_shares_reason``):
-
-1. each rank keeps its last ``WINDOW_STEPS`` steps: its sustained compute a sample
-   (``StepMetrics.sustained_s``: CPU time over the quota where a CPU quota binds, else wall
-   time) and the step's sustained time that does not grow with the share: under a binding
-   quota, all of the step's CPU time outside compute over the quota (the optimizer, the
-   collective library's threads after the backward, the runtime's bookkeeping: every CPU
-   second of a quota-bound rank costs it 1 / quota seconds of its step), else the optimizer
-   step's wall time (the rest, the all-reduce's tail, is the same on every rank). A
-   sample's time hardly depends on how many the share has (a change moves a few percent of
-   them), so steps of earlier shares stay in the window;
-2. once it holds ``MIN_WINDOW_STEPS``, it posts their medians in the step-control exchange
-   (``control.StepControl``: one MAX all-reduce the ranks already run about every half
-   second), in its replica's slot;
-3. every rank reads the same agreement at the same step and computes the same new shares
-   (:func:`balanced_shares`: the replicas end their compute and fixed time together, each
-   share at least one sample a micro-batch and its micro-batches at most ``MAX_GROWTH`` of
-   the plan's and within the rank's memory, :func:`sample_caps`), and takes them from its
-   next step when they shorten the predicted step by more than ``MIN_GAIN``; values posted
-   before the last change (an older ``epoch``: the speeds that change was made from) are
-   ignored.
-
-Each replica keeps its plan's number of micro-batches, cut evenly (``even_cut``). Pipelines
-(a replica of several stages), islands that train on their own and rehearsals (their
-compute replays the plan's predictions) keep the plan's shares.
+A plan shares the global batch by the speeds its profile predicted; a real node runs at its
+own speed, which drifts. Every sample has its place in the global batch whatever the shares
+(``data.py``: a replica takes samples ``[offset, offset + share)``, each micro-batch's loss
+weighted by its samples over the global batch), so moving samples between replicas between
+two steps leaves the summed gradient, and the training, as it was (up to the order of a
+float sum). :class:`ShareBalancer` does it for plans whose replicas are one stage each and
+sync every step (``Plan.fixed_shares_reason``): each rank posts the median speed of its last
+``WINDOW_STEPS`` steps (:func:`step_speed`) in the job's agreement after a step
+(``agreement.StepAgreement``); every rank reads the same values at the same step and takes
+the same new shares (:func:`balanced_shares`, within :func:`sample_caps`) from its next
+step when they shorten the predicted step by more than ``MIN_GAIN`` (values posted before
+the last change are stale). Each replica keeps its plan's number of micro-batches, cut
+evenly (:func:`even_cut`); pipelines, islands that train on their own and rehearsals keep
+the plan's shares.
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
-"""Import the published Sailor measurements (profiles, network curves, model sizes).
+"""Read the published Sailor measurements (profiles, network curves, model sizes).
 
 The data is the artifact of the Sailor planner (ETH Zurich EASL, SOSP 2025; MIT licence),
-read at run time from a folder such as ``../shared/data/sailor`` (see its README.md); it is
-never copied into this repository. This module turns it into hplan's own types:
+read at run time from a folder such as ``../shared/data/sailor`` (see its README.md) and never
+copied into this repository. This module turns its per-layer profiles into a ``Profile``
+(units ``layer0`` .. ``layer25``, source ``imported``) and its fitted network curves into
+alpha-beta links; ``plan.py`` imports its measured plans.
 
-- per-layer profiles ``profiles/OPT-350_<GPU>.json`` (``{mbs: {tp: {layer: [fwd_s, bwd_s,
-  update_s]}}}``) -> a :class:`~hplan.planner.profiling.profile_file.Profile` (units ``layer0`` ..
-  ``layer25``, source ``imported``);
-- fitted network curves ``network/*.json`` -> alpha-beta links
-  (:func:`curves_alpha_beta` over the message sizes a plan really sends);
-- measured plans -> hplan ``Plan`` objects (``sailor_plan.py``).
-
-Tensor parallelism: the study runs stages on ``tp`` GPUs of one machine. hplan plans have one
-device per stage, so a tensor-parallel group is imported as *one logical device*: kind
-``<kind>-tp<tp>`` (``rtx3090-tp2``; ``tp`` 1 keeps the plain kind), its times are the
-profile's ``tp`` entry and its memory is the sum of its GPUs' memory. The runtime never runs
-such a plan (it has no tensor parallelism).
-
-What the model sizes say (``llm_info_OPT-350.json``, checked against OPT-350's shapes,
-hidden 1024, sequence 2048, 24 layers, 16 heads, vocabulary 50272): a layer's 12,596,224
-parameters are exactly a GPT block with a 4x MLP; the embedding's 53,608,448 are a
-vocabulary padded to 50304 (Megatron pads to a multiple of 128) plus 2048 positions; the head
-is an untied 50304 x 1024 projection plus the final LayerNorm. ``act_output_floats`` is
-2048 x 1024 per sample and every ``*_bytes`` field is ``floats x 4``: the study trains in
-float32, whatever the data folder's README says. Three independent signs: the gradient
-all-reduce of ``mit/plan_config_N4_D4`` takes the ring time of 4 bytes per parameter
-(DeepSpeed's fp16 engine all-reduces fp16 gradients); the profiles' per-GPU throughput
-follows the cards' float32 peaks (a layer runs 1.7x faster on an RTX-3090 than on a
-Titan-RTX, 35.6 against 16.3 fp32 TFLOPS, where fp16 tensor cores would make the Titan the
-faster one, 130 against 71 TFLOPS; a V100 reaches about half its fp32 peak, 7% of its fp16
-one); and the 2-stage plan ``mit/plan_config_N2_D1`` is predicted within 1% with float32
-boundary activations, 15% short with fp16 ones. So a boundary activation is 4 bytes per
-element on the wire (:data:`TRAINING_DTYPE`), and so are the all-reduced gradients.
-The study's model is a GPT-2-style model with OPT-350's sizes; the real OPT-350m has a
-512-wide embedding with projections and ties its head (331M parameters, here 407M).
+A tensor-parallel group of ``tp`` GPUs of one machine is imported as *one logical device*
+(kind ``rtx3090-tp2``; ``tp`` 1 keeps the plain kind) with the profile's ``tp`` times and its
+GPUs' memory summed: hplan plans have one device per stage. The study trains in float32
+(:data:`TRAINING_DTYPE`): boundary activations and all-reduced gradients are 4 bytes an element.
 """
 
 from __future__ import annotations

@@ -1,54 +1,22 @@
-"""Import the study's measured plans (``plans/*/plan_config_*.json``) as hplan ``Plan`` s.
+"""Import the study's measured plans as hplan ``Plan`` s, and simulate them as the study ran.
 
-A study plan lists, per pipeline stage, its layers and its data-parallel replicas, each a
-machine running the stage as a tensor-parallel group of ``tp`` GPUs. The import:
-
-- one node per (replica, stage) machine, holding one *logical* device: the tp group
-  (kind ``rtx3090-tp2``, memory = tp x the GPU's memory; see ``sailor_data.py``);
-- the hplan replicas are the study's pipeline replicas (``sailor_study.StudyPlan``; a
-  pipeline whose stages have different ``dp`` is refused: hplan replicas are whole
-  pipelines);
-- each replica processes ``gbs / replicas`` samples in micro-batches of ``mbs``;
-- the cut after a stage carries what the study's runtime (Sailor's Megatron-DeepSpeed
-  ``OPTModelPipe`` on its DeepSpeed pipeline engine) sends: the float32 hidden state
-  ``(mbs, 2048, 1024)``, partitioned over the tp ranks (``PartitionedTensor``: each sends
-  1/tp, one copy per machine), and back its gradient. No attention mask: the model keeps
-  the causal mask in ``args.attn_mask`` on every stage (its ``OPTEmbeddingPipe`` asserts
-  that it is not forwarded as an activation);
-- links: alpha-beta fits of the study's inter-node curves over the message sizes the plan
-  sends (``sailor_data.curves_alpha_beta``; which curve: ``sailor_data.inter_node_curve``);
-- the report: per-rank forward/backward/optimizer times summed over the stage's layers from
-  the imported profile at ``(mbs, tp)``; gradient all-reduce groups per holder set of
-  layers, fp32 gradients (4 bytes per parameter).
-
-:func:`study_sim_spec` is the simulator's view: ``spec_from_plan`` plus what a plan cannot
-say: blocking point-to-point transfers (DeepSpeed's ``p2p.send``/``recv`` are blocking;
-``SimSpec.blocking_p2p``) and gradients summed after the whole schedule (its pipeline engine
-reduces them after the last micro-batch; ``SimSpec.bucket_cap_bytes`` None).
+One node per (replica, stage) machine, holding one logical device (the tp group, see
+``data.py``); the hplan replicas are the study's pipeline replicas, each processing
+``gbs / replicas`` samples in micro-batches of ``mbs``. A cut carries what the study's runtime
+(Megatron-DeepSpeed's pipeline engine) sends: the float32 hidden state ``(mbs, 2048, 1024)``
+and back its gradient, no attention mask. Links are alpha-beta fits of the study's curves over
+the message sizes the plan sends; the report's times are the imported profile's at
+``(mbs, tp)``. :func:`study_sim_spec` adds what a plan cannot say: blocking point-to-point
+(``SimSpec.blocking_p2p``) and the gradient all-reduce after the schedule.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from pathlib import Path
 
 from hplan.planner.sim.ir import SimSpec
 from hplan.planner.sim.spec import spec_from_plan
-from hplan.planner.studies.sailor_data import (
-    ADAM_MIXED_BYTES_PER_PARAM,
-    MODEL,
-    TRAINING_DTYPE,
-    BandwidthCurve,
-    SailorData,
-    curves_alpha_beta,
-    device_kind,
-    inter_node_curve,
-    kind_figures,
-    load_sailor,
-    unit_name,
-)
-from hplan.planner.studies.sailor_study import Machine, StudyPlan, StudyStage, read_study_plan
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.holders import holders, shared_bytes
 from hplan.runtime.contract.plan import (
@@ -71,6 +39,20 @@ from hplan.runtime.contract.plan import (
     UnitMemorySpec,
     UnitSpec,
 )
+
+from .data import (
+    ADAM_MIXED_BYTES_PER_PARAM,
+    MODEL,
+    TRAINING_DTYPE,
+    BandwidthCurve,
+    SailorData,
+    curves_alpha_beta,
+    device_kind,
+    inter_node_curve,
+    kind_figures,
+    unit_name,
+)
+from .study import Machine, StudyPlan, StudyStage
 
 GRAD_WIRE_BYTES = 4
 """Gradients are all-reduced in fp32 (checked: the study's ``red_grads`` of
@@ -113,7 +95,7 @@ def stage_times_s(
     return (sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows))
 
 
-def stage_memory_bytes(
+def study_stage_memory_bytes(
     data: SailorData, machine: Machine, mbs: int, layers: tuple[int, ...], in_flight: int
 ) -> int:
     """Predicted peak of one GPU of the tp group: mixed-precision Adam state of its shard
@@ -226,7 +208,9 @@ def _rank_report(
         rank=rank,
         stage_time_per_microbatch_s=fwd_s + bwd_s,
         busy_time_s=(fwd_s + bwd_s) * num_mb + opt_s,
-        memory_bytes=stage_memory_bytes(data, stage.machine, study.mbs, stage.layers, in_flight),
+        memory_bytes=study_stage_memory_bytes(
+            data, stage.machine, study.mbs, stage.layers, in_flight
+        ),
         memory_capacity_bytes=data.memory_per_gpu_bytes(stage.machine.gpu),
         forward_time_s=fwd_s,
         backward_time_s=bwd_s,
@@ -235,7 +219,9 @@ def _rank_report(
     )
 
 
-def grad_sync_groups(data: SailorData, ranks: tuple[RankPlan, ...]) -> tuple[GradSyncReport, ...]:
+def study_grad_sync_reports(
+    data: SailorData, ranks: tuple[RankPlan, ...]
+) -> tuple[GradSyncReport, ...]:
     """The fp32 gradient all-reduce groups: per layer the ranks that hold it, merged by
     holder set (sorted by ranks), as hplan's runtime buckets them."""
     layer_holders = holders(
@@ -270,7 +256,7 @@ def _report(
             f"imported from the Sailor study plan {study.name}: measured {study.real_s:g} s "
             "per iteration",
         ),
-        grad_sync=grad_sync_groups(data, ranks),
+        grad_sync=study_grad_sync_reports(data, ranks),
     )
 
 
@@ -340,29 +326,3 @@ def study_sim_spec(plan: Plan) -> SimSpec:
     ``spec_from_plan(plan)`` (the plan's cuts carry exactly what that runtime sends) with
     blocking point-to-point transfers and the all-reduce after the schedule."""
     return replace(spec_from_plan(plan), blocking_p2p=True, bucket_cap_bytes=None)
-
-
-def load_study_plan(
-    plan_path: str | Path, data_root: str | Path | None = None
-) -> tuple[SailorData, StudyPlan, Plan, SimSpec]:
-    """Read one measured plan and its data folder; return the data, the study plan, the
-    imported ``Plan`` and its simulator spec (what ``hplan simulate --import-study`` runs).
-
-    Args:
-        data_root: the Sailor data folder; None: the folder two levels above the plan's
-            (``<root>/plans/<cluster>/plan_config_*.json``).
-
-    Raises:
-        ConfigError: see :func:`load_sailor`, :func:`read_study_plan`,
-            :func:`import_study_plan`.
-    """
-    plan_path = Path(plan_path)
-    study = read_study_plan(plan_path)
-    parents = plan_path.resolve().parents
-    if data_root is None and len(parents) < 3:
-        raise ConfigError(
-            f"cannot tell the Sailor data folder from {str(plan_path)!r}; pass it with --profiles"
-        )
-    data = load_sailor(Path(data_root) if data_root is not None else parents[2])
-    plan = import_study_plan(data, study)
-    return data, study, plan, study_sim_spec(plan)
