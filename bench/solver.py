@@ -1,8 +1,10 @@
 """Solver benchmark: wall time and proven gap by model depth and device count.
 
-Targets (issue 2): 24 units x 8 devices in <= 5 s; 96 units x 32 devices of 4 types in
-<= 60 s. Runs the real CLI (`hplan solve --json`) on GPT models of the right depth
-(units = layers + token embedding + position embedding + final norm + head).
+Targets: 24 units x 8 devices in <= 5 s; 96 units x 32 devices of 4 types in <= 60 s; a
+350M-parameter model (24 layers of width 1024, as ViT-L) on 64 GPUs of 8 kinds within its
+``--time-limit`` of 60 s, capture apart (``--time-limit`` bounds the whole solve). Runs the
+real CLI (`hplan solve --json`) on GPT models of the right depth (units = layers + token
+embedding + position embedding + final norm + head); "solve s" is the time after the capture.
 
     python bench/solver.py
 """
@@ -34,9 +36,28 @@ links:
   inter_node: {bandwidth_gbit_per_s: 25, latency_us: 20}
 """
 
+SIXTY_FOUR = """\
+name: bench-64
+nodes:
+  - {name: a1, host: 10.0.1.1, devices: [{type: a100-80gb, count: 8}]}
+  - {name: a2, host: 10.0.1.2, devices: [{type: a100-40gb, count: 8}]}
+  - {name: g1, host: 10.0.2.1, devices: [{type: rtx4090, count: 8}]}
+  - {name: g2, host: 10.0.2.2, devices: [{type: rtx4090, count: 8}]}
+  - {name: g3, host: 10.0.3.1, devices: [{type: rtx3090, count: 8}]}
+  - {name: g4, host: 10.0.3.2, devices: [{type: rtx3090, count: 8}]}
+  - {name: g5, host: 10.0.4.1, devices: [{type: rtx3060, count: 8}]}
+  - {name: g6, host: 10.0.4.2, devices: [{type: rtx3080, count: 8}]}
+links:
+  inter_node: {bandwidth_gbit_per_s: 25, latency_us: 20}
+"""
+
+GPT_SMALL = {"width": 256, "heads": 4, "seq": 256}
+VIT_L = {"width": 1024, "heads": 16, "seq": 1024}
+
 CASES = [
-    ("24 units x 8 devices", 20, EIGHT, 64, 5.0),
-    ("96 units x 32 devices, 4 types", 92, THIRTY_TWO, 256, 60.0),
+    ("24 units x 8 devices", 20, GPT_SMALL, EIGHT, 64, 5.0),
+    ("96 units x 32 devices, 4 types", 92, GPT_SMALL, THIRTY_TWO, 256, 60.0),
+    ("28 units (ViT-L size) x 64 devices, 8 types", 24, VIT_L, SIXTY_FOUR, 512, 60.0),
 ]
 
 
@@ -45,10 +66,10 @@ def main() -> None:
         "hplan solver benchmark",
         ["case", "solve s", "target s", "status", "gap", "replicas", "verdict"],
     )
-    for name, layers, cluster_text, batch, target_s in CASES:
+    for name, layers, shape, cluster_text, batch, target_s in CASES:
         cluster = write_cluster(cluster_text)
         with tempfile.TemporaryDirectory() as tmp:
-            env = gpt_env(layers=layers, width=256, heads=4, seq=256)
+            env = gpt_env(layers=layers, **shape)
             result = solve(
                 GPT,
                 cluster,
@@ -61,10 +82,11 @@ def main() -> None:
             continue
         report = result["report"]
         gap = report["optimality_gap"]
-        verdict = "ok" if result["solve_time_s"] <= target_s else "SLOW"
+        after_capture_s = result["total_time_s"] - result["phase_times_s"]["capture"]
+        verdict = "ok" if after_capture_s <= target_s else "SLOW"
         out.add_row(
             name,
-            f"{result['solve_time_s']:.2f}",
+            f"{after_capture_s:.2f}",
             f"{target_s:g}",
             report["solver_status"],
             "-" if gap is None else f"{gap:.1%}",

@@ -1,43 +1,29 @@
 """The compiler as a pass pipeline: model file + cluster file -> verified Plan.
 
-:data:`PASSES`, in order (each a named pure function of the results before it, its result
-checked by its own ``verify()``; ``passes.run_passes`` runs them and names a failing pass):
-
-1. ``cluster``: cluster.yaml, with measured links over its own (``hardware/``), and what
-   each device computes in, for ``--precision`` (``hardware/catalog.resolve_precision``);
-2. ``capture``: the model built once, its two example batches, its graph traced once
-   (``frontend/capture.py``); with ``--capture FILE``, the capture file of ``hplan capture``
-   instead, checked against the model file and settings (``frontend/capture_file.py``);
-3. ``trains_check``: the loss of the captured model can be trained on, and what it saves
-   for its backward (``frontend/trains_check.py``; the file's verdict, when the capture
-   came from one);
-4. ``cost_graph``: the networkx cost graph: per-node costs (the last unit's with the
-   loss's), partition units, cuts (``frontend/cost_graph.py``; the file's, when the capture
-   came from one);
-5. ``runtime_bytes``: what a plan of this model sends across each cut and sums per
-   gradient bucket (``sim/spec.RuntimeBytes``);
-6. ``time_source``: unit times from a measured profile, or the roofline (``cost/``);
-7. ``problem``: the solver's arrays (``cost/problem_builder.py``);
-8. ``solve``: the layout, re-costed, validated, and simulated once with the bytes its plan
-   will send (``solve/solver.py``; or a baseline's layout when asked);
-9. ``report``: the plan's "why" (``emit/report.py``);
-10. ``plan``: the plan, its gradient buckets and the solver's simulated step time
-    (``emit/plan_build.py``).
+:data:`PASSES`, in order, each a named pure function of the results before it whose result
+is checked by its own ``verify()`` (``passes.run_passes`` runs them and names a failing
+pass; ``hplan solve --dump-passes DIR`` writes every result as JSON): ``cluster``
+(``hardware/``), ``capture``, ``trains_check``, ``cost_graph`` (``frontend/``; or a capture
+file), ``runtime_bytes`` (``sim/spec``), ``time_source`` and ``problem`` (``cost/``), the
+solver's named steps ``generate``, ``evaluate``, ``validate``, ``simulate`` and ``choose``
+(``solve/``), then ``report`` and ``plan`` (``emit/``). ``--time-limit`` counts from the cost
+passes on: the capture apart, it bounds the solve.
 
 The CLI calls :func:`plan_training` and ``hplan.planner.emit.artifacts.emit``; nothing else
-plans. ``hplan solve --dump-passes DIR`` writes every pass's result as JSON.
+plans.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
+from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.problem_builder import (
     RooflineSource,
     UnitTimeSource,
@@ -68,7 +54,7 @@ from hplan.planner.frontend.capture_file import (
 )
 from hplan.planner.frontend.cost_graph import ModelGraph, model_graph
 from hplan.planner.frontend.trains_check import TrainsVerdict, check_trains
-from hplan.planner.hardware.catalog import PRECISION_CHOICES, DeviceClass, resolve_precision
+from hplan.planner.hardware.catalog import DeviceClass, PrecisionRequest, resolve_precision
 from hplan.planner.hardware.cluster import Cluster, Device, load_cluster, to_cluster_spec
 from hplan.planner.hardware.measured_links import load_measured_links
 from hplan.planner.passes import Pass, PassObserver, PassResults, run_passes
@@ -76,13 +62,24 @@ from hplan.planner.profiling.comm_calibration import with_calibrated_collectives
 from hplan.planner.profiling.profile_file import load_profiles
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.baselines import (
+    Strategy,
     data_parallel_equal,
     pipeline_possible,
     uniform_pipeline,
 )
+from hplan.planner.solve.milp import MilpBackend
 from hplan.planner.solve.previous import keep_previous
 from hplan.planner.solve.search import SolveOptions
-from hplan.planner.solve.solver import SolveResult, solve
+from hplan.planner.solve.solver import (
+    Candidates,
+    SolveResult,
+    choose,
+    evaluate_candidates,
+    generate_step,
+    simulate_candidates,
+    validate_candidates,
+)
+from hplan.planner.solve.strategy import Generated, requested_only
 from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError, ModelFileError
@@ -98,18 +95,6 @@ from hplan.runtime.contract.plan import (
     ZeroStage,
 )
 
-
-class Strategy(StrEnum):
-    """Who decides the layout."""
-
-    HPLAN = "hplan"
-    DATA_PARALLEL = "ddp"
-    """Equal-batch data parallel on every device (what DDP does)."""
-    UNIFORM_PIPELINE = "uniform"
-    """Equal-layer pipelines of two or more stages with equal batches (Megatron/DeepSpeed
-    ``uniform``)."""
-
-
 MAX_GLOBAL_BATCH_SIZE = 2**30
 """The largest ``-b`` accepted (samples per optimizer step). The search's arrays grow with
 the batch: 10^12 ran out of memory inside the solver after 35 s (a fresh-user trial)."""
@@ -124,7 +109,8 @@ class SolveRequest:
     global_batch_size: int = 32
     micro_batch_sizes: tuple[int, ...] | None = None
     time_limit_s: float = 60.0
-    solver: str | None = None
+    solver: MilpBackend | None = None
+    """The MILP backend (``--solver``); None: the first that works."""
     max_stages: int = 8
     schedule: Schedule = Schedule.ONE_F_ONE_B
     seed: int = 0
@@ -148,8 +134,8 @@ class SolveRequest:
     """Plan for these nodes of the cluster file only (``hplan replan``); None: all."""
     without: tuple[str, ...] = ()
     """Nodes and devices (``box-b``, ``box-b/1``) of the cluster file to leave out (lost)."""
-    precision: str = "auto"
-    """``auto`` or a ``Precision`` value for every device (``catalog.resolve_precision``)."""
+    precision: PrecisionRequest = PrecisionRequest.AUTO
+    """``auto`` or one ``Precision`` for every device (``catalog.resolve_precision``)."""
     capture_path: Path | None = None
     """A capture file of the model (``hplan capture``): its cost graph and trains verdict
     stand for the capture, cost_graph and trains_check passes. None: capture the model."""
@@ -158,18 +144,33 @@ class SolveRequest:
     ``--steps`` at run time overrides it). None: see ``epochs``."""
     epochs: int | None = None
     """Passes over the model file's ``dataset()`` a run trains, instead of ``steps``."""
-    sync: str = SyncRequest.AUTO.value
+    sync: SyncRequest = SyncRequest.AUTO
     """Which sync modes across islands the planner may choose (``solve.sync_choice``)."""
     max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
     """H at most under local sync (``--max-local-steps``)."""
-    recompute: str = RecomputePolicy.AUTO.value
-    """Which stages may recompute their activations (``RecomputePolicy``)."""
-    zero: str = "auto"
-    """ZeRO (stage 1, or 2 where 1 does not fit): ``auto``, ``never``, ``always``
-    (``SolveOptions.zero``)."""
-    offload: str = "auto"
-    """Optimizer-state offload to host memory: ``auto``, ``never``, ``always``
-    (``SolveOptions.offload``)."""
+    recompute: Policy = Policy.AUTO
+    """Which stages may recompute their activations."""
+    zero: Policy = Policy.AUTO
+    """ZeRO (stage 1, or 2 where 1 does not fit; ``SolveOptions.zero``)."""
+    offload: Policy = Policy.AUTO
+    """Optimizer-state offload to host memory (``SolveOptions.offload``)."""
+
+    def __post_init__(self) -> None:
+        """Enum fields given as strings (a script's ``sync="local_sgd"``) become members.
+
+        Raises:
+            ConfigError: a value is not one of its enum's, naming the option and the choices.
+        """
+        for name, kind in _ENUM_FIELDS:
+            value = getattr(self, name)
+            if value is None or isinstance(value, kind):
+                continue
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                choices = ", ".join(m.value for m in kind)
+                option = "--" + name.replace("_", "-")
+                raise ConfigError(f"{option} {value!r} is not one of {choices}") from None
 
     def verify(self) -> None:
         """Check every option that can be checked without the model: ranges, micro-batch
@@ -196,26 +197,16 @@ class SolveRequest:
         _check_training_length(self.steps, self.epochs)
         if not 1 <= self.master_port <= 65534:
             raise ConfigError(f"--master-port {self.master_port} must be in 1..65534")
-        if self.precision not in PRECISION_CHOICES:
-            raise ConfigError(
-                f"--precision {self.precision!r} is not one of {', '.join(PRECISION_CHOICES)}"
-            )
-        _check_sync(self.sync, self.max_local_steps)
-        if self.zero not in ("auto", "never", "always"):
-            raise ConfigError(f"--zero {self.zero!r} is not one of auto, never, always")
-        if self.offload not in ("auto", "never", "always"):
-            raise ConfigError(f"--offload {self.offload!r} is not one of auto, never, always")
-        if self.offload == "always" and self.zero == "always":
+        _check_local_steps(self.max_local_steps)
+        if self.offload is Policy.ALWAYS and self.zero is Policy.ALWAYS:
             raise ConfigError(
                 "--offload always and --zero always cannot be combined (offload does not run "
                 "with ZeRO shards); choose one of them"
             )
-        if self.recompute not in {p.value for p in RecomputePolicy}:
-            raise ConfigError(
-                f"--recompute {self.recompute!r} is not one of "
-                f"{', '.join(p.value for p in RecomputePolicy)}"
-            )
-        if self.strategy is not Strategy.HPLAN and self.sync not in ("auto", "all_reduce"):
+        if self.strategy is not Strategy.HPLAN and self.sync not in (
+            SyncRequest.AUTO,
+            SyncRequest.ALL_REDUCE,
+        ):
             raise ConfigError(
                 f"--strategy {self.strategy.value} is a baseline that all-reduces every step; "
                 f"--sync {self.sync} needs --strategy hplan"
@@ -239,11 +230,21 @@ class SolveRequest:
             Plan.load(self.previous_plan_path)  # a bad plan is refused before the solve
 
 
-def _check_sync(sync: str, max_local_steps: int) -> None:
-    """``sync`` a ``SyncRequest`` value, ``max_local_steps`` >= 1 (a ConfigError otherwise)."""
-    choices = [r.value for r in SyncRequest]
-    if sync not in choices:
-        raise ConfigError(f"--sync {sync!r} is not one of {', '.join(choices)}")
+_ENUM_FIELDS: tuple[tuple[str, type[StrEnum]], ...] = (
+    ("schedule", Schedule),
+    ("strategy", Strategy),
+    ("solver", MilpBackend),
+    ("precision", PrecisionRequest),
+    ("sync", SyncRequest),
+    ("recompute", Policy),
+    ("zero", Policy),
+    ("offload", Policy),
+)
+"""The fields of :class:`SolveRequest` that hold an enum member, and its class."""
+
+
+def _check_local_steps(max_local_steps: int) -> None:
+    """``max_local_steps`` in 1..``MAX_LOCAL_STEPS`` (a ConfigError otherwise)."""
     if not 1 <= max_local_steps <= MAX_LOCAL_STEPS:
         raise ConfigError(
             f"--max-local-steps {max_local_steps} must be in 1..{MAX_LOCAL_STEPS} (inner "
@@ -331,7 +332,7 @@ class PlanningOutcome:
     problem: PlanningProblem
     result: SolveResult
     solve_time_s: float
-    """Wall time of the ``solve`` pass."""
+    """Wall time of the solver's passes (:data:`SOLVE_PASSES`), seconds."""
     pass_times_s: tuple[tuple[str, float], ...] = ()
     """Wall time of every pass, in order: (pass name, seconds)."""
 
@@ -371,8 +372,8 @@ def plan_training(
         plan=results["plan"],
         graph=results["cost_graph"],
         problem=results["problem"],
-        result=results["solve"],
-        solve_time_s=results["solve.time_s"],
+        result=results["choose"],
+        solve_time_s=sum(results[f"{name}.time_s"] for name in SOLVE_PASSES),
         pass_times_s=tuple((step.name, results[f"{step.name}.time_s"]) for step in PASSES),
     )
 
@@ -403,7 +404,7 @@ def cluster_pass(r: PassResults) -> ClusterInput:
     if request.nodes is not None or request.without:
         cluster = cluster.select(nodes=request.nodes, without=request.without)
     _check_device_mix(cluster)
-    _check_islands(cluster, SyncRequest(request.sync))
+    _check_islands(cluster, request.sync)
     return ClusterInput(cluster, notes, _device_precisions(request, cluster))
 
 
@@ -500,37 +501,70 @@ def problem_pass(r: PassResults) -> PlanningProblem:
         optimizer_state_bytes_per_param_byte=optimizer_factor,
         time_source=r["time_source"],
         precisions=r["cluster"].precisions.by_device,
-        recompute=RecomputePolicy(request.recompute),
+        recompute=request.recompute,
+        schedule=request.schedule,
     )
 
 
-def solve_pass(r: PassResults) -> SolveResult:
-    """The layout: solved (or ``--previous``'s, when predicted no slower), or the requested
-    baseline's; simulated with the plan's bytes."""
+def _solve_options(request: SolveRequest) -> SolveOptions:
+    return SolveOptions(
+        time_limit_s=request.time_limit_s,
+        backend=request.solver,
+        max_stages=request.max_stages,
+        sync=request.sync,
+        max_local_steps=request.max_local_steps,
+        zero=request.zero,
+        offload=request.offload,
+    )
+
+
+def generate_pass(r: PassResults) -> Generated:
+    """Every strategy family's candidate layouts (``solve.strategy``), with the throughput
+    bound computed meanwhile. ``--time-limit`` counts from the cost phase on (capture
+    apart), so it bounds everything after the capture; a requested baseline generates
+    nothing (the choose pass builds it)."""
+    request, problem = _request(r), r["problem"]
+    started_s = time.monotonic() - r["time_source.time_s"] - r["problem.time_s"]
+    deadline_s = started_s + request.time_limit_s
+    if request.strategy is not Strategy.HPLAN:
+        return requested_only(problem, _solve_options(request), deadline_s=deadline_s)
+    return generate_step(problem, _solve_options(request), deadline_s=deadline_s, with_bound=True)
+
+
+def evaluate_pass(r: PassResults) -> Candidates:
+    """Every candidate re-costed by the exact evaluator, ranked per family and pool."""
+    return evaluate_candidates(r["problem"], r["generate"])
+
+
+def validate_pass(r: PassResults) -> Candidates:
+    """Every candidate checked by the independent validator (rejected ones kept, named)."""
+    return validate_candidates(r["problem"], r["evaluate"])
+
+
+def simulate_pass(r: PassResults) -> Candidates:
+    """Each pool's best valid layouts simulated with the bytes their plans will send."""
+    generated: Generated = r["generate"]
+    return simulate_candidates(
+        r["problem"], r["validate"], r["runtime_bytes"], deadline_s=generated.deadline_s
+    )
+
+
+def choose_pass(r: PassResults) -> SolveResult:
+    """The layout: the search's choice (or ``--previous``'s, when predicted no slower), or
+    the requested baseline's."""
     request, problem, runtime = _request(r), r["problem"], r["runtime_bytes"]
-    if request.strategy is Strategy.HPLAN:
-        options = SolveOptions(
-            time_limit_s=request.time_limit_s,
-            backend=request.solver,
-            max_stages=request.max_stages,
-            sync=SyncRequest(request.sync),
-            max_local_steps=request.max_local_steps,
-            zero=request.zero,
-            offload=request.offload,
-        )
-        result = solve(
-            problem, options, schedule=request.schedule, runtime=runtime, with_bound=True
-        )
-        if request.previous_plan_path is None:
-            return result
-        path = request.previous_plan_path
-        return keep_previous(problem, result, Plan.load(path), path, request.schedule, runtime)
-    return _baseline(problem, request, runtime)
+    if request.strategy is not Strategy.HPLAN:
+        return _baseline(problem, request, runtime)
+    result = choose(problem, _solve_options(request), r["simulate"], runtime)
+    if request.previous_plan_path is None:
+        return result
+    path = request.previous_plan_path
+    return keep_previous(problem, result, Plan.load(path), path, request.schedule, runtime)
 
 
 def report_pass(r: PassResults) -> Report:
     """The plan's report, with each rank's cost source when a profile was given."""
-    request, problem, result = _request(r), r["problem"], r["solve"]
+    request, problem, result = _request(r), r["problem"], r["choose"]
     graph: ModelGraph = r["cost_graph"]
     source: UnitTimeSource = r["time_source"]
     notes = (*graph.notes, *r["trains_check"].notes, *r["cluster"].link_notes)
@@ -560,7 +594,7 @@ def report_pass(r: PassResults) -> Report:
 
 def plan_pass(r: PassResults) -> Plan:
     """The plan of the chosen layout, its gradient buckets and its simulated step time."""
-    request, problem, result = _request(r), r["problem"], r["solve"]
+    request, problem, result = _request(r), r["problem"], r["choose"]
     graph: ModelGraph = r["cost_graph"]
     captured: Capture = r["capture"]
     cluster = r["cluster"].cluster
@@ -613,17 +647,24 @@ PASSES: Sequence[Pass] = (
     ),
     Pass("time_source", time_source_pass),
     Pass("problem", problem_pass),
-    Pass("solve", solve_pass, _solving),
+    Pass("generate", generate_pass, _solving),
+    Pass("evaluate", evaluate_pass, lambda r: "evaluating the candidates"),
+    Pass("validate", validate_pass, lambda r: "validating the candidates"),
+    Pass("simulate", simulate_pass, lambda r: "simulating the best candidates"),
+    Pass("choose", choose_pass, lambda r: "choosing the layout"),
     Pass("report", report_pass),
     Pass("plan", plan_pass),
 )
 """The passes of a solve, in order (see the module docstring)."""
 
+SOLVE_PASSES = ("generate", "evaluate", "validate", "simulate", "choose")
+"""The solver's named steps (``solve.solver``), each a pass of its own."""
+
 PHASES: Sequence[tuple[str, tuple[str, ...]]] = (
     ("cluster", ("cluster",)),
     ("capture", ("capture", "trains_check", "cost_graph", "runtime_bytes")),
     ("cost", ("time_source", "problem")),
-    ("solve", ("solve",)),
+    ("solve", SOLVE_PASSES),
     ("report", ("report", "plan")),
 )
 """What ``hplan solve`` shows progress and times for: each phase and its passes, in order

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+from typing import Any, Generic, TypeVar
+
+import click
 from rich.console import Console
 
 from hplan.runtime.contract.errors import ConfigError
+
+E = TypeVar("E", bound=StrEnum)
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 """Human output of every command (machine output, ``--json``, goes to stdout)."""
@@ -31,3 +37,18 @@ def parse_sizes(text: str | None) -> tuple[int, ...] | None:
     if sizes[0] < 1:
         raise ConfigError(f"--micro-batch-sizes {text!r} must be integers >= 1, like 1,2,4")
     return sizes
+
+
+class EnumChoice(click.Choice, Generic[E]):  # type: ignore[type-arg]
+    """A click choice of ``kind``'s values (case-insensitive) that gives the member itself,
+    so that a policy is an enum from the command line on (``--zero never`` ->
+    ``Policy.NEVER``). ``--help`` lists the values, not the member names."""
+
+    def __init__(self, kind: type[E]) -> None:
+        super().__init__([m.value for m in kind], case_sensitive=False)
+        self.kind = kind
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> E:
+        if isinstance(value, self.kind):
+            return value
+        return self.kind(super().convert(value, param, ctx))

@@ -47,6 +47,8 @@ class PhaseProgress:
         self._task: TaskID | None = None
         self.times_s: dict[str, float] = {}
         """Finished phases' wall time in seconds, in the order they ran."""
+        self.pass_times_s: dict[str, float] = {}
+        """Finished passes' wall time in seconds, in the order they ran."""
 
     def __enter__(self) -> PhaseProgress:
         if self._console.is_terminal:  # elsewhere a live display only leaves a blank line
@@ -79,6 +81,7 @@ class PhaseProgress:
         """A pass ended after ``time_s`` seconds: added to its phase's time."""
         phase = self._phase_of(name)
         self.times_s[phase] = self.times_s.get(phase, 0.0) + time_s
+        self.pass_times_s[name] = time_s
 
     # ------------------------------------------------------------------ other phases
     @contextmanager

@@ -32,6 +32,9 @@ from hplan.planner.cli.solve import (
     write_files,
     zero_option,
 )
+from hplan.planner.cost.problem import Policy
+from hplan.planner.hardware.catalog import PrecisionRequest
+from hplan.planner.solve.sync_choice import SyncRequest
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import OuterSyncSpec, Plan, SyncMode
 
@@ -94,12 +97,12 @@ def replan(
     out_dir: Path | None,
     time_limit_s: float,
     micro_batch_sizes: str | None,
-    precision: str | None,
-    sync: str,
+    precision: PrecisionRequest | None,
+    sync: SyncRequest,
     max_local_steps: int,
-    recompute: str,
-    zero: str,
-    offload: str,
+    recompute: Policy,
+    zero: Policy,
+    offload: Policy,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     model_override: Path | None,
@@ -153,7 +156,7 @@ def replan(
     with PhaseProgress(stderr, phase_of) as progress:
         outcome = plan_training(request, progress=progress)
         written = write_files(outcome, out_dir, progress)
-    print_plan(outcome, out_dir, written, progress.times_s, started_s, as_json=as_json)
+    print_plan(outcome, out_dir, written, progress, started_s, as_json=as_json)
     lost = ", ".join(without) or "none"
     stderr.print(
         f"re-planned for {len(outcome.plan.cluster.devices)} devices (lost: {lost}; "
@@ -162,10 +165,10 @@ def replan(
     )
 
 
-def _plan_precision(plan: Plan) -> str:
+def _plan_precision(plan: Plan) -> PrecisionRequest:
     """The precision the plan's ranks share (kept by a re-plan), else ``auto``."""
     used = {r.precision.value for r in plan.ranks}
-    return used.pop() if len(used) == 1 else "auto"
+    return PrecisionRequest(used.pop()) if len(used) == 1 else PrecisionRequest.AUTO
 
 
 def _given(parameter: str) -> bool:
@@ -174,11 +177,11 @@ def _given(parameter: str) -> bool:
     return source is not None and source is not click.core.ParameterSource.DEFAULT
 
 
-def _plan_sync(plan: Plan, nodes_left: int) -> str:
+def _plan_sync(plan: Plan, nodes_left: int) -> SyncRequest:
     """The cross-island mode the plan runs (kept by a re-plan where it syncs locally and
     more than one node is left to sync across), else ``auto``."""
     local = {g.mode.value for g in _local_groups(plan)}
-    return local.pop() if len(local) == 1 and nodes_left > 1 else "auto"
+    return SyncRequest(local.pop()) if len(local) == 1 and nodes_left > 1 else SyncRequest.AUTO
 
 
 def _nodes_left(cluster: Cluster, left_out: tuple[str, ...]) -> int:

@@ -20,8 +20,8 @@ JPDC 2009); a stage's memory under 1F1B, recomputation included, is
 
 from __future__ import annotations
 
+import functools
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -30,7 +30,6 @@ import numpy as np
 from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.microbatch import (
     StagePasses,
-    in_flight_microbatches,
     stage_passes,
     units_time_s,
 )
@@ -53,8 +52,8 @@ from hplan.runtime.contract.link_model import (
     ring_all_reduce_time_s,
     transfer_time_s,
 )
-from hplan.runtime.contract.memory import stage_activation_bytes
-from hplan.runtime.contract.plan import microbatch_sizes
+from hplan.runtime.contract.memory import in_flight_microbatches, stage_activation_bytes
+from hplan.runtime.contract.plan import Schedule, microbatch_sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,13 +208,52 @@ def stage_memory_bytes(
     return float(static + acts + buffers)
 
 
+def max_microbatches(
+    problem: PlanningProblem, stages: Sequence[StageLayout], micro_batch_size: int
+) -> int | None:
+    """The most micro-batches of ``micro_batch_size`` that every stage of one pipeline holds
+    in flight within its device's memory, where the schedule keeps all of them (GPipe; 0 when
+    not even one fits). None: no limit (1F1B holds at most ``S - s`` at any count; or
+    memory that does not grow with them).
+
+    A stage's memory is linear in the micro-batches in flight (:func:`stage_memory_bytes`),
+    so two points give the line."""
+    if problem.schedule is not Schedule.GPIPE:
+        return None
+    most: int | None = None
+    for stage in stages:
+        one, two = (
+            stage_memory_bytes(
+                problem,
+                stage.unit_start,
+                stage.unit_stop,
+                micro_batch_size,
+                in_flight,
+                stage.recompute,
+                stage.recompute_units,
+            )
+            for in_flight in (1, 2)
+        )
+        capacity = float(problem.memory_capacity_bytes[stage.device_idx]) * (1 + 1e-12)
+        if one > capacity:
+            return 0
+        if two <= one:
+            continue
+        fits = 1 + int((capacity - one) / (two - one))
+        most = fits if most is None else min(most, fits)
+    return most
+
+
 def unit_input_bytes_per_sample(problem: PlanningProblem, unit: int) -> float:
     """Bytes per sample of the boundary before ``unit`` (the cut after ``unit - 1``; 0 for
     the first): what a recomputed unit keeps of each micro-batch in flight."""
     return float(problem.cut_bytes_per_sample[unit - 1]) if unit > 0 else 0.0
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[StageCost, ...]:
+    """Each stage's costs in ``replica`` (pure: cached by the problem's identity and the
+    replica, so that re-costing a layout whose replicas are mostly unchanged is cheap)."""
     b = min(replica.micro_batch_size, replica.num_samples)
     sizes = microbatch_sizes(replica.num_samples, b)
     passes = stage_passes(problem, replica.stages, np.array([b, sizes[-1]], dtype=float))
@@ -236,13 +274,19 @@ def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[St
             stage.unit_start,
             stage.unit_stop,
             b,
-            in_flight_microbatches(s, num_stages),
+            in_flight_microbatches(problem.schedule, s, num_stages, replica.num_microbatches),
             stage.recompute,
             stage.recompute_units,
         )
         busy = full.compute_s * (len(sizes) - 1) + last.compute_s
         costs.append(StageCost(stage.device_idx, full, last, memory, busy))
     return tuple(costs)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _replica_time_s(problem: PlanningProblem, replica: ReplicaLayout) -> float:
+    """:func:`pipeline_time_s` of ``replica`` (cached like :func:`_replica_costs`)."""
+    return pipeline_time_s(_replica_costs(problem, replica), replica.num_microbatches)
 
 
 def pipeline_time_s(costs: tuple[StageCost, ...], num_microbatches: int) -> float:
@@ -286,30 +330,57 @@ def allreduce_time_s(
     Returns:
         How far the latest device's all-reduce ends after the slowest pipeline (>= 0).
     """
-    total_s: dict[int, float] = defaultdict(float)
-    synced_bytes: dict[int, float] = defaultdict(float)
-    last_s: dict[int, float] = defaultdict(float)
-    for group, num_bytes in step_sync_groups(problem, layout).items():
-        bandwidth_bytes_per_s, latency_s = slowest_link(problem, group)
-        t, last = bucket_rings_s(len(group), num_bytes, bandwidth_bytes_per_s, latency_s)
-        for d in group:
-            total_s[d] += t
-            synced_bytes[d] += num_bytes
-            last_s[d] = max(last_s[d], last)
+    rings = _device_rings(problem, tuple(r.stages for r in layout.replicas), layout.sync)
     slowest_s = max(replica_times_s, default=0.0)
     end_s = slowest_s
     for replica, pipeline_s in zip(layout.replicas, replica_times_s, strict=True):
         last = microbatch_sizes(replica.num_samples, replica.micro_batch_size)[-1]
         for stage in replica.stages:
-            d = stage.device_idx
-            if d not in total_s:
+            if stage.device_idx not in rings:
                 continue
-            _, backward = units_time_s(problem, d, stage.unit_start, stage.unit_stop, last)
-            backward_s = float(backward)
-            window_s = overlap_window_s(backward_s, synced_bytes[d], BUCKET_CAP_BYTES)
-            exposed_s = exposed_all_reduce_s(total_s[d], window_s, last_s[d])
+            total_s, synced_bytes, last_s = rings[stage.device_idx]
+            backward_s = _backward_s(problem, stage, last)
+            window_s = overlap_window_s(backward_s, synced_bytes, BUCKET_CAP_BYTES)
+            exposed_s = exposed_all_reduce_s(total_s, window_s, last_s)
             end_s = max(end_s, pipeline_s + exposed_s)
     return end_s - slowest_s
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _device_rings(
+    problem: PlanningProblem,
+    placement: tuple[tuple[StageLayout, ...], ...],
+    sync: IslandSync | None,
+) -> dict[int, tuple[float, float, float]]:
+    """Device -> (seconds of its every-step rings, the bytes they sum, the ring of its
+    largest last bucket), for a layout of these stages and sync (the shares do not change
+    them: cached by the problem's identity). Read-only."""
+    rings: dict[int, tuple[float, float, float]] = {}
+    for group, num_bytes in step_sync_groups(
+        problem, Layout(_placement_replicas(placement), sync)
+    ).items():
+        bandwidth_bytes_per_s, latency_s = slowest_link(problem, group)
+        t, last = bucket_rings_s(len(group), num_bytes, bandwidth_bytes_per_s, latency_s)
+        for d in group:
+            total_s, synced, last_s = rings.get(d, (0.0, 0.0, 0.0))
+            rings[d] = (total_s + t, synced + num_bytes, max(last_s, last))
+    return rings
+
+
+def _placement_replicas(
+    placement: tuple[tuple[StageLayout, ...], ...],
+) -> tuple[ReplicaLayout, ...]:
+    """Replicas of these stages with one sample each (for what depends on placement only)."""
+    return tuple(ReplicaLayout(stages, 1, 1, 1) for stages in placement)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _backward_s(problem: PlanningProblem, stage: StageLayout, num_samples: int) -> float:
+    """The stage's backward of one micro-batch of ``num_samples`` (no recomputed forward)."""
+    _, backward = units_time_s(
+        problem, stage.device_idx, stage.unit_start, stage.unit_stop, num_samples
+    )
+    return float(backward)
 
 
 def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int, ...], float]:
@@ -320,6 +391,14 @@ def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int
     units, in one group, as the runtime buckets them. Only holder sets of two or more
     devices (a parameter on one device needs no sync).
     """
+    return dict(_grad_sync_groups(problem, tuple(r.stages for r in layout.replicas)))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _grad_sync_groups(
+    problem: PlanningProblem, placement: tuple[tuple[StageLayout, ...], ...]
+) -> dict[tuple[int, ...], float]:
+    """:func:`grad_sync_groups` of a placement (cached by the problem's identity; read-only)."""
     ties = problem.tied_params
     own_bytes = problem.grad_bytes.astype(float)
     for tie in ties:
@@ -330,7 +409,7 @@ def grad_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int
         tied = [("tie", i) for i, tie in enumerate(ties) if set(tie.units) & set(units)]
         return tied + [("unit", u) for u in units]
 
-    stages = [s for replica in layout.replicas for s in replica.stages]
+    stages = [s for stages in placement for s in stages]
     item_holders = holders((s.device_idx, items(s)) for s in stages)
     num_bytes = {("tie", i): tie.num_bytes for i, tie in enumerate(ties)}
     num_bytes.update({("unit", u): float(own_bytes[u]) for u in range(problem.num_units)})
@@ -431,10 +510,7 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
     peak); a micro-batch size above the share is the share (what the runtime runs).
     """
     stages = tuple(_replica_costs(problem, r) for r in layout.replicas)
-    replica_times = tuple(
-        pipeline_time_s(costs, r.num_microbatches)
-        for costs, r in zip(stages, layout.replicas, strict=True)
-    )
+    replica_times = tuple(_replica_time_s(problem, r) for r in layout.replicas)
     optimizers = replica_optimizer_times_s(problem, layout)
     gather = allgather_time_s(problem, layout)
     optimizer = max(optimizers, default=0.0) + gather

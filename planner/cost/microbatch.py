@@ -44,6 +44,8 @@ from numpy.typing import ArrayLike, NDArray
 from hplan.planner.cost.layout import StageLayout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.runtime.contract.link_model import transfer_time_s
+from hplan.runtime.contract.memory import in_flight_microbatches
+from hplan.runtime.contract.plan import Schedule
 
 FloatArray = NDArray[np.float64]
 
@@ -195,17 +197,6 @@ def _link_s(problem: PlanningProblem, a: int, b: int, num_bytes: FloatArray) -> 
     return np.where(num_bytes > 0, time_s, 0.0)
 
 
-def in_flight_microbatches(stage: int, num_stages: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B.
-
-    Stage s of S runs S - s - 1 warm-up forwards plus one before its first backward
-    (Narayanan et al., SC 2021). A replica with fewer micro-batches than that holds fewer;
-    hplan charges the full count regardless (conservative by at most the difference, and
-    the same rule the solver uses when it splits units without knowing the batch share).
-    """
-    return num_stages - stage
-
-
 def pipeline_period_s(compute_times_s: Sequence[float], link_times_s: Sequence[float]) -> float:
     """Steady-state seconds per micro-batch of a 1F1B pipeline.
 
@@ -216,14 +207,17 @@ def pipeline_period_s(compute_times_s: Sequence[float], link_times_s: Sequence[f
     ``sum_{t >= s} (c_t + l_t) / (S - s)``: a micro-batch's forward on stage s cannot be
     followed by its backward there before it has gone through the later stages and links
     and back, and at most ``S - s`` are on that trip at once (Little's law; the bound that
-    makes slow links between stages cost more than their own transfer time).
+    makes slow links between stages cost more than their own transfer time). The cost model
+    prices every schedule by 1F1B's steady state (GPipe's bubble is the same; the simulator
+    runs each schedule as it is).
     """
     num_stages = len(compute_times_s)
     period = max(max(compute_times_s), max(link_times_s))
     round_trip = 0.0
     for s in reversed(range(num_stages)):
         round_trip += compute_times_s[s] + link_times_s[s]
-        period = max(period, round_trip / in_flight_microbatches(s, num_stages))
+        in_flight = in_flight_microbatches(Schedule.ONE_F_ONE_B, s, num_stages)
+        period = max(period, round_trip / in_flight)
     return period
 
 
@@ -289,11 +283,20 @@ class PipeTimes:
     tail_s: FloatArray
     """Shape (b,): [r - 1] ``tail(r)`` after m - 1 >= 1 full micro-batches (non-decreasing,
     ``tail(b) = F``)."""
+    max_samples: int | None = None
+    """The most samples its stages hold in memory (GPipe keeps every micro-batch in flight,
+    ``evaluate.max_microbatches``); more take infinitely long. None: no such limit."""
+
+    def most_samples(self, limit: int) -> int:
+        """``limit``, or fewer where memory holds fewer (:attr:`max_samples`)."""
+        return limit if self.max_samples is None else min(limit, self.max_samples)
 
     def time_s(self, num_samples: int) -> float:
-        """Seconds of a step of ``num_samples`` (0 for none)."""
+        """Seconds of a step of ``num_samples`` (0 for none; inf beyond :attr:`max_samples`)."""
         if num_samples <= 0:
             return 0.0
+        if self.max_samples is not None and num_samples > self.max_samples:
+            return float("inf")
         b = self.micro_batch_size
         full, r = divmod(num_samples - 1, b)
         if full == 0:
@@ -311,10 +314,15 @@ class PipeTimes:
         n = np.arange(limit)
         full, r = np.divmod(n, self.micro_batch_size)
         last = np.where(full == 0, self.alone_s[r], self.tail_s[r])
-        return np.asarray(self.extra_s + full * self.period_s + last, dtype=float)
+        times = np.asarray(self.extra_s + full * self.period_s + last, dtype=float)
+        if self.max_samples is not None:
+            times[self.max_samples :] = np.inf
+        return times
 
     def samples_by(self, time_s: float, limit: int) -> int:
-        """The most samples (at most ``limit``) whose step ends by ``time_s``."""
+        """The most samples (at most ``limit`` and :attr:`max_samples`) whose step ends by
+        ``time_s``."""
+        limit = self.most_samples(limit)
         budget = (time_s - self.extra_s) * (1 + _TOLERANCE) + _TOLERANCE * 1e-3
         b = self.micro_batch_size
         best = int(np.searchsorted(self.alone_s, budget, side="right"))
@@ -333,10 +341,15 @@ class PipeTimes:
 
 
 def pipe_times(
-    problem: PlanningProblem, stages: Sequence[StageLayout], micro_batch_size: int, extra_s: float
+    problem: PlanningProblem,
+    stages: Sequence[StageLayout],
+    micro_batch_size: int,
+    extra_s: float,
+    max_samples: int | None = None,
 ) -> PipeTimes:
     """:class:`PipeTimes` of the pipeline ``stages`` at ``micro_batch_size`` (a size at which
-    its stages fit; the last micro-batch is never larger), with ``extra_s`` added."""
+    its stages fit; the last micro-batch is never larger), with ``extra_s`` added, holding
+    at most ``max_samples`` in memory (None: any number)."""
     b = micro_batch_size
     full = stage_passes(problem, stages, float(b))
     sizes = np.arange(1, b + 1, dtype=float)
@@ -344,4 +357,4 @@ def pipe_times(
     tail = tail_s(full, last)
     tail[-1] = float(fill_s(full))
     alone = np.maximum.accumulate(fill_s(last))
-    return PipeTimes(b, extra_s, period_s(full), alone, np.maximum.accumulate(tail))
+    return PipeTimes(b, extra_s, period_s(full), alone, np.maximum.accumulate(tail), max_samples)

@@ -15,20 +15,17 @@ from enum import StrEnum
 import numpy as np
 from numpy.typing import NDArray
 
+from hplan.runtime.contract.plan import Schedule
+
 FloatArray = NDArray[np.float64]
 
 
-class RecomputePolicy(StrEnum):
-    """Which stages may recompute their activations (``StageLayout.recompute`` and
-    ``recompute_units``).
-
-    - ``auto``: where keeping a stage's activations does not fit, it recomputes the fewest
-      of its units that make it fit (``cost.recompute``: cheapest per byte first), else all
-      of them (the solver then weighs the extra forward against other layouts and
-      micro-batch sizes);
-    - ``never``: no stage recomputes;
-    - ``always``: every stage recomputes all of its units.
-    """
+class Policy(StrEnum):
+    """How the solver may use one memory strategy (``hplan solve --recompute``, ``--zero``,
+    ``--offload``): ``auto`` where it pays (the solver weighs it against the other layouts),
+    ``never``, or ``always`` (every rank). Under ``--recompute auto`` a stage that does not
+    fit recomputes the fewest of its units that make it fit (``cost.recompute``: cheapest per
+    byte first), else all of them."""
 
     AUTO = "auto"
     NEVER = "never"
@@ -95,8 +92,11 @@ class PlanningProblem:
     0 where not measured; None: nothing measured (see ``CollectiveSpec``)."""
     collective_bus_bandwidth_bytes_per_s: FloatArray | None = None
     """The measured bus bandwidth of that all-reduce, shape (D,); inf where not measured."""
-    recompute: RecomputePolicy = RecomputePolicy.AUTO
+    recompute: Policy = Policy.AUTO
     """Which stages may recompute (``hplan solve --recompute``)."""
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    """The pipeline schedule the runtime runs: how many micro-batches each stage holds in
+    flight (``contract.memory.in_flight_microbatches``)."""
     optimizer_state_bytes: FloatArray | None = None
     """The optimizer state part of ``static_memory_bytes`` per unit, shape (U,) (what ZeRO
     stage 1 shards); None: not split out (no sharding considered)."""

@@ -53,7 +53,7 @@ from hplan.planner.cost.offload import (
     PCIE_BANDWIDTH_BYTES_PER_S,
     offload_step_time_s,
 )
-from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy, TiedParams
+from hplan.planner.cost.problem import PlanningProblem, Policy, TiedParams
 from hplan.planner.hardware.catalog import (
     DeviceClass,
     DeviceType,
@@ -72,7 +72,7 @@ from hplan.runtime.contract.memory import (
     offload_host_bytes,
     usable_host_memory_bytes,
 )
-from hplan.runtime.contract.plan import Precision, wire_spec
+from hplan.runtime.contract.plan import Precision, Schedule, wire_spec
 
 if TYPE_CHECKING:
     from hplan.planner.frontend.cost_graph import ModelGraph, UnitCost
@@ -384,7 +384,8 @@ def build_problem(
     optimizer_state_bytes_per_param_byte: float = 2.0,
     time_source: UnitTimeSource | None = None,
     precisions: Mapping[str, Precision] | None = None,
-    recompute: RecomputePolicy = RecomputePolicy.AUTO,
+    recompute: Policy = Policy.AUTO,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
 ) -> PlanningProblem:
     """Fill and verify the solver's input for ``graph`` on ``cluster``.
 
@@ -401,6 +402,7 @@ def build_problem(
             device, in the solver's problem, so they take the widest precision present
             (one fp32 device counts every device's activations and cut tensors in fp32).
         recompute: which stages may recompute their activations (``--recompute``).
+        schedule: the pipeline schedule the plan will run (``--schedule``).
 
     Returns:
         A verified ``PlanningProblem`` (D devices in cluster order, U units, K sizes).
@@ -449,6 +451,7 @@ def build_problem(
             for units, num_bytes in sorted(graph.tied_trainable_bytes.items())
         ),
         recompute=recompute,
+        schedule=schedule,
         optimizer_state_bytes=_array([c.trainable_param_bytes * factor for c in costs]),
         time_spread=_array([source.time_spread(d) for d in devices]),
         **_collective_arrays(cluster),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
+
 from hplan.planner.cost.microbatch import PipeTimes
 
 __all__ = ["share_options", "share_samples"]
@@ -27,6 +29,8 @@ def share_samples(pipes: Sequence[PipeTimes], total: int) -> list[int]:
     if not pipes:
         return []
     lo, hi = 0.0, min(p.time_s(total) for p in pipes)
+    if not np.isfinite(hi):  # memory holds fewer than ``total`` on every pipeline
+        hi = max(p.time_s(p.most_samples(total)) for p in pipes)
     for _ in range(_BISECTION_STEPS):
         if hi - lo <= _RELATIVE_WIDTH * hi:
             break

@@ -360,8 +360,15 @@ _DTYPE_ALIASES = {
 }
 
 
-PRECISION_CHOICES: tuple[str, ...] = ("auto", *(p.value for p in Precision))
-"""What ``--precision`` accepts: ``auto`` or a ``Precision``."""
+class PrecisionRequest(StrEnum):
+    """What ``--precision`` accepts: ``auto`` (:func:`resolve_precision` picks per device) or
+    a ``Precision`` for every device."""
+
+    AUTO = "auto"
+    FP32 = Precision.FP32.value
+    TF32 = Precision.TF32.value
+    BF16 = Precision.BF16.value
+    FP16 = Precision.FP16.value
 
 
 def has_bf16_tensor_cores(device: DeviceType) -> bool:
@@ -391,7 +398,9 @@ def runs_on_tensor_cores(device: DeviceType, dtype: str, *, allow_tf32: bool = F
     return False
 
 
-def resolve_precision(requested: str, device: DeviceType, *, device_name: str) -> Precision:
+def resolve_precision(
+    requested: PrecisionRequest | str, device: DeviceType, *, device_name: str
+) -> Precision:
     """The precision a device computes in for ``--precision requested``.
 
     ``auto``: on a GPU, bf16 autocast where it has bf16 tensor cores, else fp16 autocast
@@ -404,10 +413,11 @@ def resolve_precision(requested: str, device: DeviceType, *, device_name: str) -
         ConfigError: an unknown name, bf16 asked of a GPU without bf16 tensor cores, or tf32
             of a device without TF32.
     """
-    if requested not in PRECISION_CHOICES:
-        raise ConfigError(f"precision {requested!r} is not one of {', '.join(PRECISION_CHOICES)}")
+    choices = [r.value for r in PrecisionRequest]
+    if requested not in choices:
+        raise ConfigError(f"precision {requested!r} is not one of {', '.join(choices)}")
     gpu = device.device_class is DeviceClass.GPU
-    if requested != "auto":
+    if requested != PrecisionRequest.AUTO:
         precision = Precision(requested)
         if precision is Precision.BF16 and gpu and not has_bf16_tensor_cores(device):
             raise ConfigError(

@@ -10,9 +10,23 @@
 
 from __future__ import annotations
 
-from hplan.planner.cost.evaluate import evaluate, in_flight_microbatches, stage_memory_bytes
+from enum import StrEnum
+
+from hplan.planner.cost.evaluate import evaluate, stage_memory_bytes
 from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
 from hplan.planner.cost.problem import PlanningProblem
+from hplan.runtime.contract.memory import in_flight_microbatches
+
+
+class Strategy(StrEnum):
+    """Who decides the layout."""
+
+    HPLAN = "hplan"
+    DATA_PARALLEL = "ddp"
+    """Equal-batch data parallel on every device (what DDP does)."""
+    UNIFORM_PIPELINE = "uniform"
+    """Equal-layer pipelines of two or more stages with equal batches (Megatron/DeepSpeed
+    ``uniform``)."""
 
 
 def equal_shares(total: int, parts: int) -> list[int]:
@@ -30,13 +44,15 @@ def equal_unit_bounds(num_units: int, num_stages: int) -> list[int]:
     return bounds
 
 
-def _fits(problem: PlanningProblem, pipelines: list[list[int]], bounds: list[int], b: int) -> bool:
+def _fits(
+    problem: PlanningProblem, pipelines: list[list[int]], bounds: list[int], b: int, share: int
+) -> bool:
     num_stages = len(bounds) - 1
+    num_microbatches = -(-share // b)
     for devices in pipelines:
         for s, d in enumerate(devices):
-            need = stage_memory_bytes(
-                problem, bounds[s], bounds[s + 1], b, in_flight_microbatches(s, num_stages)
-            )
+            in_flight = in_flight_microbatches(problem.schedule, s, num_stages, num_microbatches)
+            need = stage_memory_bytes(problem, bounds[s], bounds[s + 1], b, in_flight)
             if need > problem.memory_capacity_bytes[d]:
                 return False
     return True
@@ -52,7 +68,7 @@ def _uniform_layout(problem: PlanningProblem, num_stages: int) -> Layout | None:
     fitting = [
         b
         for b in problem.micro_batch_sizes
-        if b <= shares[0] and _fits(problem, pipelines, bounds, b)
+        if b <= shares[0] and _fits(problem, pipelines, bounds, b, shares[0])
     ]
     if not fitting:
         return None

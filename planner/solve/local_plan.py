@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from hplan.planner.cost.evaluate import (
     evaluate,
     island_index,
+    max_microbatches,
     standalone_samples_per_s,
 )
 from hplan.planner.cost.islands import Partition, island_names
@@ -369,7 +370,9 @@ def _options(problem: PlanningProblem, replica: ReplicaLayout, extra_s: float) -
     for b in problem.micro_batch_sizes:
         trial = replace(replica, micro_batch_size=b, num_microbatches=1, num_samples=b)
         if evaluate(problem, Layout((trial,))).memory_ok:
-            out.append(pipe_times(problem, replica.stages, b, extra_s))
+            most = max_microbatches(problem, replica.stages, b)
+            limit = None if most is None else most * b
+            out.append(pipe_times(problem, replica.stages, b, extra_s, limit))
     return out
 
 

@@ -91,23 +91,18 @@ def _probe_cached(backend: MilpBackend) -> bool:
     return probe(backend)
 
 
-def select_backend(requested: str | None = None) -> MilpBackend:
+def select_backend(requested: MilpBackend | None = None) -> MilpBackend:
     """The backend to use: the one requested (checked), else HiGHS, else CBC, else heuristic.
 
     Raises:
         SolverUnavailableError: a requested backend does not work here (with install hint).
     """
     if requested is not None:
-        try:
-            backend = MilpBackend(requested)
-        except ValueError:
-            valid = ", ".join(b.value for b in MilpBackend)
+        if not _probe_cached(requested):
             raise SolverUnavailableError(
-                f"unknown solver {requested!r}; choose one of {valid}"
-            ) from None
-        if not _probe_cached(backend):
-            raise SolverUnavailableError(f"solver {requested!r} does not work here; {INSTALL_HINT}")
-        return backend
+                f"solver {requested.value!r} does not work here; {INSTALL_HINT}"
+            )
+        return requested
     for backend in (MilpBackend.HIGHS, MilpBackend.CBC):
         if _probe_cached(backend):
             return backend

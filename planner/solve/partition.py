@@ -1,34 +1,49 @@
-"""Pipeline shapes: an ordered list of device classes, a micro-batch size, and the best
-contiguous split of the partition units over them.
+"""Pipeline shapes: which the solver considers, and the best split of the units over each.
 
-A *device class* is a set of interchangeable devices (``hplan.planner.solve.device_classes``). A
-*pipeline shape* is an ordered list ``(c_0, ..., c_{S-1})`` of classes
-(a class may repeat up to its size) with a micro-batch size; the solver decides how many
-copies of each shape to run. For one shape the split of units over stages is
-solved exactly here, by a dynamic program over cut positions that minimises the period
-(the slowest stage or link per micro-batch) subject to every stage's memory (ties: the first
-split found). On tiny instances every split is enumerated instead and all
-(period, fill) Pareto-optimal splits are kept, so that the solver's answer matches a
+A *device class* is a set of interchangeable devices (``device_classes``). A *pipeline
+shape* is an ordered list ``(c_0, ..., c_{S-1})`` of classes (a class may repeat up to its
+size) with a micro-batch size; the solver decides how many copies of each shape to run. For
+one shape the split of units over stages is solved exactly here, by a dynamic program over
+cut positions that minimises the period (the slowest stage or link per micro-batch) subject
+to every stage's memory (ties: the first split found); on tiny instances every split is
+enumerated and all Pareto-optimal splits are kept, so that the solver's answer matches a
 brute-force search exactly.
+
+Which shapes (:func:`enumerate_shapes`): on small instances every ordering of every
+multiset of classes and every split; on larger ones each multiset in a few promising orders
+(:func:`heuristic_orders`), split by dynamic programming, for pipelines up to
+:data:`EXTRA_STAGES` longer than the shortest that fits, until a time budget; the answer is
+then marked as coming from a partial search.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from hplan.planner.cost.evaluate import (
-    in_flight_microbatches,
     link_time_s,
+    max_microbatches,
     unit_input_bytes_per_sample,
 )
+from hplan.planner.cost.layout import StageLayout
 from hplan.planner.cost.microbatch import pipeline_period_s
-from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
+from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.recompute import recompute_order, selected_units
-from hplan.planner.solve.device_classes import DeviceClass, pair_devices
+from hplan.planner.solve.device_classes import (
+    DeviceClass,
+    distinct_orders,
+    multisets,
+    num_distinct_orders,
+    pair_devices,
+)
+from hplan.runtime.contract.memory import in_flight_microbatches
+from hplan.runtime.contract.plan import Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +66,16 @@ class PipelineShape:
     recompute_units: tuple[tuple[int, ...], ...] = ()
     """Per stage: the units it recomputes selectively (empty: none; ``recompute`` covers
     whole stages)."""
+    max_microbatches: int | None = None
+    """The most micro-batches its stages hold in memory (GPipe keeps every one in flight,
+    ``evaluate.max_microbatches``); None: any number (1F1B)."""
+
+    @property
+    def max_samples(self) -> int | None:
+        """:attr:`max_microbatches` in samples."""
+        if self.max_microbatches is None:
+            return None
+        return self.max_microbatches * self.micro_batch_size
 
     @property
     def num_stages(self) -> int:
@@ -174,7 +199,7 @@ class Partitioner:
     def _strategy(
         self, device: int, k: int, in_flight: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per stage [i, j) under the problem's ``RecomputePolicy``: (compute matrix with
+        """Per stage [i, j) under the problem's ``Policy``: (compute matrix with
         inf where nothing fits, whole-stage recompute flags, selective ``count``s, 0: none).
         ``auto`` keeps activations where they fit, else recomputes the fewest units (the
         cheapest per byte first) that make it fit, else recomputes the whole stage; each
@@ -185,15 +210,15 @@ class Partitioner:
         b = self.problem.micro_batch_sizes[k]
         policy = self.problem.recompute
         compute = self._compute(device, k)
-        keep_ok = self._memory_ok(device, b, in_flight) & (policy is not RecomputePolicy.ALWAYS)
+        keep_ok = self._memory_ok(device, b, in_flight) & (policy is not Policy.ALWAYS)
         none = np.zeros(keep_ok.shape, dtype=int)
-        if policy is RecomputePolicy.NEVER:
+        if policy is Policy.NEVER:
             found = (np.where(keep_ok, compute, np.inf), np.zeros_like(keep_ok), none)
             self._strategies[key] = found
             return found
         extra, counts = (
             self._selective(device, k, in_flight)
-            if policy is RecomputePolicy.AUTO
+            if policy is Policy.AUTO
             else (np.full(compute.shape, np.inf), none)
         )
         use_selective = ~keep_ok & np.isfinite(extra)
@@ -221,24 +246,32 @@ class Partitioner:
             out[j] = fwd + bwd
         return out
 
-    def _stage_matrices(self, sequence: Sequence[int], k: int) -> list[_StageMatrices]:
+    def _stage_matrices(
+        self, sequence: Sequence[int], k: int, num_microbatches: int | None
+    ) -> list[_StageMatrices]:
+        """Per stage position, its options with the micro-batches in flight the schedule
+        gives ``num_microbatches`` (None: at most ``S - s`` under 1F1B)."""
         b = self.problem.micro_batch_sizes[k]
         devices = pair_devices(self.classes, sequence)
         num_stages = len(sequence)
         mats = []
         for s, dev in enumerate(devices):
-            compute, recompute, counts = self._strategy(
-                dev, k, in_flight_microbatches(s, num_stages)
+            in_flight = in_flight_microbatches(
+                self.problem.schedule, s, num_stages, num_microbatches
             )
+            compute, recompute, counts = self._strategy(dev, k, in_flight)
             u = self.problem.num_units
             link = self._link_out(dev, devices[s + 1], b) if s + 1 < num_stages else np.zeros(u + 1)
             mats.append(_StageMatrices(compute, link, recompute, counts))
         return mats
 
     # ------------------------------------------------------------------ splitting
-    def best_split(self, sequence: Sequence[int], k: int) -> PipelineShape | None:
-        """The split minimising the period; None if nothing fits."""
-        mats = self._stage_matrices(sequence, k)
+    def best_split(
+        self, sequence: Sequence[int], k: int, num_microbatches: int | None = None
+    ) -> PipelineShape | None:
+        """The split minimising the period with ``num_microbatches`` (a level of
+        :func:`microbatch_levels`) in flight; None if nothing fits."""
+        mats = self._stage_matrices(sequence, k, num_microbatches)
         u = self.problem.num_units
         best = np.full(u + 1, np.inf)
         best[0] = 0.0
@@ -256,9 +289,12 @@ class Partitioner:
             bounds.append(int(choice[bounds[-1]]))
         return self._shape(sequence, k, tuple(reversed(bounds)), mats)
 
-    def all_splits(self, sequence: Sequence[int], k: int) -> list[PipelineShape]:
-        """Every feasible split, reduced to its (period, fill) Pareto front."""
-        mats = self._stage_matrices(sequence, k)
+    def all_splits(
+        self, sequence: Sequence[int], k: int, num_microbatches: int | None = None
+    ) -> list[PipelineShape]:
+        """Every feasible split with ``num_microbatches`` in flight, reduced to its Pareto
+        front (:func:`pareto`)."""
+        mats = self._stage_matrices(sequence, k, num_microbatches)
         u = self.problem.num_units
         found = []
         for cuts in itertools.combinations(range(1, u), len(sequence) - 1):
@@ -306,6 +342,11 @@ class Partitioner:
             float(self._bwd_cum[d, bounds[s + 1], k] - self._bwd_cum[d, bounds[s], k])
             for s, d in enumerate(devices)
         )
+        b = self.problem.micro_batch_sizes[k]
+        stages = [
+            StageLayout(d, bounds[s], bounds[s + 1], recompute[s], selective[s])
+            for s, d in enumerate(devices)
+        ]
         return PipelineShape(
             classes=tuple(sequence),
             k=k,
@@ -318,15 +359,33 @@ class Partitioner:
             stage_backward_s=backward,
             recompute=recompute,
             recompute_units=selective,
+            max_microbatches=max_microbatches(self.problem, stages, b),
         )
 
 
+def microbatch_levels(problem: PlanningProblem, k: int) -> tuple[int | None, ...]:
+    """The micro-batches in flight a pipeline shape is split for at micro-batch candidate
+    ``k``: under 1F1B one level, None (at most ``S - s`` whatever the count); under GPipe,
+    where every micro-batch is in flight, 1, 2, 4, ... up to the global batch's count, so
+    that a shape recomputing enough for many micro-batches is found beside one that keeps
+    its activations for a few."""
+    if problem.schedule is not Schedule.GPIPE:
+        return (None,)
+    most = -(-problem.global_batch_size // problem.micro_batch_sizes[k])
+    levels = [1]
+    while levels[-1] < most:
+        levels.append(min(2 * levels[-1], most))
+    return tuple(levels)
+
+
 def pareto(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
-    """Pipeline shapes not dominated in (period, fill, optimizer time)."""
+    """Pipeline shapes not dominated in (period, fill, optimizer time) by one that holds at
+    least as many micro-batches in memory (:attr:`PipelineShape.max_microbatches`)."""
     keep = []
     for t in shapes:
         dominated = any(
             o is not t
+            and _holds_as_many(o, t)
             and o.period_s <= t.period_s
             and o.fill_s <= t.fill_s
             and o.optimizer_s <= t.optimizer_s
@@ -335,5 +394,141 @@ def pareto(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
         )
         if not dominated:
             keep.append(t)
-    unique = {(t.bounds, t.classes, t.k): t for t in keep}
+    unique = {(t.bounds, t.classes, t.k, t.recompute, t.recompute_units): t for t in keep}
     return list(unique.values())
+
+
+def _holds_as_many(a: PipelineShape, b: PipelineShape) -> bool:
+    if a.max_microbatches is None:
+        return True
+    return b.max_microbatches is not None and a.max_microbatches >= b.max_microbatches
+
+
+# --------------------------------------------------------------------------- which shapes
+EXTRA_STAGES = 3
+"""Heuristic search: longest pipeline = shortest that fits + this."""
+
+
+@dataclass(frozen=True)
+class ShapeSet:
+    """The costed shapes and how they were found."""
+
+    shapes: list[PipelineShape]
+    exhaustive: bool
+    """Every order and every split was enumerated (no heuristic, no time cut)."""
+    complete: bool
+    """The heuristic enumeration finished before its time budget."""
+
+
+def enumerate_shapes(
+    problem: PlanningProblem,
+    classes: Sequence[DeviceClass],
+    *,
+    max_stages: int,
+    exhaustive_limit: int,
+    budget_deadline: float,
+) -> ShapeSet:
+    """Costed shapes worth considering (see the module docstring)."""
+    partitioner = Partitioner(problem, classes)
+    sizes = [c.size for c in classes]
+    longest = min(max_stages, problem.num_units, problem.num_devices)
+    if _exhaustive_count(problem, sizes, longest, exhaustive_limit) <= exhaustive_limit:
+        found = [
+            t
+            for s in range(1, longest + 1)
+            for ms in multisets(sizes, s)
+            for order in distinct_orders(ms)
+            for k in range(len(problem.micro_batch_sizes))
+            for t in _all_levels(problem, partitioner, order, k)
+        ]
+        return ShapeSet(found, exhaustive=True, complete=True)
+    return _heuristic(problem, partitioner, sizes, longest, budget_deadline)
+
+
+def _all_levels(
+    problem: PlanningProblem, partitioner: Partitioner, order: tuple[int, ...], k: int
+) -> list[PipelineShape]:
+    """Every split of ``order`` at candidate ``k``, at each micro-batches-in-flight level
+    (``partition.microbatch_levels``: one under 1F1B), the levels' fronts merged."""
+    levels = microbatch_levels(problem, k)
+    if len(levels) == 1:
+        return partitioner.all_splits(order, k, levels[0])
+    return pareto([t for level in levels for t in partitioner.all_splits(order, k, level)])
+
+
+def _exhaustive_count(
+    problem: PlanningProblem, sizes: Sequence[int], longest: int, limit: int
+) -> int:
+    """(order, split, micro-batch size) triples, counted until ``limit`` is passed."""
+    total = 0
+    k = sum(len(microbatch_levels(problem, k)) for k in range(len(problem.micro_batch_sizes)))
+    for s in range(1, longest + 1):
+        splits = math.comb(problem.num_units - 1, s - 1)
+        for ms in multisets(sizes, s):
+            total += num_distinct_orders(ms) * splits * k
+            if total > limit:
+                return total
+    return total
+
+
+def _heuristic(
+    problem: PlanningProblem,
+    partitioner: Partitioner,
+    sizes: Sequence[int],
+    longest: int,
+    budget_deadline: float,
+) -> ShapeSet:
+    found: list[PipelineShape] = []
+    smallest_fit: int | None = None
+    for s in range(1, longest + 1):
+        if smallest_fit is not None and s > smallest_fit + EXTRA_STAGES:
+            break
+        for ms in multisets(sizes, s):
+            if time.monotonic() > budget_deadline:
+                return ShapeSet(found, exhaustive=False, complete=False)
+            for k in range(len(problem.micro_batch_sizes)):
+                orders = heuristic_orders(problem, partitioner.classes, ms)
+                costed = [
+                    t
+                    for seq in orders
+                    for level in microbatch_levels(problem, k)
+                    if (t := partitioner.best_split(seq, k, level))
+                ]
+                if costed:
+                    smallest_fit = s if smallest_fit is None else smallest_fit
+                    found.extend(pareto(costed))
+    return ShapeSet(found, exhaustive=False, complete=True)
+
+
+def heuristic_orders(
+    problem: PlanningProblem, classes: Sequence[DeviceClass], ms: tuple[int, ...]
+) -> list[tuple[int, ...]]:
+    """Stage orders worth trying: most memory first (stage 0 holds the most activations),
+    grouped by node (fewest slow hops; nodes by memory, then fastest node first and slowest
+    node first), and fastest first; all orders of short pipelines. Ties go by node name
+    and class index, so that the order of the cluster file decides as little as possible."""
+
+    def memory(c: int) -> float:
+        return float(problem.memory_capacity_bytes[classes[c].rep])
+
+    def speed(c: int) -> float:
+        return -float(problem.fwd_time_s[classes[c].rep].sum())
+
+    def node(c: int) -> str:
+        return problem.device_nodes[classes[c].rep]
+
+    node_memory: dict[str, float] = {}
+    node_time: dict[str, float] = {}
+    for c in ms:
+        node_memory[node(c)] = node_memory.get(node(c), 0.0) + memory(c)
+        node_time[node(c)] = node_time.get(node(c), 0.0) - speed(c)
+    orders = {
+        tuple(sorted(ms, key=lambda c: (-memory(c), c))),
+        tuple(sorted(ms, key=lambda c: (-node_memory[node(c)], node(c), -memory(c), c))),
+        tuple(sorted(ms, key=lambda c: (node_time[node(c)], node(c), -speed(c), c))),
+        tuple(sorted(ms, key=lambda c: (-node_time[node(c)], node(c), speed(c), c))),
+        tuple(sorted(ms, key=lambda c: (-speed(c), -memory(c), c))),
+    }
+    if len(ms) <= 3:
+        orders.update(distinct_orders(ms))
+    return sorted(orders)

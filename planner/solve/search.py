@@ -37,6 +37,8 @@ import contextlib
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import TypeVar
 
 import numpy as np
 
@@ -44,7 +46,7 @@ from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.islands import Partition, candidate_partitions
 from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
 from hplan.planner.cost.microbatch import PipeTimes, pipe_times
-from hplan.planner.cost.problem import PlanningProblem, restrict
+from hplan.planner.cost.problem import PlanningProblem, Policy, restrict
 from hplan.planner.cost.shares import share_options
 from hplan.planner.solve.device_classes import (
     DeviceClass,
@@ -60,13 +62,14 @@ from hplan.planner.solve.milp import (
     select_backend,
     solve_cover,
 )
-from hplan.planner.solve.partition import PipelineShape
-from hplan.planner.solve.pipeline_shapes import enumerate_shapes
+from hplan.planner.solve.partition import PipelineShape, enumerate_shapes
 from hplan.planner.solve.scenarios import Scenario, allreduce_estimate_s, make_scenarios
 from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest, wants_local
 from hplan.planner.solve.watchdog import run_with_deadline
 from hplan.planner.textfmt import format_bytes, format_bytes_pair
 from hplan.runtime.contract.errors import InfeasiblePlanError
+
+E = TypeVar("E", bound=StrEnum)
 
 TEMPLATE_BUDGET_SHARE = 0.4
 """Share of the remaining time the heuristic shape enumeration may use."""
@@ -78,12 +81,13 @@ LOCAL_SEARCH_SHARE = 0.5
 
 @dataclass(frozen=True)
 class SolveOptions:
-    """Knobs of the search."""
+    """Knobs of the search. Strings are accepted for the enum fields (``"never"``) and
+    converted on construction; an unknown one raises ValueError naming it."""
 
     time_limit_s: float = 60.0
     """Wall-clock limit of the whole solve; the best layout found by then is returned."""
-    backend: str | None = None
-    """``highs``, ``cbc`` or ``heuristic``; None picks the first that works."""
+    backend: MilpBackend | None = None
+    """The MILP backend; None picks the first that works (HiGHS, CBC, the heuristic)."""
     max_stages: int = 8
     exhaustive_limit: int = 4000
     """Enumerate every class order and every split when the count of (order, split,
@@ -94,14 +98,29 @@ class SolveOptions:
     """Which sync modes across islands the planner may choose (``sync_choice``)."""
     max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
     """H at most, under local sync."""
-    zero: str = "auto"
-    """ZeRO stage 1, or 2 where 1 does not fit (``hplan solve --zero``): ``auto`` (sharded layouts are searched too
-    when memory binds the best unsharded one, and compete on speed), ``never``,
-    ``always`` (only sharded layouts)."""
-    offload: str = "auto"
+    zero: Policy = Policy.AUTO
+    """ZeRO stage 1, or 2 where 1 does not fit (``hplan solve --zero``): ``auto`` (sharded
+    layouts are searched too when memory binds the best unsharded one, and compete on
+    speed), ``never``, ``always`` (only sharded layouts)."""
+    offload: Policy = Policy.AUTO
     """Optimizer-state offload to host memory (``hplan solve --offload``, ``cost.offload``):
     ``auto`` (searched when nothing cheaper fits: no plan, or a device left idle; kept only
     on the devices that need it, and only if faster), ``never``, ``always`` (every device)."""
+
+    def __post_init__(self) -> None:
+        for name, kind in (("sync", SyncRequest), ("zero", Policy), ("offload", Policy)):
+            object.__setattr__(self, name, _member(kind, getattr(self, name), name))
+        if self.backend is not None:
+            object.__setattr__(self, "backend", _member(MilpBackend, self.backend, "backend"))
+
+
+def _member(kind: type[E], value: str, name: str) -> E:
+    """``value`` as a member of ``kind`` (ValueError naming ``name`` and the choices)."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in kind)
+        raise ValueError(f"SolveOptions.{name} {value!r} is not one of {choices}") from None
 
 
 @dataclass(frozen=True)
@@ -185,7 +204,8 @@ def _candidate_times(bis: _Bisection) -> np.ndarray | None:
     values = []
     for p, count in zip(bis.pipes, counts, strict=True):
         samples = np.minimum(np.arange(1, count + 1) * p.micro_batch_size, b)
-        values.append(p.times_s(b)[samples - 1])
+        times = p.times_s(b)[samples - 1]
+        values.append(times[np.isfinite(times)])  # beyond what memory holds: never
     return np.unique(np.concatenate(values)) if values else np.empty(0)
 
 
@@ -289,7 +309,7 @@ def _bisect_real(
 ) -> tuple[float, tuple[int, ...], float, bool] | None:
     """Bisection on the real line (huge batches): stops at a relative width of 1e-6."""
     b = bis.problem.global_batch_size
-    hi = max(p.time_s(b) for p in bis.pipes)
+    hi = max(p.time_s(p.most_samples(b)) for p in bis.pipes)
     lo = min(p.time_s(1) for p in bis.pipes)
     status, counts, _ = bis.check(hi, deadline)
     if status is not CoverStatus.FEASIBLE or counts is None:
@@ -359,7 +379,7 @@ def shape_pipe(
     cached = None if cache is None else cache.get(key)
     if cached is None:
         stages = shape_stages(shape, devices)
-        cached = pipe_times(problem, stages, shape.micro_batch_size, 0.0)
+        cached = pipe_times(problem, stages, shape.micro_batch_size, 0.0, shape.max_samples)
         if cache is not None:
             cache[key] = cached
     return replace(cached, extra_s=extra_s)
@@ -527,7 +547,7 @@ def search(
     if backend is MilpBackend.HEURISTIC:
         outcome.notes.append(
             "greedy planner (as requested): no optimality claim"
-            if options.backend == MilpBackend.HEURISTIC.value
+            if options.backend is MilpBackend.HEURISTIC
             else "no MILP solver works here; used the greedy planner (install highspy)"
         )
     partitions = candidate_partitions(problem) if options.sync is not SyncRequest.ALL_REDUCE else ()

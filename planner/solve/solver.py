@@ -1,20 +1,46 @@
-"""The solver's public entry: search, re-cost, validate, and say how good the answer is."""
+"""The solver as named steps: generate, evaluate, validate, simulate the best, choose.
+
+:func:`solve` runs them in order (``hplan solve`` runs each as a pass of its own, so
+``--dump-passes`` shows every one and the phase line times it):
+
+1. ``strategy.generate``: every family's candidates, in one child process under one deadline;
+2. :func:`evaluate_candidates`: each re-costed by the exact evaluator, its shares cut into
+   equal micro-batches, ranked fastest first in its family's pools;
+3. :func:`validate_candidates`: each checked by the independent validator (``validate``):
+   a rejected layout is never chosen, and the plan's notes say what was rejected and why;
+4. :func:`simulate_candidates`: each pool's ``SIMULATED_CANDIDATES`` best valid layouts
+   re-timed by the event-driven simulator (the cost model is a linear approximation of a
+   pipeline);
+5. :func:`choose`: each family's fastest by simulation, synchronous or local as ``--sync``
+   says (``sync_choice``); then the request's family against each uniform one, as the plans
+   report them; with the status and gap the search proved.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from hplan.planner.cost.evaluate import Evaluation, evaluate, island_index
-from hplan.planner.cost.even_microbatches import even_microbatches
 from hplan.planner.cost.layout import Layout
-from hplan.planner.cost.offload import can_offload, offload_flags, offload_problem
-from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
-from hplan.planner.cost.zero import shard_weights, sharded_problem
+from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
-from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.bound import throughput_bound_samples_per_s
-from hplan.planner.solve.search import SearchOutcome, SolveOptions, diagnose_infeasible, run_search
+from hplan.planner.solve.search import SearchOutcome, SolveOptions, diagnose_infeasible
+from hplan.planner.solve.strategy import (
+    MIXED,
+    SIMULATED_CANDIDATES,
+    Family,
+    Generated,
+    Pool,
+    Ranked,
+    evaluated,
+    family_pool,
+    generate,
+    uniform_strategies,
+    validated,
+)
 from hplan.planner.solve.sync_choice import (
     AUTO_MIN_GAIN,
     AUTO_SYNC_SHARE,
@@ -23,14 +49,23 @@ from hplan.planner.solve.sync_choice import (
     usable_idle_devices,
 )
 from hplan.planner.solve.validate import layout_problems
+from hplan.planner.solve.watchdog import checked_time_limit_s
 from hplan.planner.textfmt import format_seconds, percent
-from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
+from hplan.runtime.contract.errors import InfeasiblePlanError
 from hplan.runtime.contract.plan import PseudoGradientDtype, Schedule, SolverStatus
 
-__all__ = ["SolveOptions", "SolveResult", "second_opinion", "solve", "uniform_strategies"]
-
-SIMULATED_CANDIDATES = 5
-"""How many of the cost model's best distinct layouts the simulator re-times."""
+__all__ = [
+    "Candidates",
+    "SolveOptions",
+    "SolveResult",
+    "choose",
+    "evaluate_candidates",
+    "second_opinion",
+    "simulate_candidates",
+    "solve",
+    "uniform_strategies",
+    "validate_candidates",
+]
 
 
 @dataclass(frozen=True)
@@ -44,7 +79,7 @@ class SolveResult:
     """Relative gap of the planning model's step time to its best lower bound."""
     backend: str
     source: str
-    """Which search scenario (or baseline) produced the layout."""
+    """Which family, generator and search scenario (or baseline) produced the layout."""
     notes: tuple[str, ...]
     simulated_step_time_s: float | None = None
     """Step time of the chosen layout in the event-driven simulator (None: not simulated)."""
@@ -68,41 +103,151 @@ class SolveResult:
             raise ValueError(f"gap {self.gap} must be >= 0")
 
 
+# --------------------------------------------------------------------------- the steps
+@dataclass(frozen=True)
+class PoolCandidates:
+    """One family's candidates in one pool after a step."""
+
+    family: str
+    pool: Pool
+    ranked: tuple[Ranked, ...]
+    """Distinct layouts, fastest first under the cost model (after ``validate``, rejected
+    ones included with their reasons)."""
+    simulated: tuple[tuple[Ranked, float | None], ...] = ()
+    """After ``simulate``: the valid layouts re-timed, in the order the choice reads them
+    (the cost model's, the local pool's preferred first), with their simulated step (None:
+    too large to simulate)."""
+
+    @property
+    def valid(self) -> tuple[Ranked, ...]:
+        return tuple(r for r in self.ranked if r.valid)
+
+    @property
+    def rejected(self) -> tuple[Ranked, ...]:
+        return tuple(r for r in self.ranked if not r.valid)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What the evaluate, validate and simulate steps make of the generated candidates."""
+
+    generated: Generated
+    pools: tuple[PoolCandidates, ...]
+
+    def of(self, family: str, pool: Pool) -> PoolCandidates:
+        found = [p for p in self.pools if p.family == family and p.pool is pool]
+        return found[0] if found else PoolCandidates(family, pool, ())
+
+    def verify(self) -> None:
+        """Every pool is fastest first; every simulated layout is one of its valid ones."""
+        for pool in self.pools:
+            times = [r.evaluation.step_time_s for r in pool.ranked]
+            if times != sorted(times):
+                raise ValueError(f"{pool.family} {pool.pool} candidates are not fastest first")
+            if any(not r.valid for r, _ in pool.simulated):
+                raise ValueError(f"{pool.family} {pool.pool}: a rejected layout was simulated")
+
+
+def evaluate_candidates(problem: PlanningProblem, generated: Generated) -> Candidates:
+    """Every generated layout, its shares cut into equal micro-batches (``even_microbatches``),
+    re-costed by the exact evaluator under its family's policies, ranked fastest first in
+    each family's pools (``strategy.family_pool``, ``strategy.evaluated``: duplicates
+    within a segment dropped; past the solve's deadline a segment keeps its first)."""
+    pools = []
+    for family in generated.families:
+        family_problem = family.problem(problem)
+        for pool in Pool:
+            found = family_pool(family, generated.found, pool)
+            ranked = evaluated(family_problem, found, generated.deadline_s)
+            pools.append(PoolCandidates(family.name, pool, tuple(ranked)))
+    return Candidates(generated, tuple(pools))
+
+
+def validate_candidates(problem: PlanningProblem, candidates: Candidates) -> Candidates:
+    """Every candidate checked by the independent validator under its family's policies;
+    a rejected one keeps its place with the validator's reasons (``Ranked.problems``)."""
+    pools = []
+    for pool in candidates.pools:
+        family_problem = candidates.generated.family(pool.family).problem(problem)
+        pools.append(replace(pool, ranked=tuple(validated(family_problem, pool.ranked))))
+    return replace(candidates, pools=tuple(pools))
+
+
+def simulate_candidates(
+    problem: PlanningProblem,
+    candidates: Candidates,
+    runtime: RuntimeBytes | None = None,
+    *,
+    deadline_s: float | None = None,
+) -> Candidates:
+    """Each pool's ``SIMULATED_CANDIDATES`` best valid layouts re-timed by the simulator
+    under the problem's schedule, exactly as their plans will be given ``runtime`` (the
+    bytes the runtime sends and sums). The local pool's preferred layout comes first
+    (:func:`_closest_to_synchronous`). Past ``deadline_s`` (``time.monotonic()``) only each
+    pool's first layout is simulated: the cost model's order stands."""
+    pools = []
+    for pool in candidates.pools:
+        family_problem = candidates.generated.family(pool.family).problem(problem)
+        valid = list(pool.valid)
+        if pool.pool is Pool.LOCAL:
+            valid = _closest_to_synchronous(family_problem, valid)
+        simulated = []
+        for index, ranked in enumerate(valid[:SIMULATED_CANDIDATES]):
+            late = deadline_s is not None and time.monotonic() >= deadline_s
+            if index > 0 and late:
+                break
+            time_s = simulated_step_time_s(
+                family_problem, ranked.layout, family_problem.schedule, runtime
+            )
+            simulated.append((ranked, time_s))
+        pools.append(replace(pool, simulated=tuple(simulated)))
+    return replace(candidates, pools=tuple(pools))
+
+
+def choose(
+    problem: PlanningProblem,
+    options: SolveOptions,
+    candidates: Candidates,
+    runtime: RuntimeBytes | None = None,
+) -> SolveResult:
+    """The layout to plan: the request's family's choice (:func:`_family_choice`), replaced
+    by a uniform family's where that one is faster as the plans report them
+    (:func:`_faster_of`: the mixed choice is then never slower than a uniform one).
+
+    Raises:
+        InfeasiblePlanError: nothing fits; the message names the binding constraint.
+        RuntimeError: the search found layouts but the validator rejected every one (a bug
+            in hplan's search, never blamed on the cluster).
+    """
+    generated = candidates.generated
+    result = _family_choice(problem, options, candidates, generated.families[0])
+    if result is None:
+        raise _nothing_valid(problem, options, candidates)
+    for family in generated.families[1:]:
+        other = _family_choice(problem, options, candidates, family)
+        if other is not None:
+            result = _faster_of(problem, result, other, family.name, runtime)
+    notes = (*generated.notes, *result.notes)
+    return replace(result, notes=notes, bound_samples_per_s=generated.bound_samples_per_s)
+
+
 def solve(
     problem: PlanningProblem,
     options: SolveOptions | None = None,
     *,
-    schedule: Schedule = Schedule.ONE_F_ONE_B,
     runtime: RuntimeBytes | None = None,
     with_bound: bool = False,
+    schedule: Schedule | None = None,
 ) -> SolveResult:
-    """Find the fastest layout for ``problem`` within ``options.time_limit_s``.
+    """Find the fastest layout for ``problem`` within ``options.time_limit_s``: the steps of
+    the module docstring, one after another.
 
-    Every candidate (one per sync scenario, plus the data-parallel and uniform-pipeline
-    baselines) is re-costed by the exact evaluator and checked by the independent
-    validator. The cost model's objective is a linear approximation of a pipeline, so
-    the ``SIMULATED_CANDIDATES`` best distinct layouts are then re-timed by the
-    event-driven simulator under ``schedule`` (``sim/engine.py``) and the fastest by
-    simulation wins (ties go to the cost model's order). Given ``runtime`` (the bytes the
-    plan's runtime will send and sum), each is simulated exactly as its plan will be, and
-    the winner's simulated time is the plan's (``SolveResult.simulated_step_time_s``).
-
-    Local plans (islands that sync by local SGD or async, when ``options.sync`` allows
-    them) are ranked and simulated apart from the synchronous ones; which of the two bests
-    is returned follows ``options.sync`` (``sync_choice``).
-
-    Where memory may shape the answer (a stage recomputes, optimizer state is sharded or
-    offloaded, or a stage nearly fills its device) and the request has an ``auto`` among
-    ``--recompute``, ``--zero`` and ``--offload``, each uniform strategy it allows
-    (:func:`uniform_strategies`: everyone plain, recomputing, on ZeRO-1 or offloading) is
-    solved too, each within ``options.time_limit_s``, and its result is taken when faster as
-    the plans report them (:func:`_faster_of`): the mixed choice is then never slower than
-    a uniform one's by construction. The heuristic searches (stage orders) of the two can
-    differ, so a uniform search may find a layout the mixed one misses.
-
-    ``with_bound``: also compute the problem's throughput bound (the report's "bound"
-    line), in this process while the first search runs in its watchdog child (a second
-    core makes it free), into ``SolveResult.bound_samples_per_s``.
+    Args:
+        runtime: the bytes the plan's runtime will send and sum, for the simulator (None:
+            the cost model's).
+        with_bound: also compute the problem's throughput bound (the report's "bound"
+            line), in this process while the search runs in its child.
+        schedule: the pipeline schedule, when it is not the problem's own.
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the binding constraint.
@@ -110,80 +255,78 @@ def solve(
         SolverUnavailableError: a requested MILP backend does not work here.
     """
     options = options or SolveOptions()
+    if schedule is not None and schedule is not problem.schedule:
+        problem = replace(problem, schedule=schedule)
     problem.verify()
-    bound: list[float] = []
-    meanwhile = (
-        (lambda: bound.append(throughput_bound_samples_per_s(problem))) if with_bound else None
-    )
-    result = _solve_once(problem, options, schedule, runtime, meanwhile)
-    if _memory_shaped(problem, result):
-        for name, uniform_problem, uniform_options in uniform_strategies(problem, options):
-            try:
-                other = _solve_once(uniform_problem, uniform_options, schedule, runtime)
-            except InfeasiblePlanError:
-                continue
-            result = _faster_of(problem, result, other, name, schedule, runtime)
-    return replace(result, bound_samples_per_s=bound[0]) if bound else result
+    deadline_s = time.monotonic() + checked_time_limit_s(options.time_limit_s)
+    generated = generate_step(problem, options, deadline_s=deadline_s, with_bound=with_bound)
+    candidates = validate_candidates(problem, evaluate_candidates(problem, generated))
+    simulated = simulate_candidates(problem, candidates, runtime, deadline_s=deadline_s)
+    return choose(problem, options, simulated, runtime)
 
 
-def _solve_once(
+AFTER_GENERATION_SHARE = 0.2
+"""Of the time limit, what the steps after generation keep for themselves (evaluate,
+validate, simulate, choose, then the report and the plan's files)."""
+
+
+def generate_step(
     problem: PlanningProblem,
     options: SolveOptions,
-    schedule: Schedule,
-    runtime: RuntimeBytes | None,
-    meanwhile: Callable[[], None] | None = None,
-) -> SolveResult:
-    """:func:`solve` under one setting of ``--recompute``, ``--zero`` and ``--offload``
-    (the problem's recompute policy, the options' others), without the uniform ones."""
-    if options.offload == "always" and not any(
-        can_offload(problem, d) for d in range(problem.num_devices)
-    ):
-        raise ConfigError(
-            "--offload always: no device of this cluster can offload its optimizer state (a "
-            "cpu device's memory is the host's); use --offload auto or never"
-        )
-    try:
-        outcome = run_search(problem, options, meanwhile)
-    except InfeasiblePlanError:
-        if options.offload == "never":
-            raise
-        outcome = SearchOutcome()  # offload may still fit it (below)
-    pool: list[tuple[str, Layout]] = [
-        (c.scenario, c.layout) for c in outcome.candidates if c.layout.sync is None
-    ]
-    for name, baseline in (
-        ("data parallel", data_parallel_equal(problem)),
-        ("uniform pipeline", uniform_pipeline(problem)),
-    ):
-        if baseline is not None and _within_max_stages(baseline, options.max_stages):
-            pool.append((f"baseline: {name}", with_recompute_policy(problem, baseline)))
-    local_pool = [(c.scenario, c.layout) for c in outcome.candidates if c.layout.sync is not None]
-    ranked = _ranked(problem, pool)
-    if options.zero == "always" or (options.zero == "auto" and _memory_binds(problem, ranked)):
-        sharded = _ranked(problem, sharded_candidates(problem, options))
-        ranked = (
-            sharded
-            if options.zero == "always"
-            else sorted([*ranked, *sharded], key=lambda item: item[2].step_time_s)
-        )
-        if options.zero == "always":
-            local_pool = []
-    if options.offload == "always" or (
-        options.offload == "auto" and _nothing_cheaper_fits(problem, ranked)
-    ):
-        offloaded = _ranked(problem, offload_candidates(problem, options))
-        ranked = (
-            offloaded
-            if options.offload == "always"
-            else sorted([*ranked, *offloaded], key=lambda item: item[2].step_time_s)
-        )
-        local_pool = [] if options.offload == "always" else local_pool
-    synchronous = _pick(problem, ranked, schedule, runtime)
-    local_ranked = _closest_to_synchronous(problem, _ranked(problem, local_pool))
-    local = _pick(problem, local_ranked, schedule, runtime, margin=LOCAL_TIE_SHARE)
+    *,
+    deadline_s: float,
+    with_bound: bool = False,
+) -> Generated:
+    """``strategy.generate`` ending :data:`AFTER_GENERATION_SHARE` of the time limit before
+    ``deadline_s``, with the bound computed meanwhile when asked."""
+    limit_s = checked_time_limit_s(options.time_limit_s)
+    search_deadline_s = deadline_s - AFTER_GENERATION_SHARE * limit_s
+    bound: Callable[[], float] | None = (
+        (lambda: throughput_bound_samples_per_s(problem)) if with_bound else None
+    )
+    generated = generate(problem, options, deadline_s=search_deadline_s, meanwhile=bound)
+    return replace(generated, deadline_s=deadline_s)
+
+
+# --------------------------------------------------------------------------- one family
+LOCAL_PLAN_NOTE = (
+    "each island was solved on its own for its share of the batch, the shares re-solved "
+    "until the islands finish their steps together: no optimality claim across islands"
+)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The best of a pool after the simulator's second opinion."""
+
+    source: str
+    layout: Layout
+    evaluation: Evaluation
+    simulated_s: float | None
+    preferred_note: str | None
+    """Why the simulator's choice replaced the cost model's best (None: it did not)."""
+    model_best_s: float
+    """The cost model's best step time in the pool."""
+
+
+LOCAL_TIE_SHARE = 0.02
+"""Local plans within 2% of the fastest one's step count as tied; of those the fastest with
+the fewest islands in use is preferred (closer to synchronous training), and the simulator
+must find another more than 2% faster to replace it."""
+
+
+def _family_choice(
+    problem: PlanningProblem, options: SolveOptions, candidates: Candidates, family: Family
+) -> SolveResult | None:
+    """``family``'s layout: its synchronous or its local pick, as ``options.sync`` says,
+    with the status and gap its search proved; None when it has no valid layout."""
+    synchronous = _pick(candidates.of(family.name, Pool.SYNCHRONOUS))
+    local = _pick(candidates.of(family.name, Pool.LOCAL), margin=LOCAL_TIE_SHARE)
     if synchronous is None and local is None:
-        raise InfeasiblePlanError(diagnose_infeasible(problem, offload=options.offload))
-    chosen, why = choose_sync(problem, options.sync, synchronous, local)
+        return None
+    outcome = candidates.generated.outcomes.get(family.name) or SearchOutcome()
+    family_problem = family.problem(problem)
+    chosen, why = choose_sync(family_problem, options.sync, synchronous, local)
     notes = list(outcome.notes)
     if chosen is synchronous:
         status, gap = _status(outcome)
@@ -192,6 +335,10 @@ def _solve_once(
             status, gap = _status_of_runner_up(
                 status, gap, synchronous.model_best_s, synchronous.evaluation.step_time_s
             )
+        rejected = _rejected_search_layouts(candidates.of(family.name, Pool.SYNCHRONOUS))
+        if rejected:
+            notes.append(rejected)
+            status, gap = _not_proven(status, gap, outcome, synchronous.evaluation.step_time_s)
     else:
         status, gap = SolverStatus.FEASIBLE, None
         notes.append(LOCAL_PLAN_NOTE)
@@ -213,336 +360,91 @@ def _solve_once(
     )
 
 
-UNIFORM_STRATEGIES: tuple[tuple[str, RecomputePolicy, str, str], ...] = (
-    ("plain", RecomputePolicy.NEVER, "never", "never"),
-    ("recompute", RecomputePolicy.ALWAYS, "never", "never"),
-    ("zero-1", RecomputePolicy.NEVER, "always", "never"),
-    ("offload", RecomputePolicy.NEVER, "never", "always"),
-)
-"""The uniform memory strategies (name, ``--recompute``, ``--zero``, ``--offload``): every
-rank the same, as ``bench/plan_quality.py --compare memory`` compares them with the mixed choice."""
-
-
-def uniform_strategies(
-    problem: PlanningProblem, options: SolveOptions
-) -> list[tuple[str, PlanningProblem, SolveOptions]]:
-    """The uniform strategies a mixed request also allows, as problems and options to solve.
-
-    A strategy is allowed when each of its three settings equals the request's or the
-    request's is ``auto``; the request's own setting is left out, and so is ``offload``
-    where no device can offload (a ``cpu`` device's memory is the host's). Empty when the
-    request has no ``auto`` (it is uniform itself).
-    """
-    request = (problem.recompute.value, options.zero, options.offload)
-    found = []
-    for name, recompute, zero, offload in UNIFORM_STRATEGIES:
-        uniform = (recompute.value, zero, offload)
-        allowed = all(r in (u, "auto") for r, u in zip(request, uniform, strict=True))
-        if uniform == request or not allowed:
-            continue
-        if offload == "always" and not any(
-            can_offload(problem, d) for d in range(problem.num_devices)
-        ):
-            continue
-        found.append(
-            (
-                name,
-                replace(problem, recompute=recompute),
-                replace(options, zero=zero, offload=offload),
-            )
-        )
-    return found
-
-
-def _memory_shaped(problem: PlanningProblem, result: SolveResult) -> bool:
-    """Whether memory may have shaped ``result``: a stage recomputes (some or all of its
-    units), it shards or offloads optimizer state, or a stage fills more than
-    :data:`MEMORY_BINDS_SHARE` of its device (the searches under ``auto`` and under a
-    uniform strategy then take different paths; on a cluster with room to spare they are
-    the same search)."""
-    layout = result.layout
-    recomputes = any(s.recompute or s.recompute_units for r in layout.replicas for s in r.stages)
-    strategy = recomputes or bool(layout.optimizer_shard_weights) or any(layout.optimizer_offload)
-    full = any(
-        c.memory_bytes > MEMORY_BINDS_SHARE * float(problem.memory_capacity_bytes[c.device_idx])
-        for costs in result.evaluation.stages
-        for c in costs
-    )
-    return strategy or full
-
-
-def _reported_s(result: SolveResult, simulated: bool) -> float:
-    """The step time the plan reports: simulated when ``simulated``, else the cost model's."""
-    if simulated and result.simulated_step_time_s is not None:
-        return result.simulated_step_time_s
-    return result.evaluation.step_time_s
-
-
-def _faster_of(
-    problem: PlanningProblem,
-    mixed: SolveResult,
-    other: SolveResult,
-    name: str,
-    schedule: Schedule,
-    runtime: RuntimeBytes | None,
-) -> SolveResult:
-    """``mixed``, or the uniform strategy ``name``'s result ``other`` (re-costed and
-    re-simulated on ``problem``) when that is faster.
-
-    Both are compared as the plans report them (as ``--previous`` is): simulated where
-    both were simulated, else the cost model's step; a tie keeps ``mixed``. A layout
-    ``problem``'s validator refuses is never taken.
-    """
-    if layout_problems(problem, other.layout):
-        return mixed
-    evaluation = evaluate(problem, other.layout)
-    simulated = mixed.simulated_step_time_s is not None and other.simulated_step_time_s is not None
-    simulated_s = (
-        simulated_step_time_s(problem, other.layout, schedule, runtime) if simulated else None
-    )
-    candidate = replace(other, evaluation=evaluation, simulated_step_time_s=simulated_s)
-    mixed_s = _reported_s(mixed, simulated)
-    other_s = _reported_s(candidate, simulated)
-    if not other_s < mixed_s:
-        return mixed
-    status, gap = _status_of_runner_up(
-        mixed.status, mixed.gap, mixed.evaluation.step_time_s, evaluation.step_time_s
-    )
-    how = "simulated" if simulated else "cost model"
-    note = (
-        f"the uniform {name} strategy's layout ({other.source}) takes "
-        f"{format_seconds(other_s)} per step ({how}), less than the {format_seconds(mixed_s)} "
-        f"of the mixed search's best ({mixed.source}): chose it"
-    )
-    return replace(
-        candidate,
-        status=status,
-        gap=gap,
-        source=f"uniform {name}: {other.source}",
-        notes=(*other.notes, note),
+def _pick(pool: PoolCandidates, margin: float = 1e-9) -> Pick | None:
+    """The pool's simulated layout the simulator finds fastest (:func:`second_opinion`'s
+    rule: it must beat an earlier one by more than ``margin``)."""
+    if not pool.simulated:
+        return None
+    times = tuple(time_s for _, time_s in pool.simulated)
+    chosen = _fastest_simulated(times, margin)
+    ranked = pool.simulated[chosen][0]
+    note = _preferred_note(pool.simulated, chosen) if chosen > 0 else None
+    return Pick(
+        ranked.source,
+        ranked.layout,
+        ranked.evaluation,
+        times[chosen],
+        note,
+        pool.simulated[0][0].evaluation.step_time_s,
     )
 
 
-MEMORY_BINDS_SHARE = 0.8
-"""A stage filling more than this share of its device's usable memory counts as bound by
-memory (``_memory_binds``)."""
-
-
-def _memory_binds(problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]) -> bool:
-    """Whether memory may bind the fastest layout found, so that ZeRO's shards may help: none
-    was found, it leaves idle a device the whole model does not fit (:func:`_idle_for_memory`)
-    or gives such a device part of the model (:func:`_split_for_memory`: with shards it might
-    hold a whole replica), a stage recomputes (some or all of its units), or a stage fills
-    more than :data:`MEMORY_BINDS_SHARE` of its device, unless it is a replica of one stage
-    that runs its whole share as one micro-batch (memory did not cut its micro-batch, and
-    shards would only add their all-gather: GPT-2 124M on mixed-3090-4090 searched shards
-    for 2.4 s for nothing)."""
-    if not ranked:
-        return True
-    _, layout, evaluation = ranked[0]
-    full = any(
-        c.memory_bytes > MEMORY_BINDS_SHARE * float(problem.memory_capacity_bytes[c.device_idx])
-        for replica, costs in zip(layout.replicas, evaluation.stages, strict=True)
-        if len(replica.stages) > 1 or replica.num_microbatches > 1
-        for c in costs
-    )
-    recomputes = any(s.recomputed_units for r in layout.replicas for s in r.stages)
+def _rejected_search_layouts(pool: PoolCandidates) -> str:
+    """The note on the search's layouts the validator rejected (empty: none was). A
+    baseline that does not fit is no news; a searched layout that does not is hplan's
+    mistake, and the plan is then not proven optimal."""
+    rejected = [r for r in pool.rejected if r.found.generator != "baselines"]
+    if not rejected:
+        return ""
+    first = rejected[0]
+    more = f" and {len(rejected) - 1} more" if len(rejected) > 1 else ""
     return (
-        full
-        or recomputes
-        or _idle_for_memory(problem, layout)
-        or _split_for_memory(problem, layout)
+        f"the validator rejected the search's layout from {first.source} "
+        f"({'; '.join(first.problems[:2])}){more}: the plan is the best layout that passed, "
+        "so it is not claimed optimal"
     )
 
 
-def _whole_model_bytes(problem: PlanningProblem) -> float:
-    """Parameters, gradients and optimizer state of the whole model and one micro-batch of
-    the smallest size's activations (a tied parameter counts in each unit that uses it, so
-    this errs towards "does not fit")."""
-    return float(problem.static_memory_bytes.sum()) + float(
-        problem.activation_bytes_per_sample.sum()
-    ) * min(problem.micro_batch_sizes)
+def _not_proven(
+    status: SolverStatus, gap: float | None, outcome: SearchOutcome, chosen_s: float
+) -> tuple[SolverStatus, float | None]:
+    """Status and gap when the search's own layouts were rejected: feasible, its gap to the
+    search's lower bound (None when the search did not finish)."""
+    if status is SolverStatus.HEURISTIC:
+        return status, gap
+    main = [c for c in outcome.candidates if c.main]
+    if gap is None or not main or chosen_s <= 0:
+        return SolverStatus.FEASIBLE, None
+    lower = min(c.lower_bound_s for c in main)
+    return SolverStatus.FEASIBLE, max(0.0, (chosen_s - lower) / chosen_s)
 
 
-def _split_for_memory(problem: PlanningProblem, layout: Layout) -> bool:
-    """Whether ``layout`` gives a device that cannot hold the whole model
-    (:func:`_whole_model_bytes`) a stage of part of it: memory may be why that device is a
-    pipeline stage rather than a replica (seen: four 12 GB cards as one GPT-2 medium
-    pipeline, 0.628 s a step simulated, where ZeRO-1 replicas take 0.599 s)."""
-    whole_bytes = _whole_model_bytes(problem)
-    return any(
-        len(replica.stages) > 1
-        and whole_bytes > float(problem.memory_capacity_bytes[stage.device_idx])
-        for replica in layout.replicas
-        for stage in replica.stages
+def _nothing_valid(
+    problem: PlanningProblem, options: SolveOptions, candidates: Candidates
+) -> Exception:
+    """The error when the request's family has no valid layout: infeasible, naming the
+    binding constraint, unless the search found layouts that the validator rejected (then
+    it is a bug in hplan's search, said as such, not a limit of the cluster)."""
+    mixed = [candidates.of(MIXED, pool) for pool in Pool]
+    rejected = [r for pool in mixed for r in pool.rejected if r.found.generator != "baselines"]
+    if not rejected:
+        return InfeasiblePlanError(diagnose_infeasible(problem, offload=options.offload))
+    first = rejected[0]
+    return RuntimeError(
+        f"the search found {len(rejected)} layout(s) for this cluster but the independent "
+        f"validator rejected every one (first, from {first.source}: "
+        f"{'; '.join(first.problems[:2])}); this is a bug in hplan's search, not a limit of "
+        "the cluster: please report it with the files of --dump-passes DIR (--strategy ddp "
+        "or uniform plans a baseline meanwhile)"
     )
 
 
-def _idle_for_memory(problem: PlanningProblem, layout: Layout) -> bool:
-    """Whether ``layout`` leaves idle a device that cannot hold the whole model (its
-    parameters, gradients and optimizer state and one micro-batch of the smallest size's
-    activations; a tied parameter counts in each unit that uses it, so this errs towards
-    "cannot"): memory may be why it is idle. A device that could hold it is idle for speed
-    (its links, its launch overhead), which no memory strategy changes."""
-    whole_bytes = _whole_model_bytes(problem)
-    used = set(layout.device_indices)
-    return any(
-        whole_bytes > float(problem.memory_capacity_bytes[d])
-        for d in range(problem.num_devices)
-        if d not in used
-    )
-
-
-def sharded_candidates(problem: PlanningProblem, options: SolveOptions) -> list[tuple[str, Layout]]:
-    """Layouts that fit with ZeRO's uneven shards (``cost.zero``): stage 1, searched on the
-    problem with the least state any sharding leaves (``zero.sharded_problem``), each sized
-    by ``zero.shard_weights`` and kept only where every device then fits; then stage 2,
-    searched on the problem that also leaves out the flat gradient copies, kept only for
-    layouts that stage 1 cannot fit (stage 2 is costed as stage 1, so where both fit the
-    solver keeps stage 1)."""
-    found: list[tuple[str, Layout]] = []
-    for stage in (1, 2):
-        sharded = sharded_problem(problem, stage)
-        if sharded is None:
-            return found
-        try:
-            search = run_search(sharded, replace(options, sync=SyncRequest.ALL_REDUCE))
-        except InfeasiblePlanError:  # the unsharded search found nothing either
-            continue
-        for candidate in search.candidates:
-            layout = candidate.layout
-            if layout.sync is not None and layout.sync.local:
-                continue
-            evaluation = evaluate(problem, layout)
-            memory = {c.device_idx: c.memory_bytes for costs in evaluation.stages for c in costs}
-            if stage == 2 and shard_weights(problem, layout, memory) is not None:
-                continue  # stage 1 fits it: found above, or by a layout at least as fast
-            weights = shard_weights(problem, layout, memory, stage)
-            if weights is not None:
-                sharded_layout = replace(layout, optimizer_shard_weights=weights, zero_stage=stage)
-                found.append((f"zero-{stage}: {candidate.scenario}", sharded_layout))
-    return found
-
-
-def _nothing_cheaper_fits(
-    problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]
-) -> bool:
-    """Whether offload may help (``--offload auto``): no layout was found, or the fastest
-    leaves idle a device the whole model does not fit (:func:`_idle_for_memory`)."""
-    return not ranked or _idle_for_memory(problem, ranked[0][1])
-
-
-def offload_candidates(problem: PlanningProblem, options: SolveOptions) -> list[tuple[str, Layout]]:
-    """Layouts that fit with optimizer-state offload (``cost.offload``): searched on the
-    problem where every device offloads (``offload.offload_problem``); under ``auto`` each
-    keeps offload only on the devices that do not fit without it
-    (``offload.offload_flags``), under ``always`` on every GPU (a ``cpu`` device's memory
-    is the host's: offload frees none of it); kept only where every device and every
-    node's host memory then fit."""
-    offloaded = offload_problem(problem)
-    if offloaded is None:
-        return []
-    found = []
-    request = replace(options, sync=SyncRequest.ALL_REDUCE)
-    try:
-        candidates = run_search(offloaded, request).candidates
-    except InfeasiblePlanError:
-        return []
-    for candidate in candidates:
-        layout = candidate.layout
-        if layout.sync is not None and layout.sync.local:
-            continue
-        memory = {
-            c.device_idx: c.memory_bytes
-            for costs in evaluate(problem, layout).stages
-            for c in costs
-        }
-        if options.offload == "always":
-            flags: tuple[bool, ...] | None = tuple(
-                d in memory and can_offload(problem, d) for d in range(problem.num_devices)
-            )
-        else:
-            flags = offload_flags(problem, layout, memory)
-        if flags is not None and any(flags):
-            found.append(
-                (f"offload: {candidate.scenario}", replace(layout, optimizer_offload=flags))
-            )
-    return found
-
-
-def with_recompute_policy(problem: PlanningProblem, layout: Layout) -> Layout:
-    """``layout`` with every stage recomputing under ``RecomputePolicy.ALWAYS`` (a baseline
-    built without the policy), else itself."""
-    if problem.recompute is not RecomputePolicy.ALWAYS:
-        return layout
-    replicas = tuple(
-        replace(r, stages=tuple(replace(s, recompute=True, recompute_units=()) for s in r.stages))
-        for r in layout.replicas
-    )
-    return replace(layout, replicas=replicas)
-
-
-LOCAL_PLAN_NOTE = (
-    "each island was solved on its own for its share of the batch, the shares re-solved "
-    "until the islands finish their steps together: no optimality claim across islands"
-)
-
-
-@dataclass(frozen=True)
-class Pick:
-    """The best of a ranked pool after the simulator's second opinion."""
-
-    source: str
-    layout: Layout
-    evaluation: Evaluation
-    simulated_s: float | None
-    preferred_note: str | None
-    """Why the simulator's choice replaced the cost model's best (None: it did not)."""
-    model_best_s: float
-    """The cost model's best step time in the pool."""
-
-
-LOCAL_TIE_SHARE = 0.02
-"""Local plans within 2% of the fastest one's step count as tied; of those the fastest with
-the fewest islands in use is preferred (closer to synchronous training), and the simulator
-must find another more than 2% faster to replace it."""
-
-
-def _closest_to_synchronous(
-    problem: PlanningProblem, ranked: list[tuple[str, Layout, Evaluation]]
-) -> list[tuple[str, Layout, Evaluation]]:
+def _closest_to_synchronous(problem: PlanningProblem, ranked: list[Ranked]) -> list[Ranked]:
     """``ranked`` (fastest first) with the preferred of the tied local plans first
     (:data:`LOCAL_TIE_SHARE`)."""
     if not ranked:
         return ranked
-    limit = ranked[0][2].step_time_s * (1 + LOCAL_TIE_SHARE)
-    tied = [item for item in ranked if item[2].step_time_s <= limit]
+    limit = ranked[0].evaluation.step_time_s * (1 + LOCAL_TIE_SHARE)
+    tied = [item for item in ranked if item.evaluation.step_time_s <= limit]
 
-    def closeness(item: tuple[str, Layout, Evaluation]) -> tuple[int, float]:
-        layout = item[1]
+    def closeness(item: Ranked) -> tuple[int, float]:
+        layout = item.layout
         assert layout.sync is not None
         islands = island_index(problem, layout.sync)
-        return len({islands[d] for d in layout.device_indices}), item[2].step_time_s
+        return len({islands[d] for d in layout.device_indices}), item.evaluation.step_time_s
 
     preferred = min(tied, key=closeness)
     return [preferred, *(item for item in ranked if item is not preferred)]
-
-
-def _pick(
-    problem: PlanningProblem,
-    ranked: list[tuple[str, Layout, Evaluation]],
-    schedule: Schedule,
-    runtime: RuntimeBytes | None,
-    margin: float = 1e-9,
-) -> Pick | None:
-    if not ranked:
-        return None
-    top = ranked[:SIMULATED_CANDIDATES]
-    layouts = [layout for _, layout, _ in top]
-    chosen, simulated = second_opinion(problem, layouts, schedule, runtime, margin=margin)
-    source, layout, ev = top[chosen]
-    note = _preferred_note(top, simulated, chosen) if chosen > 0 else None
-    return Pick(source, layout, ev, simulated[chosen], note, top[0][2].step_time_s)
 
 
 def choose_sync(
@@ -594,27 +496,61 @@ def sync_label(layout: Layout) -> str:
     return f"{sync.mode.value} H={sync.local_steps}{wire}"
 
 
-def _within_max_stages(layout: Layout, max_stages: int) -> bool:
-    """True when no replica of ``layout`` has more than ``max_stages`` stages."""
-    return all(replica.num_stages <= max_stages for replica in layout.replicas)
+# --------------------------------------------------------------------------- families
+def _reported_s(result: SolveResult, simulated: bool) -> float:
+    """The step time the plan reports: simulated when ``simulated``, else the cost model's."""
+    if simulated and result.simulated_step_time_s is not None:
+        return result.simulated_step_time_s
+    return result.evaluation.step_time_s
 
 
-def _ranked(
-    problem: PlanningProblem, pool: list[tuple[str, Layout]]
-) -> list[tuple[str, Layout, Evaluation]]:
-    """Valid distinct layouts of the pool, each with its shares cut into equal micro-batches
-    (``even_microbatches``), fastest first under the cost model (stable)."""
-    seen: set[Layout] = set()
-    ranked = []
-    for source, pooled in pool:
-        layout = even_microbatches(problem, pooled)
-        if layout in seen or layout_problems(problem, layout):
-            continue
-        seen.add(layout)
-        ranked.append((source, layout, evaluate(problem, layout)))
-    return sorted(ranked, key=lambda item: item[2].step_time_s)
+def _faster_of(
+    problem: PlanningProblem,
+    mixed: SolveResult,
+    other: SolveResult,
+    name: str,
+    runtime: RuntimeBytes | None,
+) -> SolveResult:
+    """``mixed``, or the uniform family ``name``'s result ``other`` (re-costed and
+    re-simulated on ``problem``) when that is faster.
+
+    Both are compared as the plans report them (as ``--previous`` is): simulated where
+    both were simulated, else the cost model's step; a tie keeps ``mixed``. A layout
+    ``problem``'s validator refuses is never taken.
+    """
+    if layout_problems(problem, other.layout):
+        return mixed
+    evaluation = evaluate(problem, other.layout)
+    simulated = mixed.simulated_step_time_s is not None and other.simulated_step_time_s is not None
+    simulated_s = (
+        simulated_step_time_s(problem, other.layout, problem.schedule, runtime)
+        if simulated
+        else None
+    )
+    candidate = replace(other, evaluation=evaluation, simulated_step_time_s=simulated_s)
+    mixed_s = _reported_s(mixed, simulated)
+    other_s = _reported_s(candidate, simulated)
+    if not other_s < mixed_s:
+        return mixed
+    status, gap = _status_of_runner_up(
+        mixed.status, mixed.gap, mixed.evaluation.step_time_s, evaluation.step_time_s
+    )
+    how = "simulated" if simulated else "cost model"
+    note = (
+        f"the uniform {name} strategy's layout ({other.source}) takes "
+        f"{format_seconds(other_s)} per step ({how}), less than the {format_seconds(mixed_s)} "
+        f"of the mixed search's best ({mixed.source}): chose it"
+    )
+    return replace(
+        candidate,
+        status=status,
+        gap=gap,
+        source=f"uniform {name}: {other.source}",
+        notes=(*other.notes, note),
+    )
 
 
+# --------------------------------------------------------------------------- the simulator
 def second_opinion(
     problem: PlanningProblem,
     layouts: list[Layout],
@@ -634,29 +570,34 @@ def second_opinion(
     simulated = tuple(
         simulated_step_time_s(problem, layout, schedule, runtime) for layout in layouts
     )
+    return _fastest_simulated(simulated, margin), simulated
+
+
+def _fastest_simulated(simulated: Sequence[float | None], margin: float) -> int:
+    """:func:`second_opinion`'s choice among simulated times (the first is the model's best)."""
     chosen, best_s = 0, simulated[0]
     if best_s is None:
-        return chosen, simulated
+        return chosen
     for idx, time_s in enumerate(simulated):
         if time_s is not None and time_s < best_s * (1 - margin):
             chosen, best_s = idx, time_s
-    return chosen, simulated
+    return chosen
 
 
-def _preferred_note(
-    top: list[tuple[str, Layout, Evaluation]], simulated: tuple[float | None, ...], chosen: int
-) -> str:
+def _preferred_note(simulated: Sequence[tuple[Ranked, float | None]], chosen: int) -> str:
     """Why the simulator's choice replaced the cost model's best (both were simulated)."""
-    best_source, _, best_ev = top[0]
-    source, _, ev = top[chosen]
+    best, best_s = simulated[0]
+    picked, picked_s = simulated[chosen]
     return (
-        f"the simulator preferred the layout from {source} "
-        f"(simulated {(simulated[chosen] or 0.0) * 1e3:.4g} ms, cost model {ev.step_time_s * 1e3:.4g} ms) "
-        f"to the cost model's best from {best_source} "
-        f"(simulated {(simulated[0] or 0.0) * 1e3:.4g} ms, cost model {best_ev.step_time_s * 1e3:.4g} ms)"
+        f"the simulator preferred the layout from {picked.source} "
+        f"(simulated {(picked_s or 0.0) * 1e3:.4g} ms, cost model "
+        f"{picked.evaluation.step_time_s * 1e3:.4g} ms) to the cost model's best from "
+        f"{best.source} (simulated {(best_s or 0.0) * 1e3:.4g} ms, cost model "
+        f"{best.evaluation.step_time_s * 1e3:.4g} ms)"
     )
 
 
+# --------------------------------------------------------------------------- status
 def _status_of_runner_up(
     status: SolverStatus, gap: float | None, best_s: float, chosen_s: float
 ) -> tuple[SolverStatus, float | None]:

@@ -7,9 +7,10 @@ solver or the evaluator on purpose.
 from __future__ import annotations
 
 from hplan.planner.cost.layout import IslandSync, Layout, StageLayout, is_even_cut
-from hplan.planner.cost.problem import PlanningProblem, RecomputePolicy
+from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.zero import gradient_saving_bytes
 from hplan.planner.textfmt import format_bytes_pair
+from hplan.runtime.contract.memory import in_flight_microbatches
 
 
 def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
@@ -20,7 +21,8 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     replica's share cut into equal micro-batches no larger than the largest candidate, or the
     replica's share run as one micro-batch, and never larger than the share; the
     micro-batches hold the replica's samples; shares sum to the global batch; every stage's
-    memory (static + activations of its in-flight micro-batches under 1F1B, or under
+    memory (static + activations of its in-flight micro-batches under the problem's
+    schedule, ``contract.memory.in_flight_microbatches``, or under
     recomputation its inputs in flight and one micro-batch's activations, or under selective
     recomputation the recomputed units' inputs in flight instead of their activations and
     one micro-batch of the largest one's + boundary buffers) fits its device; a selective
@@ -43,11 +45,9 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     if total != problem.global_batch_size:
         errors.append(f"batch shares sum to {total}, not {problem.global_batch_size}")
     stages = [s for r in layout.replicas for s in r.stages]
-    if problem.recompute is RecomputePolicy.NEVER and any(
-        s.recompute or s.recompute_units for s in stages
-    ):
+    if problem.recompute is Policy.NEVER and any(s.recompute or s.recompute_units for s in stages):
         errors.append("a stage recomputes under --recompute never")
-    if problem.recompute is RecomputePolicy.ALWAYS and not all(s.recompute for s in stages):
+    if problem.recompute is Policy.ALWAYS and not all(s.recompute for s in stages):
         errors.append("a stage keeps (some of) its activations under --recompute always")
     for s in stages:
         if s.recompute_units and (
@@ -194,7 +194,10 @@ def _replica_problems(  # type: ignore[no-untyped-def]
                 "out of order or empty"
             )
         expected_start = stage.unit_stop
-        need = _memory(problem, stage, b, num_stages - s) - saving.get(stage.device_idx, 0.0)
+        in_flight = in_flight_microbatches(
+            problem.schedule, s, num_stages, replica.num_microbatches
+        )
+        need = _memory(problem, stage, b, in_flight) - saving.get(stage.device_idx, 0.0)
         cap = float(problem.memory_capacity_bytes[stage.device_idx])
         if need > cap:
             need_text, cap_text = format_bytes_pair(need, cap)

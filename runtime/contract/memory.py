@@ -186,17 +186,25 @@ class RankMemory:
 
 
 def in_flight_microbatches(
-    schedule: Schedule, stage: int, num_stages: int, num_microbatches: int
+    schedule: Schedule, stage: int, num_stages: int, num_microbatches: int | None = None
 ) -> int:
-    """Micro-batches whose activations stage ``stage`` of ``num_stages`` holds at once.
+    """Micro-batches whose activations stage ``stage`` of ``num_stages`` holds at once: the
+    one rule of the planner (search, evaluator, validator, baselines) and the plan's check.
 
-    1F1B: ``min(num_stages - stage, num_microbatches)`` (S - s - 1 warm-up forwards plus
-    one before its first backward; Narayanan et al., SC 2021). GPipe: every micro-batch
-    (all forwards run before the first backward; Huang et al., NeurIPS 2019).
+    1F1B: ``min(num_stages - stage, num_microbatches)`` (S - s - 1 warm-up forwards plus one
+    before its first backward; Narayanan et al., SC 2021); ``num_microbatches`` None: the
+    most any number of them can hold, ``num_stages - stage``. GPipe: every micro-batch (all
+    forwards run before the first backward; Huang et al., NeurIPS 2019).
+
+    Raises:
+        ValueError: GPipe without ``num_microbatches`` (its in-flight count is the share's).
     """
     if schedule is Schedule.GPIPE:
+        if num_microbatches is None:
+            raise ValueError("under GPipe the micro-batches in flight are all of them: give the count")
         return num_microbatches
-    return min(num_stages - stage, num_microbatches)
+    most = num_stages - stage
+    return most if num_microbatches is None else min(most, num_microbatches)
 
 
 def stage_activation_bytes(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hplan.planner.cost.evaluate import evaluate
-from hplan.planner.cost.problem import RecomputePolicy
+from hplan.planner.cost.problem import Policy
 from hplan.planner.cost.zero import state_saving_bytes
 from hplan.planner.sim.spec import simulated_step_time_s
 from hplan.planner.solve import solver as solver_module
@@ -23,7 +23,7 @@ from tests.fixtures.problems import GB, Dev, make_problem
 FAST = SolveOptions(time_limit_s=30, watchdog=False)
 
 
-def _recompute_problem(policy: RecomputePolicy = RecomputePolicy.AUTO):  # type: ignore[no-untyped-def]
+def _recompute_problem(policy: Policy = Policy.AUTO):  # type: ignore[no-untyped-def]
     """Two 2.6 GB devices, 4 units of 0.25 GB static and 0.5 GB/sample of activations each:
     no device holds the whole model; a two-stage pipeline keeping its activations fits
     micro-batch 1 only (stage 0 holds two micro-batches in flight), and with stage 0
@@ -49,7 +49,7 @@ def test_a_stage_recomputes_where_only_recomputing_fits_a_faster_micro_batch() -
     assert [s.recompute for s in replica.stages] == [True, False]
     assert replica.micro_batch_size == 2
     assert not layout_problems(problem, result.layout)
-    never = solve(_recompute_problem(RecomputePolicy.NEVER), FAST)
+    never = solve(_recompute_problem(Policy.NEVER), FAST)
     assert never.layout.replicas[0].micro_batch_size == 1
     assert not never.layout.replicas[0].stages[0].recompute
     assert result.evaluation.step_time_s < never.evaluation.step_time_s
@@ -81,9 +81,9 @@ def test_recomputing_costs_the_extra_forward_and_keeps_one_microbatch() -> None:
 
 
 def test_policies_are_obeyed() -> None:
-    always = solve(_recompute_problem(RecomputePolicy.ALWAYS), FAST)
+    always = solve(_recompute_problem(Policy.ALWAYS), FAST)
     assert all(s.recompute for r in always.layout.replicas for s in r.stages)
-    tight = replace(_recompute_problem(RecomputePolicy.NEVER), global_batch_size=4)
+    tight = replace(_recompute_problem(Policy.NEVER), global_batch_size=4)
     tight = replace(tight, memory_capacity_bytes=np.array([1.2 * GB, 1.2 * GB]))
     with pytest.raises(InfeasiblePlanError):
         solve(tight, FAST)
@@ -111,7 +111,7 @@ def _three_cards(  # type: ignore[no-untyped-def]
         intra_bandwidth=50e9,
     )
     state = np.full(num_units, state_gb * GB)
-    return replace(problem, optimizer_state_bytes=state, recompute=RecomputePolicy.NEVER)
+    return replace(problem, optimizer_state_bytes=state, recompute=Policy.NEVER)
 
 
 def _zero_problem():  # type: ignore[no-untyped-def]
@@ -207,7 +207,7 @@ def test_a_unit_no_device_holds_says_what_sharding_would_leave() -> None:
     assert "with its optimizer state sharded away (--zero) it would still need" in str(caught.value)
 
 
-def _selective_problem(policy: RecomputePolicy = RecomputePolicy.AUTO):  # type: ignore[no-untyped-def]
+def _selective_problem(policy: Policy = Policy.AUTO):  # type: ignore[no-untyped-def]
     """Two 3.3 GB devices, 4 units of 1 GB static: only the split [0, 1] | [2, 3] fits. Units
     1 and 3 hold 0.3 GB/sample of activations, units 0 and 2 0.1 GB, all the same forward
     time, and a micro-batch costs a fixed 10 s. At micro-batch 2, stage 0 (two in flight)
@@ -258,9 +258,9 @@ def test_a_stage_recomputes_its_cheapest_unit_per_byte_where_that_fits_and_is_ch
         2 * GB + 0.1 * GB * 2 * 2 + 1e6 * 2 * 2 + 0.3 * GB * 2 + 2 * 1e6 * 2
     )
     # --recompute always recomputes whole stages, never: micro-batch 1 only
-    always = solve(_selective_problem(RecomputePolicy.ALWAYS), FAST).layout
+    always = solve(_selective_problem(Policy.ALWAYS), FAST).layout
     assert all(s.recompute and not s.recompute_units for r in always.replicas for s in r.stages)
-    never = solve(_selective_problem(RecomputePolicy.NEVER), FAST)
+    never = solve(_selective_problem(Policy.NEVER), FAST)
     assert never.layout.replicas[0].micro_batch_size == 1
     assert never.evaluation.step_time_s > result.evaluation.step_time_s
 
@@ -270,11 +270,11 @@ def test_uniform_strategies_are_those_the_request_allows() -> None:
     names = [name for name, _, _ in uniform_strategies(problem, FAST)]
     assert names == ["plain", "recompute", "zero-1", "offload"]
     _, plain_problem, plain_options = uniform_strategies(problem, FAST)[0]
-    assert plain_problem.recompute is RecomputePolicy.NEVER
+    assert plain_problem.recompute is Policy.NEVER
     assert (plain_options.zero, plain_options.offload) == ("never", "never")
     no_zero = replace(FAST, zero="never", offload="never")
     assert [n for n, _, _ in uniform_strategies(problem, no_zero)] == ["plain", "recompute"]
-    never = replace(problem, recompute=RecomputePolicy.NEVER)
+    never = replace(problem, recompute=Policy.NEVER)
     assert [n for n, _, _ in uniform_strategies(never, no_zero)] == []  # plain itself
 
 
@@ -285,13 +285,14 @@ def test_the_mixed_choice_is_never_slower_than_a_uniform_strategy(
     micro-batch 1); the solver must then return a uniform strategy's layout, as fast as the
     best of them as the plans report it."""
     problem = _recompute_problem()
-    real = solver_module._solve_once
+    real = solver_module._family_choice
 
-    def worse_mixed(p, options, schedule, runtime, meanwhile=None):  # type: ignore[no-untyped-def]
-        result = real(p, options, schedule, runtime, meanwhile)
-        if p.recompute is not RecomputePolicy.AUTO:
+    def worse_mixed(p, options, candidates, family):  # type: ignore[no-untyped-def]
+        result = real(p, options, candidates, family)
+        if family.name != "mixed" or p.recompute is not Policy.AUTO:
             return result
-        plain = real(replace(p, recompute=RecomputePolicy.NEVER), options, schedule, runtime)
+        plain_family = candidates.generated.family("plain")
+        plain = real(p, options, candidates, plain_family)
         layout = replace(
             plain.layout,
             replicas=tuple(
@@ -299,7 +300,7 @@ def test_the_mixed_choice_is_never_slower_than_a_uniform_strategy(
                 for r in plain.layout.replicas
             ),
         )
-        simulated_s = simulated_step_time_s(p, layout, schedule, runtime)
+        simulated_s = simulated_step_time_s(p, layout, p.schedule, None)
         return replace(
             result,
             layout=layout,
@@ -308,7 +309,7 @@ def test_the_mixed_choice_is_never_slower_than_a_uniform_strategy(
             source="worse",
         )
 
-    monkeypatch.setattr(solver_module, "_solve_once", worse_mixed)
+    monkeypatch.setattr(solver_module, "_family_choice", worse_mixed)
     chosen = solve(problem, FAST)
     uniform = [solve(p, o) for _, p, o in uniform_strategies(problem, FAST)[:2]]
     best_s = min(r.evaluation.step_time_s for r in uniform)
