@@ -42,7 +42,7 @@ net-tools:
 
 # Two workers (pytest-xdist): CI has 2 cores and most tests wait on their ranks' processes;
 # loadgroup keeps a module marked xdist_group on one worker (its module fixture built once).
-# Timing-sensitive tests (marker `serial`) run alone afterwards, on a quiet machine.
+# Tests whose outcome hangs on which rank ends first (marker `serial`) run alone afterwards.
 unit: setup net-tools
 	$(VENV)/bin/pytest -n 2 --dist loadgroup -m "not serial"
 	$(VENV)/bin/pytest -m serial

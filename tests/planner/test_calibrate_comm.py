@@ -163,11 +163,12 @@ def _slowed(plan: Plan, latency_per_step_s: float) -> Plan:
     return replace(plan, cluster=replace(plan.cluster, nodes=nodes))
 
 
-@pytest.mark.serial
 def test_calibrating_a_rehearsal_on_slow_rings_moves_the_predicted_all_reduce_to_it(tmp_path):
     plan = _records_plan(tmp_path)
     (group,) = plan.report.grad_sync or ()
-    slowed = _slowed(plan, 0.01)  # 40 ms per 3-rank ring, where the links say well under 1 ms
+    # 200 ms per 3-rank ring, where the links say well under 1 ms: the emulated floor, not
+    # how long a loaded machine takes to run the ring's real all-reduce, is what it measures
+    slowed = _slowed(plan, 0.05)
     run = tmp_path / "run"
     rehearse(slowed, model_path=MLP, metrics_dir=run, steps=4, dilation=2.0, timeout_s=240.0)
     measured_s = group_ring_time_s(slowed, group.ranks, group.num_bytes)

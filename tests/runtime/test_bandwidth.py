@@ -225,7 +225,6 @@ def _rank_in(ns: str, veth: str, rank: int, node: str, out: Path) -> subprocess.
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_a_tbf_capped_veth_link_is_measured_within_20_percent_of_its_cap(tmp_path):
     if shutil.which("ip") is None or shutil.which("tc") is None:

@@ -82,7 +82,6 @@ def test_cpu_plan_stretches_real_compute_by_the_planned_relative_speed():
         assert emulated.forward_s == 0.0
 
 
-@pytest.mark.serial
 def test_rehearsed_gpu_plan_spends_at_least_the_modelled_compute_time(tmp_path):
     plan = _plan("mixed-3090-4090", 16)
     scale = 200.0  # emulated seconds per plan second: long enough to dominate the CPU work

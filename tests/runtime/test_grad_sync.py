@@ -177,7 +177,8 @@ def test_an_emulated_all_reduce_ends_on_every_holder_a_ring_time_after_the_last_
     assert run_ranks(_emulated_all_reduce, 2, tmp_path) == [0, 0]
     early, late = rank_results(tmp_path, 2)
     assert early["grad"] == late["grad"] == [3.0, 3.0, 3.0]
-    assert late["arrived_s"] - early["arrived_s"] > LATE_S * 0.9
+    # rank 1 came late (by less than LATE_S when load delays rank 0 after the barrier)
+    assert late["arrived_s"] - early["arrived_s"] > LATE_S / 2
     for times in (early, late):  # monotonic clocks are one clock on one machine
         assert times["left_s"] >= late["arrived_s"] + RING_S
 

@@ -393,7 +393,10 @@ def test_an_island_that_stops_answering_ends_the_job_in_one_line_naming_it(
     tmp_path: Path,
 ) -> None:
     path = _model(tmp_path)
-    plan = _two_single(path, timeout_s=4.0, mode=SyncMode.LOCAL_SGD, local_steps=1)
+    # the outer sync meets the stalled island at the plan's process-group timeout; 10 s
+    # also bounds every collective before it, so it must outlast how far apart a loaded
+    # machine lets the two ranks build and take their first step
+    plan = _two_single(path, timeout_s=10.0, mode=SyncMode.LOCAL_SGD, local_steps=1)
     env = {"HPLAN_TEST_STALL_RANK": "1"}  # box-b sleeps in its second step's loss
     started_s = time.monotonic()
     with RankJob(plan, tmp_path / "a", "--steps", "5", env=env) as job:

@@ -5,6 +5,7 @@ one process does."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from hplan.runtime.executor.control.rebalance import (
 )
 from hplan.runtime.rehearsal.reference_check import reference_steps, relative_difference
 from tests.fixtures.plans import ReplicaShape, make_plan, read_checkpoint, run_ranks, write_model
+
+FAULTS = Path(__file__).resolve().parents[1] / "fixtures" / "faults"
+"""The rank processes' test hooks (``sitecustomize.py``): here, the fixed compute clock."""
 
 SLOW_LOADER = """
 import time
@@ -174,25 +178,28 @@ def test_under_a_binding_quota_all_cpu_outside_compute_is_fixed_time(model_path:
     assert speed.fixed_s == pytest.approx(0.0036 / 0.45)  # not the optimizer's 0.0018 / 0.45
 
 
-@pytest.mark.serial  # the ranks' measured speeds decide: other tests' load can reverse them
 def test_a_run_whose_shares_moved_trains_as_one_process_does(
     model_path: Path, tmp_path: Path
 ) -> None:
-    # two identical CPU ranks; replica 0 computes three micro-batches of 4 a step, replica 1
-    # one: replica 0 takes three times as long, so samples move to replica 1 (up to its cap
-    # of 5) while training goes on
+    # two ranks on the fixed compute clock (``HPLAN_TEST_COMPUTE_S``: 5 ms a sample, 1 ms an
+    # optimizer step, whatever the machine's load); replica 0 computes three micro-batches
+    # of 4 a step, replica 1 one: replica 0 takes three times as long, so samples move to
+    # replica 1 (up to its cap of 5) while training goes on
     plan = _plan(model_path, (4, 12), (4, 4))
     steps, metrics, ckpt = 40, tmp_path / "m", tmp_path / "ckpt"
+    env = {"PYTHONPATH": f"{FAULTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "HPLAN_TEST_COMPUTE_S": "0.005:0.001"}  # fmt: skip
     outcomes = run_ranks(
         plan, tmp_path / "run", "--steps", str(steps), "--metrics-dir", str(metrics),
-        "--checkpoint-dir", str(ckpt), timeout_s=120.0,
+        "--checkpoint-dir", str(ckpt), env=env, timeout_s=120.0,
     )  # fmt: skip
     for outcome in outcomes:
         assert outcome.returncode == 0, outcome.stderr[-2000:]
-    samples = [
-        [json.loads(line)["samples"] for line in (metrics / f"rank-{r}.jsonl").open()]
-        for r in range(2)
+    records = [
+        [json.loads(line) for line in (metrics / f"rank-{r}.jsonl").open()] for r in range(2)
     ]
+    samples = [[record["samples"] for record in rank] for rank in records]
+    assert records[0][0]["compute_time_s"] == pytest.approx(2 * 12 * 0.005)  # forward, backward
     assert samples[0][0] == 12 and samples[1][0] == 4
     assert samples[0][-1] == 11 and samples[1][-1] == 5  # replica 1's cap: floor(4 x 1.25)
     assert all(a + b == 16 for a, b in zip(*samples, strict=True))  # every step, together

@@ -140,7 +140,6 @@ def test_a_boundary_shape_that_differs_from_the_plan_fails_the_rehearsal_clearly
     assert "'relu' has shape (2, 4), the plan expects (2, 5)" in message
 
 
-@pytest.mark.serial
 def test_a_hung_rank_is_killed_at_the_timeout(tmp_path: Path) -> None:
     source = NUMBERED_DATASET.replace(
         "    def build_model():\n",

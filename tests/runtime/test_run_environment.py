@@ -213,7 +213,6 @@ NEEDS_NETNS = pytest.mark.skipif(
 )
 
 
-@pytest.mark.serial
 @NEEDS_NETNS
 def test_a_rank_in_a_network_namespace_with_a_cpu_quota_runs_one_thread(tmp_path: Path) -> None:
     """The reported case: 2 threads in a 0.45-core quota. A one-rank plan runs under

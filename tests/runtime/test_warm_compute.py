@@ -83,7 +83,6 @@ def test_measuring_times_every_size_on_a_copy_and_leaves_the_run_untouched():
     assert "micro-batch 2: forward" in warm.describe()
 
 
-@pytest.mark.serial
 def test_a_rehearsed_cpu_plan_replays_each_ranks_warm_times_after_the_first_step(tmp_path):
     request = SolveRequest(
         model_path=GPT, cluster_path=CLUSTERS / "cpu-rehearsal.yaml", global_batch_size=16
