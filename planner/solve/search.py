@@ -68,6 +68,7 @@ from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest
 from hplan.planner.solve.watchdog import run_with_deadline
 from hplan.planner.textfmt import format_bytes, format_bytes_pair
 from hplan.runtime.contract.errors import InfeasiblePlanError
+from hplan.runtime.contract.plan import CPU_KIND
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -705,7 +706,7 @@ def diagnose_infeasible(problem: PlanningProblem, offload: str = "never") -> str
         if problem.offload_saving_bytes is not None
         else np.zeros(problem.num_units)
     )
-    if problem.device_kinds[biggest] == "cpu":
+    if problem.device_kinds[biggest] == CPU_KIND:
         moved = np.zeros(problem.num_units)  # a cpu device's state is in host memory already
     rescued = offload != "never" and need[worst] - moved[worst] <= capacity
     if need[worst] > capacity and not rescued:  # else offload fits the unit: look further
