@@ -16,7 +16,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from hplan.planner.textfmt import format_bytes, format_seconds
+from hplan.planner.textfmt import format_seconds
+from hplan.runtime.contract.quantities import format_bytes
 
 if TYPE_CHECKING:  # importing the CLI must not import torch (tests/test_architecture.py)
     from hplan.planner.profiling.calibrate import Calibration, RankError

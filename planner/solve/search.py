@@ -66,9 +66,9 @@ from hplan.planner.solve.partition import PipelineShape, enumerate_shapes
 from hplan.planner.solve.scenarios import Scenario, allreduce_estimate_s, make_scenarios
 from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest, wants_local
 from hplan.planner.solve.watchdog import run_with_deadline
-from hplan.planner.textfmt import format_bytes, format_bytes_pair
 from hplan.runtime.contract.errors import InfeasiblePlanError
 from hplan.runtime.contract.plan import CPU_KIND
+from hplan.runtime.contract.quantities import format_bytes, format_bytes_pair
 
 E = TypeVar("E", bound=StrEnum)
 
