@@ -1,8 +1,8 @@
 """Small pure formatting helpers for hplan's human text (summaries, DOT labels, scripts).
 
-Byte sizes are decimal (``1 MB`` = 10^6 bytes, ``1 GB`` = 10^9 bytes), as the style guide
-asks; durations pick s or ms; unit lists collapse numbered runs (``blocks.0-blocks.3``);
-long lines break between phrases (:func:`wrap_phrases`).
+Durations pick s or ms (byte sizes and link speeds are ``contract.quantities``'s, which the
+runtime shares); unit lists collapse numbered runs (``blocks.0-blocks.3``); long lines
+break between phrases (:func:`wrap_phrases`).
 """
 
 from __future__ import annotations
@@ -12,60 +12,9 @@ import textwrap
 from collections.abc import Sequence
 
 from hplan.runtime.contract.plan import CutSpec, RankPlan, microbatch_sizes
-from hplan.runtime.contract.quantities import (
-    BITS_PER_BYTE,
-    BYTES_PER_GB,
-    BYTES_PER_KB,
-    BYTES_PER_MB,
-    MS_PER_S,
-)
+from hplan.runtime.contract.quantities import MS_PER_S
 
-_DECIMAL_UNITS = ((BYTES_PER_GB, "GB"), (BYTES_PER_MB, "MB"), (BYTES_PER_KB, "kB"))
 _NUMBERED = re.compile(r"^(?P<prefix>.*)\.(?P<idx>\d+)$")
-
-
-def format_bytes(num_bytes: float) -> str:
-    """Human byte count in decimal units: ``1_500_000 -> "1.5 MB"``, ``512 -> "512 B"``."""
-    for scale_bytes, unit in _DECIMAL_UNITS:
-        if abs(num_bytes) >= scale_bytes:
-            return f"{num_bytes / scale_bytes:.1f} {unit}"
-    return f"{num_bytes:.0f} B"
-
-
-def format_bytes_pair(first_bytes: float, second_bytes: float) -> tuple[str, str]:
-    """Two byte counts for a "needs X, has Y" message, so that the figures always show.
-
-    Both in the larger's decimal unit with one to three decimals, as few as tell them apart:
-    ``(11.04e9, 11.0e9) -> ("11.04 GB", "11.00 GB")``. When the smaller would read below 0.1
-    of that unit, each gets its own unit (:func:`format_bytes`): ``(3.2e6, 1.5e9) ->
-    ("3.2 MB", "1.5 GB")``, never ``0.00 GB``.
-    """
-    larger = max(abs(first_bytes), abs(second_bytes))
-    scale_bytes, unit = next(
-        ((scale, name) for scale, name in _DECIMAL_UNITS if larger >= scale), (1.0, "B")
-    )
-    smaller = min(abs(first_bytes), abs(second_bytes))
-    if unit != "B" and 0 < smaller < 0.1 * scale_bytes:
-        return format_bytes(first_bytes), format_bytes(second_bytes)
-    if unit == "B":
-        return f"{first_bytes:.0f} B", f"{second_bytes:.0f} B"
-    for decimals in (1, 2, 3):
-        a, b = (
-            f"{first_bytes / scale_bytes:.{decimals}f}",
-            f"{second_bytes / scale_bytes:.{decimals}f}",
-        )
-        if a != b or first_bytes == second_bytes:
-            break
-    return f"{a} {unit}", f"{b} {unit}"
-
-
-def format_link_speed(bandwidth_bytes_per_s: float) -> str:
-    """A link's speed in decimal bits, three significant digits: ``1.25e8 -> "1 Gb/s"``,
-    ``1.25e7 -> "100 Mb/s"``."""
-    gbit = bandwidth_bytes_per_s * BITS_PER_BYTE / BYTES_PER_GB
-    if gbit >= 1:
-        return f"{gbit:.3g} Gb/s"
-    return f"{gbit * 1e3:.3g} Mb/s"
 
 
 def format_seconds(time_s: float) -> str:

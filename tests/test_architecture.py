@@ -6,8 +6,8 @@ The layering is declared once, as import-linter contracts in pyproject.toml
 imports the planner; the planner's packages in the order of their passes; and the planner
 reaches the executor only through the ``hplan run`` command. These tests run those
 contracts and check what import-linter does not: module-level import circles, folder
-sizes, the executor not reading the plan's report, the packaging, and the import-time
-promises of the CLI and the runtime.
+sizes, the executor not reading the plan's report, no public name defined twice, the
+packaging, and the import-time promises of the CLI and the runtime.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 MAX_MODULES_PER_FOLDER = 15
+NAMES_DEFINED_PER_MODULE = frozenset({"main"})
+"""Public top-level names every module may define: a module's entry point."""
 REQUIRED_CONTRACTS = (
     "runtime: bandwidth > rehearsal > executor > capture > contract",
     "the runtime never imports the planner (plan.json is the contract)",
@@ -81,6 +83,39 @@ def test_the_executor_never_reads_the_plans_report() -> None:
         if lines:
             readers[path.name] = lines
     assert readers == {}
+
+
+def _defined_names(statements: list[ast.stmt]) -> set[str]:
+    """Names bound at the top level of a module (in its top-level ``if``/``try`` too)."""
+    names: set[str] = set()
+    for node in statements:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.If | ast.Try):
+            nested = [*node.body, *node.orelse, *getattr(node, "finalbody", [])]
+            nested += [s for h in getattr(node, "handlers", []) for s in h.body]
+            names |= _defined_names(nested)
+    return names
+
+
+def test_no_public_name_is_defined_in_two_modules() -> None:
+    # One fact, one home: a name defined twice either says the same thing twice (import
+    # it instead) or means two things (rename one to say what it is).
+    homes: dict[str, list[str]] = {}
+    for package in ("planner", "runtime"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for name in _defined_names(tree.body):
+                if not name.startswith("_") and name not in NAMES_DEFINED_PER_MODULE:
+                    homes.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert len(homes) > 500  # the walk really saw the code
+    twice = {name: paths for name, paths in sorted(homes.items()) if len(paths) > 1}
+    assert twice == {}, "public names defined in more than one module: " + "; ".join(
+        f"{name} ({', '.join(paths)})" for name, paths in twice.items()
+    )
 
 
 def test_every_package_folder_is_packaged_and_linked_for_static_tools() -> None:

@@ -16,7 +16,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from hplan.planner.textfmt import format_bytes, format_seconds
+from hplan.planner.textfmt import format_seconds
+from hplan.runtime.contract.quantities import format_bytes
 
 if TYPE_CHECKING:  # importing the CLI must not import torch (tests/test_architecture.py)
     from hplan.planner.profiling.calibrate import Calibration, RankError
@@ -24,7 +25,7 @@ if TYPE_CHECKING:  # importing the CLI must not import torch (tests/test_archite
     from hplan.runtime.contract.memory_use import RankMemoryUse
 
 
-@click.command()
+@click.command("calibrate")
 @click.argument("plan_path", type=click.Path(path_type=Path))
 @click.argument("runs_dir", type=click.Path(path_type=Path))
 @click.option(
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # importing the CLI must not import torch (tests/test_archite
     help="Directory to write the corrected profile into (calibrated.json; default: print only).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the error table as JSON on stdout.")
-def calibrate(
+def calibrate_command(
     plan_path: Path,
     runs_dir: Path,
     profile_paths: tuple[Path, ...],
@@ -61,8 +62,8 @@ def calibrate(
     stage was built (on CPU its resident set, on a GPU the CUDA allocator's).
     """
     from hplan.planner.emit.render import table_console
-    from hplan.planner.profiling.calibrate import calibrate as run_calibration
     from hplan.planner.profiling.calibrate import (
+        calibrate,
         check_profile_out,
         load_runs,
         single_step_runs,
@@ -76,7 +77,7 @@ def calibrate(
     plan = Plan.load(plan_path)
     base = load_profiles(profile_paths) if profile_paths else None
     runs = load_runs(runs_dir)
-    result = run_calibration([(plan, runs)], base)
+    result = calibrate([(plan, runs)], base)
     stderr = table_console(stderr=True)
     print_calibration(result, stderr)
     for path in single_step_runs(runs):

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from hplan.runtime.contract.errors import ConfigError
 
-E = TypeVar("E", bound=StrEnum)
+_E = TypeVar("_E", bound=StrEnum)
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 """Human output of every command (machine output, ``--json``, goes to stdout)."""
@@ -39,16 +39,16 @@ def parse_sizes(text: str | None) -> tuple[int, ...] | None:
     return sizes
 
 
-class EnumChoice(click.Choice, Generic[E]):  # type: ignore[type-arg]
+class EnumChoice(click.Choice, Generic[_E]):  # type: ignore[type-arg]
     """A click choice of ``kind``'s values (case-insensitive) that gives the member itself,
     so that a policy is an enum from the command line on (``--zero never`` ->
     ``Policy.NEVER``). ``--help`` lists the values, not the member names."""
 
-    def __init__(self, kind: type[E]) -> None:
+    def __init__(self, kind: type[_E]) -> None:
         super().__init__([m.value for m in kind], case_sensitive=False)
         self.kind = kind
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> E:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> _E:
         if isinstance(value, self.kind):
             return value
         return self.kind(super().convert(value, param, ctx))

@@ -10,9 +10,7 @@ import json
 
 import click
 
-BYTES_PER_GIB = 2**30
-BYTES_PER_GB = 1e9
-FLOPS_PER_TFLOPS = 1e12
+from hplan.runtime.contract.quantities import BYTES_PER_GB, BYTES_PER_GIB, FLOPS_PER_TFLOP
 
 
 @click.command()
@@ -62,7 +60,7 @@ def devices(as_json: bool) -> None:
             d.display_name,
             f"{d.memory_bytes / BYTES_PER_GIB:.0f}",
             *(
-                f"{rate / FLOPS_PER_TFLOPS:.1f}"
+                f"{rate / FLOPS_PER_TFLOP:.1f}"
                 for rate in (
                     d.fp32_flops_per_s,
                     d.tf32_flops_per_s,

@@ -18,17 +18,17 @@ from typing import Any
 import click
 
 from hplan.planner.cli.bandwidth import bandwidth
-from hplan.planner.cli.calibrate import calibrate
+from hplan.planner.cli.calibrate import calibrate_command
 from hplan.planner.cli.capture import capture
 from hplan.planner.cli.console import stderr
 from hplan.planner.cli.devices import devices
 from hplan.planner.cli.metrics import metrics
 from hplan.planner.cli.profile import profile
 from hplan.planner.cli.replan import replan
-from hplan.planner.cli.run import rehearse, run
+from hplan.planner.cli.run import rehearse_command, run
 from hplan.planner.cli.show import show
-from hplan.planner.cli.simulate import simulate
-from hplan.planner.cli.solve import solve
+from hplan.planner.cli.simulate import simulate_command
+from hplan.planner.cli.solve import solve_command
 from hplan.runtime.contract.errors import HplanError, Terminated, report_internal_error
 
 
@@ -55,15 +55,15 @@ def cli() -> None:
 
 for _command in (
     capture,
-    solve,
+    solve_command,
     replan,
     show,
     run,
-    rehearse,
+    rehearse_command,
     bandwidth,
     profile,
-    simulate,
-    calibrate,
+    simulate_command,
+    calibrate_command,
     metrics,
     devices,
 ):

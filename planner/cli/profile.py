@@ -20,6 +20,7 @@ from hplan.planner.profiling.windows import (
     DEFAULT_WINDOW_S,
 )
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.quantities import MS_PER_S
 
 if TYPE_CHECKING:
     from hplan.planner.profiling.machine_profile import MachineProfile
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 
 _GIGA = 1e9
 _TERA = 1e12
-_MS_PER_S = 1e3
 _MEGA = 1e6
 _MAX_SIZE_COLUMNS = 6
 
@@ -244,7 +244,7 @@ def _unit_table(profile: Profile) -> Table:
 
 
 def _ms(time_s: float) -> str:
-    return f"{time_s * _MS_PER_S:.3f}"
+    return f"{time_s * MS_PER_S:.3f}"
 
 
 def _spread(stat: Stat, scale: float, digits: int) -> str:

@@ -34,7 +34,7 @@ def run(args: tuple[str, ...]) -> None:
     sys.exit(run_command(list(args), prog="hplan run"))
 
 
-@click.command()
+@click.command("rehearse")
 @click.argument("plan_path", type=click.Path(path_type=Path))
 @click.option(
     "--steps",
@@ -116,7 +116,7 @@ def run(args: tuple[str, ...]) -> None:
     "at 64 KiB), so CPU compute runs slower.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def rehearse(
+def rehearse_command(
     plan_path: Path,
     steps: int | None,
     model_path: Path | None,
@@ -135,8 +135,12 @@ def rehearse(
 ) -> None:
     """Run every rank of a plan on this machine (CPU, gloo), emulating its hardware."""
     from hplan.runtime.capture.model_file import plan_model_path
-    from hplan.runtime.rehearsal.rehearse import Checkpointing, parse_slowdown, rehearsal_steps
-    from hplan.runtime.rehearsal.rehearse import rehearse as run_rehearsal
+    from hplan.runtime.rehearsal.rehearse import (
+        Checkpointing,
+        parse_slowdown,
+        rehearsal_steps,
+        rehearse,
+    )
 
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps {steps} must be >= 1")
@@ -150,7 +154,7 @@ def rehearse(
         else Checkpointing(checkpoint_dir.absolute(), resume, checkpoint_every_steps)
     )
     plan = load_checked(plan_path)
-    result = run_rehearsal(
+    result = rehearse(
         plan,
         model_path=plan_model_path(plan.model.path, plan_path, model_path),
         steps=rehearsal_steps(plan, steps),

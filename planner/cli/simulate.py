@@ -16,7 +16,7 @@ from hplan.runtime.contract.memory import load_checked
 from hplan.runtime.contract.plan import Plan
 
 
-@click.command()
+@click.command("simulate")
 @click.argument("plan_path", type=click.Path(path_type=Path))
 @click.option(
     "--trace",
@@ -25,14 +25,14 @@ from hplan.runtime.contract.plan import Plan
     help="Write the timeline as Chrome trace JSON (open in chrome://tracing or Perfetto).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def simulate(plan_path: Path, trace_path: Path | None, as_json: bool) -> None:
+def simulate_command(plan_path: Path, trace_path: Path | None, as_json: bool) -> None:
     """Simulate one training step of a plan: step time, per-rank busy/idle, bubble, bottleneck.
 
     Each rank runs its pipeline schedule; transfers queue on their links; gradients are
     all-reduced after the last backward, then the optimizer steps (see `hplan.planner.sim.engine`).
     """
     from hplan.planner.cli.console import stderr
-    from hplan.planner.sim.engine import simulate as run_simulation
+    from hplan.planner.sim.engine import simulate
     from hplan.planner.sim.spec import spec_from_plan
     from hplan.planner.sim.views import (
         print_simulation,
@@ -46,7 +46,7 @@ def simulate(plan_path: Path, trace_path: Path | None, as_json: bool) -> None:
         check_trace_path(trace_path)
 
     plan = load_checked(plan_path)
-    result = run_simulation(spec_from_plan(plan))
+    result = simulate(spec_from_plan(plan))
     predicted_s = plan.report.predicted_step_time_s or None
     print_simulation(result, stderr, predicted_step_time_s=predicted_s)
     if trace_path is not None:
@@ -69,12 +69,12 @@ def plan_timeline_image(plan: Plan, fmt: str) -> bytes:
         ConfigError: the plan's report has no per-rank predictions, or an unknown format.
     """
     from hplan.planner.emit.timeline_plot import plot_timeline
-    from hplan.planner.sim.engine import simulate as run_simulation
+    from hplan.planner.sim.engine import simulate
     from hplan.planner.sim.spec import spec_from_plan
     from hplan.planner.sim.views import process_names, timeline_events
     from hplan.planner.textfmt import format_seconds, percent
 
-    result = run_simulation(spec_from_plan(plan))
+    result = simulate(spec_from_plan(plan))
     title = (
         f"{plan.cluster.name}: simulated step {format_seconds(result.step_time_s)}, "
         f"{result.samples_per_s:.1f} samples/s, bubble {percent(result.bubble_fraction)}, "

@@ -141,7 +141,7 @@ profile_option = click.option(
 )
 
 
-@click.command()
+@click.command("solve")
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option(
     "--cluster",
@@ -244,7 +244,7 @@ profile_option = click.option(
     help="Write every planning pass's result to DIR/<NN>-<pass>.json (for debugging).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def solve(
+def solve_command(
     model: Path,
     cluster_path: Path,
     out_dir: Path,

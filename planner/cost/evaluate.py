@@ -30,10 +30,10 @@ import numpy as np
 from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.microbatch import (
     StagePasses,
+    pipeline_time_s,
     stage_passes,
     units_time_s,
 )
-from hplan.planner.cost.microbatch import pipeline_time_s as microbatch_pipeline_time_s
 from hplan.planner.cost.offload import device_saving_bytes, stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import (
@@ -285,17 +285,18 @@ def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[St
 
 @functools.lru_cache(maxsize=1 << 16)
 def _replica_time_s(problem: PlanningProblem, replica: ReplicaLayout) -> float:
-    """:func:`pipeline_time_s` of ``replica`` (cached like :func:`_replica_costs`)."""
-    return pipeline_time_s(_replica_costs(problem, replica), replica.num_microbatches)
+    """:func:`replica_pipeline_time_s` of ``replica`` (cached like :func:`_replica_costs`)."""
+    return replica_pipeline_time_s(_replica_costs(problem, replica), replica.num_microbatches)
 
 
-def pipeline_time_s(costs: tuple[StageCost, ...], num_microbatches: int) -> float:
-    """Seconds of one step of a pipeline of ``num_microbatches``, every one full but the
-    last (``StageCost.last``): ``(m - 1) * period + fill`` when the last is full too (module
-    docstring), else ``cost.microbatch.pipeline_time_s``."""
+def replica_pipeline_time_s(costs: tuple[StageCost, ...], num_microbatches: int) -> float:
+    """Seconds of one step of a replica's pipeline, its stages' ``costs``, of
+    ``num_microbatches``, every one full but the last (``StageCost.last``):
+    ``cost.microbatch.pipeline_time_s`` (``(m - 1) * period + fill`` when the last is full
+    too, module docstring)."""
     full = _passes([c.full for c in costs])
     last = _passes([c.last for c in costs])
-    return microbatch_pipeline_time_s(full, last, num_microbatches)
+    return pipeline_time_s(full, last, num_microbatches)
 
 
 def _passes(times: Sequence[MicrobatchTimes]) -> StagePasses:
@@ -324,7 +325,7 @@ def allreduce_time_s(
     replica's pipeline (a later stage's ends earlier: conservative by that drain).
 
     Args:
-        replica_times_s: each replica's pipeline time (:func:`pipeline_time_s`), in the
+        replica_times_s: each replica's pipeline time (:func:`replica_pipeline_time_s`), in the
             order of ``layout.replicas``.
 
     Returns:

@@ -39,15 +39,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from numpy.typing import ArrayLike, NDArray
+from numpy.typing import ArrayLike
 
 from hplan.planner.cost.layout import StageLayout
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import FloatArray, PlanningProblem
 from hplan.runtime.contract.link_model import transfer_time_s
 from hplan.runtime.contract.memory import in_flight_microbatches
 from hplan.runtime.contract.plan import Schedule
-
-FloatArray = NDArray[np.float64]
 
 _TOLERANCE = 1e-12
 """Relative slack when asking whether a time fits a budget (rounding of sums)."""

@@ -32,6 +32,7 @@ import numpy as np
 
 from hplan.planner.cost.layout import Layout
 from hplan.planner.cost.problem import PlanningProblem
+from hplan.runtime.contract.plan import CPU_KIND
 
 PCIE_BANDWIDTH_BYTES_PER_S: float = 25e9
 """Effective host <-> GPU copy bandwidth of pinned memory over PCIe 4.0 x16, one direction:
@@ -84,11 +85,6 @@ def offload_problem(problem: PlanningProblem) -> PlanningProblem | None:
     return replace(
         problem, static_memory_bytes=problem.static_memory_bytes - saving, optimizer_time_s=times
     )
-
-
-CPU_KIND = "cpu"
-"""The device kind of a host CPU: its memory is the host's, so offload frees none of it
-(``contract.memory`` counts an offloading ``cpu`` rank's copies on the device)."""
 
 
 def can_offload(problem: PlanningProblem, device_idx: int) -> bool:

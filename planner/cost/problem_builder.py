@@ -35,7 +35,7 @@ plan's report as ``cost_source``).
 Memory per unit (bytes): static = trainable parameter bytes x (1 weight + 1 gradient +
 optimizer state bytes per parameter byte) + non-trainable parameter bytes + buffer bytes;
 activations per sample come from the cost graph (saved tensors of the forward). Usable
-memory of a device = (memory - FRAMEWORK_RESERVE_BYTES[class]) x USABLE_MEMORY_FRACTION.
+memory of a device is ``contract.memory.usable_memory_bytes``.
 """
 
 from __future__ import annotations
@@ -64,13 +64,11 @@ from hplan.planner.hardware.catalog import (
 from hplan.planner.hardware.cluster import Cluster, Device
 from hplan.runtime.contract.errors import ConfigError, ModelFileError
 from hplan.runtime.contract.memory import (
-    CPU_RESERVE_BYTES,
-    GPU_RESERVE_BYTES,
     OPTIMIZER_STEP_WORKSPACE,
-    USABLE_MEMORY_FRACTION,
     offload_device_saving_bytes,
     offload_host_bytes,
     usable_host_memory_bytes,
+    usable_memory_bytes,
 )
 from hplan.runtime.contract.plan import Precision, Schedule, wire_spec
 
@@ -112,13 +110,6 @@ OP_OVERHEAD_S = 5e-6
 # Models", 2020, section 2.1; Narayanan et al. 2021, section 5.1: 3x forward in total).
 # Applied alike to FLOPs, bytes moved and op count.
 BACKWARD_TO_FORWARD_RATIO = 2.0
-
-# The framework reserve and the usable fraction of a device's memory are the contract's
-# (``contract.memory``): a plan is checked against the same capacity wherever it loads.
-FRAMEWORK_RESERVE_BYTES: dict[DeviceClass, float] = {
-    DeviceClass.GPU: GPU_RESERVE_BYTES,
-    DeviceClass.CPU: CPU_RESERVE_BYTES,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,12 +311,6 @@ def convolution_paths(device: DeviceType, numerics: Numerics) -> tuple[tuple[flo
     return tuple(paths)
 
 
-def usable_memory_bytes(device: DeviceType) -> float:
-    """Memory the planner may fill on ``device``: (memory - reserve) x usable fraction, >= 0."""
-    reserve = FRAMEWORK_RESERVE_BYTES[device.device_class]
-    return max(0.0, (device.memory_bytes - reserve) * USABLE_MEMORY_FRACTION)
-
-
 def static_memory_bytes(
     cost: UnitCost,
     optimizer_state_bytes_per_param_byte: float,
@@ -431,7 +416,9 @@ def build_problem(
         device_kinds=tuple(d.kind for d in devices),
         global_batch_size=global_batch_size,
         micro_batch_sizes=sizes,
-        memory_capacity_bytes=_array([usable_memory_bytes(d.type) for d in devices]),
+        memory_capacity_bytes=_array(
+            [usable_memory_bytes(d.type.memory_bytes, d.kind) for d in devices]
+        ),
         fwd_time_s=fwd,
         bwd_time_s=bwd,
         optimizer_time_s=_array(

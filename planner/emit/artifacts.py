@@ -28,12 +28,11 @@ import jinja2
 from hplan.planner.emit.render import render_dot, render_json, render_text
 from hplan.planner.textfmt import compact_unit_groups
 from hplan.runtime.contract.errors import ConfigError, PlanFileError
-from hplan.runtime.contract.plan import Backend, Plan
+from hplan.runtime.contract.plan import CPU_KIND, Backend, Plan
 
 LAUNCH_DIR = "launch"
 PLAN_FILE = "plan.json"
 _PLAN_FROM_LAUNCH_DIR = f"../{PLAN_FILE}"
-_CPU_KIND = "cpu"
 _UNSAFE_FILE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _EXECUTE_BITS = 0o111
 _NODE_SCRIPT_MARK = b"\n# hplan launch script for node "
@@ -164,7 +163,7 @@ def _node_launch(plan: Plan, node_rank: int, name: str) -> NodeLaunch:
 
 def _gpus_per_node(plan: Plan, nodes: tuple[NodeLaunch, ...]) -> int:
     """Most ranks on one node for GPU plans; 0 when every rank runs on a CPU."""
-    if all(r.device_kind == _CPU_KIND for r in plan.ranks):
+    if all(r.device_kind == CPU_KIND for r in plan.ranks):
         return 0
     return max(n.num_ranks for n in nodes)
 

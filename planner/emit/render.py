@@ -23,7 +23,6 @@ from hplan.planner.solve.previous import PREVIOUS_BACKEND
 from hplan.planner.textfmt import (
     batch_share,
     count,
-    format_bytes,
     format_seconds,
     percent,
     stage_units,
@@ -40,6 +39,7 @@ from hplan.runtime.contract.plan import (
     RankReport,
     Report,
 )
+from hplan.runtime.contract.quantities import format_bytes
 
 TEXT_WIDTH = 100
 """Columns of the deterministic text view (``summary.txt``, ``hplan show``)."""

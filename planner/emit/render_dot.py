@@ -13,12 +13,12 @@ from hplan.planner.textfmt import (
     batch_share,
     boundary_bytes,
     compact_units,
-    format_bytes,
     format_seconds,
     percent,
 )
 from hplan.runtime.contract.holders import sync_summary
 from hplan.runtime.contract.plan import Plan, RankPlan
+from hplan.runtime.contract.quantities import format_bytes
 
 
 def render_dot(plan: Plan) -> str:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.plan import Precision
+from hplan.runtime.contract.plan import CPU_KIND, Precision
 from hplan.runtime.contract.quantities import (
     gb_per_s_to_bytes_per_s,
     gflops_to_flops,
@@ -42,7 +42,7 @@ from hplan.runtime.contract.quantities import (
 
 
 class DeviceClass(StrEnum):
-    """Broad kind of device; decides defaults such as the intra-node link and reserves."""
+    """Broad kind of device; decides defaults such as the intra-node link."""
 
     GPU = "gpu"
     CPU = "cpu"
@@ -258,7 +258,7 @@ _GPUS = (
 #   20 GB/s: about one DDR4-3200 channel (25.6 GB/s peak), rounded down;
 #   4 GiB: a rehearsal budget small enough that several such devices fit one laptop.
 CPU = DeviceType(
-    key="cpu",
+    key=CPU_KIND,
     display_name="CPU (nominal rehearsal device)",
     device_class=DeviceClass.CPU,
     memory_bytes=int(gib_to_bytes(4)),

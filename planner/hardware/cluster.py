@@ -359,7 +359,7 @@ def _node(source: str, node_idx: int, entry: NodeEntry) -> Node:
         if link is not None
         else Link(gb_per_s_to_bytes_per_s(default_bw), us_to_s(default_lat))
     )
-    host_memory = None if entry.host_memory_gb is None else entry.host_memory_gb * 1e9
+    host_memory = None if entry.host_memory_gb is None else gb_to_bytes(entry.host_memory_gb)
     return Node(entry.name, entry.host, tuple(devices), intra, entry.interface, host_memory)
 
 

@@ -70,8 +70,11 @@ def _number_to_str(value: Any) -> Any:
 
 Name = Annotated[str, Field(strict=True), AfterValidator(check_name)]
 Host = Annotated[str, Field(strict=True), AfterValidator(_check_host)]
-Positive = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
-NonNegative = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+StrictPositive = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
+"""A finite YAML number > 0 (``"24"`` and ``true`` are refused; ``contract.plan.Positive``
+is the plan's, which is not strict)."""
+StrictNonNegative = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+"""A finite YAML number >= 0, strict like :data:`StrictPositive`."""
 
 
 class _Strict(BaseModel):
@@ -85,9 +88,9 @@ def _one_of(entry: BaseModel, *keys: str, required: bool = True) -> None:
 
 
 class LinkEntry(_Strict):
-    bandwidth_gb_per_s: Positive | None = None
-    bandwidth_gbit_per_s: Positive | None = None
-    latency_us: NonNegative | None = None
+    bandwidth_gb_per_s: StrictPositive | None = None
+    bandwidth_gbit_per_s: StrictPositive | None = None
+    latency_us: StrictNonNegative | None = None
 
     @model_validator(mode="after")
     def _one_bandwidth(self) -> LinkEntry:
@@ -106,9 +109,9 @@ class MatrixLevel(StrEnum):
 
 class MatrixEntry(_Strict):
     of: MatrixLevel
-    bandwidth_gb_per_s: list[list[NonNegative]] | None = None
-    bandwidth_gbit_per_s: list[list[NonNegative]] | None = None
-    latency_us: NonNegative | None = None
+    bandwidth_gb_per_s: list[list[StrictNonNegative]] | None = None
+    bandwidth_gbit_per_s: list[list[StrictNonNegative]] | None = None
+    latency_us: StrictNonNegative | None = None
 
     @model_validator(mode="after")
     def _one_bandwidth(self) -> MatrixEntry:
@@ -132,10 +135,10 @@ class DeviceEntry(_Strict):
     type: Annotated[str, BeforeValidator(_number_to_str), Field(strict=True)] | None = None
     custom: Name | None = None
     count: Annotated[int, Field(strict=True, ge=1, le=1024)] = 1
-    memory_gb: Positive | None = None
-    memory_gib: Positive | None = None
-    peak_tflops: Positive | None = None
-    memory_bandwidth_gb_per_s: Positive | None = None
+    memory_gb: StrictPositive | None = None
+    memory_gib: StrictPositive | None = None
+    peak_tflops: StrictPositive | None = None
+    memory_bandwidth_gb_per_s: StrictPositive | None = None
     device_class: DeviceClass | None = None
     consumer_card: bool | None = None
 
@@ -179,7 +182,7 @@ class NodeEntry(_Strict):
     interface: Interface | None = None
     """The network interface the node's ranks talk over (gloo and NCCL); default: the one
     that holds ``host``."""
-    host_memory_gb: Positive | None = None
+    host_memory_gb: StrictPositive | None = None
     """The node's host (CPU) memory in GB (10^9 bytes), what optimizer-state offload may
     fill; default: assumed (``contract.memory.HOST_MEMORY_PER_DEVICE_MEMORY``)."""
 

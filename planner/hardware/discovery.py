@@ -32,8 +32,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hplan.planner.hardware.catalog import lookup_device_type, normalize_name
-from hplan.planner.textfmt import format_bytes
 from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.quantities import format_bytes
 
 Detail = str | int | float | bool
 

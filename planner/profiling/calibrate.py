@@ -23,8 +23,8 @@ from pathlib import Path
 
 from hplan.planner.profiling.comm_calibration import (
     GroupFit,
+    calibrated_node_collectives,
     collective_fits,
-    node_collectives,
 )
 from hplan.planner.profiling.profile_file import (
     DeviceFactor,
@@ -572,8 +572,8 @@ def calibrate(
     for plan, runs in observations:
         check_runs_of_plan(plan, runs)
         errors.extend(plan_errors := rank_errors(plan, runs))
-        fits.extend(plan_fits := collective_fits(plan, exposed_all_reduce_s(runs)))
-        collectives = merged_collectives(collectives, node_collectives(plan, plan_fits))
+        fits.extend(plan_fits := collective_fits(plan, measured_exposed_all_reduce_s(runs)))
+        collectives = merged_collectives(collectives, calibrated_node_collectives(plan, plan_fits))
         memory.extend(memory_use(plan, [r for run in runs for r in run.records]))
         siblings.update({e.device: sibling_group(plan, e.device) for e in plan_errors})
     kinds = {e.device: e.kind for e in errors}
@@ -724,7 +724,7 @@ def speed_factors(
     return tuple(factors)
 
 
-def exposed_all_reduce_s(runs: Sequence[Run]) -> dict[int, dict[int, float]]:
+def measured_exposed_all_reduce_s(runs: Sequence[Run]) -> dict[int, dict[int, float]]:
     """Rank -> step key -> exposed all-reduce in seconds of the plan's hardware, warm-up
     steps left out (``_timed``); run ``i``'s step ``s`` is key ``i * 2**32 + s``."""
     out: dict[int, dict[int, float]] = {}

@@ -55,9 +55,9 @@ from hplan.runtime.contract.plan import CollectiveSpec, Plan
 __all__ = [
     "GroupFit",
     "Ring",
+    "calibrated_node_collectives",
     "collective_fits",
     "fit_latency_per_step_s",
-    "node_collectives",
     "plan_rings",
     "predicted_exposed_s",
     "sync_groups",
@@ -246,7 +246,7 @@ def collective_fits(
     return tuple(fits)
 
 
-def node_collectives(plan: Plan, fits: Sequence[GroupFit]) -> dict[str, NodeCollective]:
+def calibrated_node_collectives(plan: Plan, fits: Sequence[GroupFit]) -> dict[str, NodeCollective]:
     """Each node of a fitted group -> its calibrated collective (module docstring: the
     smallest latency of the groups holding its devices; bus bandwidth its measured
     collective's, else its fastest link's, so that no ring's bandwidth changes). Nodes

@@ -68,6 +68,7 @@ from hplan.runtime.capture.stage import StageModule, build_stage
 from hplan.runtime.capture.trace import bind_inputs, target_name
 from hplan.runtime.contract.cpus import usable_cpus
 from hplan.runtime.contract.errors import ConfigError, ModelFileError, one_line
+from hplan.runtime.contract.quantities import MS_PER_S
 
 OnStep = Callable[[str, bool, int | None], None]
 """Progress callback, once per (unit, micro-batch size): the unit's name, whether it was
@@ -78,9 +79,6 @@ while the first sweep is still choosing the sizes)."""
 class _OutOfMemory(Exception):
     """A micro-batch size does not fit in the profiled device's memory (internal: the first
     sweep stops there; elsewhere it becomes a ``ConfigError``)."""
-
-
-_MS_PER_S = 1e3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -292,8 +290,8 @@ def _first_sweep(
         if total_s >= options.time_budget_s and size >= 2:
             note = (
                 f"micro-batch sizes up to {size}: forward + backward of the whole model took "
-                f"{total_s * _MS_PER_S:.0f} ms there (the sweep stops past "
-                f"{options.time_budget_s * _MS_PER_S:.0f} ms; larger sizes follow the line)"
+                f"{total_s * MS_PER_S:.0f} ms there (the sweep stops past "
+                f"{options.time_budget_s * MS_PER_S:.0f} ms; larger sizes follow the line)"
             )
             break
     return tuple(swept), found, (note,)

@@ -35,7 +35,8 @@ from hplan.planner.cost.evaluate import (
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.solve.validate import layout_problems
-from hplan.planner.textfmt import format_bytes_pair, format_link_speed, format_seconds
+from hplan.planner.textfmt import format_seconds
+from hplan.runtime.contract.quantities import format_bytes_pair, format_link_speed
 
 __all__ = ["IdleReason", "idle_reasons", "smallest_stage_bytes"]
 

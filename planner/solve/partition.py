@@ -1,6 +1,6 @@
 """Pipeline shapes: which the solver considers, and the best split of the units over each.
 
-A *device class* is a set of interchangeable devices (``device_classes``). A *pipeline
+A *device class* is a set of interchangeable devices (``device_groups``). A *pipeline
 shape* is an ordered list ``(c_0, ..., c_{S-1})`` of classes (a class may repeat up to its
 size) with a micro-batch size; the solver decides how many copies of each shape to run. For
 one shape the split of units over stages is solved exactly here, by a dynamic program over
@@ -35,8 +35,8 @@ from hplan.planner.cost.layout import StageLayout
 from hplan.planner.cost.microbatch import pipeline_period_s
 from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.recompute import recompute_order, selected_units
-from hplan.planner.solve.device_classes import (
-    DeviceClass,
+from hplan.planner.solve.device_groups import (
+    DeviceGroup,
     distinct_orders,
     multisets,
     num_distinct_orders,
@@ -103,7 +103,7 @@ class _StageMatrices:
 class Partitioner:
     """Costs pipeline shapes for one problem (prefix sums cached per device and k)."""
 
-    def __init__(self, problem: PlanningProblem, classes: Sequence[DeviceClass]) -> None:
+    def __init__(self, problem: PlanningProblem, classes: Sequence[DeviceGroup]) -> None:
         self.problem = problem
         self.classes = tuple(classes)
         p = problem
@@ -422,7 +422,7 @@ class ShapeSet:
 
 def enumerate_shapes(
     problem: PlanningProblem,
-    classes: Sequence[DeviceClass],
+    classes: Sequence[DeviceGroup],
     *,
     max_stages: int,
     exhaustive_limit: int,
@@ -501,7 +501,7 @@ def _heuristic(
 
 
 def heuristic_orders(
-    problem: PlanningProblem, classes: Sequence[DeviceClass], ms: tuple[int, ...]
+    problem: PlanningProblem, classes: Sequence[DeviceGroup], ms: tuple[int, ...]
 ) -> list[tuple[int, ...]]:
     """Stage orders worth trying: most memory first (stage 0 holds the most activations),
     grouped by node (fewest slow hops; nodes by memory, then fastest node first and slowest

@@ -24,7 +24,7 @@ from enum import StrEnum
 from hplan.planner.cost.evaluate import measured_ring
 from hplan.planner.cost.islands import components
 from hplan.planner.cost.problem import PlanningProblem
-from hplan.planner.solve.device_classes import DeviceClass, class_link
+from hplan.planner.solve.device_groups import DeviceGroup, group_link
 from hplan.planner.solve.partition import PipelineShape
 from hplan.runtime.contract.link_model import (
     BUCKET_CAP_BYTES,
@@ -66,22 +66,22 @@ def _copy_counts(size: int) -> list[int]:
     return [*counts, size] if size >= 2 else []
 
 
-def _devices(classes: Sequence[DeviceClass], members: Iterable[int]) -> list[int]:
+def _devices(classes: Sequence[DeviceGroup], members: Iterable[int]) -> list[int]:
     return [d for c in members for d in classes[c].devices]
 
 
 def _label(
-    problem: PlanningProblem, classes: Sequence[DeviceClass], component: frozenset[int]
+    problem: PlanningProblem, classes: Sequence[DeviceGroup], component: frozenset[int]
 ) -> str:
     nodes = sorted({problem.device_nodes[d] for c in component for d in classes[c].devices})
     return "+".join(nodes) if len(nodes) <= 3 else f"{len(nodes)} nodes"
 
 
-def make_scenarios(problem: PlanningProblem, classes: Sequence[DeviceClass]) -> list[Scenario]:
+def make_scenarios(problem: PlanningProblem, classes: Sequence[DeviceGroup]) -> list[Scenario]:
     """Every scenario worth solving for this problem (see the module docstring)."""
     everyone = frozenset(range(len(classes)))
     scenarios = [Scenario("one replica", everyone, 1, math.inf, 0.0, SyncEstimate.PER_STAGE)]
-    links = {(a, b): class_link(problem, classes, a, b) for a in everyone for b in everyone}
+    links = {(a, b): group_link(problem, classes, a, b) for a in everyone for b in everyone}
     levels = sorted({bw for bw, _ in links.values() if math.isfinite(bw)}, reverse=True)
     seen: set[frozenset[int]] = set()
     for level in levels:
@@ -95,7 +95,7 @@ def make_scenarios(problem: PlanningProblem, classes: Sequence[DeviceClass]) -> 
 
 def _data_parallel(
     problem: PlanningProblem,
-    classes: Sequence[DeviceClass],
+    classes: Sequence[DeviceGroup],
     component: frozenset[int],
     links: dict[tuple[int, int], tuple[float, float]],
 ) -> list[Scenario]:
@@ -127,7 +127,7 @@ def _at_least(
 
 
 def allreduce_estimate_s(
-    problem: PlanningProblem, classes: Sequence[DeviceClass], scenario: Scenario, t: PipelineShape
+    problem: PlanningProblem, classes: Sequence[DeviceGroup], scenario: Scenario, t: PipelineShape
 ) -> float:
     """The all-reduce time one copy of ``t`` is charged under ``scenario``: what its stages'
     rings leave after their last backward pass (``link_model.exposed_all_reduce_s``, as
@@ -149,7 +149,7 @@ def allreduce_estimate_s(
     for s, c in enumerate(t.classes):
         bw, lat = scenario.bandwidth_bytes_per_s, scenario.latency_s
         if floor is not None:
-            local_bw, local_lat = class_link(problem, classes, c, c)
+            local_bw, local_lat = group_link(problem, classes, c, c)
             if math.isfinite(local_bw):
                 bw, lat = min(local_bw, floor[0]), max(local_lat, floor[1])
         times.append(_exposed_s(n, t.stage_grad_bytes[s], t.stage_backward_s[s], bw, lat))

@@ -3,7 +3,7 @@
 Formulation (an outer enumeration plus an inner integer program, as the design card
 allows):
 
-1. Devices are grouped into interchangeable classes (``device_classes``); *shapes* are
+1. Devices are grouped into interchangeable classes (``device_groups``); *shapes* are
    pipeline shapes (an ordered list of classes) with a micro-batch size, each split
    optimally by ``partition`` (period P_t, fill F_t, optimizer time O_t).
 2. A copy of shape t running m micro-batches takes ``(m - 1) P_t + F_t + O_t + A_t``,
@@ -48,9 +48,9 @@ from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
 from hplan.planner.cost.microbatch import PipeTimes, pipe_times
 from hplan.planner.cost.problem import PlanningProblem, Policy, restrict
 from hplan.planner.cost.shares import share_options
-from hplan.planner.solve.device_classes import (
-    DeviceClass,
-    device_classes,
+from hplan.planner.solve.device_groups import (
+    DeviceGroup,
+    device_groups,
     node_groups,
     pair_devices,
 )
@@ -66,10 +66,11 @@ from hplan.planner.solve.partition import PipelineShape, enumerate_shapes
 from hplan.planner.solve.scenarios import Scenario, allreduce_estimate_s, make_scenarios
 from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest, wants_local
 from hplan.planner.solve.watchdog import run_with_deadline
-from hplan.planner.textfmt import format_bytes, format_bytes_pair
 from hplan.runtime.contract.errors import InfeasiblePlanError
+from hplan.runtime.contract.plan import CPU_KIND
+from hplan.runtime.contract.quantities import format_bytes, format_bytes_pair
 
-E = TypeVar("E", bound=StrEnum)
+_E = TypeVar("_E", bound=StrEnum)
 
 TEMPLATE_BUDGET_SHARE = 0.4
 """Share of the remaining time the heuristic shape enumeration may use."""
@@ -114,7 +115,7 @@ class SolveOptions:
             object.__setattr__(self, "backend", _member(MilpBackend, self.backend, "backend"))
 
 
-def _member(kind: type[E], value: str, name: str) -> E:
+def _member(kind: type[_E], value: str, name: str) -> _E:
     """``value`` as a member of ``kind`` (ValueError naming ``name`` and the choices)."""
     try:
         return kind(value)
@@ -387,7 +388,7 @@ def shape_pipe(
 
 def _copies(
     problem: PlanningProblem,
-    classes: Sequence[DeviceClass],
+    classes: Sequence[DeviceGroup],
     shapes: Sequence[PipelineShape],
     counts: Sequence[int],
     extra: np.ndarray,
@@ -454,7 +455,7 @@ def _prune_copies(problem: PlanningProblem, copies: list[_Copy], deadline: float
 
 def _solve_scenario(
     problem: PlanningProblem,
-    classes: Sequence[DeviceClass],
+    classes: Sequence[DeviceGroup],
     shapes: Sequence[PipelineShape],
     scenario: Scenario,
     backend: MilpBackend,
@@ -506,7 +507,7 @@ def search_problem(
     report: Callable[[Candidate], None],
 ) -> tuple[bool, bool]:
     """Search one problem; report each candidate. Returns (exhaustive, complete)."""
-    classes = device_classes(problem)
+    classes = device_groups(problem)
     budget = time.monotonic() + TEMPLATE_BUDGET_SHARE * max(deadline - time.monotonic(), 0.0)
     found = enumerate_shapes(
         problem,
@@ -705,7 +706,7 @@ def diagnose_infeasible(problem: PlanningProblem, offload: str = "never") -> str
         if problem.offload_saving_bytes is not None
         else np.zeros(problem.num_units)
     )
-    if problem.device_kinds[biggest] == "cpu":
+    if problem.device_kinds[biggest] == CPU_KIND:
         moved = np.zeros(problem.num_units)  # a cpu device's state is in host memory already
     rescued = offload != "never" and need[worst] - moved[worst] <= capacity
     if need[worst] > capacity and not rescued:  # else offload fits the unit: look further

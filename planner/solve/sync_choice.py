@@ -48,15 +48,10 @@ from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import amortised_outer_s, outer_round_s, split_by_island
 from hplan.planner.solve.idle import smallest_stage_bytes
 from hplan.planner.solve.validate import layout_problems
-from hplan.planner.textfmt import (
-    count,
-    format_bytes,
-    format_link_speed,
-    format_seconds,
-    percent,
-)
+from hplan.planner.textfmt import count, format_seconds, percent
 from hplan.runtime.contract.link_model import bucket_rings_s
 from hplan.runtime.contract.plan import PseudoGradientDtype, SyncMode
+from hplan.runtime.contract.quantities import format_bytes, format_link_speed
 
 __all__ = [
     "AUTO_MIN_GAIN",

@@ -9,8 +9,8 @@ from __future__ import annotations
 from hplan.planner.cost.layout import IslandSync, Layout, StageLayout, is_even_cut
 from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.zero import gradient_saving_bytes
-from hplan.planner.textfmt import format_bytes_pair
 from hplan.runtime.contract.memory import in_flight_microbatches
+from hplan.runtime.contract.quantities import format_bytes_pair
 
 
 def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:

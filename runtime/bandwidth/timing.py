@@ -40,14 +40,12 @@ from hplan.runtime.contract.link_matrix import (
     fit_alpha_beta,
     size_samples,
 )
+from hplan.runtime.contract.quantities import US_PER_S, format_link_speed
 
 _MIN_ONE_WAY_S = 1e-9
 """Floor of a one-way time (a round trip can come out shorter than the reference one)."""
 _GO_ON, _STOP = 1, 0
 _FLOAT32_BYTES = 4
-_US_PER_S = 1e6
-_BITS_PER_BYTE = 8
-_BITS_PER_MBIT = 1e6
 
 
 @dataclass(frozen=True)
@@ -256,13 +254,12 @@ def rate_text(bytes_per_s: float) -> str:
 def fit_text(fit: AlphaBetaFit) -> str:
     """One line for a fit: bandwidth (and Mbit/s), latency in microseconds, R^2."""
     bandwidth = fit.bandwidth_bytes_per_s
-    mbit_per_s = bandwidth * _BITS_PER_BYTE / _BITS_PER_MBIT
-    bits = f"{mbit_per_s / 1e3:.3g} Gbit/s" if mbit_per_s >= 1e3 else f"{mbit_per_s:.3g} Mbit/s"
     how = (
         "" if fit.method is FitMethod.LEAST_SQUARES else " (too noisy for a line: largest message)"
     )
     return (
-        f"{rate_text(bandwidth)} ({bits}), latency {fit.latency_s * _US_PER_S:.1f} us, "
+        f"{rate_text(bandwidth)} ({format_link_speed(bandwidth)}), "
+        f"latency {fit.latency_s * US_PER_S:.1f} us, "
         f"R^2 {fit.r_squared:.3f}{how}"
     )
 

@@ -61,6 +61,7 @@ from hplan.runtime.contract.holders import (
 )
 from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES
 from hplan.runtime.contract.plan import (
+    CPU_KIND,
     DTYPE_BYTES,
     DeviceSpec,
     MemoryModelSpec,
@@ -72,9 +73,7 @@ from hplan.runtime.contract.plan import (
     ZeroStage,
     wire_spec,
 )
-from hplan.runtime.contract.quantities import format_bytes_pair
-
-GIB: float = 1024.0**3
+from hplan.runtime.contract.quantities import BYTES_PER_GIB, format_bytes_pair
 
 OPTIMIZER_STEP_WORKSPACE: float = 0.65
 """Temporaries of one optimizer step per byte of the parameters it steps, for optimizers
@@ -85,7 +84,7 @@ second step)."""
 # Memory a GPU process cannot plan with: the CUDA context (~300-500 MB on recent cards once
 # torch has initialised CUDA), cuBLAS workspaces and NCCL communicator buffers. 1 GiB is an
 # assumed round figure.
-GPU_RESERVE_BYTES: float = 1.0 * GIB
+GPU_RESERVE_BYTES: float = 1.0 * BYTES_PER_GIB
 # Memory a CPU rank process holds besides its training state: the interpreter, torch, hplan's
 # runtime and gloo's process groups before its stage is built (measured 325.7-326.8 MB of
 # RSS per rank with torch 2.13 on CPU, 1-3 ranks, ``baseline_memory_bytes`` in the metrics)
@@ -107,7 +106,7 @@ of GPU memory, 3.2x; DGX H100 datasheet)."""
 
 def device_reserve_bytes(kind: str) -> float:
     """The framework reserve of a device kind (``cpu`` or a GPU catalog key), bytes."""
-    return CPU_RESERVE_BYTES if kind == "cpu" else GPU_RESERVE_BYTES
+    return CPU_RESERVE_BYTES if kind == CPU_KIND else GPU_RESERVE_BYTES
 
 
 def usable_memory_bytes(memory_bytes: float, kind: str) -> float:
@@ -201,7 +200,9 @@ def in_flight_microbatches(
     """
     if schedule is Schedule.GPIPE:
         if num_microbatches is None:
-            raise ValueError("under GPipe the micro-batches in flight are all of them: give the count")
+            raise ValueError(
+                "under GPipe the micro-batches in flight are all of them: give the count"
+            )
         return num_microbatches
     most = num_stages - stage
     return most if num_microbatches is None else min(most, num_microbatches)
@@ -315,7 +316,7 @@ def rank_memory(
             if sizes[n].element_bytes > DTYPE_BYTES[rank.precision.autocast_dtype]
         )
     host = 0.0
-    if rank.optimizer_offload and rank.device_kind == "cpu":
+    if rank.optimizer_offload and rank.device_kind == CPU_KIND:
         workspace += 2.0 * grad_bytes  # the host copies, in the same memory
     elif rank.optimizer_offload:
         workspace -= step_temporaries  # the state and the step move to the host

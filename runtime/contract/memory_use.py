@@ -34,7 +34,7 @@ from pathlib import Path
 
 from hplan.runtime.contract.memory import device_reserve_bytes
 from hplan.runtime.contract.metrics_file import MemoryMeasure, StepMetrics
-from hplan.runtime.contract.plan import DeviceSpec, Plan, RankReport
+from hplan.runtime.contract.plan import CPU_KIND, DeviceSpec, Plan, RankReport
 from hplan.runtime.contract.quantities import format_bytes, format_bytes_pair
 
 _MEASURES = {
@@ -43,9 +43,6 @@ _MEASURES = {
     MemoryMeasure.RSS_LIFETIME_PEAK: "lifetime resident-set peak",
 }
 """How each measure reads in a message."""
-
-CPU_KIND = "cpu"
-"""The device kind of a host CPU (the catalog's key)."""
 
 
 @dataclass(frozen=True, slots=True)

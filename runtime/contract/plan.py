@@ -58,6 +58,10 @@ Flag = Annotated[bool, Strict()]
 """JSON ``true`` or ``false`` only: ``"yes"``, ``1`` or ``"false"`` are refused at load
 (pydantic's lax mode would read ``"yes"`` as true)."""
 
+CPU_KIND: Final = "cpu"
+"""``DeviceSpec.kind`` of a host CPU (the device catalog's key for it): its rank runs on the
+CPU with gloo, and its memory is the host's."""
+
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
     "float8_e5m2": 1, "complex64": 8, "complex128": 16, "int64": 8, "int32": 4,

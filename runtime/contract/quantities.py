@@ -59,22 +59,48 @@ def us_to_s(us: float) -> float:
     return us / US_PER_S
 
 
-_UNITS = ((BYTES_PER_GB, "GB"), (BYTES_PER_MB, "MB"), (BYTES_PER_KB, "kB"))
+_DECIMAL_UNITS = ((BYTES_PER_GB, "GB"), (BYTES_PER_MB, "MB"), (BYTES_PER_KB, "kB"))
 
 
-def format_bytes(num_bytes: float, decimals: int = 1) -> str:
-    """Decimal units for messages: ``1_500_000 -> "1.5 MB"``, ``512 -> "512 B"``."""
-    for scale_bytes, unit in _UNITS:
+def format_bytes(num_bytes: float) -> str:
+    """Human byte count in decimal units: ``1_500_000 -> "1.5 MB"``, ``512 -> "512 B"``."""
+    for scale_bytes, unit in _DECIMAL_UNITS:
         if abs(num_bytes) >= scale_bytes:
-            return f"{num_bytes / scale_bytes:.{decimals}f} {unit}"
+            return f"{num_bytes / scale_bytes:.1f} {unit}"
     return f"{num_bytes:.0f} B"
 
 
 def format_bytes_pair(first_bytes: float, second_bytes: float) -> tuple[str, str]:
-    """Two different byte counts with as many decimals (1 to 4) as tell them apart:
-    ``(11.81e9, 11.8e9) -> ("11.81 GB", "11.80 GB")``."""
-    for decimals in (1, 2, 3):
-        pair = format_bytes(first_bytes, decimals), format_bytes(second_bytes, decimals)
-        if pair[0] != pair[1] or first_bytes == second_bytes:
-            return pair
-    return format_bytes(first_bytes, 4), format_bytes(second_bytes, 4)
+    """Two byte counts for a "needs X, has Y" message, so that the figures always show.
+
+    Both in the larger's decimal unit with one to four decimals, as few as tell them apart:
+    ``(11.04e9, 11.0e9) -> ("11.04 GB", "11.00 GB")``. When the smaller would read below 0.1
+    of that unit, each gets its own unit (:func:`format_bytes`): ``(3.2e6, 1.5e9) ->
+    ("3.2 MB", "1.5 GB")``, never ``0.00 GB``.
+    """
+    larger = max(abs(first_bytes), abs(second_bytes))
+    scale_bytes, unit = next(
+        ((scale, name) for scale, name in _DECIMAL_UNITS if larger >= scale), (1.0, "B")
+    )
+    if unit == "B":
+        return f"{first_bytes:.0f} B", f"{second_bytes:.0f} B"
+    smaller = min(abs(first_bytes), abs(second_bytes))
+    if 0 < smaller < 0.1 * scale_bytes:
+        return format_bytes(first_bytes), format_bytes(second_bytes)
+    for decimals in (1, 2, 3, 4):
+        a, b = (
+            f"{first_bytes / scale_bytes:.{decimals}f}",
+            f"{second_bytes / scale_bytes:.{decimals}f}",
+        )
+        if a != b or first_bytes == second_bytes:
+            break
+    return f"{a} {unit}", f"{b} {unit}"
+
+
+def format_link_speed(bandwidth_bytes_per_s: float) -> str:
+    """A link's speed in decimal bits, three significant digits: ``1.25e8 -> "1 Gb/s"``,
+    ``1.25e7 -> "100 Mb/s"``."""
+    gbit = bandwidth_bytes_per_s * BITS_PER_BYTE / BYTES_PER_GB
+    if gbit >= 1:
+        return f"{gbit:.3g} Gb/s"
+    return f"{gbit * 1e3:.3g} Mb/s"

@@ -29,7 +29,7 @@ from hplan.runtime.contract.errors import (
     PeerFailureError,
     error_reason,
 )
-from hplan.runtime.contract.plan import Plan, RankPlan
+from hplan.runtime.contract.plan import CPU_KIND, Plan, RankPlan
 from hplan.runtime.executor.machine import Binding, bind_interface, is_loopback, resolve
 
 _CONNECT_TIMEOUT_S = 2.0
@@ -246,7 +246,7 @@ def rank_device(plan: Plan, rank_plan: RankPlan, override: str | None) -> torch.
     if override is not None:
         return torch.device(override)
     spec = plan.device(rank_plan.device)
-    if spec.kind == "cpu":
+    if spec.kind == CPU_KIND:
         return torch.device("cpu")
     if not torch.cuda.is_available() or spec.local_index >= torch.cuda.device_count():
         raise EnvironmentProblemError(

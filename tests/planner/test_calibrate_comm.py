@@ -15,9 +15,9 @@ from hplan.planner.emit.render import render_text
 from hplan.planner.profiling.calibrate import calibrate, load_runs, write_profile
 from hplan.planner.profiling.comm_calibration import (
     Ring,
+    calibrated_node_collectives,
     collective_fits,
     fit_latency_per_step_s,
-    node_collectives,
     predicted_exposed_s,
     sync_groups,
     waiting_s,
@@ -114,12 +114,12 @@ def test_the_last_holder_is_the_collective_and_the_others_wait(tmp_path):
     bandwidth, latency = plan.ring_channel([r.device for r in plan.ranks])
     ring = Ring(tuple(group.ranks), float(group.num_bytes), bandwidth, latency)
     assert fit.latency_per_step_s == pytest.approx(fit_latency_per_step_s(0.03, [ring]))
-    nodes = node_collectives(plan, [fit])
+    nodes = calibrated_node_collectives(plan, [fit])
     assert sorted(nodes) == ["a", "b", "c"]
     assert {c.latency_per_step_s for c in nodes.values()} == {fit.latency_per_step_s}
     # a run faster than the links calibrates no node
     (fast,) = collective_fits(plan, {r: {1: 0.0} for r in range(3)})
-    assert fast.latency_per_step_s == 0.0 and node_collectives(plan, [fast]) == {}
+    assert fast.latency_per_step_s == 0.0 and calibrated_node_collectives(plan, [fast]) == {}
 
 
 # ------------------------------------------------------------------------------ the file

@@ -12,8 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hplan.planner.cost.problem_builder import (
-    FRAMEWORK_RESERVE_BYTES,
-    USABLE_MEMORY_FRACTION,
     Numerics,
     RooflineSource,
     UnitTimes,
@@ -22,14 +20,18 @@ from hplan.planner.cost.problem_builder import (
     optimizer_state_factor,
     roofline_time_s,
     static_memory_bytes,
-    usable_memory_bytes,
 )
 from hplan.planner.frontend.cost_graph import build_model_graph
 from hplan.planner.hardware.catalog import CATALOG, resolve_precision
 from hplan.planner.hardware.cluster import Device
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
 from hplan.runtime.contract.errors import ConfigError, ModelFileError
-from hplan.runtime.contract.memory import OPTIMIZER_STEP_WORKSPACE
+from hplan.runtime.contract.memory import (
+    OPTIMIZER_STEP_WORKSPACE,
+    USABLE_MEMORY_FRACTION,
+    device_reserve_bytes,
+    usable_memory_bytes,
+)
 from hplan.runtime.contract.plan import Precision
 from tests.fixtures.clusters import (
     cluster_from_dict,
@@ -185,12 +187,12 @@ def test_static_memory_counts_weights_gradients_state_frozen_params_and_buffers(
 
 def test_usable_memory_subtracts_the_reserve_then_keeps_a_fraction():
     gpu = CATALOG["rtx3090"]
-    expected = (24 * GIB - FRAMEWORK_RESERVE_BYTES[gpu.device_class]) * USABLE_MEMORY_FRACTION
-    assert usable_memory_bytes(gpu) == pytest.approx(expected)
-    assert usable_memory_bytes(gpu) < 24 * GIB * USABLE_MEMORY_FRACTION
+    expected = (24 * GIB - device_reserve_bytes(gpu.key)) * USABLE_MEMORY_FRACTION
+    assert usable_memory_bytes(gpu.memory_bytes, gpu.key) == pytest.approx(expected)
+    assert usable_memory_bytes(gpu.memory_bytes, gpu.key) < 24 * GIB * USABLE_MEMORY_FRACTION
     cpu = CATALOG["cpu"]
-    expected_cpu = (4 * GIB - FRAMEWORK_RESERVE_BYTES[cpu.device_class]) * USABLE_MEMORY_FRACTION
-    assert usable_memory_bytes(cpu) == pytest.approx(expected_cpu)
+    expected_cpu = (4 * GIB - device_reserve_bytes(cpu.key)) * USABLE_MEMORY_FRACTION
+    assert usable_memory_bytes(cpu.memory_bytes, cpu.key) == pytest.approx(expected_cpu)
 
 
 def test_usable_memory_of_a_tiny_device_is_zero_not_negative():

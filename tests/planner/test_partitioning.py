@@ -10,7 +10,7 @@ from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem_builder import build_problem
 from hplan.planner.frontend.cost_graph import build_model_graph
-from hplan.planner.solve.device_classes import device_classes
+from hplan.planner.solve.device_groups import device_groups
 from hplan.planner.solve.partition import Partitioner
 from hplan.runtime.capture.model_file import load_model_file
 from tests.fixtures.clusters import gpu_cluster
@@ -33,7 +33,7 @@ def q3_problem(tmp_path_factory):
 
 def test_head_stage_holds_no_more_blocks_than_the_embedding_stage(q3_problem):
     problem = q3_problem
-    classes = device_classes(problem)
+    classes = device_groups(problem)
     assert len(classes) == 1  # four equal devices
     shape = Partitioner(problem, classes).best_split((0, 0, 0, 0), 0)
     assert shape is not None
@@ -58,7 +58,7 @@ def test_four_stage_split_matches_a_brute_force_search(q3_problem):
         evaluate(problem, _pipeline((0, *cuts, u), 4, 32)).step_time_s
         for cuts in itertools.combinations(range(1, u), 3)
     )
-    partitioner = Partitioner(problem, device_classes(problem))
+    partitioner = Partitioner(problem, device_groups(problem))
     front = partitioner.all_splits((0, 0, 0, 0), 0)
     exact = min(evaluate(problem, _pipeline(t.bounds, 4, 32)).step_time_s for t in front)
     assert exact == pytest.approx(brute, rel=1e-12)

@@ -27,12 +27,12 @@ from hplan.planner.textfmt import (
     batch_share,
     boundary_bytes,
     compact_units,
-    format_bytes,
     format_seconds,
     wrap_phrases,
 )
 from hplan.runtime.contract.errors import ConfigError, PlanFileError
 from hplan.runtime.contract.plan import MemoryStrategy, Plan, TensorSpec, ZeroStage
+from hplan.runtime.contract.quantities import format_bytes
 from tests.fixtures.sample_plans import (
     SAMPLE_PLANS,
     check_golden,

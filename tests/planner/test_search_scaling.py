@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hplan.planner.solve.device_classes import device_classes, node_groups
+from hplan.planner.solve.device_groups import device_groups, node_groups
 from hplan.planner.solve.solver import SolveOptions, solve
 from hplan.planner.solve.watchdog import checked_time_limit_s
 from hplan.runtime.contract.errors import ConfigError
@@ -23,10 +23,10 @@ def _identical_nodes(num_nodes: int, **kwargs):
     return make_problem(devices, unit_work=[1.0] * 6, micro_batch_sizes=(1, 2, 4, 8), **kwargs)
 
 
-def test_identical_nodes_form_one_group_and_share_device_classes():
+def test_identical_nodes_form_one_group_and_share_device_groups():
     problem = _identical_nodes(6, global_batch_size=32)
     assert node_groups(problem) == (tuple(f"n{i}" for i in range(6)),)
-    classes = device_classes(problem)
+    classes = device_groups(problem)
     assert len(classes) == 2
     assert [c.size for c in classes] == [12, 12]
     first = classes[0].devices

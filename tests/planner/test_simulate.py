@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hplan.planner.cost.evaluate import evaluate, pipeline_time_s
+from hplan.planner.cost.evaluate import evaluate, replica_pipeline_time_s
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.sim.engine import (
     EventKind,
@@ -430,7 +430,7 @@ def test_simulation_never_beats_the_physical_lower_bounds(
     first_round_trip = sum(c.compute_time_s + c.link_time_s for c in costs)
     assert simulated >= max(busiest_stage, first_round_trip) * (1 - 1e-9)
     if num_stages == 1:
-        assert simulated == pytest.approx(pipeline_time_s(costs, samples), rel=1e-12)
+        assert simulated == pytest.approx(replica_pipeline_time_s(costs, samples), rel=1e-12)
 
 
 def test_the_cost_model_charges_the_round_trip_when_latency_bounds_a_pipeline() -> None:

@@ -281,7 +281,7 @@ def test_max_stages_also_bounds_the_baselines_in_the_pool() -> None:
 
 
 def test_the_search_charges_a_one_stage_copy_the_overlapped_all_reduce_the_evaluator_does():
-    from hplan.planner.solve.device_classes import device_classes
+    from hplan.planner.solve.device_groups import device_groups
     from hplan.planner.solve.partition import Partitioner
     from hplan.planner.solve.scenarios import SyncEstimate, allreduce_estimate_s, make_scenarios
 
@@ -293,7 +293,7 @@ def test_the_search_charges_a_one_stage_copy_the_overlapped_all_reduce_the_evalu
         grad_bytes=[60e6, 60e6],  # several buckets: the backward hides part of the rings
         intra_bandwidth=0.5e9,
     )
-    classes = device_classes(problem)
+    classes = device_groups(problem)
     (scenario,) = [
         s for s in make_scenarios(problem, classes) if s.sync is SyncEstimate.WHOLE_MODEL
     ]

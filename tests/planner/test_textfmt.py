@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hplan.planner.cost.layout import Layout, ReplicaLayout, StageLayout
 from hplan.planner.solve.validate import layout_problems
-from hplan.planner.textfmt import format_bytes_pair
+from hplan.runtime.contract.quantities import format_bytes_pair
 from tests.fixtures.problems import Dev, make_problem
 
 

@@ -2,12 +2,12 @@
 
 Two nodes are *interchangeable* when they hold the same devices (kind, memory, unit times),
 the same links inside, the same links to every other node, and the same link between each
-other — typically several identical workstations on one switch. A *device class* is the set
-of devices of one kind (same memory, unit times and optimizer times) over one group of
-interchangeable nodes, listed node by node: a shape that takes "the next free device" of
-its classes therefore packs each pipeline into as few nodes as possible. Without the
-grouping, 16 identical nodes of three GPU kinds would give 48 classes, and the shape count
-would explode; with it they give 3.
+other — typically several identical workstations on one switch. A *device group* (a
+*class* of the search's pipeline shapes) is the set of devices of one kind (same memory,
+unit times and optimizer times) over one group of interchangeable nodes, listed node by
+node: a shape that takes "the next free device" of its groups therefore packs each pipeline
+into as few nodes as possible. Without the grouping, 16 identical nodes of three GPU kinds
+would give 48 groups, and the shape count would explode; with it they give 3.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from hplan.planner.cost.problem import PlanningProblem
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceClass:
-    """Interchangeable devices (indices into the problem), node by node."""
+class DeviceGroup:
+    """Interchangeable devices (indices into the problem), node by node: one kind over one
+    group of interchangeable nodes (module docstring)."""
 
     devices: tuple[int, ...]
 
@@ -100,8 +101,8 @@ def _symmetric(
     return all(len({_link(problem, members[x], members[z]) for x in group}) == 1 for z in others)
 
 
-def device_classes(problem: PlanningProblem) -> tuple[DeviceClass, ...]:
-    """Device classes over groups of interchangeable nodes, ordered by first device."""
+def device_groups(problem: PlanningProblem) -> tuple[DeviceGroup, ...]:
+    """Device groups over groups of interchangeable nodes, ordered by first device."""
     members = _node_devices(problem)
     classes: dict[tuple[object, ...], list[int]] = {}
     for group_idx, group in enumerate(node_groups(problem)):
@@ -109,22 +110,23 @@ def device_classes(problem: PlanningProblem) -> tuple[DeviceClass, ...]:
             for d in members[node]:
                 classes.setdefault((group_idx, *_device_key(problem, d)), []).append(d)
     ordered = sorted(classes.values(), key=lambda devs: devs[0])
-    return tuple(DeviceClass(tuple(devs)) for devs in ordered)
+    return tuple(DeviceGroup(tuple(devs)) for devs in ordered)
 
 
-def class_link(
-    problem: PlanningProblem, classes: Sequence[DeviceClass], a: int, b: int
+def group_link(
+    problem: PlanningProblem, groups: Sequence[DeviceGroup], a: int, b: int
 ) -> tuple[float, float]:
-    """Slowest link between two classes (within one class: between its devices)."""
-    return _link(problem, classes[a].devices, classes[b].devices)
+    """Slowest link between two device groups (within one group: between its devices)."""
+    return _link(problem, groups[a].devices, groups[b].devices)
 
 
-def pair_devices(classes: Sequence[DeviceClass], sequence: Sequence[int]) -> list[int]:
-    """Concrete devices for a class sequence: the next unused device of each class."""
+def pair_devices(groups: Sequence[DeviceGroup], sequence: Sequence[int]) -> list[int]:
+    """Concrete devices for a sequence of group indices (a shape's classes): the next unused
+    device of each group."""
     used = dict.fromkeys(set(sequence), 0)
     devices = []
     for c in sequence:
-        devices.append(classes[c].devices[used[c]])
+        devices.append(groups[c].devices[used[c]])
         used[c] += 1
     return devices
 
