@@ -560,9 +560,9 @@ def second_opinion(
 
     ``layouts`` come in the cost model's order; a layout must beat an earlier one by more
     than a relative ``margin`` to be preferred. Local layouts are simulated with their
-    outer sync amortised (``sim.engine``, rule 6). A layout too large to simulate (None, see
-    ``sim.spec.MAX_SIMULATED_MICROBATCHES``) is never preferred, and when the cost model's
-    best is too large the cost model's order stands.
+    outer sync amortised (``sim.engine.simulate``, rule 6). A layout too large to simulate
+    (None, see ``sim.spec.MAX_SIMULATED_MICROBATCHES``) is never preferred, and when the
+    cost model's best is too large the cost model's order stands.
     """
     simulated = tuple(
         simulated_step_time_s(problem, layout, schedule, runtime) for layout in layouts
