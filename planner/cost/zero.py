@@ -3,18 +3,14 @@ they cost.
 
 Under ZeRO stage 1 (Rajbhandari et al., "ZeRO", SC 2020, P_os) device d of holder set H
 keeps ``state_u * w_d / sum_{m in H} w_m`` bytes of each shared unit's optimizer state,
-``w`` the layout's ``optimizer_shard_weights``. The shards need not be even: a device's
-weight is the memory it has left once everything else is counted (:func:`shard_weights`),
-so a 12 GB card beside a 24 GB card takes a smaller shard; with one holder set such shards
-fit whenever any split does. After the optimizer step every holder set all-gathers its
-parameters, half a ring all-reduce (:func:`allgather_time_s`; Patarasuk and Yuan, JPDC 2009).
-
-Stage 2 (P_os+g, section 5.2) also shards the summed gradients with the same weights, so a
-device keeps one bucket of the shared gradients' flat copy instead of all of it
-(:func:`gradient_saving_bytes`). It is costed exactly as stage 1 (the paper's section 7.2
-gives both the volume of data parallelism; the runtime's per-member reductions move no
-more), an upper bound, so that the solver takes stage 2 only where stage 1 does not fit
-(``solve.strategy.sharded_candidates``).
+``w`` the layout's ``optimizer_shard_weights``, each device's weight the memory it has left
+(:func:`shard_weights`): a 12 GB card beside a 24 GB card takes a smaller shard. After the
+optimizer step every holder set all-gathers its parameters, half a ring all-reduce
+(:func:`allgather_time_s`; Patarasuk and Yuan, JPDC 2009). Stage 2 (P_os+g, section 5.2)
+also shards the summed gradients, so a device keeps one bucket of the shared gradients'
+flat copy (:func:`gradient_saving_bytes`). It is costed exactly as stage 1 (section 7.2
+gives both the volume of data parallelism), an upper bound, so the solver takes stage 2
+only where stage 1 does not fit (``solve.strategy.sharded_candidates``).
 """
 
 from __future__ import annotations
@@ -95,7 +91,9 @@ def shard_weights(
     the units it shares (0 for a device whose other memory already fills it); under
     ``zero_stage`` 2 its memory is first less :func:`gradient_saving_bytes`. A layout
     whose devices share no unit gets weight 1 everywhere when it fits as it is (there is
-    nothing to shard).
+    nothing to shard). With one holder set, shards proportional to the headroom fit
+    whenever any split does (each share is at most the device's headroom exactly when the
+    whole state is at most the sum of them).
     """
     if problem.optimizer_state_bytes is None:
         return None

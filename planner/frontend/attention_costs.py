@@ -5,12 +5,10 @@ On CUDA, ``torch.nn.functional.scaled_dot_product_attention`` runs a fused kerne
 ``q``, ``k``, ``v`` (and ``attn_mask``), its output and one float32 log-sum-exp per query
 row and head, and recomputes the (seq_q x seq_k) attention matrix instead of keeping it.
 The math path that the meta device (and the CPU, with dropout) takes keeps that matrix, so
-attention costed as traced would overstate a GPU's activation memory.
 :class:`FusedAttentionCosts` records the fused kernels' saved tensors and FLOPs instead,
 whatever kernel really ran (the CPU's flash kernel has no formula in ``FlopCounterMode``).
 
-Sources: Dao et al., FlashAttention (2022), section 3.1 (the backward keeps the output and
-the softmax statistics, not the attention matrix); PyTorch's
+Sources: Dao et al., FlashAttention (2022), section 3.1; PyTorch's
 ``aten._scaled_dot_product_flash_attention`` returns ``logsumexp`` of shape
 ``(batch, heads, seq_q)``, float32; FLOPs: ``torch.utils.flop_counter.sdpa_flop_count``
 (the two matmuls, ``4 * batch * heads * seq_q * seq_k * head_dim``).

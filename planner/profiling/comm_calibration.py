@@ -3,17 +3,14 @@
 The link matrix (``hplan bandwidth``) times messages between two processes; the all-reduce
 a training run waits for also pays its collective library's per-call work on each rank,
 which on CPU ranks under a quota can dominate. That cost is per call, not per byte, so the
-model fitted here is the ring's latency term: each ring (``link_model.ring_all_reduce_time_s``)
-pays ``2 (n - 1)`` steps of ``latency_per_step_s`` per bucket, the bandwidth staying the
-links'. One run determines one number per group of rings (:func:`fit_latency_per_step_s`).
-
-Waiting is not the collective: a rank's exposed all-reduce includes waiting for the last
-holder, which is the slower ranks' compute (the compute calibration corrects it). The
-runtime times each ring from its last holder's launch, so per step the smallest exposed
-time in a sync group (:func:`sync_groups`) is the collective itself (:func:`collective_fits`).
-The cost model's collective term is per node, and a node gets the smallest latency fitted
-over the groups holding its devices, never less than its links' (:func:`node_collectives`).
-Plans whose islands sync locally are left out.
+model fitted here is the ring's latency term: each ring pays ``2 (n - 1)`` steps of
+``latency_per_step_s`` per bucket (``link_model.ring_all_reduce_time_s``), the bandwidth
+staying the links' (:func:`fit_latency_per_step_s`). A rank's exposed all-reduce includes
+waiting for the last holder, the slower ranks' compute, which the compute calibration
+corrects; the runtime times each ring from its last holder's launch, so per step the
+smallest exposed time in a sync group is the collective itself (:func:`collective_fits`).
+A node gets the smallest latency fitted over the groups holding its devices, never less
+than its links' (:func:`node_collectives`). Plans whose islands sync locally are left out.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Each benchmark warms up, then times a few windows (``windows.py``: sustained speeds, not
 bursts) and reports the median and the 10th/90th percentiles of their means
-(:class:`hplan.planner.profiling.profile_file.Stat`); CUDA events on a GPU,
-``time.perf_counter`` on a CPU.
+(``profile_file.Stat``); CUDA events on a GPU, ``time.perf_counter`` on a CPU.
 
 - Matmul: ``C = A @ B`` with square ``n x n`` operands; ``2 n^3`` FLOPs per product (one
   multiply and one add per inner-product term).

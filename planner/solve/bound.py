@@ -4,12 +4,11 @@ The solver's reported gap is measured against it. Two relaxations bound the step
 tighter one is returned (:func:`throughput_bound_samples_per_s`):
 
 - an LP over the samples/s each device gives each unit, every device at its best
-  per-sample rate at any size the unit alone fits. (The sum of standalone devices is *not*
-  a bound: a stage can run a micro-batch size the whole model cannot fit, and a device can
-  take only the units it is fastest at.)
+  per-sample rate at any size the unit alone fits (the sum of standalone devices is *not*
+  a bound: a stage can run a size the whole model cannot fit, and a device can take only
+  the units it is fastest at);
 - a MILP over stages for one step of the global batch, in which every micro-batch pays at
-  least a fixed overhead (:func:`_step_time_milp_s`); where it is too large to build or
-  stops without a proven bound, the critical path alone.
+  least a fixed overhead (:func:`_step_time_milp_s`).
 
 Where a solver stops early or fails, a looser proven bound stands in (HiGHS's dual bound,
 the critical path, :func:`_time_budget_bound`), so the result stays a bound.

@@ -3,17 +3,16 @@ that the islands finish their inner steps together, one layout whose islands syn
 
 For a partition into islands (``islands.candidate_partitions``), in rounds:
 
-1. The global batch is split between the islands in proportion to their devices'
-   standalone speeds (``evaluate.standalone_samples_per_s``), each at least one sample.
-2. Each island is solved alone for its share (``search_island`` on the problem restricted
-   to its nodes and batch); an island whose model does not fit is left idle.
-3. The islands' layouts are combined into one (their replicas, and ``IslandSync``), the
-   whole batch is shared again over every replica (:func:`reshared`), and
-   ``sync_choice.choose_local_steps`` picks H and the wire dtype.
+1. The global batch is split between the islands by their devices' standalone speeds
+   (``evaluate.standalone_samples_per_s``), each at least one sample.
+2. Each island is solved alone for its share (``search_island``); one whose model does not
+   fit is left idle.
+3. The islands' layouts are combined into one (``IslandSync``), the whole batch shared
+   again over every replica (:func:`reshared`), H and the wire dtype chosen
+   (``sync_choice.choose_local_steps``).
 4. The next round solves the islands for the shares the combined layout ended with, or,
-   when those were solved already, for the shares that equalise lines ``t_i ~ a_i + c_i
-   B_i`` fitted to each island's last two solves (:func:`_fitted_shares`). At most
-   :data:`LOCAL_SHARE_ROUNDS` rounds.
+   when solved already, for shares from lines fitted to each island's last two solves
+   (:func:`_fitted_shares`); at most :data:`LOCAL_SHARE_ROUNDS` rounds.
 
 The caller re-costs every combined layout (``evaluate``, with the amortised outer sync).
 """

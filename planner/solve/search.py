@@ -3,18 +3,15 @@
 An outer enumeration around an inner integer program. A *shape* is an ordered list of
 device classes (``device_classes``) with a micro-batch size, split optimally by
 ``partition``. A gradient-sync *scenario* (``scenarios``) fixes each copy's all-reduce
-time A_t, so a copy of shape t running m micro-batches takes ``(m - 1) P_t + F_t + O_t +
-A_t`` (period, fill, optimizer) and, by a target step time T, processes
-``cap_t(T) = PipeTimes.samples_by(T)`` samples. The least T is found by bisection
-(:func:`_bisect`): T is feasible iff integer copy counts n_t give ``sum_t cap_t(T) n_t >=
-global batch`` within the classes' sizes, a small covering MILP (``milp.solve_cover``)
-with no products of decisions. The exact evaluator (``evaluate``) prunes each answer.
-
-Each distinct node is searched alone first, so the answer is never worse than the best
-single-node layout; the local plans of every island partition follow where ``--sync``
-allows (``local_plan``). The answer is proven optimal under the planning model when every
-bisection step was proven by the MILP and the shapes were enumerated exhaustively;
-otherwise the report gives the gap (local plans prove nothing).
+time, so a copy of shape t runs ``(m - 1) P_t + F_t + O_t + A_t`` (period, fill,
+optimizer, all-reduce) and by a target step time T processes ``PipeTimes.samples_by(T)``
+samples. The least T is found by bisection (:func:`_bisect`), each step a small covering
+MILP over integer copy counts (``milp.solve_cover``), linear since no product of decisions
+appears; the exact evaluator (``evaluate``) prunes each answer. Each distinct node is
+searched alone first (the answer is never worse than the best single-node layout), and the
+local plans of every island partition follow where ``--sync`` allows (``local_plan``).
+The answer is proven optimal under the planning model when every bisection step was proven
+and the shapes were enumerated exhaustively; otherwise the report gives the gap.
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@
   the smallest number of inner steps, at most ``--max-local-steps``, whose outer sync
   round costs at most :data:`LOCAL_SGD_SYNC_SHARE` of H inner steps.
 - ``async``: as ``local_sgd``, with the same H and wire dtype, the round hidden behind the
-  next H inner steps instead of exposed. Not the smallest H that would hide the round: that
-  can be H = 1, where DiLoCo's outer optimizer applied one round late diverges and the
-  host copies every step cost more than they hide (``bench/slow_links.py``).
+  next H inner steps. Not the smallest H that would hide it: that can be H = 1, where
+  DiLoCo's outer optimizer applied one round late diverges (``bench/slow_links.py``).
 - ``auto`` (the default): the synchronous plan, unless its synchronisation costs more than
   :data:`AUTO_SYNC_SHARE` of its step or it leaves devices idle, and the best local SGD
   plan is predicted faster by more than :data:`AUTO_MIN_GAIN`. Never ``async``: its
