@@ -227,8 +227,9 @@ def tail_s(full: StagePasses, last: StagePasses) -> FloatArray:
     micro-batch's forward and backward, whose gradient drains back at size r), or behind
     micro-batch m - 2, which ends its backward on stage t at ``(m - 2) P + F`` less its
     drain below t. With r = b the first path is F and the second at most F (P >= w_0); on
-    one stage, tail(r) = c(r) exactly.
-    Every micro-batch's compute still fits, so ``solve.bound`` stays a bound."""
+    one stage, tail(r) = c(r) exactly. Every micro-batch's compute still fits, so
+    ``solve.bound`` stays a bound.
+    """
     f, w, a, g = (x[:, None] for x in (full.forward_s, full.backward_s, full.send_s, full.return_s))
     lw, lg = last.backward_s, last.return_s
     own_trip = (

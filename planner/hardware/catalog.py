@@ -5,7 +5,7 @@ factors on top (``hplan.planner.cost.problem_builder``). Conventions:
 
 - FLOP/s are *dense* peaks at boost clock ("with sparsity" datasheet figures halved).
 - ``fp16``/``bf16`` tensor peaks are with FP32 accumulation, as PyTorch's matmuls use it;
-  GeForce cards run it at half their FP16-accumulate rate (NVIDIA GA102 and Ada
+  GeForce cards (only) run it at half their FP16-accumulate rate (NVIDIA GA102 and Ada
   whitepapers, appendix tables). ``fp32`` is the CUDA-core rate (PyTorch's float32 matmuls
   use no TF32 by default since 1.12); without bf16 tensor cores (Volta, Turing) bf16 gets
   the fp32 rate, and without TF32 tf32 does.

@@ -6,8 +6,9 @@ device classes (``device_classes``) with a micro-batch size, split optimally by
 time, so a copy of shape t runs ``(m - 1) P_t + F_t + O_t + A_t`` (period, fill,
 optimizer, all-reduce) and by a target step time T processes ``PipeTimes.samples_by(T)``
 samples. The least T is found by bisection (:func:`_bisect`), each step a small covering
-MILP over integer copy counts (``milp.solve_cover``), linear since no product of decisions
-appears; the exact evaluator (``evaluate``) prunes each answer. Each distinct node is
+MILP (``milp.solve_cover``: integer copy counts covering the global batch within the
+classes' sizes), linear since no product of decisions appears; the exact evaluator prunes
+each answer. Each distinct node is
 searched alone first (the answer is never worse than the best single-node layout), and the
 local plans of every island partition follow where ``--sync`` allows (``local_plan``).
 The answer is proven optimal under the planning model when every bisection step was proven
