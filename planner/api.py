@@ -97,7 +97,8 @@ from hplan.runtime.contract.plan import (
 
 MAX_GLOBAL_BATCH_SIZE = 2**30
 """The largest ``-b`` accepted (samples per optimizer step). The search's arrays grow with
-the batch: 10^12 ran out of memory inside the solver after 35 s (a fresh-user trial)."""
+the batch, so a larger one would run out of memory inside the solver instead of failing
+here with a clear message."""
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,11 @@
 
 A :class:`Pass` reads the results of the passes before it by name (a read-only mapping,
 the request under ``"request"``) and returns its own; :func:`run_passes` runs them in order,
-calls the result's ``verify()`` when it has one, and stores it under the pass's name.
-
-- A user error (``HplanError``) keeps its class, message and exit code; a note on it names
-  the pass it came from (shown with ``HPLAN_DEBUG=1``).
-- Anything else is a bug: it becomes a :class:`PassError` naming the pass that failed and
-  the one before it, as does a result whose ``verify()`` fails (an invalid IR).
-- ``dump_dir``: every result is written to ``<dump_dir>/<NN>-<pass>.json`` as it is made
-  (:func:`debug_json`: dataclasses field by field, graphs as node-link data, arrays as
-  lists, tensors and modules summarised), and a failure to ``<NN>-<pass>.error.txt``.
+calls the result's ``verify()`` when it has one, and stores it under the pass's name. A
+user error (``HplanError``) keeps its class, message and exit code, with a note naming the
+pass (shown with ``HPLAN_DEBUG=1``); anything else is a bug, a :class:`PassError` naming
+the pass that failed and the one before it. With ``dump_dir`` every result is written as
+``<dump_dir>/<NN>-<pass>.json`` (:func:`debug_json`), a failure as ``.error.txt``.
 
 After xDSL's pass manager and torch.fx's ``passes/infra/pass_manager.py``: small named
 passes, valid IR in, valid IR out, and a runner that names the failing pass.

@@ -19,7 +19,7 @@ def _sweep_argv(
     """The sweep options for the measuring processes, checked once here.
 
     Raises:
-        ConfigError: a value out of range (see ``hplan.runtime.bandwidth.sweep_from``).
+        ConfigError: a value out of range (see ``hplan.runtime.bandwidth.job.sweep_from``).
     """
     from hplan.runtime.bandwidth.job import parser, sweep_argv
 

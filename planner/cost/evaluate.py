@@ -8,14 +8,10 @@ One optimizer step in the steady state of step after step (:func:`evaluate`)::
     pipeline_time = (num_microbatches - 1) * period + fill_time
 
 The all-reduce is where every replica meets, so a replica's own optimizer step counts with
-its own pipeline (with ZeRO's all-gather, a second meeting point, the slowest one precedes
-every pipeline). Under local sync the step sums only inside the islands
-(:func:`step_sync_groups`) and adds the outer round amortised over its H inner steps
-(``cost.sync_cost``). The 1F1B period and fill are ``cost.microbatch``'s (Narayanan et al., SC
-2021, section 2.2); the bucketed ring all-reduce over a group's slowest link, overlapped
-with the last backward pass, is ``link_model.exposed_all_reduce_s``'s (Patarasuk and Yuan,
-JPDC 2009); a stage's memory under 1F1B, recomputation included, is
-``contract.memory.stage_activation_bytes``'s (the formula a plan is checked against).
+its own pipeline (ZeRO's all-gather is a second meeting point). Sources: the 1F1B period
+and fill, ``cost.microbatch`` (Narayanan et al., SC 2021, section 2.2); the bucketed ring
+all-reduce, ``link_model.exposed_all_reduce_s`` (Patarasuk and Yuan, JPDC 2009); a stage's
+memory, ``contract.memory.stage_activation_bytes`` (the one a plan is checked against).
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
 """Cut each replica's share into micro-batches of equal size; the cost model picks how many.
 
-The search prices the candidate micro-batch sizes (powers of two unless ``--micro-batch-sizes``
-names others), so a share that is not a multiple of the size ends in a smaller micro-batch:
-1,365 samples at 512 run as 512 + 512 + 341. That ragged cut is never kept. Each replica's
-share is cut instead into ``k`` micro-batches of ``ceil(n / k)`` samples (the last one at most
-``k - 1`` samples short), for every count ``k`` a candidate size gives (``ceil(n / c)``) and for
-``k = 1``; the cost model (``evaluate``) picks the count. The shares are then moved until
-the replicas end together again under their new cuts (:func:`rebalanced`).
+The search prices candidate micro-batch sizes, so a share that is not a multiple of the size
+ends in a smaller micro-batch (1,365 samples at 512: 512 + 512 + 341). That ragged cut is
+never kept: each replica's share is cut instead into ``k`` micro-batches of ``ceil(n / k)``
+samples, for ``k = 1`` and every count a candidate size gives (:func:`microbatch_counts`);
+the cost model (``evaluate``) picks the count, then the shares move until the replicas end
+together again (:func:`rebalanced`). In hplan's runtime even cuts ran no slower than ragged
+ones the cost model priced alike, and they are the cuts Megatron-LM and torch's pipelining
+schedules require (the batch divisible by the micro-batch size).
 
-Why: measured with hplan's runtime (the MLP example at 8 x 256, 1,365 samples a step, one CPU
-rank per node, ``OMP_NUM_THREADS=1``), three micro-batches of 455 took less CPU time than
-512 + 512 + 341 in the median of each setting tried, while the cost model priced the two
-within 1% of each other:
-
-- a quiet core, medians of four runs of 40 steps: 42.6 against 44.7 ms a step;
-- alone under a 0.6-core cgroup quota, two runs: 50.6 and 45.2 against 49.0 and 55.0 ms;
-- three such ranks on three 0.6-core nodes sharing two cores (``bench/real_cluster.py``'s
-  cluster), two rounds: 59.2-63.7 against 61.2-66.0 ms per rank, and 0.93x against 0.89x the
-  samples/s of torch DDP with one micro-batch of the whole share.
-
-Two micro-batches of 683 ran fastest or within noise of the fastest in all three (quiet
-42.3 ms, quota 44.0-45.1 ms, cluster 0.96x DDP). An even cut is also the one Megatron-LM and
-torch's pipelining schedules require (the batch divisible by the micro-batch size).
-
-Ties go to fewer micro-batches: counts the cost model prices within the measurement spread of
-the replica's devices (:func:`tie_share`, ``PlanningProblem.time_spread``: the p10-p90 width of
-their profiled times) of the best, in step time and in the replica's own pipeline time, are
-ties, and the fewest micro-batches among them wins. The profile cannot rank them closer: the
-same node under a 0.6-core quota, profiled twice minutes apart, moved by 3-5% (51.2 and 53.6 us
-a sample at 512, 54.0 and 52.5 at 1,024). Estimated times (the roofline) have no spread, and
-the cost model alone decides. A replica of one stage gains nothing from more micro-batches
-but memory and the per-sample differences the profile measured, and fewer did no worse in
-the cluster runs above: one micro-batch of 1,366 ran at 0.98x DDP, two of 683 at 0.96x, three
-of 455 at 0.93x (the cost model preferred three by 0.3%); the GPT example (4 x 128, 32
-sequences a node on three 0.6-core nodes) ran one micro-batch of 32 at 1.00x DDP, four of 8
-at 0.97x, two of 16 at 0.97x, though its profile priced 8 a sequence 15% below 16.
+Ties go to fewer micro-batches: counts priced within the measurement spread of the replica's
+devices (:func:`tie_share`) cannot be ranked by the profile. Estimated (roofline) times have
+no spread, and the cost model alone decides.
 """
 
 from __future__ import annotations
@@ -99,9 +76,7 @@ def rebalanced(problem: PlanningProblem, layout: Layout) -> Layout:
 
     The search balanced the shares for the micro-batches it priced (a candidate size and a
     smaller last one); cut evenly, a replica's time changes, and the replicas no longer end
-    together: on ``bench/real_cluster.py``'s three 0.6-core nodes (the MLP example, calibrated)
-    the cost model itself predicted 88.0, 84.1 and 84.3 ms for the three replicas of its
-    best layout. Each round gives replica ``r`` the share ``(T - o_r) * n_r / t_r`` (its
+    together. Each round gives replica ``r`` the share ``(T - o_r) * n_r / t_r`` (its
     samples at the rate its predicted time ``t_r`` shows, after its optimizer step ``o_r``,
     all ending at the same ``T``; rounded by the largest remainder), up to
     ``REBALANCE_ROUNDS`` rounds, each kept only when the cost model predicts a strictly

@@ -3,34 +3,12 @@ pipeline whose last micro-batch is smaller than the others.
 
 A replica of n samples at micro-batch size b runs ``contract.plan.microbatch_sizes(n, b)``:
 m - 1 full micro-batches of b samples, then a last one of r = n - (m - 1) b samples
-(1 <= r <= b). The problem holds unit times at the candidate sizes only
-(``PlanningProblem.fwd_time_s``); a stage's time at any other size is read off them as a
-fixed overhead plus a per-sample time (:func:`units_time_s`, :func:`time_at_sizes`), the
-same rule a profile's unmeasured sizes follow (``cost.profiled_times``).
-
-Pipeline time with a smaller last micro-batch (1F1B, stages s = 0..S-1; per stage at size
-x: forward f_s(x), backward w_s(x), activations sent on a_s(x), gradients returned g_s(x);
-c = f + w, l = a + g; P the period and F the fill of full micro-batches, as in
-``evaluate``)::
-
-    m = 1:   T = F(r)                       (one micro-batch through and back)
-    m >= 2:  T = (m - 1) P + tail(r)
-             tail(r) = max( sum_{s<S-1} (f_s(b) + a_s(b)) + c_{S-1}(r)
-                              + sum_{s<S-1} (w_s(r) + g_s(r)),
-                            F - P + max_t [ sum_{u<=t} w_u(r) + sum_{u<t} g_u(r)
-                                            - sum_{u<t} (w_u(b) + g_u(b)) ] )
-
-Derivation: the cost model's pipeline runs micro-batch j one period P after micro-batch
-j - 1 (``evaluate``: ``(m - 1) P + F`` for m full ones; Narayanan et al., SC 2021, section
-2.2). The last micro-batch then ends at the later of two paths. (1) Its own trip: the first
-micro-batch (a full one) fills the stages forward up to the last stage, which then runs m - 1
-periods and the last micro-batch's forward and backward, whose gradient drains back
-through the earlier stages at its own size. (2) Behind the one before it: micro-batch m - 2
-ends its backward on stage t at ``(m - 2) P + F`` less its drain below t; the last one's
-backward on t follows it and drains to stage 0 at size r. With r = b both give
-``(m - 1) P + F`` (path 1 is F, path 2 at most F since P >= w_0), so full pipelines are
-charged as before; on one stage, ``(m - 1) c(b) + c(r)`` exactly. Every micro-batch's
-compute still fits in T, so ``solve.bound`` stays a bound.
+(1 <= r <= b). The problem holds unit times at the candidate sizes only; a stage's time at
+any other size is a fixed overhead plus a per-sample time read off them
+(:func:`time_at_sizes`, the rule a profile's unmeasured sizes follow too). A pipeline runs
+micro-batch j one period P after j - 1 (``(m - 1) P + F`` for m full ones, F the fill;
+Narayanan et al., SC 2021, section 2.2); a smaller last micro-batch changes only the end,
+``(m - 1) P + tail(r)`` (:func:`tail_s`; one micro-batch alone takes F(r)).
 """
 
 from __future__ import annotations
@@ -230,9 +208,26 @@ def fill_s(passes: StagePasses) -> FloatArray:
 
 
 def tail_s(full: StagePasses, last: StagePasses) -> FloatArray:
-    """``tail(r)`` of the module docstring: how long after ``(m - 1) P`` a pipeline of m >= 2
-    micro-batches ends when the last has the sizes of ``last`` ((S, N): one column per
-    size) and the others those of ``full`` ((S,)). Shape (N,)."""
+    """How long after ``(m - 1) P`` a pipeline of m >= 2 micro-batches ends when the last has
+    the sizes of ``last`` ((S, N): one column per size) and the others those of ``full``
+    ((S,)). Shape (N,).
+
+    Per stage s = 0..S-1 at size x: forward f_s(x), backward w_s(x), activations sent
+    a_s(x), gradients returned g_s(x); c = f + w; P and F of full micro-batches::
+
+        tail(r) = max( sum_{s<S-1} (f_s(b) + a_s(b)) + c_{S-1}(r)
+                         + sum_{s<S-1} (w_s(r) + g_s(r)),
+                       F - P + max_t [ sum_{u<=t} w_u(r) + sum_{u<t} g_u(r)
+                                       - sum_{u<t} (w_u(b) + g_u(b)) ] )
+
+    The last micro-batch ends at the later of two paths: its own trip (the first, full,
+    micro-batch fills the stages up to the last, which runs m - 1 periods and then the last
+    micro-batch's forward and backward, whose gradient drains back at size r), or behind
+    micro-batch m - 2, which ends its backward on stage t at ``(m - 2) P + F`` less its
+    drain below t. With r = b the first path is F and the second at most F (P >= w_0); on
+    one stage, tail(r) = c(r) exactly. Every micro-batch's compute still fits, so
+    ``solve.bound`` stays a bound.
+    """
     f, w, a, g = (x[:, None] for x in (full.forward_s, full.backward_s, full.send_s, full.return_s))
     lw, lg = last.backward_s, last.return_s
     own_trip = (

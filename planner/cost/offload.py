@@ -1,26 +1,15 @@
 """Optimizer-state offload to host memory on a layout: what it frees and what it costs.
 
-A device that offloads (``Layout.optimizer_offload``; the plan's
+A device that offloads (``Layout.optimizer_offload``, the plan's
 ``RankPlan.optimizer_offload``; ZeRO-Offload, Ren et al., USENIX ATC 2021, without its
-fused CPU Adam) keeps its parameters, gradients and activations, and leaves its optimizer
-state and the step's temporaries to the host (``contract.memory.offload_device_saving_bytes``),
-which also holds a copy of its trainable parameters and their gradients
-(``contract.memory.offload_host_bytes``). The node's host memory bounds the sum over its
-offloading devices (``contract.memory.host_capacity_bytes``: declared, or assumed there).
-
-Cost per step, after the backward and the gradient sync, in place of the device's own
-optimizer step (:func:`offload_step_time_s`)::
-
-    2 x trainable bytes / PCIe bandwidth           gradients to the host, parameters back
-    + trainable bytes x passes / host bandwidth    the optimizer step on the host CPU
-
-``passes`` as the device's memory-bound optimizer step counts them (weight read and
-written, gradient read: 3; each state byte read and written: 2 x state factor;
-``problem_builder.RooflineSource.optimizer_time_s``).
-
-``auto`` (``hplan solve --offload``) searches layouts with every device offloading when
-nothing cheaper fits (no plan, or a device left idle), then keeps offload only on the
-devices that do not fit without it (:func:`offload_flags`).
+fused CPU Adam) keeps its parameters, gradients and activations and leaves its optimizer
+state and the step's temporaries to the host, which also holds a copy of its trainable
+parameters and their gradients (``contract.memory``: ``offload_device_saving_bytes``,
+``offload_host_bytes``; the node's host memory bounds the sum over its offloading devices).
+Its optimizer step becomes copies over PCIe and a step on the host CPU
+(:func:`offload_step_time_s`). ``auto`` (``hplan solve --offload``) searches layouts with
+every device offloading when nothing cheaper fits, then keeps offload only on the devices
+that do not fit without it (:func:`offload_flags`).
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ PCIE_BANDWIDTH_BYTES_PER_S: float = 25e9
 """Effective host <-> GPU copy bandwidth of pinned memory over PCIe 4.0 x16, one direction:
 the link carries 16 GT/s x 16 lanes x 128/130 = 31.5 GB/s (PCI-SIG, PCI Express Base
 Specification 4.0), and CUDA's ``bandwidthTest`` of pinned memory typically reaches about
-80% of it (24-26 GB/s on RTX 3090 / A100 PCIe hosts)."""
+80% of it."""
 
 HOST_MEMORY_BANDWIDTH_BYTES_PER_S: float = 25.6e9
 """What the host's optimizer step streams its bytes at: half of dual-channel DDR4-3200's
@@ -59,7 +48,15 @@ def offload_step_time_s(
     transfer_bytes_per_s: float = PCIE_BANDWIDTH_BYTES_PER_S,
     host_bytes_per_s: float = HOST_MEMORY_BANDWIDTH_BYTES_PER_S,
 ) -> float:
-    """Seconds of one offloaded optimizer step of ``trainable_bytes`` (module docstring).
+    """Seconds of one offloaded optimizer step of ``trainable_bytes``, after the backward and
+    the gradient sync, in place of the device's own optimizer step::
+
+        2 x trainable bytes / transfer_bytes_per_s       gradients to the host, parameters back
+        + trainable bytes x passes / host_bytes_per_s    the optimizer step on the host CPU
+
+    ``passes`` as the device's memory-bound optimizer step counts them (weight read and
+    written, gradient read: 3; each state byte read and written: 2 x ``state_factor``;
+    ``problem_builder.RooflineSource.optimizer_time_s``).
 
     Args:
         trainable_bytes: the parameters it steps (and so the gradients it copies), bytes.

@@ -1,41 +1,13 @@
 """Cost model: fill the solver's ``PlanningProblem`` from the cost graph and the cluster.
 
 For every (device, partition unit, micro-batch size) it predicts the forward and backward
-time; for every (device, unit) the optimizer-step time; for every unit the memory it needs;
-for every device pair the link (alpha-beta, from the cluster).
-
-Unit times come from a ``UnitTimeSource``. The default, ``RooflineSource``, estimates them
-from the device catalog with a roofline (Williams, Waterman and Patterson, "Roofline: an
-insightful visual performance model for multicore architectures", CACM 2009)::
-
-    time_s = max(flops / (peak_flops_per_s * COMPUTE_EFFICIENCY),
-                 bytes / (memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY))
-             + serial_bytes / (memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY)
-             + num_ops * OP_OVERHEAD_S
-
-    forward:  flops = fwd_flops_per_sample * b                   (b: micro-batch size)
-              serial_bytes = memory_bound_io_bytes_per_sample * b
-              bytes = param_bytes + io_bytes_per_sample * b - serial_bytes
-    backward: BACKWARD_TO_FORWARD_RATIO times the forward flops, bytes and ops
-
-The bytes of ops without FLOPs (elementwise, normalisation, softmax) are a serial term:
-each is a kernel of its own that runs between the matmuls, at memory speed, so summing
-per-kernel rooflines (Williams et al.'s roofline applied kernel by kernel, as in Yang et
-al., "Hierarchical Roofline Analysis", 2020) is closer to a step than one roofline of
-the unit's totals, which would hide them under the matmuls. Activation bytes scale with
-the precision's ``activation_bytes_factor``. Convolutions (``conv_flops_per_sample``, part of
-the FLOPs) take the faster of CUDA cores at the fp32 peak and, where their dtype runs on
-tensor cores (``convolution_paths``; float32 ones in TF32, cuDNN's default), the tensor-core
-peak plus cuDNN's transposes of channels-first tensors:
-``LAYOUT_TRANSPOSE_PASSES x channels_first_conv_io_bytes_per_sample`` more serial bytes.
-
-A measured profile plugs in as another ``UnitTimeSource`` (its ``name`` goes into the
-plan's report as ``cost_source``).
-
-Memory per unit (bytes): static = trainable parameter bytes x (1 weight + 1 gradient +
-optimizer state bytes per parameter byte) + non-trainable parameter bytes + buffer bytes;
-activations per sample come from the cost graph (saved tensors of the forward). Usable
-memory of a device is ``contract.memory.usable_memory_bytes``.
+time; for every (device, unit) the optimizer-step time; for every unit the memory it needs
+(:func:`static_memory_bytes`, activations per sample from the cost graph); for every device
+pair the link (alpha-beta, from the cluster). Unit times come from a ``UnitTimeSource``:
+the default, :class:`RooflineSource`, estimates them from the device catalog's peaks; a
+measured profile (``cost.profiled_times``) plugs in as another, and its ``name`` goes into
+the plan's report as ``cost_source``. The constants below are the roofline's assumptions,
+each with its source.
 """
 
 from __future__ import annotations
@@ -79,11 +51,9 @@ if TYPE_CHECKING:
 # Fraction of the dtype's peak FLOP/s that the matmul and convolution kernels reach. This
 # is a kernel's efficiency, not a whole step's (model FLOPs utilisation): the step's other
 # kernels are costed apart (the serial memory-bound term), so Megatron-LM's 52% of A100
-# peak end to end (Narayanan et al., SC 2021) counts them twice. 0.7 was chosen against
-# published single-GPU training throughput (bench/roofline_accuracy.py: 0.5 predicted
-# 0.44-1.45x of it, 0.7 0.63-1.61x; with each model file running the kernels its
-# publication ran and cuDNN's layout transposes costed, 0.82-1.20x in all 12 cases); it
-# is an in-sample fit, not a validation. A measured profile replaces it.
+# peak end to end (Narayanan et al., SC 2021) counts them twice. 0.7 was fitted to
+# published single-GPU training throughput (bench/roofline_accuracy.py): an in-sample fit,
+# not a validation. A measured profile replaces it.
 COMPUTE_EFFICIENCY = 0.7
 
 # Fraction of the peak DRAM bandwidth that memory-bound kernels reach. Jia et al.,
@@ -208,7 +178,24 @@ def roofline_time_s(
 
 @dataclass(frozen=True, slots=True)
 class RooflineSource:
-    """Unit times from catalog peaks; see the module docstring for the formula."""
+    """Unit times from catalog peaks, by a roofline (Williams, Waterman and Patterson,
+    "Roofline: an insightful visual performance model for multicore architectures", CACM
+    2009)::
+
+        time_s = max(flops / (peak_flops_per_s * COMPUTE_EFFICIENCY),
+                     bytes / (memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY))
+                 + serial_bytes / (memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY)
+                 + num_ops * OP_OVERHEAD_S
+
+        forward:  flops = fwd_flops_per_sample * b                   (b: micro-batch size)
+                  serial_bytes = memory_bound_io_bytes_per_sample * b
+                  bytes = param_bytes + io_bytes_per_sample * b - serial_bytes
+        backward: BACKWARD_TO_FORWARD_RATIO times the forward flops, bytes and ops
+
+    The bytes of ops without FLOPs (elementwise, normalisation, softmax) are a serial term:
+    each is a kernel of its own between the matmuls, at memory speed, so summing per-kernel
+    rooflines (as in Yang et al., "Hierarchical Roofline Analysis", 2020) is closer to a step
+    than one roofline of the unit's totals, which would hide them under the matmuls."""
 
     compute_efficiency: float = COMPUTE_EFFICIENCY
     memory_efficiency: float = MEMORY_EFFICIENCY

@@ -2,23 +2,13 @@
 the outer sync's cost per step.
 
 Under ``local_sgd`` and ``async`` (``contract.plan.SyncMode``) a holder set that spans
-islands sums its gradients every step only inside each island (``holders.step_holders``:
-one set per island, the members there); every ``H`` inner steps its pseudo-gradients cross
-the islands in one ring all-reduce over the set's slowest link. Every spanning set syncs
-at the same steps (``cost.layout.IslandSync``), so one outer sync of the layout, a
-*round*, takes on each device the rings of its sets one after another, and the round is
-the slowest device's (as the inner all-reduce, ``evaluate.allreduce_time_s``).
-
-Per inner step of ``T`` seconds the round of ``R`` seconds adds (:func:`amortised_outer_s`):
-
-- ``local_sgd``: ``R / H`` (the islands wait for the round, then go on);
-- ``async``: ``max(0, R - H T) / H`` (the round of k travels while round k + 1 computes:
-  only what does not fit behind H steps is exposed).
-
-DiLoCo's outer step (Douillard et al., "DiLoCo: Distributed Low-Communication Training of
-Language Models", 2023) sends the pseudo-gradients of every parameter once per round; the
-formulas here are its communication cost under hplan's ring model
-(``link_model.ring_all_reduce_time_s``).
+islands sums its gradients every step only inside each island (:func:`split_by_island`);
+every ``H`` inner steps its pseudo-gradients cross the islands in one ring all-reduce over
+the set's slowest link. Every spanning set syncs at the same steps, so one outer *round*
+runs each device's rings one after another (:func:`outer_round_s`), and each inner step
+pays its amortised share (:func:`amortised_outer_s`). This is DiLoCo's outer step
+(Douillard et al., 2023: every parameter's pseudo-gradient once a round) under hplan's
+ring model (``link_model.ring_all_reduce_time_s``).
 """
 
 from __future__ import annotations
@@ -79,8 +69,8 @@ def split_by_island(
 
 def outer_round_s(ring_s: Mapping[RankSet, float]) -> float:
     """Seconds of one outer sync round: every spanning set's ring (``ring_s``: members ->
-    seconds), one after another on each member, the slowest member's total (module
-    docstring); 0 without sets."""
+    seconds), one after another on each member, the slowest member's total (as the inner
+    all-reduce, ``evaluate.allreduce_time_s``); 0 without sets."""
     total: dict[int, float] = {}
     for members, seconds in ring_s.items():
         for m in members:
@@ -92,8 +82,9 @@ def amortised_outer_s(
     mode: SyncMode, local_steps: int, round_s: float, inner_step_s: float
 ) -> float:
     """Seconds one outer round of ``round_s`` adds to each of ``local_steps`` inner steps of
-    ``inner_step_s`` (module docstring): ``round / H`` for ``local_sgd``,
-    ``max(0, round - H * step) / H`` for ``async``, 0 for ``all_reduce`` (no round)."""
+    ``inner_step_s``: ``round / H`` for ``local_sgd`` (the islands wait for the round, then go
+    on), ``max(0, round - H * step) / H`` for ``async`` (only what does not fit behind H inner
+    steps is exposed), 0 for ``all_reduce`` (no round)."""
     if mode is SyncMode.ALL_REDUCE or round_s <= 0:
         return 0.0
     if mode is SyncMode.ASYNC:

@@ -1,35 +1,16 @@
 """ZeRO stages 1 and 2 on a layout: uneven optimizer-state (and gradient) shards and what
 they cost.
 
-Under ZeRO stage 1 (Rajbhandari et al., "ZeRO", SC 2020, P_os) the devices that hold the
-same unit split its optimizer state: device d of holder set H keeps
-``state_u * w_d / sum_{m in H} w_m`` bytes of it, ``w`` the layout's
-``optimizer_shard_weights`` (the plan's ``RankPlan.optimizer_shard_weight``). Units held by
-one device keep their whole state there. The shards need not be even: :func:`shard_weights`
-sizes each device's shard by the memory it has left once everything else is counted
-(its headroom), so a 12 GB card beside a 24 GB card takes a smaller shard, and a device
-with no headroom none, while the shards still add up to the whole state. With one holder
-set, shards proportional to the headroom fit whenever any split does (each share is at
-most the device's headroom exactly when the whole state is at most the sum of them).
-
-Cost per step: after the optimizer step every holder set all-gathers its updated
-parameters, a ring all-gather of ``P`` parameter bytes over its slowest link,
-``(n - 1) / n * P / bandwidth + (n - 1) * latency`` (half of a ring all-reduce; Patarasuk
-and Yuan, JPDC 2009). A device runs its sets' all-gathers one after another; the step
-waits for the slowest device (:func:`allgather_time_s`). The gradient all-reduce is
-unchanged (stage 1 does not shard gradients).
-
-ZeRO stage 2 (P_os+g, section 5.2 of the paper) shards the summed gradients with the same
-weights: each member's part of a bucket is reduced to it alone (``runtime/executor/memory/zero.py``),
-so a device no longer keeps the flat copy of every shared gradient that an all-reduce
-makes, only one bucket of it at a time (:func:`gradient_saving_bytes`; the gradients
-themselves still accumulate whole over the micro-batches, ``contract.memory``).
-Communication: the paper's section 7.2 gives stage 2 the volume of data parallelism, a
-reduce-scatter of the gradients and an all-gather of the parameters (2 x the parameters
-per rank, as stage 1); the runtime's per-member reductions move each part once, no more
-than the all-reduce stage 1 runs. It is costed here exactly as stage 1 (the same all-reduce
-time and the same all-gather), an upper bound, so that the solver takes stage 2 only where
-stage 1 does not fit (``solve.solver.sharded_candidates``).
+Under ZeRO stage 1 (Rajbhandari et al., "ZeRO", SC 2020, P_os) device d of holder set H
+keeps ``state_u * w_d / sum_{m in H} w_m`` bytes of each shared unit's optimizer state,
+``w`` the layout's ``optimizer_shard_weights``, each device's weight the memory it has left
+(:func:`shard_weights`): a 12 GB card beside a 24 GB card takes a smaller shard. After the
+optimizer step every holder set all-gathers its parameters, half a ring all-reduce
+(:func:`allgather_time_s`; Patarasuk and Yuan, JPDC 2009). Stage 2 (P_os+g, section 5.2)
+also shards the summed gradients, so a device keeps one bucket of the shared gradients'
+flat copy (:func:`gradient_saving_bytes`). It is costed exactly as stage 1 (section 7.2
+gives both the volume of data parallelism), an upper bound, so the solver takes stage 2
+only where stage 1 does not fit (``solve.strategy.sharded_candidates``).
 """
 
 from __future__ import annotations
@@ -110,7 +91,9 @@ def shard_weights(
     the units it shares (0 for a device whose other memory already fills it); under
     ``zero_stage`` 2 its memory is first less :func:`gradient_saving_bytes`. A layout
     whose devices share no unit gets weight 1 everywhere when it fits as it is (there is
-    nothing to shard).
+    nothing to shard). With one holder set, shards proportional to the headroom fit
+    whenever any split does (each share is at most the device's headroom exactly when the
+    whole state is at most the sum of them).
     """
     if problem.optimizer_state_bytes is None:
         return None

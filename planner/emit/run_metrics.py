@@ -1,18 +1,15 @@
 """A run's measured metrics against its plan's prediction: what ``hplan metrics`` prints.
 
-The run is what ``--metrics-dir`` holds (``rank-<r>.jsonl``, ``contract/metrics_file.py``),
-read by the readers ``hplan calibrate`` uses (``profiling.calibrate.load_runs``: the folder
-itself, or each subfolder that holds metrics). For every rank, the median over the steps
-after each run's first (which warms up; all steps when a run has one) of each part of a
-step: compute (forward and backward), wait (blocked in receives: bubbles and transfers),
-point-to-point (posting and completing sends), all-reduce, optimizer, other (data, Python);
-each also as its share of the rank's median step; the outer sync of local SGD / async plans
-is the mean per step (it runs once a round). For the job: the median step time (the
-slowest rank's, step by step; the mean when outer syncs ran, so that whole rounds count)
-and global batch / that, against the plan report's predicted step time and samples/s.
-
-A rehearsal's metrics are emulated seconds: they are divided by its recorded time scale
-(``emulation.json``), so that every figure is in seconds of the plan's hardware.
+The run is what ``--metrics-dir`` holds (``rank-<r>.jsonl``), read as ``hplan calibrate``
+reads it (``profiling.calibrate.load_runs``). For every rank, the median over the steps
+after each run's first (which warms up) of each part of a step: compute, wait (blocked in
+receives: bubbles and transfers), point-to-point, all-reduce, optimizer, other (data,
+Python), each also as its share of the rank's median step; the outer sync of local SGD /
+async plans is the mean per step (it runs once a round). For the job: the median step time
+(the slowest rank's, step by step; the mean when outer syncs ran, so that whole rounds
+count) and samples/s, against the plan report's prediction. A rehearsal's emulated seconds
+are divided by its recorded time scale (``emulation.json``): every figure is in seconds of
+the plan's hardware.
 """
 
 from __future__ import annotations

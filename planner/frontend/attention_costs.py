@@ -1,21 +1,14 @@
 """What fused scaled-dot-product attention costs on a GPU: FLOPs and the bytes it saves.
 
 On CUDA, ``torch.nn.functional.scaled_dot_product_attention`` runs a fused kernel
-(FlashAttention, memory-efficient or cuDNN attention). It saves for the backward its inputs
-``q``, ``k``, ``v`` (and ``attn_mask`` when given), its output, and one log-sum-exp per
-query row and head (float32): O(seq) per head. The backward recomputes the
-(seq_q x seq_k) attention matrix instead of keeping it. The math path that the meta device
-(and the CPU, with dropout) takes keeps that matrix: on meta one GPT-2 block at seq 1024
-saved 217 MB per sample against the CPU kernel's 120 MB.
+(FlashAttention, memory-efficient or cuDNN attention) that saves for the backward its inputs
+``q``, ``k``, ``v`` (and ``attn_mask``), its output and one float32 log-sum-exp per query
+row and head, and recomputes the (seq_q x seq_k) attention matrix instead of keeping it.
+The math path that the meta device (and the CPU, with dropout) takes keeps that matrix, so
+:class:`FusedAttentionCosts` records the fused kernels' saved tensors and FLOPs instead,
+whatever kernel really ran (the CPU's flash kernel has no formula in ``FlopCounterMode``).
 
-:class:`FusedAttentionCosts` is a ``TorchFunctionMode`` that, while active, replaces what
-each attention call records with what the fused kernels do: the tensors it saves are
-``q, k, v, attn_mask, output`` (passed to ``pack``, as saved-tensor hooks would) plus
-:func:`logsumexp_bytes`, and its FLOPs are :func:`attention_flops`, whatever the kernel that
-really ran (the CPU's flash kernel has no formula in ``FlopCounterMode``: it counts 0).
-
-Sources: Dao et al., FlashAttention (2022), section 3.1 (the backward keeps the output and
-the softmax statistics, not the attention matrix); PyTorch's
+Sources: Dao et al., FlashAttention (2022), section 3.1; PyTorch's
 ``aten._scaled_dot_product_flash_attention`` returns ``logsumexp`` of shape
 ``(batch, heads, seq_q)``, float32; FLOPs: ``torch.utils.flop_counter.sdpa_flop_count``
 (the two matmuls, ``4 * batch * heads * seq_q * seq_k * head_dim``).

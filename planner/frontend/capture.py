@@ -1,20 +1,15 @@
 """The capture pass: the model built once, its example batches, its graph traced once.
 
-Every later pass of a solve reads this :class:`CapturedModel`: the cost graph measures its
-graph, the check that the model trains runs its module. ``build_model`` and the trace each
-run exactly once per solve.
-
-By default nothing runs on real tensors: ``build_model`` runs under a
-``FakeTensorMode`` (parameters and buffers are fake CPU tensors: shapes, dtypes and strides,
-no storage, no compute), the example inputs are fake copies of ``sample_batch``'s, and the
-trace (``torch.export`` with fake inputs; ``symbolic_trace`` needs no tensors) and every
-later forward run on fake tensors. A 7B model costs no more memory than its Python objects.
-Fake CPU tensors, not meta ones, because ops choose their kernel by device: on meta
-``scaled_dot_product_attention`` takes the unfused math path, whose graph and strides
-differ from what a rank traces on real tensors; and Hugging Face models skip their
-data-dependent checks on fake tensors (they raise on meta). When the model cannot be built
-or traced on fake tensors, it is built and traced on real CPU tensors instead, and
-:attr:`CapturedModel.notes` says why.
+Every later pass of a solve reads this :class:`CapturedModel`; ``build_model`` and the trace
+each run exactly once per solve. By default nothing runs on real tensors: ``build_model``
+runs under a ``FakeTensorMode`` (shapes, dtypes and strides, no storage, no compute), the
+example inputs are fake copies of ``sample_batch``'s, and the trace and every later forward
+run on them, so a 7B model costs no more memory than its Python objects. Fake CPU tensors,
+not meta ones, because ops choose their kernel by device: on meta
+``scaled_dot_product_attention`` takes the unfused math path, whose graph and strides differ
+from what a rank traces on real tensors, and Hugging Face models raise on meta in their
+data-dependent checks. When the model cannot be built or traced on fake tensors, it is built
+and traced on real CPU tensors instead, and :attr:`CapturedModel.notes` says why.
 """
 
 from __future__ import annotations

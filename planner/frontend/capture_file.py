@@ -2,21 +2,15 @@
 (``hplan capture``) and read by every ``hplan solve --capture`` of that model, whatever the
 cluster.
 
-It holds what the passes after ``trains_check`` read: the :class:`ModelGraph`'s plain fields
-(units, unit costs, cuts, inputs, parameter dtype, notes, trace method, leaf modules, graph
-fingerprint, trainable parameter sizes, tied parameter bytes, and the networkx cost graph's
-node and edge data, in graph order), the trains check's verdict, the optimizer's state bytes
-per parameter byte (``problem_builder.optimizer_state_factor``), the model file's sha256 and
-the capture settings (seed, ``--leaf-module`` options, the two batch sizes measured at). The
-traced module is not written: a solve needs only its facts, and ``hplan profile``, which
-runs it, captures the model itself.
-
-A solve reads it with :func:`load_capture`, which refuses, in one line naming what differs
-and saying to re-run ``hplan capture``, a file of another schema version, a damaged one, or
-one made from another model file, seed, ``--leaf-module`` list or batch sizes. A solve from
-the file does not import the model file: its sha256 stands for it. Settings the model file
-reads from elsewhere (environment variables, other files) are not covered: re-run
-``hplan capture`` when they change.
+It holds what the passes after ``trains_check`` read (the :class:`ModelGraph`'s plain
+fields and its networkx graph's node and edge data, the trains check's verdict, the
+optimizer's state bytes per parameter byte), the model file's sha256 and the capture
+settings. The traced module is not written: a solve needs only its facts, and
+``hplan profile``, which runs it, captures the model itself. :func:`load_capture` refuses a
+file of another schema, a damaged one, or one made from another model file or settings. A
+solve from the file does not import the model file: its sha256 stands for it, so settings
+the model file reads from elsewhere (environment variables, other files) are not covered;
+re-run ``hplan capture`` when they change.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Measure what every node of a traced graph costs, per sample of the model's input.
 
-``measure_node_costs`` runs the graph node by node (a torch.fx Interpreter) at two batch
-sizes and records, per node: the output shapes and dtypes, FLOPs
-(``torch.utils.flop_counter.FlopCounterMode``), bytes read and written, and bytes saved
-for backward (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once).
-Attention (``scaled_dot_product_attention``) is costed as the fused CUDA kernels run it
-(``attention_costs.py``), whatever kernel runs here. Per-sample figures are the difference
-between the two runs divided by the difference of the batch sizes, so parameters cancel
-out. It runs on the capture's fake tensors (no memory, no compute); a graph captured on
-real CPU tensors runs on a meta copy (``capture.meta_copy``) when it can, else on its CPU
-tensors.
-
-Convolutions whose activations are channels-first (NCHW / NCDHW, PyTorch's default) also
-record their input and output bytes: cuDNN's tensor-core kernels compute in channels-last
-(NHWC) and transpose NCHW tensors in and out around them (NVIDIA, "Convolutional Layers
-User's Guide", Deep Learning Performance documentation, section "Tensor Layouts In Memory:
-NCHW vs NHWC"), which the cost model charges where a convolution runs on tensor cores.
+:func:`measure_node_costs` runs the graph node by node (a torch.fx Interpreter) at two
+batch sizes and records, per node: the output shapes and dtypes, FLOPs
+(``torch.utils.flop_counter.FlopCounterMode``), bytes read and written, bytes saved for
+backward (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once) and the
+activation bytes of channels-first convolutions (:class:`ConvolutionCosts`). Attention is
+costed as the fused CUDA kernels run it (``attention_costs.py``), whatever kernel runs here.
+Per-sample figures are the difference between the two runs over the difference of the batch
+sizes, so parameters cancel out. It runs on the capture's fake tensors (no memory, no
+compute).
 """
 
 from __future__ import annotations
@@ -108,7 +101,10 @@ _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 class ConvolutionCosts(TorchDispatchMode):
     """Adds up the FLOPs of every convolution (:attr:`flops`) and the activation input and
     output bytes of every 2-D or 3-D convolution that runs channels-first
-    (:attr:`num_bytes`).
+    (:attr:`num_bytes`): cuDNN's tensor-core kernels compute in channels-last (NHWC) and
+    transpose NCHW tensors in and out around them (NVIDIA, "Convolutional Layers User's
+    Guide", Deep Learning Performance documentation, "Tensor Layouts In Memory: NCHW vs
+    NHWC"), which the cost model charges where a convolution runs on tensor cores.
 
     On CUDA a convolution runs channels-last when its input or its weight is channels-last
     (``cudnn_conv_suggest_memory_format``); ``model.to(memory_format=torch.channels_last)``

@@ -1,21 +1,10 @@
 """Group the nodes of a traced model into partition units (policy).
 
-A partition unit is the smallest piece a stage boundary may fall between. Default policy:
-
-- the repeated blocks (children of a ModuleList/Sequential/ModuleDict that has >= 2
-  children of one class: ``blocks.0``, ``transformer.h.3``) are units;
-- other modules become units at the shallowest path that is not an ancestor of a repeated
-  container (``tok_emb``, ``transformer.wte``, ``lm_head``);
-- nodes of no module (top-level code) join the unit of their latest input; nodes that
-  read nothing computed (parameters, replicable nodes) join the unit of their first user;
-- a node's unit index is at least that of every input (data only flows forward);
-- parameter-free units merge into the preceding unit (leading ones into the first unit
-  with parameters);
-- when a value that is not a tensor and not replicable would cross a boundary, the units
-  between its producer and its last reader merge.
-
-The policy reads the cost graph's structure (``graph.py``); the mechanism that cuts stages
-(``hplan.runtime.capture.stage``) receives these units as data.
+A partition unit is the smallest piece a stage boundary may fall between: by default the
+repeated blocks (``blocks.0``, ``transformer.h.3``) and the modules around them
+(:func:`assign_units` states the rules). The policy reads the cost graph's structure
+(``graph.py``); the mechanism that cuts stages (``hplan.runtime.capture.stage``) receives
+these units as data.
 """
 
 from __future__ import annotations
@@ -38,7 +27,19 @@ _ROOT_UNIT = "model"
 def assign_units(
     traced: TracedModel, tensor_nodes: Collection[str], graph: CostGraph | None = None
 ) -> tuple[tuple[UnitSpec, ...], tuple[str, ...]]:
-    """Group graph nodes into partition units (see the module docstring).
+    """Group graph nodes into partition units by the default policy:
+
+    - the repeated blocks (children of a ModuleList/Sequential/ModuleDict that has >= 2
+      children of one class: ``blocks.0``, ``transformer.h.3``) are units;
+    - other modules become units at the shallowest path that is not an ancestor of a repeated
+      container (``tok_emb``, ``transformer.wte``, ``lm_head``);
+    - nodes of no module (top-level code) join the unit of their latest input; nodes that
+      read nothing computed (parameters, replicable nodes) join the unit of their first user;
+    - a node's unit index is at least that of every input (data only flows forward);
+    - parameter-free units merge into the preceding unit (leading ones into the first unit
+      with parameters);
+    - when a value that is not a tensor and not replicable would cross a boundary, the units
+      between its producer and its last reader merge.
 
     Args:
         traced: the traced model (its module classes and canonical names).

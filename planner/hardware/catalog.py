@@ -1,28 +1,18 @@
 """Device catalog: peak compute, memory and memory bandwidth of known GPUs (and a CPU).
 
 Every figure is a vendor peak, not a measurement; the cost model applies its efficiency
-factors on top (``hplan.planner.cost.problem_builder``). Conventions for the figures:
+factors on top (``hplan.planner.cost.problem_builder``). Conventions:
 
-- FLOP/s are *dense* peaks at boost clock. Datasheets often quote tensor-core figures
-  "with sparsity"; those are halved here.
-- ``fp16``/``bf16`` tensor peaks are with FP32 accumulation, which is what PyTorch's
-  mixed-precision and bf16 matmuls use. GeForce cards run FP32-accumulate at half their
-  FP16-accumulate rate (NVIDIA GA102 and Ada whitepapers, appendix tables); workstation
-  and data-centre cards do not.
-- ``fp32`` is the non-tensor CUDA-core rate: PyTorch does not use TF32 for float32
-  matmuls by default (``torch.backends.cuda.matmul.allow_tf32`` is False since 1.12).
-- GPUs without bf16 tensor cores (Volta, Turing) get their fp32 rate for bf16, and GPUs
-  without TF32 get their fp32 rate for tf32.
-- Memory sizes are the marketed capacity read as binary (a "24 GB" card has 24 GiB,
-  as ``nvidia-smi`` shows 24576 MiB); the cost model subtracts a framework reserve.
-- Memory bandwidth is the marketed peak, in decimal bytes/s.
-- Where a datasheet gives no FLOP/s for a GeForce card, they are derived from its CUDA
-  cores, SM count and boost clock with the per-SM rates of its architecture's whitepaper
-  (FP32: 2 FLOP per core per clock), and the source says so.
-
-Lookup is forgiving about spelling (``RTX 3090``, ``rtx-3090``, ``3090``,
-``NVIDIA GeForce RTX 3090`` all find ``rtx3090``); an unknown or ambiguous name raises
-``ConfigError`` listing the valid names.
+- FLOP/s are *dense* peaks at boost clock ("with sparsity" datasheet figures halved).
+- ``fp16``/``bf16`` tensor peaks are with FP32 accumulation, as PyTorch's matmuls use it;
+  GeForce cards (only) run it at half their FP16-accumulate rate (NVIDIA GA102 and Ada
+  whitepapers, appendix tables). ``fp32`` is the CUDA-core rate (PyTorch's float32 matmuls
+  use no TF32 by default since 1.12); without bf16 tensor cores (Volta, Turing) bf16 gets
+  the fp32 rate, and without TF32 tf32 does.
+- Memory sizes are the marketed capacity read as binary (a "24 GB" card has 24 GiB, as
+  ``nvidia-smi`` shows 24576 MiB); memory bandwidth is the marketed peak, decimal bytes/s.
+- A GeForce card without datasheet FLOP/s gets them from its CUDA cores, SM count and
+  boost clock at its architecture whitepaper's per-SM rates, and its source says so.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """Device discovery: which GPUs (and which CPU) this machine has, and what they are.
 
-NVIDIA GPUs are read from two sources and joined on the PCI bus id:
-
-- NVML through ``nvidia-ml-py`` (module ``pynvml``; install ``hplan[nvml]``): name, UUID,
-  PCI bus id, memory total/free, maximum SM and memory clocks, power limit, PCIe link
-  generation and width, active NVLink links, peer-to-peer read access between local GPUs;
-- ``torch.cuda``: the CUDA device index torch uses, compute capability, SM count, and
-  whether torch can access each other GPU as a peer.
-
-NVML's device order and torch's differ unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, hence the
-join on the bus id. ``pynvml`` is imported inside :func:`discover_devices` only: importing
-hplan never loads or initialises NVML. Without the library or without a driver (case S4)
-the machine reports no NVIDIA GPUs and hplan profiles the CPU instead. With torch's CUDA
-but no ``nvidia-ml-py``, GPUs are still found (from torch alone, without clocks and power).
-
-Each GPU's name is mapped to a device-catalog kind with
-:func:`hplan.planner.hardware.catalog.lookup_device_type`; a GPU the catalog does not know keeps a
-kind made from its name (``NVIDIA H200`` -> ``h200``) and says so.
+NVIDIA GPUs are read from NVML (``nvidia-ml-py``, module ``pynvml``; install
+``hplan[nvml]``: name, UUID, memory, clocks, power limit, PCIe and NVLink links, peer
+access) and from ``torch.cuda`` (the device index torch uses, compute capability, SM count,
+peer access), joined on the PCI bus id: their device orders differ unless
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``. ``pynvml`` is imported inside :func:`discover_devices`
+only, so importing hplan never initialises NVML. Without the library or a driver (case S4)
+the machine reports no NVIDIA GPUs and hplan profiles the CPU instead; with torch's CUDA
+but no ``nvidia-ml-py``, GPUs are found from torch alone (without clocks and power). Each
+GPU's name is mapped to a catalog kind (``catalog.lookup_device_type``); a GPU the catalog
+does not know keeps a kind made from its name (``NVIDIA H200`` -> ``h200``) and says so.
 """
 
 from __future__ import annotations

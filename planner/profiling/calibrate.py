@@ -48,13 +48,8 @@ SPEED_THRESHOLD = 0.02
 by more than this gets its own factor too (a *speed factor*), so that the next solve
 shares the batch by its measured speed. A difference left uncorrected stays in the next
 plan as an imbalance; one corrected that was noise puts the noise there instead. So the
-threshold bounds the bias, not the noise: on ``bench/real_cluster.py`` (GPT, quotas
-0.9/0.45/0.45) the fast node computed 4.2% slower than its kind's correction, got no
-factor under the former 5%, and in each of three runs of the next plan was the bottleneck
-(228-232 ms of CPU over its quota a step, the slow nodes 211-223 ms). The noise is as
-large: a rank's sustained compute in three runs of the same plan spread by 1.5-6% (once
-11%), and in another benchmark run one of three 0.6-core nodes measured 6-9% faster than
-the others in the first run and no faster in the three runs after it."""
+threshold bounds the bias, not the noise: chosen below a difference that left a node the
+bottleneck of every run of the next plan."""
 CLASS_THRESHOLD = 0.05
 """Devices of one sibling group (``sibling_group``) whose predicted compute a sample differs by
 at most this belong to one *speed class*: the plan timed them alike (two nodes profiled alike,
@@ -62,13 +57,9 @@ or the same card twice), so a measured difference between them is the run's, not
 profile's."""
 POOL_THRESHOLD = 0.06
 """The members of a speed class whose measured compute a sample lies within this of each other
-(largest over smallest) are read as one speed, the class's median: the spread of one rank's
-sustained compute over runs of the same plan (1.5-6%, ``SPEED_THRESHOLD``). Unpooled, one
-run's noise went into the next plan: on ``bench/real_cluster.py`` (GPT, quotas 0.9 / 0.45 /
-0.45, the two slow nodes profiled alike) four of five calibrated plans gave the slow nodes
-unequal shares (22 | 24, 22 | 23, 22 | 24, 23 | 22: slow-a the fewer in three, slow-b in
-one), and in six interleaved rounds against DDP split a symmetric plan (50 | 23 | 23) ran
-1.017x, an unequal one (25x2 | 22 | 24) 1.005x. A real difference below the threshold is
+(largest over smallest) are read as one speed, the class's median, so that one run's noise
+does not reach the next plan as unequal shares; chosen at the spread of one rank's
+sustained compute over runs of the same plan. A real difference below the threshold is
 split between the members: each is then off by less than it (half of it for two)."""
 
 

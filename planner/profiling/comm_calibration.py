@@ -1,37 +1,16 @@
 """Communication calibration: the gradient all-reduce a run measured against the plan's.
 
 The link matrix (``hplan bandwidth``) times messages between two processes; the all-reduce
-a training run waits for also pays its collective library's per-call work on each rank.
-On CPU ranks under a CPU quota that work is the cost: on the three-node benchmark
-(``bench/real_cluster.py``, quotas 0.9 / 0.45 / 0.45 cores) the links predicted a ~3 ms ring
-for 2-3 MB of gradients, the runtime waited 19-33 ms, and smaller buckets (more calls for
-the same bytes) made steps slower (issue 14's note). The cost is per call, not per byte.
-
-So the model fitted here is the ring's latency term: each holder set's ring
-(``link_model.ring_all_reduce_time_s``) pays ``2 (n - 1)`` steps of ``latency_per_step_s``
-per call (per bucket), the bandwidth term staying the links'. One run gives one exposed time
-per rank and step, and one number per group of rings is what it determines; a fixed cost
-per call and an effective bandwidth would need two bucket sizes or byte counts per ring.
-
-**Waiting is not the collective.** A rank's exposed all-reduce (``allreduce_time_s``)
-includes waiting for the last holder to launch, and that wait is the slower ranks' compute,
-which the compute calibration already corrects. The runtime times each ring from its last
-holder's launch (``executor/grad_sync.py``), so the holder that arrived last waited for no
-one: per step, the smallest exposed time among the ranks is the collective itself. The
-ranks are taken in *sync groups*: holder sets that share a rank, joined (a rank of a
-pipeline's full-model replica sums one set with each stage of the other replica, one ring
-after another). Per step, the latency is fitted to the rank with the smallest exposed time,
-under that rank's own rings and overlap window; the fit is the median over steps. The
-median of the others' excess over that smallest time is reported as the wait.
-
-**Per node.** The cost model's collective term is per node (``CollectiveSpec``, taken as
-the worst over a ring's nodes, ``Plan.ring_channel``), and a group's fitted latency cannot
-be split among its members from one run. A node gets the smallest latency fitted over the
-groups that hold its devices (a node in a fast ring cannot be the one slowing a slow ring:
-with one group, every node of it gets that group's figure), and never less than its links'
-(a run cannot make the links faster than they measured).
-
-Plans whose islands sync locally (``local_sgd``, ``async``) are left out.
+a training run waits for also pays its collective library's per-call work on each rank,
+which on CPU ranks under a quota can dominate. That cost is per call, not per byte, so the
+model fitted here is the ring's latency term: each ring pays ``2 (n - 1)`` steps of
+``latency_per_step_s`` per bucket (``link_model.ring_all_reduce_time_s``), the bandwidth
+staying the links' (:func:`fit_latency_per_step_s`). A rank's exposed all-reduce includes
+waiting for the last holder, the slower ranks' compute, which the compute calibration
+corrects; the runtime times each ring from its last holder's launch, so per step the
+smallest exposed time in a sync group is the collective itself (:func:`collective_fits`).
+A node gets the smallest latency fitted over the groups holding its devices, never less
+than its links' (:func:`calibrated_node_collectives`). Plans whose islands sync locally are left out.
 """
 
 from __future__ import annotations
@@ -207,7 +186,10 @@ def sync_groups(rings: Sequence[Ring]) -> tuple[tuple[Ring, ...], ...]:
 def collective_fits(
     plan: Plan, exposed_s: Mapping[int, Mapping[int, float]]
 ) -> tuple[GroupFit, ...]:
-    """Fit each sync group of ``plan`` (:func:`sync_groups`) to a run.
+    """Fit each sync group of ``plan`` (:func:`sync_groups`: holder sets that share a rank,
+    joined) to a run: per step, the latency is fitted to the rank with the smallest exposed
+    time, under that rank's own rings and overlap window, and the fit is the median over
+    steps; the median of the others' excess over that smallest time is the wait.
 
     Args:
         plan: the plan the run ran.
@@ -247,10 +229,12 @@ def collective_fits(
 
 
 def calibrated_node_collectives(plan: Plan, fits: Sequence[GroupFit]) -> dict[str, NodeCollective]:
-    """Each node of a fitted group -> its calibrated collective (module docstring: the
-    smallest latency of the groups holding its devices; bus bandwidth its measured
-    collective's, else its fastest link's, so that no ring's bandwidth changes). Nodes
-    whose latency would not rise above their own collective's (or 0) are left out."""
+    """Each node of a fitted group -> its calibrated collective: the smallest latency of the
+    groups holding its devices (a group's latency cannot be split among its members from one
+    run, and a node in a fast ring cannot be the one slowing a slow ring), never less than
+    its links'; bus bandwidth its measured collective's, else its fastest link's, so that no
+    ring's bandwidth changes. Nodes whose latency would not rise above their own collective's
+    (or 0) are left out."""
     node_of_rank = {r.rank: r.node for r in plan.ranks}
     best: dict[str, GroupFit] = {}
     for fit in fits:

@@ -1,10 +1,8 @@
 """Device microbenchmarks: achieved matmul FLOP/s per dtype and memory bandwidth.
 
-Each benchmark warms up, then times a few windows (``windows.py``: each runs the call back
-to back for at least ``window_s`` of wall time, so the number is a sustained speed, not a
-burst under a CPU quota or a GPU's boost clock) and reports the median and the 10th/90th
-percentiles of their means (:class:`hplan.planner.profiling.profile_file.Stat`). On a GPU
-each call is timed with CUDA events, on a CPU with ``time.perf_counter``.
+Each benchmark warms up, then times a few windows (``windows.py``: sustained speeds, not
+bursts) and reports the median and the 10th/90th percentiles of their means
+(``profile_file.Stat``); CUDA events on a GPU, ``time.perf_counter`` on a CPU.
 
 - Matmul: ``C = A @ B`` with square ``n x n`` operands; ``2 n^3`` FLOPs per product (one
   multiply and one add per inner-product term).
@@ -12,8 +10,8 @@ each call is timed with CUDA events, on a CPU with ``time.perf_counter``.
   copy (one read, one write), as STREAM's "Copy" counts (McCalpin, "Memory Bandwidth and
   Machine Balance in Current High Performance Computers", IEEE TCCA newsletter, 1995).
 
-Sizes are chosen so the CPU run takes a few seconds at most: one CPU thread (the catalog's
-``cpu`` device is one core of a rehearsal), 512 x 512 fp32 operands, a 64 MiB copy.
+The CPU sizes (one thread, as the catalog's one-core ``cpu`` device; 512 x 512 fp32
+operands, a 64 MiB copy) keep its run to a few seconds.
 """
 
 from __future__ import annotations

@@ -4,16 +4,10 @@ A profile holds measurements of devices (achieved matmul FLOP/s per dtype, memor
 bandwidth), of a model's partition units on those devices (forward/backward time per
 micro-batch size, memory), and what ``hplan calibrate`` found: per-device correction
 factors, and per-node collective costs (``NodeCollective``: the all-reduce a run measured,
-as a ring's latency per step). Device keys say what a measurement applies to:
-
-- a catalog kind (``rtx3090``): every device of that kind;
-- ``<kind>@<cluster node>`` (``cpu@left``): every device of that kind on one node
-  (``hplan profile --node``);
-- ``<kind>@<cluster device name>`` (``rtx3090@box-b/1``): one device of one cluster;
-- ``<kind>#<uuid>``: one physical card, by NVML UUID.
-
-The cost model prefers the most specific key (``device_keys.py``). Files are JSON, versioned, with units in every
-key; ``Profile.load``/``to_json`` round-trip exactly; profiles of the same model merge.
+as a ring's latency per step). Each measurement carries a device key saying what it
+applies to (``device_keys.py``: a kind, a node's devices of a kind, one cluster device, one
+card); the cost model prefers the most specific. Files are JSON, versioned, with units in
+every key; ``Profile.load``/``to_json`` round-trip exactly; profiles of the same model merge.
 """
 
 from __future__ import annotations
@@ -74,7 +68,7 @@ class DeviceProfile:
     """What was measured about one device (or one device kind)."""
 
     key: str
-    """See the module docstring: ``kind``, ``kind@node``, ``kind@device-name`` or
+    """Device key (``device_keys.py``): ``kind``, ``kind@node``, ``kind@device-name`` or
     ``kind#uuid``."""
     kind: str
     """Catalog kind the device was identified as (``cpu`` for a CPU)."""

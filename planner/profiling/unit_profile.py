@@ -1,46 +1,16 @@
 """Per-unit model profile: forward, backward and optimizer time and memory of each unit.
 
-Each partition unit of the model's cost graph runs alone as a one-unit pipeline stage
-(``hplan.runtime.capture.stage.build_stage``, exactly what a rank of that unit would run), on its
-real inputs: the model runs once per micro-batch size as a chain of one-unit stages, so
-every unit receives the boundary tensors its predecessor sends (hidden states, int
-position ids, masks ...). Per (unit, micro-batch size):
-
-- forward and backward seconds. At each size, after a warm-up, one window
-  (``windows.py``) runs the forward and backward of every unit to time, one
-  unit after the other, again and again until at least ``window_s`` of wall time has passed;
-  a unit's sample is the mean of its laps in the window. A window spans several periods of
-  a CPU quota (and a GPU's boost), so the sample is the sustained speed: a unit timed in
-  single short calls runs at a full core's speed on a 0.45-core cgroup. The sizes are swept
-  ``rounds`` times (alternately ascending and descending) and a (unit, size) number is the
-  median of its rounds' windows: a machine whose speed drifts during the profile (clocks,
-  neighbours; on this project's 2-core VM one sweep measured micro-batches 1-4 25-40% faster
-  than the next minutes ran) then skews no size by more than one round. The last unit's
-  forward includes the model file's ``loss_fn`` and its backward starts from the loss, as
-  the runtime's last stage does; other units' backward starts from random gradients of what
-  they send; parameter gradients accumulate over a window, as over a step's micro-batches;
-- the optimizer step of the unit's parameters (the model file's ``make_optimizer``, else
-  AdamW), timed in one window per round over every unit and recorded at every size;
-- activation and peak bytes (``unit_memory.py``), in the first round;
-- the whole model at each size and round (``UnitProfileOptions.whole_model``): one more
-  window runs every unit's forward in order, then every backward in reverse order, as one
-  micro-batch of a step runs them, and the units' forward (backward) times at that size are
-  scaled so that they sum to the whole model's. A unit timed alone runs its backward right
-  after its own forward, on its own weights and activations again and again; in a step every
-  other unit runs in between. The factors differ by size and are not all above 1 (MLP
-  example, width 256: forward x0.93 at micro-batch 64, x1.29 at 2048). On this project's
-  2-core VM (GPT example, 4 blocks of width 128, one thread) the units alone summed to 3.51
-  ms a sample at micro-batch 8 and 3.91 at 32, while the whole model ran 3.90 and 3.98:
-  alone, the units made small micro-batches look 10% cheaper than they train, and plans
-  chose 4 micro-batches of 8 where one of 32 ran as fast.
-
-Without explicit sizes the first sweep picks them: powers of two from 1 up to the first
-whose forward + backward of the whole model takes ``time_budget_s`` (beyond it a micro-batch's
-fixed overhead is lost in its per-sample time, and the cost model extends the line), the
-first that runs out of memory (left out), or ``max_micro_batch_size``.
-
-Identical repeated units (the same stage graph, the same module classes, configuration and
-parameter shapes, the same input shapes and dtypes) are timed once and share the result.
+Each partition unit runs alone as a one-unit pipeline stage
+(``hplan.runtime.capture.stage.build_stage``, exactly what a rank of that unit would run) on
+its real inputs: the model runs as a chain of one-unit stages, so every unit receives the
+boundary tensors its predecessor sends. Per (unit, micro-batch size) it records forward and
+backward seconds, the optimizer step of the unit's parameters (the model file's
+``make_optimizer``, else AdamW) and activation and peak bytes (``unit_memory.py``). The last
+unit's forward includes ``loss_fn``, as the runtime's last stage does. Times are sustained
+speeds (``windows.py``), swept ``rounds`` times in alternating order and reduced to the
+median, so a machine whose speed drifts during the profile skews no size by more than one
+round; then scaled to the whole model's (``UnitProfileOptions.whole_model``). Identical
+repeated units (same stage graph, modules, shapes and dtypes) are timed once.
 """
 
 from __future__ import annotations
@@ -86,7 +56,10 @@ class UnitProfileOptions:
     """How to profile units."""
 
     micro_batch_sizes: tuple[int, ...] | None = None
-    """Sizes to time; None: chosen by the first sweep (see the module docstring)."""
+    """Sizes to time; None: the first sweep chooses them, powers of two from 1 up to the first
+    whose forward + backward of the whole model takes ``time_budget_s`` (beyond it a
+    micro-batch's fixed overhead is lost in its per-sample time, and the cost model extends
+    the line), the first that runs out of memory (left out), or ``max_micro_batch_size``."""
     max_micro_batch_size: int = DEFAULT_MAX_MICRO_BATCH_SIZE
     """Largest size the first sweep may choose (it also takes this size when it is no power
     of two)."""
@@ -104,8 +77,12 @@ class UnitProfileOptions:
     rounds' windows, its optimizer time likewise (memory is measured in the first round)."""
     whole_model: bool = True
     """Also time the whole model at each size and round (every forward in order, then every
-    backward in reverse) and scale that size's unit times to sum to it (module docstring);
-    skipped for a one-unit model and at a size where it runs out of memory."""
+    backward in reverse, as one micro-batch of a step runs them) and scale that size's unit
+    times to sum to it. A unit timed alone runs its backward right after its own forward, on
+    its own weights and activations again and again; in a step every other unit runs in
+    between, and the units alone can make small micro-batches look cheaper than they train.
+    The factors differ by size and are not all above 1. Skipped for a one-unit model and at a
+    size where it runs out of memory."""
 
     def __post_init__(self) -> None:
         sizes = self.micro_batch_sizes
@@ -263,7 +240,8 @@ def first_sweep_sizes(max_micro_batch_size: int) -> list[int]:
 def _first_sweep(
     profiler: _Profiler, graph: ModelGraph, units: Sequence[_Unit], steps: _Steps
 ) -> tuple[tuple[int, ...], list[UnitTiming], tuple[str, ...]]:
-    """The first round: the given sizes, or sizes chosen as it goes (module docstring)."""
+    """The first round: the given sizes, or sizes chosen as it goes
+    (``UnitProfileOptions.micro_batch_sizes``)."""
     options = profiler.options
     profiler.start_round()
     if options.micro_batch_sizes is not None:
@@ -545,7 +523,8 @@ class _Profiler:
 
 
 def _laps(run: _UnitRun) -> list[Callable[[], object]]:
-    """The forward and the backward of ``run`` as two calls of one window's iteration."""
+    """The forward and the backward of ``run`` as two calls of one window's iteration (a unit's
+    sample is the mean of its laps in the window)."""
     holder: list[dict[str, Any]] = []
 
     def forward() -> None:
@@ -564,7 +543,9 @@ def _out_of_memory(exc: RuntimeError) -> bool:
 
 
 class _UnitRun:
-    """Forward and backward of one unit on fixed inputs (the runtime's stage semantics)."""
+    """Forward and backward of one unit on fixed inputs (the runtime's stage semantics): the
+    last stage's backward starts from the loss, another's from fixed random gradients of what
+    it sends; parameter gradients accumulate over a window, as over a step's micro-batches."""
 
     def __init__(
         self,

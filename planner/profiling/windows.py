@@ -4,25 +4,13 @@ A timed **window** runs its calls back to back until at least ``window_s`` of wa
 passed; a call's sample is its mean over the window. Short calls timed alone show bursts: a
 CPU quota (the Linux CFS bandwidth controller hands out ``cpu.cfs_quota_us`` per
 ``cpu.cfs_period_us``, 100 ms by default) lets a process run at a full core's speed until the
-period's quota is spent, so a 1.4 ms block timed call by call measured as fast on a
-0.45-core cgroup as on a 0.9-core one; a GPU boosts its clock for short bursts likewise.
-
-On a CPU the quota shows as a few long pauses per window (55 ms of every 100 ms at 0.45
-cores), each landing in whichever call runs at the time: a window of many short calls would
-give one call all of them and the next none. So a CPU window's wall time is shared out among
-its calls by their thread CPU time (:func:`apportion`): each call gets its share of the
-pauses, a preemption by a neighbour's process likewise. A GPU's calls are timed by CUDA
-events, which see its clock, not the host's pauses.
-
-Where the quota is known and binds (fewer cores than the torch threads a window runs), the
-pauses are not measured at all: a call's sustained time is its CPU time over the quota
-(:func:`sustained`), which is what the CFS bandwidth controller allows by definition. A
-window's wall time falls on whole periods: on two 0.45-core cgroups 0.3 s windows of the
-same MLP micro-batch (512 samples) measured 69 and 79 us per sample. A rank
-under the same quota is timed the same way (``executor/seams.HostClock``), so a profile and
-a run agree however long the rank idles between its blocks.
-
-Torch-free (the CLI reads the defaults before importing torch).
+period's quota is spent, and a GPU boosts its clock for short bursts likewise. On a CPU the
+quota shows as a few long pauses per window, each landing in whichever call runs then, so
+the window's wall time is shared out among its calls by their CPU time (:func:`apportion`);
+where the quota is known and binds, a call's sustained time is its CPU time over the quota
+(:func:`sustained`), what the controller allows by definition, and a rank under the same
+quota is timed the same way (``executor/seams.HostClock``), so a profile and a run agree.
+A GPU's calls are timed by CUDA events. Torch-free (the CLI reads it before importing torch).
 """
 
 from __future__ import annotations

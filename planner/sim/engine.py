@@ -1,60 +1,12 @@
 """Event-driven simulation of one training step: the timeline a plan predicts.
 
-Input is a small neutral :class:`SimSpec` (replicas of pipeline stages with their compute
-times, the links between consecutive stages, the gradient all-reduce groups, the schedule);
-``hplan.planner.sim.spec`` builds one from a ``Plan`` or from a solver layout, and an importer
-of external measurements can build one by hand. :func:`simulate` then replays one optimizer
-step the way the runtime runs it (``runtime/executor/``: ``pipeline.py``, ``comm.py``, ``grad_sync.py``):
-
-1. Each rank runs its stage's actions in schedule order (``runtime/contract/schedule.py``: 1F1B or
-   GPipe). A forward of micro-batch m on stage s > 0 starts once stage s-1's activations of
-   m have arrived; a backward on a stage before the last once stage s+1's gradients of m
-   have arrived (a message of 0 bytes is not sent and not waited for, as in the runtime).
-2. A finished action posts its send and goes on (``isend``). Each direction of a link is a
-   FIFO channel that carries one transfer at a time: a transfer occupies the channel for
-   ``bytes / bandwidth`` and arrives ``latency`` after it leaves it (alpha-beta model,
-   Hockney, "The communication challenge for MPP", Parallel Computing 1994; the same rule
-   as the rehearsal's ``comm.EmulatedLink``). Channels that share a ``key`` share one queue.
-   With ``SimSpec.blocking_p2p`` (runtimes with blocking ``send``/``recv`` such as
-   DeepSpeed's pipeline engine) the sender waits in its send until the message has left the
-   wire, and a receive lasts at least the wire time from when it is posted: neither end
-   computes while a message moves.
-3. After its last action a rank waits until its sends are complete: arrived, and the
-   receiver has posted the matching receive.
-4. Gradients are summed group by group (holder sets in ``link_model.sync_order``), one
-   after another on each rank; a group starts when every member is ready for it and all
-   members run it at the same time. A ring all-reduce takes
-   ``2 (n - 1) / n * bytes / bandwidth + 2 (n - 1) * latency`` over the group's slowest
-   link (Patarasuk and Yuan, JPDC 2009). With ``SimSpec.bucket_cap_bytes`` (hplan's
-   runtime, ``grad_sync.py``) the group is a ring per bucket of at most that many bytes
-   (``link_model.bucketed_all_reduce_time_s``), launched during the rank's last backward
-   pass: a member is first ready ``link_model.overlap_window_s`` before that pass ends,
-   and the group ends no sooner than the latest member's pass end plus the ring of its
-   last bucket (those gradients are final only then): it ends at
-   ``max(start + all of its rings, last pass end + last ring)``, which is
-   ``link_model.exposed_all_reduce_s`` on a timeline. Without it (None) a member is ready
-   once its sends are complete and the group is one blocking ring.
-5. The optimizer step of the step before: a rank runs it first, then its schedule. A
-   step repeats between two gradient all-reduces, where every replica meets; in between
-   each rank steps its optimizer and runs its next schedule, so the simulated step is the
-   steady state of step after step, and a rank's optimizer time counts with its own
-   schedule (the cost model's ``evaluate``). In the runtime the optimizer step ends a step
-   (``training.py``): the same cycle, cut elsewhere.
-6. Under local sync (``SimSpec.outer_syncs``): the outer sync round, amortised over its H
-   inner steps (``cost.sync_cost``: the round is every spanning set's ring one after
-   another on each member, the slowest member's total; per step local SGD adds round / H,
-   async what does not fit behind H inner steps, / H). It starts on every member when the
-   last member's step ends (the islands meet there), as one ``outer sync`` span.
-
-Every rank starts at 0; the step ends when the last rank ends. Per rank, the step splits
-into compute (forwards, backwards, optimizer), communication (all-reduce after the rank's
-schedule, not what ran beside its compute, and time blocked on a message that is already
-on its way) and idle time (waiting for a peer to compute: the
-pipeline bubble, or for a slower replica). The critical path is the chain of events, each
-the one whose end fixed the next one's start, that ends the step.
-
-Pure Python (no torch, no numpy): a 64-rank plan with 32 micro-batches takes tens of
-milliseconds, so the solver can call it on its best candidates.
+The cost model prices a pipeline by a closed formula; the simulator replays the step
+action by action the way the runtime runs it (``runtime/executor/``: ``pipeline.py``,
+``comm.py``, ``grad_sync.py``), so the solver can re-time its best candidates and
+``hplan simulate`` can show the timeline. Its input is a small neutral :class:`SimSpec`
+(``sim.spec`` builds one from a plan or a solver layout; an importer of external
+measurements can build one by hand); :func:`simulate` states the rules it applies. Pure
+Python (no torch, no numpy), so that the solver can afford it.
 """
 
 from __future__ import annotations
@@ -145,7 +97,7 @@ class _Message:
 
 
 class _Engine:
-    """One simulation run; see the module docstring for the rules."""
+    """One simulation run; see :func:`simulate` for the rules."""
 
     def __init__(self, spec: SimSpec) -> None:
         self.spec = spec
@@ -347,7 +299,7 @@ class _Engine:
 
     def _all_reduce(self) -> None:
         """Groups in ``link_model.sync_order``, one after another on each member, each run
-        by all its members at once (module docstring, rule 4)."""
+        by all its members at once (:func:`simulate`, rule 4)."""
         ready = {r: self._first_ready(state) for r, state in self.ranks.items()}
         cursor = {r: state.clock_s for r, state in self.ranks.items()}
         for group in sorted(self.spec.sync_groups, key=lambda g: sync_order(g.ranks)):
@@ -424,7 +376,7 @@ class _Engine:
         rank.compute_s += duration_s
 
     def _outer_sync(self) -> None:
-        """The amortised outer sync rounds (module docstring, rule 6)."""
+        """The amortised outer sync rounds (:func:`simulate`, rule 6)."""
         outer = self.spec.outer_syncs
         if not outer:
             return
@@ -473,7 +425,45 @@ def outer_time_per_step_s(outer: tuple[SimOuterSync, ...], inner_step_s: float) 
 
 # --------------------------------------------------------------------------- entry point
 def simulate(spec: SimSpec) -> SimulationResult:
-    """Simulate one optimizer step of ``spec``; see the module docstring for the rules.
+    """Simulate one optimizer step of ``spec``, the way the runtime runs it.
+
+    Rules:
+
+    1. Each rank runs its stage's actions in schedule order (``runtime/contract/schedule.py``:
+       1F1B or GPipe). A forward of micro-batch m on stage s > 0 starts once stage s-1's
+       activations of m have arrived; a backward on a stage before the last once stage s+1's
+       gradients of m have arrived (a message of 0 bytes is not sent and not waited for).
+    2. A finished action posts its send and goes on (``isend``). Each direction of a link is
+       a FIFO channel carrying one transfer at a time: a transfer occupies it for ``bytes /
+       bandwidth`` and arrives ``latency`` after it leaves (alpha-beta model, Hockney, "The
+       communication challenge for MPP", Parallel Computing 1994; the rehearsal's
+       ``rehearsal.emulation.EmulatedLink`` applies the same rule). Channels that share a
+       ``key`` share one queue. With ``SimSpec.blocking_p2p`` (blocking ``send``/``recv``, as
+       in DeepSpeed's pipeline engine) neither end computes while a message moves.
+    3. After its last action a rank waits until its sends are complete: arrived, and the
+       receiver has posted the matching receive.
+    4. Gradients are summed group by group (holder sets in ``link_model.sync_order``), one
+       after another on each rank; a group starts when every member is ready and all members
+       run it together, a ring all-reduce over its slowest link,
+       ``2 (n - 1) / n * bytes / bandwidth + 2 (n - 1) * latency`` (Patarasuk and Yuan, JPDC
+       2009). With ``SimSpec.bucket_cap_bytes`` (hplan's runtime, ``grad_sync.py``) it is a
+       ring per bucket launched during the rank's last backward pass: a member is ready
+       ``link_model.overlap_window_s`` before that pass ends, and the group ends at
+       ``max(start + all of its rings, last pass end + last ring)``
+       (``link_model.exposed_all_reduce_s`` on a timeline). Without it a member is ready once
+       its sends are complete and the group is one blocking ring.
+    5. The optimizer step of the step before runs first, then the schedule: the steady state
+       of step after step, each rank's optimizer counted with its own schedule (the cost
+       model's ``evaluate``; the runtime ends a step with it, the same cycle cut elsewhere).
+    6. Under local sync (``SimSpec.outer_syncs``) the outer sync round, amortised over its H
+       inner steps (``cost.sync_cost``), starts on every member when the last member's step
+       ends, as one ``outer sync`` span.
+
+    Every rank starts at 0; the step ends when the last rank ends. Per rank the step splits
+    into compute (forwards, backwards, optimizer), communication (all-reduce after the rank's
+    schedule, and time blocked on a message already on its way) and idle time (waiting for a
+    peer to compute: the bubble, or a slower replica). The critical path is the chain of
+    events, each the one whose end fixed the next one's start, that ends the step.
 
     Raises:
         ValueError: the spec is inconsistent (see :meth:`SimSpec.verify`).

@@ -1,4 +1,4 @@
-"""The simulator's input and output types (see ``engine.py`` for the rules it applies).
+"""The simulator's input and output types (``engine.simulate`` states the rules it applies).
 
 ``SimSpec`` is small and neutral on purpose: ``spec.py`` builds it from a plan or a solver
 layout, and an importer of external measurements can build it by hand. All times are in

@@ -1,29 +1,15 @@
 """Build the simulator's input (``SimSpec``) from a plan or from a solver layout.
 
-- :func:`spec_from_plan`: from a ``Plan`` alone (what ``hplan simulate`` reads). Compute
-  times are the report's per-rank predictions (``RankReport.forward_time_s`` ...); link
-  bytes are the exact bytes the runtime sends for each micro-batch (``CutSpec`` tensors,
-  gradients only for those that need one); the all-reduce groups are the holder sets the
-  runtime buckets by (``Report.grad_sync``; ties between stages included). Under local
-  sync (``TrainingSpec.sync``) a holder set spanning islands sums every step only inside
-  each island (``holders.step_holders``), and syncs its pseudo-gradients in the outer sync
-  round (``SimSpec.outer_syncs``, amortised over its H inner steps).
-- :func:`spec_from_layout`: from the solver's ``(PlanningProblem, Layout)``, with the
-  cost model's arrays (the same numbers as ``evaluate.py``; all-reduce groups by holder
-  set, tied parameters included, islands split as there), or, given the :class:`RuntimeBytes` of the
-  model, with the bytes its plan's runtime will send and sum: then a layout simulates to
-  exactly what :func:`spec_from_plan` gives for the plan built from it, and the solver's
-  simulation of the chosen layout is the plan's ``simulated_step_time_s``.
-
-From a layout, every micro-batch is charged the compute of its own size, as the cost model
-does (``cost.microbatch``). From a plan, a last micro-batch smaller than the others is
-charged what the report predicts for it (``RankReport.last_forward_time_s``); a plan
-without that prediction charges it a full one, as a rehearsal of a GPU plan replays it;
-``scale_partial_microbatches=True`` scales it by its size instead (what stretched CPU
-compute does in a rehearsal of a cpu plan).
-
-:func:`param_wire_bytes` gives the per-parameter bytes the runtime all-reduces, from which
-``holders.grad_sync_reports`` computes the per-holder-set bytes a plan's report records.
+:func:`spec_from_plan` reads a ``Plan`` alone (what ``hplan simulate`` reads);
+:func:`spec_from_layout` reads the solver's ``(PlanningProblem, Layout)`` with the cost
+model's arrays, or with the bytes the plan's runtime will send and sum
+(:class:`RuntimeBytes`): then a layout simulates to exactly what its plan will, and the
+solver's simulation of the chosen layout is the plan's ``simulated_step_time_s``. Both
+follow the runtime: the all-reduce groups are holder sets (tied parameters included), and
+under local sync a holder set spanning islands sums every step only inside each island
+(``holders.step_holders``) and syncs its pseudo-gradients in the outer round
+(``SimSpec.outer_syncs``). :func:`param_wire_bytes` gives the per-parameter bytes the
+runtime all-reduces, from which ``holders.grad_sync_reports`` computes a report's bytes.
 """
 
 from __future__ import annotations
@@ -100,6 +86,15 @@ def too_many_microbatches(num_samples: int, micro_batch_size: int) -> bool:
 # --------------------------------------------------------------------------- from a plan
 def spec_from_plan(plan: Plan, *, scale_partial_microbatches: bool = False) -> SimSpec:
     """The simulator's view of ``plan``.
+
+    Compute times are the report's per-rank predictions (``RankReport.forward_time_s`` ...);
+    link bytes are the exact bytes the runtime sends for each micro-batch (``CutSpec``
+    tensors, gradients only for those that need one); the all-reduce groups are the holder
+    sets the runtime buckets by (``Report.grad_sync``). A last micro-batch smaller than the
+    others is charged what the report predicts for it (``RankReport.last_forward_time_s``);
+    without that prediction a full one, as a rehearsal of a GPU plan replays it;
+    ``scale_partial_microbatches=True`` scales it by its size instead (what stretched CPU
+    compute does in a rehearsal of a cpu plan).
 
     Raises:
         ConfigError: the report has no per-rank forward/backward prediction (a plan from an
@@ -286,7 +281,9 @@ def spec_from_layout(
     """The simulator's view of a solver layout, from the cost model's arrays.
 
     Ranks are numbered like the plan's (sorted device indices). Gradient groups are the
-    holder sets of each unit, merged by holder set (as ``evaluate.allreduce_time_s``).
+    holder sets of each unit, merged by holder set (as ``evaluate.allreduce_time_s``). Every
+    micro-batch is charged the compute of its own size, as the cost model does
+    (``cost.microbatch``).
 
     Args:
         runtime: the bytes the plan's runtime will send and sum; given, the layout is

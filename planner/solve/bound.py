@@ -1,79 +1,17 @@
 """The throughput bound of the planning model: no layout it rates can be faster.
 
-Every layout's step time T is at least the busy time of each of its stages (the pipeline
-time ``(m - 1) * period + fill`` of a replica is at least ``m`` times any stage's compute
-time, and gradient all-reduce and optimizer time only add to it). A stage on device d
-holding unit u at micro-batch size b spends ``(fwd + bwd)[d, u, b] / b`` seconds per sample
-on it, and ``b`` is a size at which the unit alone fits the device (a stage holds at least
-the unit's static bytes and one micro-batch of its activations). So with
+The solver's reported gap is measured against it. Two relaxations bound the step, and the
+tighter one is returned (:func:`throughput_bound_samples_per_s`):
 
-    t[d, u] = min over sizes b that fit of (fwd + bwd)[d, u, b] / b   (s/sample)
+- an LP over the samples/s each device gives each unit, every device at its best
+  per-sample rate at any size the unit alone fits (the sum of standalone devices is *not*
+  a bound: a stage can run a size the whole model cannot fit, and a device can take only
+  the units it is fastest at);
+- a MILP over stages for one step of the global batch, in which every micro-batch pays at
+  least a fixed overhead (:func:`_step_time_milp_s`).
 
-(b: the candidate sizes, and the other sizes up to the global batch that a share or a
-remainder micro-batch may take, timed as ``cost.microbatch`` interpolates them; see
-``unit_time_per_sample_s``)
-
-the samples/s ``x[d, u]`` each device gives each unit in any layout satisfy the linear
-program below, and its optimum N* bounds every layout's samples/s::
-
-    maximise N  subject to  sum_u t[d, u] x[d, u] <= 1   for every device d (its time)
-                            sum_d x[d, u]         >= N   for every unit u (each sample
-                                                          passes through every unit)
-                            x >= 0, x[d, u] = 0 where unit u fits d at no size
-
-Devices with identical rows of ``t`` are merged (their time budgets add). The sum of
-standalone devices (each training the whole model alone) is *not* a bound: a pipeline
-stage can run a micro-batch size the whole model cannot fit, and devices relatively faster
-at some units than others can each take the units they are best at. When the unit times of
-every device are proportional, N* equals the sum of each device's standalone rate at its
-per-unit best sizes.
-
-**The global batch.** The LP credits every device with its best per-sample rate, as if it
-had as many samples as it could use. A step has ``B`` (the global batch) samples, and a
-micro-batch costs at least a fixed overhead whatever its size (kernel launches: with a
-small model and batch the overhead is most of the step). So the bound also solves, per
-step, a mixed-integer program over stages (:func:`_step_time_milp_s`). A stage ``s`` is a
-device ``d`` and a run of units ``i .. j - 1``; ``x_s`` (binary) says d holds it (at most
-one stage per device), ``n_s`` how many samples pass it per step (every sample that passes
-a stage passes all its units), ``m_s`` its micro-batches::
-
-    minimise T  subject to  sum over stages s holding u of n_s = B    for every unit u
-                            z_s >= t_s n_s,   z_s >= a_k (x_s + w_s) + c_k n_s   for each k
-                            T >= sum_s (z_s + P(< i) x_s)                for every device d
-                            T >= z_s + P(others) x_s + q(others) (n_s - x_s - B w_s)
-                            T >= P(all)
-
-where ``a_k + c_k x`` are lines below the time of one micro-batch of x samples of the stage
-over every size it may take (``1 <= x <= L``, L the largest at which the stage's static bytes
-and one micro-batch of its largest unit's activations fit, at most B;
-:func:`micro_batch_lines`), ``t_s`` the sum of its units' ``t[d, u]``, ``P`` the least
-seconds one sample spends on units (forward and backward, on whichever device:
-:func:`_unit_path_s`) and ``q`` the least rise per further sample (:func:`_unit_slope_s`),
-so a micro-batch of x samples spends at least ``P + q (x - 1)`` on them. Why each holds:
-
-- m micro-batches of sizes x_j spend ``sum_j time(x_j) >= m a_k + c_k n`` seconds, and at
-  least ``t_s n``;
-- a stage that is not the whole model runs two micro-batches or more (``w_s = 1``: two
-  fixed costs), or one (``w_s = 0``), which passes every other unit, forward then backward,
-  while the stage waits;
-- a stage waits, before its first forward and after its last backward, for a
-  micro-batch's passes through the units before it (stages after it are not counted: 1F1B
-  fills that time with the stage's other forwards and backwards);
-- every micro-batch runs every unit, one after another (the critical path).
-
-Identical devices are ordered by busy time (symmetry breaking), and each stage's samples
-are capped by what it can run within the step of one of the program's own layouts (data
-parallel over the devices that hold the whole model, :func:`_data_parallel_step_s`): cuts
-that keep the optimum and let HiGHS prove it fast. Devices whose times dip with size get
-no lines (below) and enter with ``t[d, u]`` per sample alone. Without a fixed overhead
-(``a_k = 0``) this is the LP again. The reported bound is the smaller of the two. When the
-MILP stops at its time limit, HiGHS's proven lower bound on T (its dual bound) is used,
-so the result stays a bound.
-
-Where the LP solver fails (coefficients so far apart that HiGHS cannot scale them, as a
-capture file with an absurd figure makes), the bound falls back to the looser
-``sum_d budget_d / sum_u min_d t[d, u]``: every sample needs at least the fastest device's
-time on every unit, and the devices together have ``sum_d budget_d`` seconds per second.
+Where a solver stops early or fails, a looser proven bound stands in (HiGHS's dual bound,
+the critical path, :func:`_time_budget_bound`), so the result stays a bound.
 """
 
 from __future__ import annotations
@@ -98,8 +36,8 @@ _MILP_TIME_LIMIT_S = 1.0
 
 _MILP_MAX_STAGE_VARIABLES = 3000
 """Above this many (device, first unit, last unit) stage variables the MILP is not built
-(PuLP takes longer to build it than HiGHS to solve it: 32 devices and 62 units took 50 s);
-the critical path alone then bounds the step."""
+(PuLP would take longer to build it than HiGHS to solve it); the critical path alone then
+bounds the step."""
 
 _CAP_SLACK = 1e-6
 """Relative headroom on each stage's sample cap (the caps are cuts; looser is still valid),
@@ -162,11 +100,26 @@ def _largest_fitting_size(
 
 
 def throughput_bound_samples_per_s(problem: PlanningProblem) -> float:
-    """Samples/s that no layout of ``problem`` exceeds under the cost model (module docstring).
+    """Samples/s that no layout of ``problem`` exceeds under the cost model.
 
-    Returns 0.0 when some unit fits no device, and ``inf`` when every unit costs no time
-    on some device it fits (then nothing bounds the model's throughput).
+    Every layout's step time is at least each of its stages' busy time, and a stage on
+    device d holding unit u spends at least ``t[d, u]`` (:func:`unit_time_per_sample_s`)
+    seconds per sample on it; gradient all-reduce and optimizer time only add. So the
+    samples/s ``x[d, u]`` each device gives each unit satisfy::
 
+        maximise N  subject to  sum_u t[d, u] x[d, u] <= 1   for every device d (its time)
+                                sum_d x[d, u]         >= N   for every unit u (each sample
+                                                              passes through every unit)
+                                x >= 0, x[d, u] = 0 where unit u fits d at no size
+
+    and N* bounds every layout's samples/s. Devices with identical rows of ``t`` are merged
+    (their time budgets add). When every device's unit times are proportional, N* is the sum
+    of each device's standalone rate at its per-unit best sizes. The result is the smaller of
+    N* and the global batch over :func:`_step_time_lower_bound_s`.
+
+    Returns:
+        Samples/s; 0.0 when some unit fits no device, and ``inf`` when every unit costs no
+        time on some device it fits (then nothing bounds the model's throughput).
     """
     times = unit_time_per_sample_s(problem)
     if np.any(np.all(np.isinf(times), axis=0)):
@@ -274,10 +227,10 @@ def _regular_times(problem: PlanningProblem, device_idx: int) -> bool:
 
 
 def _step_time_lower_bound_s(problem: PlanningProblem, times: FloatArray) -> float:
-    """A least step time (s) of any layout processing the global batch: the module
-    docstring's MILP, or the critical path alone where the MILP is too large to build or
-    ends without a proven bound; 0.0 where no device has a fixed micro-batch cost (then
-    the LP says it all).
+    """A least step time (s) of any layout processing the global batch:
+    :func:`_step_time_milp_s`, or the critical path alone where the MILP is too large to
+    build or ends without a proven bound; 0.0 where no device has a fixed micro-batch cost
+    (then the LP says it all).
 
     Args:
         problem: the planning problem (D devices, U units).
@@ -399,7 +352,43 @@ def _step_time_milp_s(
     unit_slope_s: FloatArray,
     regular: list[bool],
 ) -> float:
-    """The module docstring's MILP: its proven least step time (s).
+    """The least step time (s) of any layout of the global batch, as a mixed-integer program
+    over stages: its optimum, or HiGHS's proven lower bound where it stops at its limit.
+
+    The LP credits every device with its best per-sample rate, as if it had as many samples
+    as it could use. A step has ``B`` (the global batch) samples, and a micro-batch costs at
+    least a fixed overhead whatever its size (kernel launches: with a small model and batch
+    most of the step). A stage ``s`` is a device ``d`` and a run of units ``i .. j - 1``;
+    ``x_s`` (binary) says d holds it (at most one stage per device), ``n_s`` how many samples
+    pass it per step (every sample that passes a stage passes all its units)::
+
+        minimise T  subject to  sum over stages s holding u of n_s = B    for every unit u
+                                z_s >= t_s n_s,   z_s >= a_k (x_s + w_s) + c_k n_s   for each k
+                                T >= sum_s (z_s + P(< i) x_s)                for every device d
+                                T >= z_s + P(others) x_s + q(others) (n_s - x_s - B w_s)
+                                T >= P(all)
+
+    where ``a_k + c_k x`` are lines below the time of one micro-batch of x samples of the
+    stage over every size it may take (:func:`micro_batch_lines`), ``t_s`` the sum of its
+    units' ``t[d, u]``, ``P`` the least seconds one sample spends on units, forward and
+    backward, on whichever device (:func:`_unit_path_s`) and ``q`` the least rise per further
+    sample (:func:`_unit_slope_s`). Why each holds:
+
+    - m micro-batches of sizes x_j spend ``sum_j time(x_j) >= m a_k + c_k n`` seconds, and at
+      least ``t_s n``;
+    - a stage that is not the whole model runs two micro-batches or more (``w_s = 1``: two
+      fixed costs), or one (``w_s = 0``), which passes every other unit, forward then
+      backward, while the stage waits;
+    - a stage waits, before its first forward and after its last backward, for a
+      micro-batch's passes through the units before it (stages after it are not counted:
+      1F1B fills that time with the stage's other forwards and backwards);
+    - every micro-batch runs every unit, one after another (the critical path).
+
+    Identical devices are ordered by busy time (:func:`_twins`, symmetry breaking), and each
+    stage's samples are capped by what it can run within the step of one of the program's
+    own layouts (:func:`_data_parallel_step_s`): cuts that keep the optimum and let HiGHS
+    prove it fast. Devices whose times dip with size get no lines and enter with
+    ``t[d, u]`` per sample alone. Without a fixed overhead (``a_k = 0``) this is the LP again.
 
     Raises:
         RuntimeError: it ended without an optimum or a proven lower bound.
@@ -443,7 +432,7 @@ def _step_time_milp_s(
             split = _variable(model, f"w_{name}", binary=True)
             model += split <= held, f"split_{name}"
         loose = 1 + _CAP_SLACK  # caps meet the batch exactly at ties; HiGHS's presolve
-        model += (  # then may cut the tie off (seen: 0.1994 + 1.8006 = 2 - 2e-16 < 2)
+        model += (  # then may cut the tie off (0.1994 + 1.8006 = 2 - 2e-16 < 2)
             n <= loose * max(most_one, 0.0) * (held - split) + loose * most_split * split,
             f"held_{name}",
         )
@@ -592,7 +581,9 @@ def _highs_dual_bound(model: pulp.LpProblem) -> float | None:
 
 def _time_budget_bound(rows: FloatArray, budgets: FloatArray) -> float:
     """Samples/s no layout exceeds: all devices' seconds per second over the least device
-    time one sample needs (each unit on its fastest device); looser than the LP's."""
+    time one sample needs (each unit on its fastest device); looser than the LP's, used
+    where the LP solver fails (coefficients so far apart that HiGHS cannot scale them, as a
+    capture file with an absurd figure makes)."""
     return float(budgets.sum() / rows.min(axis=0).sum())
 
 

@@ -1,22 +1,14 @@
 """Why a device the plan leaves idle is idle, computed from the cost model.
 
-For each device no stage uses (:func:`idle_reasons`):
-
-1. *Memory*: the smallest stage there is (one unit, the smallest micro-batch size, one
-   micro-batch in flight, its boundary buffers) does not fit the device; the message gives
-   both figures.
-2. Otherwise the best layout *with* the device among the chosen layout's one-step
-   extensions, each costed by ``evaluate`` and checked by ``validate``: the device as one
-   more data-parallel replica holding the whole model (every batch share it could take,
-   the others' shares reduced in proportion), or the device taking the tail of one stage's
-   units (every stage, every cut inside it). The message compares that layout's step time
-   with the chosen one's and names what grows: the gradient all-reduce (with the slowest
-   link the device would sync over), or the pipeline (the device's own stage, or the
-   transfers over its slowest pipeline link and the bubble).
-
-These are the marginal questions "would adding it as a replica or as a stage help", not a
-re-solve with the device forced in; the search itself already weighed every layout it
-costed, so a one-step extension faster than the chosen layout is reported as such.
+For each device no stage uses (:func:`idle_reasons`): *memory*, when the smallest stage
+there is (one unit, the smallest micro-batch size, one micro-batch in flight, its boundary
+buffers) does not fit it, with both figures; otherwise the best of the chosen layout's
+one-step extensions with the device (one more data-parallel replica holding the whole
+model, at every batch share it could take, or the tail of any stage's units), costed by
+``evaluate`` and checked by ``validate``, against the chosen step time, naming what grows
+(the gradient all-reduce over its slowest link, or the pipeline: the device's stage, its
+slowest link, the bubble). These answer "would it help as a replica or a stage", not a
+re-solve with the device forced in; a faster extension is reported as such.
 """
 
 from __future__ import annotations

@@ -1,29 +1,20 @@
 """The local plan of a partition: every island solved on its own, the global batch split so
 that the islands finish their inner steps together, one layout whose islands sync locally.
 
-For a partition into islands (``islands.candidate_partitions``):
+For a partition into islands (``islands.candidate_partitions``), in rounds:
 
-1. The global batch B is split between the islands in proportion to their devices'
-   standalone speeds (``evaluate.standalone_samples_per_s``), each island at least one
-   sample.
-2. Each island is solved alone for its share (the search, given as ``search_island``, on
-   the problem restricted to its nodes and batch: ``cost.problem.restrict``). An island
-   whose model does not fit is left idle.
-3. Every round's islands are combined into one layout (their replicas, in island order,
-   and ``IslandSync``), and the whole batch is shared again over every replica of every
-   island (:func:`reshared`: each replica at the micro-batch size that does the most by a
-   common step time, then water-filled, ``shares.share_options``), so that
-   the slowest replica of any island ends first; ``sync_choice.choose_local_steps`` picks
-   H and the wire dtype.
-4. The next round solves the islands again for the shares the combined layout ended with
-   (their best shapes may differ at those shares); when those were solved already, for
-   the shares that equalise lines ``t_i(B) ~ a_i + c_i B`` fitted to each island's last
-   two solves (one solve: ``a_i = 0``, its throughput) with ``sum B_i = B`` (an island
-   whose share falls below one sample is left idle). At most :data:`LOCAL_SHARE_ROUNDS`
-   rounds, none for shares already solved.
+1. The global batch is split between the islands by their devices' standalone speeds
+   (``evaluate.standalone_samples_per_s``), each at least one sample.
+2. Each island is solved alone for its share (``search_island``); one whose model does not
+   fit is left idle.
+3. The islands' layouts are combined into one (``IslandSync``), the whole batch shared
+   again over every replica (:func:`reshared`), H and the wire dtype chosen
+   (``sync_choice.choose_local_steps``).
+4. The next round solves the islands for the shares the combined layout ended with, or,
+   when solved already, for shares from lines fitted to each island's last two solves
+   (:func:`_fitted_shares`); at most :data:`LOCAL_SHARE_ROUNDS` rounds.
 
-Every combined layout is returned; the caller re-costs them (``evaluate``, which includes
-the amortised outer sync) and keeps the best.
+The caller re-costs every combined layout (``evaluate``, with the amortised outer sync).
 """
 
 from __future__ import annotations
@@ -116,7 +107,7 @@ def _fitted_line(solves: Sequence[tuple[int, float]]) -> tuple[float, float]:
 
 def _fitted_shares(total: int, points: Sequence[Sequence[tuple[int, float]]]) -> list[float]:
     """Shares that give every island the same step time under its fitted line (module
-    docstring, step 3); negative ones are 0."""
+    docstring, step 4); negative ones are 0."""
     lines = [_fitted_line(solves) for solves in points]
     common_s = (total + sum(a / c for a, c in lines)) / sum(1 / c for _, c in lines)
     return [max(0.0, (common_s - a) / c) for a, c in lines]
@@ -224,7 +215,7 @@ def _shares(total: int, weights: Sequence[float]) -> list[int] | None:
 def _refined(
     total: int, weights: Sequence[float], points: Sequence[Sequence[tuple[int, float]]]
 ) -> list[int] | None:
-    """The next round's shares (module docstring, step 3); islands left idle keep none."""
+    """The next round's shares (module docstring, step 4); islands left idle keep none."""
     active = [i for i, w in enumerate(weights) if w > 0 and points[i]]
     targets = _fitted_shares(total, [points[i] for i in active])
     refined = [0.0] * len(weights)

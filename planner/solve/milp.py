@@ -51,7 +51,7 @@ def _make_solver(backend: MilpBackend, time_limit_s: float) -> pulp.LpSolver:
     if backend is MilpBackend.HIGHS:
         # One thread: HiGHS's default (half the cores) starts a worker pool that a forked
         # watchdog child inherits without its threads, and the child's first solve then
-        # dies or spins (seen on a 16-core machine; with one thread there is no pool).
+        # may die or spin (with one thread there is no pool).
         # Our MILPs are small; HiGHS's branch and bound gains little from more threads.
         return pulp.HiGHS(msg=False, timeLimit=limit, threads=HIGHS_THREADS)
     if backend is MilpBackend.CBC:

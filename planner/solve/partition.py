@@ -1,19 +1,16 @@
 """Pipeline shapes: which the solver considers, and the best split of the units over each.
 
-A *device class* is a set of interchangeable devices (``device_groups``). A *pipeline
-shape* is an ordered list ``(c_0, ..., c_{S-1})`` of classes (a class may repeat up to its
-size) with a micro-batch size; the solver decides how many copies of each shape to run. For
-one shape the split of units over stages is solved exactly here, by a dynamic program over
-cut positions that minimises the period (the slowest stage or link per micro-batch) subject
-to every stage's memory (ties: the first split found); on tiny instances every split is
-enumerated and all Pareto-optimal splits are kept, so that the solver's answer matches a
-brute-force search exactly.
+A *pipeline shape* is an ordered list ``(c_0, ..., c_{S-1})`` of device groups
+(``device_groups``; a class may repeat up to its size) with a micro-batch size; the
+solver decides how many copies of each to run. The split of units over a shape's stages is
+exact: a dynamic program over cut positions minimises the period (the slowest stage or
+link per micro-batch) within every stage's memory; on tiny instances every split is
+enumerated and every Pareto-optimal one kept, so the answer matches a brute-force search.
 
 Which shapes (:func:`enumerate_shapes`): on small instances every ordering of every
-multiset of classes and every split; on larger ones each multiset in a few promising orders
-(:func:`heuristic_orders`), split by dynamic programming, for pipelines up to
-:data:`EXTRA_STAGES` longer than the shortest that fits, until a time budget; the answer is
-then marked as coming from a partial search.
+multiset of classes; on larger ones each multiset in a few promising orders
+(:func:`heuristic_orders`), for pipelines up to :data:`EXTRA_STAGES` longer than the
+shortest that fits, until a time budget, and the answer is marked as a partial search.
 """
 
 from __future__ import annotations

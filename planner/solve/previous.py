@@ -3,10 +3,10 @@
 After ``hplan calibrate``, the next solve runs on the corrected profile. Its search can
 still land on a layout that the corrected model itself predicts slower than the plan the
 run measured (a heuristic scenario, a simulator's second opinion between near ties), and a
-calibration from one noisy run once moved the MLP benchmark from plain data parallelism to a
-two-stage pipeline that ran slower (issue 14's note). With ``--previous``, the previous
-plan's layout is re-predicted under the new model (the cost model, then the simulator,
-as every candidate is) and kept unless the search's layout is predicted strictly faster.
+calibration from one noisy run can move a plan to a layout that runs slower. With
+``--previous``, the previous plan's layout is re-predicted under the new model (the cost
+model, then the simulator, as every candidate is) and kept unless the search's layout is
+predicted strictly faster.
 """
 
 from __future__ import annotations

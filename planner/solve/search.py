@@ -1,34 +1,18 @@
 """Search for replicas, pipelines, unit splits and batch shares: the planning MILP.
 
-Formulation (an outer enumeration plus an inner integer program, as the design card
-allows):
-
-1. Devices are grouped into interchangeable classes (``device_groups``); *shapes* are
-   pipeline shapes (an ordered list of classes) with a micro-batch size, each split
-   optimally by ``partition`` (period P_t, fill F_t, optimizer time O_t).
-2. A copy of shape t running m micro-batches takes ``(m - 1) P_t + F_t + O_t + A_t``,
-   where A_t is the gradient all-reduce time estimated for a sync *scenario*
-   (``scenarios``), less what a last micro-batch smaller than the others saves
-   (``cost.microbatch``: n samples cost ``PipeTimes.time_s(n)``). For a target step time T
-   a copy can therefore process ``cap_t(T) = PipeTimes.samples_by(T)`` samples.
-3. T is found by bisection over the finite set of possible copy times (every
-   ``time_s(n)``, n up to the global batch; first those of whole micro-batches, then every
-   one between the last infeasible and the first feasible of them): T is feasible iff
-   integer copy counts n_t exist with ``sum_t cap_t(T) n_t >= global batch``, no class
-   over-used and at most the scenario's replica count — a small covering MILP
-   (``milp.solve_cover``). Products of decisions (batch share x stage time) never appear,
-   so the MILP is linear.
-4. Each scenario's layout is pruned by the exact evaluator (``evaluate``); ``solve``
-   re-costs every candidate and the baselines and returns the fastest valid one.
-
-On clusters of several nodes, each distinct node is also searched alone first, so that the
-answer is never worse than the best single-node layout. Where ``SolveOptions.sync`` allows
-local sync and the cluster has islands (``cost.islands``), the local plans of every
-candidate partition follow (``local_plan``), each island searched the same way on its own
-(they get :data:`LOCAL_SEARCH_SHARE` of the time). The answer is proven optimal under the
-planning model when every bisection step was proven by the MILP and the shape space was
-enumerated exhaustively; otherwise the report gives the gap to the best lower bound (local
-plans prove nothing: ``solver`` reports them as feasible, gap unknown).
+An outer enumeration around an inner integer program. A *shape* is an ordered list of
+device groups (``device_groups``) with a micro-batch size, split optimally by
+``partition``. A gradient-sync *scenario* (``scenarios``) fixes each copy's all-reduce
+time, so a copy of shape t runs ``(m - 1) P_t + F_t + O_t + A_t`` (period, fill,
+optimizer, all-reduce) and by a target step time T processes ``PipeTimes.samples_by(T)``
+samples. The least T is found by bisection (:func:`_bisect`), each step a small covering
+MILP (``milp.solve_cover``: integer copy counts covering the global batch within the
+classes' sizes), linear since no product of decisions appears; the exact evaluator prunes
+each answer. Each distinct node is
+searched alone first (the answer is never worse than the best single-node layout), and the
+local plans of every island partition follow where ``--sync`` allows (``local_plan``).
+The answer is proven optimal under the planning model when every bisection step was proven
+and the shapes were enumerated exhaustively; otherwise the report gives the gap.
 """
 
 from __future__ import annotations

@@ -4,16 +4,13 @@
 ``--dump-passes`` shows every one and the phase line times it):
 
 1. ``strategy.generate``: every family's candidates, in one child process under one deadline;
-2. :func:`evaluate_candidates`: each re-costed by the exact evaluator, its shares cut into
-   equal micro-batches, ranked fastest first in its family's pools;
-3. :func:`validate_candidates`: each checked by the independent validator (``validate``):
-   a rejected layout is never chosen, and the plan's notes say what was rejected and why;
-4. :func:`simulate_candidates`: each pool's ``SIMULATED_CANDIDATES`` best valid layouts
-   re-timed by the event-driven simulator (the cost model is a linear approximation of a
-   pipeline);
+2. :func:`evaluate_candidates`: each re-costed by the exact evaluator, ranked in its pools;
+3. :func:`validate_candidates`: each checked by the independent validator (``validate``);
+   a rejected layout is never chosen, and the plan's notes say why;
+4. :func:`simulate_candidates`: the best valid layouts re-timed by the event-driven
+   simulator (the cost model is a linear approximation of a pipeline);
 5. :func:`choose`: each family's fastest by simulation, synchronous or local as ``--sync``
-   says (``sync_choice``); then the request's family against each uniform one, as the plans
-   report them; with the status and gap the search proved.
+   says (``sync_choice``), then the request's family against each uniform one.
 """
 
 from __future__ import annotations
@@ -563,9 +560,9 @@ def second_opinion(
 
     ``layouts`` come in the cost model's order; a layout must beat an earlier one by more
     than a relative ``margin`` to be preferred. Local layouts are simulated with their
-    outer sync amortised (``sim.engine``, rule 6). A layout too large to simulate (None, see
-    ``sim.spec.MAX_SIMULATED_MICROBATCHES``) is never preferred, and when the cost model's
-    best is too large the cost model's order stands.
+    outer sync amortised (``sim.engine.simulate``, rule 6). A layout too large to simulate
+    (None, see ``sim.spec.MAX_SIMULATED_MICROBATCHES``) is never preferred, and when the
+    cost model's best is too large the cost model's order stands.
     """
     simulated = tuple(
         simulated_step_time_s(problem, layout, schedule, runtime) for layout in layouts

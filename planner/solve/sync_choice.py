@@ -2,29 +2,17 @@
 
 ``hplan solve --sync``:
 
-- ``all_reduce``: one island; every holder set sums its gradients every step (hplan before
-  islands, exactly).
-- ``local_sgd``: the best local plan (``local_plan``) over the candidate partitions
-  (``islands``), with H the smallest number of inner steps, at most ``--max-local-steps``,
-  whose outer sync round costs at most :data:`LOCAL_SGD_SYNC_SHARE` of H inner steps.
-- ``async``: as ``local_sgd``, with the same H (and wire dtype), the round hidden behind
-  the next H inner steps instead of exposed. Not the smallest H that would hide the round:
-  on real shaped links (``bench/slow_links.py``, GPT example, two islands at 1 Gbit/s) that
-  rule chose H = 1, where DiLoCo's outer optimizer (lr 0.7, Nesterov momentum 0.9) applied
-  one round late diverged (loss 7.27 against 3.26 synchronous after 3072 samples) and ran
-  slower than the synchronous plan (the host copies every step); with the local_sgd rule's
-  H the islands drift no more than under ``local_sgd``.
-- ``auto`` (the default): the synchronous plan on the whole cluster, unless its
-  synchronisation costs more than :data:`AUTO_SYNC_SHARE` of its step or it leaves
-  devices idle, and the best local SGD plan is predicted faster (by more than
-  :data:`AUTO_MIN_GAIN`). ``auto`` never picks ``async``: its staleness of one round
-  changes what the model learns beyond what a step time can weigh, so it is asked for.
-
-When even H = ``--max-local-steps`` misses the rule, the pseudo-gradients travel in
-bfloat16 (half the bytes); when that misses too, H = ``--max-local-steps`` and the reason
-states the time left exposed per step. ``num_fragments`` stays 1: under the cost model a
-round costs the same bytes however it is cut into fragments (Streaming DiLoCo's fragments
-spread the traffic over the round; they do not make it smaller).
+- ``all_reduce``: one island; every holder set sums its gradients every step.
+- ``local_sgd``: the best local plan (``local_plan``) over the candidate partitions, with H
+  the smallest number of inner steps, at most ``--max-local-steps``, whose outer sync
+  round costs at most :data:`LOCAL_SGD_SYNC_SHARE` of H inner steps.
+- ``async``: as ``local_sgd``, with the same H and wire dtype, the round hidden behind the
+  next H inner steps. Not the smallest H that would hide it: that can be H = 1, where
+  DiLoCo's outer optimizer applied one round late diverges (``bench/slow_links.py``).
+- ``auto`` (the default): the synchronous plan, unless its synchronisation costs more than
+  :data:`AUTO_SYNC_SHARE` of its step or it leaves devices idle, and the best local SGD
+  plan is predicted faster by more than :data:`AUTO_MIN_GAIN`. Never ``async``: its
+  staleness changes what the model learns beyond what a step time can weigh.
 """
 
 from __future__ import annotations
@@ -119,7 +107,14 @@ def smallest_local_steps(
 
 def choose_local_steps(problem: PlanningProblem, layout: Layout, max_local_steps: int) -> Layout:
     """``layout`` (islands and a local mode in ``layout.sync``) with H and the wire dtype
-    chosen by the rules of the module docstring, one fragment."""
+    chosen by the rules of the module docstring.
+
+    When even H = ``max_local_steps`` misses the rule, the pseudo-gradients travel in
+    bfloat16 (half the bytes), and failing that H = ``max_local_steps`` and the reason
+    states the time left exposed per step. One fragment: a round costs the same bytes
+    however it is cut (Streaming DiLoCo's fragments spread the traffic; they do not
+    shrink it).
+    """
     sync = layout.sync
     assert sync is not None and sync.local, "choose_local_steps needs a local layout"
     base = replace(sync, local_steps=1, num_fragments=1)

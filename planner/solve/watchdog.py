@@ -130,9 +130,9 @@ def _child_main(
 
 
 def _reset_solver_threads() -> None:
-    """A forked child inherits HiGHS's thread-pool state but not its threads; without a
-    reset the first solve spins forever waiting for them (seen when the parent had solved
-    in-process before forking)."""
+    """A forked child inherits HiGHS's thread-pool state but not its threads; where the parent
+    solved in-process before forking, the child's first solve would spin forever waiting for
+    them without a reset."""
     highspy = sys.modules.get("highspy")
     if highspy is not None and hasattr(highspy.Highs, "resetGlobalScheduler"):
         highspy.Highs.resetGlobalScheduler(True)
