@@ -1,16 +1,13 @@
 """Which ranks hold which parameters: the one place that answers it.
 
 A parameter is held by every rank whose stage holds a unit that uses it
-(``UnitSpec.params``); its gradient is summed every step among exactly those ranks, in
-all-reduces per distinct holder set (split into buckets of a capped size,
-:func:`grad_buckets`), except where the holder set spans islands and syncs by ``local_sgd``
-or ``async``: then among its holders inside each island (:func:`step_holders`). The
-runtime buckets gradients this way, checkpoints
-save each name once from its lowest holder, the plan's report records the buckets'
-bytes, and the planner's cost model groups a layout's units the same way before a plan
-exists (:func:`holders` and :func:`shared_bytes` over its own items).
-
-Torch-free, like the rest of the contract.
+(``UnitSpec.params``). Its gradient is summed every step among exactly those ranks, in
+capped buckets per distinct holder set (:func:`grad_buckets`), except where the holder set
+spans islands and syncs by ``local_sgd`` or ``async``: then among its holders inside each
+island (:func:`step_holders`). The runtime's buckets, the checkpoints (each name saved once,
+from its lowest holder), the plan report's bucket bytes and the planner's cost model
+(:func:`holders` and :func:`shared_bytes` over its own items, before a plan exists) all
+take their answer from here. Torch-free, like the rest of the contract.
 """
 
 from __future__ import annotations
