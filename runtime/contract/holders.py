@@ -108,18 +108,13 @@ def grad_buckets(
 
     Per rank set that sums a gradient every step (:func:`step_holders`: a holder set, or
     its part inside one island for a ``local_sgd``/``async`` group) of two or more ranks:
-    its parameters in the reverse of the model's
-    order (:func:`parameter_order`; the order in which a backward pass finalises a stage's
-    gradients), cut greedily into buckets of at most ``cap_bytes`` (a parameter larger
-    than the cap is a bucket of its own). Every bucket of every set is then placed in one
-    global order, by the position of its first parameter in the reversed model order, then
-    by its ranks (buckets of one parameter's island parts share a position; their ranks are
-    disjoint).
-
-    Derived from the plan and canonical names alone, so every holder of a bucket computes
-    the same bucket, and every rank's buckets are a subsequence of one global order: a rank
-    that launches its collectives in this order cannot deadlock with another
-    (``executor/grad_sync.py``).
+    its parameters in the reverse of the model's order (:func:`parameter_order`; the order
+    in which a backward pass finalises a stage's gradients), cut greedily into buckets of
+    at most ``cap_bytes`` (a parameter larger than the cap is a bucket of its own). Every
+    bucket of every set is then placed in one global order, by the position of its first
+    parameter in the reversed model order, then by its ranks. Derived from the plan and
+    canonical names alone, so that every holder computes the same buckets in the same order
+    (why that cannot deadlock: ``executor/grad_sync.py``).
 
     Args:
         wire_bytes: canonical name -> bytes the runtime all-reduces for that trainable

@@ -6,8 +6,7 @@ with the ranks' seed, data, optimizer and LR scheduler (:func:`reference_steps`)
 every rank, by relative L2 difference (``||x_rank - x_ref|| / ||x_ref||``):
 
 1. **Gradients** after the gradient sync, against one-process autograd, within
-   :func:`gradient_tolerance` of their dtype (against a floor where the exact gradient is
-   zero, :data:`GRADIENT_FLOOR_EPS`).
+   :func:`gradient_tolerance` of their dtype (above a floor, :data:`GRADIENT_FLOOR_EPS`).
 2. **Updates** ``p_rank - p_0``, against the model file's own optimizer replayed in one
    process on *the ranks' synced gradients*, within :data:`UPDATE_TOLERANCE`: an optimizer
    can turn a gradient difference far inside the tolerance into one the size of the whole
