@@ -8,11 +8,10 @@ per CPU "device")::
 
 or let ``hplan bandwidth --cluster cluster.yaml --write-scripts DIR`` write those commands;
 without torchrun give ``--rank --world-size --master-addr --master-port``, or ``--local N``
-for N processes on this machine (gloo on 127.0.0.1). Every ordered pair of ranks is timed
-over a sweep of message sizes, then an all-reduce among each node's ranks; rank 0 writes
-the fits and samples to one JSON file (``contract.link_matrix.BandwidthFile``). A rank is
-named ``<node>/<local_rank>`` when its node is known (``--node``, else ``HPLAN_NODE``, else
-with ``--cluster`` the node at torchrun's ``GROUP_RANK``), else by host and local rank.
+for N processes on this machine. Rank 0 writes one ``contract.link_matrix.BandwidthFile``.
+A rank is named ``<node>/<local_rank>`` when its node is known (``--node``, else
+``HPLAN_NODE``, else with ``--cluster`` the node at torchrun's ``GROUP_RANK``), else by host
+and local rank.
 """
 
 from __future__ import annotations

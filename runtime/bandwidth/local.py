@@ -2,10 +2,9 @@
 
 :func:`measure_local` starts ``python -m hplan.runtime.bandwidth --rank r --world-size N``
 for every rank (``rehearsal/launcher.py``: one thread each, rank 0 hosting the store on a
-free port), copies their
-progress lines to stderr as they come, and on the first failure or at the timeout stops
-every rank and raises one error: the failed rank's own last line. It returns the file that
-rank 0 wrote.
+free port), copies their progress lines to stderr as they come, and on the first failure or
+at the timeout stops every rank and raises one error: the failed rank's own last line. It
+returns the file that rank 0 wrote.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ def measure_local(
 
     Args:
         names: (node, local index) of each rank, to name ranks as cluster devices.
-        sweep_args: sweep options passed to every rank (see ``bandwidth.sweep_argv``).
+        sweep_args: sweep options passed to every rank (see ``job.sweep_argv``).
 
     Raises:
         ConfigError: fewer than two ranks, or ``names`` of another length.

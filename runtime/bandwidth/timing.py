@@ -1,21 +1,7 @@
-"""The timed loops of the link matrix: point-to-point ping-pong per ordered pair of ranks and
-an all-reduce per node. Every rank of the job calls both functions in the same order.
-
-Point-to-point (one pair at a time; every other rank waits at a barrier so that nothing
-contends): the sender sends ``num_bytes`` and waits for a 1-byte reply; the receiver
-replies as soon as the message is in. First a 1-byte message and its reply are timed
-(``ack_round_trip_s``, the fastest of the repeats: scheduling delays only ever add time,
-so the fastest is the closest to the reply's own cost); half of that is the reply's share
-of a round trip, so each timed round trip minus ``ack_round_trip_s / 2`` is the one-way
-time of the message (the ping-pong method of the OSU and Intel MPI benchmarks; it needs no
-shared clock). After
-each size the sender tells the receiver whether to go on: the sweep stops early once one
-size's timed repeats took longer than ``size_budget_s``, so a slow link is not held for
-minutes by the largest messages.
-
-All-reduce: float32 tensors among the ranks of one node, each repeat started together
-(a 1-element all-reduce first) and timed on every rank; the caller keeps, per repeat, the
-slowest rank's time.
+"""The timed loops of the link matrix: point-to-point ping-pong per ordered pair of ranks
+(:func:`measure_pairs`) and an all-reduce per node (:func:`measure_all_reduce`). Every rank
+of the job calls both functions in the same order, one pair or group at a time, the other
+ranks waiting at a barrier so that nothing contends.
 
 On GPUs (NCCL) tensors live on the rank's device and every timing waits for the device
 (``torch.cuda.synchronize``); on CPU (gloo) the calls are synchronous.
@@ -101,6 +87,15 @@ def measure_pairs(
     rank: int, world_size: int, sweep: Sweep, device: torch.device, say: Callable[[str], None]
 ) -> list[PairLink]:
     """Time every ordered pair of ranks, one pair at a time; return the pairs ``rank`` sent.
+
+    The sender sends ``num_bytes`` and waits for a 1-byte reply; the receiver replies as
+    soon as the message is in. First a 1-byte message and its reply are timed
+    (``ack_round_trip_s``, the fastest of the repeats: scheduling delays only add time);
+    each timed round trip less ``ack_round_trip_s / 2`` is the message's one-way time (the
+    ping-pong method of the OSU and Intel MPI benchmarks; it needs no shared clock). After
+    each size the sender tells the receiver whether to go on: the sweep stops once one
+    size's timed repeats took longer than ``size_budget_s``, so that a slow link is not held
+    for minutes by the largest messages.
 
     Every rank of the job calls this with the same arguments (but its own ``rank``).
 
@@ -188,6 +183,10 @@ def measure_all_reduce(
     device: torch.device,
 ) -> dict[int, dict[int, list[float]]]:
     """Time an all-reduce within each group that has two ranks or more, one group at a time.
+
+    float32 tensors; each repeat starts together (after a 1-element all-reduce) and is
+    timed on every rank (the caller keeps the slowest rank's time per repeat,
+    :func:`slowest_per_repeat`).
 
     Args:
         groups: (ranks, process group) per node, the same list on every rank (every rank

@@ -1,30 +1,16 @@
 """Build only some of a model's tensors, with the values a full build gives them.
 
-A rank keeps one stage of the model; building every parameter on the CPU first costs the
-whole model's memory on every rank. Two passes over ``build_model`` avoid that:
+A rank keeps one stage of the model; building every parameter on the CPU first would cost
+the whole model's memory on every rank. Two passes over ``build_model`` avoid that:
+:func:`record_build` runs it on fake tensors and writes down every operator call that
+creates or changes a tensor (a :class:`Step`); :func:`replay_build` runs it again after the
+same seed, only the steps the kept tensors depend on (:func:`real_steps`) on real CPU
+tensors. A random step also runs on a real scratch tensor, so the CPU generator advances
+exactly as in a full build: the kept tensors get the full build's values bit for bit, and
+the peak is the kept tensors plus the largest single random draw.
 
-1. :func:`record_build` runs it on fake tensors (``FakeTensorMode``, as the planner's
-   capture does: shapes, dtypes and strides, no storage; their device reads ``cpu``, so
-   code that asks takes the path of a real build). A dispatch mode writes down, in order,
-   every operator call that creates or changes a tensor: which storages it reads and which
-   it writes (a :class:`Step`). Its fake model is what a rank traces.
-2. :func:`replay_build` runs it again after the same seed. The steps that write a tensor
-   the caller keeps, and every step those depend on (:func:`real_steps`), run on real CPU
-   tensors; every other step runs on fake tensors, except that a random one (torch's
-   ``nondeterministic_seeded`` tag: ``normal_``, ``uniform_``, ``bernoulli_``, ``randn``,
-   ``randperm`` ...) also runs on a real scratch tensor of the same shape, strides and
-   dtype, whose values are dropped. The CPU generator therefore advances exactly as in a
-   full build, the kept tensors get the full build's values bit for bit, and the peak is
-   the kept tensors plus the largest single random draw.
-
-``stage_tensors.materialise`` does both for the tensors of a stage. What cannot be
-reproduced raises :class:`CannotMaterialise` (the caller then builds the whole model): an initialisation that
-reads tensor values (``.item()``, ``trunc_normal_``'s rejection loop) stops pass 1, and a
-replay that calls other operators or gets other shapes than the record stops at the first
-difference.
-
-Python's ``random`` and NumPy's generators are restored after pass 1, so that pass 2 draws
-from them what a full build would.
+``stage_tensors.materialise`` does both for a stage's tensors. What cannot be reproduced
+raises :class:`CannotMaterialise`, and the caller builds the whole model.
 """
 
 from __future__ import annotations
@@ -110,12 +96,17 @@ class BuildRecord:
 def record_build(build: Callable[[], Any], seed: int) -> BuildRecord:
     """Run ``build`` after ``torch.manual_seed(seed)`` on fake tensors and record it.
 
-    The generators of torch, ``random`` and NumPy are left as they were.
+    Fake tensors as in the planner's capture (``FakeTensorMode``: shapes, dtypes and
+    strides, no storage; their device reads ``cpu``, so code that asks takes the path of a
+    real build). A dispatch mode writes down, in order, every operator call that creates or
+    changes a tensor: which storages it reads and which it writes. The fake model is what a
+    rank traces. The generators of torch, ``random`` and NumPy are left as they were, so
+    that the replay draws from them what a full build would.
 
     Raises:
-        CannotMaterialise: ``build`` reads tensor values, raises on fake tensors (or
-            raises at all: a full build then reports the model file's fault), or returns
-            something other than a module.
+        CannotMaterialise: ``build`` reads tensor values (``.item()``, ``trunc_normal_``'s
+            rejection loop), raises on fake tensors (or raises at all: a full build then
+            reports the model file's fault), or returns something other than a module.
     """
     mode = FakeTensorMode(shape_env=ShapeEnv(tracked_fakes=[]), allow_non_fake_inputs=True)
     recorder = _Recorder(mode)
@@ -219,7 +210,9 @@ def replay_build(
     build: Callable[[], Any], seed: int, record: BuildRecord, real: frozenset[int]
 ) -> nn.Module:
     """Run ``build`` after ``torch.manual_seed(seed)``, the steps ``real`` on real CPU
-    tensors and the others on fake ones (a random one also on a real scratch tensor).
+    tensors and the others on fake ones; a random one (torch's ``nondeterministic_seeded``
+    tag: ``normal_``, ``uniform_``, ``bernoulli_``, ``randn``, ``randperm`` ...) also on a
+    real scratch tensor of the same shape, strides and dtype, whose values are dropped.
 
     Non-steps (views, queries) run on real tensors when all their tensor arguments are
     real. Afterwards the generators stand where a full build leaves them.

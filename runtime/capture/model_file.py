@@ -1,44 +1,10 @@
 """Load a user's ``model.py`` and check it follows the model-file convention.
 
-Convention (also in README.md):
-
-- ``build_model() -> torch.nn.Module`` (required). Called after ``torch.manual_seed``, so
-  every rank builds the same initial weights. A rank calls it twice, on fake tensors and
-  then building only its own stage for real (``materialise.py``), so it must build the
-  same model every call.
-- ``sample_batch(batch_size: int) -> (inputs, targets)`` (required). ``inputs`` is a
-  tensor (the first ``forward`` argument), a tuple (positional arguments) or a dict
-  (keyword arguments by name); every tensor's dim 0 is the sample dimension.
-- ``loss_fn(outputs, targets) -> scalar tensor`` (required): the *mean* over the samples of
-  the batch it is given (hplan weights micro-batches by their sample counts).
-- ``make_optimizer(params) -> torch.optim.Optimizer`` (optional; default AdamW, lr 1e-3).
-  It must update each parameter from its own gradient only (no global-norm clipping: set
-  ``MAX_GRAD_NORM`` instead), so that per-stage optimizers equal one optimizer over the
-  whole model.
-- ``dataset() -> Sequence[(inputs, targets)]`` (optional): real training data, one sample
-  per item; without it hplan trains on ``sample_batch``.
-- ``LEAF_MODULES`` (optional): module paths (``"blocks.1"``) or class names to keep whole
-  when tracing.
-- ``make_scheduler(optimizer)`` (optional): an LR scheduler, stepped after every optimizer
-  step; a function of the step count (a resumed run steps it to the checkpoint's step).
-- ``STOP_ON_NONFINITE_LOSS`` (optional, default False): stop the job (exit 1) when a loss
-  is not finite; otherwise the loss is reported and training goes on.
-- ``MAX_GRAD_NORM`` (optional, a number > 0; default: no clipping): clip the gradients to
-  this global L2 norm every step, as ``torch.nn.utils.clip_grad_norm_(model.parameters(),
-  MAX_GRAD_NORM)`` would in one process. The norm is that of the whole model's gradient
-  after the data-parallel sum (and after fp16 unscaling), each parameter counted once
-  however many ranks hold it; every rank then scales its gradients by
-  ``min(1, MAX_GRAD_NORM / (norm + 1e-6))``. A non-finite norm clips nothing (fp16 loss
-  scaling skips that step; otherwise it is reported). The norm before clipping is in the
-  per-step metrics (``grad_norm``).
-- ``OUTER_LR`` (optional, a number > 0; default 0.7) and ``OUTER_MOMENTUM`` (optional, a
-  number in [0, 1); default 0.9): the outer optimizer of plans whose islands train on
-  their own (``local_sgd``, ``async``; DiLoCo, Douillard et al., 2023, whose defaults
-  these are): ``torch.optim.SGD(lr=OUTER_LR, momentum=OUTER_MOMENTUM,
-  nesterov=OUTER_MOMENTUM > 0)`` over the global parameters, stepped on the islands'
-  sample-weighted pseudo-gradients at each outer sync (``executor/outer_sync.py``).
-  Unused by plans that all-reduce every step. With ``OUTER_LR = 1`` and
-  ``OUTER_MOMENTUM = 0`` an outer step is plain averaging of the islands' parameters.
+The convention is README.md's "What you give it": ``build_model()``,
+``sample_batch(batch_size)`` and ``loss_fn(outputs, targets)`` are required;
+``make_optimizer``, ``dataset``, ``LEAF_MODULES``, ``make_scheduler``,
+``STOP_ON_NONFINITE_LOSS``, ``MAX_GRAD_NORM``, ``OUTER_LR`` and ``OUTER_MOMENTUM`` are
+optional. :class:`ModelFile`'s fields say what each means to the runtime.
 
 Loading a model file executes its code, with the same rights as the user running hplan.
 """
@@ -74,17 +40,41 @@ class ModelFile:
     path: Path
     sha256: str
     build_model: Callable[[], Any]
+    """Called after ``torch.manual_seed``, so every rank builds the same initial weights; a
+    rank calls it twice (on fake tensors, then building its own stage for real,
+    ``materialise.py``), so it must build the same model every call."""
     sample_batch: Callable[[int], tuple[Any, Any]]
+    """``(inputs, targets)`` of ``batch_size`` samples; ``inputs`` is a tensor (the first
+    ``forward`` argument), a tuple (positional arguments) or a dict (keyword arguments);
+    every tensor's dim 0 is the sample dimension."""
     loss_fn: Callable[[Any, Any], Any]
+    """A scalar tensor: the *mean* over the samples it is given (hplan weights micro-batches
+    by their sample counts)."""
     make_optimizer: Callable[[Any], Any] | None
+    """It must update each parameter from its own gradient only (no global-norm clipping:
+    ``MAX_GRAD_NORM``), so that per-stage optimizers equal one over the whole model; None:
+    AdamW, lr 1e-3."""
     dataset: Callable[[], Sequence[Any]] | None
+    """Real training data, one sample per item; None: train on ``sample_batch``."""
     leaf_modules: tuple[str, ...]
+    """``LEAF_MODULES``: module paths (``"blocks.1"``) or class names kept whole when tracing."""
     make_scheduler: Callable[[Any], Any] | None = None
+    """An LR scheduler, stepped after every optimizer step; a function of the step count (a
+    resumed run steps it to the checkpoint's step)."""
     stop_on_nonfinite_loss: bool = False
+    """``STOP_ON_NONFINITE_LOSS``: a non-finite loss stops the job (exit 1); False: it is
+    reported and training goes on."""
     max_grad_norm: float | None = None
-    """``MAX_GRAD_NORM``: the global L2 gradient norm to clip to each step; None: no clipping."""
+    """``MAX_GRAD_NORM``: clip to this global L2 norm every step, as
+    ``clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)`` would in one process: the norm of
+    the whole model's gradient after the data-parallel sum (and fp16 unscaling), each
+    parameter counted once; every rank scales by ``min(1, MAX_GRAD_NORM / (norm + 1e-6))``,
+    and a non-finite norm clips nothing. None: no clipping."""
     outer_lr: float = DEFAULT_OUTER_LR
-    """``OUTER_LR``: the outer optimizer's learning rate (``local_sgd``, ``async``)."""
+    """``OUTER_LR``: the learning rate of the outer optimizer of ``local_sgd`` and ``async``
+    plans, ``torch.optim.SGD(lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=OUTER_MOMENTUM >
+    0)`` over the global parameters, stepped on the islands' sample-weighted pseudo-gradients
+    (``executor/outer_sync.py``); 1 with momentum 0 is plain averaging."""
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
     """``OUTER_MOMENTUM``: the outer optimizer's Nesterov momentum (0: plain SGD)."""
 

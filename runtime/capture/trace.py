@@ -7,17 +7,11 @@ tried in this order when none is given:
 1. ``torch.fx.symbolic_trace`` (module-level graph; torch.nn built-ins stay leaves). When
    it fails inside a submodule, that submodule is kept whole (a leaf) and tracing retried,
    unless keeping it whole would swallow a stack of repeated blocks.
-2. ``torch.export`` (non-strict, dim 0 of every input dynamic). Its graph is also a
-   torch.fx graph and carries ``nn_module_stack``.
-3. Module boundaries: the model's child modules in registration order (containers
-   expanded), run eagerly as a chain; accepted only when the chain reproduces the eager
-   forward on the example inputs.
+2. ``torch.export``, then 3. module boundaries (``trace_fallbacks.py``).
 
-Methods 2 and 3 live in ``trace_fallbacks.py``. Forward parameters that the example does
-not feed are constants (their default, else None). Tracing runs user code; it never
-changes the model's buffers or the RNG state. A model and inputs without data (fake
-tensors, as the planner captures them, or meta tensors) are traced without running the
-eager forward; method 3, which needs the forward's values, is then not tried.
+Tracing runs user code; it never changes the model's buffers or the RNG state. A model and
+inputs without data (fake tensors, as the planner captures them, or meta tensors) are
+traced without running the eager forward; method 3, which needs its values, is not tried.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
-"""The tracing fallbacks: torch.export and module boundaries (a chain of child modules).
+"""The tracing fallbacks of ``trace.py``: torch.export and module boundaries.
 
-``trace.py`` tries ``torch.fx.symbolic_trace`` first; when it fails, it calls
-``export_graph`` and then ``module_chain`` from here. Both return a torch.fx GraphModule
-whose placeholders are the fed inputs, in forward-signature order.
+Both return a torch.fx GraphModule whose placeholders are the fed inputs, in
+forward-signature order, and run user code inside ``preserved`` (the model's buffers and the
+RNG state are restored afterwards).
 
 - ``export_graph``: ``torch.export`` (non-strict, dim 0 of every input dynamic); its graph
   carries ``nn_module_stack``. Raises when export fixes the batch size.
 - ``module_chain``: the model's child modules in registration order (containers
   expanded), run eagerly one after another; accepted only when it reproduces the eager
   forward on the example inputs (``outputs_match``).
-
-Both run user code inside ``preserved``: the model's buffers and the RNG state are
-restored afterwards.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The CPUs this process may use: its affinity mask capped by its cgroup's CPU quota.
 
 torch starts as many intra-op threads as the CPUs it sees, not as many as the process may
-use: in a container or a Slurm job with a CPU quota of 0.45 cores it ran 2 threads and
-trained at 0.35-0.44x the speed it had with one. The usable CPUs (:func:`usable_cpus`) are
-the CPUs of the process's affinity mask, capped by its cgroup's CPU quota rounded up (v1:
-``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, v2: ``cpu.max``; the smallest quota of the
-group and its parents). The group is the process's own, from ``/proc/self/cgroup``, found
-under the cgroup mount of ``/proc/self/mountinfo``; inside ``ip netns exec`` ``/sys`` is
-remounted without the cgroup mounts, so the mount is looked up in the mount table of the
-nearest ancestor process that has one, through its ``/proc/<pid>/root``. Missing or
-unreadable files mean no quota.
-
-The runtime gives each rank ``usable CPUs // ranks on its node`` threads
-(``executor/machine.py``); ``hplan profile`` times a CPU with the same number, so that
-profiles measure what the ranks will run. Needs no torch.
+use, and threads beyond a CPU quota slow training down. The runtime gives each rank
+``usable CPUs // ranks on its node`` threads (``executor/machine.py``); ``hplan profile``
+times a CPU with the same number, so that profiles measure what the ranks will run. Needs
+no torch.
 """
 
 from __future__ import annotations
@@ -59,8 +50,19 @@ def quota_binds(quota_cores: float | None, num_threads: int) -> bool:
 
 
 def usable_cpus(root: Path = Path("/")) -> UsableCpus:
-    """This process's usable CPUs (module docstring); ``root`` is where ``/proc`` lives
-    (tests give a fake tree)."""
+    """This process's usable CPUs: its affinity mask, capped by its cgroup's CPU quota
+    rounded up.
+
+    The quota is the smallest of the process's own group (``/proc/self/cgroup``) and its
+    parents (v1: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, v2: ``cpu.max``), found under
+    the cgroup mount of ``/proc/self/mountinfo``. Inside ``ip netns exec`` ``/sys`` is
+    remounted without the cgroup mounts, so the mount is looked up in the mount table of the
+    nearest ancestor process that has one, through its ``/proc/<pid>/root``. Missing or
+    unreadable files mean no quota.
+
+    Args:
+        root: where ``/proc`` lives (tests give a fake tree).
+    """
     try:
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux

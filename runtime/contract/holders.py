@@ -1,16 +1,13 @@
 """Which ranks hold which parameters: the one place that answers it.
 
 A parameter is held by every rank whose stage holds a unit that uses it
-(``UnitSpec.params``); its gradient is summed every step among exactly those ranks, in
-all-reduces per distinct holder set (split into buckets of a capped size,
-:func:`grad_buckets`), except where the holder set spans islands and syncs by ``local_sgd``
-or ``async``: then among its holders inside each island (:func:`step_holders`). The
-runtime buckets gradients this way, checkpoints
-save each name once from its lowest holder, the plan's report records the buckets'
-bytes, and the planner's cost model groups a layout's units the same way before a plan
-exists (:func:`holders` and :func:`shared_bytes` over its own items).
-
-Torch-free, like the rest of the contract.
+(``UnitSpec.params``). Its gradient is summed every step among exactly those ranks, in
+capped buckets per distinct holder set (:func:`grad_buckets`), except where the holder set
+spans islands and syncs by ``local_sgd`` or ``async``: then among its holders inside each
+island (:func:`step_holders`). The runtime's buckets, the checkpoints (each name saved once,
+from its lowest holder), the plan report's bucket bytes and the planner's cost model
+(:func:`holders` and :func:`shared_bytes` over its own items, before a plan exists) all
+take their answer from here. Torch-free, like the rest of the contract.
 """
 
 from __future__ import annotations
@@ -111,18 +108,13 @@ def grad_buckets(
 
     Per rank set that sums a gradient every step (:func:`step_holders`: a holder set, or
     its part inside one island for a ``local_sgd``/``async`` group) of two or more ranks:
-    its parameters in the reverse of the model's
-    order (:func:`parameter_order`; the order in which a backward pass finalises a stage's
-    gradients), cut greedily into buckets of at most ``cap_bytes`` (a parameter larger
-    than the cap is a bucket of its own). Every bucket of every set is then placed in one
-    global order, by the position of its first parameter in the reversed model order, then
-    by its ranks (buckets of one parameter's island parts share a position; their ranks are
-    disjoint).
-
-    Derived from the plan and canonical names alone, so every holder of a bucket computes
-    the same bucket, and every rank's buckets are a subsequence of one global order: a rank
-    that launches its collectives in this order cannot deadlock with another
-    (``executor/grad_sync.py``).
+    its parameters in the reverse of the model's order (:func:`parameter_order`; the order
+    in which a backward pass finalises a stage's gradients), cut greedily into buckets of
+    at most ``cap_bytes`` (a parameter larger than the cap is a bucket of its own). Every
+    bucket of every set is then placed in one global order, by the position of its first
+    parameter in the reversed model order, then by its ranks. Derived from the plan and
+    canonical names alone, so that every holder computes the same buckets in the same order
+    (why that cannot deadlock: ``executor/grad_sync.py``).
 
     Args:
         wire_bytes: canonical name -> bytes the runtime all-reduces for that trainable

@@ -1,18 +1,13 @@
 """The link matrix file: what ``python -m hplan.runtime.bandwidth`` writes and ``hplan solve
 --bandwidth`` reads.
 
-One JSON object, versioned (``schema_version``), units in every key. It names every rank by
-host and local rank, and by the cluster's device name (``<node>/<local_index>``) when the
-measuring processes knew their node. For every ordered pair of ranks it holds the raw
-timings of a point-to-point sweep over message sizes and the alpha-beta fit of their
-medians (``time_s = latency_s + num_bytes / bandwidth_bytes_per_s``, Hockney's model); for
-every node with more than one rank, the same for an all-reduce among the node's ranks.
-
-The bandwidth is the slope of the least-squares line through the medians; the latency is
-the smallest message's median less its bytes at that bandwidth (see :func:`fit_alpha_beta`);
-``r_squared`` is the coefficient of determination of the line on the medians (1.0: every
-median on the line). Where the sweep does not resolve a line, the fit says so (``method``:
-``largest_message``) and gives a conservative bandwidth instead.
+One versioned JSON object, units in every key. It names every rank by host and local rank,
+and by the cluster's device name (``<node>/<local_index>``) when the measuring processes
+knew their node. For every ordered pair of ranks it holds the raw timings of a
+point-to-point sweep over message sizes and the alpha-beta fit of their medians
+(``time_s = latency_s + num_bytes / bandwidth_bytes_per_s``, Hockney's model;
+:func:`fit_alpha_beta`); for every node with more than one rank, the same for an all-reduce
+among the node's ranks.
 
 This module does not import torch: the planner reads these files anywhere.
 """
@@ -301,12 +296,11 @@ def fit_alpha_beta(sizes: Sequence[SizeSamples]) -> AlphaBetaFit:
     smallest message's time less its bytes at that bandwidth, clipped at 0: the line's
     own intercept, extrapolated over decades of sizes, would be the noise of the largest
     messages. The smallest message's time is the least median of all sizes: no larger
-    message can take less, so a smallest-message median above it is scheduling noise (a
-    loopback pair once measured 3.9 ms for 4 KiB and 0.016 ms for 16 KiB). When the line
-    has a slope <= 0 or an R^2 below ``MIN_R_SQUARED`` (times dominated by noise, as for a
-    fast link timed with small messages), the largest message's bytes over its median time
-    give the bandwidth, a lower bound, and the smallest message's time the latency
-    (``FitMethod.LARGEST_MESSAGE``).
+    message can take less, so a smallest-message median above it is scheduling noise. When
+    the line has a slope <= 0 or an R^2 below ``MIN_R_SQUARED`` (times dominated by noise,
+    as for a fast link timed with small messages), the largest message's bytes over its
+    median time give the bandwidth, a lower bound, and the smallest message's time the
+    latency (``FitMethod.LARGEST_MESSAGE``).
 
     Args:
         sizes: at least two distinct message sizes, each with a median time > 0.

@@ -1,17 +1,13 @@
 """The link model: how long a transfer and an all-reduce take, in one place.
 
 The planner's cost model (``cost/evaluate.py``), its step simulator (``sim/engine.py``) and
-the rehearsal's link emulation all time transfers with :func:`transfer_time_s` (queued one
-after another on a link direction by :class:`LinkQueue`) and all-reduces with
+the rehearsal's link emulation time transfers with :func:`transfer_time_s` (queued one after
+another on a link direction by :class:`LinkQueue`) and all-reduces with
 :func:`ring_all_reduce_time_s` over :func:`group_ring_time_s`'s slowest link; the link
-matrix measurement and the Sailor benchmarks fit the same latency + bytes / bandwidth line
-with :func:`least_squares_alpha_beta`.
-
-The gradient all-reduce overlaps the last backward pass: the runtime sums gradients in
-buckets of at most :data:`BUCKET_CAP_BYTES`, each launched as soon as its gradients are
-final (``executor/grad_sync.py``). Cost model and simulator charge it with
-:func:`bucketed_all_reduce_time_s`, :func:`overlap_window_s` and
-:func:`exposed_all_reduce_s` (the formula is in the last one's docstring).
+matrix measurement fits the same latency + bytes / bandwidth line
+(:func:`least_squares_alpha_beta`). The gradient all-reduce runs in buckets of at most
+:data:`BUCKET_CAP_BYTES` beside the last backward pass (``executor/grad_sync.py``); what is
+left of it is :func:`exposed_all_reduce_s`, whose docstring gives the formula.
 
 Torch-free on purpose: the planner imports it without pulling in torch.distributed.
 """
@@ -91,9 +87,8 @@ def sync_order(ranks: Sequence[int]) -> tuple[int, tuple[int, ...]]:
     Largest sets first, then by their ranks. A set shared by more ranks (tied embeddings
     across stages and replicas) waits for all of them anyway; run first, it lets the smaller
     per-stage sets that follow run side by side. Sorted by ranks alone, two 2-stage replicas
-    ran {0,1}, then {0,1,2,3}, then {2,3} one after another (ranks 2 and 3 waited for {0,1}
-    to end before their shared set could start): 6.7 ms of all-reduce on the critical path
-    where this order has 5.1 ms.
+    would run {0,1}, then {0,1,2,3}, then {2,3} one after another (ranks 2 and 3 waiting for
+    {0,1} to end before their shared set could start).
     """
     return (-len(ranks), tuple(ranks))
 

@@ -1,48 +1,11 @@
 """Memory of each rank of a plan, from the plan alone (no torch), and the check at load.
 
-One formula, used by the planner for the report and its last check before a plan is
-written, and by every command that loads a plan (``show``, ``rehearse``, ``run``), so that a
-plan edited by hand (a larger micro-batch, GPipe, a stage moved to a small device) is
-refused where it no longer fits. Per rank, bytes:
-
-- parameters: every trainable parameter its units use (each once) + its units' frozen
-  parameters and buffers;
-- gradients: its trainable parameters;
-- optimizer state: trainable bytes x ``optimizer_state_bytes_per_param_byte``, each holder
-  set's part reduced to this rank's shard under ZeRO stage 1 or 2
-  (``holders.optimizer_shards``);
-- activations: :func:`stage_activation_bytes`, by memory strategy: ``activation_bytes_per_sample``
-  of its units x micro-batch size x the micro-batches in flight
-  (:func:`in_flight_microbatches`); under ``recompute`` only the stage's inputs are kept
-  per micro-batch in flight, plus one micro-batch's activations while its backward runs;
-  under ``selective`` each recomputed unit keeps its input instead of its activations,
-  plus, while its backward runs, the largest recomputed unit's activations of one
-  micro-batch (the planner's evaluator calls the same function);
-- workspace: one receive and one send buffer of the boundary tensors on each side; the
-  flat copies of the gradients it all-reduces with other ranks (every bucket is one
-  ``torch.cat`` alive until the step's all-reduces are done, ``executor/grad_sync.py``;
-  under ZeRO stage 2 only the largest such bucket: a bucket's flat copy replaces the
-  gradients it was made of, and after the reduction only the rank's shard of it is kept,
-  :func:`largest_bucket_bytes`);
-  the optimizer step's temporaries (:data:`OPTIMIZER_STEP_WORKSPACE` x the bytes it steps,
-  for an optimizer with state); under autocast the half-precision copy of the weights.
-
-ZeRO stage 2 still counts the whole gradients: they accumulate over the step's
-micro-batches in ``.grad`` (autograd's own buffers) until the last backward, and no
-reduction can start earlier (replicas run different numbers of micro-batches, so a
-per-micro-batch reduction would not pair up across holders; ``executor/memory/zero.py``). What
-stage 2 saves is the flat copies above, less one bucket, and the whole summed gradients
-kept until the optimizer step under stage 1: the peak is then ``G + largest bucket``
-instead of ``G + shared G`` (G: the rank's trainable gradient bytes).
-
-Under optimizer offload (``RankPlan.optimizer_offload``) the optimizer state and the
-optimizer step's temporaries leave the device for the host, which also keeps a copy of the
-trainable parameters and of their gradients (:func:`offload_host_bytes`); on a ``cpu``
-device the host is the device, so the state stays counted there and the two copies are
-added to its workspace.
-
-Capacity: :func:`usable_memory_bytes`, the device's memory less a framework reserve, times
-``USABLE_MEMORY_FRACTION``; a node's host memory for offload, :func:`host_capacity_bytes`.
+One formula (:func:`rank_memory`), used by the planner for the report and its last check
+before a plan is written, and by every command that loads a plan (``show``, ``rehearse``,
+``run``), so that a plan edited by hand (a larger micro-batch, GPipe, a stage moved to a
+small device) is refused where it no longer fits. Capacity: :func:`usable_memory_bytes`
+(the device's memory less a framework reserve, times ``USABLE_MEMORY_FRACTION``) and, for
+optimizer offload, a node's host memory (:func:`host_capacity_bytes`).
 """
 
 from __future__ import annotations
@@ -77,19 +40,15 @@ from hplan.runtime.contract.quantities import BYTES_PER_GIB, format_bytes_pair
 
 OPTIMIZER_STEP_WORKSPACE: float = 0.65
 """Temporaries of one optimizer step per byte of the parameters it steps, for optimizers
-with state: torch 2.13's foreach AdamW/Adam on CPU peaked 16.5 MB above its state for 25.2
-MB of parameters (six 1024 x 1024 float32 tensors, the resident-set high-water mark over a
-second step)."""
+with state: the peak above its state measured for torch's foreach AdamW/Adam on CPU."""
 
-# Memory a GPU process cannot plan with: the CUDA context (~300-500 MB on recent cards once
-# torch has initialised CUDA), cuBLAS workspaces and NCCL communicator buffers. 1 GiB is an
-# assumed round figure.
+# Memory a GPU process cannot plan with: the CUDA context, cuBLAS workspaces and NCCL
+# communicator buffers. 1 GiB is an assumed round figure.
 GPU_RESERVE_BYTES: float = 1.0 * BYTES_PER_GIB
 # Memory a CPU rank process holds besides its training state: the interpreter, torch, hplan's
-# runtime and gloo's process groups before its stage is built (measured 325.7-326.8 MB of
-# RSS per rank with torch 2.13 on CPU, 1-3 ranks, ``baseline_memory_bytes`` in the metrics)
-# plus 15-30 MB more on first use (tracing, autograd, gloo buffers). A ``cpu`` device's
-# declared memory is what its process may hold in all (a cgroup's limit, say).
+# runtime and gloo's process groups before its stage is built (``baseline_memory_bytes`` in
+# the metrics), plus what first use adds (tracing, autograd, gloo buffers). A ``cpu``
+# device's declared memory is what its process may hold in all (a cgroup's limit, say).
 CPU_RESERVE_BYTES: float = 360e6
 
 # Share of the remaining memory a plan may fill; the rest is headroom for the caching
@@ -260,7 +219,32 @@ def rank_memory(
     memory: MemoryModelSpec,
     shards: Mapping[RankSet, OptimizerShards] | None = None,
 ) -> RankMemory:
-    """The predicted peak memory of ``rank`` (see the module docstring).
+    """The predicted peak memory of ``rank``, bytes by part.
+
+    - parameters: every trainable parameter its units use (each once), plus its units'
+      frozen parameters and buffers;
+    - gradients: its trainable parameters, whole even under ZeRO stage 2: they accumulate in
+      ``.grad`` over the step's micro-batches, and no reduction can start before the last
+      backward (replicas run different numbers of micro-batches, so per-micro-batch
+      reductions would not pair up; ``executor/memory/zero.py``);
+    - optimizer state: trainable bytes x ``optimizer_state_bytes_per_param_byte``, each
+      holder set's part reduced to this rank's shard under ZeRO stage 1 or 2
+      (``holders.optimizer_shards``);
+    - activations: :func:`stage_activation_bytes` by memory strategy, for
+      :func:`in_flight_microbatches`;
+    - workspace: one receive and one send buffer of the boundary tensors on each side; the
+      flat copy of every gradient it all-reduces with other ranks (each bucket one
+      ``torch.cat``, alive until the step's all-reduces are done; under ZeRO stage 2 only
+      the largest bucket, :func:`largest_bucket_bytes`: a bucket's flat copy replaces the
+      gradients it was made of and only the rank's shard of the sum is kept); the optimizer
+      step's temporaries (:data:`OPTIMIZER_STEP_WORKSPACE` x the bytes it steps, for an
+      optimizer with state); under autocast the half-precision copy of the weights.
+
+    Under optimizer offload (``RankPlan.optimizer_offload``) the state and the step's
+    temporaries leave the device for the host, which also keeps a copy of the trainable
+    parameters and of their gradients (:func:`offload_host_bytes`, ``host_bytes``); on a
+    ``cpu`` device the host is the device, so the state stays counted there and the two
+    copies join its workspace.
 
     Args:
         shards: ``holders.optimizer_shards`` of the plan (computed when None).

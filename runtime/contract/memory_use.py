@@ -1,29 +1,16 @@
 """Memory a run measured, against what its plan predicted and what its devices offer.
 
-Three uses, one set of figures (no torch):
+Three uses of one set of figures (no torch): :func:`memory_use` puts each rank's predicted
+peak beside the training memory it measured, for ``hplan calibrate``; :func:`budget_problem`
+is ``hplan rehearse --enforce-memory``'s check of one step against the rank's device;
+:func:`killed_description` says what to tell about a rank the kernel killed (SIGKILL), with
+the evidence that it was for memory (:func:`oom_kill_counts`).
 
-- :func:`memory_use`: per rank, the plan report's predicted peak (and its breakdown where
-  the report has one) beside the training memory the rank measured
-  (``StepMetrics.training_memory_bytes``: its peak over its baseline, the process's own
-  overhead apart), for ``hplan calibrate``;
-- :func:`budget_problem`: ``hplan rehearse --enforce-memory``'s check of one step's record
-  against the rank's device (:func:`memory_budget_bytes`);
-- :func:`killed_description`: what to say about a rank the kernel killed (SIGKILL), with
-  the evidence that it was for memory (:func:`oom_kill_counts`) and the figures.
-
-The budget of a device is its declared memory less the reserve the planner keeps for what
-a process holds outside the plan's tensors (``memory.device_reserve_bytes``): on a ``cpu``
-device the interpreter, torch and the process groups, which the measurement leaves out as
-the baseline; on a GPU the CUDA context and communicator buffers, which a rehearsal's CPU
-process does not have. The planner's headroom (``USABLE_MEMORY_FRACTION``) is not taken off:
-it is a margin for the prediction's errors, not memory the device lacks. A rank over its
-budget would have run out on the real device. In a rehearsal of a GPU plan the measured
-bytes are host memory standing in for the GPU's: the same parameters, gradients, optimizer
-state and saved activations, held by CPU kernels (which may save other intermediates than
-fused GPU kernels) and the host allocator (which rounds differently from CUDA's caching
-allocator); an estimate, compared with the same budget. (A tolerance on measured /
-predicted instead would test the prediction, not whether the rank fits; ``hplan
-calibrate`` shows that ratio.)
+A rank over its device's budget (:func:`memory_budget_bytes`) would have run out on the
+real device. In a rehearsal of a GPU plan the measured bytes are host memory standing in for
+the GPU's (the same tensors, held by CPU kernels and the host allocator): an estimate,
+compared with the same budget. The check tests whether the rank fits, not the prediction
+(``hplan calibrate`` shows measured / predicted).
 """
 
 from __future__ import annotations
@@ -88,8 +75,12 @@ class RankMemoryUse:
 
 
 def memory_budget_bytes(device: DeviceSpec) -> float:
-    """The training memory ``device`` offers a rank: its memory less its kind's reserve
-    (module docstring), >= 0."""
+    """The training memory ``device`` offers a rank, >= 0: its memory less the reserve the
+    planner keeps for what a process holds outside the plan's tensors
+    (``memory.device_reserve_bytes``: on a ``cpu`` device the interpreter, torch and the
+    process groups, which the measurement's baseline leaves out; on a GPU the CUDA context
+    and communicator buffers). The planner's headroom (``USABLE_MEMORY_FRACTION``) is not
+    taken off: it is a margin for the prediction's errors, not memory the device lacks."""
     return max(0.0, device.memory_bytes - device_reserve_bytes(device.kind))
 
 

@@ -1,60 +1,12 @@
 """Per-rank, per-step metrics as JSON lines, and a summary of a metrics directory.
 
-Each rank appends one JSON object per optimizer step to ``<dir>/rank-<r>.jsonl``. Times are
-wall-clock seconds measured on that rank; they split the step as
+Each rank appends one :class:`StepMetrics` per optimizer step to ``<dir>/rank-<r>.jsonl``.
+Times are wall-clock seconds measured on that rank; they split the step as
 
 ``step = compute + p2p + wait + all-reduce + optimizer + outer sync + other``
 
-- ``forward_time_s``: the forward part of ``compute_time_s`` (its backward part is the rest;
-  0 in metrics written before hplan recorded it);
-- ``compute_time_s``: forward and backward passes (in emulation, including the stretch that
-  slows this rank to its device's speed);
-- ``p2p_time_s``: posting and completing point-to-point sends, and emulated link delays;
-- ``wait_time_s``: blocked in point-to-point receives, waiting for a peer (pipeline
-  bubbles and transfer time show up here);
-- ``allreduce_time_s``: blocked in gradient all-reduces after the schedule: the part the
-  backward pass did not hide (includes waiting for the slowest holder), plus clipping's
-  gradient-norm sum and, under ZeRO stage 1, the all-gather of the updated shards;
-- ``optimizer_time_s``: the optimizer step;
-- ``outer_sync_time_s``: blocked in the cross-island syncs of ``local_sgd`` and ``async``
-  groups after the optimizer step (``executor/outer_sync.py``): the part this step waited
-  for (an ``async`` all-reduce running beside the steps counts only when a sync point
-  waited for it); 0 in steps without one, in plans that all-reduce every step, and in
-  metrics written before hplan recorded it;
-- ``other_time_s``: the rest (data loading, Python overhead).
-
-``end_unix_time_s``: when the step ended (``time.time()``); consecutive steps' difference is
-the step as seen from outside, including what happens between steps (metrics, the job's
-per-step agreement, checkpoints).
-
-``allreduce_overlapped_time_s`` is not part of that sum: how long the gradient all-reduces
-ran beside the last backward pass, from the first bucket's launch to the end of the schedule
-(0 when none went out early, and in metrics written before hplan overlapped them).
-
-CPU time (CPU ranks): ``compute_cpu_time_s`` and ``optimizer_cpu_time_s`` are the CPU
-seconds the process used in the compute and optimizer blocks, ``cpu_time_s`` in the whole
-step (communication threads included); ``cpu_quota_cores`` is the rank's share of its
-cgroup's CPU quota and ``num_threads`` its torch threads. Under a quota that binds, a block's
-wall time depends on how long the rank idled before it; its CPU time over the quota is its
-sustained time (:meth:`StepMetrics.sustained_s`), the figure ``hplan profile`` measures. All
-0 (quota null) in metrics written before hplan recorded them.
-
-``grad_norm``: the whole model's gradient L2 norm before clipping, the same on every rank
-(with the model file's ``MAX_GRAD_NORM`` only; null without it and in metrics written
-before hplan recorded it).
-
-Memory (measured by ``hplan.runtime.executor.seams.MemoryMeter``; ``memory_measure`` says
-how): ``baseline_memory_bytes`` is what the process held just before its stage was built
-(on CPU its resident set: the interpreter, torch, hplan and the process groups; on a GPU
-what the caching allocator had allocated, usually 0); ``peak_memory_bytes`` the peak from
-then to the end of this step (on CPU the resident-set high-water mark, on a GPU
-``torch.cuda.max_memory_allocated``). Their difference, :attr:`StepMetrics.training_memory_bytes`,
-is the rank's training memory: what the plan's memory formula predicts
-(``contract/memory.py``), the process's own overhead apart. Metrics written before hplan
-measured a baseline have ``baseline_memory_bytes`` null and a peak that, on CPU, is the
-process's whole lifetime peak (``ru_maxrss``).
-
-This module needs no torch.
+(each field's docstring says what it counts). Fields added after the first version default
+to 0 or None, so that older metrics still read. This module needs no torch.
 """
 
 from __future__ import annotations
@@ -95,19 +47,32 @@ class StepMetrics:
     stage: int
     step: int
     step_time_s: float
+    """The step's wall time: the sum of the six parts below and ``outer_sync_time_s``."""
     compute_time_s: float
+    """Forward and backward passes (in emulation, including the stretch that slows this rank
+    to its device's speed)."""
     p2p_time_s: float
+    """Posting and completing point-to-point sends, and emulated link delays."""
     wait_time_s: float
+    """Blocked in point-to-point receives, waiting for a peer (pipeline bubbles and transfer
+    time show up here)."""
     allreduce_time_s: float
+    """Blocked in gradient all-reduces after the schedule: the part the backward pass did not
+    hide (waiting for the slowest holder included), plus clipping's gradient-norm sum and,
+    under ZeRO stage 1, the all-gather of the updated shards."""
     optimizer_time_s: float
+    """The optimizer step."""
     other_time_s: float
+    """The rest (data loading, Python overhead)."""
     loss: float | None
     """Mean loss over this replica's samples (last stages only; None elsewhere)."""
     samples: int
     """Samples this rank's replica processed in the step."""
     peak_memory_bytes: int
-    """Peak memory from just before the stage was built to the end of this step (module
-    docstring; in metrics without a baseline, on CPU, the lifetime peak of the process)."""
+    """Peak memory from just before the stage was built to the end of this step: on CPU the
+    resident-set high-water mark, on a GPU ``torch.cuda.max_memory_allocated``
+    (``memory_measure``; in metrics without a baseline, on CPU, the process's lifetime
+    peak)."""
     forward_time_s: float = 0.0
     """The forward part of ``compute_time_s`` (0: not recorded)."""
     grad_norm: float | None = None
@@ -118,13 +83,17 @@ class StepMetrics:
     consecutive steps is the real throughput, every per-step overhead included (0: not
     recorded)."""
     allreduce_overlapped_time_s: float = 0.0
-    """Gradient all-reduce running beside compute, outside the step's sum (0: none, or
-    not recorded)."""
+    """Gradient all-reduce running beside the last backward pass, from the first bucket's
+    launch to the end of the schedule; outside the step's sum (0: none, or not recorded)."""
     outer_sync_time_s: float = 0.0
     """Waited for cross-island outer syncs (``local_sgd``, ``async``) after the optimizer
-    step: exposed time, part of the step's sum (0: none, or not recorded)."""
+    step (``executor/outer_sync.py``): exposed time, part of the step's sum; an ``async``
+    all-reduce running beside the steps counts only when a sync point waited for it (0:
+    none, or not recorded)."""
     baseline_memory_bytes: int | None = None
-    """Memory the process held just before its stage was built (None: not recorded)."""
+    """Memory the process held just before its stage was built: on CPU its resident set (the
+    interpreter, torch, hplan and the process groups), on a GPU what the caching allocator
+    had allocated, usually 0 (None: not recorded)."""
     memory_measure: MemoryMeasure | None = None
     """How ``baseline_memory_bytes`` and ``peak_memory_bytes`` were measured (None: not
     recorded)."""

@@ -3,18 +3,15 @@
 A ``Plan`` says *what to run* (which rank runs which partition units of which replica, with
 which micro-batch size, which tensors cross each stage boundary, how gradients are
 synchronised) and, apart from that, *why* (the ``report``: predicted times and memory,
-solver status, efficiency). The executor reads only the "what"; it ignores ``report``
-(``tests/test_architecture.py`` checks it). A rehearsal reads the report: it replays the
-planner's predictions on this machine.
+solver status, efficiency). The executor reads only the "what" (``tests/test_architecture.py``
+checks it); a rehearsal reads the report to replay the planner's predictions.
 
-All types are frozen dataclasses with JSON-native fields and ``StrEnum``s. ``to_json`` is
+All types are frozen dataclasses with JSON-native fields and ``StrEnum``s; ``to_json`` is
 deterministic (same plan, same bytes) and ``from_json(to_json(p)) == p``. Value ranges are
-pydantic field constraints (``Index``, ``Count``, ``Port``, ``Positive``, ``NonNegative``),
-so they are in the JSON Schema too. Loading validates with pydantic (unknown keys, wrong
-types and values out of range rejected, in one line naming the field) and then checks the
-plan's internal consistency with :func:`Plan.verify`.
-
-This module must not import torch: a plan can be read and shown anywhere.
+pydantic field constraints (``Index``, ``Count``, ``Port``, ...), so they are in the JSON
+Schema too. Loading rejects unknown keys, wrong types and values out of range in one line
+naming the field, then checks the plan's consistency (:func:`Plan.verify`). No torch: a
+plan can be read and shown anywhere.
 """
 
 from __future__ import annotations
@@ -373,8 +370,7 @@ class CollectiveSpec:
     An all-reduce of ``n`` ranks on the node takes at least
     ``2 (n - 1) * latency_per_step_s + 2 (n - 1) / n * bytes / bus_bandwidth_bytes_per_s``
     (``link_model.ring_all_reduce_time_s``), whatever its point-to-point links allow: a
-    collective library adds its own per-step cost (gloo among processes sharing a few cores
-    measured 1-5 ms per all-reduce where a point-to-point message took 0.06 ms).
+    collective library adds its own per-step cost.
     """
 
     latency_per_step_s: NonNegative

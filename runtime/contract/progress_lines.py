@@ -1,28 +1,15 @@
-"""Rank 0's progress lines during a run and its summary line at the end: what they say, in
-which format, and their parser.
+"""Rank 0's progress lines during a run and its summary line at the end: their format and
+their parser (:func:`parse_line`), so that logs can be read back.
 
-On a terminal rank 0 shows one live ``rich`` progress line (step k/N, loss, samples/s,
-time left). Elsewhere (a log file, a pipe, Slurm's output) it prints a plain line when the
-first loss is known, then every ``PROGRESS_EVERY_S`` seconds or every
-``PROGRESS_EVERY_FRACTION`` of the steps, whichever comes first::
+On a terminal rank 0 shows one live ``rich`` progress line. Elsewhere (a log file, a pipe,
+Slurm's output) it prints a plain line when the first loss is known, then every
+``PROGRESS_EVERY_S`` seconds or every ``PROGRESS_EVERY_FRACTION`` of the steps, whichever
+comes first; in both cases one summary line after the last step (here broken in two; the
+fields are explained in :class:`RunProgress`)::
 
     hplan: progress step=40/400 loss=2.3104 samples_per_s=512.3 step_time_s=0.0625 elapsed_s=2.6 eta_s=22.5
-
-and in both cases, after the last step, one summary line (here broken in two)::
-
     hplan: summary steps=400 timed_steps=399 samples_per_s=510.2 step_time_s=0.0627
         final_loss=1.2345 predicted_samples_per_s=600.0 measured_over_predicted=0.85 elapsed_s=25.6
-
-Every field is ``key=value`` (:func:`parse_line` reads them back). ``step=k/N``: the
-step whose loss is shown (counted from 1, with the steps before a resumed run's first) of
-the last step the run trains. ``loss``: that step's mean loss over the global batch
-(sample-weighted over replicas; ``none`` until known, ``inf`` when not finite); it
-reaches rank 0 one step late, with the ranks' agreement after every step (no collective of
-its own). ``samples_per_s``: global batch / rank 0's step time, the mean over the steps
-since the previous line (the live line: the last 20; the summary: the run's steps after
-the first, which warms up, or the first when it is alone). ``eta_s``: steps left times the mean step time so far.
-``predicted_samples_per_s`` is the plan's report (what ``hplan solve`` predicted), and
-``measured_over_predicted`` the ratio. Times are rank 0's wall clock.
 
 This module needs no torch: the executor feeds it numbers.
 """
@@ -90,7 +77,17 @@ def job_loss(
 
 
 class RunProgress:
-    """Rank 0's progress and summary (module docstring).
+    """Rank 0's progress and summary lines (format: the module docstring).
+
+    Fields: ``step=k/N``: the step whose loss is shown (counted from 1, with the steps before
+    a resumed run's first) of the last step the run trains. ``loss``: that step's mean loss
+    over the global batch (sample-weighted over replicas; ``none`` until known, ``inf`` when
+    not finite); it reaches rank 0 one step late, with the ranks' agreement after every step
+    (no collective of its own). ``samples_per_s``: global batch / rank 0's step time, the
+    mean over the steps since the previous line (the live line: the last 20; the summary:
+    the run's steps after the first, which warms up, or the first when it is alone).
+    ``eta_s``: steps left times the mean step time so far. ``predicted_samples_per_s``: the
+    plan's report, ``measured_over_predicted`` the ratio. Times are rank 0's wall clock.
 
     Call :meth:`step_done` after every step, :meth:`loss_known` when a step's loss arrives,
     then :meth:`summary` after the last step; :meth:`close` in any case (it stops the live
@@ -194,7 +191,7 @@ class RunProgress:
 
     # ----------------------------------------------------------------- ending
     def summary(self) -> str:
-        """The summary line (module docstring); stops the live line and prints it."""
+        """The summary line (class docstring); stops the live line and prints it."""
         self.close()
         timed = self._timed(self.times_s)
         rate = self._rate(timed)

@@ -3,14 +3,12 @@
 A schedule says, for every stage of one replica's pipeline, in which order it runs the
 forward (``F``) and backward (``B``) pass of each micro-batch. It is built from
 ``(num_stages, num_microbatches)`` alone, needs no torch, and has a one-line text form per
-action (``s1.F.mb3``: stage 1, forward, micro-batch 3) for logs and tests.
-
-Communication is implied by the actions: the forward of micro-batch ``m`` on stage ``s > 0``
-receives what stage ``s - 1`` sent after its forward of ``m``; the backward of ``m`` on
-stage ``s < last`` receives the gradient that stage ``s + 1`` sent after its backward of
-``m``. Sends are asynchronous (posted, then completed later), receives block.
-:func:`dry_run` executes a schedule under exactly these rules and proves that every
-receive is matched by a send and that no stage waits forever.
+action (``s1.F.mb3``: stage 1, forward, micro-batch 3). Communication is implied: the
+forward of ``m`` on stage ``s > 0`` receives what stage ``s - 1`` sent after its forward of
+``m``; the backward of ``m`` on stage ``s < last`` receives the gradient stage ``s + 1`` sent
+after its backward of ``m``. Sends are asynchronous, receives block; :func:`dry_run` runs a
+schedule under these rules and proves that every receive is matched and no stage waits
+forever.
 
 The shapes follow the 1F1B schedule of PipeDream-Flush (Narayanan et al., "Memory-Efficient
 Pipeline-Parallel DNN Training", 2021) and GPipe (Huang et al., 2019).

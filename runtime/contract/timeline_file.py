@@ -2,24 +2,14 @@
 
 One format for predicted and measured timelines, so that they can be put side by side:
 ``hplan simulate --trace`` writes the simulator's events, ``hplan rehearse --trace`` the
-events the ranks recorded while they ran. A :class:`TimelineEvent` is one span on one
-*track* of one rank: ``compute`` (forwards, backwards, the optimizer step),
-``send to next stage`` / ``send to previous stage`` (point-to-point transfers on the wire),
-``all-reduce`` (gradient sums) and ``wait`` (blocked in a receive or until sends complete).
-Compute names follow the schedule's text form: ``s1.F.mb3`` is stage 1's forward of
-micro-batch 3.
-
+events the ranks recorded. A :class:`TimelineEvent` is one span on one *track*
+(:data:`TRACKS`) of one rank; compute names follow the schedule's text form (``s1.F.mb3``).
 The writer follows the Trace Event Format read by chrome://tracing and Perfetto: complete
-events (``"ph": "X"``, ``ts`` and ``dur`` in microseconds), one process (``pid``) per rank
-and one thread (``tid``) per track, named by metadata events (``"ph": "M"``).
-
-Recording (runtime): :class:`TimelineRecorder` collects one step's events of one rank from
-``time.monotonic`` (one clock shared by every process of a machine), and
-:class:`TimelineWriter` appends them as one JSON line per step to
-``<metrics_dir>/timeline-rank-<r>.jsonl``. :func:`read_step_events` reads one step of every
-rank back, with time zero at the step's first event.
-
-This module needs no torch.
+events (``"ph": "X"``, ``ts`` and ``dur`` in microseconds), one ``pid`` per rank and one
+``tid`` per track, named by metadata events (``"ph": "M"``). Ranks record with
+:class:`TimelineRecorder` (``time.monotonic``: one clock for every process of a machine)
+and append one JSON line per step with :class:`TimelineWriter`; :func:`read_step_events`
+reads one step of every rank back. This module needs no torch.
 """
 
 from __future__ import annotations

@@ -1,55 +1,15 @@
 """Checkpoints with ``torch.distributed.checkpoint``: keyed by name, resumable under any plan.
 
-Layout of a checkpoint folder::
-
-    <dir>/step-<n>/     one checkpoint (DCP: a data file per rank, ``.metadata`` written
-                        last) and ``plan.json``, the plan it was written under
-    <dir>/latest        ``step-<n>``: the newest checkpoint the job has confirmed, replaced
-                        atomically once every rank's part of step-<n> is on disk
-
-A checkpoint is complete or invisible: DCP writes ``.metadata`` last, by an atomic rename,
-so a step folder without one (a save cut short) is never resumed from, and a folder is
-removed ``.metadata`` first. ``--resume`` takes the newest complete one.
-
-What each rank saves (keys shared by the ranks that hold the same tensor are written once,
-by DCP's deduplication; none names a rank or a position, except the RNG):
-
-- ``model.<name>`` and ``buffers.<name>``: parameters and buffers by canonical name;
-- ``optimizer.<name>.<key>``: the optimizer's state of each parameter (AdamW's moments);
-- ``progress``: optimizer steps done, the global batch size, the seed and the plan digest.
-  The data position is the step: every rank computes the samples of step ``t`` from
-  ``(seed, t)`` alone (``data.py``), so a resume neither repeats nor skips a sample;
-- ``rng.<rank>``: that rank's random-number state, restored only under the same plan
-  (another plan's ranks draw from their seeded streams again, and rank 0 says so).
-
-Islands that train on their own (``local_sgd``, ``async``: ``outer_sync.py``) hold
-different values of a local group's parameters, so those are saved apart:
-
-- ``model.<name>`` of such a parameter is G, its global value (every island's the same;
-  after a run's closing sync, what every island ends with), in the parameter's dtype;
-- ``outer.global.<name>``, ``outer.momentum.<name>``, ``outer.pending.<name>``: G in
-  float32, the outer optimizer's momentum, an ``async`` group's pending average (waited
-  for before saving), as a resume needs them (at a run's end: before its closing sync);
-- ``island.<island>.model.<name>``, ``island.<island>.start.<name>``,
-  ``island.<island>.optimizer.<name>.<key>``: each island's own parameters, its S
-  (``async``) and its inner optimizer's state.
-
-Under ZeRO stage 1 (``zero.py``) a rank keeps the optimizer state of only its slice of the
-parameters it shares, but ``optimizer.<name>.<key>`` is still each parameter's whole state:
-at a save the slices are gathered to the lowest rank of each holder set, which writes them;
-at a load every holder reads its set's whole state and keeps its slice. A checkpoint
-written under ZeRO so resumes under any plan, and one written without it under ZeRO.
-
-A resume under the same plan loads all of it and continues exactly as if the run had not
-stopped. Under another plan with local groups, every rank takes ``model.<name>`` (G) and
-the outer state starts again from it; under a plan without one, the outer state is dropped
-(rank 0 says so in one line). Either way the islands' inner optimizer state of those
-parameters starts afresh.
-
-An LR scheduler (the model file's ``make_scheduler``) is a function of the step: a resumed
-run steps it to the checkpoint's step. Loading requests exactly the names this rank holds, so
-a checkpoint written under one plan loads under any other plan of the same model and batch
-(another layer split, other shares, other devices, another number of ranks).
+``<dir>/step-<n>/`` is one checkpoint (DCP's files, ``.metadata`` written last by an atomic
+rename, and ``plan.json``, the plan it was written under); ``<dir>/latest`` names the newest
+one every rank has confirmed. A checkpoint is complete or invisible: a step folder without
+``.metadata`` is never resumed from. Keys name tensors (``model.<name>``, ``buffers.<name>``,
+``optimizer.<name>.<key>``, ``progress``; :meth:`Checkpointer.save` lists them), never a rank
+or a position except ``rng.<rank>``, and ranks that hold the same tensor write it once
+(DCP's deduplication). The data position is the step (``data.py``), so a resume neither
+repeats nor skips a sample. A rank loads exactly the names it holds, so a checkpoint resumes
+under any plan of the same model and batch (another layer split, other shares, devices or
+number of ranks); under the same plan the run continues exactly as if it had not stopped.
 """
 
 from __future__ import annotations
@@ -85,7 +45,7 @@ from hplan.runtime.executor.memory.zero import ShardSync
 from hplan.runtime.executor.outer_sync import OuterSync
 
 if TYPE_CHECKING:
-    # 0.45 s to import (DTensor, sympy): the scaler is built only for fp16 plans.
+    # slow to import (DTensor, sympy): the scaler is built only for fp16 plans.
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 LATEST = "latest"
@@ -179,6 +139,19 @@ class Checkpointer:
     # ----------------------------------------------------------------- saving
     def save(self, steps_done: int) -> None:
         """Start a checkpoint of the state after ``steps_done`` optimizer steps.
+
+        Keys: ``model.<name>`` and ``buffers.<name>`` by canonical name;
+        ``optimizer.<name>.<key>``, each parameter's whole optimizer state (under ZeRO
+        gathered to each holder set's lowest rank, which writes it, ``memory/zero.py``);
+        ``progress`` (:class:`Progress`); ``rng.<rank>``. A local group's parameters
+        (``outer_sync.py``) differ by island, so they are saved apart: ``model.<name>`` is
+        G, the global value (after a run's closing sync, what every island ends with), in
+        the parameter's dtype; ``outer.global.<name>``, ``outer.momentum.<name>`` and
+        ``outer.pending.<name>`` are G in float32, the outer momentum and an ``async``
+        group's pending average, as a resume needs them (at a run's end: before its closing
+        sync); ``island.<island>.model.<name>``, ``island.<island>.start.<name>`` and
+        ``island.<island>.optimizer.<name>.<key>`` are each island's own parameters, its S
+        and its inner optimizer state.
 
         Raises:
             PeerFailureError: a peer failed while saving.
@@ -275,6 +248,12 @@ class Checkpointer:
     def load(self, step_dir: Path) -> int:
         """Load the checkpoint in ``step_dir`` into this rank; return its steps done
         (that state is then the saved one: it is not written again).
+
+        The RNG states are restored only under the same plan (another plan's ranks draw
+        from their seeded streams again; rank 0 says so). Under another plan with local
+        groups every rank takes ``model.<name>`` (G) and the outer state starts again from
+        it; under a plan without them the outer state is dropped. Either way the islands'
+        inner optimizer state of those parameters starts afresh.
 
         Raises:
             PlanMismatchError: the checkpoint lacks a name this rank holds, or a shape

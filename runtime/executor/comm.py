@@ -2,29 +2,15 @@
 
 Every tensor that crosses a cut is described in the plan (``CutSpec.tensors``: name, shape
 per sample, dtype, batch dimension, whether a gradient flows back). The sender checks each
-real tensor against that description before sending, so a mismatch is a
-``PlanMismatchError`` on the sender and never a hang or a garbled receive. Receivers
-allocate their buffers from the plan alone, sized per micro-batch (the last micro-batch of a
-replica may be smaller).
-
-Tensors travel as raw bytes (``uint8`` views of a contiguous copy), so every dtype arrives
-unchanged whatever the backend supports (``bool``, ``bfloat16``, ``int64`` ...). Only
-tensors whose spec says ``requires_grad`` get a gradient sent back. Sends are posted with
-``isend`` and completed at the end of the step (:meth:`StageComm.wait_sends`), receives with
-``irecv`` and waited when their action runs, so the 1F1B pattern cannot deadlock (see
-``hplan.runtime.contract.schedule.dry_run``). With gloo (``StageComm.post_ahead``) the receive of the
-next action is posted when the current one starts (:meth:`StageComm.post_activations_recv`,
-:meth:`StageComm.post_grads_recv`): gloo hands a message over only once its receive is
-posted, which costs a round trip of the two processes' wake-ups (on this project's 2-core
-VM 0.3-0.45 ms median, 4-6 ms at worst while the sender computes, for a message sent 10 ms
-earlier), and a receive posted ahead takes the bytes in while this rank computes. NCCL
-keeps program order (a receive posted early on a pair's stream would block the sends
-behind it).
-
-Link delay (``seams.LinkDelay``; a rehearsal's emulated links): when the delay covers the
-peer, the sender first sends a small header with the time the data may be used, and the
-receiver, once the bytes are in, waits until then (``LinkDelay.hold_until``). The sender is
-never blocked by the delay. Without one (real runs) no header travels.
+real tensor against that description before sending (:func:`check_boundary_tensors`), so
+a mismatch is a ``PlanMismatchError`` on the sender, never a hang or a garbled receive;
+receivers allocate their buffers from the plan alone, per micro-batch. Tensors travel as
+raw bytes (``uint8`` views of a contiguous copy), so every dtype arrives unchanged whatever
+the backend supports. Sends are posted with ``isend`` and completed at the end of the step
+(:meth:`StageComm.wait_sends`), receives waited for when their action runs, so the 1F1B
+pattern cannot deadlock (``contract.schedule.dry_run``). Under a rehearsal's link delay
+(``seams.LinkDelay``) the sender first sends a small header with the time the data may be
+used, and the receiver holds the bytes until then; real runs send no header.
 """
 
 from __future__ import annotations
@@ -171,7 +157,12 @@ class StageComm:
     delay: LinkDelay = field(default_factory=LinkDelay)
     """How long transfers must seem to take (``seams.LinkDelay``; default: as they are)."""
     post_ahead: bool = False
-    """Receives may be posted before their action runs (gloo; see the module docstring)."""
+    """Receives may be posted before their action runs (gloo): the receive of the next
+    action is posted when the current one starts (:meth:`post_activations_recv`,
+    :meth:`post_grads_recv`). gloo hands a message over only once its receive is posted,
+    which costs a round trip of the two processes' wake-ups; a receive posted ahead takes
+    the bytes in while this rank computes. NCCL keeps program order (a receive posted early
+    on a pair's stream would block the sends behind it)."""
     times: CommTimes = field(default_factory=CommTimes)
     _pending: list[tuple[dist.Work, int, str]] = field(default_factory=list)
     _posted: dict[tuple[str, int], _PostedRecv] = field(default_factory=dict)

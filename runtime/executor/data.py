@@ -3,17 +3,15 @@
 Every rank computes the same global batch for step ``t`` without talking to the others:
 
 - with ``dataset()``: sample order is a permutation of ``range(len(dataset))`` drawn from
-  ``seed + epoch``; an epoch has ``len(dataset) // global_batch_size`` steps and global batch
-  ``t`` of an epoch is slice ``[t * G, (t + 1) * G)`` of that permutation. **Drop-last
-  rule:** the ``len(dataset) % G`` samples at the end of an epoch's permutation are not used
-  in that epoch; the next epoch draws a new permutation, so no sample is dropped for good.
-- without it: ``sample_batch(G)`` under a per-step seed (the global RNG state is restored
-  afterwards).
+  ``seed + epoch``; an epoch has ``len(dataset) // G`` steps and global batch ``t`` of an
+  epoch is slice ``[t * G, (t + 1) * G)`` of that permutation. **Drop-last rule:** the
+  ``len(dataset) % G`` samples at the end of an epoch's permutation are not used in that
+  epoch; the next epoch draws a new permutation, so no sample is dropped for good.
+- without it: ``sample_batch(G)`` under a per-step seed (the global RNG state is restored).
 
 A replica takes samples ``[sample_offset, sample_offset + num_samples)`` of the global batch
-and cuts them into ``microbatch_sizes(num_samples, micro_batch_size)``. Inputs are bound to
-``forward`` parameter names; each stage gets only the graph inputs it reads, and the last
-stage also gets the targets.
+and cuts them into ``microbatch_sizes(num_samples, micro_batch_size)``; each stage gets only
+the graph inputs it reads, and the last stage also gets the targets.
 """
 
 from __future__ import annotations
@@ -57,9 +55,9 @@ def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:
 @functools.lru_cache(maxsize=2)
 def epoch_permutation(seed: int, epoch: int, num_samples: int) -> Tensor:
     """The sample order of ``epoch``: a permutation of ``range(num_samples)``, int64, shape
-    ``(num_samples,)``. Drawn once per epoch and kept (callers must not change it): drawn
-    every step it cost 7.1 ms of CPU a step for a dataset of a million samples (one thread,
-    the 2-core development machine), work torch's ``DistributedSampler`` does once an epoch."""
+    ``(num_samples,)``. Drawn once per epoch and kept (callers must not change it), as
+    torch's ``DistributedSampler`` does: drawn every step, it costs CPU time that grows with
+    the dataset."""
     generator = torch.Generator().manual_seed(seed + epoch)
     return torch.randperm(num_samples, generator=generator)
 
@@ -196,7 +194,7 @@ class BatchSource:
         with torch.random.fork_rng(devices=[]):
             # the CPU generator alone, the one fork_rng restores: torch.manual_seed also
             # queues a seed for every accelerator torch was built for, with a formatted
-            # Python stack each time (0.22 ms of CPU a step at the runtime's stack depth)
+            # Python stack each time
             torch.random.default_generator.manual_seed(self.seed * _STEP_SEED_STRIDE + step)
             return self.model_file.sample_batch(self.global_batch_size)
 

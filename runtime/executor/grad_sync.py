@@ -1,74 +1,16 @@
-"""Loss weighting and gradient all-reduce for heterogeneous data parallelism.
+"""Loss weighting, gradient all-reduce and clipping for heterogeneous data parallelism.
 
-Replicas process different numbers of samples and may split layers differently, so:
-
-- the last stage weights each micro-batch's loss by ``mb_samples / global_batch_size``
-  (:func:`loss_weight`; under local sync by its island's samples, below); the sum over all
-  micro-batches of all replicas is then the mean over the global batch, whatever each
-  replica's share;
-- each parameter's gradient is summed (all-reduce SUM) among exactly the ranks that hold
-  it: the ranks whose units list it in ``UnitSpec.params``. A parameter tied between two
-  stages of one replica (GPT's embedding and head) is summed across those stages too.
-
-One process group per distinct rank set that sums gradients every step (a holder set, or
-its part inside an island; ``holders.step_holder_sets``), created on every rank in the
-same sorted order (``torch.distributed.new_group`` is collective over the whole world),
-with the plan's process-group timeout (not torch's 30-minute default) (:func:`step_groups`;
-under ZeRO stage 1 the broadcasts of the updated optimizer shards run on them too,
-``zero.py``). Half-precision gradients are summed in float32 and cast back, so bf16 models
-work on gloo without loss of precision in the sum.
-
-Overlap with the backward pass (as torch DDP does; Li et al., "PyTorch Distributed", VLDB
-2020): a holder set's gradients are split into buckets of at most
-``link_model.BUCKET_CAP_BYTES`` wire bytes, in the reverse of the model's parameter order
-(``holders.grad_buckets``). A gradient is final after the rank's last backward pass of the
-step (the last backward action of its schedule); during that pass a
-``register_post_accumulate_grad_hook`` per parameter marks it done, and a bucket whose
-parameters are all done is flattened and its all-reduce launched (``async_op=True``).
-After the schedule :class:`GradSync` launches the buckets whose hooks never fired (a
-parameter that got no gradient this step: zeros, as a synchronous sum would add), waits
-for every bucket in launch order and writes the sums into ``.grad``; loss-scale unscaling
-and clipping follow, unchanged.
-
-Launch order, and why it cannot deadlock: all buckets of all holder sets lie in one global
-order, derived from the plan and canonical names alone (by the reversed model position
-of their first parameter), and every rank launches its own buckets as a subsequence of it:
-a bucket whose gradients are done waits until the rank's earlier buckets are out. With
-collectives on several groups, two ranks that issued them in opposite orders could each
-wait for the other (NCCL requires one order across communicators, and gloo's blocking
-calls would hang the same way); a single global order rules that out, since the
-earliest pending collective always has every holder ready to run it. The hooks never
-block: a pipeline peer may still be waiting for this rank's next send. The order matches
-the order in which a stage finalises its gradients (a stage is a contiguous range of
-units), so little overlap is lost; a tied weight (GPT's embedding, first used by the first
-unit) comes last on the rank holding the head, where its gradient is ready early.
-
-Islands that train on their own (``training.sync.local``: some cross-island holder set
-syncs by ``local_sgd`` or ``async``, ``executor/outer_sync.py``): each island's step is a
-step on its own samples. The last stage weights a micro-batch's loss by ``mb_samples /
-island_samples`` of its island (:func:`loss_denominator`), so an island's gradients are the
-mean over the island's samples; a local group's gradients are summed among its holders
-inside each island only (``holders.step_holders``; the buckets of those island parts take
-their places in the one global launch order above, ties broken by their ranks, which are
-disjoint, so the deadlock argument stands; the cross-island outer syncs come after every
-bucket of the step, on groups of their own, in one order too: ``outer_sync.py``). A holder
-set that spans islands and all-reduces every step still sums over all its holders, each
-rank scaling its contribution by ``island_samples / global_batch_size`` first
-(:attr:`GradBucket.scale`): the sum of the islands' means weighted by their samples is the
-global batch's mean, as without islands. Without a local group nothing changes: weights over the global batch,
-scale 1 (no multiplication), bit for bit the synchronous runtime.
-
-Gradient clipping (the model file's ``MAX_GRAD_NORM``, :class:`GradClip`): after the sum,
-every rank holds the full gradient of each of its parameters, so the whole model's L2
-norm is the square root of the sum over parameters, each counted once, on its lowest
-holder (the rank checkpoints save it from, ``contract/holders.py``), of its squared norm:
-one SUM all-reduce of one number over every rank. Each rank then scales all of its
-gradients as ``torch.nn.utils.clip_grad_norm_`` does (``clip_grads_with_norm_``). Under
-local sync the norm is the island's: each parameter counted once per island (on its lowest
-holder there), summed over the island's ranks on a group of their own, since an island's
-step is its own. A plan that also all-reduces some cross-island holder set every step
-cannot clip so (its copies, the same gradient scaled by each island's own factor, would
-drift apart): :func:`build_grad_clip` refuses it.
+Replicas process different numbers of samples and may split layers differently, so the last
+stage weights each micro-batch's loss by its share of the batch (:func:`loss_weight`), and
+each parameter's gradient is summed among exactly the ranks that hold it
+(``contract/holders.py``; a parameter tied between two stages of one replica, GPT's
+embedding and head, is summed across those stages too), on one process group per holder set
+(:func:`step_groups`). Half-precision gradients are summed in float32 and cast back. The
+sums overlap the last backward pass, as in torch DDP (Li et al., "PyTorch Distributed",
+VLDB 2020): buckets launched from post-accumulate-grad hooks in one global order
+(:class:`GradSync` says why it cannot deadlock). Islands that train on their own
+(``training.sync.local``, ``outer_sync.py``) weight and sum per island
+(:func:`loss_denominator`, :func:`contribution_scale`). Clipping: :class:`GradClip`.
 """
 
 from __future__ import annotations
@@ -120,7 +62,14 @@ def loss_weight(mb_samples: int, batch_samples: int) -> float:
 def loss_denominator(plan: Plan, rank: int) -> int:
     """The samples a step's loss is the mean over on ``rank``: its island's
     (``holders.island_samples``) when islands train on their own (``training.sync.local``),
-    else the global batch's."""
+    else the global batch's.
+
+    With islands an island's step is a step on its own samples: its gradients are the mean
+    over them, and a local group's gradients are summed among its holders inside each
+    island only (``holders.step_holders``); those island parts' buckets take their places
+    in the one global launch order (their ranks are disjoint). Without a local group
+    nothing changes: weights over the global batch, scale 1, bit for bit the synchronous
+    runtime."""
     sync = plan.training.sync
     if sync is None or not sync.local:
         return plan.global_batch_size
@@ -130,8 +79,8 @@ def loss_denominator(plan: Plan, rank: int) -> int:
 def contribution_scale(plan: Plan, rank: int, ranks: RankSet) -> float:
     """What ``rank`` multiplies its gradients by before summing them over ``ranks`` every
     step: ``island_samples / global_batch_size`` of its island when islands train on their
-    own and ``ranks`` spans islands (an ``all_reduce`` group: the sum is then the global
-    mean), else 1 (module docstring)."""
+    own and ``ranks`` spans islands (an ``all_reduce`` group: the sum of the islands' means
+    weighted by their samples is then the global batch's mean), else 1."""
     sync = plan.training.sync
     where = island_of_rank(plan)
     if sync is None or not sync.local or len({where[r] for r in ranks}) == 1:
@@ -208,10 +157,8 @@ class GradBucket:
     def finish(self) -> None:
         """Wait for the launched all-reduce and put the sums into ``.grad``: views of the
         summed buffer where a gradient's dtype is the wire's (no copy; the buffer lives
-        until ``zero_grad`` drops them), a converted copy otherwise. A copy per step cost
-        0.20 ms of CPU on the 0.54 M parameters of ``bench/real_cluster.py``'s MLP (a view
-        0.05 ms, both timed alone); DDP's buckets are no copies either with
-        ``gradient_as_bucket_view``.
+        until ``zero_grad`` drops them), a converted copy otherwise: a view saves a copy's
+        CPU time, as DDP's ``gradient_as_bucket_view`` does.
 
         Raises:
             PeerFailureError: a holder died or the all-reduce timed out.
@@ -256,7 +203,24 @@ def _unchanged(monotonic_s: float) -> float:
 
 class GradSync:
     """This rank's buckets, each launched as soon as the step's last backward pass has
-    finalised its gradients (see the module docstring).
+    finalised its gradients.
+
+    A holder set's gradients are split into buckets of at most
+    ``link_model.BUCKET_CAP_BYTES`` wire bytes, in the reverse of the model's parameter order
+    (``holders.grad_buckets``). A gradient is final after the rank's last backward pass of
+    the step; during that pass a ``register_post_accumulate_grad_hook`` per parameter marks
+    it done, and a bucket whose parameters are all done is flattened and its all-reduce
+    launched (``async_op=True``). The hooks never block: a pipeline peer may still be
+    waiting for this rank's next send.
+
+    Why it cannot deadlock: all buckets of all holder sets lie in one global order, derived
+    from the plan and canonical names alone, and every rank launches its own buckets as a
+    subsequence of it (a bucket whose gradients are done waits until the rank's earlier
+    buckets are out). Two ranks that issued collectives on several groups in opposite
+    orders could each wait for the other (NCCL requires one order across communicators, and
+    gloo's blocking calls hang the same way); under one global order the earliest pending
+    collective always has every holder ready to run it. The order follows the order in
+    which a stage finalises its gradients, so little overlap is lost.
 
     Per step: :meth:`arm` just before the rank's last backward pass, :meth:`finish` after
     its schedule. The hooks stay on the parameters until :meth:`close`.
@@ -314,9 +278,8 @@ class GradSync:
         this returns no sooner than the last bucket's end. Launch times are placed on the
         compute clock's timeline first (``timeline_s``, ``ComputeClock.timeline_s``: a
         rehearsal stretches its blocks). Counted from each holder's own arrival instead, a
-        holder that came early left as soon as the real reduction was done and started its
-        next all-reduce while the late ones still slept (in a rehearsal of two two-stage
-        replicas the tied embeddings' ring ended 4.2 ms apart on its holders).
+        holder that came early would leave as soon as the real reduction was done and start
+        its next all-reduce while the late ones still slept.
 
         Raises:
             PeerFailureError: a holder died or an all-reduce timed out.
@@ -369,7 +332,14 @@ def wire_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 
 @dataclass
 class GradClip:
-    """Global-norm gradient clipping of one rank (module docstring).
+    """Global-norm gradient clipping of one rank.
+
+    After the sum every rank holds the full gradient of each of its parameters, so the whole
+    model's L2 norm is the square root of the sum over parameters, each counted once on its
+    lowest holder (where checkpoints save it from), of its squared norm: one SUM all-reduce
+    of one number. Each rank then scales its gradients as ``torch.nn.utils.clip_grad_norm_``
+    does. Under local sync the norm is the island's (each parameter counted once per island,
+    summed on the island's group), since an island's step is its own.
 
     Every rank of the job must call :meth:`clip` once per step, after the gradient sync.
     """
@@ -432,7 +402,8 @@ def build_grad_clip(
 
     Raises:
         ConfigError: islands train on their own and some cross-island holder set
-            all-reduces every step (module docstring).
+            all-reduces every step (its copies, the same gradient scaled by each island's
+            own factor, would drift apart).
     """
     if max_norm is None:
         return None
@@ -514,7 +485,9 @@ def build_buckets(
 def step_groups(plan: Plan) -> dict[RankSet, dist.ProcessGroup | None]:
     """Create every gradient process group, one per rank set that sums gradients every
     step (``holders.step_holder_sets``), on every rank in that order (``new_group`` is
-    collective over the world: every rank must call this at the same point).
+    collective over the world: every rank must call this at the same point), with the plan's
+    process-group timeout (not torch's 30-minute default). ZeRO's broadcasts of the updated
+    shards run on them too (``memory/zero.py``).
 
     Raises:
         PeerFailureError: creating a group failed.

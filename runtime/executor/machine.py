@@ -2,24 +2,16 @@
 interface its process group talks over.
 
 **Threads.** torch starts as many intra-op threads as the CPUs it sees, not as many as the
-process may use: in a container or a Slurm job with a CPU quota of 0.45 cores it ran 2
-threads and trained at 0.35-0.44x the speed it had with one. :func:`set_rank_threads` gives
-each rank ``max(1, usable CPUs // ranks on this node)`` threads, unless the user set
-``OMP_NUM_THREADS``. The usable CPUs come from ``contract/cpus.py`` (affinity capped by
-the cgroup CPU quota, found also under ``ip netns exec``).
-
-torchrun sets ``OMP_NUM_THREADS=1`` itself when it starts more than one process per node
-(``torch/distributed/run.py``), so a rank cannot tell that value from the user's. The
-launch scripts export ``OMP_NUM_THREADS=1`` and ``HPLAN_AUTO_THREADS=1`` when the user set
-no ``OMP_NUM_THREADS`` (which also silences torchrun's banner); a rank then treats the value
-as unset.
+process may use (``contract/cpus.py``). :func:`set_rank_threads` gives each rank
+``max(1, usable CPUs // ranks on this node)`` threads, unless the user set
+``OMP_NUM_THREADS``. torchrun sets ``OMP_NUM_THREADS=1`` itself when it starts more than
+one process per node, so the launch scripts mark their own value with
+``HPLAN_AUTO_THREADS=1`` (:data:`AUTO_THREADS_ENV`).
 
 **Interfaces.** gloo and NCCL pick the address of the machine's hostname by default, which
-is a loopback address on many Linux installs and inside network namespaces: the peers are
-told to connect to 127.0.0.1 and fail. :func:`bind_interface` sets ``GLOO_SOCKET_IFNAME``
-or ``NCCL_SOCKET_IFNAME`` (the run's backend's), unless the user set it, to the node's
-interface in the plan (cluster.yaml ``interface``) or else to the interface that holds the
-node's address.
+is a loopback address on many Linux installs and inside network namespaces, so the peers
+would be told to connect to 127.0.0.1. :func:`bind_interface` sets the backend's
+``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME`` unless the user set it.
 """
 
 from __future__ import annotations
@@ -39,7 +31,9 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import NodeSpec, Plan
 
 AUTO_THREADS_ENV = "HPLAN_AUTO_THREADS"
-"""Set to ``1`` by the launch scripts when they, not the user, set ``OMP_NUM_THREADS``."""
+"""Set to ``1`` by the launch scripts when they, not the user, set ``OMP_NUM_THREADS``
+(which also silences torchrun's banner): a rank cannot tell torchrun's own ``1`` from the
+user's, so with this mark it treats the value as unset."""
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
 
 
@@ -143,7 +137,9 @@ class Binding:
 def bind_interface(
     node: NodeSpec, backend: str, env: MutableMapping[str, str] | None = None
 ) -> Binding:
-    """Point ``backend`` at this node's interface (module docstring); what it binds.
+    """Point ``backend`` at this node's interface, unless the user named one: the plan's
+    (cluster.yaml ``interface``), else the interface that holds the node's address; return
+    what it binds.
 
     Raises:
         ConfigError: the plan names an interface this machine does not have.

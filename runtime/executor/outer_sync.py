@@ -1,74 +1,17 @@
-"""Cross-island syncs of ``local_sgd`` and ``async`` groups (DiLoCo), on one rank.
+"""Cross-island syncs of ``local_sgd`` and ``async`` groups (DiLoCo; Douillard et al., 2023),
+on one rank.
 
-A plan's islands (``training.sync``) are nodes joined by fast links; a holder set that
-spans islands and syncs by ``local_sgd`` or ``async`` (a *local group*, ``SyncMode``)
-leaves each island to train on its own between outer syncs. Semantics:
-
-1. **Inner steps.** With a local group (``training.sync.local``) every island trains on its
-   own samples: the last stage weights a micro-batch's loss by ``mb_samples /
-   island_samples`` of its island (``grad_sync.loss_denominator``), gradients are summed
-   every step among the rank sets of ``holders.step_holders`` (a local group's holders
-   inside each island), and a holder set spanning islands that all-reduces every step has
-   each rank scale its contribution by ``island_samples / global_batch_size`` before the
-   sum, so it still gets the global batch's mean gradient (``grad_sync.py``). With
-   ``MAX_GRAD_NORM`` the norm is the island's. Without islands, or with no local group,
-   nothing changes.
-2. **local_sgd at a fragment's sync point.** Each rank keeps a host (CPU, float32) copy G of
-   the global values of the parameters of its local groups, and an outer optimizer over G:
-   ``torch.optim.SGD(lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=OUTER_MOMENTUM > 0)``
-   (model-file constants, ``capture/model_file.py``; defaults 0.7 and 0.9). Island i's
-   pseudo-gradient is ``Δ_i = G - L_i`` (L: the island's parameters). Their average
-   weighted by samples, ``Σ_i (n_i / N) Δ_i`` (n_i: ``island_samples``, N: the global
-   batch), is one SUM all-reduce over the whole holder set on a process group of its own:
-   the lowest holder inside each island contributes ``(n_i / N) Δ_i``, the island's other
-   holders zeros (a tied weight held twice in an island counts once), in the group's
-   ``wire_dtype`` (bfloat16: the contribution travels in bf16, the sum comes back to
-   float32). Then ``G.grad = average``, an outer step, and L ← G (in the parameter's dtype).
-   The inner optimizer's state stays each island's own.
-3. **Schedule.** A group's parameters (model order, ``holders.parameter_order``) are cut
-   into fragments (``holders.outer_fragments``); fragment f syncs after step s when ``(s + 1
-   + f * H // F) % H == 0`` (``holders.syncs_after``). Every rank visits its groups in
-   ``link_model.sync_order`` and each group's fragments in order. At the last step of a run
-   every fragment with local progress since its last sync point (one whose point was not
-   this step) syncs, blocking: the run ends with every island holding the same parameters.
-4. **async.** At fragment sync point k: ``Δ_k = S - L``, where S holds the fragment's local
-   parameters right after its previous merge (initially S = G = L); the weighted all-reduce
-   of ``Δ_k`` is launched (``async_op=True``); if the one launched at point k - 1 is
-   pending, G ← outer(G, avg_{k-1}) and L ← G - Δ_k (the island keeps its own in-flight
-   change of round k on top of the new globals); then S ← L. Staleness is one round. At the
-   end: the pending average is waited for and applied, what is left (``S - L``) syncs
-   blocking and is applied, and L ← G. This is ``local_sgd`` with each average applied one
-   round late: the outer optimizer sees the same kind of weighted pseudo-gradients, each
-   one round after it was computed. The wait for k - 1 comes just before k's launch (both
-   run on the group's one stream of collectives in that order anyway, so nothing travels
-   later; it lets a rehearsal's floor end first, 7.).
-5. **Failures.** An outer all-reduce that fails or times out (the plan's process-group
-   timeout) raises ``PeerFailureError`` in one line naming the ranks and islands, never a
-   hang.
-6. **Metrics.** The seconds a step spent in its outer syncs are ``outer_sync_time_s``
-   (``contract/metrics_file.py``): exposed time; an ``async`` all-reduce counts only where a
-   point waits for it.
-7. **Rehearsal.** A link delay's floor (``seams.LinkDelay.all_reduce_floor_s`` of the group
-   and the fragment's wire bytes) applies to every outer all-reduce, counted from when the
-   last holder launched it (a one-number MAX all-reduce of the launch times, as
-   ``grad_sync.GradSync`` does): a ``local_sgd`` sync blocks until then, an ``async`` one's
-   wait at the next point ends no sooner.
-8. **Checkpoints** (``checkpoint.py``) hold G, S, the outer optimizer's momentum and an
-   ``async`` group's pending average (waited for first), each island's own parameters and
-   inner optimizer state, so that a resume under the same plan continues exactly. The last
-   step's closing sync (3.) comes after the state a resume needs is taken
-   (:meth:`OuterSync.after_step` keeps it); the checkpoint's ``model.<name>`` of a local
-   group's parameter is G, after the closing sync what every island ends with.
-9. **--verify** compares one synchronous step of the whole global batch with one process; an
-   island's step is another computation, so a plan with a local group is refused
-   (:func:`check_verify`) rather than compared with something it does not compute.
-
-Deadlock: outer collectives run after the optimizer step, once every gradient bucket of
-the step has been waited for, on groups of their own, in one order every rank shares
-(groups by ``sync_order``, fragments in order, at the steps the schedule gives every holder
-alike); an ``async`` all-reduce in flight is waited for at its next point, in that same
-order, when every holder has launched it. So the collectives of all ranks stay a
-subsequence of one global order, as ``grad_sync.py`` argues for the buckets.
+A holder set that spans islands and syncs by ``local_sgd`` or ``async`` (a *local group*,
+``SyncMode``) leaves each island to train on its own samples between outer syncs
+(``grad_sync.py`` weights and sums per island). Each rank keeps a host float32 copy G of the
+global values of its local groups' parameters and an outer Nesterov SGD over G (``OUTER_LR``,
+``OUTER_MOMENTUM``: ``capture/model_file.py``). At a fragment's sync point the islands'
+pseudo-gradients are averaged, weighted by their samples, in one SUM all-reduce, and the
+outer step updates G, which every island continues from; ``async`` applies each average one
+round late, while the next round computes (:func:`_point` states both rules). The outer
+collectives run after the optimizer step, on groups of their own, in one order every rank
+shares (:class:`OuterSync`); a failed or timed-out one raises ``PeerFailureError`` naming the
+islands, never a hang.
 """
 
 from __future__ import annotations
@@ -152,8 +95,21 @@ class OuterFragment:
 
 
 class OuterSync:
-    """This rank's fragments of its local groups, in the one global order (module
-    docstring). Per step, after the optimizer step: :meth:`after_step`.
+    """This rank's fragments of its local groups. Per step, after the optimizer step:
+    :meth:`after_step`.
+
+    A group's parameters (model order, ``holders.parameter_order``) are cut into fragments
+    (``holders.outer_fragments``), each synced after the steps ``holders.syncs_after``
+    gives. Every rank visits its groups in ``link_model.sync_order`` and each group's
+    fragments in order, once every gradient bucket of the step has been waited for; an
+    ``async`` all-reduce in flight is waited for at its next point, in that same order. So
+    the collectives of all ranks stay a subsequence of one global order, as
+    ``grad_sync.GradSync`` argues for the buckets. In a rehearsal a link delay's floor
+    (``seams.LinkDelay.all_reduce_floor_s``) applies to every outer all-reduce, counted from
+    when the last holder launched it. Checkpoints hold G, S, the outer momentum and a
+    pending average, with each island's own parameters and inner optimizer state
+    (:meth:`shared_state`, :meth:`island_state`), so that a resume under the same plan
+    continues exactly.
 
     Args:
         keep_resume_state: at the last step, keep the state a resume needs before the
@@ -170,8 +126,9 @@ class OuterSync:
         self._resume: tuple[State, State] | None = None
 
     def after_step(self, step: int, *, last: bool) -> float:
-        """Sync the fragments due after ``step`` (and, when ``last``, close every fragment:
-        module docstring); return the seconds it took (0 when nothing was due).
+        """Sync the fragments due after ``step`` (and, when ``last``, close every fragment,
+        :func:`_close`, after keeping the state a resume needs); return the seconds it took
+        (0 when nothing was due).
 
         Raises:
             PeerFailureError: an outer all-reduce failed or timed out.
@@ -351,7 +308,22 @@ def _set_local(frag: OuterFragment, values: Sequence[Tensor]) -> None:
 
 
 def _point(frag: OuterFragment) -> None:
-    """One sync point of ``frag`` (module docstring, 2. and 4.)."""
+    """One sync point of ``frag``.
+
+    ``local_sgd``: island i's pseudo-gradient is ``Δ_i = G - L_i`` (L: the island's
+    parameters); their average weighted by samples, ``Σ_i (n_i / N) Δ_i`` (n_i:
+    ``island_samples``, N: the global batch), is one SUM all-reduce over the holder set: the
+    lowest holder inside each island contributes ``(n_i / N) Δ_i``, the island's other
+    holders zeros (a tied weight held twice in an island counts once), in the group's
+    ``wire_dtype`` (the sum comes back to float32). Then ``G.grad = average``, an outer
+    step, and L ← G. The inner optimizer's state stays each island's own.
+
+    ``async``, at point k: if the average launched at point k - 1 is pending, G ← outer(G,
+    avg_{k-1}); ``Δ_k = S - L`` (S: the local values right after the previous merge;
+    initially S = G = L) is launched without waiting; L ← G - Δ_k (the island keeps its own
+    in-flight change on top of the new globals); S ← L. This is ``local_sgd`` with each
+    average applied one round late (staleness one round).
+    """
     if not frag.is_async:
         deltas = [g - _host(p) for g, p in zip(frag.global_, frag.params, strict=True)]
         _apply(frag, _launch(frag, deltas))
@@ -368,7 +340,9 @@ def _point(frag: OuterFragment) -> None:
 
 
 def _close(frag: OuterFragment, progress: bool) -> None:
-    """The end of a run: apply what is pending, sync what is left (module docstring)."""
+    """The end of a run: apply what is pending, sync what is left (``progress``: the
+    fragment changed since its last sync point) blocking, and L ← G, so that the run ends
+    with every island holding the same parameters."""
     if frag.pending is not None:
         pending, frag.pending = frag.pending, None
         _apply(frag, pending)
@@ -470,9 +444,10 @@ def _fragments(
 
 
 def _outer_optimizer(global_: list[Tensor], model_file: ModelFile) -> torch.optim.SGD:
-    """Nesterov SGD over G (module docstring, 2.). With momentum, each buffer starts as
-    zeros: torch's first step sets it to the gradient, and ``0 * momentum + gradient`` is
-    that gradient bit for bit, so the state exists from the start (for checkpoints)."""
+    """Nesterov SGD over G (``OUTER_LR``, ``OUTER_MOMENTUM``). With momentum, each buffer
+    starts as zeros: torch's first step sets it to the gradient, and ``0 * momentum +
+    gradient`` is that gradient bit for bit, so the state exists from the start (for
+    checkpoints)."""
     momentum = model_file.outer_momentum
     optimizer = torch.optim.SGD(
         global_, lr=model_file.outer_lr, momentum=momentum, nesterov=momentum > 0
@@ -484,7 +459,8 @@ def _outer_optimizer(global_: list[Tensor], model_file: ModelFile) -> torch.opti
 
 
 def check_verify(plan: Plan) -> None:
-    """Refuse ``--verify`` for a plan with a local group (module docstring, 9.).
+    """Refuse ``--verify`` for a plan with a local group: it compares one synchronous step
+    of the whole global batch with one process, and an island's step is another computation.
 
     Raises:
         ConfigError: naming the plan's sync and the fix.

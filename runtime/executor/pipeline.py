@@ -1,21 +1,17 @@
 """One optimizer step of one rank: its pipeline schedule, loss, and backward passes.
 
 :class:`StepRunner` walks the rank's action list (``contract/schedule.py``): a forward
-receives the previous stage's boundary tensors, runs the stage on the graph inputs it reads
-and sends its outputs on, checked against the plan before any cast (only float32 outputs
-that travel in the autocast dtype are cast, ``contract.plan.wire_spec``); the last stage
-computes the weighted loss instead. A backward receives the gradients of those outputs,
-runs autograd and sends back the gradients of what it received. The gradient buckets are
-summed among their holders (``grad_sync.py``) as they become final in the last backward;
-then the optimizer steps (under ZeRO, its shards: ``zero.py``). Memory strategy
-``recompute`` re-runs the forward (same RNG state) in the backward. Every block runs in the
-rank's compute clock (``seams.ComputeClock``), which times it for the step's timeline.
+receives the previous stage's boundary tensors, runs the stage and sends its outputs on,
+checked against the plan before any cast (``contract.plan.wire_spec``); the last stage
+computes the weighted loss instead. A backward receives the gradients of those outputs, runs
+autograd and sends back the gradients of what it received. The gradient buckets are summed
+as they become final in the last backward (``grad_sync.py``); then the optimizer steps.
+Every block runs in the rank's compute clock (``seams.ComputeClock``).
 
-A failed action prints the replica's schedule as a rank-by-step table above its one-line
-error (:func:`schedule_table`). That table and :func:`pipelining_action` are the one adapter
-to ``torch.distributed.pipelining``: hplan builds its schedules itself but prints them in
-that module's notation (``1F3``: stage 1's forward of micro-batch 3), through private,
-alpha-marked names of torch that ``tests/runtime/test_schedule.py`` pins.
+A failed action prints the replica's schedule above its one-line error
+(:func:`schedule_table`, in ``torch.distributed.pipelining``'s notation: ``1F3`` is stage
+1's forward of micro-batch 3). It and :func:`pipelining_action` are the one adapter to that
+module, through private names of torch that ``tests/runtime/test_schedule.py`` pins.
 """
 
 from __future__ import annotations

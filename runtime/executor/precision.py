@@ -1,21 +1,16 @@
 """A rank's number format: autocast around its compute, TF32 switches, one shared loss scale.
 
-The plan gives every rank a ``Precision`` (``contract/plan.py``). Parameters, gradients and
-optimizer state keep the model's dtype; what changes is how the stage computes:
-
-- ``bf16`` / ``fp16``: the stage's forward (and its loss) runs under
-  ``torch.autocast(device_type, dtype)``; the backward replays the autocast ops' casts.
-  Floating boundary tensors travel in the autocast dtype (``contract.plan.wire_spec``).
-- ``tf32``: ``torch.backends.cuda.matmul.allow_tf32`` on this process (on a GPU); ``fp32``
-  leaves PyTorch's defaults (matmuls in float32, cuDNN convolutions in TF32).
+The plan gives every rank a ``Precision`` (``contract/plan.py`` says what each mode does).
+Parameters, gradients and optimizer state keep the model's dtype: ``bf16`` and ``fp16`` run
+the stage's forward (and its loss) under ``torch.autocast(device_type, dtype)``, whose casts
+the backward replays; ``tf32`` sets ``torch.backends.cuda.matmul.allow_tf32`` on a GPU.
 
 Loss scaling (Micikevicius et al., "Mixed Precision Training", ICLR 2018): when any rank of
 the plan computes in fp16, every rank holds a ``ShardedGradScaler`` (torch's GradScaler
 whose ``unscale_`` sums the non-finite flags over a process group). The last stages scale
-their loss; gradients cross stages and replicas at that scale (one scale everywhere, since
-every rank starts at the same scale and takes the same decisions); after the gradient sync
-each rank unscales its gradients, the flags are summed over *every* rank, and so a
-non-finite gradient anywhere skips the step on every rank and halves the scale everywhere.
+their loss; gradients cross stages and replicas at that one scale (every rank starts at it
+and takes the same decisions); after the gradient sync the flags are summed over *every*
+rank, so a non-finite gradient anywhere skips the step and halves the scale everywhere.
 """
 
 from __future__ import annotations

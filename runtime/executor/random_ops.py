@@ -2,17 +2,13 @@
 
 ``rehearse --verify`` compares one distributed step with one process on the whole global
 batch. Dropout draws its masks per micro-batch on each rank, in another order and shape
-than one process drawing them for the whole batch, so no seed makes the two agree. For the
-verified step only, both runs therefore run with every dropout probability set to 0
-(:class:`DropoutOff`); the steps after it use the model's own dropout.
-
-:class:`DropoutOff` is a ``torch.overrides.TorchFunctionMode``: it sees the dropout calls
-of eager code (``nn.Dropout``, ``F.dropout``, ``F.scaled_dot_product_attention``'s
-``dropout_p``, ``nn.MultiheadAttention``) and of traced graphs (``aten.dropout``,
-``aten.scaled_dot_product_attention``), and calls them with probability 0. A forward that
-draws other random numbers (``torch.randn``, ``F.rrelu``, ...) is found by
-:class:`RandomDraws`, a ``TorchDispatchMode`` that records every operator tagged
-``nondeterministic_seeded``; ``verify`` names them, since it cannot make them agree.
+than one process drawing them for the whole batch, so no seed makes the two agree: for the
+verified step only, both runs set every dropout probability to 0 (:class:`DropoutOff`, a
+``torch.overrides.TorchFunctionMode`` that sees the dropout calls of eager code, including
+``nn.MultiheadAttention`` and ``F.scaled_dot_product_attention``'s ``dropout_p``, and of
+traced graphs). A forward that draws other random numbers (``torch.randn``, ``F.rrelu``,
+...) is found by :class:`RandomDraws`; ``verify`` names them, since it cannot make them
+agree.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """The executor's two seams: a compute clock and a link delay, with do-nothing defaults;
 and its memory meter (:class:`MemoryMeter`).
 
-The executor runs a rank's real work and measures it; a rehearsal
-(``hplan.runtime.rehearsal``) emulates other hardware by plugging its own implementations
-into these two seams, and nowhere else:
+A rehearsal (``hplan.runtime.rehearsal``) emulates other hardware by plugging its own
+implementations into these two seams, and nowhere else:
 
 - :class:`ComputeClock` wraps every forward, backward and optimizer step of a rank. The
   default times real work: host clocks on a CPU (:class:`HostClock`), CUDA events on a GPU
   (:class:`CudaEventClock`: a host clock would time only the kernel launches, as the
-  kernels run asynchronously). At the end of a step the executor takes the step's spans
-  from the clock (:meth:`ComputeClock.take_spans`) for its metrics and timeline.
-- :class:`LinkDelay` says how long a point-to-point transfer or a gradient all-reduce
-  must seem to take; the base class adds nothing.
+  kernels run asynchronously).
+- :class:`LinkDelay` says how long a point-to-point transfer or a gradient all-reduce must
+  seem to take; the base class adds nothing.
 
-Both are called on the executor's hot path with a handful of Python operations; the
-defaults do no more than time the block.
+Both are on the executor's hot path; the defaults do no more than time the block.
 """
 
 from __future__ import annotations
@@ -344,10 +341,8 @@ BUILD_MODULES = (
     "torch.fx.experimental.symbolic_shapes",
 )
 """The parts of torch a rank's build imports on first use (its stage is traced with
-``torch.export`` on fake tensors, ``worker.rank_stage``): 37.8 MB of resident set with
-torch 2.13 on CPU (``VmRSS`` before and after importing them in a process that had
-imported hplan's runtime); a rehearsal rank's measured training memory fell by 38.7 MB
-once they were imported before its baseline (``bench/memory_rehearsal.py``, rank 0)."""
+``torch.export`` on fake tensors, ``worker.rank_stage``): their resident set belongs in
+the process's baseline, not in its training memory."""
 
 
 def preload_build_modules() -> None:

@@ -1,20 +1,15 @@
 """Local rank processes: started and supervised by ``torch.distributed.elastic``.
 
-A rehearsal runs every rank of a plan on this machine (``python -m hplan.runtime.rehearsal
-PLAN --rank R --dilation D ...``, one thread each); the local link measurement runs N ranks
-of ``python -m hplan.runtime.bandwidth``. Both start them with
+A rehearsal runs every rank of a plan on this machine (one thread each); the local link
+measurement runs N ranks of ``python -m hplan.runtime.bandwidth``. Both start them with
 ``torch.distributed.elastic.multiprocessing.start_processes`` (what torchrun itself uses):
 each process gets the ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` /
 ``MASTER_PORT`` that ``env://`` reads (rank 0 hosts the store on 127.0.0.1), its stderr in
-``<log>`` and its stdout in ``<log stem>.stdout.log``. :func:`supervise` polls the processes
-and calls ``on_poll`` between polls (a rehearsal prints each step once every rank has
-reported it); on the first failure torch's process context stops the others, and at the
-timeout this module does, with SIGKILL (a terminated supervisor first sends SIGTERM and
-gives the ranks ``PREEMPTION_GRACE_S`` to checkpoint); then one error is raised: the failed rank's own
-last error line, preferring a root cause over the peer failures it causes (any rank's log
-may hold it), or the timeout. A rehearsal rank that SIGKILL ended (the kernel's
-out-of-memory killer, a memory watchdog) is reported with its predicted and last measured
-memory (``contract/memory_use.py``).
+``<log>`` and its stdout in ``<log stem>.stdout.log``. :func:`supervise` polls them; on the
+first failure or at the timeout every rank is stopped, and one error is raised: the failed
+rank's own last error line, preferring a root cause over the peer failures it causes, or
+the timeout. A rank that SIGKILL ended (the out-of-memory killer, a memory watchdog) is
+reported with its predicted and last measured memory (``contract/memory_use.py``).
 """
 
 from __future__ import annotations
@@ -230,12 +225,9 @@ def released_heap_env() -> dict[str, str]:
 
     By default glibc raises its mmap threshold to the size of the largest block freed (up
     to 32 MiB), so tensors come from the heap, and the heap's freed memory stays resident:
-    a CPU rehearsal rank's peak resident set was 1.33-1.67x its predicted training memory
-    that way, against 0.92-1.13x with the threshold pinned (``bench/memory_rehearsal.py``),
-    and a plan that fits would fail the budget check on memory no tensor holds. The cost
-    is a page fault per page of each new tensor: the ranks' compute per step measured
-    1.25-1.49x slower (that bench, one run each), which is why plain rehearsals keep
-    glibc's default.
+    a plan that fits would fail the budget check on memory no tensor holds
+    (``bench/memory_rehearsal.py`` compares both). The cost is a page fault per page of
+    each new tensor, a slower compute, which is why plain rehearsals keep glibc's default.
     """
     if MMAP_THRESHOLD_ENV in os.environ:
         return {}
@@ -418,8 +410,14 @@ def supervise(
     """Run one process per rank until all end; on the first failure or at the timeout,
     stop them all and raise.
 
+    On the first failure torch's process context stops the others; at the timeout this
+    does, with SIGKILL (a terminated supervisor first sends SIGTERM and gives the ranks
+    ``PREEMPTION_GRACE_S`` to checkpoint).
+
     Args:
         args: per rank, the arguments after the Python interpreter.
+        on_poll: called between polls (a rehearsal prints each step once every rank has
+            reported it).
         logs: per rank, the file its stderr goes to.
         extra_env: variables every rank gets besides ``rank_env``'s.
         describe_kill: what to say of a rank that SIGKILL ended (default: ``killed by

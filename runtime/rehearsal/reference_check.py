@@ -1,43 +1,17 @@
 """Single-process reference training and the comparison behind ``rehearse --verify``.
 
-The reference runs the *full* model in one process on the *whole* global batch of a step:
-same seed, same data (``BatchSource``), same optimizer and LR scheduler as the ranks. What
-``verify`` checks of the ranks' first step (their ``--verify-dir`` dumps):
+The reference runs the *full* model in one process on the *whole* global batch of a step,
+with the ranks' seed, data, optimizer and LR scheduler (:func:`reference_steps`).
+:func:`verify_first_step` checks the ranks' first step, every copy of every parameter on
+every rank, by relative L2 difference (``||x_rank - x_ref|| / ||x_ref||``):
 
-1. **Gradients**, after the gradient sync, every copy of every parameter on every rank,
-   against one-process autograd: ``||g_rank - g_ref|| / ||g_ref||`` per parameter (L2 over
-   its elements) within :func:`gradient_tolerance` of its dtype. A parameter whose
-   reference gradient is round-off of a gradient that is zero in exact arithmetic (a key
-   bias before a softmax; see :data:`GRADIENT_FLOOR_EPS`) is measured against a floor
-   instead of its own norm.
-2. **Updates**, every copy of every parameter: the ranks' update ``p_rank - p_0`` against
-   the update the model file's own optimizer (and scheduler) makes in one process from the
-   same initial parameters and *the ranks' synced gradients*: ``||u_rank - u_ref|| /
-   ||u_ref||`` within :data:`UPDATE_TOLERANCE`.
-
-Why the update is checked on the ranks' gradients rather than on the reference's: an
-optimizer can turn a gradient difference far inside the gradient tolerance into a
-difference of the size of the whole step. Adam's first step is ``lr * g / (|g| + eps)``:
-where the exact gradient is 0, round-off of either sign becomes a step of up to ``lr``, so
-the updated parameters of a correct run differed by 6e-3 (relative) from one process. A
-tolerance scaled to each optimizer would have to know every optimizer; replaying the
-model file's own optimizer on the gradients the ranks used works for any of them, keeps
-the real optimizer (an SGD step instead would leave the first step's Adam state to the
-second), and the gradients themselves are checked against one-process autograd in (1).
-Together they say: the ranks computed the right gradients and applied the right update.
-
-Random operations: the verified step runs with dropout off in both runs
-(``executor/random_ops.py``); other random draws in the forward are recorded and named,
-since nothing here makes them agree.
-
-Data: the reference reads step 0's global batch again, in this process, after the ranks
-have finished. A model file's ``dataset()`` may read files (the GPT example trains on this
-repository's Markdown files), so an edit during the rehearsal gave the reference other
-samples than the ranks trained on, and a correct run failed by a third of a gradient
-(``make test`` while CHANGELOG.md was being written). So every rank dumps a fingerprint of
-its step-0 global batch and rank 0 its tensors (``executor/data.batch_digest``): ranks
-that disagree are refused (their run mixed data); when only the reference's batch differs,
-the reference runs on the ranks' batch, and a note says so.
+1. **Gradients** after the gradient sync, against one-process autograd, within
+   :func:`gradient_tolerance` of their dtype (above a floor, :data:`GRADIENT_FLOOR_EPS`).
+2. **Updates** ``p_rank - p_0``, against the model file's own optimizer replayed in one
+   process on *the ranks' synced gradients*, within :data:`UPDATE_TOLERANCE`: an optimizer
+   can turn a gradient difference far inside the tolerance into one the size of the whole
+   step (Adam's first step is ``lr * g / (|g| + eps)``), and the replay works for any
+   optimizer. Together: the right gradients, and the right update applied.
 """
 
 from __future__ import annotations
@@ -59,26 +33,21 @@ from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.random_ops import DropoutOff, RandomDraws
 
 GRADIENT_TOLERANCES = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2}
-"""Largest relative L2 difference of a parameter's gradient, by dtype. float32: the ranks
-and one process sum the same terms in another order (micro-batches, all-reduce); correct
-3-rank runs measured 1.2e-7 to 1.5e-7 (tiny GPT-2 and BERT with dropout, the late-inputs
-model), 3.4e-6 for BERT's key biases against their floor; a doubled gradient gives 1.
-bfloat16 (8 mantissa bits): 1.4e-2 measured on the runtime tests' bf16 MLP."""
+"""Largest relative L2 difference of a parameter's gradient, by dtype: the ranks and one
+process sum the same terms in another order (micro-batches, all-reduce), which correct runs
+keep far below these, while a doubled gradient gives 1; bfloat16 has 8 mantissa bits."""
 DEFAULT_GRADIENT_TOLERANCE = 5e-2
 """Other dtypes (float16, 10 mantissa bits): bfloat16's tolerance, the looser one."""
 GRADIENT_FLOOR_EPS = 10.0
 """A gradient's norm is measured against at least this many ``torch.finfo(dtype).eps`` of
 the model's typical gradient of a tensor its size (``sqrt(numel)`` times the RMS of every
 reference gradient element), so that a gradient that is zero in exact arithmetic, and
-round-off in both runs, does not count as a 100% difference. Tiny BERT at initialisation:
-its key biases (softmax ignores them) have gradients 5e-12 of the typical one, differing
-80% between ranks and one process; its smallest real gradients (the query weights) are
-2.2e-5 of it, above the float32 floor of 1.2e-6."""
+round-off in both runs (a key bias before a softmax), does not count as a 100% difference,
+while the smallest real gradients stay above the floor."""
 UPDATE_TOLERANCE = 1e-4
 """Largest relative L2 difference of a parameter's update against the model's optimizer
-replayed on the ranks' own gradients: the same arithmetic on the same numbers, measured 0
-(bit for bit) with AdamW, SGD and bf16 SGD; the margin is for optimizers whose kernels
-group parameters differently (``foreach``) on another device."""
+replayed on the ranks' own gradients: the same arithmetic on the same numbers; the margin is
+for optimizers whose kernels group parameters differently (``foreach``) on another device."""
 
 
 def gradient_tolerance(dtype: torch.dtype) -> float:
@@ -150,7 +119,7 @@ class WorstDifference:
     rank: int | None
     """The rank whose copy it is (a parameter held by several ranks is compared on each)."""
     relative_difference: float
-    """Its relative L2 difference (dimensionless; see the module docstring)."""
+    """Its relative L2 difference (dimensionless; :func:`relative_difference`)."""
     tolerance: float
     """Its tolerance (by dtype for gradients); the worst is the largest difference /
     tolerance."""
@@ -172,7 +141,7 @@ class WorstDifference:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """The verified first step of a rehearsal against one process (module docstring)."""
+    """The verified first step of a rehearsal against one process."""
 
     gradients: WorstDifference
     """Synced gradients against one-process autograd."""
@@ -301,7 +270,15 @@ def _step_zero_batch(source: BatchSource, ranks_batch: _RanksBatch | None) -> tu
 
 def verify_first_step(plan: Plan, model_file: ModelFile, verify_dir: Path) -> VerifyResult:
     """Compare the ranks' first step (``grads-rank-<r>.pt`` and ``params-rank-<r>.pt`` in
-    ``verify_dir``) with one process (module docstring).
+    ``verify_dir``) with one process: gradients and updates (module docstring).
+
+    The verified step runs with dropout off in both runs (``executor/random_ops.py``);
+    other random draws are recorded and named, since nothing here makes them agree. The
+    reference reads step 0's batch again after the ranks finished, and a model file's
+    ``dataset()`` may read files that changed meanwhile; so every rank dumps a fingerprint
+    of its step-0 batch and rank 0 its tensors (``executor/data.batch_digest``): ranks that
+    disagree are refused, and when only the reference's batch differs it runs on the
+    ranks' batch, with a note.
 
     Raises:
         ConfigError: a dump names a parameter the model lacks, or no rank holds one; the

@@ -1,43 +1,16 @@
 """Rehearsal: run every rank of a plan as a local CPU process, emulating the plan's hardware.
 
-Each rank runs ``python -m hplan.runtime.rehearsal PLAN --rank R ...`` (``__main__.py``:
-the executor's own rank, gloo on 127.0.0.1, one thread), whatever the plan's device kinds,
-started and supervised by ``launcher.py``. The emulation plugs into the executor's two
-seams (``emulation.py``):
-
-- compute, cpu plans: each forward/backward is stretched to ``dilation / relative_speed``
-  times its measured CPU time, where ``relative_speed`` is the rank's declared peak FLOP/s
-  relative to the plan's fastest device (``emulation.rank_speeds``); from the second step the
-  CPU time is the rank's own stage timed warm, back to back (``warm_compute.py``);
-- compute, GPU plans: each forward, backward and optimizer step lasts at least ``scale``
-  times the planner's prediction for that rank (``emulation.ComputeEmulation``): a CPU cannot
-  reproduce a GPU's speed curve, so the plan's hardware model is replayed and the runtime's
-  schedule, transfers and synchronisation are measured on top of it;
-- links: a point-to-point transfer reaches its receiver no sooner than
-  ``scale * (latency + bytes / bandwidth)`` after it was sent; an all-reduce takes at least
-  ``scale *`` the ring time over its group's slowest link;
-- ``scale = dilation * cpu_time_per_sample / report.reference_time_per_sample_s``: emulated
-  seconds per second of the plan's hardware. This keeps links and compute in the plan's
-  proportions (with a placeholder report, ``reference_time_per_sample_s == 0``, the scale is
-  just ``dilation``).
-
-``dilation`` is one global factor that makes the ranks' total CPU demand fit this machine:
-rank ``r`` computes a fraction ``speed_r / (speed_max * dilation)`` of the time, so
-``dilation >= margin * sum_r(speed_r / speed_max) / cores`` (and >= 1); otherwise the run
-would measure contention instead of the plan.
-
-``slowdown`` (``--slowdown box-b/1=1.4``) emulates a straggler: that device's compute lasts
-its factor times longer than the plan says, in both modes (``emulation.compute_emulation``).
-The rehearsal records dilation, time scale and slowdowns in ``<metrics_dir>/emulation.json``
-(``contract/emulation_file.py``)
-(the ranks read the slowdowns from it; ``hplan calibrate`` reads the time scale).
-
-The prediction in emulated units is ``predicted_step_time_s * scale``. ``verify=True``
-runs step 0 with dropout off on the ranks and in one process on the whole global batch, and
-compares every synced gradient and every parameter update by name
-(``reference_check.py``); the steps after it use the model's dropout. ``trace_path`` writes
-the last step's measured per-rank timeline as a Chrome trace in seconds of the plan's
-hardware (``contract/timeline_file.py``), the unit of ``hplan simulate --trace``.
+Each rank runs ``python -m hplan.runtime.rehearsal PLAN --rank R ...`` (``__main__.py``: the
+executor's own rank, gloo on 127.0.0.1, one thread), whatever the plan's device kinds,
+started and supervised by ``launcher.py``. The emulation (``emulation.py``) stretches
+compute (cpu plans: to each device's declared speed; GPU plans: to the planner's
+prediction) and delays transfers and all-reduces, in emulated seconds, ``scale`` of them
+per second of the plan's hardware (:func:`default_time_scale`). ``dilation``
+(:func:`default_dilation`) is one global factor that makes the ranks' total CPU demand fit
+this machine, so that the run measures the plan rather than contention. The emulation is
+recorded in ``<metrics_dir>/emulation.json`` (``contract/emulation_file.py``); ``verify``
+compares step 0 with one process (``reference_check.py``), and ``trace_path`` gets the last
+step's timeline in seconds of the plan's hardware (``contract/timeline_file.py``).
 """
 
 from __future__ import annotations
@@ -86,9 +59,8 @@ DILATION_MARGIN = 1.25
 MIN_DILATION = 4.0
 """The least default dilation. What a rehearsal does in real time besides the emulated
 compute and links (Python, gloo's hand-overs, process wake-ups) counts 1/dilation in the
-plan's seconds: the demo's GPU plan on 2 cores measured 0.83, 0.94, 0.98, 0.98 of its
-prediction at dilation 1.25 (the demand alone), 4, 8 and 16, in 6.7, 7.6, 10.2 and 13.4 s
-(a new user's trial on the same machine saw 0.45 at 1.25)."""
+plan's seconds: from about this dilation on it hardly shows, and higher ones only take
+longer."""
 
 
 @dataclass(frozen=True)
@@ -147,12 +119,15 @@ class RehearsalResult:
 # --------------------------------------------------------------------------- emulation
 def default_dilation(plan: Plan, num_cores: int, margin: float = DILATION_MARGIN) -> float:
     """Smallest dilation at which all ranks' CPU demand fits ``num_cores``, and at least
-    :data:`MIN_DILATION`."""
+    :data:`MIN_DILATION`: rank ``r`` computes a fraction ``speed_r / (speed_max * dilation)``
+    of the time, so ``dilation >= margin * sum_r(speed_r / speed_max) / cores``."""
     return max(MIN_DILATION, margin * sum(rank_speeds(plan)) / max(num_cores, 1))
 
 
 def default_time_scale(plan: Plan, dilation: float, cpu_time_per_sample_s: float) -> float:
-    """Emulated seconds per second of plan hardware (``dilation`` alone without a reference)."""
+    """Emulated seconds per second of plan hardware: ``dilation * cpu_time_per_sample_s /
+    report.reference_time_per_sample_s``, which keeps links and compute in the plan's
+    proportions (``dilation`` alone when the report has no reference time)."""
     reference_s = plan.report.reference_time_per_sample_s
     if reference_s <= 0:
         return dilation

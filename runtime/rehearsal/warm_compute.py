@@ -1,25 +1,16 @@
 """Warm compute times of a rank's own stage, for the stretched emulation of cpu plans.
 
 A rehearsal of a cpu plan slows each rank to its device's speed by sleeping after every
-forward, backward and optimizer step (``dilation - 1`` times its CPU time, and longer for
-slower devices). The block that follows a sleep runs with cold caches, evicted by the
-other ranks sharing the cores: on a 2-core VM the same forward took 1.1-1.4x its back-to-
-back CPU time, differently per phase, rank and run (``bench/cold_compute.py``), so
-stretching each block's own CPU time made the emulated devices slower than the cpus the
-plan describes, by a noisy amount.
-
-So after its first (warm-up) step each rank times its own stage back to back: a copy of
-the stage runs the forward and backward of the first micro-batch of each size it saw in
-that step (with the inputs, received activations and gradients of that step), and the
-optimizer steps a copy of its parameters; the ranks take turns, so each measures alone.
-They take :data:`ROUNDS` turns each, and a rank's time is the median of its rounds' least
-times: one round's least time moved by up to 30% from one rehearsal of a plan to the next
-on this project's 2-core VM (a last stage's forward 1.45-2.68 ms in six rehearsals), as the
-machine's speed wanders within seconds; the median of rounds spread over the ranks' turns
-follows the machine rather than one moment of it. From the second step on, a block lasts
-``stretch`` times that warm CPU time, or longer when its real compute takes longer. The
-copy keeps the run's parameters, gradients and random-number streams untouched
-(``--verify`` still compares step 0's gradients and updates).
+forward, backward and optimizer step. The block that follows a sleep runs with cold caches,
+evicted by the other ranks sharing the cores (``bench/cold_compute.py``), so stretching
+each block's own CPU time would make the emulated devices slower than the cpus the plan
+describes, by a noisy amount. So after its first (warm-up) step each rank times its own
+stage back to back (:class:`WarmTimer`): a copy of the stage runs the forward and backward
+of the first micro-batch of each size it saw in that step, with that step's inputs,
+activations and gradients, and the optimizer steps a copy of its parameters; the ranks
+take turns, so each measures alone, and a rank's time is the median of its rounds' least
+times (:data:`ROUNDS`), which follows the machine's wandering speed rather than one moment
+of it. The copy leaves the run's parameters, gradients and random-number streams untouched.
 """
 
 from __future__ import annotations

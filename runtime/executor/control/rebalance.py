@@ -2,18 +2,15 @@
 
 A plan shares the global batch by the speeds its profile predicted; a real node runs at its
 own speed, which drifts. Every sample has its place in the global batch whatever the shares
-(``data.py``: a replica takes samples ``[offset, offset + share)``, each micro-batch's loss
-weighted by its samples over the global batch), so moving samples between replicas between
-two steps leaves the summed gradient, and the training, as it was (up to the order of a
-float sum). :class:`ShareBalancer` does it for plans whose replicas are one stage each and
-sync every step (``Plan.fixed_shares_reason``): each rank posts the median speed of its last
-``WINDOW_STEPS`` steps (:func:`step_speed`) in the job's agreement after a step
-(``agreement.StepAgreement``); every rank reads the same values at the same step and takes
-the same new shares (:func:`balanced_shares`, within :func:`sample_caps`) from its next
-step when they shorten the predicted step by more than ``MIN_GAIN`` (values posted before
-the last change are stale). Each replica keeps its plan's number of micro-batches, cut
-evenly (:func:`even_cut`); pipelines, islands that train on their own and rehearsals keep
-the plan's shares.
+(``data.py``), so moving samples between replicas between two steps leaves the summed
+gradient, and the training, as it was (up to the order of a float sum).
+:class:`ShareBalancer` does it for plans whose replicas are one stage each and sync every
+step (``Plan.fixed_shares_reason``): each rank posts its replica's median speed
+(:func:`step_speed`) in the job's agreement after a step (``agreement.StepAgreement``);
+every rank reads the same values at the same step and takes the same new shares
+(:func:`balanced_shares`, within :func:`sample_caps`) from its next step when they shorten
+the predicted step by more than ``MIN_GAIN``. Each replica keeps its plan's number of
+micro-batches, cut evenly (:func:`even_cut`).
 """
 
 from __future__ import annotations
@@ -44,28 +41,14 @@ __all__ = [
 ]
 
 WINDOW_STEPS = 20
-"""The most recent steps whose median speed a rank posts. On ``bench/real_cluster.py`` a
-slow node's compute a sample moved by about 5% from step to step and by up to 10% between
-thirds of a 60-step run. With the median of the last 6 steps since the previous change, the
-MLP's first calibration run (quotas 0.9/0.45/0.45) changed its shares six times in 60 steps,
-back and forth (slow-a 913, 955, 924, 895, 988 samples). Replayed on three kept runs of
-each case with fixed shares (``bench/share_replay.py``: a step is the slowest rank's
-compute and fixed time), the last 20 steps changed them 0-4 times a run and shortened the
-MLP's steps by 2.1-3.2% against its calibrated shares (quotas 0.9 / 0.45 / 0.45; the best
-fixed split in hindsight 2.8-4.9%), -1.1 to +1.0% under equal quotas, the GPT's by -0.2 to
-+0.7% (one of its 96 sequences is 4% of a slow node's share; hindsight 0.6-1.8%)."""
+"""The most recent steps whose median speed a rank posts: enough that a node's step-to-step
+noise does not move samples back and forth (chosen on replays, ``bench/share_replay.py``)."""
 MIN_WINDOW_STEPS = 6
 """Steps a rank measures before it posts its speed at all."""
 MIN_GAIN = 0.03
 """New shares are taken only when they shorten the predicted step (compute and fixed time of
 the slowest replica) by more than this: the medians' noise must not move samples back and
-forth. At 2%, three identical nodes (``bench/real_cluster.py``, MLP, quotas 0.6 / 0.6 / 0.6)
-changed their shares two or three times a run on predicted gains of 2.0-3.0%, each change
-undone by a later one (1388 | 1339 | 1369 -> 1344 | 1383 | 1369 -> 1352 | 1348 | 1396 ->
-1393 | 1339 | 1364), while the fast node's first correction under quotas 0.9 / 0.45 / 0.45
-predicted 5-11%. Replayed (``bench/share_replay.py``, three runs of each case), 3% kept the
-MLP's gain under quotas 0.9 / 0.45 / 0.45 (1.8-3.2% against 2.1-3.2% at 2%) with fewer
-changes."""
+forth between identical nodes, while a real imbalance predicts more."""
 MAX_GROWTH = 1.25
 """A replica's micro-batches grow to at most this times the plan's (and within its rank's
 memory, :func:`sample_caps`): the plan's memory was checked at its own sizes."""
@@ -150,11 +133,8 @@ def balanced_shares(
 
 def step_speed(record: StepMetrics) -> ReplicaSpeed:
     """A step's sustained compute a sample and, under a binding CPU quota, all its CPU time
-    outside compute over the quota, else its optimizer step's wall time (module docstring).
-    On ``bench/real_cluster.py``'s MLP (quotas 0.9 / 0.45 / 0.45) a step's CPU outside
-    compute was 6.6-8.1 ms on every rank, the optimizer's 2.9-3.3 ms of it: the optimizer
-    alone left 3.6-4.8 ms of CPU a step out, 9-11 ms of a slow node's step and 4-5 ms of the
-    fast one's.
+    outside compute over the quota (the optimizer's alone would leave much of a step's
+    fixed time out), else its optimizer step's wall time.
 
     Raises:
         ValueError: the record has no samples.
@@ -198,8 +178,8 @@ def _usable(speed: ReplicaSpeed) -> bool:
 
 
 class ShareBalancer:
-    """One rank's view of the replicas' shares (module docstring); every rank of the job
-    holds one and they change together.
+    """One rank's view of the replicas' shares; every rank of the job holds one and they
+    change together (values posted before the last change are stale).
 
     Call :meth:`observe` after every step, :meth:`posted` for what to post in the exchange,
     and :meth:`agreed` with every agreement read; :meth:`sizes` and :meth:`offset` give the

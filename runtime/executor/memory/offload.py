@@ -1,31 +1,15 @@
 """Optimizer-state offload: the model file's optimizer stepped in host memory.
 
-A rank whose plan says ``optimizer_offload`` (``contract.plan.RankPlan``; the idea of
-ZeRO-Offload, Ren et al., USENIX ATC 2021, with ``torch.optim`` on the CPU in place of its
-fused CPU Adam) keeps, in host memory, a copy of each trainable parameter of its stage (a
-*host parameter*), a gradient buffer for it, and the optimizer state; on a CUDA device they
-are pinned, so that the copies are DMA transfers. The device keeps the parameters, the
-gradients and the activations, as without offload. Per step (:meth:`OffloadedOptimizer.step`),
-after the backward, the gradient sync, loss unscaling and clipping, which all act on the
-device's gradients as always:
-
-1. each gradient is copied into its host buffer (a parameter without a gradient gives its
-   host parameter none, so the optimizer skips it as it would on the device);
-2. the model file's optimizer, built as ``make_optimizer`` builds it (same class, same
-   param groups and hyperparameters) but over the host parameters, steps on the CPU;
-3. the updated host parameters are copied back into the device's parameters.
-
-The optimizer is the same code on the same numbers in the same order, so a CPU rank that
-offloads trains bit for bit as one that does not (the tests check it); on CUDA the step
-runs on the CPU's kernels instead of the GPU's, which agree to rounding.
-
-The host parameters are the masters between steps: whatever writes the device's
-parameters outside the step (a checkpoint being loaded) must say so
-(:meth:`OffloadedOptimizer.parameters_changed`), and the next step first copies them to
-the host. Checkpoints keep their format: ``state`` is keyed by the device's parameters
-(:class:`HostState`), so ``optimizer.<name>.<key>`` holds the same tensors as without
-offload, on the host; a job so resumes across plain and offloading plans. Not combined
-with ZeRO stage 1 or local sync (``Plan.verify`` refuses both).
+A rank whose plan says ``optimizer_offload`` (the idea of ZeRO-Offload, Ren et al., USENIX
+ATC 2021, with ``torch.optim`` on the CPU in place of its fused CPU Adam) keeps in host
+memory a copy of each trainable parameter of its stage, a gradient buffer for it and the
+optimizer state (pinned on CUDA, so that the copies are DMA transfers); the device keeps the
+rest, as without offload. The gradient sync, unscaling and clipping act on the device's
+gradients as always; :meth:`OffloadedOptimizer.step` then steps on the host. The optimizer
+is the same code on the same numbers, so a CPU rank that offloads trains bit for bit as one
+that does not. Checkpoints keep their format (:class:`HostState`), so a job resumes across
+plain and offloading plans. Not combined with ZeRO or local sync (``Plan.verify`` refuses
+both).
 """
 
 from __future__ import annotations
@@ -76,8 +60,11 @@ class HostState(MutableMapping[Tensor, Any]):
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
-    """The model file's optimizer stepping host copies of the device's parameters (module
-    docstring).
+    """The model file's optimizer stepping host copies of the device's parameters.
+
+    The host parameters are the masters between steps: whatever writes the device's
+    parameters outside the step (a checkpoint being loaded) must say so
+    (:meth:`parameters_changed`), and the next step first copies them to the host.
 
     Its param groups are the model file's optimizer's, over the device's parameters: what
     a loss scaler unscales, clipping reads, an LR scheduler changes and ``zero_grad``
@@ -111,6 +98,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # no closure form
         """Gradients to the host, the model file's optimizer there, parameters back.
+
+        Each gradient is copied into its host buffer (a parameter without a gradient gives
+        its host parameter none, so the optimizer skips it as it would on the device); the
+        model file's optimizer, built as ``make_optimizer`` builds it over the host
+        parameters, steps on the CPU; the updated host parameters are copied back into the
+        device's parameters.
 
         Raises:
             ValueError: a ``closure`` is given (the step is taken once, on given gradients).

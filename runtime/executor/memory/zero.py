@@ -1,84 +1,17 @@
 """ZeRO stages 1 and 2: each holder set's optimizer state (and under stage 2 its summed
-gradients) split among its ranks, in uneven shards.
+gradients) split among its ranks, in uneven shards (Rajbhandari et al., "ZeRO", SC 2020).
 
-Under ``training.zero_stage`` 1 (``contract.plan.ZeroStage``; Rajbhandari et al., "ZeRO",
-SC 2020, stage 1) the parameters that several ranks hold (a holder set,
-``holders.parameter_holders``) keep their optimizer state on one of them only, element by
-element: the set's trainable parameters in model order, laid end to end, form one flat
-vector, and rank r keeps the state of the elements ``bounds[r]`` of
-``holders.optimizer_shards`` (sizes follow each rank's ``optimizer_shard_weight``; a rank
-of weight 0 keeps none). Parameters held by one rank keep their whole state there.
-
-How a rank holds it (:func:`shard_optimizer`): the set's parameters become views of one
-flat buffer per optimizer param group and dtype (a :class:`ShardLeaf`; one per set in the
-common case of one group and one dtype), and the rank's slice of that buffer is a leaf
-parameter that the model file's own optimizer steps instead of the parameters it covers.
-The slice of a group's elements within the rank's slice of the set's vector is contiguous
-in the group's buffer (removing other groups' elements keeps the order), so every leaf is a
-view: no copy of the parameters, and the optimizer's in-place update is the parameters'.
-
-Per step:
-
-1. the gradients are summed as without ZeRO (``grad_sync.py``: every holder ends with the
-   whole summed gradient; ZeRO stage 1 shards no gradient), unscaled and clipped as
-   without it;
-2. :class:`ShardedOptimizer` copies each leaf's slice of the stage's gradients into the
-   leaf's ``.grad`` and steps the model file's optimizer on the leaves and on the rank's
-   unshared parameters;
-3. :class:`ShardSync` sends each member's updated slice to the set's other members, so that
-   every holder ends the step with the same full parameters.
-
-Why a broadcast from each member rather than one all-gather: torch's all-gather (gloo's
-above all) needs tensors of one size, so uneven shards would be padded to the largest one,
-and a 3:1 split of two ranks would move 1.5 times the vector; a broadcast from each member
-moves exactly its slice, straight into the receivers' parameters (no staging buffer, no
-padding), and a member without a slice sends nothing. (torch's NCCL all-gather of uneven
-sizes is such broadcasts too.) They run on the gradient process groups
-(``grad_sync.step_groups``), launched without waiting set by set in
-``holders.optimizer_shards`` order, each set's leaves and members in one order, the same on
-every rank, then waited for: the one global order of ``grad_sync.py``, so no deadlock. A
-rehearsal does not stretch them (``seams.LinkDelay`` emulates point-to-point transfers and
-the gradient all-reduces): they take what they take on its machine.
-
-ZeRO stage 2 (``ZeroStage.GRADIENTS``; Rajbhandari et al., SC 2020, section 5.2
-"P_os+g"): the same shards, and step 1 changes: each bucket of a holder set's gradients
-(``holders.grad_buckets``) is laid out in the set's order, so that every member's part of it
-is one contiguous range of the bucket (or a few, where a bucket is not one run of the set's
-vector), and each part is summed with ``dist.reduce`` to its member alone
-(:class:`ReducedBucket`) instead of all-reduced to every holder. A bucket's flat copy
-replaces its parameters' ``.grad`` as it is launched (they are final after the step's last
-backward, ``grad_sync.py``), and once its reductions are done the member copies its own part
-into its leaves' ``.grad`` and drops the rest: from then on no rank holds a summed gradient
-of a shared parameter, only its shard. Why ``dist.reduce`` per member rather than
-``reduce_scatter``: gloo has no reduce-scatter, and torch's takes one size per rank (uneven
-shards would be padded, as for the all-gather above); a reduce per member works on gloo and
-NCCL alike and moves each member's part once. Why the gradients still accumulate whole over
-the step's micro-batches: the replicas of a holder set run different numbers of
-micro-batches (their batch shares differ), so a reduction per micro-batch would not pair up
-across holders, and a hook that waited for a reduction inside the backward could deadlock
-with a pipeline peer (or a tied weight's other stage) still waiting for this rank's send.
-Under stage 2 the optimizer's param groups hold the rank's unshared parameters and its
-leaves, the tensors whose ``.grad`` it has: what the loss scaler unscales and checks for
-infinities, what clipping measures and scales (``training.py``: each element's gradient
-lives on one rank, so the global norm counts it once), what ``zero_grad`` clears.
-``--verify`` gathers the shards for its dump (:meth:`ShardSync.gathered_grads`).
-
-The optimizer must be elementwise: each element's update reads only that element's
-parameter, gradient and state, and hyperparameters shared by its param group (SGD with
-momentum, Adam, AdamW, Adagrad, RMSprop ... are). Then stepping the slices equals stepping
-the whole parameters bit for bit. Optimizers known not to be (:data:`NOT_ELEMENTWISE`) are
-refused. Param groups are kept: the model file's optimizer is built over the stage's
-parameters as always, and each group's sharded parameters are replaced by the leaves of
-that group, so its hyperparameters (weight decay only on matrices, say) and an LR
-scheduler's changes to them apply as without ZeRO.
-
-Checkpoints keep their format (``checkpoint.py``: ``optimizer.<name>.<key>``, the whole
-state of each parameter by canonical name): at a save each elementwise state tensor of a
-leaf is gathered to the set's lowest rank (:meth:`ShardSync.gathered_state`; padded to the
-largest slice, once per save), which saves its set's full state; at a load every member
-reads the full state of its set's parameters and keeps its slice
-(:meth:`ShardSync.load_state`). So a checkpoint written under ZeRO resumes under any plan,
-and one written without it resumes under ZeRO.
+A holder set's trainable parameters, in model order and laid end to end, form one flat
+vector; rank r keeps the optimizer state of the elements ``bounds[r]`` of
+``holders.optimizer_shards`` (sizes follow each rank's ``optimizer_shard_weight``). The
+parameters become views of one flat buffer per param group and dtype (:class:`ShardLeaf`),
+and the rank's slice of it is a leaf that the model file's own optimizer steps
+(:func:`shard_optimizer`, :class:`ShardedOptimizer`); :class:`ShardSync` then sends each
+member's updated slice to the others. Under stage 2 each gradient bucket is reduced to the
+members' parts (:class:`ReducedBucket`) instead of all-reduced to every holder. The
+optimizer must be elementwise, so that stepping the slices equals stepping the whole
+parameters bit for bit; checkpoints keep the format of a plan without ZeRO, so either
+resumes the other (:meth:`ShardSync.gathered_state`, :meth:`ShardSync.load_state`).
 """
 
 from __future__ import annotations
@@ -163,11 +96,19 @@ def shard_optimizer(
     params: Sequence[tuple[str, nn.Parameter]],
     make_optimizer: Callable[[Sequence[nn.Parameter]], Any],
 ) -> torch.optim.Optimizer:
-    """The model file's ``optimizer`` of this rank under ZeRO stage 1 (module docstring):
-    a :class:`ShardedOptimizer`, or ``optimizer`` itself when the rank shares no trainable
-    parameter with another rank. The shared parameters become views of their leaves'
-    buffers (``param.data``, in place; their values and shapes unchanged), which they must
-    stay: the stage is on its device already, and nothing may move it after this.
+    """The model file's ``optimizer`` of this rank under ZeRO: a :class:`ShardedOptimizer`,
+    or ``optimizer`` itself when the rank shares no trainable parameter with another rank.
+
+    The shared parameters become views of their leaves' buffers (``param.data``, in place;
+    their values and shapes unchanged), which they must stay: the stage is on its device
+    already, and nothing may move it after this. A group's elements within the rank's slice
+    of the set's vector are contiguous in the group's buffer (removing other groups'
+    elements keeps the order), so every leaf is a view: the optimizer's in-place update is
+    the parameters'. Param groups are kept (each group's sharded parameters replaced by its
+    leaves), so that their hyperparameters and an LR scheduler's changes apply as without
+    ZeRO. The optimizer must be elementwise: an element's update reads only its own
+    parameter, gradient and state, and its group's hyperparameters (SGD with momentum,
+    Adam, AdamW, Adagrad, RMSprop ... are).
 
     Args:
         optimizer: the model file's optimizer over every trainable parameter of ``params``,
@@ -279,7 +220,13 @@ def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """The model file's optimizer stepping this rank's shards (module docstring).
+    """The model file's optimizer stepping this rank's shards.
+
+    A step follows the gradient sync (under stage 1 every holder ends it with the whole
+    summed gradient; under stage 2 only its shard), unscaling and clipping: it copies each
+    leaf's slice of the gradients into the leaf's ``.grad`` and steps the model file's
+    optimizer on the leaves and on the rank's unshared parameters; :class:`ShardSync` then
+    sends the updated slices to the other holders.
 
     Its param groups are the model file's optimizer's, over the stage's parameters: what
     a loss scaler unscales, an LR scheduler changes and ``zero_grad`` clears. Its ``state``
@@ -357,7 +304,19 @@ def _elementwise(value: Any, leaf: ShardLeaf) -> bool:
 @dataclass(frozen=True)
 class ShardSync:
     """The collectives of this rank's shards: the updated slices to every holder after each
-    step, the state to and from checkpoints (module docstring).
+    step, the state to and from checkpoints.
+
+    A broadcast from each member rather than one all-gather: torch's all-gather (gloo's
+    above all) needs tensors of one size, so uneven shards would be padded to the largest;
+    a broadcast moves exactly the member's slice, straight into the receivers' parameters,
+    and a member without a slice sends nothing. They run on the gradient process groups
+    (``grad_sync.step_groups``), launched set by set in ``holders.optimizer_shards`` order,
+    each set's leaves and members in one order, the same on every rank, then waited for:
+    the one global order of ``grad_sync.py``, so no deadlock. A rehearsal does not stretch
+    them (``seams.LinkDelay`` emulates point-to-point transfers and the gradient
+    all-reduces). Checkpoints keep the format of ``checkpoint.py`` (``optimizer.<name>.<key>``,
+    each parameter's whole state): a save gathers each leaf's state on the set's lowest
+    rank, a load keeps each member's slice.
 
     Every method is collective among the members of each of the rank's holder sets and
     must be called by every rank of the job.
@@ -587,8 +546,18 @@ class _Segment:
 class ReducedBucket(GradBucket):
     """A gradient bucket under ZeRO stage 2: laid out in its holder set's order and summed
     by ``dist.reduce`` of each member's part to that member alone, which keeps it in its
-    leaves' ``.grad`` (module docstring). Launched, waited for and timed as any bucket
-    (``grad_sync.GradSync``)."""
+    leaves' ``.grad``. Launched, waited for and timed as any bucket (``grad_sync.GradSync``).
+
+    Each member's part is one contiguous range of the bucket (or a few, where a bucket is
+    not one run of the set's vector). The flat copy replaces its parameters' ``.grad`` at
+    launch; after the reductions no rank holds a summed gradient of a shared parameter, only
+    its shard. A reduce per member rather than ``reduce_scatter``: gloo has none, and
+    torch's takes one size per rank (uneven shards would be padded). The gradients still
+    accumulate whole over the step's micro-batches: the replicas of a holder set run
+    different numbers of micro-batches, so a reduction per micro-batch would not pair up
+    across holders, and a hook that waited for a reduction inside the backward could
+    deadlock with a pipeline peer still waiting for this rank's send.
+    """
 
     segments: tuple[_Segment, ...] = ()
     _flat: Tensor | None = field(default=None, repr=False)
