@@ -201,7 +201,9 @@ def in_flight_microbatches(
     """
     if schedule is Schedule.GPIPE:
         if num_microbatches is None:
-            raise ValueError("under GPipe the micro-batches in flight are all of them: give the count")
+            raise ValueError(
+                "under GPipe the micro-batches in flight are all of them: give the count"
+            )
         return num_microbatches
     most = num_stages - stage
     return most if num_microbatches is None else min(most, num_microbatches)
