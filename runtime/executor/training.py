@@ -56,7 +56,7 @@ from hplan.runtime.executor.memory.zero import (
 from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
-from hplan.runtime.executor.rendezvous import barrier, rank_device
+from hplan.runtime.executor.rendezvous import barrier, rank_device, under_torchrun
 from hplan.runtime.executor.seams import (
     MemoryMeter,
     Seams,
@@ -112,6 +112,9 @@ def run_rank(
         _train(plan, rank, model_path, options, seams)
     except PeerFailureError:
         cause = heartbeat.blame() if heartbeat is not None else None
+        if heartbeat is not None and rank == 0 and not under_torchrun():
+            heartbeat.stop()  # this process hosts the job's store: the others may
+            heartbeat.linger()  # still be reading it to name the rank that failed
         if cause is None:
             raise
         raise PeerFailureError(cause) from None  # the rank that stopped, not its symptom

@@ -34,6 +34,10 @@ __all__ = ["HEARTBEAT_INTERVAL_S", "Heartbeat", "Preemption"]
 HEARTBEAT_INTERVAL_S = 1.0
 """How often a rank beats and looks at the others."""
 
+LINGER_INTERVALS = 5
+"""At most this many heartbeat intervals the store's host waits for its peers after a
+failure (:meth:`Heartbeat.linger`)."""
+
 _ENDED = -(1 << 40)
 """Added to a rank's counter when it stops beating on purpose (the counter turns negative)."""
 
@@ -141,6 +145,34 @@ class Heartbeat:
         self._thread.join(timeout=self.interval_s * 2)
         with contextlib.suppress(Exception):  # the store may be gone already
             self._store.add(str(self.rank), _ENDED)
+
+    def linger(self, grace_s: float | None = None) -> None:
+        """After :meth:`stop`, on the rank whose process hosts the job's store: wait until
+        every peer has ended its heartbeat or fallen silent for two intervals, at most
+        ``grace_s`` (default :data:`LINGER_INTERVALS` intervals), so that a peer still
+        naming who failed (:meth:`blame`) reads the store instead of losing it."""
+        deadline_s = time.monotonic() + (grace_s or LINGER_INTERVALS * self.interval_s)
+        with self._lock:
+            seen = dict(self._last)
+        while time.monotonic() < deadline_s:
+            try:
+                counts = [self._store.add(str(p.rank), 0) for p in self._peers]
+            except Exception:  # gone already: nothing to wait for
+                return
+            now_s = time.monotonic()
+            waiting = False
+            for peer, count in zip(self._peers, counts, strict=True):
+                if count < 0:  # ended its heartbeat
+                    continue
+                last = seen.get(peer.rank)
+                if last is None or last[0] != count:
+                    seen[peer.rank] = (count, now_s)
+                    waiting = True
+                elif now_s - last[1] < 2 * self.interval_s:
+                    waiting = True
+            if not waiting:
+                return
+            time.sleep(self.interval_s / 10)
 
     def blame(self) -> str | None:
         """Who ended the job, in one line, once a collective or a transfer failed: a peer
