@@ -513,24 +513,32 @@ def offload_generator(run: _Run, family: Family) -> None:
 
 def _zero_gate(run: _Run, family: Family) -> str:
     """Why the ZeRO generator does not run (empty: it runs)."""
-    if family.zero is Policy.NEVER:
-        return "--zero never"
-    if family.zero is Policy.ALWAYS:
-        return ""
-    ranked = run.ranked(family, Pool.SYNCHRONOUS)
-    return "" if memory_binds(run.problem, ranked) else "memory does not bind the best layout"
+    return _policy_gate(
+        family.zero,
+        "--zero never",
+        lambda: memory_binds(run.problem, run.ranked(family, Pool.SYNCHRONOUS)),
+        "memory does not bind the best layout",
+    )
 
 
 def _offload_gate(run: _Run, family: Family) -> str:
     """Why the offload generator does not run (empty: it runs)."""
-    if family.offload is Policy.NEVER:
-        return "--offload never"
-    if family.offload is Policy.ALWAYS:
+    return _policy_gate(
+        family.offload,
+        "--offload never",
+        lambda: nothing_cheaper_fits(run.problem, run.ranked(family, Pool.SYNCHRONOUS)),
+        "a layout without offload uses every device that could need it",
+    )
+
+
+def _policy_gate(policy: Policy, never: str, pays: Callable[[], bool], why_not: str) -> str:
+    """A strategy's gate: shut under ``never``, open under ``always``, and under ``auto``
+    open where ``pays()`` says it may (``why_not`` otherwise)."""
+    if policy is Policy.NEVER:
+        return never
+    if policy is Policy.ALWAYS or pays():
         return ""
-    ranked = run.ranked(family, Pool.SYNCHRONOUS)
-    if nothing_cheaper_fits(run.problem, ranked):
-        return ""
-    return "a layout without offload uses every device that could need it"
+    return why_not
 
 
 def _open(run: _Run, family: Family) -> str:

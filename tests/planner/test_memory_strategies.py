@@ -18,28 +18,14 @@ from hplan.planner.solve.solver import solve, uniform_strategies
 from hplan.planner.solve.validate import layout_problems
 from hplan.runtime.contract.errors import InfeasiblePlanError
 from tests.fixtures.brute_force import brute_force
-from tests.fixtures.problems import GB, Dev, make_problem
+from tests.fixtures.problems import GB, Dev, make_problem, recompute_bound_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False)
 
 
 def _recompute_problem(policy: Policy = Policy.AUTO):  # type: ignore[no-untyped-def]
-    """Two 2.6 GB devices, 4 units of 0.25 GB static and 0.5 GB/sample of activations each:
-    no device holds the whole model; a two-stage pipeline keeping its activations fits
-    micro-batch 1 only (stage 0 holds two micro-batches in flight), and with stage 0
-    recomputing micro-batch 2 fits. Each micro-batch costs a fixed 10 s (larger is cheaper
-    per sample)."""
-    problem = make_problem(
-        [Dev("a", 1.0, 2.6 * GB), Dev("a", 1.0, 2.6 * GB)],
-        unit_work=[1.0] * 4,
-        global_batch_size=4,
-        micro_batch_sizes=(1, 2, 4),
-        static_bytes=0.25 * GB,
-        act_bytes_per_sample=0.5 * GB,
-        cut_bytes_per_sample=1e6,
-        per_microbatch_overhead_s=10.0,
-    )
-    return replace(problem, recompute=policy)
+    """``recompute_bound_problem`` under ``policy``."""
+    return replace(recompute_bound_problem(), recompute=policy)
 
 
 def test_a_stage_recomputes_where_only_recomputing_fits_a_faster_micro_batch() -> None:

@@ -17,7 +17,7 @@ from hplan.planner.solve.strategy import MIXED, Pool, families, generate
 from hplan.planner.solve.validate import layout_problems
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import SolverStatus
-from tests.fixtures.problems import GB, Dev, make_problem
+from tests.fixtures.problems import GB, Dev, make_problem, recompute_bound_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False)
 
@@ -31,19 +31,9 @@ def _three_devices():  # type: ignore[no-untyped-def]
 
 
 def _memory_bound():  # type: ignore[no-untyped-def]
-    """Two 2.6 GB devices that hold the model only as a pipeline that recomputes (the
+    """A problem held only by a pipeline that recomputes, with optimizer state to shard (the
     mixed search's best is memory-shaped, so every gate opens)."""
-    problem = make_problem(
-        [Dev("a", 1.0, 2.6 * GB), Dev("a", 1.0, 2.6 * GB)],
-        unit_work=[1.0] * 4,
-        global_batch_size=4,
-        micro_batch_sizes=(1, 2, 4),
-        static_bytes=0.25 * GB,
-        act_bytes_per_sample=0.5 * GB,
-        cut_bytes_per_sample=1e6,
-        grad_bytes=0.05 * GB,
-        per_microbatch_overhead_s=10.0,
-    )
+    problem = recompute_bound_problem(grad_bytes=0.05 * GB)
     return replace(problem, optimizer_state_bytes=problem.static_memory_bytes / 2)
 
 
