@@ -35,6 +35,9 @@ class PhaseProgress:
     def __init__(self, console: Console, phase_of: Callable[[str], str]) -> None:
         self._console = console
         self._phase_of = phase_of
+        self.created_s = time.monotonic()
+        """When planning began (``time.monotonic``): what came before is the command's
+        start (imports, option checks)."""
         self._progress = Progress(
             SpinnerColumn(),
             TextColumn("{task.description}"),

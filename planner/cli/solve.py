@@ -331,9 +331,9 @@ def print_plan(
     as_json: bool,
 ) -> None:
     """Print the plan's summary and the command's total wall time (since ``started_s``,
-    ``time.monotonic``) on stderr, each phase's time and the solver's steps' (``solve 3.1 s
-    (generate 2.8 s, evaluate ...)``), and (``as_json``) a JSON summary with every phase's
-    and pass's time on stdout."""
+    ``time.monotonic``) on stderr: the command's start (imports, option checks), each
+    phase's time and the solver's steps' (``solve 3.1 s (generate 2.8 s, ...)``); with
+    ``as_json`` a JSON summary with every phase's and pass's time on stdout."""
     from hplan.planner.api import SOLVE_PASSES
     from hplan.planner.emit.render import print_text, wide_console
 
@@ -345,7 +345,8 @@ def print_plan(
         for name in SOLVE_PASSES
         if name in progress.pass_times_s
     )
-    phases = " · ".join(
+    start_s = progress.created_s - started_s
+    phases = f"start {format_seconds(start_s)} · " + " · ".join(
         f"{name} {format_seconds(t)}" + (f" ({steps})" if name == "solve" and steps else "")
         for name, t in phase_times_s.items()
     )
@@ -375,6 +376,7 @@ def print_plan(
             "num_devices": len(outcome.plan.cluster.devices),
             "phase_times_s": phase_times_s,
             "pass_times_s": progress.pass_times_s,
+            "start_time_s": start_s,
             "total_time_s": total_s,
         }
         click.echo(json.dumps(summary, indent=2))

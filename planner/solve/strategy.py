@@ -31,7 +31,7 @@ from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.search import Candidate, SearchOutcome, SolveOptions, search
 from hplan.planner.solve.sync_choice import SyncRequest
 from hplan.planner.solve.validate import layout_problems
-from hplan.planner.solve.watchdog import run_with_deadline
+from hplan.planner.solve.watchdog import KILL_GRACE_S, run_with_deadline
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
 
 __all__ = [
@@ -368,7 +368,7 @@ SIMULATED_CANDIDATES = 5
 """How many of a pool's best distinct layouts the simulator re-times (and the uniform gate
 looks at)."""
 
-FIRST_SEARCH_SHARE = 0.6
+FIRST_SEARCH_SHARE = 0.8
 """The request's own search gets this share of the time left when other searches may follow
 it (ZeRO, offload, the uniform families); each later one gets :data:`LATER_SEARCH_SHARE` of
 what is left then (what none of them uses goes to the steps after generation)."""
@@ -642,7 +642,8 @@ def generate(
     bound: list[float] = []
     items, finished = run_with_deadline(
         lambda deadline, report: _generate_all(problem, options, deadline, report),
-        max(deadline_s - time.monotonic(), 0.05),
+        # the child's own deadline is ``deadline_s``; the kill comes a grace after it
+        max(deadline_s - time.monotonic(), 0.05) + KILL_GRACE_S,
         use_child=options.watchdog,
         meanwhile=None if meanwhile is None else (lambda: bound.append(meanwhile())),
     )

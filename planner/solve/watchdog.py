@@ -24,7 +24,7 @@ from hplan.runtime.contract.errors import ConfigError, HplanError
 
 MAX_TIME_LIMIT_S = 86_400.0
 """An infinite or larger limit is treated as one day."""
-_GRACE_S = 1.0
+KILL_GRACE_S = 1.0
 """Head-room between the search's own deadline and the kill."""
 _POLL_S = 0.5
 
@@ -52,7 +52,7 @@ def run_with_deadline(
     """Call ``work(deadline, report)``; return (reported items, finished in time).
 
     ``work`` must stop by ``deadline`` (a ``time.monotonic()`` value) on its own; with
-    ``use_child`` it runs in a child process that is killed ``_GRACE_S`` after the
+    ``use_child`` it runs in a child process that is killed ``KILL_GRACE_S`` after the
     limit if it does not. HplanErrors raised by ``work`` propagate.
 
     ``meanwhile`` (no arguments; it keeps its own result) runs in this process while the
@@ -62,7 +62,7 @@ def run_with_deadline(
     """
     start = time.monotonic()
     limit_s = checked_time_limit_s(time_limit_s)
-    deadline = start + max(limit_s - _GRACE_S, limit_s / 2)
+    deadline = start + max(limit_s - KILL_GRACE_S, limit_s / 2)
     if not use_child or "fork" not in mp.get_all_start_methods():
         items: list[object] = []
         with stdout_to_devnull():
