@@ -348,7 +348,8 @@ def _checked_trace(
             f"the model traced from {model_file.path} has graph fingerprint "
             f"{fingerprint[:12]}, the plan was made for "
             f"{plan.model.graph_fingerprint[:12]} (its graph or its parameter shapes differ); "
-            "re-run `hplan solve` with this model file"
+            "re-run `hplan solve` with this model file, or give the run the environment "
+            "variables the model file read when it was planned"
         )
     return traced
 
