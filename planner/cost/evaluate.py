@@ -190,7 +190,10 @@ def stage_memory_bytes(
     chosen = set(recompute_units)
     acts = stage_activation_bytes(
         [float(problem.activation_bytes_per_sample[u]) for u in range(start, stop)],
-        [unit_input_bytes_per_sample(problem, u) for u in range(start, stop)],
+        [
+            unit_input_bytes(problem, u, micro_batch_size) / micro_batch_size
+            for u in range(start, stop)
+        ],
         [u in chosen for u in range(start, stop)],
         micro_batch_size,
         in_flight,
@@ -198,9 +201,9 @@ def stage_memory_bytes(
     )
     buffers = 0.0
     if start > 0:
-        buffers += 2 * problem.cut_bytes_per_sample[start - 1] * micro_batch_size
+        buffers += 2 * problem.cut_bytes(start - 1, micro_batch_size)
     if stop < problem.num_units:
-        buffers += 2 * problem.cut_bytes_per_sample[stop - 1] * micro_batch_size
+        buffers += 2 * problem.cut_bytes(stop - 1, micro_batch_size)
     return float(static + acts + buffers)
 
 
@@ -240,10 +243,11 @@ def max_microbatches(
     return most
 
 
-def unit_input_bytes_per_sample(problem: PlanningProblem, unit: int) -> float:
-    """Bytes per sample of the boundary before ``unit`` (the cut after ``unit - 1``; 0 for
-    the first): what a recomputed unit keeps of each micro-batch in flight."""
-    return float(problem.cut_bytes_per_sample[unit - 1]) if unit > 0 else 0.0
+def unit_input_bytes(problem: PlanningProblem, unit: int, micro_batch_size: int) -> float:
+    """Bytes of one micro-batch of the boundary before ``unit`` (the cut after ``unit - 1``,
+    ``PlanningProblem.cut_bytes``; 0 for the first): what a recomputed unit keeps of each
+    micro-batch in flight."""
+    return problem.cut_bytes(unit - 1, micro_batch_size) if unit > 0 else 0.0
 
 
 @functools.lru_cache(maxsize=1 << 16)

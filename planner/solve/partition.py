@@ -26,7 +26,6 @@ import numpy as np
 from hplan.planner.cost.evaluate import (
     link_time_s,
     max_microbatches,
-    unit_input_bytes_per_sample,
 )
 from hplan.planner.cost.layout import StageLayout
 from hplan.planner.cost.microbatch import pipeline_period_s
@@ -133,7 +132,7 @@ class Partitioner:
             axis=1,
         )
         self._cut = np.concatenate([[0.0], p.cut_bytes_per_sample, [0.0]])
-        self._unit_input = np.array([unit_input_bytes_per_sample(p, u) for u in range(p.num_units)])
+        self._cut_fixed = np.concatenate([[0.0], p.cut_fixed_array(), [0.0]])
         idx = np.arange(p.num_units + 1)
         self._nonempty = idx[:, None] < idx[None, :]
         self._strategies: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -149,8 +148,13 @@ class Partitioner:
         activation bytes per micro-batch (``evaluate.stage_memory_bytes``'s parts)."""
         static = self._static_cum[None, :] - self._static_cum[:, None]
         per_microbatch = (self._act_cum[None, :] - self._act_cum[:, None]) * b
-        cut = self._cut
-        return static + 2 * b * (cut[:, None] + cut[None, :]), per_microbatch
+        cut = self._cut_bytes(b)
+        return static + 2 * (cut[:, None] + cut[None, :]), per_microbatch
+
+    def _cut_bytes(self, b: int) -> np.ndarray:
+        """(U+1,) bytes of one micro-batch of ``b`` samples crossing a cut at position j
+        (after unit j-1; 0 at both ends): batched tensors per sample, the others once."""
+        return self._cut * b + self._cut_fixed
 
     def _memory_ok(
         self, device: int, b: int, in_flight: int, recompute: bool = False
@@ -159,7 +163,7 @@ class Partitioner:
         fixed, per_microbatch = self._memory(b)
         # Recomputing keeps each in-flight micro-batch's input and one's activations.
         acts = (
-            per_microbatch + self._cut[:, None] * b * in_flight
+            per_microbatch + self._cut_bytes(b)[:, None] * in_flight
             if recompute
             else per_microbatch * in_flight
         )
@@ -181,9 +185,10 @@ class Partitioner:
         chosen = np.zeros(kept.shape, dtype=int)
         extra = np.full(kept.shape, np.inf)
         counts = np.zeros(kept.shape, dtype=int)
+        unit_input = self._cut_bytes(b)  # [u]: the boundary before unit u
         for t, u in enumerate(recompute_order(p, device, k)):
             inside = (idx[:, None] <= u) & (u < idx[None, :])
-            kept -= inside * (p.activation_bytes_per_sample[u] - self._unit_input[u]) * b
+            kept -= inside * (p.activation_bytes_per_sample[u] * b - unit_input[u])
             largest = np.maximum(largest, inside * p.activation_bytes_per_sample[u] * b)
             again += inside * p.fwd_time_s[device, u, k]
             chosen += inside
@@ -238,8 +243,8 @@ class Partitioner:
         u = p.num_units
         out = np.full(u + 1, np.inf)
         for j in range(1, u):
-            fwd = link_time_s(p, a, b_dev, p.cut_bytes_per_sample[j - 1] * b)
-            bwd = link_time_s(p, b_dev, a, p.cut_grad_bytes_per_sample[j - 1] * b)
+            fwd = link_time_s(p, a, b_dev, p.cut_bytes(j - 1, b))
+            bwd = link_time_s(p, b_dev, a, p.cut_grad_bytes(j - 1, b))
             out[j] = fwd + bwd
         return out
 

@@ -221,15 +221,15 @@ def _memory(problem: PlanningProblem, stage: StageLayout, b: int, in_flight: int
             need += act
         elif u in stage.recompute_units:
             # a checkpointed unit keeps its input; its backward holds its activations alone
-            need += float(problem.cut_bytes_per_sample[u - 1]) * b * in_flight if u else 0.0
+            need += problem.cut_bytes(u - 1, b) * in_flight if u else 0.0
             largest = max(largest, act)
         else:
             need += act * in_flight
     need += largest
     if stage.recompute and start > 0:
-        need += float(problem.cut_bytes_per_sample[start - 1]) * b * in_flight
+        need += problem.cut_bytes(start - 1, b) * in_flight
     if start > 0:
-        need += 2.0 * float(problem.cut_bytes_per_sample[start - 1]) * b
+        need += 2.0 * problem.cut_bytes(start - 1, b)
     if stop < problem.num_units:
-        need += 2.0 * float(problem.cut_bytes_per_sample[stop - 1]) * b
+        need += 2.0 * problem.cut_bytes(stop - 1, b)
     return need

@@ -268,7 +268,7 @@ def rank_memory(
     in_flight = in_flight_microbatches(
         plan.training.schedule, rank.stage, len(replica), rank.num_microbatches
     )
-    inputs = _boundary_bytes(plan, replica, rank.stage - 1) if rank.stage > 0 else 0.0
+    inputs = _boundary_bytes(plan, replica, rank.stage - 1, b) if rank.stage > 0 else 0.0
     unit_inputs = [inputs] + [unit_memory[u].input_bytes_per_sample for u in rank.units[1:]]
     activations = stage_activation_bytes(
         [unit_memory[u].activation_bytes_per_sample for u in rank.units],
@@ -278,7 +278,8 @@ def rank_memory(
         in_flight,
         full_recompute=rank.memory_strategy is MemoryStrategy.RECOMPUTE,
     )
-    outputs = _boundary_bytes(plan, replica, rank.stage) if rank.stage + 1 < len(replica) else 0.0
+    last = rank.stage + 1 == len(replica)
+    outputs = 0.0 if last else _boundary_bytes(plan, replica, rank.stage, b)
     workspace = 2.0 * (inputs + outputs) * b
     holders_of = parameter_holders(plan)
     if plan.training.zero_stage is ZeroStage.GRADIENTS:
@@ -364,16 +365,23 @@ def _sharded_state_bytes(
     return total
 
 
-def _boundary_bytes(plan: Plan, replica: tuple[RankPlan, ...], stage: int) -> float:
-    """Bytes per sample crossing the cut after stage ``stage`` of ``replica``, as sent."""
+def _boundary_bytes(
+    plan: Plan, replica: tuple[RankPlan, ...], stage: int, micro_batch_size: int
+) -> float:
+    """Bytes per sample crossing the cut after stage ``stage`` of ``replica`` in
+    micro-batches of ``micro_batch_size``, as sent: a tensor without a batch dimension
+    travels whole with every micro-batch, so its share of a sample is its bytes / size."""
     cut = plan.cut_after(replica[stage].units[-1])
     sender = replica[stage].precision
-    return float(sum(_tensor_bytes(wire_spec(t, sender)) for t in cut.tensors))
+    micro_batch_bytes = sum(
+        _tensor_bytes(wire_spec(t, sender), micro_batch_size) for t in cut.tensors
+    )
+    return micro_batch_bytes / micro_batch_size
 
 
-def _tensor_bytes(spec: TensorSpec) -> int:
+def _tensor_bytes(spec: TensorSpec, micro_batch_size: int) -> int:
     elements = 1
-    for dim in spec.shape_for(1):
+    for dim in spec.shape_for(micro_batch_size):
         elements *= dim
     return elements * DTYPE_BYTES.get(spec.dtype, 4)
 
