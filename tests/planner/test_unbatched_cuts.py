@@ -1,6 +1,6 @@
 """What cut tensors without a batch dimension cost (``TensorSpec.batch_dim`` None): their
-bytes once per micro-batch, not per sample, on the link, in the boundary buffers, and in
-the memory check a plan is loaded with."""
+bytes once per micro-batch, not per sample, on the link, in the boundary buffers, held for
+each micro-batch in flight, and in the memory check a plan is loaded with."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def test_the_cost_graph_keeps_unbatched_cut_tensors_and_the_problem_counts_them_
     one, two = (stage_memory_bytes(problem, start, stop, b, in_flight=1) for b in (1, 2))
     activations = float(problem.activation_bytes_per_sample[start:stop].sum())
     assert two - one == pytest.approx(activations + 2 * 2 * HIDDEN_BYTES_PER_SAMPLE)
+    # a micro-batch more in flight holds its activations and the received bias and scalar
+    held = [stage_memory_bytes(problem, start, stop, 2, in_flight=m) for m in (1, 2)]
+    assert held[1] - held[0] == pytest.approx(2 * activations + BIAS_AND_AUX_BYTES)
 
 
 def test_the_plans_memory_check_counts_unbatched_boundary_tensors_once_per_micro_batch(
@@ -57,3 +60,11 @@ def test_the_plans_memory_check_counts_unbatched_boundary_tensors_once_per_micro
         assert memory is not None
         workspace.append(memory[1].workspace_bytes)  # stage 1: blocks 1-2
     assert workspace[1] - workspace[0] == pytest.approx(2 * 2 * HIDDEN_BYTES_PER_SAMPLE)
+    activations = []
+    for num_samples in (1, 2):  # stage 1 holds 1, then 2 micro-batches of 1 in flight
+        memory = plan_memory(make_plan(model, [ReplicaShape((2, 2, -1), 1, num_samples)]))
+        assert memory is not None
+        activations.append(memory[1].activation_bytes)
+    graph = model_graph(str(model))
+    per_sample = sum(graph.unit_costs[u].activation_bytes_per_sample for u in (2, 3))
+    assert activations[1] - activations[0] == pytest.approx(per_sample + BIAS_AND_AUX_BYTES)
