@@ -183,24 +183,30 @@ def stage_memory_bytes(
     plan is checked with at load: ``in_flight`` micro-batches of them; with ``recompute``
     the stage's input of each micro-batch in flight plus one micro-batch's activations;
     with ``recompute_units`` those units' inputs instead of their activations, plus one
-    micro-batch of the largest one's) + one receive and one send buffer of the boundary
-    tensors on each side.
+    micro-batch of the largest one's) + the received tensors without a batch dimension,
+    whole for each micro-batch in flight (:func:`received_unbatched_bytes`) + one receive
+    and one send buffer of the boundary tensors on each side.
     """
     static = problem.static_memory_bytes[start:stop].sum()
     chosen = set(recompute_units)
+    b = micro_batch_size
+    inputs = [unit_input_bytes(problem, u, b) / b for u in range(start, stop)]
+    if start > 0:
+        inputs[0] = float(problem.cut_bytes_per_sample[start - 1])  # the rest: held below
     acts = stage_activation_bytes(
         [float(problem.activation_bytes_per_sample[u]) for u in range(start, stop)],
-        [unit_input_bytes_per_sample(problem, u) for u in range(start, stop)],
+        inputs,
         [u in chosen for u in range(start, stop)],
         micro_batch_size,
         in_flight,
         full_recompute=recompute,
     )
+    acts += received_unbatched_bytes(problem, start) * in_flight
     buffers = 0.0
     if start > 0:
-        buffers += 2 * problem.cut_bytes_per_sample[start - 1] * micro_batch_size
+        buffers += 2 * problem.cut_bytes(start - 1, micro_batch_size)
     if stop < problem.num_units:
-        buffers += 2 * problem.cut_bytes_per_sample[stop - 1] * micro_batch_size
+        buffers += 2 * problem.cut_bytes(stop - 1, micro_batch_size)
     return float(static + acts + buffers)
 
 
@@ -240,10 +246,19 @@ def max_microbatches(
     return most
 
 
-def unit_input_bytes_per_sample(problem: PlanningProblem, unit: int) -> float:
-    """Bytes per sample of the boundary before ``unit`` (the cut after ``unit - 1``; 0 for
-    the first): what a recomputed unit keeps of each micro-batch in flight."""
-    return float(problem.cut_bytes_per_sample[unit - 1]) if unit > 0 else 0.0
+def received_unbatched_bytes(problem: PlanningProblem, start: int) -> float:
+    """Bytes of the tensors without a batch dimension a stage starting at unit ``start``
+    receives with each micro-batch (0 for the first stage). The stage holds them for each
+    micro-batch in flight, until its backward; the activation measurement, a slope over two
+    batch sizes, never sees batch-independent bytes."""
+    return problem.cut_bytes(start - 1, 0) if start > 0 else 0.0
+
+
+def unit_input_bytes(problem: PlanningProblem, unit: int, micro_batch_size: int) -> float:
+    """Bytes of one micro-batch of the boundary before ``unit`` (the cut after ``unit - 1``,
+    ``PlanningProblem.cut_bytes``; 0 for the first): what a recomputed unit keeps of each
+    micro-batch in flight."""
+    return problem.cut_bytes(unit - 1, micro_batch_size) if unit > 0 else 0.0
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -125,7 +125,7 @@ def stage_passes(
 ) -> StagePasses:
     """:class:`StagePasses` of ``stages`` (one pipeline) for micro-batches of ``sizes``
     samples: (S,) for one size, (S, N) for N sizes. Links are alpha-beta transfers of the
-    cut's bytes per sample times the size (``link_model.transfer_time_s``)."""
+    cut's bytes at the size (``PlanningProblem.cut_bytes``, ``link_model.transfer_time_s``)."""
     at = np.asarray(sizes, dtype=float)
     forward, backward, send, back = [], [], [], []
     for s, stage in enumerate(stages):
@@ -137,8 +137,11 @@ def stage_passes(
             back.append(np.zeros_like(at))
             continue
         a, b, cut = stage.device_idx, stages[s + 1].device_idx, stage.unit_stop - 1
-        send.append(_link_s(problem, a, b, problem.cut_bytes_per_sample[cut] * at))
-        back.append(_link_s(problem, b, a, problem.cut_grad_bytes_per_sample[cut] * at))
+        # cut_bytes(cut, 0): the unbatched tensors' bytes, sent once per micro-batch
+        forward_bytes = problem.cut_bytes_per_sample[cut] * at + problem.cut_bytes(cut, 0)
+        grad_bytes = problem.cut_grad_bytes_per_sample[cut] * at + problem.cut_grad_bytes(cut, 0)
+        send.append(_link_s(problem, a, b, forward_bytes))
+        back.append(_link_s(problem, b, a, grad_bytes))
     return StagePasses(*(np.array(x, dtype=float) for x in (forward, backward, send, back)))
 
 

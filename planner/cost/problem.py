@@ -113,12 +113,38 @@ class PlanningProblem:
     host_capacity_bytes: FloatArray | None = None
     """Usable host memory of each device's node, shared by the node's devices, shape (D,)
     (``contract.memory.host_capacity_bytes``)."""
+    cut_fixed_bytes: FloatArray | None = None
+    """Forward bytes crossing the cut after unit u once per micro-batch of any size: its
+    tensors without a batch dimension (T5's position bias, an auxiliary-loss scalar), shape
+    (U-1,); None: none. ``cut_bytes_per_sample`` holds the batched ones."""
+    cut_grad_fixed_bytes: FloatArray | None = None
+    """Gradient bytes of those tensors sent back per micro-batch, shape (U-1,); None: none."""
     time_spread: FloatArray | None = None
     """How far apart a device's measured times lie, shape (D,): the p10-p90 width of its
     whole model's forward + backward over the profile's rounds, relative to the median, the
     median over its profiled micro-batch sizes (0.05: 5%); 0 for an estimated device; None:
     nothing measured. Predictions closer than this cannot be ranked
     (``cost.even_microbatches``)."""
+
+    def cut_bytes(self, cut_idx: int, micro_batch_size: float) -> float:
+        """Forward bytes of one micro-batch of ``micro_batch_size`` samples crossing the cut
+        after unit ``cut_idx``: the batched tensors' bytes per sample times the size, plus
+        the unbatched ones' fixed bytes (sent with every micro-batch)."""
+        fixed = 0.0 if self.cut_fixed_bytes is None else float(self.cut_fixed_bytes[cut_idx])
+        return float(self.cut_bytes_per_sample[cut_idx]) * micro_batch_size + fixed
+
+    def cut_grad_bytes(self, cut_idx: int, micro_batch_size: float) -> float:
+        """Gradient bytes of one micro-batch sent back across the cut after unit
+        ``cut_idx`` (as :meth:`cut_bytes`, for the tensors that require a gradient)."""
+        fixed = self.cut_grad_fixed_bytes
+        per_microbatch = 0.0 if fixed is None else float(fixed[cut_idx])
+        return float(self.cut_grad_bytes_per_sample[cut_idx]) * micro_batch_size + per_microbatch
+
+    def cut_fixed_array(self) -> FloatArray:
+        """``cut_fixed_bytes`` with zeros for None, shape (U-1,)."""
+        if self.cut_fixed_bytes is None:
+            return np.zeros(max(self.num_units - 1, 0))
+        return self.cut_fixed_bytes
 
     @property
     def num_devices(self) -> int:
@@ -177,13 +203,15 @@ class PlanningProblem:
             self.collective_bus_bandwidth_bytes_per_s <= 0
         ):
             raise ValueError("PlanningProblem.collective_bus_bandwidth_bytes_per_s must be > 0")
-        offload = {
+        optional = {
+            "cut_fixed_bytes": (max(u - 1, 0),),
+            "cut_grad_fixed_bytes": (max(u - 1, 0),),
             "offload_optimizer_time_s": (d, u),
             "offload_saving_bytes": (u,),
             "offload_host_bytes": (u,),
             "host_capacity_bytes": (d,),
         }
-        for name, shape in offload.items():
+        for name, shape in optional.items():
             value = getattr(self, name)
             if value is not None and (
                 value.shape != shape or np.any(value < 0) or not np.all(np.isfinite(value))

@@ -395,7 +395,6 @@ def build_problem(
     widest = max(numerics, key=lambda n: n.activation_bytes_factor)
     fwd, bwd = _unit_time_arrays(source, devices, costs, sizes, numerics)
     bandwidth, latency = _link_arrays(cluster)
-    cut_bytes, cut_grad_bytes = _cut_arrays(graph, widest.precision)
     problem = PlanningProblem(
         unit_names=tuple(u.name for u in graph.units),
         device_names=tuple(d.name for d in devices),
@@ -415,8 +414,6 @@ def build_problem(
         activation_bytes_per_sample=_array(
             [c.activation_bytes_per_sample * widest.activation_bytes_factor for c in costs]
         ),
-        cut_bytes_per_sample=cut_bytes,
-        cut_grad_bytes_per_sample=cut_grad_bytes,
         grad_bytes=_array([c.trainable_param_bytes for c in costs]),
         bandwidth_bytes_per_s=bandwidth,
         latency_s=latency,
@@ -428,6 +425,7 @@ def build_problem(
         schedule=schedule,
         optimizer_state_bytes=_array([c.trainable_param_bytes * factor for c in costs]),
         time_spread=_array([source.time_spread(d) for d in devices]),
+        **_cut_arrays(graph, widest.precision),
         **_collective_arrays(cluster),
         **_offload_arrays(cluster, costs, factor),
     )
@@ -473,13 +471,30 @@ def _checked_optimizer_factor(factor: float) -> float:
     return factor
 
 
-def _cut_arrays(graph: ModelGraph, sender: Precision) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sample bytes crossing each cut as a ``sender`` rank sends them
-    (``contract.plan.wire_spec``): forward (activations), backward (gradients)."""
+def _cut_arrays(graph: ModelGraph, sender: Precision) -> dict[str, np.ndarray]:
+    """The problem's ``cut_*`` arrays: bytes crossing each cut as a ``sender`` rank sends
+    them (``contract.plan.wire_spec``), forward (activations) and backward (gradients); per
+    sample for batched tensors, per micro-batch for the others (``batch_dim`` None)."""
     wire = [[wire_spec(t, sender) for t in cut] for cut in graph.cuts]
-    forward = _array([sum(t.num_bytes(1) for t in cut) for cut in wire])
-    backward = _array([sum(t.num_bytes(1) for t in cut if t.requires_grad) for cut in wire])
-    return forward, backward
+
+    def total(batched: bool, grad: bool) -> np.ndarray:
+        return _array(
+            [
+                sum(
+                    t.num_bytes(1)
+                    for t in cut
+                    if (t.batch_dim is not None) == batched and (t.requires_grad or not grad)
+                )
+                for cut in wire
+            ]
+        )
+
+    return {
+        "cut_bytes_per_sample": total(batched=True, grad=False),
+        "cut_grad_bytes_per_sample": total(batched=True, grad=True),
+        "cut_fixed_bytes": total(batched=False, grad=False),
+        "cut_grad_fixed_bytes": total(batched=False, grad=True),
+    }
 
 
 def _check_global_batch(global_batch_size: int) -> None:

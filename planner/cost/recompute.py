@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hplan.planner.cost.evaluate import unit_input_bytes_per_sample
+from hplan.planner.cost.evaluate import unit_input_bytes
 from hplan.planner.cost.problem import PlanningProblem
 
 
@@ -23,9 +23,10 @@ def recompute_order(problem: PlanningProblem, device_idx: int, k: int) -> tuple[
     """Units (problem indices) worth recomputing on ``device_idx`` at micro-batch candidate
     ``k``, cheapest per byte saved first (ties: lower index first)."""
     ratios = []
+    b = problem.micro_batch_sizes[k]
     for u in range(problem.num_units):
         act = float(problem.activation_bytes_per_sample[u])
-        if act > unit_input_bytes_per_sample(problem, u):
+        if act * b > unit_input_bytes(problem, u, b):
             ratios.append((float(problem.fwd_time_s[device_idx, u, k]) / act, u))
     return tuple(u for _, u in sorted(ratios))
 

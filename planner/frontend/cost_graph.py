@@ -133,19 +133,25 @@ class ModelGraph:
 
     def cut_bytes_per_sample(self, cut_idx: int) -> float:
         """Bytes per sample crossing cut ``cut_idx`` (batched tensors only), forward."""
-        return float(sum(t.num_bytes(1) for t in self.cuts[cut_idx]))
+        return float(sum(t.num_bytes(1) for t in self.cuts[cut_idx] if t.batch_dim is not None))
 
     def cut_grad_bytes_per_sample(self, cut_idx: int) -> float:
-        """Bytes per sample of gradients sent back across cut ``cut_idx``."""
-        return float(sum(t.num_bytes(1) for t in self.cuts[cut_idx] if t.requires_grad))
+        """Bytes per sample of gradients sent back across cut ``cut_idx`` (batched only)."""
+        return float(
+            sum(
+                t.num_bytes(1)
+                for t in self.cuts[cut_idx]
+                if t.requires_grad and t.batch_dim is not None
+            )
+        )
 
     def verify(self) -> None:
         """Check the graph's invariants; raise ValueError naming the first broken one.
 
         Every node of a unit is a graph node whose ``unit`` attribute names it, every other
         graph node is a placeholder or the output; one cut between each pair of units, each
-        of batch-linear tensors the graph produces; one cost per unit, every figure finite
-        and >= 0.
+        of tensors the graph produces (batch-linear, or without a batch dimension: sent
+        whole with every micro-batch); one cost per unit, every figure finite and >= 0.
         """
         placed = {n: u.name for u in self.units for n in u.nodes}
         for name, data in self.graph.nodes(data=True):
@@ -162,8 +168,8 @@ class ModelGraph:
             )
         for cut in self.cuts:
             for tensor in cut:
-                if tensor.name not in self.graph or tensor.batch_dim is None:
-                    raise ValueError(f"cut tensor {tensor.name!r} is not a batched graph value")
+                if tensor.name not in self.graph:
+                    raise ValueError(f"cut tensor {tensor.name!r} is not a graph value")
         for cost in self.unit_costs:
             numbers = (
                 cost.fwd_flops_per_sample,

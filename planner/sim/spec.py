@@ -359,8 +359,8 @@ def _layout_replica(
     for a, b in pairwise(replica.stages):
         cut = a.unit_stop - 1
         if runtime is None:
-            forward = tuple(float(problem.cut_bytes_per_sample[cut] * n) for n in sizes)
-            backward = tuple(float(problem.cut_grad_bytes_per_sample[cut] * n) for n in sizes)
+            forward = tuple(problem.cut_bytes(cut, n) for n in sizes)
+            backward = tuple(problem.cut_grad_bytes(cut, n) for n in sizes)
         else:
             forward, backward = cut_bytes(runtime.cuts[cut], sizes)
         links.append(

@@ -26,7 +26,6 @@ import numpy as np
 from hplan.planner.cost.evaluate import (
     link_time_s,
     max_microbatches,
-    unit_input_bytes_per_sample,
 )
 from hplan.planner.cost.layout import StageLayout
 from hplan.planner.cost.microbatch import pipeline_period_s
@@ -133,7 +132,7 @@ class Partitioner:
             axis=1,
         )
         self._cut = np.concatenate([[0.0], p.cut_bytes_per_sample, [0.0]])
-        self._unit_input = np.array([unit_input_bytes_per_sample(p, u) for u in range(p.num_units)])
+        self._cut_fixed = np.concatenate([[0.0], p.cut_fixed_array(), [0.0]])
         idx = np.arange(p.num_units + 1)
         self._nonempty = idx[:, None] < idx[None, :]
         self._strategies: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -144,26 +143,33 @@ class Partitioner:
         cum = self._time_cum[device, :, k]
         return cum[None, :] - cum[:, None]
 
-    def _memory(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """(U+1, U+1) matrices of units [i, j): static bytes + boundary buffers, and
-        activation bytes per micro-batch (``evaluate.stage_memory_bytes``'s parts)."""
+    def _memory(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Units [i, j): (U+1, U+1) static bytes + boundary buffers and activation bytes
+        per micro-batch, and (U+1, 1) the received tensors without a batch dimension each
+        micro-batch in flight holds (``evaluate.stage_memory_bytes``'s parts)."""
         static = self._static_cum[None, :] - self._static_cum[:, None]
         per_microbatch = (self._act_cum[None, :] - self._act_cum[:, None]) * b
-        cut = self._cut
-        return static + 2 * b * (cut[:, None] + cut[None, :]), per_microbatch
+        cut = self._cut_bytes(b)
+        return static + 2 * (cut[:, None] + cut[None, :]), per_microbatch, self._cut_fixed[:, None]
+
+    def _cut_bytes(self, b: int) -> np.ndarray:
+        """(U+1,) bytes of one micro-batch of ``b`` samples crossing a cut at position j
+        (after unit j-1; 0 at both ends): batched tensors per sample, the others once."""
+        return self._cut * b + self._cut_fixed
 
     def _memory_ok(
         self, device: int, b: int, in_flight: int, recompute: bool = False
     ) -> np.ndarray:
         """(U+1, U+1): whether units [i, j) fit ``device`` (``evaluate.stage_memory_bytes``)."""
-        fixed, per_microbatch = self._memory(b)
+        fixed, per_microbatch, received = self._memory(b)
         # Recomputing keeps each in-flight micro-batch's input and one's activations.
         acts = (
-            per_microbatch + self._cut[:, None] * b * in_flight
+            per_microbatch + (self._cut * b)[:, None] * in_flight
             if recompute
             else per_microbatch * in_flight
         )
-        return (fixed + acts <= self.problem.memory_capacity_bytes[device]) & self._nonempty
+        need = fixed + acts + received * in_flight
+        return (need <= self.problem.memory_capacity_bytes[device]) & self._nonempty
 
     def _selective(self, device: int, k: int, in_flight: int) -> tuple[np.ndarray, np.ndarray]:
         """Selective recomputation of units [i, j): (U+1, U+1) extra forward time of the
@@ -172,7 +178,7 @@ class Partitioner:
         (``selected_units``'s ``count``; 0: none fits)."""
         p = self.problem
         b = p.micro_batch_sizes[k]
-        fixed, per_microbatch = self._memory(b)
+        fixed, per_microbatch, received = self._memory(b)
         capacity = p.memory_capacity_bytes[device]
         idx = np.arange(p.num_units + 1)
         kept = per_microbatch.copy()
@@ -181,13 +187,19 @@ class Partitioner:
         chosen = np.zeros(kept.shape, dtype=int)
         extra = np.full(kept.shape, np.inf)
         counts = np.zeros(kept.shape, dtype=int)
+        unit_input = self._cut_bytes(b)  # [u]: the boundary before unit u
         for t, u in enumerate(recompute_order(p, device, k)):
             inside = (idx[:, None] <= u) & (u < idx[None, :])
-            kept -= inside * (p.activation_bytes_per_sample[u] - self._unit_input[u]) * b
+            # a stage's first unit keeps only the batched part: ``received`` holds the rest
+            first = idx[:, None] == u
+            saved = (
+                p.activation_bytes_per_sample[u] * b - unit_input[u] + first * self._cut_fixed[u]
+            )
+            kept -= inside * saved
             largest = np.maximum(largest, inside * p.activation_bytes_per_sample[u] * b)
             again += inside * p.fwd_time_s[device, u, k]
             chosen += inside
-            fits = fixed + kept * in_flight + largest <= capacity
+            fits = fixed + (kept + received) * in_flight + largest <= capacity
             new = inside & fits & np.isinf(extra) & (chosen < idx[None, :] - idx[:, None])
             extra = np.where(new, again, extra)
             counts = np.where(new, t + 1, counts)
@@ -238,8 +250,8 @@ class Partitioner:
         u = p.num_units
         out = np.full(u + 1, np.inf)
         for j in range(1, u):
-            fwd = link_time_s(p, a, b_dev, p.cut_bytes_per_sample[j - 1] * b)
-            bwd = link_time_s(p, b_dev, a, p.cut_grad_bytes_per_sample[j - 1] * b)
+            fwd = link_time_s(p, a, b_dev, p.cut_bytes(j - 1, b))
+            bwd = link_time_s(p, b_dev, a, p.cut_grad_bytes(j - 1, b))
             out[j] = fwd + bwd
         return out
 

@@ -212,7 +212,9 @@ def _replica_problems(  # type: ignore[no-untyped-def]
 
 def _memory(problem: PlanningProblem, stage: StageLayout, b: int, in_flight: int) -> float:
     start, stop = stage.unit_start, stage.unit_stop
-    need = 0.0
+    # the received tensors without a batch dimension, held whole per micro-batch in flight
+    received = problem.cut_bytes(start - 1, 0) if start > 0 else 0.0
+    need = received * in_flight
     largest = 0.0
     for u in range(start, stop):
         need += float(problem.static_memory_bytes[u])
@@ -221,15 +223,16 @@ def _memory(problem: PlanningProblem, stage: StageLayout, b: int, in_flight: int
             need += act
         elif u in stage.recompute_units:
             # a checkpointed unit keeps its input; its backward holds its activations alone
-            need += float(problem.cut_bytes_per_sample[u - 1]) * b * in_flight if u else 0.0
+            kept = problem.cut_bytes(u - 1, b) - (received if u == start else 0.0)
+            need += kept * in_flight if u else 0.0
             largest = max(largest, act)
         else:
             need += act * in_flight
     need += largest
     if stage.recompute and start > 0:
-        need += float(problem.cut_bytes_per_sample[start - 1]) * b * in_flight
+        need += (problem.cut_bytes(start - 1, b) - received) * in_flight
     if start > 0:
-        need += 2.0 * float(problem.cut_bytes_per_sample[start - 1]) * b
+        need += 2.0 * problem.cut_bytes(start - 1, b)
     if stop < problem.num_units:
-        need += 2.0 * float(problem.cut_bytes_per_sample[stop - 1]) * b
+        need += 2.0 * problem.cut_bytes(stop - 1, b)
     return need

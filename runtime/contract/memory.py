@@ -231,7 +231,9 @@ def rank_memory(
       holder set's part reduced to this rank's shard under ZeRO stage 1 or 2
       (``holders.optimizer_shards``);
     - activations: :func:`stage_activation_bytes` by memory strategy, for
-      :func:`in_flight_microbatches`;
+      :func:`in_flight_microbatches`, and the received tensors without a batch dimension,
+      whole for each micro-batch in flight (the activation measurement, a slope over batch
+      sizes, never sees batch-independent bytes);
     - workspace: one receive and one send buffer of the boundary tensors on each side; the
       flat copy of every gradient it all-reduces with other ranks (each bucket one
       ``torch.cat``, alive until the step's all-reduces are done; under ZeRO stage 2 only
@@ -268,9 +270,11 @@ def rank_memory(
     in_flight = in_flight_microbatches(
         plan.training.schedule, rank.stage, len(replica), rank.num_microbatches
     )
-    inputs = _boundary_bytes(plan, replica, rank.stage - 1) if rank.stage > 0 else 0.0
-    unit_inputs = [inputs] + [unit_memory[u].input_bytes_per_sample for u in rank.units[1:]]
-    activations = stage_activation_bytes(
+    inputs = _boundary_bytes(plan, replica, rank.stage - 1) if rank.stage > 0 else _NO_BOUNDARY
+    unit_inputs = [inputs.per_sample] + [
+        unit_memory[u].input_bytes_per_sample for u in rank.units[1:]
+    ]
+    activations = in_flight * inputs.per_microbatch + stage_activation_bytes(
         [unit_memory[u].activation_bytes_per_sample for u in rank.units],
         unit_inputs,
         [u in rank.recompute_units for u in rank.units],
@@ -278,8 +282,9 @@ def rank_memory(
         in_flight,
         full_recompute=rank.memory_strategy is MemoryStrategy.RECOMPUTE,
     )
-    outputs = _boundary_bytes(plan, replica, rank.stage) if rank.stage + 1 < len(replica) else 0.0
-    workspace = 2.0 * (inputs + outputs) * b
+    last = rank.stage + 1 == len(replica)
+    outputs = _NO_BOUNDARY if last else _boundary_bytes(plan, replica, rank.stage)
+    workspace = 2.0 * (inputs.at(b) + outputs.at(b))
     holders_of = parameter_holders(plan)
     if plan.training.zero_stage is ZeroStage.GRADIENTS:
         workspace += largest_bucket_bytes(plan, rank.rank, memory, trainable)
@@ -364,11 +369,31 @@ def _sharded_state_bytes(
     return total
 
 
-def _boundary_bytes(plan: Plan, replica: tuple[RankPlan, ...], stage: int) -> float:
-    """Bytes per sample crossing the cut after stage ``stage`` of ``replica``, as sent."""
+@dataclass(frozen=True, slots=True)
+class _Boundary:
+    """Bytes crossing one cut, as sent: batched tensors per sample, the tensors without a
+    batch dimension once per micro-batch (they travel whole with each)."""
+
+    per_sample: float
+    per_microbatch: float
+
+    def at(self, micro_batch_size: int) -> float:
+        """Bytes of one micro-batch of ``micro_batch_size`` samples."""
+        return self.per_sample * micro_batch_size + self.per_microbatch
+
+
+_NO_BOUNDARY = _Boundary(0.0, 0.0)
+
+
+def _boundary_bytes(plan: Plan, replica: tuple[RankPlan, ...], stage: int) -> _Boundary:
+    """What crosses the cut after stage ``stage`` of ``replica``, as sent."""
     cut = plan.cut_after(replica[stage].units[-1])
     sender = replica[stage].precision
-    return float(sum(_tensor_bytes(wire_spec(t, sender)) for t in cut.tensors))
+    sent = [wire_spec(t, sender) for t in cut.tensors]
+    return _Boundary(
+        per_sample=float(sum(_tensor_bytes(t) for t in sent if t.batch_dim is not None)),
+        per_microbatch=float(sum(_tensor_bytes(t) for t in sent if t.batch_dim is None)),
+    )
 
 
 def _tensor_bytes(spec: TensorSpec) -> int:
