@@ -78,11 +78,10 @@ def _measured_saved_bytes_per_sample(cls: type[nn.RNNBase], bidirectional: bool)
             return tensor
 
         with (
-            warnings.catch_warnings(),
+            warnings.catch_warnings(action="ignore"),  # oneDNN's TF32 notice
             torch.backends.mkldnn.flags(enabled=False),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
-            warnings.simplefilter("ignore")  # oneDNN's TF32 notice
             rnn(x)
         totals.append(sum(storages.values()))
     return (totals[1] - totals[0]) / 2
