@@ -26,7 +26,7 @@ _ROOT_UNIT = "model"
 MAX_UNIT_SHARE = 0.125
 """A module holding more than this share of the model's parameter bytes (and more than
 :data:`MIN_SPLIT_PARAM_BYTES`) is split into its children: SDXL's ``up_blocks.0`` holds
-46% of its UNet, so no 24 GB card could hold a stage containing it."""
+nearly half its UNet, and whole, no 24 GB card could hold a stage containing it."""
 MIN_SPLIT_PARAM_BYTES = 2**30
 """Parameter bytes below which no module is split however large its share: 1 GiB of fp32
 parameters is 4 GiB of training state under Adam (16 bytes a parameter), which any card a
@@ -76,9 +76,7 @@ def assign_units(
     """
     graph = structure_graph(traced) if graph is None else graph
     paths = {n: d["module_path"] for n, d in graph.nodes(data=True) if in_unit(graph, n)}
-    sizes = _module_param_bytes(traced)
-    limit = _default_limit(sizes) if max_unit_param_bytes is None else max_unit_param_bytes
-    split = _split_modules(traced, sizes, limit)
+    split, split_notes = _oversized_modules(traced, paths, max_unit_param_bytes)
     keys = _unit_keys(traced, paths, split)
     partial, names = _first_pass(graph, keys, paths)
     labels = _assign_deferred(graph, partial, len(names))
@@ -86,10 +84,19 @@ def assign_units(
         names = [_ROOT_UNIT]
     labels, names = _merge_parameter_free(graph, labels, names)
     labels, names, notes = _merge_non_tensor_cuts(graph, labels, names, tensor_nodes)
-    blocks = [p for p in split if traced.module_classes[p] not in CONTAINER_CLASSES]
-    outermost = sorted(p for p in blocks if not any(p.startswith(f"{q}.") for q in blocks))
-    split_notes = [_split_note(path, sizes) for path in outermost]
     return _unit_specs(traced, graph, labels, names), (*split_notes, *notes)
+
+
+def _oversized_modules(
+    traced: TracedModel, paths: Mapping[str, str], max_param_bytes: float | None
+) -> tuple[set[str], list[str]]:
+    """The modules to split for their size (``_split_modules``), and a note for each that
+    would otherwise have been a unit."""
+    sizes = _module_param_bytes(traced)
+    limit = _default_limit(sizes) if max_param_bytes is None else max_param_bytes
+    split = _split_modules(traced, sizes, limit)
+    whole = set(_unit_keys(traced, paths).values())
+    return split, [_split_note(path, sizes) for path in sorted(split & whole)]
 
 
 def _module_param_bytes(traced: TracedModel) -> dict[str, int]:
