@@ -20,6 +20,7 @@ from hplan.planner.frontend.graph import (
 )
 from hplan.runtime.capture.trace import CONTAINER_CLASSES, TracedModel, repeated_containers
 from hplan.runtime.contract.plan import UnitSpec
+from hplan.runtime.contract.quantities import format_bytes
 
 _ROOT_UNIT = "model"
 
@@ -138,7 +139,7 @@ def _split_modules(traced: TracedModel, sizes: Mapping[str, int], limit: float) 
 def _split_note(path: str, sizes: Mapping[str, int]) -> str:
     share = sizes[path] / max(sizes.get("", 0), 1)
     return (
-        f"split unit {path} ({sizes[path] / 1e9:.2f} GB of parameters, {share:.0%} of the "
+        f"split unit {path} ({format_bytes(sizes[path])} of parameters, {share:.0%} of the "
         "model) into its children, so that smaller devices can hold it"
     )
 
