@@ -1,22 +1,16 @@
 """What a recurrent layer (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``) costs: FLOPs and saved bytes.
 
-A recurrent layer runs as one fused kernel (cuDNN on CUDA, oneDNN on CPU, and on fake
-tensors oneDNN's meta kernel) for which ``FlopCounterMode`` has no formula, and whose
-workspace the meta kernel reports as empty: uncorrected, the layer costs nothing.
-:class:`RecurrentCosts` charges each call by formula instead, whatever kernel runs.
+A recurrent layer runs as one fused kernel (cuDNN, oneDNN; on fake tensors oneDNN's meta
+kernel, whose workspace is empty) that ``FlopCounterMode`` has no formula for: uncorrected,
+it costs nothing. :class:`RecurrentCosts` charges each call by formula instead.
 
-FLOPs: every step multiplies each sample by every weight matrix of every layer and
-direction once (the cell equations of ``torch.nn.LSTM``/``GRU``/``RNN``'s documentation:
-``W_ih x_t`` and ``W_hh h_{t-1}``, and ``W_hr h_t`` with projections), so the forward does
-``2 * num_weight_matrix_elements`` FLOPs per step and sample; the gates' elementwise work
-is not counted, as for every other op.
-
-Saved bytes: per step, sample, layer and direction, the layer's input and
-:data:`SAVED_HIDDEN_VECTORS` vectors of the hidden size (gates, cell and hidden states),
-what autograd keeps on PyTorch's own cell path (``aten._thnn_fused_lstm_cell`` and its
-GRU and RNN counterparts: the gate workspace, ``cx``, ``cy`` and the two matmuls' inputs,
-``tools/autograd/derivatives.yaml``). oneDNN's workspace, which the CPU's LSTM uses,
-keeps about twice that for an LSTM.
+FLOPs: each step multiplies every sample by every weight matrix of every layer and
+direction once (the cell equations in torch.nn's ``LSTM``/``GRU``/``RNN`` documentation),
+``2 * num_weight_matrix_elements`` per step and sample; elementwise gate work is not counted.
+Saved bytes, per step, sample, layer and direction: the layer's input and
+:data:`SAVED_HIDDEN_VECTORS` hidden-size vectors, what autograd keeps on PyTorch's own cell
+path (``_thnn_fused_lstm_cell`` in ``tools/autograd/derivatives.yaml``: the 4-gate
+workspace, ``cx``, ``cy``, the previous hidden state). oneDNN's CPU LSTM keeps more.
 """
 
 from __future__ import annotations
