@@ -10,8 +10,11 @@ import pytest
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.utils.rnn import pack_padded_sequence
+from torch.utils.flop_counter import FlopCounterMode
 
 from hplan.planner.frontend.cost_graph import ModelGraph, build_model_graph
+from hplan.planner.frontend.recurrent_costs import RecurrentCosts
 from hplan.runtime.capture.model_file import load_model_file
 
 SEQ, FEATURES, HIDDEN, LAYERS = 12, 16, 24, 2
@@ -129,3 +132,17 @@ def test_an_op_that_computes_without_a_flop_figure_is_named_in_the_notes(tmp_pat
     )
     (note,) = [n for n in graph.notes if "no FLOP figure" in n]
     assert "aten._fft_c2c" in note and "inp" in note
+
+
+def test_a_packed_sequence_is_costed_by_its_real_steps_with_projections():
+    lstm = nn.LSTM(FEATURES, HIDDEN, proj_size=8, batch_first=True)
+    lengths = [SEQ, SEQ - 4, 3]
+    packed = pack_padded_sequence(torch.randn(3, SEQ, FEATURES), lengths, batch_first=True)
+    counter = FlopCounterMode(display=False)
+    costs = RecurrentCosts(counter, lambda t: t)
+    with counter, costs:
+        lstm(packed)
+    num_tokens = sum(lengths)
+    weights = 4 * HIDDEN * FEATURES + 4 * HIDDEN * 8 + 8 * HIDDEN  # W_ih, W_hh, W_hr
+    assert counter.get_total_flops() + costs.flops_adjustment == 2 * num_tokens * weights
+    assert costs.extra_saved_bytes == num_tokens * (FEATURES + 7 * HIDDEN) * 4
