@@ -250,7 +250,15 @@ def model_graph(captured: CapturedModel, loss_memory: LossMemory | None = None) 
         param_dtype=_param_dtype(model),
         graph=graph,
         notes=tuple(
-            dict.fromkeys((*captured.notes, *traced.notes, *unit_notes, *measure_notes))
+            dict.fromkeys(
+                (
+                    *captured.notes,
+                    *traced.notes,
+                    *unit_notes,
+                    *measure_notes,
+                    *_uncosted_notes(costs, graph),
+                )
+            )
         ),  # no repeats
         trace_method=traced.method,
         leaf_modules=traced.leaf_modules,
@@ -258,6 +266,22 @@ def model_graph(captured: CapturedModel, loss_memory: LossMemory | None = None) 
         trainable_param_sizes=_trainable_param_sizes(traced),
         tied_trainable_bytes=_tied_trainable_bytes(model, units),
         traced=traced,
+    )
+
+
+def _uncosted_notes(costs: Mapping[str, NodeCost], graph: CostGraph) -> tuple[str, ...]:
+    """One note per op that computes without a FLOP figure, naming the units that run it."""
+    units: dict[str, list[str]] = {}
+    for name, cost in costs.items():
+        for op in cost.uncosted_ops:
+            unit = graph.nodes[name]["unit"] if name in graph else None
+            units.setdefault(op, [])
+            if unit is not None and unit not in units[op]:
+                units[op].append(unit)
+    return tuple(
+        f"no FLOP figure for {op} (in {', '.join(where) or 'the model'}): the cost model "
+        "charges it only for the bytes it moves, so its compute time is missing"
+        for op, where in units.items()
     )
 
 

@@ -5,7 +5,9 @@ batch sizes and records, per node: the output shapes and dtypes, FLOPs
 (``torch.utils.flop_counter.FlopCounterMode``), bytes read and written, bytes saved for
 backward (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once) and the
 activation bytes of channels-first convolutions (:class:`ConvolutionCosts`). Attention is
-costed as the fused CUDA kernels run it (``attention_costs.py``), whatever kernel runs here.
+costed as the fused CUDA kernels run it (``attention_costs.py``) and recurrent layers by
+formula (``recurrent_costs.py``), whatever kernel runs here; ops that compute without a
+FLOP figure are named (``uncosted_ops.py``).
 Per-sample figures are the difference between the two runs over the difference of the batch
 sizes, so parameters cancel out. It runs on the capture's fake tensors (no memory, no
 compute).
@@ -27,6 +29,8 @@ from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from hplan.planner.frontend.attention_costs import FusedAttentionCosts
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
+from hplan.planner.frontend.recurrent_costs import RecurrentCosts
+from hplan.planner.frontend.uncosted_ops import UncostedOps
 from hplan.runtime.contract.errors import ModelFileError, one_line
 from hplan.runtime.contract.plan import TensorSpec
 
@@ -75,6 +79,8 @@ class _NodeRun:
     """Input plus output bytes of the node's channels-first convolutions."""
     conv_flops: float = 0.0
     """FLOPs of the node's convolutions (part of ``flops``)."""
+    uncosted_ops: tuple[str, ...] = ()
+    """Ops the node ran that compute but have no FLOP figure (``uncosted_ops.py``)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,9 @@ class NodeCost:
     conv_flops: float = 0.0
     """FLOPs of the node's convolutions, part of ``flops`` (cuDNN runs them, on tensor
     cores or not: ``problem_builder.RooflineSource``)."""
+    uncosted_ops: tuple[str, ...] = ()
+    """Ops the node runs that compute but have no FLOP figure, so ``flops`` leaves them
+    out (``uncosted_ops.py``)."""
 
 
 _CONVOLUTIONS = (torch.ops.aten.convolution.default,)
@@ -162,11 +171,21 @@ class _Meter(torch.fx.Interpreter):
         self._saved: list[torch.Tensor] = []
         self._counter = FlopCounterMode(display=False)
         self._attention = FusedAttentionCosts(self._counter, self._pack)
+        self._recurrent = RecurrentCosts(self._counter, self._pack)
         self._convolutions = ConvolutionCosts(gm)
+        self._uncosted = UncostedOps()
 
     def measure(self, args: Sequence[torch.Tensor]) -> dict[str, _NodeRun]:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        with self._counter, self._convolutions, hooks, self._attention, _warnings_ignored():
+        with (
+            self._counter,
+            self._convolutions,
+            self._uncosted,
+            hooks,
+            self._attention,
+            self._recurrent,
+            _warnings_ignored(),
+        ):
             self.run(*args, enable_io_processing=False)
         self._keep.clear()
         return self.runs
@@ -178,14 +197,15 @@ class _Meter(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         flops_before = self._flops()
-        extra_before = self._attention.extra_saved_bytes
+        extra_before = self._extra_saved_bytes()
+        self._uncosted.names = []
         convolutions_before = self._convolutions.num_bytes
         conv_flops_before = self._convolutions.flops
         self._saved = []
         result = super().run_node(n)
         inputs = _tensors((args, kwargs))
         outputs = _tensors(result)
-        saved = self._attention.extra_saved_bytes - extra_before
+        saved = self._extra_saved_bytes() - extra_before
         for tensor in self._saved:
             key = StorageWeakRef(tensor.untyped_storage())
             if key not in self._seen:
@@ -205,11 +225,17 @@ class _Meter(torch.fx.Interpreter):
             output_bytes=sum(tensor_nbytes(t) for t in outputs),
             channels_first_conv_bytes=self._convolutions.num_bytes - convolutions_before,
             conv_flops=float(self._convolutions.flops - conv_flops_before),
+            uncosted_ops=tuple(self._uncosted.names),
         )
         return result
 
     def _flops(self) -> int:
-        return int(self._counter.get_total_flops()) + self._attention.flops_adjustment
+        adjustment = self._attention.flops_adjustment + self._recurrent.flops_adjustment
+        return int(self._counter.get_total_flops()) + adjustment
+
+    def _extra_saved_bytes(self) -> int:
+        """Saved bytes charged by formula, not by tensors (fused kernels' own)."""
+        return self._attention.extra_saved_bytes + self._recurrent.extra_saved_bytes
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -314,6 +340,7 @@ def _per_sample(name: str, a: _NodeRun, b: _NodeRun, small: int, large: int) -> 
         spec=_tensor_spec(name, a, b, small, large),
         channels_first_conv_bytes=slope(a.channels_first_conv_bytes, b.channels_first_conv_bytes),
         conv_flops=slope(a.conv_flops, b.conv_flops),
+        uncosted_ops=tuple(dict.fromkeys((*a.uncosted_ops, *b.uncosted_ops))),
     )
 
 

@@ -1,10 +1,10 @@
 """Group the nodes of a traced model into partition units (policy).
 
 A partition unit is the smallest piece a stage boundary may fall between: by default the
-repeated blocks (``blocks.0``, ``transformer.h.3``) and the modules around them
-(:func:`assign_units` states the rules). The policy reads the cost graph's structure
-(``graph.py``); the mechanism that cuts stages (``hplan.runtime.capture.stage``) receives
-these units as data.
+repeated blocks (``blocks.0``, ``transformer.h.3``) and the modules around them, a module
+too large to place split into its children (:func:`assign_units` states the rules). The
+policy reads the cost graph's structure (``graph.py``); the mechanism that cuts stages
+(``hplan.runtime.capture.stage``) receives these units as data.
 """
 
 from __future__ import annotations
@@ -18,14 +18,28 @@ from hplan.planner.frontend.graph import (
     in_unit,
     structure_graph,
 )
-from hplan.runtime.capture.trace import TracedModel, repeated_containers
+from hplan.runtime.capture.trace import CONTAINER_CLASSES, TracedModel, repeated_containers
 from hplan.runtime.contract.plan import UnitSpec
+from hplan.runtime.contract.quantities import format_bytes
 
 _ROOT_UNIT = "model"
 
+MAX_UNIT_SHARE = 0.125
+"""A module holding more than this share of the model's parameter bytes (and more than
+:data:`MIN_SPLIT_PARAM_BYTES`) is split into its children: SDXL's ``up_blocks.0`` holds
+nearly half its UNet, and whole, no 24 GB card could hold a stage containing it."""
+MIN_SPLIT_PARAM_BYTES = 2**30
+"""Parameter bytes below which no module is split however large its share: 1 GiB of fp32
+parameters is 4 GiB of training state under Adam (16 bytes a parameter), which any card a
+plan uses holds; smaller models keep their blocks whole."""
+
 
 def assign_units(
-    traced: TracedModel, tensor_nodes: Collection[str], graph: CostGraph | None = None
+    traced: TracedModel,
+    tensor_nodes: Collection[str],
+    graph: CostGraph | None = None,
+    *,
+    max_unit_param_bytes: float | None = None,
 ) -> tuple[tuple[UnitSpec, ...], tuple[str, ...]]:
     """Group graph nodes into partition units by the default policy:
 
@@ -33,6 +47,10 @@ def assign_units(
       children of one class: ``blocks.0``, ``transformer.h.3``) are units;
     - other modules become units at the shallowest path that is not an ancestor of a repeated
       container (``tok_emb``, ``transformer.wte``, ``lm_head``);
+    - a module with more parameter bytes than ``max_unit_param_bytes`` and with children
+      that hold parameters is split: its children are units by these rules, its own code
+      is top-level code (``up_blocks.0`` of SDXL's UNet: its resnets, attentions and
+      upsamplers; the skip connections that cross become cut tensors);
     - nodes of no module (top-level code) join the unit of their latest input; nodes that
       read nothing computed (parameters, replicable nodes) join the unit of their first user;
     - a node's unit index is at least that of every input (data only flows forward);
@@ -48,6 +66,9 @@ def assign_units(
         graph: the cost graph of ``traced`` (``graph.structure_graph``), read for the
             nodes, their modules, inputs, users and the parameters they read; built when
             not given.
+        max_unit_param_bytes: the largest module kept whole; by default
+            :data:`MAX_UNIT_SHARE` of the model's parameter bytes, at least
+            :data:`MIN_SPLIT_PARAM_BYTES`.
 
     Returns:
         (units in order, notes about merged units). ``UnitSpec.params``/``.buffers`` are
@@ -56,22 +77,82 @@ def assign_units(
     """
     graph = structure_graph(traced) if graph is None else graph
     paths = {n: d["module_path"] for n, d in graph.nodes(data=True) if in_unit(graph, n)}
-    keys = _unit_keys(traced, paths)
+    split, split_notes = _oversized_modules(traced, paths, max_unit_param_bytes)
+    keys = _unit_keys(traced, paths, split)
     partial, names = _first_pass(graph, keys, paths)
     labels = _assign_deferred(graph, partial, len(names))
     if not names:
         names = [_ROOT_UNIT]
     labels, names = _merge_parameter_free(graph, labels, names)
     labels, names, notes = _merge_non_tensor_cuts(graph, labels, names, tensor_nodes)
-    return _unit_specs(traced, graph, labels, names), tuple(notes)
+    return _unit_specs(traced, graph, labels, names), (*split_notes, *notes)
 
 
-def _unit_keys(traced: TracedModel, paths: Mapping[str, str]) -> dict[str, str | None]:
-    """Unit key of each module path that owns nodes; None for top-level code."""
+def _oversized_modules(
+    traced: TracedModel, paths: Mapping[str, str], max_param_bytes: float | None
+) -> tuple[set[str], list[str]]:
+    """The modules to split for their size (``_split_modules``), and a note for each that
+    would otherwise have been a unit."""
+    sizes = _module_param_bytes(traced)
+    limit = _default_limit(sizes) if max_param_bytes is None else max_param_bytes
+    split = _split_modules(traced, sizes, limit)
+    whole = set(_unit_keys(traced, paths).values())
+    return split, [_split_note(path, sizes) for path in sorted(split & whole)]
+
+
+def _module_param_bytes(traced: TracedModel) -> dict[str, int]:
+    """Parameter bytes of every module path (``""``: the model), shared tensors once."""
+    sizes = dict.fromkeys(traced.module_classes, 0)
+    for name, param in traced.graph_module.named_parameters():
+        parts = traced.param_names.get(name, name).split(".")[:-1]
+        for prefix in (".".join(parts[:depth]) for depth in range(len(parts) + 1)):
+            if prefix in sizes:
+                sizes[prefix] += param.numel() * param.element_size()
+    return sizes
+
+
+def _default_limit(sizes: Mapping[str, int]) -> float:
+    return max(MAX_UNIT_SHARE * sizes.get("", 0), MIN_SPLIT_PARAM_BYTES)
+
+
+def _split_modules(traced: TracedModel, sizes: Mapping[str, int], limit: float) -> set[str]:
+    """Module paths too large to be one unit whose children hold parameters, and the
+    containers (ModuleList, Sequential, ModuleDict) among the children of those: a
+    split block's ``resnets`` list splits into its resnets."""
+    children: dict[str, list[str]] = {}
+    for path in sizes:
+        if path and sizes[path]:
+            children.setdefault(path.rpartition(".")[0], []).append(path)
+    work = [p for p, size in sizes.items() if p and size > limit and len(children.get(p, ())) >= 2]
+    split: set[str] = set()
+    while work:
+        path = work.pop()
+        split.add(path)
+        work.extend(
+            child
+            for child in children.get(path, ())
+            if traced.module_classes[child] in CONTAINER_CLASSES and child not in split
+        )
+    return split
+
+
+def _split_note(path: str, sizes: Mapping[str, int]) -> str:
+    share = sizes[path] / max(sizes.get("", 0), 1)
+    return (
+        f"split unit {path} ({format_bytes(sizes[path])} of parameters, {share:.0%} of the "
+        "model) into its children, so that smaller devices can hold it"
+    )
+
+
+def _unit_keys(
+    traced: TracedModel, paths: Mapping[str, str], split: Collection[str] = ()
+) -> dict[str, str | None]:
+    """Unit key of each module path that owns nodes; None for top-level code (and the
+    own code of a split module)."""
     repeated = repeated_containers(traced.module_classes)
 
     def holds_repeated(path: str) -> bool:
-        return any(r == path or r.startswith(f"{path}.") for r in repeated)
+        return path in split or any(r == path or r.startswith(f"{path}.") for r in repeated)
 
     keys: dict[str, str | None] = {}
     for path in set(paths.values()):

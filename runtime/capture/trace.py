@@ -4,7 +4,8 @@ The planner traces once to build the cost graph; every rank re-traces the same w
 plan records the method and the leaf modules) and checks the graph fingerprint. Methods,
 tried in this order when none is given:
 
-1. ``torch.fx.symbolic_trace`` (module-level graph; torch.nn built-ins stay leaves). When
+1. ``torch.fx.symbolic_trace`` (module-level graph; torch.nn built-ins stay leaves, but
+   its stacks of layers are traced one call per layer: ``builtin_stacks.py``). When
    it fails inside a submodule, that submodule is kept whole (a leaf) and tracing retried,
    unless keeping it whole would swallow a stack of repeated blocks.
 2. ``torch.export``, then 3. module boundaries (``trace_fallbacks.py``).
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from hplan.runtime.capture.builtin_stacks import stack_forward
 from hplan.runtime.capture.trace_fallbacks import (
     chain_paths,
     export_graph,
@@ -407,11 +409,13 @@ class _Tracer(torch.fx.Tracer):
         self.failed_module: str | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(
-            m, module_qualified_name
-        )
+        if module_qualified_name in self.leaves:
+            return True
+        return stack_forward(m) is None and super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        if not self.is_leaf_module(m, self.path_of_module(m)):
+            forward = stack_forward(m) or forward  # torch.nn's stacks: one call per layer
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
