@@ -108,15 +108,11 @@ def test_a_hand_written_dispatch_is_captured_on_fake_tensors_as_a_balanced_routi
 
 def test_hand_written_flops_follow_top_k_and_memory_holds_every_expert(tmp_path: Path) -> None:
     hidden, ffn, seq = HAND_MOE_HIDDEN, HAND_MOE_FFN, HAND_MOE_SEQ
-    units = {
-        (e, k): _unit(
-            model_graph(
-                _capture(tmp_path, moe_source(HAND_MOE, num_experts=e, top_k=k), f"h{e}{k}.py")
-            ),
-            "blocks.0",
-        )
-        for e, k in [(4, 2), (4, 1), (8, 2)]
-    }
+    units = {}
+    for e, k in [(4, 2), (4, 1), (8, 2)]:
+        captured = _capture(tmp_path, moe_source(HAND_MOE, num_experts=e, top_k=k), f"h{e}{k}.py")
+        assert captured.tensors is CaptureTensors.FAKE, captured.notes
+        units[e, k] = _unit(model_graph(captured), "blocks.0")
     expert_flops = 2 * hidden * ffn + 2 * ffn * hidden
     assert units[4, 2][0] - units[4, 1][0] == seq * expert_flops
     assert units[8, 2][0] - units[4, 2][0] == seq * 2 * hidden * 4  # the router only
