@@ -11,8 +11,9 @@ Two kinds of expert code do not run as they are on the capture's fake tensors:
   picks each expert's tokens by value) needs tensor values. Such a module is kept whole and
   runs on fakes under :func:`expected_routing`: the router, then ``top_k`` rows per token
   through one expert (experts of one class cost alike), weighted and summed: the cost of a
-  balanced routing, without a real-tensor build. Memory still counts every expert: the
-  module's parameters are all of its node's.
+  balanced routing, without a real-tensor build (a load-balancing loss besides, where the
+  graph unpacks one). Memory still counts every expert: the module's parameters are all of
+  its node's.
 """
 
 from __future__ import annotations
