@@ -35,13 +35,15 @@ from hplan.planner.frontend.moe import (
     NEEDS_VALUES,
     ExpertDispatch,
     dispatch_notes,
+    eager_experts_message,
+    eager_hf_experts,
     expected_routing,
     find_expert_dispatches,
     with_output_arity,
 )
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
-from hplan.runtime.contract.errors import HplanError, ModelFileError, one_line
+from hplan.runtime.contract.errors import HplanError, ModelFileError, TraceError, one_line
 from hplan.runtime.contract.plan import TraceMethod
 
 DEFAULT_BATCH_SIZES = (2, 3)
@@ -166,6 +168,8 @@ def capture_model(
         try:
             with _fake_tensor_log_quiet():
                 return _capture_fake(model_file, leaves, seed, (small, large))
+        except _Untraceable:
+            raise
         except Exception as exc:  # the real tensors below decide whether it is the model's
             notes = (
                 "captured on real CPU tensors: the model does not build or trace on fake "
@@ -200,6 +204,9 @@ def _capture_fake(
         b: {k: _fake_of(mode, v) for k, v in bind_inputs(model, batch[0]).items()}
         for b, batch in batches.items()
     }
+    eager = eager_hf_experts(model)
+    if eager:
+        raise _Untraceable(eager_experts_message(type(model).__name__, eager))
     dispatches = find_expert_dispatches(model)
     try:
         traced, routed = _trace_fake(model, inputs[sizes[0]], leaves, dispatches, mode)
@@ -244,6 +251,11 @@ def _trace_fake(
             args = [feed[n] for n in traced.input_names]
             _ShapeChecked(traced.graph_module).run(*args, enable_io_processing=False)
     return traced, routing.routed
+
+
+class _Untraceable(TraceError):
+    """A model no tracing method can trace, known from its modules: refused before a
+    real-tensor build."""
 
 
 class ValueShapesError(RuntimeError):

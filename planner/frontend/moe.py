@@ -111,6 +111,28 @@ def _to_bf16(value: Any) -> Any:
     return value
 
 
+def eager_hf_experts(model: nn.Module) -> tuple[str, ...]:
+    """Paths of the modules that run Hugging Face's ``eager`` experts implementation (a loop
+    over the experts that picks tokens by value: ``torch.export``, which traces Hugging Face
+    models, cannot trace it, on fake tensors or real ones)."""
+    return tuple(
+        path
+        for path, module in model.named_modules()
+        if getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
+        and any(p.dim() == 3 for p in module.parameters(recurse=False))
+    )
+
+
+def eager_experts_message(model_name: str, paths: Sequence[str]) -> str:
+    """The one-line refusal of a model whose experts run Hugging Face's eager loop."""
+    return (
+        f"cannot trace {model_name}: its experts ({paths[0]!r}, {len(paths)} in all) run "
+        "transformers' 'eager' experts implementation, a loop that picks each expert's "
+        "tokens by value, which torch.export cannot trace; build the model with "
+        "experts_implementation='grouped_mm' (transformers' default) or leave it unset"
+    )
+
+
 # ----------------------------------------------------------------------- expert dispatch
 @dataclass(frozen=True)
 class ExpertDispatch:

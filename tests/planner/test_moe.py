@@ -13,6 +13,7 @@ from hplan.planner.frontend.cost_graph import ModelGraph, model_graph
 from hplan.planner.frontend.moe import FakeGroupedMm, grouped_mm_flops
 from hplan.planner.frontend.trains_check import check_trains
 from hplan.runtime.capture.model_file import load_model_file
+from hplan.runtime.contract.errors import TraceError
 from tests.fixtures.moe_models import (
     HAND_MOE,
     HAND_MOE_FFN,
@@ -81,6 +82,18 @@ def test_stock_qwen3_moe_flops_follow_the_active_experts_and_memory_all_of_them(
     assert bytes_41 == bytes_42
     expert_bytes = 3 * hidden * ffn * FLOAT32_BYTES
     assert bytes_82 - bytes_42 == 4 * (expert_bytes + hidden * FLOAT32_BYTES)
+
+
+def test_hf_eager_experts_are_refused_in_one_line_before_a_real_build(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    source = moe_source(HF_QWEN3_MOE).replace(
+        "output_router_logits=False,", "output_router_logits=False, experts_implementation='eager',"
+    )
+    with pytest.raises(TraceError) as refused:
+        _capture(tmp_path, source, "eager.py")
+    message = str(refused.value)
+    assert "'model.layers.0.mlp.experts', 2 in all" in message and "\n" not in message
+    assert "experts_implementation='grouped_mm'" in message and "LEAF_MODULES" not in message
 
 
 # ----------------------------------------------------------------------- hand-written
