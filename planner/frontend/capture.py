@@ -8,8 +8,10 @@ run on them, so a 7B model costs no more memory than its Python objects. Fake CP
 not meta ones, because ops choose their kernel by device: on meta
 ``scaled_dot_product_attention`` takes the unfused math path, whose graph and strides differ
 from what a rank traces on real tensors, and Hugging Face models raise on meta in their
-data-dependent checks. When the model cannot be built or traced on fake tensors, it is built
-and traced on real CPU tensors instead, and :attr:`CapturedModel.notes` says why.
+data-dependent checks. Expert layers that do not run on fakes as they are run as
+``moe.py`` says, in every fake run (:meth:`CapturedModel.fake_runs`). When the model cannot be
+built or traced on fake tensors, it is built and traced on real CPU tensors instead, and
+:attr:`CapturedModel.notes` says why.
 """
 
 from __future__ import annotations
@@ -27,11 +29,21 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
+from hplan.planner.frontend.moe import (
+    NEEDS_VALUES,
+    ExpertDispatch,
+    dispatch_notes,
+    eager_experts_message,
+    eager_hf_experts,
+    expected_routing,
+    find_expert_dispatches,
+    with_output_arity,
+)
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
-from hplan.runtime.contract.errors import HplanError, ModelFileError, one_line
+from hplan.runtime.contract.errors import HplanError, ModelFileError, TraceError, one_line
 from hplan.runtime.contract.plan import TraceMethod
 
 DEFAULT_BATCH_SIZES = (2, 3)
@@ -67,7 +79,16 @@ class CapturedModel:
     """The mode the model's fake tensors belong to (run every forward inside it); None for
     real CPU tensors."""
     notes: tuple[str, ...] = ()
-    """Why the model was captured on real CPU tensors, when it was."""
+    """Why the model was captured on real CPU tensors, when it was; which expert layers
+    are costed as a balanced routing."""
+    expert_dispatches: tuple[ExpertDispatch, ...] = ()
+    """The expert layers that pick tokens by value, kept whole and run as a balanced
+    routing on fake tensors (``moe.py``)."""
+
+    def fake_runs(self) -> contextlib.AbstractContextManager[object]:
+        """The context every run of the fake model goes in (inside :attr:`fake_mode`):
+        expert layers as ``moe.py`` runs them on fakes."""
+        return expected_routing(self.model, self.expert_dispatches)
 
     @property
     def model_sha256(self) -> str:
@@ -147,6 +168,8 @@ def capture_model(
         try:
             with _fake_tensor_log_quiet():
                 return _capture_fake(model_file, leaves, seed, (small, large))
+        except _Untraceable:
+            raise
         except Exception as exc:  # the real tensors below decide whether it is the model's
             notes = (
                 "captured on real CPU tensors: the model does not build or trace on fake "
@@ -166,7 +189,9 @@ def _capture_fake(
     """The capture on fake tensors (see the module docstring); raises whatever fails,
     including a run of the traced graph (modules kept whole run their own code, which may
     need tensor values; a graph from ``torch.export`` ran on these fakes as it was made,
-    and is not run again).
+    and is not run again). When that run needs tensor values and the model has expert
+    layers (``moe.find_expert_dispatches``) that the trace went through, they are kept
+    whole and the model traced again.
 
     The mode has a shape environment that records its fakes, so that ``torch.export``
     reuses it (and the model's fake parameters) rather than making its own.
@@ -179,15 +204,77 @@ def _capture_fake(
         b: {k: _fake_of(mode, v) for k, v in bind_inputs(model, batch[0]).items()}
         for b, batch in batches.items()
     }
-    feed = inputs[sizes[0]]
+    eager = eager_hf_experts(model)
+    if eager:
+        raise _Untraceable(eager_experts_message(type(model).__name__, eager))
+    dispatches = find_expert_dispatches(model)
+    try:
+        traced, routed = _trace_fake(model, inputs[sizes[0]], leaves, dispatches, mode)
+    except (*NEEDS_VALUES, ValueShapesError):
+        kept = (*leaves, *(d.path for d in dispatches))
+        if not dispatches or set(kept) == set(leaves):
+            raise
+        traced, routed = _trace_fake(model, inputs[sizes[0]], kept, dispatches, mode)
+    return CapturedModel(
+        model_file,
+        model,
+        traced,
+        batches,
+        inputs,
+        seed,
+        fake_mode=mode,
+        notes=dispatch_notes(routed),
+        expert_dispatches=tuple(routed.values()),
+    )
+
+
+def _trace_fake(
+    model: nn.Module,
+    feed: Mapping[str, torch.Tensor],
+    leaves: tuple[str, ...],
+    dispatches: tuple[ExpertDispatch, ...],
+    mode: FakeTensorMode,
+) -> tuple[TracedModel, dict[str, ExpertDispatch]]:
+    """The trace on fakes and one run of its graph (expert layers probed: ``moe.py``);
+    the expert layers that run as a balanced routing, by path."""
     with mode:
         traced = trace_model(model, feed, leaf_modules=leaves)
-        if traced.method is not TraceMethod.EXPORT:  # export ran every op on these fakes
-            with torch.no_grad(), warnings.catch_warnings():  # modules kept whole run code
-                warnings.simplefilter("ignore")  # that may need values
-                args = [feed[n] for n in traced.input_names]
-                torch.fx.Interpreter(traced.graph_module).run(*args, enable_io_processing=False)
-    return CapturedModel(model_file, model, traced, batches, inputs, seed, fake_mode=mode)
+        if traced.method is TraceMethod.EXPORT:  # export ran every op on these fakes
+            return traced, {}
+        dispatches = with_output_arity(dispatches, traced.graph_module)
+        with (
+            expected_routing(model, dispatches, probe=True) as routing,
+            torch.no_grad(),
+            warnings.catch_warnings(),  # modules kept whole run code that may need values
+        ):
+            warnings.simplefilter("ignore")
+            args = [feed[n] for n in traced.input_names]
+            _ShapeChecked(traced.graph_module).run(*args, enable_io_processing=False)
+    return traced, routing.routed
+
+
+class _Untraceable(TraceError):
+    """A model no tracing method can trace, known from its modules: refused before a
+    real-tensor build."""
+
+
+class ValueShapesError(RuntimeError):
+    """A traced graph makes a tensor whose shape depends on tensor values."""
+
+
+class _ShapeChecked(torch.fx.Interpreter):
+    """Runs a graph on fakes; raises :class:`ValueShapesError` at the first node whose
+    output's shape depends on tensor values (``torch.where(mask)``: fake tensors give it an
+    unbacked size, which no later cost can be read from)."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        for value in torch.utils._pytree.tree_leaves(result):
+            if isinstance(value, torch.Tensor) and free_unbacked_symbols(value.shape):
+                raise ValueShapesError(
+                    f"node {n.name!r} makes a tensor whose shape depends on tensor values"
+                )
+        return result
 
 
 @contextlib.contextmanager

@@ -6,8 +6,9 @@ batch sizes and records, per node: the output shapes and dtypes, FLOPs
 backward (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once) and the
 activation bytes of channels-first convolutions (:class:`ConvolutionCosts`). Attention is
 costed as the fused CUDA kernels run it (``attention_costs.py``) and recurrent layers by
-formula (``recurrent_costs.py``), whatever kernel runs here; ops that compute without a
-FLOP figure are named (``uncosted_ops.py``).
+formula (``recurrent_costs.py``), whatever kernel runs here; grouped matmuls and expert
+layers as ``moe.py`` says; ops that compute without a FLOP figure are named
+(``uncosted_ops.py``).
 Per-sample figures are the difference between the two runs over the difference of the batch
 sizes, so parameters cancel out. It runs on the capture's fake tensors (no memory, no
 compute).
@@ -29,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from hplan.planner.frontend.attention_costs import FusedAttentionCosts
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
+from hplan.planner.frontend.moe import moe_flop_formulas
 from hplan.planner.frontend.recurrent_costs import RecurrentCosts
 from hplan.planner.frontend.uncosted_ops import UncostedOps
 from hplan.runtime.contract.errors import ModelFileError, one_line
@@ -169,7 +171,7 @@ class _Meter(torch.fx.Interpreter):
         self._seen: set[StorageWeakRef] = set()
         self._keep: list[torch.Tensor] = []
         self._saved: list[torch.Tensor] = []
-        self._counter = FlopCounterMode(display=False)
+        self._counter = FlopCounterMode(display=False, custom_mapping=moe_flop_formulas())
         self._attention = FusedAttentionCosts(self._counter, self._pack)
         self._recurrent = RecurrentCosts(self._counter, self._pack)
         self._convolutions = ConvolutionCosts(gm)
@@ -304,7 +306,7 @@ def _measure_fake(captured: CapturedModel) -> dict[int, dict[str, _NodeRun]]:
     runs = {}
     for batch_size, feed in captured.inputs.items():
         try:
-            with mode:
+            with mode, captured.fake_runs():
                 runs[batch_size] = _Meter(traced.graph_module).measure(
                     [feed[n] for n in traced.input_names]
                 )

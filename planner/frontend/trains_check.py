@@ -142,7 +142,7 @@ def _check_fake(captured: CapturedModel) -> TrainsVerdict:
     inputs, targets = captured.fake(_batch(captured))
     where = f"sample_batch({CHECK_BATCH_SIZE}) from {str(model_file.path)!r}"
     try:
-        with mode, torch.enable_grad():
+        with mode, captured.fake_runs(), torch.enable_grad():
             outputs = captured.model(**bind_inputs(captured.model, inputs))
     except _NEEDS_VALUES as exc:
         return _static("the model's forward", exc)

@@ -3,8 +3,8 @@
 FLOPs come from ``torch.utils.flop_counter``'s formulas (matmuls, convolutions, attention)
 and this package's own (``attention_costs.py``, ``recurrent_costs.py``); every other op is
 charged by the bytes it moves, right for elementwise work and normalisation, wrong for an
-op that multiplies matrices without a formula (``aten._grouped_mm`` of a mixture of
-experts, an FFT, a linear solve). :class:`UncostedOps` records such ops as they run, so the
+op that multiplies matrices without a formula (an FFT, a linear solve; ``moe.py`` gives
+grouped matmuls theirs). :class:`UncostedOps` records such ops as they run, so the
 plan's notes name them instead of costing them as nearly free.
 """
 
@@ -14,6 +14,8 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+from hplan.planner.frontend.moe import moe_flop_formulas
 
 _MATRIX_WORDS = ("mm", "bmm", "addmm", "addbmm", "baddbmm", "mv", "addmv", "matmul", "einsum")
 _SOLVER_WORDS = ("tensordot", "bilinear", "cdist", "cholesky", "linalg", "svd", "qr", "lu", "eig")
@@ -49,14 +51,17 @@ _COSTED_ELSEWHERE = frozenset(
 """Kernels that run inside a call costed by formula (``recurrent_costs.py``,
 ``attention_costs.py``)."""
 
-_FORMULAS = frozenset(str(op) for op in flop_registry)
+
+def _formulas() -> frozenset[str]:
+    """The ops with a FLOP formula now (transformers registers its ops when imported)."""
+    return frozenset(str(op) for op in (*flop_registry, *moe_flop_formulas()))
 
 
-def lacks_flop_figure(op_name: str) -> bool:
-    """Whether an op (its overload packet's name: ``aten._grouped_mm``) computes but has
-    no FLOP formula here (see the module docstring)."""
+def lacks_flop_figure(op_name: str, formulas: frozenset[str] | None = None) -> bool:
+    """Whether an op (its overload packet's name: ``aten._fft_c2c``) computes but has
+    no FLOP formula here (see the module docstring); ``formulas``: :func:`_formulas`."""
     name = op_name.removeprefix("aten.")
-    if op_name in _FORMULAS or name in _COSTED_ELSEWHERE:
+    if op_name in (formulas or _formulas()) or name in _COSTED_ELSEWHERE:
         return False
     return any(word in _COMPUTE_WORDS for word in name.split("_"))
 
@@ -67,9 +72,10 @@ class UncostedOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
+        self._formulas = _formulas()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(getattr(func, "overloadpacket", func))
-        if lacks_flop_figure(name) and name not in self.names:
+        if lacks_flop_figure(name, self._formulas) and name not in self.names:
             self.names.append(name)
         return func(*args, **(kwargs or {}))
