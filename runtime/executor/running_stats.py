@@ -22,13 +22,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from hplan.runtime.capture.stage import StageModule
+from hplan.runtime.contract.errors import PlanMismatchError
 from hplan.runtime.contract.holders import RankSet, island_of_rank, running_stat_holders
 from hplan.runtime.contract.link_model import sync_order
-from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.plan import Plan, RankPlan, microbatch_sizes
 from hplan.runtime.executor.grad_sync import new_group
 
-__all__ = ["RunningStats", "build_running_stats", "stat_sets"]
+__all__ = ["RunningStats", "build_running_stats", "check_batch_statistics_floor", "stat_sets"]
 
 _COUNTER = "num_batches_tracked"
 
@@ -151,3 +154,25 @@ def build_running_stats(
     ]
     counters = [held[n] for n in names if n.rpartition(".")[2] == _COUNTER]
     return RunningStats(sets, counters)
+
+
+def check_batch_statistics_floor(rank_plan: RankPlan, stage: StageModule) -> None:
+    """Refuse a plan that gives a stage with BatchNorm in train mode a micro-batch of one
+    sample (a plan made by hand, or by an hplan before ``min_microbatch_samples``): torch
+    would fail inside the forward of a 2-D input, and a 4-D one would train on a sample's
+    own statistics.
+
+    Raises:
+        PlanMismatchError: naming the rank, a batch-norm module and the fix.
+    """
+    sizes = microbatch_sizes(rank_plan.num_samples, rank_plan.micro_batch_size)
+    if min(sizes) > 1:
+        return
+    modules = stage.graph_module.named_modules()
+    found = [n for n, m in modules if isinstance(m, _BatchNorm) and m.training]
+    if found:
+        raise PlanMismatchError(
+            f"rank {rank_plan.rank} runs a micro-batch of 1 sample through batch norm "
+            f"({found[0]}), which needs 2 or more in training; re-run `hplan solve` (it keeps "
+            "every micro-batch of a batch-norm model at 2 samples or more)"
+        )

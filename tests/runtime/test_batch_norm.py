@@ -11,8 +11,9 @@ import torch
 
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import PlanFileError
-from hplan.runtime.contract.plan import Plan
+from hplan.runtime.contract.plan import Plan, SyncMode
 from hplan.runtime.executor.checkpoint import latest_checkpoint
+from hplan.runtime.executor.running_stats import stat_sets
 from hplan.runtime.rehearsal.reference_check import verify_first_step
 from tests.fixtures.plans import (
     ReplicaShape,
@@ -20,6 +21,7 @@ from tests.fixtures.plans import (
     make_plan,
     read_checkpoint,
     run_ranks,
+    with_islands,
     write_model,
 )
 
@@ -99,3 +101,27 @@ def test_replicas_of_a_batch_norm_model_keep_one_set_of_running_statistics(
     saved = read_checkpoint(latest_checkpoint(ckpt), tmp_path)
     counters = {n: int(t) for n, t in saved["buffers"].items() if "num_batches" in n}
     assert counters == {"1.num_batches_tracked": STEPS, "4.num_batches_tracked": STEPS}
+
+
+def test_a_hand_made_plan_with_a_one_sample_micro_batch_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    model = write_model(tmp_path, BN_MLP)
+    plan = make_plan(model, [ReplicaShape((-1,), 2, 3)])  # 2 + 1, no floor in the plan
+    (outcome,) = run_ranks(plan, tmp_path / "run", "--steps", "1")
+    assert outcome.returncode != 0
+    assert "micro-batch of 1 sample through batch norm (1)" in outcome.stderr
+    assert "Traceback" not in outcome.stderr and "internal error" not in outcome.stderr
+
+
+def test_running_statistics_sync_with_their_holders_and_across_islands_at_the_outer_sync(
+    tmp_path: Path,
+) -> None:
+    model = write_model(tmp_path, BN_MLP)
+    plan = make_plan(model, [ReplicaShape((2, -1), 2, 4), ReplicaShape((-1,), 2, 4)])
+    assert stat_sets(plan)["1.running_mean"] == (((0, 2), 1),)
+    assert stat_sets(plan)["4.running_var"] == (((1, 2), 1),)
+    islands = with_islands(
+        make_plan(model, [ReplicaShape((-1,), 2, 4)] * 3), [2, 1], SyncMode.LOCAL_SGD, local_steps=5
+    )
+    assert stat_sets(islands)["1.running_mean"] == (((0, 1), 1), ((0, 1, 2), 5))
