@@ -33,6 +33,7 @@ __all__ = [
     "floored_shares",
     "microbatch_counts",
     "rebalanced",
+    "smallest_microbatch",
     "tie_share",
 ]
 

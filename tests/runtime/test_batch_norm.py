@@ -125,3 +125,22 @@ def test_running_statistics_sync_with_their_holders_and_across_islands_at_the_ou
         make_plan(model, [ReplicaShape((-1,), 2, 4)] * 3), [2, 1], SyncMode.LOCAL_SGD, local_steps=5
     )
     assert stat_sets(islands)["1.running_mean"] == (((0, 1), 1), ((0, 1, 2), 5))
+
+
+def test_islands_under_local_sgd_average_their_statistics_at_the_outer_sync(
+    tmp_path: Path,
+) -> None:
+    model = write_model(tmp_path, BN_MLP)
+    plan = with_islands(
+        make_plan(model, [ReplicaShape((-1,), 2, 4), ReplicaShape((-1,), 3, 6)]),
+        [1, 1],
+        SyncMode.LOCAL_SGD,
+        local_steps=2,
+    )
+    ckpt = tmp_path / "ckpt"
+    outcomes = run_ranks(plan, tmp_path / "run", "--steps", "2", "--checkpoint-dir", str(ckpt))
+    for outcome in outcomes:
+        assert outcome.returncode == 0, f"rank {outcome.rank}: {outcome.stderr[-2000:]}"
+    saved = read_checkpoint(latest_checkpoint(ckpt), tmp_path)
+    counters = {n: int(t) for n, t in saved["buffers"].items() if "num_batches" in n}
+    assert counters == {"1.num_batches_tracked": 2, "4.num_batches_tracked": 2}
