@@ -433,15 +433,16 @@ def _forward_backward(
     ranks weight theirs); then the model file's clipping (``MAX_GRAD_NORM``), as the ranks
     clip their synced gradients. Returns the mean loss and the norm before clipping (None
     without clipping)."""
-    inputs, targets = batch
+    parts, weights = [batch], [1.0]
+    if spans is not None:
+        num_samples = sum(stop - start for start, stop in spans)
+        parts = [_samples(batch, start, stop) for start, stop in spans]
+        weights = [(stop - start) / num_samples for start, stop in spans]
     total = 0.0
-    num_samples = sum(stop - start for start, stop in spans) if spans else 1
-    for start, stop in spans or [(0, 0)]:
-        part = (inputs, targets) if spans is None else _samples(batch, start, stop)
+    for (inputs, targets), weight in zip(parts, weights, strict=True):
         with autocast(torch.device("cpu"), precision):
-            outputs = model(**bind_inputs(model, part[0]))
-            loss = checked_loss(model_file, outputs, part[1], require_grad=True)
-        weight = 1.0 if spans is None else (stop - start) / num_samples
+            outputs = model(**bind_inputs(model, inputs))
+            loss = checked_loss(model_file, outputs, targets, require_grad=True)
         (loss * weight).backward()
         total += float(loss.detach()) * weight
     norm = None

@@ -129,3 +129,12 @@ def test_a_batch_norm_plan_carries_its_floor_and_a_batch_of_one_is_refused(
     assert "global batch size 1" in lines[0] and "at least 2 samples" in lines[0]
     code, err = _solve(model, tmp_path / "ones", capsys, "-b", "4", "--micro-batch-sizes", "1")
     assert code == 2 and "--micro-batch-sizes" in err and "give 2 or more" in err, err
+    # a capture file keeps the batch-norm layers: a solve from it knows them too
+    with pytest.raises(SystemExit) as exit_info:
+        main(["capture", str(model), "-o", str(tmp_path / "capture.json")])
+    assert not exit_info.value.code, capsys.readouterr().err
+    capture = json.loads((tmp_path / "capture.json").read_text())
+    assert capture["batch_statistics"] == ["1"]
+    code, err = _solve(model, tmp_path / "one-from-file", capsys, "-b", "1", "--capture",
+                       str(tmp_path / "capture.json"))  # fmt: skip
+    assert code == 2 and "at least 2 samples" in err, err
