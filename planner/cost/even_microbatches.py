@@ -5,13 +5,9 @@ ends in a smaller micro-batch (1,365 samples at 512: 512 + 512 + 341). That ragg
 never kept: each replica's share is cut instead into ``k`` micro-batches of ``ceil(n / k)``
 samples, for ``k = 1`` and every count a candidate size gives (:func:`microbatch_counts`);
 the cost model (``evaluate``) picks the count, then the shares move until the replicas end
-together again (:func:`rebalanced`). In hplan's runtime even cuts ran no slower than ragged
-ones the cost model priced alike, and they are the cuts Megatron-LM and torch's pipelining
-schedules require (the batch divisible by the micro-batch size).
-
-Ties go to fewer micro-batches: counts priced within the measurement spread of the replica's
-devices (:func:`tie_share`) cannot be ranked by the profile. Estimated (roofline) times have
-no spread, and the cost model alone decides.
+together again (:func:`rebalanced`); even cuts are the ones Megatron-LM and torch's
+pipelining schedules require. Ties go to fewer micro-batches: counts priced within the
+measurement spread of the replica's devices (:func:`tie_share`) cannot be ranked.
 
 No micro-batch holds fewer than the problem's ``min_microbatch_samples`` (2 for BatchNorm in
 train mode): shares below it take samples from the largest (:func:`floored_shares`), and
