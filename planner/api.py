@@ -44,7 +44,12 @@ from hplan.planner.emit.plan_build import (
     with_grad_sync,
     with_memory,
 )
-from hplan.planner.emit.report import REQUESTED, build_report, with_cost_sources
+from hplan.planner.emit.report import (
+    REQUESTED,
+    batch_statistics_notes,
+    build_report,
+    with_cost_sources,
+)
 from hplan.planner.frontend.capture import CapturedModel, capture_model
 from hplan.planner.frontend.capture_file import (
     CaptureFile,
@@ -568,7 +573,12 @@ def report_pass(r: PassResults) -> Report:
     request, problem, result = _request(r), r["problem"], r["choose"]
     graph: ModelGraph = r["cost_graph"]
     source: UnitTimeSource = r["time_source"]
-    notes = (*graph.notes, *r["trains_check"].notes, *r["cluster"].link_notes)
+    notes = (
+        *graph.notes,
+        *r["trains_check"].notes,
+        *r["cluster"].link_notes,
+        *batch_statistics_notes(graph.batch_statistics, result.layout),
+    )
     report = build_report(
         problem,
         result,
@@ -612,7 +622,7 @@ def plan_pass(r: PassResults) -> Plan:
         layout=result.layout,
         global_batch_size=request.global_batch_size,
         report=r["report"],
-        training=_training_spec(request, cluster, result),
+        training=_training_spec(request, cluster, result, problem.min_microbatch_samples),
         precisions=precisions,
     )
     plan = with_memory(plan, memory_model_spec(graph, problem))
@@ -747,6 +757,7 @@ def _baseline(
     problem: PlanningProblem, request: SolveRequest, runtime: RuntimeBytes
 ) -> SolveResult:
     from hplan.planner.cost.evaluate import evaluate
+    from hplan.planner.cost.even_microbatches import floored
 
     pipeline = request.strategy is Strategy.UNIFORM_PIPELINE
     if pipeline and not pipeline_possible(problem):
@@ -761,6 +772,7 @@ def _baseline(
             f"the {request.strategy.value} baseline does not fit this cluster's memory; "
             "use the hplan strategy"
         )
+    layout = floored(problem, layout)  # no micro-batch below batch norm's floor
     return SolveResult(
         layout=layout,
         evaluation=evaluate(problem, layout),
@@ -802,7 +814,9 @@ def _check_device_mix(cluster: Cluster) -> None:
         )
 
 
-def _training_spec(request: SolveRequest, cluster: Cluster, result: SolveResult) -> TrainingSpec:
+def _training_spec(
+    request: SolveRequest, cluster: Cluster, result: SolveResult, min_microbatch_samples: int
+) -> TrainingSpec:
     used = sorted(result.layout.device_indices)
     first = cluster.devices[used[0]]
     backend = Backend.GLOO if first.type.device_class is DeviceClass.CPU else Backend.NCCL
@@ -819,4 +833,5 @@ def _training_spec(request: SolveRequest, cluster: Cluster, result: SolveResult)
             if result.layout.optimizer_shard_weights
             else ZeroStage.NONE
         ),
+        min_microbatch_samples=min_microbatch_samples,
     )

@@ -5,13 +5,13 @@ ends in a smaller micro-batch (1,365 samples at 512: 512 + 512 + 341). That ragg
 never kept: each replica's share is cut instead into ``k`` micro-batches of ``ceil(n / k)``
 samples, for ``k = 1`` and every count a candidate size gives (:func:`microbatch_counts`);
 the cost model (``evaluate``) picks the count, then the shares move until the replicas end
-together again (:func:`rebalanced`). In hplan's runtime even cuts ran no slower than ragged
-ones the cost model priced alike, and they are the cuts Megatron-LM and torch's pipelining
-schedules require (the batch divisible by the micro-batch size).
+together again (:func:`rebalanced`); even cuts are the ones Megatron-LM and torch's
+pipelining schedules require. Ties go to fewer micro-batches: counts priced within the
+measurement spread of the replica's devices (:func:`tie_share`) cannot be ranked.
 
-Ties go to fewer micro-batches: counts priced within the measurement spread of the replica's
-devices (:func:`tie_share`) cannot be ranked by the profile. Estimated (roofline) times have
-no spread, and the cost model alone decides.
+No micro-batch holds fewer than the problem's ``min_microbatch_samples`` (2 for BatchNorm in
+train mode): shares below it take samples from the largest (:func:`floored_shares`), and
+cuts whose last micro-batch would be smaller are not priced.
 """
 
 from __future__ import annotations
@@ -22,7 +22,16 @@ from hplan.planner.cost.evaluate import Evaluation, evaluate
 from hplan.planner.cost.layout import Layout, ReplicaLayout, even_size, replica_layout
 from hplan.planner.cost.problem import PlanningProblem
 
-__all__ = ["even_microbatches", "even_sizes", "microbatch_counts", "rebalanced", "tie_share"]
+__all__ = [
+    "even_microbatches",
+    "even_sizes",
+    "floored",
+    "floored_shares",
+    "microbatch_counts",
+    "rebalanced",
+    "smallest_microbatch",
+    "tie_share",
+]
 
 REBALANCE_ROUNDS = 4
 """Most rounds of :func:`rebalanced`. A replica's time is close to linear in its share (a
@@ -37,27 +46,85 @@ def microbatch_counts(candidate_sizes: tuple[int, ...], num_samples: int) -> lis
     return sorted(counts)
 
 
-def even_sizes(candidate_sizes: tuple[int, ...], num_samples: int) -> list[int]:
+def even_sizes(
+    candidate_sizes: tuple[int, ...], num_samples: int, min_samples: int = 1
+) -> list[int]:
     """The micro-batch sizes that cut ``num_samples`` evenly into each of
     :func:`microbatch_counts`, ascending, without repeats (one count may give the size of
-    another: 10 in 6 is 5 x 2, as in 5)."""
+    another: 10 in 6 is 5 x 2, as in 5), leaving out those whose last micro-batch holds
+    fewer than ``min_samples`` (7 in 3 is 3 + 3 + 1)."""
     counts = microbatch_counts(candidate_sizes, num_samples)
-    return sorted({even_size(num_samples, k) for k in counts})
+    sizes = {even_size(num_samples, k) for k in counts}
+    return sorted(b for b in sizes if smallest_microbatch(num_samples, b) >= min_samples)
+
+
+def smallest_microbatch(num_samples: int, micro_batch_size: int) -> int:
+    """Samples of the last (smallest) micro-batch of ``num_samples`` cut at
+    ``micro_batch_size`` (``contract.plan.microbatch_sizes``)."""
+    b = min(micro_batch_size, num_samples)
+    return num_samples - (-(-num_samples // b) - 1) * b
+
+
+def floored_shares(problem: PlanningProblem, layout: Layout) -> Layout:
+    """``layout`` with no replica's share below ``problem.min_microbatch_samples``: a
+    share below it takes samples from the largest share, one at a time, while that stays
+    at the floor; where the batch cannot give every replica the floor, the replicas of
+    the smallest shares are left out (their samples go to the largest). Micro-batch sizes
+    are kept (clamped to the share); :func:`even_microbatches` cuts them afresh."""
+    floor = problem.min_microbatch_samples
+    shares = [r.num_samples for r in layout.replicas]
+    if floor <= 1 or min(shares) >= floor:
+        return layout
+    kept = sorted(range(len(shares)), key=lambda i: -shares[i])
+    kept = kept[: max(1, problem.global_batch_size // floor)]
+    left_out = sum(shares[i] for i in range(len(shares)) if i not in kept)
+    shares[kept[0]] += left_out
+    for i in kept:
+        while shares[i] < floor:
+            donor = max(kept, key=lambda j: shares[j])
+            shares[donor] -= 1
+            shares[i] += 1
+    replicas = tuple(
+        replica_layout(r.stages, r.micro_batch_size, shares[i])
+        for i, r in enumerate(layout.replicas)
+        if i in kept
+    )
+    return replace(layout, replicas=replicas)
+
+
+def floored(problem: PlanningProblem, layout: Layout) -> Layout:
+    """``layout`` with no micro-batch below ``problem.min_microbatch_samples``: its shares
+    floored (:func:`floored_shares`), and a replica whose last micro-batch is smaller cut
+    into the most micro-batches, no more than it had, whose last one is not (one at
+    worst). Nothing is re-costed (for layouts taken as they are: the baselines)."""
+    layout = floored_shares(problem, layout)
+    floor = problem.min_microbatch_samples
+    replicas = []
+    for replica in layout.replicas:
+        n = replica.num_samples
+        counts = range(min(replica.num_microbatches, n), 0, -1)
+        k = next(k for k in counts if smallest_microbatch(n, even_size(n, k)) >= floor or k == 1)
+        ok = smallest_microbatch(n, replica.micro_batch_size) >= floor
+        replicas.append(replica if ok else replica_layout(replica.stages, even_size(n, k), n))
+    return replace(layout, replicas=tuple(replicas))
 
 
 def even_microbatches(problem: PlanningProblem, layout: Layout) -> Layout:
     """``layout`` with every replica's share cut evenly, its count the cost model's choice
     (module docstring); replicas are settled one after another, in order. A count whose
     micro-batches no longer fit memory (``Evaluation.memory_ok``) is skipped; when none
-    fits the replica keeps its micro-batches.
+    fits the replica keeps its micro-batches (cut again where one is below the floor:
+    :func:`floored`).
 
     Returns:
         A layout with the same stages, its shares rebalanced for the new cuts
         (:func:`rebalanced`; the same layout when nothing changes).
     """
+    layout = floored_shares(problem, layout)
+    floor = problem.min_microbatch_samples
     for r, replica in enumerate(layout.replicas):
         options: list[tuple[int, Layout, Evaluation]] = []
-        for b in even_sizes(problem.micro_batch_sizes, replica.num_samples):
+        for b in even_sizes(problem.micro_batch_sizes, replica.num_samples, floor):
             cut = replica_layout(replica.stages, b, replica.num_samples)
             option = replace(
                 layout, replicas=(*layout.replicas[:r], cut, *layout.replicas[r + 1 :])
@@ -67,7 +134,7 @@ def even_microbatches(problem: PlanningProblem, layout: Layout) -> Layout:
                 options.append((cut.num_microbatches, option, evaluation))
         if options:
             layout = _fewest_within_tie(options, r, tie_share(problem, replica))
-    return rebalanced(problem, layout)
+    return rebalanced(problem, floored(problem, layout))
 
 
 def rebalanced(problem: PlanningProblem, layout: Layout) -> Layout:
@@ -92,7 +159,12 @@ def rebalanced(problem: PlanningProblem, layout: Layout) -> Layout:
         return layout
     best, best_eval = layout, evaluate(problem, layout)
     for _ in range(REBALANCE_ROUNDS):
-        shares = _balanced_shares(best, best_eval.replica_times_s, best_eval.replica_starts_s)
+        shares = _balanced_shares(
+            best,
+            best_eval.replica_times_s,
+            best_eval.replica_starts_s,
+            problem.min_microbatch_samples,
+        )
         replicas = [_even_cut(problem, r, n) for r, n in zip(best.replicas, shares, strict=True)]
         if any(r is None for r in replicas):
             break
@@ -105,12 +177,15 @@ def rebalanced(problem: PlanningProblem, layout: Layout) -> Layout:
 
 
 def _balanced_shares(
-    layout: Layout, replica_times_s: tuple[float, ...], starts_s: tuple[float, ...]
+    layout: Layout,
+    replica_times_s: tuple[float, ...],
+    starts_s: tuple[float, ...],
+    floor: int = 1,
 ) -> list[int]:
     """Shares summing to the layout's such that every replica, after what precedes its
     pipeline (``starts_s``: its optimizer step, ``evaluate.Evaluation.replica_starts_s``),
     ends at the same time, each computing at its samples per second at its current share
-    (largest remainder; at least one sample each)."""
+    (largest remainder; at least ``floor`` samples each)."""
     total = sum(r.num_samples for r in layout.replicas)
     rates = [
         r.num_samples / max(t, 1e-12) for r, t in zip(layout.replicas, replica_times_s, strict=True)
@@ -119,11 +194,11 @@ def _balanced_shares(
     end_s = (total + sum(rate * s for rate, s in zip(rates, starts, strict=True))) / sum(rates)
     room = [max(0.0, (end_s - s) * rate) for rate, s in zip(rates, starts, strict=True)]
     exact = [total * x / sum(room) for x in room]
-    shares = [max(1, int(x)) for x in exact]
+    shares = [max(floor, int(x)) for x in exact]
     by_remainder = sorted(range(len(exact)), key=lambda i: int(exact[i]) - exact[i])
     for i in by_remainder[: max(0, total - sum(shares))]:
         shares[i] += 1
-    while sum(shares) > total:  # only when a share was raised to one
+    while sum(shares) > total:  # only when a share was raised to the floor
         shares[shares.index(max(shares))] -= 1
     return shares
 
@@ -133,10 +208,13 @@ def _even_cut(
 ) -> ReplicaLayout | None:
     """``replica`` with ``num_samples``, cut evenly into as many micro-batches as it has
     (fewer when the share is smaller); None when that cut is larger than the largest
-    candidate (``solve.validate``'s rule: only one micro-batch may be)."""
+    candidate (``solve.validate``'s rule: only one micro-batch may be), or its last
+    micro-batch holds fewer than ``min_microbatch_samples``."""
     count = min(replica.num_microbatches, num_samples)
     size = even_size(num_samples, count)
     if count > 1 and size > problem.micro_batch_sizes[-1]:
+        return None
+    if smallest_microbatch(num_samples, size) < problem.min_microbatch_samples:
         return None
     return replica_layout(replica.stages, size, num_samples)
 

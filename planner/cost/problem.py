@@ -125,6 +125,9 @@ class PlanningProblem:
     median over its profiled micro-batch sizes (0.05: 5%); 0 for an estimated device; None:
     nothing measured. Predictions closer than this cannot be ranked
     (``cost.even_microbatches``)."""
+    min_microbatch_samples: int = 1
+    """The fewest samples a micro-batch may hold: 2 for a model with BatchNorm in train
+    mode (``ModelGraph.batch_statistics``), else 1 (``TrainingSpec.min_microbatch_samples``)."""
 
     def cut_bytes(self, cut_idx: int, micro_batch_size: float) -> float:
         """Forward bytes of one micro-batch of ``micro_batch_size`` samples crossing the cut
@@ -182,6 +185,11 @@ class PlanningProblem:
             raise ValueError(f"micro_batch_sizes {self.micro_batch_sizes} must be ascending")
         if not self.micro_batch_sizes or self.micro_batch_sizes[0] < 1:
             raise ValueError("micro_batch_sizes must be >= 1")
+        if self.micro_batch_sizes[0] < self.min_microbatch_samples:
+            raise ValueError(
+                f"micro_batch_sizes {self.micro_batch_sizes} go below min_microbatch_samples "
+                f"{self.min_microbatch_samples}"
+            )
         if self.global_batch_size < 1:
             raise ValueError(f"global_batch_size {self.global_batch_size} must be >= 1")
         if d == 0 or u == 0:

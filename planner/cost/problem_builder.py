@@ -332,6 +332,11 @@ def static_memory_bytes(
     return total
 
 
+BATCH_STATISTICS_MIN_SAMPLES = 2
+"""The fewest samples a micro-batch of a model with BatchNorm in train mode may hold
+(``ModelGraph.batch_statistics``): one sample has no variance."""
+
+
 def default_micro_batch_sizes(global_batch_size: int) -> tuple[int, ...]:
     """Micro-batch-size candidates: powers of two up to ``global_batch_size``, plus
     ``global_batch_size`` itself when it is not a power of two (so one replica can take the
@@ -384,7 +389,13 @@ def build_problem(
             negative optimizer-state factor, or a parameter dtype with no catalog peak.
     """
     _check_global_batch(global_batch_size)
-    sizes = _micro_batch_candidates(global_batch_size, micro_batch_sizes)
+    floor = BATCH_STATISTICS_MIN_SAMPLES if graph.batch_statistics else 1
+    sizes = _floored_candidates(
+        _micro_batch_candidates(global_batch_size, micro_batch_sizes),
+        floor,
+        graph,
+        global_batch_size,
+    )
     factor = _checked_optimizer_factor(optimizer_state_bytes_per_param_byte)
     source = time_source if time_source is not None else RooflineSource()
     costs = graph.unit_costs
@@ -426,6 +437,7 @@ def build_problem(
         optimizer_state_bytes=_array([c.trainable_param_bytes * factor for c in costs]),
         time_spread=_array([source.time_spread(d) for d in devices]),
         **_cut_arrays(graph, widest.precision),
+        min_microbatch_samples=floor,
         **_collective_arrays(cluster),
         **_offload_arrays(cluster, costs, factor),
     )
@@ -516,6 +528,31 @@ def _micro_batch_candidates(
                 f"{global_batch_size}"
             )
     return tuple(sorted(set(micro_batch_sizes)))
+
+
+def _floored_candidates(
+    sizes: tuple[int, ...], floor: int, graph: ModelGraph, global_batch_size: int
+) -> tuple[int, ...]:
+    """``sizes`` of at least ``floor`` samples.
+
+    Raises:
+        ConfigError: the global batch, or every size given, is below the floor.
+    """
+    kept = tuple(b for b in sizes if b >= floor)
+    if kept:
+        return kept
+    layers = ", ".join(graph.batch_statistics[:3]) + (
+        ", ..." if len(graph.batch_statistics) > 3 else ""
+    )
+    what = (
+        f"global batch size {global_batch_size} (-b)"
+        if global_batch_size < floor
+        else f"micro-batch sizes {', '.join(map(str, sizes))} (--micro-batch-sizes)"
+    )
+    raise ConfigError(
+        f"{what}: the model's batch norm ({layers}) normalises by the batch in training and "
+        f"needs at least {floor} samples a micro-batch; give {floor} or more"
+    )
 
 
 def _array(values: Any) -> np.ndarray:

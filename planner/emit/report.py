@@ -130,6 +130,38 @@ def _source_note(result: SolveResult) -> tuple[str, ...]:
     return (f"found by the search scenario: {source}",)
 
 
+SMALL_BATCH_STATISTICS_SAMPLES = 16
+"""Below this many samples a micro-batch's BatchNorm statistics are noisy enough to cost
+accuracy (Wu and He, "Group Normalization", ECCV 2018, Figure 1: ResNet-50's ImageNet error
+grows as BatchNorm's batch falls from 32 to 16 samples and below)."""
+
+
+def batch_statistics_notes(layers: Sequence[str], layout: Layout) -> tuple[str, ...]:
+    """The note on batch norm (``layers``: ``ModelGraph.batch_statistics``) when the layout
+    splits the global batch: each micro-batch is normalised by its own statistics, the
+    sizes it has, and the advice when they are small (empty without batch norm or split)."""
+    sizes = [
+        n for r in layout.replicas for n in microbatch_sizes(r.num_samples, r.micro_batch_size)
+    ]
+    total = sum(r.num_samples for r in layout.replicas)
+    if not layers or max(sizes) >= total:
+        return ()
+    shown = ", ".join(layers[:3]) + (", ..." if len(layers) > 3 else "")
+    span = f"{min(sizes)}" if min(sizes) == max(sizes) else f"{min(sizes)} to {max(sizes)}"
+    small = (
+        f"; below {SMALL_BATCH_STATISTICS_SAMPLES} samples its statistics are noisy (give "
+        "larger --micro-batch-sizes where memory allows, or use GroupNorm)"
+        if min(sizes) < SMALL_BATCH_STATISTICS_SAMPLES
+        else ""
+    )
+    return (
+        f"batch norm ({count(len(layers), 'layer')}: {shown}) normalises each micro-batch by "
+        f"its own statistics (as under DDP without SyncBatchNorm): this plan's micro-batches "
+        f"hold {span} of the {total} samples of a step, never fewer than 2{small}; the "
+        "replicas average their running statistics after every step",
+    )
+
+
 def build_report(
     problem: PlanningProblem,
     result: SolveResult,

@@ -51,9 +51,9 @@ __all__ = [
     "sha256_of_file",
 ]
 
-CAPTURE_SCHEMA_VERSION: Final = 2
+CAPTURE_SCHEMA_VERSION: Final = 3
 """2: convolutions' FLOPs and channels-first bytes (``conv_flops``,
-``channels_first_conv_bytes``) added."""
+``channels_first_conv_bytes``) added; 3: ``batch_statistics`` (BatchNorm in train mode)."""
 
 
 @record
@@ -147,7 +147,7 @@ class TrainsRecord:
 class CaptureFile:
     """The whole capture file (see the module docstring)."""
 
-    schema_version: Literal[2] = CAPTURE_SCHEMA_VERSION
+    schema_version: Literal[3] = CAPTURE_SCHEMA_VERSION
     model_path: str
     """The model file as ``hplan capture`` was given it (for messages only)."""
     model_sha256: str
@@ -173,6 +173,8 @@ class CaptureFile:
     trains: TrainsRecord
     optimizer_state_bytes_per_param_byte: float
     """Bytes of optimizer state per byte of parameter, for the model file's optimizer."""
+    batch_statistics: tuple[str, ...]
+    """``ModelGraph.batch_statistics``: layers that normalise by the batch in training."""
 
     def to_json(self) -> str:
         """Deterministic JSON text (1-space indent, field order as declared, newline at end)."""
@@ -209,6 +211,7 @@ class CaptureFile:
                 p.name: ParamSize(p.numel, p.element_bytes) for p in self.trainable_params
             },
             tied_trainable_bytes={t.unit_indices: t.bytes for t in self.tied_trainable_bytes},
+            batch_statistics=self.batch_statistics,
         )
 
     def trains_verdict(self) -> TrainsVerdict:
@@ -285,6 +288,7 @@ def capture_record(
         edges=edges,
         trains=TrainsRecord(device=trains.device, notes=trains.notes),
         optimizer_state_bytes_per_param_byte=optimizer_state_bytes_per_param_byte,
+        batch_statistics=graph.batch_statistics,
     )
 
 

@@ -26,6 +26,7 @@ from hplan.planner.frontend.graph import (
     OUTPUT,
     PLACEHOLDER,
     CostGraph,
+    batch_statistics_layers,
     crossing_values,
     in_unit,
     structure_graph,
@@ -120,6 +121,9 @@ class ModelGraph:
     """Indices of units sharing trainable parameters (a parameter listed by several
     units' ``UnitSpec.params``; GPT-2 ties its token embedding to its LM head) -> bytes
     of those parameters, counted once."""
+    batch_statistics: tuple[str, ...] = ()
+    """Layers that normalise by the batch's statistics in training (BatchNorm in train mode,
+    ``graph.batch_statistics_layers``): no micro-batch of one sample for them."""
     traced: TracedModel | None = None
     """The traced module, when this graph was measured in this process; None when it was
     read from a capture file. Only what runs the graph (``hplan profile``) needs it."""
@@ -265,6 +269,7 @@ def model_graph(captured: CapturedModel, loss_memory: LossMemory | None = None) 
         graph_fingerprint=traced.fingerprint(),
         trainable_param_sizes=_trainable_param_sizes(traced),
         tied_trainable_bytes=_tied_trainable_bytes(model, units),
+        batch_statistics=batch_statistics_layers(model, traced.graph_module),
         traced=traced,
     )
 

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 
 import networkx as nx
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from hplan.runtime.capture.cuts import replicable_nodes
 from hplan.runtime.capture.trace import TracedModel, target_name
@@ -100,6 +102,38 @@ def module_path(node: torch.fx.Node, module_classes: Mapping[str, str]) -> str:
         if path != _NO_MODULE and path in module_classes:
             return str(path)
     return ""
+
+
+_TRAINING_ARG = 5
+"""Position of ``training`` in ``F.batch_norm``, ``aten.batch_norm`` and
+``aten._native_batch_norm_legit_functional``."""
+
+
+def batch_statistics_layers(model: nn.Module, gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """What normalises by the statistics of the batch it is given while training: the
+    paths of ``model``'s BatchNorm modules in train mode (``_BatchNorm``: SyncBatchNorm
+    too); without any, the names of ``gm``'s batch-norm calls in training (a functional
+    ``batch_norm``). Such a layer cannot train on a micro-batch of one sample (no
+    variance: torch raises for a 2-D input)."""
+    modules = [
+        name or type(model).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, _BatchNorm) and module.training
+    ]
+    calls = [
+        node.name
+        for node in gm.graph.nodes
+        if node.op == "call_function"
+        and "batch_norm" in target_name(node.target)
+        and _training_arg(node) is True
+    ]
+    return tuple(modules) or tuple(calls)
+
+
+def _training_arg(node: torch.fx.Node) -> object:
+    if "training" in node.kwargs:
+        return node.kwargs["training"]
+    return node.args[_TRAINING_ARG] if len(node.args) > _TRAINING_ARG else None
 
 
 def _tensors_used(gm: torch.fx.GraphModule, node: torch.fx.Node) -> set[str]:

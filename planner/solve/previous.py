@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.even_microbatches import smallest_microbatch
 from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
@@ -153,12 +154,20 @@ def keep_previous(
     """``result``, or ``previous``'s layout when the model predicts it no slower.
 
     Both are compared as the plan reports them: simulated where the result was simulated,
-    else the cost model's step. A previous layout that no longer fits memory is not kept.
+    else the cost model's step. A previous layout that no longer fits memory, or has a
+    micro-batch below ``problem.min_microbatch_samples``, is not kept.
 
     Raises:
         ConfigError: see :func:`layout_of_plan`.
     """
     layout = layout_of_plan(previous, problem, path)
+    floor = problem.min_microbatch_samples
+    if any(smallest_microbatch(r.num_samples, r.micro_batch_size) < floor for r in layout.replicas):
+        return _with_note(
+            result,
+            f"--previous {path}: the search's layout replaces it (it has a micro-batch below "
+            f"{floor} samples, which the model's batch norm needs)",
+        )
     evaluation = evaluate(problem, layout)
     simulated_s = (
         None

@@ -20,14 +20,15 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     empty stage; no device is used twice; a micro-batch size is a candidate, the
     replica's share cut into equal micro-batches no larger than the largest candidate, or the
     replica's share run as one micro-batch, and never larger than the share; the
-    micro-batches hold the replica's samples; shares sum to the global batch; every stage's
-    memory (static + activations of its in-flight micro-batches under the problem's
-    schedule, ``contract.memory.in_flight_microbatches``, or under
-    recomputation its inputs in flight and one micro-batch's activations, or under selective
-    recomputation the recomputed units' inputs in flight instead of their activations and
-    one micro-batch of the largest one's + boundary buffers) fits its device; a selective
-    stage names some, not all, of its units; with islands, they hold every node of the problem once, and
-    under local sync every replica lies inside one island.
+    micro-batches hold the replica's samples, none fewer than ``min_microbatch_samples``;
+    shares sum to the global batch; every stage's memory (static + activations of its
+    in-flight micro-batches under the problem's schedule,
+    ``contract.memory.in_flight_microbatches``, or under recomputation its inputs in flight
+    and one micro-batch's activations, or under selective recomputation the recomputed
+    units' inputs in flight instead of their activations and one micro-batch of the largest
+    one's + boundary buffers) fits its device; a selective stage names some, not all, of its
+    units; with islands, they hold every node of the problem once, and under local sync
+    every replica lies inside one island.
     """
     errors: list[str] = []
     seen: set[int] = set()
@@ -182,6 +183,12 @@ def _replica_problems(  # type: ignore[no-untyped-def]
         errors.append(
             f"replica {r}: {replica.num_samples} samples do not fill "
             f"{replica.num_microbatches} x {b}"
+        )
+    smallest = replica.num_samples - (replica.num_microbatches - 1) * b
+    if 0 < smallest < problem.min_microbatch_samples:
+        errors.append(
+            f"replica {r}: a micro-batch of {smallest} sample(s), below the model's floor of "
+            f"{problem.min_microbatch_samples} (batch norm)"
         )
     num_stages = len(replica.stages)
     for s, stage in enumerate(replica.stages):

@@ -20,6 +20,7 @@ from hplan.runtime.contract.link_model import sync_order
 from hplan.runtime.contract.plan import GradSyncReport, OuterSyncSpec, Plan, SyncMode
 
 __all__ = [
+    "RUNNING_STAT_BUFFERS",
     "BucketSpec",
     "OptimizerShards",
     "RankSet",
@@ -36,6 +37,7 @@ __all__ = [
     "outer_groups",
     "parameter_holders",
     "parameter_order",
+    "running_stat_holders",
     "shared_bytes",
     "step_holder_sets",
     "step_holders",
@@ -82,6 +84,26 @@ def parameter_holders(plan: Plan) -> dict[str, RankSet]:
     units = {u.name: u for u in plan.units}
     pairs = ((r.rank, (p for u in r.units for p in units[u].params)) for r in plan.ranks)
     return dict(sorted(holders(pairs).items()))
+
+
+RUNNING_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+"""Last name components of the buffers a normalisation layer updates in training from the
+batch it sees (BatchNorm's, and InstanceNorm's with ``track_running_stats``)."""
+
+
+def running_stat_holders(plan: Plan) -> dict[str, RankSet]:
+    """Canonical name of every running-statistics buffer (:data:`RUNNING_STAT_BUFFERS`)
+    -> the sorted ranks whose units read it, by name."""
+    units = {u.name: u for u in plan.units}
+    pairs = (
+        (r.rank, (b for u in r.units for b in units[u].buffers if _is_running_stat(b)))
+        for r in plan.ranks
+    )
+    return dict(sorted(holders(pairs).items()))
+
+
+def _is_running_stat(name: str) -> bool:
+    return name.rpartition(".")[2] in RUNNING_STAT_BUFFERS
 
 
 def parameter_order(plan: Plan) -> tuple[str, ...]:

@@ -520,6 +520,10 @@ class TrainingSpec:
     """Passes over the model file's ``dataset()`` a run trains (``hplan solve --epochs``):
     ``epochs`` x its steps per epoch (``len(dataset()) // global_batch_size``). None with
     ``steps`` None: the run must be given ``--steps``."""
+    min_microbatch_samples: Count = 1
+    """The fewest samples any micro-batch may hold, here and when a run moves samples between
+    replicas (``executor/control/rebalance.py``): 2 for a model that normalises by the
+    batch's statistics in training (BatchNorm: one sample has no variance), else 1."""
 
 
 @record
@@ -888,8 +892,9 @@ class Plan:
         ranks numbered 0..n-1; every rank's device and node exist; each replica's stages
         are 0..k-1 and hold contiguous, in-order runs of units that cover every unit exactly
         once; every replica-internal cut exists in ``cuts``; micro-batch fields agree within
-        a replica; batch shares sum to ``global_batch_size``; the training length is given
-        as steps or as epochs, not both.
+        a replica; no micro-batch holds fewer than ``training.min_microbatch_samples``;
+        batch shares sum to ``global_batch_size``; the training length is given as steps or
+        as epochs, not both.
         """
         _check_ranges(self, _adapter(), prefix=())
         _verify_plan(self)
@@ -1031,6 +1036,7 @@ def _verify_plan(plan: Plan) -> None:
         total += ranks[0].num_samples
     if total != plan.global_batch_size:
         _fail(f"batch shares sum to {total}, global_batch_size is {plan.global_batch_size}")
+    _verify_floor(plan)
     if plan.training.sync is not None:
         _verify_sync(plan, plan.training.sync)
     if plan.training.zero_stage is not ZeroStage.NONE:
@@ -1039,6 +1045,18 @@ def _verify_plan(plan: Plan) -> None:
         _verify_offload(plan)
     if plan.memory is not None:
         _verify_memory(plan, plan.memory)
+
+
+def _verify_floor(plan: Plan) -> None:
+    floor = plan.training.min_microbatch_samples
+    for replica in range(plan.num_replicas):
+        first = plan.replica_ranks(replica)[0]
+        smallest = min(microbatch_sizes(first.num_samples, first.micro_batch_size))
+        if smallest < floor:
+            _fail(
+                f"replica {replica} has a micro-batch of {smallest} sample(s), fewer than "
+                f"training.min_microbatch_samples {floor}; re-run `hplan solve`"
+            )
 
 
 def _verify_offload(plan: Plan) -> None:

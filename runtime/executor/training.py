@@ -5,7 +5,8 @@
 (``control/same_job.py``), resumes from the latest checkpoint when asked and runs
 :class:`StepLoop`. Each step is a short sequence: the schedule and gradient sync
 (``pipeline.py``, ``grad_sync.py``), the optimizer (under ZeRO its shards, ``zero.py``; then
-any cross-island sync, ``outer_sync.py``), the metrics (``contract/metrics_file.py``, rank
+BatchNorm's running statistics averaged, ``running_stats.py``, and any cross-island sync,
+``outer_sync.py``), the metrics (``contract/metrics_file.py``, rank
 0's progress), the job's agreement after the step (``control/agreement.py``: stop, checkpoint,
 shares) and a checkpoint when agreed (``checkpoint.py``). The loop ends in one place, with a
 :class:`RunEnd`; :func:`run_rank` turns a stop into its error and exit code there.
@@ -57,6 +58,7 @@ from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
 from hplan.runtime.executor.rendezvous import barrier, rank_device, under_torchrun
+from hplan.runtime.executor.running_stats import RunningStats, build_running_stats
 from hplan.runtime.executor.seams import (
     MemoryMeter,
     Seams,
@@ -142,13 +144,14 @@ def _train(
     )
     checkpointer = _checkpointer(parts, options, outer, shards)
     first_step = _resume(checkpointer, options)
+    stats = build_running_stats(plan, rank, parts.stage.canonical_buffers(), groups)
     scheduler = _scheduler(parts, first_step)
     clip = build_grad_clip(plan, rank, parts.params, parts.model_file.max_grad_norm, parts.device)
     held = gradient_holders(parts.optimizer)
     if clip is not None and held is not None:  # ZeRO stage 2: each element on one rank
         clip = replace(clip, counted=held, params=held)
     runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device), clip, shards)
-    step = RankStep(runner, memory, scheduler, outer, options.verify_dir, first_step)
+    step = RankStep(runner, memory, scheduler, outer, options.verify_dir, first_step, stats)
     barrier(rank, "start of training")
     loop = StepLoop(step, options, CheckpointPolicy.of(checkpointer, options))
     with Preemption() as preemption:
@@ -453,9 +456,12 @@ class RankStep:
         outer: OuterSync | None,
         verify_dir: Path | None,
         first_step: int,
+        stats: RunningStats | None = None,
     ) -> None:
         self.runner, self.memory = runner, memory
         self.scheduler, self.outer = scheduler, outer
+        self.stats = stats
+        """BatchNorm's running statistics, averaged across replicas after every step."""
         self.verify_dir = verify_dir
         """``--verify``: the run's first step is dumped there (``_dump_verify``)."""
         self.first_step = first_step
@@ -465,7 +471,14 @@ class RankStep:
         """Schedule, gradient sync and optimizer of ``step``, then the LR scheduler's step."""
         verify = self.verify_dir if step == self.first_step else None
         record = _train_step(
-            self.runner, self.memory, step, verify, self.outer, last=last, cpu_share=self.cpu_share
+            self.runner,
+            self.memory,
+            step,
+            verify,
+            self.outer,
+            last=last,
+            cpu_share=self.cpu_share,
+            stats=self.stats,
         )
         if self.scheduler is not None:
             self.scheduler.step()  # type: ignore[attr-defined]
@@ -610,11 +623,13 @@ def _train_step(
     *,
     last: bool = False,
     cpu_share: CpuShare,
+    stats: RunningStats | None = None,
 ) -> StepMetrics:
     """One step: the schedule (forward and backward of the micro-batches) and gradient
     sync, the synced gradients unscaled (fp16 loss scaling) and clipped (``MAX_GRAD_NORM``;
     ``grad_sync.GradClip``), the optimizer (under ZeRO its shards, ``zero.py``), then with
-    ``outer`` the cross-island syncs due (``last``: the run's last step, which closes them).
+    ``outer`` the cross-island syncs due (``last``: the run's last step, which closes them);
+    with ``stats`` BatchNorm's running statistics averaged (``running_stats.py``).
     With ``verify`` (a folder), dropout is off for it (``random_ops.py``) and its synced
     gradients and updated parameters are dumped there. ``cpu_share``: the rank's CPU quota
     and threads, recorded with its CPU times."""
@@ -629,6 +644,8 @@ def _train_step(
         sharded = runner.shards.gathered_grads() if runner.shards is not None else {}
         _dump_verify(parts, verify, "grads", loss, step, sharded)
     stepped = runner.optimizer_step()  # optimizer
+    if stats is not None:
+        stats.after_step(step, runner.num_samples)
     outer_s = 0.0
     if outer is not None:  # islands that train on their own
         outer_s = outer.after_step(step, last=last)
@@ -706,7 +723,7 @@ def _dump_verify(
 ) -> None:
     """Write ``<dir>/<kind>-rank-<r>.pt``: ``{"tensors": {name: tensor}, "loss", "samples"}``
     with this rank's gradients after the gradient sync (``grads``) or its parameters after
-    the optimizer step (``params``), by canonical name.
+    the optimizer step (``params``, with its buffers as ``"buffers"``), by canonical name.
 
     With the gradients, the global batch of ``step`` as this rank's data source gives it:
     its fingerprint (``"batch_digest"``, ``data.batch_digest``) on every rank, its tensors
@@ -726,4 +743,7 @@ def _dump_verify(
             payload["batch"] = batch_tensors(batch)
     else:
         payload["tensors"] = {n: p.detach().cpu().clone() for n, p in parts.params}
+        payload["buffers"] = {
+            n: b.detach().cpu().clone() for n, b in parts.stage.canonical_buffers()
+        }
     torch.save(payload, directory / f"{kind}-rank-{parts.rank_plan.rank}.pt")

@@ -52,6 +52,7 @@ from hplan.runtime.executor.rendezvous import (
     rank_device,
     rendezvous_address,
 )
+from hplan.runtime.executor.running_stats import check_batch_statistics_floor
 from hplan.runtime.executor.seams import (
     LinkDelay,
 )
@@ -369,8 +370,9 @@ def build_rank(
 
     Raises:
         ModelFileError: the model file cannot be loaded.
-        PlanMismatchError: the re-traced graph differs from the plan's fingerprint, or the
-            stage's parameters differ from the plan's.
+        PlanMismatchError: the re-traced graph differs from the plan's fingerprint, the
+            stage's parameters differ from the plan's, or a stage with batch norm gets a
+            micro-batch of one sample.
         EnvironmentProblemError: the plan asks for a GPU this machine lacks.
     """
     rank_plan = plan.ranks[rank]
@@ -379,6 +381,7 @@ def build_rank(
     if options.warn_model_change and rank_plan.local_rank == 0:
         warn_if_model_changed(plan, model_file)
     stage, binder = rank_stage(plan, rank_plan, model_file)
+    check_batch_statistics_floor(rank_plan, stage)
     prev, next_ = boundaries(plan, rank_plan)
     stage.to(device)
     params = tuple(stage.canonical_parameters())

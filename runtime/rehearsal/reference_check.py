@@ -27,8 +27,13 @@ import torch
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.contract.errors import ConfigError
-from hplan.runtime.contract.plan import Plan, Precision
-from hplan.runtime.executor.data import BatchSource, batch_digest, with_batch_tensors
+from hplan.runtime.contract.plan import Plan, Precision, microbatch_sizes
+from hplan.runtime.executor.data import (
+    BatchSource,
+    batch_digest,
+    slice_samples,
+    with_batch_tensors,
+)
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.random_ops import DropoutOff, RandomDraws
 
@@ -161,7 +166,8 @@ class VerifyResult:
     data changed after they read it); the reference ran on the ranks' batch."""
     batch_norms: tuple[str, ...] = ()
     """The model's batch-norm modules, when the plan splits the global batch (their
-    statistics are then each micro-batch's, not the whole batch's)."""
+    statistics are then each micro-batch's, not the whole batch's, and the reference ran
+    the plan's micro-batches one after another)."""
 
     def describe(self) -> str:
         """One line: both comparisons and the verdict."""
@@ -189,9 +195,9 @@ class VerifyResult:
             shown = ", ".join(self.batch_norms[:3]) + (", ..." if len(self.batch_norms) > 3 else "")
             notes.append(
                 f"verify: the model has batch norm ({shown}); it normalises each micro-batch "
-                "by that micro-batch's statistics, so the ranks' gradients depend on how the "
-                "plan splits the batch (as under DDP without SyncBatchNorm) and need not match "
-                "one process on the whole batch"
+                "by that micro-batch's statistics (as under DDP without SyncBatchNorm), so the "
+                "one process ran the plan's micro-batches one after another, not the whole "
+                "batch at once"
             )
         if self.random_draws:
             names = ", ".join(f"{name} x{n}" for name, n in sorted(self.random_draws.items()))
@@ -419,21 +425,48 @@ def _forward_backward(
     model_file: ModelFile,
     batch: tuple[Any, Any],
     precision: Precision = Precision.FP32,
+    spans: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[float, float | None]:
     """Forward (under ``precision``'s autocast) and backward of a whole global batch
-    ``(inputs, targets)``, then the model file's clipping (``MAX_GRAD_NORM``), as the ranks
-    clip their synced gradients; the mean loss and the norm before clipping (None without
-    clipping)."""
-    inputs, targets = batch
-    with autocast(torch.device("cpu"), precision):
-        outputs = model(**bind_inputs(model, inputs))
-        loss = checked_loss(model_file, outputs, targets, require_grad=True)
-    loss.backward()
+    ``(inputs, targets)``, or of its samples ``[start, stop)`` of each of ``spans`` one
+    after another, each micro-batch's mean loss weighted by its share of the batch (as the
+    ranks weight theirs); then the model file's clipping (``MAX_GRAD_NORM``), as the ranks
+    clip their synced gradients. Returns the mean loss and the norm before clipping (None
+    without clipping)."""
+    parts, weights = [batch], [1.0]
+    if spans is not None:
+        num_samples = sum(stop - start for start, stop in spans)
+        parts = [_samples(batch, start, stop) for start, stop in spans]
+        weights = [(stop - start) / num_samples for start, stop in spans]
+    total = 0.0
+    for (inputs, targets), weight in zip(parts, weights, strict=True):
+        with autocast(torch.device("cpu"), precision):
+            outputs = model(**bind_inputs(model, inputs))
+            loss = checked_loss(model_file, outputs, targets, require_grad=True)
+        (loss * weight).backward()
+        total += float(loss.detach()) * weight
     norm = None
     if model_file.max_grad_norm is not None:
         params = [p for p in model.parameters() if p.requires_grad]
         norm = float(torch.nn.utils.clip_grad_norm_(params, model_file.max_grad_norm))
-    return float(loss.detach()), norm
+    return total, norm
+
+
+def _samples(batch: tuple[Any, Any], start: int, stop: int) -> tuple[Any, Any]:
+    return slice_samples(batch[0], start, stop), slice_samples(batch[1], start, stop)
+
+
+def _microbatch_spans(plan: Plan) -> list[tuple[int, int]]:
+    """``[start, stop)`` in the global batch of every micro-batch of every replica, in
+    replica and micro-batch order."""
+    spans = []
+    for replica in range(plan.num_replicas):
+        first = plan.replica_ranks(replica)[0]
+        start = plan.sample_offset(replica)
+        for size in microbatch_sizes(first.num_samples, first.micro_batch_size):
+            spans.append((start, start + size))
+            start += size
+    return spans
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -449,8 +482,9 @@ def _reference_first_step(
     model, source = _build(plan, model_file)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     batch, changed = _step_zero_batch(source, ranks_batch)
+    spans = _microbatch_spans(plan) if _batch_norms(model) and _splits_batch(plan) else None
     with DropoutOff() as off, RandomDraws() as draws:
-        loss, _ = _forward_backward(model, model_file, batch, reference_precision(plan))
+        loss, _ = _forward_backward(model, model_file, batch, reference_precision(plan), spans)
     return _Reference(
         model, initial, _grads(model), loss, dict(off.calls), dict(draws.calls), changed
     )

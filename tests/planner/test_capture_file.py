@@ -185,7 +185,7 @@ def _edited(text: str, case: str) -> str:
     if case == "unknown version":
         data["schema_version"] = 99
     elif case == "older version":
-        data["schema_version"] = 1
+        data["schema_version"] = 2
     elif case == "version as a string":
         data["schema_version"] = str(data["schema_version"])
     elif case == "version as a float":
@@ -208,9 +208,9 @@ def _edited(text: str, case: str) -> str:
 CORRUPTIONS = {
     "truncated": "not valid JSON",
     "unknown version": "schema_version 99, from a newer hplan",
-    "older version": "schema_version 1, this hplan reads 2",
-    "version as a string": 'schema_version "2"; write the integer 2',
-    "version as a float": "schema_version 2.0; write the integer 2",
+    "older version": "schema_version 2, this hplan reads 3",
+    "version as a string": 'schema_version "3"; write the integer 3',
+    "version as a float": "schema_version 3.0; write the integer 3",
     "version as a boolean": "schema_version true, not an integer",
     "not a capture": "not an hplan capture file",
     "unknown key": "'extra'",

@@ -208,3 +208,15 @@ def test_a_run_whose_shares_moved_trains_as_one_process_does(
     reference = reference_steps(plan, load_model_file(model_path), num_steps=steps)
     for name, value in reference.params.items():
         assert relative_difference(saved["model"][name], value) < 1e-5, name
+
+
+def test_moved_shares_keep_the_plans_floor_of_samples_a_micro_batch(model_path: Path) -> None:
+    plan = _plan(model_path, (3, 6), (40, 80))  # two micro-batches each
+    floored = replace(plan, training=replace(plan.training, min_microbatch_samples=2))
+    # replica 0 is 100x slower: without a floor it keeps one sample a micro-batch
+    speeds = [ReplicaSpeed(1.0, 0.0), ReplicaSpeed(0.01, 0.0)]
+    unfloored = ShareBalancer(plan, 0)
+    assert unfloored.agreed(0, speeds, next_step=1) is not None and unfloored.sizes() == (1, 1)
+    balancer = ShareBalancer(floored, 0)
+    change = balancer.agreed(0, speeds, next_step=1)
+    assert change is not None and change.shares == (4, 82) and balancer.sizes() == (2, 2)

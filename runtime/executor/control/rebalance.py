@@ -10,7 +10,8 @@ step (``Plan.fixed_shares_reason``): each rank posts its replica's median speed
 every rank reads the same values at the same step and takes the same new shares
 (:func:`balanced_shares`, within :func:`sample_caps`) from its next step when they shorten
 the predicted step by more than ``MIN_GAIN``. Each replica keeps its plan's number of
-micro-batches, cut evenly (:func:`even_cut`).
+micro-batches, cut evenly (:func:`even_cut`), none below the plan's
+``min_microbatch_samples``.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def balanced_shares(
     Args:
         global_batch: samples a step.
         speeds: per replica, its measured seconds a sample and fixed seconds.
-        floors: per replica, its fewest samples (one a micro-batch).
+        floors: per replica, its fewest samples (``min_microbatch_samples`` a
+            micro-batch).
         caps: per replica, its most samples (``sample_caps``).
 
     Returns:
@@ -194,6 +196,9 @@ class ShareBalancer:
         firsts = [plan.replica_ranks(r)[0] for r in range(plan.num_replicas)]
         self.plan_shares = tuple(r.num_samples for r in firsts)
         self.counts = tuple(r.num_microbatches for r in firsts)
+        floor = plan.training.min_microbatch_samples
+        self.floors = tuple(count * floor for count in self.counts)
+        """Per replica, its fewest samples: ``min_microbatch_samples`` a micro-batch."""
         self.plan_sizes = tuple(microbatch_sizes(r.num_samples, r.micro_batch_size) for r in firsts)
         self.caps = sample_caps(plan)
         self.shares = self.plan_shares
@@ -225,7 +230,7 @@ class ShareBalancer:
         known = [s for s in speeds if s is not None and _usable(s)]
         if epoch != self.epoch or len(known) != len(speeds):
             return None
-        shares = balanced_shares(self.plan.global_batch_size, known, self.counts, self.caps)
+        shares = balanced_shares(self.plan.global_batch_size, known, self.floors, self.caps)
         before_s = predicted_step_s(self.shares, known)
         after_s = predicted_step_s(shares, known)
         gain = before_s / after_s - 1.0
