@@ -276,12 +276,8 @@ def loss_convention(
 
 
 def _convention_notes(found: LossFound) -> tuple[str, ...]:
-    if found is LossFound.TOKEN_MEAN:
-        return (
-            f"loss: a mean over target tokens (those not {IGNORE_INDEX}); each micro-batch's "
-            "loss is weighted by its tokens over the global batch's (transformers' "
-            "num_items_in_batch)",
-        )
+    """A note where the check found no weighting (the summary's ``loss`` row says which
+    convention the plan uses)."""
     if found is LossFound.OTHER:
         return (
             "loss: not a per-sample mean, a token mean or a sum (its value on a batch is no "

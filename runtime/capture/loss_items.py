@@ -157,9 +157,10 @@ def _num_samples(targets: Any) -> int:
 
 
 def _padded(targets: Any) -> Any | None:
-    """``targets`` with the first half of sample 0's elements of each integer tensor set to
-    :data:`IGNORE_INDEX` (tensors of one element a sample kept whole); None when nothing
-    could be padded."""
+    """``targets`` with the first half of sample 0's elements that are not
+    :data:`IGNORE_INDEX` in each integer tensor set to it (sample 0 keeps the rest, so its
+    items are not 0; tensors of one element a sample kept whole); None when nothing could be
+    padded."""
     changed = False
 
     def pad(x: Any) -> Any:
@@ -168,10 +169,13 @@ def _padded(targets: Any) -> Any | None:
             return x
         if x.dim() < 2 or x[0].numel() < 2 or x.dtype == torch.uint8:
             return x
+        flat = x[0].reshape(-1).clone()
+        kept = (flat != IGNORE_INDEX).nonzero().reshape(-1)
+        if kept.numel() < 2:
+            return x
+        flat[kept[: kept.numel() // 2]] = IGNORE_INDEX
         padded = x.clone()
-        flat = padded[0].reshape(-1)
-        flat[: flat.numel() // 2] = IGNORE_INDEX
-        padded[0] = flat.reshape(padded[0].shape)
+        padded[0] = flat.reshape(x[0].shape)
         changed = True
         return padded
 
