@@ -121,8 +121,9 @@ def check_loss_convention(
 
 
 def _classify(loss_fn: Callable[[Any, Any], Tensor], outputs: Any, targets: Any) -> LossCheck:
-    num_samples = _num_samples(targets)
-    assert num_samples >= 2, "the check needs two samples"
+    num_samples = _num_samples(targets) or _num_samples(outputs)
+    if num_samples < 2:
+        raise ValueError(f"the check needs two samples, the batch has {num_samples}")
     bounds = [(0, 1), (1, num_samples)]
     with torch.no_grad():
         whole = float(loss_fn(outputs, targets))

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import default_collate
 
-from hplan.runtime.capture.loss_items import count_items
+from hplan.runtime.capture.loss_items import count_items, slice_samples
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.contract.errors import ConfigError, ModelFileError, PlanMismatchError, one_line
 from hplan.runtime.contract.plan import InputSpec
@@ -129,11 +129,6 @@ def with_batch_tensors(batch: Any, tensors: Sequence[Tensor]) -> Any:
     for position, tensor in zip(positions, tensors, strict=True):
         leaves[position] = tensor
     return tree_unflatten(leaves, spec)
-
-
-def slice_samples(value: Any, start: int, stop: int) -> Any:
-    """Samples ``[start, stop)`` (dim 0) of every tensor in a nested structure."""
-    return tree_map(lambda x: x[start:stop] if isinstance(x, Tensor) else x, value)
 
 
 @dataclass(frozen=True)

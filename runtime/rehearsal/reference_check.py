@@ -477,10 +477,19 @@ def _reference_first_step(
     if not _batch_norms(model):  # batch norm's gradients depend on the split itself
         with DropoutOff():
             split = split_gradients(plan, model_file, model, batch, precision)
-        floors = {} if split is None else round_off_norms(grads, split)
+        if split is not None and _same_loss(split.loss, loss, precision):
+            floors = round_off_norms(grads, split.grads)
     return _Reference(
         model, initial, grads, loss, dict(off.calls), dict(draws.calls), changed, floors
     )
+
+
+def _same_loss(split: float, whole: float, precision: Precision) -> bool:
+    """Whether the micro-batches' weighted losses add up to the whole batch's, within the
+    gradient tolerance of the dtype the step computed in."""
+    half = precision.autocast_dtype
+    tolerance = gradient_tolerance(torch.float32 if half is None else getattr(torch, half))
+    return abs(split - whole) <= tolerance * max(abs(whole), 1e-12)
 
 
 def replay_update(

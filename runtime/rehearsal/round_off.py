@@ -8,7 +8,8 @@ softmax) or summed from many terms that cancel in bf16 (a norm weight), that rou
 small fraction. Rather than guess its size from the dtype alone, the reference runs the step
 a second time on the plan's micro-batches, each loss weighted as the ranks weight it, and
 takes the difference of the two runs per parameter as the floor a rank's difference is
-measured against (:func:`split_gradients`). A gradient scaled by 2 still fails: its
+measured against (:func:`split_gradients`), when the two runs' losses agree (a wrong
+weighting would otherwise pass as round-off). A gradient scaled by 2 still fails: its
 difference is the gradient itself, far above any round-off.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,17 +45,29 @@ def _replica_sizes(plan: Plan, replica: int) -> list[int]:
     return list(microbatch_sizes(first.num_samples, first.micro_batch_size))
 
 
+@dataclass(frozen=True)
+class SplitRun:
+    """The step in one process on the plan's micro-batches."""
+
+    grads: dict[str, torch.Tensor]
+    loss: float
+    """The weighted sum of the micro-batches' losses: the whole batch's loss, up to
+    round-off, when the plan's weighting (its ``loss_convention``) is right."""
+
+
 def split_gradients(
     plan: Plan,
     model_file: ModelFile,
     model: torch.nn.Module,
     batch: tuple[Any, Any],
     precision: Precision,
-) -> dict[str, torch.Tensor] | None:
+) -> SplitRun | None:
     """The step's gradients in one process, accumulated over the plan's micro-batches
     (:func:`plan_split`), each loss weighted by its samples (its tokens under a token
     mean), clipped as the reference clips; the model's gradients are cleared before and
-    after. None when the batch cannot be split (one sample).
+    after. None when the batch cannot be split (one sample). The caller compares its loss
+    with the whole batch's: a wrong weighting shows there, and its gradients are then no
+    measure of round-off.
 
     Args:
         model: the full model at its initial parameters (dropout off around this call).
@@ -68,16 +82,17 @@ def split_gradients(
     token_mean = plan.model.loss_convention is LossConvention.TOKEN_MEAN
     total = count_items(targets) if token_mean else plan.global_batch_size
     model.zero_grad(set_to_none=True)
+    loss = 0.0
     for part in parts:
         weight = count_items(part.targets) if token_mean else part.num_samples
         if weight:
-            _backward(model, model_file, part, weight / total, precision)
+            loss += _backward(model, model_file, part, weight / total, precision)
     if model_file.max_grad_norm is not None:
         params = [p for p in model.parameters() if p.requires_grad]
         torch.nn.utils.clip_grad_norm_(params, model_file.max_grad_norm)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return grads
+    return SplitRun(grads, loss)
 
 
 def _backward(
@@ -86,11 +101,13 @@ def _backward(
     part: MicroBatch,
     weight: float,
     precision: Precision,
-) -> None:
+) -> float:
     with autocast(torch.device("cpu"), precision):
         outputs = model(**part.inputs)
         loss = checked_loss(model_file, outputs, part.targets, require_grad=True)
-    (loss.reshape(()) * weight).backward()
+    weighted = loss.reshape(()) * weight
+    weighted.backward()
+    return float(weighted.detach())
 
 
 def round_off_norms(
