@@ -616,6 +616,7 @@ def plan_pass(r: PassResults) -> Plan:
             graph,
             path=recorded_model_path(request.model_path, request.out_dir),
             sha256=captured.model_sha256,
+            loss_convention=r["trains_check"].loss_convention,
         ),
         cluster=to_cluster_spec(cluster, graph.param_dtype, precisions=precisions),
         device_names=problem.device_names,

@@ -17,6 +17,7 @@ from hplan.runtime.contract.plan import (
     ClusterSpec,
     CutSpec,
     IslandSpec,
+    LossConvention,
     MemoryModelSpec,
     ModelSpec,
     OuterSyncSpec,
@@ -31,8 +32,15 @@ from hplan.runtime.contract.plan import (
 )
 
 
-def model_spec(graph: ModelGraph, *, path: str, sha256: str) -> ModelSpec:
-    """The plan's record of the model and how to re-trace it."""
+def model_spec(
+    graph: ModelGraph,
+    *,
+    path: str,
+    sha256: str,
+    loss_convention: LossConvention = LossConvention.SAMPLE_MEAN,
+) -> ModelSpec:
+    """The plan's record of the model, how to re-trace it, and what its loss averages
+    over (the trains check's finding)."""
     return ModelSpec(
         path=path,
         sha256=sha256,
@@ -41,6 +49,7 @@ def model_spec(graph: ModelGraph, *, path: str, sha256: str) -> ModelSpec:
         graph_fingerprint=graph.graph_fingerprint,
         inputs=graph.inputs,
         param_dtype=graph.param_dtype,
+        loss_convention=loss_convention,
     )
 
 

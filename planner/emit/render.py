@@ -32,6 +32,7 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.holders import holder_sets, sync_summary
 from hplan.runtime.contract.plan import (
     BaselineReport,
+    LossConvention,
     MemoryStrategy,
     Plan,
     Precision,
@@ -141,6 +142,16 @@ _PRECISION_WORDS = {
 }
 
 
+_LOSS_WORDS = {
+    LossConvention.SAMPLE_MEAN: "a mean over samples: micro-batches weighted by their samples",
+    LossConvention.TOKEN_MEAN: (
+        "a mean over target tokens (not -100): micro-batches weighted by their tokens "
+        "(transformers' num_items_in_batch)"
+    ),
+}
+"""The header's ``loss`` row: what ``loss_fn`` averages over (``LossConvention``)."""
+
+
 def _precision(plan: Plan) -> str:
     """``bf16 autocast (...)`` when every rank shares it, else per device kind."""
     kinds: dict[Precision, list[str]] = {}
@@ -172,6 +183,7 @@ def _header(plan: Plan, width: int) -> list[Text]:
         ),
         ("precision", _precision(plan)),
         ("training", training_length_text(plan)),
+        ("loss", _LOSS_WORDS[plan.model.loss_convention]),
         ("predicted", _predicted(report)),
         (
             "bound",

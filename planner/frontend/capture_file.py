@@ -35,6 +35,7 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import (
     ByteCount,
     InputSpec,
+    LossConvention,
     NonNegative,
     TensorSpec,
     TraceMethod,
@@ -141,6 +142,7 @@ class TrainsRecord:
 
     device: str
     notes: tuple[str, ...]
+    loss_convention: LossConvention = LossConvention.SAMPLE_MEAN
 
 
 @record
@@ -216,7 +218,11 @@ class CaptureFile:
 
     def trains_verdict(self) -> TrainsVerdict:
         """The trains check's verdict this file holds."""
-        return TrainsVerdict(device=self.trains.device, notes=self.trains.notes)
+        return TrainsVerdict(
+            device=self.trains.device,
+            notes=self.trains.notes,
+            loss_convention=self.trains.loss_convention,
+        )
 
 
 @cache
@@ -286,7 +292,9 @@ def capture_record(
         ),
         nodes=nodes,
         edges=edges,
-        trains=TrainsRecord(device=trains.device, notes=trains.notes),
+        trains=TrainsRecord(
+            device=trains.device, notes=trains.notes, loss_convention=trains.loss_convention
+        ),
         optimizer_state_bytes_per_param_byte=optimizer_state_bytes_per_param_byte,
         batch_statistics=graph.batch_statistics,
     )

@@ -9,7 +9,9 @@ capture's fake tensors (no memory, no compute). When a model or loss needs tenso
 static (the model has trainable parameters) and says so in a note. A model captured on
 real CPU tensors (the capture's fallback) is checked on a meta copy when it runs there,
 else on the captured model itself (its buffers and the RNG state restored), whose verdict
-is final. Nothing is built or traced again.
+is final. Nothing is built or traced again. The same run checks what the loss averages over
+(``runtime/capture/loss_items.py``, on random outputs of the forward's shapes): a sum is
+refused, a token mean is weighted by tokens, and the plan records which.
 """
 
 from __future__ import annotations
@@ -29,10 +31,17 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
-from hplan.runtime.capture.model_file import check_loss_value, checked_loss
+from hplan.runtime.capture.loss_items import (
+    IGNORE_INDEX,
+    LossFound,
+    check_loss_convention,
+    random_like,
+)
+from hplan.runtime.capture.model_file import ModelFile, check_loss_value, checked_loss
 from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.capture.trace_fallbacks import preserved
 from hplan.runtime.contract.errors import ModelFileError, one_line
+from hplan.runtime.contract.plan import LossConvention
 
 CHECK_BATCH_SIZE = 2
 """Samples in the batch the check runs (the capture's smaller batch)."""
@@ -94,6 +103,8 @@ class TrainsVerdict:
     loss_memory: LossMemory | None = None
     """What ``loss_fn`` saved for its backward, per sample; None where it did not run
     (a static verdict, or one read from a capture file)."""
+    loss_convention: LossConvention = LossConvention.SAMPLE_MEAN
+    """What ``loss_fn`` averages over (a per-sample mean where the check could not tell)."""
 
     def verify(self) -> None:
         """The verdict names one of :data:`CHECK_DEVICES`."""
@@ -125,15 +136,18 @@ def check_trains(captured: CapturedModel) -> TrainsVerdict:
     inputs, targets = _batch(captured)
     try:
         meta = meta_copy(model)
-        loss_memory = _forward_and_loss(
-            captured, meta, to_meta(inputs), to_meta(targets), on_cpu=False
-        )
-        return TrainsVerdict("meta", loss_memory=loss_memory)
+        ran = _forward_and_loss(captured, meta, to_meta(inputs), to_meta(targets), on_cpu=False)
+        return _verdict("meta", captured, ran)
     except Exception:  # maybe only the meta device's fault: the CPU run decides
         pass
     with preserved(model), torch.enable_grad():
-        loss_memory = _forward_and_loss(captured, model, inputs, targets, on_cpu=True)
-    return TrainsVerdict("cpu", loss_memory=loss_memory)
+        ran = _forward_and_loss(captured, model, inputs, targets, on_cpu=True)
+    return _verdict("cpu", captured, ran)
+
+
+def _verdict(device: str, captured: CapturedModel, ran: _LossRun) -> TrainsVerdict:
+    convention, notes = loss_convention(captured.model_file, _batch(captured), *ran[1:])
+    return TrainsVerdict(device, notes, loss_memory=ran[0], loss_convention=convention)
 
 
 def _check_fake(captured: CapturedModel) -> TrainsVerdict:
@@ -163,7 +177,13 @@ def _check_fake(captured: CapturedModel) -> TrainsVerdict:
         ) from None
     check_loss_value(model_file, loss, require_grad=True)
     batch_size = _batch_size(captured)
-    return TrainsVerdict("fake", loss_memory=saved.per_sample(batch_size, (outputs, targets)))
+    convention, notes = loss_convention(model_file, _batch(captured), outputs, loss)
+    return TrainsVerdict(
+        "fake",
+        notes,
+        loss_memory=saved.per_sample(batch_size, (outputs, targets)),
+        loss_convention=convention,
+    )
 
 
 def _static(what: str, exc: BaseException) -> TrainsVerdict:
@@ -182,9 +202,13 @@ def _batch(captured: CapturedModel) -> tuple[Any, Any]:
     return captured.batches[_batch_size(captured)]
 
 
+_LossRun = tuple[LossMemory, Any, torch.Tensor]
+"""What one forward and ``loss_fn`` gave: the loss's saved bytes, the outputs, the loss."""
+
+
 def _forward_and_loss(
     captured: CapturedModel, model: nn.Module, inputs: Any, targets: Any, *, on_cpu: bool
-) -> LossMemory:
+) -> _LossRun:
     model_file = captured.model_file
     bound = bind_inputs(model, inputs)
     try:
@@ -198,5 +222,86 @@ def _forward_and_loss(
         ) from None
     saved = _SavedByLoss()
     with saved:
-        checked_loss(model_file, outputs, targets, require_grad=True)
-    return saved.per_sample(_batch_size(captured), (outputs, targets))
+        loss = checked_loss(model_file, outputs, targets, require_grad=True)
+    return saved.per_sample(_batch_size(captured), (outputs, targets)), outputs, loss
+
+
+CHECK_OUTPUT_BYTES_MAX = 512_000_000
+"""Largest model output (bytes, at the check's batch) the loss convention check draws at
+random; above it the check is skipped with a note (a 150k-token vocabulary's logits at a
+long sequence)."""
+
+
+def loss_convention(
+    model_file: ModelFile, batch: tuple[Any, Any], outputs: Any, loss: torch.Tensor
+) -> tuple[LossConvention, tuple[str, ...]]:
+    """What ``loss_fn`` averages over, and the notes that say so.
+
+    Calls ``loss_fn`` on random outputs of ``outputs``' shapes and the real targets of
+    ``batch`` (``loss_items.check_loss_convention``). A loss that ``loss_fn`` takes from
+    the outputs (a Hugging Face model's own ``outputs.loss``) cannot be checked that way:
+    it is refused when the inputs hold padded labels (``-100``), else noted.
+
+    Raises:
+        ModelFileError: ``loss_fn`` is a sum over samples; or it returns the model's own
+            loss over labels padded with ``-100``.
+    """
+    inputs, targets = batch
+    where = f"loss_fn in {str(model_file.path)!r}"
+    if any(loss is leaf for leaf in _tensor_leaves(outputs)):
+        return _models_own_loss(where, inputs)
+    num_bytes = sum(t.numel() * t.element_size() for t in _tensor_leaves(outputs))
+    if num_bytes > CHECK_OUTPUT_BYTES_MAX:
+        return LossConvention.SAMPLE_MEAN, (
+            f"loss: not checked to be a per-sample mean (the model's outputs are "
+            f"{num_bytes / 1e9:.1f} GB at {CHECK_BATCH_SIZE} samples); micro-batches are "
+            "weighted by samples",
+        )
+    try:
+        check = check_loss_convention(model_file.loss_fn, random_like(outputs), targets)
+    except Exception as exc:
+        return LossConvention.SAMPLE_MEAN, (
+            f"loss: not checked to be a per-sample mean ({where} raised {one_line(exc)} on "
+            "random outputs and parts of the batch); micro-batches are weighted by samples",
+        )
+    if check.found is LossFound.SUM:
+        raise ModelFileError(
+            f"{where} returns a sum over the samples it is given (on {CHECK_BATCH_SIZE} "
+            f"samples {check.whole:.4g}, the sum of its values on each sample): hplan weights "
+            "each micro-batch's loss by its share of the global batch, right only for a mean, "
+            "and a sum's gradient grows with the batch size; return a mean (reduction='mean', "
+            "or divide by the number of samples)"
+        )
+    return check.convention, _convention_notes(check.found)
+
+
+def _convention_notes(found: LossFound) -> tuple[str, ...]:
+    """A note where the check found no weighting (the summary's ``loss`` row says which
+    convention the plan uses)."""
+    if found is LossFound.OTHER:
+        return (
+            "loss: not a per-sample mean, a token mean or a sum (its value on a batch is no "
+            "weighting of its values on the parts); micro-batches are weighted by samples, "
+            "right only for a per-sample mean",
+        )
+    return ()
+
+
+def _models_own_loss(where: str, inputs: Any) -> tuple[LossConvention, tuple[str, ...]]:
+    padded = any(
+        bool((t == IGNORE_INDEX).any())
+        for t in _tensor_leaves(inputs)
+        if not t.is_floating_point() and t.dtype != torch.bool
+    )
+    if padded:
+        raise ModelFileError(
+            f"{where} returns the model's own loss, a mean over each micro-batch's tokens, "
+            f"and the inputs hold labels padded with {IGNORE_INDEX}, so unequal shares would "
+            "weight tokens wrongly; give the labels as targets (shifted as the model shifts "
+            "them) and return F.cross_entropy(logits.flatten(0, -2), targets.flatten()) "
+            "from loss_fn: hplan then weights micro-batches by tokens"
+        )
+    return LossConvention.SAMPLE_MEAN, (
+        "loss: loss_fn returns the model's own loss, not checked; micro-batches are weighted "
+        "by samples, right for a per-sample mean or labels without padding",
+    )

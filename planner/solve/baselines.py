@@ -2,10 +2,13 @@
 
 - ``data_parallel_equal``: every device a replica with the same batch share and the same
   micro-batch size (plain PyTorch DDP).
-- ``uniform_pipeline``: pipelines of p consecutive devices (cluster order), units split
-  into equal counts, equal batch shares and micro-batches (Megatron-LM / DeepSpeed
-  ``partition_method="uniform"``); the best p >= 2 that fits is taken, which is generous
-  to it. A pipeline has at least two stages: with one device or one unit there is none.
+- ``uniform_pipeline``: pipelines of p consecutive devices (cluster order), equal batch
+  shares and micro-batches, the layers (the repeated blocks, :func:`is_layer`) split into
+  equal counts, the embedding with the first stage and the final norm and head with the
+  last, as Megatron-LM splits ``num_layers`` (DeepSpeed ``partition_method="uniform"``
+  splits layer counts too); units in equal counts where the model has fewer layers than
+  stages. The best p >= 2 that fits is taken, which is generous to it. A pipeline has at
+  least two stages: with one device or one unit there is none.
 """
 
 from __future__ import annotations
@@ -44,6 +47,28 @@ def equal_unit_bounds(num_units: int, num_stages: int) -> list[int]:
     return bounds
 
 
+def is_layer(unit_name: str) -> bool:
+    """Whether a partition unit is one of the model's repeated blocks: its name ends in the
+    block's index (``model.layers.3``, ``blocks.0``; ``partition_units.assign_units``)."""
+    return unit_name.rsplit(".", 1)[-1].isdigit()
+
+
+def layer_bounds(unit_names: tuple[str, ...], num_stages: int) -> list[int]:
+    """Stage boundaries (unit indices, ``num_stages + 1`` of them) that give each stage an
+    equal count of layers (:func:`is_layer`; the first stages take the remainder): units
+    before the first layer join the first stage, the others the stage of the layer before
+    them (a final norm and head: the last). Equal unit counts (:func:`equal_unit_bounds`)
+    when there are fewer layers than stages."""
+    layers = [u for u, name in enumerate(unit_names) if is_layer(name)]
+    if len(layers) < num_stages:
+        return equal_unit_bounds(len(unit_names), num_stages)
+    bounds, taken = [0], 0
+    for size in equal_shares(len(layers), num_stages)[:-1]:
+        taken += size
+        bounds.append(layers[taken])
+    return [*bounds, len(unit_names)]
+
+
 def _fits(
     problem: PlanningProblem, pipelines: list[list[int]], bounds: list[int], b: int, share: int
 ) -> bool:
@@ -63,7 +88,7 @@ def _uniform_layout(problem: PlanningProblem, num_stages: int) -> Layout | None:
     if num_replicas < 1 or num_stages > problem.num_units:
         return None
     pipelines = [list(range(r * num_stages, (r + 1) * num_stages)) for r in range(num_replicas)]
-    bounds = equal_unit_bounds(problem.num_units, num_stages)
+    bounds = layer_bounds(problem.unit_names, num_stages)
     shares = equal_shares(problem.global_batch_size, num_replicas)
     fitting = [
         b
@@ -95,8 +120,8 @@ def pipeline_possible(problem: PlanningProblem) -> bool:
 
 
 def uniform_pipeline(problem: PlanningProblem) -> Layout | None:
-    """The fastest equal-layer, equal-batch pipeline layout of two or more stages that fits;
-    None if none fits (or :func:`pipeline_possible` is False)."""
+    """The fastest equal-layer (:func:`layer_bounds`), equal-batch pipeline layout of two or
+    more stages that fits; None if none fits (or :func:`pipeline_possible` is False)."""
     best: tuple[float, Layout] | None = None
     for num_stages in range(2, min(problem.num_units, problem.num_devices) + 1):
         layout = _uniform_layout(problem, num_stages)

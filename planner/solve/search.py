@@ -503,7 +503,9 @@ def search_problem(
     if not found.shapes:
         if not found.complete:
             return False, False
-        raise InfeasiblePlanError(diagnose_infeasible(problem))
+        raise InfeasiblePlanError(
+            diagnose_infeasible(problem, zero=options.zero, max_stages=options.max_stages)
+        )
     complete = found.complete
     cache: _PipeCache = {}
     for scenario in make_scenarios(problem, classes):
@@ -669,12 +671,20 @@ def run_search(
     return outcome
 
 
-def diagnose_infeasible(problem: PlanningProblem, offload: str = "never") -> str:
+def diagnose_infeasible(
+    problem: PlanningProblem,
+    offload: str = "never",
+    *,
+    zero: str = "auto",
+    max_stages: int | None = None,
+) -> str:
     """One line naming the binding memory constraint and what to change: the unit no device
     holds, or the whole model against the cluster's memory, with what sharding the
     optimizer state (``--zero``), recomputing (``--recompute``) and offloading the
     optimizer state to host memory (``--offload``, searched unless ``offload`` is
-    ``never``) could still save, or that even they cannot."""
+    ``never``) could still save, or that even they cannot. The last resort names the
+    longest pipeline searched (``max_stages`` where it is below the device count) and
+    advises only the policies the request left at ``never``."""
     smallest_mbs = problem.micro_batch_sizes[0]
     biggest = int(np.argmax(problem.memory_capacity_bytes))
     capacity = float(problem.memory_capacity_bytes[biggest])
@@ -713,11 +723,27 @@ def diagnose_infeasible(problem: PlanningProblem, offload: str = "never") -> str
             f"({problem.device_names[biggest]}) only with its optimizer state offloaded to host "
             f"memory, but {host}"
         )
+    return _no_pipeline_line(problem, total, offload, zero, max_stages)
+
+
+def _no_pipeline_line(
+    problem: PlanningProblem, total: float, offload: str, zero: str, max_stages: int | None
+) -> str:
+    """No pipeline holds the model: the longest one searched, and what else to allow."""
+    longest = f"{problem.num_devices} devices"
+    changes = ["add devices or memory", "reduce the micro-batch size"]
+    if max_stages is not None and max_stages < problem.num_devices:
+        longest = f"{max_stages} stages (--max-stages {max_stages})"
+        changes.append("raise --max-stages")
+    policies = (("recompute", str(problem.recompute)), ("zero", zero), ("offload", offload))
+    never = [f"--{name} auto" for name, policy in policies if policy == "never"]
+    if never:
+        allow = never[0] if len(never) == 1 else f"{', '.join(never[:-1])} and {never[-1]}"
+        changes.append(f"allow {allow}")
+    advice = f"{', '.join(changes[:-1])} or {changes[-1]}"
     return (
-        f"the model needs {format_bytes(total)} for parameters, gradients and optimizer state plus "
-        f"activations, and no pipeline of at most {problem.num_devices} devices holds it; add "
-        "devices or memory, reduce the micro-batch size, or allow --recompute auto, --zero auto "
-        "and --offload auto"
+        f"the model needs {format_bytes(total)} for parameters, gradients and optimizer state "
+        f"plus activations, and no pipeline of at most {longest} holds it; {advice}"
     )
 
 

@@ -415,7 +415,11 @@ def _nothing_valid(
     mixed = [candidates.of(MIXED, pool) for pool in Pool]
     rejected = [r for pool in mixed for r in pool.rejected if r.found.generator != "baselines"]
     if not rejected:
-        return InfeasiblePlanError(diagnose_infeasible(problem, offload=options.offload))
+        return InfeasiblePlanError(
+            diagnose_infeasible(
+                problem, options.offload, zero=options.zero, max_stages=options.max_stages
+            )
+        )
     first = rejected[0]
     return RuntimeError(
         f"the search found {len(rejected)} layout(s) for this cluster but the independent "

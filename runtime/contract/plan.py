@@ -83,6 +83,21 @@ class TraceMethod(StrEnum):
     MODULES = "module_boundaries"
 
 
+class LossConvention(StrEnum):
+    """What ``loss_fn`` averages over, so that the micro-batches' losses sum to the global
+    batch's (checked at solve time, ``runtime/capture/loss_items.py``).
+
+    - ``sample_mean``: a mean over the samples it is given; each micro-batch's loss is
+      weighted by its samples over the global batch's.
+    - ``token_mean``: a mean over the target elements that are not ``-100`` (padded labels,
+      ``cross_entropy``'s ``ignore_index``); each micro-batch's loss is weighted by its
+      such elements over the global batch's (transformers' ``num_items_in_batch``).
+    """
+
+    SAMPLE_MEAN = "sample_mean"
+    TOKEN_MEAN = "token_mean"
+
+
 class MemoryStrategy(StrEnum):
     """What a rank does with activations between forward and backward.
 
@@ -342,6 +357,8 @@ class ModelSpec:
     inputs: tuple[InputSpec, ...]
     """Graph inputs fed by ``sample_batch``/``dataset``, in forward-signature order."""
     param_dtype: str
+    loss_convention: LossConvention = LossConvention.SAMPLE_MEAN
+    """What ``loss_fn`` averages over: how the runtime weights each micro-batch's loss."""
 
 
 @record

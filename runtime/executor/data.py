@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import default_collate
 
+from hplan.runtime.capture.loss_items import count_items, slice_samples
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.contract.errors import ConfigError, ModelFileError, PlanMismatchError, one_line
 from hplan.runtime.contract.plan import InputSpec
@@ -130,11 +131,6 @@ def with_batch_tensors(batch: Any, tensors: Sequence[Tensor]) -> Any:
     return tree_unflatten(leaves, spec)
 
 
-def slice_samples(value: Any, start: int, stop: int) -> Any:
-    """Samples ``[start, stop)`` (dim 0) of every tensor in a nested structure."""
-    return tree_map(lambda x: x[start:stop] if isinstance(x, Tensor) else x, value)
-
-
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch of one replica."""
@@ -197,6 +193,14 @@ class BatchSource:
             # Python stack each time
             torch.random.default_generator.manual_seed(self.seed * _STEP_SEED_STRIDE + step)
             return self.model_file.sample_batch(self.global_batch_size)
+
+    def loss_items(self, step: int, ranges: Sequence[tuple[int, int]]) -> int:
+        """The target tokens (``loss_items.count_items``) of samples ``[start, stop)`` of
+        step's global batch, summed over ``ranges``: what a token-mean loss's weights
+        divide by. The last stages read the whole global batch for it (with ``dataset()``,
+        every sample of it) once a step."""
+        _, targets = self.global_batch(step)
+        return sum(count_items(slice_samples(targets, start, stop)) for start, stop in ranges)
 
     def microbatches(
         self, step: int, offset: int, num_samples: int, micro_batch_sizes: Sequence[int]

@@ -51,9 +51,10 @@ from hplan.runtime.executor.seams import LinkDelay
 def loss_weight(mb_samples: int, batch_samples: int) -> float:
     """Factor for one micro-batch's mean loss so that all of them sum to the batch's mean.
 
-    ``loss_fn`` returns the mean over the ``mb_samples`` samples it is given; the mean over
-    a batch of ``batch_samples`` (the global batch, or an island's samples under local
-    sync: :func:`loss_denominator`) is ``sum_mb mean_mb * mb_samples / batch_samples``.
+    ``loss_fn`` returns the mean over the ``mb_samples`` samples (or, for a token-mean loss,
+    target tokens) it is given; the mean over a batch of ``batch_samples`` (the global
+    batch, or an island's samples under local sync: :func:`loss_denominator`) is
+    ``sum_mb mean_mb * mb_samples / batch_samples``.
     """
     assert 0 < mb_samples <= batch_samples
     return mb_samples / batch_samples
@@ -74,6 +75,24 @@ def loss_denominator(plan: Plan, rank: int) -> int:
     if sync is None or not sync.local:
         return plan.global_batch_size
     return island_samples(plan)[island_of_rank(plan)[rank]]
+
+
+def loss_sample_ranges(plan: Plan, rank: int) -> tuple[tuple[int, int], ...]:
+    """The samples ``[start, stop)`` of the global batch that a step's loss on ``rank`` is a
+    mean over (:func:`loss_denominator`'s samples): the whole batch, or its island
+    replicas' shares when islands train on their own. A token-mean loss counts its items
+    there (``capture/loss_items.count_items``)."""
+    sync = plan.training.sync
+    if sync is None or not sync.local:
+        return ((0, plan.global_batch_size),)
+    where = island_of_rank(plan)
+    ranges = []
+    for replica in range(plan.num_replicas):
+        first = plan.replica_ranks(replica)[0]
+        if where[first.rank] == where[rank]:
+            offset = plan.sample_offset(replica)
+            ranges.append((offset, offset + first.num_samples))
+    return tuple(ranges)
 
 
 def contribution_scale(plan: Plan, rank: int, ranks: RankSet) -> float:

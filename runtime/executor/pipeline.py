@@ -25,12 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
+from hplan.runtime.capture.loss_items import count_items
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.stage import StageModule
 from hplan.runtime.contract.errors import HplanError, PeerFailureError
 from hplan.runtime.contract.plan import (
+    LossConvention,
     MemoryStrategy,
     Plan,
     RankPlan,
@@ -46,6 +48,7 @@ from hplan.runtime.executor.grad_sync import (
     GradClip,
     GradSync,
     loss_denominator,
+    loss_sample_ranges,
     loss_weight,
 )
 from hplan.runtime.executor.memory.zero import ShardSync
@@ -55,6 +58,14 @@ from hplan.runtime.executor.seams import ComputeClock, Phase
 if TYPE_CHECKING:
     # 0.45 s to import (DTensor, sympy): the scaler is built only for fp16 plans.
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+
+def _zero_loss(outputs: Any) -> Tensor:
+    """A loss of 0 whose gradient reaches every output that needs one (as zeros)."""
+    leaves = [t for t in tree_flatten(outputs)[0] if isinstance(t, Tensor) and t.requires_grad]
+    if not leaves:
+        return torch.zeros(())
+    return torch.stack([t.float().sum() * 0.0 for t in leaves]).sum()
 
 
 def stage_label(rank_plan: RankPlan) -> str:
@@ -161,6 +172,10 @@ class StepRunner:
         self.loss_samples = loss_denominator(parts.plan, rank_plan.rank)
         """What the weighted loss is a mean over: the global batch, or the rank's island's
         samples when islands train on their own (``grad_sync.loss_denominator``)."""
+        self.token_mean = parts.plan.model.loss_convention is LossConvention.TOKEN_MEAN
+        """Weight micro-batches by target tokens, not samples (``contract.LossConvention``)."""
+        self._step_items = 0
+        """Under a token mean, the tokens that this step's loss is a mean over."""
         self.label = stage_label(rank_plan)
         self.recompute = rank_plan.memory_strategy is MemoryStrategy.RECOMPUTE
         self.times = StepTimes()
@@ -186,6 +201,9 @@ class StepRunner:
         self.timeline = TimelineRecorder(parts.rank_plan.rank)
         self._losses = []
         self._batches = parts.source.microbatches(step, self.offset, self.num_samples, self.sizes)
+        if self.token_mean and parts.stage.is_last:
+            ranges = loss_sample_ranges(parts.plan, parts.rank_plan.rank)
+            self._step_items = parts.source.loss_items(step, ranges)
         for index, action in enumerate(self.actions):
             if comm.post_ahead:  # this action's receive, then the next one's
                 for upcoming in self.actions[index : index + 2]:
@@ -433,8 +451,14 @@ class StepRunner:
 
     def _loss(self, outputs: dict[str, Any], mb: MicroBatch) -> Tensor:
         targets = _to_device(mb.targets, self.parts.device)
+        if not self.token_mean:
+            loss = checked_loss(self.parts.model_file, outputs["output"], targets)
+            return loss.reshape(()) * loss_weight(mb.num_samples, self.loss_samples)
+        items = count_items(mb.targets)
+        if items == 0:  # all padding: a mean over no tokens is nan; it adds nothing
+            return _zero_loss(outputs["output"])
         loss = checked_loss(self.parts.model_file, outputs["output"], targets)
-        return loss.reshape(()) * loss_weight(mb.num_samples, self.loss_samples)
+        return loss.reshape(()) * loss_weight(items, self._step_items)
 
     def _backward(self, action: Action, mb: MicroBatch) -> None:
         parts = self.parts

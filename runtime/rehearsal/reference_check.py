@@ -6,7 +6,9 @@ with the ranks' seed, data, optimizer and LR scheduler (:func:`reference_steps`)
 every rank, by relative L2 difference (``||x_rank - x_ref|| / ||x_ref||``):
 
 1. **Gradients** after the gradient sync, against one-process autograd, within
-   :func:`gradient_tolerance` of their dtype (above a floor, :data:`GRADIENT_FLOOR_EPS`).
+   :func:`gradient_tolerance` of their dtype, measured against at least a round-off floor:
+   :data:`ROUND_OFF_MARGIN` times how far the same step on the plan's micro-batches in one
+   process lands from it (``round_off.py``), and :data:`GRADIENT_FLOOR_EPS`.
 2. **Updates** ``p_rank - p_0``, against the model file's own optimizer replayed in one
    process on *the ranks' synced gradients*, within :data:`UPDATE_TOLERANCE`: an optimizer
    can turn a gradient difference far inside the tolerance into one the size of the whole
@@ -18,24 +20,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hplan.runtime.capture.loss_items import slice_samples
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan, Precision, microbatch_sizes
-from hplan.runtime.executor.data import (
-    BatchSource,
-    batch_digest,
-    slice_samples,
-    with_batch_tensors,
-)
+from hplan.runtime.executor.data import BatchSource, batch_digest, with_batch_tensors
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.random_ops import DropoutOff, RandomDraws
+from hplan.runtime.rehearsal.round_off import round_off_norms, split_gradients
 
 GRADIENT_TOLERANCES = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2}
 """Largest relative L2 difference of a parameter's gradient, by dtype: the ranks and one
@@ -49,6 +48,11 @@ the model's typical gradient of a tensor its size (``sqrt(numel)`` times the RMS
 reference gradient element), so that a gradient that is zero in exact arithmetic, and
 round-off in both runs (a key bias before a softmax), does not count as a 100% difference,
 while the smallest real gradients stay above the floor."""
+ROUND_OFF_MARGIN = 3.0
+"""A rank's gradient may differ from one process by this many times the round-off of the
+same step run on the plan's micro-batches in one process (``round_off.round_off_norms``): the
+ranks sum in yet another order (across replicas too); a gradient scaled by 2 differs by
+itself, far more than 3x its round-off."""
 UPDATE_TOLERANCE = 1e-4
 """Largest relative L2 difference of a parameter's update against the model's optimizer
 replayed on the ranks' own gradients: the same arithmetic on the same numbers; the margin is
@@ -217,6 +221,8 @@ class _Reference:
     dropout_off: dict[str, int]
     random_draws: dict[str, int]
     data_changed: bool = False
+    round_off: dict[str, float] = field(default_factory=dict)
+    """Per parameter, the round-off of the step on the plan's micro-batches (L2)."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +309,7 @@ def verify_first_step(plan: Plan, model_file: ModelFile, verify_dir: Path) -> Ve
         reference.grads,
         [d["tensors"] for d in grad_dumps],
         compute_dtype=None if half is None else getattr(torch, half),
+        round_off=reference.round_off,
     )
     updates = compare_updates(reference.initial, replayed, [d["tensors"] for d in param_dumps])
     with_loss = [d for d in grad_dumps if d["loss"] is not None]
@@ -342,6 +349,7 @@ def compare_gradients(
     reference: Mapping[str, torch.Tensor],
     dumps: Sequence[Mapping[str, torch.Tensor]],
     compute_dtype: torch.dtype | None = None,
+    round_off: Mapping[str, float] | None = None,
 ) -> WorstDifference:
     """Every rank's synced gradient of every parameter against one-process autograd.
 
@@ -351,17 +359,25 @@ def compare_gradients(
         compute_dtype: the autocast dtype both runs computed in (its tolerance and round-off
             floor apply; fp32 gradients of bf16 matmuls carry bf16 error); None: each
             gradient's own dtype.
+        round_off: per parameter, the L2 round-off of one process summing its gradient in
+            another order (``round_off.round_off_norms``); a rank may differ by
+            :data:`ROUND_OFF_MARGIN` times it. None: the dtype floor alone.
     """
     typical_rms = _rms(list(reference.values()))
+    measured = round_off or {}
     pairs = []
     for rank, tensors in enumerate(dumps):
         for name, grad in tensors.items():
             expected = reference.get(name, torch.zeros_like(grad))
             dtype = compute_dtype or grad.dtype
+            tolerance = gradient_tolerance(dtype)
             eps = torch.finfo(dtype).eps
-            floor = GRADIENT_FLOOR_EPS * eps * typical_rms * math.sqrt(expected.numel())
+            floor = max(
+                GRADIENT_FLOOR_EPS * eps * typical_rms * math.sqrt(expected.numel()),
+                ROUND_OFF_MARGIN * measured.get(name, 0.0) / tolerance,
+            )
             diff = relative_difference(grad, expected, floor=floor)
-            pairs.append((name, rank, diff, gradient_tolerance(dtype)))
+            pairs.append((name, rank, diff, tolerance))
     return _worst(pairs)
 
 
@@ -482,12 +498,28 @@ def _reference_first_step(
     model, source = _build(plan, model_file)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     batch, changed = _step_zero_batch(source, ranks_batch)
+    precision = reference_precision(plan)
     spans = _microbatch_spans(plan) if _batch_norms(model) and _splits_batch(plan) else None
     with DropoutOff() as off, RandomDraws() as draws:
-        loss, _ = _forward_backward(model, model_file, batch, reference_precision(plan), spans)
+        loss, _ = _forward_backward(model, model_file, batch, precision, spans)
+    grads = _grads(model)
+    floors: dict[str, float] = {}
+    if not _batch_norms(model):  # batch norm's gradients depend on the split itself
+        with DropoutOff():
+            split = split_gradients(plan, model_file, model, batch, precision)
+        if split is not None and _same_loss(split.loss, loss, precision):
+            floors = round_off_norms(grads, split.grads)
     return _Reference(
-        model, initial, _grads(model), loss, dict(off.calls), dict(draws.calls), changed
+        model, initial, grads, loss, dict(off.calls), dict(draws.calls), changed, floors
     )
+
+
+def _same_loss(split: float, whole: float, precision: Precision) -> bool:
+    """Whether the micro-batches' weighted losses add up to the whole batch's, within the
+    gradient tolerance of the dtype the step computed in."""
+    half = precision.autocast_dtype
+    tolerance = gradient_tolerance(torch.float32 if half is None else getattr(torch, half))
+    return abs(split - whole) <= tolerance * max(abs(whole), 1e-12)
 
 
 def replay_update(
