@@ -178,6 +178,9 @@ class Generated:
     """``time.monotonic()`` by which the whole solve must end (``--time-limit``)."""
     bound_samples_per_s: float | None = None
     notes: tuple[str, ...] = ()
+    cut_short: bool = False
+    """Whether a search stopped at its share of the time limit before it had looked at
+    every pipeline shape (what it did not find may exist)."""
 
     def family(self, name: str) -> Family:
         return next(f for f in self.families if f.name == name)
@@ -417,9 +420,16 @@ class _Run:
                 return []
             candidates = [i for i in items if isinstance(i, Candidate)]
             self.searches[memo] = SearchOutcome(candidates=candidates)
+            self.report_cut_short(items)
             return candidates
 
         return run_search
+
+    def report_cut_short(self, items: Sequence[object]) -> None:
+        """Report :class:`_CutShort` when a search's outcome says time cut it short."""
+        outcome = next((i for i in reversed(items) if isinstance(i, SearchOutcome)), None)
+        if outcome is not None and not outcome.complete:
+            self.report(_CutShort())
 
     def keep(self, family: Family, generator: str, segment: int, candidate: Candidate) -> None:
         pool = Pool.LOCAL if candidate.layout.sync is not None else Pool.SYNCHRONOUS
@@ -470,6 +480,7 @@ def _searched(
     else:
         outcome = next(i for i in reversed(items) if isinstance(i, SearchOutcome))
         outcome.candidates = [i for i in items if isinstance(i, Candidate)]
+        run.report_cut_short(items)
     run.searches[key] = outcome
     return outcome
 
@@ -617,6 +628,11 @@ class _FamilyOutcome:
     outcome: SearchOutcome | None
 
 
+@dataclass(frozen=True)
+class _CutShort:
+    """A search stopped at its time share before it had looked at every pipeline shape."""
+
+
 def generate(
     problem: PlanningProblem,
     options: SolveOptions,
@@ -662,6 +678,7 @@ def generate(
         deadline_s=deadline_s,
         bound_samples_per_s=bound[0] if bound else None,
         notes=notes,
+        cut_short=not finished or any(isinstance(i, _CutShort) for i in items),
     )
 
 

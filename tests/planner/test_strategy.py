@@ -15,7 +15,7 @@ from hplan.planner.solve.search import Candidate, SearchOutcome, SolveOptions
 from hplan.planner.solve.solver import AFTER_GENERATION_SHARE, solve
 from hplan.planner.solve.strategy import MIXED, Pool, families, generate
 from hplan.planner.solve.validate import layout_problems
-from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
 from hplan.runtime.contract.plan import SolverStatus
 from tests.fixtures.problems import GB, Dev, make_problem, recompute_bound_problem
 
@@ -163,3 +163,20 @@ def test_offload_always_on_cpus_is_refused_before_anything_runs() -> None:
     )
     with pytest.raises(ConfigError, match="--offload always"):
         generate(cpus, replace(FAST, offload=Policy.ALWAYS), deadline_s=time.monotonic() + 5)
+
+
+@pytest.mark.parametrize("cut_short", [True, False])
+def test_nothing_found_because_time_ran_out_says_so_not_only_the_cluster(
+    monkeypatch: pytest.MonkeyPatch, cut_short: bool
+) -> None:
+    def searched_nothing(problem, options, deadline, report):  # type: ignore[no-untyped-def]
+        if not cut_short:
+            raise InfeasiblePlanError("nothing fits")
+        report(SearchOutcome(complete=False))
+
+    monkeypatch.setattr(strategy, "search", searched_nothing)
+    monkeypatch.setattr(strategy, "data_parallel_equal", lambda problem: None)
+    monkeypatch.setattr(strategy, "uniform_pipeline", lambda problem: None)
+    with pytest.raises(InfeasiblePlanError) as err:
+        solve(_three_devices(), FAST)
+    assert ("30 s --time-limit cut the search short" in str(err.value)) is cut_short
