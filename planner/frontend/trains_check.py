@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
 from hplan.runtime.capture.model_file import check_loss_value, checked_loss
-from hplan.runtime.capture.trace import bind_inputs
+from hplan.runtime.capture.trace import bind_inputs, forward_kwargs
 from hplan.runtime.capture.trace_fallbacks import preserved
 from hplan.runtime.contract.errors import ModelFileError, one_line
 
@@ -143,7 +143,7 @@ def _check_fake(captured: CapturedModel) -> TrainsVerdict:
     where = f"sample_batch({CHECK_BATCH_SIZE}) from {str(model_file.path)!r}"
     try:
         with mode, torch.enable_grad():
-            outputs = captured.model(**bind_inputs(captured.model, inputs))
+            outputs = captured.model(**forward_kwargs(bind_inputs(captured.model, inputs)))
     except _NEEDS_VALUES as exc:
         return _static("the model's forward", exc)
     except Exception as exc:
@@ -188,7 +188,7 @@ def _forward_and_loss(
     model_file = captured.model_file
     bound = bind_inputs(model, inputs)
     try:
-        outputs = model(**bound)
+        outputs = model(**forward_kwargs(bound))
     except Exception as exc:
         if not on_cpu:
             raise

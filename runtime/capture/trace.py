@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hplan.runtime.capture.trace_fallbacks import (
     chain_paths,
     export_graph,
+    forward_kwargs,
     module_chain,
     outputs_match,
     preserved,
@@ -51,6 +52,7 @@ __all__ = [
     "CONTAINER_CLASSES",
     "TracedModel",
     "bind_inputs",
+    "forward_kwargs",
     "outputs_match",
     "repeated_containers",
     "target_name",
@@ -142,16 +144,22 @@ def _is_child(path: str, prefix: str) -> bool:
 def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
     """Name the inputs that ``sample_batch``/``dataset`` give by ``forward``'s parameters.
 
+    A dict of tensors given for one parameter (diffusers' ``added_cond_kwargs={"text_embeds":
+    ..., "time_ids": ...}``) becomes one graph input per tensor, named
+    ``parameter.key`` (nested dicts: ``parameter.key.key``); :func:`forward_kwargs` rebuilds
+    the dict for an eager call.
+
     Args:
         model: the model whose ``forward`` signature names the inputs.
         inputs: a Tensor (the first forward argument), a tuple/list (positional arguments)
             or a dict (keyword arguments). ``None`` entries mean "not fed".
 
     Returns:
-        {forward parameter name: tensor}, in forward-signature order.
+        {graph input name: tensor}, in forward-signature order (a dict's keys in its order).
 
     Raises:
-        ModelFileError: an unknown key, too many positional inputs, or a non-tensor value.
+        ModelFileError: an unknown key, too many positional inputs, or a value that is
+            neither a tensor nor a dict of tensors.
     """
     names = _parameter_names(model)
     if isinstance(inputs, torch.Tensor):
@@ -168,18 +176,40 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
             f"sample_batch inputs are a {type(inputs).__name__}; return a tensor, a tuple "
             "or a dict of tensors"
         )
-    for key, value in inputs.items():
+    for key in inputs:
         if key not in names:
             raise ModelFileError(
                 f"input {key!r} is not a parameter of forward ({', '.join(names)}); "
                 "rename the key in sample_batch"
             )
-        if value is not None and not isinstance(value, torch.Tensor):
+    bound: dict[str, torch.Tensor] = {}
+    for name in names:
+        bound.update(_flat_input(name, inputs.get(name)))
+    return bound
+
+
+def _flat_input(name: str, value: Any) -> dict[str, torch.Tensor]:
+    """One input as ``{graph input name: tensor}``: a tensor as itself, a dict of tensors
+    one entry per tensor (``name.key``), None as nothing."""
+    if value is None:
+        return {}
+    if isinstance(value, torch.Tensor):
+        return {name: value}
+    if not isinstance(value, Mapping) or not value:
+        raise ModelFileError(
+            f"input {name!r} is a {type(value).__name__}, not a tensor or a dict of tensors; "
+            "return tensors (or dicts of tensors) whose dim 0 is the batch, and give "
+            "settings that are the same for every batch as defaults of forward instead"
+        )
+    flat: dict[str, torch.Tensor] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not key.isidentifier():
             raise ModelFileError(
-                f"input {key!r} is a {type(value).__name__}, not a tensor; fixed settings are "
-                "constants: leave them out of sample_batch and give forward a default"
+                f"input {name!r} is a dict with key {key!r}; hplan feeds dicts whose keys "
+                "are Python identifiers (like 'text_embeds'): rename the key"
             )
-    return {n: inputs[n] for n in names if inputs.get(n) is not None}
+        flat.update(_flat_input(f"{name}.{key}", item))
+    return flat
 
 
 def _parameter_names(model: nn.Module) -> list[str]:
@@ -305,29 +335,52 @@ traced or cross a stage boundary."""
 def _split_inputs(
     model: nn.Module, example_inputs: Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The fed tensors and the constants of ``model.forward``'s parameters: a value
-    ``example_inputs`` gives, else the default, else :data:`_TRAINING_VALUES`' or None."""
+    """The fed tensors (graph inputs, ``parameter.key`` for a dict's tensors) and the
+    constants of ``model.forward``'s parameters: a value ``example_inputs`` gives, else the
+    default, else :data:`_TRAINING_VALUES`' or None."""
     signature = inspect.signature(model.forward).parameters
-    fed: dict[str, Any] = {}
-    constants: dict[str, Any] = {}
-    for name, param in signature.items():
-        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-            continue
-        value = example_inputs.get(name)
-        if isinstance(value, torch.Tensor):
-            fed[name] = value
-        elif name in example_inputs and value is not None:
-            constants[name] = value
-        else:
-            default = None if param.default is inspect.Parameter.empty else param.default
-            constants[name] = _TRAINING_VALUES.get(name) if default is None else default
-    unknown = sorted(set(example_inputs) - set(signature))
+    given = forward_kwargs(example_inputs)
+    unknown = sorted(set(given) - set(signature))
     if unknown:
         raise TraceError(
             f"inputs {unknown} are not parameters of {type(model).__name__}.forward "
             f"({', '.join(signature)}); rename them in sample_batch"
         )
+    fed: dict[str, Any] = {}
+    constants: dict[str, Any] = {}
+    for name, param in signature.items():
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        tensors = {
+            key: value
+            for key, value in example_inputs.items()
+            if key.split(".")[0] == name and isinstance(value, torch.Tensor)
+        }
+        value = given.get(name)
+        if tensors:
+            fed.update(tensors)
+        elif value is not None:
+            constants[name] = value
+        else:
+            default = None if param.default is inspect.Parameter.empty else param.default
+            constants[name] = _TRAINING_VALUES.get(name) if default is None else default
     return fed, constants
+
+
+def dict_inputs(fed: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Forward parameters fed as dicts of tensors -> their graph input names."""
+    found: dict[str, tuple[str, ...]] = {}
+    for name in fed:
+        if "." in name:
+            parameter = name.split(".")[0]
+            found[parameter] = (*found.get(parameter, ()), name)
+    return found
+
+
+def placeholder_target(name: str) -> str:
+    """The Python argument name of graph input ``name`` (``parameter.key`` ->
+    ``parameter_key``)."""
+    return name.replace(".", "_")
 
 
 def _module_classes(model: nn.Module) -> dict[str, str]:
@@ -384,7 +437,7 @@ def _without_data(fed: Mapping[str, Any]) -> bool:
 def _eager_reference(context: _Context) -> Any:
     try:
         with preserved(context.model), torch.no_grad():
-            return context.model(**context.fed, **context.constants)
+            return context.model(**forward_kwargs(context.fed), **context.constants)
     except Exception as exc:
         const = [n for n, v in context.constants.items() if v is not None]
         location = user_location(exc)
@@ -401,10 +454,34 @@ def _eager_reference(context: _Context) -> Any:
 class _Tracer(torch.fx.Tracer):
     """fx tracer that keeps given paths whole and records the module that failed."""
 
-    def __init__(self, leaves: Sequence[str]) -> None:
+    def __init__(
+        self, leaves: Sequence[str], dicts: Mapping[str, tuple[str, ...]] | None = None
+    ) -> None:
         super().__init__()
         self.leaves = frozenset(leaves)
+        self.dicts = dict(dicts or {})
+        """Forward parameters fed as dicts of tensors -> their graph input names."""
         self.failed_module: str | None = None
+
+    def create_args_for_root(
+        self, root_fn: Any, is_module: bool, concrete_args: Any = None
+    ) -> tuple[Any, list[Any]]:
+        """fx's placeholders, with a parameter fed as a dict of tensors given as a dict of
+        placeholders (one per tensor, where the parameter's was), so that forward may use
+        it as a dict (``in``, ``.get``, ``**``)."""
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        for index, arg in enumerate(args):
+            node = getattr(arg, "node", None)
+            if node is None or node.op != "placeholder" or node.target not in self.dicts:
+                continue
+            with self.graph.inserting_before(node):
+                proxies = {
+                    name: self.create_proxy("placeholder", placeholder_target(name), (), {})
+                    for name in self.dicts[node.target]
+                }
+            args[index] = forward_kwargs(proxies)[node.target]
+            self.graph.erase_node(node)
+        return fn, args
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.leaves or super().is_leaf_module(
@@ -427,7 +504,7 @@ class _SymbolicFailure(Exception):
 
 
 def _symbolic(context: _Context, leaves: Sequence[str]) -> torch.fx.GraphModule:
-    tracer = _Tracer(leaves)
+    tracer = _Tracer(leaves, dict_inputs(context.fed))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -436,7 +513,7 @@ def _symbolic(context: _Context, leaves: Sequence[str]) -> torch.fx.GraphModule:
         failure = Failure(tracer.failed_module or "", user_location(exc), one_line(exc))
         raise _SymbolicFailure(failure) from exc
     gm = torch.fx.GraphModule(tracer.root, graph, type(context.model).__name__)
-    _drop_unfed_placeholders(gm, set(context.fed))
+    _drop_unfed_placeholders(gm, {placeholder_target(name) for name in context.fed})
     return gm
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
-from hplan.runtime.capture.trace import bind_inputs
+from hplan.runtime.capture.trace import bind_inputs, forward_kwargs
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan, Precision
 from hplan.runtime.executor.data import BatchSource, batch_digest, with_batch_tensors
@@ -426,7 +426,7 @@ def _forward_backward(
     clipping)."""
     inputs, targets = batch
     with autocast(torch.device("cpu"), precision):
-        outputs = model(**bind_inputs(model, inputs))
+        outputs = model(**forward_kwargs(bind_inputs(model, inputs)))
         loss = checked_loss(model_file, outputs, targets, require_grad=True)
     loss.backward()
     norm = None
