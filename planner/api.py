@@ -440,7 +440,9 @@ def capture_pass(r: PassResults) -> Capture:
             f"--epochs {request.epochs}: {str(request.model_path)!r} has no dataset() to count "
             "epochs of; give --steps N instead, or add dataset() to the model file"
         )
-    return capture_model(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
+    return capture_model(
+        model_file, leaf_modules=request.leaf_modules, seed=request.seed, progress=r.tell
+    )
 
 
 def cost_graph_pass(r: PassResults) -> ModelGraph:
@@ -463,6 +465,11 @@ def trains_check_pass(r: PassResults) -> TrainsVerdict:
 def _capturing(r: PassResults) -> str:
     path = _request(r).capture_path
     return "loading and tracing the model" if path is None else f"reading the capture {path}"
+
+
+def _measuring(r: PassResults) -> str:
+    small, large = r["capture"].batch_sizes
+    return f"measuring the graph at batch sizes {small} and {large}"
 
 
 def _stored(r: PassResults) -> bool:
@@ -640,7 +647,7 @@ PASSES: Sequence[Pass] = (
     Pass(
         "cost_graph",
         cost_graph_pass,
-        lambda r: "the capture file's cost graph" if _stored(r) else "measuring the graph",
+        lambda r: "the capture file's cost graph" if _stored(r) else _measuring(r),
     ),
     Pass(
         "runtime_bytes",

@@ -21,7 +21,7 @@ import hashlib
 import inspect
 import traceback
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,6 +225,7 @@ def trace_model(
     *,
     leaf_modules: Sequence[str] = (),
     method: TraceMethod | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> TracedModel:
     """Trace ``model`` into a torch.fx graph (see the module docstring for the order).
 
@@ -236,6 +237,7 @@ def trace_model(
         leaf_modules: module paths or class names to keep whole.
         method: None to choose; given (re-tracing from a plan): use exactly that method
             and those leaf modules.
+        progress: told which method is being tried, as it starts.
 
     Raises:
         TraceError: no method works (naming the module path, the source file:line of the
@@ -248,14 +250,17 @@ def trace_model(
     context = _Context(model, fed, constants, module_classes)
     if method is not None:
         return context.finish(*_trace_given(context, method, leaves))
+    say = progress or (lambda _: None)
     without_data = _without_data(context.fed)
     reference = None if without_data else _eager_reference(context)
+    say("tracing with torch.fx")
     traced = _symbolic_auto(context, leaves)
     if isinstance(traced, tuple):
         gm, final_leaves, notes = traced
         return context.finish(gm, TraceMethod.SYMBOLIC, final_leaves, notes)
     failure = traced
     failed = f"symbolic trace failed {failure.describe()}"
+    say("tracing with torch.export (torch.fx could not)")
     try:
         gm = export_graph(context.model, context.fed, context.constants)
     except Exception as exc:
@@ -269,6 +274,7 @@ def trace_model(
             f"{failed}; torch.export failed too ({export_error}); a chain of child modules "
             "cannot be checked on tensors without data: trace with real tensors"
         )
+    say("tracing as a chain of child modules (torch.fx and torch.export could not)")
     paths = chain_paths(model)
     chain = module_chain(model, context.fed, paths, reference)
     if chain is not None and not _chain_holds_on_other_inputs(context, paths):
