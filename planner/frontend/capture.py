@@ -32,7 +32,6 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from hplan.planner.frontend.capture_checks import (
     ParametersCreated,
     available_memory_bytes,
-    check_all_parameters_used,
     check_fallback_memory,
     check_inputs,
     check_materialised,
@@ -153,7 +152,7 @@ def capture_model(
     Raises:
         ModelFileError: ``build_model``/``sample_batch`` raise or give unusable inputs, the
             model has lazy modules not materialised, its forward creates parameters, or the
-            real-tensor fallback would not fit this machine's memory.
+            real-tensor fallback would not fit this machine's memory (``capture_checks``).
         TraceError: the model cannot be traced.
         ValueError: ``batch_sizes`` are not two distinct positive integers.
     """
@@ -188,7 +187,7 @@ def capture_model(
     say("tracing on real CPU tensors")
     with ParametersCreated() as created:
         traced = trace_model(model, inputs[small], leaf_modules=leaves, progress=say)
-    _check_traced(model_file, model, traced, created)
+    check_no_parameters_created(model_file, created)
     return CapturedModel(model_file, model, traced, batches, inputs, seed, notes=notes)
 
 
@@ -204,14 +203,6 @@ class _FakeCaptureFailed(Exception):
 
 def _silent(_: str) -> None:
     return None
-
-
-def _check_traced(
-    model_file: ModelFile, model: nn.Module, traced: TracedModel, created: ParametersCreated
-) -> None:
-    """What the trace shows the runtime cannot train (``capture_checks``)."""
-    check_no_parameters_created(model_file, created)
-    check_all_parameters_used(model_file, model, traced)
 
 
 def _capture_fake(
@@ -249,7 +240,7 @@ def _capture_fake(
             traced = _trace_fake(model, inputs[sizes[0]], leaves, mode, say)
     except Exception as exc:
         raise _FakeCaptureFailed(exc, state_bytes(model)) from exc
-    _check_traced(model_file, model, traced, created)
+    check_no_parameters_created(model_file, created)
     return CapturedModel(model_file, model, traced, batches, inputs, seed, fake_mode=mode)
 
 

@@ -31,6 +31,7 @@ the sequence)."""
 FALLBACK_MARGIN_BYTES = 10**9
 """Left free besides (the interpreter, torch's own allocations)."""
 MEMINFO = Path("/proc/meminfo")
+_TRACER_MODULES = ("torch.fx", "torch.export", "torch._export", "torch._functorch")
 
 
 def check_inputs(model_file: ModelFile, batches: Mapping[int, tuple[Any, Any]]) -> None:
@@ -51,11 +52,11 @@ def check_inputs(model_file: ModelFile, batches: Mapping[int, tuple[Any, Any]]) 
                 continue
             raise ModelFileError(
                 f"sample_batch({batch_size}) in {str(model_file.path)!r} gives input "
-                f"inputs{pytree.keystr(path)} of "
-                f"shape {tuple(value.shape)}, whose dim 0 is not the batch size {batch_size}; "
-                "hplan splits every input along dim 0, so make dim 0 the sample dimension "
-                "(batch-first; transpose inside forward) and give values shared by all "
-                "samples as defaults of forward or buffers of the model"
+                f"inputs{pytree.keystr(path)} of shape {tuple(value.shape)}: its dim 0 is not "
+                f"the batch size {batch_size}, so it does not grow with the batch size where "
+                "hplan splits inputs; make dim 0 of every input the sample dimension "
+                "(batch-first; transpose inside forward) and give values shared by all samples "
+                "as defaults of forward or buffers of the model"
             )
 
 
@@ -93,9 +94,12 @@ class ParametersCreated:
         self._handle.remove()
 
     def _record(self, module: nn.Module, name: str, param: Any) -> None:
-        """(``torch.export`` registers copies on plain ``nn.Module`` shells as it re-runs
-        such a forward: listed after the user's classes.)"""
-        created = f"{type(module).__name__}.{name}"
+        """(Tracing builds modules of its own, plain ``nn.Module`` shells and graph
+        modules that ``torch.export`` fills with the model's parameters: not the model's.)"""
+        cls = type(module)
+        if cls is nn.Module or cls.__module__.startswith(_TRACER_MODULES):
+            return
+        created = f"{cls.__name__}.{name}"
         if created not in self.created:
             self.created.append(created)
 
@@ -109,10 +113,9 @@ def check_no_parameters_created(model_file: ModelFile, created: ParametersCreate
         ModelFileError: naming the parameters (module class and attribute) and the fix.
     """
     if created.created:
-        named = [c for c in created.created if not c.startswith("Module.")] or created.created
         raise ModelFileError(
             f"forward of the model of {str(model_file.path)!r} creates parameters "
-            f"({_listed(named)}): they would be drawn anew every step and never "
+            f"({_listed(created.created)}): they would be drawn anew every step and never "
             "trained; create the parameters and modules in __init__ (build_model) and only "
             "use them in forward"
         )
@@ -130,7 +133,7 @@ def unused_parameters(model: nn.Module, traced: TracedModel) -> list[str]:
         elif node.op == "call_module":
             called.append(f"{node.target}.")
     unused = []
-    for name, param in model.named_parameters():
+    for name, _ in model.named_parameters():
         if name in read:
             continue
         if any(name.startswith(prefix) for prefix in called):

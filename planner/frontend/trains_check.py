@@ -1,4 +1,7 @@
-"""Check at solve time what tracing does not: that the model trains at all.
+"""Check at solve time what tracing does not: that the model trains at all, every parameter.
+
+Every parameter must be read by the traced forward (a stage holds what its part of the
+graph reads; ``capture_checks.check_all_parameters_used``).
 
 Tracing runs ``build_model``, ``sample_batch`` and the forward, but never ``loss_fn``; a
 loss that raises, is not a scalar, or needs no gradient, or a model without trainable
@@ -29,6 +32,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
+from hplan.planner.frontend.capture_checks import check_all_parameters_used
 from hplan.runtime.capture.model_file import check_loss_value, checked_loss
 from hplan.runtime.capture.trace import bind_inputs, forward_kwargs
 from hplan.runtime.capture.trace_fallbacks import preserved
@@ -110,11 +114,13 @@ def check_trains(captured: CapturedModel) -> TrainsVerdict:
     copy, and if anything fails there, on the captured CPU model.
 
     Raises:
-        ModelFileError: the model has no trainable parameters; ``loss_fn`` raises or
+        ModelFileError: forward never uses some parameters (naming them); the model has no
+            trainable parameters; ``loss_fn`` raises or
             returns something other than a scalar tensor that needs a gradient; or the
             model's forward raises (on fake tensors, or on CPU).
     """
     model_file, model = captured.model_file, captured.model
+    check_all_parameters_used(model_file, model, captured.traced)
     if not any(p.requires_grad for p in model.parameters()):
         raise ModelFileError(
             f"build_model() in {str(model_file.path)!r} returns a model without trainable "

@@ -75,7 +75,7 @@ MISTAKES = {
     "lazy_module": ((HEAD, "self.head = nn.LazyLinear(1)"), "'head' (LazyLinear)"),
     "batch_in_dim_1": (
         (SAMPLE, "return torch.randn(W, batch_size), torch.randn(batch_size)"),
-        "whose dim 0 is not the batch size",
+        "its dim 0 is not the batch size 2",
     ),
     "unused_parameter": (
         (HEAD, HEAD + "\n        self.pooler = nn.Linear(W, W)"),
