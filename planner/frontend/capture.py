@@ -40,7 +40,7 @@ from hplan.planner.frontend.capture_checks import (
 )
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
-from hplan.runtime.contract.errors import HplanError, ModelFileError, one_line
+from hplan.runtime.contract.errors import HplanError, ModelFileError, TraceTooLongError, one_line
 from hplan.runtime.contract.plan import TraceMethod
 
 DEFAULT_BATCH_SIZES = (2, 3)
@@ -238,6 +238,8 @@ def _capture_fake(
     try:
         with ParametersCreated() as created:
             traced = _trace_fake(model, inputs[sizes[0]], leaves, mode, say)
+    except TraceTooLongError:  # no faster on real tensors
+        raise
     except Exception as exc:
         raise _FakeCaptureFailed(exc, state_bytes(model)) from exc
     check_no_parameters_created(model_file, created)

@@ -31,6 +31,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from hplan.runtime.capture.trace_fallbacks import (
+    LoopGuard,
     chain_paths,
     export_graph,
     forward_kwargs,
@@ -45,7 +46,7 @@ from hplan.runtime.capture.trace_notes import (
     given_message,
     kept_whole_notes,
 )
-from hplan.runtime.contract.errors import ModelFileError, TraceError, one_line
+from hplan.runtime.contract.errors import ModelFileError, TraceError, TraceTooLongError, one_line
 from hplan.runtime.contract.plan import TraceMethod
 
 __all__ = [
@@ -64,6 +65,10 @@ CONTAINER_CLASSES = frozenset(
     f"torch.nn.modules.container.{name}" for name in ("ModuleList", "Sequential", "ModuleDict")
 )
 _MAX_AUTO_LEAVES = 16
+MAX_CALLS_PER_LINE = 512
+"""The most torch calls one line of user code may make in one module instance while
+``torch.export`` traces (``trace_fallbacks.LoopGuard``): a line runs once per call of its
+module, a handful of calls; one in a loop over a 1024-token sequence makes thousands."""
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _RUNTIME_DIR = Path(__file__).resolve().parents[1]
 _LIBRARY_DIRS = (_TORCH_DIR, str(_RUNTIME_DIR), str(_RUNTIME_DIR.parent / "planner"))
@@ -240,6 +245,8 @@ def trace_model(
         progress: told which method is being tried, as it starts.
 
     Raises:
+        TraceTooLongError: ``torch.export`` unrolls a Python loop (a line made more than
+            :data:`MAX_CALLS_PER_LINE` torch calls in one module).
         TraceError: no method works (naming the module path, the source file:line of the
             failing statement and the remedy), eager forward fails on the inputs (naming
             the inputs tried), or a leaf name matches no module.
@@ -261,8 +268,11 @@ def trace_model(
     failure = traced
     failed = f"symbolic trace failed {failure.describe()}"
     say("tracing with torch.export (torch.fx could not)")
+    budget = LoopGuard("torch.export", MAX_CALLS_PER_LINE, say)
     try:
-        gm = export_graph(context.model, context.fed, context.constants)
+        gm = export_graph(context.model, context.fed, context.constants, budget)
+    except TraceTooLongError:
+        raise
     except Exception as exc:
         export_error = one_line(exc)
     else:
