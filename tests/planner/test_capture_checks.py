@@ -3,8 +3,9 @@
 Parameters created in forward, lazy modules, inputs whose dim 0 is not the batch and
 trainable parameters forward never uses are refused before a plan is written; a real-tensor
 fallback that would not fit this machine's memory is refused before it builds anything;
-a dict of per-sample tensors (diffusers' ``added_cond_kwargs``) is planned and run with the
-gradients of one process; the capture says what it is doing as it goes.
+a forward that unrolls a Python loop over the sequence is refused while it is traced; a dict
+of per-sample tensors (diffusers' ``added_cond_kwargs``) is planned and run with the gradients
+of one process; the capture says what it is doing as it goes.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import pytest
 from hplan.planner.cli.main import main
 from hplan.planner.frontend import capture as capture_module
 from hplan.planner.frontend.capture import CaptureTensors, capture_model
+from hplan.runtime.capture import trace as trace_module
 from hplan.runtime.capture.model_file import load_model_file
-from hplan.runtime.contract.errors import ModelFileError
+from hplan.runtime.contract.errors import ModelFileError, TraceTooLongError
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_CLUSTER = ROOT / "examples" / "clusters" / "cpu-rehearsal.yaml"
@@ -219,3 +221,72 @@ def test_a_dict_of_per_sample_tensors_is_planned_and_run(tmp_path, capsys):
     )
     assert code == 0, err
     assert json.loads(stdout)["verify_passed"] is True
+
+
+LOOP = textwrap.dedent(
+    """\
+    import torch
+    from torch import nn
+
+    W, SEQ = 8, 64
+
+
+    class Cell(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ih = nn.Linear(W, W)
+            self.hh = nn.Linear(W, W)
+
+        def forward(self, x, h):
+            return torch.tanh(self.ih(x) + self.hh(h))
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = Cell()
+            self.head = nn.Linear(W, 1)
+
+        def forward(self, x):
+            h = torch.zeros_like(x[:, 0])
+            for t in range(x.shape[1]):  # fx cannot loop over a traced size: torch.export
+                h = self.cell(x[:, t], h)
+            return self.head(h).squeeze(-1)
+
+
+    def build_model():
+        return Net()
+
+
+    def sample_batch(batch_size):
+        return torch.randn(batch_size, SEQ, W), torch.randn(batch_size)
+
+
+    def loss_fn(outputs, targets):
+        return ((outputs - targets) ** 2).mean()
+    """
+)
+
+
+def test_a_python_loop_over_the_sequence_is_refused_while_tracing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(trace_module, "MAX_CALLS_PER_LINE", 32)  # 64 steps: twice the limit
+    model_file = load_model_file(_write(tmp_path / "loop", LOOP))
+    builds: list[bool] = []
+
+    def build_model():
+        builds.append(True)
+        return model_file.build_model()
+
+    with pytest.raises(TraceTooLongError, match=r"model.py:\d+ `h = self.cell\(x\[:, t\], h\)`"):
+        capture_model(dataclasses.replace(model_file, build_model=build_model))
+    assert len(builds) == 1  # refused on fake tensors: no real build would be faster
+    argv = ["solve", str(model_file.path), "--cluster", str(CPU_CLUSTER), "-b", "8"]
+    code, _, err = _run([*argv, "-o", str(tmp_path / "out")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "unrolls a Python loop" in err
+
+
+def test_a_loop_within_the_limit_is_traced(tmp_path, monkeypatch):
+    monkeypatch.setattr(trace_module, "MAX_CALLS_PER_LINE", 512)
+    captured = capture_model(load_model_file(_write(tmp_path / "loop", LOOP)))
+    assert captured.traced.method.value == "torch_export"
