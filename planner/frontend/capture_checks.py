@@ -206,8 +206,8 @@ def check_fallback_memory(
         f"the model of {str(model_file.path)!r} does not trace on fake tensors ({reason}), and "
         f"building it on real CPU tensors needs at least {needed_text} here (its parameters "
         f"and buffers are {format_bytes_pair(model_state_bytes, available)[0]}) while "
-        f"{available_text} is available; capture a smaller configuration of it (e.g. through "
-        "the environment variables model.py reads; the plan's figures scale), or capture on "
+        f"{available_text} is available; capture a smaller configuration of it (fewer layers "
+        "or experts, e.g. through the environment variables model.py reads), or capture on "
         "a machine with more memory (`hplan capture`, then `hplan solve --capture`)"
     )
 

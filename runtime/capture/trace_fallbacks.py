@@ -22,6 +22,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -110,10 +111,10 @@ class LoopGuard(TorchFunctionMode):
             self.progress(f"{self.what}: {self.num_calls} torch calls traced")
         return func(*args, **(kwargs or {}))
 
-    def _user_frame(self) -> Any:
+    def _user_frame(self) -> FrameType | None:
         """The innermost frame of user code (the model's), skipping torch's; None when the
         call comes from torch itself (hplan's own frames are reached first)."""
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
         while frame is not None:
             kind = self._kinds.get(frame.f_code)
             if kind is None:
@@ -125,7 +126,7 @@ class LoopGuard(TorchFunctionMode):
             frame = frame.f_back
         return None
 
-    def _message(self, frame: Any) -> str:
+    def _message(self, frame: FrameType) -> str:
         line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
         return (
             f"{self.what} unrolls a Python loop: {frame.f_code.co_filename}:{frame.f_lineno} "
