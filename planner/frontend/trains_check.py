@@ -33,8 +33,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
 from hplan.planner.frontend.capture_checks import check_all_parameters_used
+from hplan.runtime.capture.graph_inputs import forward_kwargs
 from hplan.runtime.capture.model_file import check_loss_value, checked_loss
-from hplan.runtime.capture.trace import bind_inputs, forward_kwargs
+from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.capture.trace_fallbacks import preserved
 from hplan.runtime.contract.errors import ModelFileError, one_line
 

@@ -30,11 +30,16 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from hplan.runtime.capture.graph_inputs import (
+    dict_inputs,
+    flat_input,
+    forward_kwargs,
+    placeholder_target,
+)
+from hplan.runtime.capture.loop_guard import LoopGuard
 from hplan.runtime.capture.trace_fallbacks import (
-    LoopGuard,
     chain_paths,
     export_graph,
-    forward_kwargs,
     module_chain,
     outputs_match,
     preserved,
@@ -53,7 +58,6 @@ __all__ = [
     "CONTAINER_CLASSES",
     "TracedModel",
     "bind_inputs",
-    "forward_kwargs",
     "outputs_match",
     "repeated_containers",
     "target_name",
@@ -189,32 +193,8 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
             )
     bound: dict[str, torch.Tensor] = {}
     for name in names:
-        bound.update(_flat_input(name, inputs.get(name)))
+        bound.update(flat_input(name, inputs.get(name)))
     return bound
-
-
-def _flat_input(name: str, value: Any) -> dict[str, torch.Tensor]:
-    """One input as ``{graph input name: tensor}``: a tensor as itself, a dict of tensors
-    one entry per tensor (``name.key``), None as nothing."""
-    if value is None:
-        return {}
-    if isinstance(value, torch.Tensor):
-        return {name: value}
-    if not isinstance(value, Mapping) or not value:
-        raise ModelFileError(
-            f"input {name!r} is a {type(value).__name__}, not a tensor or a dict of tensors; "
-            "return tensors (or dicts of tensors) whose dim 0 is the batch, and give "
-            "settings that are the same for every batch as defaults of forward instead"
-        )
-    flat: dict[str, torch.Tensor] = {}
-    for key, item in value.items():
-        if not isinstance(key, str) or not key.isidentifier():
-            raise ModelFileError(
-                f"input {name!r} is a dict with key {key!r}; hplan feeds dicts whose keys "
-                "are Python identifiers (like 'text_embeds'): rename the key"
-            )
-        flat.update(_flat_input(f"{name}.{key}", item))
-    return flat
 
 
 def _parameter_names(model: nn.Module) -> list[str]:
@@ -381,22 +361,6 @@ def _split_inputs(
             default = None if param.default is inspect.Parameter.empty else param.default
             constants[name] = _TRAINING_VALUES.get(name) if default is None else default
     return fed, constants
-
-
-def dict_inputs(fed: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
-    """Forward parameters fed as dicts of tensors -> their graph input names."""
-    found: dict[str, tuple[str, ...]] = {}
-    for name in fed:
-        if "." in name:
-            parameter = name.split(".")[0]
-            found[parameter] = (*found.get(parameter, ()), name)
-    return found
-
-
-def placeholder_target(name: str) -> str:
-    """The Python argument name of graph input ``name`` (``parameter.key`` ->
-    ``parameter_key``)."""
-    return name.replace(".", "_")
 
 
 def _module_classes(model: nn.Module) -> dict[str, str]:

@@ -5,7 +5,8 @@ forward-signature order, and run user code inside ``preserved`` (the model's buf
 RNG state are restored afterwards).
 
 - ``export_graph``: ``torch.export`` (non-strict, dim 0 of every input dynamic); its graph
-  carries ``nn_module_stack``. Raises when export fixes the batch size.
+  carries ``nn_module_stack``. Raises when export fixes the batch size, or unrolls a Python
+  loop (``loop_guard.py``).
 - ``module_chain``: the model's child modules in registration order (containers
   expanded), run eagerly one after another; accepted only when it reproduces the eager
   forward on the example inputs (``outputs_match``).
@@ -16,26 +17,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
-import linecache
 import logging
-import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
-from types import FrameType
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
-from torch.overrides import TorchFunctionMode
 
-from hplan.runtime.contract.errors import TraceError, TraceTooLongError
+from hplan.runtime.capture.graph_inputs import forward_kwargs
+from hplan.runtime.capture.loop_guard import LoopGuard
+from hplan.runtime.contract.errors import TraceError
 
 _EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
 
@@ -56,103 +50,6 @@ def preserved(model: nn.Module) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------- torch.export
-class LoopGuard(TorchFunctionMode):
-    """Stops a trace that unrolls a Python loop over the sequence (a reference scan, an RNN
-    cell stepped per token): tracing, costing and solving grow with every step, for minutes
-    to hours. Counts the torch calls each line of user code makes in each module instance
-    (a stack of layers runs each line once per layer, in a module of its own; a loop runs
-    it once per step, in the same module) and raises :class:`TraceTooLongError` when one
-    exceeds ``max_calls_per_line``, naming the line. Tells ``progress`` the number of calls
-    every ``report_every``."""
-
-    def __init__(
-        self,
-        what: str,
-        max_calls_per_line: int,
-        progress: Callable[[str], None] | None = None,
-        report_every: int = 2_000,
-    ) -> None:
-        super().__init__()
-        self.what, self.limit, self.progress = what, max_calls_per_line, progress
-        self.report_every = report_every
-        self.num_calls = 0
-        self._counts: dict[tuple[Any, int, int], int] = {}
-        self._modules: list[nn.Module] = []
-        self._kinds: dict[Any, str] = {}
-        self._hooks: list[Any] = []
-
-    def __enter__(self) -> LoopGuard:
-        self._hooks = [
-            register_module_forward_pre_hook(lambda m, args: self._modules.append(m)),
-            register_module_forward_hook(lambda m, args, out: self._pop(m), always_call=True),
-        ]
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        for hook in self._hooks:
-            hook.remove()
-
-    def _pop(self, module: nn.Module) -> None:
-        if self._modules and self._modules[-1] is module:
-            self._modules.pop()
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.num_calls += 1
-        frame = self._user_frame()
-        if frame is not None:
-            module = id(self._modules[-1]) if self._modules else 0
-            key = (frame.f_code, frame.f_lineno, module)
-            self._counts[key] = count = self._counts.get(key, 0) + 1
-            if count > self.limit:
-                raise TraceTooLongError(self._message(frame))
-        if self.progress is not None and self.num_calls % self.report_every == 0:
-            self.progress(f"{self.what}: {self.num_calls} torch calls traced")
-        return func(*args, **(kwargs or {}))
-
-    def _user_frame(self) -> FrameType | None:
-        """The innermost frame of user code (the model's), skipping torch's; None when the
-        call comes from torch itself (hplan's own frames are reached first)."""
-        frame: FrameType | None = sys._getframe(2)
-        while frame is not None:
-            kind = self._kinds.get(frame.f_code)
-            if kind is None:
-                kind = self._kinds[frame.f_code] = _code_kind(frame.f_code.co_filename)
-            if kind == "hplan":
-                return None
-            if kind == "user":
-                return frame
-            frame = frame.f_back
-        return None
-
-    def _message(self, frame: FrameType) -> str:
-        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-        return (
-            f"{self.what} unrolls a Python loop: {frame.f_code.co_filename}:{frame.f_lineno} "
-            f"`{line}` made more than {self.limit} torch calls in one module (a loop over the "
-            "sequence?), and a plan of it would take too long to make; vectorise the "
-            "loop (a parallel scan), move it into a module of its own that torch.fx traces "
-            "around and keep that whole (--leaf-module), or plan a shorter sequence"
-        )
-
-
-def _code_kind(filename: str) -> str:
-    """ "torch", "hplan" or "user": whose code ``filename`` holds."""
-    if filename.startswith("<"):
-        return "torch"
-    path = str(Path(filename).resolve())
-    if path.startswith(_TORCH_DIR):
-        return "torch"
-    return "hplan" if path.startswith(_HPLAN_DIRS) else "user"
-
-
-_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_RUNTIME_DIR = Path(__file__).resolve().parents[1]
-_HPLAN_DIRS = (str(_RUNTIME_DIR), str(_RUNTIME_DIR.parent / "planner"))
-"""hplan's two packages (siblings in a checkout and in an installed wheel alike)."""
-
-
 def export_graph(
     model: nn.Module,
     fed: Mapping[str, Any],
@@ -197,19 +94,6 @@ def export_graph(
     _drop_export_extras(gm, names, set(fed))
     _devices_from_input(gm)
     return gm
-
-
-def forward_kwargs(bound: Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of an eager ``forward`` call from graph inputs (``trace.
-    bind_inputs``): ``parameter.key`` entries nested back into dicts."""
-    kwargs: dict[str, Any] = {}
-    for name, value in bound.items():
-        *parents, leaf = name.split(".")
-        level = kwargs
-        for parent in parents:
-            level = level.setdefault(parent, {})
-        level[leaf] = value
-    return kwargs
 
 
 def _batch_dynamic(value: Any) -> Any:

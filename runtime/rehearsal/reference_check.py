@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from hplan.runtime.capture.graph_inputs import forward_kwargs
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
-from hplan.runtime.capture.trace import bind_inputs, forward_kwargs
+from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import Plan, Precision
 from hplan.runtime.executor.data import BatchSource, batch_digest, with_batch_tensors

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from hplan.runtime.capture.graph_inputs import forward_kwargs
 from hplan.runtime.capture.model_file import ModelFile, checked_loss, load_model_file
-from hplan.runtime.capture.trace import bind_inputs, forward_kwargs
+from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.errors import (
     ConfigError,
