@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
@@ -694,13 +694,15 @@ def capture_to_file(
     *,
     leaf_modules: tuple[str, ...] = (),
     seed: int = 0,
+    progress: Callable[[str], None] | None = None,
 ) -> CaptureFile:
     """Capture ``model_path`` once and write its capture file to ``out_path``
     (``hplan capture``): what ``hplan solve --capture`` reads instead of capturing again.
 
     Runs what a solve's capture, cost_graph and trains_check passes run, with the same
     ``leaf_modules`` and ``seed`` (a solve from the file must ask for the same), and the
-    optimizer state factor the problem pass would compute.
+    optimizer state factor the problem pass would compute; ``progress`` is told what the
+    capture does as it goes.
 
     Raises:
         ModelFileError, TraceError: bad model file or model (as ``hplan solve``).
@@ -708,7 +710,7 @@ def capture_to_file(
     """
     _check_model_path(model_path)
     model_file = load_model_file(model_path)
-    captured = capture_model(model_file, leaf_modules=leaf_modules, seed=seed)
+    captured = capture_model(model_file, leaf_modules=leaf_modules, seed=seed, progress=progress)
     trains = check_trains(captured)
     graph = model_graph(captured, trains.loss_memory)
     graph.verify()

@@ -9,7 +9,9 @@ not meta ones, because ops choose their kernel by device: on meta
 ``scaled_dot_product_attention`` takes the unfused math path, whose graph and strides differ
 from what a rank traces on real tensors, and Hugging Face models raise on meta in their
 data-dependent checks. When the model cannot be built or traced on fake tensors, it is built
-and traced on real CPU tensors instead, and :attr:`CapturedModel.notes` says why.
+and traced on real CPU tensors instead, if it fits this machine's memory, and
+:attr:`CapturedModel.notes` says why. What the runtime could not train is refused first
+(``capture_checks.py``).
 """
 
 from __future__ import annotations
