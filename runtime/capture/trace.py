@@ -69,10 +69,11 @@ CONTAINER_CLASSES = frozenset(
     f"torch.nn.modules.container.{name}" for name in ("ModuleList", "Sequential", "ModuleDict")
 )
 _MAX_AUTO_LEAVES = 16
-MAX_CALLS_PER_LINE = 512
+MAX_CALLS_PER_LINE = 1_024
 """The most torch calls one line of user code may make in one module instance while
-``torch.export`` traces (``trace_fallbacks.LoopGuard``): a line runs once per call of its
-module, a handful of calls; one in a loop over a 1024-token sequence makes thousands."""
+``torch.export`` traces (``loop_guard.LoopGuard``): outside loops a line makes a handful
+per call of its module; a loop over the experts of a 256-expert MoE some hundreds; a loop
+over a 1024-token sequence thousands."""
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _RUNTIME_DIR = Path(__file__).resolve().parents[1]
 _LIBRARY_DIRS = (_TORCH_DIR, str(_RUNTIME_DIR), str(_RUNTIME_DIR.parent / "planner"))
