@@ -71,7 +71,7 @@ CONTAINER_CLASSES = frozenset(
 _MAX_AUTO_LEAVES = 16
 MAX_CALLS_PER_LINE = 1_024
 """The most torch calls one line of user code may make in one module instance while
-``torch.export`` traces (``loop_guard.LoopGuard``): outside loops a line makes a handful
+torch.fx or ``torch.export`` traces (``loop_guard.LoopGuard``): outside loops a line makes a handful
 per call of its module; a loop over the experts of a 256-expert MoE some hundreds; a loop
 over a 1024-token sequence thousands."""
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
@@ -226,8 +226,8 @@ def trace_model(
         progress: told which method is being tried, as it starts.
 
     Raises:
-        TraceTooLongError: ``torch.export`` unrolls a Python loop (a line made more than
-            :data:`MAX_CALLS_PER_LINE` torch calls in one module).
+        TraceTooLongError: torch.fx or ``torch.export`` unrolls a Python loop (a line made
+            more than :data:`MAX_CALLS_PER_LINE` torch calls in one module).
         TraceError: no method works (naming the module path, the source file:line of the
             failing statement and the remedy), eager forward fails on the inputs (naming
             the inputs tried), or a leaf name matches no module.
@@ -242,7 +242,8 @@ def trace_model(
     without_data = _without_data(context.fed)
     reference = None if without_data else _eager_reference(context)
     say("tracing with torch.fx")
-    traced = _symbolic_auto(context, leaves)
+    with LoopGuard("torch.fx", MAX_CALLS_PER_LINE, say):
+        traced = _symbolic_auto(context, leaves)
     if isinstance(traced, tuple):
         gm, final_leaves, notes = traced
         return context.finish(gm, TraceMethod.SYMBOLIC, final_leaves, notes)
@@ -490,6 +491,8 @@ def _symbolic(context: _Context, leaves: Sequence[str]) -> torch.fx.GraphModule:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             graph = tracer.trace(context.model, concrete_args=context.constants)
+    except TraceTooLongError:
+        raise
     except Exception as exc:
         failure = Failure(tracer.failed_module or "", user_location(exc), one_line(exc))
         raise _SymbolicFailure(failure) from exc

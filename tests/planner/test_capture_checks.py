@@ -286,6 +286,13 @@ def test_a_python_loop_over_the_sequence_is_refused_while_tracing(tmp_path, monk
     assert "unrolls a Python loop" in err
 
 
+def test_a_loop_torch_fx_unrolls_is_refused_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(trace_module, "MAX_CALLS_PER_LINE", 32)
+    constant_loop = LOOP.replace("range(x.shape[1])", "range(SEQ)")  # fx traces it
+    with pytest.raises(TraceTooLongError, match=r"torch.fx unrolls a Python loop: .*model.py"):
+        capture_model(load_model_file(_write(tmp_path / "loop", constant_loop)))
+
+
 def test_a_loop_within_the_limit_is_traced(tmp_path, monkeypatch):
     monkeypatch.setattr(trace_module, "MAX_CALLS_PER_LINE", 512)
     captured = capture_model(load_model_file(_write(tmp_path / "loop", LOOP)))
