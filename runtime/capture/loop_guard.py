@@ -1,6 +1,6 @@
 """Stop a trace that unrolls a Python loop over the sequence, in bounded time.
 
-``torch.export`` runs forward once and records every torch call: a loop over a 1024-token
+torch.fx and ``torch.export`` run forward once and record every torch call: a loop over a 1024-token
 sequence (a reference scan, an RNN cell stepped per token) becomes thousands of calls per
 layer, and tracing, costing and solving them takes minutes to hours, with nothing shown. A
 stack of layers runs each line of user code once per layer, each in a module of its own; a
