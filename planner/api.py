@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
@@ -445,7 +445,9 @@ def capture_pass(r: PassResults) -> Capture:
             f"--epochs {request.epochs}: {str(request.model_path)!r} has no dataset() to count "
             "epochs of; give --steps N instead, or add dataset() to the model file"
         )
-    return capture_model(model_file, leaf_modules=request.leaf_modules, seed=request.seed)
+    return capture_model(
+        model_file, leaf_modules=request.leaf_modules, seed=request.seed, progress=r.tell
+    )
 
 
 def cost_graph_pass(r: PassResults) -> ModelGraph:
@@ -468,6 +470,11 @@ def trains_check_pass(r: PassResults) -> TrainsVerdict:
 def _capturing(r: PassResults) -> str:
     path = _request(r).capture_path
     return "loading and tracing the model" if path is None else f"reading the capture {path}"
+
+
+def _measuring(r: PassResults) -> str:
+    small, large = r["capture"].batch_sizes
+    return f"measuring the graph at batch sizes {small} and {large}"
 
 
 def _stored(r: PassResults) -> bool:
@@ -651,7 +658,7 @@ PASSES: Sequence[Pass] = (
     Pass(
         "cost_graph",
         cost_graph_pass,
-        lambda r: "the capture file's cost graph" if _stored(r) else "measuring the graph",
+        lambda r: "the capture file's cost graph" if _stored(r) else _measuring(r),
     ),
     Pass(
         "runtime_bytes",
@@ -698,13 +705,15 @@ def capture_to_file(
     *,
     leaf_modules: tuple[str, ...] = (),
     seed: int = 0,
+    progress: Callable[[str], None] | None = None,
 ) -> CaptureFile:
     """Capture ``model_path`` once and write its capture file to ``out_path``
     (``hplan capture``): what ``hplan solve --capture`` reads instead of capturing again.
 
     Runs what a solve's capture, cost_graph and trains_check passes run, with the same
     ``leaf_modules`` and ``seed`` (a solve from the file must ask for the same), and the
-    optimizer state factor the problem pass would compute.
+    optimizer state factor the problem pass would compute; ``progress`` is told what the
+    capture does as it goes.
 
     Raises:
         ModelFileError, TraceError: bad model file or model (as ``hplan solve``).
@@ -712,7 +721,7 @@ def capture_to_file(
     """
     _check_model_path(model_path)
     model_file = load_model_file(model_path)
-    captured = capture_model(model_file, leaf_modules=leaf_modules, seed=seed)
+    captured = capture_model(model_file, leaf_modules=leaf_modules, seed=seed, progress=progress)
     trains = check_trains(captured)
     graph = model_graph(captured, trains.loss_memory)
     graph.verify()

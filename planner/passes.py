@@ -45,8 +45,15 @@ class PassError(RuntimeError):
 class PassResults(Mapping[str, Any]):
     """The results of the passes run so far, by pass name (read-only)."""
 
-    def __init__(self, values: dict[str, Any]) -> None:
+    def __init__(self, values: dict[str, Any], tell: Callable[[str], None] | None = None) -> None:
         self._values = values
+        self._tell = tell
+
+    def tell(self, says: str) -> None:
+        """Replace the running pass's progress line by ``says`` (a pass that runs in steps,
+        such as the capture); nothing without an observer."""
+        if self._tell is not None:
+            self._tell(says)
 
     def __getitem__(self, name: str) -> Any:
         return self._values[name]
@@ -99,12 +106,19 @@ def run_passes(
         ConfigError: ``dump_dir`` cannot be created.
     """
     values: dict[str, Any] = {"request": request}
-    results = PassResults(values)
+    running = ["request"]
+
+    def tell(says: str) -> None:
+        if progress is not None:
+            progress.started(running[0], says)
+
+    results = PassResults(values, tell)
     if dump_dir is not None:
         _prepare(dump_dir)
         _dump(dump_dir, 0, "request", request)
     previous = "request"
     for index, step in enumerate(passes, start=1):
+        running[0] = step.name
         if progress is not None:
             progress.started(step.name, None if step.says is None else step.says(results))
         started_s = time.monotonic()

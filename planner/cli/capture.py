@@ -39,8 +39,14 @@ def capture(model: Path, out_path: Path, leaf_modules: tuple[str, ...], seed: in
     started_s = time.monotonic()
     from hplan.planner.api import capture_to_file
 
-    with stderr.status("capturing the model (build, trace, measure, trains check)"):
-        record = capture_to_file(model, out_path, leaf_modules=leaf_modules, seed=seed)
+    with stderr.status("capturing the model (build, trace, measure, trains check)") as status:
+        record = capture_to_file(
+            model,
+            out_path,
+            leaf_modules=leaf_modules,
+            seed=seed,
+            progress=lambda says: status.update(f"capturing the model: {says}"),
+        )
     stderr.print(
         f"captured {model} in {format_seconds(time.monotonic() - started_s)}: "
         f"{len(record.units)} units, {len(record.nodes)} graph nodes; wrote {out_path}"

@@ -10,8 +10,9 @@ not meta ones, because ops choose their kernel by device: on meta
 from what a rank traces on real tensors, and Hugging Face models raise on meta in their
 data-dependent checks. Expert layers that do not run on fakes as they are run as
 ``moe.py`` says, in every fake run (:meth:`CapturedModel.fake_runs`). When the model cannot be
-built or traced on fake tensors, it is built and traced on real CPU tensors instead, and
-:attr:`CapturedModel.notes` says why.
+built or traced on fake tensors, it is built and traced on real CPU tensors instead, if it
+fits this machine's memory, and :attr:`CapturedModel.notes` says why. What the runtime
+could not train is refused first (``capture_checks.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import copy
 import itertools
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -31,6 +32,15 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
+from hplan.planner.frontend.capture_checks import (
+    ParametersCreated,
+    available_memory_bytes,
+    check_fallback_memory,
+    check_inputs,
+    check_materialised,
+    check_no_parameters_created,
+    state_bytes,
+)
 from hplan.planner.frontend.moe import (
     NEEDS_VALUES,
     ExpertDispatch,
@@ -43,7 +53,13 @@ from hplan.planner.frontend.moe import (
 )
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
-from hplan.runtime.contract.errors import HplanError, ModelFileError, TraceError, one_line
+from hplan.runtime.contract.errors import (
+    HplanError,
+    ModelFileError,
+    TraceError,
+    TraceTooLongError,
+    one_line,
+)
 from hplan.runtime.contract.plan import TraceMethod
 
 DEFAULT_BATCH_SIZES = (2, 3)
@@ -145,8 +161,12 @@ def capture_model(
     seed: int = 0,
     batch_sizes: tuple[int, int] = DEFAULT_BATCH_SIZES,
     tensors: CaptureTensors = CaptureTensors.FAKE,
+    progress: Callable[[str], None] | None = None,
 ) -> CapturedModel:
     """Build the model and its two example batches (seeded), and trace it on the smaller.
+
+    The inputs are checked (``capture_checks.check_inputs``) before any real build, and a
+    real-tensor fallback against this machine's available memory first.
 
     Args:
         leaf_modules: module paths or class names to keep whole, besides the model file's
@@ -155,51 +175,90 @@ def capture_model(
         tensors: FAKE (the default) builds and traces on fake tensors, and on real CPU
             tensors when that fails (a note says why); CPU builds on real CPU tensors
             (what measuring on a device needs).
+        progress: told what the capture is doing, as each step starts (a short phrase).
 
     Raises:
-        ModelFileError: ``build_model``/``sample_batch`` raise or give unusable inputs.
+        ModelFileError: ``build_model``/``sample_batch`` raise or give unusable inputs, the
+            model has lazy modules not materialised, its forward creates parameters, or the
+            real-tensor fallback would not fit this machine's memory (``capture_checks``).
         TraceError: the model cannot be traced.
         ValueError: ``batch_sizes`` are not two distinct positive integers.
     """
     small, large = _check_batch_sizes(batch_sizes)
+    say = progress or _silent
     leaves = (*leaf_modules, *model_file.leaf_modules)
     notes: tuple[str, ...] = ()
+    building = "building the model on real CPU tensors"
     if tensors is CaptureTensors.FAKE:
         try:
             with _fake_tensor_log_quiet():
-                return _capture_fake(model_file, leaves, seed, (small, large))
-        except _Untraceable:
-            raise
-        except Exception as exc:  # the real tensors below decide whether it is the model's
-            notes = (
-                "captured on real CPU tensors: the model does not build or trace on fake "
-                f"tensors ({_reason(exc)})",
-            )
+                return _capture_fake(model_file, leaves, seed, (small, large), say)
+        except _FakeCaptureFailed as failed:
+            reason, model_bytes = _reason(failed.cause), failed.state_bytes
+        notes = (
+            "captured on real CPU tensors: the model does not build or trace on fake "
+            f"tensors ({reason})",
+        )
+        if model_bytes is None:
+            model_bytes = _meta_state_bytes(model_file, seed)
+        check_fallback_memory(model_file, model_bytes, reason, available_memory_bytes())
+        building = f"{building} (fake tensors failed: {reason})"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        check_inputs(model_file, {b: _sample_batch(model_file, b) for b in (small, large)})
+    say(building)
     with torch.random.fork_rng(devices=[]):
         model = _build(model_file, seed)
         batches = {b: _sample_batch(model_file, b) for b in (small, large)}
+    check_materialised(model_file, model)
     inputs = {b: bind_inputs(model, batch[0]) for b, batch in batches.items()}
-    traced = trace_model(model, inputs[small], leaf_modules=leaves)
+    say("tracing on real CPU tensors")
+    with ParametersCreated() as created:
+        traced = trace_model(model, inputs[small], leaf_modules=leaves, progress=say)
+    check_no_parameters_created(model_file, created)
     return CapturedModel(model_file, model, traced, batches, inputs, seed, notes=notes)
 
 
-def _capture_fake(
-    model_file: ModelFile, leaves: tuple[str, ...], seed: int, sizes: tuple[int, int]
-) -> CapturedModel:
-    """The capture on fake tensors (see the module docstring); raises whatever fails,
-    including a run of the traced graph (modules kept whole run their own code, which may
-    need tensor values; a graph from ``torch.export`` ran on these fakes as it was made,
-    and is not run again). When that run needs tensor values and the model has expert
-    layers (``moe.find_expert_dispatches``) that the trace went through, they are kept
-    whole and the model traced again.
+class _FakeCaptureFailed(Exception):
+    """The capture on fake tensors failed where real tensors may succeed."""
 
-    The mode has a shape environment that records its fakes, so that ``torch.export``
-    reuses it (and the model's fake parameters) rather than making its own.
+    def __init__(self, cause: BaseException, state_bytes: int | None) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.state_bytes = state_bytes
+        """The fake build's parameter and buffer bytes; None when the build failed."""
+
+
+def _silent(_: str) -> None:
+    return None
+
+
+def _capture_fake(
+    model_file: ModelFile,
+    leaves: tuple[str, ...],
+    seed: int,
+    sizes: tuple[int, int],
+    say: Callable[[str], None],
+) -> CapturedModel:
+    """The capture on fake tensors (see the module docstring). A failure to build or trace
+    raises :class:`_FakeCaptureFailed` (real tensors may do); a refusal of the inputs or of
+    the model raises its ModelFileError (real tensors would not help).
+
+    A run of the traced graph is part of the trace (modules kept whole run their own code,
+    which may need tensor values; a graph from ``torch.export`` ran on these fakes as it
+    was made, and is not run again). The mode has a shape environment that records its
+    fakes, so that ``torch.export`` reuses it (and the model's fake parameters).
     """
     mode = FakeTensorMode(shape_env=ShapeEnv(tracked_fakes=[]), allow_non_fake_inputs=True)
+    say("building the model on fake tensors")
     with torch.random.fork_rng(devices=[]):
-        model = _build_fake(model_file, seed, mode)
+        try:
+            model = _build_fake(model_file, seed, mode)
+        except Exception as exc:
+            raise _FakeCaptureFailed(exc, None) from exc
         batches = {b: _sample_batch(model_file, b) for b in sizes}
+    check_inputs(model_file, batches)
+    check_materialised(model_file, model)
     inputs = {
         b: {k: _fake_of(mode, v) for k, v in bind_inputs(model, batch[0]).items()}
         for b, batch in batches.items()
@@ -209,12 +268,15 @@ def _capture_fake(
         raise _Untraceable(eager_experts_message(type(model).__name__, eager))
     dispatches = find_expert_dispatches(model)
     try:
-        traced, routed = _trace_fake(model, inputs[sizes[0]], leaves, dispatches, mode)
-    except (*NEEDS_VALUES, ValueShapesError):
-        kept = (*leaves, *(d.path for d in dispatches))
-        if not dispatches or set(kept) == set(leaves):
-            raise
-        traced, routed = _trace_fake(model, inputs[sizes[0]], kept, dispatches, mode)
+        with ParametersCreated() as created:
+            traced, routed = _trace_keeping_dispatches(
+                model, inputs[sizes[0]], leaves, dispatches, mode, say
+            )
+    except TraceTooLongError:  # no faster on real tensors
+        raise
+    except Exception as exc:
+        raise _FakeCaptureFailed(exc, state_bytes(model)) from exc
+    check_no_parameters_created(model_file, created)
     return CapturedModel(
         model_file,
         model,
@@ -228,17 +290,38 @@ def _capture_fake(
     )
 
 
+def _trace_keeping_dispatches(
+    model: nn.Module,
+    feed: Mapping[str, torch.Tensor],
+    leaves: tuple[str, ...],
+    dispatches: tuple[ExpertDispatch, ...],
+    mode: FakeTensorMode,
+    say: Callable[[str], None],
+) -> tuple[TracedModel, dict[str, ExpertDispatch]]:
+    """:func:`_trace_fake`; when its run needs tensor values and the model has expert layers
+    (``moe.find_expert_dispatches``) that the trace went through, they are kept whole and
+    the model traced again."""
+    try:
+        return _trace_fake(model, feed, leaves, dispatches, mode, say)
+    except (*NEEDS_VALUES, ValueShapesError):
+        kept = (*leaves, *(d.path for d in dispatches))
+        if not dispatches or set(kept) == set(leaves):
+            raise
+        return _trace_fake(model, feed, kept, dispatches, mode, say)
+
+
 def _trace_fake(
     model: nn.Module,
     feed: Mapping[str, torch.Tensor],
     leaves: tuple[str, ...],
     dispatches: tuple[ExpertDispatch, ...],
     mode: FakeTensorMode,
+    say: Callable[[str], None],
 ) -> tuple[TracedModel, dict[str, ExpertDispatch]]:
     """The trace on fakes and one run of its graph (expert layers probed: ``moe.py``);
     the expert layers that run as a balanced routing, by path."""
     with mode:
-        traced = trace_model(model, feed, leaf_modules=leaves)
+        traced = trace_model(model, feed, leaf_modules=leaves, progress=say)
         if traced.method is TraceMethod.EXPORT:  # export ran every op on these fakes
             return traced, {}
         dispatches = with_output_arity(dispatches, traced.graph_module)
@@ -275,6 +358,16 @@ class _ShapeChecked(torch.fx.Interpreter):
                     f"node {n.name!r} makes a tensor whose shape depends on tensor values"
                 )
         return result
+
+
+def _meta_state_bytes(model_file: ModelFile, seed: int) -> int | None:
+    """The parameter and buffer bytes of the model built on the meta device (no storage);
+    None when it does not build there."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            return state_bytes(_build(model_file, seed))
+    except Exception:
+        return None
 
 
 @contextlib.contextmanager

@@ -1,4 +1,7 @@
-"""Check at solve time what tracing does not: that the model trains at all.
+"""Check at solve time what tracing does not: that the model trains at all, every parameter.
+
+Every parameter must be read by the traced forward (a stage holds what its part of the
+graph reads; ``capture_checks.check_all_parameters_used``).
 
 Tracing runs ``build_model``, ``sample_batch`` and the forward, but never ``loss_fn``; a
 loss that raises, is not a scalar, or needs no gradient, or a model without trainable
@@ -31,6 +34,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hplan.planner.frontend.capture import CapturedModel, meta_copy, to_meta
+from hplan.planner.frontend.capture_checks import check_all_parameters_used
+from hplan.runtime.capture.graph_inputs import forward_kwargs
 from hplan.runtime.capture.loss_items import (
     IGNORE_INDEX,
     LossFound,
@@ -121,11 +126,13 @@ def check_trains(captured: CapturedModel) -> TrainsVerdict:
     copy, and if anything fails there, on the captured CPU model.
 
     Raises:
-        ModelFileError: the model has no trainable parameters; ``loss_fn`` raises or
+        ModelFileError: forward never uses some parameters (naming them); the model has no
+            trainable parameters; ``loss_fn`` raises or
             returns something other than a scalar tensor that needs a gradient; or the
             model's forward raises (on fake tensors, or on CPU).
     """
     model_file, model = captured.model_file, captured.model
+    check_all_parameters_used(model_file, model, captured.traced)
     if not any(p.requires_grad for p in model.parameters()):
         raise ModelFileError(
             f"build_model() in {str(model_file.path)!r} returns a model without trainable "
@@ -157,7 +164,7 @@ def _check_fake(captured: CapturedModel) -> TrainsVerdict:
     where = f"sample_batch({CHECK_BATCH_SIZE}) from {str(model_file.path)!r}"
     try:
         with mode, captured.fake_runs(), torch.enable_grad():
-            outputs = captured.model(**bind_inputs(captured.model, inputs))
+            outputs = captured.model(**forward_kwargs(bind_inputs(captured.model, inputs)))
     except _NEEDS_VALUES as exc:
         return _static("the model's forward", exc)
     except Exception as exc:
@@ -212,7 +219,7 @@ def _forward_and_loss(
     model_file = captured.model_file
     bound = bind_inputs(model, inputs)
     try:
-        outputs = model(**bound)
+        outputs = model(**forward_kwargs(bound))
     except Exception as exc:
         if not on_cpu:
             raise

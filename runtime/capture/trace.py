@@ -22,7 +22,7 @@ import hashlib
 import inspect
 import traceback
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from hplan.runtime.capture.builtin_stacks import stack_forward
+from hplan.runtime.capture.graph_inputs import (
+    dict_inputs,
+    flat_input,
+    forward_kwargs,
+    placeholder_target,
+)
+from hplan.runtime.capture.loop_guard import LoopGuard
 from hplan.runtime.capture.trace_fallbacks import (
     chain_paths,
     export_graph,
@@ -46,7 +53,7 @@ from hplan.runtime.capture.trace_notes import (
     given_message,
     kept_whole_notes,
 )
-from hplan.runtime.contract.errors import ModelFileError, TraceError, one_line
+from hplan.runtime.contract.errors import ModelFileError, TraceError, TraceTooLongError, one_line
 from hplan.runtime.contract.plan import TraceMethod
 
 __all__ = [
@@ -64,6 +71,11 @@ CONTAINER_CLASSES = frozenset(
     f"torch.nn.modules.container.{name}" for name in ("ModuleList", "Sequential", "ModuleDict")
 )
 _MAX_AUTO_LEAVES = 16
+MAX_CALLS_PER_LINE = 1_024
+"""The most torch calls one line of user code may make in one module instance while
+torch.fx or ``torch.export`` traces (``loop_guard.LoopGuard``): outside loops a line makes a handful
+per call of its module; a loop over the experts of a 256-expert MoE some hundreds; a loop
+over a 1024-token sequence thousands."""
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _RUNTIME_DIR = Path(__file__).resolve().parents[1]
 _LIBRARY_DIRS = (_TORCH_DIR, str(_RUNTIME_DIR), str(_RUNTIME_DIR.parent / "planner"))
@@ -144,16 +156,22 @@ def _is_child(path: str, prefix: str) -> bool:
 def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
     """Name the inputs that ``sample_batch``/``dataset`` give by ``forward``'s parameters.
 
+    A dict of tensors given for one parameter (diffusers' ``added_cond_kwargs={"text_embeds":
+    ..., "time_ids": ...}``) becomes one graph input per tensor, named
+    ``parameter.key`` (nested dicts: ``parameter.key.key``); :func:`forward_kwargs` rebuilds
+    the dict for an eager call.
+
     Args:
         model: the model whose ``forward`` signature names the inputs.
         inputs: a Tensor (the first forward argument), a tuple/list (positional arguments)
             or a dict (keyword arguments). ``None`` entries mean "not fed".
 
     Returns:
-        {forward parameter name: tensor}, in forward-signature order.
+        {graph input name: tensor}, in forward-signature order (a dict's keys in its order).
 
     Raises:
-        ModelFileError: an unknown key, too many positional inputs, or a non-tensor value.
+        ModelFileError: an unknown key, too many positional inputs, or a value that is
+            neither a tensor nor a dict of tensors.
     """
     names = _parameter_names(model)
     if isinstance(inputs, torch.Tensor):
@@ -170,18 +188,16 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
             f"sample_batch inputs are a {type(inputs).__name__}; return a tensor, a tuple "
             "or a dict of tensors"
         )
-    for key, value in inputs.items():
+    for key in inputs:
         if key not in names:
             raise ModelFileError(
                 f"input {key!r} is not a parameter of forward ({', '.join(names)}); "
                 "rename the key in sample_batch"
             )
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise ModelFileError(
-                f"input {key!r} is a {type(value).__name__}, not a tensor; fixed settings are "
-                "constants: leave them out of sample_batch and give forward a default"
-            )
-    return {n: inputs[n] for n in names if inputs.get(n) is not None}
+    bound: dict[str, torch.Tensor] = {}
+    for name in names:
+        bound.update(flat_input(name, inputs.get(name)))
+    return bound
 
 
 def _parameter_names(model: nn.Module) -> list[str]:
@@ -197,6 +213,7 @@ def trace_model(
     *,
     leaf_modules: Sequence[str] = (),
     method: TraceMethod | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> TracedModel:
     """Trace ``model`` into a torch.fx graph (see the module docstring for the order).
 
@@ -208,8 +225,11 @@ def trace_model(
         leaf_modules: module paths or class names to keep whole.
         method: None to choose; given (re-tracing from a plan): use exactly that method
             and those leaf modules.
+        progress: told which method is being tried, as it starts.
 
     Raises:
+        TraceTooLongError: torch.fx or ``torch.export`` unrolls a Python loop (a line made
+            more than :data:`MAX_CALLS_PER_LINE` torch calls in one module).
         TraceError: no method works (naming the module path, the source file:line of the
             failing statement and the remedy), eager forward fails on the inputs (naming
             the inputs tried), or a leaf name matches no module.
@@ -220,16 +240,23 @@ def trace_model(
     context = _Context(model, fed, constants, module_classes)
     if method is not None:
         return context.finish(*_trace_given(context, method, leaves))
+    say = progress or (lambda _: None)
     without_data = _without_data(context.fed)
     reference = None if without_data else _eager_reference(context)
-    traced = _symbolic_auto(context, leaves)
+    say("tracing with torch.fx")
+    with LoopGuard("torch.fx", MAX_CALLS_PER_LINE, say):
+        traced = _symbolic_auto(context, leaves)
     if isinstance(traced, tuple):
         gm, final_leaves, notes = traced
         return context.finish(gm, TraceMethod.SYMBOLIC, final_leaves, notes)
     failure = traced
     failed = f"symbolic trace failed {failure.describe()}"
+    say("tracing with torch.export (torch.fx could not)")
+    budget = LoopGuard("torch.export", MAX_CALLS_PER_LINE, say)
     try:
-        gm = export_graph(context.model, context.fed, context.constants)
+        gm = export_graph(context.model, context.fed, context.constants, budget)
+    except TraceTooLongError:
+        raise
     except Exception as exc:
         export_error = one_line(exc)
     else:
@@ -241,6 +268,7 @@ def trace_model(
             f"{failed}; torch.export failed too ({export_error}); a chain of child modules "
             "cannot be checked on tensors without data: trace with real tensors"
         )
+    say("tracing as a chain of child modules (torch.fx and torch.export could not)")
     paths = chain_paths(model)
     chain = module_chain(model, context.fed, paths, reference)
     if chain is not None and not _chain_holds_on_other_inputs(context, paths):
@@ -307,28 +335,35 @@ traced or cross a stage boundary."""
 def _split_inputs(
     model: nn.Module, example_inputs: Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The fed tensors and the constants of ``model.forward``'s parameters: a value
-    ``example_inputs`` gives, else the default, else :data:`_TRAINING_VALUES`' or None."""
+    """The fed tensors (graph inputs, ``parameter.key`` for a dict's tensors) and the
+    constants of ``model.forward``'s parameters: a value ``example_inputs`` gives, else the
+    default, else :data:`_TRAINING_VALUES`' or None."""
     signature = inspect.signature(model.forward).parameters
-    fed: dict[str, Any] = {}
-    constants: dict[str, Any] = {}
-    for name, param in signature.items():
-        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-            continue
-        value = example_inputs.get(name)
-        if isinstance(value, torch.Tensor):
-            fed[name] = value
-        elif name in example_inputs and value is not None:
-            constants[name] = value
-        else:
-            default = None if param.default is inspect.Parameter.empty else param.default
-            constants[name] = _TRAINING_VALUES.get(name) if default is None else default
-    unknown = sorted(set(example_inputs) - set(signature))
+    given = forward_kwargs(example_inputs)
+    unknown = sorted(set(given) - set(signature))
     if unknown:
         raise TraceError(
             f"inputs {unknown} are not parameters of {type(model).__name__}.forward "
             f"({', '.join(signature)}); rename them in sample_batch"
         )
+    fed: dict[str, Any] = {}
+    constants: dict[str, Any] = {}
+    for name, param in signature.items():
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        tensors = {
+            key: value
+            for key, value in example_inputs.items()
+            if key.split(".")[0] == name and isinstance(value, torch.Tensor)
+        }
+        value = given.get(name)
+        if tensors:
+            fed.update(tensors)
+        elif value is not None:
+            constants[name] = value
+        else:
+            default = None if param.default is inspect.Parameter.empty else param.default
+            constants[name] = _TRAINING_VALUES.get(name) if default is None else default
     return fed, constants
 
 
@@ -386,7 +421,7 @@ def _without_data(fed: Mapping[str, Any]) -> bool:
 def _eager_reference(context: _Context) -> Any:
     try:
         with preserved(context.model), torch.no_grad():
-            return context.model(**context.fed, **context.constants)
+            return context.model(**forward_kwargs(context.fed), **context.constants)
     except Exception as exc:
         const = [n for n, v in context.constants.items() if v is not None]
         location = user_location(exc)
@@ -403,10 +438,34 @@ def _eager_reference(context: _Context) -> Any:
 class _Tracer(torch.fx.Tracer):
     """fx tracer that keeps given paths whole and records the module that failed."""
 
-    def __init__(self, leaves: Sequence[str]) -> None:
+    def __init__(
+        self, leaves: Sequence[str], dicts: Mapping[str, tuple[str, ...]] | None = None
+    ) -> None:
         super().__init__()
         self.leaves = frozenset(leaves)
+        self.dicts = dict(dicts or {})
+        """Forward parameters fed as dicts of tensors -> their graph input names."""
         self.failed_module: str | None = None
+
+    def create_args_for_root(
+        self, root_fn: Any, is_module: bool, concrete_args: Any = None
+    ) -> tuple[Any, list[Any]]:
+        """fx's placeholders, with a parameter fed as a dict of tensors given as a dict of
+        placeholders (one per tensor, where the parameter's was), so that forward may use
+        it as a dict (``in``, ``.get``, ``**``)."""
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        for index, arg in enumerate(args):
+            node = getattr(arg, "node", None)
+            if node is None or node.op != "placeholder" or node.target not in self.dicts:
+                continue
+            with self.graph.inserting_before(node):
+                proxies = {
+                    name: self.create_proxy("placeholder", placeholder_target(name), (), {})
+                    for name in self.dicts[node.target]
+                }
+            args[index] = forward_kwargs(proxies)[node.target]
+            self.graph.erase_node(node)
+        return fn, args
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaves:
@@ -431,16 +490,18 @@ class _SymbolicFailure(Exception):
 
 
 def _symbolic(context: _Context, leaves: Sequence[str]) -> torch.fx.GraphModule:
-    tracer = _Tracer(leaves)
+    tracer = _Tracer(leaves, dict_inputs(context.fed))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             graph = tracer.trace(context.model, concrete_args=context.constants)
+    except TraceTooLongError:
+        raise
     except Exception as exc:
         failure = Failure(tracer.failed_module or "", user_location(exc), one_line(exc))
         raise _SymbolicFailure(failure) from exc
     gm = torch.fx.GraphModule(tracer.root, graph, type(context.model).__name__)
-    _drop_unfed_placeholders(gm, set(context.fed))
+    _drop_unfed_placeholders(gm, {placeholder_target(name) for name in context.fed})
     return gm
 
 

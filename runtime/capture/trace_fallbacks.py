@@ -5,7 +5,8 @@ forward-signature order, and run user code inside ``preserved`` (the model's buf
 RNG state are restored afterwards).
 
 - ``export_graph``: ``torch.export`` (non-strict, dim 0 of every input dynamic); its graph
-  carries ``nn_module_stack``. Raises when export fixes the batch size.
+  carries ``nn_module_stack``. Raises when export fixes the batch size, or unrolls a Python
+  loop (``loop_guard.py``).
 - ``module_chain``: the model's child modules in registration order (containers
   expanded), run eagerly one after another; accepted only when it reproduces the eager
   forward on the example inputs (``outputs_match``).
@@ -26,6 +27,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from hplan.runtime.capture.graph_inputs import forward_kwargs
+from hplan.runtime.capture.loop_guard import LoopGuard
 from hplan.runtime.contract.errors import TraceError
 
 _EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
@@ -48,15 +51,20 @@ def preserved(model: nn.Module) -> Iterator[None]:
 
 # ----------------------------------------------------------------------- torch.export
 def export_graph(
-    model: nn.Module, fed: Mapping[str, Any], constants: Mapping[str, Any]
+    model: nn.Module,
+    fed: Mapping[str, Any],
+    constants: Mapping[str, Any],
+    budget: LoopGuard | None = None,
 ) -> torch.fx.GraphModule:
     """Trace ``model`` with ``torch.export`` (non-strict, dim 0 of every input dynamic).
 
     Args:
         model: the model; its buffers and the RNG state are restored afterwards.
-        fed: {forward parameter name: tensor}, the graph inputs, in forward order.
+        fed: {graph input name: tensor}, the graph inputs, in forward order
+            (``parameter.key`` for a parameter fed as a dict of tensors).
         constants: {forward parameter name: value} of the parameters not fed; values that
             differ from the parameter's default are passed to export (and specialised).
+        budget: stops export when it unrolls a loop (None: no guard).
 
     Returns:
         The exported graph: one placeholder per ``fed`` entry, the input-guard call
@@ -64,6 +72,7 @@ def export_graph(
 
     Raises:
         TraceError: export kept a constant as a graph input.
+        TraceTooLongError: ``budget`` found a loop unrolled.
         Exception: whatever ``torch.export`` raises, or RuntimeError when it fixed the
             batch size (the caller turns these into a note or a TraceError).
     """
@@ -73,21 +82,39 @@ def export_graph(
         for name, value in constants.items()
         if value is not signature[name].default and value is not None
     }
-    given = {**fed, **extra}
+    given = {**forward_kwargs(fed), **extra}
     ordered = {name: given[name] for name in signature if name in given}
-    dim = torch.export.Dim.AUTO
-    dynamic = {
-        name: ({0: dim} if isinstance(v, torch.Tensor) and v.dim() >= 1 else None)
-        for name, v in ordered.items()
-    }
-    with preserved(model), _quiet_export_logs():
+    dynamic = {name: _batch_dynamic(value) for name, value in ordered.items()}
+    with preserved(model), _quiet_export_logs(), budget or contextlib.nullcontext():
         program = torch.export.export(model, (), ordered, dynamic_shapes=dynamic, strict=False)
+    names = _leaf_names(ordered)
     gm = program.module()
     assert isinstance(gm, torch.fx.GraphModule)
-    _check_batch_dynamic(gm, list(ordered))
-    _drop_export_extras(gm, list(ordered), set(fed))
+    _check_batch_dynamic(gm, names)
+    _drop_export_extras(gm, names, set(fed))
     _devices_from_input(gm)
     return gm
+
+
+def _batch_dynamic(value: Any) -> Any:
+    """export's dynamic-shapes entry for one argument: dim 0 of every tensor in it."""
+    if isinstance(value, Mapping):
+        return {key: _batch_dynamic(item) for key, item in value.items()}
+    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        return {0: torch.export.Dim.AUTO}
+    return None
+
+
+def _leaf_names(arguments: Mapping[str, Any]) -> list[str]:
+    """The name of each of export's placeholders: each argument's, ``parameter.key`` for the
+    tensors of a dict (in its order, as export flattens it)."""
+    names: list[str] = []
+    for name, value in arguments.items():
+        if isinstance(value, Mapping):
+            names.extend(_leaf_names({f"{name}.{k}": v for k, v in value.items()}))
+        else:
+            names.append(name)
+    return names
 
 
 def _devices_from_input(gm: torch.fx.GraphModule) -> None:
@@ -166,7 +193,7 @@ def _drop_export_extras(gm: torch.fx.GraphModule, names: list[str], fed: set[str
         gm.graph.erase_node(node)
     codegen = gm.graph._codegen
     if isinstance(codegen, torch.fx.graph._PyTreeCodeGen):  # called with the fed inputs only
-        kept = [name for name in names if name in fed]
+        kept = [name.replace(".", "_") for name in names if name in fed]
         in_spec = pytree.tree_structure(((), dict.fromkeys(kept, 0)))
         codegen.pytree_info = codegen.pytree_info._replace(orig_args=kept, in_spec=in_spec)
     gm.recompile()

@@ -43,6 +43,11 @@ class TraceError(HplanError):
     exit_code = 2
 
 
+class TraceTooLongError(TraceError):
+    """Tracing unrolls more operations than a plan can be made of in bounded time (a Python
+    loop over the sequence); no other tracing method or tensor kind would do better."""
+
+
 class PlanFileError(HplanError):
     """``plan.json`` is malformed, from another schema version, or fails validation."""
 

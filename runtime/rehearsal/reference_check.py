@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from hplan.runtime.capture.graph_inputs import forward_kwargs
 from hplan.runtime.capture.loss_items import slice_samples
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.trace import bind_inputs
@@ -457,7 +458,7 @@ def _forward_backward(
     total = 0.0
     for (inputs, targets), weight in zip(parts, weights, strict=True):
         with autocast(torch.device("cpu"), precision):
-            outputs = model(**bind_inputs(model, inputs))
+            outputs = model(**forward_kwargs(bind_inputs(model, inputs)))
             loss = checked_loss(model_file, outputs, targets, require_grad=True)
         (loss * weight).backward()
         total += float(loss.detach()) * weight

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from hplan.runtime.capture.graph_inputs import forward_kwargs
 from hplan.runtime.capture.model_file import ModelFile, checked_loss, load_model_file
 from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.contract.emulation_file import EmulationRecord
@@ -161,7 +162,7 @@ def measure_cpu_time_per_sample(model_file: ModelFile, plan: Plan, *, repeats: i
         torch.manual_seed(plan.training.seed)
         model = model_file.build()
         inputs, targets = model_file.sample_batch(batch_size)
-        bound = bind_inputs(model, inputs)
+        bound = forward_kwargs(bind_inputs(model, inputs))
 
         def call() -> float:
             start_s = time.thread_time()

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hplan.runtime.capture.graph_inputs import forward_kwargs
 from hplan.runtime.capture.loss_items import count_items
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
 from hplan.runtime.capture.trace import bind_inputs
@@ -103,7 +104,7 @@ def _backward(
     precision: Precision,
 ) -> float:
     with autocast(torch.device("cpu"), precision):
-        outputs = model(**part.inputs)
+        outputs = model(**forward_kwargs(part.inputs))
         loss = checked_loss(model_file, outputs, part.targets, require_grad=True)
     weighted = loss.reshape(()) * weight
     weighted.backward()
