@@ -166,3 +166,22 @@ def test_reading_a_plan_needs_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
     assert out.stdout.strip() == "False"
+
+
+def test_no_file_holds_merge_conflict_markers() -> None:
+    """A conflict left in a docstring or a Markdown file passes every other check."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=False
+    ).stdout.split()
+    markers = ("<<<<<<< ", ">>>>>>> ")
+    found = [
+        f"{name}:{number}"
+        for name in tracked
+        if name.endswith((".py", ".md", ".toml", ".yaml", ".json", ".txt", ".j2", ".sh"))
+        and (ROOT / name).is_file()
+        for number, line in enumerate(
+            (ROOT / name).read_text(encoding="utf-8", errors="replace").splitlines(), 1
+        )
+        if line.startswith(markers)
+    ]
+    assert not found, found
