@@ -9,12 +9,14 @@ dropout masks repeat); every other run is kept as usual. ``get_attr`` nodes and 
 of other stages' replicable nodes belong to no unit of the stage and join the segment they
 sit in. :func:`run_segments` interprets the graph segment by segment; attributes are read
 from the stage's module at every call (parameters replaced after the build, by
-materialisation or ZeRO, are the ones used).
+materialisation or ZeRO, are the ones used). A forward run again in the backward leaves
+batch norm's running statistics as the first run left them (:func:`running_stats_kept`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import contextlib
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +101,33 @@ def _segment_function(interpreter: Interpreter, segment: Segment) -> Any:
 
     def run(*values: Any) -> tuple[Any, ...]:
         env = dict(zip(segment.inputs, values, strict=True))
-        _run_nodes(interpreter, segment.nodes, env)
+        recomputing = torch._C._current_graph_task_id() != -1  # run by the backward
+        with running_stats_kept(interpreter.module) if recomputing else contextlib.nullcontext():
+            _run_nodes(interpreter, segment.nodes, env)
         return tuple(env[n] for n in segment.outputs)
 
     return run
+
+
+RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+"""The names batch norm gives the buffers that every training forward updates."""
+
+
+@contextlib.contextmanager
+def running_stats_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Restores ``module``'s batch-norm running statistics (its buffers named as in
+    :data:`RUNNING_STATS`) when the block ends: a forward run again to recompute
+    activations must not count its batch a second time (``torch.utils.checkpoint`` does not
+    guard against it; fairscale's checkpoint wrapper patches batch norm for the same reason)."""
+    kept = [
+        (buffer, buffer.detach().clone())
+        for name, buffer in module.named_buffers()
+        if name.rsplit(".", 1)[-1].endswith(RUNNING_STATS)
+    ]
+    try:
+        yield
+    finally:
+        for buffer, value in kept:
+            # through .data: batch norm's backward node saved the buffer, and a training-mode
+            # backward does not read its values; its version must not move
+            buffer.data.copy_(value)

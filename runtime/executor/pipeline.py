@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hplan.runtime.capture.loss_items import count_items
 from hplan.runtime.capture.model_file import ModelFile, checked_loss
+from hplan.runtime.capture.segments import running_stats_kept
 from hplan.runtime.capture.stage import StageModule
 from hplan.runtime.contract.errors import HplanError, PeerFailureError
 from hplan.runtime.contract.plan import (
@@ -480,7 +481,10 @@ class StepRunner:
     def _recompute(self, flight: _InFlight, mb: MicroBatch) -> None:
         assert flight.rng_state is not None
         device = self.parts.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            running_stats_kept(self.parts.stage),
+        ):
             _set_rng_state(device, flight.rng_state)
             with self._autocast():
                 received = self._from_wire(flight.received)

@@ -11,7 +11,7 @@ import torch
 
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import PlanFileError
-from hplan.runtime.contract.plan import Plan, SyncMode
+from hplan.runtime.contract.plan import MemoryStrategy, Plan, RankPlan, SyncMode
 from hplan.runtime.executor.checkpoint import latest_checkpoint
 from hplan.runtime.executor.running_stats import stat_sets
 from hplan.runtime.rehearsal.reference_check import verify_first_step
@@ -144,3 +144,34 @@ def test_islands_under_local_sgd_average_their_statistics_at_the_outer_sync(
     saved = read_checkpoint(latest_checkpoint(ckpt), tmp_path)
     counters = {n: int(t) for n, t in saved["buffers"].items() if "num_batches" in n}
     assert counters == {"1.num_batches_tracked": 2, "4.num_batches_tracked": 2}
+
+
+def _recomputing(plan: Plan, strategy: MemoryStrategy) -> Plan:
+    """``plan`` with every rank recomputing: all of its units, or all but its last."""
+
+    def one(rank: RankPlan) -> RankPlan:
+        if strategy is MemoryStrategy.RECOMPUTE:
+            return replace(rank, memory_strategy=strategy)
+        return replace(rank, memory_strategy=strategy, recompute_units=rank.units[:-1])
+
+    return replace(plan, ranks=tuple(one(r) for r in plan.ranks))
+
+
+@pytest.mark.parametrize("strategy", [MemoryStrategy.RECOMPUTE, MemoryStrategy.SELECTIVE])
+def test_a_recomputed_forward_does_not_count_its_batch_twice_in_the_running_statistics(
+    tmp_path: Path, strategy: MemoryStrategy
+) -> None:
+    model = write_model(tmp_path, BN_MLP)
+    plan = make_plan(model, [ReplicaShape((2, -1), 2, 4)])
+    saved = {}
+    for name, run_plan in (("kept", plan), ("recomputed", _recomputing(plan, strategy))):
+        ckpt = tmp_path / f"ckpt-{name}"
+        outcomes = run_ranks(
+            run_plan, tmp_path / name, "--steps", "2", "--checkpoint-dir", str(ckpt)
+        )
+        failed = [f"rank {o.rank}: {o.stderr[-1500:]}" for o in outcomes if o.returncode]
+        assert not failed, failed
+        saved[name] = read_checkpoint(latest_checkpoint(ckpt), tmp_path / name)["buffers"]
+    assert saved["kept"].keys() == saved["recomputed"].keys()
+    for name, value in saved["kept"].items():
+        assert torch.allclose(value, saved["recomputed"][name], atol=1e-6), name
