@@ -59,14 +59,14 @@ def logsumexp_bytes(query: torch.Tensor) -> int:
     return math.prod(query.shape[:-1]) * LOGSUMEXP_BYTES
 
 
-class FusedAttentionCosts(TorchFunctionMode):
-    """Cost every attention call as the fused CUDA kernels do (see the module docstring).
+class FormulaCosts(TorchFunctionMode):
+    """A mode that costs some calls by formula: what the FLOP counter counts inside them is
+    replaced (:attr:`flops_adjustment`), and what they save is passed to ``pack`` or added
+    as :attr:`extra_saved_bytes`.
 
     Args:
-        counter: the active FLOP counter; what it counts inside an attention call is
-            replaced by :func:`attention_flops` through :attr:`flops_adjustment`.
-        pack: called with each tensor the fused kernel saves (the caller's saved-tensor
-            hook); the kernel that really runs saves nothing through it.
+        counter: the active FLOP counter.
+        pack: the caller's saved-tensor hook.
     """
 
     def __init__(self, counter: FlopCounterMode, pack: Callable[[torch.Tensor], Any]) -> None:
@@ -76,7 +76,18 @@ class FusedAttentionCosts(TorchFunctionMode):
         self.flops_adjustment = 0
         """FLOPs to add to the counter's total: formula minus what it counted in the calls."""
         self.extra_saved_bytes = 0
-        """Saved bytes that are no tensor of the graph (the log-sum-exps)."""
+        """Saved bytes that are no tensor of the graph."""
+
+
+class FusedAttentionCosts(FormulaCosts):
+    """Cost every attention call as the fused CUDA kernels do (see the module docstring).
+
+    Args:
+        counter: the active FLOP counter; what it counts inside an attention call is
+            replaced by :func:`attention_flops` through :attr:`flops_adjustment`.
+        pack: called with each tensor the fused kernel saves (the caller's saved-tensor
+            hook); the kernel that really runs saves nothing through it.
+    """
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

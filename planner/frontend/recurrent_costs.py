@@ -15,12 +15,12 @@ workspace, ``cx``, ``cy``, the previous hidden state). oneDNN's CPU LSTM keeps m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode
+
+from hplan.planner.frontend.attention_costs import FormulaCosts
 
 _VF = torch._C._VariableFunctions
 _aten = torch.ops.aten
@@ -73,7 +73,7 @@ def recurrent_saved_bytes(kind: str, params: Sequence[torch.Tensor], num_tokens:
     return num_tokens * elements * params[0].element_size()
 
 
-class RecurrentCosts(TorchFunctionMode):
+class RecurrentCosts(FormulaCosts):
     """Cost every recurrent-layer call by formula (see the module docstring).
 
     Args:
@@ -82,15 +82,6 @@ class RecurrentCosts(TorchFunctionMode):
         pack: the caller's saved-tensor hook; the kernel that really runs saves nothing
             through it, its output is kept as the layer's.
     """
-
-    def __init__(self, counter: FlopCounterMode, pack: Callable[[torch.Tensor], Any]) -> None:
-        super().__init__()
-        self._counter = counter
-        self._pack = pack
-        self.flops_adjustment = 0
-        """FLOPs to add to the counter's total: formula minus what it counted in the calls."""
-        self.extra_saved_bytes = 0
-        """Saved bytes by formula (the layers' workspaces, inputs and states)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
