@@ -3,6 +3,8 @@ capture that does not match the model file or the solve's settings refused in on
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -66,9 +68,23 @@ def _solve(model: Path, cluster: str, out: Path, capsys, *extra: str) -> tuple[i
     return code, err
 
 
+@pytest.fixture(scope="module")
+def gpt_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``hplan capture`` of the GPT example, once for every cluster it is solved on."""
+    out = tmp_path_factory.mktemp("capture") / "gpt.capture.json"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+        main(["capture", str(GPT), "-o", str(out)])
+    assert not exit_info.value.code, err.getvalue()
+    return out
+
+
+@pytest.mark.xdist_group("gpt-capture")  # one worker captures `gpt_capture`
 @pytest.mark.parametrize("cluster", ["mixed-3090-4090.yaml", "two-site.yaml"])
-def test_a_solve_from_the_capture_file_writes_the_same_plan_bytes(cluster, tmp_path, capsys):
-    capture = _capture(GPT, tmp_path / "gpt.capture.json", capsys)
+def test_a_solve_from_the_capture_file_writes_the_same_plan_bytes(
+    cluster, gpt_capture, tmp_path, capsys
+):
+    capture = gpt_capture
     assert json.loads(capture.read_text())["optimizer_state_bytes_per_param_byte"] == 2.0  # AdamW
     code, err = _solve(GPT, cluster, tmp_path / "direct", capsys)
     assert code == 0, err

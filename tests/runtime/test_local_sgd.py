@@ -243,6 +243,7 @@ def plain_synchronous(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, d
     return path, _read(ckpt / f"step-{PLAIN_STEPS}")
 
 
+@pytest.mark.xdist_group("local-sgd-plain")  # one worker builds `plain_synchronous`
 @pytest.mark.parametrize("tied_every_step", [False, True])
 def test_local_sgd_every_step_with_plain_averaging_equals_the_synchronous_plan(
     tmp_path: Path, plain_synchronous: tuple[Path, dict], tied_every_step: bool
@@ -433,6 +434,7 @@ def three_steps(
     return run
 
 
+@pytest.mark.xdist_group("local-sgd-three-steps")  # one worker builds `three_steps`
 @pytest.mark.parametrize("mode", [SyncMode.LOCAL_SGD, SyncMode.ASYNC])
 def test_a_resume_continues_exactly_as_one_uninterrupted_run(
     tmp_path: Path, three_steps: Callable[[SyncMode], tuple[Plan, Path]], mode: SyncMode
@@ -461,6 +463,7 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.xdist_group("local-sgd-three-steps")
 def test_a_plan_without_local_groups_resumes_from_the_global_parameters(
     tmp_path: Path, three_steps: Callable[[SyncMode], tuple[Plan, Path]]
 ) -> None:

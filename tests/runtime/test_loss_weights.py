@@ -23,6 +23,8 @@ from hplan.runtime.contract.plan import LossConvention, Plan
 from hplan.runtime.rehearsal.rehearse import RehearsalResult, rehearse
 from tests.fixtures.plans import ReplicaShape, make_plan, write_model
 
+pytestmark = pytest.mark.xdist_group("padded-gpt2")  # one worker captures `padded_model`
+
 
 def _logits_and_labels() -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
@@ -106,24 +108,29 @@ def _rehearse(plan: Plan) -> tuple[RehearsalResult, str]:
     return result, out.getvalue()
 
 
-def _padded_plan(tmp_path: Path, convention: LossConvention) -> Plan:
+@pytest.fixture(scope="module")
+def padded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PADDED_GPT2's file, one per module: both conventions' plans share its capture."""
     pytest.importorskip("transformers")
-    path = write_model(tmp_path, PADDED_GPT2)
+    return write_model(tmp_path_factory.mktemp("padded"), PADDED_GPT2)
+
+
+def _padded_plan(path: Path, convention: LossConvention) -> Plan:
     plan = make_plan(path, [ReplicaShape((2, -1), 1, 3), ReplicaShape((-1,), 2, 3)])
     return replace(plan, model=replace(plan.model, loss_convention=convention))
 
 
 def test_padded_labels_weighted_by_tokens_across_unequal_shares_pass_verify(
-    tmp_path: Path,
+    padded_model: Path,
 ) -> None:
-    result, text = _rehearse(_padded_plan(tmp_path, LossConvention.TOKEN_MEAN))
+    result, text = _rehearse(_padded_plan(padded_model, LossConvention.TOKEN_MEAN))
     verified = result.verify
     assert verified is not None and result.verify_passed is True, text
     assert verified.gradients.relative_difference < 1e-5
     assert verified.loss == pytest.approx(verified.reference_loss, rel=1e-5)
 
 
-def test_padded_labels_weighted_by_samples_fail_verify(tmp_path: Path) -> None:
+def test_padded_labels_weighted_by_samples_fail_verify(padded_model: Path) -> None:
     """What hplan did before it checked the convention: tokens weighted wrongly."""
-    result, text = _rehearse(_padded_plan(tmp_path, LossConvention.SAMPLE_MEAN))
+    result, text = _rehearse(_padded_plan(padded_model, LossConvention.SAMPLE_MEAN))
     assert result.verify_passed is False, text

@@ -137,6 +137,7 @@ def _assert_equal_state(actual: dict, expected: dict) -> None:
             assert torch.equal(torch.as_tensor(actual["optimizer"][name][key]), value), (name, key)
 
 
+@pytest.mark.xdist_group("offload-runs")  # one worker builds `runs`
 def test_offload_trains_as_one_process(runs: dict, tmp_path: Path) -> None:
     directory, path, offloading = runs["dir"], runs["path"], runs["offload"]
     first = compare_first_step(offloading, path, directory / "verify")  # every copy
@@ -160,6 +161,7 @@ def _from_step(source: Path, step: int, target: Path) -> Path:
     return target
 
 
+@pytest.mark.xdist_group("offload-runs")  # one worker builds `runs`
 def test_resumed_offload_to_plain_and_back_continue_the_run(runs: dict, tmp_path: Path) -> None:
     """Step 2 by the plain plan from the offloading run's step 1 (offload -> plain) equals
     the offloading run's own step 2 bit for bit: offload steps exactly as the plain runtime

@@ -1,7 +1,7 @@
 """Values without a batch dimension crossing cuts (``TensorSpec.batch_dim`` None): solved,
 sent whole with every micro-batch, their gradients sent back, and ``rehearse --verify``
-equal to one process, on solved plans and on two replicas, one pipelined over three stages
-(with a ragged last micro-batch)."""
+equal to one process, on two replicas, one pipelined over three stages (with a ragged last
+micro-batch), the other split where the solver splits."""
 
 from __future__ import annotations
 
@@ -54,15 +54,17 @@ def test_a_position_bias_and_an_aux_loss_scalar_cross_cuts_and_verify(tmp_path: 
     model = write_model(tmp_path, BIAS_AND_AUX)
     solved = _solve(tmp_path, model, Strategy.UNIFORM_PIPELINE)  # embed, blocks 0-1 | the rest
     assert [r.units[-1] for r in solved.ranks] == ["blocks.1", "head"]
-    # replica 0: embed + block 0 | blocks 1-2 | block 3 + head, micro-batches 2, 2, 1
-    laid_out = make_plan(model, [ReplicaShape((2, 2, -1), 2, 5), ReplicaShape((-1,), 2, 3)])
-    for plan, cuts in ((solved, {"blocks.1"}), (laid_out, {"blocks.0", "blocks.2"})):
+    # One rehearsal checks both layouts: replica 0: embed + block 0 | blocks 1-2 | block 3 +
+    # head, micro-batches 2, 2, 1; replica 1: the solved split (embed, blocks 0-1 | the rest)
+    laid_out = make_plan(model, [ReplicaShape((2, 2, -1), 2, 5), ReplicaShape((3, -1), 2, 3)])
+    assert [r.units for r in laid_out.replica_ranks(1)] == [r.units for r in solved.ranks]
+    for plan, cuts in ((solved, {"blocks.1"}), (laid_out, {"blocks.0", "blocks.1", "blocks.2"})):
         unbatched = _unbatched(plan)
         assert set(unbatched) == cuts
         for tensors in unbatched.values():
             shapes = sorted((t.shape, t.requires_grad) for t in tensors)
             assert shapes == [((), True), ((1, 6, 6), True)]  # the aux scalar, the bias
-        _verify(plan)
+    _verify(laid_out)
 
 
 def test_tiny_hf_t5_solves_and_verifies_with_its_position_biases_across_cuts(

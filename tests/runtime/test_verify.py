@@ -175,6 +175,7 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.mark.xdist_group("hf-models")  # one worker builds `hf_models` and captures GPT-2 once
 @pytest.mark.parametrize("model", ["gpt2", "bert"])
 def test_stock_hf_models_with_dropout_pass_verify_on_pipeline_and_data_parallel(
     model: str, hf_models: dict[str, Path]
@@ -194,6 +195,7 @@ def test_stock_hf_models_with_dropout_pass_verify_on_pipeline_and_data_parallel(
     assert text.count(" pass") == 2 and "FAIL" not in text
 
 
+@pytest.mark.xdist_group("hf-models")
 def test_a_gradient_doubled_on_the_ranks_fails_verify_naming_that_parameter(
     hf_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
