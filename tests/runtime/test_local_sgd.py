@@ -434,7 +434,6 @@ def three_steps(
     return run
 
 
-@pytest.mark.xdist_group("local-sgd-three-steps")  # one worker builds `three_steps`
 @pytest.mark.parametrize("mode", [SyncMode.LOCAL_SGD, SyncMode.ASYNC])
 def test_a_resume_continues_exactly_as_one_uninterrupted_run(
     tmp_path: Path, three_steps: Callable[[SyncMode], tuple[Plan, Path]], mode: SyncMode
@@ -463,7 +462,6 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.xdist_group("local-sgd-three-steps")
 def test_a_plan_without_local_groups_resumes_from_the_global_parameters(
     tmp_path: Path, three_steps: Callable[[SyncMode], tuple[Plan, Path]]
 ) -> None:
