@@ -10,12 +10,16 @@ hook sets the tag where pytest 9 reads it, and does nothing where xdist already 
 from __future__ import annotations
 
 import pytest
-from _pytest.nodeid import NodeId
+
+try:
+    from _pytest.nodeid import NodeId  # pytest >= 9
+except ImportError:  # pytest 8: xdist's own tag works
+    NodeId = None
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not getattr(config.option, "loadgroup", False):  # set on the workers of loadgroup
+    if NodeId is None or not getattr(config.option, "loadgroup", False):  # loadgroup workers
         return
     for item in items:
         marks = item.iter_markers("xdist_group")
