@@ -64,6 +64,7 @@ def test_a_position_bias_and_an_aux_loss_scalar_cross_cuts_and_verify(tmp_path: 
         for tensors in unbatched.values():
             shapes = sorted((t.shape, t.requires_grad) for t in tensors)
             assert shapes == [((), True), ((1, 6, 6), True)]  # the aux scalar, the bias
+    _verify(solved)  # the solver's own micro-batches
     _verify(laid_out)
 
 
