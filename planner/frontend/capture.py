@@ -34,7 +34,6 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbol
 
 from hplan.planner.frontend.capture_checks import (
     ParametersCreated,
-    available_memory_bytes,
     check_fallback_memory,
     check_inputs,
     check_materialised,
@@ -53,6 +52,7 @@ from hplan.planner.frontend.moe import (
 )
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel, bind_inputs, trace_model
+from hplan.runtime.contract.cpus import available_memory_bytes
 from hplan.runtime.contract.errors import (
     HplanError,
     ModelFileError,

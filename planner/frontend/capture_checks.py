@@ -11,7 +11,6 @@ build already knows, so that a model too big to build here is refused rather tha
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ trace's activations and the checks' working copies (a lower bound: activations g
 the sequence)."""
 FALLBACK_MARGIN_BYTES = 10**9
 """Left free besides (the interpreter, torch's own allocations)."""
-MEMINFO = Path("/proc/meminfo")
 _TRACER_MODULES = ("torch.fx", "torch.export", "torch._export", "torch._functorch")
 
 
@@ -167,17 +165,6 @@ def state_bytes(model: nn.Module) -> int:
     for tensor in (*model.parameters(), *model.buffers()):
         seen[id(tensor)] = tensor.numel() * tensor.element_size()
     return sum(seen.values())
-
-
-def available_memory_bytes(meminfo: Path = MEMINFO) -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
-    try:
-        fields = dict(
-            line.split(":", 1) for line in meminfo.read_text(encoding="ascii").splitlines()
-        )
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
 
 
 def check_fallback_memory(

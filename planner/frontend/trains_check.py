@@ -255,9 +255,10 @@ def loss_convention(
     """
     inputs, targets = batch
     where = f"loss_fn in {str(model_file.path)!r}"
-    if any(loss is leaf for leaf in _tensor_leaves(outputs)):
+    leaves = _tensor_leaves(outputs)
+    if any(loss is leaf for leaf in leaves):
         return _models_own_loss(where, inputs)
-    num_bytes = sum(t.numel() * t.element_size() for t in _tensor_leaves(outputs))
+    num_bytes = sum(t.numel() * t.element_size() for t in leaves)
     if num_bytes > CHECK_OUTPUT_BYTES_MAX:
         return LossConvention.SAMPLE_MEAN, (
             f"loss: not checked to be a per-sample mean (the model's outputs are "

@@ -73,9 +73,13 @@ class UncostedOps(TorchDispatchMode):
         super().__init__()
         self.names: list[str] = []
         self._formulas = _formulas()
+        self._seen: set[Any] = set()
+        """The ops already judged (each op's name is worked out once, not per call)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = str(getattr(func, "overloadpacket", func))
-        if lacks_flop_figure(name, self._formulas) and name not in self.names:
-            self.names.append(name)
+        if func not in self._seen:
+            self._seen.add(func)
+            name = str(getattr(func, "overloadpacket", func))
+            if lacks_flop_figure(name, self._formulas) and name not in self.names:
+                self.names.append(name)
         return func(*args, **(kwargs or {}))

@@ -250,7 +250,7 @@ class RuntimeBytes:
     With them a layout is simulated exactly as the plan built from it will be
     (:func:`spec_from_plan`): cut tensors at each micro-batch's real size, gradients in
     their wire dtype, grouped by the ranks holding each parameter. Without them the cost
-    model's per-sample arrays stand in (``PlanningProblem.cut_bytes_per_sample``,
+    model's arrays stand in (``PlanningProblem.cut_bytes``, ``cut_grad_bytes``,
     ``grad_bytes``).
     """
 

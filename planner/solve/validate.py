@@ -230,8 +230,9 @@ def _memory(problem: PlanningProblem, stage: StageLayout, b: int, in_flight: int
             need += act
         elif u in stage.recompute_units:
             # a checkpointed unit keeps its input; its backward holds its activations alone
-            kept = problem.cut_bytes(u - 1, b) - (received if u == start else 0.0)
-            need += kept * in_flight if u else 0.0
+            if u:
+                kept = problem.cut_bytes(u - 1, b) - (received if u == start else 0.0)
+                need += kept * in_flight
             largest = max(largest, act)
         else:
             need += act * in_flight

@@ -1,4 +1,5 @@
-"""The CPUs this process may use: its affinity mask capped by its cgroup's CPU quota.
+"""The CPUs this process may use: its affinity mask capped by its cgroup's CPU quota; and
+the host memory available to it (:func:`available_memory_bytes`).
 
 torch starts as many intra-op threads as the CPUs it sees, not as many as the process may
 use, and threads beyond a CPU quota slow training down. The runtime gives each rank
@@ -211,4 +212,19 @@ def _read(path: Path) -> str | None:
     try:
         return path.read_text(encoding="utf-8", errors="replace").strip()
     except OSError:  # missing, not readable (another mount namespace, no rights), a directory
+        return None
+
+
+MEMINFO = Path("/proc/meminfo")
+
+
+def available_memory_bytes(meminfo: Path = MEMINFO) -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read (not
+    Linux)."""
+    try:
+        fields = dict(
+            line.split(":", 1) for line in meminfo.read_text(encoding="ascii").splitlines()
+        )
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
         return None

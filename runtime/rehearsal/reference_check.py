@@ -500,12 +500,13 @@ def _reference_first_step(
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     batch, changed = _step_zero_batch(source, ranks_batch)
     precision = reference_precision(plan)
-    spans = _microbatch_spans(plan) if _batch_norms(model) and _splits_batch(plan) else None
+    has_batch_norm = bool(_batch_norms(model))
+    spans = _microbatch_spans(plan) if has_batch_norm and _splits_batch(plan) else None
     with DropoutOff() as off, RandomDraws() as draws:
         loss, _ = _forward_backward(model, model_file, batch, precision, spans)
     grads = _grads(model)
     floors: dict[str, float] = {}
-    if not _batch_norms(model):  # batch norm's gradients depend on the split itself
+    if not has_batch_norm:  # batch norm's gradients depend on the split itself
         with DropoutOff():
             split = split_gradients(plan, model_file, model, batch, precision)
         if split is not None and _same_loss(split.loss, loss, precision):

@@ -33,6 +33,7 @@ from rich.console import Console
 from hplan.runtime.capture.graph_inputs import forward_kwargs
 from hplan.runtime.capture.model_file import ModelFile, checked_loss, load_model_file
 from hplan.runtime.capture.trace import bind_inputs
+from hplan.runtime.contract.cpus import MEMINFO, available_memory_bytes
 from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.errors import (
     ConfigError,
@@ -278,7 +279,7 @@ def rehearse(
             shutil.rmtree(temporary, ignore_errors=True)
 
 
-def _check_host_memory(plan: Plan, meminfo: Path = Path("/proc/meminfo")) -> None:
+def _check_host_memory(plan: Plan, meminfo: Path = MEMINFO) -> None:
     """Refuse a rehearsal whose ranks cannot fit this machine's memory, before any starts.
 
     Every rank runs here, in host memory, on its stage's real tensors: the plan's predicted
@@ -289,12 +290,8 @@ def _check_host_memory(plan: Plan, meminfo: Path = Path("/proc/meminfo")) -> Non
     Raises:
         ConfigError: the ranks' predicted memory exceeds ``MemAvailable``.
     """
-    try:
-        fields = dict(
-            line.split(":", 1) for line in meminfo.read_text(encoding="ascii").splitlines()
-        )
-        available_bytes = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
+    available_bytes = available_memory_bytes(meminfo)
+    if available_bytes is None:
         return
     needed_bytes = sum(r.memory_bytes for r in plan.report.ranks)
     if needed_bytes > available_bytes:
