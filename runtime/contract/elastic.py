@@ -39,10 +39,14 @@ __all__ = [
     "PlanFamily",
     "RunEvent",
     "RunState",
+    "SegmentRecord",
     "SharedRunDir",
     "hplan_version",
     "members_key",
+    "read_segments",
     "replan_command",
+    "segment_dir",
+    "write_segment",
 ]
 
 FAMILY_FILE = "family.json"
@@ -238,6 +242,64 @@ class JoinRequest:
     """When it started waiting (its probation counts from here)."""
     beat_unix_s: float
     """Its last refresh: a request not refreshed for a few seconds is stale (the node left)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRecord:
+    """``<metrics-dir>/segment-<NNN>/segment.json``: one (re)start of an elastic run that
+    trained, written by its rank 0 before its first step (its ranks' ``rank-<r>.jsonl`` and
+    a copy of its ``plan.json`` lie beside it)."""
+
+    segment: int
+    members: tuple[str, ...]
+    """The nodes that trained in it, sorted."""
+    plan_path: str
+    """The plan it ran (as the ranks found it: the family's, or one solved during the run)."""
+    plan_digest: str
+    world_size: int
+    first_step: int
+    """The step it resumed at (0: the run's start)."""
+    started_unix_s: float
+    """When its ranks started (before the build and the checkpoint load)."""
+    predicted_samples_per_s: float | None
+    cause: str
+    """Why it started, one line: ``start``, ``node c lost``, ``node c joined``, ``re-planned
+    for measured speeds (b 0.52x)``, ``resumed``."""
+    downtime_s: float | None = None
+    """From the previous segment's last step (or the loss, where seen) to this segment's
+    first step; None for the first."""
+    steps_redone: int | None = None
+    """Steps the previous segment had done past the checkpoint this one resumed from."""
+
+
+SEGMENT_FILE = "segment.json"
+
+
+def segment_dir(metrics_dir: Path, segment: int) -> Path:
+    """``<metrics-dir>/segment-<NNN>``: one segment's metrics."""
+    return metrics_dir / f"segment-{segment:03d}"
+
+
+def write_segment(metrics_dir: Path, record: SegmentRecord) -> Path:
+    """Write ``record`` as its segment folder's ``segment.json``; return the folder."""
+    folder = segment_dir(metrics_dir, record.segment)
+    _write_json_atomic(folder / SEGMENT_FILE, asdict(record))
+    return folder
+
+
+def read_segments(metrics_dir: Path) -> list[tuple[Path, SegmentRecord]]:
+    """Every segment of an elastic run's metrics folder, in order (none: not elastic)."""
+    found = []
+    for path in sorted(metrics_dir.glob(f"segment-*/{SEGMENT_FILE}")):
+        data = _read_json(path)
+        if not isinstance(data, dict):
+            continue
+        data["members"] = tuple(data.get("members", ()))
+        try:
+            found.append((path.parent, SegmentRecord(**data)))
+        except TypeError:
+            continue
+    return found
 
 
 class SharedRunDir:
