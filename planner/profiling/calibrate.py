@@ -34,10 +34,9 @@ from hplan.planner.profiling.profile_file import (
     Stat,
     UnitTiming,
 )
-from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.memory_use import RankMemoryUse, memory_use
-from hplan.runtime.contract.metrics_file import StepMetrics, read_rank_metrics
+from hplan.runtime.contract.metrics_file import EmulationRecord, StepMetrics, read_rank_metrics
 from hplan.runtime.contract.plan import Plan
 
 STRAGGLER_THRESHOLD = 0.15

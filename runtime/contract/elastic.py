@@ -34,10 +34,10 @@ from hplan.runtime.contract.versioned_file import parse_versioned, record
 __all__ = [
     "FAMILY_FILE",
     "FAMILY_VERSION",
-    "EventKind",
     "JoinRequest",
     "PlanFamily",
     "RunEvent",
+    "RunEventKind",
     "RunState",
     "SegmentRecord",
     "SharedRunDir",
@@ -179,7 +179,7 @@ def replan_command(
     return command
 
 
-class EventKind(StrEnum):
+class RunEventKind(StrEnum):
     """What happened to a run (``events.jsonl``)."""
 
     STARTED = "started"
@@ -202,7 +202,7 @@ class EventKind(StrEnum):
 class RunEvent:
     """One line of ``events.jsonl``."""
 
-    kind: EventKind
+    kind: RunEventKind
     unix_s: float
     node: str | None = None
     step: int | None = None
@@ -369,7 +369,7 @@ class SharedRunDir:
         for line in lines:
             try:
                 data = json.loads(line)
-                data["kind"] = EventKind(data["kind"])
+                data["kind"] = RunEventKind(data["kind"])
                 events.append(RunEvent(**data))
             except (ValueError, KeyError, TypeError):
                 continue

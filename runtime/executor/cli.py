@@ -22,6 +22,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from hplan.runtime.contract.errors import (
     ConfigError,
     HplanError,
     ModelFileError,
+    error_reason,
     report_internal_error,
 )
 from hplan.runtime.contract.memory import load_checked
@@ -133,6 +135,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the plan's batch shares for the whole run (default: replicas of one stage "
         "that sync every step move samples to the faster ones as measured; the training "
         "is the same)",
+    )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="one process of an elastic run (the launch scripts of `hplan solve --elastic` "
+        "pass it): take the plan of the family for the nodes torchrun's rendezvous brought, "
+        "resume from the newest checkpoint in --checkpoint-dir (required: a folder every node "
+        "reads and writes), count --steps over the whole run",
     )
     parser.add_argument(
         "--verify-dir",
@@ -271,13 +281,22 @@ def main(argv: list[str] | None = None) -> int:
     args = run_parser().parse_args(argv)
     if args.command == "check":
         return _check_main(args)
+    if args.elastic:
+        return run_elastic_process(args)
     return run_one_rank(args, _run)
 
 
 def _check_main(args: argparse.Namespace) -> int:
+    from hplan.runtime.executor.elastic.entry import check_elastic
+
     where = f" (node {args.node})" if args.node else ""
     try:
-        check_node(args, load_checked(args.plan))
+        if args.elastic:
+            check_elastic(args, run_options)
+        else:
+            check_node(args, load_checked(args.plan))
+    except KeyboardInterrupt:
+        return 130
     except HplanError as exc:
         print(f"hplan run{where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
@@ -287,7 +306,34 @@ def _check_main(args: argparse.Namespace) -> int:
 def run_command(argv: list[str], *, prog: str) -> int:
     """``run``'s arguments (without the word ``run``) under the name ``prog``; returns the
     exit code. ``--help`` prints the runtime's options."""
-    return run_one_rank(command_parser(prog).parse_args(argv), _run)
+    args = command_parser(prog).parse_args(argv)
+    if args.elastic:
+        return run_elastic_process(args)
+    return run_one_rank(args, _run)
+
+
+def run_elastic_process(args: argparse.Namespace) -> int:
+    """``run --elastic``: one process of an elastic run (``executor/elastic/entry.py``);
+    returns the exit code. A run that ends on every node (no plan fits the nodes there)
+    exits 0, so that torchrun's agent does not restart it: the launch script's torchrun
+    wrapper then exits with the run's code (:func:`torchrun_main`)."""
+    from hplan.runtime.executor.elastic.entry import run_elastic
+    from hplan.runtime.executor.elastic.start import ElasticEnd
+
+    where = f" (node {args.node})" if args.node else ""
+    try:
+        run_elastic(args, run_options)
+    except ElasticEnd as end:
+        print(f"hplan run{where}: {end}", file=sys.stderr, flush=True)
+        return 0
+    except HplanError as exc:
+        print(f"hplan run{where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a bug: one line, the traceback only when asked for
+        return report_internal_error(exc, f"hplan run{where}")
+    return 0
 
 
 def run_one_rank(
@@ -326,13 +372,18 @@ def torchrun_main(argv: list[str]) -> int:
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
     ranks = _RankContext.of(args)
     oom_before = oom_kill_counts()
+    started_unix_s = time.time()
     try:
         run(args)
+    except RendezvousError as exc:  # elastic: too few nodes, or the rendezvous host is gone
+        print(rendezvous_failure_line(args, exc), file=sys.stderr, flush=True)
+        return 1
     except ChildFailedError as exc:
         for _, failure in sorted(exc.failures.items()):
             line = ranks.failure_line(failure.local_rank, failure.exitcode, oom_before)
@@ -341,7 +392,27 @@ def torchrun_main(argv: list[str]) -> int:
         return first if first > 0 else 1
     except SignalException as exc:  # torchrun stopped its ranks (SIGTERM: they checkpoint)
         return 128 + int(exc.sigval)
-    return 0
+    return ranks.elastic_end_code(started_unix_s)
+
+
+def rendezvous_failure_line(args: argparse.Namespace, exc: Exception) -> str:
+    """One line for an elastic rendezvous that failed: too few nodes within the join
+    timeout, or its store (on the rendezvous host, the run's one single point of failure)
+    gone."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    where = args.rdzv_endpoint
+    if isinstance(exc, RendezvousTimeoutError):
+        return (
+            f"hplan: elastic: fewer than {str(args.nnodes).split(':')[0]} nodes met at the "
+            f"rendezvous {where} in time ({error_reason(exc)}); start more nodes' launch "
+            "scripts (the run resumes from its newest checkpoint)"
+        )
+    return (
+        f"hplan: elastic: the rendezvous at {where} failed ({error_reason(exc)}): its host "
+        "is the run's one single point of failure; when it is lost, start every node's "
+        "launch script again (the run resumes from its newest checkpoint)"
+    )
 
 
 @dataclass(frozen=True)
@@ -353,6 +424,8 @@ class _RankContext:
     node: str | None
     rank: int | None
     metrics_dir: Path | None
+    checkpoint_dir: Path | None = None
+    """An elastic run's shared folder (None: not elastic)."""
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> _RankContext:
@@ -367,7 +440,25 @@ class _RankContext:
             plan = Plan.load(known.plan)
         except (SystemExit, HplanError):  # the ranks say what is wrong, each in one line
             return cls(None, None, None, None)
-        return cls(plan, known.node, known.rank, known.metrics_dir)
+        shared = known.checkpoint_dir if known.elastic else None
+        return cls(plan, known.node, known.rank, known.metrics_dir, shared)
+
+    def elastic_end_code(self, since_unix_s: float) -> int:
+        """An elastic run's exit code once its ranks exited 0: the code of the run's
+        ``ended`` event since ``since_unix_s`` (its line printed when not 0); 0 otherwise."""
+        from hplan.runtime.contract.elastic import RunEventKind, SharedRunDir
+
+        if self.checkpoint_dir is None:
+            return 0
+        ended = [
+            e
+            for e in SharedRunDir(self.checkpoint_dir).events()
+            if e.kind is RunEventKind.ENDED and e.unix_s >= since_unix_s
+        ]
+        if not ended or not ended[-1].exit_code:
+            return 0
+        print(f"hplan: elastic: the run ended: {ended[-1].detail}", file=sys.stderr, flush=True)
+        return ended[-1].exit_code
 
     def failure_line(self, local_rank: int, exit_code: int, oom_before: dict[str, int]) -> str:
         """One line on how the rank of ``local_rank`` ended with ``exit_code`` (negative: a

@@ -240,8 +240,9 @@ class OuterSync:
                     buffer = frag.optimizer.state.get(g, {}).get("momentum_buffer")
                     if buffer is not None:
                         buffer.zero_()
-                for s, g in zip(frag.start, frag.global_, strict=True):
-                    s.copy_(g)
+                if frag.is_async:  # local SGD keeps no start point
+                    for s, g in zip(frag.start, frag.global_, strict=True):
+                        s.copy_(g)
             frag.pending = None
 
 

@@ -184,6 +184,32 @@ def join_job(plan: Plan, rank: int, *, host: str, port: int, backend: str) -> No
     )  # fmt: skip
 
 
+def join_elastic(plan: Plan, rank: int, store: dist.Store, backend: str) -> tuple[str, int]:
+    """Join the plan's process group in an elastic round's store (``elastic/start.py``), as
+    ``rank`` of the plan (not torchrun's number); return the store's address.
+
+    Raises:
+        ConfigError: the plan names an interface this machine lacks.
+        PeerFailureError: the other ranks did not join within the plan's timeout.
+    """
+    binding = bind_interface(plan.node(plan.ranks[rank].node), backend)
+    timeout_s = plan.training.process_group_timeout_s
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore("hplan/pg/", store),
+            rank=rank,
+            world_size=plan.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        raise PeerFailureError(
+            join_failure(rank, plan.world_size, "elastic round", host, port, binding, exc)
+        ) from None
+    return host, port
+
+
 def barrier(rank: int, what: str) -> None:
     """A barrier of the whole job.
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ from hplan.runtime.executor.memory.zero import (
 from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
-from hplan.runtime.executor.rendezvous import barrier, rank_device, under_torchrun
+from hplan.runtime.executor.rendezvous import barrier, join_elastic, rank_device, under_torchrun
 from hplan.runtime.executor.running_stats import RunningStats, build_running_stats
 from hplan.runtime.executor.seams import (
     MemoryMeter,
@@ -65,7 +66,16 @@ from hplan.runtime.executor.seams import (
     default_clock,
     preload_build_modules,
 )
-from hplan.runtime.executor.worker import RunOptions, build_rank, init_distributed, training_steps
+from hplan.runtime.executor.worker import (
+    RunOptions,
+    build_rank,
+    init_distributed,
+    run_backend,
+    training_steps,
+)
+
+if TYPE_CHECKING:
+    from hplan.runtime.executor.elastic.segment import ElasticSegment
 
 DEFAULT_CHECKPOINT_EVERY_S = 600.0
 """With a checkpoint folder and neither interval given: a checkpoint every 10 minutes."""
@@ -77,6 +87,7 @@ def run_rank(
     model_path: str | Path | None,
     options: RunOptions,
     seams: Seams | None = None,
+    elastic: ElasticSegment | None = None,
 ) -> None:
     """Join the job, build this rank and train ``options.steps`` optimizer steps (None: the
     plan's training length, ``worker.training_steps``).
@@ -88,6 +99,9 @@ def run_rank(
         options: checked against ``plan`` once, at the launch (``RunOptions.for_plan``),
             and this machine against the rank (``worker.check_environment``).
         seams: what times and delays the work (default: the real hardware, timed).
+        elastic: a segment of an elastic run (``executor/elastic``): the ranks meet in its
+            round's store, ``options.steps`` counts the whole run's steps (the checkpoint's
+            are done), and its rank 0 records the run's progress after every step.
 
     Raises:
         HplanError subclasses: see ``worker.build_rank`` and ``worker.init_distributed``; a
@@ -104,14 +118,17 @@ def run_rank(
             file=sys.stderr,
             flush=True,
         )
-    host, port = init_distributed(plan, rank, options)
+    if elastic is None:
+        host, port = init_distributed(plan, rank, options)
+    else:
+        host, port = join_elastic(plan, rank, elastic.start.store, run_backend(plan, options))
     heartbeat = None
     if plan.world_size > 1:
         heartbeat = Heartbeat(
             plan, rank, host=host, port=port, timeout_s=options.heartbeat_timeout_s
         ).start()
     try:
-        _train(plan, rank, model_path, options, seams)
+        _train(plan, rank, model_path, options, seams, elastic)
     except PeerFailureError:
         cause = heartbeat.blame() if heartbeat is not None else None
         if heartbeat is not None and rank == 0 and not under_torchrun():
@@ -127,7 +144,12 @@ def run_rank(
 
 
 def _train(
-    plan: Plan, rank: int, model_path: str | Path | None, options: RunOptions, seams: Seams
+    plan: Plan,
+    rank: int,
+    model_path: str | Path | None,
+    options: RunOptions,
+    seams: Seams,
+    elastic: ElasticSegment | None,
 ) -> None:
     parts, options, memory = _build_same_job(plan, rank, model_path, options, seams)
     groups = step_groups(plan)
@@ -144,6 +166,12 @@ def _train(
     )
     checkpointer = _checkpointer(parts, options, outer, shards)
     first_step = _resume(checkpointer, options)
+    if elastic is not None:  # --steps counts the run's steps, those done included
+        assert options.steps is not None
+        if first_step >= options.steps:
+            return _already_done(rank, first_step, elastic)
+        options = replace(options, steps=options.steps - first_step)
+        elastic.begin(first_step)
     stats = build_running_stats(plan, rank, parts.stage.canonical_buffers(), groups)
     scheduler = _scheduler(parts, first_step)
     clip = build_grad_clip(plan, rank, parts.params, parts.model_file.max_grad_norm, parts.device)
@@ -153,7 +181,7 @@ def _train(
     runner = StepRunner(parts, buckets, seams.clock or default_clock(parts.device), clip, shards)
     step = RankStep(runner, memory, scheduler, outer, options.verify_dir, first_step, stats)
     barrier(rank, "start of training")
-    loop = StepLoop(step, options, CheckpointPolicy.of(checkpointer, options))
+    loop = StepLoop(step, options, CheckpointPolicy.of(checkpointer, options), elastic)
     with Preemption() as preemption:
         end = loop.run(preemption)
     # How the run ended, in one place. A stop the job agreed on ends the rank with its
@@ -162,6 +190,21 @@ def _train(
     # the ranks still there, from the checkpoint this run just saved (``end.checkpoint``).
     end.raise_if_stopped()
     barrier(rank, "end of training")
+    if elastic is not None:
+        elastic.end(end.steps_done)
+
+
+def _already_done(rank: int, steps_done: int, elastic: ElasticSegment) -> None:
+    """An elastic run restarted after its last step: nothing to train, the run is over."""
+    if rank == 0:
+        print(
+            f"hplan: elastic: the run's {steps_done} steps are done (newest checkpoint); "
+            "nothing to train",
+            file=sys.stderr,
+            flush=True,
+        )
+    barrier(rank, "end of training")
+    elastic.end(steps_done)
 
 
 def _build_same_job(
@@ -500,8 +543,15 @@ class StepLoop:
         checkpoints: when to save.
     """
 
-    def __init__(self, step: RankStep, options: RunOptions, checkpoints: CheckpointPolicy) -> None:
+    def __init__(
+        self,
+        step: RankStep,
+        options: RunOptions,
+        checkpoints: CheckpointPolicy,
+        elastic: ElasticSegment | None = None,
+    ) -> None:
         parts = step.runner.parts
+        self.elastic = elastic
         assert options.steps is not None  # resolved by _build_same_job
         self.step = step
         self.rank = parts.rank_plan.rank
@@ -533,6 +583,8 @@ class StepLoop:
                 last = step == last_step
                 record = self.step.run(step, last=last)  # schedule, gradient sync, optimizer
                 self.reporter.step(record, self.step.runner.timeline.events)  # metrics
+                if self.elastic is not None:
+                    self.elastic.after_step(step + 1)  # the run's state; joiners let in
                 self.step.after_step(step, last=last)  # the compute clock's turn
                 decision = self._agree(record, preemption, last=last)  # stop? save? shares?
                 if decision.stop is not None:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.link_model import LinkQueue, group_ring_time_s
+from hplan.runtime.contract.metrics_file import EmulationRecord
 from hplan.runtime.contract.plan import Backend, Plan, microbatch_sizes
 from hplan.runtime.executor.rendezvous import barrier
 from hplan.runtime.executor.seams import ComputeClock, ComputeSpan, LinkDelay, Phase, Seams

@@ -34,7 +34,6 @@ from hplan.runtime.capture.graph_inputs import forward_kwargs
 from hplan.runtime.capture.model_file import ModelFile, checked_loss, load_model_file
 from hplan.runtime.capture.trace import bind_inputs
 from hplan.runtime.contract.cpus import MEMINFO, available_memory_bytes
-from hplan.runtime.contract.emulation_file import EmulationRecord
 from hplan.runtime.contract.errors import (
     ConfigError,
     MemoryBudgetError,
@@ -42,6 +41,7 @@ from hplan.runtime.contract.errors import (
     RehearsalChildError,
 )
 from hplan.runtime.contract.metrics_file import (
+    EmulationRecord,
     RankSummary,
     StepSummary,
     check_fresh_metrics_dir,

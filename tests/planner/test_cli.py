@@ -603,8 +603,7 @@ def test_replan_keeps_the_training_length(tmp_path, capsys):
 def _metrics_run(folder: Path, plan: Plan, *, scale: float = 1.0) -> None:
     """Three steps of every rank of ``plan``: step 0 slow (warm-up), then 40 ms (x scale)
     steps of 10 compute, 20 wait, 4 point-to-point, 2 all-reduce, 1 optimizer, 3 other."""
-    from hplan.runtime.contract.emulation_file import EmulationRecord
-    from hplan.runtime.contract.metrics_file import MetricsWriter, StepMetrics
+    from hplan.runtime.contract.metrics_file import EmulationRecord, MetricsWriter, StepMetrics
 
     for rank in plan.ranks:
         writer = MetricsWriter(folder, rank.rank)

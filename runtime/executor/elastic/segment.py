@@ -1,0 +1,275 @@
+"""One segment of an elastic run: what it writes to the run's shared folder and says.
+
+Plan rank 0 of a segment records it (``segment.json`` in its metrics folder, a ``started``
+event), rewrites ``run.json`` after every step (the next segment measures its downtime and the
+steps it redoes from it), prints one line after its first step (which node was lost or joined,
+which plan took over, the downtime, the steps redone) and lets waiting nodes in
+(:func:`admission_due`). Any rank that sees a peer stop records the loss.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hplan.runtime.contract.elastic import (
+    JoinRequest,
+    RunEvent,
+    RunEventKind,
+    RunState,
+    SegmentRecord,
+    SharedRunDir,
+    members_key,
+    segment_dir,
+    write_segment,
+)
+from hplan.runtime.executor.elastic.start import SegmentStart
+
+__all__ = ["PROBATION_S", "ElasticSegment", "admission_due", "probation_s"]
+
+PROBATION_S = 20.0
+"""How long a node must wait, alive, before the run takes it in. A restart costs the run about
+10-20 s of training (measured on the namespace cluster); a node that flaps (joins, dies,
+joins...) costs two restarts per flap, so making it prove 20 s of life first keeps a flapping
+node's cost under half the run's time, and doubling it for each recent loss of that node
+(:func:`probation_s`) drives the cost towards nothing."""
+PROBATION_MAX_S = 600.0
+RECENT_LOSS_S = 1800.0
+"""Losses of a node within this long count against its next probation."""
+STALE_REQUEST_S = 5.0
+"""A join request not refreshed for this long belongs to a node that left."""
+ADMISSION_POLL_S = 1.0
+
+
+def probation_s(node: str, events: list[RunEvent], now_unix_s: float) -> float:
+    """How long ``node`` must wait before it is taken in: :data:`PROBATION_S`, doubled for
+    each time it was lost in the last :data:`RECENT_LOSS_S`, at most :data:`PROBATION_MAX_S`."""
+    losses = sum(
+        1
+        for e in events
+        if e.kind is RunEventKind.LOST and e.node == node and now_unix_s - e.unix_s < RECENT_LOSS_S
+    )
+    return min(PROBATION_S * 2**losses, PROBATION_MAX_S)
+
+
+def admission_due(
+    requests: list[JoinRequest],
+    *,
+    members: tuple[str, ...],
+    family_digest: str,
+    events: list[RunEvent],
+    now_unix_s: float,
+) -> list[JoinRequest]:
+    """The waiting nodes to take in now: fresh requests of this family from nodes outside
+    the run that have waited out their probation."""
+    due = []
+    for request in requests:
+        if request.node in members or request.family_digest != family_digest:
+            continue
+        if now_unix_s - request.beat_unix_s > STALE_REQUEST_S:
+            continue
+        if now_unix_s - request.since_unix_s >= probation_s(request.node, events, now_unix_s):
+            due.append(request)
+    return due
+
+
+@dataclass
+class _Previous:
+    """The segment before this one, as ``run.json`` left it."""
+
+    state: RunState | None
+    cause: str
+
+
+class ElasticSegment:
+    """A segment's bookkeeping on one process (most of it on plan rank 0)."""
+
+    def __init__(self, start: SegmentStart, metrics_root: Path | None) -> None:
+        self.start = start
+        self.shared: SharedRunDir = start.shared
+        self.metrics_root = metrics_root
+        self.is_reporter = start.rank == 0
+        self._previous: _Previous | None = None
+        self._first_step = 0
+        self._steps_seen = 0
+        self._next_admission_s = 0.0
+        self._admitted: set[str] = set()
+
+    @property
+    def metrics_dir(self) -> Path | None:
+        """This segment's metrics folder (None: no ``--metrics-dir``)."""
+        if self.metrics_root is None:
+            return None
+        return segment_dir(self.metrics_root, self.start.segment)
+
+    def begin(self, first_step: int) -> None:
+        """The segment resumed at ``first_step``: record it (plan rank 0)."""
+        self._first_step = first_step
+        if not self.is_reporter:
+            return
+        state = self.shared.read_state()
+        self._previous = _Previous(state, self._cause(state))
+        if state is not None:
+            for node in sorted(set(state.members) - set(self.start.members)):
+                self.shared.append_event(  # when it was last seen training
+                    RunEvent(
+                        kind=RunEventKind.LOST,
+                        unix_s=state.updated_unix_s,
+                        node=node,
+                        step=state.steps_done,
+                        detail=f"node {node} lost",
+                    )
+                )
+        plan = self.start.plan
+        predicted = plan.report.predicted_samples_per_s
+        if self.metrics_root is not None:
+            folder = write_segment(self.metrics_root, self._record(first_step, predicted))
+            (folder / "plan.json").write_bytes(self.start.plan_path.read_bytes())
+        self.shared.append_event(
+            RunEvent(
+                kind=RunEventKind.STARTED,
+                unix_s=time.time(),
+                step=first_step,
+                detail=f"segment {self.start.segment}: nodes {members_key(self.start.members)}, "
+                f"{plan.world_size} ranks, plan {self.start.plan_path} ({self.start.source}); "
+                f"{self._previous.cause}",
+            )
+        )
+
+    def after_step(self, steps_done: int) -> None:
+        """Plan rank 0, after every step: ``run.json``; the takeover line after the first;
+        waiting nodes taken in."""
+        if not self.is_reporter:
+            return
+        now_s = time.time()
+        self._steps_seen += 1
+        self.shared.write_state(self._state(steps_done, now_s))
+        if self._steps_seen == 1:
+            self._say_takeover(now_s)
+        if now_s >= self._next_admission_s:
+            self._next_admission_s = now_s + ADMISSION_POLL_S
+            self._admit_waiting(now_s, steps_done)
+
+    def end(self, steps_done: int) -> None:
+        """Plan rank 0, every step trained: the run is over."""
+        if not self.is_reporter:
+            return
+        self.shared.append_event(
+            RunEvent(
+                kind=RunEventKind.ENDED,
+                unix_s=time.time(),
+                step=steps_done,
+                detail=f"trained {steps_done} steps",
+                exit_code=0,
+            )
+        )
+
+    # ------------------------------------------------------------------------- internals
+    def _cause(self, state: RunState | None) -> str:
+        if state is None:
+            return "start"
+        before, now = set(state.members), set(self.start.members)
+        parts = [f"node {n} lost" for n in sorted(before - now)]
+        parts += [f"node {n} joined" for n in sorted(now - before)]
+        if not parts:
+            parts = (
+                ["re-planned for measured speeds"]
+                if self.start.source.startswith("re-planned")
+                else ["restarted"]
+            )
+        return ", ".join(parts)
+
+    def _record(self, first_step: int, predicted: float | None) -> SegmentRecord:
+        state = self._previous.state if self._previous is not None else None
+        return SegmentRecord(
+            segment=self.start.segment,
+            members=self.start.members,
+            plan_path=str(self.start.plan_path),
+            plan_digest=self.start.plan.digest(),
+            world_size=self.start.plan.world_size,
+            first_step=first_step,
+            started_unix_s=self.start.started_unix_s,
+            predicted_samples_per_s=predicted,
+            cause=self._previous.cause if self._previous is not None else "start",
+            downtime_s=None,
+            steps_redone=None if state is None else max(0, state.steps_done - first_step),
+        )
+
+    def _state(self, steps_done: int, now_s: float) -> RunState:
+        plan = self.start.plan
+        return RunState(
+            segment=self.start.segment,
+            members=self.start.members,
+            plan_path=str(self.start.plan_path),
+            plan_digest=plan.digest(),
+            family_digest=self.start.family.digest(),
+            steps_done=steps_done,
+            first_step=self._first_step,
+            started_unix_s=self.start.started_unix_s,
+            updated_unix_s=now_s,
+            predicted_samples_per_s=plan.report.predicted_samples_per_s,
+        )
+
+    def _say_takeover(self, now_s: float) -> None:
+        """One line after the first step of a segment that followed another."""
+        previous = self._previous
+        if previous is None or previous.state is None:
+            return
+        state = previous.state
+        downtime_s = now_s - state.updated_unix_s
+        redone = max(0, state.steps_done - self._first_step)
+        if self.metrics_root is not None:
+            record = self._record(self._first_step, None)
+            predicted = self.start.plan.report.predicted_samples_per_s
+            write_segment(
+                self.metrics_root,
+                _with(record, downtime_s=downtime_s, predicted_samples_per_s=predicted),
+            )
+        print(
+            f"hplan: elastic: {previous.cause}; the plan for {members_key(self.start.members)} "
+            f"({self.start.source}, {self.start.plan.world_size} ranks) took over at step "
+            f"{self._first_step}; downtime {downtime_s:.1f} s (last step before to first step "
+            f"after); {redone} step{'s' if redone != 1 else ''} redone",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _admit_waiting(self, now_s: float, steps_done: int) -> None:
+        """Take in the nodes whose probation is over: they start their agents at once, and
+        torchrun's agents restart this round with them (this rank's SIGTERM: it saves a
+        checkpoint first)."""
+        due = admission_due(
+            self.shared.join_requests(),
+            members=self.start.members,
+            family_digest=self.start.family.digest(),
+            events=self.shared.events(),
+            now_unix_s=now_s,
+        )
+        for request in due:
+            if request.node in self._admitted:
+                continue
+            self._admitted.add(request.node)
+            self.shared.admit(request.node)
+            waited_s = now_s - request.since_unix_s
+            line = (
+                f"node {request.node} waited {waited_s:.0f} s; taken in after step "
+                f"{steps_done - 1} (the run restarts with it)"
+            )
+            self.shared.append_event(
+                RunEvent(
+                    kind=RunEventKind.ADMITTED,
+                    unix_s=now_s,
+                    node=request.node,
+                    step=steps_done,
+                    detail=line,
+                )
+            )
+            print(f"hplan: elastic: {line}", file=sys.stderr, flush=True)
+
+
+def _with(record: SegmentRecord, **changes: object) -> SegmentRecord:
+    from dataclasses import replace
+
+    return replace(record, **changes)  # type: ignore[arg-type]
