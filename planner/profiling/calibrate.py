@@ -329,13 +329,16 @@ def load_runs_of_plan(plan: Plan, runs_dir: Path) -> tuple[Run, ...]:
         if run.records
     )
     if not runs:
-        measured = [f for f, _ in segments if any(_has_steps(p) for p in f.glob("rank-*.jsonl"))]
-        instead = measured[-1] if measured else segments[-1][0]
+        measured = [f for f, _ in segments if any(p.stat().st_size for p in f.glob("rank-*.jsonl"))]
+        instead = (measured or [segments[-1][0]])[-1] / "plan.json"
+        why = (
+            f"its {len(ran)} segment(s) that ran this plan measured no step"
+            if ran
+            else f"none of its {len(segments)} segments ran this plan"
+        )
         raise ConfigError(
-            f"{str(runs_dir)!r} is an elastic run's metrics, and none of its {len(segments)} "
-            f"segments ran this plan and measured a step ({len(ran)} ran it); give the plan "
-            f"of the segment to calibrate, e.g. `hplan calibrate {instead / 'plan.json'} "
-            f"{runs_dir}`"
+            f"{str(runs_dir)!r} is an elastic run's metrics, and {why}; give the plan of the "
+            f"segment to calibrate, e.g. `hplan calibrate {instead} {runs_dir}`"
         )
     return runs
 
@@ -349,10 +352,6 @@ def _ran_plan(folder: Path, record: SegmentRecord, digest: str) -> bool:
         return copy.is_file() and Plan.load(copy).digest() == digest
     except HplanError:
         return False
-
-
-def _has_steps(path: Path) -> bool:
-    return path.stat().st_size > 0
 
 
 def _load_run(folder: Path) -> Run:
