@@ -53,6 +53,8 @@ def calibrate_command(
 ) -> None:
     """Compare the runs in RUNS_DIR (rank-*.jsonl, or subfolders of them) with PLAN's prediction.
 
+    An elastic run's metrics folder (segment-*/): the segments that ran PLAN.
+
     Prints the per-rank error table, flags devices more than 15% slower or faster than the
     other devices of their kind, fits each holder set's gradient all-reduce (its last
     holder's exposed time) as a ring latency per step on its nodes, and writes a corrected
@@ -65,7 +67,7 @@ def calibrate_command(
     from hplan.planner.profiling.calibrate import (
         calibrate,
         check_profile_out,
-        load_runs,
+        load_runs_of_plan,
         single_step_runs,
         write_profile,
     )
@@ -76,7 +78,7 @@ def calibrate_command(
         check_profile_out(out_dir)
     plan = Plan.load(plan_path)
     base = load_profiles(profile_paths) if profile_paths else None
-    runs = load_runs(runs_dir)
+    runs = load_runs_of_plan(plan, runs_dir)
     result = calibrate([(plan, runs)], base)
     stderr = table_console(stderr=True)
     print_calibration(result, stderr)

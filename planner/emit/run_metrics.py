@@ -108,9 +108,17 @@ def run_metrics(runs_dir: Path, plan_path: Path | None = None) -> RunMetrics:
         ConfigError: no metrics; the runs are not runs of the plan; a run misses a rank.
         PlanFileError: the plan cannot be read.
     """
-    runs = load_runs(runs_dir)
-    found = find_plan(runs_dir, plan_path)
-    plan = Plan.load(found) if found is not None else None
+    return runs_metrics(load_runs(runs_dir), find_plan(runs_dir, plan_path))
+
+
+def runs_metrics(runs: Sequence[Run], plan_path: Path | None) -> RunMetrics:
+    """:func:`run_metrics` of runs already read, against ``plan_path`` (None: no plan).
+
+    Raises:
+        ConfigError: see :func:`run_metrics`.
+        PlanFileError: the plan cannot be read.
+    """
+    plan = Plan.load(plan_path) if plan_path is not None else None
     if plan is not None:
         _check_ranks(plan, runs)
         check_runs_of_plan(plan, runs, "give the plan that ran (--plan PLAN)")
@@ -125,7 +133,7 @@ def run_metrics(runs_dir: Path, plan_path: Path | None = None) -> RunMetrics:
         step_time_s=step_s,
         samples_per_s=samples_s,
         final_loss=loss,
-        plan=found,
+        plan=plan_path,
         predicted_step_time_s=plan.report.predicted_step_time_s if plan else None,
         predicted_samples_per_s=plan.report.predicted_samples_per_s if plan else None,
     )

@@ -34,7 +34,8 @@ from hplan.planner.profiling.profile_file import (
     Stat,
     UnitTiming,
 )
-from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.elastic import SegmentRecord, read_segments
+from hplan.runtime.contract.errors import ConfigError, HplanError
 from hplan.runtime.contract.memory_use import RankMemoryUse, memory_use
 from hplan.runtime.contract.metrics_file import EmulationRecord, StepMetrics, read_rank_metrics
 from hplan.runtime.contract.plan import Plan
@@ -304,6 +305,52 @@ def load_runs(runs_dir: Path) -> tuple[Run, ...]:
             "`hplan rehearse PLAN --metrics-dir DIR` (or `hplan run --metrics-dir`) first"
         )
     return runs
+
+
+def load_runs_of_plan(plan: Plan, runs_dir: Path) -> tuple[Run, ...]:
+    """:func:`load_runs`; of an elastic run's metrics folder (``segment-<NNN>/``), the
+    segments that ran ``plan`` (its digest, as their ``segment.json`` or plan copy gives it).
+
+    Raises:
+        ConfigError: as :func:`load_runs`; no segment that ran ``plan`` measured a step
+            (naming a segment's plan to give instead).
+    """
+    segments = read_segments(runs_dir) if runs_dir.is_dir() else []
+    if not segments:
+        return load_runs(runs_dir)
+    digest = plan.digest()
+    ran = [folder for folder, record in segments if _ran_plan(folder, record, digest)]
+    runs = tuple(
+        run
+        for folder in ran
+        if any(folder.glob("rank-*.jsonl"))
+        for run in load_runs(folder)
+        if run.records
+    )
+    if not runs:
+        measured = [f for f, _ in segments if any(p.stat().st_size for p in f.glob("rank-*.jsonl"))]
+        instead = (measured or [segments[-1][0]])[-1] / "plan.json"
+        why = (
+            f"its {len(ran)} segment(s) that ran this plan measured no step"
+            if ran
+            else f"none of its {len(segments)} segments ran this plan"
+        )
+        raise ConfigError(
+            f"{str(runs_dir)!r} is an elastic run's metrics, and {why}; give the plan of the "
+            f"segment to calibrate, e.g. `hplan calibrate {instead} {runs_dir}`"
+        )
+    return runs
+
+
+def _ran_plan(folder: Path, record: SegmentRecord, digest: str) -> bool:
+    """Whether the segment in ``folder`` ran the plan of ``digest``."""
+    if record.plan_digest == digest:
+        return True
+    copy = folder / "plan.json"
+    try:
+        return copy.is_file() and Plan.load(copy).digest() == digest
+    except HplanError:
+        return False
 
 
 def _load_run(folder: Path) -> Run:

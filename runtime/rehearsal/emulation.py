@@ -51,7 +51,7 @@ class Emulation:
 
 def recorded_emulation(emulation: Emulation, metrics_dir: Path | None) -> Emulation:
     """``emulation`` with the slowdowns a rehearsal recorded in ``<metrics_dir>/emulation.json``
-    (``contract/emulation_file.py``; unchanged without one).
+    (``contract/metrics_file.py``; unchanged without one).
 
     Raises:
         ConfigError: the file is not an emulation record.

@@ -8,7 +8,7 @@ prediction) and delays transfers and all-reduces, in emulated seconds, ``scale``
 per second of the plan's hardware (:func:`default_time_scale`). ``dilation``
 (:func:`default_dilation`) is one global factor that makes the ranks' total CPU demand fit
 this machine, so that the run measures the plan rather than contention. The emulation is
-recorded in ``<metrics_dir>/emulation.json`` (``contract/emulation_file.py``); ``verify``
+recorded in ``<metrics_dir>/emulation.json`` (``contract/metrics_file.py``); ``verify``
 compares step 0 with one process (``reference_check.py``), and ``trace_path`` gets the last
 step's timeline in seconds of the plan's hardware (``contract/timeline_file.py``).
 """
