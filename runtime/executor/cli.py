@@ -145,6 +145,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "reads and writes), count --steps over the whole run",
     )
     parser.add_argument(
+        "--join-probation-s",
+        type=float,
+        default=20.0,
+        help="elastic: how long a node that arrives while the run trains must wait, alive, "
+        "before the run takes it in (doubled for each loss of that node in the last 30 "
+        "minutes, so a flapping node cannot restart the run over and over; default 20)",
+    )
+    parser.add_argument(
         "--verify-dir",
         type=Path,
         help="run step one with dropout off and dump its synced gradients and updated "
