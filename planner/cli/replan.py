@@ -127,8 +127,8 @@ def replan(
     model_override: Path | None,
     as_json: bool,
 ) -> None:
-    """Solve PLAN again without the lost nodes or devices (or with joining ones); the job
-    then resumes from its latest checkpoint with --resume."""
+    """Solve PLAN again without the lost nodes or devices (or with joining ones, or for
+    exactly --members); the job then resumes from its latest checkpoint with --resume."""
     started_s = time.monotonic()
     from hplan.planner.api import SolveRequest, phase_of, plan_training
     from hplan.planner.emit.artifacts import check_out_dir
@@ -139,7 +139,8 @@ def replan(
         raise ConfigError("--members names every node to plan for; leave out --without and --with")
     if members is None and not without and not joining:
         raise ConfigError(
-            "give --members NODE,NODE, or at least one --without NODE|DEVICE or --with NODE|DEVICE"
+            "give at least one --without NODE|DEVICE or --with NODE|DEVICE (or --members "
+            "NODE,NODE: exactly those nodes)"
         )
     plan = Plan.load(plan_path)
     cluster = load_cluster(cluster_path)

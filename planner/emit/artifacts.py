@@ -227,13 +227,18 @@ def _elastic_node(launch: ElasticLaunch, node: str) -> ElasticNode:
         min_nodes=family.min_nodes,
         nproc=family.processes_per_node[node],
         rendezvous_node=family.nodes[0],
-        rendezvous_endpoint=f"{family.rendezvous_host}:{family.rendezvous_port}",
+        rendezvous_endpoint=f"{_bracketed(family.rendezvous_host)}:{family.rendezvous_port}",
         run_id=family.run_id,
         join_timeout_s=launch.join_timeout_s,
         max_restarts=launch.max_restarts,
         last_call_timeout_s=launch.last_call_timeout_s,
         monitor_interval_s=launch.monitor_interval_s,
     )
+
+
+def _bracketed(host: str) -> str:
+    """An IPv6 address in brackets (``[fd00::1]``), as torchrun's ``host:port`` needs."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _gpus_per_node(plan: Plan, nodes: tuple[NodeLaunch, ...]) -> int:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 import hplan.planner.api as api
 from hplan.planner.cli.main import main
+from hplan.planner.emit.artifacts import ElasticLaunch, render_launch_scripts
 from hplan.runtime.contract.elastic import PlanFamily, replan_command
 from hplan.runtime.contract.plan import Plan
 
@@ -205,3 +207,10 @@ def test_python_m_hplan_planner_is_the_hplan_command() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "--members" in done.stdout and "--capture" in done.stdout
+
+
+def test_an_ipv6_rendezvous_host_is_bracketed(family_dir: tuple[Path, int]) -> None:
+    out, _ = family_dir
+    family = dataclasses.replace(PlanFamily.load(out), rendezvous_host="fd00::1")
+    scripts = render_launch_scripts(Plan.load(out / "plan.json"), ElasticLaunch(family))
+    assert "--rdzv-endpoint '[fd00::1]:29500'" in scripts["launch/node-c.sh"]
