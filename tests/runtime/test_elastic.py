@@ -10,6 +10,7 @@ one line and exit 3.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,7 +31,7 @@ BIN = Path(sys.executable).parent
 STEP_S = 0.03
 """Each step lasts at least this long (the model file's data sleeps): the run cannot end
 before the test has acted, however fast the machine."""
-MODEL = f'''
+MODEL = f"""
 import time
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ def sample_batch(batch_size):
 
 def loss_fn(pred, target):
     return torch.nn.functional.mse_loss(pred, target)
-'''
+"""
 TIMEOUT_S = 240.0
 
 
@@ -114,10 +115,8 @@ class Nodes:
     def kill(self, node: str) -> None:
         """SIGKILL every process of ``node`` this test started (its agent and workers)."""
         for pid in self._pids(node):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.procs[node].wait(timeout=30)
 
     def _pids(self, node: str) -> list[int]:
