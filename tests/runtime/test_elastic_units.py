@@ -104,16 +104,17 @@ def test_only_fresh_requests_of_this_family_past_their_probation_are_admitted() 
         request("d", PROBATION_S - 1),  # still on probation
         request("e", PROBATION_S + 1, beat_age_s=30),  # stale: it left
         request("f", PROBATION_S + 1, digest="other"),  # another family
-        request("a", PROBATION_S + 1),  # already training
+        request("a", PROBATION_S + 1),  # a member's script started again: it is gone
     ]
     due = admission_due(
         requests, members=("a", "b"), family_digest="f", events=[], now_unix_s=NOW_S
     )
-    assert [r.node for r in due] == ["c"]
+    assert [r.node for r in due] == ["c", "a"]
     lost_recently = [_lost("c", NOW_S - 60)]
-    assert not admission_due(
+    again = admission_due(
         requests, members=("a", "b"), family_digest="f", events=lost_recently, now_unix_s=NOW_S
     )
+    assert [r.node for r in again] == ["a"]  # c, lost a minute ago, waits twice as long
 
 
 def test_a_joiner_with_another_model_file_or_version_or_node_is_refused(tmp_path: Path) -> None:

@@ -66,11 +66,14 @@ def admission_due(
     now_unix_s: float,
     probation_base_s: float = PROBATION_S,
 ) -> list[JoinRequest]:
-    """The waiting nodes to take in now: fresh requests of this family from nodes outside
-    the run that have waited out their probation."""
+    """The waiting nodes to take in now: fresh requests of this family that have waited out
+    their probation. A request from one of ``members`` is taken too: that node's script was
+    started again, so its processes of this round are gone (a node the plan left idle is
+    lost without anyone noticing)."""
+    del members  # every fresh request is a node outside the round, whatever the round thinks
     due = []
     for request in requests:
-        if request.node in members or request.family_digest != family_digest:
+        if request.family_digest != family_digest:
             continue
         if now_unix_s - request.beat_unix_s > STALE_REQUEST_S:
             continue
