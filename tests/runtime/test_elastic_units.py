@@ -177,3 +177,24 @@ def test_an_elastic_process_outside_torchrun_is_told_how_to_start(
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ConfigError, match=r"launch script from `hplan solve \.\.\. --elastic`"):
         TorchrunEnv.read()
+
+
+def test_a_rendezvous_that_fails_is_one_line_naming_the_fix() -> None:
+    import argparse
+
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    from hplan.runtime.executor.cli import rendezvous_failure_line
+
+    args = argparse.Namespace(
+        rdzv_endpoint="10.0.0.1:29500",
+        nnodes="2:3",
+        rdzv_conf="last_call_timeout=3,join_timeout=60",
+    )
+    few = rendezvous_failure_line(args, RendezvousTimeoutError("timed out"))
+    assert "fewer than 2 nodes met at the rendezvous 10.0.0.1:29500 within 60 s" in few
+    gone = rendezvous_failure_line(args, RendezvousConnectionError("store gone"))
+    assert "single point of failure" in gone and "\n" not in gone
