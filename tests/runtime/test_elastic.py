@@ -28,20 +28,24 @@ from hplan.runtime.rehearsal.launcher import free_port
 pytestmark = pytest.mark.serial  # torchrun agents on loopback: the nodes' timing matters
 
 BIN = Path(sys.executable).parent
-STEP_S = 0.03
-"""Each step lasts at least this long (the model file's data sleeps): the run cannot end
-before the test has acted, however fast the machine."""
+PACED_STEP_S = 0.1
+"""While the test's pace file exists each step lasts at least this long (the model file's
+data sleeps), so the run cannot end before the test has acted, however fast the machine or
+slow the nodes' start; the test removes it once it has seen what it waits for."""
 MODEL = f"""
+import os
 import time
 import torch
 from torch import nn
+
+PACE_FILE = os.environ.get("HPLAN_TEST_PACE_FILE", "")
 
 def build_model():
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
                          nn.Linear(16, 1))
 
 def sample_batch(batch_size):
-    time.sleep({STEP_S})
+    time.sleep({PACED_STEP_S} if PACE_FILE and os.path.exists(PACE_FILE) else 0.002)
     x = torch.randn(batch_size, 8)
     return x, x.sum(dim=1, keepdim=True)
 
@@ -67,8 +71,9 @@ def _cluster(small_c: bool) -> str:
     )
 
 
-def _env(tag: str) -> dict[str, str]:
+def _env(tag: str, pace_file: Path | None = None) -> dict[str, str]:
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env["HPLAN_TEST_PACE_FILE"] = str(pace_file or "")
     env.update({"HPLAN_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     env.update({"HPLAN_JOIN_TIMEOUT_S": "60"})
     env.pop("LOCAL_RANK", None)
@@ -96,6 +101,8 @@ class Nodes:
     def __init__(self, plan_dir: Path, tmp_path: Path, *args: str) -> None:
         self.plan_dir, self.tmp_path, self.args = plan_dir, tmp_path, args
         self.tag = f"elastic-{os.getpid()}-{time.monotonic_ns()}"
+        self.pace_file = tmp_path / "pace"
+        self.pace_file.touch()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, list[Path]] = {}
 
@@ -105,7 +112,7 @@ class Nodes:
         with log.open("wb") as out:
             self.procs[node] = subprocess.Popen(
                 ["bash", str(self.plan_dir / "launch" / f"node-{node}.sh"), *self.args],
-                stdout=out, stderr=subprocess.STDOUT, env=_env(self.tag),
+                stdout=out, stderr=subprocess.STDOUT, env=_env(self.tag, self.pace_file),
                 start_new_session=True,
             )  # fmt: skip
 
@@ -158,7 +165,7 @@ def _steps_done(shared: SharedRunDir) -> int:
 
 
 def test_a_lost_node_is_replaced_by_the_survivors_plan_and_taken_back_in(tmp_path: Path) -> None:
-    plan_dir = _solve(tmp_path, "--steps", "240", "--strategy", "ddp")  # every node trains
+    plan_dir = _solve(tmp_path, "--steps", "400", "--strategy", "ddp")  # every node trains
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics"
     nodes = Nodes(
         plan_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", "5",
@@ -177,6 +184,7 @@ def test_a_lost_node_is_replaced_by_the_survivors_plan_and_taken_back_in(tmp_pat
         _wait_until(lambda: "node c lost;" in nodes.log("a"), "the survivors' takeover", nodes)
         nodes.start("c")  # back: it waits in its check, then is taken in
         _wait_until(lambda: "node c joined;" in nodes.log("a"), "node c taken back in", nodes)
+        nodes.pace_file.unlink()  # seen all: the rest of the run at full speed
         codes = nodes.wait_all()
     finally:
         nodes.stop_all()
@@ -192,12 +200,14 @@ def test_a_lost_node_is_replaced_by_the_survivors_plan_and_taken_back_in(tmp_pat
     kinds = [(e.kind, e.node) for e in shared.events()]
     assert (RunEventKind.LOST, "c") in kinds and (RunEventKind.ADMITTED, "c") in kinds
     assert kinds[-1] == (RunEventKind.ENDED, None)
-    assert shared.read_state().steps_done == 240  # type: ignore[union-attr]
+    assert shared.read_state().steps_done == 400  # type: ignore[union-attr]
     waited = nodes.log("c")
     assert "waits to join the run training on a, b" in waited
 
 
-def test_survivors_that_cannot_hold_the_model_end_the_run_with_one_line(tmp_path: Path) -> None:
+def test_members_that_cannot_hold_the_model_end_the_run_and_a_foreign_joiner_is_refused(
+    tmp_path: Path,
+) -> None:
     plan_dir = _solve(tmp_path, "--steps", "40", "--min-nodes", "1", small_c=True)
     family = json.loads((plan_dir / "family.json").read_text())
     assert "c" in family["infeasible"] or "c" not in family["plans"]
@@ -211,3 +221,14 @@ def test_survivors_that_cannot_hold_the_model_end_the_run_with_one_line(tmp_path
     assert code == 3, log[-3000:]
     assert "hplan: elastic: the run ended: nodes c cannot train this model" in log
     assert "Traceback" not in log
+    # a node with another model file is refused by its check, before its agent starts
+    other = tmp_path / "other.py"
+    other.write_text(MODEL.replace("16", "32"))
+    refused = subprocess.run(
+        ["bash", str(plan_dir / "launch" / "node-a.sh"), "--checkpoint-dir",
+         str(tmp_path / "ckpt"), "--model", str(other)],
+        capture_output=True, text=True, env=_env("refused"), timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "is not the one the plan family was solved for" in lines[0]

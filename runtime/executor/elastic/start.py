@@ -124,19 +124,8 @@ class SegmentStart:
         return self.env.rank == 0
 
     def finish(self) -> None:
-        """Leave the round: count this process out; the store's host waits until every other
-        process has (at most :data:`EXIT_WAIT_S`), since the store ends with it."""
-        try:
-            self.store.add(_PREFIX + "exited", 1)
-            if not self.leader:
-                return
-            deadline_s = time.monotonic() + EXIT_WAIT_S
-            while time.monotonic() < deadline_s:
-                if int(self.store.add(_PREFIX + "exited", 0)) >= self.env.world_size:
-                    return
-                time.sleep(END_POLL_S)
-        except (RuntimeError, ValueError):
-            return  # the store is gone: nothing left to wait for
+        """Leave the round (:func:`_leave_together`)."""
+        _leave_together(self.store, self.env)
 
     def announce_end(self) -> None:
         """Tell the processes without a rank that training is over (plan rank 0)."""
@@ -195,6 +184,7 @@ def start_segment(plan_path: Path, node: str, checkpoint_dir: Path) -> SegmentSt
     else:
         choice = json.loads(store.get(_PREFIX + "plan").decode())
     if "refused" in choice:
+        _leave_together(store, env)  # the store's host must not end before all have read
         raise ElasticEnd(choice["refused"], int(choice["code"]))
     chosen = Path(choice["path"])
     plan = Plan.load(chosen)
@@ -205,6 +195,22 @@ def start_segment(plan_path: Path, node: str, checkpoint_dir: Path) -> SegmentSt
         env, store, family, family_dir, shared, node, members, chosen, plan, rank,
         int(choice["segment"]), choice["source"], started_unix_s,
     )  # fmt: skip
+
+
+def _leave_together(store: dist.Store, env: TorchrunEnv) -> None:
+    """Count this process out of the round; the store's host (torchrun's rank 0) waits until
+    every other process has (at most :data:`EXIT_WAIT_S`), since the store ends with it."""
+    try:
+        store.add(_PREFIX + "exited", 1)
+        if env.rank != 0:
+            return
+        deadline_s = time.monotonic() + EXIT_WAIT_S
+        while time.monotonic() < deadline_s:
+            if int(store.add(_PREFIX + "exited", 0)) >= env.world_size:
+                return
+            time.sleep(END_POLL_S)
+    except (RuntimeError, ValueError):
+        return  # the store is gone: nothing left to wait for
 
 
 def _exchange_members(store: dist.Store, env: TorchrunEnv, node: str) -> tuple[str, ...]:
