@@ -329,18 +329,31 @@ def run_elastic_process(args: argparse.Namespace) -> int:
     from hplan.runtime.executor.elastic.start import ElasticEnd
 
     where = f" (node {args.node})" if args.node else ""
+
+    def run() -> None:
+        try:
+            run_elastic(args, run_options)
+        except ElasticEnd as end:
+            print(f"hplan run{where}: {end}", file=sys.stderr, flush=True)
+
+    return exit_code_of(run, lambda: where)
+
+
+def exit_code_of(run: Callable[[], None], where: Callable[[], str]) -> int:
+    """Run ``run``; its exit code: 0, an hplan error's (its one line on stderr, prefixed by
+    ``hplan run`` and ``where()``), 130 on Ctrl-C, or an internal error's one line."""
     try:
-        run_elastic(args, run_options)
-    except ElasticEnd as end:
-        print(f"hplan run{where}: {end}", file=sys.stderr, flush=True)
-        return 0
+        run()
     except HplanError as exc:
-        print(f"hplan run{where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"hplan run{where()}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if os.environ.get("HPLAN_DEBUG"):
+            for note in getattr(exc, "__notes__", ()):
+                print(note, file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # a bug: one line, the traceback only when asked for
-        return report_internal_error(exc, f"hplan run{where}")
+        return report_internal_error(exc, f"hplan run{where()}")
     return 0
 
 
@@ -351,24 +364,16 @@ def run_one_rank(
     on stderr and their exit code."""
     from hplan.runtime.executor.rendezvous import resolve_rank
 
-    where = f" (node {args.node})" if args.node else ""
-    try:
+    where = {"at": f" (node {args.node})" if args.node else ""}
+
+    def run_rank() -> None:
         plan = load_checked(args.plan)
         local_rank = os.environ.get("LOCAL_RANK")
         rank = resolve_rank(plan, rank=args.rank, node=args.node, local_rank=local_rank)
-        where = f" (rank {rank})"
+        where["at"] = f" (rank {rank})"
         run(args, plan, rank)
-    except HplanError as exc:
-        print(f"hplan run{where}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if os.environ.get("HPLAN_DEBUG"):
-            for note in getattr(exc, "__notes__", ()):
-                print(note, file=sys.stderr, flush=True)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:  # a bug: one line, the traceback only when asked for
-        return report_internal_error(exc, f"hplan run{where}")
-    return 0
+
+    return exit_code_of(run_rank, lambda: where["at"])
 
 
 def torchrun_main(argv: list[str]) -> int:
