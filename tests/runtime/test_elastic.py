@@ -25,7 +25,9 @@ import pytest
 from hplan.runtime.contract.elastic import RunEventKind, SharedRunDir, read_segments
 from hplan.runtime.rehearsal.launcher import free_port
 
-pytestmark = pytest.mark.serial  # torchrun agents on loopback: the nodes' timing matters
+# One worker runs both (their torchrun agents and rounds one after the other); the pace file
+# keeps each run going until the test has seen what it waits for, however busy the machine.
+pytestmark = pytest.mark.xdist_group("elastic-runs")
 
 BIN = Path(sys.executable).parent
 PACED_STEP_S = 0.1
@@ -169,6 +171,7 @@ def test_a_lost_node_is_replaced_by_the_survivors_plan_and_taken_back_in(tmp_pat
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics"
     nodes = Nodes(
         plan_dir, tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", "5",
+        "--sync-checkpoints",
         "--metrics-dir", str(metrics), "--join-probation-s", "1",
     )  # fmt: skip
     shared = SharedRunDir(ckpt)
