@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -51,7 +52,8 @@ def _required(args: argparse.Namespace) -> tuple[Path, str]:
         raise ConfigError("--elastic needs this node's name: --node NAME or HPLAN_NODE=NAME")
     if args.rank is not None:
         raise ConfigError("--elastic takes its rank from the plan for the nodes there; drop --rank")
-    return args.checkpoint_dir, args.node
+    args.plan = Path(os.path.abspath(args.plan))  # paths other nodes read: no "..", no cwd
+    return Path(os.path.abspath(args.checkpoint_dir)), args.node
 
 
 def check_elastic(args: argparse.Namespace, options_of: OptionsOf) -> None:
