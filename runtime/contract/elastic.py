@@ -41,6 +41,7 @@ __all__ = [
     "RunState",
     "SegmentRecord",
     "SharedRunDir",
+    "calibrate_command",
     "hplan_version",
     "members_key",
     "read_segments",
@@ -177,6 +178,16 @@ def replan_command(
     if profile is not None:
         command += ["--profile", str(profile)]
     return command
+
+
+def calibrate_command(plan_path: Path, runs_dir: Path, out_dir: Path) -> list[str]:
+    """The planner's command that writes ``out_dir/calibrated.json``: ``plan_path``'s
+    profile corrected by the runs in ``runs_dir`` (their ``rank-<r>.jsonl``), each device's
+    measured speed included (``python -m hplan.planner calibrate PLAN RUNS -o OUT``)."""
+    return [
+        sys.executable, "-m", "hplan.planner", "calibrate", str(plan_path), str(runs_dir),
+        "-o", str(out_dir),
+    ]  # fmt: skip
 
 
 class RunEventKind(StrEnum):
