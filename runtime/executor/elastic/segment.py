@@ -33,6 +33,7 @@ from hplan.runtime.executor.elastic.slowdown import (
     Replanner,
     SpeedWatch,
     decide_restart,
+    plan_step_measured_s,
     restart_cost_s,
 )
 from hplan.runtime.executor.elastic.start import SegmentStart
@@ -269,6 +270,7 @@ class ElasticSegment:
         decision = decide_restart(
             measured_step_s=now.job_recent_s,
             predicted_step_s=result.predicted_step_s,
+            old_predicted_step_s=plan_step_measured_s(self.start.plan, self._watch.recent),
             steps_left=self._total_steps - steps_done,
             cost_s=restart_cost_s(self.metrics_root),
         )

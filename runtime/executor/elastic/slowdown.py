@@ -6,9 +6,10 @@ Plan rank 0 of an elastic segment reads, every few seconds, the tail of every ra
 folder is shared): no collective is added. Per rank it keeps a baseline, the median compute
 seconds per sample over :data:`WINDOW_STEPS` steps after :data:`WARMUP_STEPS` of warm-up, and
 compares the median of the last :data:`WINDOW_STEPS` with it. A rank whose compute per sample
-is more than :data:`SLOW_THRESHOLD` above its baseline while the job's step (rank 0's
-spacing of step ends, the real throughput) is more than :data:`JOB_THRESHOLD` above its own
-baseline is slowed: the share balancing (``control/rebalance.py``) did not absorb it.
+rose more than :data:`SLOW_THRESHOLD` over its baseline (beyond the least changed rank's rise),
+in :data:`CONFIRM_POLLS` windows in a row, while the job's step (rank 0's spacing of step ends,
+the real throughput) is more than :data:`JOB_THRESHOLD` above its own baseline, is slowed:
+the share balancing (``control/rebalance.py``) did not absorb it.
 
 Then, in a background thread (training goes on): the recent window of each rank written as
 a runs folder, ``hplan calibrate`` (a corrected profile with the slowed device's factor) and
@@ -61,6 +62,7 @@ __all__ = [
     "SpeedWatch",
     "decide_restart",
     "detect_slowdown",
+    "plan_step_measured_s",
     "read_tail",
     "restart_cost_s",
 ]
@@ -76,6 +78,9 @@ JOB_THRESHOLD = 0.10
 """The job's step this much above its baseline: the share balancing did not absorb it."""
 POLL_S = 3.0
 """How often plan rank 0 reads the ranks' metrics."""
+CONFIRM_POLLS = 2
+"""Polls in a row (windows apart) that must find a rank slowed before the job re-plans: a
+rank that stays off, not a burst of other work on its machine."""
 DEFAULT_RESTART_COST_S = 20.0
 """A restart's cost when the run has not measured one (the downtime of a restart of the GPT
 example on three nodes under torchrun's agent, rounded up)."""
@@ -137,23 +142,43 @@ def detect_slowdown(
 ) -> Slowdown | None:
     """The ranks slowed between ``baseline`` and ``recent`` (each {rank: its records}), or
     None: no rank's compute per sample rose more than ``threshold``, or the job's step
-    (``job_rank``'s) did not rise more than ``job_threshold`` (the shares absorbed it)."""
+    (``job_rank``'s) did not rise more than ``job_threshold`` (the shares absorbed it).
+
+    A rank's change counts relative to the least changed rank's, so that what slows every
+    rank alike (the machine, the data) is no rank's slowdown and a re-plan could not help.
+    """
     if job_rank not in baseline or job_rank not in recent:
         return None
     job_baseline_s = job_step_s(baseline[job_rank])
     job_recent_s = job_step_s(recent[job_rank])
     if not job_recent_s > job_baseline_s * (1 + job_threshold):
         return None
-    slowed = [
+    speeds = [
         RankSpeed(rank, _per_sample_s(baseline[rank]), _per_sample_s(records))
         for rank, records in sorted(recent.items())
         if records and baseline.get(rank)
     ]
-    slowed = [s for s in slowed if s.recent_s > s.baseline_s * (1 + threshold)]
+    if not speeds:
+        return None
+    least = min(s.recent_s / s.baseline_s for s in speeds if s.baseline_s > 0)
+    slowed = [s for s in speeds if s.recent_s > s.baseline_s * least * (1 + threshold)]
     if not slowed:
         return None
     slowed.sort(key=lambda s: s.factor)
     return Slowdown(tuple(slowed), job_baseline_s, job_recent_s)
+
+
+def plan_step_measured_s(plan: Plan, recent: Mapping[int, Sequence[StepMetrics]]) -> float:
+    """``plan``'s predicted step with its bottleneck's compute replaced by the slowest rank's
+    measured compute (median of ``recent``, per step): the old plan in the units the
+    calibrated profile predicts the new one (measured compute, modelled communication), so
+    that their ratio is the model's gain without the model's error on this machine.
+    """
+    busy_s = max((r.busy_time_s for r in plan.report.ranks), default=0.0)
+    measured_s = max(
+        statistics.median(r.compute_time_s for r in records) for records in recent.values()
+    )
+    return max(plan.report.predicted_step_time_s - busy_s, 0.0) + measured_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +186,9 @@ class RestartDecision:
     """Whether restarting under a re-plan pays over the rest of the run."""
 
     measured_step_s: float
+    """The job's step now (seconds)."""
     predicted_step_s: float
+    """The job's step under the new plan (seconds, on this machine)."""
     steps_left: int
     cost_s: float
 
@@ -178,16 +205,31 @@ class RestartDecision:
         """The numbers behind it, one clause."""
         return (
             f"step {self.measured_step_s * 1e3:.1f} ms measured, {self.predicted_step_s * 1e3:.1f}"
-            f" ms predicted by the new plan, {self.steps_left} steps left: gain "
+            f" ms under the new plan (predicted), {self.steps_left} steps left: gain "
             f"{self.gain_s:.1f} s against a restart's {self.cost_s:.1f} s"
         )
 
 
 def decide_restart(
-    *, measured_step_s: float, predicted_step_s: float, steps_left: int, cost_s: float
+    *,
+    measured_step_s: float,
+    predicted_step_s: float,
+    old_predicted_step_s: float | None = None,
+    steps_left: int,
+    cost_s: float,
 ) -> RestartDecision:
-    """Restart when (measured step - the new plan's predicted step) x steps left exceeds
-    ``cost_s`` (the downtime of a restart; the stop saves a checkpoint, so no step is redone)."""
+    """Restart when (measured step - the new plan's step) x steps left exceeds ``cost_s``
+    (the downtime of a restart; the stop saves a checkpoint, so no step is redone).
+
+    Args:
+        measured_step_s: the job's step now.
+        predicted_step_s: the new plan's predicted step (its report).
+        old_predicted_step_s: the old plan's step in the same units
+            (:func:`plan_step_measured_s`): the new plan's step on this machine is then
+            ``measured_step_s x predicted / old_predicted`` (None: ``predicted_step_s`` as is).
+    """
+    if old_predicted_step_s is not None and old_predicted_step_s > 0:
+        predicted_step_s = measured_step_s * predicted_step_s / old_predicted_step_s
     return RestartDecision(measured_step_s, predicted_step_s, max(steps_left, 0), cost_s)
 
 
@@ -238,6 +280,9 @@ class SpeedWatch:
         self._baseline: dict[int, list[StepMetrics]] | None = None
         self.recent: dict[int, list[StepMetrics]] = {}
         """The last window read (what a re-plan calibrates with)."""
+        self._seen = 0
+        """Polls in a row that found a slowdown."""
+        self._last_window = -1
 
     def _window(self, start: int) -> range:
         return range(start, start + WINDOW_STEPS)
@@ -262,7 +307,11 @@ class SpeedWatch:
         if any(len(records) < WINDOW_STEPS for records in recent.values()):
             return None
         self.recent = recent
-        return detect_slowdown(self._baseline, recent)
+        slowdown = detect_slowdown(self._baseline, recent)
+        if steps.start > self._last_window:  # a new window: another confirmation
+            self._seen = self._seen + 1 if slowdown is not None else 0
+            self._last_window = steps.stop - 1
+        return slowdown if self._seen >= CONFIRM_POLLS else None
 
     def _read(self, steps: range, *, whole: bool) -> dict[int, list[StepMetrics]] | None:
         """Each rank's records of ``steps`` (None: a rank has not written them all yet)."""
@@ -359,7 +408,8 @@ class Replanner:
             text = "".join(metrics_line(r) for r in records)
             metrics_path(measured, rank).write_text(text, encoding="utf-8")
         calibrated = out / "calibrated"
-        failed = _run(calibrate_command(self.plan_path, measured, calibrated))
+        log = out / "replan.log"
+        failed = _run(calibrate_command(self.plan_path, measured, calibrated), log)
         if failed is not None:
             return f"calibrate: {failed}"
         profile = calibrated / "calibrated.json"
@@ -367,21 +417,24 @@ class Replanner:
         command = replan_command(
             self.family_dir, self.family, self.members, plan_dir, profile=profile
         )
-        failed = _run(command)
+        failed = _run(command, log)
         if failed is not None:
             return f"replan: {failed}"
         plan_file = plan_dir / "plan.json"
         return Replan(plan_file, Plan.load(plan_file), slowdown)
 
 
-def _run(command: list[str]) -> str | None:
-    """Run a planner command; None, or its last line of error."""
+def _run(command: list[str], log: Path) -> str | None:
+    """Run a planner command, its output appended to ``log``; None, or its last line of
+    error."""
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=REPLAN_TIMEOUT_S, check=False
         )
     except subprocess.TimeoutExpired:
         return f"took longer than {REPLAN_TIMEOUT_S:g} s"
+    with log.open("a", encoding="utf-8") as out:
+        out.write(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}\n")
     if done.returncode == 0:
         return None
     lines = [line for line in done.stderr.splitlines() if line.strip()]

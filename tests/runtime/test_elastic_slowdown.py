@@ -1,0 +1,156 @@
+"""A node that slows (``executor/elastic/slowdown.py``): detection from the segment's rank
+files, the restart's decision, and the re-plan's commands, on synthetic metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hplan.runtime.contract.metrics_file import StepMetrics, metrics_line, metrics_path
+from hplan.runtime.executor.elastic.slowdown import (
+    CONFIRM_POLLS,
+    DEFAULT_RESTART_COST_S,
+    WARMUP_STEPS,
+    WINDOW_STEPS,
+    SpeedWatch,
+    decide_restart,
+    detect_slowdown,
+    read_tail,
+    restart_cost_s,
+)
+
+STEP_S = 0.1
+
+
+def _record(rank: int, step: int, *, compute_s: float = 0.08, samples: int = 4,
+            step_s: float = STEP_S, end_s: float | None = None) -> StepMetrics:  # fmt: skip
+    return StepMetrics(
+        rank=rank, replica=rank, stage=0, step=step, step_time_s=step_s,
+        compute_time_s=compute_s, p2p_time_s=0.0, wait_time_s=0.0, allreduce_time_s=0.0,
+        optimizer_time_s=0.01, other_time_s=0.0, loss=1.0, samples=samples,
+        peak_memory_bytes=1, end_unix_time_s=step * step_s if end_s is None else end_s,
+    )  # fmt: skip
+
+
+def _window(first: int, *, slow: dict[int, float] | None = None, job_step_s: float = STEP_S,
+            ranks: int = 3, start_s: float = 1000.0) -> dict[int, list[StepMetrics]]:  # fmt: skip
+    """Each rank's records of WINDOW_STEPS steps from ``first``; ``slow``: {rank: factor on its
+    compute}; rank 0's step ends ``job_step_s`` apart."""
+    return {
+        rank: [
+            _record(
+                rank,
+                step,
+                compute_s=0.08 * (slow or {}).get(rank, 1.0),
+                end_s=start_s + (step - first) * job_step_s,
+            )
+            for step in range(first, first + WINDOW_STEPS)
+        ]
+        for rank in range(ranks)
+    }
+
+
+def test_a_rank_whose_compute_stays_off_while_the_job_slows_is_slowed() -> None:
+    found = detect_slowdown(_window(10), _window(50, slow={2: 2.0}, job_step_s=0.16))
+    assert found is not None
+    assert [s.rank for s in found.ranks] == [2]
+    assert found.ranks[0].factor == pytest.approx(0.5)
+    assert found.job_recent_s == pytest.approx(0.16) and found.job_baseline_s == pytest.approx(0.1)
+    assert found.describe({2: "c"}) == "c 0.50x"
+
+
+def test_a_slowdown_the_shares_absorbed_or_every_rank_shares_is_no_ranks() -> None:
+    # the job's step rose 5%: the share balancing absorbed the slow rank
+    assert detect_slowdown(_window(10), _window(50, slow={2: 2.0}, job_step_s=0.105)) is None
+    # every rank 1.8x slower (the machine, not a node): nothing a re-plan could fix
+    every = {0: 1.8, 1: 1.8, 2: 1.8}
+    assert detect_slowdown(_window(10), _window(50, slow=every, job_step_s=0.18)) is None
+    # a rank 20% slower: under the threshold
+    assert detect_slowdown(_window(10), _window(50, slow={2: 1.2}, job_step_s=0.12)) is None
+
+
+def test_a_restart_pays_when_the_gain_over_the_steps_left_beats_its_cost() -> None:
+    go = decide_restart(measured_step_s=0.2, predicted_step_s=0.12, steps_left=1000, cost_s=20)
+    assert go.restart and go.gain_s == pytest.approx(80.0)
+    near_end = decide_restart(measured_step_s=0.2, predicted_step_s=0.12, steps_left=200, cost_s=20)
+    assert not near_end.restart and near_end.gain_s == pytest.approx(16.0)
+    assert "gain 16.0 s against a restart's 20.0 s" in near_end.describe()
+
+
+def test_the_new_plans_step_is_scaled_by_the_old_plans_in_the_same_units() -> None:
+    # the planner predicts 30 ms for the new plan and 60 ms for the old one under the same
+    # (measured) speeds: on this machine the new plan runs at half the measured 0.2 s step
+    decision = decide_restart(
+        measured_step_s=0.2,
+        predicted_step_s=0.03,
+        old_predicted_step_s=0.06,
+        steps_left=100,
+        cost_s=5.0,
+    )
+    assert decision.predicted_step_s == pytest.approx(0.1)
+    assert decision.gain_s == pytest.approx(10.0) and decision.restart
+
+
+def test_a_restarts_cost_is_the_runs_last_measured_downtime(tmp_path: Path) -> None:
+    from hplan.runtime.contract.elastic import SegmentRecord, write_segment
+
+    assert restart_cost_s(tmp_path) == DEFAULT_RESTART_COST_S
+    for segment, downtime in ((0, None), (1, 12.5), (2, None)):
+        record = SegmentRecord(
+            segment=segment, members=("a", "b"), plan_path="p", plan_digest="d",
+            world_size=2, first_step=0, started_unix_s=0.0, predicted_samples_per_s=None,
+            cause="start", downtime_s=downtime,
+        )  # fmt: skip
+        write_segment(tmp_path, record)
+    assert restart_cost_s(tmp_path) == 12.5
+
+
+def test_a_tail_read_skips_the_cut_first_line_and_the_unfinished_last(tmp_path: Path) -> None:
+    path = tmp_path / "rank-0.jsonl"
+    lines = [metrics_line(_record(0, step)) for step in range(30)]
+    path.write_text("".join(lines) + lines[0][:40], encoding="utf-8")
+    tail = read_tail(path, max_bytes=sum(map(len, lines[-5:])) + 40 + 10)  # 10: a cut line
+    assert [r.step for r in tail] == [25, 26, 27, 28, 29]
+    assert read_tail(tmp_path / "rank-9.jsonl") == []
+
+
+def _write(folder: Path, records: dict[int, list[StepMetrics]]) -> None:
+    for rank, window in records.items():
+        with metrics_path(folder, rank).open("a", encoding="utf-8") as out:
+            out.writelines(metrics_line(r) for r in window)
+
+
+def test_the_watch_re_plans_only_for_a_rank_that_stays_off_for_windows_in_a_row(
+    tmp_path: Path,
+) -> None:
+    watch = SpeedWatch(tmp_path, [0, 1, 2], first_step=100)
+    step = 100
+    for _ in range(2 + (WARMUP_STEPS // WINDOW_STEPS)):  # warm-up, then the baseline
+        _write(tmp_path, _window(step, start_s=1000 + step * STEP_S))
+        step += WINDOW_STEPS
+    assert watch.poll(step) is None  # healthy
+    for confirmed in range(1, CONFIRM_POLLS + 1):
+        _write(tmp_path, _window(step, slow={1: 2.5}, job_step_s=0.2, start_s=1000 + step * STEP_S))
+        step += WINDOW_STEPS
+        found = watch.poll(step)
+        assert (found is not None) == (confirmed == CONFIRM_POLLS)
+    assert found is not None and [s.rank for s in found.ranks] == [1]
+    assert set(watch.recent) == {0, 1, 2}  # the window a re-plan calibrates with
+    _write(tmp_path, _window(step, start_s=1000 + step * STEP_S))  # the rank recovered
+    assert watch.poll(step + WINDOW_STEPS) is None
+
+
+def test_the_watch_waits_for_warm_up_and_a_baseline_every_rank_wrote(tmp_path: Path) -> None:
+    watch = SpeedWatch(tmp_path, [0, 1], first_step=0)
+    _write(tmp_path, _window(0, ranks=1, slow={0: 3.0}))
+    assert watch.poll(WINDOW_STEPS) is None  # during warm-up
+    assert watch.poll(WARMUP_STEPS + 2 * WINDOW_STEPS) is None  # rank 1 wrote nothing
+
+
+def test_the_replan_commands_are_the_planners_own(tmp_path: Path) -> None:
+    from hplan.runtime.contract.elastic import calibrate_command
+
+    command = calibrate_command(tmp_path / "plan.json", tmp_path / "runs", tmp_path / "out")
+    assert command[1:4] == ["-m", "hplan.planner", "calibrate"]
+    assert command[-2:] == ["-o", str(tmp_path / "out")]
