@@ -154,3 +154,150 @@ def test_the_replan_commands_are_the_planners_own(tmp_path: Path) -> None:
     command = calibrate_command(tmp_path / "plan.json", tmp_path / "runs", tmp_path / "out")
     assert command[1:4] == ["-m", "hplan.planner", "calibrate"]
     assert command[-2:] == ["-o", str(tmp_path / "out")]
+
+
+# --------------------------------------------------------------------------- the segment
+MODEL = """
+import torch
+from torch import nn
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def sample_batch(batch_size):
+    x = torch.randn(batch_size, 4)
+    return x, x.sum(dim=1, keepdim=True)
+
+
+def loss_fn(pred, target):
+    return torch.nn.functional.mse_loss(pred, target)
+"""
+
+
+@pytest.fixture(scope="module")
+def island_plans(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two plans of three one-rank islands (nodes box-a, box-b, box-c): 4|4|4 and 5|5|2."""
+    from hplan.runtime.contract.plan import SyncMode
+    from tests.fixtures.plans import ReplicaShape, make_plan, with_islands, write_model
+
+    folder = tmp_path_factory.mktemp("plans")
+    model = write_model(folder, MODEL)
+    paths = []
+    for name, shares in (("even", (4, 4, 4)), ("moved", (5, 5, 2))):
+        shapes = tuple(ReplicaShape((-1,), n, n) for n in shares)
+        plan = with_islands(make_plan(model, shapes), [1, 1, 1], SyncMode.LOCAL_SGD)
+        path = folder / name / "plan.json"
+        path.parent.mkdir()
+        path.write_text(plan.to_json(), encoding="utf-8")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+class _SolvedAtOnce:
+    """A ``Replanner`` whose re-plan is ``plan_path``, done as soon as it is begun."""
+
+    def __init__(self, plan_path: Path) -> None:
+        self.plan_path = plan_path
+        self.running = False
+        self.begun = 0
+        self._result: object = None
+
+    def begin(self, slowdown: object, recent: object) -> None:
+        from hplan.runtime.contract.plan import Plan
+        from hplan.runtime.executor.elastic.slowdown import Replan
+
+        self.begun += 1
+        self._result = Replan(self.plan_path, Plan.load(self.plan_path), slowdown)  # type: ignore[arg-type]
+
+    def take(self) -> object:
+        result, self._result = self._result, None
+        return result
+
+
+def _segment(tmp_path: Path, plan_path: Path, total_steps: int) -> object:
+    from hplan.runtime.contract.elastic import PlanFamily, SharedRunDir
+    from hplan.runtime.contract.plan import Plan
+    from hplan.runtime.executor.elastic.segment import ElasticSegment
+    from hplan.runtime.executor.elastic.start import SegmentStart
+
+    members = ("box-a", "box-b", "box-c")
+    family = PlanFamily(
+        schema_version=1, hplan_version="0", nodes=members,
+        processes_per_node=dict.fromkeys(members, 1), min_nodes=1,
+        rendezvous_host="127.0.0.1", rendezvous_port=1, run_id="t", cluster_file="c.yaml",
+        capture_file=None, model_digest="m", plans={"+".join(members): "plan.json"},
+    )  # fmt: skip
+    start = SegmentStart(
+        None, None, family, plan_path.parent, SharedRunDir(tmp_path / "ck"),  # type: ignore[arg-type]
+        "box-a", members, plan_path, Plan.load(plan_path), 0, 0, "solved ahead", 0.0,
+    )  # fmt: skip
+    segment = ElasticSegment(start, tmp_path / "metrics")
+    segment.begin(0, total_steps)
+    return segment
+
+
+def _train_slowing(segment: object, folder: Path, num_windows: int) -> None:
+    """Rank files as three islands write them: healthy through the baseline, then node
+    box-c (rank 2) 2.5x slower and the job's step 2x longer; ``after_step`` at each window."""
+    step = 0
+    for index in range(num_windows):
+        slow = index >= 2 + WARMUP_STEPS // WINDOW_STEPS
+        start_s = 1000 + step * STEP_S
+        window = (
+            _window(step, slow={2: 2.5}, job_step_s=0.2, start_s=start_s)
+            if slow
+            else _window(step, start_s=start_s)
+        )
+        _write(folder, window)
+        step += WINDOW_STEPS
+        segment.after_step(step)  # type: ignore[attr-defined]
+
+
+def test_a_slowed_node_makes_rank_0_replan_and_ask_the_job_to_restart(
+    tmp_path: Path,
+    island_plans: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hplan.runtime.contract.elastic import RunEventKind
+    from hplan.runtime.executor.elastic import segment as segment_module
+
+    monkeypatch.setattr(segment_module, "POLL_S", 0.0)
+    even, moved = island_plans
+    segment = _segment(tmp_path, even, total_steps=10_000)
+    fake = _SolvedAtOnce(moved)
+    segment._replanner = fake  # type: ignore[attr-defined]
+    _train_slowing(segment, segment.metrics_dir, 8)  # type: ignore[attr-defined]
+    err = capsys.readouterr().err
+    assert fake.begun == 1
+    assert "measured speed box-c 0.40x of its baseline" in err
+    assert "restarting under" in err and "samples box-a 5, box-b 5, box-c 2" in err
+    assert segment.wants_replan  # type: ignore[attr-defined]
+    shared = segment.shared  # type: ignore[attr-defined]
+    assert shared.current_plans() == {"box-a+box-b+box-c": str(moved)}
+    (slowed,) = [e for e in shared.events() if e.kind is RunEventKind.SLOWED]
+    assert (
+        slowed.node == "box-c" and slowed.detail == "re-planned for measured speeds (box-c 0.40x)"
+    )
+    assert segment.replanned_line() == f"re-planned for measured speeds: restarting under {moved}"  # type: ignore[attr-defined]
+
+
+def test_a_replan_that_does_not_pay_before_the_end_keeps_the_plan(
+    tmp_path: Path,
+    island_plans: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hplan.runtime.executor.elastic import segment as segment_module
+
+    monkeypatch.setattr(segment_module, "POLL_S", 0.0)
+    even, moved = island_plans
+    segment = _segment(tmp_path, even, total_steps=170)  # 10 steps left at the decision
+    segment._replanner = _SolvedAtOnce(moved)  # type: ignore[attr-defined]
+    _train_slowing(segment, segment.metrics_dir, 8)  # type: ignore[attr-defined]
+    err = capsys.readouterr().err
+    assert "keeping the plan" in err and "restarting under" not in err
+    assert not segment.wants_replan  # type: ignore[attr-defined]
+    assert segment.shared.current_plans() == {}  # type: ignore[attr-defined]
