@@ -3,6 +3,7 @@ files, the restart's decision, and the re-plan's commands, on synthetic metrics.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from hplan.runtime.executor.elastic.slowdown import (
     detect_slowdown,
     read_tail,
     restart_cost_s,
+    solved_with,
 )
 
 STEP_S = 0.1
@@ -68,6 +70,13 @@ def test_a_slowdown_the_shares_absorbed_or_every_rank_shares_is_no_ranks() -> No
     assert detect_slowdown(_window(10), _window(50, slow=every, job_step_s=0.18)) is None
     # a rank 20% slower: under the threshold
     assert detect_slowdown(_window(10), _window(50, slow={2: 1.2}, job_step_s=0.12)) is None
+
+
+def test_a_slowed_rank_the_shares_left_little_work_is_off_the_critical_path() -> None:
+    baseline, recent = _window(10), _window(50, slow={2: 2.0}, job_step_s=0.16)
+    for rank in (baseline, recent):  # rank 2 computes 1 sample a step, the others 4
+        rank[2] = [replace(r, samples=1, compute_time_s=r.compute_time_s / 4) for r in rank[2]]
+    assert detect_slowdown(baseline, recent) is None
 
 
 def test_a_restart_pays_when_the_gain_over_the_steps_left_beats_its_cost() -> None:
@@ -154,6 +163,15 @@ def test_the_replan_commands_are_the_planners_own(tmp_path: Path) -> None:
     command = calibrate_command(tmp_path / "plan.json", tmp_path / "runs", tmp_path / "out")
     assert command[1:4] == ["-m", "hplan.planner", "calibrate"]
     assert command[-2:] == ["-o", str(tmp_path / "out")]
+    # a plan re-planned during the run: its calibration keeps the factors it was solved with
+    replanned = tmp_path / "a+b-r1" / "plan" / "plan.json"
+    assert solved_with(replanned) is None
+    (tmp_path / "a+b-r1" / "calibrated").mkdir(parents=True)
+    (tmp_path / "a+b-r1" / "calibrated" / "calibrated.json").write_text("{}", encoding="utf-8")
+    profile = solved_with(replanned)
+    assert profile == tmp_path / "a+b-r1" / "calibrated" / "calibrated.json"
+    command = calibrate_command(replanned, tmp_path / "runs", tmp_path / "out", profile=profile)
+    assert command[-2:] == ["--profile", str(profile)]
 
 
 # --------------------------------------------------------------------------- the segment

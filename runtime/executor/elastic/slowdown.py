@@ -87,6 +87,12 @@ example on three nodes under torchrun's agent, rounded up)."""
 TAIL_BYTES = 64 * 1024
 """How much of the end of a rank's file a poll reads (a line is under 1 kB)."""
 REPLAN_TIMEOUT_S = 600.0
+CALIBRATED_FILE = "calibrated.json"
+"""What ``hplan calibrate -o DIR`` writes in DIR."""
+CRITICAL_SHARE = 0.8
+"""A slowed rank counts when its compute a step is at least this share of the busiest
+rank's: it is on the job's critical path (a rank the shares left with little work slows
+nothing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +151,9 @@ def detect_slowdown(
     (``job_rank``'s) did not rise more than ``job_threshold`` (the shares absorbed it).
 
     A rank's change counts relative to the least changed rank's, so that what slows every
-    rank alike (the machine, the data) is no rank's slowdown and a re-plan could not help.
+    rank alike (the machine, the data) is no rank's slowdown and a re-plan could not help;
+    and only on the job's critical path (its compute a step at least :data:`CRITICAL_SHARE`
+    of the busiest rank's).
     """
     if job_rank not in baseline or job_rank not in recent:
         return None
@@ -161,7 +169,13 @@ def detect_slowdown(
     if not speeds:
         return None
     least = min(s.recent_s / s.baseline_s for s in speeds if s.baseline_s > 0)
-    slowed = [s for s in speeds if s.recent_s > s.baseline_s * least * (1 + threshold)]
+    busy_s = {rank: statistics.median(r.compute_time_s for r in recent[rank]) for rank in recent}
+    critical_s = CRITICAL_SHARE * max(busy_s.values())
+    slowed = [
+        s
+        for s in speeds
+        if s.recent_s > s.baseline_s * least * (1 + threshold) and busy_s[s.rank] >= critical_s
+    ]
     if not slowed:
         return None
     slowed.sort(key=lambda s: s.factor)
@@ -409,10 +423,11 @@ class Replanner:
             metrics_path(measured, rank).write_text(text, encoding="utf-8")
         calibrated = out / "calibrated"
         log = out / "replan.log"
-        failed = _run(calibrate_command(self.plan_path, measured, calibrated), log)
+        earlier = solved_with(self.plan_path)
+        failed = _run(calibrate_command(self.plan_path, measured, calibrated, profile=earlier), log)
         if failed is not None:
             return f"calibrate: {failed}"
-        profile = calibrated / "calibrated.json"
+        profile = calibrated / CALIBRATED_FILE
         plan_dir = out / "plan"
         command = replan_command(
             self.family_dir, self.family, self.members, plan_dir, profile=profile
@@ -422,6 +437,14 @@ class Replanner:
             return f"replan: {failed}"
         plan_file = plan_dir / "plan.json"
         return Replan(plan_file, Plan.load(plan_file), slowdown)
+
+
+def solved_with(plan_path: Path) -> Path | None:
+    """The calibrated profile a plan re-planned during the run was solved with
+    (``<out>/plan/plan.json`` beside ``<out>/calibrated/calibrated.json``); None: another
+    plan (the family's)."""
+    profile = plan_path.parent.parent / "calibrated" / CALIBRATED_FILE
+    return profile if profile.is_file() else None
 
 
 def _run(command: list[str], log: Path) -> str | None:
