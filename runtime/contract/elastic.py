@@ -41,7 +41,7 @@ __all__ = [
     "RunState",
     "SegmentRecord",
     "SharedRunDir",
-    "calibrate_command",
+    "calibration_command",
     "hplan_version",
     "members_key",
     "read_segments",
@@ -180,7 +180,7 @@ def replan_command(
     return command
 
 
-def calibrate_command(
+def calibration_command(
     plan_path: Path, runs_dir: Path, out_dir: Path, *, profile: Path | None = None
 ) -> list[str]:
     """The planner's command that writes ``out_dir/calibrated.json``: ``plan_path``'s

@@ -12,8 +12,8 @@ from hplan.runtime.contract.metrics_file import StepMetrics, metrics_line, metri
 from hplan.runtime.executor.elastic.slowdown import (
     CONFIRM_POLLS,
     DEFAULT_RESTART_COST_S,
+    SPEED_WINDOW_STEPS,
     WARMUP_STEPS,
-    WINDOW_STEPS,
     SpeedWatch,
     decide_restart,
     detect_slowdown,
@@ -37,7 +37,7 @@ def _record(rank: int, step: int, *, compute_s: float = 0.08, samples: int = 4,
 
 def _window(first: int, *, slow: dict[int, float] | None = None, job_step_s: float = STEP_S,
             ranks: int = 3, start_s: float = 1000.0) -> dict[int, list[StepMetrics]]:  # fmt: skip
-    """Each rank's records of WINDOW_STEPS steps from ``first``; ``slow``: {rank: factor on its
+    """Each rank's records of SPEED_WINDOW_STEPS steps from ``first``; ``slow``: {rank: factor on its
     compute}; rank 0's step ends ``job_step_s`` apart."""
     return {
         rank: [
@@ -47,7 +47,7 @@ def _window(first: int, *, slow: dict[int, float] | None = None, job_step_s: flo
                 compute_s=0.08 * (slow or {}).get(rank, 1.0),
                 end_s=start_s + (step - first) * job_step_s,
             )
-            for step in range(first, first + WINDOW_STEPS)
+            for step in range(first, first + SPEED_WINDOW_STEPS)
         ]
         for rank in range(ranks)
     }
@@ -135,32 +135,32 @@ def test_the_watch_re_plans_only_for_a_rank_that_stays_off_for_windows_in_a_row(
 ) -> None:
     watch = SpeedWatch(tmp_path, [0, 1, 2], first_step=100)
     step = 100
-    for _ in range(2 + (WARMUP_STEPS // WINDOW_STEPS)):  # warm-up, then the baseline
+    for _ in range(2 + (WARMUP_STEPS // SPEED_WINDOW_STEPS)):  # warm-up, then the baseline
         _write(tmp_path, _window(step, start_s=1000 + step * STEP_S))
-        step += WINDOW_STEPS
+        step += SPEED_WINDOW_STEPS
     assert watch.poll(step) is None  # healthy
     for confirmed in range(1, CONFIRM_POLLS + 1):
         _write(tmp_path, _window(step, slow={1: 2.5}, job_step_s=0.2, start_s=1000 + step * STEP_S))
-        step += WINDOW_STEPS
+        step += SPEED_WINDOW_STEPS
         found = watch.poll(step)
         assert (found is not None) == (confirmed == CONFIRM_POLLS)
     assert found is not None and [s.rank for s in found.ranks] == [1]
     assert set(watch.recent) == {0, 1, 2}  # the window a re-plan calibrates with
     _write(tmp_path, _window(step, start_s=1000 + step * STEP_S))  # the rank recovered
-    assert watch.poll(step + WINDOW_STEPS) is None
+    assert watch.poll(step + SPEED_WINDOW_STEPS) is None
 
 
 def test_the_watch_waits_for_warm_up_and_a_baseline_every_rank_wrote(tmp_path: Path) -> None:
     watch = SpeedWatch(tmp_path, [0, 1], first_step=0)
     _write(tmp_path, _window(0, ranks=1, slow={0: 3.0}))
-    assert watch.poll(WINDOW_STEPS) is None  # during warm-up
-    assert watch.poll(WARMUP_STEPS + 2 * WINDOW_STEPS) is None  # rank 1 wrote nothing
+    assert watch.poll(SPEED_WINDOW_STEPS) is None  # during warm-up
+    assert watch.poll(WARMUP_STEPS + 2 * SPEED_WINDOW_STEPS) is None  # rank 1 wrote nothing
 
 
 def test_the_replan_commands_are_the_planners_own(tmp_path: Path) -> None:
-    from hplan.runtime.contract.elastic import calibrate_command
+    from hplan.runtime.contract.elastic import calibration_command
 
-    command = calibrate_command(tmp_path / "plan.json", tmp_path / "runs", tmp_path / "out")
+    command = calibration_command(tmp_path / "plan.json", tmp_path / "runs", tmp_path / "out")
     assert command[1:4] == ["-m", "hplan.planner", "calibrate"]
     assert command[-2:] == ["-o", str(tmp_path / "out")]
     # a plan re-planned during the run: its calibration keeps the factors it was solved with
@@ -170,7 +170,7 @@ def test_the_replan_commands_are_the_planners_own(tmp_path: Path) -> None:
     (tmp_path / "a+b-r1" / "calibrated" / "calibrated.json").write_text("{}", encoding="utf-8")
     profile = solved_with(replanned)
     assert profile == tmp_path / "a+b-r1" / "calibrated" / "calibrated.json"
-    command = calibrate_command(replanned, tmp_path / "runs", tmp_path / "out", profile=profile)
+    command = calibration_command(replanned, tmp_path / "runs", tmp_path / "out", profile=profile)
     assert command[-2:] == ["--profile", str(profile)]
 
 
@@ -261,7 +261,7 @@ def _train_slowing(segment: object, folder: Path, num_windows: int) -> None:
     box-c (rank 2) 2.5x slower and the job's step 2x longer; ``after_step`` at each window."""
     step = 0
     for index in range(num_windows):
-        slow = index >= 2 + WARMUP_STEPS // WINDOW_STEPS
+        slow = index >= 2 + WARMUP_STEPS // SPEED_WINDOW_STEPS
         start_s = 1000 + step * STEP_S
         window = (
             _window(step, slow={2: 2.5}, job_step_s=0.2, start_s=start_s)
@@ -269,7 +269,7 @@ def _train_slowing(segment: object, folder: Path, num_windows: int) -> None:
             else _window(step, start_s=start_s)
         )
         _write(folder, window)
-        step += WINDOW_STEPS
+        step += SPEED_WINDOW_STEPS
         segment.after_step(step)  # type: ignore[attr-defined]
 
 

@@ -4,8 +4,8 @@ speeds, and restart under the new plan when that pays.
 Plan rank 0 of an elastic segment reads, every few seconds, the tail of every rank's
 ``rank-<r>.jsonl`` in the segment's metrics folder (every rank flushes a line per step; the
 folder is shared): no collective is added. Per rank it keeps a baseline, the median compute
-seconds per sample over :data:`WINDOW_STEPS` steps after :data:`WARMUP_STEPS` of warm-up, and
-compares the median of the last :data:`WINDOW_STEPS` with it. A rank whose compute per sample
+seconds per sample over :data:`SPEED_WINDOW_STEPS` steps after :data:`WARMUP_STEPS` of warm-up, and
+compares the median of the last :data:`SPEED_WINDOW_STEPS` with it. A rank whose compute per sample
 rose more than :data:`SLOW_THRESHOLD` over its baseline (beyond the least changed rank's rise),
 in :data:`CONFIRM_POLLS` windows in a row, while the job's step (rank 0's spacing of step ends,
 the real throughput) is more than :data:`JOB_THRESHOLD` above its own baseline, is slowed:
@@ -33,7 +33,7 @@ from pathlib import Path
 from hplan.runtime.contract.elastic import (
     PlanFamily,
     SharedRunDir,
-    calibrate_command,
+    calibration_command,
     members_key,
     read_segments,
     replan_command,
@@ -52,8 +52,8 @@ __all__ = [
     "JOB_THRESHOLD",
     "POLL_S",
     "SLOW_THRESHOLD",
+    "SPEED_WINDOW_STEPS",
     "WARMUP_STEPS",
-    "WINDOW_STEPS",
     "RankSpeed",
     "Replan",
     "Replanner",
@@ -69,7 +69,7 @@ __all__ = [
 
 WARMUP_STEPS = 10
 """A segment's first steps, left out of its baselines (caches, allocator, first shares)."""
-WINDOW_STEPS = 20
+SPEED_WINDOW_STEPS = 20
 """Steps in a baseline and in a recent window: a median over them ignores a few slow steps
 (a checkpoint save, an outer sync), so a rank is slowed only when most of them are."""
 SLOW_THRESHOLD = 0.30
@@ -299,12 +299,12 @@ class SpeedWatch:
         self._last_window = -1
 
     def _window(self, start: int) -> range:
-        return range(start, start + WINDOW_STEPS)
+        return range(start, start + SPEED_WINDOW_STEPS)
 
     def poll(self, steps_done: int) -> Slowdown | None:
         """Read the ranks' files; the slowdown, if any (None also before the windows are full)."""
         baseline_steps = self._window(self.first_step + WARMUP_STEPS)
-        if steps_done < baseline_steps.stop + WINDOW_STEPS:
+        if steps_done < baseline_steps.stop + SPEED_WINDOW_STEPS:
             return None  # the recent window must not overlap the baseline
         if self._baseline is None:
             self._baseline = self._read(baseline_steps, whole=True)
@@ -314,11 +314,11 @@ class SpeedWatch:
         if not all(tails.values()):
             return None
         newest = min(max(rec.step for rec in records) for records in tails.values())
-        steps = self._window(newest - WINDOW_STEPS + 1)  # the newest steps every rank wrote
+        steps = self._window(newest - SPEED_WINDOW_STEPS + 1)  # the newest steps every rank wrote
         if steps.start < baseline_steps.stop:
             return None
         recent = {r: [rec for rec in records if rec.step in steps] for r, records in tails.items()}
-        if any(len(records) < WINDOW_STEPS for records in recent.values()):
+        if any(len(records) < SPEED_WINDOW_STEPS for records in recent.values()):
             return None
         self.recent = recent
         slowdown = detect_slowdown(self._baseline, recent)
@@ -424,7 +424,9 @@ class Replanner:
         calibrated = out / "calibrated"
         log = out / "replan.log"
         earlier = solved_with(self.plan_path)
-        failed = _run(calibrate_command(self.plan_path, measured, calibrated, profile=earlier), log)
+        failed = _run(
+            calibration_command(self.plan_path, measured, calibrated, profile=earlier), log
+        )
         if failed is not None:
             return f"calibrate: {failed}"
         profile = calibrated / CALIBRATED_FILE
