@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hplan.runtime.contract.elastic import PlanFamily
 from hplan.runtime.contract.metrics_file import StepMetrics, metrics_line, metrics_path
 from hplan.runtime.executor.elastic.slowdown import (
     CONFIRM_POLLS,
@@ -163,15 +164,19 @@ def test_the_replan_commands_are_the_planners_own(tmp_path: Path) -> None:
     command = calibration_command(tmp_path / "plan.json", tmp_path / "runs", tmp_path / "out")
     assert command[1:4] == ["-m", "hplan.planner", "calibrate"]
     assert command[-2:] == ["-o", str(tmp_path / "out")]
-    # a plan re-planned during the run: its calibration keeps the factors it was solved with
+    # the family's plan: calibrated from the solve's own profile, where it had one
+    family = _family(tmp_path)
+    assert solved_with(tmp_path / "plan.json", family, tmp_path) == ()
+    family = replace(family, replan_files={"--profile": ("profile.json",)})
+    assert solved_with(tmp_path / "plan.json", family, tmp_path) == (tmp_path / "profile.json",)
+    # a plan re-planned during the run: from the calibration it was solved with
     replanned = tmp_path / "a+b-r1" / "plan" / "plan.json"
-    assert solved_with(replanned) is None
     (tmp_path / "a+b-r1" / "calibrated").mkdir(parents=True)
     (tmp_path / "a+b-r1" / "calibrated" / "calibrated.json").write_text("{}", encoding="utf-8")
-    profile = solved_with(replanned)
-    assert profile == tmp_path / "a+b-r1" / "calibrated" / "calibrated.json"
-    command = calibration_command(replanned, tmp_path / "runs", tmp_path / "out", profile=profile)
-    assert command[-2:] == ["--profile", str(profile)]
+    profiles = solved_with(replanned, family, tmp_path)
+    assert profiles == (tmp_path / "a+b-r1" / "calibrated" / "calibrated.json",)
+    command = calibration_command(replanned, tmp_path, tmp_path / "out", profiles=profiles)
+    assert command[-2:] == ["--profile", str(profiles[0])]
 
 
 # --------------------------------------------------------------------------- the segment
@@ -234,19 +239,24 @@ class _SolvedAtOnce:
         return result
 
 
-def _segment(tmp_path: Path, plan_path: Path, total_steps: int) -> object:
-    from hplan.runtime.contract.elastic import PlanFamily, SharedRunDir
-    from hplan.runtime.contract.plan import Plan
-    from hplan.runtime.executor.elastic.segment import ElasticSegment
-    from hplan.runtime.executor.elastic.start import SegmentStart
-
+def _family(folder: Path) -> PlanFamily:
     members = ("box-a", "box-b", "box-c")
-    family = PlanFamily(
+    return PlanFamily(
         schema_version=1, hplan_version="0", nodes=members,
         processes_per_node=dict.fromkeys(members, 1), min_nodes=1,
         rendezvous_host="127.0.0.1", rendezvous_port=1, run_id="t", cluster_file="c.yaml",
         capture_file=None, model_digest="m", plans={"+".join(members): "plan.json"},
     )  # fmt: skip
+
+
+def _segment(tmp_path: Path, plan_path: Path, total_steps: int) -> object:
+    from hplan.runtime.contract.elastic import SharedRunDir
+    from hplan.runtime.contract.plan import Plan
+    from hplan.runtime.executor.elastic.segment import ElasticSegment
+    from hplan.runtime.executor.elastic.start import SegmentStart
+
+    members = ("box-a", "box-b", "box-c")
+    family = _family(plan_path.parent)
     start = SegmentStart(
         None, None, family, plan_path.parent, SharedRunDir(tmp_path / "ck"),  # type: ignore[arg-type]
         "box-a", members, plan_path, Plan.load(plan_path), 0, 0, "solved ahead", 0.0,

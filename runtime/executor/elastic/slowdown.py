@@ -423,10 +423,9 @@ class Replanner:
             metrics_path(measured, rank).write_text(text, encoding="utf-8")
         calibrated = out / "calibrated"
         log = out / "replan.log"
-        earlier = solved_with(self.plan_path)
-        failed = _run(
-            calibration_command(self.plan_path, measured, calibrated, profile=earlier), log
-        )
+        profiles = solved_with(self.plan_path, self.family, self.family_dir)
+        command = calibration_command(self.plan_path, measured, calibrated, profiles=profiles)
+        failed = _run(command, log)
         if failed is not None:
             return f"calibrate: {failed}"
         profile = calibrated / CALIBRATED_FILE
@@ -441,12 +440,14 @@ class Replanner:
         return Replan(plan_file, Plan.load(plan_file), slowdown)
 
 
-def solved_with(plan_path: Path) -> Path | None:
-    """The calibrated profile a plan re-planned during the run was solved with
-    (``<out>/plan/plan.json`` beside ``<out>/calibrated/calibrated.json``); None: another
-    plan (the family's)."""
+def solved_with(plan_path: Path, family: PlanFamily, family_dir: Path) -> tuple[Path, ...]:
+    """The profiles ``plan_path`` was solved with: the calibrated one of a plan re-planned
+    during the run (``<out>/plan/plan.json`` beside ``<out>/calibrated/calibrated.json``),
+    else the family's solve's own (``--profile``; none: the catalog's estimates)."""
     profile = plan_path.parent.parent / "calibrated" / CALIBRATED_FILE
-    return profile if profile.is_file() else None
+    if profile.is_file():
+        return (profile,)
+    return tuple(family_dir / path for path in family.replan_files.get("--profile", ()))
 
 
 def _run(command: list[str], log: Path) -> str | None:
