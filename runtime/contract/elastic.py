@@ -41,6 +41,7 @@ __all__ = [
     "RunState",
     "SegmentRecord",
     "SharedRunDir",
+    "calibration_command",
     "hplan_version",
     "members_key",
     "read_segments",
@@ -187,6 +188,28 @@ def replan_command(
     for option, paths in files.items():
         for path in paths:
             command += [option, str(folder / path)]
+    return command
+
+
+def calibration_command(
+    plan_path: Path, runs_dir: Path, out_dir: Path, *, profiles: Sequence[Path] = ()
+) -> list[str]:
+    """The planner's command that writes ``out_dir/calibrated.json``: ``plan_path``'s
+    profile corrected by the runs in ``runs_dir`` (their ``rank-<r>.jsonl``), each device's
+    measured speed included (``python -m hplan.planner calibrate PLAN RUNS -o OUT
+    [--profile P ...]``).
+
+    Args:
+        profiles: the profiles ``plan_path`` was solved with (the family's solve's, or an
+            earlier calibration): their unit timings are corrected, and the factors of
+            devices these runs did not measure are kept.
+    """
+    command = [
+        sys.executable, "-m", "hplan.planner", "calibrate", str(plan_path), str(runs_dir),
+        "-o", str(out_dir),
+    ]  # fmt: skip
+    for profile in profiles:
+        command += ["--profile", str(profile)]
     return command
 
 
