@@ -180,33 +180,22 @@ def test_the_replan_commands_are_the_planners_own(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- the segment
-MODEL = """
-import torch
-from torch import nn
-
-
-def build_model():
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def sample_batch(batch_size):
-    x = torch.randn(batch_size, 4)
-    return x, x.sum(dim=1, keepdim=True)
-
-
-def loss_fn(pred, target):
-    return torch.nn.functional.mse_loss(pred, target)
-"""
 
 
 @pytest.fixture(scope="module")
 def island_plans(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two plans of three one-rank islands (nodes box-a, box-b, box-c): 4|4|4 and 5|5|2."""
     from hplan.runtime.contract.plan import SyncMode
-    from tests.fixtures.plans import ReplicaShape, make_plan, with_islands, write_model
+    from tests.fixtures.plans import (
+        TINY_MODEL,
+        ReplicaShape,
+        make_plan,
+        with_islands,
+        write_model,
+    )
 
     folder = tmp_path_factory.mktemp("plans")
-    model = write_model(folder, MODEL)
+    model = write_model(folder, TINY_MODEL)
     paths = []
     for name, shares in (("even", (4, 4, 4)), ("moved", (5, 5, 2))):
         shapes = tuple(ReplicaShape((-1,), n, n) for n in shares)

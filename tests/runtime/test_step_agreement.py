@@ -16,27 +16,10 @@ from hplan.runtime.contract.metrics_file import StepMetrics
 from hplan.runtime.executor.control.agreement import Decision, StepAgreement, StopReason
 from hplan.runtime.executor.control.exchange import Post, StepControl, StepFlags, encode_post
 from hplan.runtime.executor.control.rebalance import MIN_WINDOW_STEPS, ShareBalancer
-from tests.fixtures.plans import ReplicaShape, make_plan, write_model
+from tests.fixtures.plans import TINY_MODEL, ReplicaShape, make_plan, write_model
 
 NONE, PREEMPTED = StepFlags.NONE, StepFlags.PREEMPTED
 NONFINITE, DUE = StepFlags.NONFINITE_LOSS, StepFlags.CHECKPOINT_DUE
-MODEL = """
-import torch
-from torch import nn
-
-
-def build_model():
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def sample_batch(batch_size):
-    x = torch.randn(batch_size, 4)
-    return x, x.sum(dim=1, keepdim=True)
-
-
-def loss_fn(pred, target):
-    return torch.nn.functional.mse_loss(pred, target)
-"""
 
 
 @dataclass
@@ -153,7 +136,7 @@ def test_each_replicas_loss_reaches_every_rank_one_step_later_a_nonfinite_one_as
 def test_the_shares_the_agreed_speeds_ask_for_are_taken_from_the_step_they_are_read(
     tmp_path: Path,
 ) -> None:
-    model = write_model(tmp_path, MODEL)
+    model = write_model(tmp_path, TINY_MODEL)
     shapes = [ReplicaShape((-1,), micro_batch_size=12, num_samples=12)] * 2
     balancer = ShareBalancer(make_plan(model, shapes), 1)
     # replica 0 computes a sample in 0.01 s, twice as fast as this rank's replica 1
