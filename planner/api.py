@@ -341,6 +341,10 @@ class PlanningOutcome:
     """Wall time of the solver's passes (:data:`SOLVE_PASSES`), seconds."""
     pass_times_s: tuple[tuple[str, float], ...] = ()
     """Wall time of every pass, in order: (pass name, seconds)."""
+    capture: CapturedModel | StoredCapture | None = None
+    """The capture pass's result (the model captured here, or read from a capture file)."""
+    trains: TrainsVerdict | None = None
+    """The trains check's verdict."""
 
     def phase_times_s(self) -> tuple[tuple[str, float], ...]:
         """Wall time of every phase (:data:`PHASES`) that ran, in order, seconds."""
@@ -381,6 +385,8 @@ def plan_training(
         result=results["choose"],
         solve_time_s=sum(results[f"{name}.time_s"] for name in SOLVE_PASSES),
         pass_times_s=tuple((step.name, results[f"{step.name}.time_s"]) for step in PASSES),
+        capture=results["capture"],
+        trains=results["trains_check"],
     )
 
 
@@ -725,27 +731,66 @@ def capture_to_file(
     trains = check_trains(captured)
     graph = model_graph(captured, trains.loss_memory)
     graph.verify()
-    record = capture_record(
+    record = _record_of(captured, graph, trains, model_path=model_path, leaf_modules=leaf_modules)
+    _write_capture(record, out_path)
+    return record
+
+
+def save_outcome_capture(outcome: PlanningOutcome, request: SolveRequest, out_path: Path) -> None:
+    """Write the capture a solve made (or read) as a capture file at ``out_path``, without
+    capturing the model again (``hplan solve --elastic``: re-solves start from it).
+
+    Raises:
+        ConfigError: ``out_path`` cannot be written (names it).
+    """
+    captured, trains = outcome.capture, outcome.trains
+    assert captured is not None and trains is not None, "an outcome of plan_training"
+    if isinstance(captured, StoredCapture):
+        text = captured.source.read_text(encoding="utf-8")
+        _write_text(out_path, text, what="capture file")
+        return
+    record = _record_of(
+        captured, outcome.graph, trains, model_path=request.model_path,
+        leaf_modules=request.leaf_modules,
+    )  # fmt: skip
+    _write_capture(record, out_path)
+
+
+def _record_of(
+    captured: CapturedModel,
+    graph: ModelGraph,
+    trains: TrainsVerdict,
+    *,
+    model_path: Path,
+    leaf_modules: tuple[str, ...],
+) -> CaptureFile:
+    return capture_record(
         graph,
         trains,
         optimizer_state_bytes_per_param_byte=optimizer_state_factor(
-            model_file, param_dtype=graph.param_dtype
+            captured.model_file, param_dtype=graph.param_dtype
         ),
         model_path=model_path,
-        model_sha256=model_file.sha256,
-        seed=seed,
+        model_sha256=captured.model_file.sha256,
+        seed=captured.seed,
         leaf_modules=leaf_modules,
         batch_sizes=captured.batch_sizes,
     )
+
+
+def _write_capture(record: CaptureFile, out_path: Path) -> None:
+    _write_text(out_path, record.to_json(), what="capture file")
+
+
+def _write_text(out_path: Path, text: str, *, what: str) -> None:
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(record.to_json(), encoding="utf-8")
+        out_path.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise ConfigError(
-            f"cannot write the capture file {str(out_path)!r} ({exc.strerror}); "
+            f"cannot write the {what} {str(out_path)!r} ({exc.strerror}); "
             "choose a writable path (-o)"
         ) from None
-    return record
 
 
 # --------------------------------------------------------------------------- helpers

@@ -98,6 +98,10 @@ class PhaseProgress:
         yield
         self.times_s[name] = self.times_s.get(name, 0.0) + time.monotonic() - started_s
 
+    def tell(self, says: str) -> None:
+        """Replace the running phase's progress line by ``says`` (a phase run in steps)."""
+        self._describe(says)
+
     # ------------------------------------------------------------------ helpers
     def _begin_phase(self, phase: str) -> None:
         self._phase, self._label = phase, ""

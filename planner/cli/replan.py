@@ -6,10 +6,14 @@ carries over only under the first four) on the plan's devices less ``box-b``, an
 scripts; the job then continues from its latest checkpoint with ``--resume``
 (``executor/checkpoint.py`` loads it under any plan). ``--with`` adds back a node or device
 of the cluster file that the plan does not use (a node that joined, a card repaired).
+``--members a,b`` plans for exactly the cluster file's devices of those nodes (what an elastic
+run's ranks ask for a membership its family lacks: ``contract.elastic.replan_command``), and
+``--capture FILE`` plans from the model's capture file instead of tracing the model again.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,6 +70,19 @@ if TYPE_CHECKING:
     help="A node or device of the cluster file to add to the plan's (repeatable).",
 )
 @click.option(
+    "--members",
+    metavar="NODE,NODE...",
+    help="Plan for exactly these nodes of the cluster file, all their devices (instead of "
+    "--without/--with).",
+)
+@click.option(
+    "--capture",
+    "capture_path",
+    type=click.Path(path_type=Path),
+    help="Capture file of the plan's model (`hplan capture`, or capture.json of `hplan solve "
+    "--elastic`): plan from it instead of tracing the model again.",
+)
+@click.option(
     "--out",
     "-o",
     "out_dir",
@@ -94,6 +111,8 @@ def replan(
     cluster_path: Path,
     without: tuple[str, ...],
     joining: tuple[str, ...],
+    members: str | None,
+    capture_path: Path | None,
     out_dir: Path | None,
     time_limit_s: float,
     micro_batch_sizes: str | None,
@@ -108,19 +127,30 @@ def replan(
     model_override: Path | None,
     as_json: bool,
 ) -> None:
-    """Solve PLAN again without the lost nodes or devices (or with joining ones); the job
-    then resumes from its latest checkpoint with --resume."""
+    """Solve PLAN again without the lost nodes or devices (or with joining ones, or for
+    exactly --members); the job then resumes from its latest checkpoint with --resume."""
     started_s = time.monotonic()
     from hplan.planner.api import SolveRequest, phase_of, plan_training
     from hplan.planner.emit.artifacts import check_out_dir
     from hplan.planner.hardware.cluster import load_cluster
     from hplan.runtime.capture.model_file import plan_model_path
 
-    if not without and not joining:
-        raise ConfigError("give at least one --without NODE|DEVICE or --with NODE|DEVICE")
+    if members is not None and (without or joining):
+        raise ConfigError("--members names every node to plan for; leave out --without and --with")
+    if members is None and not without and not joining:
+        raise ConfigError(
+            "give at least one --without NODE|DEVICE or --with NODE|DEVICE (or --members "
+            "NODE,NODE: exactly those nodes)"
+        )
     plan = Plan.load(plan_path)
     cluster = load_cluster(cluster_path)
-    left_out = _left_out(plan, cluster.device_names, cluster_path, without, joining)
+    nodes = None if members is None else _members(members, cluster, cluster_path)
+    left_out = (
+        ()
+        if nodes is not None
+        else _left_out(plan, cluster.device_names, cluster_path, without, joining)
+    )
+    nodes_left = len(nodes) if nodes is not None else _nodes_left(cluster, left_out)
     out_dir = out_dir or plan_path.parent.absolute().with_name(
         f"{plan_path.parent.absolute().name}-replan"
     )
@@ -135,13 +165,15 @@ def replan(
         master_port=plan.training.master_port,
         steps=plan.training.steps,
         epochs=plan.training.epochs,
-        leaf_modules=plan.model.leaf_modules,
+        leaf_modules=_leaf_modules(plan, capture_path),
         out_dir=out_dir,
         profile_paths=profile_paths,
         bandwidth_path=bandwidth_path,
+        nodes=nodes,
         without=left_out,
+        capture_path=capture_path,
         precision=precision or _plan_precision(plan),
-        sync=sync if _given("sync") else _plan_sync(plan, _nodes_left(cluster, left_out)),
+        sync=sync if _given("sync") else _plan_sync(plan, nodes_left),
         max_local_steps=(
             max_local_steps
             if _given("max_local_steps")
@@ -156,13 +188,54 @@ def replan(
     with PhaseProgress(stderr, phase_of) as progress:
         outcome = plan_training(request, progress=progress)
         written = write_files(outcome, out_dir, progress)
-    print_plan(outcome, out_dir, written, progress, started_s, as_json=as_json)
-    lost = ", ".join(without) or "none"
-    stderr.print(
-        f"re-planned for {len(outcome.plan.cluster.devices)} devices (lost: {lost}; "
-        f"joined: {', '.join(joining) or 'none'}); continue training with the new launch "
-        f"scripts and --checkpoint-dir DIR --resume (DIR: the job's checkpoint folder)"
+    extra = None if nodes is None else {"members": list(nodes)}
+    print_plan(outcome, out_dir, written, progress, started_s, as_json=as_json, extra=extra)
+    changed = (
+        f"members: {', '.join(nodes)}"
+        if nodes is not None
+        else f"lost: {', '.join(without) or 'none'}; joined: {', '.join(joining) or 'none'}"
     )
+    stderr.print(
+        f"re-planned for {len(outcome.plan.cluster.devices)} devices ({changed}); continue "
+        "training with the new launch scripts and --checkpoint-dir DIR --resume (DIR: the "
+        "job's checkpoint folder)"
+    )
+
+
+def _members(members: str, cluster: Cluster, cluster_path: Path) -> tuple[str, ...]:
+    """``--members a,b`` as node names in cluster order.
+
+    Raises:
+        ConfigError: no name, or a name that is not a node of the cluster file (naming its
+            nodes).
+    """
+    names = [name.strip() for name in members.split(",") if name.strip()]
+    known = [n.name for n in cluster.nodes]
+    if not names:
+        raise ConfigError(
+            f"--members {members!r} names no node; give nodes of {str(cluster_path)!r} "
+            f"separated by commas (its nodes: {', '.join(known)})"
+        )
+    for name in names:
+        if name not in known:
+            raise ConfigError(
+                f"--members {name!r} is not a node of {str(cluster_path)!r} (its nodes: "
+                f"{', '.join(known)})"
+            )
+    return tuple(n for n in known if n in names)
+
+
+def _leaf_modules(plan: Plan, capture_path: Path | None) -> tuple[str, ...]:
+    """The ``--leaf-module`` list to solve with: the capture file's own settings where one is
+    given (the plan records the modules the trace kept whole, found ones included), else
+    the plan's. An unreadable file keeps the plan's (the capture pass names the problem)."""
+    if capture_path is None:
+        return plan.model.leaf_modules
+    try:
+        data = json.loads(capture_path.read_text(encoding="utf-8"))
+        return tuple(str(name) for name in data["settings"]["leaf_modules"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return plan.model.leaf_modules
 
 
 def _plan_precision(plan: Plan) -> PrecisionRequest:

@@ -23,11 +23,14 @@ from hplan.planner.solve.baselines import Strategy
 from hplan.planner.solve.milp import MilpBackend
 from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest
 from hplan.planner.textfmt import format_seconds
+from hplan.runtime.contract.elastic import FAMILY_FILE
+from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.holders import sync_summary
 from hplan.runtime.contract.plan import Schedule
 
 if TYPE_CHECKING:
-    from hplan.planner.api import PlanningOutcome
+    from hplan.planner.api import PlanningOutcome, SolveRequest
+    from hplan.planner.family import FamilyOutcome, MemberPlan
 
 # Options that `hplan replan` shares.
 micro_batch_sizes_option = click.option(
@@ -243,6 +246,19 @@ profile_option = click.option(
     type=click.Path(path_type=Path),
     help="Write every planning pass's result to DIR/<NN>-<pass>.json (for debugging).",
 )
+@click.option(
+    "--elastic",
+    is_flag=True,
+    help="Also solve ahead a plan for every node but one (family/, family.json, capture.json, "
+    "cluster.yaml) and write elastic launch scripts for every node: a run goes on, re-planned, "
+    "when nodes are lost, join or slow down (README: Elastic runs).",
+)
+@click.option(
+    "--min-nodes",
+    type=int,
+    help="With --elastic: the fewest nodes the run goes on with (default: the smallest "
+    "membership solved ahead that holds the model).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def solve_command(
     model: Path,
@@ -271,12 +287,17 @@ def solve_command(
     capture_path: Path | None,
     previous_plan_path: Path | None,
     dump_dir: Path | None,
+    elastic: bool,
+    min_nodes: int | None,
     as_json: bool,
 ) -> None:
     """Plan training of MODEL (a model.py) on a cluster and write the plan and launch scripts."""
     started_s = time.monotonic()
     from hplan.planner.api import SolveRequest, phase_of, plan_training
     from hplan.planner.emit.artifacts import check_out_dir
+
+    if min_nodes is not None and not elastic:
+        raise ConfigError(f"--min-nodes {min_nodes} needs --elastic (it sizes an elastic run)")
 
     request = SolveRequest(
         model_path=model,
@@ -307,18 +328,86 @@ def solve_command(
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)
+    if elastic:
+        from hplan.planner.family import check_min_nodes
+
+        check_min_nodes(min_nodes, cluster_path)
     with PhaseProgress(stderr, phase_of) as progress:
         outcome = plan_training(request, progress=progress, dump_dir=dump_dir)
-        written = write_files(outcome, out_dir, progress)
-    print_plan(outcome, out_dir, written, progress, started_s, as_json=as_json)
+        family = solve_ahead(request, outcome, progress, min_nodes) if elastic else None
+        written = write_files(outcome, out_dir, progress, family)
+    extra = None if family is None else {"family": family_summary(family, out_dir)}
+    print_plan(outcome, out_dir, written, progress, started_s, as_json=as_json, extra=extra)
 
 
-def write_files(outcome: PlanningOutcome, out_dir: Path, progress: PhaseProgress) -> list[Path]:
-    """Write the plan's files under ``out_dir`` as the ``write`` phase; their paths."""
-    from hplan.planner.emit.artifacts import emit
+def solve_ahead(
+    request: SolveRequest, outcome: PlanningOutcome, progress: PhaseProgress, min_nodes: int | None
+) -> FamilyOutcome:
+    """The ``family`` phase of ``--elastic``: every node but one solved ahead, one line each."""
+    from hplan.planner.family import solve_family
 
+    assert request.out_dir is not None
+    with progress.phase("family", "solving ahead for every node but one"):
+        return solve_family(
+            request, outcome, request.out_dir, min_nodes=min_nodes, tell=progress.tell,
+            solved=_print_member,
+        )  # fmt: skip
+
+
+def _print_member(member: MemberPlan) -> None:
+    """One line for a membership solved ahead: its ranks and speed, or why none fits."""
+    names = ", ".join(member.members)
+    if member.plan is None:
+        stderr.print(f"family {names}: infeasible: {member.reason}", markup=False, soft_wrap=True)
+        return
+    speed = member.plan.report.predicted_samples_per_s
+    stderr.print(
+        f"family {names}: {member.plan.world_size} ranks, {speed:,.1f} samples/s predicted "
+        f"({format_seconds(member.solve_time_s)})",
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+def family_summary(family: FamilyOutcome, out_dir: Path) -> dict[str, Any]:
+    """The ``--json`` summary's ``family``: the index and every membership solved ahead."""
+    members = [
+        {
+            "members": list(m.members),
+            "plan": None if m.plan is None else str(out_dir / family.family.plans[m.key]),
+            "ranks": None if m.plan is None else m.plan.world_size,
+            "predicted_samples_per_s": (
+                None if m.plan is None else m.plan.report.predicted_samples_per_s
+            ),
+            "infeasible": m.reason,
+            "solve_time_s": m.solve_time_s,
+        }
+        for m in family.members
+    ]
+    return {
+        "file": str(out_dir / FAMILY_FILE),
+        "min_nodes": family.family.min_nodes,
+        "run_id": family.family.run_id,
+        "plans": family.family.plans,
+        "infeasible": family.family.infeasible,
+        "members": members,
+    }
+
+
+def write_files(
+    outcome: PlanningOutcome,
+    out_dir: Path,
+    progress: PhaseProgress,
+    family: FamilyOutcome | None = None,
+) -> list[Path]:
+    """Write the plan's files under ``out_dir`` as the ``write`` phase (with ``family``,
+    elastic launch scripts for every node); their paths (the family's files first)."""
+    from hplan.planner.emit.artifacts import ElasticLaunch, emit
+
+    elastic = None if family is None else ElasticLaunch(family.family)
     with progress.phase("write", f"writing the plan files to {out_dir}/"):
-        return emit(outcome.plan, out_dir)
+        written = emit(outcome.plan, out_dir, elastic)
+    return written if family is None else [*family.files, *written]
 
 
 def print_plan(
@@ -329,6 +418,7 @@ def print_plan(
     started_s: float,
     *,
     as_json: bool,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """Print the plan's summary and the command's total wall time (since ``started_s``,
     ``time.monotonic``) on stderr: the command's start (imports, option checks), each
@@ -378,5 +468,6 @@ def print_plan(
             "pass_times_s": progress.pass_times_s,
             "start_time_s": start_s,
             "total_time_s": total_s,
+            **(extra or {}),
         }
         click.echo(json.dumps(summary, indent=2))

@@ -11,6 +11,10 @@ Layout of ``out_dir`` after :func:`emit`::
 
     plan.json  plan.schema.json  plan.dot  summary.txt
     launch/node-<node>.sh ...  launch/slurm.sbatch  launch/rehearse.sh
+
+With an :class:`ElasticLaunch` (``hplan solve --elastic``) every node of the cluster gets an
+elastic script (torchrun's elastic agent, c10d rendezvous at the plan family's host), also the
+nodes the plan for every node leaves idle.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jinja2
 
 from hplan.planner.emit.render import render_dot, render_json, render_text
 from hplan.planner.textfmt import compact_unit_groups
+from hplan.runtime.contract.elastic import PlanFamily
 from hplan.runtime.contract.errors import ConfigError, PlanFileError
 from hplan.runtime.contract.plan import CPU_KIND, Backend, Plan
 
@@ -70,6 +75,42 @@ class NodeLaunch:
     @property
     def num_ranks(self) -> int:
         return len(self.ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticLaunch:
+    """What an elastic node script runs torchrun's elastic agent with (``--elastic``)."""
+
+    family: PlanFamily
+    join_timeout_s: int = 600
+    """c10d ``join_timeout``: how long a (re)start waits for ``min_nodes`` nodes
+    (``HPLAN_JOIN_TIMEOUT_S`` overrides it when the script runs)."""
+    max_restarts: int = 100
+    """torchrun ``--max-restarts`` (``HPLAN_MAX_RESTARTS`` overrides it): each node lost,
+    re-plan for a slowed node or failed start costs one; nodes joining cost none. 100 carries
+    a long run on a pool that changes daily, and still ends a run that fails every start."""
+    last_call_timeout_s: int = 3
+    """c10d ``last_call_timeout``: once ``min_nodes`` are there, how long a round waits for
+    more before it closes."""
+    monitor_interval_s: float = 0.5
+    """torchrun ``--monitor-interval``: how often the agent looks at its workers."""
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticNode:
+    """One node's elastic torchrun arguments (the template's ``elastic``)."""
+
+    nodes: tuple[str, ...]
+    min_nodes: int
+    nproc: int
+    rendezvous_node: str
+    rendezvous_endpoint: str
+    """``host:port`` of the c10d store."""
+    run_id: str
+    join_timeout_s: int
+    max_restarts: int
+    last_call_timeout_s: int
+    monitor_interval_s: float
 
 
 SLURM_PREEMPTION_WARNING_S = 120
@@ -126,13 +167,7 @@ def launch_nodes(plan: Plan) -> tuple[NodeLaunch, ...]:
     """
     used = [n for n in plan.cluster.nodes if any(r.node == n.name for r in plan.ranks)]
     launches = tuple(_node_launch(plan, node_rank, n.name) for node_rank, n in enumerate(used))
-    scripts = [n.script for n in launches]
-    if len(set(scripts)) != len(scripts):
-        names = ", ".join(repr(n.name) for n in launches)
-        raise PlanFileError(
-            f"node names {names} give clashing launch-script names; give the nodes in "
-            "cluster.yaml names made of letters, digits, '.', '_' and '-'"
-        )
+    _check_script_names(launches)
     return launches
 
 
@@ -161,6 +196,51 @@ def _node_launch(plan: Plan, node_rank: int, name: str) -> NodeLaunch:
     )
 
 
+def elastic_nodes(plan: Plan) -> tuple[NodeLaunch, ...]:
+    """Every node of the plan's cluster, in cluster order, with its ranks under the plan
+    (none for a node it leaves idle); ``node_rank`` is the position in the cluster.
+
+    Raises:
+        PlanFileError: two node names map to the same script file name.
+    """
+    launches = tuple(
+        _node_launch(plan, index, n.name) for index, n in enumerate(plan.cluster.nodes)
+    )
+    _check_script_names(launches)
+    return launches
+
+
+def _check_script_names(launches: tuple[NodeLaunch, ...]) -> None:
+    scripts = [n.script for n in launches]
+    if len(set(scripts)) != len(scripts):
+        names = ", ".join(repr(n.name) for n in launches)
+        raise PlanFileError(
+            f"node names {names} give clashing launch-script names; give the nodes in "
+            "cluster.yaml names made of letters, digits, '.', '_' and '-'"
+        )
+
+
+def _elastic_node(launch: ElasticLaunch, node: str) -> ElasticNode:
+    family = launch.family
+    return ElasticNode(
+        nodes=family.nodes,
+        min_nodes=family.min_nodes,
+        nproc=family.processes_per_node[node],
+        rendezvous_node=family.nodes[0],
+        rendezvous_endpoint=f"{_bracketed(family.rendezvous_host)}:{family.rendezvous_port}",
+        run_id=family.run_id,
+        join_timeout_s=launch.join_timeout_s,
+        max_restarts=launch.max_restarts,
+        last_call_timeout_s=launch.last_call_timeout_s,
+        monitor_interval_s=launch.monitor_interval_s,
+    )
+
+
+def _bracketed(host: str) -> str:
+    """An IPv6 address in brackets (``[fd00::1]``), as torchrun's ``host:port`` needs."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _gpus_per_node(plan: Plan, nodes: tuple[NodeLaunch, ...]) -> int:
     """Most ranks on one node for GPU plans; 0 when every rank runs on a CPU."""
     if all(r.device_kind == CPU_KIND for r in plan.ranks):
@@ -169,8 +249,10 @@ def _gpus_per_node(plan: Plan, nodes: tuple[NodeLaunch, ...]) -> int:
 
 
 # --------------------------------------------------------------------------- scripts
-def render_node_script(plan: Plan, node: NodeLaunch) -> str:
-    """``launch/node-<node>.sh``: one ``torchrun`` for the node's ranks (see the template).
+def render_node_script(plan: Plan, node: NodeLaunch, elastic: ElasticLaunch | None = None) -> str:
+    """``launch/node-<node>.sh``: one ``torchrun`` for the node's ranks (see the template);
+    with ``elastic``, torchrun's elastic agent for the node's devices (``--nnodes MIN:MAX``,
+    c10d rendezvous) running the plan for whoever is there.
 
     On nodes whose ranks use GeForce cards under NCCL it exports
     ``NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}"`` (PCIe peer-to-peer between GeForce cards is
@@ -178,6 +260,7 @@ def render_node_script(plan: Plan, node: NodeLaunch) -> str:
     """
     return _render(
         "node.sh.j2",
+        elastic=None if elastic is None else _elastic_node(elastic, node.name),
         node=node.name,
         host=node.host,
         node_rank=node.node_rank,
@@ -214,10 +297,12 @@ def render_rehearse_script(plan: Plan) -> str:
     return _render("rehearse.sh.j2", world_size=plan.world_size, plan_path=_PLAN_FROM_LAUNCH_DIR)
 
 
-def render_launch_scripts(plan: Plan) -> dict[str, str]:
-    """Every launch script by path relative to the output directory, in a stable order."""
+def render_launch_scripts(plan: Plan, elastic: ElasticLaunch | None = None) -> dict[str, str]:
+    """Every launch script by path relative to the output directory, in a stable order
+    (with ``elastic``, a node script for every node of the cluster)."""
+    nodes = launch_nodes(plan) if elastic is None else elastic_nodes(plan)
     scripts = {
-        f"{LAUNCH_DIR}/{node.script}": render_node_script(plan, node) for node in launch_nodes(plan)
+        f"{LAUNCH_DIR}/{node.script}": render_node_script(plan, node, elastic) for node in nodes
     }
     scripts[f"{LAUNCH_DIR}/slurm.sbatch"] = render_slurm_script(plan)
     scripts[f"{LAUNCH_DIR}/rehearse.sh"] = render_rehearse_script(plan)
@@ -230,7 +315,7 @@ def schema_text() -> str:
     return json.dumps(Plan.json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-def render_artifacts(plan: Plan) -> dict[str, str]:
+def render_artifacts(plan: Plan, elastic: ElasticLaunch | None = None) -> dict[str, str]:
     """Every file :func:`emit` writes, by relative path, in the order it writes them."""
     artifacts = {
         PLAN_FILE: render_json(plan),
@@ -238,7 +323,7 @@ def render_artifacts(plan: Plan) -> dict[str, str]:
         "plan.dot": render_dot(plan),
         "summary.txt": render_text(plan),
     }
-    artifacts.update(render_launch_scripts(plan))
+    artifacts.update(render_launch_scripts(plan, elastic))
     return artifacts
 
 
@@ -264,11 +349,12 @@ def check_out_dir(out_dir: Path) -> None:
         )
 
 
-def emit(plan: Plan, out_dir: Path) -> list[Path]:
+def emit(plan: Plan, out_dir: Path, elastic: ElasticLaunch | None = None) -> list[Path]:
     """Write the plan's artifacts under ``out_dir`` and return their paths in a stable order.
 
     Files: ``plan.json``, ``plan.schema.json``, ``plan.dot``, ``summary.txt`` and the launch
-    scripts under ``launch/`` (executable). Existing files of the same names are replaced,
+    scripts under ``launch/`` (executable; with ``elastic``, elastic node scripts for every
+    node of the cluster). Existing files of the same names are replaced,
     and node scripts that an earlier plan wrote for nodes this plan does not use are
     removed; other files are left alone. Everything is rendered before anything is written.
 
@@ -277,7 +363,20 @@ def emit(plan: Plan, out_dir: Path) -> list[Path]:
             tensor of unknown dtype).
         ConfigError: ``out_dir`` cannot be written (the message names the file and why).
     """
-    artifacts = render_artifacts(plan)
+    return _write_all(render_artifacts(plan, elastic), out_dir)
+
+
+def emit_plan_only(plan: Plan, out_dir: Path) -> list[Path]:
+    """Write ``plan.json`` and ``summary.txt`` under ``out_dir`` (a plan of an elastic
+    family, run by the elastic scripts of the full plan's folder); their paths.
+
+    Raises:
+        ConfigError: ``out_dir`` cannot be written (the message names the file and why).
+    """
+    return _write_all({PLAN_FILE: render_json(plan), "summary.txt": render_text(plan)}, out_dir)
+
+
+def _write_all(artifacts: dict[str, str], out_dir: Path) -> list[Path]:
     written = []
     try:
         _remove_stale_node_scripts(out_dir, set(artifacts))
