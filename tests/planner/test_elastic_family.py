@@ -114,7 +114,10 @@ def test_elastic_scripts_for_every_node_carry_torchruns_elastic_flags(
             "--rdzv-backend c10d",
             "--rdzv-endpoint 127.0.0.1:29500",
             f"--rdzv-id {family.run_id}",
-            '--rdzv-conf "last_call_timeout=3,join_timeout=${HPLAN_JOIN_TIMEOUT_S:-600}"',
+            # the first node hosts the store, said outright: torchrun's guess from this
+            # machine's hostname misses a node whose name resolves to another address
+            '--rdzv-conf "last_call_timeout=3,join_timeout=${HPLAN_JOIN_TIMEOUT_S:-600},'
+            f'is_host={1 if node == "a" else 0}"',
             '--max-restarts "${HPLAN_MAX_RESTARTS:-100}"',
             "--monitor-interval 0.5",
             f"--local-addr {host}",
