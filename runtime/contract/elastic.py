@@ -41,6 +41,7 @@ __all__ = [
     "RunState",
     "SegmentRecord",
     "SharedRunDir",
+    "calibrate_command",
     "hplan_version",
     "members_key",
     "read_segments",
@@ -177,6 +178,25 @@ def replan_command(
     if profile is not None:
         command += ["--profile", str(profile)]
     return command
+
+
+def calibrate_command(
+    plan_path: Path, runs_dir: Path, out_dir: Path, *, profile: Path | None = None
+) -> list[str]:
+    """The planner's command that writes ``out_dir/calibrated.json``: ``plan_path``'s
+    profile corrected by the runs in ``runs_dir`` (their ``rank-<r>.jsonl``), each device's
+    measured speed included (``python -m hplan.planner calibrate PLAN RUNS -o OUT
+    [--profile P]``).
+
+    Args:
+        profile: the profile ``plan_path`` was solved with (an earlier calibration): the
+            factors of devices these runs did not measure are kept.
+    """
+    command = [
+        sys.executable, "-m", "hplan.planner", "calibrate", str(plan_path), str(runs_dir),
+        "-o", str(out_dir),
+    ]  # fmt: skip
+    return command if profile is None else [*command, "--profile", str(profile)]
 
 
 class RunEventKind(StrEnum):

@@ -6,7 +6,8 @@ the runtime must run on a cluster node without the planner (the planner imports 
 never the reverse).
 
 Exit codes (see the design card): 0 ok, 2 usage or invalid input, 3 infeasible,
-4 environment (missing solver, no driver), 1 anything else.
+4 environment (missing solver, no driver), 75 an elastic run restarting under a re-plan,
+143 preempted, 1 anything else.
 
 Every message names the bad value and says what to do about it.
 """
@@ -88,6 +89,14 @@ class PreemptedError(HplanError):
     """The job was asked to stop (SIGTERM) and stopped after a step; exit code 143."""
 
     exit_code = 143
+
+
+class ReplannedError(HplanError):
+    """An elastic run re-planned for its ranks' measured speeds: every rank stops at a
+    checkpoint and exits with this code, so that torchrun's agents restart the round under
+    the new plan (a restart counted against ``--max-restarts``)."""
+
+    exit_code = 75
 
 
 class DivergedError(HplanError):

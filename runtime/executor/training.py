@@ -35,6 +35,7 @@ from hplan.runtime.contract.errors import (
     HplanError,
     PeerFailureError,
     PreemptedError,
+    ReplannedError,
 )
 from hplan.runtime.contract.metrics_file import MetricsWriter, StepMetrics
 from hplan.runtime.contract.plan import Plan
@@ -170,8 +171,8 @@ def _train(
         assert options.steps is not None
         if first_step >= options.steps:
             return _already_done(rank, first_step, elastic)
+        elastic.begin(first_step, options.steps)
         options = replace(options, steps=options.steps - first_step)
-        elastic.begin(first_step)
     stats = build_running_stats(plan, rank, parts.stage.canonical_buffers(), groups)
     scheduler = _scheduler(parts, first_step)
     clip = build_grad_clip(plan, rank, parts.params, parts.model_file.max_grad_norm, parts.device)
@@ -185,9 +186,11 @@ def _train(
     with Preemption() as preemption:
         end = loop.run(preemption)
     # How the run ended, in one place. A stop the job agreed on ends the rank with its
-    # error and exit code. Elastic restarts go here: a membership change will be a
-    # StopReason of its own, which the caller answers by starting over under the plan for
-    # the ranks still there, from the checkpoint this run just saved (``end.checkpoint``).
+    # error and exit code. An elastic run's re-plan for measured speeds (REPLAN) exits
+    # with ReplannedError once the checkpoint is saved: torchrun's agents restart the round
+    # and the next segment takes the plan rank 0 chose.
+    if end.stop is StopReason.REPLAN and elastic is not None:
+        raise ReplannedError(elastic.replanned_line())  # torchrun's agents restart the round
     end.raise_if_stopped()
     barrier(rank, "end of training")
     if elastic is not None:
@@ -623,6 +626,8 @@ class StepLoop:
                 flags |= StepFlags.NONFINITE_LOSS
         if self.rank == 0 and self.checkpoints.due_by_clock():
             flags |= StepFlags.CHECKPOINT_DUE
+        if self.elastic is not None and self.elastic.wants_replan:
+            flags |= StepFlags.REPLAN
         return flags
 
     def _follow(self, decision: Decision) -> Decision:

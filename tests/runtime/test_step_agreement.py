@@ -191,6 +191,16 @@ def test_a_stop_reads_the_post_in_flight_and_a_divergence_wins_over_a_preemption
     assert [r.step for r in decisions[-1].readings] == [1, 2]
 
 
+def test_rank_0s_replan_stops_the_job_on_every_rank_and_a_preemption_wins_over_it() -> None:
+    job = FakeJob(peers=lambda index: Post(flags=StepFlags.REPLAN) if index == 1 else None)
+    decisions = drive(job, job.agreement(), 10)
+    assert decisions[-1].steps_done == 3 and decisions[-1].stop is StopReason.REPLAN
+    assert all(d.stop is None for d in decisions[:-1])
+    job = FakeJob(peers=lambda index: Post(flags=StepFlags.REPLAN) if index == 1 else None)
+    decisions = drive(job, job.agreement(), 10, {3: PREEMPTED})
+    assert decisions[-1].steps_done == 3 and decisions[-1].stop is StopReason.PREEMPTED
+
+
 # --------------------------------------------------------------------------- checkpoint
 def test_a_checkpoint_step_by_count_posts_and_waits_for_its_own_flags() -> None:
     job = FakeJob(peers=lambda index: Post(interval_steps=5) if index >= 1 else None)

@@ -37,6 +37,9 @@ class StopReason(StrEnum):
     """A rank received SIGTERM: save a checkpoint, exit 143."""
     DIVERGED = "diverged"
     """A loss was not finite and the model file stops on it: exit 1, nothing saved."""
+    REPLAN = "replan"
+    """An elastic run re-planned for measured speeds: save a checkpoint, exit 75
+    (``ReplannedError``) so that torchrun's agents restart under the new plan."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,7 @@ class Decision:
     """The agreements read at this step, in order: the losses for rank 0's progress."""
 
 
-_STOP = StepFlags.PREEMPTED | StepFlags.NONFINITE_LOSS
+_STOP = StepFlags.PREEMPTED | StepFlags.NONFINITE_LOSS | StepFlags.REPLAN
 
 
 class StepAgreement:
@@ -95,8 +98,9 @@ class StepAgreement:
     - reading: the interval rank 0 proposed is taken from ``n`` on (1 until then), and the
       shares the agreed speeds ask for (:attr:`Reading.reshare`); every rank reads the same
       values at the same step, so they change together.
-    - stop (a read flag PREEMPTED or NONFINITE_LOSS): what is still in flight is read and
-      its flags joined; the decision says why (:class:`StopReason`, DIVERGED first).
+    - stop (a read flag PREEMPTED, NONFINITE_LOSS or REPLAN): what is still in flight is
+      read and its flags joined; the decision says why (:class:`StopReason`, DIVERGED
+      first, then PREEMPTED).
     - checkpoint (``n`` a multiple of ``checkpoint_every_steps``, or CHECKPOINT_DUE read):
       every rank posts this step's flags if it has not, and waits for them (post + collect),
       so that a checkpoint never saves a state a rank found diverged; a stop read there
@@ -282,4 +286,6 @@ def _stop_reason(flags: StepFlags) -> StopReason | None:
         return StopReason.DIVERGED
     if flags & StepFlags.PREEMPTED:
         return StopReason.PREEMPTED
+    if flags & StepFlags.REPLAN:
+        return StopReason.REPLAN
     return None

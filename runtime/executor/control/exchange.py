@@ -58,6 +58,9 @@ class StepFlags(IntFlag):
     """A loss was not finite and the model file asked to stop on it."""
     CHECKPOINT_DUE = 4
     """Time for a periodic checkpoint (rank 0's clock decides)."""
+    REPLAN = 8
+    """An elastic run re-planned for its ranks' measured speeds (rank 0 decides): checkpoint
+    and exit so that torchrun's agents restart under the new plan."""
 
 
 @dataclass(frozen=True, slots=True)

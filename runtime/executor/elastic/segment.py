@@ -4,7 +4,8 @@ Plan rank 0 of a segment records it (``segment.json`` in its metrics folder, a `
 event), rewrites ``run.json`` after every step (the next segment measures its downtime and the
 steps it redoes from it), prints one line after its first step (which node was lost or joined,
 which plan took over, the downtime, the steps redone) and lets waiting nodes in
-(:func:`admission_due`). Any rank that sees a peer stop records the loss.
+(:func:`admission_due`). Any rank that sees a peer stop records the loss. Plan rank 0 also
+watches the ranks' speeds and re-plans for a node that slows (``slowdown.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ from hplan.runtime.contract.elastic import (
     segment_dir,
     write_segment,
 )
+from hplan.runtime.contract.plan import Plan
+from hplan.runtime.executor.elastic.slowdown import (
+    POLL_S,
+    Replan,
+    Replanner,
+    SpeedWatch,
+    decide_restart,
+    plan_step_measured_s,
+    restart_cost_s,
+)
 from hplan.runtime.executor.elastic.start import SegmentStart
 
 __all__ = ["PROBATION_S", "ElasticSegment", "admission_due", "probation_s"]
@@ -41,6 +52,9 @@ RECENT_LOSS_S = 1800.0
 STALE_REQUEST_S = 5.0
 """A join request not refreshed for this long belongs to a node that left."""
 ADMISSION_POLL_S = 1.0
+QUIET_S = 60.0
+"""After a re-plan not taken (or failed), how long rank 0 waits before it looks again."""
+REPLANNED = "re-planned for measured speeds"
 
 
 def probation_s(node: str, events: list[RunEvent], now_unix_s: float) -> float:
@@ -96,6 +110,13 @@ class ElasticSegment:
         self._steps_seen = 0
         self._next_admission_s = 0.0
         self._admitted: set[str] = set()
+        self._total_steps: int | None = None
+        self._watch: SpeedWatch | None = None
+        self._replanner: Replanner | None = None
+        self._next_watch_s = 0.0
+        self._quiet_until_s = 0.0
+        self.replan: Replan | None = None
+        """The re-plan this segment restarts under (plan rank 0; None: none)."""
 
     @property
     def metrics_dir(self) -> Path | None:
@@ -104,11 +125,20 @@ class ElasticSegment:
             return None
         return segment_dir(self.metrics_root, self.start.segment)
 
-    def begin(self, first_step: int) -> None:
-        """The segment resumed at ``first_step``: record it (plan rank 0)."""
+    def begin(self, first_step: int, total_steps: int | None = None) -> None:
+        """The segment resumed at ``first_step`` of the run's ``total_steps``: record it, and
+        watch the ranks' speeds (plan rank 0; with ``total_steps``)."""
         self._first_step = first_step
+        self._total_steps = total_steps
         if not self.is_reporter:
             return
+        if self.metrics_dir is not None and total_steps is not None:
+            start = self.start
+            ranks = [r.rank for r in start.plan.ranks]
+            self._watch = SpeedWatch(self.metrics_dir, ranks, first_step)
+            self._replanner = Replanner(
+                start.family, start.family_dir, self.shared, start.members, start.plan_path
+            )
         state = self.shared.read_state()
         self._previous = _Previous(state, self._cause(state))
         if state is not None:
@@ -151,6 +181,19 @@ class ElasticSegment:
         if now_s >= self._next_admission_s:
             self._next_admission_s = now_s + ADMISSION_POLL_S
             self._admit_waiting(now_s, steps_done)
+        if now_s >= self._next_watch_s:
+            self._next_watch_s = now_s + POLL_S
+            self._watch_speeds(now_s, steps_done)
+
+    @property
+    def wants_replan(self) -> bool:
+        """Plan rank 0 asks the job to stop and restart under :attr:`replan`."""
+        return self.replan is not None
+
+    def replanned_line(self) -> str:
+        """The one line every rank stops with when the job restarts under a re-plan."""
+        plan = self.shared.current_plans().get(members_key(self.start.members))
+        return f"{REPLANNED}: restarting under {plan or 'the plan rank 0 chose'}"
 
     def end(self, steps_done: int) -> None:
         """Plan rank 0, every step trained: the run is over."""
@@ -174,12 +217,90 @@ class ElasticSegment:
         parts = [f"node {n} lost" for n in sorted(before - now)]
         parts += [f"node {n} joined" for n in sorted(now - before)]
         if not parts:
-            parts = (
-                ["re-planned for measured speeds"]
+            parts = [
+                self._replanned_cause()
                 if self.start.source.startswith("re-planned")
-                else ["restarted"]
-            )
+                else "restarted"
+            ]
         return ", ".join(parts)
+
+    def _replanned_cause(self) -> str:
+        """``re-planned for measured speeds (c 0.52x)``, from the last ``slowed`` event."""
+        slowed = [e for e in self.shared.events() if e.kind is RunEventKind.SLOWED]
+        return slowed[-1].detail if slowed else REPLANNED
+
+    def _watch_speeds(self, now_s: float, steps_done: int) -> None:
+        """Plan rank 0, every :data:`POLL_S`: look for a slowed rank; re-plan in the
+        background; weigh the finished re-plan (``slowdown.py``)."""
+        watch, replanner = self._watch, self._replanner
+        if watch is None or replanner is None or self.replan is not None:
+            return
+        result = replanner.take()
+        if result is not None:
+            self._weigh(result, now_s, steps_done)
+            return
+        if replanner.running or now_s < self._quiet_until_s:
+            return
+        slowdown = watch.poll(steps_done)
+        if slowdown is None:
+            return
+        nodes = self._nodes()
+        job = f"{slowdown.job_baseline_s * 1e3:.1f} -> {slowdown.job_recent_s * 1e3:.1f} ms"
+        print(
+            f"hplan: elastic: after step {steps_done - 1}: measured speed "
+            f"{slowdown.describe(nodes)} of its baseline, the job's step {job}; re-planning "
+            "with the measured speeds (training goes on)",
+            file=sys.stderr,
+            flush=True,
+        )
+        replanner.begin(slowdown, watch.recent)
+
+    def _weigh(self, result: Replan | str, now_s: float, steps_done: int) -> None:
+        """Restart under ``result`` when its gain over the steps left beats a restart's cost;
+        say so in one line either way."""
+        assert self._watch is not None and self._total_steps is not None
+        self._quiet_until_s = now_s + QUIET_S
+        if isinstance(result, str):
+            self._say(f"the re-plan for measured speeds failed ({result}); keeping the plan")
+            return
+        now = self._watch.poll(steps_done)
+        if now is None:
+            self._say(f"{REPLANNED}: the slowdown is gone; keeping the plan")
+            return
+        decision = decide_restart(
+            measured_step_s=now.job_recent_s,
+            predicted_step_s=result.predicted_step_s,
+            old_predicted_step_s=plan_step_measured_s(self.start.plan, self._watch.recent),
+            steps_left=self._total_steps - steps_done,
+            cost_s=restart_cost_s(self.metrics_root),
+        )
+        shares = _shares(result.plan)
+        if not decision.restart:
+            self._say(f"{REPLANNED} ({shares}): {decision.describe()}; keeping the plan")
+            return
+        self.replan = result
+        detail = f"{REPLANNED} ({result.slowdown.describe(self._nodes())})"
+        self.shared.set_current_plan(self.start.members, result.plan_path)
+        for speed in result.slowdown.ranks:
+            self.shared.append_event(
+                RunEvent(
+                    kind=RunEventKind.SLOWED,
+                    unix_s=now_s,
+                    node=self._nodes().get(speed.rank),
+                    step=steps_done,
+                    detail=detail,
+                )
+            )
+        self._say(
+            f"{detail}: {decision.describe()}; restarting under {result.plan_path} ({shares}) "
+            "at the next checkpoint"
+        )
+
+    def _nodes(self) -> dict[int, str]:
+        return {r.rank: r.node for r in self.start.plan.ranks}
+
+    def _say(self, line: str) -> None:
+        print(f"hplan: elastic: {line}", file=sys.stderr, flush=True)
 
     def _record(self, first_step: int, predicted: float | None) -> SegmentRecord:
         state = self._previous.state if self._previous is not None else None
@@ -267,6 +388,14 @@ class ElasticSegment:
                 )
             )
             print(f"hplan: elastic: {line}", file=sys.stderr, flush=True)
+
+
+def _shares(plan: Plan) -> str:
+    """``samples a 5, b 5, c 2``: each node's samples a step under ``plan``."""
+    per_node: dict[str, int] = {}
+    for rank in (r for r in plan.ranks if r.stage == 0):  # one rank of each replica's part
+        per_node[rank.node] = per_node.get(rank.node, 0) + rank.num_samples
+    return "samples " + ", ".join(f"{node} {n}" for node, n in per_node.items())
 
 
 def _with(record: SegmentRecord, **changes: object) -> SegmentRecord:
