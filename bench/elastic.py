@@ -57,7 +57,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from itertools import pairwise
+from itertools import combinations, pairwise
 from pathlib import Path
 
 from cluster_runs import (
@@ -314,15 +314,19 @@ class Fresh:
 
 
 @dataclass
-class LossCompare:
-    steps_compared: int
+class LossRow:
+    """Two runs' loss curves over the steps both have (one loss per step: the global
+    batch's mean; a redone step's from its last segment)."""
+
+    compared: str
+    steps: int
     max_abs_step: float
+    mean_abs_step: float
     max_abs_window: float
     """Per-10-step means."""
-    mean_loss_last_window: float
-    noise_redone_max_abs: float | None
-    noise_runs_max_abs_step: float | None
-    noise_runs_max_abs_window: float | None
+    last_window_a: float
+    last_window_b: float
+    """Mean loss of the last 10 steps of each."""
 
 
 @dataclass
@@ -352,7 +356,10 @@ class Report:
     family: list[str] = field(default_factory=list)
     lost: Lost | None = None
     fresh: list[Fresh] = field(default_factory=list)
-    loss: LossCompare | None = None
+    loss: list[LossRow] = field(default_factory=list)
+    redone_noise: float | None = None
+    """The largest |loss difference| of a redone step against its first computation."""
+    reference_samples_per_s: list[float | None] = field(default_factory=list)
     slowed: Slowed | None = None
     torchft: Torchft | None = None
     torchft_note: str = ""
@@ -503,25 +510,46 @@ def max_abs(a: Mapping[int, float], b: Mapping[int, float]) -> float:
     return max((abs(a[k] - b[k]) for k in common), default=float("nan"))
 
 
-def compare_losses(run_dir: Path, references: Sequence[Path]) -> LossCompare:
-    final, before = run_losses(run_dir)
-    reference, _ = run_losses(references[0])
-    noise_step = noise_window = None
-    if len(references) > 1:
-        other, _ = run_losses(references[1])
-        noise_step = max_abs(reference, other)
-        noise_window = max_abs(window_means(reference), window_means(other))
-    redone = max_abs(before, final) if before else None
-    last = window_means(final)
-    return LossCompare(
-        steps_compared=len(set(final) & set(reference)),
-        max_abs_step=max_abs(final, reference),
-        max_abs_window=max_abs(window_means(final), window_means(reference)),
-        mean_loss_last_window=last[max(last)] if last else float("nan"),
-        noise_redone_max_abs=redone,
-        noise_runs_max_abs_step=noise_step,
-        noise_runs_max_abs_window=noise_window,
-    )
+def last_window(losses: Mapping[int, float]) -> float:
+    windows = window_means(losses)
+    return windows[max(windows)] if windows else float("nan")
+
+
+def compare_losses(runs: Mapping[str, Path], pairs: Sequence[tuple[str, str]]) -> list[LossRow]:
+    """One row per pair of ``runs`` (name -> metrics folder)."""
+    losses = {name: run_losses(folder)[0] for name, folder in runs.items()}
+    rows = []
+    for a, b in pairs:
+        x, y = losses[a], losses[b]
+        common = sorted(set(x) & set(y))
+        rows.append(
+            LossRow(
+                compared=f"{a} / {b}",
+                steps=len(common),
+                max_abs_step=max_abs(x, y),
+                mean_abs_step=statistics.fmean(abs(x[s] - y[s]) for s in common),
+                max_abs_window=max_abs(window_means(x), window_means(y)),
+                last_window_a=last_window(x),
+                last_window_b=last_window(y),
+            )
+        )
+    return rows
+
+
+def redone_noise(metrics_dir: Path) -> float | None:
+    """The largest difference of a redone step's loss from its loss before the restart
+    (the same samples and parameters, another reduction order); None: none redone."""
+    final, before = run_losses(metrics_dir)
+    return max_abs(before, final) if before else None
+
+
+def run_rate(metrics_dir: Path) -> float | None:
+    """Samples/s of a one-segment run (rank 0's step spacing after the warmup)."""
+    segments = read_segments(metrics_dir)
+    if not segments:
+        return None
+    ends = rank0_ends(rank_records(segments[0][0]))
+    return throughput(ends, MODEL.global_batch, WARMUP) if len(ends) > WARMUP + 1 else None
 
 
 def rate_between(
@@ -804,24 +832,25 @@ def print_report(report: Report, args: argparse.Namespace) -> None:
         console.print(f"exit codes: {codes}", highlight=False, soft_wrap=True)
         for line in lost.lines:
             console.print(f"  {line}", highlight=False, soft_wrap=True)
-    if report.loss is not None:
-        loss = report.loss
+    if report.loss:
         out = table(
-            "loss curve: the lost-and-back run against an uninterrupted run of the same samples",
-            ["Compared", "max |diff| per step", "max |diff| per-10-step mean", "noise floor"],
-        )
-        noise = []
-        if loss.noise_redone_max_abs is not None:
-            noise.append(f"redone steps vs before the kill {loss.noise_redone_max_abs:.2e}")
-        if loss.noise_runs_max_abs_step is not None:
-            noise.append(
-                f"two uninterrupted runs {loss.noise_runs_max_abs_step:.2e} per step, "
-                f"{loss.noise_runs_max_abs_window:.2e} per 10"
-            )
-        out.add_row(f"{loss.steps_compared} steps", f"{loss.max_abs_step:.2e}",
-                    f"{loss.max_abs_window:.2e}", "; ".join(noise) or "-")  # fmt: skip
+            "loss curves of the same samples (loss per step: the global batch's mean; a "
+            "redone step's from its last segment)",
+            ["Runs", "steps", "max |diff| per step", "mean |diff| per step",
+             "max |diff| per-10-step mean", "last 10 steps' loss"],
+        )  # fmt: skip
+        for row in report.loss:
+            out.add_row(row.compared, str(row.steps), f"{row.max_abs_step:.2e}",
+                        f"{row.mean_abs_step:.2e}", f"{row.max_abs_window:.2e}",
+                        f"{row.last_window_a:.4f} / {row.last_window_b:.4f}")  # fmt: skip
         console.print(out)
-        console.print(f"loss, last 10 steps: {loss.mean_loss_last_window:.4f}")
+        if report.redone_noise is not None:
+            console.print(
+                f"steps redone after the kill against their first computation (same samples "
+                f"and parameters, another layout): max |diff| {report.redone_noise:.2e}"
+            )
+        rates = ", ".join(fmt(r) for r in report.reference_samples_per_s)
+        console.print(f"uninterrupted runs' samples/s (all three nodes): {rates}")
     if report.slowed is not None:
         slowed = report.slowed
         fresh_slow = fresh.get("slowed")
@@ -922,6 +951,7 @@ def run_all(args: argparse.Namespace, work: Path, report: Report) -> None:
                          for key, path in family["plans"].items()]  # fmt: skip
         report.family += [f"{key}: infeasible: {why}" for key, why in family["infeasible"].items()]
         console.print(f"solved: {summary.get('predicted_samples_per_s', '')} {report.plan}")
+        runs: dict[str, Path] = {}
         if not args.skip_lost:
             console.print(f"lost and back: {args.steps} steps ...")
             kill_step = args.kill_step
@@ -948,7 +978,11 @@ def run_all(args: argparse.Namespace, work: Path, report: Report) -> None:
                 for i in range(args.reference_runs):
                     console.print(f"uninterrupted run {i + 1} of {args.reference_runs} ...")
                     references.append(uninterrupted(cluster, out, work / f"reference-{i}"))
-                report.loss = compare_losses(run.metrics_dir, [r.metrics_dir for r in references])
+                report.reference_samples_per_s = [run_rate(r.metrics_dir) for r in references]
+                report.redone_noise = redone_noise(run.metrics_dir)
+                runs["lost-and-back"] = run.metrics_dir
+                for i, reference in enumerate(references):
+                    runs[f"uninterrupted-{i}"] = reference.metrics_dir
         if not args.skip_torchft and not report.torchft_note:
             console.print("torchft reference ...")
             try:
@@ -973,6 +1007,12 @@ def run_all(args: argparse.Namespace, work: Path, report: Report) -> None:
             fresh = fresh_run(cluster, NODE_NAMES, slowed_profiles, work / "fresh-slowed",
                               "slowed", args.fresh_steps)  # fmt: skip
             report.fresh.append(fresh)
+            if report.slowed is not None:
+                runs["slowed"] = work / "slowed" / "metrics"
+        references = [name for name in runs if name.startswith("uninterrupted")]
+        pairs = [(a, b) for a in runs if not a.startswith("uninterrupted") for b in references]
+        pairs += list(combinations(references, 2))
+        report.loss = compare_losses(runs, pairs)
 
 
 def main() -> None:
