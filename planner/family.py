@@ -155,6 +155,11 @@ def solve_family(
         if solved is not None:
             solved(member)
     family = _family(cluster, outcome.plan, tuple(results), min_nodes)
+    family = replace(
+        family,
+        replan_options=replan_options(request),
+        replan_files=_copy_inputs(request, out_dir),
+    )
     family_path = out_dir / FAMILY_FILE
     try:
         family.save(family_path)
@@ -163,6 +168,48 @@ def solve_family(
             f"cannot write {str(family_path)!r} ({exc.strerror}); pass -o a folder you can write to"
         ) from None
     return FamilyOutcome(family=family, members=tuple(results), files=(*files, family_path))
+
+
+def replan_options(request: SolveRequest) -> tuple[str, ...]:
+    """The solve's options as ``hplan replan`` takes them: a membership solved during the
+    run is planned as the family was (the files: :func:`_copy_inputs`)."""
+    options = [
+        "--time-limit", f"{request.time_limit_s:g}",
+        "--precision", request.precision.value,
+        "--sync", request.sync.value,
+        "--max-local-steps", str(request.max_local_steps),
+        "--recompute", request.recompute.value,
+        "--zero", request.zero.value,
+        "--offload", request.offload.value,
+    ]  # fmt: skip
+    if request.micro_batch_sizes:
+        options += ["--micro-batch-sizes", ",".join(map(str, request.micro_batch_sizes))]
+    return tuple(options)
+
+
+INPUTS_DIR = "inputs"
+
+
+def _copy_inputs(request: SolveRequest, out_dir: Path) -> dict[str, tuple[str, ...]]:
+    """Copy the solve's profiles and link matrix into ``<out>/inputs/`` (every node gets the
+    plan folder, not the solving machine's files); their paths relative to ``out_dir``."""
+    sources = {"--profile": request.profile_paths}
+    if request.bandwidth_path is not None:
+        sources["--bandwidth"] = (request.bandwidth_path,)
+    copied: dict[str, tuple[str, ...]] = {}
+    for option, paths in sources.items():
+        names = []
+        for index, path in enumerate(paths):
+            target = out_dir / INPUTS_DIR / f"{option.strip('-')}-{index}-{path.name}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_dir():
+                shutil.copytree(path, target, dirs_exist_ok=True)
+            else:
+                shutil.copyfile(path, target)
+            names.append(str(target.relative_to(out_dir)))
+        if names:
+            copied[option] = tuple(names)
+    return copied
 
 
 def _solve_member(

@@ -104,6 +104,12 @@ class PlanFamily:
     """{members key: plan path}: the plan for exactly those nodes."""
     infeasible: dict[str, str] = field(default_factory=dict)
     """{members key: why}: memberships solved ahead and found unable to train."""
+    replan_options: tuple[str, ...] = ()
+    """The solve's own options for a re-solve during the run (``--time-limit 60 --zero
+    auto ...``), so that a membership solved then is planned as the family was."""
+    replan_files: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """{option: paths relative to the family's folder}: the solve's input files a re-solve
+    needs too (``--profile``, ``--bandwidth``), copied beside ``family.json``."""
 
     @classmethod
     def load(cls, path: Path) -> PlanFamily:
@@ -171,12 +177,17 @@ def replan_command(
         sys.executable, "-m", "hplan.planner", "replan", str(folder / "plan.json"),
         "--cluster", str(folder / family.cluster_file),
         "--members", ",".join(members),
-        "-o", str(out_dir), "--json",
+        "-o", str(out_dir), "--json", *family.replan_options,
     ]  # fmt: skip
     if family.capture_file is not None:
         command += ["--capture", str(folder / family.capture_file)]
-    if profile is not None:
+    files = dict(family.replan_files)
+    if profile is not None:  # the calibrated profile replaces the solve's
+        files["--profile"] = ()
         command += ["--profile", str(profile)]
+    for option, paths in files.items():
+        for path in paths:
+            command += [option, str(folder / path)]
     return command
 
 

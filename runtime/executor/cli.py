@@ -145,6 +145,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "reads and writes), count --steps over the whole run",
     )
     parser.add_argument(
+        "--join-probation-s",
+        type=float,
+        default=20.0,
+        help="elastic: how long a node that arrives while the run trains must wait, alive, "
+        "before the run takes it in (doubled for each loss of that node in the last 30 "
+        "minutes, so a flapping node cannot restart the run over and over; default 20)",
+    )
+    parser.add_argument(
         "--verify-dir",
         type=Path,
         help="run step one with dropout off and dump its synced gradients and updated "
@@ -403,10 +411,12 @@ def rendezvous_failure_line(args: argparse.Namespace, exc: Exception) -> str:
 
     where = args.rdzv_endpoint
     if isinstance(exc, RendezvousTimeoutError):
+        conf = dict(item.split("=", 1) for item in str(args.rdzv_conf).split(",") if "=" in item)
+        within = conf.get("join_timeout", "600")
         return (
             f"hplan: elastic: fewer than {str(args.nnodes).split(':')[0]} nodes met at the "
-            f"rendezvous {where} in time ({error_reason(exc)}); start more nodes' launch "
-            "scripts (the run resumes from its newest checkpoint)"
+            f"rendezvous {where} within {within} s (HPLAN_JOIN_TIMEOUT_S); start more nodes' "
+            "launch scripts (the run resumes from its newest checkpoint)"
         )
     return (
         f"hplan: elastic: the rendezvous at {where} failed ({error_reason(exc)}): its host "

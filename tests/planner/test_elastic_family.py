@@ -217,3 +217,24 @@ def test_an_ipv6_rendezvous_host_is_bracketed(family_dir: tuple[Path, int]) -> N
     family = dataclasses.replace(PlanFamily.load(out), rendezvous_host="fd00::1")
     scripts = render_launch_scripts(Plan.load(out / "plan.json"), ElasticLaunch(family))
     assert "--rdzv-endpoint '[fd00::1]:29500'" in scripts["launch/node-c.sh"]
+
+
+def test_a_re_solve_during_the_run_takes_the_solves_own_options_and_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(SMALL_AND_LARGE)
+    out = tmp_path / "out"
+    code, _, err = _hplan(
+        ["solve", str(MLP), "-c", str(cluster), "-o", str(out), "--steps", "10",
+         "--time-limit", "7", "--zero", "never", "--sync", "all_reduce", "--elastic"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    family = PlanFamily.load(out)
+    command = replan_command(out, family, ["a", "c"], tmp_path / "re")
+    assert command[command.index("--time-limit") + 1] == "7"
+    assert command[command.index("--zero") + 1] == "never"
+    assert command[command.index("--sync") + 1] == "all_reduce"
+    calibrated = replan_command(out, family, ["a", "c"], tmp_path / "re", profile=cluster)
+    assert calibrated.count("--profile") == 1 and str(cluster) in calibrated

@@ -478,6 +478,22 @@ def test_a_plan_without_local_groups_resumes_from_the_global_parameters(
     assert not any(k.startswith(("outer.", "island.")) for k in names)
 
 
+def test_a_local_plan_resumes_a_checkpoint_of_another_local_plan(
+    tmp_path: Path, three_steps: Callable[[SyncMode], tuple[Plan, Path]]
+) -> None:
+    # what an elastic run does at each restart: the outer state starts again from the
+    # checkpoint's global parameters (local SGD keeps no start point to reset)
+    local, after_three = three_steps(SyncMode.LOCAL_SGD)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(after_three, ckpt)
+    other = _two_single(Path(local.model.path), mode=SyncMode.LOCAL_SGD, local_steps=3)
+    assert other.digest() != local.digest()
+    outcomes = run_ranks(other, tmp_path / "b", "--steps", "1", "--checkpoint-dir", str(ckpt),
+                         "--resume", timeout_s=TIMEOUT_S)  # fmt: skip
+    _ok(outcomes)
+    assert "outer-sync state was written under another plan" in outcomes[0].stderr
+
+
 # --------------------------------------------------------------------------- refusals
 def test_verify_refuses_a_plan_whose_islands_train_on_their_own(tmp_path: Path) -> None:
     plan = _two_single(_model(tmp_path), mode=SyncMode.ASYNC, local_steps=2)

@@ -10,6 +10,7 @@ newest checkpoint, or waits for the end when the plan gives it nothing to do.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -98,7 +99,10 @@ def run_elastic(args: argparse.Namespace, options_of: OptionsOf) -> None:
     plan = start.plan
     options = replace(options_of(args, plan), resume=True)
     check_environment(plan, start.rank, options)
-    segment = ElasticSegment(start, args.metrics_dir or start.shared.root / "metrics")
+    if not (args.join_probation_s >= 0 and math.isfinite(args.join_probation_s)):
+        raise ConfigError(f"--join-probation-s {args.join_probation_s} must be a number >= 0")
+    metrics_root = args.metrics_dir or start.shared.root / "metrics"
+    segment = ElasticSegment(start, metrics_root, args.join_probation_s)
     options = replace(options, metrics_dir=segment.metrics_dir)
     model = plan_model_path(plan.model.path, start.plan_path, args.model)
     run_rank(plan, start.rank, model, options, elastic=segment)

@@ -57,15 +57,18 @@ QUIET_S = 60.0
 REPLANNED = "re-planned for measured speeds"
 
 
-def probation_s(node: str, events: list[RunEvent], now_unix_s: float) -> float:
-    """How long ``node`` must wait before it is taken in: :data:`PROBATION_S`, doubled for
-    each time it was lost in the last :data:`RECENT_LOSS_S`, at most :data:`PROBATION_MAX_S`."""
+def probation_s(
+    node: str, events: list[RunEvent], now_unix_s: float, base_s: float = PROBATION_S
+) -> float:
+    """How long ``node`` must wait before it is taken in: ``base_s``, doubled for each time
+    it was lost in the last :data:`RECENT_LOSS_S`, at most :data:`PROBATION_MAX_S` (or
+    ``base_s`` where that is longer)."""
     losses = sum(
         1
         for e in events
         if e.kind is RunEventKind.LOST and e.node == node and now_unix_s - e.unix_s < RECENT_LOSS_S
     )
-    return min(PROBATION_S * 2**losses, PROBATION_MAX_S)
+    return min(base_s * 2**losses, max(PROBATION_MAX_S, base_s))
 
 
 def admission_due(
@@ -75,16 +78,21 @@ def admission_due(
     family_digest: str,
     events: list[RunEvent],
     now_unix_s: float,
+    probation_base_s: float = PROBATION_S,
 ) -> list[JoinRequest]:
-    """The waiting nodes to take in now: fresh requests of this family from nodes outside
-    the run that have waited out their probation."""
+    """The waiting nodes to take in now: fresh requests of this family that have waited out
+    their probation. A request from one of ``members`` is taken too: that node's script was
+    started again, so its processes of this round are gone (a node the plan left idle is
+    lost without anyone noticing)."""
+    del members  # every fresh request is a node outside the round, whatever the round thinks
     due = []
     for request in requests:
-        if request.node in members or request.family_digest != family_digest:
+        if request.family_digest != family_digest:
             continue
         if now_unix_s - request.beat_unix_s > STALE_REQUEST_S:
             continue
-        if now_unix_s - request.since_unix_s >= probation_s(request.node, events, now_unix_s):
+        waited_s = now_unix_s - request.since_unix_s
+        if waited_s >= probation_s(request.node, events, now_unix_s, probation_base_s):
             due.append(request)
     return due
 
@@ -100,8 +108,11 @@ class _Previous:
 class ElasticSegment:
     """A segment's bookkeeping on one process (most of it on plan rank 0)."""
 
-    def __init__(self, start: SegmentStart, metrics_root: Path | None) -> None:
+    def __init__(
+        self, start: SegmentStart, metrics_root: Path | None, probation_s: float = PROBATION_S
+    ) -> None:
         self.start = start
+        self.probation_s = probation_s
         self.shared: SharedRunDir = start.shared
         self.metrics_root = metrics_root
         self.is_reporter = start.rank == 0
@@ -367,6 +378,7 @@ class ElasticSegment:
             family_digest=self.start.family.digest(),
             events=self.shared.events(),
             now_unix_s=now_s,
+            probation_base_s=self.probation_s,
         )
         for request in due:
             if request.node in self._admitted:
