@@ -26,7 +26,7 @@ folder the elastic run needs). Parts, each skippable:
   same steps before the kill: same samples, same parameters, another reduction order; and with
   ``--reference-runs 2`` two uninterrupted runs against each other).
 - **slowed** (``--skip-slowed``): the quota of ``--slow-node`` (``fast``) halved at step
-  ``--slow-step`` (30) of a new run; printed: the time from the change to the first step
+  ``--slow-step`` (40) of a new run; printed: the time from the change to the first step
   under a re-plan (if the runtime re-plans), samples/s before and after (and from 2 minutes
   after the change on), against a fresh plan for the new speeds (the node profiled again at
   its new quota, ``hplan solve`` again, its static scripts run on the same namespaces).
@@ -217,7 +217,9 @@ class Segment:
     downtime_s: float | None
     steps_redone: int | None
     first_step_end_unix_s: float | None
-    source: str = ""
+    compute_ms_per_sample: list[float] = field(default_factory=list)
+    """Each rank's median compute milliseconds per sample after the warmup: the machine's
+    load shows here (the same plan computing slower per sample)."""
 
 
 def rank_records(folder: Path) -> dict[int, list[StepMetrics]]:
@@ -256,6 +258,11 @@ def segments_of(metrics_dir: Path) -> list[Segment]:
                 downtime_s=record.downtime_s,
                 steps_redone=record.steps_redone,
                 first_step_end_unix_s=ends[0] if ends else None,
+                compute_ms_per_sample=[
+                    1e3 * statistics.median(s.compute_time_s / max(s.samples, 1) for s in timed)
+                    for _, steps in sorted(records.items())
+                    if (timed := steps[WARMUP:])
+                ],
             )
         )
     return out
@@ -906,7 +913,7 @@ def print_segments(segments: Sequence[Segment], fresh: Mapping[str, Fresh]) -> N
         "segments (samples/s: the global batch over rank 0's step spacing after "
         f"{WARMUP} steps)",
         ["segment", "Cause", "Nodes", "steps", "samples/s", "hplan metrics", "predicted",
-         "fresh plan", "/ fresh"],
+         "fresh plan", "/ fresh", "compute ms/sample per rank"],
     )  # fmt: skip
     for s in segments:
         key = "+".join(sorted(s.members))
@@ -920,6 +927,7 @@ def print_segments(segments: Sequence[Segment], fresh: Mapping[str, Fresh]) -> N
             str(s.segment), s.cause, key, f"{s.first_step}-{s.last_step}",
             fmt(s.samples_per_s), fmt(s.samples_per_s_metrics), fmt(s.predicted_samples_per_s),
             fmt(match.samples_per_s) if match else "-", ratio,
+            " ".join(f"{ms:.1f}" for ms in s.compute_ms_per_sample),
         )  # fmt: skip
     console.print(out)
 
@@ -1026,7 +1034,7 @@ def main() -> None:
                         help="steps of each fresh static plan's run")  # fmt: skip
     parser.add_argument("--reference-runs", type=int, default=1, choices=(1, 2))
     parser.add_argument("--slow-node", default="fast", choices=NODE_NAMES)
-    parser.add_argument("--slow-step", type=int, default=30)
+    parser.add_argument("--slow-step", type=int, default=40)
     parser.add_argument("--slow-steps", type=int, default=400, help="steps of the slowed run")
     parser.add_argument("--torchft-python", help="a Python with torchft (not hplan's venv)")
     parser.add_argument("--torchft-steps", type=int, default=250)
