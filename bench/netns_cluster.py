@@ -213,6 +213,12 @@ class NamespaceCluster:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
+    def set_cpu_quota(self, index: int, cpu_cores: float) -> None:
+        """Change node ``index``'s CPU quota to ``cpu_cores`` while its processes run (a node
+        slowed by heat or another tenant); they keep it until the cluster is removed."""
+        quota_us = int(cpu_cores * CFS_PERIOD_US)
+        (self._group(index) / "cpu.cfs_quota_us").write_text(str(quota_us))
+
     def kill_node(self, index: int) -> None:
         """SIGKILL every process in node ``index``'s CPU group (the node is gone): the
         processes this cluster started there and all their descendants, whatever session
