@@ -318,3 +318,52 @@ def test_a_replan_that_does_not_pay_before_the_end_keeps_the_plan(
     assert "keeping the plan" in err and "restarting under" not in err
     assert not segment.wants_replan  # type: ignore[attr-defined]
     assert segment.shared.current_plans() == {}  # type: ignore[attr-defined]
+
+
+class _SolvedLater(_SolvedAtOnce):
+    """A ``Replanner`` whose re-plan finishes one poll after it was begun."""
+
+    _polls_left = 0
+
+    def begin(self, slowdown: object, recent: object) -> None:
+        super().begin(slowdown, recent)
+        self.running, self._polls_left = True, 1
+
+    def take(self) -> object:
+        if self._polls_left:
+            self._polls_left -= 1
+            return None
+        self.running = False
+        return super().take()
+
+
+def test_the_gain_is_weighed_with_the_step_seen_at_the_detection(
+    tmp_path: Path,
+    island_plans: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # while the re-plan's child processes run on rank 0's node the job's step grows again
+    # (0.2 -> 0.5 s here); that is the re-plan's own cost, not the slowed node's
+    from hplan.runtime.executor.elastic import segment as segment_module
+
+    monkeypatch.setattr(segment_module, "POLL_S", 0.0)
+    even, moved = island_plans
+    segment = _segment(tmp_path, even, total_steps=10_000)
+    segment._replanner = _SolvedLater(moved)  # type: ignore[attr-defined]
+    folder, step = segment.metrics_dir, 0  # type: ignore[attr-defined]
+    for index in range(9):
+        slow = index >= 2 + WARMUP_STEPS // SPEED_WINDOW_STEPS
+        job_step_s = 0.2 if index < 4 else 0.5  # the re-plan begins after index 3
+        start_s = 1000 + step * STEP_S
+        window = (
+            _window(step, slow={2: 2.5}, job_step_s=job_step_s, start_s=start_s)
+            if slow
+            else _window(step, start_s=start_s)
+        )
+        _write(folder, window)
+        step += SPEED_WINDOW_STEPS
+        segment.after_step(step)  # type: ignore[attr-defined]
+    err = capsys.readouterr().err
+    assert "restarting under" in err
+    assert "step 200.0 ms measured" in err, err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from hplan.runtime.contract.elastic import (
     segment_dir,
     write_segment,
 )
+from hplan.runtime.contract.metrics_file import StepMetrics
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.elastic.slowdown import (
     POLL_S,
@@ -126,6 +128,8 @@ class ElasticSegment:
         self._replanner: Replanner | None = None
         self._next_watch_s = 0.0
         self._quiet_until_s = 0.0
+        self._detected_window: dict[int, Sequence[StepMetrics]] = {}
+        """Each rank's records when the running re-plan began (its speeds are weighed)."""
         self.replan: Replan | None = None
         """The re-plan this segment restarts under (plan rank 0; None: none)."""
 
@@ -264,6 +268,7 @@ class ElasticSegment:
             file=sys.stderr,
             flush=True,
         )
+        self._detected_window = dict(watch.recent)
         replanner.begin(slowdown, watch.recent)
 
     def _weigh(self, result: Replan | str, now_s: float, steps_done: int) -> None:
@@ -278,10 +283,13 @@ class ElasticSegment:
         if now is None:
             self._say(f"{REPLANNED}: the slowdown is gone; keeping the plan")
             return
+        # weighed with the speeds seen at the detection: since then the re-plan's own child
+        # processes have competed with training on this node, and would overstate the gain
+        window = self._detected_window or self._watch.recent
         decision = decide_restart(
-            measured_step_s=now.job_recent_s,
+            measured_step_s=min(now.job_recent_s, result.slowdown.job_recent_s),
             predicted_step_s=result.predicted_step_s,
-            old_predicted_step_s=plan_step_measured_s(self.start.plan, self._watch.recent),
+            old_predicted_step_s=plan_step_measured_s(self.start.plan, window),
             steps_left=self._total_steps - steps_done,
             cost_s=restart_cost_s(self.metrics_root),
         )
