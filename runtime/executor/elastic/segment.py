@@ -168,9 +168,8 @@ class ElasticSegment:
                     )
                 )
         plan = self.start.plan
-        predicted = plan.report.predicted_samples_per_s
         if self.metrics_root is not None:
-            folder = write_segment(self.metrics_root, self._record(first_step, predicted))
+            folder = write_segment(self.metrics_root, self._record(first_step))
             (folder / "plan.json").write_bytes(self.start.plan_path.read_bytes())
         self.shared.append_event(
             RunEvent(
@@ -321,7 +320,8 @@ class ElasticSegment:
     def _say(self, line: str) -> None:
         print(f"hplan: elastic: {line}", file=sys.stderr, flush=True)
 
-    def _record(self, first_step: int, predicted: float | None) -> SegmentRecord:
+    def _record(self, first_step: int, downtime_s: float | None = None) -> SegmentRecord:
+        """The segment's ``segment.json`` (its downtime once its first step is done)."""
         state = self._previous.state if self._previous is not None else None
         return SegmentRecord(
             segment=self.start.segment,
@@ -331,9 +331,9 @@ class ElasticSegment:
             world_size=self.start.plan.world_size,
             first_step=first_step,
             started_unix_s=self.start.started_unix_s,
-            predicted_samples_per_s=predicted,
+            predicted_samples_per_s=self.start.plan.report.predicted_samples_per_s,
             cause=self._previous.cause if self._previous is not None else "start",
-            downtime_s=None,
+            downtime_s=downtime_s,
             steps_redone=None if state is None else max(0, state.steps_done - first_step),
         )
 
@@ -361,12 +361,7 @@ class ElasticSegment:
         downtime_s = now_s - state.updated_unix_s
         redone = max(0, state.steps_done - self._first_step)
         if self.metrics_root is not None:
-            record = self._record(self._first_step, None)
-            predicted = self.start.plan.report.predicted_samples_per_s
-            write_segment(
-                self.metrics_root,
-                _with(record, downtime_s=downtime_s, predicted_samples_per_s=predicted),
-            )
+            write_segment(self.metrics_root, self._record(self._first_step, downtime_s))
         print(
             f"hplan: elastic: {previous.cause}; the plan for {members_key(self.start.members)} "
             f"({self.start.source}, {self.start.plan.world_size} ranks) took over at step "
@@ -416,9 +411,3 @@ def _shares(plan: Plan) -> str:
     for rank in (r for r in plan.ranks if r.stage == 0):  # one rank of each replica's part
         per_node[rank.node] = per_node.get(rank.node, 0) + rank.num_samples
     return "samples " + ", ".join(f"{node} {n}" for node, n in per_node.items())
-
-
-def _with(record: SegmentRecord, **changes: object) -> SegmentRecord:
-    from dataclasses import replace
-
-    return replace(record, **changes)  # type: ignore[arg-type]
