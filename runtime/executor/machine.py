@@ -20,6 +20,7 @@ import ipaddress
 import os
 import socket
 import struct
+import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,10 +98,32 @@ def ranks_on_node(plan: Plan, rank: int) -> int:
 
 
 def rank_cpu_share(plan: Plan, rank: int, root: Path = Path("/")) -> CpuShare:
-    """This rank's :class:`CpuShare` (read once, at the start of training)."""
+    """This rank's :class:`CpuShare` now."""
     quota = usable_cpus(root).quota_cores
     share = None if quota is None else quota / ranks_on_node(plan, rank)
     return CpuShare(share, torch.get_num_threads())
+
+
+CPU_SHARE_REFRESH_S = 5.0
+"""How often a rank reads its CPU quota again: an operator or another tenant may change it
+mid-run, and the metrics must say what was in force (calibration reads a quota-bound rank's
+compute as its CPU time over the quota: a stale quota would hide the slowdown)."""
+
+
+class CpuShareWatch:
+    """A rank's :class:`CpuShare`, read again every :data:`CPU_SHARE_REFRESH_S`."""
+
+    def __init__(self, plan: Plan, rank: int, root: Path = Path("/")) -> None:
+        self.plan, self.rank, self.root = plan, rank, root
+        self._share = rank_cpu_share(plan, rank, root)
+        self._read_s = time.monotonic()
+
+    def current(self, now_s: float | None = None) -> CpuShare:
+        """The share, read again when :data:`CPU_SHARE_REFRESH_S` has passed since the last."""
+        now_s = time.monotonic() if now_s is None else now_s
+        if now_s - self._read_s >= CPU_SHARE_REFRESH_S:
+            self._share, self._read_s = rank_cpu_share(self.plan, self.rank, self.root), now_s
+        return self._share
 
 
 # --------------------------------------------------------------------------- interfaces

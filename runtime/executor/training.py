@@ -49,7 +49,7 @@ from hplan.runtime.executor.control.rebalance import ShareBalancer
 from hplan.runtime.executor.control.same_job import JobIdentity, check_same_job
 from hplan.runtime.executor.data import batch_digest, batch_tensors
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip, step_groups
-from hplan.runtime.executor.machine import CpuShare, rank_cpu_share, set_rank_threads
+from hplan.runtime.executor.machine import CpuShare, CpuShareWatch, set_rank_threads
 from hplan.runtime.executor.memory.zero import (
     ShardSync,
     build_shard_sync,
@@ -511,7 +511,7 @@ class RankStep:
         self.verify_dir = verify_dir
         """``--verify``: the run's first step is dumped there (``_dump_verify``)."""
         self.first_step = first_step
-        self.cpu_share = rank_cpu_share(runner.parts.plan, runner.parts.rank_plan.rank)
+        self.cpu_share = CpuShareWatch(runner.parts.plan, runner.parts.rank_plan.rank)
 
     def run(self, step: int, *, last: bool) -> StepMetrics:
         """Schedule, gradient sync and optimizer of ``step``, then the LR scheduler's step."""
@@ -523,7 +523,7 @@ class RankStep:
             verify,
             self.outer,
             last=last,
-            cpu_share=self.cpu_share,
+            cpu_share=self.cpu_share.current(),
             stats=self.stats,
         )
         if self.scheduler is not None:

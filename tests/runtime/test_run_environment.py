@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,8 +18,10 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import NodeSpec
 from hplan.runtime.executor.cli import main
 from hplan.runtime.executor.machine import (
+    CPU_SHARE_REFRESH_S,
     INTERFACE_ENV,
     Binding,
+    CpuShareWatch,
     bind_interface,
     bind_interface_towards,
     choose_threads,
@@ -29,6 +32,7 @@ from hplan.runtime.rehearsal.launcher import free_port
 from hplan.runtime.rehearsal.rehearse import DEFAULT_STEPS, rehearsal_steps
 from tests.fixtures.plans import (
     NUMBERED_DATASET,
+    TINY_MODEL,
     ReplicaShape,
     make_plan,
     rank_command,
@@ -181,6 +185,25 @@ def test_a_cgroup_v2_cpu_max_and_missing_files_read_as_no_quota(tmp_path: Path) 
     assert cgroup_cpu_quota(tmp_path / "nothing-here") is None
     _fake_proc(tmp_path / "no-mount", cgroup="0::/x\n", mountinfo="")
     assert cgroup_cpu_quota(tmp_path / "no-mount") is None
+
+
+def test_a_quota_changed_mid_run_is_what_the_next_metrics_say(tmp_path: Path) -> None:
+    # an elastic run re-plans for a node whose quota was halved: calibration reads a quota-
+    # bound rank's compute as its CPU time over the quota, so a stale quota hides it
+    _fake_proc(
+        tmp_path,
+        cgroup="0::/job\n",
+        mountinfo="40 1 0:30 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n",
+    )
+    _write(tmp_path / "sys/fs/cgroup/job/cpu.max", "90000 100000\n")
+    plan = make_plan(write_model(tmp_path, TINY_MODEL), [ReplicaShape((-1,), 4, 4)])
+    watch = CpuShareWatch(plan, 0, tmp_path)
+    assert watch.current().quota_cores == pytest.approx(0.9)
+    _write(tmp_path / "sys/fs/cgroup/job/cpu.max", "45000 100000\n")
+    started_s = time.monotonic()
+    assert watch.current(started_s).quota_cores == pytest.approx(0.9)  # read a moment ago
+    later = watch.current(started_s + CPU_SHARE_REFRESH_S)
+    assert later.quota_cores == pytest.approx(0.45)
 
 
 def test_under_ip_netns_exec_the_quota_is_read_through_an_ancestors_mounts(tmp_path: Path) -> None:
