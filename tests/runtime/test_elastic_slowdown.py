@@ -255,15 +255,19 @@ def _segment(tmp_path: Path, plan_path: Path, total_steps: int) -> object:
     return segment
 
 
-def _train_slowing(segment: object, folder: Path, num_windows: int) -> None:
+def _train_slowing(
+    segment: object, folder: Path, num_windows: int, *, busier_from: int | None = None
+) -> None:
     """Rank files as three islands write them: healthy through the baseline, then node
-    box-c (rank 2) 2.5x slower and the job's step 2x longer; ``after_step`` at each window."""
+    box-c (rank 2) 2.5x slower and the job's step 2x longer (5x from window ``busier_from``
+    on); ``after_step`` at each window."""
     step = 0
     for index in range(num_windows):
         slow = index >= 2 + WARMUP_STEPS // SPEED_WINDOW_STEPS
         start_s = 1000 + step * STEP_S
+        job_step_s = 0.5 if busier_from is not None and index >= busier_from else 0.2
         window = (
-            _window(step, slow={2: 2.5}, job_step_s=0.2, start_s=start_s)
+            _window(step, slow={2: 2.5}, job_step_s=job_step_s, start_s=start_s)
             if slow
             else _window(step, start_s=start_s)
         )
@@ -351,19 +355,7 @@ def test_the_gain_is_weighed_with_the_step_seen_at_the_detection(
     even, moved = island_plans
     segment = _segment(tmp_path, even, total_steps=10_000)
     segment._replanner = _SolvedLater(moved)  # type: ignore[attr-defined]
-    folder, step = segment.metrics_dir, 0  # type: ignore[attr-defined]
-    for index in range(9):
-        slow = index >= 2 + WARMUP_STEPS // SPEED_WINDOW_STEPS
-        job_step_s = 0.2 if index < 4 else 0.5  # the re-plan begins after index 3
-        start_s = 1000 + step * STEP_S
-        window = (
-            _window(step, slow={2: 2.5}, job_step_s=job_step_s, start_s=start_s)
-            if slow
-            else _window(step, start_s=start_s)
-        )
-        _write(folder, window)
-        step += SPEED_WINDOW_STEPS
-        segment.after_step(step)  # type: ignore[attr-defined]
+    _train_slowing(segment, segment.metrics_dir, 9, busier_from=4)  # type: ignore[attr-defined]
     err = capsys.readouterr().err
     assert "restarting under" in err
     assert "step 200.0 ms measured" in err, err
