@@ -34,6 +34,7 @@ from hplan.runtime.contract.errors import (
     ConfigError,
     HplanError,
     ModelFileError,
+    PreemptedError,
     error_reason,
     report_internal_error,
 )
@@ -335,6 +336,14 @@ def run_elastic_process(args: argparse.Namespace) -> int:
             run_elastic(args, run_options)
         except ElasticEnd as end:
             print(f"hplan run{where}: {end}", file=sys.stderr, flush=True)
+        except PreemptedError as stop:  # a node joins (or the whole job was stopped)
+            print(
+                f"hplan run{where}: torchrun's agent stopped this round (a node joins, or the "
+                f"job was stopped): {stop}".replace("; resume with --resume", ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(stop.exit_code) from None
 
     return exit_code_of(run, lambda: where)
 

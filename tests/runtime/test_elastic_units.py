@@ -3,9 +3,13 @@ joiner's refusals, the segment's cause (the whole path: ``test_elastic.py``)."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import math
+import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,11 +26,25 @@ from hplan.runtime.contract.elastic import (
 )
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.executor.elastic import joining
-from hplan.runtime.executor.elastic.joining import check_joiner, running_state, wait_to_join
+from hplan.runtime.executor.elastic.joining import (
+    FINISHED_EXIT_CODE,
+    RunFinished,
+    check_joiner,
+    running_state,
+    wait_to_join,
+)
 from hplan.runtime.executor.elastic.segment import PROBATION_S, admission_due, probation_s
 from hplan.runtime.executor.elastic.start import TorchrunEnv
+from hplan.runtime.rehearsal.launcher import free_port
 
 NOW_S = 1_000_000.0
+
+
+@pytest.fixture
+def rendezvous() -> Iterator[int]:
+    """A port where something listens, as the run's rendezvous store does."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield server.getsockname()[1]
 
 
 def _family(model_digest: str = "m" * 64, **changes: object) -> PlanFamily:
@@ -130,19 +148,21 @@ def test_a_joiner_with_another_model_file_or_version_or_node_is_refused(tmp_path
         check_joiner(_family(digest), tmp_path, "z", model)
 
 
-def test_a_joiner_of_another_family_is_refused_and_the_refusal_recorded(tmp_path: Path) -> None:
+def test_a_joiner_of_another_family_is_refused_and_the_refusal_recorded(
+    tmp_path: Path, rendezvous: int
+) -> None:
     shared = SharedRunDir(tmp_path)
     shared.write_state(_state(("a", "b"), time.time(), "another-family"))
     with pytest.raises(ConfigError, match="the run goes on without it"):
-        wait_to_join(_family(), shared, "c")
+        wait_to_join(_family(rendezvous_port=rendezvous), shared, "c")
     assert [e.kind for e in shared.events()] == [RunEventKind.REFUSED]
 
 
 def test_a_joiner_waits_for_its_admission_then_leaves_no_request(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rendezvous: int
 ) -> None:
     monkeypatch.setattr(joining, "BEAT_S", 0.05)
-    family = _family()
+    family = _family(rendezvous_port=rendezvous)
     shared = SharedRunDir(tmp_path)
     shared.write_state(_state(("a", "b"), time.time(), family.digest()))
 
@@ -198,3 +218,34 @@ def test_a_rendezvous_that_fails_is_one_line_naming_the_fix() -> None:
     assert "fewer than 2 nodes met at the rendezvous 10.0.0.1:29500 within 60 s" in few
     gone = rendezvous_failure_line(args, RendezvousConnectionError("store gone"))
     assert "single point of failure" in gone and "\n" not in gone
+
+
+def test_a_joiner_of_a_finished_run_is_told_so_and_one_of_a_run_whose_host_is_gone_starts(
+    tmp_path: Path,
+) -> None:
+    family = _family(rendezvous_port=free_port())  # nothing listens there: the host is gone
+    shared = SharedRunDir(tmp_path)
+    shared.write_state(_state(("a", "b"), time.time(), family.digest()))
+    assert running_state(shared, time.time()) is not None  # fresh, by its state alone
+    assert running_state(shared, time.time(), family) is None
+    wait_to_join(family, shared, "c")  # at once: start the agent, meet whoever is there
+    shared.append_event(
+        RunEvent(
+            kind=RunEventKind.ENDED, unix_s=time.time() + 1, detail="trained 8 steps", exit_code=0
+        )
+    )
+    with pytest.raises(RunFinished, match=r"has ended \(trained 8 steps\); nothing to join"):
+        wait_to_join(family, shared, "c")
+    assert RunFinished.exit_code == FINISHED_EXIT_CODE
+
+
+@pytest.mark.parametrize("probation_s", [-1.0, math.nan, math.inf])
+def test_a_join_probation_that_is_not_a_time_is_one_line(probation_s: float) -> None:
+    from hplan.runtime.executor.elastic.entry import _required
+
+    args = argparse.Namespace(
+        checkpoint_dir=Path("ck"), node="a", rank=None, join_probation_s=probation_s,
+        plan=Path("plan.json"),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"--join-probation-s .* must be a finite number"):
+        _required(args)

@@ -52,6 +52,10 @@ def _required(args: argparse.Namespace) -> tuple[Path, str]:
         raise ConfigError("--elastic needs this node's name: --node NAME or HPLAN_NODE=NAME")
     if args.rank is not None:
         raise ConfigError("--elastic takes its rank from the plan for the nodes there; drop --rank")
+    if not (math.isfinite(args.join_probation_s) and args.join_probation_s >= 0):
+        raise ConfigError(
+            f"--join-probation-s {args.join_probation_s} must be a finite number of seconds >= 0"
+        )
     args.plan = Path(os.path.abspath(args.plan))  # paths other nodes read: no "..", no cwd
     return Path(os.path.abspath(args.checkpoint_dir)), args.node
 
@@ -101,8 +105,6 @@ def run_elastic(args: argparse.Namespace, options_of: OptionsOf) -> None:
     plan = start.plan
     options = replace(options_of(args, plan), resume=True)
     check_environment(plan, start.rank, options)
-    if not (args.join_probation_s >= 0 and math.isfinite(args.join_probation_s)):
-        raise ConfigError(f"--join-probation-s {args.join_probation_s} must be a number >= 0")
     metrics_root = args.metrics_dir or start.shared.root / "metrics"
     segment = ElasticSegment(start, metrics_root, args.join_probation_s)
     options = replace(options, metrics_dir=segment.metrics_dir)

@@ -13,6 +13,7 @@ and torchrun's agents restart the round with it (the running ranks save a checkp
 from __future__ import annotations
 
 import hashlib
+import socket
 import sys
 import time
 from pathlib import Path
@@ -26,10 +27,20 @@ from hplan.runtime.contract.elastic import (
     SharedRunDir,
     hplan_version,
 )
-from hplan.runtime.contract.errors import ConfigError
+from hplan.runtime.contract.errors import ConfigError, HplanError
 
-__all__ = ["RUNNING_FRESH_S", "check_joiner", "running_state", "wait_to_join"]
+__all__ = [
+    "FINISHED_EXIT_CODE",
+    "RUNNING_FRESH_S",
+    "RunFinished",
+    "check_joiner",
+    "running_state",
+    "wait_to_join",
+]
 
+FINISHED_EXIT_CODE = 10
+"""``check --elastic``'s code for a run that has trained every step: the launch script then
+exits 0 without starting torchrun."""
 RUNNING_FRESH_S = 120.0
 """A run whose ``run.json`` was rewritten within this long is training (it is rewritten
 after every step): a node arriving then waits to be taken in."""
@@ -64,15 +75,56 @@ def check_joiner(family: PlanFamily, family_dir: Path, node: str, model_path: Pa
         )
 
 
-def running_state(shared: SharedRunDir, now_unix_s: float) -> RunState | None:
-    """The state of the run training in ``shared`` now (None: none is, or it ended)."""
+def running_state(
+    shared: SharedRunDir, now_unix_s: float, family: PlanFamily | None = None
+) -> RunState | None:
+    """The state of the run training in ``shared`` now (None: none is, it ended, or, given
+    its ``family``, nothing answers at its rendezvous: its host is gone)."""
     state = shared.read_state()
     if state is None or now_unix_s - state.updated_unix_s > RUNNING_FRESH_S:
         return None
-    ended = [e for e in shared.events() if e.kind is RunEventKind.ENDED]
-    if ended and ended[-1].unix_s >= state.updated_unix_s:
+    if ended_run(shared) is not None:
+        return None
+    if family is not None and not _answers(family.rendezvous_host, family.rendezvous_port):
         return None
     return state
+
+
+def ended_run(shared: SharedRunDir) -> RunEvent | None:
+    """The run's ``ended`` event when the run in ``shared`` has ended since it last trained
+    (None: it has not, or never trained)."""
+    state = shared.read_state()
+    ended = [e for e in shared.events() if e.kind is RunEventKind.ENDED]
+    if not ended or (state is not None and ended[-1].unix_s < state.updated_unix_s):
+        return None
+    return ended[-1]
+
+
+class RunFinished(HplanError):
+    """The run in the checkpoint folder has trained every step: nothing to join (the launch
+    script exits 0 without starting torchrun)."""
+
+    exit_code = FINISHED_EXIT_CODE
+
+
+def check_not_finished(shared: SharedRunDir) -> None:
+    """Raises:
+    RunFinished: the run in ``shared`` trained every step (one line)."""
+    ended = ended_run(shared)
+    if ended is not None and ended.exit_code == 0:
+        raise RunFinished(
+            f"the run in {str(shared.checkpoint_dir)!r} has ended ({ended.detail}); nothing to "
+            "join: give another --checkpoint-dir to start a new run"
+        )
+
+
+def _answers(host: str, port: int) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` within a second."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def refuse(shared: SharedRunDir, node: str, line: str) -> None:
@@ -88,7 +140,8 @@ def wait_to_join(family: PlanFamily, shared: SharedRunDir, node: str) -> None:
     Raises:
         ConfigError: the run trains another plan family (recorded; the run goes on).
     """
-    state = running_state(shared, time.time())
+    check_not_finished(shared)
+    state = running_state(shared, time.time(), family)
     if state is None:
         return
     if state.family_digest != family.digest():
@@ -120,8 +173,9 @@ def wait_to_join(family: PlanFamily, shared: SharedRunDir, node: str) -> None:
                     flush=True,
                 )
                 return
-            if running_state(shared, now_s) is None:
-                return  # the run ended or went silent: start the agent, meet whoever is there
+            if running_state(shared, now_s, family) is None:
+                check_not_finished(shared)
+                return  # the run went silent: start the agent, meet whoever is there
             time.sleep(BEAT_S)
     finally:
         shared.clear_join(node)
