@@ -43,11 +43,10 @@ from hplan.runtime.executor.elastic.start import SegmentStart
 __all__ = ["PROBATION_S", "ElasticSegment", "admission_due", "probation_s"]
 
 PROBATION_S = 20.0
-"""How long a node must wait, alive, before the run takes it in. A restart costs the run about
-10-20 s of training (measured on the namespace cluster); a node that flaps (joins, dies,
-joins...) costs two restarts per flap, so making it prove 20 s of life first keeps a flapping
-node's cost under half the run's time, and doubling it for each recent loss of that node
-(:func:`probation_s`) drives the cost towards nothing."""
+"""How long a node must wait, alive, before the run takes it in. A node that flaps (joins,
+dies, joins...) costs the run two restarts per flap; making it prove at least as long a life
+as a restart costs keeps a flapping node's cost bounded, and doubling it for each recent loss
+of that node (:func:`probation_s`) drives the cost towards nothing."""
 PROBATION_MAX_S = 600.0
 RECENT_LOSS_S = 1800.0
 """Losses of a node within this long count against its next probation."""

@@ -82,8 +82,7 @@ CONFIRM_POLLS = 2
 """Polls in a row (windows apart) that must find a rank slowed before the job re-plans: a
 rank that stays off, not a burst of other work on its machine."""
 DEFAULT_RESTART_COST_S = 20.0
-"""A restart's cost when the run has not measured one (the downtime of a restart of the GPT
-example on three nodes under torchrun's agent, rounded up)."""
+"""A restart's cost when the run has not measured one yet (its segments' ``downtime_s``)."""
 TAIL_BYTES = 64 * 1024
 """How much of the end of a rank's file a poll reads (a line is under 1 kB)."""
 REPLAN_TIMEOUT_S = 600.0
