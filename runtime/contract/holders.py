@@ -43,6 +43,7 @@ __all__ = [
     "step_holders",
     "sync_summary",
     "syncs_after",
+    "tp_positions",
 ]
 
 RankSet = tuple[int, ...]
@@ -79,11 +80,24 @@ def shared_bytes(
     return groups
 
 
-def parameter_holders(plan: Plan) -> dict[str, RankSet]:
-    """Canonical parameter name -> sorted ranks whose units use it, by name."""
+def parameter_holders(plan: Plan, tp_rank: int = 0) -> dict[str, RankSet]:
+    """Canonical parameter name -> sorted ranks whose units use it, by name, among the
+    ranks of TP position ``tp_rank``: under tensor parallelism the ``tp_rank``-th shards of
+    a parameter (or, for one the TP plan leaves whole, the copies at that position) are
+    summed together, never two positions' shards (``RankPlan.tp_rank``). Without tensor
+    parallelism every rank has ``tp_rank`` 0."""
     units = {u.name: u for u in plan.units}
-    pairs = ((r.rank, (p for u in r.units for p in units[u].params)) for r in plan.ranks)
+    pairs = (
+        (r.rank, (p for u in r.units for p in units[u].params))
+        for r in plan.ranks
+        if r.tp_rank == tp_rank
+    )
     return dict(sorted(holders(pairs).items()))
+
+
+def tp_positions(plan: Plan) -> range:
+    """The ``tp_rank`` values of the plan: ``range(max tp_degree)``."""
+    return range(max(r.tp_degree for r in plan.ranks))
 
 
 RUNNING_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -231,7 +245,12 @@ def optimizer_shards(plan: Plan, numels: Mapping[str, int]) -> dict[RankSet, Opt
 def holder_sets(plan: Plan) -> tuple[RankSet, ...]:
     """Distinct holder sets of more than one rank, in ``link_model.sync_order``. Without
     ``local_sgd``/``async`` groups, the gradient process groups (:func:`step_holder_sets`)."""
-    sets = {ranks for ranks in parameter_holders(plan).values() if len(ranks) > 1}
+    sets = {
+        ranks
+        for tp_rank in tp_positions(plan)
+        for ranks in parameter_holders(plan, tp_rank).values()
+        if len(ranks) > 1
+    }
     return tuple(sorted(sets, key=sync_order))
 
 

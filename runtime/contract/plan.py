@@ -216,6 +216,40 @@ class PseudoGradientDtype(StrEnum):
     BFLOAT16 = "bfloat16"
 
 
+TP_DEGREES: Final = (1, 2, 4, 8)
+"""The tensor-parallel degrees a stage may have (``RankPlan.tp_degree``)."""
+
+
+class TpStyle(StrEnum):
+    """How one module of the model's tensor-parallel plan is split across a stage's TP
+    group (``torch.distributed.tensor.parallel``; Megatron-LM's column/row pair, Shoeybi
+    et al., 2019). The names are Hugging Face's ``base_model_tp_plan`` values.
+
+    - ``colwise``: an ``nn.Linear``'s weight split by output features (dim 0) and its
+      bias with it; the input is replicated, the output stays split by features.
+    - ``rowwise``: the weight split by input features (dim 1), the bias replicated; the
+      input arrives split by features, the outputs are summed (one all-reduce).
+    - ``colwise_rep``: ``colwise`` whose output is gathered whole (an LM head).
+    - ``rowwise_rep``: ``rowwise`` whose input arrives whole and is split locally (an
+      embedding split by vocabulary, whose partial outputs are summed).
+    """
+
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    COLWISE_REP = "colwise_rep"
+    ROWWISE_REP = "rowwise_rep"
+
+
+@record
+class TpRule:
+    """One entry of a model's tensor-parallel plan."""
+
+    pattern: str
+    """A module path of ``named_modules()``; ``*`` stands for one path component
+    (``layers.*.self_attn.q_proj``), as in Hugging Face's ``base_model_tp_plan``."""
+    style: TpStyle
+
+
 class Backend(StrEnum):
     """torch.distributed backend for point-to-point and collectives."""
 
@@ -359,6 +393,11 @@ class ModelSpec:
     param_dtype: str
     loss_convention: LossConvention = LossConvention.SAMPLE_MEAN
     """What ``loss_fn`` averages over: how the runtime weights each micro-batch's loss."""
+    tp_plan: tuple[TpRule, ...] = ()
+    """The model's tensor-parallel plan, in the order it was declared: ``TP_PLAN`` in
+    model.py, else the Hugging Face model's ``config.base_model_tp_plan`` (its paths under
+    the base model, prefixed as ``named_modules()`` names them) and its own ``_tp_plan``;
+    empty: the model has none, and no stage may have ``tp_degree`` > 1."""
 
 
 @record
@@ -506,6 +545,14 @@ class RankPlan:
     state (and under stage 2 of the summed gradients) of every holder set it belongs to
     (shards proportional to the members' weights; see ``holders.optimizer_shards``).
     Ignored under stage 0."""
+    tp_degree: Count = 1
+    """Tensor-parallel degree of this rank's stage: the stage of this replica runs on
+    ``tp_degree`` ranks (its TP group: same node, same device kind, same units and
+    micro-batches, consecutive ranks in ``tp_rank`` order), each holding its share of every
+    module of ``ModelSpec.tp_plan`` (the ``tp_rank``-th piece). One of ``TP_DEGREES``."""
+    tp_rank: Index = 0
+    """This rank's position in its TP group, 0 .. ``tp_degree`` - 1. The ``tp_rank`` 0
+    rank is the stage's lead: ``Plan.replica_ranks`` lists the leads."""
     optimizer_offload: Flag = False
     """This rank keeps its optimizer state and an fp32 master copy of its trainable
     parameters in host memory (pinned on CUDA) and steps the model file's optimizer there:
@@ -731,8 +778,30 @@ class Plan:
         return any(r.precision is Precision.FP16 for r in self.ranks)
 
     def replica_ranks(self, replica: int) -> tuple[RankPlan, ...]:
-        """Ranks of one replica in stage order."""
-        return tuple(sorted((r for r in self.ranks if r.replica == replica), key=_stage_key))
+        """The stage leads of one replica (``tp_rank`` 0: every rank without tensor
+        parallelism), in stage order."""
+        return tuple(
+            sorted(
+                (r for r in self.ranks if r.replica == replica and r.tp_rank == 0),
+                key=_stage_key,
+            )
+        )
+
+    def tp_group(self, rank: int) -> tuple[RankPlan, ...]:
+        """The ranks of ``rank``'s stage of its replica (its TP group), in ``tp_rank``
+        order; ``(plans.ranks[rank],)`` without tensor parallelism."""
+        me = self.ranks[rank]
+        return tuple(
+            sorted(
+                (r for r in self.ranks if r.replica == me.replica and r.stage == me.stage),
+                key=lambda r: r.tp_rank,
+            )
+        )
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether some stage runs on a TP group of two or more ranks."""
+        return any(r.tp_degree > 1 for r in self.ranks)
 
     def cut_after(self, unit: str) -> CutSpec:
         """The boundary after ``unit``; raises ``PlanFileError`` if the plan lacks it."""
@@ -1040,6 +1109,7 @@ def _verify_plan(plan: Plan) -> None:
             _fail(f"rank {rank.rank} uses unknown device {rank.device!r}")
         if rank.node not in node_names:
             _fail(f"rank {rank.rank} is on unknown node {rank.node!r}")
+    _verify_tp(plan)
     unit_order = [u.name for u in plan.units]
     if len(set(unit_order)) != len(unit_order):
         _fail("unit names repeat")
@@ -1062,6 +1132,57 @@ def _verify_plan(plan: Plan) -> None:
         _verify_offload(plan)
     if plan.memory is not None:
         _verify_memory(plan, plan.memory)
+
+
+_TP_SAME: Final = (
+    "node", "device_kind", "units", "micro_batch_size", "num_microbatches", "num_samples",
+    "memory_strategy", "recompute_units", "precision", "tp_degree",
+)  # fmt: skip
+"""What every rank of one TP group shares."""
+
+
+def _verify_tp(plan: Plan) -> None:
+    """TP groups: ``tp_degree`` ranks per (replica, stage), consecutive, alike; a TP plan
+    in the model; the holders of a unit all of one degree."""
+    groups: dict[tuple[int, int], list[RankPlan]] = {}
+    for rank in plan.ranks:
+        if rank.tp_degree not in TP_DEGREES:
+            _fail(f"rank {rank.rank} has tp_degree {rank.tp_degree}; use one of {TP_DEGREES}")
+        if rank.tp_rank >= rank.tp_degree:
+            _fail(f"rank {rank.rank} has tp_rank {rank.tp_rank} >= tp_degree {rank.tp_degree}")
+        groups.setdefault((rank.replica, rank.stage), []).append(rank)
+    for (replica, stage), members in groups.items():
+        lead = members[0]
+        where = f"replica {replica} stage {stage}"
+        if sorted(r.tp_rank for r in members) != list(range(lead.tp_degree)):
+            _fail(
+                f"{where} has tp_ranks {[r.tp_rank for r in members]}; its TP group of "
+                f"degree {lead.tp_degree} needs tp_ranks 0..{lead.tp_degree - 1} once each"
+            )
+        if [r.tp_rank for r in members] != sorted(r.tp_rank for r in members) or [
+            r.rank for r in members
+        ] != list(range(lead.rank, lead.rank + len(members))):
+            _fail(f"{where}: the ranks of a TP group must be consecutive, in tp_rank order")
+        for rank in members[1:]:
+            for name in _TP_SAME:
+                if getattr(rank, name) != getattr(lead, name):
+                    _fail(
+                        f"{where}: rank {rank.rank} has another {name} than rank "
+                        f"{lead.rank}; the ranks of a TP group differ only in device"
+                    )
+    if plan.tensor_parallel and not plan.model.tp_plan:
+        _fail(
+            "a stage has tp_degree > 1 but the model has no tensor-parallel plan "
+            "(model.tp_plan); re-run `hplan solve` with --tensor-parallel never"
+        )
+    degree_of: dict[str, int] = {}
+    for rank in plan.ranks:
+        for unit in rank.units:
+            if degree_of.setdefault(unit, rank.tp_degree) != rank.tp_degree:
+                _fail(
+                    f"unit {unit!r} is held by stages of tp_degree {degree_of[unit]} and "
+                    f"{rank.tp_degree}; every holder of a unit has one degree"
+                )
 
 
 def _verify_floor(plan: Plan) -> None:
@@ -1211,14 +1332,14 @@ def _verify_recompute_units(rank: RankPlan) -> None:
 
 
 def _holder_sets(plan: Plan) -> set[tuple[int, ...]]:
-    """The distinct sorted rank sets of two or more ranks that hold a parameter (what
-    ``holders.holder_sets`` orders; computed here, since ``holders`` imports this module)."""
+    """The distinct sorted rank sets of two or more ranks that hold a parameter at one TP
+    position (what ``holders.holder_sets`` orders; computed here, since ``holders`` imports this module)."""
     units = {u.name: u for u in plan.units}
-    found: dict[str, set[int]] = {}
+    found: dict[tuple[str, int], set[int]] = {}
     for rank in plan.ranks:
         for unit in rank.units:
             for name in units[unit].params:
-                found.setdefault(name, set()).add(rank.rank)
+                found.setdefault((name, rank.tp_rank), set()).add(rank.rank)
     return {tuple(sorted(ranks)) for ranks in found.values() if len(ranks) > 1}
 
 
