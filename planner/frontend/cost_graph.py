@@ -37,7 +37,13 @@ from hplan.planner.frontend.trains_check import LossMemory
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel
 from hplan.runtime.contract.errors import ModelFileError
-from hplan.runtime.contract.plan import InputSpec, TensorSpec, TraceMethod, UnitSpec
+from hplan.runtime.contract.plan import (
+    InputSpec,
+    TensorSpec,
+    TpRule,
+    TraceMethod,
+    UnitSpec,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,41 @@ class UnitCost:
     conv_flops_per_sample: float = 0.0
     """The part of ``fwd_flops_per_sample`` done by convolutions (cuDNN's: they may run on
     tensor cores where the matmuls do not, ``problem_builder.RooflineSource``)."""
+    tp: UnitTensorParallel | None = None
+    """How the model's tensor-parallel plan splits this unit; None: the plan splits none of
+    its modules (or the model has no plan), and a TP group runs the unit whole on every
+    member."""
+
+
+@dataclass(frozen=True, slots=True)
+class UnitTensorParallel:
+    """What the model's tensor-parallel plan (``ModelSpec.tp_plan``) splits in one unit,
+    per sample of the model's input, for the cost model of a TP group of degree ``d``
+    (Megatron-LM's accounting, Shoeybi et al., 2019; Korthikanti et al., 2022).
+
+    On each member of a group of degree ``d``: the split parameters' bytes / ``d`` plus the
+    unit's other parameters whole; likewise the split FLOPs and the split saved
+    activations; and the all-reduces below, each moving ``2 (d - 1) / d`` x its bytes
+    around the group's ring.
+    """
+
+    split_param_bytes: int
+    """Bytes of the unit's parameters the TP plan splits (every trainable one of them is
+    split the same way with its gradient and optimizer state)."""
+    split_flops_per_sample: float
+    """Forward FLOPs of the split modules and of the ops between a column-split module
+    and its row-split partner (attention's heads, an MLP's activation), which each member
+    runs on its 1/d."""
+    split_activation_bytes_per_sample: float
+    """Of ``activation_bytes_per_sample``: the bytes saved by those same ops, split too."""
+    fwd_allreduce_bytes_per_sample: float
+    """Bytes all-reduced (or gathered) in the forward: the output of every row-split
+    module, the output gathered by a ``colwise_rep`` module."""
+    bwd_allreduce_bytes_per_sample: float
+    """Bytes all-reduced in the backward: the input gradient of every column-split module
+    whose input arrives whole."""
+    num_allreduces: int
+    """Collectives per micro-batch, forward and backward together (their latency)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +165,14 @@ class ModelGraph:
     batch_statistics: tuple[str, ...] = ()
     """Layers that normalise by the batch's statistics in training (BatchNorm in train mode,
     ``graph.batch_statistics_layers``): no micro-batch of one sample for them."""
+    tp_plan: tuple[TpRule, ...] = ()
+    """The model's tensor-parallel plan (``ModelSpec.tp_plan``); empty: none."""
+    tp_max_degree: int = 1
+    """The largest degree of ``TP_DEGREES`` that divides every split dimension (features,
+    attention heads, vocabulary) of the plan; 1: tensor parallelism is not offered."""
+    tp_refusal: str | None = None
+    """Why tensor parallelism is not offered for this model, one line for the summary
+    (``the model has no TP_PLAN and no Hugging Face base_model_tp_plan``); None when it is."""
     traced: TracedModel | None = None
     """The traced module, when this graph was measured in this process; None when it was
     read from a capture file. Only what runs the graph (``hplan profile``) needs it."""
