@@ -347,10 +347,11 @@ def emulated_links(plan: Plan, rank: int, emulation: Emulation) -> EmulatedLinks
     for side in boundaries(plan, rank_plan):
         if side is None:
             continue
-        spec = plan.link(rank_plan.device, plan.ranks[side.peer_rank].device)
-        links[side.peer_rank] = EmulatedLink(
-            spec.latency_s, spec.bandwidth_bytes_per_s, emulation.time_scale
-        )
+        for peer in (side.peer_rank, *side.destinations):  # TP groups: several peers
+            spec = plan.link(rank_plan.device, plan.ranks[peer].device)
+            links[peer] = EmulatedLink(
+                spec.latency_s, spec.bandwidth_bytes_per_s, emulation.time_scale
+            )
     scale = emulation.time_scale
 
     def floor_s(ranks: Sequence[int], num_bytes: int) -> float:
