@@ -50,6 +50,7 @@ from hplan.runtime.executor.tensor_parallel import (
     is_dtensor,
     is_sharded,
     local,
+    local_grad,
     set_local_grad,
 )
 
@@ -170,7 +171,7 @@ class GradBucket:
             PeerFailureError: the all-reduce could not be started.
         """
         assert self._launched is None, "a bucket is launched once per step"
-        grads = [local(grad_or_zeros(p)) for _, p in self.params]
+        grads = [local_grad(p, grad_or_zeros(p)) for _, p in self.params]
         wire = wire_dtype([g.dtype for g in grads])
         flat = torch.cat([g.reshape(-1).to(wire) for g in grads])
         if self.scale != 1.0:

@@ -225,7 +225,7 @@ class StepRunner:
         with self.timeline.span(WAIT, "send completion"):
             comm.wait_sends()
         self._sync_gradients()
-        if not self._losses:
+        if not self._losses or parts.rank_plan.tp_rank > 0:  # a TP group's loss: its lead's
             return None
         total = torch.stack([loss.float() for loss in self._losses]).sum()
         return float(total) * self.loss_samples / self.num_samples

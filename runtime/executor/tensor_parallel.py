@@ -82,6 +82,26 @@ def check_tensor_parallel(plan: Plan) -> None:
                 f"the plan has tensor-parallel stages and {what}, which do not run together "
                 f"yet; {NEVER}"
             )
+    _check_tied_degrees(plan)
+
+
+def _check_tied_degrees(plan: Plan) -> None:
+    """Raises ConfigError: a parameter (tied between units) is held by stages of two TP
+    degrees (its shards, or its copies at a position the other stage lacks, would not be
+    summed with the other stage's gradient)."""
+    units = {u.name: u for u in plan.units}
+    degrees: dict[str, set[int]] = {}
+    for rank in plan.ranks:
+        for unit in rank.units:
+            for name in units[unit].params:
+                degrees.setdefault(name, set()).add(rank.tp_degree)
+    for name, found in degrees.items():
+        if len(found) > 1:
+            low, high = sorted(found)[:2]
+            raise ConfigError(
+                f"parameter {name} is tied between stages of tp_degree {low} and {high}; "
+                f"put its units on stages of one degree, or {NEVER}"
+            )
 
 
 def style_of(rules: Sequence[TpRule], module_path: str) -> TpStyle | None:
@@ -102,15 +122,18 @@ def placements(style: TpStyle | None, param_name: str, embedding: bool) -> tuple
 
     ``nn.Linear`` weights are ``(out_features, in_features)``: colwise splits dim 0 (and
     the bias with it), rowwise dim 1 (the bias stays whole). ``nn.Embedding`` weights are
-    ``(num_embeddings, dim)``: rowwise splits the vocabulary (dim 0), colwise the features.
+    ``(num_embeddings, dim)``: split by features (dim 1) in either style. Split by the
+    vocabulary (Hugging Face's ``embedding_rowwise``), DTensor's masked partial sum lost
+    its mask between micro-batches here (torch 2.13: ``_MaskPartial._reduce_value``), so
+    the embedding is split by features, which divides its bytes alike.
     """
     from torch.distributed.tensor import Replicate, Shard
 
     if style is None:
         return (Replicate(),)
     colwise = style in _COLWISE
-    if embedding:
-        return (Shard(1),) if colwise else (Shard(0),)
+    if embedding:  # by features either way: see below
+        return (Shard(1),)
     if param_name == "bias":
         return (Shard(0),) if colwise else (Replicate(),)
     return (Shard(0),) if colwise else (Shard(1),)
@@ -224,6 +247,13 @@ def is_dtensor(value: object) -> TypeIs[DTensor]:
 def local(tensor: Tensor) -> Tensor:
     """The local shard of a DTensor (a view), else ``tensor``."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def local_grad(param: nn.Parameter, grad: Tensor) -> Tensor:
+    """The local shard of ``grad`` laid out as ``param`` (a DTensor's), else ``grad``."""
+    if is_dtensor(grad) and is_dtensor(param) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return local(grad)
 
 
 def set_local_grad(param: nn.Parameter, grad: Tensor) -> None:
