@@ -305,10 +305,20 @@ def rank_stage(
 def _sharded(
     stage: StageModule, plan: Plan, model: nn.Module, mesh: DeviceMesh | None
 ) -> StageModule:
-    """``stage`` with its parameters DTensors over ``mesh`` (None: as it is)."""
+    """``stage`` with its parameters DTensors over ``mesh`` (None: as it is), on the
+    mesh's device first: ``Module.to`` would replace DTensor parameters by new ones,
+    dropping their gradient hooks."""
     if mesh is not None:
+        stage.to(_mesh_device(mesh))
         shard_stage(stage, plan.model.tp_plan, mesh, embedding_paths(model))
     return stage
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device of this rank in ``mesh`` (``cuda``: the current one)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def _split_stage(
@@ -422,7 +432,8 @@ def build_rank(
     stage, binder = rank_stage(plan, rank_plan, model_file, mesh=mesh)
     check_batch_statistics_floor(rank_plan, stage)
     prev, next_ = boundaries(plan, rank_plan)
-    stage.to(device)
+    if mesh is None:  # a TP stage is on its device already (``_sharded``)
+        stage.to(device)
     params = tuple(stage.canonical_parameters())
     optimizer = build_optimizer(plan, rank, model_file, params, device)
     source = BatchSource(

@@ -143,12 +143,13 @@ def test_tiny_hf_llama_on_a_tp_group_passes_verify(llama: Path) -> None:
 def test_one_shards_doubled_gradient_fails_verify_naming_the_parameter(
     llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    name = "model.layers.0.mlp.up_proj.weight"
+    name = "model.layers.1.mlp.up_proj.weight"
     monkeypatch.setenv("HPLAN_TEST_SCALE_SHARD", f"{name}=2@1")  # rank 1's half only
     result, text = _rehearse(_llama_plan(llama))
     verified = result.verify
     assert verified is not None and result.verify_passed is False, text
     assert verified.gradients.name == name and not verified.gradients.passed
+    assert 0.5 < verified.gradients.relative_difference < 0.9  # half of it doubled
     assert f"verify: gradients: worst {name} (rank " in text and "FAIL" in text
 
 
