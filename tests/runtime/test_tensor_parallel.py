@@ -104,6 +104,15 @@ def test_a_parameter_tied_across_stages_of_other_degrees_is_refused() -> None:
 
 
 # --------------------------------------------------------------------------- rehearsals
+TP_NUMBERED = NUMBERED_DATASET.replace("nn.Linear(2, 4)", "nn.Linear(2, 8)").replace(
+    "nn.Linear(4, 1)", "nn.Linear(8, 1)"
+)
+NUMBERED_TP_PLAN = (
+    TpRule(pattern="a", style=TpStyle.COLWISE),
+    TpRule(pattern="b", style=TpStyle.ROWWISE),
+)
+
+
 def test_gpt_pipeline_of_tp_degrees_2_1_2_passes_verify() -> None:
     result, text = _rehearse(_three_stages())
     verified = result.verify
@@ -113,9 +122,10 @@ def test_gpt_pipeline_of_tp_degrees_2_1_2_passes_verify() -> None:
     assert verified.loss == pytest.approx(verified.reference_loss, rel=1e-5)
 
 
-def test_two_tp_replicas_of_unequal_shares_pass_verify() -> None:
-    base = make_plan(GPT_MODEL, [ReplicaShape((-1,), 2, 4), ReplicaShape((-1,), 1, 2)])
-    plan = with_tensor_parallel(base, {(0, 0): 2, (1, 0): 2}, GPT_TP_PLAN)
+def test_two_tp_replicas_of_unequal_shares_pass_verify(tmp_path: Path) -> None:
+    path = write_model(tmp_path, TP_NUMBERED)
+    base = make_plan(path, [ReplicaShape((-1,), 2, 4), ReplicaShape((-1,), 1, 2)])
+    plan = with_tensor_parallel(base, {(0, 0): 2, (1, 0): 2}, NUMBERED_TP_PLAN)
     result, text = _rehearse(plan)
     assert result.verify is not None and result.verify_passed is True, text
     assert result.verify.gradients.relative_difference < 1e-5
@@ -154,15 +164,6 @@ def test_one_shards_doubled_gradient_fails_verify_naming_the_parameter(
 
 
 # --------------------------------------------------------------------------- checkpoints
-TP_NUMBERED = NUMBERED_DATASET.replace("nn.Linear(2, 4)", "nn.Linear(2, 8)").replace(
-    "nn.Linear(4, 1)", "nn.Linear(8, 1)"
-)
-NUMBERED_TP_PLAN = (
-    TpRule(pattern="a", style=TpStyle.COLWISE),
-    TpRule(pattern="b", style=TpStyle.ROWWISE),
-)
-
-
 def _losses(metrics_dir: Path, world_size: int) -> dict[int, float]:
     found = {}
     for rank in range(world_size):
