@@ -269,10 +269,12 @@ def grad_sync_reports(plan: Plan, wire_bytes: Mapping[str, int]) -> tuple[GradSy
         wire_bytes: canonical name -> bytes the runtime all-reduces for that trainable
             parameter; parameters absent from it (not trainable) are skipped.
     """
-    held = parameter_holders(plan)
-    groups = shared_bytes(
-        held, {name: float(wire_bytes[name]) for name in held if name in wire_bytes}
-    )
+    groups: dict[RankSet, float] = {}
+    for tp_rank in tp_positions(plan):  # each TP position's holder sets
+        held = parameter_holders(plan, tp_rank)
+        groups |= shared_bytes(
+            held, {name: float(wire_bytes[name]) for name in held if name in wire_bytes}
+        )
     return tuple(
         GradSyncReport(ranks=ranks, num_bytes=int(num_bytes))
         for ranks, num_bytes in sorted(groups.items())

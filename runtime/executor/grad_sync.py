@@ -461,7 +461,7 @@ def build_grad_clip(
         ]
         return GradClip(max_norm, counted, [p for _, p in trainable], device)
     _check_island_clipping(plan)
-    holders, where = parameter_holders(plan), island_of_rank(plan)
+    holders, where = parameter_holders(plan, plan.ranks[rank].tp_rank), island_of_rank(plan)
     island = where[rank]
     counted = [p for n, p in trainable if min(r for r in holders[n] if where[r] == island) == rank]
     timeout_s = plan.training.process_group_timeout_s

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.metrics_file import read_rank_metrics
-from hplan.runtime.contract.plan import Plan, TpRule, TpStyle, ZeroStage
+from hplan.runtime.contract.plan import Plan, Precision, TpRule, TpStyle, ZeroStage
 from hplan.runtime.executor.tensor_parallel import (
     check_tensor_parallel,
     placements,
@@ -27,6 +27,7 @@ from tests.fixtures.plans import (
     GPT_MODEL,
     NUMBERED_DATASET,
     ReplicaShape,
+    compare_first_step,
     make_plan,
     read_checkpoint,
     run_ranks,
@@ -129,6 +130,20 @@ def test_two_tp_replicas_of_unequal_shares_pass_verify(tmp_path: Path) -> None:
     result, text = _rehearse(plan)
     assert result.verify is not None and result.verify_passed is True, text
     assert result.verify.gradients.relative_difference < 1e-5
+
+
+def test_bf16_autocast_on_a_tp_group_matches_one_bf16_process(tmp_path: Path) -> None:
+    path = write_model(tmp_path, TP_NUMBERED)
+    base = make_plan(path, [ReplicaShape((-1,), 2, 4)])
+    tp = with_tensor_parallel(base, {(0, 0): 2}, NUMBERED_TP_PLAN)
+    plan = replace(tp, ranks=tuple(replace(r, precision=Precision.BF16) for r in tp.ranks))
+    verify = tmp_path / "verify"
+    outcomes = run_ranks(plan, tmp_path / "run", "--steps", "1", "--verify-dir", str(verify))
+    assert all(o.returncode == 0 for o in outcomes), [o.stderr[-800:] for o in outcomes]
+    step = compare_first_step(plan, path, verify)
+    assert not step.missing
+    assert step.grad_rel < 5e-2, step  # a few bf16 roundings (test_precision.py)
+    assert step.loss == pytest.approx(step.reference_loss, rel=1e-2)
 
 
 @pytest.fixture(scope="module")
