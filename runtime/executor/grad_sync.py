@@ -45,14 +45,14 @@ from hplan.runtime.contract.holders import (
 )
 from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES
 from hplan.runtime.contract.plan import Plan, SyncMode
-from hplan.runtime.executor.seams import LinkDelay
-from hplan.runtime.executor.tensor_parallel import (
+from hplan.runtime.executor.memory.tensor_parallel import (
     is_dtensor,
     is_sharded,
     local,
     local_grad,
     set_local_grad,
 )
+from hplan.runtime.executor.seams import LinkDelay
 
 
 def loss_weight(mb_samples: int, batch_samples: int) -> float:

@@ -52,10 +52,10 @@ from hplan.runtime.executor.grad_sync import (
     loss_sample_ranges,
     loss_weight,
 )
+from hplan.runtime.executor.memory.tensor_parallel import plain, replicated_inputs
 from hplan.runtime.executor.memory.zero import ShardSync
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
-from hplan.runtime.executor.tensor_parallel import plain, replicated_inputs
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

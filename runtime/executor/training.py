@@ -50,6 +50,7 @@ from hplan.runtime.executor.control.same_job import JobIdentity, check_same_job
 from hplan.runtime.executor.data import batch_digest, batch_tensors
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip, step_groups
 from hplan.runtime.executor.machine import CpuShare, CpuShareWatch, set_rank_threads
+from hplan.runtime.executor.memory.tensor_parallel import tp_compute, whole
 from hplan.runtime.executor.memory.zero import (
     ShardSync,
     build_shard_sync,
@@ -67,7 +68,6 @@ from hplan.runtime.executor.seams import (
     default_clock,
     preload_build_modules,
 )
-from hplan.runtime.executor.tensor_parallel import tp_compute, whole
 from hplan.runtime.executor.worker import (
     RunOptions,
     build_rank,

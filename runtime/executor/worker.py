@@ -44,6 +44,12 @@ from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
 from hplan.runtime.executor.grad_sync import new_group
 from hplan.runtime.executor.memory.offload import offload_optimizer
+from hplan.runtime.executor.memory.tensor_parallel import (
+    check_tensor_parallel,
+    embedding_paths,
+    shard_stage,
+    tp_groups,
+)
 from hplan.runtime.executor.memory.zero import shard_optimizer
 from hplan.runtime.executor.outer_sync import check_verify
 from hplan.runtime.executor.pipeline import RankParts, stage_label
@@ -57,12 +63,6 @@ from hplan.runtime.executor.rendezvous import (
 from hplan.runtime.executor.running_stats import check_batch_statistics_floor
 from hplan.runtime.executor.seams import (
     LinkDelay,
-)
-from hplan.runtime.executor.tensor_parallel import (
-    check_tensor_parallel,
-    embedding_paths,
-    shard_stage,
-    tp_groups,
 )
 
 NO_LENGTH = (

@@ -15,7 +15,7 @@ from rich.console import Console
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.metrics_file import read_rank_metrics
 from hplan.runtime.contract.plan import Plan, Precision, TpRule, TpStyle, ZeroStage
-from hplan.runtime.executor.tensor_parallel import (
+from hplan.runtime.executor.memory.tensor_parallel import (
     check_tensor_parallel,
     placements,
     style_of,
