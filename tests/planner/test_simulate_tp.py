@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -16,13 +17,15 @@ from hplan.planner.sim.engine import (
     SimStage,
     simulate,
 )
+from hplan.planner.sim.spec import spec_from_plan
 from hplan.runtime.contract.link_model import (
     TP_ALL_REDUCES_PER_LAYER_PASS,
     tp_all_reduce_time_s,
     tp_layer_all_reduce_time_s,
 )
-from hplan.runtime.contract.plan import Schedule
+from hplan.runtime.contract.plan import GradSyncReport, Plan, Schedule, TpRule, TpStyle
 
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 NVLINK = 100e9
 """Bytes/s of the hand example's ring channel."""
 LATENCY_S = 1e-5
@@ -102,3 +105,40 @@ def test_tp_times_are_checked() -> None:
     with pytest.raises(ValueError, match="tp_degree 1"):
         bad = replace(replica.stages[0], tp_degree=1)
         simulate(SimSpec(replicas=(replace(replica, stages=(bad,)),)))
+
+
+def _tp_plan() -> Plan:
+    """The datacentre golden plan's two A100s as one stage on a TP group of 2 (one replica),
+    with a gradient group recorded among both TP positions' ranks."""
+    plan = Plan.load(GOLDEN / "datacentre-a100" / "plan.json")
+    lead = replace(plan.ranks[0], tp_degree=2)
+    member = replace(lead, rank=1, device=plan.ranks[1].device, tp_rank=1)
+    timed = replace(
+        plan.report.ranks[0], forward_time_s=0.01, backward_time_s=0.02, optimizer_time_s=0.005
+    )
+    reports = (timed, replace(timed, rank=1))
+    grad_sync = (GradSyncReport(ranks=(0, 1), num_bytes=1_000_000),)
+    return replace(
+        plan,
+        model=replace(
+            plan.model, tp_plan=(TpRule(pattern="blocks.*.mlp.fc", style=TpStyle.COLWISE),)
+        ),
+        global_batch_size=lead.num_samples,
+        ranks=(lead, member),
+        report=replace(plan.report, ranks=reports, grad_sync=grad_sync),
+    )
+
+
+def test_a_tp_plan_is_simulated_on_its_stage_leads() -> None:
+    plan = _tp_plan()
+    plan.verify()
+    spec = spec_from_plan(plan)
+    ((stage,),) = [r.stages for r in spec.replicas]
+    assert (stage.rank, stage.tp_degree) == (0, 2)
+    # The group of both positions' ranks is not a gradient sync among replicas.
+    assert spec.sync_groups == ()
+    result = simulate(spec)
+    report = plan.report.ranks[0]
+    num_mb = plan.ranks[0].num_microbatches
+    expected_s = (report.forward_time_s + report.backward_time_s) * num_mb
+    assert result.step_time_s == pytest.approx(expected_s + report.optimizer_time_s)
