@@ -39,8 +39,8 @@ def model_spec(
     sha256: str,
     loss_convention: LossConvention = LossConvention.SAMPLE_MEAN,
 ) -> ModelSpec:
-    """The plan's record of the model, how to re-trace it, and what its loss averages
-    over (the trains check's finding)."""
+    """The plan's record of the model, how to re-trace it, what its loss averages over
+    (the trains check's finding) and its tensor-parallel plan (empty when refused)."""
     return ModelSpec(
         path=path,
         sha256=sha256,
@@ -50,6 +50,7 @@ def model_spec(
         inputs=graph.inputs,
         param_dtype=graph.param_dtype,
         loss_convention=loss_convention,
+        tp_plan=graph.tp_plan,
     )
 
 
