@@ -80,13 +80,12 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     """A Hugging Face model's tensor-parallel plan, patterns as ``named_modules()`` names
     them: its config's ``base_model_tp_plan`` prefixed with ``base_model_prefix`` when the
     model wraps its base model (a ``*ForCausalLM``), and its class's ``_tp_plan``. Where
-    transformers has merged the plan on the instance (``_tp_plan`` after ``__init__``;
-    5.x adds the input embedding's vocabulary split), that plan first. Empty: none."""
+    transformers has merged the plan on the instance (``_tp_plan`` after ``__init__``, with
+    its submodels' plans; 5.x adds the input embedding's vocabulary split), that plan
+    first. Empty: none."""
     config = getattr(model, "config", None)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     own = dict(getattr(type(model), "_tp_plan", None) or {})
-    if not base and not own:
-        return {}
     prefix = ""
     if getattr(model, "base_model", model) is not model:
         prefix = f"{getattr(model, 'base_model_prefix', '')}.".lstrip(".")

@@ -5,6 +5,7 @@ degree, why it is refused, and its round trip through the capture file and the p
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from hplan.planner.emit.plan_build import model_spec
 from hplan.planner.frontend.capture_file import capture_record, load_capture
 from hplan.planner.frontend.cost_graph import ModelGraph, build_model_graph
 from hplan.planner.frontend.tp_costs import UnitTensorParallel
-from hplan.planner.frontend.tp_plan import NO_PLAN, read_tp_plan
+from hplan.planner.frontend.tp_plan import NO_PLAN, hf_tp_plan, read_tp_plan
 from hplan.planner.frontend.trains_check import TrainsVerdict
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ModelFileError
@@ -239,6 +240,43 @@ def test_a_hugging_face_style_hplan_cannot_run_refuses_tp(tmp_path):
         plan = read_tp_plan(model_file, model_file.build_model())
     assert plan.rules == () and plan.refusal is not None
     assert "'local_colwise'" in plan.refusal and "model.layers.*.mlp.gate_proj" in plan.refusal
+
+
+class _Config:
+    base_model_tp_plan: ClassVar = {"layers.*.fc": "colwise", "layers.*.out": "rowwise"}
+
+
+class _Base(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+
+class _ForCausalLM(torch.nn.Module):
+    """What transformers' models look like to :func:`hf_tp_plan` where the library has not
+    merged the plans on the instance (its class's ``_tp_plan`` is all the instance has)."""
+
+    _tp_plan: ClassVar = {"lm_head": "colwise_gather_output"}
+    base_model_prefix = "model"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _Config()
+        self.model = _Base()
+        self.lm_head = torch.nn.Linear(4, 8)
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        return self.model
+
+
+def test_a_base_model_plan_is_prefixed_with_the_base_model_path():
+    assert hf_tp_plan(_ForCausalLM()) == {
+        "lm_head": "colwise_gather_output",
+        "model.layers.*.fc": "colwise",
+        "model.layers.*.out": "rowwise",
+    }
+    assert hf_tp_plan(_Base()) == {}
 
 
 # ----------------------------------------------------------------------- the degree
