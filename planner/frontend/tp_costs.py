@@ -10,7 +10,7 @@ split module, that also lead to a row-split input without passing one. Their FLO
 saved activations are split with the modules'. The collectives, per micro-batch:
 
 - forward: an all-reduce of each row-split module's output; a gather of each
-  ``colwise_rep`` output;
+  ``colwise_rep`` output, and of a ``colwise`` output that reaches no ``rowwise`` partner;
 - backward: an all-reduce of the input gradient of the column-split modules, one per
   input they share (q, k and v read one normalised input: one all-reduce, as a fused qkv);
   a gather of a ``rowwise_rep`` linear's input gradient.
@@ -159,7 +159,9 @@ def unit_tensor_parallel(
         if style in ROW_STYLES:
             total.fwd += output_bytes
             total.collectives += 1
-        if style is TpStyle.COLWISE_REP:
+        if style is TpStyle.COLWISE_REP or (
+            style is TpStyle.COLWISE and not _reaches_rows(graph, nodes[path], in_module, modules)
+        ):  # gathered whole: by its style, or where its split output is read
             total.fwd += output_bytes / 2
             total.collectives += 1
         if source is None or not _needs_grad(graph, source):
@@ -188,6 +190,20 @@ def _between_pairs(
     ahead = _walk(graph, starts, in_module, forward=True)
     behind = _walk(graph, ends, in_module, forward=False)
     return ahead & behind
+
+
+def _reaches_rows(
+    graph: CostGraph, nodes: list[str], in_module: Mapping[str, str], modules: Mapping[str, TpStyle]
+) -> bool:
+    """Whether a column-split module's output reaches a ``rowwise`` partner (else it is
+    gathered whole where it is read)."""
+    ahead = _walk(graph, nodes, in_module, forward=True)
+    return any(
+        modules[in_module[user]] is TpStyle.ROWWISE
+        for node in (*nodes, *ahead)
+        for user in graph.successors(node)
+        if user in in_module
+    )
 
 
 def _walk(

@@ -279,6 +279,19 @@ def test_a_base_model_plan_is_prefixed_with_the_base_model_path():
     assert hf_tp_plan(_Base()) == {}
 
 
+def test_a_colwise_module_without_a_rowwise_partner_is_gathered(tmp_path):
+    seq, width, hidden = 4, 16, 32
+    costs = {c.name: c for c in _graph(_tiny(tmp_path, {"fc1": "colwise"})).unit_costs}
+    assert costs["fc1"].tp == UnitTensorParallel(
+        split_param_bytes=(hidden * width + hidden) * FLOAT_BYTES,
+        split_flops_per_sample=2 * seq * width * hidden,
+        split_activation_bytes_per_sample=0.0,  # GELU reads the gathered output
+        fwd_allreduce_bytes_per_sample=seq * hidden * FLOAT_BYTES / 2,
+        bwd_allreduce_bytes_per_sample=seq * width * FLOAT_BYTES,
+        num_allreduces=2,
+    )
+
+
 # ----------------------------------------------------------------------- the degree
 @pytest.mark.parametrize("heads", [2, 4])
 def test_the_largest_degree_divides_the_heads_read_off_the_view(heads, tmp_path):
