@@ -58,8 +58,8 @@ __all__ = [
 CAPTURE_SCHEMA_VERSION: Final = 4
 """2: convolutions' FLOPs and channels-first bytes (``conv_flops``,
 ``channels_first_conv_bytes``) added; 3: ``batch_statistics`` (BatchNorm in train mode);
-4: the tensor-parallel plan (``tp_plan``, ``tp_max_degree``, ``tp_refusal``, each unit's
-``tp``)."""
+4: the tensor-parallel plan (``tp_plan``, ``tp_max_degree``, ``tp_refusal``,
+``tp_split_cuts``, each unit's ``tp``)."""
 
 
 @record
@@ -216,6 +216,8 @@ class CaptureFile:
     """``ModelGraph.tp_max_degree``."""
     tp_refusal: str | None
     """``ModelGraph.tp_refusal``: why tensor parallelism is not offered; None: it is."""
+    tp_split_cuts: tuple[int, ...]
+    """``ModelGraph.tp_split_cuts``: the cuts that values the TP plan splits cross."""
 
     def to_json(self) -> str:
         """Deterministic JSON text (1-space indent, field order as declared, newline at end)."""
@@ -256,6 +258,7 @@ class CaptureFile:
             tp_plan=self.tp_plan,
             tp_max_degree=self.tp_max_degree,
             tp_refusal=self.tp_refusal,
+            tp_split_cuts=self.tp_split_cuts,
         )
 
     def trains_verdict(self) -> TrainsVerdict:
@@ -342,6 +345,7 @@ def capture_record(
         tp_plan=graph.tp_plan,
         tp_max_degree=graph.tp_max_degree,
         tp_refusal=graph.tp_refusal,
+        tp_split_cuts=graph.tp_split_cuts,
     )
 
 

@@ -36,6 +36,7 @@ from hplan.planner.frontend.partition_units import assign_units
 from hplan.planner.frontend.tp_costs import (
     UnitTensorParallel,
     module_nodes,
+    split_values,
     unit_tensor_parallel,
     untraced_module,
 )
@@ -150,6 +151,11 @@ class ModelGraph:
     tp_refusal: str | None = None
     """Why tensor parallelism is not offered for this model, one line for the summary
     (``the model has no TP_PLAN and no Hugging Face base_model_tp_plan``); None when it is."""
+    tp_split_cuts: tuple[int, ...] = ()
+    """Indices of the cuts (:attr:`cuts`) that values the TP plan splits cross: the output
+    of a ``colwise`` module, or of an op between it and its ``rowwise`` partner. A stage of
+    degree > 1 that ends or starts there gathers them whole (an all-gather of their bytes
+    in its group, ``tp_costs.split_values``); a cut elsewhere moves whole activations."""
     traced: TracedModel | None = None
     """The traced module, when this graph was measured in this process; None when it was
     read from a capture file. Only what runs the graph (``hplan profile``) needs it."""
@@ -212,7 +218,8 @@ class ModelGraph:
 
     def _verify_tp(self) -> None:
         """Tensor parallelism offered (a plan, a degree > 1, no refusal) or not (degree 1,
-        no unit split; a refusal comes without a plan); a unit splits no more than it has."""
+        no unit split, no split cut; a refusal comes without a plan); split cuts are cuts;
+        a unit splits no more than it has."""
         offered = self.tp_refusal is None and bool(self.tp_plan)
         if self.tp_max_degree not in TP_DEGREES:
             raise ValueError(f"tp_max_degree {self.tp_max_degree} is not one of {TP_DEGREES}")
@@ -221,6 +228,10 @@ class ModelGraph:
                 f"tp_refusal {self.tp_refusal!r} disagrees with tp_max_degree "
                 f"{self.tp_max_degree} and a TP plan of {len(self.tp_plan)} rules"
             )
+        if not all(0 <= i < len(self.cuts) for i in self.tp_split_cuts) or (
+            self.tp_split_cuts and not offered
+        ):
+            raise ValueError(f"tp_split_cuts {self.tp_split_cuts} name no cut of a TP plan")
         for cost in self.unit_costs:
             tp = cost.tp
             if tp is None:
@@ -300,7 +311,7 @@ def model_graph(captured: CapturedModel, loss_memory: LossMemory | None = None) 
     cuts = tuple(
         tuple(specs[n] for n in crossing_values(graph, node_unit, i)) for i in range(len(units) - 1)
     )
-    tp = _tensor_parallel(captured, graph, units)
+    tp = _tensor_parallel(captured, graph, units, cuts)
     unit_costs = _unit_costs(model, graph, units, node_unit, loss_memory)
     return ModelGraph(
         units=units,
@@ -329,6 +340,7 @@ def model_graph(captured: CapturedModel, loss_memory: LossMemory | None = None) 
         tp_plan=tp.rules,
         tp_max_degree=tp.max_degree,
         tp_refusal=tp.refusal,
+        tp_split_cuts=tp.split_cuts,
         traced=traced,
     )
 
@@ -341,13 +353,18 @@ class _ModelTp:
     rules: tuple[TpRule, ...] = ()
     max_degree: int = 1
     refusal: str | None = None
+    split_cuts: tuple[int, ...] = ()
 
 
 def _tensor_parallel(
-    captured: CapturedModel, graph: CostGraph, units: Sequence[UnitSpec]
+    captured: CapturedModel,
+    graph: CostGraph,
+    units: Sequence[UnitSpec],
+    cuts: Sequence[Sequence[TensorSpec]],
 ) -> _ModelTp:
-    """The model's TP plan (``tp_plan.py``), what it splits in each unit (``tp_costs.py``)
-    and the largest degree dividing what it splits; a refusal leaves every unit whole."""
+    """The model's TP plan (``tp_plan.py``), what it splits in each unit (``tp_costs.py``),
+    the largest degree dividing what it splits and the cuts its split values cross; a
+    refusal leaves every unit whole."""
     whole = (None,) * len(units)
     plan: TpModules = read_tp_plan(captured.model_file, captured.model)
     if plan.refusal is not None:
@@ -362,7 +379,9 @@ def _tensor_parallel(
     split = unit_tensor_parallel(
         graph, units, captured.model, plan.modules, nodes, captured.traced.param_names
     )
-    return _ModelTp(split, plan.rules, degree)
+    sharded = split_values(graph, plan.modules, nodes)
+    split_cuts = tuple(i for i, cut in enumerate(cuts) if any(t.name in sharded for t in cut))
+    return _ModelTp(split, plan.rules, degree, split_cuts=split_cuts)
 
 
 def _uncosted_notes(costs: Mapping[str, NodeCost], graph: CostGraph) -> tuple[str, ...]:

@@ -176,6 +176,18 @@ def unit_tensor_parallel(
     return tuple(sums[i].result() if i in sums else None for i in range(len(units)))
 
 
+def split_values(
+    graph: CostGraph, modules: Mapping[str, TpStyle], nodes: Mapping[str, list[str]]
+) -> set[str]:
+    """The values a TP group holds split by features: the outputs of the ``colwise``
+    modules and of the ops between them and their ``rowwise`` partners. A stage boundary
+    they cross makes a TP stage gather them (every member of a group sends and receives
+    whole activations)."""
+    in_module = {n: m for m, found in nodes.items() for n in found}
+    columns = {n for m, style in modules.items() if style is TpStyle.COLWISE for n in nodes[m]}
+    return columns | _between_pairs(graph, modules, nodes, in_module)
+
+
 def _between_pairs(
     graph: CostGraph,
     modules: Mapping[str, TpStyle],

@@ -179,6 +179,7 @@ def test_gpt_example_splits_its_mlps_embedding_and_head_as_worked_out_by_hand(
     )
     for whole in ("pos_emb", "ln_f"):
         assert costs[whole].tp is None
+    assert graph.tp_split_cuts == ()  # each MLP pair inside one block unit
 
 
 def test_an_odd_vocabulary_refuses_tp_naming_the_dimension(monkeypatch):
@@ -292,6 +293,14 @@ def test_a_colwise_module_without_a_rowwise_partner_is_gathered(tmp_path):
     )
 
 
+def test_a_cut_between_a_column_split_and_its_row_split_partner_is_named(tmp_path):
+    graph = _graph(_tiny(tmp_path, {"fc1": "colwise", "fc2": "rowwise"}))
+    names = [unit.name for unit in graph.units]
+    assert names == ["attn", "norm", "fc1", "fc2"]  # GELU in fc1's unit
+    assert graph.tp_split_cuts == (names.index("fc1"),)
+    assert [t.name for t in graph.cuts[names.index("fc1")]] == ["gelu"]
+
+
 # ----------------------------------------------------------------------- the degree
 @pytest.mark.parametrize("heads", [2, 4])
 def test_the_largest_degree_divides_the_heads_read_off_the_view(heads, tmp_path):
@@ -360,7 +369,7 @@ def test_the_capture_file_and_the_plan_carry_the_tp_plan(tmp_path):
         stored = path.with_name("capture.json")
         stored.write_text(record.to_json())
         read = load_capture(stored, model_path=path, seed=0, leaf_modules=()).graph
-        for field in ("unit_costs", "tp_plan", "tp_max_degree", "tp_refusal"):
+        for field in ("unit_costs", "tp_plan", "tp_max_degree", "tp_refusal", "tp_split_cuts"):
             assert getattr(read, field) == getattr(graph, field), field
         assert model_spec(read, path="model.py", sha256="0").tp_plan == graph.tp_plan
         split_units = [cost.tp for cost in graph.unit_costs if cost.tp is not None]
