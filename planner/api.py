@@ -48,6 +48,7 @@ from hplan.planner.emit.report import (
     REQUESTED,
     batch_statistics_notes,
     build_report,
+    tp_notes,
     with_cost_sources,
 )
 from hplan.planner.frontend.capture import CapturedModel, capture_model
@@ -160,6 +161,8 @@ class SolveRequest:
     """ZeRO (stage 1, or 2 where 1 does not fit; ``SolveOptions.zero``)."""
     offload: Policy = Policy.AUTO
     """Optimizer-state offload to host memory (``SolveOptions.offload``)."""
+    tensor_parallel: Policy = Policy.AUTO
+    """Tensor-parallel groups (``SolveOptions.tensor_parallel``, ``solve.strategy``)."""
 
     def __post_init__(self) -> None:
         """Enum fields given as strings (a script's ``sync="local_sgd"``) become members.
@@ -245,6 +248,7 @@ _ENUM_FIELDS: tuple[tuple[str, type[StrEnum]], ...] = (
     ("recompute", Policy),
     ("zero", Policy),
     ("offload", Policy),
+    ("tensor_parallel", Policy),
 )
 """The fields of :class:`SolveRequest` that hold an enum member, and its class."""
 
@@ -534,6 +538,7 @@ def _solve_options(request: SolveRequest) -> SolveOptions:
         max_local_steps=request.max_local_steps,
         zero=request.zero,
         offload=request.offload,
+        tensor_parallel=request.tensor_parallel,
     )
 
 
@@ -583,7 +588,8 @@ def choose_pass(r: PassResults) -> SolveResult:
 
 def report_pass(r: PassResults) -> Report:
     """The plan's report, with each rank's cost source when a profile was given."""
-    request, problem, result = _request(r), r["problem"], r["choose"]
+    request, result = _request(r), r["choose"]
+    problem = result.solved_problem(r["problem"])
     graph: ModelGraph = r["cost_graph"]
     source: UnitTimeSource = r["time_source"]
     notes = (
@@ -591,6 +597,7 @@ def report_pass(r: PassResults) -> Report:
         *r["trains_check"].notes,
         *r["cluster"].link_notes,
         *batch_statistics_notes(graph.batch_statistics, result.layout),
+        *tp_notes(r["problem"], result, request.tensor_parallel, graph.tp_refusal),
     )
     report = build_report(
         problem,
@@ -602,7 +609,8 @@ def report_pass(r: PassResults) -> Report:
     if not request.profile_paths:
         return report
     cluster = r["cluster"].cluster
-    labels = source_labels(source, cluster.devices, graph.unit_costs, problem.micro_batch_sizes)
+    devices = [cluster.device(name) for name in problem.device_names]
+    labels = source_labels(source, devices, graph.unit_costs, problem.micro_batch_sizes)
     report = with_cost_sources(report, problem, result.layout, labels, source_name=source.name)
     profile_notes = (
         source.borrowed_notes(cluster.devices) if isinstance(source, MeasuredSource) else []
@@ -618,7 +626,8 @@ def report_pass(r: PassResults) -> Report:
 
 def plan_pass(r: PassResults) -> Plan:
     """The plan of the chosen layout, its gradient buckets and its simulated step time."""
-    request, problem, result = _request(r), r["problem"], r["choose"]
+    request, result = _request(r), r["choose"]
+    problem = result.solved_problem(r["problem"])
     graph: ModelGraph = r["cost_graph"]
     captured: Capture = r["capture"]
     cluster = r["cluster"].cluster
@@ -638,8 +647,9 @@ def plan_pass(r: PassResults) -> Plan:
         report=r["report"],
         training=_training_spec(request, cluster, result, problem.min_microbatch_samples),
         precisions=precisions,
+        tp_members=problem.tp_members,
     )
-    plan = with_memory(plan, memory_model_spec(graph, problem))
+    plan = with_memory(plan, memory_model_spec(graph, r["problem"]))
     return with_grad_sync(plan, r["runtime_bytes"].wire_bytes, result.simulated_step_time_s)
 
 

@@ -14,7 +14,7 @@ from hplan.planner.cost.evaluate import (
 from hplan.planner.cost.layout import Layout, StageLayout
 from hplan.planner.cost.microbatch import recomputed_forward_s, units_time_s
 from hplan.planner.cost.offload import device_offloads, stage_optimizer_time_s
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.zero import allgather_time_s
 from hplan.planner.emit.plan_build import rank_of_device
 from hplan.planner.solve.baselines import (
@@ -160,6 +160,37 @@ def batch_statistics_notes(layers: Sequence[str], layout: Layout) -> tuple[str, 
         f"hold {span} of the {total} samples of a step, never fewer than 2{small}; the "
         "replicas average their running statistics after every step",
     )
+
+
+def tp_notes(
+    problem: PlanningProblem,
+    result: SolveResult,
+    policy: Policy,
+    refusal: str | None,
+) -> tuple[str, ...]:
+    """The report's lines on tensor parallelism: the TP groups chosen, and ONE line when
+    they are GeForce cards over PCIe (chosen because nothing else fits); under
+    ``--tensor-parallel always`` without TP, why TP was not offered (``refusal``:
+    ``ModelGraph.tp_refusal``). ``problem``: the solve's own (single cards)."""
+    tp_problem = result.tp_problem
+    if tp_problem is None:
+        if policy is Policy.ALWAYS and refusal:
+            return (f"--tensor-parallel always: TP was not offered: {refusal}",)
+        return ()
+    used = sorted(set(result.layout.device_indices))
+    groups = ", ".join("+".join(tp_problem.tp_members[d]) for d in used)
+    outside = problem.num_devices - len(used) * tp_problem.tp_degree
+    lines = [
+        f"tensor parallel: stages on TP groups of {tp_problem.tp_degree} cards ({groups})"
+        + (f"; {count(outside, 'device')} of the cluster in no group used" if outside else "")
+    ]
+    if result.tp_over_pcie:
+        lines.append(
+            "tensor parallelism over PCIe on GeForce cards (no peer-to-peer, no NVLink) "
+            "because nothing else fits: without it the model leaves cards idle or does not "
+            "fit; its all-reduces are costed over the PCIe link"
+        )
+    return tuple(lines)
 
 
 def build_report(

@@ -175,8 +175,8 @@ class Cluster:
         device_a, device_b = self.device(a), self.device(b)
         node_a, node_b = device_a.node, device_b.node
         if node_a == node_b:
-            local = tuple(sorted((device_a.local_index, device_b.local_index)))
-            return self.node(node_a).nvlink.get(local, self.node(node_a).intra_link)
+            low, high = sorted((device_a.local_index, device_b.local_index))
+            return self.node(node_a).nvlink.get((low, high), self.node(node_a).intra_link)
         return self.node_links[_pair(node_a, node_b)]
 
     def nvlink(self, a: str, b: str) -> bool:
