@@ -207,6 +207,15 @@ class SolveRequest:
         if not 1 <= self.master_port <= 65534:
             raise ConfigError(f"--master-port {self.master_port} must be in 1..65534")
         _check_local_steps(self.max_local_steps)
+        if self.tensor_parallel is Policy.ALWAYS and (
+            Policy.ALWAYS in (self.zero, self.offload)
+            or self.sync in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC)
+        ):
+            raise ConfigError(
+                "--tensor-parallel always cannot be combined with --zero always, --offload "
+                "always or --sync local_sgd/async (the runtime does not run them with TP "
+                "groups); choose one of them"
+            )
         if self.offload is Policy.ALWAYS and self.zero is Policy.ALWAYS:
             raise ConfigError(
                 "--offload always and --zero always cannot be combined (offload does not run "
@@ -548,11 +557,24 @@ def generate_pass(r: PassResults) -> Generated:
     apart), so it bounds everything after the capture; a requested baseline generates
     nothing (the choose pass builds it)."""
     request, problem = _request(r), r["problem"]
+    _check_tp_offered(request, problem, r["cost_graph"])
     started_s = time.monotonic() - r["time_source.time_s"] - r["problem.time_s"]
     deadline_s = started_s + request.time_limit_s
     if request.strategy is not Strategy.HPLAN:
         return requested_only(problem, _solve_options(request), deadline_s=deadline_s)
     return generate_step(problem, _solve_options(request), deadline_s=deadline_s, with_bound=True)
+
+
+def _check_tp_offered(request: SolveRequest, problem: PlanningProblem, graph: ModelGraph) -> None:
+    """``--tensor-parallel always`` for a model that offers no TP: a ConfigError saying why
+    (``ModelGraph.tp_refusal``)."""
+    if request.tensor_parallel is not Policy.ALWAYS or problem.tensor_parallel is not None:
+        return
+    why = graph.tp_refusal or "its TP plan splits no module of the traced graph"
+    raise ConfigError(
+        f"--tensor-parallel always: tensor parallelism is not offered for this model ({why}); "
+        "use --tensor-parallel auto or never"
+    )
 
 
 def evaluate_pass(r: PassResults) -> Candidates:
@@ -597,7 +619,7 @@ def report_pass(r: PassResults) -> Report:
         *r["trains_check"].notes,
         *r["cluster"].link_notes,
         *batch_statistics_notes(graph.batch_statistics, result.layout),
-        *tp_notes(r["problem"], result, request.tensor_parallel, graph.tp_refusal),
+        *tp_notes(r["problem"], result),
     )
     report = build_report(
         problem,
@@ -605,6 +627,7 @@ def report_pass(r: PassResults) -> Report:
         cost_source=source.name,
         notes=notes,
         max_local_steps=request.max_local_steps,
+        baseline_problem=r["problem"],
     )
     if not request.profile_paths:
         return report

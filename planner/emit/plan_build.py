@@ -247,6 +247,11 @@ def memory_model_spec(graph: ModelGraph, problem: PlanningProblem) -> MemoryMode
                 activation_bytes_per_sample=float(problem.activation_bytes_per_sample[u]),
                 frozen_bytes=frozen_bytes(cost),
                 input_bytes_per_sample=float(problem.cut_bytes_per_sample[u - 1]) if u else 0.0,
+                tp_split_activation_bytes_per_sample=(
+                    0.0
+                    if problem.tensor_parallel is None
+                    else float(problem.tensor_parallel.split_activation_bytes_per_sample[u])
+                ),
             )
             for u, (unit, cost) in enumerate(zip(graph.units, graph.unit_costs, strict=True))
         ),

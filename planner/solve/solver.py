@@ -587,7 +587,7 @@ def _faster_of(
     note = (
         f"{what}'s layout ({other.source}) takes "
         f"{format_seconds(other_s)} per step ({how}), less than the {format_seconds(mixed_s)} "
-        f"of the mixed search's best ({mixed.source}): chose it"
+        f"of the best so far ({mixed.source}): chose it"
     )
     return replace(
         candidate,
