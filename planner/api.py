@@ -210,11 +210,12 @@ class SolveRequest:
         if self.tensor_parallel is Policy.ALWAYS and (
             Policy.ALWAYS in (self.zero, self.offload)
             or self.sync in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC)
+            or self.strategy is not Strategy.HPLAN
         ):
             raise ConfigError(
                 "--tensor-parallel always cannot be combined with --zero always, --offload "
-                "always or --sync local_sgd/async (the runtime does not run them with TP "
-                "groups); choose one of them"
+                "always, --sync local_sgd/async (the runtime does not run them with TP "
+                "groups) or a baseline --strategy; choose one of them"
             )
         if self.offload is Policy.ALWAYS and self.zero is Policy.ALWAYS:
             raise ConfigError(

@@ -3,9 +3,12 @@ costs, when ``--tensor-parallel auto`` chooses them, and the plans they emit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from hplan.planner.api import SolveRequest
 from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.problem_builder import build_problem
 from hplan.planner.cost.tensor_parallel import grouped_problem, tp_groups
@@ -205,3 +208,18 @@ def test_tp_policy_reaches_every_option_set() -> None:
             tp_language_model_graph(), _one_node("rtx4090", 2), global_batch_size=4
         ).tensor_parallel.nvlink
     )  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "other",
+    [{"zero": "always"}, {"offload": "always"}, {"sync": "local_sgd"}, {"strategy": "ddp"}],
+)
+def test_always_with_what_tp_does_not_combine_with_is_refused(other: dict[str, str]) -> None:
+    request = SolveRequest(
+        model_path=Path("model.py"),
+        cluster_path=Path("cluster.yaml"),
+        tensor_parallel="always",  # type: ignore[arg-type]
+        **other,  # type: ignore[arg-type]
+    )
+    with pytest.raises(ConfigError, match="--tensor-parallel always cannot be combined"):
+        request.verify()
