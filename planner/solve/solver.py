@@ -250,7 +250,12 @@ def _with_tp(result: SolveResult, family: Family) -> SolveResult:
     """``result`` of ``family`` carrying its TP groups' problem when it has one."""
     if not family.tp_groups:
         return result
-    return replace(result, tp_problem=family.grouped, tp_over_pcie=family.tp_over_pcie)
+    return replace(
+        result,
+        tp_problem=family.grouped,
+        tp_over_pcie=family.tp_over_pcie,
+        source=f"{family.name}: {result.source}",
+    )
 
 
 def _no_tp_plan(problem: PlanningProblem, generated: Generated) -> ConfigError:
@@ -593,7 +598,7 @@ def _faster_of(
         candidate,
         status=status,
         gap=gap,
-        source=f"{'' if family.tp_groups else 'uniform '}{name}: {other.source}",
+        source=other.source if family.tp_groups else f"uniform {name}: {other.source}",
         notes=(*other.notes, note),
     )
 

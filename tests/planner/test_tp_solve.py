@@ -3,12 +3,15 @@ costs, when ``--tensor-parallel auto`` chooses them, and the plans they emit."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hplan.planner import api
 from hplan.planner.api import SolveRequest
+from hplan.planner.cli.main import main
 from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.problem_builder import build_problem
 from hplan.planner.cost.tensor_parallel import grouped_problem, tp_groups
@@ -16,13 +19,13 @@ from hplan.planner.emit.plan_build import build_plan, memory_model_spec, model_s
 from hplan.planner.emit.render import render_text
 from hplan.planner.emit.render_dot import render_dot
 from hplan.planner.emit.report import build_report, tp_notes
-from hplan.planner.frontend.cost_graph import ModelGraph
+from hplan.planner.frontend.cost_graph import ModelGraph, UnitTensorParallel
 from hplan.planner.hardware.cluster import Cluster, to_cluster_spec
 from hplan.planner.solve.solver import SolveOptions, SolveResult, solve
 from hplan.planner.solve.strategy import TP_PCIE_GATE, generate
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
 from hplan.runtime.contract.link_model import ring_all_reduce_time_s
-from hplan.runtime.contract.plan import Plan, TrainingSpec
+from hplan.runtime.contract.plan import Plan, TpRule, TpStyle, TrainingSpec
 from hplan.runtime.contract.quantities import gb_per_s_to_bytes_per_s
 from tests.fixtures.clusters import (
     cluster_from_dict,
@@ -223,3 +226,66 @@ def test_always_with_what_tp_does_not_combine_with_is_refused(other: dict[str, s
     )
     with pytest.raises(ConfigError, match="--tensor-parallel always cannot be combined"):
         request.verify()
+
+
+# --------------------------------------------------------------------------- hplan solve
+MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp" / "model.py"
+
+BRIDGED_3090S = """\
+name: bridged
+nodes:
+  - name: a
+    host: 127.0.0.1
+    devices: [{type: rtx3090, count: 2}]
+    nvlink: [[0, 1]]
+"""
+
+
+def _with_tp(graph: ModelGraph) -> ModelGraph:
+    """``graph`` as the capture will give it for a model whose every Linear is split by
+    columns (a stand-in until the capture fills these): each unit's parameters, FLOPs and
+    half its saved activations split, one all-reduce of its input gradient."""
+    costs = tuple(
+        dataclasses.replace(
+            c,
+            tp=UnitTensorParallel(
+                c.param_bytes,
+                c.fwd_flops_per_sample,
+                c.activation_bytes_per_sample / 2,
+                0.0,
+                c.io_bytes_per_sample / 2,
+                1,
+            ),
+        )
+        for c in graph.unit_costs
+    )
+    modules = sorted({p.rpartition(".")[0] for u in graph.units for p in u.params})
+    rules = tuple(TpRule(pattern=m, style=TpStyle.COLWISE) for m in modules)
+    return dataclasses.replace(graph, unit_costs=costs, tp_plan=rules, tp_max_degree=2)
+
+
+def test_hplan_solve_always_writes_a_tp_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = api.model_graph
+    monkeypatch.setattr(api, "model_graph", lambda *a, **k: _with_tp(real(*a, **k)))
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(BRIDGED_3090S, encoding="utf-8")
+    out = tmp_path / "out"
+    argv = ["solve", str(MLP), "-c", str(cluster), "-o", str(out), "-b", "8"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--tensor-parallel", "always", "--time-limit", "10"])
+    _, err = capsys.readouterr()
+    assert exit_info.value.code == 0, err
+    plan = Plan.load(out / "plan.json")
+    summary = (out / "summary.txt").read_text(encoding="utf-8")
+    assert [(r.tp_degree, r.tp_rank) for r in plan.ranks] == [(2, 0), (2, 1)]
+    assert "0 tp2" in summary and "TP group of 2" in (out / "plan.dot").read_text()
+    assert "tensor parallel: stages on TP groups of 2 cards (a/0+a/1)" in summary
+    monkeypatch.setattr(api, "model_graph", real)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--tensor-parallel", "always", "--time-limit", "10"])
+    _, err = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert "--tensor-parallel always: tensor parallelism is not offered" in err
+    assert len(err.strip().splitlines()) == 1
