@@ -55,6 +55,8 @@ class TensorParallelInput:
 
     max_degree: int
     """The largest degree the model allows (``ModelGraph.tp_max_degree``); 1: none."""
+    split_params: tuple[str, ...]
+    """Canonical names of the parameters the TP plan splits (``TpRule.splits``)."""
     refusal: str | None
     """Why the model offers no TP (``ModelGraph.tp_refusal``); None when it does."""
     split_static_bytes: FloatArray
@@ -177,6 +179,10 @@ class PlanningProblem:
     tp_members: tuple[tuple[str, ...], ...] = ()
     """The cards of each device's TP group, lead first, shape (D,) of ``tp_degree`` names;
     empty when ``tp_degree`` is 1 (each device is its own name's card)."""
+    tp_split_params: tuple[str, ...] = ()
+    """Canonical names of the parameters the model's TP plan splits (a rank of a TP group
+    all-reduces 1/``tp_degree`` of each with its data-parallel peers; the simulator's
+    buckets)."""
 
     def cut_bytes(self, cut_idx: int, micro_batch_size: float) -> float:
         """Forward bytes of one micro-batch of ``micro_batch_size`` samples crossing the cut

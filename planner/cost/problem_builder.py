@@ -489,8 +489,10 @@ def tensor_parallel_input(
         bwd.append(tp.bwd_allreduce_bytes_per_sample * act)
         count.append(float(tp.num_allreduces))
     devices = cluster.devices
+    names = dict.fromkeys(p for unit in graph.units for p in unit.params)
     return TensorParallelInput(
         max_degree=graph.tp_max_degree,
+        split_params=tuple(n for n in names if any(r.splits(n) for r in graph.tp_plan)),
         refusal=graph.tp_refusal,
         split_static_bytes=_array(split_static),
         split_optimizer_state_bytes=_array(split_state),

@@ -177,4 +177,5 @@ def grouped_problem(problem: PlanningProblem, groups: Sequence[tuple[int, ...]])
         tensor_parallel=None,
         tp_degree=degree,
         tp_members=tuple(tuple(problem.device_names[d] for d in g) for g in groups),
+        tp_split_params=tp.split_params,
     )

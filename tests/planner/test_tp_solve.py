@@ -21,6 +21,8 @@ from hplan.planner.emit.render_dot import render_dot
 from hplan.planner.emit.report import build_report, tp_notes
 from hplan.planner.frontend.cost_graph import ModelGraph, UnitTensorParallel
 from hplan.planner.hardware.cluster import Cluster, to_cluster_spec
+from hplan.planner.sim.spec import RuntimeBytes, spec_from_layout
+from hplan.planner.solve.baselines import data_parallel_equal
 from hplan.planner.solve.solver import SolveOptions, SolveResult, solve
 from hplan.planner.solve.strategy import TP_PCIE_GATE, generate
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
@@ -289,3 +291,15 @@ def test_hplan_solve_always_writes_a_tp_plan(
     assert exit_info.value.code == 2
     assert "--tensor-parallel always: tensor parallelism is not offered" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_replicas_of_tp_groups_sum_their_share_of_each_split_gradient() -> None:
+    graph = tp_language_model_graph(num_blocks=2)
+    problem = build_problem(graph, _one_node("a100-80gb", 4), global_batch_size=8)
+    grouped = grouped_problem(problem, tp_groups(problem, 2, nvlink_only=True))
+    layout = data_parallel_equal(grouped)
+    assert layout is not None and len(layout.replicas) == 2
+    runtime = RuntimeBytes.of(graph)
+    spec = spec_from_layout(grouped, layout, runtime=runtime)
+    summed = sum(g.num_bytes for g in spec.sync_groups)
+    assert summed == pytest.approx(sum(runtime.wire_bytes.values()) / 2, rel=1e-6)
