@@ -303,3 +303,13 @@ def test_replicas_of_tp_groups_sum_their_share_of_each_split_gradient() -> None:
     spec = spec_from_layout(grouped, layout, runtime=runtime)
     summed = sum(g.num_bytes for g in spec.sync_groups)
     assert summed == pytest.approx(sum(runtime.wire_bytes.values()) / 2, rel=1e-6)
+
+
+def test_always_without_a_group_to_form_is_one_config_error() -> None:
+    cluster = cluster_from_dict(
+        {"name": "one-each", "nodes": [{"name": "box", "host": "box", "devices": [
+            {"type": "rtx4090"}, {"type": "rtx3090"}]}]}
+    )  # fmt: skip
+    problem = build_problem(tp_language_model_graph(), cluster, global_batch_size=8)
+    with pytest.raises(ConfigError, match="always: no node has 2 or more cards of one kind"):
+        _solve(problem, "always")
