@@ -313,3 +313,12 @@ def test_always_without_a_group_to_form_is_one_config_error() -> None:
     problem = build_problem(tp_language_model_graph(), cluster, global_batch_size=8)
     with pytest.raises(ConfigError, match="always: no node has 2 or more cards of one kind"):
         _solve(problem, "always")
+
+
+def test_tp_rules_name_the_parameters_they_split() -> None:
+    col = TpRule(pattern="layers.*.q_proj", style=TpStyle.COLWISE)
+    row = TpRule(pattern="layers.*.o_proj", style=TpStyle.ROWWISE)
+    assert col.splits("layers.3.q_proj.weight") and col.splits("layers.3.q_proj.bias")
+    assert row.splits("layers.0.o_proj.weight") and not row.splits("layers.0.o_proj.bias")
+    assert not col.splits("layers.3.k_proj.weight") and not col.splits("layers.q_proj.weight")
+    assert not col.splits("model.layers.3.q_proj.weight")
