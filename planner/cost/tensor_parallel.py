@@ -7,7 +7,8 @@ the groups of one degree (joined by NVLink, or any cards of a node), and
 search, the evaluator and the validator cost them as they cost single cards:
 
 - compute per unit: the split share / d plus the rest whole, plus the unit's TP
-  all-reduces over the group's ring (its slowest link);
+  all-reduces over the group's ring (its slowest link; ``link_model.tp_all_reduce_time_s``,
+  the formula the simulator shares);
 - memory per card: the split parameters (with their gradients, optimizer state and
   workspace) and saved activations / d, the rest whole.
 
@@ -30,10 +31,10 @@ from hplan.planner.cost.problem import (
     TiedParams,
     restrict,
 )
-from hplan.runtime.contract.link_model import ring_all_reduce_time_s
+from hplan.runtime.contract.link_model import tp_all_reduce_time_s
 from hplan.runtime.contract.plan import TP_DEGREES
 
-__all__ = ["allowed_degrees", "grouped_problem", "tp_collective_time_s", "tp_groups"]
+__all__ = ["allowed_degrees", "grouped_problem", "pass_counts", "tp_groups"]
 
 
 def allowed_degrees(tp: TensorParallelInput) -> tuple[int, ...]:
@@ -77,16 +78,13 @@ def tp_groups(
     return tuple(sorted(groups))
 
 
-def tp_collective_time_s(
-    degree: int, num_bytes: float, num_collectives: float, bandwidth: float, latency_s: float
-) -> float:
-    """Seconds of ``num_collectives`` ring all-reduces moving ``num_bytes`` in all over a
-    group of ``degree``: one ring of all the bytes (``link_model.ring_all_reduce_time_s``)
-    plus the latency steps, ``2 (d - 1)`` each, of the other collectives."""
-    if degree < 2 or num_collectives <= 0:
-        return 0.0
-    ring_s = ring_all_reduce_time_s(degree, num_bytes, bandwidth, latency_s)
-    return ring_s + max(num_collectives - 1.0, 0.0) * 2 * (degree - 1) * latency_s
+def pass_counts(num_collectives: float, fwd_bytes: float) -> tuple[int, int]:
+    """A unit's collectives per micro-batch split between its forward and its backward:
+    the larger half in the forward where it all-reduces anything (Megatron's pairs: half
+    each; an embedding's one all-reduce: forward), the rest in the backward."""
+    total = round(num_collectives)
+    fwd = total - total // 2 if fwd_bytes > 0 else 0
+    return fwd, total - fwd
 
 
 def _ring_link(problem: PlanningProblem, group: Sequence[int]) -> tuple[float, float]:
@@ -136,12 +134,16 @@ def grouped_problem(problem: PlanningProblem, groups: Sequence[tuple[int, ...]])
         ring_bw, ring_lat = _ring_link(problem, group)
         bandwidth[i, i], latency[i, i] = ring_bw, ring_lat
         for u in range(problem.num_units):
-            half = float(tp.num_allreduces[u]) / 2
+            fwd_per_sample = float(tp.fwd_allreduce_bytes_per_sample[u])
+            bwd_per_sample = float(tp.bwd_allreduce_bytes_per_sample[u])
+            num_fwd, num_bwd = pass_counts(float(tp.num_allreduces[u]), fwd_per_sample)
             for k, b in enumerate(sizes):
-                fwd_bytes = float(tp.fwd_allreduce_bytes_per_sample[u]) * b
-                bwd_bytes = float(tp.bwd_allreduce_bytes_per_sample[u]) * b
-                fwd[i, u, k] += tp_collective_time_s(degree, fwd_bytes, half, ring_bw, ring_lat)
-                bwd[i, u, k] += tp_collective_time_s(degree, bwd_bytes, half, ring_bw, ring_lat)
+                fwd[i, u, k] += tp_all_reduce_time_s(
+                    degree, fwd_per_sample * b, ring_bw, ring_lat, num_fwd
+                )
+                bwd[i, u, k] += tp_all_reduce_time_s(
+                    degree, bwd_per_sample * b, ring_bw, ring_lat, num_bwd
+                )
         for j in range(i + 1, num_groups):
             link = _between(problem, group, groups[j])
             bandwidth[i, j] = bandwidth[j, i] = link[0]

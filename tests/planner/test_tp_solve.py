@@ -14,7 +14,7 @@ from hplan.planner.api import SolveRequest
 from hplan.planner.cli.main import main
 from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.problem_builder import build_problem
-from hplan.planner.cost.tensor_parallel import grouped_problem, tp_groups
+from hplan.planner.cost.tensor_parallel import grouped_problem, pass_counts, tp_groups
 from hplan.planner.emit.plan_build import build_plan, memory_model_spec, model_spec, with_memory
 from hplan.planner.emit.render import render_text
 from hplan.planner.emit.render_dot import render_dot
@@ -117,15 +117,18 @@ def test_a_tp_group_costs_split_part_over_degree_plus_rest_and_its_all_reduces()
     assert grouped.activation_bytes_per_sample[u] == pytest.approx(act)
     assert tp.split_activation_bytes_per_sample[u] == pytest.approx(12 * 128 * 64 * 4)
     nvlink, latency = gb_per_s_to_bytes_per_s(300), problem.latency_s[0, 1]
-    # two all-reduces of t h forward: one ring of their bytes, one more latency step
+    # two all-reduces of t h forward (Megatron's pair): one ring of their bytes, and the
+    # latency steps, 2 (d - 1) each, of both
     fwd_bytes = 2 * 128 * 64 * 4 * b
-    collectives = ring_all_reduce_time_s(2, fwd_bytes, nvlink, latency) + 2 * latency
+    collectives = ring_all_reduce_time_s(2, fwd_bytes, nvlink, 0.0) + 2 * 2 * latency
     share = tp.split_time_share[u]
     assert share == pytest.approx(1.0)
     expected = problem.fwd_time_s[0, u, k] * (1 - share / 2) + collectives
     assert grouped.fwd_time_s[0, u, k] == pytest.approx(expected)
     assert grouped.grad_bytes[u] == pytest.approx(problem.grad_bytes[u] / 2)
     assert grouped.offload_saving_bytes is None  # no offload with TP
+    assert pass_counts(4, 1.0) == (2, 2) and pass_counts(1, 1.0) == (1, 0)  # a block, embed
+    assert pass_counts(1, 0.0) == (0, 1)
 
 
 # --------------------------------------------------------------------------- the choice
