@@ -3,13 +3,11 @@ costs, when ``--tensor-parallel auto`` chooses them, and the plans they emit."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hplan.planner import api
 from hplan.planner.api import SolveRequest
 from hplan.planner.cli.main import main
 from hplan.planner.cost.problem import PlanningProblem, Policy
@@ -19,7 +17,7 @@ from hplan.planner.emit.plan_build import build_plan, memory_model_spec, model_s
 from hplan.planner.emit.render import render_text
 from hplan.planner.emit.render_dot import render_dot
 from hplan.planner.emit.report import build_report, tp_notes
-from hplan.planner.frontend.cost_graph import ModelGraph, UnitTensorParallel
+from hplan.planner.frontend.cost_graph import ModelGraph
 from hplan.planner.hardware.cluster import Cluster, to_cluster_spec
 from hplan.planner.sim.spec import RuntimeBytes, spec_from_layout
 from hplan.planner.solve.baselines import data_parallel_equal
@@ -235,6 +233,7 @@ def test_always_with_what_tp_does_not_combine_with_is_refused(other: dict[str, s
 
 # --------------------------------------------------------------------------- hplan solve
 MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp" / "model.py"
+GPT = MLP.parents[1] / "gpt" / "model.py"
 
 BRIDGED_3090S = """\
 name: bridged
@@ -246,50 +245,27 @@ nodes:
 """
 
 
-def _with_tp(graph: ModelGraph) -> ModelGraph:
-    """``graph`` as the capture will give it for a model whose every Linear is split by
-    columns (a stand-in until the capture fills these): each unit's parameters, FLOPs and
-    half its saved activations split, one all-reduce of its input gradient."""
-    costs = tuple(
-        dataclasses.replace(
-            c,
-            tp=UnitTensorParallel(
-                c.param_bytes,
-                c.fwd_flops_per_sample,
-                c.activation_bytes_per_sample / 2,
-                0.0,
-                c.io_bytes_per_sample / 2,
-                1,
-            ),
-        )
-        for c in graph.unit_costs
-    )
-    modules = sorted({p.rpartition(".")[0] for u in graph.units for p in u.params})
-    rules = tuple(TpRule(pattern=m, style=TpStyle.COLWISE) for m in modules)
-    return dataclasses.replace(graph, unit_costs=costs, tp_plan=rules, tp_max_degree=2)
-
-
 def test_hplan_solve_always_writes_a_tp_plan(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real = api.model_graph
-    monkeypatch.setattr(api, "model_graph", lambda *a, **k: _with_tp(real(*a, **k)))
+    """The GPT example's own TP_PLAN, read by the capture, planned end to end; the MLP
+    example, which has none, is one line."""
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(BRIDGED_3090S, encoding="utf-8")
     out = tmp_path / "out"
-    argv = ["solve", str(MLP), "-c", str(cluster), "-o", str(out), "-b", "8"]
+    argv = ["solve", "-c", str(cluster), "-o", str(out), "-b", "8"]
     with pytest.raises(SystemExit) as exit_info:
-        main([*argv, "--tensor-parallel", "always", "--time-limit", "10"])
+        main([*argv, str(GPT), "--tensor-parallel", "always", "--time-limit", "10"])
     _, err = capsys.readouterr()
     assert exit_info.value.code == 0, err
     plan = Plan.load(out / "plan.json")
     summary = (out / "summary.txt").read_text(encoding="utf-8")
     assert [(r.tp_degree, r.tp_rank) for r in plan.ranks] == [(2, 0), (2, 1)]
+    assert plan.model.tp_plan and plan.model.tp_plan[0].pattern == "tok_emb"
     assert "0 tp2" in summary and "TP group of 2" in (out / "plan.dot").read_text()
     assert "tensor parallel: stages on TP groups of 2 cards (a/0+a/1)" in summary
-    monkeypatch.setattr(api, "model_graph", real)
     with pytest.raises(SystemExit) as exit_info:
-        main([*argv, "--tensor-parallel", "always", "--time-limit", "10"])
+        main([*argv, str(MLP), "--tensor-parallel", "always", "--time-limit", "10"])
     _, err = capsys.readouterr()
     assert exit_info.value.code == 2
     assert "--tensor-parallel always: tensor parallelism is not offered" in err
