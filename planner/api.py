@@ -48,6 +48,7 @@ from hplan.planner.emit.report import (
     REQUESTED,
     batch_statistics_notes,
     build_report,
+    tp_notes,
     with_cost_sources,
 )
 from hplan.planner.frontend.capture import CapturedModel, capture_model
@@ -160,6 +161,8 @@ class SolveRequest:
     """ZeRO (stage 1, or 2 where 1 does not fit; ``SolveOptions.zero``)."""
     offload: Policy = Policy.AUTO
     """Optimizer-state offload to host memory (``SolveOptions.offload``)."""
+    tensor_parallel: Policy = Policy.AUTO
+    """Tensor-parallel groups (``SolveOptions.tensor_parallel``, ``solve.strategy``)."""
 
     def __post_init__(self) -> None:
         """Enum fields given as strings (a script's ``sync="local_sgd"``) become members.
@@ -204,6 +207,16 @@ class SolveRequest:
         if not 1 <= self.master_port <= 65534:
             raise ConfigError(f"--master-port {self.master_port} must be in 1..65534")
         _check_local_steps(self.max_local_steps)
+        if self.tensor_parallel is Policy.ALWAYS and (
+            Policy.ALWAYS in (self.zero, self.offload)
+            or self.sync in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC)
+            or self.strategy is not Strategy.HPLAN
+        ):
+            raise ConfigError(
+                "--tensor-parallel always cannot be combined with --zero always, --offload "
+                "always, --sync local_sgd/async (the runtime does not run them with TP "
+                "groups) or a baseline --strategy; choose one of them"
+            )
         if self.offload is Policy.ALWAYS and self.zero is Policy.ALWAYS:
             raise ConfigError(
                 "--offload always and --zero always cannot be combined (offload does not run "
@@ -245,6 +258,7 @@ _ENUM_FIELDS: tuple[tuple[str, type[StrEnum]], ...] = (
     ("recompute", Policy),
     ("zero", Policy),
     ("offload", Policy),
+    ("tensor_parallel", Policy),
 )
 """The fields of :class:`SolveRequest` that hold an enum member, and its class."""
 
@@ -534,6 +548,7 @@ def _solve_options(request: SolveRequest) -> SolveOptions:
         max_local_steps=request.max_local_steps,
         zero=request.zero,
         offload=request.offload,
+        tensor_parallel=request.tensor_parallel,
     )
 
 
@@ -543,11 +558,24 @@ def generate_pass(r: PassResults) -> Generated:
     apart), so it bounds everything after the capture; a requested baseline generates
     nothing (the choose pass builds it)."""
     request, problem = _request(r), r["problem"]
+    _check_tp_offered(request, problem, r["cost_graph"])
     started_s = time.monotonic() - r["time_source.time_s"] - r["problem.time_s"]
     deadline_s = started_s + request.time_limit_s
     if request.strategy is not Strategy.HPLAN:
         return requested_only(problem, _solve_options(request), deadline_s=deadline_s)
     return generate_step(problem, _solve_options(request), deadline_s=deadline_s, with_bound=True)
+
+
+def _check_tp_offered(request: SolveRequest, problem: PlanningProblem, graph: ModelGraph) -> None:
+    """``--tensor-parallel always`` for a model that offers no TP: a ConfigError saying why
+    (``ModelGraph.tp_refusal``)."""
+    if request.tensor_parallel is not Policy.ALWAYS or problem.tensor_parallel is not None:
+        return
+    why = graph.tp_refusal or "its TP plan splits no module of the traced graph"
+    raise ConfigError(
+        f"--tensor-parallel always: tensor parallelism is not offered for this model ({why}); "
+        "use --tensor-parallel auto or never"
+    )
 
 
 def evaluate_pass(r: PassResults) -> Candidates:
@@ -583,7 +611,8 @@ def choose_pass(r: PassResults) -> SolveResult:
 
 def report_pass(r: PassResults) -> Report:
     """The plan's report, with each rank's cost source when a profile was given."""
-    request, problem, result = _request(r), r["problem"], r["choose"]
+    request, result = _request(r), r["choose"]
+    problem = result.solved_problem(r["problem"])
     graph: ModelGraph = r["cost_graph"]
     source: UnitTimeSource = r["time_source"]
     notes = (
@@ -591,6 +620,7 @@ def report_pass(r: PassResults) -> Report:
         *r["trains_check"].notes,
         *r["cluster"].link_notes,
         *batch_statistics_notes(graph.batch_statistics, result.layout),
+        *tp_notes(r["problem"], result),
     )
     report = build_report(
         problem,
@@ -598,11 +628,13 @@ def report_pass(r: PassResults) -> Report:
         cost_source=source.name,
         notes=notes,
         max_local_steps=request.max_local_steps,
+        baseline_problem=r["problem"],
     )
     if not request.profile_paths:
         return report
     cluster = r["cluster"].cluster
-    labels = source_labels(source, cluster.devices, graph.unit_costs, problem.micro_batch_sizes)
+    devices = [cluster.device(name) for name in problem.device_names]
+    labels = source_labels(source, devices, graph.unit_costs, problem.micro_batch_sizes)
     report = with_cost_sources(report, problem, result.layout, labels, source_name=source.name)
     profile_notes = (
         source.borrowed_notes(cluster.devices) if isinstance(source, MeasuredSource) else []
@@ -618,7 +650,8 @@ def report_pass(r: PassResults) -> Report:
 
 def plan_pass(r: PassResults) -> Plan:
     """The plan of the chosen layout, its gradient buckets and its simulated step time."""
-    request, problem, result = _request(r), r["problem"], r["choose"]
+    request, result = _request(r), r["choose"]
+    problem = result.solved_problem(r["problem"])
     graph: ModelGraph = r["cost_graph"]
     captured: Capture = r["capture"]
     cluster = r["cluster"].cluster
@@ -638,8 +671,9 @@ def plan_pass(r: PassResults) -> Plan:
         report=r["report"],
         training=_training_spec(request, cluster, result, problem.min_microbatch_samples),
         precisions=precisions,
+        tp_members=problem.tp_members,
     )
-    plan = with_memory(plan, memory_model_spec(graph, problem))
+    plan = with_memory(plan, memory_model_spec(graph, r["problem"]))
     return with_grad_sync(plan, r["runtime_bytes"].wire_bytes, result.simulated_step_time_s)
 
 

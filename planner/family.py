@@ -181,6 +181,7 @@ def replan_options(request: SolveRequest) -> tuple[str, ...]:
         "--recompute", request.recompute.value,
         "--zero", request.zero.value,
         "--offload", request.offload.value,
+        "--tensor-parallel", request.tensor_parallel.value,
     ]  # fmt: skip
     if request.micro_batch_sizes:
         options += ["--micro-batch-sizes", ",".join(map(str, request.micro_batch_sizes))]

@@ -1,7 +1,7 @@
 """A GPT-2-style decoder, sized to rehearse in about a minute on two CPU cores.
 
 Model-file convention (see README): build_model, sample_batch, loss_fn, optional
-make_optimizer and dataset. Sizes can be changed with environment variables so the same
+make_optimizer, dataset and TP_PLAN. Sizes can be changed with environment variables so the same
 file serves the demo, the tests and the benchmarks:
 
     HPLAN_GPT_LAYERS (4), HPLAN_GPT_WIDTH (64), HPLAN_GPT_HEADS (4), HPLAN_GPT_SEQ (64),
@@ -25,6 +25,21 @@ from torch import nn
 
 VOCAB_SIZE = 256
 """The default vocabulary: bytes."""
+
+
+TP_PLAN = {
+    "tok_emb": "rowwise_rep",
+    "blocks.*.mlp.0": "colwise",
+    "blocks.*.mlp.2": "rowwise",
+    "lm_head": "colwise_rep",
+}
+"""The tensor-parallel plan (README: What you give it): the embedding split by vocabulary
+(its partial lookups summed), each MLP as Megatron's column/row pair (one all-reduce
+forward, one backward per block) and the LM head by vocabulary, gathered; the head's
+weight is the embedding's (tied), split by rows both ways. Attention stays whole on every
+member: its fused ``qkv`` output is ``split(width)`` into q, k and v, so a column split of
+its weight would give a member a slice of [q; k; v] instead of whole heads (and the view
+into heads would need every slice)."""
 
 
 def _size(name: str, default: int) -> int:

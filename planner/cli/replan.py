@@ -32,6 +32,7 @@ from hplan.planner.cli.solve import (
     profile_option,
     recompute_option,
     sync_option,
+    tensor_parallel_option,
     time_limit_option,
     write_files,
     zero_option,
@@ -97,6 +98,7 @@ if TYPE_CHECKING:
 @recompute_option
 @zero_option
 @offload_option
+@tensor_parallel_option
 @profile_option
 @bandwidth_option
 @click.option(
@@ -122,6 +124,7 @@ def replan(
     recompute: Policy,
     zero: Policy,
     offload: Policy,
+    tensor_parallel: Policy,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     model_override: Path | None,
@@ -182,6 +185,7 @@ def replan(
         recompute=recompute,
         zero=zero,
         offload=offload,
+        tensor_parallel=tensor_parallel,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

@@ -127,6 +127,15 @@ offload_option = _policy_option(
     "idle), kept only on the devices that need it and only if faster; never; always: "
     "every rank. Not combined with ZeRO shards.",
 )
+tensor_parallel_option = _policy_option(
+    "--tensor-parallel",
+    "Tensor parallelism: a stage runs on a TP group of 2, 4 or 8 cards of one kind in one "
+    "node, each holding its share of the modules of the model's TP plan (TP_PLAN in "
+    "model.py, or the Hugging Face config's base_model_tp_plan). auto: inside NVLink "
+    "nodes (cluster.yaml `nvlink`, SXM parts by default), and over PCIe on GeForce cards "
+    "only where nothing else fits; never; always: only plans with TP groups (exit 2 "
+    "where none is possible). Not combined with ZeRO, offload or local sync.",
+)
 max_local_steps_option = click.option(
     "--max-local-steps",
     type=int,
@@ -222,6 +231,7 @@ profile_option = click.option(
 @recompute_option
 @zero_option
 @offload_option
+@tensor_parallel_option
 @bandwidth_option
 @profile_option
 @click.option(
@@ -282,6 +292,7 @@ def solve_command(
     recompute: Policy,
     zero: Policy,
     offload: Policy,
+    tensor_parallel: Policy,
     profile_paths: tuple[Path, ...],
     bandwidth_path: Path | None,
     capture_path: Path | None,
@@ -325,6 +336,7 @@ def solve_command(
         recompute=recompute,
         zero=zero,
         offload=offload,
+        tensor_parallel=tensor_parallel,
     )
     request.verify()  # every option checked before the model file is imported
     check_out_dir(out_dir)

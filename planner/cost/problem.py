@@ -48,6 +48,47 @@ class TiedParams:
 
 
 @dataclass(frozen=True, eq=False)
+class TensorParallelInput:
+    """What a tensor-parallel group would split, per unit, and which cards may form one
+    (``cost.tensor_parallel`` builds the groups' problem from it). Shapes: U units, D
+    devices of the problem it belongs to."""
+
+    max_degree: int
+    """The largest degree the model allows (``ModelGraph.tp_max_degree``); 1: none."""
+    split_params: tuple[str, ...]
+    """Canonical names of the parameters the TP plan splits (``TpRule.splits``)."""
+    refusal: str | None
+    """Why the model offers no TP (``ModelGraph.tp_refusal``); None when it does."""
+    split_static_bytes: FloatArray
+    """Of ``static_memory_bytes``: the split parameters' part, with their gradients,
+    optimizer state and workspace, shape (U,)."""
+    split_optimizer_state_bytes: FloatArray
+    """Of ``optimizer_state_bytes``: the split parameters' state, shape (U,)."""
+    split_grad_bytes: FloatArray
+    """Of ``grad_bytes``: the split parameters' gradients, shape (U,)."""
+    split_activation_bytes_per_sample: FloatArray
+    """Of ``activation_bytes_per_sample``: the split ops' saved activations, shape (U,)."""
+    split_time_share: FloatArray
+    """Share of the unit's compute the split modules do (split FLOPs / all), shape (U,)."""
+    fwd_allreduce_bytes_per_sample: FloatArray
+    """Bytes all-reduced in the forward per sample, shape (U,)."""
+    bwd_allreduce_bytes_per_sample: FloatArray
+    """Bytes all-reduced in the backward per sample, shape (U,)."""
+    num_allreduces: FloatArray
+    """Collectives per micro-batch, forward and backward together, shape (U,)."""
+    nvlink: NDArray[np.bool_]
+    """Whether NVLink joins two devices, shape (D, D)."""
+    consumer_card: NDArray[np.bool_]
+    """GeForce-class card (no peer-to-peer over PCIe), shape (D,)."""
+
+    def rows(self, idx: NDArray[np.int_]) -> TensorParallelInput:
+        """The same for the devices ``idx`` only."""
+        return replace(
+            self, nvlink=self.nvlink[np.ix_(idx, idx)], consumer_card=self.consumer_card[idx]
+        )
+
+
+@dataclass(frozen=True, eq=False)
 class PlanningProblem:
     """Everything the solver needs, as arrays with units in their names.
 
@@ -128,6 +169,20 @@ class PlanningProblem:
     min_microbatch_samples: int = 1
     """The fewest samples a micro-batch may hold: 2 for a model with BatchNorm in train
     mode (``ModelGraph.batch_statistics``), else 1 (``TrainingSpec.min_microbatch_samples``)."""
+    tensor_parallel: TensorParallelInput | None = None
+    """What TP groups would split (None: the model offers no TP, or this problem's devices
+    are already TP groups)."""
+    tp_degree: int = 1
+    """Every device of this problem is a TP group of this many cards (1: single cards;
+    ``cost.tensor_parallel.grouped_problem``): its times and memory per card are the
+    group's."""
+    tp_members: tuple[tuple[str, ...], ...] = ()
+    """The cards of each device's TP group, lead first, shape (D,) of ``tp_degree`` names;
+    empty when ``tp_degree`` is 1 (each device is its own name's card)."""
+    tp_split_params: tuple[str, ...] = ()
+    """Canonical names of the parameters the model's TP plan splits (a rank of a TP group
+    all-reduces 1/``tp_degree`` of each with its data-parallel peers; the simulator's
+    buckets)."""
 
     def cut_bytes(self, cut_idx: int, micro_batch_size: float) -> float:
         """Forward bytes of one micro-batch of ``micro_batch_size`` samples crossing the cut
@@ -225,6 +280,10 @@ class PlanningProblem:
                 value.shape != shape or np.any(value < 0) or not np.all(np.isfinite(value))
             ):
                 raise ValueError(f"PlanningProblem.{name} must have shape {shape}, finite, >= 0")
+        if self.tp_members and (
+            len(self.tp_members) != d or any(len(m) != self.tp_degree for m in self.tp_members)
+        ):
+            raise ValueError(f"tp_members needs {d} groups of {self.tp_degree} cards")
         for tie in self.tied_params:
             units = list(tie.units)
             if len(units) < 2 or units != sorted(set(units)) or not 0 <= units[0] < units[-1] < u:
@@ -268,6 +327,10 @@ def restrict(
         collective_latency_s=rows(problem.collective_latency_s),
         collective_bus_bandwidth_bytes_per_s=rows(problem.collective_bus_bandwidth_bytes_per_s),
         offload_optimizer_time_s=rows(problem.offload_optimizer_time_s),
+        tensor_parallel=(
+            None if problem.tensor_parallel is None else problem.tensor_parallel.rows(idx)
+        ),
+        tp_members=tuple(problem.tp_members[d] for d in devices) if problem.tp_members else (),
         host_capacity_bytes=rows(problem.host_capacity_bytes),
         time_spread=rows(problem.time_spread),
     )

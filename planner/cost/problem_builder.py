@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -25,7 +25,12 @@ from hplan.planner.cost.offload import (
     PCIE_BANDWIDTH_BYTES_PER_S,
     offload_step_time_s,
 )
-from hplan.planner.cost.problem import PlanningProblem, Policy, TiedParams
+from hplan.planner.cost.problem import (
+    PlanningProblem,
+    Policy,
+    TensorParallelInput,
+    TiedParams,
+)
 from hplan.planner.hardware.catalog import (
     DeviceClass,
     DeviceType,
@@ -440,14 +445,72 @@ def build_problem(
         min_microbatch_samples=floor,
         **_collective_arrays(cluster),
         **_offload_arrays(cluster, costs, factor),
+        tensor_parallel=tensor_parallel_input(graph, cluster, factor, widest),
     )
     problem.verify()
     return problem
 
 
-def _offload_arrays(
-    cluster: Cluster, costs: Sequence[UnitCost], factor: float
-) -> dict[str, np.ndarray]:
+def tensor_parallel_input(
+    graph: ModelGraph, cluster: Cluster, factor: float, numerics: Numerics
+) -> TensorParallelInput | None:
+    """What TP groups would split in each unit (``UnitCost.tp``), sized as the problem
+    sizes the whole unit (:func:`static_memory_bytes` of the split parameters alone,
+    activations and all-reduced bytes at ``numerics``' activation precision), and which
+    cards NVLink joins; None when the model offers no TP or no unit has a split."""
+    costs = graph.unit_costs
+    if graph.tp_max_degree < 2 or all(c.tp is None for c in costs):
+        return None
+    act = numerics.activation_bytes_factor
+    split_static, split_state, split_grad, split_act, share, fwd, bwd, count = (
+        [] for _ in range(8)
+    )
+    for cost in costs:
+        tp = cost.tp
+        split = 0 if tp is None else min(tp.split_param_bytes, cost.param_bytes)
+        trainable = min(split, cost.trainable_param_bytes)
+        part = replace(cost, param_bytes=split, trainable_param_bytes=trainable, buffer_bytes=0)
+        split_static.append(static_memory_bytes(part, factor, numerics) if split else 0.0)
+        split_state.append(trainable * factor)
+        split_grad.append(float(trainable))
+        if tp is None:
+            split_act.append(0.0)
+            share.append(0.0)
+            fwd.append(0.0)
+            bwd.append(0.0)
+            count.append(0.0)
+            continue
+        flops = cost.fwd_flops_per_sample
+        split_act.append(
+            min(tp.split_activation_bytes_per_sample, cost.activation_bytes_per_sample) * act
+        )
+        share.append(min(tp.split_flops_per_sample / flops, 1.0) if flops > 0 else 0.0)
+        fwd.append(tp.fwd_allreduce_bytes_per_sample * act)
+        bwd.append(tp.bwd_allreduce_bytes_per_sample * act)
+        count.append(float(tp.num_allreduces))
+    devices = cluster.devices
+    names = dict.fromkeys(p for unit in graph.units for p in unit.params)
+    return TensorParallelInput(
+        max_degree=graph.tp_max_degree,
+        split_params=tuple(n for n in names if any(r.splits(n) for r in graph.tp_plan)),
+        refusal=graph.tp_refusal,
+        split_static_bytes=_array(split_static),
+        split_optimizer_state_bytes=_array(split_state),
+        split_grad_bytes=_array(split_grad),
+        split_activation_bytes_per_sample=_array(split_act),
+        split_time_share=_array(share),
+        fwd_allreduce_bytes_per_sample=_array(fwd),
+        bwd_allreduce_bytes_per_sample=_array(bwd),
+        num_allreduces=_array(count),
+        nvlink=np.array(
+            [[a is not b and cluster.nvlink(a.name, b.name) for b in devices] for a in devices],
+            dtype=bool,
+        ),
+        consumer_card=np.array([d.type.consumer_card for d in devices], dtype=bool),
+    )
+
+
+def _offload_arrays(cluster: Cluster, costs: Sequence[UnitCost], factor: float) -> dict[str, Any]:
     """The problem's offload figures (``PlanningProblem.offload_*``, ``cost.offload``): a
     GPU copies over PCIe, a ``cpu`` device within its own memory; each node's host memory
     as ``contract.memory.usable_host_memory_bytes`` counts it, a rank on every device."""
@@ -483,7 +546,7 @@ def _checked_optimizer_factor(factor: float) -> float:
     return factor
 
 
-def _cut_arrays(graph: ModelGraph, sender: Precision) -> dict[str, np.ndarray]:
+def _cut_arrays(graph: ModelGraph, sender: Precision) -> dict[str, Any]:
     """The problem's ``cut_*`` arrays: bytes crossing each cut as a ``sender`` rank sends
     them (``contract.plan.wire_spec``), forward (activations) and backward (gradients); per
     sample for batched tensors, per micro-batch for the others (``batch_dim`` None)."""
@@ -578,7 +641,7 @@ def _unit_time_arrays(
     return fwd, bwd
 
 
-def _collective_arrays(cluster: Cluster) -> dict[str, np.ndarray]:
+def _collective_arrays(cluster: Cluster) -> dict[str, Any]:
     """Per device, its node's measured all-reduce ring (latency per step, bus bandwidth);
     no entries when no node was measured."""
     if not cluster.node_collectives:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from hplan.planner.cost.islands import island_names
@@ -39,8 +39,8 @@ def model_spec(
     sha256: str,
     loss_convention: LossConvention = LossConvention.SAMPLE_MEAN,
 ) -> ModelSpec:
-    """The plan's record of the model, how to re-trace it, and what its loss averages
-    over (the trains check's finding)."""
+    """The plan's record of the model, how to re-trace it, what its loss averages over
+    (the trains check's finding) and its tensor-parallel plan (empty when refused)."""
     return ModelSpec(
         path=path,
         sha256=sha256,
@@ -50,6 +50,7 @@ def model_spec(
         inputs=graph.inputs,
         param_dtype=graph.param_dtype,
         loss_convention=loss_convention,
+        tp_plan=graph.tp_plan,
     )
 
 
@@ -69,6 +70,7 @@ def build_plan(
     report: Report,
     training: TrainingSpec,
     precisions: Mapping[str, Precision] | None = None,
+    tp_members: tuple[tuple[str, ...], ...] = (),
 ) -> Plan:
     """Assemble and verify the plan.
 
@@ -78,11 +80,17 @@ def build_plan(
     Args:
         device_names: the problem's device names; ``layout`` indexes into them.
         precisions: device name -> the precision its rank computes in (default fp32).
+        tp_members: the cards of each device's TP group, lead first
+            (``PlanningProblem.tp_members``; empty: no TP): each stage becomes a TP group of
+            consecutive ranks in ``tp_rank`` order, and each of ``report``'s ranks (numbered
+            as ``rank_of_device`` numbers the devices) the same report for each of them.
 
     Raises:
         PlanFileError: the assembled plan is inconsistent (a bug upstream).
     """
-    ranks, cut_idx = _rank_plans(graph, cluster, device_names, layout, precisions or {})
+    members = tp_members or tuple((name,) for name in device_names)
+    ranks, cut_idx = _rank_plans(graph, cluster, members, layout, precisions or {})
+    report = expanded_report(report, layout, tuple(len(m) for m in members))
     unit_names = [u.name for u in graph.units]
     cuts = tuple(CutSpec(after_unit=unit_names[i], tensors=graph.cuts[i]) for i in cut_idx)
     plan = Plan(
@@ -125,26 +133,56 @@ def with_islands(plan: Plan, sync: IslandSync | None) -> Plan:
     return replace(plan, training=replace(plan.training, sync=replace(spec, groups=groups)))
 
 
+def expanded_report(report: Report, layout: Layout, degrees: Sequence[int]) -> Report:
+    """``report`` (numbered by ``rank_of_device``) with each device's rank report repeated
+    for every card of its TP group (``degrees``: the group size of each device index), the
+    ranks renumbered as :func:`_rank_plans` numbers them; ``report`` itself without TP."""
+    if all(d == 1 for d in degrees):
+        return report
+    first: dict[int, int] = {}
+    next_rank = 0
+    for old, device in enumerate(sorted(layout.device_indices)):
+        first[old] = next_rank
+        next_rank += degrees[device]
+    size = {old: degrees[d] for old, d in enumerate(sorted(layout.device_indices))}
+    ranks = tuple(
+        replace(r, rank=first[r.rank] + i) for r in report.ranks for i in range(size[r.rank])
+    )
+    sync = tuple(
+        replace(c, ranks=tuple(first[r] + i for r in c.ranks for i in range(size[r])))
+        for c in report.sync_choices
+    )
+    return replace(
+        report,
+        ranks=ranks,
+        bottleneck_rank=first[report.bottleneck_rank],
+        sync_choices=sync,
+    )
+
+
 def _rank_plans(
     graph: ModelGraph,
     cluster: ClusterSpec,
-    device_names: tuple[str, ...],
+    members: tuple[tuple[str, ...], ...],
     layout: Layout,
     precisions: Mapping[str, Precision],
 ) -> tuple[tuple[RankPlan, ...], tuple[int, ...]]:
-    """Every stage of every replica as a rank (in cluster device order), and the sorted
-    indices of the cuts that fall between two stages."""
+    """Every stage of every replica as a rank, or as a TP group of consecutive ranks (the
+    cards of ``members`` of its device, in ``tp_rank`` order), in cluster device order of
+    their first card; and the sorted indices of the cuts that fall between two stages."""
     unit_names = [u.name for u in graph.units]
     device_order = {d.name: i for i, d in enumerate(cluster.devices)}
     placed = []
     for replica_idx, replica in enumerate(layout.replicas):
         for stage_idx, stage in enumerate(replica.stages):
-            placed.append((device_names[stage.device_idx], replica_idx, stage_idx, replica, stage))
-    placed.sort(key=lambda item: device_order[item[0]])
+            for tp_rank, name in enumerate(members[stage.device_idx]):
+                placed.append((name, tp_rank, replica_idx, stage_idx, replica, stage))
+    lead = {item[0]: members[item[5].device_idx][0] for item in placed}
+    placed.sort(key=lambda item: (device_order[lead[item[0]]], item[1]))
     local_counts: dict[str, int] = {}
     ranks = []
     cut_idx: set[int] = set()
-    for rank, (device_name, replica_idx, stage_idx, replica, stage) in enumerate(placed):
+    for rank, (device_name, tp_rank, replica_idx, stage_idx, replica, stage) in enumerate(placed):
         device = cluster.devices[device_order[device_name]]
         local_rank = local_counts.get(device.node, 0)
         local_counts[device.node] = local_rank + 1
@@ -172,6 +210,8 @@ def _rank_plans(
                     else 1.0
                 ),
                 optimizer_offload=device_offloads(layout, stage.device_idx),
+                tp_degree=len(members[stage.device_idx]),
+                tp_rank=tp_rank,
             )
         )
     return tuple(ranks), tuple(sorted(cut_idx))
@@ -207,6 +247,11 @@ def memory_model_spec(graph: ModelGraph, problem: PlanningProblem) -> MemoryMode
                 activation_bytes_per_sample=float(problem.activation_bytes_per_sample[u]),
                 frozen_bytes=frozen_bytes(cost),
                 input_bytes_per_sample=float(problem.cut_bytes_per_sample[u - 1]) if u else 0.0,
+                tp_split_activation_bytes_per_sample=(
+                    0.0
+                    if problem.tensor_parallel is None
+                    else float(problem.tensor_parallel.split_activation_bytes_per_sample[u])
+                ),
             )
             for u, (unit, cost) in enumerate(zip(graph.units, graph.unit_costs, strict=True))
         ),

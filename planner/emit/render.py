@@ -350,7 +350,7 @@ def _rank_cells(
         rank.node,
         rank.device_kind,
         str(rank.replica),
-        str(rank.stage),
+        f"{rank.stage} tp{rank.tp_degree}" if rank.tp_degree > 1 else str(rank.stage),
         stage_units(rank.units, total=len(plan_units)),
         batch_share(rank),
         "-" if report is None else format_seconds(report.busy_time_s),
@@ -415,6 +415,11 @@ def _table_legend(plan: Plan) -> str:
         parts.append("Rk/n: recomputes k of its n units (selective)")
     if any(r.optimizer_offload for r in plan.ranks):
         parts.append("O: optimizer state and step offloaded to host memory")
+    if plan.tensor_parallel:
+        parts.append(
+            "tpN: the stage runs on a tensor-parallel group of N ranks, each holding 1/N of "
+            "the modules of the model's TP plan (memory and busy time per rank)"
+        )
     if _zero_markers(plan):
         what = "optimizer state" if int(plan.training.zero_stage) == 1 else "optimizer state "
         what += "" if int(plan.training.zero_stage) == 1 else "and summed gradients"

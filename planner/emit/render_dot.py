@@ -25,10 +25,11 @@ def render_dot(plan: Plan) -> str:
     """The plan as graphviz DOT text, built with pydot.
 
     One cluster per node (inside a dashed cluster per island, when the plan has islands),
-    one graph node per rank (device kind, replica and stage, units,
-    batch share), solid pipeline edges labelled with the bytes one micro-batch sends across
-    that boundary, dashed undirected edges between ranks of consecutive replicas that hold
-    the same units (their gradients are synchronised), and a graph label with the summary.
+    one graph node per rank (device kind, replica and stage, units, batch share; the ranks
+    of a TP group inside a bold cluster of their own), solid pipeline edges labelled with
+    the bytes one micro-batch sends across that boundary, dashed undirected edges between
+    ranks of consecutive replicas that hold the same units (their gradients are
+    synchronised), and a graph label with the summary.
     """
     graph = pydot.Dot("plan", graph_type="digraph")
     graph.set_graph_defaults(rankdir="LR", labelloc="t", fontname="Helvetica")
@@ -40,8 +41,21 @@ def render_dot(plan: Plan) -> str:
         label = _dot_text(f"{node.name} ({node.host})")
         cluster = pydot.Subgraph(f"cluster_node{node_idx}", label=label)
         for rank in plan.ranks:
-            if rank.node == node.name:
-                cluster.add_node(_dot_rank(rank, rank.rank == plan.report.bottleneck_rank))
+            if rank.node != node.name or rank.tp_rank > 0:
+                continue
+            dot_rank = _dot_rank(rank, rank.rank == plan.report.bottleneck_rank)
+            if rank.tp_degree == 1:
+                cluster.add_node(dot_rank)
+                continue
+            group = plan.tp_group(rank.rank)
+            tp_label = _dot_text(
+                f"TP group of {rank.tp_degree}: ranks {group[0].rank}-{group[-1].rank}"
+            )
+            tp_cluster = pydot.Subgraph(f"cluster_tp{rank.rank}", label=tp_label, style="bold")
+            tp_cluster.add_node(dot_rank)
+            for member in group[1:]:
+                tp_cluster.add_node(_dot_rank(member, False))
+            cluster.add_subgraph(tp_cluster)
         (islands.get(node.name) or graph).add_subgraph(cluster)
     for island in dict.fromkeys(islands.values()):
         graph.add_subgraph(island)
@@ -93,7 +107,9 @@ def _dot_data_parallel_note(plan: Plan) -> str:
 
 def _dot_rank(rank: RankPlan, bottleneck: bool) -> pydot.Node:
     lines = (
-        f"rank {rank.rank}: {rank.device_kind}" + (" (bottleneck)" if bottleneck else ""),
+        f"rank {rank.rank}: {rank.device_kind}"
+        + (f" tp_rank {rank.tp_rank}/{rank.tp_degree}" if rank.tp_degree > 1 else "")
+        + (" (bottleneck)" if bottleneck else ""),
         f"replica {rank.replica}, stage {rank.stage}",
         compact_units(rank.units),
         f"{batch_share(rank)} samples",

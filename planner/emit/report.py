@@ -162,6 +162,30 @@ def batch_statistics_notes(layers: Sequence[str], layout: Layout) -> tuple[str, 
     )
 
 
+def tp_notes(problem: PlanningProblem, result: SolveResult) -> tuple[str, ...]:
+    """The report's lines on tensor parallelism: the TP groups chosen, and ONE line when
+    they are GeForce cards over PCIe (chosen because nothing else fits). ``problem``: the
+    solve's own (single cards). (``--tensor-parallel always`` without TP is an error,
+    ``api.generate_pass``, naming why.)"""
+    tp_problem = result.tp_problem
+    if tp_problem is None:
+        return ()
+    used = sorted(set(result.layout.device_indices))
+    groups = ", ".join("+".join(tp_problem.tp_members[d]) for d in used)
+    outside = problem.num_devices - len(used) * tp_problem.tp_degree
+    lines = [
+        f"tensor parallel: stages on TP groups of {tp_problem.tp_degree} cards ({groups})"
+        + (f"; {count(outside, 'device')} of the cluster in no group used" if outside else "")
+    ]
+    if result.tp_over_pcie:
+        lines.append(
+            "tensor parallelism over PCIe on GeForce cards (no peer-to-peer, no NVLink) "
+            "because nothing else fits: without it the model leaves cards idle or does not "
+            "fit; its all-reduces are costed over the PCIe link"
+        )
+    return tuple(lines)
+
+
 def build_report(
     problem: PlanningProblem,
     result: SolveResult,
@@ -169,8 +193,11 @@ def build_report(
     cost_source: str,
     notes: tuple[str, ...] = (),
     max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS,
+    baseline_problem: PlanningProblem | None = None,
 ) -> Report:
-    """The report of the plan made from ``result``.
+    """The report of the plan made from ``result``; ``problem`` is the one its layout
+    indexes (``SolveResult.solved_problem``), ``baseline_problem`` the single cards' the
+    baselines run on (default ``problem``).
 
     ``reference_time_per_sample_s``: forward + backward per sample of the whole model on the
     plan's fastest device at the plan's largest micro-batch size (rehearsal's time unit).
@@ -180,8 +207,9 @@ def build_report(
     layout = result.layout
     ev = result.evaluation
     bound = result.bound_samples_per_s
-    if bound is None:
-        bound = throughput_bound_samples_per_s(problem)
+    if bound is None or result.tp_problem is not None:
+        # TP groups fit what single cards cannot: the bound of their problem counts too
+        bound = max(bound or 0.0, throughput_bound_samples_per_s(problem))
     bound = bound if math.isfinite(bound) else 0.0
     replica, stage = ev.bottleneck
     bottleneck_device = layout.replicas[replica].stages[stage].device_idx
@@ -201,7 +229,7 @@ def build_report(
         cost_source=cost_source,
         reference_time_per_sample_s=reference_s / reference_mbs,
         reference_micro_batch_size=reference_mbs,
-        baselines=baseline_reports(problem),
+        baselines=baseline_reports(baseline_problem or problem),
         notes=(*notes, *_source_note(result), *result.notes),
         idle_devices=idle_device_reports(problem, result),
         sync_choices=sync_choice_reports(problem, layout, max_local_steps),

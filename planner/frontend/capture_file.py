@@ -30,14 +30,17 @@ from pydantic import TypeAdapter
 
 from hplan.planner.frontend.capture import DEFAULT_BATCH_SIZES
 from hplan.planner.frontend.cost_graph import ModelGraph, ParamSize, UnitCost
+from hplan.planner.frontend.tp_costs import UnitTensorParallel
 from hplan.planner.frontend.trains_check import TrainsVerdict
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import (
     ByteCount,
+    Count,
     InputSpec,
     LossConvention,
     NonNegative,
     TensorSpec,
+    TpRule,
     TraceMethod,
     UnitSpec,
 )
@@ -52,9 +55,11 @@ __all__ = [
     "sha256_of_file",
 ]
 
-CAPTURE_SCHEMA_VERSION: Final = 3
+CAPTURE_SCHEMA_VERSION: Final = 4
 """2: convolutions' FLOPs and channels-first bytes (``conv_flops``,
-``channels_first_conv_bytes``) added; 3: ``batch_statistics`` (BatchNorm in train mode)."""
+``channels_first_conv_bytes``) added; 3: ``batch_statistics`` (BatchNorm in train mode);
+4: the tensor-parallel plan (``tp_plan``, ``tp_max_degree``, ``tp_refusal``,
+``tp_split_cuts``, each unit's ``tp``)."""
 
 
 @record
@@ -68,6 +73,19 @@ class CaptureSettings:
     ``LEAF_MODULES`` are covered by its sha256)."""
     batch_sizes: tuple[int, int]
     """The two batch sizes every node was measured at, smaller first."""
+
+
+@record
+class UnitTpRecord:
+    """A ``tp_costs.UnitTensorParallel``, field for field."""
+
+    split_param_bytes: ByteCount
+    split_flops_per_sample: NonNegative
+    split_activation_bytes_per_sample: NonNegative
+    fwd_allreduce_bytes_per_sample: NonNegative
+    bwd_allreduce_bytes_per_sample: NonNegative
+    num_allreduces: ByteCount
+    """A count >= 0."""
 
 
 @record
@@ -86,6 +104,21 @@ class UnitCostRecord:
     memory_bound_io_bytes_per_sample: NonNegative
     channels_first_conv_io_bytes_per_sample: NonNegative
     conv_flops_per_sample: NonNegative
+    tp: UnitTpRecord | None
+    """What the model's TP plan splits in the unit; None: nothing."""
+
+    def unit_cost(self) -> UnitCost:
+        """The ``UnitCost`` this record holds."""
+        fields = _fields_of(self)
+        tp = fields.pop("tp")
+        return UnitCost(**fields, tp=None if tp is None else UnitTensorParallel(**_fields_of(tp)))
+
+    @classmethod
+    def of(cls, cost: UnitCost) -> UnitCostRecord:
+        """The record of a ``UnitCost``."""
+        fields = _fields_of(cost)
+        tp = fields.pop("tp")
+        return cls(**fields, tp=None if tp is None else UnitTpRecord(**_fields_of(tp)))
 
 
 @record
@@ -149,7 +182,7 @@ class TrainsRecord:
 class CaptureFile:
     """The whole capture file (see the module docstring)."""
 
-    schema_version: Literal[3] = CAPTURE_SCHEMA_VERSION
+    schema_version: Literal[4] = CAPTURE_SCHEMA_VERSION
     model_path: str
     """The model file as ``hplan capture`` was given it (for messages only)."""
     model_sha256: str
@@ -177,6 +210,14 @@ class CaptureFile:
     """Bytes of optimizer state per byte of parameter, for the model file's optimizer."""
     batch_statistics: tuple[str, ...]
     """``ModelGraph.batch_statistics``: layers that normalise by the batch in training."""
+    tp_plan: tuple[TpRule, ...]
+    """``ModelGraph.tp_plan``: the model's tensor-parallel plan; empty: none."""
+    tp_max_degree: Count
+    """``ModelGraph.tp_max_degree``."""
+    tp_refusal: str | None
+    """``ModelGraph.tp_refusal``: why tensor parallelism is not offered; None: it is."""
+    tp_split_cuts: tuple[int, ...]
+    """``ModelGraph.tp_split_cuts``: the cuts that values the TP plan splits cross."""
 
     def to_json(self) -> str:
         """Deterministic JSON text (1-space indent, field order as declared, newline at end)."""
@@ -200,7 +241,7 @@ class CaptureFile:
             graph.add_edge(edge.source, edge.target, bytes=edge.bytes)
         return ModelGraph(
             units=self.units,
-            unit_costs=tuple(UnitCost(**_fields_of(c)) for c in self.unit_costs),
+            unit_costs=tuple(c.unit_cost() for c in self.unit_costs),
             cuts=self.cuts,
             inputs=self.inputs,
             param_dtype=self.param_dtype,
@@ -214,6 +255,10 @@ class CaptureFile:
             },
             tied_trainable_bytes={t.unit_indices: t.bytes for t in self.tied_trainable_bytes},
             batch_statistics=self.batch_statistics,
+            tp_plan=self.tp_plan,
+            tp_max_degree=self.tp_max_degree,
+            tp_refusal=self.tp_refusal,
+            tp_split_cuts=self.tp_split_cuts,
         )
 
     def trains_verdict(self) -> TrainsVerdict:
@@ -278,7 +323,7 @@ def capture_record(
         graph_fingerprint=graph.graph_fingerprint,
         param_dtype=graph.param_dtype,
         units=graph.units,
-        unit_costs=tuple(UnitCostRecord(**_fields_of(c)) for c in graph.unit_costs),
+        unit_costs=tuple(UnitCostRecord.of(c) for c in graph.unit_costs),
         cuts=graph.cuts,
         inputs=graph.inputs,
         notes=graph.notes,
@@ -297,6 +342,10 @@ def capture_record(
         ),
         optimizer_state_bytes_per_param_byte=optimizer_state_bytes_per_param_byte,
         batch_statistics=graph.batch_statistics,
+        tp_plan=graph.tp_plan,
+        tp_max_degree=graph.tp_max_degree,
+        tp_refusal=graph.tp_refusal,
+        tp_split_cuts=graph.tp_split_cuts,
     )
 
 

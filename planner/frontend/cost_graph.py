@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,11 +33,20 @@ from hplan.planner.frontend.graph import (
 )
 from hplan.planner.frontend.node_costs import NodeCost, measure_node_costs, tensor_nbytes
 from hplan.planner.frontend.partition_units import assign_units
+from hplan.planner.frontend.tp_costs import (
+    UnitTensorParallel,
+    module_nodes,
+    split_values,
+    unit_tensor_parallel,
+    untraced_module,
+)
+from hplan.planner.frontend.tp_plan import TpModules, max_degree, read_tp_plan, split_dimensions
 from hplan.planner.frontend.trains_check import LossMemory
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.capture.trace import TracedModel
 from hplan.runtime.contract.errors import ModelFileError
 from hplan.runtime.contract.plan import (
+    TP_DEGREES,
     InputSpec,
     TensorSpec,
     TpRule,
@@ -83,37 +92,6 @@ class UnitCost:
     """How the model's tensor-parallel plan splits this unit; None: the plan splits none of
     its modules (or the model has no plan), and a TP group runs the unit whole on every
     member."""
-
-
-@dataclass(frozen=True, slots=True)
-class UnitTensorParallel:
-    """What the model's tensor-parallel plan (``ModelSpec.tp_plan``) splits in one unit,
-    per sample of the model's input, for the cost model of a TP group of degree ``d``
-    (Megatron-LM's accounting, Shoeybi et al., 2019; Korthikanti et al., 2022).
-
-    On each member of a group of degree ``d``: the split parameters' bytes / ``d`` plus the
-    unit's other parameters whole; likewise the split FLOPs and the split saved
-    activations; and the all-reduces below, each moving ``2 (d - 1) / d`` x its bytes
-    around the group's ring.
-    """
-
-    split_param_bytes: int
-    """Bytes of the unit's parameters the TP plan splits (every trainable one of them is
-    split the same way with its gradient and optimizer state)."""
-    split_flops_per_sample: float
-    """Forward FLOPs of the split modules and of the ops between a column-split module
-    and its row-split partner (attention's heads, an MLP's activation), which each member
-    runs on its 1/d."""
-    split_activation_bytes_per_sample: float
-    """Of ``activation_bytes_per_sample``: the bytes saved by those same ops, split too."""
-    fwd_allreduce_bytes_per_sample: float
-    """Bytes all-reduced (or gathered) in the forward: the output of every row-split
-    module, the output gathered by a ``colwise_rep`` module."""
-    bwd_allreduce_bytes_per_sample: float
-    """Bytes all-reduced in the backward: the input gradient of every column-split module
-    whose input arrives whole."""
-    num_allreduces: int
-    """Collectives per micro-batch, forward and backward together (their latency)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +151,11 @@ class ModelGraph:
     tp_refusal: str | None = None
     """Why tensor parallelism is not offered for this model, one line for the summary
     (``the model has no TP_PLAN and no Hugging Face base_model_tp_plan``); None when it is."""
+    tp_split_cuts: tuple[int, ...] = ()
+    """Indices of the cuts (:attr:`cuts`) that values the TP plan splits cross: the output
+    of a ``colwise`` module, or of an op between it and its ``rowwise`` partner. A stage of
+    degree > 1 that ends or starts there gathers them whole (an all-gather of their bytes
+    in its group, ``tp_costs.split_values``); a cut elsewhere moves whole activations."""
     traced: TracedModel | None = None
     """The traced module, when this graph was measured in this process; None when it was
     read from a capture file. Only what runs the graph (``hplan profile``) needs it."""
@@ -231,6 +214,39 @@ class ModelGraph:
             )
             if not all(math.isfinite(v) and v >= 0 for v in numbers):
                 raise ValueError(f"unit {cost.name!r} has a cost that is not finite and >= 0")
+        self._verify_tp()
+
+    def _verify_tp(self) -> None:
+        """Tensor parallelism offered (a plan, a degree > 1, no refusal) or not (degree 1,
+        no unit split, no split cut; a refusal comes without a plan); split cuts are cuts;
+        a unit splits no more than it has."""
+        offered = self.tp_refusal is None and bool(self.tp_plan)
+        if self.tp_max_degree not in TP_DEGREES:
+            raise ValueError(f"tp_max_degree {self.tp_max_degree} is not one of {TP_DEGREES}")
+        if offered != (self.tp_max_degree > 1) or (self.tp_refusal and self.tp_plan):
+            raise ValueError(
+                f"tp_refusal {self.tp_refusal!r} disagrees with tp_max_degree "
+                f"{self.tp_max_degree} and a TP plan of {len(self.tp_plan)} rules"
+            )
+        if not all(0 <= i < len(self.cuts) for i in self.tp_split_cuts) or (
+            self.tp_split_cuts and not offered
+        ):
+            raise ValueError(f"tp_split_cuts {self.tp_split_cuts} name no cut of a TP plan")
+        for cost in self.unit_costs:
+            tp = cost.tp
+            if tp is None:
+                continue
+            if not offered:
+                raise ValueError(
+                    f"unit {cost.name!r} is split but tensor parallelism is not offered"
+                )
+            pairs = (
+                (tp.split_param_bytes, cost.param_bytes),
+                (tp.split_flops_per_sample, cost.fwd_flops_per_sample),
+                (tp.split_activation_bytes_per_sample, cost.activation_bytes_per_sample),
+            )
+            if any(part > whole * (1 + 1e-9) for part, whole in pairs):  # sums' rounding
+                raise ValueError(f"unit {cost.name!r} splits more than it has")
 
 
 # ----------------------------------------------------------------------- the builders
@@ -295,9 +311,11 @@ def model_graph(captured: CapturedModel, loss_memory: LossMemory | None = None) 
     cuts = tuple(
         tuple(specs[n] for n in crossing_values(graph, node_unit, i)) for i in range(len(units) - 1)
     )
+    tp = _tensor_parallel(captured, graph, units, cuts)
+    unit_costs = _unit_costs(model, graph, units, node_unit, loss_memory)
     return ModelGraph(
         units=units,
-        unit_costs=_unit_costs(model, graph, units, node_unit, loss_memory),
+        unit_costs=tuple(replace(c, tp=t) for c, t in zip(unit_costs, tp.units, strict=True)),
         cuts=cuts,
         inputs=_input_specs(traced, graph, units, node_unit),
         param_dtype=_param_dtype(model),
@@ -319,8 +337,51 @@ def model_graph(captured: CapturedModel, loss_memory: LossMemory | None = None) 
         trainable_param_sizes=_trainable_param_sizes(traced),
         tied_trainable_bytes=_tied_trainable_bytes(model, units),
         batch_statistics=batch_statistics_layers(model, traced.graph_module),
+        tp_plan=tp.rules,
+        tp_max_degree=tp.max_degree,
+        tp_refusal=tp.refusal,
+        tp_split_cuts=tp.split_cuts,
         traced=traced,
     )
+
+
+@dataclass(frozen=True)
+class _ModelTp:
+    """The model's tensor-parallel plan, what it splits per unit and its largest degree."""
+
+    units: tuple[UnitTensorParallel | None, ...]
+    rules: tuple[TpRule, ...] = ()
+    max_degree: int = 1
+    refusal: str | None = None
+    split_cuts: tuple[int, ...] = ()
+
+
+def _tensor_parallel(
+    captured: CapturedModel,
+    graph: CostGraph,
+    units: Sequence[UnitSpec],
+    cuts: Sequence[Sequence[TensorSpec]],
+) -> _ModelTp:
+    """The model's TP plan (``tp_plan.py``), what it splits in each unit (``tp_costs.py``),
+    the largest degree dividing what it splits and the cuts its split values cross; a
+    refusal leaves every unit whole."""
+    whole = (None,) * len(units)
+    plan: TpModules = read_tp_plan(captured.model_file, captured.model)
+    if plan.refusal is not None:
+        return _ModelTp(whole, refusal=plan.refusal)
+    nodes = module_nodes(graph, plan.modules)
+    refusal = untraced_module(nodes)
+    if refusal is not None:
+        return _ModelTp(whole, refusal=refusal)
+    degree, refusal = max_degree(split_dimensions(captured.model, plan, graph, nodes))
+    if refusal is not None:
+        return _ModelTp(whole, refusal=refusal)
+    split = unit_tensor_parallel(
+        graph, units, captured.model, plan.modules, nodes, captured.traced.param_names
+    )
+    sharded = split_values(graph, plan.modules, nodes)
+    split_cuts = tuple(i for i, cut in enumerate(cuts) if any(t.name in sharded for t in cut))
+    return _ModelTp(split, plan.rules, degree, split_cuts=split_cuts)
 
 
 def _uncosted_notes(costs: Mapping[str, NodeCost], graph: CostGraph) -> tuple[str, ...]:

@@ -62,6 +62,12 @@ class DeviceType:
     """Where the figures come from."""
     aliases: tuple[str, ...] = ()
     """Other spellings (e.g. the name ``nvidia-smi`` prints)."""
+    nvlink_bytes_per_s: float | None = None
+    """NVLink bandwidth between two cards of this part, per direction; None: the part has
+    no NVLink (cluster.yaml cannot declare it)."""
+    nvlink_by_default: bool = False
+    """Whether every pair of cards of one node is joined by NVLink unless cluster.yaml says
+    otherwise (SXM boards behind NVSwitch or an all-to-all NVLink mesh)."""
 
 
 _GA102_WP = "NVIDIA Ampere GA102 GPU Architecture whitepaper v2.0, appendix A"
@@ -94,6 +100,8 @@ def _gpu(
     consumer: bool,
     source: str,
     aliases: tuple[str, ...] = (),
+    nvlink_gb_per_s: float | None = None,
+    nvlink_by_default: bool = False,
 ) -> DeviceType:
     return DeviceType(
         key=key,
@@ -108,6 +116,10 @@ def _gpu(
         consumer_card=consumer,
         source=source,
         aliases=aliases,
+        nvlink_bytes_per_s=(
+            None if nvlink_gb_per_s is None else gb_per_s_to_bytes_per_s(nvlink_gb_per_s)
+        ),
+        nvlink_by_default=nvlink_by_default,
     )
 
 
@@ -125,7 +137,9 @@ _GPUS = (
          source=_GA102_WP + ", GeForce RTX 3080 column"),
     _gpu("rtx3090", "GeForce RTX 3090", memory_gib=24, fp32_tflops=35.6, tf32_tflops=35.6,
          fp16_tflops=71.0, bf16_tflops=71.0, bandwidth_gb_per_s=936, consumer=True,
-         source=_GA102_WP + ", GeForce RTX 3090 column"),
+         source=_GA102_WP + ", GeForce RTX 3090 column; NVLink bridge 112.5 GB/s both "
+                "directions together (NVIDIA RTX 3090 product page)",
+         nvlink_gb_per_s=56.25),
     _gpu("rtx4090", "GeForce RTX 4090", memory_gib=24, fp32_tflops=82.6, tf32_tflops=82.6,
          fp16_tflops=165.2, bf16_tflops=165.2, bandwidth_gb_per_s=1008, consumer=True,
          source=_ADA_WP + ", GeForce RTX 4090 column"),
@@ -222,12 +236,14 @@ _GPUS = (
          fp16_tflops=312.0, bf16_tflops=312.0, bandwidth_gb_per_s=2039, consumer=False,
          aliases=("a100-sxm4-80gb", "a100 80gb pcie"),
          source="NVIDIA A100 Tensor Core GPU datasheet, 80 GB SXM column (19.5 TFLOPS FP32, "
-                "156 TF32, 312 FP16/BF16 dense, 2039 GB/s; the PCIe card has 1935 GB/s)"),
+                "156 TF32, 312 FP16/BF16 dense, 2039 GB/s; the PCIe card has 1935 GB/s)",
+         nvlink_gb_per_s=300.0, nvlink_by_default=True),
     _gpu("h100-sxm", "H100 SXM5 80 GB", memory_gib=80, fp32_tflops=67.0, tf32_tflops=494.5,
          fp16_tflops=989.5, bf16_tflops=989.5, bandwidth_gb_per_s=3350, consumer=False,
          aliases=("h100-sxm5", "h100-sxm5-80gb", "h100 80gb hbm3"),
          source="NVIDIA H100 Tensor Core GPU datasheet, SXM column (67 TFLOPS FP32; 989 TF32 "
-                "and 1979 FP16/BF16 TFLOPS with sparsity, halved here; 3.35 TB/s)"),
+                "and 1979 FP16/BF16 TFLOPS with sparsity, halved here; 3.35 TB/s)",
+         nvlink_gb_per_s=450.0, nvlink_by_default=True),
     _gpu("h100-pcie", "H100 PCIe 80 GB", memory_gib=80, fp32_tflops=51.0, tf32_tflops=378.0,
          fp16_tflops=756.5, bf16_tflops=756.5, bandwidth_gb_per_s=2000, consumer=False,
          aliases=("h100-pcie-80gb",),
@@ -238,7 +254,8 @@ _GPUS = (
          aliases=("h200-sxm", "h200-sxm-141gb"),
          source="NVIDIA H200 Tensor Core GPU datasheet, SXM column (67 TFLOPS FP32; 989 TF32 "
                 "and 1979 FP16/BF16 TFLOPS with sparsity, halved here; 4.8 TB/s); memory "
-                "143771 MiB as nvidia-smi reports it on one card (140 GiB)"),
+                "143771 MiB as nvidia-smi reports it on one card (140 GiB)",
+         nvlink_gb_per_s=450.0, nvlink_by_default=True),
 )
 # fmt: on
 

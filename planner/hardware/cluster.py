@@ -43,6 +43,7 @@ from hplan.planner.hardware.cluster_schema import (
     MatrixEntry,
     MatrixLevel,
     NodeEntry,
+    NvlinkAll,
     UniqueKeyLoader,
     pydantic_message,
     yaml_problem,
@@ -112,6 +113,9 @@ class Node:
     one that holds ``host`` (the runtime finds it)."""
     host_memory_bytes: float | None = None
     """Its host memory (cluster.yaml ``host_memory_gb``); None: not declared."""
+    nvlink: Mapping[tuple[int, int], Link] = dataclasses.field(default_factory=dict)
+    """The NVLink between two of its cards, keyed by the sorted pair of local indices
+    (cluster.yaml ``nvlink``, or the catalog's default for SXM parts); empty: PCIe only."""
 
 
 @dataclass(frozen=True)
@@ -157,8 +161,8 @@ class Cluster:
     def link(self, a: str, b: str) -> Link:
         """Link between two distinct devices (by name).
 
-        Same node: the node's intra link (unless a device matrix overrides the pair); else
-        the link between their nodes.
+        Same node: their NVLink where the node has one, else the node's intra link (a
+        device matrix overrides either); else the link between their nodes.
 
         Raises:
             ValueError: ``a == b``. KeyError: an unknown device name.
@@ -168,10 +172,20 @@ class Cluster:
         pair = _pair(a, b)
         if pair in self.device_links:
             return self.device_links[pair]
-        node_a, node_b = self.device(a).node, self.device(b).node
+        device_a, device_b = self.device(a), self.device(b)
+        node_a, node_b = device_a.node, device_b.node
         if node_a == node_b:
-            return self.node(node_a).intra_link
+            low, high = sorted((device_a.local_index, device_b.local_index))
+            return self.node(node_a).nvlink.get((low, high), self.node(node_a).intra_link)
         return self.node_links[_pair(node_a, node_b)]
+
+    def nvlink(self, a: str, b: str) -> bool:
+        """Whether NVLink joins the two devices (named; on one node)."""
+        device_a, device_b = self.device(a), self.device(b)
+        if device_a.node != device_b.node:
+            return False
+        pair = tuple(sorted((device_a.local_index, device_b.local_index)))
+        return pair in self.node(device_a.node).nvlink
 
     def bandwidth_bytes_per_s(self, a: str, b: str) -> float:
         """Bandwidth between two distinct devices, bytes/s."""
@@ -360,7 +374,54 @@ def _node(source: str, node_idx: int, entry: NodeEntry) -> Node:
         else Link(gb_per_s_to_bytes_per_s(default_bw), us_to_s(default_lat))
     )
     host_memory = None if entry.host_memory_gb is None else gb_to_bytes(entry.host_memory_gb)
-    return Node(entry.name, entry.host, tuple(devices), intra, entry.interface, host_memory)
+    nvlink = _nvlink(source, f"nodes[{node_idx}]", entry, devices, intra.latency_s)
+    return Node(entry.name, entry.host, tuple(devices), intra, entry.interface, host_memory, nvlink)
+
+
+def _nvlink(
+    source: str, key_path: str, entry: NodeEntry, devices: Sequence[Device], latency_s: float
+) -> dict[tuple[int, int], Link]:
+    """The node's NVLink pairs (sorted local indices) and their link: cluster.yaml's
+    ``nvlink`` groups, ``all`` or ``none``, by default ``all`` where every card is an SXM
+    part (``DeviceType.nvlink_by_default``); bandwidth ``nvlink_gb_per_s`` or the slowest
+    card's catalog figure, latency the node's intra link's."""
+    declared = entry.nvlink
+    if declared is None:
+        declared = (
+            NvlinkAll.ALL if all(d.type.nvlink_by_default for d in devices) else NvlinkAll.NONE
+        )
+    if declared is NvlinkAll.NONE or len(devices) < 2:
+        return {}
+    groups = [list(range(len(devices)))] if declared is NvlinkAll.ALL else declared
+    pairs: set[tuple[int, int]] = set()
+    for group_idx, group in enumerate(groups):
+        where = f"{key_path}.nvlink" + ("" if declared is NvlinkAll.ALL else f"[{group_idx}]")
+        for index in group:
+            if index >= len(devices):
+                _fail(
+                    source,
+                    where,
+                    f"device index {index} is not on node {entry.name!r} (it has "
+                    f"{len(devices)} devices: 0..{len(devices) - 1}); name its local indices",
+                )
+        if len(set(group)) != len(group):
+            _fail(source, where, f"device indices {group} repeat; list each card once")
+        pairs.update(combinations(sorted(group), 2))
+    if entry.nvlink_gb_per_s is not None:
+        bandwidth = gb_per_s_to_bytes_per_s(entry.nvlink_gb_per_s)
+    else:
+        joined = sorted({i for pair in pairs for i in pair})
+        missing = [devices[i] for i in joined if devices[i].type.nvlink_bytes_per_s is None]
+        if missing:
+            _fail(
+                source,
+                f"{key_path}.nvlink",
+                f"{missing[0].name} ({missing[0].kind}) has no NVLink in the catalog; give "
+                "nvlink_gb_per_s for the node or leave nvlink out",
+            )
+        bandwidth = min(float(devices[i].type.nvlink_bytes_per_s or 0.0) for i in joined)
+    link = Link(bandwidth, latency_s)
+    return {pair: link for pair in sorted(pairs)}
 
 
 def _device_type(source: str, key_path: str, entry: DeviceEntry) -> DeviceType:

@@ -174,6 +174,17 @@ _INTERFACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 Interface = Annotated[str, Field(strict=True), AfterValidator(_check_interface)]
 
 
+class NvlinkAll(StrEnum):
+    """``nvlink: all`` (every pair of the node's cards, NVSwitch or an NVLink mesh) or
+    ``nvlink: none`` (no pair, whatever the catalog says)."""
+
+    ALL = "all"
+    NONE = "none"
+
+
+NvlinkGroup = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=2)]
+
+
 class NodeEntry(_Strict):
     name: Name
     host: Host
@@ -185,6 +196,13 @@ class NodeEntry(_Strict):
     host_memory_gb: StrictPositive | None = None
     """The node's host (CPU) memory in GB (10^9 bytes), what optimizer-state offload may
     fill; default: assumed (``contract.memory.HOST_MEMORY_PER_DEVICE_MEMORY``)."""
+    nvlink: NvlinkAll | list[NvlinkGroup] | None = None
+    """Which of the node's cards NVLink joins: ``all``, ``none``, or groups of local device
+    indices (``[[0, 1], [2, 3]]``: two bridged pairs; every pair inside a group is joined);
+    default: ``all`` where every card is an SXM part of the catalog, else none."""
+    nvlink_gb_per_s: StrictPositive | None = None
+    """NVLink bandwidth per direction between two joined cards, GB/s; default: the
+    catalog's figure for the part."""
 
 
 class ClusterFile(_Strict):

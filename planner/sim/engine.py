@@ -85,7 +85,10 @@ class _Rank:
     final_backward_pos: int | None = None
     """Position of the rank's last backward action in ``actions``."""
     last_backward: int | None = None
-    """Index of the event of the rank's last backward pass (its gradients are final then)."""
+    """Index of the last event of the rank's last backward pass, its TP collectives
+    included (its gradients are final then)."""
+    last_backward_compute: int | None = None
+    """Index of the compute event of that pass."""
 
 
 @dataclass
@@ -192,10 +195,30 @@ class _Engine:
                 str(action), action.microbatch, None, cause,
             )
         )  # fmt: skip
-        if rank.pos == rank.final_backward_pos:
-            rank.last_backward = rank.last
+        compute = rank.last
         rank.compute_s += duration_s
-        self._push(time_s + duration_s, _DONE, rank.rank)
+        end_s = self._tp_collectives(rank, action, time_s + duration_s)
+        if rank.pos == rank.final_backward_pos:
+            rank.last_backward, rank.last_backward_compute = rank.last, compute
+        self._push(end_s, _DONE, rank.rank)
+
+    def _tp_collectives(self, rank: _Rank, action: Action, start_s: float) -> float:
+        """The TP group's collectives of the pass that ended at ``start_s`` (rule 7);
+        returns when the pass ends."""
+        forward = action.kind is ActionKind.FORWARD
+        times = rank.spec.tp_forward_s if forward else rank.spec.tp_backward_s
+        duration_s = times[action.microbatch] if times else 0.0
+        if duration_s <= 0:
+            return start_s
+        rank.last = self._add(
+            SimEvent(
+                EventKind.TP_COLLECTIVE, rank.rank, rank.replica, rank.stage, start_s,
+                start_s + duration_s, f"{action} tp{rank.spec.tp_degree}", action.microbatch,
+                None, rank.last,
+            )
+        )  # fmt: skip
+        rank.comm_s += duration_s
+        return start_s + duration_s
 
     def _wait(
         self, rank: _Rank, key: _MsgKey, message: _Message, start_s: float, end_s: float
@@ -336,12 +359,13 @@ class _Engine:
         overlap window before its last backward pass ends, or once its sends are done."""
         if self.spec.bucket_cap_bytes is None or rank.last_backward is None:
             return rank.clock_s, rank.last
-        backward = self.events[rank.last_backward]
+        assert rank.last_backward_compute is not None
+        backward = self.events[rank.last_backward_compute]
         num_bytes = sum(g.num_bytes for g in self.spec.sync_groups if rank.rank in g.ranks)
         window_s = overlap_window_s(
             backward.end_s - backward.start_s, num_bytes, self.spec.bucket_cap_bytes
         )
-        return backward.end_s - window_s, rank.last_backward
+        return backward.end_s - window_s, rank.last_backward_compute
 
     def _group_end(
         self, group: SimSyncGroup, members: list[_Rank], start_s: float, cause: int | None
@@ -458,11 +482,16 @@ def simulate(spec: SimSpec) -> SimulationResult:
     6. Under local sync (``SimSpec.outer_syncs``) the outer sync round, amortised over its H
        inner steps (``cost.sync_cost``), starts on every member when the last member's step
        ends, as one ``outer sync`` span.
+    7. A stage run by a TP group (``SimStage.tp_degree`` > 1) is simulated on its lead: the
+       members run the same passes in lockstep. A pass's TP collectives
+       (``SimStage.tp_forward_s``, ``tp_backward_s``: ring all-reduces over the group's link,
+       ``link_model.tp_layer_all_reduce_time_s``) follow its compute as one ``tp all-reduce``
+       span, before its send; they are communication, not compute.
 
     Every rank starts at 0; the step ends when the last rank ends. Per rank the step splits
     into compute (forwards, backwards, optimizer), communication (all-reduce after the rank's
-    schedule, and time blocked on a message already on its way) and idle time (waiting for a
-    peer to compute: the bubble, or a slower replica). The critical path is the chain of
+    schedule, TP collectives, and time blocked on a message already on its way) and idle
+    time (waiting for a peer to compute: the bubble, or a slower replica). The critical path is the chain of
     events, each the one whose end fixed the next one's start, that ends the step.
 
     Raises:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES
-from hplan.runtime.contract.plan import Schedule, SyncMode
+from hplan.runtime.contract.plan import TP_DEGREES, Schedule, SyncMode
 
 
 # --------------------------------------------------------------------------- input
@@ -40,6 +40,15 @@ class SimStage:
     backward_s: tuple[float, ...]
     """Backward time of each micro-batch (recomputation included where it applies)."""
     optimizer_s: float
+    tp_degree: int = 1
+    """Size of the TP group that runs the stage (``RankPlan.tp_degree``); its members run
+    in lockstep, so the stage lead stands for all of them."""
+    tp_forward_s: tuple[float, ...] = ()
+    """Seconds of the TP group's collectives in each micro-batch's forward, run after
+    ``forward_s`` (``link_model.tp_layer_all_reduce_time_s`` per layer); ``()``: none, or
+    already inside ``forward_s``."""
+    tp_backward_s: tuple[float, ...] = ()
+    """The same for each backward."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +147,8 @@ class EventKind(StrEnum):
     TRANSFER = "transfer"
     """A point-to-point message on the wire (``rank`` is the sender, ``peer`` the receiver)."""
     ALLREDUCE = "all-reduce"
+    TP_COLLECTIVE = "tp all-reduce"
+    """A TP group's collectives of one forward or backward pass (``SimStage.tp_forward_s``)."""
     OUTER_SYNC = "outer sync"
     """A round of outer syncs amortised over its H inner steps (local SGD, async)."""
     WAIT = "wait"
@@ -224,6 +235,23 @@ def _verify_spec(spec: SimSpec) -> None:
             )
 
 
+def _tp_times(stage: SimStage) -> tuple[float, ...]:
+    return (*stage.tp_forward_s, *stage.tp_backward_s)
+
+
+def _verify_tp(where: str, stage: SimStage, num_mb: int) -> None:
+    if stage.tp_degree not in TP_DEGREES:
+        raise ValueError(f"{where}: tp_degree {stage.tp_degree} is not one of {TP_DEGREES}")
+    for name, times in (
+        ("tp_forward_s", stage.tp_forward_s),
+        ("tp_backward_s", stage.tp_backward_s),
+    ):
+        if times and len(times) != num_mb:
+            raise ValueError(f"{where}: {name} needs one time per micro-batch or none")
+        if any(times) and stage.tp_degree < 2:
+            raise ValueError(f"{where}: {name} given for a stage of tp_degree 1")
+
+
 def _verify_replica(r_idx: int, replica: SimReplica, seen: set[int]) -> None:
     num_mb = len(replica.microbatch_sizes)
     if not replica.stages or num_mb < 1 or min(replica.microbatch_sizes) < 1:
@@ -238,8 +266,9 @@ def _verify_replica(r_idx: int, replica: SimReplica, seen: set[int]) -> None:
         times = (*stage.forward_s, *stage.backward_s, stage.optimizer_s)
         if len(stage.forward_s) != num_mb or len(stage.backward_s) != num_mb:
             raise ValueError(f"{where}: needs one forward and backward time per micro-batch")
-        if not all(math.isfinite(t) and t >= 0 for t in times):
+        if not all(math.isfinite(t) and t >= 0 for t in (*times, *_tp_times(stage))):
             raise ValueError(f"{where}: times must be finite and >= 0")
+        _verify_tp(where, stage, num_mb)
     for l_idx, link in enumerate(replica.links):
         where = f"replica {r_idx} link {l_idx}"
         if len(link.forward_bytes) != num_mb or len(link.backward_bytes) != num_mb:

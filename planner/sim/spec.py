@@ -94,7 +94,11 @@ def spec_from_plan(plan: Plan, *, scale_partial_microbatches: bool = False) -> S
     others is charged what the report predicts for it (``RankReport.last_forward_time_s``);
     without that prediction a full one, as a rehearsal of a GPU plan replays it;
     ``scale_partial_microbatches=True`` scales it by its size instead (what stretched CPU
-    compute does in a rehearsal of a cpu plan).
+    compute does in a rehearsal of a cpu plan). A stage run by a TP group is simulated on
+    its lead (``Plan.replica_ranks``), with the lead's report times, which price the
+    group's per-layer collectives in (the plan records no TP bytes to time them apart);
+    its gradient groups are those of TP position 0 (``Report.grad_sync``), the other
+    positions' rings running beside them on their own cards.
 
     Raises:
         ConfigError: the report has no per-rank forward/backward prediction (a plan from an
@@ -127,7 +131,10 @@ def spec_from_plan(plan: Plan, *, scale_partial_microbatches: bool = False) -> S
             "the plan's report has no gradient sizes, so the all-reduce is not simulated; "
             "re-run `hplan solve` with this hplan",
         )
-    groups, outer = _plan_groups(plan, {g.ranks: float(g.num_bytes) for g in recorded or ()})
+    leads = {r.rank for r in plan.ranks if r.tp_rank == 0}
+    groups, outer = _plan_groups(
+        plan, {g.ranks: float(g.num_bytes) for g in recorded or () if set(g.ranks) <= leads}
+    )
     if plan.training.zero_stage >= 1:
         replicas = _with_allgather(replicas, groups)
     return SimSpec(
@@ -166,6 +173,7 @@ def _plan_replica(
                 forward_s=tuple(forward),
                 backward_s=tuple(backward),
                 optimizer_s=report.optimizer_time_s,
+                tp_degree=rank.tp_degree,
             )
         )
     links = tuple(_plan_link(plan, a, b, sizes) for a, b in pairwise(ranks))
@@ -440,8 +448,11 @@ def _runtime_groups(
         )
         for s in stages
     )
+    split = set(problem.tp_split_params)  # a TP group's rank sums 1/d of each
     wire = {
-        name: float(runtime.wire_bytes[name]) for name in sorted(held) if name in runtime.wire_bytes
+        name: float(runtime.wire_bytes[name]) / (problem.tp_degree if name in split else 1)
+        for name in sorted(held)
+        if name in runtime.wire_bytes
     }
     device_of = {r: d for d, r in rank_of.items()}
     by_set = {ranks: float(int(b)) for ranks, b in shared_bytes(held, wire).items()}

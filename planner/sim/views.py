@@ -108,6 +108,8 @@ def _place(event: SimEvent) -> tuple[str, str]:
         return f"rank {event.rank} -> {event.peer}", "transfer"
     if event.kind is EventKind.ALLREDUCE:
         return event.label.removeprefix("all-reduce "), "all-reduce"
+    if event.kind is EventKind.TP_COLLECTIVE:
+        return f"rank {event.rank}", "tp all-reduce"
     if event.kind is EventKind.OUTER_SYNC:
         return "islands", "outer sync"
     return f"rank {event.rank}", "wait"
@@ -201,7 +203,7 @@ def _track(event: SimEvent) -> str:
         return COMPUTE
     if event.kind is EventKind.TRANSFER:
         return SEND_NEXT if event.label.startswith("F.") else SEND_PREVIOUS
-    if event.kind in (EventKind.ALLREDUCE, EventKind.OUTER_SYNC):
+    if event.kind in (EventKind.ALLREDUCE, EventKind.OUTER_SYNC, EventKind.TP_COLLECTIVE):
         return ALL_REDUCE
     return WAIT
 

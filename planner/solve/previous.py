@@ -160,6 +160,12 @@ def keep_previous(
     Raises:
         ConfigError: see :func:`layout_of_plan`.
     """
+    if previous.tensor_parallel:
+        return _with_note(
+            result,
+            f"--previous {path}: the search's layout replaces it (a plan with TP groups is "
+            "not re-costed yet)",
+        )
     layout = layout_of_plan(previous, problem, path)
     floor = problem.min_microbatch_samples
     if any(smallest_microbatch(r.num_samples, r.micro_batch_size) < floor for r in layout.replicas):

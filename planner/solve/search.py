@@ -91,9 +91,18 @@ class SolveOptions:
     """Optimizer-state offload to host memory (``hplan solve --offload``, ``cost.offload``):
     ``auto`` (searched when nothing cheaper fits: no plan, or a device left idle; kept only
     on the devices that need it, and only if faster), ``never``, ``always`` (every device)."""
+    tensor_parallel: Policy = Policy.AUTO
+    """Tensor-parallel groups (``hplan solve --tensor-parallel``, ``solve.strategy``):
+    ``auto`` inside NVLink nodes, and over PCIe on GeForce cards only where nothing else
+    fits; ``never``; ``always`` (only layouts with TP groups, wherever the model allows)."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("sync", SyncRequest), ("zero", Policy), ("offload", Policy)):
+        for name, kind in (
+            ("sync", SyncRequest),
+            ("zero", Policy),
+            ("offload", Policy),
+            ("tensor_parallel", Policy),
+        ):
             object.__setattr__(self, name, _member(kind, getattr(self, name), name))
         if self.backend is not None:
             object.__setattr__(self, "backend", _member(MilpBackend, self.backend, "backend"))

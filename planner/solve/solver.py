@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from hplan.planner.cost.evaluate import Evaluation, evaluate, island_index
 from hplan.planner.cost.layout import Layout
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.bound import throughput_bound_samples_per_s
 from hplan.planner.solve.search import SearchOutcome, SolveOptions, diagnose_infeasible
@@ -48,7 +48,7 @@ from hplan.planner.solve.sync_choice import (
 from hplan.planner.solve.validate import layout_problems
 from hplan.planner.solve.watchdog import checked_time_limit_s
 from hplan.planner.textfmt import format_seconds, percent
-from hplan.runtime.contract.errors import InfeasiblePlanError
+from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
 from hplan.runtime.contract.plan import PseudoGradientDtype, Schedule, SolverStatus
 
 __all__ = [
@@ -83,6 +83,15 @@ class SolveResult:
     bound_samples_per_s: float | None = None
     """The problem's throughput bound (``bound.throughput_bound_samples_per_s``), computed
     while the search ran when :func:`solve` was asked ``with_bound``; None: not computed."""
+    tp_problem: PlanningProblem | None = None
+    """The problem of the TP groups the layout's device indices name (its devices are TP
+    groups: ``PlanningProblem.tp_members``); None: the solve's own problem's devices."""
+    tp_over_pcie: bool = False
+    """Its TP groups are GeForce cards over PCIe (chosen because nothing else fits)."""
+
+    def solved_problem(self, problem: PlanningProblem) -> PlanningProblem:
+        """The problem ``layout`` indexes: :attr:`tp_problem`, else ``problem``."""
+        return problem if self.tp_problem is None else self.tp_problem
 
     def verify(self) -> None:
         """Check the result's consistency; raise ValueError naming the first problem.
@@ -217,15 +226,51 @@ def choose(
             in hplan's search, never blamed on the cluster).
     """
     generated = candidates.generated
-    result = _family_choice(problem, options, candidates, generated.families[0])
+    ordered = generated.families
+    if options.tensor_parallel is Policy.ALWAYS:
+        ordered = tuple(f for f in ordered if f.tp_groups)
+        if not ordered or all(
+            _family_choice(problem, options, candidates, f) is None for f in ordered
+        ):
+            raise _no_tp_plan(problem, generated)
+    result = None
+    for family in ordered:
+        other = _family_choice(problem, options, candidates, family)
+        if other is None:
+            continue
+        other = _with_tp(other, family)
+        result = other if result is None else _faster_of(problem, result, other, family, runtime)
     if result is None:
         raise _nothing_valid(problem, options, candidates)
-    for family in generated.families[1:]:
-        other = _family_choice(problem, options, candidates, family)
-        if other is not None:
-            result = _faster_of(problem, result, other, family.name, runtime)
     notes = (*generated.notes, *result.notes)
     return replace(result, notes=notes, bound_samples_per_s=generated.bound_samples_per_s)
+
+
+def _with_tp(result: SolveResult, family: Family) -> SolveResult:
+    """``result`` of ``family`` carrying its TP groups' problem when it has one."""
+    if not family.tp_groups:
+        return result
+    return replace(
+        result,
+        tp_problem=family.grouped,
+        tp_over_pcie=family.tp_over_pcie,
+        source=f"{family.name}: {result.source}",
+    )
+
+
+def _no_tp_plan(problem: PlanningProblem, generated: Generated) -> ConfigError:
+    """``--tensor-parallel always`` without a TP layout: why, in one line."""
+    tp = problem.tensor_parallel
+    if tp is None:
+        why = "the model offers no tensor parallelism (no TP plan, or no unit splits)"
+    elif not any(f.tp_groups for f in generated.families):
+        why = (
+            f"no node has 2 or more cards of one kind for a degree the model allows "
+            f"(up to {tp.max_degree})"
+        )
+    else:
+        why = "no layout of TP groups fits this cluster"
+    return ConfigError(f"--tensor-parallel always: {why}; use --tensor-parallel auto or never")
 
 
 def solve(
@@ -513,16 +558,18 @@ def _faster_of(
     problem: PlanningProblem,
     mixed: SolveResult,
     other: SolveResult,
-    name: str,
+    family: Family,
     runtime: RuntimeBytes | None,
 ) -> SolveResult:
-    """``mixed``, or the uniform family ``name``'s result ``other`` (re-costed and
-    re-simulated on ``problem``) when that is faster.
+    """``mixed``, or the other family's result ``other`` (re-costed and re-simulated on
+    ``problem``, or on its TP groups' problem) when that is faster.
 
     Both are compared as the plans report them (as ``--previous`` is): simulated where
     both were simulated, else the cost model's step; a tie keeps ``mixed``. A layout
     ``problem``'s validator refuses is never taken.
     """
+    name = family.name
+    problem = other.solved_problem(problem)
     if layout_problems(problem, other.layout):
         return mixed
     evaluation = evaluate(problem, other.layout)
@@ -541,16 +588,17 @@ def _faster_of(
         mixed.status, mixed.gap, mixed.evaluation.step_time_s, evaluation.step_time_s
     )
     how = "simulated" if simulated else "cost model"
+    what = f"the {name} TP family" if family.tp_groups else f"the uniform {name} strategy"
     note = (
-        f"the uniform {name} strategy's layout ({other.source}) takes "
+        f"{what}'s layout ({other.source}) takes "
         f"{format_seconds(other_s)} per step ({how}), less than the {format_seconds(mixed_s)} "
-        f"of the mixed search's best ({mixed.source}): chose it"
+        f"of the best so far ({mixed.source}): chose it"
     )
     return replace(
         candidate,
         status=status,
         gap=gap,
-        source=f"uniform {name}: {other.source}",
+        source=other.source if family.tp_groups else f"uniform {name}: {other.source}",
         notes=(*other.notes, note),
     )
 

@@ -1,13 +1,19 @@
 """The strategy space as data, and the generate step: which layouts the solver considers.
 
 A :class:`Family` fixes how the ranks may use each memory strategy (a ``Policy`` each for
-recomputation, ZeRO shards and optimizer offload; a tensor-parallel degree will be one more
-field). The request's own family (``mixed``: each ``auto`` is chosen per rank) is always
-generated; when memory shaped its best layouts, so is each uniform family the request
-allows (:data:`UNIFORM_FAMILIES`), whose stage-order heuristics can find layouts the mixed
-search misses. A family's layouts come from its generators, in order (:data:`GENERATORS`),
-each gated on what the layouts before it show. Every layout is tagged with its family and
-its pool (synchronous or local), so the later steps compare like with like.
+recomputation, ZeRO shards and optimizer offload) and its tensor-parallel grouping: a TP
+family's devices are TP groups of one degree (``cost.tensor_parallel``), generated under
+``--tensor-parallel auto`` for the NVLink groups of each degree the model allows, and for
+groups of GeForce cards over PCIe only where the request's family has no layout or leaves
+idle a device the model does not fit (nothing else fits); under ``always`` for groups of any
+node's cards, and only TP families are chosen from. TP families run without ZeRO, offload or
+local sync (the runtime does not combine them with TP). The request's own family (``mixed``:
+each ``auto`` is chosen per rank) is always generated; when memory shaped its best layouts,
+so is each uniform family the request allows (:data:`UNIFORM_FAMILIES`), whose stage-order
+heuristics can find layouts the mixed search misses. A family's layouts come from its
+generators, in order (:data:`GENERATORS`), each gated on what the layouts before it show.
+Every layout is tagged with its family and its pool (synchronous or local), so the later
+steps compare like with like.
 
 All of it runs in one child process under one deadline (``watchdog``), searches that two
 families share run once, and each search gets a share of the time left: ``--time-limit``
@@ -26,6 +32,7 @@ from hplan.planner.cost.even_microbatches import even_microbatches
 from hplan.planner.cost.layout import Layout
 from hplan.planner.cost.offload import can_offload, offload_flags, offload_problem
 from hplan.planner.cost.problem import PlanningProblem, Policy
+from hplan.planner.cost.tensor_parallel import allowed_degrees, grouped_problem, tp_groups
 from hplan.planner.cost.zero import shard_weights, sharded_problem
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
 from hplan.planner.solve.search import Candidate, SearchOutcome, SolveOptions, search
@@ -62,15 +69,30 @@ class Pool(StrEnum):
 
 @dataclass(frozen=True)
 class Family:
-    """One point of the strategy space: how the ranks may use each memory strategy."""
+    """One point of the strategy space: how the ranks may use each memory strategy, and
+    which TP groups are its devices."""
 
     name: str
     recompute: Policy
     zero: Policy
     offload: Policy
+    tp_groups: tuple[tuple[int, ...], ...] = ()
+    """The TP groups (device indices of the solve's problem, one degree) that are this
+    family's devices; empty: single cards."""
+    tp_over_pcie: bool = False
+    """Its groups are GeForce cards over PCIe (chosen only where nothing else fits)."""
+    grouped: PlanningProblem | None = field(default=None, compare=False, repr=False)
+    """The problem of its TP groups (``tensor_parallel.grouped_problem``), made once."""
+
+    @property
+    def tp_degree(self) -> int:
+        return len(self.tp_groups[0]) if self.tp_groups else 1
 
     def problem(self, problem: PlanningProblem) -> PlanningProblem:
-        """``problem`` under this family's recompute policy."""
+        """``problem`` under this family's recompute policy (its TP groups' problem for a
+        TP family)."""
+        if self.grouped is not None:
+            problem = replace(self.grouped, schedule=problem.schedule)
         return (
             problem
             if problem.recompute is self.recompute
@@ -78,7 +100,12 @@ class Family:
         )
 
     def options(self, options: SolveOptions) -> SolveOptions:
-        """``options`` under this family's ZeRO and offload policies."""
+        """``options`` under this family's ZeRO and offload policies (a TP family syncs
+        every step)."""
+        if self.tp_groups:
+            return replace(
+                options, zero=self.zero, offload=self.offload, sync=SyncRequest.ALL_REDUCE
+            )
         return replace(options, zero=self.zero, offload=self.offload)
 
     @property
@@ -103,7 +130,49 @@ mixed choice)."""
 def families(problem: PlanningProblem, options: SolveOptions) -> tuple[Family, ...]:
     """The request's family first, then each uniform family it allows: one whose every
     policy equals the request's or meets an ``auto`` there, not the request's own, and not
-    ``offload`` where no device can offload (a ``cpu`` device's memory is the host's)."""
+    ``offload`` where no device can offload (a ``cpu`` device's memory is the host's); then
+    the TP families (:func:`tp_families`)."""
+    return (*_memory_families(problem, options), *tp_families(problem, options))
+
+
+def tp_families(problem: PlanningProblem, options: SolveOptions) -> tuple[Family, ...]:
+    """For each degree the model allows (``--tensor-parallel`` auto or always): the family
+    of the NVLink groups (``tp4``), and the one of GeForce groups over PCIe (``tp4-pcie``,
+    run only where nothing else fits); under ``always`` also the groups of any node's
+    cards (``tp4-any``) where no NVLink family has them all. Recompute as requested; no
+    ZeRO, no offload."""
+    tp = problem.tensor_parallel
+    if tp is None or options.tensor_parallel is Policy.NEVER:
+        return ()
+    found: list[Family] = []
+    for degree in allowed_degrees(tp):
+        kinds = [
+            (f"tp{degree}", tp_groups(problem, degree, nvlink_only=True), False),
+            (f"tp{degree}-pcie", _pcie_groups(problem, degree), True),
+        ]
+        if options.tensor_parallel is Policy.ALWAYS:
+            kinds.append((f"tp{degree}-any", tp_groups(problem, degree, nvlink_only=False), False))
+        seen: set[tuple[tuple[int, ...], ...]] = set()
+        for name, groups, pcie in kinds:
+            if not groups or groups in seen:
+                continue
+            seen.add(groups)
+            grouped = grouped_problem(problem, groups)
+            found.append(
+                Family(name, problem.recompute, Policy.NEVER, Policy.NEVER, groups, pcie, grouped)
+            )
+    return tuple(found)
+
+
+def _pcie_groups(problem: PlanningProblem, degree: int) -> tuple[tuple[int, ...], ...]:
+    """Groups of GeForce cards of one node that NVLink does not join (all of them)."""
+    nvlinked = {d for g in tp_groups(problem, degree, nvlink_only=True) for d in g}
+    groups = tp_groups(problem, degree, nvlink_only=False, consumer_only=True)
+    return tuple(g for g in groups if not set(g) & nvlinked)
+
+
+def _memory_families(problem: PlanningProblem, options: SolveOptions) -> tuple[Family, ...]:
+    """The request's family, then the uniform ones it allows (:func:`families`)."""
     mixed = Family(MIXED, problem.recompute, options.zero, options.offload)
     found = [mixed]
     request = (mixed.recompute, mixed.zero, mixed.offload)
@@ -124,7 +193,7 @@ def uniform_strategies(
     """The uniform families :func:`families` allows, as (name, problem, options) to solve."""
     return [
         (family.name, family.problem(problem), family.options(options))
-        for family in families(problem, options)[1:]
+        for family in _memory_families(problem, options)[1:]
     ]
 
 
@@ -459,7 +528,7 @@ def _searched(
     """``search`` of ``problem`` under ``options``, each candidate passed to ``on_candidate``
     as it is found; once per problem and options (a second family asking for it gets the
     first's candidates and outcome). None when nothing fits."""
-    key = ("search", problem.recompute, options.sync)
+    key = ("search", problem.recompute, options.sync, problem.tp_members)
     if key in run.searches:
         outcome = run.searches[key]
         for candidate in outcome.candidates if outcome is not None else ():
@@ -489,7 +558,8 @@ def search_generator(run: _Run, family: Family) -> None:
     """The search over pipelines, splits and shares (``search``): single nodes, the whole
     cluster and, where the sync request allows, the local plans of islands."""
     problem = family.problem(run.problem)
-    outcome = _searched(run, problem, run.options, lambda c: run.keep(family, "search", 0, c))
+    options = family.options(run.options) if family.tp_groups else run.options
+    outcome = _searched(run, problem, options, lambda c: run.keep(family, "search", 0, c))
     run.report(_FamilyOutcome(family.name, outcome))
 
 
@@ -611,15 +681,37 @@ def _generate_all(
 ) -> None:
     """The generate step in the child process: the request's family, then the uniform ones
     when memory shaped its best layouts; every item goes to ``report`` as it is made."""
-    ordered = families(problem, options)
+    ordered = _memory_families(problem, options)
     mixed, uniform = ordered[0], ordered[1:]
-    may_follow = bool(uniform) or Policy.NEVER not in (mixed.zero, mixed.offload)
+    tensor_parallel = tp_families(problem, options)
+    may_follow = (
+        bool(uniform) or bool(tensor_parallel) or Policy.NEVER not in (mixed.zero, mixed.offload)
+    )
     run = _Run(problem, options, deadline_s, report, FIRST_SEARCH_SHARE if may_follow else 1.0)
     _generate_family(run, mixed)
-    if not (uniform and _uniform_gate(run, mixed)):
-        return
-    for family in uniform:
+    if uniform and _uniform_gate(run, mixed):
+        for family in uniform:
+            _generate_family(run, family)
+    for family in tensor_parallel:
+        why = _tp_gate(run, mixed, family)
+        if why:
+            run.report(GeneratorRun(family.name, "search", 0, 0.0, why))
+            continue
         _generate_family(run, family)
+
+
+TP_PCIE_GATE = "a layout without TP uses every device the model does not fit (GeForce over PCIe)"
+
+
+def _tp_gate(run: _Run, mixed: Family, family: Family) -> str:
+    """Why a TP family does not run (empty: it runs): GeForce groups over PCIe only where
+    the request's family has no valid layout or leaves idle a device the model does not
+    fit (:func:`nothing_cheaper_fits`), unless ``--tensor-parallel always``."""
+    if not family.tp_over_pcie or run.options.tensor_parallel is Policy.ALWAYS:
+        return ""
+    if nothing_cheaper_fits(run.problem, run.ranked(mixed, Pool.SYNCHRONOUS)):
+        return ""
+    return TP_PCIE_GATE
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 The convention is README.md's "What you give it": ``build_model()``,
 ``sample_batch(batch_size)`` and ``loss_fn(outputs, targets)`` are required;
 ``make_optimizer``, ``dataset``, ``LEAF_MODULES``, ``make_scheduler``,
-``STOP_ON_NONFINITE_LOSS``, ``MAX_GRAD_NORM``, ``OUTER_LR`` and ``OUTER_MOMENTUM`` are
-optional. :class:`ModelFile`'s fields say what each means to the runtime.
+``STOP_ON_NONFINITE_LOSS``, ``MAX_GRAD_NORM``, ``OUTER_LR``, ``OUTER_MOMENTUM`` and
+``TP_PLAN`` are optional. :class:`ModelFile`'s fields say what each means to the runtime.
 
 Loading a model file executes its code, with the same rights as the user running hplan.
 """
@@ -77,6 +77,11 @@ class ModelFile:
     (``executor/outer_sync.py``); 1 with momentum 0 is plain averaging."""
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
     """``OUTER_MOMENTUM``: the outer optimizer's Nesterov momentum (0: plain SGD)."""
+    tp_plan: tuple[tuple[str, str], ...] | None = None
+    """``TP_PLAN``: the model's tensor-parallel plan, ``(module pattern, style)`` in the
+    order written (Hugging Face's ``base_model_tp_plan`` form: ``*`` stands for one path
+    component, styles ``colwise``, ``rowwise``, ``colwise_rep``, ``rowwise_rep``); the
+    planner checks the patterns and styles against the model. None: the file sets none."""
 
     def build(self) -> Any:
         """The model file's ``build_model()`` (the caller seeds it).
@@ -106,8 +111,8 @@ def load_model_file(path: str | Path) -> ModelFile:
     Raises:
         ModelFileError: the file is missing, raises while importing (the message gives the
             exception and the line in the file), lacks a required function, or sets
-            ``LEAF_MODULES``, ``STOP_ON_NONFINITE_LOSS``, ``MAX_GRAD_NORM``, ``OUTER_LR``
-            or ``OUTER_MOMENTUM`` to a value of the wrong kind.
+            ``LEAF_MODULES``, ``STOP_ON_NONFINITE_LOSS``, ``MAX_GRAD_NORM``, ``OUTER_LR``,
+            ``OUTER_MOMENTUM`` or ``TP_PLAN`` to a value of the wrong kind.
     """
     file = Path(path)
     if file.is_dir():
@@ -146,6 +151,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         max_grad_norm=_max_grad_norm(path, module),
         outer_lr=_outer_lr(path, module),
         outer_momentum=_outer_momentum(path, module),
+        tp_plan=_tp_plan(path, module),
     )
 
 
@@ -278,6 +284,21 @@ def _outer_momentum(path: str | Path, module: Any) -> float:
             f"{DEFAULT_OUTER_MOMENTUM}) or remove it"
         )
     return number
+
+
+def _tp_plan(path: str | Path, module: Any) -> tuple[tuple[str, str], ...] | None:
+    value = getattr(module, "TP_PLAN", None)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ModelFileError(
+            f"TP_PLAN in {str(path)!r} is {type(value).__name__} {value!r:.80}; set it to a dict "
+            'of module pattern -> style, e.g. {"blocks.*.mlp.0": "colwise", '
+            '"blocks.*.mlp.2": "rowwise"}, or remove it'
+        )
+    return tuple(value.items())
 
 
 def _optional(module: Any, name: str) -> Callable[..., Any] | None:

@@ -7,7 +7,8 @@ another on a link direction by :class:`LinkQueue`) and all-reduces with
 matrix measurement fits the same latency + bytes / bandwidth line
 (:func:`least_squares_alpha_beta`). The gradient all-reduce runs in buckets of at most
 :data:`BUCKET_CAP_BYTES` beside the last backward pass (``executor/grad_sync.py``); what is
-left of it is :func:`exposed_all_reduce_s`, whose docstring gives the formula.
+left of it is :func:`exposed_all_reduce_s`, whose docstring gives the formula. A tensor-
+parallel group's per-layer collectives are rings too (:func:`tp_layer_all_reduce_time_s`).
 
 Torch-free on purpose: the planner imports it without pulling in torch.distributed.
 """
@@ -24,6 +25,7 @@ from hplan.runtime.contract.quantities import BYTES_PER_MIB
 
 __all__ = [
     "BUCKET_CAP_BYTES",
+    "TP_ALL_REDUCES_PER_LAYER_PASS",
     "LinkQueue",
     "QueuedTransfer",
     "bucketed_all_reduce_time_s",
@@ -34,6 +36,8 @@ __all__ = [
     "overlap_window_s",
     "ring_all_reduce_time_s",
     "sync_order",
+    "tp_all_reduce_time_s",
+    "tp_layer_all_reduce_time_s",
     "transfer_time_s",
     "wire_time_s",
 ]
@@ -106,6 +110,55 @@ def ring_all_reduce_time_s(
         return 0.0
     steps = 2 * (num_ranks - 1)
     return steps / num_ranks * num_bytes / bandwidth_bytes_per_s + steps * latency_s
+
+
+TP_ALL_REDUCES_PER_LAYER_PASS = 2
+"""All-reduces of the activation in one pass of a Megatron transformer layer under tensor
+parallelism: the forward sums the outputs of the attention's and of the MLP's row-split
+linear (operator ``g``), the backward sums the input gradients of their column-split
+linear (operator ``f``). Shoeybi et al., "Megatron-LM", 2019, section 3 and figure 4."""
+
+
+def tp_all_reduce_time_s(
+    tp_degree: int,
+    num_bytes: float,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    num_all_reduces: int = 1,
+) -> float:
+    """Seconds of ``num_all_reduces`` ring all-reduces among a TP group, moving ``num_bytes``
+    in total (one after another, as a layer's collectives run between its matmuls).
+
+    Each is a ring (:func:`ring_all_reduce_time_s`): together
+    ``2 (d - 1) / d * num_bytes / bandwidth + num_all_reduces * 2 (d - 1) * latency``.
+    0 for a degree of 1 or no bytes.
+    """
+    if tp_degree < 2 or num_bytes <= 0:
+        return 0.0
+    ring_s = ring_all_reduce_time_s(tp_degree, num_bytes, bandwidth_bytes_per_s, 0.0)
+    return ring_s + max(num_all_reduces, 1) * 2 * (tp_degree - 1) * latency_s
+
+
+def tp_layer_all_reduce_time_s(
+    tp_degree: int, activation_bytes: float, bandwidth_bytes_per_s: float, latency_s: float
+) -> float:
+    """Seconds of one pass (forward, or backward) of one transformer layer's TP
+    collectives: :data:`TP_ALL_REDUCES_PER_LAYER_PASS` ring all-reduces of the layer's
+    activation over the TP group's link.
+
+    Args:
+        tp_degree: ``d``, the TP group's size.
+        activation_bytes: the layer's output for one micro-batch, ``micro_batch x seq x
+            hidden x element bytes``.
+        bandwidth_bytes_per_s, latency_s: the group's ring channel (its slowest link).
+    """
+    return tp_all_reduce_time_s(
+        tp_degree,
+        TP_ALL_REDUCES_PER_LAYER_PASS * activation_bytes,
+        bandwidth_bytes_per_s,
+        latency_s,
+        TP_ALL_REDUCES_PER_LAYER_PASS,
+    )
 
 
 BUCKET_CAP_BYTES = 25 * BYTES_PER_MIB

@@ -33,6 +33,7 @@ from hplan.runtime.contract.plan import (
     RankPlan,
     Schedule,
     TensorSpec,
+    UnitMemorySpec,
     ZeroStage,
     wire_spec,
 )
@@ -242,6 +243,10 @@ def rank_memory(
       step's temporaries (:data:`OPTIMIZER_STEP_WORKSPACE` x the bytes it steps, for an
       optimizer with state); under autocast the half-precision copy of the weights.
 
+    On a rank of a TP group (``RankPlan.tp_degree`` > 1) every parameter the model's TP
+    plan splits counts 1/d (with its gradient, state and copies), and so does the split
+    part of each unit's activations (:func:`tp_activation_bytes_per_sample`).
+
     Under optimizer offload (``RankPlan.optimizer_offload``) the state and the step's
     temporaries leave the device for the host, which also keeps a copy of the trainable
     parameters and of their gradients (:func:`offload_host_bytes`, ``host_bytes``); on a
@@ -258,7 +263,8 @@ def rank_memory(
     trainable = [
         n for n in dict.fromkeys(p for u in rank.units for p in units[u].params) if n in sizes
     ]
-    grad_bytes = sum(sizes[n].num_elements * sizes[n].element_bytes for n in trainable)
+    held = held_fractions(plan, rank, trainable)
+    grad_bytes = sum(sizes[n].num_elements * sizes[n].element_bytes * held[n] for n in trainable)
     param_bytes = grad_bytes
     state_factor = memory.optimizer_state_bytes_per_param_byte
     state_bytes = grad_bytes * state_factor
@@ -275,7 +281,7 @@ def rank_memory(
         unit_memory[u].input_bytes_per_sample for u in rank.units[1:]
     ]
     activations = in_flight * inputs.per_microbatch + stage_activation_bytes(
-        [unit_memory[u].activation_bytes_per_sample for u in rank.units],
+        [tp_activation_bytes_per_sample(unit_memory[u], rank.tp_degree) for u in rank.units],
         unit_inputs,
         [u in rank.recompute_units for u in rank.units],
         b,
@@ -290,7 +296,7 @@ def rank_memory(
         workspace += largest_bucket_bytes(plan, rank.rank, memory, trainable)
     else:
         workspace += sum(
-            sizes[n].num_elements * sizes[n].element_bytes
+            sizes[n].num_elements * sizes[n].element_bytes * held[n]
             for n in trainable
             if len(holders_of[n]) > 1  # all-reduced: its bucket holds a flat copy
         )
@@ -300,7 +306,7 @@ def rank_memory(
     workspace += step_temporaries
     if rank.precision.autocast_dtype is not None:
         workspace += sum(
-            sizes[n].num_elements * DTYPE_BYTES[rank.precision.autocast_dtype]
+            sizes[n].num_elements * DTYPE_BYTES[rank.precision.autocast_dtype] * held[n]
             for n in trainable
             if sizes[n].element_bytes > DTYPE_BYTES[rank.precision.autocast_dtype]
         )
@@ -319,6 +325,23 @@ def rank_memory(
         workspace_bytes=float(workspace),
         host_bytes=float(host),
     )
+
+
+def held_fractions(plan: Plan, rank: RankPlan, names: Sequence[str]) -> dict[str, float]:
+    """The share of each parameter of ``names`` that ``rank`` holds: 1 / its ``tp_degree``
+    where the model's TP plan splits it (``TpRule.splits``), else 1."""
+    degree = rank.tp_degree
+    rules = plan.model.tp_plan
+    return {
+        n: 1.0 / degree if degree > 1 and any(r.splits(n) for r in rules) else 1.0 for n in names
+    }
+
+
+def tp_activation_bytes_per_sample(unit: UnitMemorySpec, tp_degree: int) -> float:
+    """A unit's saved activations per sample on one rank of a TP group of ``tp_degree``:
+    its split part / the degree, the rest whole."""
+    split = unit.tp_split_activation_bytes_per_sample
+    return unit.activation_bytes_per_sample - split * (1.0 - 1.0 / tp_degree)
 
 
 def largest_bucket_bytes(

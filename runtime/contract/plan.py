@@ -249,6 +249,24 @@ class TpRule:
     (``layers.*.self_attn.q_proj``), as in Hugging Face's ``base_model_tp_plan``."""
     style: TpStyle
 
+    def matches(self, module_path: str) -> bool:
+        """Whether ``module_path`` (``layers.3.self_attn.q_proj``) is one this rule names."""
+        want, have = self.pattern.split("."), module_path.split(".")
+        if len(want) != len(have):
+            return False
+        return all(w in ("*", h) for w, h in zip(want, have, strict=True))
+
+    def splits(self, param_name: str) -> bool:
+        """Whether this rule splits parameter ``param_name`` of a module it matches: the
+        weight always, the bias under the column styles (a row-split module's bias is
+        added once, whole)."""
+        module_path, _, leaf = param_name.rpartition(".")
+        if not self.matches(module_path):
+            return False
+        return leaf == "weight" or (
+            leaf == "bias" and self.style in (TpStyle.COLWISE, TpStyle.COLWISE_REP)
+        )
+
 
 class Backend(StrEnum):
     """torch.distributed backend for point-to-point and collectives."""
@@ -358,6 +376,9 @@ class UnitMemorySpec:
     """Bytes per sample of the boundary before this unit (what the previous unit's cut
     carries; 0 for the first unit): what a recomputed unit keeps per micro-batch in flight
     (``MemoryStrategy.SELECTIVE``)."""
+    tp_split_activation_bytes_per_sample: NonNegative = 0.0
+    """Of ``activation_bytes_per_sample``: what the model's TP plan splits (a rank of a TP
+    group of degree d keeps 1/d of it; ``UnitTensorParallel``)."""
 
 
 @record

@@ -224,9 +224,9 @@ def _edited(text: str, case: str) -> str:
 CORRUPTIONS = {
     "truncated": "not valid JSON",
     "unknown version": "schema_version 99, from a newer hplan",
-    "older version": "schema_version 2, this hplan reads 3",
-    "version as a string": 'schema_version "3"; write the integer 3',
-    "version as a float": "schema_version 3.0; write the integer 3",
+    "older version": "schema_version 2, this hplan reads 4",
+    "version as a string": 'schema_version "4"; write the integer 4',
+    "version as a float": "schema_version 4.0; write the integer 4",
     "version as a boolean": "schema_version true, not an integer",
     "not a capture": "not an hplan capture file",
     "unknown key": "'extra'",
