@@ -29,7 +29,6 @@ from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import (
     Plan,
     Precision,
-    RankPlan,
     TpRule,
     TpStyle,
     ZeroStage,
@@ -105,16 +104,9 @@ def _check_tied_degrees(plan: Plan) -> None:
 
 
 def style_of(rules: Sequence[TpRule], module_path: str) -> TpStyle | None:
-    """The style of the first rule whose pattern matches ``module_path`` (``*``: one path
-    component), else None."""
-    parts = module_path.split(".")
-    for rule in rules:
-        pattern = rule.pattern.split(".")
-        if len(pattern) == len(parts) and all(
-            p in ("*", name) for p, name in zip(pattern, parts, strict=True)
-        ):
-            return rule.style
-    return None
+    """The style of the first rule that names ``module_path`` (``TpRule.matches``), else
+    None."""
+    return next((rule.style for rule in rules if rule.matches(module_path)), None)
 
 
 def placements(style: TpStyle | None, param_name: str, embedding: bool) -> tuple[Placement, ...]:
@@ -271,11 +263,6 @@ def set_local_grad(param: nn.Parameter, grad: Tensor) -> None:
 def whole(tensor: Tensor) -> Tensor:
     """A DTensor gathered whole (collective over its mesh), else ``tensor``."""
     return tensor.full_tensor() if is_dtensor(tensor) else tensor
-
-
-def counts_replicated(rank_plan: RankPlan) -> bool:
-    """Whether this rank counts the parameters a TP group holds whole (its lead does)."""
-    return rank_plan.tp_rank == 0
 
 
 def is_sharded(param: Tensor) -> bool:
