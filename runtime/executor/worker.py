@@ -48,7 +48,7 @@ from hplan.runtime.executor.memory.tensor_parallel import (
     check_tensor_parallel,
     embedding_paths,
     shard_stage,
-    tp_groups,
+    tp_rank_groups,
 )
 from hplan.runtime.executor.memory.zero import shard_optimizer
 from hplan.runtime.executor.outer_sync import check_verify
@@ -475,7 +475,7 @@ def tp_mesh(plan: Plan, rank: int, device: torch.device) -> DeviceMesh | None:
         return None
     timeout_s = plan.training.process_group_timeout_s
     mine = None
-    for ranks in tp_groups(plan):
+    for ranks in tp_rank_groups(plan):
         group = new_group(ranks, timeout_s, "tensor-parallel")
         if rank in ranks:
             mine = group

@@ -19,7 +19,7 @@ from hplan.runtime.executor.memory.tensor_parallel import (
     check_tensor_parallel,
     placements,
     style_of,
-    tp_groups,
+    tp_rank_groups,
 )
 from hplan.runtime.executor.worker import boundaries
 from hplan.runtime.rehearsal.rehearse import RehearsalResult, rehearse
@@ -72,7 +72,7 @@ def _three_stages() -> Plan:
 
 def test_boundaries_between_tp_groups_pair_receiver_j_with_sender_j_mod_degree() -> None:
     plan = _three_stages()
-    assert tp_groups(plan) == ((0, 1), (3, 4))
+    assert tp_rank_groups(plan) == ((0, 1), (3, 4))
     sides = [boundaries(plan, r) for r in plan.ranks]
     # (receive activations from, send gradients to) / (receive gradients from, send to)
     shown = [[None if b is None else (b.peer_rank, b.destinations) for b in pair] for pair in sides]

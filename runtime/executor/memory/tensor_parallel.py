@@ -40,16 +40,16 @@ if TYPE_CHECKING:
 
     from hplan.runtime.capture.stage import StageModule
 
-# torch.distributed.tensor is imported where a TP stage is built: about 0.45 s (DTensor,
-# sympy) that a rank without tensor parallelism does not pay. Until then no tensor is a
-# DTensor (:func:`is_dtensor`).
+# torch.distributed.tensor is imported where a TP stage is built (it pulls in sympy): a
+# rank without tensor parallelism does not pay for it. Until then no tensor is a DTensor
+# (:func:`is_dtensor`).
 
 NEVER = "re-run `hplan solve` with --tensor-parallel never"
 
 _COLWISE = frozenset({TpStyle.COLWISE, TpStyle.COLWISE_REP})
 
 
-def tp_groups(plan: Plan) -> tuple[tuple[int, ...], ...]:
+def tp_rank_groups(plan: Plan) -> tuple[tuple[int, ...], ...]:
     """The ranks of every TP group of two or more ranks, by first rank: the process groups
     every rank creates, in this order (``new_group`` is collective over the world)."""
     groups = {
