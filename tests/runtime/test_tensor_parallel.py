@@ -14,7 +14,14 @@ from rich.console import Console
 
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.metrics_file import read_rank_metrics
-from hplan.runtime.contract.plan import Plan, Precision, TpRule, TpStyle, ZeroStage
+from hplan.runtime.contract.plan import (
+    MemoryStrategy,
+    Plan,
+    Precision,
+    TpRule,
+    TpStyle,
+    ZeroStage,
+)
 from hplan.runtime.executor.memory.tensor_parallel import (
     check_tensor_parallel,
     placements,
@@ -113,8 +120,17 @@ NUMBERED_TP_PLAN = (
 )
 
 
-def test_gpt_pipeline_of_tp_degrees_2_1_2_passes_verify() -> None:
-    result, text = _rehearse(_three_stages())
+def test_gpt_pipeline_of_tp_degrees_2_1_2_recomputing_passes_verify() -> None:
+    plan = _three_stages()  # the first TP stage recomputes whole, the last its first unit
+    ranks = [
+        replace(r, memory_strategy=MemoryStrategy.RECOMPUTE)
+        if r.stage == 0
+        else replace(r, memory_strategy=MemoryStrategy.SELECTIVE, recompute_units=r.units[:1])
+        if r.stage == 2
+        else r
+        for r in plan.ranks
+    ]
+    result, text = _rehearse(replace(plan, ranks=tuple(ranks)))
     verified = result.verify
     assert verified is not None and result.verify_passed is True, text
     assert verified.gradients.relative_difference < 1e-5

@@ -63,7 +63,7 @@ def check_tensor_parallel(plan: Plan) -> None:
 
     Raises:
         ConfigError: a TP plan with ZeRO, optimizer offload, islands that train on their
-            own, fp16 loss scaling or selective recomputation.
+            own or fp16 loss scaling, or a parameter tied between stages of two degrees.
     """
     if not plan.tensor_parallel:
         return
@@ -73,7 +73,6 @@ def check_tensor_parallel(plan: Plan) -> None:
         (any(r.optimizer_offload for r in plan.ranks), "optimizer offload"),
         (sync is not None and sync.local, "islands that train on their own (local_sgd/async)"),
         (any(r.precision is Precision.FP16 for r in plan.ranks), "fp16 loss scaling"),
-        (any(r.recompute_units for r in plan.ranks), "selective recomputation"),
     )
     for refused, what in refusals:
         if refused:
