@@ -165,6 +165,23 @@ def test_bf16_autocast_on_a_tp_group_matches_one_bf16_process(tmp_path: Path) ->
     assert step.loss == pytest.approx(step.reference_loss, rel=1e-2)
 
 
+def test_fp16_loss_scaling_on_a_tp_group_skips_and_trains_as_without_tp(tmp_path: Path) -> None:
+    path = write_model(tmp_path, TP_NUMBERED)
+    plain = make_plan(path, [ReplicaShape((-1,), 2, 4)])
+    losses = {}
+    for name, plan in (("tp", with_tensor_parallel(plain, {(0, 0): 2}, NUMBERED_TP_PLAN)),
+                       ("plain", plain)):  # fmt: skip
+        fp16 = replace(plan, ranks=tuple(replace(r, precision=Precision.FP16) for r in plan.ranks))
+        metrics = tmp_path / f"m-{name}"
+        outcomes = run_ranks(fp16, tmp_path / name, "--steps", "3", "--metrics-dir", str(metrics))
+        assert all(o.returncode == 0 for o in outcomes), outcomes[0].stderr[-2000:]
+        assert "step 0 skipped" in outcomes[0].stderr  # the scale starts too high here
+        losses[name] = _losses(metrics, fp16.world_size)
+    assert losses["tp"].keys() == losses["plain"].keys() == {0, 1, 2}
+    for step, loss in losses["plain"].items():
+        assert losses["tp"][step] == pytest.approx(loss, rel=1e-3), step  # fp16 roundings
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")

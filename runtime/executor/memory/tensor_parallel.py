@@ -28,7 +28,6 @@ from typing_extensions import TypeIs
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import (
     Plan,
-    Precision,
     TpRule,
     TpStyle,
     ZeroStage,
@@ -62,8 +61,8 @@ def check_tensor_parallel(plan: Plan) -> None:
     """Refuse what tensor-parallel stages do not run with yet, in one line naming the fix.
 
     Raises:
-        ConfigError: a TP plan with ZeRO, optimizer offload, islands that train on their
-            own or fp16 loss scaling, or a parameter tied between stages of two degrees.
+        ConfigError: a TP plan with ZeRO, optimizer offload or islands that train on their
+            own, or a parameter tied between stages of two degrees.
     """
     if not plan.tensor_parallel:
         return
@@ -72,7 +71,6 @@ def check_tensor_parallel(plan: Plan) -> None:
         (plan.training.zero_stage is not ZeroStage.NONE, "ZeRO (training.zero_stage)"),
         (any(r.optimizer_offload for r in plan.ranks), "optimizer offload"),
         (sync is not None and sync.local, "islands that train on their own (local_sgd/async)"),
-        (any(r.precision is Precision.FP16 for r in plan.ranks), "fp16 loss scaling"),
     )
     for refused, what in refusals:
         if refused:
