@@ -34,7 +34,6 @@ from tests.fixtures.plans import (
     GPT_MODEL,
     NUMBERED_DATASET,
     ReplicaShape,
-    compare_first_step,
     make_plan,
     read_checkpoint,
     run_ranks,
@@ -151,20 +150,6 @@ def test_two_tp_replicas_of_unequal_shares_clipped_to_the_global_norm_pass_verif
     assert result.verify.gradients.relative_difference < 1e-5
 
 
-def test_bf16_autocast_on_a_tp_group_matches_one_bf16_process(tmp_path: Path) -> None:
-    path = write_model(tmp_path, TP_NUMBERED)
-    base = make_plan(path, [ReplicaShape((-1,), 2, 4)])
-    tp = with_tensor_parallel(base, {(0, 0): 2}, NUMBERED_TP_PLAN)
-    plan = replace(tp, ranks=tuple(replace(r, precision=Precision.BF16) for r in tp.ranks))
-    verify = tmp_path / "verify"
-    outcomes = run_ranks(plan, tmp_path / "run", "--steps", "1", "--verify-dir", str(verify))
-    assert all(o.returncode == 0 for o in outcomes), [o.stderr[-800:] for o in outcomes]
-    step = compare_first_step(plan, path, verify)
-    assert not step.missing
-    assert step.grad_rel < 5e-2, step  # a few bf16 roundings (test_precision.py)
-    assert step.loss == pytest.approx(step.reference_loss, rel=1e-2)
-
-
 def test_fp16_loss_scaling_on_a_tp_group_skips_and_trains_as_without_tp(tmp_path: Path) -> None:
     path = write_model(tmp_path, TP_NUMBERED)
     plain = make_plan(path, [ReplicaShape((-1,), 2, 4)])
@@ -194,10 +179,12 @@ def _llama_plan(path: Path) -> Plan:
 
 
 @pytest.mark.xdist_group("tp-llama")
-def test_tiny_hf_llama_on_a_tp_group_passes_verify(llama: Path) -> None:
-    result, text = _rehearse(_llama_plan(llama))
+def test_tiny_hf_llama_on_a_tp_group_under_bf16_autocast_passes_verify(llama: Path) -> None:
+    plan = _llama_plan(llama)
+    bf16 = replace(plan, ranks=tuple(replace(r, precision=Precision.BF16) for r in plan.ranks))
+    result, text = _rehearse(bf16)
     assert result.verify is not None and result.verify_passed is True, text
-    assert result.verify.gradients.relative_difference < 1e-5
+    assert "(tol 5e-02) pass" in text  # against one bf16 process: a few bf16 roundings
 
 
 @pytest.mark.xdist_group("tp-llama")
