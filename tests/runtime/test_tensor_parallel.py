@@ -145,7 +145,7 @@ def test_two_tp_replicas_of_unequal_shares_clipped_to_the_global_norm_pass_verif
     path = write_model(tmp_path, TP_NUMBERED + "\n    MAX_GRAD_NORM = 1e-3\n")
     base = make_plan(path, [ReplicaShape((-1,), 2, 4), ReplicaShape((-1,), 1, 2)])
     plan = with_tensor_parallel(base, {(0, 0): 2, (1, 0): 2}, NUMBERED_TP_PLAN)
-    result, text = _rehearse(plan)
+    result, text = _rehearse(plan, steps=2)  # after step 0 a TP group times its stage warm
     assert result.verify is not None and result.verify_passed is True, text
     assert result.verify.gradients.relative_difference < 1e-5
 
