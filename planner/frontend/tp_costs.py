@@ -9,8 +9,9 @@ attention's heads): the nodes reached forward from a column-split output without
 split module, that also lead to a row-split input without passing one. Their FLOPs and
 saved activations are split with the modules'. The collectives, per micro-batch:
 
-- forward: an all-reduce of each row-split module's output; a gather of each
-  ``colwise_rep`` output, and of a ``colwise`` output that reaches no ``rowwise`` partner;
+- forward: an all-reduce of each row-split linear's output; a gather of each
+  ``colwise_rep`` output, of a ``colwise`` output that reaches no ``rowwise`` partner, and
+  of each embedding's output (the runtime splits an embedding by features, ``TpStyle``);
 - backward: an all-reduce of the input gradient of the column-split modules, one per
   input they share (q, k and v read one normalised input: one all-reduce, as a fused qkv);
   a gather of a ``rowwise_rep`` linear's input gradient.
@@ -156,10 +157,13 @@ def unit_tensor_parallel(
             total.saved += sum(graph.nodes[n]["saved_bytes"] for n in nodes[path])
         source = _input(graph, nodes[path])
         output_bytes = _output_bytes(graph, nodes[path])
-        if style in ROW_STYLES:
+        if isinstance(module, nn.Embedding):  # split by features, gathered (TpStyle)
+            total.fwd += output_bytes / 2
+            total.collectives += 1
+        elif style in ROW_STYLES:
             total.fwd += output_bytes
             total.collectives += 1
-        if style is TpStyle.COLWISE_REP or (
+        elif style is TpStyle.COLWISE_REP or (
             style is TpStyle.COLWISE and not _reaches_rows(graph, nodes[path], in_module, modules)
         ):  # gathered whole: by its style, or where its split output is read
             total.fwd += output_bytes / 2

@@ -230,8 +230,11 @@ class TpStyle(StrEnum):
     - ``rowwise``: the weight split by input features (dim 1), the bias replicated; the
       input arrives split by features, the outputs are summed (one all-reduce).
     - ``colwise_rep``: ``colwise`` whose output is gathered whole (an LM head).
-    - ``rowwise_rep``: ``rowwise`` whose input arrives whole and is split locally (an
-      embedding split by vocabulary, whose partial outputs are summed).
+    - ``rowwise_rep``: ``rowwise`` whose input arrives whole and is split locally.
+
+    An ``nn.Embedding`` in either style is split by its features (weight dim 1) and its
+    output gathered whole: each member holds 1/d of its bytes, as a split by vocabulary
+    would (whose masked partial sums DTensor did not carry between micro-batches).
     """
 
     COLWISE = "colwise"

@@ -154,7 +154,7 @@ def test_gpt_example_splits_its_mlps_embedding_and_head_as_worked_out_by_hand(
         split_param_bytes=vocab * width * FLOAT_BYTES,
         split_flops_per_sample=0.0,
         split_activation_bytes_per_sample=0.0,  # it saves the token ids, whole
-        fwd_allreduce_bytes_per_sample=hidden,  # partial lookups summed
+        fwd_allreduce_bytes_per_sample=hidden / 2,  # split by features, gathered
         bwd_allreduce_bytes_per_sample=0.0,  # token ids need no gradient
         num_allreduces=1,
     )
@@ -227,7 +227,7 @@ def test_a_llama_layer_has_megatrons_two_allreduces_each_way(llama_graph):
     embed, head = costs["model.embed_tokens"].tp, costs["lm_head"].tp
     assert embed is not None and head is not None
     assert embed.split_param_bytes == head.split_param_bytes == vocab * hidden * 4
-    assert (embed.fwd_allreduce_bytes_per_sample, embed.num_allreduces) == (seq * hidden * 4, 1)
+    assert (embed.fwd_allreduce_bytes_per_sample, embed.num_allreduces) == (seq * hidden * 2, 1)
     assert head.fwd_allreduce_bytes_per_sample == seq * vocab * 4 / 2
     assert costs["model.norm"].tp is None
 

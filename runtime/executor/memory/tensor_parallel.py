@@ -8,9 +8,11 @@ parameter whole (``Replicate``). The stage is an fx graph (symbolic trace keeps
 module is swapped: the graph runs as it is under
 ``torch.distributed.tensor.experimental.implicit_replication`` and DTensor's own sharding
 propagation inserts the collectives (shapes stay global, so views with baked head counts
-stay right). Received tensors enter as ``Replicate`` DTensors (their gradients come back
-whole), outputs leave as plain tensors. Every member of a TP group feeds the same
-micro-batches and computes the same loss; its gradients are its shards' (``local_grad``).
+stay right); the activations between TP regions are kept whole both ways (Megatron's
+``f``/``g``: :func:`whole_gradient`, :func:`replicated`). Received tensors enter as
+``Replicate`` DTensors (their gradients come back whole), outputs leave as plain tensors.
+Every member of a TP group feeds the same micro-batches and computes the same loss; its
+gradients are its shards' (``local_grad``).
 """
 
 from __future__ import annotations
@@ -152,6 +154,84 @@ def shard_stage(
                 where = placements(style_of(rules, owner), leaf, owner in embeddings)
                 made[id(param)] = _distributed(param, mesh, where)
             setattr(module, local, made[id(param)])
+    _whole_outputs(gm, rules, names, embeddings)
+
+
+def _whole_outputs(
+    gm: torch.fx.GraphModule,
+    rules: Sequence[TpRule],
+    names: Mapping[str, str],
+    embeddings: frozenset[str],
+) -> None:
+    """Keep every activation between TP regions whole, both ways: the output of each module
+    that ``rules`` split and that does not hand its output on split (all but a column-split
+    ``nn.Linear``) made ``Replicate`` (Megatron's ``g``), and the gradient of each split
+    module's whole input made ``Replicate`` in the backward (Megatron's ``f``; Shoeybi et
+    al., 2019, fig. 3). Without them DTensor picks any placement for the ops between (a
+    layer norm next to a split embedding took a split by the batch, which a micro-batch of
+    an odd size cannot take).
+
+    A module is found by its ``call_module`` node (symbolic traces) or by the node that reads
+    one of its parameters (``torch.export`` inlines modules into aten ops on them).
+    """
+
+    def owner(path: str) -> str:
+        return names.get(path, path).rpartition(".")[0]
+
+    def module_paths(node: torch.fx.Node) -> set[str]:
+        if node.op == "call_module":
+            params = [n for n, _ in gm.get_submodule(str(node.target)).named_parameters()]
+            return {owner(f"{node.target}.{n}") for n in params}
+        if node.op == "call_function":
+            return {owner(str(a.target)) for a in node.all_input_nodes if a.op == "get_attr"}
+        return set()
+
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        styles = {
+            (path, style)
+            for path in module_paths(node)
+            if (style := style_of(rules, path)) is not None
+        }
+        if not styles:
+            continue
+        data = next((a for a in node.all_input_nodes if a.op != "get_attr"), None)
+        if data is not None:
+            with graph.inserting_before(node):
+                guarded = graph.call_function(whole_gradient, (data,))
+            node.replace_input_with(data, guarded)
+        if any(style is not TpStyle.COLWISE or path in embeddings for path, style in styles):
+            with graph.inserting_after(node):
+                whole_node = graph.call_function(replicated, (node,))
+            node.replace_all_uses_with(
+                whole_node, delete_user_cb=lambda user, new=whole_node: user is not new
+            )
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+def whole_gradient(value: Any) -> Any:
+    """``value`` unchanged, its gradient made ``Replicate`` in the backward when it is a
+    ``Replicate`` DTensor (a split module's ``Partial`` input gradient all-reduced)."""
+    if not is_dtensor(value) or not all(p.is_replicate() for p in value.placements):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        value.to_local(), value.device_mesh, value.placements, run_check=False
+    )
+
+
+def replicated(value: Any) -> Any:
+    """``value`` as a ``Replicate`` DTensor when it is a DTensor (a ``Partial`` sum
+    all-reduced, a ``Shard`` gathered), else as it is; differentiable."""
+    if not is_dtensor(value) or all(p.is_replicate() for p in value.placements):
+        return value
+    from torch.distributed.tensor import Replicate
+
+    return value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
 
 
 def _distributed(param: nn.Parameter, mesh: DeviceMesh, where: Sequence[Placement]) -> nn.Parameter:
