@@ -175,9 +175,7 @@ def _param_share(problem: PlanningProblem, tp: TensorParallelInput, degree: int)
     """Per unit, the share of its trainable parameters one card of a tp-``degree`` group
     holds, shape (U,) (1 where it has none)."""
     grad = per_card_bytes(problem.grad_bytes, tp.split_grad_bytes, degree)
-    return np.divide(
-        grad, problem.grad_bytes, out=np.ones_like(grad), where=problem.grad_bytes > 0
-    )
+    return np.divide(grad, problem.grad_bytes, out=np.ones_like(grad), where=problem.grad_bytes > 0)
 
 
 def _group_times(
@@ -200,5 +198,9 @@ def _group_times(
         bwd_per_sample = float(tp.bwd_allreduce_bytes_per_sample[u])
         num_fwd, num_bwd = pass_counts(float(tp.num_allreduces[u]), fwd_per_sample)
         for k, b in enumerate(sizes):
-            fwd[u, k] += tp_all_reduce_time_s(degree, fwd_per_sample * b, ring_bw, ring_lat, num_fwd)
-            bwd[u, k] += tp_all_reduce_time_s(degree, bwd_per_sample * b, ring_bw, ring_lat, num_bwd)
+            fwd[u, k] += tp_all_reduce_time_s(
+                degree, fwd_per_sample * b, ring_bw, ring_lat, num_fwd
+            )
+            bwd[u, k] += tp_all_reduce_time_s(
+                degree, bwd_per_sample * b, ring_bw, ring_lat, num_bwd
+            )

@@ -204,9 +204,7 @@ class Partitioner:
             inside = (idx[:, None] <= u) & (u < idx[None, :])
             # a stage's first unit keeps only the batched part: ``received`` holds the rest
             first = idx[:, None] == u
-            saved = (
-                activations[u] * b - unit_input[u] + first * self._cut_fixed[u]
-            )
+            saved = activations[u] * b - unit_input[u] + first * self._cut_fixed[u]
             kept -= inside * saved
             largest = np.maximum(largest, inside * activations[u] * b)
             again += inside * p.fwd_time_s[device, u, k]

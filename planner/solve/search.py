@@ -749,9 +749,7 @@ def diagnose_infeasible(
     smallest_mbs = problem.micro_batch_sizes[0]
     biggest = int(np.argmax(problem.memory_capacity_bytes))
     capacity = float(problem.memory_capacity_bytes[biggest])
-    need = (
-        problem.static_bytes_on(biggest) + problem.activation_bytes_on(biggest) * smallest_mbs
-    )
+    need = problem.static_bytes_on(biggest) + problem.activation_bytes_on(biggest) * smallest_mbs
     worst = int(np.argmax(need))
     state_on = problem.optimizer_state_on(biggest)
     state = state_on if state_on is not None else np.zeros(problem.num_units)

@@ -76,7 +76,9 @@ def _tp_degree_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
         for stage in replica.stages:
             for u in range(stage.unit_start, stage.unit_stop):
                 held = degrees.setdefault(u, {})
-                held.setdefault(problem.degree(stage.device_idx), problem.device_names[stage.device_idx])
+                held.setdefault(
+                    problem.degree(stage.device_idx), problem.device_names[stage.device_idx]
+                )
     errors = []
     for u, held in sorted(degrees.items()):
         if len(held) > 1:
