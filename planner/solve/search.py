@@ -483,7 +483,7 @@ def degree_buckets(
     of those with a TP stage, those whose best shape runs the most samples per second of
     period first."""
     if len(problem.distinct_degrees) == 1:
-        return [list(shapes)]
+        return [list(shapes)]  # one degree: every layout keeps it
     buckets: dict[tuple[int, ...], list[PipelineShape]] = {}
     for t in shapes:
         signature = tuple(

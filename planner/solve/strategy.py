@@ -109,6 +109,11 @@ class Family:
             )
         return replace(options, zero=self.zero, offload=self.offload)
 
+    def uses_group(self, layout: Layout) -> bool:
+        """Whether ``layout`` (of :meth:`problem`) puts a stage on one of its TP groups."""
+        grouped = self.grouped
+        return grouped is not None and any(grouped.degree(d) > 1 for d in layout.device_indices)
+
     @property
     def uses_auto(self) -> bool:
         """Whether any of its policies lets the solver choose per rank."""
@@ -514,6 +519,8 @@ class _Run:
             self.report(_CutShort())
 
     def keep(self, family: Family, generator: str, segment: int, candidate: Candidate) -> None:
+        if family.grouped is not None and not family.uses_group(candidate.layout):
+            return  # single cards alone: the families without TP have that layout
         pool = Pool.LOCAL if candidate.layout.sync is not None else Pool.SYNCHRONOUS
         item = Found(family.name, pool, generator, segment, candidate)
         self.found.append(item)
