@@ -15,6 +15,7 @@ from hplan.planner.emit.plan_build import build_plan, memory_model_spec, model_s
 from hplan.planner.emit.report import build_report
 from hplan.planner.frontend.cost_graph import ModelGraph
 from hplan.planner.hardware.cluster import Cluster, to_cluster_spec
+from hplan.planner.sim.spec import RuntimeBytes, spec_from_layout
 from hplan.planner.solve.device_groups import device_groups
 from hplan.planner.solve.partition import enumerate_shapes
 from hplan.planner.solve.search import degree_buckets
@@ -182,6 +183,12 @@ def test_replicas_of_tp2_groups_sync_half_of_each_split_gradient() -> None:
     half = sum(problem.grad_bytes[u] - tp.split_grad_bytes[u] / 2 for u in (0, 1))
     assert groups[(0, 1)] == pytest.approx(half)
     assert groups[(2, 3)] == pytest.approx(float(problem.grad_bytes[2:4].sum()))
+    # the simulator's buckets too: the tp2 ranks sum half of each split parameter
+    runtime = RuntimeBytes.of(graph)
+    spec = spec_from_layout(mixed, layout, runtime=runtime)
+    wire = [runtime.wire_bytes[f"{graph.units[u].name}.proj.weight"] for u in range(4)]
+    summed = sorted(g.num_bytes for g in spec.sync_groups)
+    assert summed == pytest.approx(sorted([(wire[0] + wire[1]) / 2, wire[2] + wire[3]]), rel=1e-6)
 
 
 def test_a_problem_without_tp_reads_its_own_arrays() -> None:
