@@ -146,8 +146,6 @@ def test_search_buckets_keep_each_units_degree() -> None:
     graph = tp_language_model_graph(num_blocks=4, width=256)
     _, problem = _lab_problem(graph, batch=8)
     mixed = _mixed(problem, 2)
-    result = solve(mixed, SolveOptions(time_limit_s=5.0, tensor_parallel="never", watchdog=False))
-    assert not layout_problems(mixed, result.layout)
     classes = device_groups(mixed)
     shapes = enumerate_shapes(
         mixed, classes, max_stages=3, exhaustive_limit=10**6, budget_deadline=float("inf")
