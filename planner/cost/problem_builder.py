@@ -47,7 +47,7 @@ from hplan.runtime.contract.memory import (
     usable_host_memory_bytes,
     usable_memory_bytes,
 )
-from hplan.runtime.contract.plan import Precision, Schedule, wire_spec
+from hplan.runtime.contract.plan import DTYPE_BYTES, Precision, Schedule, wire_spec
 
 if TYPE_CHECKING:
     from hplan.planner.frontend.cost_graph import ModelGraph, UnitCost
@@ -332,9 +332,21 @@ def static_memory_bytes(
         + cost.buffer_bytes
         + workspace
     )
-    if numerics is not None and numerics.precision.autocast_dtype is not None:
-        total += cost.param_bytes * numerics.activation_bytes_factor
+    if numerics is not None:
+        total += cost.param_bytes * autocast_copy_factor(numerics)
     return total
+
+
+def autocast_copy_factor(numerics: Numerics) -> float:
+    """Bytes of the half-precision weight copy autocast makes per parameter byte: its dtype's
+    bytes over the parameters' (0.5 for float32 weights under bf16/fp16), 0 when the weights
+    are no wider than the autocast dtype (bf16 weights are used as they are) or without
+    autocast; ``contract.memory`` counts the same."""
+    half = numerics.precision.autocast_dtype
+    if half is None:
+        return 0.0
+    ratio = DTYPE_BYTES[half] / DTYPE_BYTES[numerics.param_dtype]
+    return ratio if ratio < 1.0 else 0.0
 
 
 BATCH_STATISTICS_MIN_SAMPLES = 2

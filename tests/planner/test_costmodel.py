@@ -185,6 +185,17 @@ def test_static_memory_counts_weights_gradients_state_frozen_params_and_buffers(
     assert list(problem.grad_bytes) == [600, 600]
 
 
+def test_autocast_copies_only_weights_wider_than_its_dtype():
+    """float32 weights under bf16 autocast get a bf16 copy (half their bytes); bf16 weights
+    are used as they are (what ``contract.memory`` counts): no copy."""
+    cost = unit_cost("u", param_bytes=1000, trainable_param_bytes=1000, buffer_bytes=0)
+    plain = static_memory_bytes(cost, 2.0)
+    fp32 = static_memory_bytes(cost, 2.0, Numerics("float32", Precision.BF16))
+    bf16 = static_memory_bytes(cost, 2.0, Numerics("bfloat16", Precision.BF16))
+    assert fp32 == pytest.approx(plain + 500)
+    assert bf16 == pytest.approx(plain)
+
+
 def test_usable_memory_subtracts_the_reserve_then_keeps_a_fraction():
     gpu = CATALOG["rtx3090"]
     expected = (24 * GIB - device_reserve_bytes(gpu.key)) * USABLE_MEMORY_FRACTION
