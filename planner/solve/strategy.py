@@ -478,6 +478,8 @@ class _Run:
     of it when nothing may follow)."""
     searches: dict[tuple[object, ...], SearchOutcome | None] = field(default_factory=dict)
     found: list[Found] = field(default_factory=list)
+    tp_families: tuple[Family, ...] = ()
+    """The run's TP families (:func:`tp_families`)."""
 
     def share_deadline(self) -> float:
         """The deadline of the next search: its share of the time left."""
@@ -707,12 +709,13 @@ def _generate_all(
     may_follow = (
         bool(uniform) or bool(tensor_parallel) or Policy.NEVER not in (mixed.zero, mixed.offload)
     )
-    run = _Run(problem, options, deadline_s, report, FIRST_SEARCH_SHARE if may_follow else 1.0)
+    share = FIRST_SEARCH_SHARE if may_follow else 1.0
+    run = _Run(problem, options, deadline_s, report, share, tp_families=tensor_parallel)
     _generate_family(run, mixed)
     if uniform and _uniform_gate(run, mixed):
         for family in uniform:
             _generate_family(run, family)
-    for family in tensor_parallel:
+    for family in sorted(tensor_parallel, key=lambda f: f.tp_over_pcie):  # NVLink first
         why = _tp_gate(run, mixed, family)
         if why:
             run.report(GeneratorRun(family.name, "search", 0, 0.0, why))
@@ -725,11 +728,16 @@ TP_PCIE_GATE = "a layout without TP uses every device the model does not fit (Ge
 
 def _tp_gate(run: _Run, mixed: Family, family: Family) -> str:
     """Why a TP family does not run (empty: it runs): GeForce groups over PCIe only where
-    the request's family has no valid layout or leaves idle a device the model does not
+    the request's family and every NVLink TP family searched before it (their groups
+    beside single cards) have no valid layout or leave idle a device the model does not
     fit (:func:`nothing_cheaper_fits`), unless ``--tensor-parallel always``."""
     if not family.tp_over_pcie or run.options.tensor_parallel is Policy.ALWAYS:
         return ""
-    if nothing_cheaper_fits(run.problem, run.ranked(mixed, Pool.SYNCHRONOUS)):
+    nvlink = [f for f in run.tp_families if not f.tp_over_pcie]  # none found: nothing fits
+    if all(
+        nothing_cheaper_fits(f.problem(run.problem), run.ranked(f, Pool.SYNCHRONOUS))
+        for f in (mixed, *nvlink)
+    ):
         return ""
     return TP_PCIE_GATE
 
