@@ -16,6 +16,7 @@ from hplan.planner.emit.report import build_report
 from hplan.planner.frontend.cost_graph import ModelGraph
 from hplan.planner.hardware.cluster import Cluster, to_cluster_spec
 from hplan.planner.sim.spec import RuntimeBytes, spec_from_layout
+from hplan.planner.solve import strategy
 from hplan.planner.solve.device_groups import device_groups
 from hplan.planner.solve.partition import enumerate_shapes
 from hplan.planner.solve.search import degree_buckets
@@ -199,3 +200,21 @@ def test_a_problem_without_tp_reads_its_own_arrays() -> None:
     assert problem.optimizer_state_on(3) is problem.optimizer_state_bytes
     mixed = _mixed(problem, 4)
     assert np.array_equal(mixed.static_bytes_on(1), problem.static_memory_bytes)
+
+
+def test_geforce_tp_over_pcie_waits_for_the_nvlink_families(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The request's family leaves a card idle the model does not fit (stubbed), the NVLink
+    family (its groups beside single cards) uses every card: TP over PCIe stays shut."""
+    graph = tp_language_model_graph(num_blocks=2, width=256)
+    _, problem = _lab_problem(graph, batch=4)
+
+    def leaves_idle(p: PlanningProblem, ranked: object) -> bool:
+        return not p.tp_degrees  # the single cards' problem only
+
+    monkeypatch.setattr(strategy, "nothing_cheaper_fits", leaves_idle)
+    options = SolveOptions(time_limit_s=2.0, watchdog=False)
+    generated = strategy.generate(problem, options, deadline_s=float("inf"))
+    [search] = [r for r in generated.runs if (r.family, r.generator) == ("tp2-pcie", "search")]
+    assert search.skipped == strategy.TP_PCIE_GATE
