@@ -269,10 +269,12 @@ def grad_sync_reports(plan: Plan, wire_bytes: Mapping[str, int]) -> tuple[GradSy
         wire_bytes: canonical name -> bytes the runtime all-reduces for that trainable
             parameter; parameters absent from it (not trainable) are skipped.
     """
-    held = parameter_holders(plan)
-    groups = shared_bytes(
-        held, {name: float(wire_bytes[name]) for name in held if name in wire_bytes}
-    )
+    groups: dict[RankSet, float] = {}
+    for tp_rank in tp_positions(plan):  # each TP position's holder sets
+        held = parameter_holders(plan, tp_rank)
+        groups |= shared_bytes(
+            held, {name: float(wire_bytes[name]) for name in held if name in wire_bytes}
+        )
     return tuple(
         GradSyncReport(ranks=ranks, num_bytes=int(num_bytes))
         for ranks, num_bytes in sorted(groups.items())
@@ -327,21 +329,23 @@ def outer_groups(plan: Plan) -> dict[RankSet, OuterSyncSpec]:
 
 
 def step_holders(plan: Plan) -> dict[str, tuple[RankSet, ...]]:
-    """Canonical parameter name -> the rank sets that each sum its gradient every step: one,
-    all its holders, except where its holder set syncs by ``local_sgd`` or ``async``: then
+    """Canonical parameter name -> the rank sets that each sum its gradient every step: per
+    TP position (the holders of that position's shard) one, all its holders, except where
+    its holder set syncs by ``local_sgd`` or ``async``: then
     one per island, the holders inside that island (a set of one rank sums nothing)."""
     where = island_of_rank(plan)
     local = {ranks for ranks, g in outer_groups(plan).items() if g.mode is not SyncMode.ALL_REDUCE}
-    out: dict[str, tuple[RankSet, ...]] = {}
-    for name, ranks in parameter_holders(plan).items():
-        if ranks not in local:
-            out[name] = (ranks,)
-            continue
-        by_island: dict[str, list[int]] = {}
-        for r in ranks:
-            by_island.setdefault(where[r], []).append(r)
-        out[name] = tuple(sorted(tuple(v) for v in by_island.values()))
-    return out
+    found: dict[str, set[RankSet]] = {}
+    for tp_rank in tp_positions(plan):  # one set per TP position (``parameter_holders``)
+        for name, ranks in parameter_holders(plan, tp_rank).items():
+            if ranks not in local:
+                found.setdefault(name, set()).add(ranks)
+                continue
+            by_island: dict[str, list[int]] = {}
+            for r in ranks:
+                by_island.setdefault(where[r], []).append(r)
+            found.setdefault(name, set()).update(tuple(v) for v in by_island.values())
+    return {name: tuple(sorted(sets)) for name, sets in found.items()}
 
 
 def outer_fragments(

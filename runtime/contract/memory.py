@@ -291,7 +291,7 @@ def rank_memory(
     last = rank.stage + 1 == len(replica)
     outputs = _NO_BOUNDARY if last else _boundary_bytes(plan, replica, rank.stage)
     workspace = 2.0 * (inputs.at(b) + outputs.at(b))
-    holders_of = parameter_holders(plan)
+    holders_of = parameter_holders(plan, rank.tp_rank)
     if plan.training.zero_stage is ZeroStage.GRADIENTS:
         workspace += largest_bucket_bytes(plan, rank.rank, memory, trainable)
     else:

@@ -131,9 +131,19 @@ class Boundary:
     """One side of a cut as seen from this rank."""
 
     peer_rank: int
+    """The rank this side receives from (activations from the previous stage, gradients
+    from the next)."""
     specs: tuple[TensorSpec, ...]
     label: str
     """E.g. ``"cut after blocks.1"``; used in error messages."""
+    send_to: tuple[int, ...] | None = None
+    """The ranks this side sends to; None: ``(peer_rank,)``. Between TP groups a rank may
+    send to several ranks, or to none (``worker.boundaries``)."""
+
+    @property
+    def destinations(self) -> tuple[int, ...]:
+        """The ranks this side sends to."""
+        return (self.peer_rank,) if self.send_to is None else self.send_to
 
 
 @dataclass
@@ -258,19 +268,23 @@ class StageComm:
             return
         start_s = time.monotonic()
         wires = [to_wire(t) for t in tensors]
-        tags = _tags(mb_idx, len(wires))
         label = f"{what} of micro-batch {mb_idx} ({side.label})"
-        if self.delay.delays(side.peer_rank):
+        for peer in side.destinations:
+            self._send_to(peer, mb_idx, wires, label)
+        self.times.p2p_s += time.monotonic() - start_s
+
+    def _send_to(self, peer: int, mb_idx: int, wires: list[Tensor], label: str) -> None:
+        tags = _tags(mb_idx, len(wires))
+        if self.delay.delays(peer):
             nbytes = sum(w.numel() for w in wires)
-            ready_s = self.delay.ready_time_s(side.peer_rank, time.monotonic(), nbytes)
+            ready_s = self.delay.ready_time_s(peer, time.monotonic(), nbytes)
             header = torch.tensor([ready_s], dtype=torch.float64, device=self.device)
             wires = [header, *wires]
         else:
             tags = tags[1:]
         for wire, tag in zip(wires, tags, strict=True):
-            work = _post(dist.isend, wire, side.peer_rank, tag, self.rank, label)
-            self._pending.append((work, side.peer_rank, label))
-        self.times.p2p_s += time.monotonic() - start_s
+            work = _post(dist.isend, wire, peer, tag, self.rank, label)
+            self._pending.append((work, peer, label))
 
     def _post_recv(
         self,

@@ -45,6 +45,13 @@ from hplan.runtime.contract.holders import (
 )
 from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES
 from hplan.runtime.contract.plan import Plan, SyncMode
+from hplan.runtime.executor.memory.tensor_parallel import (
+    is_dtensor,
+    is_sharded,
+    local,
+    local_grad,
+    set_local_grad,
+)
 from hplan.runtime.executor.seams import LinkDelay
 
 
@@ -113,7 +120,8 @@ def check_stage_parameters(plan: Plan, rank: int, names: Sequence[str]) -> None:
     Raises:
         PlanMismatchError: naming a parameter that the stage and the plan disagree on.
     """
-    planned = {name for name, ranks in parameter_holders(plan).items() if rank in ranks}
+    tp_rank = plan.ranks[rank].tp_rank
+    planned = {name for name, ranks in parameter_holders(plan, tp_rank).items() if rank in ranks}
     for name in sorted(set(names) - planned):
         raise PlanMismatchError(
             f"rank {rank} holds parameter {name!r} that the plan does not list for its units; "
@@ -163,7 +171,7 @@ class GradBucket:
             PeerFailureError: the all-reduce could not be started.
         """
         assert self._launched is None, "a bucket is launched once per step"
-        grads = [grad_or_zeros(p) for _, p in self.params]
+        grads = [local_grad(p, grad_or_zeros(p)) for _, p in self.params]
         wire = wire_dtype([g.dtype for g in grads])
         flat = torch.cat([g.reshape(-1).to(wire) for g in grads])
         if self.scale != 1.0:
@@ -192,7 +200,7 @@ class GradBucket:
         for (_, param), grad in zip(self.params, launched.grads, strict=True):
             numel = grad.numel()
             chunk = launched.flat[offset : offset + numel].view_as(grad)
-            param.grad = chunk if chunk.dtype == grad.dtype else chunk.to(grad.dtype)
+            set_local_grad(param, chunk if chunk.dtype == grad.dtype else chunk.to(grad.dtype))
             offset += numel
         self.done_s = time.monotonic()
 
@@ -353,10 +361,12 @@ def wire_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 class GradClip:
     """Global-norm gradient clipping of one rank.
 
-    After the sum every rank holds the full gradient of each of its parameters, so the whole
-    model's L2 norm is the square root of the sum over parameters, each counted once on its
-    lowest holder (where checkpoints save it from), of its squared norm: one SUM all-reduce
-    of one number. Each rank then scales its gradients as ``torch.nn.utils.clip_grad_norm_``
+    After the sum every rank holds the full gradient of each of its parameters (of its shard
+    of it, under tensor parallelism), so the whole model's L2 norm is the square root of the
+    sum over parameters, each counted once on its lowest holder (where checkpoints save it
+    from), of its squared norm: one SUM all-reduce of one number. A TP-split parameter is
+    counted by the lowest holder of each shard; one a TP group holds whole, by its lead's.
+    Each rank then scales its gradients as ``torch.nn.utils.clip_grad_norm_``
     does. Under local sync the norm is the island's (each parameter counted once per island,
     summed on the island's group), since an island's step is its own.
 
@@ -386,9 +396,9 @@ class GradClip:
         Raises:
             PeerFailureError: a rank died or the all-reduce timed out.
         """
-        grads = [p.grad for p in self.counted if p.grad is not None]
-        local = get_total_norm(grads) if grads else torch.zeros(())
-        squared = local.to(self.device, torch.float64).square().reshape(1)
+        grads = [local(p.grad) for p in self.counted if p.grad is not None]
+        norm_here = get_total_norm(grads) if grads else torch.zeros(())
+        squared = norm_here.to(self.device, torch.float64).square().reshape(1)
         try:
             dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.group)
         except RuntimeError as exc:
@@ -399,8 +409,21 @@ class GradClip:
         total = squared.sqrt().reshape(())
         norm = float(total)
         if math.isfinite(norm):  # the same float32 factor on every rank, as in one process
-            clip_grads_with_norm_(self.params, self.max_norm, total.float())
+            _clip_with_norm(self.params, self.max_norm, total.float())
         return norm
+
+
+def _clip_with_norm(params: Sequence[nn.Parameter], max_norm: float, total: Tensor) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_`` on the local gradients (a TP stage's shards,
+    the same storage as its DTensor gradients): each times ``min(1, max_norm / (total +
+    1e-6))``."""
+    if not any(is_dtensor(p.grad) for p in params):
+        clip_grads_with_norm_(params, max_norm, total)
+        return
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(factor.to(grad.device))
 
 
 def build_grad_clip(
@@ -429,11 +452,16 @@ def build_grad_clip(
     sync = plan.training.sync
     trainable = [(n, p) for n, p in named_params if p.requires_grad]
     if sync is None or not sync.local:
-        holders = parameter_holders(plan)
-        counted = [p for n, p in trainable if holders[n][0] == rank]
+        rank_plan = plan.ranks[rank]
+        holders = parameter_holders(plan, rank_plan.tp_rank)
+        counted = [
+            p
+            for n, p in trainable
+            if holders[n][0] == rank and (rank_plan.tp_rank == 0 or is_sharded(p))
+        ]
         return GradClip(max_norm, counted, [p for _, p in trainable], device)
     _check_island_clipping(plan)
-    holders, where = parameter_holders(plan), island_of_rank(plan)
+    holders, where = parameter_holders(plan, plan.ranks[rank].tp_rank), island_of_rank(plan)
     island = where[rank]
     counted = [p for n, p in trainable if min(r for r in holders[n] if where[r] == island) == rank]
     timeout_s = plan.training.process_group_timeout_s

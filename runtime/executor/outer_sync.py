@@ -421,7 +421,7 @@ def _fragments(
 ) -> list[OuterFragment]:
     """``rank``'s fragments of the local group ``spec`` (holders compute the same cut)."""
     assert group is not None
-    held = parameter_holders(plan)
+    held = parameter_holders(plan, plan.ranks[rank].tp_rank)
     names = [n for n in parameter_order(plan) if held[n] == spec.ranks and n in trainable]
     wire_bytes = {n: trainable[n].numel() * DTYPE_BYTES[spec.wire_dtype.value] for n in names}
     where = island_of_rank(plan)

@@ -52,11 +52,14 @@ from hplan.runtime.executor.grad_sync import (
     loss_sample_ranges,
     loss_weight,
 )
+from hplan.runtime.executor.memory.tensor_parallel import plain, replicated_inputs
 from hplan.runtime.executor.memory.zero import ShardSync
 from hplan.runtime.executor.precision import autocast
 from hplan.runtime.executor.seams import ComputeClock, Phase
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     # 0.45 s to import (DTensor, sympy): the scaler is built only for fp16 plans.
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -98,6 +101,9 @@ class RankParts:
     comm: StageComm
     scaler: ShardedGradScaler | None = None
     """The job's shared loss scaler when some rank computes in fp16 (``precision.py``)."""
+    mesh: DeviceMesh | None = None
+    """The rank's TP group when its stage has ``tp_degree`` > 1 (``tensor_parallel.py``:
+    its parameters are DTensors over it); None otherwise."""
 
 
 @dataclass
@@ -219,7 +225,7 @@ class StepRunner:
         with self.timeline.span(WAIT, "send completion"):
             comm.wait_sends()
         self._sync_gradients()
-        if not self._losses:
+        if not self._losses or parts.rank_plan.tp_rank > 0:  # a TP group's loss: its lead's
             return None
         total = torch.stack([loss.float() for loss in self._losses]).sum()
         return float(total) * self.loss_samples / self.num_samples
@@ -427,7 +433,10 @@ class StepRunner:
         (``contract.plan.wire_spec``: under autocast; nothing otherwise). Any other dtype
         is left as it is, so that the send's check against the plan
         (``comm.check_boundary_tensors``) sees the real tensor. The cast is part of the
-        autograd graph, so the gradient that comes back in that dtype flows through it."""
+        autograd graph, so the gradient that comes back in that dtype flows through it.
+        A TP stage's DTensor outputs are made whole plain tensors first."""
+        if self.parts.mesh is not None:
+            outputs = plain(outputs)
         if not self._narrowed:
             return outputs
         cast = dict(outputs)
@@ -437,9 +446,15 @@ class StepRunner:
                 cast[name] = value.to(dtype)
         return cast
 
-    def _from_wire(self, received: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    def _from_wire(self, received: Mapping[str, Tensor]) -> Mapping[str, Any]:
         """Received tensors as this stage computes on them: half-precision float32
-        tensors back in float32 on a rank without autocast (else as they came)."""
+        tensors back in float32 on a rank without autocast (else as they came); on a TP
+        stage as ``Replicate`` DTensors (``tensor_parallel.replicated_inputs``)."""
+        values = self._widened(received)
+        mesh = self.parts.mesh
+        return values if mesh is None else replicated_inputs(values, mesh)
+
+    def _widened(self, received: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         if (
             self.parts.rank_plan.precision.autocast_dtype is not None
             or self.parts.comm.prev is None

@@ -50,6 +50,7 @@ from hplan.runtime.executor.control.same_job import JobIdentity, check_same_job
 from hplan.runtime.executor.data import batch_digest, batch_tensors
 from hplan.runtime.executor.grad_sync import build_buckets, build_grad_clip, step_groups
 from hplan.runtime.executor.machine import CpuShare, CpuShareWatch, set_rank_threads
+from hplan.runtime.executor.memory.tensor_parallel import tp_compute, whole
 from hplan.runtime.executor.memory.zero import (
     ShardSync,
     build_shard_sync,
@@ -183,7 +184,7 @@ def _train(
     step = RankStep(runner, memory, scheduler, outer, options.verify_dir, first_step, stats)
     barrier(rank, "start of training")
     loop = StepLoop(step, options, CheckpointPolicy.of(checkpointer, options), elastic)
-    with Preemption() as preemption:
+    with Preemption() as preemption, _compute_context(parts):
         end = loop.run(preemption)
     # How the run ended, in one place. A stop the job agreed on ends the rank with its
     # error and exit code. An elastic run's re-plan for measured speeds (REPLAN) exits
@@ -195,6 +196,13 @@ def _train(
     barrier(rank, "end of training")
     if elastic is not None:
         elastic.end(end.steps_done)
+
+
+def _compute_context(parts: RankParts) -> contextlib.AbstractContextManager[None]:
+    """Where a TP stage's steps run (``tensor_parallel.tp_compute``); nothing otherwise."""
+    if parts.mesh is None:
+        return contextlib.nullcontext()
+    return tp_compute(parts.device)
 
 
 def _already_done(rank: int, steps_done: int, elastic: ElasticSegment) -> None:
@@ -792,14 +800,14 @@ def _dump_verify(
     payload: dict[str, object] = {"loss": loss, "samples": parts.rank_plan.num_samples}
     if kind == "grads":
         payload["tensors"] = {
-            n: p.grad.detach().cpu().clone() for n, p in parts.params if p.grad is not None
+            n: whole(p.grad).detach().cpu().clone() for n, p in parts.params if p.grad is not None
         } | {n: g.detach().cpu() for n, g in (sharded or {}).items()}
         batch = parts.source.global_batch(step)
         payload["batch_digest"] = batch_digest(batch)
         if parts.rank_plan.rank == 0:
             payload["batch"] = batch_tensors(batch)
     else:
-        payload["tensors"] = {n: p.detach().cpu().clone() for n, p in parts.params}
+        payload["tensors"] = {n: whole(p.detach()).cpu().clone() for n, p in parts.params}
         payload["buffers"] = {
             n: b.detach().cpu().clone() for n, b in parts.stage.canonical_buffers()
         }

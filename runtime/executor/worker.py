@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 
 from hplan.runtime.capture.materialise import BuildRecord, CannotMaterialise, record_build
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
@@ -41,7 +42,14 @@ from hplan.runtime.contract.errors import (
 from hplan.runtime.contract.plan import Plan, RankPlan, TraceMethod, ZeroStage, wire_spec
 from hplan.runtime.executor.comm import Boundary, StageComm
 from hplan.runtime.executor.data import BatchSource, Binder
+from hplan.runtime.executor.grad_sync import new_group
 from hplan.runtime.executor.memory.offload import offload_optimizer
+from hplan.runtime.executor.memory.tensor_parallel import (
+    check_tensor_parallel,
+    embedding_paths,
+    shard_stage,
+    tp_rank_groups,
+)
 from hplan.runtime.executor.memory.zero import shard_optimizer
 from hplan.runtime.executor.outer_sync import check_verify
 from hplan.runtime.executor.pipeline import RankParts, stage_label
@@ -137,6 +145,7 @@ class RunOptions:
             raise ConfigError(NO_LENGTH)
         if self.verify_dir is not None:
             check_verify(plan)
+        check_tensor_parallel(plan)
         return self
 
     def settings(self) -> dict[str, object]:
@@ -207,21 +216,32 @@ def check_environment(plan: Plan, rank: int, options: RunOptions) -> None:
 # --------------------------------------------------------------------------- building
 def boundaries(plan: Plan, rank_plan: RankPlan) -> tuple[Boundary | None, Boundary | None]:
     """This rank's cut with the previous stage and with the next one (None: no such stage),
-    each tensor as it travels from its sender (``contract.plan.wire_spec``)."""
+    each tensor as it travels from its sender (``contract.plan.wire_spec``).
+
+    Between TP groups of degrees d_s and d_{s+1} (every member holds the whole
+    activation), receiver j takes its input from sender ``j % d_s`` and sends its input's
+    gradient to every sender i with ``i % d_{s+1} == j``; sender i takes its output's
+    gradient from receiver ``i % d_{s+1}`` and sends its output to every receiver j with
+    ``j % d_s == i``. Without tensor parallelism: one peer each way."""
     replica = plan.replica_ranks(rank_plan.replica)
     unit_names = [u.name for u in plan.units]
+    me = rank_plan.tp_rank
     prev = next_ = None
     if rank_plan.stage > 0:
         before = unit_names[unit_names.index(rank_plan.units[0]) - 1]
         cut = plan.cut_after(before)
-        sender = replica[rank_plan.stage - 1]
-        specs = tuple(wire_spec(t, sender.precision) for t in cut.tensors)
-        prev = Boundary(sender.rank, specs, f"cut after {before}")
+        senders = plan.tp_group(replica[rank_plan.stage - 1].rank)
+        specs = tuple(wire_spec(t, senders[0].precision) for t in cut.tensors)
+        grads_to = tuple(r.rank for r in senders if r.tp_rank % rank_plan.tp_degree == me)
+        source = senders[me % len(senders)].rank
+        prev = Boundary(source, specs, f"cut after {before}", grads_to)
     if rank_plan.stage < len(replica) - 1:
         cut = plan.cut_after(rank_plan.units[-1])
-        peer = replica[rank_plan.stage + 1].rank
+        receivers = plan.tp_group(replica[rank_plan.stage + 1].rank)
         specs = tuple(wire_spec(t, rank_plan.precision) for t in cut.tensors)
-        next_ = Boundary(peer, specs, f"cut after {rank_plan.units[-1]}")
+        sends_to = tuple(r.rank for r in receivers if r.tp_rank % rank_plan.tp_degree == me)
+        source = receivers[me % len(receivers)].rank
+        next_ = Boundary(source, specs, f"cut after {rank_plan.units[-1]}", sends_to)
     return prev, next_
 
 
@@ -233,7 +253,12 @@ def _example_inputs(model_file: ModelFile, model: nn.Module, seed: int) -> dict[
 
 
 def rank_stage(
-    plan: Plan, rank_plan: RankPlan, model_file: ModelFile, *, whole: bool = False
+    plan: Plan,
+    rank_plan: RankPlan,
+    model_file: ModelFile,
+    *,
+    whole: bool = False,
+    mesh: DeviceMesh | None = None,
 ) -> tuple[StageModule, Binder]:
     """Build this rank's stage with the plan's seed, materialising only its own tensors.
 
@@ -246,6 +271,8 @@ def rank_stage(
     Args:
         whole: build the whole model on the CPU first in any case (what every rank did
             before; ``bench/stage_memory.py`` compares the two).
+        mesh: the rank's TP group (``tp_degree`` > 1): the stage's parameters become
+            DTensors over it (``tensor_parallel.shard_stage``).
 
     Raises:
         ModelFileError: ``build_model`` raises.
@@ -257,7 +284,8 @@ def rank_stage(
     reason: str | None = None
     if not whole and len(rank_plan.units) < len(plan.units):
         try:
-            return _own_stage(plan, rank_plan, model_file, recv, send)
+            stage, model = _own_stage(plan, rank_plan, model_file, recv, send)
+            return _sharded(stage, plan, model, mesh), _binder(model)
         except CannotMaterialise as exc:
             reason = str(exc)
     model = _build_whole(plan, model_file)
@@ -271,7 +299,26 @@ def rank_stage(
             file=sys.stderr,
             flush=True,
         )
-    return stage, _binder(model)
+    return _sharded(stage, plan, model, mesh), _binder(model)
+
+
+def _sharded(
+    stage: StageModule, plan: Plan, model: nn.Module, mesh: DeviceMesh | None
+) -> StageModule:
+    """``stage`` with its parameters DTensors over ``mesh`` (None: as it is), on the
+    mesh's device first: ``Module.to`` would replace DTensor parameters by new ones,
+    dropping their gradient hooks."""
+    if mesh is not None:
+        stage.to(_mesh_device(mesh))
+        shard_stage(stage, plan.model.tp_plan, mesh, embedding_paths(model))
+    return stage
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device of this rank in ``mesh`` (``cuda``: the current one)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def _split_stage(
@@ -290,7 +337,7 @@ def _split_stage(
 
 def _own_stage(
     plan: Plan, rank_plan: RankPlan, model_file: ModelFile, recv: list[str], send: list[str]
-) -> tuple[StageModule, Binder]:
+) -> tuple[StageModule, nn.Module]:
     """The stage from a fake build, its tensors materialised (raises CannotMaterialise)."""
     try:
         record, traced = _fake_checked_trace(plan, model_file)
@@ -298,7 +345,7 @@ def _own_stage(
         raise CannotMaterialise(f"on fake tensors: {error_reason(exc)}") from None
     stage = _split_stage(traced, plan, rank_plan, recv, send)
     materialise(stage.graph_module, record, model_file.build_model, plan.training.seed)
-    return stage, _binder(record.model)
+    return stage, record.model
 
 
 def _fake_checked_trace(plan: Plan, model_file: ModelFile) -> tuple[BuildRecord, TracedModel]:
@@ -376,14 +423,17 @@ def build_rank(
         EnvironmentProblemError: the plan asks for a GPU this machine lacks.
     """
     rank_plan = plan.ranks[rank]
-    model_file = load_model_file(model_path or plan.model.path)
     device = rank_device(plan, rank_plan, options.device)
+    check_tensor_parallel(plan)
+    mesh = tp_mesh(plan, rank, device)  # collective: before anything of this rank can fail
+    model_file = load_model_file(model_path or plan.model.path)
     if options.warn_model_change and rank_plan.local_rank == 0:
         warn_if_model_changed(plan, model_file)
-    stage, binder = rank_stage(plan, rank_plan, model_file)
+    stage, binder = rank_stage(plan, rank_plan, model_file, mesh=mesh)
     check_batch_statistics_floor(rank_plan, stage)
     prev, next_ = boundaries(plan, rank_plan)
-    stage.to(device)
+    if mesh is None:  # a TP stage is on its device already (``_sharded``)
+        stage.to(device)
     params = tuple(stage.canonical_parameters())
     optimizer = build_optimizer(plan, rank, model_file, params, device)
     source = BatchSource(
@@ -409,7 +459,29 @@ def build_rank(
         source,
         comm,
         scaler=loss_scaler(plan, device),
+        mesh=mesh,
     )
+
+
+def tp_mesh(plan: Plan, rank: int, device: torch.device) -> DeviceMesh | None:
+    """This rank's TP group as a ``DeviceMesh`` (None: its stage has ``tp_degree`` 1).
+    Creates the process group of every TP group of the plan, on every rank in the same
+    order (``new_group`` is collective over the world); nothing without TP stages.
+
+    Raises:
+        PeerFailureError: creating a group failed.
+    """
+    if not plan.tensor_parallel:
+        return None
+    timeout_s = plan.training.process_group_timeout_s
+    mine = None
+    for ranks in tp_rank_groups(plan):
+        group = new_group(ranks, timeout_s, "tensor-parallel")
+        if rank in ranks:
+            mine = group
+    if mine is None:
+        return None
+    return DeviceMesh.from_group(mine, device.type)
 
 
 def build_optimizer(

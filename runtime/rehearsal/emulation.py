@@ -208,7 +208,8 @@ class EmulatedClock(ComputeClock):
 
     def after_step(self, step: int, runner: StepRunner, *, more_steps: bool) -> None:
         """After the first step of a stretched emulation: time the stage warm, the ranks
-        taking turns (every rank calls this; barriers between the turns)."""
+        taking turns (every rank calls this; barriers between the turns); the ranks of a
+        TP group take their lead's turn together (their stage's forward is collective)."""
         compute = self.compute
         if not compute.measure_warm or compute.warm is not None or not more_steps:
             return
@@ -225,9 +226,10 @@ class EmulatedClock(ComputeClock):
             device=runner.parts.device,
         )
         barrier(self.rank, "warm compute timing")  # every rank idle before the first turn
+        lead = runner.parts.plan.tp_group(self.rank)[0].rank  # a TP group times together
         for _ in range(ROUNDS):
             for turn in range(self.world_size):
-                if turn == self.rank:
+                if turn == lead:
                     timer.time_round()
                 barrier(self.rank, "warm compute timing")
         warm = timer.result()
@@ -347,10 +349,11 @@ def emulated_links(plan: Plan, rank: int, emulation: Emulation) -> EmulatedLinks
     for side in boundaries(plan, rank_plan):
         if side is None:
             continue
-        spec = plan.link(rank_plan.device, plan.ranks[side.peer_rank].device)
-        links[side.peer_rank] = EmulatedLink(
-            spec.latency_s, spec.bandwidth_bytes_per_s, emulation.time_scale
-        )
+        for peer in (side.peer_rank, *side.destinations):  # TP groups: several peers
+            spec = plan.link(rank_plan.device, plan.ranks[peer].device)
+            links[peer] = EmulatedLink(
+                spec.latency_s, spec.bandwidth_bytes_per_s, emulation.time_scale
+            )
     scale = emulation.time_scale
 
     def floor_s(ranks: Sequence[int], num_bytes: int) -> float:

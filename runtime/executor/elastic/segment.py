@@ -407,6 +407,8 @@ class ElasticSegment:
 def _shares(plan: Plan) -> str:
     """``samples a 5, b 5, c 2``: each node's samples a step under ``plan``."""
     per_node: dict[str, int] = {}
-    for rank in (r for r in plan.ranks if r.stage == 0):  # one rank of each replica's part
+    for rank in plan.ranks:  # one rank of each replica's part: its first stage's lead
+        if rank.stage or rank.tp_rank:
+            continue
         per_node[rank.node] = per_node.get(rank.node, 0) + rank.num_samples
     return "samples " + ", ".join(f"{node} {n}" for node, n in per_node.items())
