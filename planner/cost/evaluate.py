@@ -31,7 +31,7 @@ from hplan.planner.cost.microbatch import (
     units_time_s,
 )
 from hplan.planner.cost.offload import device_saving_bytes, stage_optimizer_time_s
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import FloatArray, PlanningProblem
 from hplan.planner.cost.sync_cost import (
     amortised_outer_s,
     outer_round_s,
@@ -176,8 +176,12 @@ def stage_memory_bytes(
     in_flight: int,
     recompute: bool = False,
     recompute_units: Sequence[int] = (),
+    *,
+    device_idx: int | None = None,
 ) -> float:
-    """Peak memory of a stage holding units ``[start, stop)``.
+    """Peak memory of a stage holding units ``[start, stop)``, per card of device
+    ``device_idx`` (a TP group's card holds ``PlanningProblem.static_bytes_on``'s share;
+    None: a single card).
 
     Static state + activations (``contract.memory.stage_activation_bytes``, the formula a
     plan is checked with at load: ``in_flight`` micro-batches of them; with ``recompute``
@@ -187,14 +191,16 @@ def stage_memory_bytes(
     whole for each micro-batch in flight (:func:`received_unbatched_bytes`) + one receive
     and one send buffer of the boundary tensors on each side.
     """
-    static = problem.static_memory_bytes[start:stop].sum()
+    degree = 1 if device_idx is None else problem.degree(device_idx)
+    static = problem.static_bytes_at(degree)[start:stop].sum()
+    activations = problem.activation_bytes_at(degree)
     chosen = set(recompute_units)
     b = micro_batch_size
     inputs = [unit_input_bytes(problem, u, b) / b for u in range(start, stop)]
     if start > 0:
         inputs[0] = float(problem.cut_bytes_per_sample[start - 1])  # the rest: held below
     acts = stage_activation_bytes(
-        [float(problem.activation_bytes_per_sample[u]) for u in range(start, stop)],
+        [float(activations[u]) for u in range(start, stop)],
         inputs,
         [u in chosen for u in range(start, stop)],
         micro_batch_size,
@@ -233,6 +239,7 @@ def max_microbatches(
                 in_flight,
                 stage.recompute,
                 stage.recompute_units,
+                device_idx=stage.device_idx,
             )
             for in_flight in (1, 2)
         )
@@ -288,6 +295,7 @@ def _replica_costs(problem: PlanningProblem, replica: ReplicaLayout) -> tuple[St
             in_flight_microbatches(problem.schedule, s, num_stages, replica.num_microbatches),
             stage.recompute,
             stage.recompute_units,
+            device_idx=stage.device_idx,
         )
         busy = full.compute_s * (len(sizes) - 1) + last.compute_s
         costs.append(StageCost(stage.device_idx, full, last, memory, busy))
@@ -412,9 +420,9 @@ def _grad_sync_groups(
 ) -> dict[tuple[int, ...], float]:
     """:func:`grad_sync_groups` of a placement (cached by the problem's identity; read-only)."""
     ties = problem.tied_params
-    own_bytes = problem.grad_bytes.astype(float)
-    for tie in ties:
-        own_bytes[list(tie.units)] -= tie.num_bytes
+    # every holder of a unit has one TP degree (``solve.validate``): its bytes per card
+    # are what each of its d rings all-reduces, side by side
+    own_bytes = {g: _own_grad_bytes(problem, g) for g in problem.distinct_degrees}
 
     def items(stage: StageLayout) -> list[tuple[str, int]]:
         units = range(stage.unit_start, stage.unit_stop)
@@ -424,8 +432,23 @@ def _grad_sync_groups(
     stages = [s for stages in placement for s in stages]
     item_holders = holders((s.device_idx, items(s)) for s in stages)
     num_bytes = {("tie", i): tie.num_bytes for i, tie in enumerate(ties)}
-    num_bytes.update({("unit", u): float(own_bytes[u]) for u in range(problem.num_units)})
+    num_bytes.update(
+        {
+            ("unit", u): float(own_bytes[problem.degree(owners[0])][u])
+            for u in range(problem.num_units)
+            if (owners := item_holders.get(("unit", u)))
+        }
+    )
     return shared_bytes(item_holders, num_bytes)
+
+
+def _own_grad_bytes(problem: PlanningProblem, degree: int) -> FloatArray:
+    """Per unit, a tp-``degree`` card's gradient bytes less its tied parameters' (synced
+    in the tie's own group), shape (U,)."""
+    own = problem.grad_bytes_at(degree).astype(float)
+    for tie in problem.tied_params:
+        own[list(tie.units)] -= tie.num_bytes
+    return own
 
 
 def island_index(problem: PlanningProblem, sync: IslandSync) -> tuple[int, ...]:
@@ -600,8 +623,8 @@ def standalone_samples_per_s(problem: PlanningProblem, device_idx: int) -> float
         compute = stage_compute_time_s(problem, device_idx, 0, u, k)
         rate = b / compute if compute > 0 else 0.0
         capacity = problem.memory_capacity_bytes[device_idx]
-        acts = problem.activation_bytes_per_sample.sum() * b
-        if stage_memory_bytes(problem, 0, u, b, 1) <= capacity:
+        acts = problem.activation_bytes_on(device_idx).sum() * b
+        if stage_memory_bytes(problem, 0, u, b, 1, device_idx=device_idx) <= capacity:
             best = max(best, rate)
         if acts <= capacity or k == 0:
             fallback = max(fallback, rate)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import numpy as np
@@ -86,6 +86,31 @@ class TensorParallelInput:
         return replace(
             self, nvlink=self.nvlink[np.ix_(idx, idx)], consumer_card=self.consumer_card[idx]
         )
+
+
+@dataclass(frozen=True, eq=False)
+class SplitBytes:
+    """The parts of a unit's memory and gradients that a TP group divides among its cards
+    (the model's TP plan splits them), shape (U,) each; a card of a tp-d group holds
+    ``whole - split * (1 - 1/d)`` of each (``PlanningProblem.static_bytes_on`` and the
+    other accessors)."""
+
+    static_bytes: FloatArray
+    """Of ``static_memory_bytes``."""
+    activation_bytes_per_sample: FloatArray
+    """Of ``activation_bytes_per_sample``."""
+    optimizer_state_bytes: FloatArray
+    """Of ``optimizer_state_bytes``."""
+    grad_bytes: FloatArray
+    """Of ``grad_bytes``."""
+
+
+def per_card_bytes(whole: FloatArray, split: FloatArray, degree: int) -> FloatArray:
+    """``whole`` with its ``split`` part divided by ``degree``: what one card of a tp-
+    ``degree`` group holds, shape (U,); ``whole`` itself at degree 1."""
+    if degree == 1:
+        return whole
+    return np.maximum(whole - split * (1.0 - 1.0 / degree), 0.0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,17 +197,82 @@ class PlanningProblem:
     tensor_parallel: TensorParallelInput | None = None
     """What TP groups would split (None: the model offers no TP, or this problem's devices
     are already TP groups)."""
-    tp_degree: int = 1
-    """Every device of this problem is a TP group of this many cards (1: single cards;
-    ``cost.tensor_parallel.grouped_problem``): its times and memory per card are the
-    group's."""
+    tp_degrees: tuple[int, ...] = ()
+    """The TP degree of each device, shape (D,): a device of degree d is a TP group of d
+    cards (``cost.tensor_parallel.grouped_problem``) whose times are the group's and whose
+    memory per card the accessors give (:meth:`static_bytes_on`, ...); empty: every device
+    is a single card. The memory arrays above stay the whole units' (degree 1)."""
+    tp_split: SplitBytes | None = None
+    """The per-unit parts a TP group divides (None: no device is a TP group)."""
     tp_members: tuple[tuple[str, ...], ...] = ()
-    """The cards of each device's TP group, lead first, shape (D,) of ``tp_degree`` names;
-    empty when ``tp_degree`` is 1 (each device is its own name's card)."""
+    """The cards of each device's TP group, lead first, shape (D,) of ``degree(d)`` names;
+    empty when every degree is 1 (each device is its own name's card)."""
     tp_split_params: tuple[str, ...] = ()
     """Canonical names of the parameters the model's TP plan splits (a rank of a TP group
-    all-reduces 1/``tp_degree`` of each with its data-parallel peers; the simulator's
+    of degree d all-reduces 1/d of each with its data-parallel peers; the simulator's
     buckets)."""
+    _per_card: dict[tuple[str, int], FloatArray] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """Cache of the accessors' arrays by (quantity, degree)."""
+
+    def degree(self, device_idx: int) -> int:
+        """The TP degree of device ``device_idx`` (1: a single card)."""
+        return self.tp_degrees[device_idx] if self.tp_degrees else 1
+
+    @property
+    def tp_degree(self) -> int:
+        """The largest TP degree of this problem's devices (1: no TP group)."""
+        return max(self.tp_degrees, default=1)
+
+    @property
+    def distinct_degrees(self) -> tuple[int, ...]:
+        """The TP degrees of this problem's devices, ascending, once each."""
+        return tuple(sorted(set(self.tp_degrees))) or (1,)
+
+    def _card(self, name: str, whole: FloatArray, degree: int) -> FloatArray:
+        split = self.tp_split
+        if split is None or degree == 1:
+            return whole
+        key = (name, degree)
+        if key not in self._per_card:
+            self._per_card[key] = per_card_bytes(whole, getattr(split, name), degree)
+        return self._per_card[key]
+
+    def static_bytes_on(self, device_idx: int) -> FloatArray:
+        """``static_memory_bytes`` per card of device ``device_idx``, shape (U,)."""
+        return self.static_bytes_at(self.degree(device_idx))
+
+    def static_bytes_at(self, degree: int) -> FloatArray:
+        """``static_memory_bytes`` per card of a tp-``degree`` device, shape (U,)."""
+        return self._card("static_bytes", self.static_memory_bytes, degree)
+
+    def activation_bytes_on(self, device_idx: int) -> FloatArray:
+        """``activation_bytes_per_sample`` per card of device ``device_idx``, shape (U,)."""
+        return self.activation_bytes_at(self.degree(device_idx))
+
+    def activation_bytes_at(self, degree: int) -> FloatArray:
+        """``activation_bytes_per_sample`` per card of a tp-``degree`` device, shape (U,)."""
+        return self._card("activation_bytes_per_sample", self.activation_bytes_per_sample, degree)
+
+    def optimizer_state_on(self, device_idx: int) -> FloatArray | None:
+        """``optimizer_state_bytes`` per card of device ``device_idx``, shape (U,)."""
+        return self.optimizer_state_at(self.degree(device_idx))
+
+    def optimizer_state_at(self, degree: int) -> FloatArray | None:
+        """``optimizer_state_bytes`` per card of a tp-``degree`` device, shape (U,)."""
+        if self.optimizer_state_bytes is None:
+            return None
+        return self._card("optimizer_state_bytes", self.optimizer_state_bytes, degree)
+
+    def grad_bytes_on(self, device_idx: int) -> FloatArray:
+        """``grad_bytes`` per card of device ``device_idx``, shape (U,): what each of the
+        group's d data-parallel rings all-reduces (they run side by side)."""
+        return self.grad_bytes_at(self.degree(device_idx))
+
+    def grad_bytes_at(self, degree: int) -> FloatArray:
+        """``grad_bytes`` per card of a tp-``degree`` device, shape (U,)."""
+        return self._card("grad_bytes", self.grad_bytes, degree)
 
     def cut_bytes(self, cut_idx: int, micro_batch_size: float) -> float:
         """Forward bytes of one micro-batch of ``micro_batch_size`` samples crossing the cut
@@ -280,10 +370,13 @@ class PlanningProblem:
                 value.shape != shape or np.any(value < 0) or not np.all(np.isfinite(value))
             ):
                 raise ValueError(f"PlanningProblem.{name} must have shape {shape}, finite, >= 0")
+        if self.tp_degrees and (len(self.tp_degrees) != d or min(self.tp_degrees) < 1):
+            raise ValueError(f"tp_degrees needs {d} degrees >= 1, has {self.tp_degrees}")
         if self.tp_members and (
-            len(self.tp_members) != d or any(len(m) != self.tp_degree for m in self.tp_members)
+            len(self.tp_members) != d
+            or any(len(m) != self.degree(i) for i, m in enumerate(self.tp_members))
         ):
-            raise ValueError(f"tp_members needs {d} groups of {self.tp_degree} cards")
+            raise ValueError(f"tp_members needs {d} groups of each device's degree")
         for tie in self.tied_params:
             units = list(tie.units)
             if len(units) < 2 or units != sorted(set(units)) or not 0 <= units[0] < units[-1] < u:
@@ -331,6 +424,7 @@ def restrict(
             None if problem.tensor_parallel is None else problem.tensor_parallel.rows(idx)
         ),
         tp_members=tuple(problem.tp_members[d] for d in devices) if problem.tp_members else (),
+        tp_degrees=tuple(problem.tp_degrees[d] for d in devices) if problem.tp_degrees else (),
         host_capacity_bytes=rows(problem.host_capacity_bytes),
         time_spread=rows(problem.time_spread),
     )

@@ -24,8 +24,9 @@ def recompute_order(problem: PlanningProblem, device_idx: int, k: int) -> tuple[
     ``k``, cheapest per byte saved first (ties: lower index first)."""
     ratios = []
     b = problem.micro_batch_sizes[k]
+    activations = problem.activation_bytes_on(device_idx)
     for u in range(problem.num_units):
-        act = float(problem.activation_bytes_per_sample[u])
+        act = float(activations[u])
         if act * b > unit_input_bytes(problem, u, b):
             ratios.append((float(problem.fwd_time_s[device_idx, u, k]) / act, u))
     return tuple(u for _, u in sorted(ratios))

@@ -12,8 +12,9 @@ search, the evaluator and the validator cost them as they cost single cards:
 - memory per card: the split parameters (with their gradients, optimizer state and
   workspace) and saved activations / d, the rest whole.
 
-Every device of a grouped problem has the same degree, so every holder of a unit has one
-degree (what ``contract.plan`` requires).
+A grouped problem may mix degrees (a node's tp4 group beside single cards at degree 1);
+every holder of a unit must then have one degree (what ``contract.plan`` requires):
+``solve.validate`` refuses layouts that break it and the search builds none.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import numpy as np
 from hplan.planner.cost.problem import (
     FloatArray,
     PlanningProblem,
+    SplitBytes,
     TensorParallelInput,
     TiedParams,
+    per_card_bytes,
     restrict,
 )
 from hplan.runtime.contract.link_model import tp_all_reduce_time_s
@@ -104,70 +107,49 @@ def _between(problem: PlanningProblem, a: Sequence[int], b: Sequence[int]) -> tu
     )
 
 
-def _shrunk(whole: FloatArray, split: FloatArray, degree: int) -> FloatArray:
-    """``whole`` with its ``split`` part divided by ``degree``: per card of a group."""
-    return np.maximum(whole - split * (1.0 - 1.0 / degree), 0.0)
-
-
 def grouped_problem(problem: PlanningProblem, groups: Sequence[tuple[int, ...]]) -> PlanningProblem:
-    """``problem`` whose devices are ``groups`` (indices into it, of one degree), each
-    named by its lead card (its first) and costed per card as the module docstring says.
+    """``problem`` whose devices are ``groups`` (indices into it, in device order; a group
+    of one card is that card at degree 1), each named by its lead card (its first) and
+    costed per card as the module docstring says. Groups may have different degrees (an
+    NVLink node's tp4 group beside single cards): the memory arrays stay the whole units',
+    and ``PlanningProblem.tp_degrees`` with ``tp_split`` give each device's per-card part.
 
     No offload (the runtime does not combine it with TP): the offload arrays are dropped.
 
     Raises:
-        ValueError: no groups, groups of different sizes, or a problem without TP input.
+        ValueError: no groups, no group above degree 1, or a problem without TP input.
     """
     tp = problem.tensor_parallel
-    if tp is None or not groups or len({len(g) for g in groups}) != 1:
-        raise ValueError("grouped_problem needs TP input and groups of one degree")
-    degree = len(groups[0])
+    if tp is None or not groups or max(len(g) for g in groups) < 2:
+        raise ValueError("grouped_problem needs TP input and a group of 2 or more cards")
+    degrees = tuple(len(g) for g in groups)
     base = restrict(problem, [g[0] for g in groups])
     sizes = np.asarray(base.micro_batch_sizes, dtype=np.float64)
-    scale = 1.0 - tp.split_time_share * (1.0 - 1.0 / degree)  # (U,)
-    fwd = base.fwd_time_s * scale[None, :, None]
-    bwd = base.bwd_time_s * scale[None, :, None]
+    fwd = base.fwd_time_s.copy()
+    bwd = base.bwd_time_s.copy()
+    opt = base.optimizer_time_s.copy()
     num_groups = len(groups)
-    bandwidth = np.zeros((num_groups, num_groups))
-    latency = np.zeros_like(bandwidth)
+    bandwidth = base.bandwidth_bytes_per_s.copy()
+    latency = base.latency_s.copy()
     for i, group in enumerate(groups):
-        ring_bw, ring_lat = _ring_link(problem, group)
-        bandwidth[i, i], latency[i, i] = ring_bw, ring_lat
-        for u in range(problem.num_units):
-            fwd_per_sample = float(tp.fwd_allreduce_bytes_per_sample[u])
-            bwd_per_sample = float(tp.bwd_allreduce_bytes_per_sample[u])
-            num_fwd, num_bwd = pass_counts(float(tp.num_allreduces[u]), fwd_per_sample)
-            for k, b in enumerate(sizes):
-                fwd[i, u, k] += tp_all_reduce_time_s(
-                    degree, fwd_per_sample * b, ring_bw, ring_lat, num_fwd
-                )
-                bwd[i, u, k] += tp_all_reduce_time_s(
-                    degree, bwd_per_sample * b, ring_bw, ring_lat, num_bwd
-                )
+        degree = degrees[i]
+        if degree > 1:
+            _group_times(problem, tp, group, sizes, fwd[i], bwd[i])
+            ring_bw, ring_lat = _ring_link(problem, group)
+            bandwidth[i, i], latency[i, i] = ring_bw, ring_lat
+            opt[i] *= _param_share(problem, tp, degree)
         for j in range(i + 1, num_groups):
             link = _between(problem, group, groups[j])
             bandwidth[i, j] = bandwidth[j, i] = link[0]
             latency[i, j] = latency[j, i] = link[1]
-    grad = _shrunk(problem.grad_bytes, tp.split_grad_bytes, degree)
-    param_share = np.divide(
-        grad, problem.grad_bytes, out=np.ones_like(grad), where=problem.grad_bytes > 0
-    )
-    state = problem.optimizer_state_bytes
+    tie_share = _param_share(problem, tp, min(degrees))
     return replace(
         base,
         fwd_time_s=fwd,
         bwd_time_s=bwd,
-        optimizer_time_s=base.optimizer_time_s * param_share[None, :],
-        static_memory_bytes=_shrunk(problem.static_memory_bytes, tp.split_static_bytes, degree),
-        activation_bytes_per_sample=_shrunk(
-            problem.activation_bytes_per_sample, tp.split_activation_bytes_per_sample, degree
-        ),
-        optimizer_state_bytes=(
-            None if state is None else _shrunk(state, tp.split_optimizer_state_bytes, degree)
-        ),
-        grad_bytes=grad,
+        optimizer_time_s=opt,
         tied_params=tuple(
-            TiedParams(t.units, t.num_bytes * min(float(param_share[u]) for u in t.units))
+            TiedParams(t.units, t.num_bytes * min(float(tie_share[u]) for u in t.units))
             for t in problem.tied_params
         ),
         bandwidth_bytes_per_s=bandwidth,
@@ -177,7 +159,48 @@ def grouped_problem(problem: PlanningProblem, groups: Sequence[tuple[int, ...]])
         offload_host_bytes=None,
         host_capacity_bytes=None,
         tensor_parallel=None,
-        tp_degree=degree,
+        tp_degrees=degrees,
+        tp_split=SplitBytes(
+            static_bytes=tp.split_static_bytes,
+            activation_bytes_per_sample=tp.split_activation_bytes_per_sample,
+            optimizer_state_bytes=tp.split_optimizer_state_bytes,
+            grad_bytes=tp.split_grad_bytes,
+        ),
         tp_members=tuple(tuple(problem.device_names[d] for d in g) for g in groups),
         tp_split_params=tp.split_params,
     )
+
+
+def _param_share(problem: PlanningProblem, tp: TensorParallelInput, degree: int) -> FloatArray:
+    """Per unit, the share of its trainable parameters one card of a tp-``degree`` group
+    holds, shape (U,) (1 where it has none)."""
+    grad = per_card_bytes(problem.grad_bytes, tp.split_grad_bytes, degree)
+    return np.divide(grad, problem.grad_bytes, out=np.ones_like(grad), where=problem.grad_bytes > 0)
+
+
+def _group_times(
+    problem: PlanningProblem,
+    tp: TensorParallelInput,
+    group: Sequence[int],
+    sizes: FloatArray,
+    fwd: FloatArray,
+    bwd: FloatArray,
+) -> None:
+    """Scale one group's (U, K) forward and backward times in place: the split share / d
+    plus the rest whole, plus the unit's TP all-reduces over the group's ring."""
+    degree = len(group)
+    scale = 1.0 - tp.split_time_share * (1.0 - 1.0 / degree)  # (U,)
+    fwd *= scale[:, None]
+    bwd *= scale[:, None]
+    ring_bw, ring_lat = _ring_link(problem, group)
+    for u in range(problem.num_units):
+        fwd_per_sample = float(tp.fwd_allreduce_bytes_per_sample[u])
+        bwd_per_sample = float(tp.bwd_allreduce_bytes_per_sample[u])
+        num_fwd, num_bwd = pass_counts(float(tp.num_allreduces[u]), fwd_per_sample)
+        for k, b in enumerate(sizes):
+            fwd[u, k] += tp_all_reduce_time_s(
+                degree, fwd_per_sample * b, ring_bw, ring_lat, num_fwd
+            )
+            bwd[u, k] += tp_all_reduce_time_s(
+                degree, bwd_per_sample * b, ring_bw, ring_lat, num_bwd
+            )

@@ -171,11 +171,15 @@ def tp_notes(problem: PlanningProblem, result: SolveResult) -> tuple[str, ...]:
     if tp_problem is None:
         return ()
     used = sorted(set(result.layout.device_indices))
-    groups = ", ".join("+".join(tp_problem.tp_members[d]) for d in used)
-    outside = problem.num_devices - len(used) * tp_problem.tp_degree
+    grouped = [d for d in used if tp_problem.degree(d) > 1]
+    groups = ", ".join("+".join(tp_problem.tp_members[d]) for d in grouped)
+    degrees = "/".join(str(g) for g in sorted({tp_problem.degree(d) for d in grouped}))
+    singles = len(used) - len(grouped)
+    outside = problem.num_devices - sum(tp_problem.degree(d) for d in used)
     lines = [
-        f"tensor parallel: stages on TP groups of {tp_problem.tp_degree} cards ({groups})"
-        + (f"; {count(outside, 'device')} of the cluster in no group used" if outside else "")
+        f"tensor parallel: stages on TP groups of {degrees} cards ({groups})"
+        + (f", {count(singles, 'single card')} at tp1 beside them" if singles else "")
+        + (f"; {count(outside, 'device')} of the cluster unused" if outside else "")
     ]
     if result.tp_over_pcie:
         lines.append(

@@ -448,13 +448,14 @@ def _runtime_groups(
         )
         for s in stages
     )
-    split = set(problem.tp_split_params)  # a TP group's rank sums 1/d of each
+    device_of = {r: d for d, r in rank_of.items()}
+    split = set(problem.tp_split_params)  # a rank of a tp-d group sums 1/d of each
     wire = {
-        name: float(runtime.wire_bytes[name]) / (problem.tp_degree if name in split else 1)
+        name: float(runtime.wire_bytes[name])
+        / (problem.degree(device_of[held[name][0]]) if name in split else 1)
         for name in sorted(held)
         if name in runtime.wire_bytes
     }
-    device_of = {r: d for d, r in rank_of.items()}
     by_set = {ranks: float(int(b)) for ranks, b in shared_bytes(held, wire).items()}
     spanning: dict[RankSet, float] = {}
     if layout.sync is not None and layout.sync.local:

@@ -77,7 +77,7 @@ def _fits(
     for devices in pipelines:
         for s, d in enumerate(devices):
             in_flight = in_flight_microbatches(problem.schedule, s, num_stages, num_microbatches)
-            need = stage_memory_bytes(problem, bounds[s], bounds[s + 1], b, in_flight)
+            need = stage_memory_bytes(problem, bounds[s], bounds[s + 1], b, in_flight, device_idx=d)
             if need > problem.memory_capacity_bytes[d]:
                 return False
     return True

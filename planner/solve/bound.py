@@ -62,7 +62,7 @@ def unit_time_per_sample_s(problem: PlanningProblem) -> FloatArray:
     sizes = np.array(problem.micro_batch_sizes, dtype=float)
     per_sample = (problem.fwd_time_s + problem.bwd_time_s) / sizes[None, None, :]
     static = _static_less_optimizer_state(problem)
-    acts = problem.activation_bytes_per_sample
+    acts = problem.activation_bytes_at(problem.tp_degree)
     need = static[:, None] + acts[:, None] * sizes[None, :]
     fits = need[None, :, :] <= problem.memory_capacity_bytes[:, None, None]
     fits &= (sizes <= problem.global_batch_size)[None, None, :]
@@ -82,9 +82,11 @@ def unit_time_per_sample_s(problem: PlanningProblem) -> FloatArray:
 
 def _static_less_optimizer_state(problem: PlanningProblem) -> FloatArray:
     """Each unit's static bytes less its optimizer state (ZeRO or offload may take it off
-    the device), shape (U,)."""
-    state = problem.optimizer_state_bytes
-    return problem.static_memory_bytes - (state if state is not None else 0.0)
+    the device), shape (U,); per card of the problem's largest TP degree (a relaxation
+    where degrees differ: the bound stays below every layout's step)."""
+    degree = problem.tp_degree
+    state = problem.optimizer_state_at(degree)
+    return problem.static_bytes_at(degree) - (state if state is not None else 0.0)
 
 
 def _largest_fitting_size(
@@ -297,7 +299,7 @@ def _stage_largest_size(
     return _largest_fitting_size(
         float(problem.memory_capacity_bytes[device_idx]),
         float(static_bytes[first:stop].sum()),
-        float(problem.activation_bytes_per_sample[first:stop].max()),
+        float(problem.activation_bytes_at(problem.tp_degree)[first:stop].max()),
         problem.global_batch_size,
     )
 

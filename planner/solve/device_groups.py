@@ -42,6 +42,7 @@ class DeviceGroup:
 def _device_key(problem: PlanningProblem, d: int) -> tuple[object, ...]:
     return (
         problem.device_kinds[d],
+        problem.degree(d),  # a TP group is never interchangeable with a single card
         float(problem.memory_capacity_bytes[d]),
         problem.fwd_time_s[d].tobytes(),
         problem.bwd_time_s[d].tobytes(),

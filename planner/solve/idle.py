@@ -44,11 +44,15 @@ class IdleReason:
     reason: str
 
 
-def smallest_stage_bytes(problem: PlanningProblem) -> float:
-    """Bytes of the smallest stage any layout can have: one unit at the smallest micro-batch
-    size, one micro-batch in flight, with its boundary buffers (``stage_memory_bytes``)."""
+def smallest_stage_bytes(problem: PlanningProblem, device_idx: int | None = None) -> float:
+    """Bytes of the smallest stage any layout can have on a card of ``device_idx`` (None: a
+    single card): one unit at the smallest micro-batch size, one micro-batch in flight, with
+    its boundary buffers (``stage_memory_bytes``)."""
     b = problem.micro_batch_sizes[0]
-    return min(stage_memory_bytes(problem, u, u + 1, b, 1) for u in range(problem.num_units))
+    return min(
+        stage_memory_bytes(problem, u, u + 1, b, 1, device_idx=device_idx)
+        for u in range(problem.num_units)
+    )
 
 
 def idle_reasons(
@@ -57,11 +61,11 @@ def idle_reasons(
     """Why each device that ``layout`` leaves idle is idle (module docstring), in device
     order; empty when every device is used."""
     used = set(layout.device_indices)
-    smallest = smallest_stage_bytes(problem)
     reasons = []
     for d in range(problem.num_devices):
         if d in used:
             continue
+        smallest = smallest_stage_bytes(problem, d)
         capacity = float(problem.memory_capacity_bytes[d])
         if smallest > capacity:
             need, has = format_bytes_pair(smallest, capacity)

@@ -118,12 +118,20 @@ class Partitioner:
             ],
             axis=1,
         )
-        self._static_cum = np.concatenate([zero, np.cumsum(p.static_memory_bytes)])
-        self._act_cum = np.concatenate([zero, np.cumsum(p.activation_bytes_per_sample)])
+        # per TP degree of the problem's devices (one entry without TP): a card's bytes
+        self._static_cum = {
+            g: np.concatenate([zero, np.cumsum(p.static_bytes_at(g))]) for g in p.distinct_degrees
+        }
+        self._act_cum = {
+            g: np.concatenate([zero, np.cumsum(p.activation_bytes_at(g))])
+            for g in p.distinct_degrees
+        }
         self._opt_cum = np.concatenate(
             [np.zeros((p.num_devices, 1)), np.cumsum(p.optimizer_time_s, axis=1)], axis=1
         )
-        self._grad_cum = np.concatenate([zero, np.cumsum(p.grad_bytes)])
+        self._grad_cum = {
+            g: np.concatenate([zero, np.cumsum(p.grad_bytes_at(g))]) for g in p.distinct_degrees
+        }
         self._fwd_cum = np.concatenate(
             [
                 np.zeros((p.num_devices, 1, len(p.micro_batch_sizes))),
@@ -143,12 +151,15 @@ class Partitioner:
         cum = self._time_cum[device, :, k]
         return cum[None, :] - cum[:, None]
 
-    def _memory(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Units [i, j): (U+1, U+1) static bytes + boundary buffers and activation bytes
-        per micro-batch, and (U+1, 1) the received tensors without a batch dimension each
-        micro-batch in flight holds (``evaluate.stage_memory_bytes``'s parts)."""
-        static = self._static_cum[None, :] - self._static_cum[:, None]
-        per_microbatch = (self._act_cum[None, :] - self._act_cum[:, None]) * b
+    def _memory(self, device: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Units [i, j) on a card of ``device``: (U+1, U+1) static bytes + boundary buffers
+        and activation bytes per micro-batch, and (U+1, 1) the received tensors without a
+        batch dimension each micro-batch in flight holds (``evaluate.stage_memory_bytes``'s
+        parts)."""
+        degree = self.problem.degree(device)
+        static_cum, act_cum = self._static_cum[degree], self._act_cum[degree]
+        static = static_cum[None, :] - static_cum[:, None]
+        per_microbatch = (act_cum[None, :] - act_cum[:, None]) * b
         cut = self._cut_bytes(b)
         return static + 2 * (cut[:, None] + cut[None, :]), per_microbatch, self._cut_fixed[:, None]
 
@@ -161,7 +172,7 @@ class Partitioner:
         self, device: int, b: int, in_flight: int, recompute: bool = False
     ) -> np.ndarray:
         """(U+1, U+1): whether units [i, j) fit ``device`` (``evaluate.stage_memory_bytes``)."""
-        fixed, per_microbatch, received = self._memory(b)
+        fixed, per_microbatch, received = self._memory(device, b)
         # Recomputing keeps each in-flight micro-batch's input and one's activations.
         acts = (
             per_microbatch + (self._cut * b)[:, None] * in_flight
@@ -178,7 +189,8 @@ class Partitioner:
         (``selected_units``'s ``count``; 0: none fits)."""
         p = self.problem
         b = p.micro_batch_sizes[k]
-        fixed, per_microbatch, received = self._memory(b)
+        fixed, per_microbatch, received = self._memory(device, b)
+        activations = p.activation_bytes_on(device)
         capacity = p.memory_capacity_bytes[device]
         idx = np.arange(p.num_units + 1)
         kept = per_microbatch.copy()
@@ -192,11 +204,9 @@ class Partitioner:
             inside = (idx[:, None] <= u) & (u < idx[None, :])
             # a stage's first unit keeps only the batched part: ``received`` holds the rest
             first = idx[:, None] == u
-            saved = (
-                p.activation_bytes_per_sample[u] * b - unit_input[u] + first * self._cut_fixed[u]
-            )
+            saved = activations[u] * b - unit_input[u] + first * self._cut_fixed[u]
             kept -= inside * saved
-            largest = np.maximum(largest, inside * p.activation_bytes_per_sample[u] * b)
+            largest = np.maximum(largest, inside * activations[u] * b)
             again += inside * p.fwd_time_s[device, u, k]
             chosen += inside
             fits = fixed + (kept + received) * in_flight + largest <= capacity
@@ -331,8 +341,9 @@ class Partitioner:
             float(self._opt_cum[d, bounds[s + 1]] - self._opt_cum[d, bounds[s]])
             for s, d in enumerate(devices)
         )
+        grad_cums = [self._grad_cum[self.problem.degree(d)] for d in devices]
         grads = tuple(
-            float(self._grad_cum[bounds[s + 1]] - self._grad_cum[bounds[s]])
+            float(grad_cums[s][bounds[s + 1]] - grad_cums[s][bounds[s]])
             for s in range(len(sequence))
         )
         recompute = tuple(

@@ -18,6 +18,7 @@ and the shapes were enumerated exhaustively; otherwise the report gives the gap.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -458,6 +459,57 @@ def _solve_scenario(
     chosen = [t for t in shapes if set(t.classes) <= scenario.classes]
     if not chosen:
         return None
+    buckets = degree_buckets(problem, classes, chosen)
+    found = [
+        _solve_bucket(problem, classes, bucket, scenario, backend, deadline, cache)
+        for bucket in buckets
+    ]
+    kept = [c for c in found if c is not None]
+    if len(kept) < 2:
+        return kept[0] if kept else None
+    return min(kept, key=lambda c: evaluate(problem, c.layout).step_time_s)
+
+
+MAX_DEGREE_BUCKETS = 6
+"""The most degree buckets (:func:`degree_buckets`) a scenario searches, fastest first."""
+
+
+def degree_buckets(
+    problem: PlanningProblem, classes: Sequence[DeviceGroup], shapes: Sequence[PipelineShape]
+) -> list[list[PipelineShape]]:
+    """``shapes`` grouped so that copies of one group's shapes give every unit holders of
+    one TP degree (the contract's rule): by the degree each unit's stage has. One group
+    where the problem's devices share one degree; else at most :data:`MAX_DEGREE_BUCKETS`
+    of those with a TP stage, those whose best shape runs the most samples per second of
+    period first."""
+    if len(problem.distinct_degrees) == 1:
+        return [list(shapes)]  # one degree: every layout keeps it
+    buckets: dict[tuple[int, ...], list[PipelineShape]] = {}
+    for t in shapes:
+        signature = tuple(
+            problem.degree(classes[c].rep)
+            for s, c in enumerate(t.classes)
+            for _ in range(t.bounds[s], t.bounds[s + 1])
+        )
+        if max(signature) > 1:  # single cards alone: the families without TP search them
+            buckets.setdefault(signature, []).append(t)
+
+    def rate(bucket: list[PipelineShape]) -> float:
+        return max(t.micro_batch_size / t.period_s if t.period_s > 0 else math.inf for t in bucket)
+
+    return sorted(buckets.values(), key=rate, reverse=True)[:MAX_DEGREE_BUCKETS]
+
+
+def _solve_bucket(
+    problem: PlanningProblem,
+    classes: Sequence[DeviceGroup],
+    chosen: Sequence[PipelineShape],
+    scenario: Scenario,
+    backend: MilpBackend,
+    deadline: float,
+    cache: _PipeCache,
+) -> Candidate | None:
+    """:func:`_solve_scenario` over shapes that may share a layout."""
     extra = np.array(
         [t.optimizer_s + allreduce_estimate_s(problem, classes, scenario, t) for t in chosen]
     )
@@ -697,13 +749,10 @@ def diagnose_infeasible(
     smallest_mbs = problem.micro_batch_sizes[0]
     biggest = int(np.argmax(problem.memory_capacity_bytes))
     capacity = float(problem.memory_capacity_bytes[biggest])
-    need = problem.static_memory_bytes + problem.activation_bytes_per_sample * smallest_mbs
+    need = problem.static_bytes_on(biggest) + problem.activation_bytes_on(biggest) * smallest_mbs
     worst = int(np.argmax(need))
-    state = (
-        problem.optimizer_state_bytes
-        if problem.optimizer_state_bytes is not None
-        else np.zeros(problem.num_units)
-    )
+    state_on = problem.optimizer_state_on(biggest)
+    state = state_on if state_on is not None else np.zeros(problem.num_units)
     moved = (
         problem.offload_saving_bytes
         if problem.offload_saving_bytes is not None
@@ -721,7 +770,7 @@ def diagnose_infeasible(
             f"{smallest_mbs} sample); the largest device ({problem.device_names[biggest]}) has "
             f"{capacity_text} usable{hint}; add a device with more memory than that"
         )
-    total = float(problem.static_memory_bytes.sum())
+    total = float(problem.static_bytes_on(biggest).sum())
     usable = float(problem.memory_capacity_bytes.sum())
     if total > usable:
         return _whole_model_line(problem, total, usable, float(moved.sum()), offload)

@@ -77,8 +77,8 @@ class Family:
     zero: Policy
     offload: Policy
     tp_groups: tuple[tuple[int, ...], ...] = ()
-    """The TP groups (device indices of the solve's problem, one degree) that are this
-    family's devices; empty: single cards."""
+    """The family's devices (device indices of the solve's problem, in device order): its
+    TP groups of one degree and every other card alone at degree 1; empty: single cards."""
     tp_over_pcie: bool = False
     """Its groups are GeForce cards over PCIe (chosen only where nothing else fits)."""
     grouped: PlanningProblem | None = field(default=None, compare=False, repr=False)
@@ -86,7 +86,8 @@ class Family:
 
     @property
     def tp_degree(self) -> int:
-        return len(self.tp_groups[0]) if self.tp_groups else 1
+        """The degree of its TP groups (1: none); its other cards run at degree 1."""
+        return max((len(g) for g in self.tp_groups), default=1)
 
     def problem(self, problem: PlanningProblem) -> PlanningProblem:
         """``problem`` under this family's recompute policy (its TP groups' problem for a
@@ -107,6 +108,11 @@ class Family:
                 options, zero=self.zero, offload=self.offload, sync=SyncRequest.ALL_REDUCE
             )
         return replace(options, zero=self.zero, offload=self.offload)
+
+    def uses_group(self, layout: Layout) -> bool:
+        """Whether ``layout`` (of :meth:`problem`) puts a stage on one of its TP groups."""
+        grouped = self.grouped
+        return grouped is not None and any(grouped.degree(d) > 1 for d in layout.device_indices)
 
     @property
     def uses_auto(self) -> bool:
@@ -139,8 +145,9 @@ def tp_families(problem: PlanningProblem, options: SolveOptions) -> tuple[Family
     """For each degree the model allows (``--tensor-parallel`` auto or always): the family
     of the NVLink groups (``tp4``), and the one of GeForce groups over PCIe (``tp4-pcie``,
     run only where nothing else fits); under ``always`` also the groups of any node's
-    cards (``tp4-any``) where no NVLink family has them all. Recompute as requested; no
-    ZeRO, no offload."""
+    cards (``tp4-any``) where no NVLink family has them all. Each family's devices are its
+    groups and every other card at degree 1 (:func:`with_single_cards`), so a pipeline may
+    put a tp4 stage beside tp1 stages. Recompute as requested; no ZeRO, no offload."""
     tp = problem.tensor_parallel
     if tp is None or options.tensor_parallel is Policy.NEVER:
         return ()
@@ -157,11 +164,23 @@ def tp_families(problem: PlanningProblem, options: SolveOptions) -> tuple[Family
             if not groups or groups in seen:
                 continue
             seen.add(groups)
-            grouped = grouped_problem(problem, groups)
+            devices = with_single_cards(problem, groups)
+            grouped = grouped_problem(problem, devices)
             found.append(
-                Family(name, problem.recompute, Policy.NEVER, Policy.NEVER, groups, pcie, grouped)
+                Family(name, problem.recompute, Policy.NEVER, Policy.NEVER, devices, pcie, grouped)
             )
     return tuple(found)
+
+
+def with_single_cards(
+    problem: PlanningProblem, groups: tuple[tuple[int, ...], ...]
+) -> tuple[tuple[int, ...], ...]:
+    """``groups`` and every card of ``problem`` in none of them (alone, at degree 1), sorted
+    by their first card: a mixed-degree family's devices (a node's tp4 group beside the
+    other nodes' cards in one pipeline)."""
+    grouped = {d for g in groups for d in g}
+    singles = tuple((d,) for d in range(problem.num_devices) if d not in grouped)
+    return tuple(sorted((*groups, *singles)))
 
 
 def _pcie_groups(problem: PlanningProblem, degree: int) -> tuple[tuple[int, ...], ...]:
@@ -396,12 +415,12 @@ def memory_shaped(problem: PlanningProblem, layout: Layout, evaluation: Evaluati
     return strategy or full
 
 
-def _whole_model_bytes(problem: PlanningProblem) -> float:
+def _whole_model_bytes(problem: PlanningProblem, device_idx: int) -> float:
     """Parameters, gradients and optimizer state of the whole model and one micro-batch of
-    the smallest size's activations (a tied parameter counts in each unit that uses it, so
-    this errs towards "does not fit")."""
-    return float(problem.static_memory_bytes.sum()) + float(
-        problem.activation_bytes_per_sample.sum()
+    the smallest size's activations, per card of ``device_idx`` (a tied parameter counts in
+    each unit that uses it, so this errs towards "does not fit")."""
+    return float(problem.static_bytes_on(device_idx).sum()) + float(
+        problem.activation_bytes_on(device_idx).sum()
     ) * min(problem.micro_batch_sizes)
 
 
@@ -409,10 +428,10 @@ def _split_for_memory(problem: PlanningProblem, layout: Layout) -> bool:
     """Whether ``layout`` gives a device that cannot hold the whole model
     (:func:`_whole_model_bytes`) a stage of part of it: memory may be why that device is a
     pipeline stage rather than a replica."""
-    whole_bytes = _whole_model_bytes(problem)
     return any(
         len(replica.stages) > 1
-        and whole_bytes > float(problem.memory_capacity_bytes[stage.device_idx])
+        and _whole_model_bytes(problem, stage.device_idx)
+        > float(problem.memory_capacity_bytes[stage.device_idx])
         for replica in layout.replicas
         for stage in replica.stages
     )
@@ -422,10 +441,9 @@ def _idle_for_memory(problem: PlanningProblem, layout: Layout) -> bool:
     """Whether ``layout`` leaves idle a device that cannot hold the whole model
     (:func:`_whole_model_bytes`): memory may be why it is idle. A device that could hold it
     is idle for speed (its links, its launch overhead), which no memory strategy changes."""
-    whole_bytes = _whole_model_bytes(problem)
     used = set(layout.device_indices)
     return any(
-        whole_bytes > float(problem.memory_capacity_bytes[d])
+        _whole_model_bytes(problem, d) > float(problem.memory_capacity_bytes[d])
         for d in range(problem.num_devices)
         if d not in used
     )
@@ -460,6 +478,8 @@ class _Run:
     of it when nothing may follow)."""
     searches: dict[tuple[object, ...], SearchOutcome | None] = field(default_factory=dict)
     found: list[Found] = field(default_factory=list)
+    tp_families: tuple[Family, ...] = ()
+    """The run's TP families (:func:`tp_families`)."""
 
     def share_deadline(self) -> float:
         """The deadline of the next search: its share of the time left."""
@@ -501,6 +521,8 @@ class _Run:
             self.report(_CutShort())
 
     def keep(self, family: Family, generator: str, segment: int, candidate: Candidate) -> None:
+        if family.grouped is not None and not family.uses_group(candidate.layout):
+            return  # single cards alone: the families without TP have that layout
         pool = Pool.LOCAL if candidate.layout.sync is not None else Pool.SYNCHRONOUS
         item = Found(family.name, pool, generator, segment, candidate)
         self.found.append(item)
@@ -687,12 +709,13 @@ def _generate_all(
     may_follow = (
         bool(uniform) or bool(tensor_parallel) or Policy.NEVER not in (mixed.zero, mixed.offload)
     )
-    run = _Run(problem, options, deadline_s, report, FIRST_SEARCH_SHARE if may_follow else 1.0)
+    share = FIRST_SEARCH_SHARE if may_follow else 1.0
+    run = _Run(problem, options, deadline_s, report, share, tp_families=tensor_parallel)
     _generate_family(run, mixed)
     if uniform and _uniform_gate(run, mixed):
         for family in uniform:
             _generate_family(run, family)
-    for family in tensor_parallel:
+    for family in sorted(tensor_parallel, key=lambda f: f.tp_over_pcie):  # NVLink first
         why = _tp_gate(run, mixed, family)
         if why:
             run.report(GeneratorRun(family.name, "search", 0, 0.0, why))
@@ -705,11 +728,16 @@ TP_PCIE_GATE = "a layout without TP uses every device the model does not fit (Ge
 
 def _tp_gate(run: _Run, mixed: Family, family: Family) -> str:
     """Why a TP family does not run (empty: it runs): GeForce groups over PCIe only where
-    the request's family has no valid layout or leaves idle a device the model does not
+    the request's family and every NVLink TP family searched before it (their groups
+    beside single cards) have no valid layout or leave idle a device the model does not
     fit (:func:`nothing_cheaper_fits`), unless ``--tensor-parallel always``."""
     if not family.tp_over_pcie or run.options.tensor_parallel is Policy.ALWAYS:
         return ""
-    if nothing_cheaper_fits(run.problem, run.ranked(mixed, Pool.SYNCHRONOUS)):
+    nvlink = [f for f in run.tp_families if not f.tp_over_pcie]  # none found: nothing fits
+    if all(
+        nothing_cheaper_fits(f.problem(run.problem), run.ranked(f, Pool.SYNCHRONOUS))
+        for f in (mixed, *nvlink)
+    ):
         return ""
     return TP_PCIE_GATE
 

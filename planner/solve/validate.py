@@ -28,7 +28,7 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     units' inputs in flight instead of their activations and one micro-batch of the largest
     one's + boundary buffers) fits its device; a selective stage names some, not all, of its
     units; with islands, they hold every node of the problem once, and under local sync
-    every replica lies inside one island.
+    every replica lies inside one island; every holder of a unit has one TP degree.
     """
     errors: list[str] = []
     seen: set[int] = set()
@@ -63,6 +63,30 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
             )
     if layout.sync is not None:
         errors += _island_problems(problem, layout, layout.sync)
+    return errors + _tp_degree_problems(problem, layout)
+
+
+def _tp_degree_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
+    """The contract's rule (``contract.plan._verify_tp``): every holder of a unit has one
+    TP degree, since the holders of one TP position sum their shards together."""
+    if not problem.tp_degrees:
+        return []
+    degrees: dict[int, dict[int, str]] = {}
+    for replica in layout.replicas:
+        for stage in replica.stages:
+            for u in range(stage.unit_start, stage.unit_stop):
+                held = degrees.setdefault(u, {})
+                held.setdefault(
+                    problem.degree(stage.device_idx), problem.device_names[stage.device_idx]
+                )
+    errors = []
+    for u, held in sorted(degrees.items()):
+        if len(held) > 1:
+            where = ", ".join(f"tp{g} on {name}" for g, name in sorted(held.items()))
+            errors.append(
+                f"unit {problem.unit_names[u]} is held at more than one TP degree ({where}): "
+                "every holder of a unit needs one degree"
+            )
     return errors
 
 
@@ -150,7 +174,9 @@ def _zero_saving(problem: PlanningProblem, layout: Layout) -> dict[int, float]:
         total = sum(weights[d] for d in devices)
         for d in devices:
             kept = weights[d] / total if total > 0 else 0.0
-            saving[d] = saving.get(d, 0.0) + float(problem.optimizer_state_bytes[u]) * (1 - kept)
+            state = problem.optimizer_state_on(d)
+            assert state is not None
+            saving[d] = saving.get(d, 0.0) + float(state[u]) * (1 - kept)
     if layout.zero_stage == 2:
         for d, num_bytes in gradient_saving_bytes(problem, layout).items():
             saving[d] = saving.get(d, 0.0) + num_bytes
@@ -223,9 +249,11 @@ def _memory(problem: PlanningProblem, stage: StageLayout, b: int, in_flight: int
     received = problem.cut_bytes(start - 1, 0) if start > 0 else 0.0
     need = received * in_flight
     largest = 0.0
+    static = problem.static_bytes_on(stage.device_idx)  # per card of a TP group
+    activations = problem.activation_bytes_on(stage.device_idx)
     for u in range(start, stop):
-        need += float(problem.static_memory_bytes[u])
-        act = float(problem.activation_bytes_per_sample[u]) * b
+        need += float(static[u])
+        act = float(activations[u]) * b
         if stage.recompute:
             need += act
         elif u in stage.recompute_units:

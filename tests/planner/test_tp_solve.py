@@ -110,9 +110,9 @@ def test_a_tp_group_costs_split_part_over_degree_plus_rest_and_its_all_reduces()
     u, k = 1, 2  # a block, micro-batch size 4
     b = problem.micro_batch_sizes[k]
     static = problem.static_memory_bytes[u] - tp.split_static_bytes[u] / 2
-    assert grouped.static_memory_bytes[u] == pytest.approx(static)
+    assert grouped.static_bytes_on(0)[u] == pytest.approx(static)
     act = problem.activation_bytes_per_sample[u] - tp.split_activation_bytes_per_sample[u] / 2
-    assert grouped.activation_bytes_per_sample[u] == pytest.approx(act)
+    assert grouped.activation_bytes_on(0)[u] == pytest.approx(act)
     assert tp.split_activation_bytes_per_sample[u] == pytest.approx(12 * 128 * 64 * 4)
     nvlink, latency = gb_per_s_to_bytes_per_s(300), problem.latency_s[0, 1]
     # two all-reduces of t h forward (Megatron's pair): one ring of their bytes, and the
@@ -123,7 +123,7 @@ def test_a_tp_group_costs_split_part_over_degree_plus_rest_and_its_all_reduces()
     assert share == pytest.approx(1.0)
     expected = problem.fwd_time_s[0, u, k] * (1 - share / 2) + collectives
     assert grouped.fwd_time_s[0, u, k] == pytest.approx(expected)
-    assert grouped.grad_bytes[u] == pytest.approx(problem.grad_bytes[u] / 2)
+    assert grouped.grad_bytes_on(0)[u] == pytest.approx(problem.grad_bytes[u] / 2)
     assert grouped.offload_saving_bytes is None  # no offload with TP
     assert pass_counts(4, 1.0) == (2, 2) and pass_counts(1, 1.0) == (1, 0)  # a block, embed
     assert pass_counts(1, 0.0) == (0, 1)
