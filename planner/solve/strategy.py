@@ -723,23 +723,44 @@ def _generate_all(
         _generate_family(run, family)
 
 
-TP_PCIE_GATE = "a layout without TP uses every device the model does not fit (GeForce over PCIe)"
+TP_PCIE_GATE = (
+    "every layer fits one GeForce card and a layout without TP over PCIe was found (TP over "
+    "PCIe on GeForce only where nothing else fits)"
+)
 
 
 def _tp_gate(run: _Run, mixed: Family, family: Family) -> str:
     """Why a TP family does not run (empty: it runs): GeForce groups over PCIe only where
-    the request's family and every NVLink TP family searched before it (their groups
-    beside single cards) have no valid layout or leave idle a device the model does not
-    fit (:func:`nothing_cheaper_fits`), unless ``--tensor-parallel always``."""
+    nothing else fits, unless ``--tensor-parallel always``: the request's family and every
+    NVLink TP family searched before it (their groups beside single cards) have no valid
+    layout, or they leave idle a device the model does not fit (:func:`nothing_cheaper_fits`)
+    while some unit fits no card of the family's GeForce groups alone (a layer no card
+    holds: :func:`_unit_fits_no_card`). Where every layer fits a card, TP over PCIe would
+    only trade a pipeline or data-parallel layout for per-layer all-reduces without
+    peer-to-peer, which no published training run has shown to pay."""
     if not family.tp_over_pcie or run.options.tensor_parallel is Policy.ALWAYS:
         return ""
     nvlink = [f for f in run.tp_families if not f.tp_over_pcie]  # none found: nothing fits
-    if all(
-        nothing_cheaper_fits(f.problem(run.problem), run.ranked(f, Pool.SYNCHRONOUS))
-        for f in (mixed, *nvlink)
+    searched = [(f.problem(run.problem), run.ranked(f, Pool.SYNCHRONOUS)) for f in (mixed, *nvlink)]
+    if all(not valid_only(ranked) for _, ranked in searched):
+        return ""
+    cards = [d for g in family.tp_groups if len(g) > 1 for d in g]
+    if _unit_fits_no_card(run.problem, cards) and all(
+        nothing_cheaper_fits(problem, ranked) for problem, ranked in searched
     ):
         return ""
     return TP_PCIE_GATE
+
+
+def _unit_fits_no_card(problem: PlanningProblem, cards: Sequence[int]) -> bool:
+    """Whether some unit's static memory and its activations at the smallest micro-batch
+    exceed the capacity of each of ``cards`` (device indices of ``problem``) alone."""
+    if not cards:
+        return False
+    smallest = problem.micro_batch_sizes[0]
+    need = problem.static_memory_bytes + problem.activation_bytes_per_sample * smallest
+    capacity = max(float(problem.memory_capacity_bytes[d]) for d in cards)
+    return bool((need > capacity).any())
 
 
 @dataclass(frozen=True)

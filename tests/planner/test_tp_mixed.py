@@ -218,3 +218,18 @@ def test_geforce_tp_over_pcie_waits_for_the_nvlink_families(
     generated = strategy.generate(problem, options, deadline_s=float("inf"))
     [search] = [r for r in generated.runs if (r.family, r.generator) == ("tp2-pcie", "search")]
     assert search.skipped == strategy.TP_PCIE_GATE
+
+
+def test_geforce_tp_over_pcie_needs_a_layer_no_card_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every layout found leaves a card idle the model does not fit (stubbed), yet every
+    unit fits one GeForce card: TP over PCIe stays shut (the issue's rule: only where
+    nothing else fits a layer)."""
+    graph = tp_language_model_graph(num_blocks=2, width=256)
+    _, problem = _lab_problem(graph, batch=4)
+    monkeypatch.setattr(strategy, "nothing_cheaper_fits", lambda p, ranked: True)
+    options = SolveOptions(time_limit_s=2.0, watchdog=False)
+    generated = strategy.generate(problem, options, deadline_s=float("inf"))
+    [search] = [r for r in generated.runs if (r.family, r.generator) == ("tp2-pcie", "search")]
+    assert search.skipped == strategy.TP_PCIE_GATE
