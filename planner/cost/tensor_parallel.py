@@ -6,11 +6,12 @@ the groups of one degree (joined by NVLink, or any cards of a node), and
 :func:`grouped_problem` turns a problem into one whose devices are those groups, so the
 search, the evaluator and the validator cost them as they cost single cards:
 
-- compute per unit: the split share / d plus the rest whole, plus the unit's TP
+- compute per unit, on the group's slowest member: the split share / d plus the rest
+  whole, plus the unit's TP
   all-reduces over the group's ring (its slowest link; ``link_model.tp_all_reduce_time_s``,
   the formula the simulator shares);
-- memory per card: the split parameters (with their gradients, optimizer state and
-  workspace) and saved activations / d, the rest whole.
+- memory per card, against the member with the least: the split parameters (with their
+  gradients, optimizer state and workspace) and saved activations / d, the rest whole.
 
 A grouped problem may mix degrees (a node's tp4 group beside single cards at degree 1);
 every holder of a unit must then have one degree (what ``contract.plan`` requires):
@@ -131,9 +132,15 @@ def grouped_problem(problem: PlanningProblem, groups: Sequence[tuple[int, ...]])
     num_groups = len(groups)
     bandwidth = base.bandwidth_bytes_per_s.copy()
     latency = base.latency_s.copy()
+    capacity = base.memory_capacity_bytes.copy()
     for i, group in enumerate(groups):
         degree = degrees[i]
-        if degree > 1:
+        if degree > 1:  # its members step together: the slowest one's times, the least memory
+            members = list(group)
+            fwd[i] = problem.fwd_time_s[members].max(axis=0)
+            bwd[i] = problem.bwd_time_s[members].max(axis=0)
+            opt[i] = problem.optimizer_time_s[members].max(axis=0)
+            capacity[i] = problem.memory_capacity_bytes[members].min()
             _group_times(problem, tp, group, sizes, fwd[i], bwd[i])
             ring_bw, ring_lat = _ring_link(problem, group)
             bandwidth[i, i], latency[i, i] = ring_bw, ring_lat
@@ -148,6 +155,7 @@ def grouped_problem(problem: PlanningProblem, groups: Sequence[tuple[int, ...]])
         fwd_time_s=fwd,
         bwd_time_s=bwd,
         optimizer_time_s=opt,
+        memory_capacity_bytes=capacity,
         tied_params=tuple(
             TiedParams(t.units, t.num_bytes * min(float(tie_share[u]) for u in t.units))
             for t in problem.tied_params

@@ -301,3 +301,29 @@ def test_tp_rules_name_the_parameters_they_split() -> None:
     assert row.splits("layers.0.o_proj.weight") and not row.splits("layers.0.o_proj.bias")
     assert not col.splits("layers.3.k_proj.weight") and not col.splits("layers.q_proj.weight")
     assert not col.splits("model.layers.3.q_proj.weight")
+
+
+def test_a_group_of_unlike_cards_runs_at_its_slowest_and_holds_what_its_smallest_holds() -> None:
+    """Cards of one kind may be declared unlike (the CPU rehearsal cluster's node ``slow``
+    has a cpu of 1 GiB beside one of the catalog's): the group steps at its slowest member's
+    pace and must fit its smallest memory."""
+    cluster = cluster_from_dict(
+        {
+            "name": "unlike",
+            "nodes": [
+                {
+                    "name": "a",
+                    "host": "127.0.0.1",
+                    "devices": [
+                        {"type": "cpu", "peak_tflops": 0.2},
+                        {"type": "cpu", "memory_gib": 1},
+                    ],
+                }
+            ],
+        }
+    )
+    problem = build_problem(tp_language_model_graph(num_blocks=2), cluster, global_batch_size=4)
+    grouped = grouped_problem(problem, ((0, 1),))
+    assert grouped.memory_capacity_bytes[0] == problem.memory_capacity_bytes[1]
+    assert problem.fwd_time_s[1, 1, 0] > problem.fwd_time_s[0, 1, 0]
+    assert grouped.fwd_time_s[0, 1, 0] > problem.fwd_time_s[0, 1, 0] * 0.5  # not the fast one's
