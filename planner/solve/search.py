@@ -738,6 +738,7 @@ def diagnose_infeasible(
     *,
     zero: str = "auto",
     max_stages: int | None = None,
+    cut_short_s: float | None = None,
 ) -> str:
     """One line naming the binding memory constraint and what to change: the unit no device
     holds, or the whole model against the cluster's memory, with what sharding the
@@ -745,7 +746,9 @@ def diagnose_infeasible(
     optimizer state to host memory (``--offload``, searched unless ``offload`` is
     ``never``) could still save, or that even they cannot. The last resort names the
     longest pipeline searched (``max_stages`` where it is below the device count) and
-    advises only the policies the request left at ``never``."""
+    advises only the policies the request left at ``never``; only there, where no proof
+    of infeasibility stands, does a search cut short at ``cut_short_s`` seconds (its
+    ``--time-limit``) add that a longer one may find a layout."""
     smallest_mbs = problem.micro_batch_sizes[0]
     biggest = int(np.argmax(problem.memory_capacity_bytes))
     capacity = float(problem.memory_capacity_bytes[biggest])
@@ -781,7 +784,13 @@ def diagnose_infeasible(
             f"({problem.device_names[biggest]}) only with its optimizer state offloaded to host "
             f"memory, but {host}"
         )
-    return _no_pipeline_line(problem, total, offload, zero, max_stages)
+    line = _no_pipeline_line(problem, total, offload, zero, max_stages)
+    if cut_short_s is not None:
+        line += (
+            f"; but the {cut_short_s:g} s --time-limit cut the search short before it had "
+            "tried every pipeline, so a longer --time-limit may find a layout"
+        )
+    return line
 
 
 def _no_pipeline_line(

@@ -460,15 +460,15 @@ def _nothing_valid(
     mixed = [candidates.of(MIXED, pool) for pool in Pool]
     rejected = [r for pool in mixed for r in pool.rejected if r.found.generator != "baselines"]
     if not rejected:
-        diagnosis = diagnose_infeasible(
-            problem, options.offload, zero=options.zero, max_stages=options.max_stages
-        )
-        if candidates.generated.cut_short:
-            diagnosis += (
-                f"; but the {options.time_limit_s:g} s --time-limit cut the search short before "
-                "it had tried every pipeline, so a longer --time-limit may find a layout"
+        return InfeasiblePlanError(
+            diagnose_infeasible(
+                problem,
+                options.offload,
+                zero=options.zero,
+                max_stages=options.max_stages,
+                cut_short_s=options.time_limit_s if candidates.generated.cut_short else None,
             )
-        return InfeasiblePlanError(diagnosis)
+        )
     first = rejected[0]
     return RuntimeError(
         f"the search found {len(rejected)} layout(s) for this cluster but the independent "

@@ -51,3 +51,17 @@ def test_no_pipeline_names_max_stages_and_advises_only_what_is_not_allowed() -> 
     )
     assert "no pipeline of at most 16 devices holds it" in line and "--max-stages" not in line
     assert line.endswith("or allow --recompute auto and --zero auto")
+
+
+def test_a_search_cut_short_adds_its_time_limit_only_where_nothing_is_proven() -> None:
+    """No pipeline found in time: a longer --time-limit may help, said so; the whole model
+    against every device's memory: a proof, which no time limit changes (bench: Llama 70B on
+    the lab pool was told both)."""
+    search_short = diagnose_infeasible(_sixteen_small_devices(), max_stages=8, cut_short_s=60)
+    assert search_short.endswith("a longer --time-limit may find a layout")
+    too_big = make_problem(
+        [Dev("a", 1.0, 1 * GB)] * 2, unit_work=[1.0] * 4, global_batch_size=4,
+        micro_batch_sizes=(1,), static_bytes=0.9 * GB, act_bytes_per_sample=0.01 * GB,
+    )  # fmt: skip
+    proven = diagnose_infeasible(too_big, cut_short_s=60)
+    assert "all 2 devices have usable together" in proven and "--time-limit" not in proven
