@@ -68,7 +68,9 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
 
 def _tp_degree_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
     """The contract's rule (``contract.plan._verify_tp``): every holder of a unit has one
-    TP degree, since the holders of one TP position sum their shards together."""
+    TP degree, since the holders of one TP position sum their shards together; and so has
+    every holder of a parameter tied between units (the runtime refuses it otherwise,
+    ``executor/memory/tensor_parallel.py``)."""
     if not problem.tp_degrees:
         return []
     degrees: dict[int, dict[int, str]] = {}
@@ -86,6 +88,15 @@ def _tp_degree_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
             errors.append(
                 f"unit {problem.unit_names[u]} is held at more than one TP degree ({where}): "
                 "every holder of a unit needs one degree"
+            )
+    for tied in problem.tied_params:  # the runtime's rule for tied parameters too
+        held = {g: n for u in tied.units for g, n in degrees.get(u, {}).items()}
+        if len(held) > 1:
+            names = ", ".join(problem.unit_names[u] for u in tied.units)
+            where = ", ".join(f"tp{g} on {name}" for g, name in sorted(held.items()))
+            errors.append(
+                f"units {names} share parameters held at more than one TP degree ({where}): "
+                "every holder of a tied parameter needs one degree"
             )
     return errors
 

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from hplan.planner.cost.evaluate import evaluate, grad_sync_groups
 from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
-from hplan.planner.cost.problem import PlanningProblem
+from hplan.planner.cost.problem import PlanningProblem, TiedParams
 from hplan.planner.cost.problem_builder import build_problem
 from hplan.planner.cost.tensor_parallel import grouped_problem, tp_groups
 from hplan.planner.emit.plan_build import build_plan, memory_model_spec, model_spec, with_memory
@@ -140,6 +142,22 @@ def test_holders_of_a_unit_at_two_degrees_are_refused() -> None:
     problems = layout_problems(mixed, layout)
     assert any(
         "held at more than one TP degree (tp1 on g4090/0, tp4 on a100/0)" in p for p in problems
+    )
+
+
+def test_a_parameter_tied_across_two_degrees_is_refused() -> None:
+    """An embedding tied to its head, the embedding on the tp4 A100 stage and the head on
+    a 4090 at tp1: the runtime refuses such a plan, so the validator does."""
+    graph = tp_language_model_graph(num_blocks=2, width=256)
+    _, problem = _lab_problem(graph, batch=4)
+    last = problem.num_units - 1
+    mixed = dataclasses.replace(_mixed(problem, 4), tied_params=(TiedParams((0, last), 1.0),))
+    layout = Layout(
+        (replica_layout((StageLayout(0, 0, last), StageLayout(1, last, last + 1)), 2, 2),)
+    )
+    assert any(
+        "share parameters held at more than one TP degree" in p
+        for p in layout_problems(mixed, layout)
     )
 
 
