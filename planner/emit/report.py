@@ -184,8 +184,8 @@ def tp_notes(problem: PlanningProblem, result: SolveResult) -> tuple[str, ...]:
     if result.tp_over_pcie:
         lines.append(
             "tensor parallelism over PCIe on GeForce cards (no peer-to-peer, no NVLink) "
-            "because nothing else fits: without it the model leaves cards idle or does not "
-            "fit; its all-reduces are costed over the PCIe link"
+            "because nothing else fits: without it no layout was found, or a layer fits no "
+            "card alone; its all-reduces are costed over the PCIe link"
         )
     return tuple(lines)
 
