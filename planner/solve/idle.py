@@ -80,6 +80,14 @@ def _costed_reason(
     problem: PlanningProblem, layout: Layout, chosen: Evaluation, device_idx: int
 ) -> str:
     best = _best_extension(problem, layout, device_idx)
+    used_degrees = {problem.degree(d) for d in layout.device_indices}
+    if best is None and problem.degree(device_idx) not in used_degrees:
+        degrees = "/".join(f"tp{g}" for g in sorted(used_degrees))
+        return (
+            f"as a replica, or as a stage holding some of the plan's units, it would hold "
+            f"them at tp{problem.degree(device_idx)} beside the plan's {degrees} stages: "
+            "every holder of a unit (and of a parameter tied between units) has one TP degree"
+        )
     if best is None:
         return (
             "no layout with it fits: as a replica the whole model does not fit it, and no "

@@ -478,7 +478,8 @@ def degree_buckets(
     problem: PlanningProblem, classes: Sequence[DeviceGroup], shapes: Sequence[PipelineShape]
 ) -> list[list[PipelineShape]]:
     """``shapes`` grouped so that copies of one group's shapes give every unit holders of
-    one TP degree (the contract's rule): by the degree each unit's stage has. One group
+    one TP degree (the contract's rule): by the degree each unit's stage has; a shape that
+    puts units sharing a tied parameter at two degrees is left out. One group
     where the problem's devices share one degree; else at most :data:`MAX_DEGREE_BUCKETS`
     of those with a TP stage, those whose best shape runs the most samples per second of
     period first."""
@@ -491,8 +492,11 @@ def degree_buckets(
             for s, c in enumerate(t.classes)
             for _ in range(t.bounds[s], t.bounds[s + 1])
         )
-        if max(signature) > 1:  # single cards alone: the families without TP search them
-            buckets.setdefault(signature, []).append(t)
+        if max(signature) == 1:  # single cards alone: the families without TP search them
+            continue
+        if any(len({signature[u] for u in tied.units}) > 1 for tied in problem.tied_params):
+            continue  # a parameter tied between units held at two degrees (validate.py)
+        buckets.setdefault(signature, []).append(t)
 
     def rate(bucket: list[PipelineShape]) -> float:
         return max(t.micro_batch_size / t.period_s if t.period_s > 0 else math.inf for t in bucket)

@@ -327,3 +327,27 @@ def test_a_group_of_unlike_cards_runs_at_its_slowest_and_holds_what_its_smallest
     assert grouped.memory_capacity_bytes[0] == problem.memory_capacity_bytes[1]
     assert problem.fwd_time_s[1, 1, 0] > problem.fwd_time_s[0, 1, 0]
     assert grouped.fwd_time_s[0, 1, 0] > problem.fwd_time_s[0, 1, 0] * 0.5  # not the fast one's
+
+
+def test_three_nvlink_cards_and_a_tied_head_get_a_tp2_pair_not_a_mixed_pipeline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The GPT example ties its head to its embedding: the tp2 family's search builds no
+    pipeline that puts them at two degrees (the validator and the runtime refuse it), so its
+    tp2 pair alone wins over data parallelism on all three cards, and the third card's idle
+    line says why."""
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(
+        "name: a100x3\nnodes:\n  - name: dgx\n    host: 127.0.0.1\n"
+        "    devices: [{type: a100-80gb, count: 3}]\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["solve", str(GPT), "-c", str(cluster), "-o", str(out), "--time-limit", "10"])
+    _, err = capsys.readouterr()
+    assert exit_info.value.code == 0, err
+    plan = Plan.load(out / "plan.json")
+    assert [r.tp_degree for r in plan.ranks] == [2, 2]
+    summary = " ".join((out / "summary.txt").read_text(encoding="utf-8").split())
+    assert "it would hold them at tp1 beside the plan's tp2 stages" in summary
