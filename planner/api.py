@@ -620,7 +620,12 @@ def report_pass(r: PassResults) -> Report:
         *r["trains_check"].notes,
         *r["cluster"].link_notes,
         *batch_statistics_notes(graph.batch_statistics, result.layout),
-        *tp_notes(r["problem"], result),
+        *tp_notes(
+            r["problem"],
+            result,
+            forced=request.tensor_parallel is Policy.ALWAYS,
+            refusal=graph.tp_refusal,
+        ),
     )
     report = build_report(
         problem,

@@ -17,6 +17,7 @@ from hplan.planner.cost.offload import device_offloads, stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.zero import allgather_time_s
 from hplan.planner.emit.plan_build import rank_of_device
+from hplan.planner.frontend.tp_plan import NO_PLAN
 from hplan.planner.solve.baselines import (
     data_parallel_equal,
     pipeline_possible,
@@ -162,14 +163,24 @@ def batch_statistics_notes(layers: Sequence[str], layout: Layout) -> tuple[str, 
     )
 
 
-def tp_notes(problem: PlanningProblem, result: SolveResult) -> tuple[str, ...]:
+def tp_notes(
+    problem: PlanningProblem,
+    result: SolveResult,
+    *,
+    forced: bool = False,
+    refusal: str | None = None,
+) -> tuple[str, ...]:
     """The report's lines on tensor parallelism: the TP groups chosen, and ONE line when
-    they are GeForce cards over PCIe (chosen because nothing else fits). ``problem``: the
-    solve's own (single cards). (``--tensor-parallel always`` without TP is an error,
-    ``api.generate_pass``, naming why.)"""
+    they are GeForce cards over PCIe (chosen because nothing else fits, or because
+    ``forced``: ``--tensor-parallel always``); without TP groups, why the model's own TP
+    plan is not offered, when it has one (``refusal``: ``ModelGraph.tp_refusal``; a model
+    without any plan gets no line). ``problem``: the solve's own (single cards). (``always``
+    without TP is an error, ``api.generate_pass``, naming why.)"""
     tp_problem = result.tp_problem
     if tp_problem is None:
-        return ()
+        if refusal is None or refusal == NO_PLAN:
+            return ()
+        return (f"tensor parallel: not offered: {refusal}",)
     used = sorted(set(result.layout.device_indices))
     grouped = [d for d in used if tp_problem.degree(d) > 1]
     groups = ", ".join("+".join(tp_problem.tp_members[d]) for d in grouped)
@@ -182,10 +193,15 @@ def tp_notes(problem: PlanningProblem, result: SolveResult) -> tuple[str, ...]:
         + (f"; {count(outside, 'device')} of the cluster unused" if outside else "")
     ]
     if result.tp_over_pcie:
+        why = (
+            "as --tensor-parallel always asks"
+            if forced
+            else "because nothing else fits: without it no layout was found, or a layer fits "
+            "no card alone"
+        )
         lines.append(
-            "tensor parallelism over PCIe on GeForce cards (no peer-to-peer, no NVLink) "
-            "because nothing else fits: without it no layout was found, or a layer fits no "
-            "card alone; its all-reduces are costed over the PCIe link"
+            f"tensor parallelism over PCIe on GeForce cards (no peer-to-peer, no NVLink) {why}; "
+            "its all-reduces are costed over the PCIe link"
         )
     return tuple(lines)
 

@@ -162,6 +162,8 @@ def test_two_4090s_over_pcie_where_data_parallel_fits_get_no_tp() -> None:
     assert skipped == {"tp2-pcie": TP_PCIE_GATE}
     forced = _solve(problem, "always")
     assert forced.tp_problem is not None and forced.tp_problem.tp_degree == 2
+    notes = " ".join(tp_notes(problem, forced, forced=True))
+    assert "as --tensor-parallel always asks" in notes and "nothing else fits" not in notes
 
 
 def test_always_without_a_tp_plan_is_one_config_error() -> None:
@@ -351,3 +353,24 @@ def test_three_nvlink_cards_and_a_tied_head_get_a_tp2_pair_not_a_mixed_pipeline(
     assert [r.tp_degree for r in plan.ranks] == [2, 2]
     summary = " ".join((out / "summary.txt").read_text(encoding="utf-8").split())
     assert "it would hold them at tp1 beside the plan's tp2 stages" in summary
+
+
+def test_a_broken_tp_plan_is_named_in_the_summary_under_auto(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A TP_PLAN with a style that does not exist plans without TP under the default
+    ``auto`` and says why in the summary; a model without any plan gets no such line."""
+    model = tmp_path / "model.py"
+    text = MLP.read_text(encoding="utf-8")
+    model.write_text(text + '\nTP_PLAN = {"blocks.*.fc": "columnwise"}\n', encoding="utf-8")
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(BRIDGED_3090S, encoding="utf-8")
+    summaries = []
+    for path, out in ((model, tmp_path / "broken"), (MLP, tmp_path / "none")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["solve", str(path), "-c", str(cluster), "-o", str(out), "--time-limit", "10"])
+        _, err = capsys.readouterr()
+        assert exit_info.value.code == 0, err
+        summaries.append(" ".join((out / "summary.txt").read_text(encoding="utf-8").split()))
+    assert "tensor parallel: not offered:" in summaries[0] and "columnwise" in summaries[0]
+    assert "tensor parallel" not in summaries[1]
