@@ -5,11 +5,21 @@ pytest-xdist (3.8) tags a grouped item by setting ``item._nodeid`` to ``NODEID@N
 its scheduler reads; pytest 9 keeps a node's id in ``item._id`` instead, so the tag was lost
 and every group was spread over the workers (test_zero.py's ``runs`` was built twice). This
 hook sets the tag where pytest 9 reads it, and does nothing where xdist already did.
+
+Hypothesis draws its examples from a fixed seed per test (profile ``make-test``): the
+property tests' time varied from 2.5 s to 62 s with the examples drawn, enough to push
+``make test`` past its 10 minutes. ``HYPOTHESIS_PROFILE=default`` draws fresh ones.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
+
+settings.register_profile("make-test", derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "make-test"))
 
 try:
     from _pytest.nodeid import NodeId  # pytest >= 9

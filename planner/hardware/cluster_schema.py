@@ -185,6 +185,25 @@ class NvlinkAll(StrEnum):
 NvlinkGroup = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=2)]
 
 
+def _check_nvlink(value: object) -> object:
+    """``all``, ``none`` or a list of groups of two or more local device indices, else one
+    line naming the value and the forms (before pydantic's union reports its internals)."""
+    if value is None or value in ("all", "none"):
+        return value
+    groups_ok = isinstance(value, list) and all(
+        isinstance(g, list)
+        and len(g) >= 2
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g)
+        for g in value
+    )
+    if not groups_ok:
+        raise ValueError(
+            f"{value!r} is not an nvlink value: write `all`, `none`, or groups of two or "
+            "more local device indices, such as [[0, 1], [2, 3]]"
+        )
+    return value
+
+
 class NodeEntry(_Strict):
     name: Name
     host: Host
@@ -196,7 +215,7 @@ class NodeEntry(_Strict):
     host_memory_gb: StrictPositive | None = None
     """The node's host (CPU) memory in GB (10^9 bytes), what optimizer-state offload may
     fill; default: assumed (``contract.memory.HOST_MEMORY_PER_DEVICE_MEMORY``)."""
-    nvlink: NvlinkAll | list[NvlinkGroup] | None = None
+    nvlink: Annotated[NvlinkAll | list[NvlinkGroup] | None, BeforeValidator(_check_nvlink)] = None
     """Which of the node's cards NVLink joins: ``all``, ``none``, or groups of local device
     indices (``[[0, 1], [2, 3]]``: two bridged pairs; every pair inside a group is joined);
     default: ``all`` where every card is an SXM part of the catalog, else none."""

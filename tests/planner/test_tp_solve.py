@@ -81,8 +81,12 @@ def test_bridged_pairs_join_only_their_pairs() -> None:
     [
         ({"nvlink": [[0, 4]]}, r"nodes\[0\]\.nvlink\[0\]: device index 4 is not on node 'box'"),
         ({"nvlink": [[1, 1]]}, r"device indices \[1, 1\] repeat"),
-        ({"nvlink": [[0]]}, r"nodes\[0\]\.nvlink"),
-        ({"nvlink": "some"}, r"nodes\[0\]\.nvlink"),
+        ({"nvlink": [[0]]}, r"nodes\[0\]\.nvlink: \[\[0\]\] is not an nvlink value: write `all`"),
+        (
+            {"nvlink": [0, 1]},
+            r"nodes\[0\]\.nvlink: \[0, 1\] is not an nvlink value.*\[\[0, 1\], \[2, 3\]\]$",
+        ),
+        ({"nvlink": "some"}, r"nodes\[0\]\.nvlink: 'some' is not an nvlink value"),
     ],
 )
 def test_bad_nvlink_is_one_config_error(node: dict[str, object], message: str) -> None:
