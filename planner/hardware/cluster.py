@@ -390,6 +390,15 @@ def _nvlink(
         declared = (
             NvlinkAll.ALL if all(d.type.nvlink_by_default for d in devices) else NvlinkAll.NONE
         )
+    if declared is NvlinkAll.NONE and entry.nvlink_gb_per_s is not None:
+        _fail(
+            source,
+            f"{key_path}.nvlink_gb_per_s",
+            f"node {entry.name!r} has no NVLink-joined cards (nvlink "
+            f"{'none' if entry.nvlink is not None else 'not given, and not all SXM parts'}), "
+            "so the bandwidth would be ignored; add nvlink: all or groups such as "
+            "[[0, 1]], or drop nvlink_gb_per_s",
+        )
     if declared is NvlinkAll.NONE or len(devices) < 2:
         return {}
     groups = [list(range(len(devices)))] if declared is NvlinkAll.ALL else declared

@@ -30,7 +30,7 @@ def _skewed(problem, skew: np.ndarray):
     )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     speeds=st.lists(st.sampled_from([0.5, 1.0, 1.5, 3.0]), min_size=1, max_size=3),
     memories=st.lists(st.sampled_from([3.0, 6.0, 12.0]), min_size=3, max_size=3),

@@ -67,7 +67,7 @@ def test_milp_stays_close_to_brute_force_with_gradient_sync_costs():
     assert float(np.median(ratios)) == pytest.approx(1.0, abs=1e-9)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     speeds=st.lists(st.sampled_from([0.5, 1.0, 1.3, 2.0]), min_size=1, max_size=5),
     memories=st.lists(st.sampled_from([4.0, 8.0, 12.0, 24.0]), min_size=5, max_size=5),

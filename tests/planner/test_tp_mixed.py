@@ -13,10 +13,8 @@ from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
 from hplan.planner.cost.problem import PlanningProblem, TiedParams
 from hplan.planner.cost.problem_builder import build_problem
 from hplan.planner.cost.tensor_parallel import grouped_problem, tp_groups
-from hplan.planner.emit.plan_build import build_plan, memory_model_spec, model_spec, with_memory
-from hplan.planner.emit.report import build_report
 from hplan.planner.frontend.cost_graph import ModelGraph
-from hplan.planner.hardware.cluster import Cluster, to_cluster_spec
+from hplan.planner.hardware.cluster import Cluster
 from hplan.planner.sim.spec import RuntimeBytes, spec_from_layout
 from hplan.planner.solve import strategy
 from hplan.planner.solve.device_groups import device_groups
@@ -25,8 +23,8 @@ from hplan.planner.solve.search import degree_buckets
 from hplan.planner.solve.solver import SolveOptions, solve
 from hplan.planner.solve.strategy import with_single_cards
 from hplan.planner.solve.validate import layout_problems
-from hplan.runtime.contract.plan import Plan, Precision, TrainingSpec
-from tests.fixtures.clusters import cluster_from_dict, tp_language_model_graph
+from hplan.runtime.contract.plan import Precision
+from tests.fixtures.clusters import cluster_from_dict, solved_tp_plan, tp_language_model_graph
 
 LAB_POOL = {
     "name": "lab-pool",
@@ -65,20 +63,7 @@ def test_a_model_too_big_for_the_a100_node_gets_a_tp4_stage_beside_tp1_stages() 
     degrees = [solved.degree(s.device_idx) for s in replica.stages]
     assert sorted(degrees) == [1] * (len(degrees) - 1) + [4]
     assert not layout_problems(solved, result.layout)
-    plan = build_plan(
-        graph=graph,
-        model=model_spec(graph, path="model.py", sha256="0" * 64),
-        cluster=to_cluster_spec(cluster, graph.param_dtype),
-        device_names=solved.device_names,
-        layout=result.layout,
-        global_batch_size=2,
-        report=build_report(solved, result, cost_source="roofline"),
-        training=TrainingSpec(),
-        tp_members=solved.tp_members,
-    )
-    plan = with_memory(plan, memory_model_spec(graph, problem))
-    plan.verify()
-    assert Plan.from_json(plan.to_json()) == plan
+    plan = solved_tp_plan(graph, cluster, problem, result, 2)
     by_stage: dict[int, list[int]] = {}
     for rank in plan.ranks:
         by_stage.setdefault(rank.stage, []).append(rank.rank)

@@ -13,10 +13,9 @@ from hplan.planner.cli.main import main
 from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.problem_builder import build_problem
 from hplan.planner.cost.tensor_parallel import grouped_problem, pass_counts, tp_groups
-from hplan.planner.emit.plan_build import build_plan, memory_model_spec, model_spec, with_memory
 from hplan.planner.emit.render import render_text
 from hplan.planner.emit.render_dot import render_dot
-from hplan.planner.emit.report import build_report, tp_notes
+from hplan.planner.emit.report import tp_notes
 from hplan.planner.frontend.cost_graph import ModelGraph
 from hplan.planner.hardware.cluster import Cluster, to_cluster_spec
 from hplan.planner.sim.spec import RuntimeBytes, spec_from_layout
@@ -25,11 +24,12 @@ from hplan.planner.solve.solver import SolveOptions, SolveResult, solve
 from hplan.planner.solve.strategy import TP_PCIE_GATE, generate
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
 from hplan.runtime.contract.link_model import ring_all_reduce_time_s
-from hplan.runtime.contract.plan import Plan, TpRule, TpStyle, TrainingSpec
+from hplan.runtime.contract.plan import Plan, TpRule, TpStyle
 from hplan.runtime.contract.quantities import gb_per_s_to_bytes_per_s
 from tests.fixtures.clusters import (
     cluster_from_dict,
     language_model_graph,
+    solved_tp_plan,
     tp_language_model_graph,
 )
 
@@ -87,6 +87,8 @@ def test_bridged_pairs_join_only_their_pairs() -> None:
             r"nodes\[0\]\.nvlink: \[0, 1\] is not an nvlink value.*\[\[0, 1\], \[2, 3\]\]$",
         ),
         ({"nvlink": "some"}, r"nodes\[0\]\.nvlink: 'some' is not an nvlink value"),
+        ({"nvlink_gb_per_s": 50}, r"nodes\[0\]\.nvlink_gb_per_s: .*no NVLink-joined cards"),
+        ({"nvlink": "none", "nvlink_gb_per_s": 50}, r"would be ignored; add nvlink: all"),
     ],
 )
 def test_bad_nvlink_is_one_config_error(node: dict[str, object], message: str) -> None:
@@ -183,20 +185,7 @@ def test_a_tp_plan_verifies_round_trips_and_shows_its_groups() -> None:
     problem = build_problem(graph, cluster, global_batch_size=8)
     result = _solve(problem, "auto")
     solved = result.solved_problem(problem)
-    plan = build_plan(
-        graph=graph,
-        model=model_spec(graph, path="model.py", sha256="0" * 64),
-        cluster=to_cluster_spec(cluster, graph.param_dtype),
-        device_names=solved.device_names,
-        layout=result.layout,
-        global_batch_size=8,
-        report=build_report(solved, result, cost_source="roofline"),
-        training=TrainingSpec(),
-        tp_members=solved.tp_members,
-    )
-    plan = with_memory(plan, memory_model_spec(graph, problem))
-    plan.verify()
-    assert Plan.from_json(plan.to_json()) == plan
+    plan = solved_tp_plan(graph, cluster, problem, result, 8)
     degree = solved.tp_degree
     assert plan.tensor_parallel and plan.model.tp_plan == graph.tp_plan
     assert [r.tp_rank for r in plan.ranks[:degree]] == list(range(degree))
