@@ -6,9 +6,9 @@ its scheduler reads; pytest 9 keeps a node's id in ``item._id`` instead, so the 
 and every group was spread over the workers (test_zero.py's ``runs`` was built twice). This
 hook sets the tag where pytest 9 reads it, and does nothing where xdist already did.
 
-Hypothesis draws its examples from a fixed seed per test (profile ``make-test``): the
-property tests' time varied from 2.5 s to 62 s with the examples drawn, enough to push
-``make test`` past its 10 minutes. ``HYPOTHESIS_PROFILE=default`` draws fresh ones.
+Hypothesis draws its examples from a fixed seed per test (profile ``make-test``), so that
+the property tests take the same time on every run of ``make test``;
+``HYPOTHESIS_PROFILE=default`` draws fresh ones.
 """
 
 from __future__ import annotations

@@ -276,6 +276,22 @@ def _train_slowing(
         segment.after_step(step)  # type: ignore[attr-defined]
 
 
+def _replanning_segment(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    plan_path: Path,
+    replanner: object,
+    total_steps: int = 10_000,
+) -> object:
+    """A segment of ``plan_path`` whose watch polls at once and re-plans with ``replanner``."""
+    from hplan.runtime.executor.elastic import segment as segment_module
+
+    monkeypatch.setattr(segment_module, "POLL_S", 0.0)
+    segment = _segment(tmp_path, plan_path, total_steps=total_steps)
+    segment._replanner = replanner  # type: ignore[attr-defined]
+    return segment
+
+
 def test_a_slowed_node_makes_rank_0_replan_and_ask_the_job_to_restart(
     tmp_path: Path,
     island_plans: tuple[Path, Path],
@@ -283,13 +299,10 @@ def test_a_slowed_node_makes_rank_0_replan_and_ask_the_job_to_restart(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from hplan.runtime.contract.elastic import RunEventKind
-    from hplan.runtime.executor.elastic import segment as segment_module
 
-    monkeypatch.setattr(segment_module, "POLL_S", 0.0)
     even, moved = island_plans
-    segment = _segment(tmp_path, even, total_steps=10_000)
     fake = _SolvedAtOnce(moved)
-    segment._replanner = fake  # type: ignore[attr-defined]
+    segment = _replanning_segment(tmp_path, monkeypatch, even, fake)
     _train_slowing(segment, segment.metrics_dir, 8)  # type: ignore[attr-defined]
     err = capsys.readouterr().err
     assert fake.begun == 1
@@ -311,12 +324,11 @@ def test_a_replan_that_does_not_pay_before_the_end_keeps_the_plan(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from hplan.runtime.executor.elastic import segment as segment_module
 
-    monkeypatch.setattr(segment_module, "POLL_S", 0.0)
     even, moved = island_plans
-    segment = _segment(tmp_path, even, total_steps=170)  # 10 steps left at the decision
-    segment._replanner = _SolvedAtOnce(moved)  # type: ignore[attr-defined]
+    segment = _replanning_segment(  # 10 steps left at the decision
+        tmp_path, monkeypatch, even, _SolvedAtOnce(moved), total_steps=170
+    )
     _train_slowing(segment, segment.metrics_dir, 8)  # type: ignore[attr-defined]
     err = capsys.readouterr().err
     assert "keeping the plan" in err and "restarting under" not in err
@@ -349,12 +361,9 @@ def test_the_gain_is_weighed_with_the_step_seen_at_the_detection(
 ) -> None:
     # while the re-plan's child processes run on rank 0's node the job's step grows again
     # (0.2 -> 0.5 s here); that is the re-plan's own cost, not the slowed node's
-    from hplan.runtime.executor.elastic import segment as segment_module
 
-    monkeypatch.setattr(segment_module, "POLL_S", 0.0)
     even, moved = island_plans
-    segment = _segment(tmp_path, even, total_steps=10_000)
-    segment._replanner = _SolvedLater(moved)  # type: ignore[attr-defined]
+    segment = _replanning_segment(tmp_path, monkeypatch, even, _SolvedLater(moved))
     _train_slowing(segment, segment.metrics_dir, 9, busier_from=4)  # type: ignore[attr-defined]
     err = capsys.readouterr().err
     assert "restarting under" in err
