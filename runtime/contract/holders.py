@@ -24,6 +24,7 @@ __all__ = [
     "BucketSpec",
     "OptimizerShards",
     "RankSet",
+    "applied_after",
     "first_sync_step",
     "grad_buckets",
     "grad_sync_reports",
@@ -382,6 +383,14 @@ def syncs_after(group: OuterSyncSpec, fragment_idx: int, step: int) -> bool:
     ``num_fragments`` (:class:`OuterSyncSpec`)."""
     offset = fragment_idx * group.local_steps // group.num_fragments
     return (step + 1 + offset) % group.local_steps == 0
+
+
+def applied_after(group: OuterSyncSpec, fragment_idx: int, step: int) -> bool:
+    """Whether the average of fragment ``fragment_idx`` launched ``group.delay_steps`` steps
+    before is applied after step ``step``: it synced after step ``step - delay_steps >= 0``
+    (:attr:`OuterSyncSpec.delay_steps`; with delay 0, exactly :func:`syncs_after`)."""
+    launched = step - group.delay_steps
+    return launched >= 0 and syncs_after(group, fragment_idx, launched)
 
 
 def first_sync_step(group: OuterSyncSpec, fragment_idx: int) -> int:

@@ -210,10 +210,58 @@ class SyncMode(StrEnum):
 
 
 class PseudoGradientDtype(StrEnum):
-    """The dtype pseudo-gradients cross the slow links in (averaged in float32 after)."""
+    """The wire format pseudo-gradients cross the slow links in (averaged in float32 after).
+
+    - ``float32``, ``bfloat16``: one SUM all-reduce over the holder set in that dtype.
+    - ``int8``, ``int4``: quantized with error feedback. Each island's lowest holder adds
+      its residual to its weighted pseudo-gradient, cuts the result into blocks of
+      :data:`WIRE_BLOCK_ELEMENTS` elements and sends each block as signed integers
+      (``int8``: -127..127; ``int4``: -7..7, two per byte) over one float32 scale, the
+      block's largest magnitude / the largest integer, rounding to nearest; the residual
+      becomes what the rounding lost (error feedback: Seide et al., "1-bit SGD", 2014;
+      Karimireddy et al., "EF-SGD", 2019). The islands' lowest holders all-gather the
+      payloads, each decodes them and sums them in float32 in island order, and sends the
+      sum to its island's other holders. Every holder of an island computes the same
+      residual. Streaming DiLoCo (Douillard et al., 2025) sends 4-bit values; INTELLECT-1
+      int8.
+    """
 
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether this format is a block-quantized integer one (``int8``, ``int4``)."""
+        return self in (PseudoGradientDtype.INT8, PseudoGradientDtype.INT4)
+
+    @property
+    def largest_integer(self) -> int:
+        """The largest magnitude a quantized element takes (127, 7); 0 for float formats."""
+        return {PseudoGradientDtype.INT8: 127, PseudoGradientDtype.INT4: 7}.get(self, 0)
+
+
+WIRE_BLOCK_ELEMENTS: Final = 64
+"""Elements per block of a quantized wire format, each block with one float32 scale."""
+
+
+def wire_payload_bytes(wire: PseudoGradientDtype, num_elements: int) -> int:
+    """Bytes one island's pseudo-gradient of ``num_elements`` elements takes on the wire in
+    ``wire``: 4 or 2 per element for the float formats; for ``int8`` one byte per element,
+    for ``int4`` one per two (rounded up), plus 4 bytes of scale per started block of
+    :data:`WIRE_BLOCK_ELEMENTS`."""
+    if not wire.quantized:
+        return num_elements * DTYPE_BYTES[wire.value]
+    blocks = -(-num_elements // WIRE_BLOCK_ELEMENTS)
+    data = num_elements if wire is PseudoGradientDtype.INT8 else -(-num_elements // 2)
+    return data + 4 * blocks
+
+
+def wire_bytes_per_element(wire: PseudoGradientDtype) -> float:
+    """Bytes per element of ``wire`` for a large tensor (:func:`wire_payload_bytes` / n):
+    4, 2, 1.0625, 0.5625."""
+    return wire_payload_bytes(wire, WIRE_BLOCK_ELEMENTS * 1024) / (WIRE_BLOCK_ELEMENTS * 1024)
 
 
 TP_DEGREES: Final = (1, 2, 4, 8)
@@ -523,6 +571,23 @@ class OuterSyncSpec:
     ``(s + 1 + f * local_steps // num_fragments) % local_steps == 0`` (Streaming DiLoCo's
     staggered schedule), so at most one fragment travels at a time."""
     wire_dtype: PseudoGradientDtype = PseudoGradientDtype.FLOAT32
+    overlap_steps: Index = 0
+    """``local_sgd`` only: the inner steps a fragment's outer sync travels behind before its
+    average is applied, at most H - 1 (0: the islands wait for it). A sync launched after
+    step s is applied after step ``s + overlap_steps``: G ← outer(G, average), and each
+    island's parameters become G plus the change the island made since the launch (it keeps
+    its own in-flight steps; the next pseudo-gradient is G - L, so no step is lost or
+    counted twice). ``async`` applies at the fragment's next point (:attr:`delay_steps` =
+    H) and takes 0 here."""
+
+    @property
+    def delay_steps(self) -> int:
+        """Inner steps between a fragment's sync launch and the application of its average:
+        ``overlap_steps`` under ``local_sgd`` (the staleness bound), H under ``async``, 0
+        under ``all_reduce``."""
+        if self.mode is SyncMode.ASYNC:
+            return self.local_steps
+        return self.overlap_steps if self.mode is SyncMode.LOCAL_SGD else 0
 
 
 @record
@@ -1283,6 +1348,19 @@ def _verify_sync(plan: Plan, sync: SyncSpec) -> None:
         seen.add(group.ranks)
         if group.mode is SyncMode.ALL_REDUCE and group.local_steps != 1:
             _fail(f"sync group {list(group.ranks)} all-reduces every step: local_steps must be 1")
+        if group.overlap_steps and (
+            group.mode is not SyncMode.LOCAL_SGD or group.overlap_steps >= group.local_steps
+        ):
+            _fail(
+                f"sync group {list(group.ranks)} has overlap_steps {group.overlap_steps} under "
+                f"{group.mode.value} H={group.local_steps}; only local_sgd overlaps, by at most "
+                "H - 1 steps (async applies one round late by itself)"
+            )
+        if group.wire_dtype is not PseudoGradientDtype.FLOAT32 and group.mode is SyncMode.ALL_REDUCE:
+            _fail(
+                f"sync group {list(group.ranks)} all-reduces every step: its wire_dtype must be "
+                "float32 (wire formats are for pseudo-gradients)"
+            )
         if group.num_fragments > group.local_steps and group.mode is not SyncMode.ALL_REDUCE:
             _fail(
                 f"sync group {list(group.ranks)} has {group.num_fragments} fragments for "
