@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +24,7 @@ from hplan.planner.cost.sync_cost import (
 from hplan.planner.emit.plan_build import with_islands
 from hplan.planner.sim.engine import EventKind, simulate
 from hplan.planner.sim.spec import spec_from_layout
+from hplan.planner.solve.previous import layout_of_plan
 from hplan.planner.solve.sync_choice import (
     HIDDEN_SYNC_SHARE,
     LINK_BUSY_SHARE,
@@ -246,3 +248,13 @@ def test_the_plan_holds_each_sets_overlap_and_wire_and_loads() -> None:
     assert (groups[first].num_fragments, groups[first].local_steps) == (2, 8)
     assert (groups[second].wire_dtype, groups[second].local_steps) == (BF16, 4)
     assert "local_sgd H=8 F=2 overlap=3 int4" in sync_summary(built)
+    # --previous reads each set's sync back (``solve.previous``)
+    stub = SimpleNamespace(
+        device_names=tuple(d.name for d in built.cluster.devices),
+        device_nodes=tuple(d.node for d in built.cluster.devices),
+        unit_names=tuple(u.name for u in built.units),
+        global_batch_size=built.global_batch_size,
+    )
+    again = layout_of_plan(built, stub, Path("plan.json")).sync  # type: ignore[arg-type]
+    assert again is not None
+    assert all(again.of(ranks) == sync.of(ranks) for ranks in spanning)
