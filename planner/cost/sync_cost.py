@@ -36,6 +36,7 @@ __all__ = [
     "amortised_outer_s",
     "device_outer_s",
     "exposed_outer_s",
+    "fragment_shares",
     "outer_round_s",
     "outer_transfer_time_s",
     "pseudo_gradient_bytes",
@@ -170,16 +171,21 @@ def exposed_outer_s(
     overlap_steps: int,
     transfer_s: float,
     inner_step_s: float,
+    largest_share: float = 0.0,
 ) -> float:
     """Seconds per inner step that one holder set's outer sync of ``transfer_s`` (T) leaves
     exposed, synced every H = ``local_steps`` inner steps of ``inner_step_s``:
 
     - ``all_reduce``: 0 (no outer sync);
     - ``local_sgd``, tau = ``overlap_steps`` = 0: T / H (the islands wait for it);
-    - ``local_sgd``, tau >= 1: ``F max(0, T / F - tau step) / H``: each of the F fragments
-      travels behind tau inner steps before it is applied (Streaming DiLoCo, Douillard et
-      al., 2025), what does not fit is waited for;
+    - ``local_sgd``, tau >= 1: ``sum over fragments f of max(0, T s_f - tau step) / H``,
+      the shares s_f of :func:`fragment_shares` (equal: ``F max(0, T / F - tau step) /
+      H``): each fragment travels behind tau inner steps before it is applied (Streaming
+      DiLoCo, Douillard et al., 2025), what does not fit is waited for;
     - ``async`` (applied H steps late): ``max(0, T - H step) / H``.
+
+    ``largest_share``: the set's largest indivisible piece (a parameter, or a unit where the
+    parameters are not known) as a share of its bytes; 0: fragments cut evenly.
     """
     if mode is SyncMode.ALL_REDUCE or transfer_s <= 0:
         return 0.0
@@ -187,8 +193,21 @@ def exposed_outer_s(
         return max(0.0, transfer_s - local_steps * inner_step_s) / local_steps
     if overlap_steps == 0:
         return transfer_s / local_steps
-    fragment_s = transfer_s / num_fragments
-    return num_fragments * max(0.0, fragment_s - overlap_steps * inner_step_s) / local_steps
+    hidden_s = overlap_steps * inner_step_s
+    shares = fragment_shares(num_fragments, largest_share)
+    return sum(max(0.0, transfer_s * share - hidden_s) for share in shares) / local_steps
+
+
+def fragment_shares(num_fragments: int, largest_share: float) -> tuple[float, ...]:
+    """The share of a set's bytes each of its ``num_fragments`` fragments carries: equal,
+    unless an indivisible piece of ``largest_share`` is larger than an equal share: its
+    fragment carries it, the others the rest evenly (``holders.outer_fragments`` cuts
+    between parameters)."""
+    count = max(1, num_fragments)
+    if count == 1 or largest_share <= 1 / count:
+        return (1 / count,) * count
+    largest = min(1.0, largest_share)
+    return (largest, *((1 - largest) / (count - 1),) * (count - 1))
 
 
 def device_outer_s(

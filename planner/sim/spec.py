@@ -25,8 +25,10 @@ import numpy as np
 
 from hplan.planner.cost.evaluate import (
     island_index,
+    largest_unit_share,
     outer_link,
     outer_sync_groups,
+    set_unit_bytes,
     slowest_link,
     step_sync_groups,
 )
@@ -56,6 +58,7 @@ from hplan.runtime.contract.holders import (
     holders,
     island_of_rank,
     outer_groups,
+    parameter_holders,
     shared_bytes,
 )
 from hplan.runtime.contract.link_model import ring_all_reduce_time_s
@@ -258,7 +261,20 @@ def _plan_outer(plan: Plan, spec: OuterSyncSpec, gradient_bytes: float) -> SimOu
         transfer_s=outer_transfer_time_s(
             spec.wire_dtype, gradient_bytes, _plan_outer_link(plan, spec.ranks)
         ),
+        largest_share=_largest_parameter_share(plan, spec.ranks),
     )
+
+
+def _largest_parameter_share(plan: Plan, ranks: RankSet) -> float:
+    """The largest parameter held by exactly ``ranks`` as a share of their bytes (what
+    ``holders.outer_fragments`` cannot cut); 0 when the plan records no parameter sizes."""
+    recorded = plan.memory.parameters if plan.memory is not None else ()
+    sizes = {p.name: p.num_elements * max(WIRE_BYTES_MIN, p.element_bytes) for p in recorded}
+    held = [
+        sizes.get(name, 0) for name, owners in parameter_holders(plan).items() if owners == ranks
+    ]
+    total = sum(held)
+    return max(held) / total if total > 0 else 0.0
 
 
 def _plan_outer_link(plan: Plan, ranks: RankSet) -> OuterLink:
@@ -475,6 +491,7 @@ def _outer_sync(
         transfer_s=outer_transfer_time_s(
             how.wire_dtype, gradient_bytes, outer_link(problem, sync, key)
         ),
+        largest_share=largest_unit_share(set_unit_bytes(problem, layout).get(key, ())),
     )
 
 

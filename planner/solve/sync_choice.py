@@ -43,10 +43,12 @@ from hplan.planner.cost.evaluate import (
     evaluate,
     grad_sync_groups,
     island_index,
+    largest_unit_share,
     outer_costs_s,
     outer_link,
     outer_ring_times_s,
     outer_sync_groups,
+    set_unit_bytes,
     slowest_link,
 )
 from hplan.planner.cost.islands import island_names
@@ -276,6 +278,7 @@ def _exposed(group: GroupSync, costs: SetCosts, inner_step_s: float) -> float:
         group.overlap_steps,
         transfer_s,
         inner_step_s,
+        costs.largest_share,
     )
 
 
@@ -294,7 +297,7 @@ def choose_local_steps(problem: PlanningProblem, layout: Layout, rules: SyncRule
         return trial
     links = {g: outer_link(problem, base, g) for g in spanning}
     weights = link_weights(tuple(spanning))
-    units = units_per_set(problem, trial)
+    units = set_unit_bytes(problem, trial)
     chosen = {}
     for group, num_bytes in spanning.items():
         held = units.get(group, ())
@@ -304,7 +307,7 @@ def choose_local_steps(problem: PlanningProblem, layout: Layout, rules: SyncRule
             },
             budget_s=inner_s * weights[group],
             max_fragments=max(1, len(held)),
-            largest_share=max(held, default=num_bytes) / num_bytes if num_bytes > 0 else 1.0,
+            largest_share=largest_unit_share(held),
         )
         chosen[group] = choose_group(costs, rules, inner_s)
     main = max(spanning, key=lambda g: (spanning[g], g))
@@ -329,23 +332,6 @@ def link_weights(groups: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], flo
         for d in group:
             per_device[d] = per_device.get(d, 0) + 1
     return {group: min(1 / per_device[d] for d in group) for group in groups}
-
-
-def units_per_set(
-    problem: PlanningProblem, layout: Layout
-) -> dict[tuple[int, ...], tuple[float, ...]]:
-    """Spanning holder set (sorted devices) -> the gradient bytes of each unit it holds
-    (units by their holders; tied parameters not apart)."""
-    holders: dict[int, list[int]] = {}
-    for replica in layout.replicas:
-        for stage in replica.stages:
-            for u in range(stage.unit_start, stage.unit_stop):
-                holders.setdefault(u, []).append(stage.device_idx)
-    grad = problem.grad_bytes_at(1)
-    out: dict[tuple[int, ...], list[float]] = {}
-    for u, devices in holders.items():
-        out.setdefault(tuple(sorted(devices)), []).append(float(grad[u]))
-    return {g: tuple(b) for g, b in out.items()}
 
 
 def sync_cost_share(evaluation: Evaluation) -> float:

@@ -19,6 +19,7 @@ from hplan.planner.cost.sync_cost import (
     OuterLink,
     device_outer_s,
     exposed_outer_s,
+    fragment_shares,
     outer_transfer_time_s,
 )
 from hplan.planner.emit.plan_build import with_islands
@@ -60,6 +61,15 @@ def test_exposed_time_per_step_blocking_overlapped_and_async() -> None:
     assert exposed_outer_s(local, 10, 5, 2, 10.0, 1.0) == 0.0  # 2 s fragments: hidden
     assert exposed_outer_s(SyncMode.ASYNC, 4, 1, 0, 5.0, 1.0) == pytest.approx(0.25)
     assert exposed_outer_s(SyncMode.ALL_REDUCE, 1, 1, 0, 5.0, 1.0) == 0.0
+
+
+def test_a_fragment_is_no_smaller_than_the_sets_largest_piece() -> None:
+    assert fragment_shares(4, 0.1) == (0.25,) * 4
+    assert fragment_shares(4, 0.4) == pytest.approx((0.4, 0.2, 0.2, 0.2))
+    local = SyncMode.LOCAL_SGD
+    # 10 s in 4 fragments behind 3 steps of 1 s: 2.5 s each hide; a 4 s one leaves 1 s
+    assert exposed_outer_s(local, 10, 4, 3, 10.0, 1.0) == 0.0
+    assert exposed_outer_s(local, 10, 4, 3, 10.0, 1.0, 0.4) == pytest.approx(0.1)
 
 
 def test_sets_sharing_a_device_share_its_link() -> None:
