@@ -36,6 +36,7 @@ from hplan.planner.cost.sync_cost import (
     OuterLink,
     device_outer_s,
     exposed_outer_s,
+    outer_codec_time_s,
     outer_transfer_time_s,
     split_by_island,
 )
@@ -546,6 +547,7 @@ def outer_costs_s(
     its link carries per inner step, T / H)."""
     sync = layout.sync
     units = set_unit_bytes(problem, layout)
+    grads = outer_sync_groups(problem, layout)
     out = {}
     for group, transfer_s in outer_ring_times_s(problem, layout).items():
         assert sync is not None
@@ -558,6 +560,9 @@ def outer_costs_s(
             transfer_s,
             inner_step_s,
             largest_unit_share(units.get(group, ())),
+            outer_codec_time_s(
+                g.wire_dtype, grads[group], len(outer_link(problem, sync, group).island_links)
+            ),
         )
         out[group] = (exposed, transfer_s / g.local_steps)
     return out

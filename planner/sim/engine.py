@@ -468,6 +468,7 @@ def outer_per_rank_s(
             transfer_s,
             inner_step_s,
             g.largest_share,
+            g.codec_s,
         )
         before = costs.get(g.ranks, (0.0, 0.0))
         costs[g.ranks] = (before[0] + exposed_s, before[1] + transfer_s / g.local_steps)

@@ -38,6 +38,7 @@ from hplan.planner.cost.offload import stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import (
     OuterLink,
+    outer_codec_time_s,
     outer_transfer_time_s,
     pseudo_gradient_bytes,
     split_by_island,
@@ -249,6 +250,7 @@ def _plan_outer(plan: Plan, spec: OuterSyncSpec, gradient_bytes: float) -> SimOu
     over the plan's links (``sync_cost.outer_transfer_time_s``)."""
     wire_bytes = pseudo_gradient_bytes(gradient_bytes, spec.wire_dtype)
     group = _plan_group(plan, spec.ranks, wire_bytes)
+    link = _plan_outer_link(plan, spec.ranks)
     return SimOuterSync(
         ranks=group.ranks,
         num_bytes=wire_bytes,
@@ -258,10 +260,9 @@ def _plan_outer(plan: Plan, spec: OuterSyncSpec, gradient_bytes: float) -> SimOu
         local_steps=spec.local_steps,
         num_fragments=spec.num_fragments,
         overlap_steps=spec.overlap_steps,
-        transfer_s=outer_transfer_time_s(
-            spec.wire_dtype, gradient_bytes, _plan_outer_link(plan, spec.ranks)
-        ),
+        transfer_s=outer_transfer_time_s(spec.wire_dtype, gradient_bytes, link),
         largest_share=_largest_parameter_share(plan, spec.ranks),
+        codec_s=outer_codec_time_s(spec.wire_dtype, gradient_bytes, len(link.island_links)),
     )
 
 
@@ -477,6 +478,7 @@ def _outer_sync(
     assert sync is not None
     key = tuple(sorted(devices))
     how = sync.of(key)
+    link = outer_link(problem, sync, key)
     wire_bytes = pseudo_gradient_bytes(gradient_bytes, how.wire_dtype)
     group = _sync_group(problem, devices, ranks, wire_bytes)
     return SimOuterSync(
@@ -488,10 +490,9 @@ def _outer_sync(
         local_steps=how.local_steps,
         num_fragments=how.num_fragments,
         overlap_steps=how.overlap_steps,
-        transfer_s=outer_transfer_time_s(
-            how.wire_dtype, gradient_bytes, outer_link(problem, sync, key)
-        ),
+        transfer_s=outer_transfer_time_s(how.wire_dtype, gradient_bytes, link),
         largest_share=largest_unit_share(set_unit_bytes(problem, layout).get(key, ())),
+        codec_s=outer_codec_time_s(how.wire_dtype, gradient_bytes, len(link.island_links)),
     )
 
 

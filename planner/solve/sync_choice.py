@@ -4,7 +4,8 @@ Each spanning holder set (``GroupSync`` in ``IslandSync.groups``) gets its own m
 wire format, fragments F and overlap tau, from its own link: T is one outer sync of its
 pseudo-gradients in a wire format (``sync_cost.outer_transfer_time_s``), the inner step the
 layout's step without outer syncs, of which a set gets a budget: an equal share with the
-other sets on its busiest device (sets that share a device share its link). ``hplan solve --sync``:
+other sets on its busiest device (sets that share a device share its link).
+``hplan solve --sync``:
 
 - ``all_reduce``: one island; every holder set sums its gradients every step.
 - ``local_sgd`` (blocking, tau = 0, one fragment): for each wire format in the order
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from hplan.planner.cost.evaluate import (
@@ -54,7 +55,12 @@ from hplan.planner.cost.evaluate import (
 from hplan.planner.cost.islands import island_names
 from hplan.planner.cost.layout import GroupSync, IslandSync, Layout
 from hplan.planner.cost.problem import PlanningProblem
-from hplan.planner.cost.sync_cost import exposed_outer_s, outer_transfer_time_s, split_by_island
+from hplan.planner.cost.sync_cost import (
+    exposed_outer_s,
+    outer_codec_time_s,
+    outer_transfer_time_s,
+    split_by_island,
+)
 from hplan.planner.solve.idle import smallest_stage_bytes
 from hplan.planner.solve.validate import layout_problems
 from hplan.planner.textfmt import count, format_seconds, percent
@@ -192,6 +198,22 @@ class SetCosts:
     """Units the set holds."""
     largest_share: float
     """Its largest unit's share of its bytes (a fragment is no smaller)."""
+    codec_s: dict[PseudoGradientDtype, float] = field(default_factory=dict)
+    """Of T, the host's encode and decode (exposed however the sync overlaps); 0 if absent."""
+
+    def exposed_s(self, group: GroupSync) -> float:
+        """Seconds ``group`` leaves exposed per step of the budget (``exposed_outer_s``)."""
+        wire = group.wire_dtype
+        return exposed_outer_s(
+            group.mode,
+            group.local_steps,
+            group.num_fragments,
+            group.overlap_steps,
+            self.transfer_s[wire],
+            self.budget_s,
+            self.largest_share,
+            self.codec_s.get(wire, 0.0),
+        )
 
 
 def blocking_choice(mode: SyncMode, costs: SetCosts, max_local_steps: int) -> GroupSync:
@@ -204,9 +226,18 @@ def blocking_choice(mode: SyncMode, costs: SetCosts, max_local_steps: int) -> Gr
     return GroupSync(mode=mode, local_steps=max_local_steps, wire_dtype=wire)
 
 
-def fragment_s(costs: SetCosts, wire: PseudoGradientDtype, num_fragments: int) -> float:
-    """Seconds the largest of ``num_fragments`` fragments takes in ``wire``."""
-    return costs.transfer_s[wire] * max(1 / num_fragments, costs.largest_share)
+def _overlapped(costs: SetCosts, wire: PseudoGradientDtype, steps: int, tau: int) -> GroupSync:
+    """H = ``steps`` overlapping ``tau`` steps in ``wire``, F the fewest fragments whose wire
+    time fits behind tau budgets (at most min(H, units held))."""
+    wire_s = costs.transfer_s[wire] - costs.codec_s.get(wire, 0.0)
+    wanted = math.ceil(wire_s / (tau * costs.budget_s) - _EPS) if tau else 1
+    return GroupSync(
+        mode=SyncMode.LOCAL_SGD,
+        local_steps=steps,
+        wire_dtype=wire,
+        num_fragments=max(1, min(wanted, steps, costs.max_fragments)),
+        overlap_steps=tau,
+    )
 
 
 def streaming_choice(
@@ -220,40 +251,24 @@ def streaming_choice(
     for wire, transfer_s in costs.transfer_s.items():
         first = max(1, math.ceil(transfer_s / (LINK_BUSY_SHARE * budget) - _EPS))
         for steps in range(max(first, 1 if blocking_ok else 2), max_local_steps + 1):
-            if blocking_ok and transfer_s / steps <= HIDDEN_SYNC_SHARE * budget * (1 + _EPS):
-                return GroupSync(mode=SyncMode.LOCAL_SGD, local_steps=steps, wire_dtype=wire)
-            most = min(steps, costs.max_fragments)
-            for tau in range(1, min(steps - 1, max_overlap_steps) + 1):
-                fragments = max(1, math.ceil(transfer_s / (tau * budget) - _EPS))
-                if fragments <= most and fragment_s(costs, wire, fragments) <= tau * budget * (
-                    1 + _EPS
-                ):
-                    return GroupSync(
-                        mode=SyncMode.LOCAL_SGD,
-                        local_steps=steps,
-                        wire_dtype=wire,
-                        num_fragments=fragments,
-                        overlap_steps=tau,
-                    )
+            lowest = 0 if blocking_ok else 1
+            for tau in range(lowest, min(steps - 1, max_overlap_steps) + 1):
+                group = _overlapped(costs, wire, steps, tau)
+                if costs.exposed_s(group) <= HIDDEN_SYNC_SHARE * budget * (1 + _EPS):
+                    return group
     return None
 
 
 def least_exposed(costs: SetCosts, max_local_steps: int, max_overlap_steps: int) -> GroupSync:
-    """Overlapped at H = ``max_local_steps`` when nothing hides: the format with the
-    smallest T, the most overlap and fragments allowed."""
-    wire = min(costs.transfer_s, key=lambda w: costs.transfer_s[w])
+    """When nothing hides: at H = ``max_local_steps`` with the most overlap allowed, the
+    format that exposes least (the less compressed on a tie)."""
     steps = max_local_steps
     tau = min(steps - 1, max_overlap_steps)
-    return GroupSync(
-        mode=SyncMode.LOCAL_SGD,
-        local_steps=steps,
-        wire_dtype=wire,
-        num_fragments=min(steps, costs.max_fragments) if tau else 1,
-        overlap_steps=tau,
-    )
+    candidates = [_overlapped(costs, wire, steps, tau) for wire in costs.transfer_s]
+    return min(candidates, key=costs.exposed_s)
 
 
-def choose_group(costs: SetCosts, rules: SyncRules, inner_step_s: float) -> GroupSync:
+def choose_group(costs: SetCosts, rules: SyncRules) -> GroupSync:
     """One spanning holder set's sync under ``rules`` (module docstring)."""
     h, tau_max = rules.max_local_steps, rules.max_overlap_steps
     if rules.request in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC):
@@ -264,22 +279,9 @@ def choose_group(costs: SetCosts, rules: SyncRules, inner_step_s: float) -> Grou
     if rules.request is SyncRequest.STREAMING:
         return hidden
     today = blocking_choice(SyncMode.LOCAL_SGD, costs, h)
-    if _exposed(hidden, costs, inner_step_s) < _exposed(today, costs, inner_step_s) - _EPS:
+    if costs.exposed_s(hidden) < costs.exposed_s(today) - _EPS:
         return hidden
     return today
-
-
-def _exposed(group: GroupSync, costs: SetCosts, inner_step_s: float) -> float:
-    transfer_s = costs.transfer_s[group.wire_dtype]
-    return exposed_outer_s(
-        group.mode,
-        group.local_steps,
-        group.num_fragments,
-        group.overlap_steps,
-        transfer_s,
-        inner_step_s,
-        costs.largest_share,
-    )
 
 
 def choose_local_steps(problem: PlanningProblem, layout: Layout, rules: SyncRules) -> Layout:
@@ -308,8 +310,12 @@ def choose_local_steps(problem: PlanningProblem, layout: Layout, rules: SyncRule
             budget_s=inner_s * weights[group],
             max_fragments=max(1, len(held)),
             largest_share=largest_unit_share(held),
+            codec_s={
+                w: outer_codec_time_s(w, num_bytes, len(links[group].island_links))
+                for w in rules.wire.formats
+            },
         )
-        chosen[group] = choose_group(costs, rules, inner_s)
+        chosen[group] = choose_group(costs, rules)
     main = max(spanning, key=lambda g: (spanning[g], g))
     default = chosen[main]
     island_sync = IslandSync(
