@@ -425,6 +425,7 @@ def group_choices(
     _, spanning = split_by_island(grad_sync_groups(problem, layout), island_of)
     rings = outer_ring_times_s(problem, layout)
     costs = outer_costs_s(problem, layout, inner_s)
+    units = set_unit_bytes(problem, layout)
     synchronous = evaluate(problem, replace(layout, sync=None)).step_time_s - inner_s
     every_step = {g: _every_step_ring_s(problem, g, b) for g, b in spanning.items()}
     total_ring = sum(every_step.values())
@@ -438,7 +439,15 @@ def group_choices(
             f"{format_link_speed(slowest_link(problem, group)[0])} would add "
             f"{format_seconds(added)} to each {format_seconds(inner_s)} step"
         )
+        codec_s = outer_codec_time_s(
+            how.wire_dtype, spanning[group], len(outer_link(problem, sync, group).island_links)
+        )
+        largest_s = (rings[group] - codec_s) * max(
+            1 / how.num_fragments, largest_unit_share(units.get(group, ()))
+        )
         tail = _tail(how, rings[group], costs[group][0], inner_s, max_local_steps)
+        if how.overlap_steps and how.mode is SyncMode.LOCAL_SGD:
+            tail = _streaming_tail(how, rings[group], largest_s, codec_s, costs[group][0], inner_s)
         out.append(
             GroupChoice(
                 devices=group,
@@ -469,6 +478,26 @@ def _head(how: GroupSync) -> str:
     return head
 
 
+def _streaming_tail(
+    how: GroupSync,
+    transfer_s: float,
+    largest_s: float,
+    codec_s: float,
+    exposed_s: float,
+    inner_s: float,
+) -> str:
+    wire = "" if how.wire_dtype is PseudoGradientDtype.FLOAT32 else f" in {how.wire_dtype.value}"
+    codec = f" ({format_seconds(codec_s)} of it encoding on the host)" if codec_s > 0 else ""
+    tail = (
+        f"one outer sync{wire} takes {format_seconds(transfer_s)}{codec}, its largest "
+        f"fragment {format_seconds(largest_s)} behind {count(how.overlap_steps, 'step')} "
+        f"({format_seconds(how.overlap_steps * inner_s)})"
+    )
+    if exposed_s <= HIDDEN_SYNC_SHARE * inner_s * (1 + _EPS):
+        return tail + ": hidden"
+    return tail + f": {format_seconds(exposed_s)} of each step is exposed"
+
+
 def _tail(
     how: GroupSync, transfer_s: float, exposed_s: float, inner_s: float, max_local_steps: int
 ) -> str:
@@ -481,16 +510,6 @@ def _tail(
             f"{count(h, 'step')} ({format_seconds(span_s)})"
         )
         met = transfer_s <= LOCAL_SGD_SYNC_SHARE * span_s * (1 + _EPS)
-    elif how.overlap_steps:
-        piece_s = transfer_s / how.num_fragments
-        tail = (
-            f"one outer sync{wire} takes {format_seconds(transfer_s)}, a fragment "
-            f"{format_seconds(piece_s)} behind {count(how.overlap_steps, 'step')} "
-            f"({format_seconds(how.overlap_steps * inner_s)})"
-        )
-        met = exposed_s <= HIDDEN_SYNC_SHARE * inner_s * (1 + _EPS)
-        if met:
-            return tail + ": hidden"
     else:
         share = transfer_s / span_s if span_s > 0 else 0.0
         tail = (
