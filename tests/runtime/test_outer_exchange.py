@@ -10,6 +10,7 @@ after every step must be equal bit for bit.
 
 from __future__ import annotations
 
+import shutil
 import time
 import zlib
 from collections.abc import Sequence
@@ -37,7 +38,8 @@ from hplan.runtime.executor.pseudo_gradient_codec import encode
 from hplan.runtime.executor.seams import LinkDelay
 from tests.fixtures.processes import join_gloo
 from tests.fixtures.processes import run_ranks as run_processes
-from tests.runtime.test_local_sgd import _model, _pipeline_and_single
+from tests.runtime.test_local_sgd import _flat as _flat_tree
+from tests.runtime.test_local_sgd import _model, _pipeline_and_single, _read, _train
 
 STEPS = 7
 INT8, INT4 = PseudoGradientDtype.INT8, PseudoGradientDtype.INT4
@@ -289,3 +291,25 @@ def test_a_quantized_exchange_lasts_its_floors_counted_on_its_real_bytes(
     assert ((0, 1), 4 * tied) in asked
     for rank in (0, 1, 2):  # every rank waits at least a floor at the point
         assert ranks[rank][str(len(CASES))]["took_s"][0] >= FLOOR_S
+
+
+def test_an_overlapped_quantized_run_resumes_exactly_as_one_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    # H = 4, F = 2, overlap 2, int4: after 3 steps fragment 1's average (launched after
+    # step 1) is pending, with its A and every island's residuals; the resume applies it
+    # after step 3 and closes fragment 0's, launched then, at the end
+    plan = _pipeline_and_single(_model(tmp_path), **CASES["int4 overlapped F=2"])
+    whole = _read(_train(plan, tmp_path / "whole", 5) / "step-5")
+    first = _train(plan, tmp_path / "first", 3)
+    shutil.copytree(first, tmp_path / "pieces" / "ckpt")
+    saved = _read(first / "step-3")
+    assert saved["outer"]["pending"] and saved["island"]["box-a"]["start"]
+    residuals = saved["island"]["box-b"]["residual"].values()
+    assert any(r.abs().max() > 0 for r in residuals)  # what int4 lost after step 1, carried
+    resumed = _read(_train(plan, tmp_path / "pieces", 2, "--resume") / "step-5")
+    for key in ("model", "outer", "island"):
+        flat_whole, flat_resumed = _flat_tree(whole[key]), _flat_tree(resumed[key])
+        assert flat_whole.keys() == flat_resumed.keys()
+        for name, value in flat_whole.items():
+            assert torch.equal(flat_resumed[name], value), (key, name)
