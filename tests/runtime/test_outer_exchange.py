@@ -10,6 +10,7 @@ after every step must be equal bit for bit.
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 import zlib
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
+from hplan.runtime.contract.errors import PeerFailureError
 from hplan.runtime.contract.holders import (
     applied_after,
     island_of_rank,
@@ -39,7 +41,7 @@ from hplan.runtime.executor.seams import LinkDelay
 from tests.fixtures.processes import join_gloo
 from tests.fixtures.processes import run_ranks as run_processes
 from tests.runtime.test_local_sgd import _flat as _flat_tree
-from tests.runtime.test_local_sgd import _model, _pipeline_and_single, _read, _train
+from tests.runtime.test_local_sgd import _model, _pipeline_and_single, _read, _train, _two_single
 
 STEPS = 7
 INT8, INT4 = PseudoGradientDtype.INT8, PseudoGradientDtype.INT4
@@ -313,3 +315,42 @@ def test_an_overlapped_quantized_run_resumes_exactly_as_one_uninterrupted_run(
         assert flat_whole.keys() == flat_resumed.keys()
         for name, value in flat_whole.items():
             assert torch.equal(flat_resumed[name], value), (key, name)
+
+
+def _island_leaves(rank: int, port: int, out_dir: str, model_path: str, plan_text: str) -> None:
+    """Both ranks build the outer sync; rank 1 (island box-b) then leaves the job, and rank
+    0 writes the error of its first outer sync."""
+    import os
+
+    try:
+        join_gloo(rank, port)
+        plan = Plan.from_json(plan_text)
+        model_file = load_model_file(model_path)
+        named = list(model_file.build_model().named_parameters())
+        outer = build_outer_sync(plan, rank, named, model_file, delay=LinkDelay(),
+                                 keep_resume_state=False)  # fmt: skip
+        assert outer is not None
+        if rank == 1:
+            os._exit(0)  # its sockets close: the all-gather fails at once, no timeout
+        try:
+            outer.after_step(0, last=True)
+        except PeerFailureError as exc:
+            (Path(out_dir) / "failure.txt").write_text(str(exc))
+        os._exit(0)
+    except Exception:
+        import traceback
+
+        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_an_island_gone_from_a_quantized_exchange_is_named_in_one_line(tmp_path: Path) -> None:
+    path = _model(tmp_path)
+    plan = _two_single(path, timeout_s=20.0, mode=SyncMode.LOCAL_SGD, wire_dtype=INT8)
+    assert run_processes(_island_leaves, 2, tmp_path, str(path), plan.to_json()) == [0, 0]
+    message = (tmp_path / "failure.txt").read_text()
+    assert re.fullmatch(
+        r"outer sync \(local_sgd\) of ranks \[0, 1\] across islands box-a, box-b failed: .*; "
+        r"island box-b probably fell behind or failed; check its logs",
+        message,
+    ), message
