@@ -34,8 +34,10 @@ from hplan.runtime.contract.holders import (
     applied_after,
     island_of_rank,
     island_samples,
+    outer_exchange_groups,
     outer_fragments,
     outer_groups,
+    outer_island_holders,
     parameter_holders,
     parameter_order,
     sync_summary,
@@ -426,7 +428,8 @@ def build_outer_sync(
 ) -> OuterSync | None:
     """Create the process groups of every local group (on every rank, in
     ``link_model.sync_order``: ``new_group`` is collective): the holder set's, and for a
-    quantized wire its islands' leads' and each island's holders' (:func:`_exchange_groups`);
+    quantized wire its islands' leads' and each island's holders'
+    (``holders.outer_exchange_groups``);
     then this rank's fragments.
 
     Must be called by every rank of the world, in the same program order, after
@@ -449,12 +452,11 @@ def build_outer_sync(
         key=lambda g: sync_order(g.ranks),
     )
     timeout_s = plan.training.process_group_timeout_s
-    where = island_of_rank(plan)
     groups: dict[RankSet, dist.ProcessGroup | None] = {}
     for spec in local:
         groups[spec.ranks] = new_group(spec.ranks, timeout_s, "outer-sync")
         if spec.wire_dtype.quantized:
-            for ranks in _exchange_groups(spec, where):
+            for ranks in outer_exchange_groups(plan, spec):
                 if ranks not in groups:
                     groups[ranks] = new_group(ranks, timeout_s, "outer-sync")
     trainable = {n: p for n, p in named_params if p.requires_grad}
@@ -465,22 +467,6 @@ def build_outer_sync(
         for frag in _fragments(plan, rank, spec, groups, trainable, model_file, delay)
     ]
     return OuterSync(fragments, keep_resume_state=keep_resume_state) if fragments else None
-
-
-def _island_holders(spec: OuterSyncSpec, where: Mapping[int, str]) -> dict[str, RankSet]:
-    """The holder set's ranks by island, in the order of their lowest ranks."""
-    found: dict[str, list[int]] = {}
-    for r in sorted(spec.ranks):
-        found.setdefault(where[r], []).append(r)
-    return {island: tuple(ranks) for island, ranks in found.items()}
-
-
-def _exchange_groups(spec: OuterSyncSpec, where: Mapping[int, str]) -> list[RankSet]:
-    """A quantized group's own process groups, in creation order: the islands' leads (the
-    lowest holder of each), then each island's holders where it has several."""
-    by_island = _island_holders(spec, where)
-    leads = tuple(ranks[0] for ranks in by_island.values())
-    return [leads, *(ranks for ranks in by_island.values() if len(ranks) > 1)]
 
 
 def _fragments(
@@ -502,7 +488,7 @@ def _fragments(
     where = island_of_rank(plan)
     own = where[rank]
     island_weight = island_samples(plan)[own] / plan.global_batch_size
-    by_island = _island_holders(spec, where)
+    by_island = outer_island_holders(plan, spec)
     lowest = by_island[own][0]
     weight = island_weight if lowest == rank else 0.0
     islands = tuple(by_island)
