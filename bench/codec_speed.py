@@ -18,13 +18,23 @@ from hplan.runtime.contract.plan import PseudoGradientDtype
 from hplan.runtime.executor.pseudo_gradient_codec import decode, encode
 
 
-def seconds(values: torch.Tensor, wire: PseudoGradientDtype, repeats: int) -> list[float]:
-    """Wall seconds of ``repeats`` encode + decode round trips of ``values``."""
+def seconds(
+    values: torch.Tensor, wire: PseudoGradientDtype, repeats: int, *, feedback: bool
+) -> list[float]:
+    """Wall seconds of ``repeats`` encode + decode round trips of ``values``; with
+    ``feedback`` also the error feedback around them, as one island's exchange does it
+    (``outer_exchange.QuantizedExchange``: value = 0.5 Δ + residual, residual ← value -
+    decoded, and the decoded sum of two payloads)."""
+    residual = torch.zeros_like(values)
     times = []
     for _ in range(repeats):
         start_s = time.perf_counter()
-        encoded = encode(values, wire)
-        decode(encoded.payload, wire, values.numel())
+        value = values * 0.5 + residual if feedback else values
+        encoded = encode(value, wire)
+        decoded = decode(encoded.payload, wire, values.numel())
+        if feedback:
+            residual.copy_(value - encoded.decoded)
+            decoded += decoded
         times.append(time.perf_counter() - start_s)
     return times
 
@@ -40,10 +50,11 @@ def main() -> None:
     print(f"{args.elements:,} float32 elements, {args.threads} thread(s), "
           f"median of {args.repeats} encode + decode round trips")  # fmt: skip
     for wire in (w for w in PseudoGradientDtype if w.quantized):
-        seconds(values, wire, 1)  # warm-up
-        median_s = statistics.median(seconds(values, wire, args.repeats))
-        print(f"{wire.value:>5}: {median_s * 1e3:8.1f} ms  {args.elements / median_s:12.4g} "
-              "elements/s (encode + decode)")  # fmt: skip
+        for feedback, what in ((False, "encode + decode"), (True, "with error feedback")):
+            seconds(values, wire, 1, feedback=feedback)  # warm-up
+            median_s = statistics.median(seconds(values, wire, args.repeats, feedback=feedback))
+            print(f"{wire.value:>5}: {median_s * 1e3:8.1f} ms  "
+                  f"{args.elements / median_s:12.4g} elements/s ({what})")  # fmt: skip
 
 
 if __name__ == "__main__":
