@@ -54,10 +54,15 @@ CASES: dict[str, dict[str, object]] = {
         mode=SyncMode.LOCAL_SGD, local_steps=4, num_fragments=2, overlap_steps=1
     ),
     "int4 async": dict(mode=SyncMode.ASYNC, local_steps=2, wire_dtype=INT4),
+    "int8 overlapped H=2 F=2": dict(
+        mode=SyncMode.LOCAL_SGD, local_steps=2, num_fragments=2, overlap_steps=1, wire_dtype=INT8
+    ),
 }
 """Over 7 steps: H=4 F=2 overlap 2 launches fragment 1 after steps 1, 5 (applied after 3,
 and at the close) and fragment 0 after step 3 (applied after 5); async applies and launches
-at once; every run ends between two points."""
+at once; H=2 F=2 overlap 1 launches fragment 1 after the last step (the close applies it
+alone) and fragment 0 after step 5 (applied after the last step, then the close syncs the
+rest)."""
 FLOOR_S = 0.25
 """The emulated time of each outer collective in the floored case."""
 
