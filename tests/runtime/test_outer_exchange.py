@@ -265,6 +265,7 @@ def exchanged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Plan
     return path, plans, ranks
 
 
+@pytest.mark.xdist_group("outer-exchange")  # one worker builds `exchanged`
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_island_after_every_step_equals_the_reference_bit_for_bit(
     exchanged: tuple[Path, list[Plan], list[dict]], case: str
@@ -286,6 +287,7 @@ def test_every_island_after_every_step_equals_the_reference_bit_for_bit(
                    for n in want[3]["box-a"])  # fmt: skip
 
 
+@pytest.mark.xdist_group("outer-exchange")
 def test_a_quantized_exchange_lasts_its_floors_counted_on_its_real_bytes(
     exchanged: tuple[Path, list[Plan], list[dict]],
 ) -> None:
