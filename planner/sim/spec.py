@@ -59,6 +59,7 @@ from hplan.runtime.contract.holders import (
     holders,
     island_of_rank,
     outer_groups,
+    outer_island_holders,
     parameter_holders,
     shared_bytes,
 )
@@ -250,7 +251,7 @@ def _plan_outer(plan: Plan, spec: OuterSyncSpec, gradient_bytes: float) -> SimOu
     over the plan's links (``sync_cost.outer_transfer_time_s``)."""
     wire_bytes = pseudo_gradient_bytes(gradient_bytes, spec.wire_dtype)
     group = _plan_group(plan, spec.ranks, wire_bytes)
-    link = _plan_outer_link(plan, spec.ranks)
+    link = _plan_outer_link(plan, spec)
     return SimOuterSync(
         ranks=group.ranks,
         num_bytes=wire_bytes,
@@ -278,13 +279,11 @@ def _largest_parameter_share(plan: Plan, ranks: RankSet) -> float:
     return max(held) / total if total > 0 else 0.0
 
 
-def _plan_outer_link(plan: Plan, ranks: RankSet) -> OuterLink:
-    """The links of a spanning set of ``plan``: its ring's, its island leads' (lowest rank
-    of each island) and each island's (``Plan.ring_channel``)."""
-    island = island_of_rank(plan)
-    parts: dict[str, list[int]] = {}
-    for r in sorted(ranks):
-        parts.setdefault(island[r], []).append(r)
+def _plan_outer_link(plan: Plan, spec: OuterSyncSpec) -> OuterLink:
+    """The links of a spanning set of ``plan``: its ring's, its island leads' and each
+    island's (``holders.outer_island_holders``, the runtime's exchange;
+    ``Plan.ring_channel``)."""
+    parts = list(outer_island_holders(plan, spec).values())
 
     def channel(members: Sequence[int]) -> tuple[float, float]:
         if len(members) < 2:
@@ -292,10 +291,10 @@ def _plan_outer_link(plan: Plan, ranks: RankSet) -> OuterLink:
         return plan.ring_channel([plan.ranks[r].device for r in members])
 
     return OuterLink(
-        len(ranks),
-        *channel(ranks),
-        *channel([part[0] for part in parts.values()]),
-        tuple((len(part), *channel(part)) for part in parts.values()),  # type: ignore[misc]
+        len(spec.ranks),
+        *channel(spec.ranks),
+        *channel([part[0] for part in parts]),
+        tuple((len(part), *channel(part)) for part in parts),  # type: ignore[misc]
     )
 
 
