@@ -38,3 +38,27 @@ def test_resharing_the_batch_keeps_every_island_though_a_smaller_round_would_loo
     work_per_sample = 3 * 0.04  # four units of 0.01 forward, the backward twice that
     balanced_s = 256 / sum(d.speed / work_per_sample for d in devices)
     assert ev.inner_step_time_s < 1.1 * balanced_s
+
+
+def test_an_island_that_fits_only_without_flat_gradient_copies_runs_a_pipeline() -> None:
+    """Box c's two cards hold half the model each only without the flat copy of its
+    gradients that every unit's static memory counts (1 GB a unit, 0.25 GB of it the copy):
+    as one pipeline in its island, under local SGD, no rank sums those gradients every step
+    with another, so no bucket copies them (issue 38: an SD 1.5 UNet on a 3060 + 2080 Ti)."""
+    devices = [Dev(node, 1.0, 8 * GB) for node in "aabb"] + [Dev("c", 1.0, 1.9 * GB)] * 2
+    problem = make_problem(
+        devices,
+        unit_work=[0.01] * 4,
+        global_batch_size=64,
+        micro_batch_sizes=(1, 2, 4, 8, 16),
+        static_bytes=1.0 * GB,
+        act_bytes_per_sample=0.001 * GB,
+        grad_bytes=0.25 * GB,
+        inter_bandwidth=1.25e7,
+    )
+    result = solve(problem, SolveOptions(sync=SyncRequest.LOCAL_SGD, watchdog=False))
+    assert sorted(result.layout.device_indices) == [0, 1, 2, 3, 4, 5]
+    (pipeline,) = [r for r in result.layout.replicas if r.stages[0].device_idx >= 4]
+    assert [s.unit_stop - s.unit_start for s in pipeline.stages] == [2, 2]
+    costs = evaluate(problem, result.layout).stages[result.layout.replicas.index(pipeline)]
+    assert all(1.5 * GB < c.memory_bytes < 1.9 * GB for c in costs)
