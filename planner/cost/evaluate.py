@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -639,6 +640,7 @@ def evaluate(problem: PlanningProblem, layout: Layout) -> Evaluation:
         stages = _sharded(problem, layout, stages)
     if layout.optimizer_offload:
         stages = _less(stages, device_saving_bytes(problem, layout))
+    stages = _less(stages, unsummed_flat_copy_bytes(problem, layout))
     outer = outer_sync_time_s(problem, layout, inner)
     step = inner + outer
     memory_ok = all(
@@ -685,6 +687,28 @@ def _less(
         )
         for costs in stages
     )
+
+
+def unsummed_flat_copy_bytes(problem: PlanningProblem, layout: Layout) -> dict[int, float]:
+    """Device index -> the flat gradient copy its stage's static memory counts but no
+    all-reduce makes: every unit's static memory holds one (``problem_builder``,
+    conservative), the runtime's buckets only the gradients a rank sums every step with
+    another (``holders.grad_buckets``: not those of a unit it alone holds, nor under local
+    sync those whose other holders are all in other islands). Per single card (a TP
+    group's card keeps the conservative count)."""
+    summed: dict[int, float] = defaultdict(float)
+    for group, num_bytes in step_sync_groups(problem, layout).items():
+        for d in group:
+            summed[d] += num_bytes
+    out = {}
+    for replica in layout.replicas:
+        for stage in replica.stages:
+            d = stage.device_idx
+            if problem.degree(d) > 1:
+                continue
+            counted = float(problem.grad_bytes[stage.unit_start : stage.unit_stop].sum())
+            out[d] = max(0.0, counted - summed.get(d, 0.0))
+    return out
 
 
 def standalone_samples_per_s(problem: PlanningProblem, device_idx: int) -> float:

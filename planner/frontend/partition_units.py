@@ -28,10 +28,13 @@ MAX_UNIT_SHARE = 0.125
 """A module holding more than this share of the model's parameter bytes (and more than
 :data:`MIN_SPLIT_PARAM_BYTES`) is split into its children: SDXL's ``up_blocks.0`` holds
 nearly half its UNet, and whole, no 24 GB card could hold a stage containing it."""
-MIN_SPLIT_PARAM_BYTES = 2**30
-"""Parameter bytes below which no module is split however large its share: 1 GiB of fp32
-parameters is 4 GiB of training state under Adam (16 bytes a parameter), which any card a
-plan uses holds; smaller models keep their blocks whole."""
+MIN_SPLIT_PARAM_BYTES = 2**28
+"""Parameter bytes below which no module is split however large its share: 256 MiB of fp32
+parameters is 1 GiB of training state under Adam (16 bytes a parameter), a step of stage
+memory fine enough to share a model between 11 and 12 GB cards; models under 2 GiB of
+parameters (8 of these) keep their blocks whole. SD 1.5's UNet (3.4 GB) has its
+``up_blocks.1`` (1.0 GB, 6.4 GB of state) split: whole, no cut of the model between an RTX
+3060 and a 2080 Ti fits both, and the two halves of a pipeline on two 4090s differ by half."""
 
 
 def assign_units(

@@ -110,7 +110,7 @@ def _costed_reason(
         f"{how} takes {format_seconds(ev.step_time_s)} per step, the plan "
         f"{format_seconds(chosen.step_time_s)}"
     )
-    if sync_s > 0 and sync_s >= longer_s:
+    if sync_s > _SAME_STEP * chosen.step_time_s and sync_s >= longer_s:
         link = format_link_speed(_sync_link_bytes_per_s(problem, with_layout, device_idx))
         saving = (
             f"more than its compute saves ({format_seconds(-longer_s)})"
@@ -121,6 +121,9 @@ def _costed_reason(
             f"{head}: syncing gradients over the {link} link costs "
             f"{format_seconds(sync_s)} more per step, {saving}"
         )
+    if longer_s <= 0:  # its compute saves time; what it adds is elsewhere in the step
+        others = _other_costs(ev, chosen).removeprefix(", ") or "the rest of the step more"
+        return f"{head}: its compute saves {format_seconds(-longer_s)}, but {others}"
     replica, stage = ev.bottleneck
     if with_layout.replicas[replica].stages[stage].device_idx == device_idx:
         return f"{head}: its stage would be the slowest of its pipeline"

@@ -294,10 +294,18 @@ def _combined(
 
 
 def _better(problem: PlanningProblem, candidate: Layout, current: Layout) -> bool:
-    """A valid local layout on two islands or more that is faster than ``current``."""
-    if _islands_used(problem, candidate) < 2 or layout_problems(problem, candidate):
+    """A valid local layout on as many islands as ``current`` whose inner step is faster.
+
+    Inner steps only: H is chosen after (``choose_local_steps``), so here every layout
+    would pay its outer sync every step, and one that leaves an island out would win by its
+    smaller round, then keep that island idle in every later round (the shares follow it).
+    """
+    if _islands_used(problem, candidate) < _islands_used(problem, current):
         return False
-    return evaluate(problem, candidate).step_time_s < evaluate(problem, current).step_time_s
+    if layout_problems(problem, candidate):
+        return False
+    inner_s = evaluate(problem, candidate).inner_step_time_s
+    return inner_s < evaluate(problem, current).inner_step_time_s
 
 
 def _extra_s(problem: PlanningProblem, island: Layout) -> list[float]:
@@ -317,7 +325,8 @@ def reshared(problem: PlanningProblem, layout: Layout, extra_s: Sequence[float])
     by which the replicas, each at its best size for T, process the batch is found by
     bisection (capacities only grow with T); then ``shares.share_options`` water-fills the
     batch over them at those sizes (by sample, or in whole micro-batches where the
-    evaluator rates that faster). None when no size fits some replica.
+    evaluator rates that faster: its inner step, the outer sync being chosen after). None
+    when no size fits some replica.
     """
     options = [_options(problem, r, e) for r, e in zip(layout.replicas, extra_s, strict=True)]
     if not all(options):
@@ -347,7 +356,7 @@ def reshared(problem: PlanningProblem, layout: Layout, extra_s: Sequence[float])
         )
         for shares in share_options(chosen, total)
     ]
-    return min(shared, key=lambda option: evaluate(problem, option).step_time_s)
+    return min(shared, key=lambda option: evaluate(problem, option).inner_step_time_s)
 
 
 def _options(problem: PlanningProblem, replica: ReplicaLayout, extra_s: float) -> list[PipeTimes]:

@@ -57,6 +57,7 @@ from hplan.planner.solve.sync_choice import (
     WireRequest,
     wants_local,
 )
+from hplan.planner.solve.validate import layout_problems
 from hplan.planner.solve.watchdog import run_with_deadline
 from hplan.runtime.contract.errors import InfeasiblePlanError
 from hplan.runtime.contract.plan import CPU_KIND
@@ -682,6 +683,10 @@ def _search_local(
             _search_nodes_and_whole(
                 sub, options, backend, sub_deadline, lambda c: found.append(c.layout)
             )
+        if not any(not layout_problems(sub, layout) for layout in found):
+            _fitting_without_flat_copies(
+                sub, options, backend, sub_deadline, lambda c: found.append(c.layout)
+            )
         return found
 
     plans = local_plans(
@@ -694,6 +699,39 @@ def _search_local(
     for label, layout in plans:
         step_s = evaluate(problem, layout).step_time_s
         report(Candidate(layout, label, step_s, 0.0, False, main=False))
+
+
+def without_flat_copies(problem: PlanningProblem) -> PlanningProblem:
+    """``problem`` with no flat gradient copy in any unit's static memory: what an island
+    needs whose units each have one holder there (a pipeline; under local sync the other
+    holders are in other islands, ``evaluate.unsummed_flat_copy_bytes``). Searched for an
+    island nothing else fits; the exact evaluator then checks each layout found."""
+    static = np.maximum(problem.static_memory_bytes - problem.grad_bytes, 0.0)
+    return replace(problem, static_memory_bytes=static)
+
+
+def _fitting_without_flat_copies(
+    problem: PlanningProblem,
+    options: SolveOptions,
+    backend: MilpBackend,
+    deadline: float,
+    report: Callable[[Candidate], None],
+) -> bool:
+    """Report the layouts of :func:`without_flat_copies` that fit ``problem`` (the exact
+    evaluator's memory: ``validate.layout_problems``); whether any did. Searched where
+    nothing fits with every unit's copy counted: a model one card or one pipeline holds
+    only without them."""
+    found = False
+
+    def keep(candidate: Candidate) -> None:
+        nonlocal found
+        if not layout_problems(problem, candidate.layout):
+            found = True
+            report(candidate)
+
+    with contextlib.suppress(InfeasiblePlanError):
+        _search_nodes_and_whole(without_flat_copies(problem), options, backend, deadline, keep)
+    return found
 
 
 def _single_nodes(problem: PlanningProblem) -> list[str]:

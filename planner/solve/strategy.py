@@ -35,7 +35,13 @@ from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.tensor_parallel import allowed_degrees, grouped_problem, tp_groups
 from hplan.planner.cost.zero import shard_weights, sharded_problem
 from hplan.planner.solve.baselines import data_parallel_equal, uniform_pipeline
-from hplan.planner.solve.search import Candidate, SearchOutcome, SolveOptions, search
+from hplan.planner.solve.search import (
+    Candidate,
+    SearchOutcome,
+    SolveOptions,
+    search,
+    without_flat_copies,
+)
 from hplan.planner.solve.sync_choice import SyncRequest
 from hplan.planner.solve.validate import layout_problems
 from hplan.planner.solve.watchdog import KILL_GRACE_S, run_with_deadline
@@ -614,6 +620,27 @@ def offload_generator(run: _Run, family: Family) -> None:
         run.keep(family, "offload", 2, candidate)
 
 
+def unshared_generator(run: _Run, family: Family) -> None:
+    """Layouts that fit only without the flat gradient copies every unit's static memory
+    counts (``search.without_flat_copies``; a unit no other device sums every step needs
+    none, ``evaluate.unsummed_flat_copy_bytes``), kept where the exact evaluator says they
+    fit."""
+    problem = family.problem(run.problem)
+    search_variant = run.variant_search("unshared")
+    for candidate in search_variant(without_flat_copies(problem), "no flat copies", 1):
+        if not layout_problems(problem, candidate.layout):
+            run.keep(family, "unshared", 3, candidate)
+
+
+def _unshared_gate(run: _Run, family: Family) -> str:
+    """Why the generator of layouts without flat copies does not run (empty: it runs)."""
+    if family.tp_groups:
+        return "a TP family's cards keep their flat copies counted"
+    if memory_binds(run.problem, run.ranked(family, Pool.SYNCHRONOUS)):
+        return ""
+    return "memory does not bind the best layout"
+
+
 def _zero_gate(run: _Run, family: Family) -> str:
     """Why the ZeRO generator does not run (empty: it runs)."""
     return _policy_gate(
@@ -653,6 +680,7 @@ GENERATORS: tuple[tuple[str, Generator, Callable[[_Run, Family], str]], ...] = (
     ("search", search_generator, _open),
     ("zero", zero_generator, _zero_gate),
     ("offload", offload_generator, _offload_gate),
+    ("unshared", unshared_generator, _unshared_gate),
 )
 """Each family's generators, in the order they run: (name, generator, gate: why it does
 not run, empty when it does). The baselines come first: they take no search, so a search
@@ -660,7 +688,7 @@ stopped at the deadline still leaves them. Under a policy of ``always`` the fami
 only what that strategy's generator finds (:func:`family_pool`); the search still gives
 its status and gap."""
 
-_TIE_ORDER = ("search", "baselines", "zero", "offload")
+_TIE_ORDER = ("search", "baselines", "zero", "offload", "unshared")
 """Between layouts of equal step time the search's comes first, then a baseline's."""
 
 

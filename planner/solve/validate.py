@@ -6,6 +6,7 @@ solver or the evaluator on purpose.
 
 from __future__ import annotations
 
+from hplan.planner.cost.evaluate import unsummed_flat_copy_bytes
 from hplan.planner.cost.layout import IslandSync, Layout, StageLayout, is_even_cut
 from hplan.planner.cost.problem import PlanningProblem, Policy
 from hplan.planner.cost.zero import gradient_saving_bytes
@@ -37,7 +38,7 @@ def layout_problems(problem: PlanningProblem, layout: Layout) -> list[str]:
         return ["layout has no replicas"]
     saving = _zero_saving(problem, layout)
     offload = _offload_saving(problem, layout)
-    for d, num_bytes in offload.items():
+    for d, num_bytes in [*offload.items(), *unsummed_flat_copy_bytes(problem, layout).items()]:
         saving[d] = saving.get(d, 0.0) + num_bytes
     errors += _offload_problems(problem, layout)
     for r, replica in enumerate(layout.replicas):

@@ -20,7 +20,7 @@ from hplan.runtime.contract.holders import (
     RankSet,
     grad_buckets,
     optimizer_shards,
-    parameter_holders,
+    step_holders,
 )
 from hplan.runtime.contract.link_model import BUCKET_CAP_BYTES
 from hplan.runtime.contract.plan import (
@@ -236,7 +236,8 @@ def rank_memory(
       whole for each micro-batch in flight (the activation measurement, a slope over batch
       sizes, never sees batch-independent bytes);
     - workspace: one receive and one send buffer of the boundary tensors on each side; the
-      flat copy of every gradient it all-reduces with other ranks (each bucket one
+      flat copy of every gradient it all-reduces with other ranks every step
+      (:func:`summed_every_step`; not a local group's across islands; each bucket one
       ``torch.cat``, alive until the step's all-reduces are done; under ZeRO stage 2 only
       the largest bucket, :func:`largest_bucket_bytes`: a bucket's flat copy replaces the
       gradients it was made of and only the rank's shard of the sum is kept); the optimizer
@@ -291,14 +292,14 @@ def rank_memory(
     last = rank.stage + 1 == len(replica)
     outputs = _NO_BOUNDARY if last else _boundary_bytes(plan, replica, rank.stage)
     workspace = 2.0 * (inputs.at(b) + outputs.at(b))
-    holders_of = parameter_holders(plan, rank.tp_rank)
     if plan.training.zero_stage is ZeroStage.GRADIENTS:
         workspace += largest_bucket_bytes(plan, rank.rank, memory, trainable)
     else:
+        summed = summed_every_step(plan, rank.rank)
         workspace += sum(
             sizes[n].num_elements * sizes[n].element_bytes * held[n]
             for n in trainable
-            if len(holders_of[n]) > 1  # all-reduced: its bucket holds a flat copy
+            if n in summed  # all-reduced: its bucket holds a flat copy
         )
     step_temporaries = (
         OPTIMIZER_STEP_WORKSPACE * state_bytes / state_factor if state_factor else 0.0
@@ -324,6 +325,17 @@ def rank_memory(
         activation_bytes=float(activations),
         workspace_bytes=float(workspace),
         host_bytes=float(host),
+    )
+
+
+def summed_every_step(plan: Plan, rank: int) -> frozenset[str]:
+    """Canonical names of the parameters ``rank`` sums with another rank every step (its
+    gradient buckets' parameters, ``holders.grad_buckets``): not one it alone holds, nor,
+    under ``local_sgd``/``async``, one whose other holders are all in other islands."""
+    return frozenset(
+        name
+        for name, sets in step_holders(plan).items()
+        if any(rank in ranks and len(ranks) > 1 for ranks in sets)
     )
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from hplan.planner.cost.evaluate import evaluate
+from hplan.planner.cost.layout import IslandSync, Layout, StageLayout, replica_layout
 from hplan.planner.emit.report import idle_device_reports
 from hplan.planner.solve.idle import idle_reasons, smallest_stage_bytes
 from hplan.planner.solve.solver import SolveOptions, solve
+from hplan.runtime.contract.plan import SyncMode
 from tests.fixtures.problems import GB, Dev, make_problem
 
 FAST = SolveOptions(time_limit_s=30, watchdog=False)
@@ -71,3 +74,26 @@ def test_a_replica_without_pipeline_links_is_not_said_to_transfer_over_a_link():
     assert idle.reason.startswith("as one more replica")
     assert "the slowest replica gets 0.600 s longer" in idle.reason
     assert "link" not in idle.reason
+
+
+def test_a_box_left_out_of_a_local_plan_is_idle_for_the_outer_sync_it_would_join():
+    """Three equal boxes over 100 Mbit/s, a local layout on boxes a and b: box c as one more
+    replica saves compute but joins the outer sync (a round with a third island). The
+    reason names that, not an all-reduce over an "inf" link (box c alone sums nothing every
+    step; issue 38's ViT-B/16 on three sites)."""
+    problem = make_problem(
+        [Dev(node, 1.0, 8 * GB) for node in "abc"],
+        unit_work=[0.01] * 2,
+        global_batch_size=64,
+        micro_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+        grad_bytes=0.5 * GB,
+        inter_bandwidth=1.25e7,
+    )
+    islands = (("a",), ("b",), ("c",))
+    sync = IslandSync(islands=islands, mode=SyncMode.LOCAL_SGD, local_steps=2)
+    replicas = tuple(replica_layout((StageLayout(d, 0, 2),), 64, n) for d, n in ((0, 32), (1, 32)))
+    layout = Layout(replicas, sync=sync)
+    (idle,) = idle_reasons(problem, layout, evaluate(problem, layout))
+    assert idle.device_idx == 2
+    assert "inf" not in idle.reason and "syncing gradients" not in idle.reason
+    assert "its compute saves" in idle.reason and "the outer sync (per step)" in idle.reason

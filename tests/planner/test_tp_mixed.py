@@ -8,7 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hplan.planner.cost.evaluate import evaluate, grad_sync_groups
+from hplan.planner.cost.evaluate import (
+    evaluate,
+    grad_sync_groups,
+    step_sync_groups,
+    unsummed_flat_copy_bytes,
+)
 from hplan.planner.cost.layout import Layout, StageLayout, replica_layout
 from hplan.planner.cost.problem import PlanningProblem, TiedParams
 from hplan.planner.cost.problem_builder import build_problem
@@ -107,7 +112,13 @@ def test_memory_per_card_of_a_mixed_layout_by_hand() -> None:
 
     # 1F1B with 2 micro-batches: the first stage holds both, the last one
     assert first.memory_bytes == pytest.approx(by_hand(range(0, 2), 4, 2, None))
-    assert second.memory_bytes == pytest.approx(by_hand(range(2, 4), 1, 1, 1))
+    # the 4090 sums only the tied parameters' gradients every step: only they keep a flat
+    # copy (a TP group's cards keep every unit's, counted conservatively)
+    unsummed = unsummed_flat_copy_bytes(mixed, layout)
+    summed = sum(b for group, b in step_sync_groups(mixed, layout).items() if 1 in group)
+    assert 0 not in unsummed
+    assert unsummed[1] == pytest.approx(float(mixed.grad_bytes[2:4].sum()) - summed)
+    assert second.memory_bytes == pytest.approx(by_hand(range(2, 4), 1, 1, 1) - unsummed[1])
     assert (
         mixed.static_bytes_on(0)[1] < mixed.static_bytes_on(1)[1] == problem.static_memory_bytes[1]
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hplan.planner.frontend.partition_units import assign_units
+from hplan.planner.frontend.partition_units import _default_limit, assign_units
 from hplan.runtime.capture.cuts import node_units
 from hplan.runtime.capture.trace import TracedModel, trace_model
 
@@ -143,3 +143,15 @@ def test_a_split_block_splits_the_lists_it_holds_into_their_entries():
     assert names == ["stem", "up.0.inner.0", "up.0.inner.1", "up.0.proj", "up.1", "up.2"]
     assert len(notes) == 1 and "split unit up.0 " in notes[0]
     _same_output(traced, model, x)
+
+
+def test_a_block_of_a_third_of_an_sd15_unet_is_split_and_gpt2s_embedding_stays_whole():
+    """SD 1.5's UNet holds 3.44 GB of fp32 parameters, its ``up_blocks.1`` 1.03 GB (30%):
+    whole, no cut of the model between a 12 GB and an 11 GB card fits both (issue 38).
+    GPT-2 124M (498 MB) keeps its 154 MB embedding whole (it has no children anyway) and
+    every block: models under 2 GiB of parameters are not split."""
+    unet = {"": 3_438_000_000, "up_blocks.1": 1_030_000_000, "up_blocks.2": 290_000_000}
+    assert _default_limit(unet) < unet["up_blocks.1"]
+    assert _default_limit(unet) > unet["up_blocks.2"]
+    gpt2 = {"": 497_800_000, "transformer.wte": 154_400_000}
+    assert _default_limit(gpt2) > gpt2["transformer.wte"]

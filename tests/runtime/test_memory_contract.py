@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from hplan.runtime.contract.holders import optimizer_shards, parameter_holders
+from hplan.runtime.contract.holders import optimizer_shards, parameter_holders, step_holders
 from hplan.runtime.contract.memory import (
     CPU_RESERVE_BYTES,
     OPTIMIZER_STEP_WORKSPACE,
@@ -318,3 +318,31 @@ def test_offload_with_zero_or_local_sync_is_refused() -> None:
     )
     with pytest.raises(PlanFileError, match="optimizer_offload with zero_stage 1"):
         bad.verify()
+
+
+def test_the_flat_copy_is_counted_only_for_gradients_summed_every_step() -> None:
+    """A bucket's flat copy holds what a rank all-reduces every step (``grad_buckets``):
+    under local SGD not a parameter whose other holders are all in other islands (box-a |
+    box-b here); the synchronous plan of the same ranks counts it (issue 38: an SD 1.5
+    UNet's pipeline on a 3060 + 2080 Ti fits only without it)."""
+    local = mixed_plan()
+    synchronous = replace(local, training=replace(local.training, sync=None))
+    assert local.memory is not None
+    sizes = {p.name: p.num_elements * p.element_bytes for p in local.memory.parameters}
+    units = {u.name: u for u in local.units}
+    held, every = parameter_holders(local), step_holders(local)
+    loc, syn = plan_memory(local), plan_memory(synchronous)
+    assert loc is not None and syn is not None
+    saved = []
+    for rank, a, b in zip(local.ranks, syn, loc, strict=True):
+        names = [n for n in dict.fromkeys(p for u in rank.units for p in units[u].params)]
+        across_only = [
+            n
+            for n in names
+            if n in sizes
+            and len(held[n]) > 1
+            and not any(rank.rank in s and len(s) > 1 for s in every[n])
+        ]
+        saved.append(sum(sizes[n] for n in across_only))
+        assert a.workspace_bytes - b.workspace_bytes == pytest.approx(saved[-1])
+    assert all(saved)  # every rank holds some parameter only its other island also holds
