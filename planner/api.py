@@ -86,7 +86,12 @@ from hplan.planner.solve.solver import (
     validate_candidates,
 )
 from hplan.planner.solve.strategy import Generated, requested_only
-from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest
+from hplan.planner.solve.sync_choice import (
+    DEFAULT_MAX_LOCAL_STEPS,
+    DEFAULT_MAX_OVERLAP_STEPS,
+    SyncRequest,
+    WireRequest,
+)
 from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError, ModelFileError
 from hplan.runtime.contract.plan import (
@@ -155,6 +160,10 @@ class SolveRequest:
     """Which sync modes across islands the planner may choose (``solve.sync_choice``)."""
     max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
     """H at most under local sync (``--max-local-steps``)."""
+    wire: WireRequest = WireRequest.AUTO
+    """The pseudo-gradients' wire format, or ``auto`` per holder set (``--wire``)."""
+    max_overlap_steps: int = DEFAULT_MAX_OVERLAP_STEPS
+    """tau at most: inner steps an outer sync may travel behind (``--max-overlap-steps``)."""
     recompute: Policy = Policy.AUTO
     """Which stages may recompute their activations."""
     zero: Policy = Policy.AUTO
@@ -207,9 +216,10 @@ class SolveRequest:
         if not 1 <= self.master_port <= 65534:
             raise ConfigError(f"--master-port {self.master_port} must be in 1..65534")
         _check_local_steps(self.max_local_steps)
+        _check_overlap_steps(self.max_overlap_steps, self.max_local_steps)
         if self.tensor_parallel is Policy.ALWAYS and (
             Policy.ALWAYS in (self.zero, self.offload)
-            or self.sync in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC)
+            or self.sync.local
             or self.strategy is not Strategy.HPLAN
         ):
             raise ConfigError(
@@ -255,6 +265,7 @@ _ENUM_FIELDS: tuple[tuple[str, type[StrEnum]], ...] = (
     ("solver", MilpBackend),
     ("precision", PrecisionRequest),
     ("sync", SyncRequest),
+    ("wire", WireRequest),
     ("recompute", Policy),
     ("zero", Policy),
     ("offload", Policy),
@@ -269,6 +280,15 @@ def _check_local_steps(max_local_steps: int) -> None:
         raise ConfigError(
             f"--max-local-steps {max_local_steps} must be in 1..{MAX_LOCAL_STEPS} (inner "
             "steps per outer sync)"
+        )
+
+
+def _check_overlap_steps(max_overlap_steps: int, max_local_steps: int) -> None:
+    """``max_overlap_steps`` in 0..``max_local_steps - 1`` (a ConfigError otherwise)."""
+    if not 0 <= max_overlap_steps < max(max_local_steps, 1):
+        raise ConfigError(
+            f"--max-overlap-steps {max_overlap_steps} must be in 0..{max_local_steps - 1} "
+            "(inner steps an outer sync may travel behind, below --max-local-steps)"
         )
 
 
@@ -546,6 +566,8 @@ def _solve_options(request: SolveRequest) -> SolveOptions:
         max_stages=request.max_stages,
         sync=request.sync,
         max_local_steps=request.max_local_steps,
+        wire=request.wire,
+        max_overlap_steps=request.max_overlap_steps,
         zero=request.zero,
         offload=request.offload,
         tensor_parallel=request.tensor_parallel,
@@ -892,7 +914,7 @@ def _unmeasured_kinds(
 
 
 def _check_islands(cluster: Cluster, sync: SyncRequest) -> None:
-    if sync in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC) and len(cluster.nodes) < 2:
+    if sync.local and len(cluster.nodes) < 2:
         raise ConfigError(
             f"--sync {sync.value} syncs islands of nodes; cluster {cluster.source!r} has one "
             "node: use --sync auto or all_reduce"

@@ -100,7 +100,7 @@ def member_request(
     a local-SGD ``--sync`` for one node (nothing to sync across: ``auto``).
     """
     sync = request.sync
-    if len(members) < 2 and sync in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC):
+    if len(members) < 2 and sync.local:
         sync = SyncRequest.AUTO
     return replace(
         request,
@@ -178,6 +178,8 @@ def replan_options(request: SolveRequest) -> tuple[str, ...]:
         "--precision", request.precision.value,
         "--sync", request.sync.value,
         "--max-local-steps", str(request.max_local_steps),
+        "--wire", request.wire.value,
+        "--max-overlap-steps", str(request.max_overlap_steps),
         "--recompute", request.recompute.value,
         "--zero", request.zero.value,
         "--offload", request.offload.value,

@@ -25,6 +25,7 @@ from hplan.planner.cli.progress import PhaseProgress
 from hplan.planner.cli.solve import (
     bandwidth_option,
     max_local_steps_option,
+    max_overlap_steps_option,
     micro_batch_sizes_option,
     offload_option,
     precision_option,
@@ -34,12 +35,13 @@ from hplan.planner.cli.solve import (
     sync_option,
     tensor_parallel_option,
     time_limit_option,
+    wire_option,
     write_files,
     zero_option,
 )
 from hplan.planner.cost.problem import Policy
 from hplan.planner.hardware.catalog import PrecisionRequest
-from hplan.planner.solve.sync_choice import SyncRequest
+from hplan.planner.solve.sync_choice import SyncRequest, WireRequest
 from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.plan import OuterSyncSpec, Plan, SyncMode
 
@@ -95,6 +97,8 @@ if TYPE_CHECKING:
 @precision_option
 @sync_option
 @max_local_steps_option
+@wire_option
+@max_overlap_steps_option
 @recompute_option
 @zero_option
 @offload_option
@@ -121,6 +125,8 @@ def replan(
     precision: PrecisionRequest | None,
     sync: SyncRequest,
     max_local_steps: int,
+    wire: WireRequest,
+    max_overlap_steps: int,
     recompute: Policy,
     zero: Policy,
     offload: Policy,
@@ -182,6 +188,8 @@ def replan(
             if _given("max_local_steps")
             else _plan_local_steps(plan, max_local_steps)
         ),
+        wire=wire,
+        max_overlap_steps=max_overlap_steps,
         recompute=recompute,
         zero=zero,
         offload=offload,
@@ -257,7 +265,10 @@ def _given(parameter: str) -> bool:
 def _plan_sync(plan: Plan, nodes_left: int) -> SyncRequest:
     """The cross-island mode the plan runs (kept by a re-plan where it syncs locally and
     more than one node is left to sync across), else ``auto``."""
-    local = {g.mode.value for g in _local_groups(plan)}
+    local = {
+        SyncRequest.STREAMING.value if g.overlap_steps else g.mode.value
+        for g in _local_groups(plan)
+    }
     return SyncRequest(local.pop()) if len(local) == 1 and nodes_left > 1 else SyncRequest.AUTO
 
 

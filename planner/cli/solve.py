@@ -21,7 +21,12 @@ from hplan.planner.cost.problem import Policy
 from hplan.planner.hardware.catalog import PrecisionRequest
 from hplan.planner.solve.baselines import Strategy
 from hplan.planner.solve.milp import MilpBackend
-from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest
+from hplan.planner.solve.sync_choice import (
+    DEFAULT_MAX_LOCAL_STEPS,
+    DEFAULT_MAX_OVERLAP_STEPS,
+    SyncRequest,
+    WireRequest,
+)
 from hplan.planner.textfmt import format_seconds
 from hplan.runtime.contract.elastic import FAMILY_FILE
 from hplan.runtime.contract.errors import ConfigError
@@ -84,9 +89,31 @@ sync_option = click.option(
         "SGD across islands is more than 5% faster; all_reduce: every step (one island); "
         "local_sgd: "
         "DiLoCo across islands, the outer sync every H steps (H the smallest whose sync "
-        "costs <= 5% of H steps); async: as local_sgd, the outer sync hidden behind the next H "
-        "steps and applied one round late."
+        "costs <= 5% of H steps); streaming: local_sgd whose outer sync travels in fragments, "
+        "each behind a few inner steps (the smallest H whose sync hides); async: as "
+        "local_sgd, the outer sync hidden behind the next H steps and applied one round "
+        "late. Under auto each holder set across islands takes streaming where it exposes "
+        "less than local_sgd."
     ),
+)
+wire_option = click.option(
+    "--wire",
+    type=EnumChoice(WireRequest),
+    default=WireRequest.AUTO.value,
+    show_default=True,
+    help=(
+        "The format pseudo-gradients cross islands in. auto: per holder set, the least "
+        "compressed that meets the sync rule (float32, bfloat16, then int8 and int4: "
+        "block-quantized with error feedback); or one format for every set."
+    ),
+)
+max_overlap_steps_option = click.option(
+    "--max-overlap-steps",
+    type=int,
+    default=DEFAULT_MAX_OVERLAP_STEPS,
+    show_default=True,
+    help="Most inner steps an overlapped outer sync may travel behind before it is applied "
+    "(its staleness; streaming and auto).",
 )
 
 
@@ -228,6 +255,8 @@ profile_option = click.option(
 @precision_option
 @sync_option
 @max_local_steps_option
+@wire_option
+@max_overlap_steps_option
 @recompute_option
 @zero_option
 @offload_option
@@ -289,6 +318,8 @@ def solve_command(
     precision: PrecisionRequest | None,
     sync: SyncRequest,
     max_local_steps: int,
+    wire: WireRequest,
+    max_overlap_steps: int,
     recompute: Policy,
     zero: Policy,
     offload: Policy,
@@ -333,6 +364,8 @@ def solve_command(
         epochs=epochs,
         sync=sync,
         max_local_steps=max_local_steps,
+        wire=wire,
+        max_overlap_steps=max_overlap_steps,
         recompute=recompute,
         zero=zero,
         offload=offload,

@@ -33,9 +33,10 @@ from hplan.planner.cost.microbatch import (
 from hplan.planner.cost.offload import device_saving_bytes, stage_optimizer_time_s
 from hplan.planner.cost.problem import FloatArray, PlanningProblem
 from hplan.planner.cost.sync_cost import (
-    amortised_outer_s,
-    outer_round_s,
-    pseudo_gradient_bytes,
+    OuterLink,
+    device_outer_s,
+    exposed_outer_s,
+    outer_transfer_time_s,
     split_by_island,
 )
 from hplan.planner.cost.zero import allgather_time_s, gradient_saving_bytes, state_saving_bytes
@@ -45,7 +46,6 @@ from hplan.runtime.contract.link_model import (
     bucket_rings_s,
     exposed_all_reduce_s,
     overlap_window_s,
-    ring_all_reduce_time_s,
     transfer_time_s,
 )
 from hplan.runtime.contract.memory import in_flight_microbatches, stage_activation_bytes
@@ -469,34 +469,77 @@ def step_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int
 
 
 def outer_sync_groups(problem: PlanningProblem, layout: Layout) -> dict[tuple[int, ...], float]:
-    """Holder sets (sorted devices) spanning islands -> the pseudo-gradient bytes one outer
-    sync sends, in the layout's wire dtype; empty without local sync."""
+    """Holder sets (sorted devices) spanning islands -> the gradient bytes (float32) of the
+    pseudo-gradients one outer sync averages; empty without local sync (the wire bytes:
+    ``sync_cost.pseudo_gradient_bytes`` in the set's own wire format)."""
     if layout.sync is None or not layout.sync.local:
         return {}
     _, outer = split_by_island(
         grad_sync_groups(problem, layout), island_index(problem, layout.sync)
     )
-    wire = layout.sync.wire_dtype
-    return {group: pseudo_gradient_bytes(num_bytes, wire) for group, num_bytes in outer.items()}
+    return outer
+
+
+def outer_link(problem: PlanningProblem, sync: IslandSync, group: tuple[int, ...]) -> OuterLink:
+    """The links the outer sync of the spanning holder set ``group`` crosses: its ring's
+    (:func:`slowest_link`), its island leads' (lowest device of each island) and each
+    island's members'."""
+    island = island_index(problem, sync)
+    members: dict[int, list[int]] = {}
+    for d in group:
+        members.setdefault(island[d], []).append(d)
+    parts = [tuple(members[i]) for i in sorted(members)]
+    leads = tuple(part[0] for part in parts)
+    islands = tuple(
+        (len(part), *(slowest_link(problem, part) if len(part) > 1 else (math.inf, 0.0)))
+        for part in parts
+    )
+    return OuterLink(
+        len(group),
+        *slowest_link(problem, group),
+        *slowest_link(problem, leads),
+        islands,  # type: ignore[arg-type]
+    )
 
 
 def outer_ring_times_s(problem: PlanningProblem, layout: Layout) -> dict[tuple[int, ...], float]:
-    """Each spanning holder set -> seconds of its outer sync: a ring all-reduce of its
-    pseudo-gradient bytes over its slowest link (:func:`slowest_link`)."""
+    """Each spanning holder set -> seconds T of one of its outer syncs in its own wire format
+    (``sync_cost.outer_transfer_time_s`` over :func:`outer_link`)."""
+    sync = layout.sync
     return {
-        group: ring_all_reduce_time_s(len(group), num_bytes, *slowest_link(problem, group))
+        group: outer_transfer_time_s(
+            sync.of(group).wire_dtype, num_bytes, outer_link(problem, sync, group)
+        )
         for group, num_bytes in outer_sync_groups(problem, layout).items()
+        if sync is not None
     }
 
 
+def outer_costs_s(
+    problem: PlanningProblem, layout: Layout, inner_step_s: float
+) -> dict[tuple[int, ...], tuple[float, float]]:
+    """Each spanning holder set -> (seconds exposed per inner step of ``inner_step_s``,
+    ``sync_cost.exposed_outer_s``; seconds its link carries per inner step, T / H)."""
+    sync = layout.sync
+    out = {}
+    for group, transfer_s in outer_ring_times_s(problem, layout).items():
+        assert sync is not None
+        g = sync.of(group)
+        exposed = exposed_outer_s(
+            g.mode, g.local_steps, g.num_fragments, g.overlap_steps, transfer_s, inner_step_s
+        )
+        out[group] = (exposed, transfer_s / g.local_steps)
+    return out
+
+
 def outer_sync_time_s(problem: PlanningProblem, layout: Layout, inner_step_s: float) -> float:
-    """The layout's outer sync round (``sync_cost.outer_round_s``) amortised over its H inner
-    steps of ``inner_step_s`` (``sync_cost.amortised_outer_s``); 0 without local sync."""
+    """Seconds the outer syncs add to each inner step of ``inner_step_s``: the largest over
+    devices of ``sync_cost.device_outer_s``; 0 without local sync."""
     sync = layout.sync
     if sync is None or not sync.local:
         return 0.0
-    round_s = outer_round_s(outer_ring_times_s(problem, layout))
-    return amortised_outer_s(sync.mode, sync.local_steps, round_s, inner_step_s)
+    per_device = device_outer_s(outer_costs_s(problem, layout, inner_step_s), inner_step_s)
+    return max(per_device.values(), default=0.0)
 
 
 def slowest_link(problem: PlanningProblem, group: tuple[int, ...]) -> tuple[float, float]:

@@ -6,7 +6,7 @@ Pure data with indices into a ``PlanningProblem``; ``hplan.planner.emit.plan_bui
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hplan.runtime.contract.plan import MemoryStrategy, PseudoGradientDtype, SyncMode
 
@@ -85,13 +85,44 @@ def is_even_cut(num_samples: int, micro_batch_size: int) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupSync:
+    """How one holder set spanning islands syncs (``contract.plan.OuterSyncSpec`` without
+    its ranks)."""
+
+    mode: SyncMode
+    local_steps: int = 1
+    """H: inner optimizer steps per outer sync (1 for ``all_reduce``)."""
+    wire_dtype: PseudoGradientDtype = PseudoGradientDtype.FLOAT32
+    num_fragments: int = 1
+    """F: fragments synced in turn (Streaming DiLoCo's staggered schedule)."""
+    overlap_steps: int = 0
+    """tau: inner steps a fragment's sync travels behind before it is applied
+    (``local_sgd`` only, at most H - 1; 0: the islands wait for it)."""
+
+    def verify(self, where: str) -> None:
+        """Raise ValueError naming ``where`` when the fields contradict each other."""
+        if self.local_steps < 1 or (self.mode is SyncMode.ALL_REDUCE and self.local_steps != 1):
+            raise ValueError(f"{where}: {self.mode} with {self.local_steps} local steps")
+        if not 1 <= self.num_fragments <= self.local_steps:
+            raise ValueError(
+                f"{where}: {self.num_fragments} fragments for {self.local_steps} local steps"
+            )
+        if self.overlap_steps and (
+            self.mode is not SyncMode.LOCAL_SGD or self.overlap_steps >= self.local_steps
+        ):
+            raise ValueError(
+                f"{where}: overlap {self.overlap_steps} under {self.mode} H={self.local_steps}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class IslandSync:
     """Islands of nodes and how the holder sets that span them sync (``SyncSpec``).
 
-    Every holder set spanning two or more islands syncs the same way: under ``local_sgd``
-    and ``async`` all of them sync their pseudo-gradients at the same steps, every
-    ``local_steps`` inner steps, so their rings share each device's links (the cost is the
-    round's, ``cost.sync_cost``).
+    Each holder set spanning two or more islands syncs by its own entry in ``groups``
+    (keyed by its sorted device indices: its link decides), or by the defaults (``mode``,
+    ``local_steps``, ...) when it has none. Under ``local_sgd`` and ``async`` the sets share
+    each device's links (the cost is ``cost.sync_cost``'s).
     """
 
     islands: tuple[tuple[str, ...], ...]
@@ -101,11 +132,34 @@ class IslandSync:
     """H: inner optimizer steps per outer sync (1 for ``all_reduce``)."""
     wire_dtype: PseudoGradientDtype = PseudoGradientDtype.FLOAT32
     num_fragments: int = 1
+    overlap_steps: int = 0
+    groups: tuple[tuple[tuple[int, ...], GroupSync], ...] = ()
+    """(sorted device indices of a spanning holder set, its sync), sorted by devices; a set
+    not listed syncs by the defaults above (:meth:`of`)."""
 
     @property
     def local(self) -> bool:
         """Whether the spanning holder sets skip the every-step all-reduce."""
         return self.mode is not SyncMode.ALL_REDUCE
+
+    @property
+    def default(self) -> GroupSync:
+        """The sync of a spanning holder set without its own entry."""
+        return GroupSync(
+            mode=self.mode,
+            local_steps=self.local_steps,
+            wire_dtype=self.wire_dtype,
+            num_fragments=self.num_fragments,
+            overlap_steps=self.overlap_steps,
+        )
+
+    def of(self, devices: tuple[int, ...]) -> GroupSync:
+        """The sync of the spanning holder set of sorted ``devices``."""
+        return dict(self.groups).get(devices, self.default)
+
+    def with_groups(self, groups: dict[tuple[int, ...], GroupSync]) -> IslandSync:
+        """This sync with ``groups`` as the per-set entries (sorted by devices)."""
+        return replace(self, groups=tuple(sorted(groups.items())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +218,8 @@ def _verify_sync(sync: IslandSync) -> None:
     nodes = [n for island in sync.islands for n in island]
     if len(sync.islands) < 2 or not all(sync.islands) or len(set(nodes)) != len(nodes):
         raise ValueError(f"islands {sync.islands} must be two or more disjoint node sets")
-    if sync.local_steps < 1 or (not sync.local and sync.local_steps != 1):
-        raise ValueError(f"{sync.mode} with {sync.local_steps} local steps")
-    if not 1 <= sync.num_fragments <= sync.local_steps:
-        raise ValueError(f"{sync.num_fragments} fragments for {sync.local_steps} local steps")
+    sync.default.verify("islands")
+    for devices, group in sync.groups:
+        group.verify(f"holder set {list(devices)}")
+        if sync.local and group.mode is SyncMode.ALL_REDUCE:
+            raise ValueError(f"holder set {list(devices)}: all_reduce under local sync")

@@ -1,30 +1,54 @@
-"""What islands and their sync mode do to a step: which holder sets sum every step, and
-the outer sync's cost per step.
+"""What islands and their sync modes do to a step: which holder sets sum every step, and
+what each outer sync costs per inner step.
 
 Under ``local_sgd`` and ``async`` (``contract.plan.SyncMode``) a holder set that spans
 islands sums its gradients every step only inside each island (:func:`split_by_island`);
-every ``H`` inner steps its pseudo-gradients cross the islands in one ring all-reduce over
-the set's slowest link. Every spanning set syncs at the same steps, so one outer *round*
-runs each device's rings one after another (:func:`outer_round_s`), and each inner step
-pays its amortised share (:func:`amortised_outer_s`). This is DiLoCo's outer step
-(Douillard et al., 2023: every parameter's pseudo-gradient once a round) under hplan's
-ring model (``link_model.ring_all_reduce_time_s``).
+every H inner steps its pseudo-gradients cross the islands (DiLoCo's outer step, Douillard
+et al., 2023), in F fragments synced in turn (Streaming DiLoCo, Douillard et al., 2025).
+One outer sync of a set takes T (:func:`outer_transfer_time_s`): a ring all-reduce of its
+wire bytes for the float formats; for ``int8``/``int4`` an all-gather of the payloads among
+the island leads, the sum broadcast inside each island, and the host's encode/decode. Per
+inner step a set exposes :func:`exposed_outer_s` (blocking: T / H; overlapped by tau steps:
+what of each fragment does not fit behind them); a device's sets share its link, so what
+their T / H add up to beyond the inner step is exposed too (:func:`device_outer_s`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
 
 from hplan.runtime.contract.holders import RankSet
-from hplan.runtime.contract.plan import DTYPE_BYTES, PseudoGradientDtype, SyncMode
+from hplan.runtime.contract.link_model import ring_all_reduce_time_s
+from hplan.runtime.contract.plan import (
+    DTYPE_BYTES,
+    PseudoGradientDtype,
+    SyncMode,
+    wire_payload_bytes,
+)
 
 __all__ = [
+    "CODEC_DECODE_S_PER_ELEMENT",
+    "CODEC_ENCODE_S_PER_ELEMENT",
     "GRADIENT_WIRE_BYTES",
+    "OuterLink",
     "amortised_outer_s",
+    "device_outer_s",
+    "exposed_outer_s",
     "outer_round_s",
+    "outer_transfer_time_s",
     "pseudo_gradient_bytes",
     "split_by_island",
 ]
+
+CODEC_ENCODE_S_PER_ELEMENT: Final = 17e-9
+"""Host seconds to add the residual to, block-quantize and pack one element of a
+pseudo-gradient (``PseudoGradientDtype`` int8/int4 with error feedback): a torch
+implementation of the contract's algorithm on one CPU thread, int4 (the slower);
+the runtime's ``bench/codec_speed.py`` measures its own."""
+CODEC_DECODE_S_PER_ELEMENT: Final = 4e-9
+"""Host seconds to unpack, scale and add one element of one island's payload (as above)."""
 
 GRADIENT_WIRE_BYTES = DTYPE_BYTES["float32"]
 """Bytes per element of the gradient bytes the cost model counts (the runtime's wire dtype,
@@ -32,9 +56,60 @@ float32; ``sim.spec.WIRE_BYTES_MIN``)."""
 
 
 def pseudo_gradient_bytes(gradient_bytes: float, wire_dtype: PseudoGradientDtype) -> float:
-    """Bytes of the pseudo-gradients of parameters whose gradients are ``gradient_bytes``
-    (counted in float32), sent in ``wire_dtype``: the same in float32, half in bfloat16."""
-    return gradient_bytes * DTYPE_BYTES[wire_dtype.value] / GRADIENT_WIRE_BYTES
+    """Bytes one island's pseudo-gradients take on the wire in ``wire_dtype`` for parameters
+    whose gradients are ``gradient_bytes`` (counted in float32): the same in float32, half
+    in bfloat16, ``contract.plan.wire_payload_bytes`` for the quantized formats."""
+    if not wire_dtype.quantized:
+        return gradient_bytes * DTYPE_BYTES[wire_dtype.value] / GRADIENT_WIRE_BYTES
+    return float(wire_payload_bytes(wire_dtype, round(gradient_bytes / GRADIENT_WIRE_BYTES)))
+
+
+@dataclass(frozen=True, slots=True)
+class OuterLink:
+    """The links one spanning holder set's outer sync crosses (bytes/s, seconds)."""
+
+    num_members: int
+    ring_bandwidth_bytes_per_s: float
+    """Slowest link of a ring over every member (the float formats' all-reduce)."""
+    ring_latency_s: float
+    lead_bandwidth_bytes_per_s: float
+    """Slowest link between the islands' leads (their lowest members): the all-gather."""
+    lead_latency_s: float
+    island_links: tuple[tuple[int, float, float], ...]
+    """Per island: (members, slowest bandwidth, highest latency among them)."""
+
+
+def outer_transfer_time_s(
+    wire: PseudoGradientDtype, gradient_bytes: float, link: OuterLink
+) -> float:
+    """Seconds T of one outer sync of pseudo-gradients whose gradients are
+    ``gradient_bytes`` (float32), in ``wire``, over ``link``.
+
+    - float32/bfloat16: a ring all-reduce of the wire bytes over the slowest link
+      (``link_model.ring_all_reduce_time_s``; Patarasuk and Yuan, JPDC 2009).
+    - int8/int4 (``PseudoGradientDtype``'s algorithm): the I island leads all-gather the
+      payloads over their slowest link, ``(I - 1) (payload / bandwidth + latency)`` (a
+      ring all-gather, as above); each island's lead sends the float32 sum to its other
+      members, ``bytes / bandwidth + latency`` (the slowest island); each lead encodes its
+      own pseudo-gradient and decodes I payloads (:data:`CODEC_ENCODE_S_PER_ELEMENT`,
+      :data:`CODEC_DECODE_S_PER_ELEMENT`).
+    """
+    if gradient_bytes <= 0 or link.num_members < 2:
+        return 0.0
+    payload = pseudo_gradient_bytes(gradient_bytes, wire)
+    if not wire.quantized:
+        return ring_all_reduce_time_s(
+            link.num_members, payload, link.ring_bandwidth_bytes_per_s, link.ring_latency_s
+        )
+    num_islands = len(link.island_links)
+    gather_s = (num_islands - 1) * (payload / link.lead_bandwidth_bytes_per_s + link.lead_latency_s)
+    broadcast_s = max(
+        (gradient_bytes / bw + lat for members, bw, lat in link.island_links if members > 1),
+        default=0.0,
+    )
+    elements = gradient_bytes / GRADIENT_WIRE_BYTES
+    codec_s = elements * (CODEC_ENCODE_S_PER_ELEMENT + num_islands * CODEC_DECODE_S_PER_ELEMENT)
+    return gather_s + broadcast_s + codec_s
 
 
 def split_by_island(
@@ -85,8 +160,48 @@ def amortised_outer_s(
     ``inner_step_s``: ``round / H`` for ``local_sgd`` (the islands wait for the round, then go
     on), ``max(0, round - H * step) / H`` for ``async`` (only what does not fit behind H inner
     steps is exposed), 0 for ``all_reduce`` (no round)."""
-    if mode is SyncMode.ALL_REDUCE or round_s <= 0:
+    return exposed_outer_s(mode, local_steps, 1, 0, round_s, inner_step_s)
+
+
+def exposed_outer_s(
+    mode: SyncMode,
+    local_steps: int,
+    num_fragments: int,
+    overlap_steps: int,
+    transfer_s: float,
+    inner_step_s: float,
+) -> float:
+    """Seconds per inner step that one holder set's outer sync of ``transfer_s`` (T) leaves
+    exposed, synced every H = ``local_steps`` inner steps of ``inner_step_s``:
+
+    - ``all_reduce``: 0 (no outer sync);
+    - ``local_sgd``, tau = ``overlap_steps`` = 0: T / H (the islands wait for it);
+    - ``local_sgd``, tau >= 1: ``F max(0, T / F - tau step) / H``: each of the F fragments
+      travels behind tau inner steps before it is applied (Streaming DiLoCo, Douillard et
+      al., 2025), what does not fit is waited for;
+    - ``async`` (applied H steps late): ``max(0, T - H step) / H``.
+    """
+    if mode is SyncMode.ALL_REDUCE or transfer_s <= 0:
         return 0.0
     if mode is SyncMode.ASYNC:
-        return max(0.0, round_s - local_steps * inner_step_s) / local_steps
-    return round_s / local_steps
+        return max(0.0, transfer_s - local_steps * inner_step_s) / local_steps
+    if overlap_steps == 0:
+        return transfer_s / local_steps
+    fragment_s = transfer_s / num_fragments
+    return num_fragments * max(0.0, fragment_s - overlap_steps * inner_step_s) / local_steps
+
+
+def device_outer_s(
+    costs: Mapping[RankSet, tuple[float, float]], inner_step_s: float
+) -> dict[int, float]:
+    """Seconds per inner step the outer syncs expose on each member of a set in ``costs``
+    (members -> (exposed per step, :func:`exposed_outer_s`; link time per step, T / H)):
+    the sum of its sets' exposed times, or, when its sets' T / H add up to more than the
+    inner step (they share its link), that excess, whichever is larger."""
+    exposed: dict[int, float] = {}
+    busy: dict[int, float] = {}
+    for members, (exposed_s, busy_s) in costs.items():
+        for m in members:
+            exposed[m] = exposed.get(m, 0.0) + exposed_s
+            busy[m] = busy.get(m, 0.0) + busy_s
+    return {m: max(exposed[m], busy[m] - inner_step_s) for m in exposed}

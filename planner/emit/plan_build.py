@@ -103,15 +103,20 @@ def build_plan(
         ranks=ranks,
         report=report,
     )
-    plan = with_islands(plan, layout.sync)
+    device_of = {name: d for d, names in enumerate(members) for name in names}
+    plan = with_islands(plan, layout.sync, device_of)
     plan.verify()
     return plan
 
 
-def with_islands(plan: Plan, sync: IslandSync | None) -> Plan:
+def with_islands(
+    plan: Plan, sync: IslandSync | None, device_of: Mapping[str, int] | None = None
+) -> Plan:
     """``plan`` whose ``TrainingSpec.sync`` holds the islands of ``sync`` (named by
     ``islands.island_names``) and every holder set spanning them (``holders.outer_groups``)
-    syncing by its mode, H, fragments and wire dtype; ``plan`` itself without local sync."""
+    syncing by its own mode, H, fragments, overlap and wire format (``IslandSync.of`` its
+    devices; ``device_of``: device name -> the problem's device index, None: the plan's
+    ranks are the device indices); ``plan`` itself without local sync."""
     if sync is None or not sync.local:
         return plan
     islands = tuple(
@@ -120,17 +125,23 @@ def with_islands(plan: Plan, sync: IslandSync | None) -> Plan:
     )
     spec = SyncSpec(islands=islands)
     spanning = outer_groups(replace(plan, training=replace(plan.training, sync=spec)))
-    groups = tuple(
-        OuterSyncSpec(
-            ranks=ranks,
-            mode=sync.mode,
-            local_steps=sync.local_steps,
-            num_fragments=sync.num_fragments,
-            wire_dtype=sync.wire_dtype,
+    groups = []
+    for ranks in sorted(spanning):
+        devices = tuple(
+            sorted({r if device_of is None else device_of[plan.ranks[r].device] for r in ranks})
         )
-        for ranks in sorted(spanning)
-    )
-    return replace(plan, training=replace(plan.training, sync=replace(spec, groups=groups)))
+        how = sync.of(devices)
+        groups.append(
+            OuterSyncSpec(
+                ranks=ranks,
+                mode=how.mode,
+                local_steps=how.local_steps,
+                num_fragments=how.num_fragments,
+                wire_dtype=how.wire_dtype,
+                overlap_steps=how.overlap_steps,
+            )
+        )
+    return replace(plan, training=replace(plan.training, sync=replace(spec, groups=tuple(groups))))
 
 
 def expanded_report(report: Report, layout: Layout, degrees: Sequence[int]) -> Report:

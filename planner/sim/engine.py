@@ -16,7 +16,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from hplan.planner.cost.sync_cost import amortised_outer_s, outer_round_s
+from hplan.planner.cost.sync_cost import device_outer_s, exposed_outer_s
 from hplan.planner.sim.ir import (
     COMPUTE_KINDS,
     EventKind,
@@ -39,7 +39,7 @@ from hplan.runtime.contract.link_model import (
     ring_all_reduce_time_s,
     sync_order,
 )
-from hplan.runtime.contract.plan import Schedule, SyncMode
+from hplan.runtime.contract.plan import Schedule
 from hplan.runtime.contract.schedule import Action, ActionKind, build_schedule
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "SimSyncGroup",
     "SimulationResult",
     "critical_path",
+    "outer_per_rank_s",
     "outer_time_per_step_s",
     "simulate",
 ]
@@ -400,19 +401,29 @@ class _Engine:
         rank.compute_s += duration_s
 
     def _outer_sync(self) -> None:
-        """The amortised outer sync rounds (:func:`simulate`, rule 6)."""
+        """The outer syncs per inner step (:func:`simulate`, rule 6)."""
         outer = self.spec.outer_syncs
         if not outer:
             return
         inner_s = max(state.clock_s for state in self.ranks.values())
-        amortised_s = outer_time_per_step_s(outer, inner_s)
-        if amortised_s <= 0:
+        exposed, busy = outer_per_rank_s(outer, inner_s)
+        waiting = [r for r in sorted(exposed) if exposed[r] > 0]
+        for rank in sorted(busy):
+            hidden_s = min(inner_s, max(0.0, busy[rank] - exposed[rank]))
+            if hidden_s > 0:
+                state = self.ranks[rank]
+                self._add(
+                    SimEvent(
+                        EventKind.OUTER_SYNC_HIDDEN, rank, state.replica, state.stage, 0.0,
+                        hidden_s, "outer sync behind compute (per inner step)", None, None,
+                        None,
+                    )
+                )  # fmt: skip
+        if not waiting:
             return
-        members = sorted({r for g in outer for r in g.ranks})
-        latest = max((self.ranks[r] for r in members), key=lambda m: (m.clock_s, -m.rank))
+        latest = max((self.ranks[r] for r in waiting), key=lambda m: (m.clock_s, -m.rank))
         start_s, cause = latest.clock_s, latest.last
-        label = "outer sync (per inner step)"
-        for rank in members:
+        for rank in waiting:
             state = self.ranks[rank]
             if state.clock_s < start_s:
                 self._add(
@@ -424,27 +435,48 @@ class _Engine:
             state.last = self._add(
                 SimEvent(
                     EventKind.OUTER_SYNC, rank, state.replica, state.stage, start_s,
-                    start_s + amortised_s, label, None, None, cause,
+                    start_s + exposed[rank], "outer sync exposed (per inner step)", None,
+                    None, cause,
                 )
             )  # fmt: skip
-            state.comm_s += amortised_s
-            state.clock_s = start_s + amortised_s
+            state.comm_s += exposed[rank]
+            state.clock_s = start_s + exposed[rank]
+
+
+def outer_per_rank_s(
+    outer: tuple[SimOuterSync, ...], inner_step_s: float
+) -> tuple[dict[int, float], dict[int, float]]:
+    """(rank -> seconds the outer syncs expose per inner step of ``inner_step_s``, rank ->
+    seconds of outer traffic on its link per inner step): each set's T
+    (``SimOuterSync.transfer_s``, else a ring all-reduce of its bytes) exposed by
+    ``sync_cost.exposed_outer_s``, the sets of a rank combined by
+    ``sync_cost.device_outer_s`` (the cost model's rule)."""
+    costs: dict[tuple[int, ...], tuple[float, float]] = {}
+    for g in outer:
+        transfer_s = (
+            g.transfer_s
+            if g.transfer_s is not None
+            else ring_all_reduce_time_s(
+                len(g.ranks), g.num_bytes, g.bandwidth_bytes_per_s, g.latency_s
+            )
+        )
+        exposed_s = exposed_outer_s(
+            g.mode, g.local_steps, g.num_fragments, g.overlap_steps, transfer_s, inner_step_s
+        )
+        before = costs.get(g.ranks, (0.0, 0.0))
+        costs[g.ranks] = (before[0] + exposed_s, before[1] + transfer_s / g.local_steps)
+    busy: dict[int, float] = {}
+    for ranks, (_, busy_s) in costs.items():
+        for r in ranks:
+            busy[r] = busy.get(r, 0.0) + busy_s
+    return device_outer_s(costs, inner_step_s), busy
 
 
 def outer_time_per_step_s(outer: tuple[SimOuterSync, ...], inner_step_s: float) -> float:
-    """Seconds the outer syncs add to an inner step of ``inner_step_s``: the sets of one
-    (mode, H) form a round (``sync_cost.outer_round_s``), amortised over H steps
-    (``sync_cost.amortised_outer_s``); rounds of different (mode, H), summed."""
-    rounds: dict[tuple[SyncMode, int], dict[tuple[int, ...], float]] = {}
-    for g in outer:
-        ring_s = ring_all_reduce_time_s(
-            len(g.ranks), g.num_bytes, g.bandwidth_bytes_per_s, g.latency_s
-        )
-        rounds.setdefault((g.mode, g.local_steps), {})[g.ranks] = ring_s
-    return sum(
-        amortised_outer_s(mode, steps, outer_round_s(rings), inner_step_s)
-        for (mode, steps), rings in rounds.items()
-    )
+    """Seconds the outer syncs add to an inner step of ``inner_step_s``: the most any rank
+    waits (:func:`outer_per_rank_s`)."""
+    exposed, _ = outer_per_rank_s(outer, inner_step_s)
+    return max(exposed.values(), default=0.0)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -479,9 +511,12 @@ def simulate(spec: SimSpec) -> SimulationResult:
     5. The optimizer step of the step before runs first, then the schedule: the steady state
        of step after step, each rank's optimizer counted with its own schedule (the cost
        model's ``evaluate``; the runtime ends a step with it, the same cycle cut elsewhere).
-    6. Under local sync (``SimSpec.outer_syncs``) the outer sync round, amortised over its H
-       inner steps (``cost.sync_cost``), starts on every member when the last member's step
-       ends, as one ``outer sync`` span.
+    6. Under local sync (``SimSpec.outer_syncs``) each holder set's outer sync per inner
+       step (``cost.sync_cost``): what overlaps compute (fragments behind tau steps, async)
+       is an ``outer sync behind compute`` span beside the step, not waited for; what is
+       exposed (a blocking sync, a fragment longer than tau steps, a link busier than the
+       step) is an ``outer sync`` span that every rank exposing some starts when the last
+       of them ends its step.
     7. A stage run by a TP group (``SimStage.tp_degree`` > 1) is simulated on its lead: the
        members run the same passes in lockstep. A pass's TP collectives
        (``SimStage.tp_forward_s``, ``tp_backward_s``: ring all-reduces over the group's link,
@@ -534,7 +569,10 @@ def critical_path(events: tuple[SimEvent, ...]) -> tuple[SimEvent, ...]:
     """The chain of causes that ends with the last event to end (earliest first)."""
     if not events:
         return ()
-    last = max(range(len(events)), key=lambda i: (events[i].end_s, i))
+    waited = [i for i in range(len(events)) if events[i].kind is not EventKind.OUTER_SYNC_HIDDEN]
+    if not waited:
+        return ()
+    last = max(waited, key=lambda i: (events[i].end_s, i))
     chain = []
     current: int | None = last
     while current is not None:

@@ -104,6 +104,13 @@ class SimOuterSync:
     """``local_sgd`` or ``async``."""
     local_steps: int = 1
     """H: inner steps per outer sync."""
+    num_fragments: int = 1
+    """F: fragments synced in turn."""
+    overlap_steps: int = 0
+    """tau: inner steps a fragment's sync travels behind (0: the islands wait for it)."""
+    transfer_s: float | None = None
+    """Seconds T of one outer sync (``sync_cost.outer_transfer_time_s``); None: a ring
+    all-reduce of ``num_bytes`` over the channel."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +157,11 @@ class EventKind(StrEnum):
     TP_COLLECTIVE = "tp all-reduce"
     """A TP group's collectives of one forward or backward pass (``SimStage.tp_forward_s``)."""
     OUTER_SYNC = "outer sync"
-    """A round of outer syncs amortised over its H inner steps (local SGD, async)."""
+    """What the outer syncs leave exposed per inner step (local SGD, async): the ranks
+    wait for it."""
+    OUTER_SYNC_HIDDEN = "outer sync behind compute"
+    """Outer sync traffic per inner step that travels beside the compute (overlapped local
+    SGD, async): on the timeline, not waited for, not counted in a rank's time."""
     WAIT = "wait"
     """A rank blocked in a receive, or until its sends are complete."""
 

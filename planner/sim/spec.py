@@ -25,6 +25,7 @@ import numpy as np
 
 from hplan.planner.cost.evaluate import (
     island_index,
+    outer_link,
     outer_sync_groups,
     slowest_link,
     step_sync_groups,
@@ -33,7 +34,12 @@ from hplan.planner.cost.layout import Layout, ReplicaLayout
 from hplan.planner.cost.microbatch import stage_passes
 from hplan.planner.cost.offload import stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
-from hplan.planner.cost.sync_cost import pseudo_gradient_bytes, split_by_island
+from hplan.planner.cost.sync_cost import (
+    OuterLink,
+    outer_transfer_time_s,
+    pseudo_gradient_bytes,
+    split_by_island,
+)
 from hplan.planner.sim.engine import (
     SimChannel,
     SimLink,
@@ -221,10 +227,7 @@ def _plan_groups(
         if ranks not in local and len(ranks) > 1:
             inner[ranks] = inner.get(ranks, 0.0) + num_bytes
     groups = tuple(_plan_group(plan, ranks, b) for ranks, b in sorted(inner.items()))
-    outer = tuple(
-        _plan_outer(plan, local[ranks], pseudo_gradient_bytes(b, local[ranks].wire_dtype))
-        for ranks, b in sorted(spanning.items())
-    )
+    outer = tuple(_plan_outer(plan, local[ranks], b) for ranks, b in sorted(spanning.items()))
     return groups, outer
 
 
@@ -238,15 +241,44 @@ def _plan_group(plan: Plan, ranks: RankSet, num_bytes: float) -> SimSyncGroup:
     )
 
 
-def _plan_outer(plan: Plan, spec: OuterSyncSpec, num_bytes: float) -> SimOuterSync:
-    group = _plan_group(plan, spec.ranks, num_bytes)
+def _plan_outer(plan: Plan, spec: OuterSyncSpec, gradient_bytes: float) -> SimOuterSync:
+    """The outer sync of ``spec`` whose gradients are ``gradient_bytes`` (float32), its T
+    over the plan's links (``sync_cost.outer_transfer_time_s``)."""
+    wire_bytes = pseudo_gradient_bytes(gradient_bytes, spec.wire_dtype)
+    group = _plan_group(plan, spec.ranks, wire_bytes)
     return SimOuterSync(
         ranks=group.ranks,
-        num_bytes=num_bytes,
+        num_bytes=wire_bytes,
         bandwidth_bytes_per_s=group.bandwidth_bytes_per_s,
         latency_s=group.latency_s,
         mode=spec.mode,
         local_steps=spec.local_steps,
+        num_fragments=spec.num_fragments,
+        overlap_steps=spec.overlap_steps,
+        transfer_s=outer_transfer_time_s(
+            spec.wire_dtype, gradient_bytes, _plan_outer_link(plan, spec.ranks)
+        ),
+    )
+
+
+def _plan_outer_link(plan: Plan, ranks: RankSet) -> OuterLink:
+    """The links of a spanning set of ``plan``: its ring's, its island leads' (lowest rank
+    of each island) and each island's (``Plan.ring_channel``)."""
+    island = island_of_rank(plan)
+    parts: dict[str, list[int]] = {}
+    for r in sorted(ranks):
+        parts.setdefault(island[r], []).append(r)
+
+    def channel(members: Sequence[int]) -> tuple[float, float]:
+        if len(members) < 2:
+            return math.inf, 0.0
+        return plan.ring_channel([plan.ranks[r].device for r in members])
+
+    return OuterLink(
+        len(ranks),
+        *channel(ranks),
+        *channel([part[0] for part in parts.values()]),
+        tuple((len(part), *channel(part)) for part in parts.values()),  # type: ignore[misc]
     )
 
 
@@ -421,17 +453,28 @@ def _outer_sync(
     layout: Layout,
     devices: Sequence[int],
     ranks: Sequence[int],
-    num_bytes: float,
+    gradient_bytes: float,
 ) -> SimOuterSync:
-    assert layout.sync is not None
-    group = _sync_group(problem, devices, ranks, num_bytes)
+    """The outer sync of the spanning set of ``devices`` (ranks ``ranks``) whose gradients
+    are ``gradient_bytes`` (float32), in its own sync (``IslandSync.of``)."""
+    sync = layout.sync
+    assert sync is not None
+    key = tuple(sorted(devices))
+    how = sync.of(key)
+    wire_bytes = pseudo_gradient_bytes(gradient_bytes, how.wire_dtype)
+    group = _sync_group(problem, devices, ranks, wire_bytes)
     return SimOuterSync(
         ranks=group.ranks,
-        num_bytes=num_bytes,
+        num_bytes=wire_bytes,
         bandwidth_bytes_per_s=group.bandwidth_bytes_per_s,
         latency_s=group.latency_s,
-        mode=layout.sync.mode,
-        local_steps=layout.sync.local_steps,
+        mode=how.mode,
+        local_steps=how.local_steps,
+        num_fragments=how.num_fragments,
+        overlap_steps=how.overlap_steps,
+        transfer_s=outer_transfer_time_s(
+            how.wire_dtype, gradient_bytes, outer_link(problem, sync, key)
+        ),
     )
 
 
@@ -471,7 +514,7 @@ def _runtime_groups(
             layout,
             [device_of[r] for r in ranks],
             ranks,
-            pseudo_gradient_bytes(num_bytes, layout.sync.wire_dtype),  # type: ignore[union-attr]
+            num_bytes,
         )
         for ranks, num_bytes in spanning.items()
     ]

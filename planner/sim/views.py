@@ -110,8 +110,8 @@ def _place(event: SimEvent) -> tuple[str, str]:
         return event.label.removeprefix("all-reduce "), "all-reduce"
     if event.kind is EventKind.TP_COLLECTIVE:
         return f"rank {event.rank}", "tp all-reduce"
-    if event.kind is EventKind.OUTER_SYNC:
-        return "islands", "outer sync"
+    if event.kind in (EventKind.OUTER_SYNC, EventKind.OUTER_SYNC_HIDDEN):
+        return "islands", event.kind.value
     return f"rank {event.rank}", "wait"
 
 
@@ -203,7 +203,12 @@ def _track(event: SimEvent) -> str:
         return COMPUTE
     if event.kind is EventKind.TRANSFER:
         return SEND_NEXT if event.label.startswith("F.") else SEND_PREVIOUS
-    if event.kind in (EventKind.ALLREDUCE, EventKind.OUTER_SYNC, EventKind.TP_COLLECTIVE):
+    if event.kind in (
+        EventKind.ALLREDUCE,
+        EventKind.OUTER_SYNC,
+        EventKind.OUTER_SYNC_HIDDEN,
+        EventKind.TP_COLLECTIVE,
+    ):
         return ALL_REDUCE
     return WAIT
 

@@ -35,9 +35,8 @@ from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, replica
 from hplan.planner.cost.microbatch import PipeTimes, pipe_times
 from hplan.planner.cost.problem import PlanningProblem, restrict
 from hplan.planner.cost.shares import share_options
-from hplan.planner.solve.sync_choice import choose_local_steps
+from hplan.planner.solve.sync_choice import SyncRules, choose_local_steps
 from hplan.planner.solve.validate import layout_problems
-from hplan.runtime.contract.plan import SyncMode
 
 __all__ = [
     "LOCAL_SHARE_ROUNDS",
@@ -119,8 +118,7 @@ def local_plans(
     search_island: IslandSearch,
     deadline: float,
     *,
-    mode: SyncMode,
-    max_local_steps: int,
+    rules: SyncRules,
 ) -> list[tuple[str, Layout]]:
     """(``islands a | b``, layout) for every local layout of every partition
     (:func:`local_layouts`), the time left shared evenly between the partitions."""
@@ -132,8 +130,7 @@ def local_plans(
             partition,
             search_island,
             time.monotonic() + share_s,
-            mode=mode,
-            max_local_steps=max_local_steps,
+            rules=rules,
         )
         label = f"islands {' | '.join(island_names(partition))}"
         out += [(label, layout) for layout in layouts]
@@ -146,8 +143,7 @@ def local_layouts(
     search_island: IslandSearch,
     deadline: float,
     *,
-    mode: SyncMode,
-    max_local_steps: int,
+    rules: SyncRules,
 ) -> list[Layout]:
     """The combined layouts of every round of the module docstring, H chosen; empty when
     fewer than two islands can take part."""
@@ -175,7 +171,7 @@ def local_layouts(
         for i, result in enumerate(results):
             if result is not None:
                 points[i].append((result.batch, result.step_s))
-        combined = _combined(problem, partition, done, mode, max_local_steps)
+        combined = _combined(problem, partition, done, rules)
         if combined is None:
             break
         out.append(combined)
@@ -282,12 +278,11 @@ def _combined(
     problem: PlanningProblem,
     partition: Partition,
     done: Sequence[_Solved],
-    mode: SyncMode,
-    max_local_steps: int,
+    rules: SyncRules,
 ) -> Layout | None:
     """The islands' replicas as one layout, the batch shared again over all of them
     (:func:`reshared`), H chosen; None when it is not a valid local layout."""
-    sync = IslandSync(islands=partition, mode=mode)
+    sync = IslandSync(islands=partition, mode=rules.request.mode)
     layout = Layout(tuple(r for result in done for r in result.layout.replicas), sync=sync)
     if layout_problems(problem, layout):
         return None
@@ -295,7 +290,7 @@ def _combined(
     shared = reshared(problem, layout, extra_s)
     if shared is not None and _better(problem, shared, layout):
         layout = shared
-    return choose_local_steps(problem, layout, max_local_steps)
+    return choose_local_steps(problem, layout, rules)
 
 
 def _better(problem: PlanningProblem, candidate: Layout, current: Layout) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hplan.planner.cost.evaluate import evaluate
 from hplan.planner.cost.even_microbatches import smallest_microbatch
-from hplan.planner.cost.layout import IslandSync, Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.layout import GroupSync, IslandSync, Layout, ReplicaLayout, StageLayout
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.sim.spec import RuntimeBytes, simulated_step_time_s
 from hplan.planner.solve.solver import SolveResult
@@ -50,8 +50,7 @@ def _island_sync(plan: Plan, problem: PlanningProblem, path: Path) -> IslandSync
     the plan has no islands.
 
     Raises:
-        ConfigError: the islands hold another cluster's nodes, or the holder sets that span
-            them sync in different ways (the solver gives them all one mode and H).
+        ConfigError: the islands hold another cluster's nodes.
     """
     sync = plan.training.sync
     if sync is None:
@@ -60,23 +59,29 @@ def _island_sync(plan: Plan, problem: PlanningProblem, path: Path) -> IslandSync
     placed = sorted(n for nodes in islands for n in nodes)
     if placed != sorted(set(problem.device_nodes)):
         raise _refuse(path, f"its islands hold nodes {placed}, this cluster has others")
-    ways = {(g.mode, g.local_steps, g.wire_dtype, g.num_fragments) for g in sync.groups}
-    if len(ways) > 1:
-        raise _refuse(
-            path,
-            "its holder sets sync across islands in different ways (modes or H); hplan "
-            "solve gives them all one, so it cannot re-predict this plan",
-        )
-    if not ways:
+    local = [g for g in sync.groups if g.mode is not SyncMode.ALL_REDUCE]
+    if not local:
         return IslandSync(islands=islands, mode=SyncMode.ALL_REDUCE)
-    mode, local_steps, wire_dtype, num_fragments = ways.pop()
+    device_of = {name: d for d, name in enumerate(problem.device_names)}
+    groups = {
+        tuple(sorted({device_of.get(plan.ranks[r].device, -1) for r in g.ranks})): GroupSync(
+            mode=g.mode,
+            local_steps=g.local_steps,
+            wire_dtype=g.wire_dtype,
+            num_fragments=g.num_fragments,
+            overlap_steps=g.overlap_steps,
+        )
+        for g in local
+    }
+    default = groups[min(groups)]
     return IslandSync(
         islands=islands,
-        mode=mode,
-        local_steps=local_steps,
-        wire_dtype=wire_dtype,
-        num_fragments=num_fragments,
-    )
+        mode=default.mode,
+        local_steps=default.local_steps,
+        wire_dtype=default.wire_dtype,
+        num_fragments=default.num_fragments,
+        overlap_steps=default.overlap_steps,
+    ).with_groups({d: g for d, g in groups.items() if g != default})
 
 
 def layout_of_plan(plan: Plan, problem: PlanningProblem, path: Path) -> Layout:
@@ -84,7 +89,7 @@ def layout_of_plan(plan: Plan, problem: PlanningProblem, path: Path) -> Layout:
 
     Raises:
         ConfigError: the plan has a device, node, unit or global batch the problem lacks
-            (naming it), or islands synced in more than one way. Its micro-batch sizes need
+            (naming it). Its micro-batch sizes need
             not be candidates of the problem (the cost model interpolates between them).
     """
     sync = _island_sync(plan, problem, path)

@@ -49,7 +49,14 @@ from hplan.planner.solve.milp import (
 )
 from hplan.planner.solve.partition import PipelineShape, enumerate_shapes
 from hplan.planner.solve.scenarios import Scenario, allreduce_estimate_s, make_scenarios
-from hplan.planner.solve.sync_choice import DEFAULT_MAX_LOCAL_STEPS, SyncRequest, wants_local
+from hplan.planner.solve.sync_choice import (
+    DEFAULT_MAX_LOCAL_STEPS,
+    DEFAULT_MAX_OVERLAP_STEPS,
+    SyncRequest,
+    SyncRules,
+    WireRequest,
+    wants_local,
+)
 from hplan.planner.solve.watchdog import run_with_deadline
 from hplan.runtime.contract.errors import InfeasiblePlanError
 from hplan.runtime.contract.plan import CPU_KIND
@@ -84,6 +91,10 @@ class SolveOptions:
     """Which sync modes across islands the planner may choose (``sync_choice``)."""
     max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
     """H at most, under local sync."""
+    wire: WireRequest = WireRequest.AUTO
+    """The pseudo-gradients' wire format (``hplan solve --wire``), or ``auto``."""
+    max_overlap_steps: int = DEFAULT_MAX_OVERLAP_STEPS
+    """tau at most: inner steps an outer sync may travel behind (``--max-overlap-steps``)."""
     zero: Policy = Policy.AUTO
     """ZeRO stage 1, or 2 where 1 does not fit (``hplan solve --zero``): ``auto`` (sharded
     layouts are searched too when memory binds the best unsharded one, and compete on
@@ -100,6 +111,7 @@ class SolveOptions:
     def __post_init__(self) -> None:
         for name, kind in (
             ("sync", SyncRequest),
+            ("wire", WireRequest),
             ("zero", Policy),
             ("offload", Policy),
             ("tensor_parallel", Policy),
@@ -107,6 +119,16 @@ class SolveOptions:
             object.__setattr__(self, name, _member(kind, getattr(self, name), name))
         if self.backend is not None:
             object.__setattr__(self, "backend", _member(MilpBackend, self.backend, "backend"))
+
+    @property
+    def sync_rules(self) -> SyncRules:
+        """The options the choice of each spanning holder set follows (``sync_choice``)."""
+        return SyncRules(
+            request=self.sync,
+            max_local_steps=self.max_local_steps,
+            wire=self.wire,
+            max_overlap_steps=self.max_overlap_steps,
+        )
 
 
 def _member(kind: type[_E], value: str, name: str) -> _E:
@@ -667,8 +689,7 @@ def _search_local(
         partitions,
         search_island,
         deadline,
-        mode=options.sync.mode,
-        max_local_steps=options.max_local_steps,
+        rules=options.sync_rules,
     )
     for label, layout in plans:
         step_s = evaluate(problem, layout).step_time_s

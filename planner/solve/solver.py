@@ -42,14 +42,15 @@ from hplan.planner.solve.sync_choice import (
     AUTO_MIN_GAIN,
     AUTO_SYNC_SHARE,
     SyncRequest,
+    group_label,
     sync_cost_share,
     usable_idle_devices,
 )
 from hplan.planner.solve.validate import layout_problems
 from hplan.planner.solve.watchdog import checked_time_limit_s
-from hplan.planner.textfmt import format_seconds, percent
+from hplan.planner.textfmt import count, format_seconds, percent
 from hplan.runtime.contract.errors import ConfigError, InfeasiblePlanError
-from hplan.runtime.contract.plan import PseudoGradientDtype, Schedule, SolverStatus
+from hplan.runtime.contract.plan import Schedule, SolverStatus
 
 __all__ = [
     "Candidates",
@@ -507,7 +508,7 @@ def choose_sync(
         assert chosen is not None
         missing = (
             (f"--sync {request.value}: no local plan fits this cluster; the plan syncs every step",)
-            if local is None and request in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC)
+            if local is None and request.local
             else ()
         )
         return chosen, missing
@@ -542,8 +543,8 @@ def sync_label(layout: Layout) -> str:
     sync = layout.sync
     if sync is None:
         return "all_reduce"
-    wire = "" if sync.wire_dtype is PseudoGradientDtype.FLOAT32 else f", {sync.wire_dtype}"
-    return f"{sync.mode.value} H={sync.local_steps}{wire}"
+    label = group_label(sync.default)
+    return label + (f" ({count(len(sync.groups), 'holder set')} apart)" if sync.groups else "")
 
 
 # --------------------------------------------------------------------------- families

@@ -1,18 +1,34 @@
 """How the holder sets that span islands sync: the rules, their constants, and the reasons.
 
-``hplan solve --sync``:
+Each spanning holder set (``GroupSync`` in ``IslandSync.groups``) gets its own mode, H,
+wire format, fragments F and overlap tau, from its own link: T is one outer sync of its
+pseudo-gradients in a wire format (``sync_cost.outer_transfer_time_s``), the inner step the
+layout's step without outer syncs, of which a set gets a budget: an equal share with the
+other sets on its busiest device (sets that share a device share its link). ``hplan solve --sync``:
 
 - ``all_reduce``: one island; every holder set sums its gradients every step.
-- ``local_sgd``: the best local plan (``local_plan``) over the candidate partitions, with H
-  the smallest number of inner steps, at most ``--max-local-steps``, whose outer sync
-  round costs at most :data:`LOCAL_SGD_SYNC_SHARE` of H inner steps.
-- ``async``: as ``local_sgd``, with the same H and wire dtype, the round hidden behind the
-  next H inner steps. Not the smallest H that would hide it: that can be H = 1, where
-  DiLoCo's outer optimizer applied one round late diverges (``bench/slow_links.py``).
+- ``local_sgd`` (blocking, tau = 0, one fragment): for each wire format in the order
+  float32, bfloat16, int8, int4 (or the one ``--wire`` names), the smallest H <=
+  ``--max-local-steps`` with T <= :data:`LOCAL_SGD_SYNC_SHARE` of H budgets; the first
+  format that has one wins (compressed only where the less compressed cannot meet the
+  rule). When none does: H = ``--max-local-steps`` in the format with the smallest T.
+- ``async``: ``local_sgd``'s H and wire, applied one round late. Not the smallest H that
+  would hide the sync: that can be H = 1, where DiLoCo's outer step applied one round late
+  diverges (``bench/slow_links.py``).
+- ``streaming`` (``local_sgd`` overlapped, Streaming DiLoCo): in the same format order,
+  the smallest H, then the smallest tau >= 1, whose sync hides: the link carries T / H
+  within :data:`LINK_BUSY_SHARE` of the budget, and each fragment (T / F, no smaller than
+  the set's largest unit: fragments cut between parameters) travels within tau budgets,
+  F the fewest that do, F <= min(H, units held); tau <= min(H - 1,
+  ``--max-overlap-steps``). Small H first (DiLoCo's quality falls as H grows), then the
+  least staleness. When nothing hides: the least exposed at H = ``--max-local-steps``.
 - ``auto`` (the default): the synchronous plan, unless its synchronisation costs more than
-  :data:`AUTO_SYNC_SHARE` of its step or it leaves devices idle, and the best local SGD
-  plan is predicted faster by more than :data:`AUTO_MIN_GAIN`. Never ``async``: its
-  staleness changes what the model learns beyond what a step time can weigh.
+  :data:`AUTO_SYNC_SHARE` of its step or it leaves devices idle, and the best local plan
+  is predicted faster by more than :data:`AUTO_MIN_GAIN`. A set of a local plan takes
+  the ``streaming`` rule's choice (tau = 0 allowed where T / H alone is within
+  :data:`HIDDEN_SYNC_SHARE`) when it exposes less than ``local_sgd``'s, else
+  ``local_sgd``'s. Never ``async``: its staleness changes what the model learns beyond
+  what a step time can weigh.
 """
 
 from __future__ import annotations
@@ -27,13 +43,16 @@ from hplan.planner.cost.evaluate import (
     evaluate,
     grad_sync_groups,
     island_index,
+    outer_costs_s,
+    outer_link,
     outer_ring_times_s,
+    outer_sync_groups,
     slowest_link,
 )
 from hplan.planner.cost.islands import island_names
-from hplan.planner.cost.layout import Layout
+from hplan.planner.cost.layout import GroupSync, IslandSync, Layout
 from hplan.planner.cost.problem import PlanningProblem
-from hplan.planner.cost.sync_cost import amortised_outer_s, outer_round_s, split_by_island
+from hplan.planner.cost.sync_cost import exposed_outer_s, outer_transfer_time_s, split_by_island
 from hplan.planner.solve.idle import smallest_stage_bytes
 from hplan.planner.solve.validate import layout_problems
 from hplan.planner.textfmt import count, format_seconds, percent
@@ -45,12 +64,22 @@ __all__ = [
     "AUTO_MIN_GAIN",
     "AUTO_SYNC_SHARE",
     "DEFAULT_MAX_LOCAL_STEPS",
+    "DEFAULT_MAX_OVERLAP_STEPS",
+    "HIDDEN_SYNC_SHARE",
+    "LINK_BUSY_SHARE",
     "LOCAL_SGD_SYNC_SHARE",
     "GroupChoice",
+    "SetCosts",
     "SyncRequest",
+    "SyncRules",
+    "WireRequest",
+    "blocking_choice",
+    "choose_group",
     "choose_local_steps",
     "group_choices",
+    "group_label",
     "smallest_local_steps",
+    "streaming_choice",
     "sync_cost_share",
     "usable_idle_devices",
     "wants_local",
@@ -69,6 +98,16 @@ do not pay for, and a smaller gain is within what the roofline cost model tells 
 DEFAULT_MAX_LOCAL_STEPS = 100
 """``--max-local-steps``: DiLoCo's H ranges 50-500 (Douillard et al., 2023, section 4);
 100 keeps the islands' models close enough that the outer step stays a small correction."""
+DEFAULT_MAX_OVERLAP_STEPS = 5
+"""``--max-overlap-steps``: the most inner steps (tau) an outer sync may travel behind before
+it is applied. Streaming DiLoCo (Douillard et al., 2025, section 2.3 and its overlap
+ablation) overlaps tau = 1..5 inner steps at little loss; more staleness is untested."""
+HIDDEN_SYNC_SHARE = 0.01
+"""A set's outer sync counts as hidden when it exposes at most this share of its budget
+(1%: a plan within 95% of its bound keeps the rest for compute balance)."""
+LINK_BUSY_SHARE = 0.5
+"""A hidden outer sync keeps the set's slow link busy at most this share of the inner
+steps: headroom for a link that does not sustain its nominal speed."""
 
 
 class SyncRequest(StrEnum):
@@ -77,12 +116,46 @@ class SyncRequest(StrEnum):
     AUTO = "auto"
     ALL_REDUCE = "all_reduce"
     LOCAL_SGD = "local_sgd"
+    STREAMING = "streaming"
     ASYNC = "async"
 
     @property
     def mode(self) -> SyncMode:
         """The mode of the local plans searched: ``async`` for ``async``, else ``local_sgd``."""
         return SyncMode.ASYNC if self is SyncRequest.ASYNC else SyncMode.LOCAL_SGD
+
+    @property
+    def local(self) -> bool:
+        """Whether the request asks for local plans only (not ``auto``, not ``all_reduce``)."""
+        return self not in (SyncRequest.AUTO, SyncRequest.ALL_REDUCE)
+
+
+class WireRequest(StrEnum):
+    """``hplan solve --wire``: the pseudo-gradients' wire format, or ``auto`` (chosen per
+    holder set, module docstring)."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def formats(self) -> tuple[PseudoGradientDtype, ...]:
+        """The formats tried, least compressed first."""
+        if self is WireRequest.AUTO:
+            return tuple(PseudoGradientDtype)
+        return (PseudoGradientDtype(self.value),)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncRules:
+    """The sync options of ``hplan solve`` that the choice of each holder set follows."""
+
+    request: SyncRequest = SyncRequest.AUTO
+    max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
+    wire: WireRequest = WireRequest.AUTO
+    max_overlap_steps: int = DEFAULT_MAX_OVERLAP_STEPS
 
 
 _EPS = 1e-9
@@ -105,28 +178,174 @@ def smallest_local_steps(
     return steps if steps <= max_local_steps else None
 
 
-def choose_local_steps(problem: PlanningProblem, layout: Layout, max_local_steps: int) -> Layout:
-    """``layout`` (islands and a local mode in ``layout.sync``) with H and the wire dtype
-    chosen by the rules of the module docstring.
+@dataclass(frozen=True, slots=True)
+class SetCosts:
+    """What the choice of one spanning holder set weighs."""
 
-    When even H = ``max_local_steps`` misses the rule, the pseudo-gradients travel in
-    bfloat16 (half the bytes), and failing that H = ``max_local_steps`` and the reason
-    states the time left exposed per step. One fragment: a round costs the same bytes
-    however it is cut (Streaming DiLoCo's fragments spread the traffic; they do not
-    shrink it).
-    """
+    transfer_s: dict[PseudoGradientDtype, float]
+    """T of one outer sync in each wire format tried."""
+    budget_s: float
+    """The set's share of the inner step (module docstring)."""
+    max_fragments: int
+    """Units the set holds."""
+    largest_share: float
+    """Its largest unit's share of its bytes (a fragment is no smaller)."""
+
+
+def blocking_choice(mode: SyncMode, costs: SetCosts, max_local_steps: int) -> GroupSync:
+    """``local_sgd``'s (and ``async``'s) rule (module docstring)."""
+    for wire, transfer_s in costs.transfer_s.items():
+        steps = smallest_local_steps(mode, transfer_s, costs.budget_s, max_local_steps)
+        if steps is not None:
+            return GroupSync(mode=mode, local_steps=steps, wire_dtype=wire)
+    wire = min(costs.transfer_s, key=lambda w: costs.transfer_s[w])
+    return GroupSync(mode=mode, local_steps=max_local_steps, wire_dtype=wire)
+
+
+def fragment_s(costs: SetCosts, wire: PseudoGradientDtype, num_fragments: int) -> float:
+    """Seconds the largest of ``num_fragments`` fragments takes in ``wire``."""
+    return costs.transfer_s[wire] * max(1 / num_fragments, costs.largest_share)
+
+
+def streaming_choice(
+    costs: SetCosts, max_local_steps: int, max_overlap_steps: int, *, blocking_ok: bool
+) -> GroupSync | None:
+    """The ``streaming`` rule's choice (with tau = 0 when ``blocking_ok``); None when no
+    choice hides the sync (module docstring)."""
+    budget = costs.budget_s
+    if budget <= 0:
+        return None
+    for wire, transfer_s in costs.transfer_s.items():
+        first = max(1, math.ceil(transfer_s / (LINK_BUSY_SHARE * budget) - _EPS))
+        for steps in range(max(first, 1 if blocking_ok else 2), max_local_steps + 1):
+            if blocking_ok and transfer_s / steps <= HIDDEN_SYNC_SHARE * budget * (1 + _EPS):
+                return GroupSync(mode=SyncMode.LOCAL_SGD, local_steps=steps, wire_dtype=wire)
+            most = min(steps, costs.max_fragments)
+            for tau in range(1, min(steps - 1, max_overlap_steps) + 1):
+                fragments = max(1, math.ceil(transfer_s / (tau * budget) - _EPS))
+                if fragments <= most and fragment_s(costs, wire, fragments) <= tau * budget * (
+                    1 + _EPS
+                ):
+                    return GroupSync(
+                        mode=SyncMode.LOCAL_SGD,
+                        local_steps=steps,
+                        wire_dtype=wire,
+                        num_fragments=fragments,
+                        overlap_steps=tau,
+                    )
+    return None
+
+
+def least_exposed(costs: SetCosts, max_local_steps: int, max_overlap_steps: int) -> GroupSync:
+    """Overlapped at H = ``max_local_steps`` when nothing hides: the format with the
+    smallest T, the most overlap and fragments allowed."""
+    wire = min(costs.transfer_s, key=lambda w: costs.transfer_s[w])
+    steps = max_local_steps
+    tau = min(steps - 1, max_overlap_steps)
+    return GroupSync(
+        mode=SyncMode.LOCAL_SGD,
+        local_steps=steps,
+        wire_dtype=wire,
+        num_fragments=min(steps, costs.max_fragments) if tau else 1,
+        overlap_steps=tau,
+    )
+
+
+def choose_group(costs: SetCosts, rules: SyncRules, inner_step_s: float) -> GroupSync:
+    """One spanning holder set's sync under ``rules`` (module docstring)."""
+    h, tau_max = rules.max_local_steps, rules.max_overlap_steps
+    if rules.request in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC):
+        return blocking_choice(rules.request.mode, costs, h)
+    hidden = streaming_choice(
+        costs, h, tau_max, blocking_ok=rules.request is SyncRequest.AUTO
+    ) or least_exposed(costs, h, tau_max)
+    if rules.request is SyncRequest.STREAMING:
+        return hidden
+    today = blocking_choice(SyncMode.LOCAL_SGD, costs, h)
+    if _exposed(hidden, costs, inner_step_s) < _exposed(today, costs, inner_step_s) - _EPS:
+        return hidden
+    return today
+
+
+def _exposed(group: GroupSync, costs: SetCosts, inner_step_s: float) -> float:
+    transfer_s = costs.transfer_s[group.wire_dtype]
+    return exposed_outer_s(
+        group.mode,
+        group.local_steps,
+        group.num_fragments,
+        group.overlap_steps,
+        transfer_s,
+        inner_step_s,
+    )
+
+
+def choose_local_steps(problem: PlanningProblem, layout: Layout, rules: SyncRules) -> Layout:
+    """``layout`` (islands and a local mode in ``layout.sync``) with each spanning holder
+    set's H, wire format, fragments and overlap chosen by the rules of the module
+    docstring. The defaults of ``IslandSync`` take the choice of the set with the most
+    bytes; ``IslandSync.groups`` lists the sets that differ."""
     sync = layout.sync
     assert sync is not None and sync.local, "choose_local_steps needs a local layout"
-    base = replace(sync, local_steps=1, num_fragments=1)
-    inner_s = evaluate(problem, replace(layout, sync=base)).inner_step_time_s
-    for wire in PseudoGradientDtype:
-        trial = replace(base, wire_dtype=wire)
-        round_s = outer_round_s(outer_ring_times_s(problem, replace(layout, sync=trial)))
-        steps = smallest_local_steps(sync.mode, round_s, inner_s, max_local_steps)
-        if steps is not None:
-            return replace(layout, sync=replace(trial, local_steps=steps))
-    last = replace(base, wire_dtype=PseudoGradientDtype.BFLOAT16, local_steps=max_local_steps)
-    return replace(layout, sync=last)
+    base = IslandSync(islands=sync.islands, mode=rules.request.mode)
+    trial = replace(layout, sync=base)
+    inner_s = evaluate(problem, trial).inner_step_time_s
+    spanning = outer_sync_groups(problem, trial)
+    if not spanning:
+        return trial
+    links = {g: outer_link(problem, base, g) for g in spanning}
+    weights = link_weights(tuple(spanning))
+    units = units_per_set(problem, trial)
+    chosen = {}
+    for group, num_bytes in spanning.items():
+        held = units.get(group, ())
+        costs = SetCosts(
+            transfer_s={
+                w: outer_transfer_time_s(w, num_bytes, links[group]) for w in rules.wire.formats
+            },
+            budget_s=inner_s * weights[group],
+            max_fragments=max(1, len(held)),
+            largest_share=max(held, default=num_bytes) / num_bytes if num_bytes > 0 else 1.0,
+        )
+        chosen[group] = choose_group(costs, rules, inner_s)
+    main = max(spanning, key=lambda g: (spanning[g], g))
+    default = chosen[main]
+    island_sync = IslandSync(
+        islands=sync.islands,
+        mode=default.mode,
+        local_steps=default.local_steps,
+        wire_dtype=default.wire_dtype,
+        num_fragments=default.num_fragments,
+        overlap_steps=default.overlap_steps,
+    ).with_groups({g: c for g, c in chosen.items() if c != default})
+    return replace(layout, sync=island_sync)
+
+
+def link_weights(groups: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], float]:
+    """Each set's share of its busiest member's link: 1 / the number of sets on it (1 for a
+    set alone on its devices). Equal shares, not shares by bytes: a set on a slower link
+    then takes a larger H or a smaller format rather than every set of a device one H."""
+    per_device: dict[int, int] = {}
+    for group in groups:
+        for d in group:
+            per_device[d] = per_device.get(d, 0) + 1
+    return {group: min(1 / per_device[d] for d in group) for group in groups}
+
+
+def units_per_set(
+    problem: PlanningProblem, layout: Layout
+) -> dict[tuple[int, ...], tuple[float, ...]]:
+    """Spanning holder set (sorted devices) -> the gradient bytes of each unit it holds
+    (units by their holders; tied parameters not apart)."""
+    holders: dict[int, list[int]] = {}
+    for replica in layout.replicas:
+        for stage in replica.stages:
+            for u in range(stage.unit_start, stage.unit_stop):
+                holders.setdefault(u, []).append(stage.device_idx)
+    grad = problem.grad_bytes_at(1)
+    out: dict[tuple[int, ...], list[float]] = {}
+    for u, devices in holders.items():
+        out.setdefault(tuple(sorted(devices)), []).append(float(grad[u]))
+    return {g: tuple(b) for g, b in out.items()}
 
 
 def sync_cost_share(evaluation: Evaluation) -> float:
@@ -167,6 +386,19 @@ def usable_idle_devices(problem: PlanningProblem, layout: Layout) -> tuple[int, 
 
 
 # --------------------------------------------------------------------------- reasons
+def group_label(group: GroupSync) -> str:
+    """``local_sgd H=12`` and, where not the defaults, ``F=4``, ``overlap=2``, the wire."""
+    words = [f"{group.mode.value} H={group.local_steps}"]
+    if group.num_fragments > 1:
+        words.append(f"F={group.num_fragments}")
+    if group.overlap_steps:
+        words.append(f"overlap={group.overlap_steps}")
+    label = " ".join(words)
+    if group.wire_dtype is not PseudoGradientDtype.FLOAT32:
+        label += f", {group.wire_dtype.value}"
+    return label
+
+
 @dataclass(frozen=True)
 class GroupChoice:
     """Why one spanning holder set syncs as it does (the report's ``SyncChoiceReport``)."""
@@ -178,10 +410,12 @@ class GroupChoice:
     all_reduce_time_s: float
     """What summing its gradients every step would add to each step."""
     outer_sync_time_s: float
-    """One outer sync of its pseudo-gradients (its ring, in the wire dtype)."""
+    """One outer sync of its pseudo-gradients (T, in its wire format)."""
     exposed_time_per_step_s: float
-    """Its outer sync amortised per inner step (``sync_cost.amortised_outer_s``)."""
+    """What its outer sync leaves exposed per inner step (``sync_cost.exposed_outer_s``)."""
     reason: str
+    sync: GroupSync | None = None
+    """Its H, wire format, fragments and overlap."""
 
 
 def group_choices(
@@ -198,7 +432,7 @@ def group_choices(
     names = island_names(sync.islands)
     _, spanning = split_by_island(grad_sync_groups(problem, layout), island_of)
     rings = outer_ring_times_s(problem, layout)
-    round_s = outer_round_s(rings)
+    costs = outer_costs_s(problem, layout, inner_s)
     synchronous = evaluate(problem, replace(layout, sync=None)).step_time_s - inner_s
     every_step = {g: _every_step_ring_s(problem, g, b) for g, b in spanning.items()}
     total_ring = sum(every_step.values())
@@ -206,20 +440,23 @@ def group_choices(
     for group in sorted(spanning):
         added = max(0.0, synchronous) * every_step[group] / total_ring if total_ring > 0 else 0.0
         islands = " | ".join(dict.fromkeys(names[island_of[d]] for d in group))
-        words = _reason(
-            problem, layout, group, spanning[group], added, inner_s, round_s, max_local_steps
+        how = sync.of(group)
+        head = (
+            f"{_head(how)}: an all-reduce of {format_bytes(spanning[group])} over "
+            f"{format_link_speed(slowest_link(problem, group)[0])} would add "
+            f"{format_seconds(added)} to each {format_seconds(inner_s)} step"
         )
+        tail = _tail(how, rings[group], costs[group][0], inner_s, max_local_steps)
         out.append(
             GroupChoice(
                 devices=group,
-                mode=sync.mode,
-                local_steps=sync.local_steps,
+                mode=how.mode,
+                local_steps=how.local_steps,
                 all_reduce_time_s=added,
                 outer_sync_time_s=rings[group],
-                exposed_time_per_step_s=amortised_outer_s(
-                    sync.mode, sync.local_steps, rings[group], inner_s
-                ),
-                reason=f"islands {islands}: {words}",
+                exposed_time_per_step_s=costs[group][0],
+                reason=f"islands {islands}: {head}; {tail}",
+                sync=how,
             )
         )
     return tuple(out)
@@ -230,47 +467,50 @@ def _every_step_ring_s(problem: PlanningProblem, group: tuple[int, ...], num_byt
     return bucket_rings_s(len(group), num_bytes, bandwidth, latency)[0]
 
 
-def _reason(
-    problem: PlanningProblem,
-    layout: Layout,
-    group: tuple[int, ...],
-    gradient_bytes: float,
-    added_s: float,
-    inner_s: float,
-    round_s: float,
-    max_local_steps: int,
+def _head(how: GroupSync) -> str:
+    head = f"{how.mode.value}, H = {how.local_steps}"
+    if how.overlap_steps:
+        head += (
+            f", {count(how.num_fragments, 'fragment')} each overlapping "
+            f"{count(how.overlap_steps, 'step')}"
+        )
+    return head
+
+
+def _tail(
+    how: GroupSync, transfer_s: float, exposed_s: float, inner_s: float, max_local_steps: int
 ) -> str:
-    sync = layout.sync
-    assert sync is not None
-    h = sync.local_steps
-    link = format_link_speed(slowest_link(problem, group)[0])
-    head = (
-        f"{sync.mode.value}, H = {h}: an all-reduce of {format_bytes(gradient_bytes)} over "
-        f"{link} would add {format_seconds(added_s)} to each {format_seconds(inner_s)} step"
-    )
-    wire = "" if sync.wire_dtype is PseudoGradientDtype.FLOAT32 else " in bfloat16"
+    h = how.local_steps
+    wire = "" if how.wire_dtype is PseudoGradientDtype.FLOAT32 else f" in {how.wire_dtype.value}"
     span_s = h * inner_s
-    if sync.mode is SyncMode.ASYNC:
+    if how.mode is SyncMode.ASYNC:
         tail = (
-            f"one outer sync{wire} takes {format_seconds(round_s)} and travels behind "
+            f"one outer sync{wire} takes {format_seconds(transfer_s)} and travels behind "
             f"{count(h, 'step')} ({format_seconds(span_s)})"
         )
-        met = round_s <= LOCAL_SGD_SYNC_SHARE * span_s * (1 + _EPS)
-    else:
-        share = round_s / span_s if span_s > 0 else 0.0
+        met = transfer_s <= LOCAL_SGD_SYNC_SHARE * span_s * (1 + _EPS)
+    elif how.overlap_steps:
+        piece_s = transfer_s / how.num_fragments
         tail = (
-            f"one outer sync{wire} takes {format_seconds(round_s)}, {percent(share)} of "
+            f"one outer sync{wire} takes {format_seconds(transfer_s)}, a fragment "
+            f"{format_seconds(piece_s)} behind {count(how.overlap_steps, 'step')} "
+            f"({format_seconds(how.overlap_steps * inner_s)})"
+        )
+        met = exposed_s <= HIDDEN_SYNC_SHARE * inner_s * (1 + _EPS)
+        if met:
+            return tail + ": hidden"
+    else:
+        share = transfer_s / span_s if span_s > 0 else 0.0
+        tail = (
+            f"one outer sync{wire} takes {format_seconds(transfer_s)}, {percent(share)} of "
             f"{count(h, 'step')}"
         )
         met = share <= LOCAL_SGD_SYNC_SHARE * (1 + _EPS)
-    if wire:
-        tail += f" (in float32 it would need H > {max_local_steps})"
-    if not met:
-        exposed_s = amortised_outer_s(sync.mode, h, round_s, inner_s)
-        cost = (
-            f"{format_seconds(exposed_s)} of each step is exposed"
-            if exposed_s > 0
-            else "the sync still hides behind the round"
-        )
-        tail += f"; H is capped at --max-local-steps {max_local_steps} (5% wants more): {cost}"
-    return f"{head}; {tail}"
+    if met:
+        return tail
+    cost = (
+        f"{format_seconds(exposed_s)} of each step is exposed"
+        if exposed_s > 0
+        else "the sync still hides behind the round"
+    )
+    return tail + f"; H is capped at --max-local-steps {max_local_steps}: {cost}"

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from hplan.runtime.contract.link_model import sync_order
-from hplan.runtime.contract.plan import GradSyncReport, OuterSyncSpec, Plan, SyncMode
+from hplan.runtime.contract.plan import (
+    GradSyncReport,
+    OuterSyncSpec,
+    Plan,
+    PseudoGradientDtype,
+    SyncMode,
+)
 
 __all__ = [
     "RUNNING_STAT_BUFFERS",
@@ -401,14 +407,26 @@ def first_sync_step(group: OuterSyncSpec, fragment_idx: int) -> int:
 
 def sync_summary(plan: Plan) -> str:
     """A few words on how the plan syncs: ``all_reduce`` (one island, or every group
-    synchronous), else each mode with its H and the islands (``local_sgd H=50 across
-    islands a | b``)."""
+    synchronous), else each mode with its H and, where not the defaults, its fragments,
+    overlap and wire format, and the islands (``local_sgd H=50 across islands a | b``,
+    ``local_sgd H=48 F=13 overlap=4 bfloat16, local_sgd H=6 ...``)."""
     sync = plan.training.sync
-    modes = sorted(
-        {(g.mode.value, g.local_steps) for g in outer_groups(plan).values()}
-        - {(SyncMode.ALL_REDUCE.value, 1)}
+    ways = sorted(
+        {
+            (g.mode.value, g.local_steps, g.num_fragments, g.overlap_steps, g.wire_dtype.value)
+            for g in outer_groups(plan).values()
+            if g.mode is not SyncMode.ALL_REDUCE
+        }
     )
-    if sync is None or not modes:
+    if sync is None or not ways:
         return SyncMode.ALL_REDUCE.value
-    how = ", ".join(f"{mode} H={h}" for mode, h in modes)
+    how = ", ".join(_way(*way) for way in ways)
     return f"{how} across islands {' | '.join(i.name for i in sync.islands)}"
+
+
+def _way(mode: str, local_steps: int, fragments: int, overlap: int, wire: str) -> str:
+    words = [f"{mode} H={local_steps}"]
+    words += [f"F={fragments}"] if fragments > 1 else []
+    words += [f"overlap={overlap}"] if overlap else []
+    words += [wire] if wire != PseudoGradientDtype.FLOAT32.value else []
+    return " ".join(words)

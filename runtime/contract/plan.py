@@ -1356,7 +1356,10 @@ def _verify_sync(plan: Plan, sync: SyncSpec) -> None:
                 f"{group.mode.value} H={group.local_steps}; only local_sgd overlaps, by at most "
                 "H - 1 steps (async applies one round late by itself)"
             )
-        if group.wire_dtype is not PseudoGradientDtype.FLOAT32 and group.mode is SyncMode.ALL_REDUCE:
+        if (
+            group.wire_dtype is not PseudoGradientDtype.FLOAT32
+            and group.mode is SyncMode.ALL_REDUCE
+        ):
             _fail(
                 f"sync group {list(group.ranks)} all-reduces every step: its wire_dtype must be "
                 "float32 (wire formats are for pseudo-gradients)"

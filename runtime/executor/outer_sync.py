@@ -6,12 +6,14 @@ A holder set that spans islands and syncs by ``local_sgd`` or ``async`` (a *loca
 (``grad_sync.py`` weights and sums per island). Each rank keeps a host float32 copy G of the
 global values of its local groups' parameters and an outer Nesterov SGD over G (``OUTER_LR``,
 ``OUTER_MOMENTUM``: ``capture/model_file.py``). At a fragment's sync point the islands'
-pseudo-gradients are averaged, weighted by their samples, in one SUM all-reduce, and the
-outer step updates G, which every island continues from; ``async`` applies each average one
-round late, while the next round computes (:func:`_point` states both rules). The outer
-collectives run after the optimizer step, on groups of their own, in one order every rank
-shares (:class:`OuterSync`); a failed or timed-out one raises ``PeerFailureError`` naming the
-islands, never a hang.
+pseudo-gradients start on their way, to be averaged, weighted by their samples (one SUM
+all-reduce in a float wire format, an all-gather of quantized payloads with error feedback
+in ``int8``/``int4``: ``outer_exchange.py``); ``OuterSyncSpec.delay_steps`` steps later the
+outer step updates G with the average, and every island continues from G plus what it did
+meanwhile. One rule covers blocking DiLoCo (delay 0), overlapped Streaming DiLoCo (1 .. H - 1)
+and ``async`` (H) (:func:`_point`). The outer collectives run after the optimizer step, on
+groups of their own, in one order every rank shares (:class:`OuterSync`); a failed or
+timed-out one raises ``PeerFailureError`` naming the islands, never a hang.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from torch import Tensor, nn
 from hplan.runtime.capture.model_file import ModelFile
 from hplan.runtime.contract.errors import ConfigError, PeerFailureError, error_reason
 from hplan.runtime.contract.holders import (
-    first_sync_step,
+    RankSet,
+    applied_after,
     island_of_rank,
     island_samples,
     outer_fragments,
@@ -39,23 +42,26 @@ from hplan.runtime.contract.holders import (
     syncs_after,
 )
 from hplan.runtime.contract.link_model import sync_order
-from hplan.runtime.contract.plan import DTYPE_BYTES, OuterSyncSpec, Plan, SyncMode
+from hplan.runtime.contract.plan import (
+    DTYPE_BYTES,
+    OuterSyncSpec,
+    Plan,
+    PseudoGradientDtype,
+    SyncMode,
+    wire_payload_bytes,
+)
 from hplan.runtime.executor.grad_sync import new_group
+from hplan.runtime.executor.outer_exchange import (
+    Pending,
+    QuantizedExchange,
+    broadcast_floor_bytes,
+    gather_floor_bytes,
+    hold_floor,
+)
 from hplan.runtime.executor.seams import LinkDelay
 
 State = dict[str, dict[str, Tensor]]
 """Checkpoint entries by kind, then canonical name (``{"global": {name: G}}``)."""
-
-
-@dataclass
-class _Pending:
-    """An outer all-reduce launched and not yet applied."""
-
-    flat: Tensor
-    """The wire buffer; the weighted average once :attr:`work` is done."""
-    launched_s: float
-    work: dist.Work | None
-    """None once waited for (or loaded from a checkpoint)."""
 
 
 @dataclass
@@ -68,30 +74,44 @@ class OuterFragment:
     names: tuple[str, ...]
     params: list[nn.Parameter]
     weight: float
-    """``n_i / N`` on the lowest holder inside its island, else 0 (a zero contribution)."""
+    """Float wire: ``n_i / N`` on the lowest holder inside its island, else 0 (a zero
+    contribution). Quantized wire: see :attr:`quantized`."""
     islands: tuple[str, ...]
     """The group's islands, in the order of their ranks; ``own_island`` is this rank's."""
     own_island: str
     floor_s: float
-    """Least seconds of its all-reduce (``seams.LinkDelay``; 0: the real one alone)."""
+    """Least seconds of its float all-reduce (``seams.LinkDelay``; 0: the real one alone)."""
     global_: list[Tensor]
     """G: the global values, host float32."""
     optimizer: torch.optim.SGD
     start: list[Tensor] = field(default_factory=list)
-    """S (``async``): the local values right after the last merge, host float32."""
-    pending: _Pending | None = None
+    """A (a delay of 1 step or more, ``OuterSyncSpec.delay_steps``): the local values when
+    the pending average was launched (``async``: since the last launch), host float32."""
+    pending: Pending | None = None
+    quantized: QuantizedExchange | None = None
+    """The exchange of an ``int8`` or ``int4`` wire (None: a float wire)."""
 
     @property
-    def is_async(self) -> bool:
-        return self.spec.mode is SyncMode.ASYNC
+    def delay_steps(self) -> int:
+        return self.spec.delay_steps
+
+    @property
+    def num_elements(self) -> int:
+        return sum(g.numel() for g in self.global_)
 
     def due(self, step: int) -> bool:
+        """Whether a sync is launched after ``step``."""
         return syncs_after(self.spec, self.index, step)
 
+    def applies(self, step: int) -> bool:
+        """Whether the pending average is applied after ``step``."""
+        return self.pending is not None and applied_after(self.spec, self.index, step)
+
     def pending_at(self, steps_done: int) -> bool:
-        """Whether an ``async`` average is pending after ``steps_done`` steps (some point
-        came before them; a checkpoint is taken before the closing sync)."""
-        return self.is_async and steps_done > first_sync_step(self.spec, self.index)
+        """Whether an average is pending after ``steps_done`` steps: one was launched in the
+        last ``delay_steps`` steps (a checkpoint is taken before the closing sync)."""
+        first = max(0, steps_done - self.delay_steps)
+        return any(self.due(s) for s in range(first, steps_done))
 
 
 class OuterSync:
@@ -99,17 +119,19 @@ class OuterSync:
     :meth:`after_step`.
 
     A group's parameters (model order, ``holders.parameter_order``) are cut into fragments
-    (``holders.outer_fragments``), each synced after the steps ``holders.syncs_after``
-    gives. Every rank visits its groups in ``link_model.sync_order`` and each group's
-    fragments in order, once every gradient bucket of the step has been waited for; an
-    ``async`` all-reduce in flight is waited for at its next point, in that same order. So
-    the collectives of all ranks stay a subsequence of one global order, as
+    (``holders.outer_fragments``), each launched after the steps ``holders.syncs_after``
+    gives and applied ``OuterSyncSpec.delay_steps`` later (``holders.applied_after``).
+    Every rank visits its groups in ``link_model.sync_order`` and each group's fragments in
+    order, once every gradient bucket of the step has been waited for; per fragment the
+    apply (a wait, and a quantized group's broadcast inside the island) comes before the
+    launch. Launches, waits and broadcasts are functions of the step alone, so the
+    collectives of all ranks stay a subsequence of one global order, as
     ``grad_sync.GradSync`` argues for the buckets. In a rehearsal a link delay's floor
-    (``seams.LinkDelay.all_reduce_floor_s``) applies to every outer all-reduce, counted from
-    when the last holder launched it. Checkpoints hold G, S, the outer momentum and a
-    pending average, with each island's own parameters and inner optimizer state
-    (:meth:`shared_state`, :meth:`island_state`), so that a resume under the same plan
-    continues exactly.
+    (``seams.LinkDelay.all_reduce_floor_s``) applies to every outer collective, counted from
+    when its last member launched it (``outer_exchange.hold_floor``). Checkpoints hold G,
+    A, the outer momentum, a pending average and the residuals of a quantized wire, with
+    each island's own parameters and inner optimizer state (:meth:`shared_state`,
+    :meth:`island_state`), so that a resume under the same plan continues exactly.
 
     Args:
         keep_resume_state: at the last step, keep the state a resume needs before the
@@ -126,18 +148,19 @@ class OuterSync:
         self._resume: tuple[State, State] | None = None
 
     def after_step(self, step: int, *, last: bool) -> float:
-        """Sync the fragments due after ``step`` (and, when ``last``, close every fragment,
-        :func:`_close`, after keeping the state a resume needs); return the seconds it took
-        (0 when nothing was due).
+        """Apply the averages due after ``step`` and launch the syncs due (and, when
+        ``last``, close every fragment, :func:`_close`, after keeping the state a resume
+        needs); return the seconds it took (0 when nothing was due).
 
         Raises:
-            PeerFailureError: an outer all-reduce failed or timed out.
+            PeerFailureError: an outer collective failed or timed out.
         """
         self.spans = []
         for frag in self.fragments:
-            if frag.due(step):
+            applies, due = frag.applies(step), frag.due(step)
+            if applies or due:
                 with self._span(frag, "outer sync"):
-                    _point(frag)
+                    _point(frag, applies=applies, due=due)
         if last:
             if self.keep_resume_state:
                 begin_s = time.monotonic()
@@ -176,7 +199,8 @@ class OuterSync:
 
     def shared_state(self) -> State:
         """What every holder keeps alike: ``global`` (G), ``momentum`` (the outer
-        optimizer's), ``pending`` (an ``async`` average waited for), by name (copies)."""
+        optimizer's), ``pending`` (an average waited for, not yet applied), by name
+        (copies)."""
         if self._resume is not None:
             return self._resume[0]
         state: State = {"global": {}, "momentum": {}, "pending": {}}
@@ -187,28 +211,32 @@ class OuterSync:
                 if buffer is not None:
                     state["momentum"][name] = buffer.clone()
             if frag.pending is not None:
-                assert frag.pending.work is None, "prepare_checkpoint() first"
-                pending = _named(frag, frag.pending.flat)
+                assert frag.pending.average is not None, "prepare_checkpoint() first"
+                pending = _named(frag, frag.pending.average)
                 state["pending"].update((n, t.clone()) for n, t in pending.items())
         return state
 
     def island_state(self) -> State:
-        """What this island's holders keep alike: ``model`` (L) and ``start`` (S), copies."""
+        """What this island's holders keep alike: ``model`` (L), ``start`` (A) and
+        ``residual`` (a quantized wire's), copies."""
         if self._resume is not None:
             return self._resume[1]
-        state: State = {"model": {}, "start": {}}
+        state: State = {"model": {}, "start": {}, "residual": {}}
         for frag in self.fragments:
             for name, param in zip(frag.names, frag.params, strict=True):
                 state["model"][name] = param.detach().clone()
-            if frag.is_async:
+            if frag.delay_steps:  # blocking local SGD keeps no A
                 state["start"].update(zip(frag.names, (s.clone() for s in frag.start), strict=True))
+            if frag.quantized is not None:
+                residual = _named(frag, frag.quantized.residual)
+                state["residual"].update((n, t.clone()) for n, t in residual.items())
         return state
 
     def load_request(self, steps_done: int) -> tuple[State, State]:
         """Tensors to load a checkpoint of ``steps_done`` steps into, as
         (:meth:`shared_state`, :meth:`island_state`) keys; then :meth:`loaded`."""
         shared: State = {"global": {}, "momentum": {}, "pending": {}}
-        island: State = {"model": {}, "start": {}}
+        island: State = {"model": {}, "start": {}, "residual": {}}
         for frag in self.fragments:
             for name, g, param in zip(frag.names, frag.global_, frag.params, strict=True):
                 shared["global"][name] = g
@@ -216,8 +244,10 @@ class OuterSync:
                 buffer = frag.optimizer.state.get(g, {}).get("momentum_buffer")
                 if buffer is not None:
                     shared["momentum"][name] = buffer
-            if frag.is_async:
+            if frag.delay_steps:
                 island["start"].update(zip(frag.names, frag.start, strict=True))
+            if frag.quantized is not None:
+                island["residual"].update(_named(frag, frag.quantized.residual))
             if frag.pending_at(steps_done):
                 zeros = (torch.zeros_like(g) for g in frag.global_)
                 shared["pending"].update(zip(frag.names, zeros, strict=True))
@@ -228,11 +258,12 @@ class OuterSync:
         for frag in self.fragments:
             if frag.pending_at(steps_done):
                 flat = torch.cat([shared["pending"][n].reshape(-1) for n in frag.names])
-                frag.pending = _Pending(flat, time.monotonic(), None)
+                frag.pending = Pending(time.monotonic(), None, [], average=flat)
 
     def restart(self) -> None:
-        """Start the outer state again from the parameters (G = S = L, no momentum, nothing
-        pending): a checkpoint of another plan, or of none with local groups."""
+        """Start the outer state again from the parameters (G = A = L, no momentum, no
+        residual, nothing pending): a checkpoint of another plan, or of none with local
+        groups."""
         for frag in self.fragments:
             with torch.no_grad():
                 for g, param in zip(frag.global_, frag.params, strict=True):
@@ -240,9 +271,11 @@ class OuterSync:
                     buffer = frag.optimizer.state.get(g, {}).get("momentum_buffer")
                     if buffer is not None:
                         buffer.zero_()
-                if frag.is_async:  # local SGD keeps no start point
+                if frag.delay_steps:  # blocking local SGD keeps no A
                     for s, g in zip(frag.start, frag.global_, strict=True):
                         s.copy_(g)
+                if frag.quantized is not None:
+                    frag.quantized.residual.zero_()
             frag.pending = None
 
 
@@ -260,43 +293,49 @@ def _named(frag: OuterFragment, flat: Tensor) -> dict[str, Tensor]:
     return out
 
 
-def _launch(frag: OuterFragment, deltas: Sequence[Tensor]) -> _Pending:
-    """Start the weighted SUM of this island's pseudo-gradients over the holder set."""
-    wire = getattr(torch, frag.spec.wire_dtype.value)
+def _launch(frag: OuterFragment, deltas: Sequence[Tensor]) -> Pending:
+    """Start the exchange of this island's pseudo-gradients (host float32, by parameter):
+    a float wire's weighted SUM all-reduce over the holder set, or a quantized one
+    (``outer_exchange.QuantizedExchange``)."""
     device = frag.params[0].device
     flat = torch.cat([d.reshape(-1) for d in deltas])
-    flat = (flat * frag.weight if frag.weight else torch.zeros_like(flat)).to(device, wire)
-    launched_s = time.monotonic()
     try:
+        if frag.quantized is not None:
+            return frag.quantized.launch(flat, device)
+        wire = getattr(torch, frag.spec.wire_dtype.value)
+        flat = (flat * frag.weight if frag.weight else torch.zeros_like(flat)).to(device, wire)
+        launched_s = time.monotonic()
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=frag.group, async_op=True)
     except RuntimeError as exc:
         raise _failure(frag, exc) from None
     assert work is not None
-    return _Pending(flat, launched_s, work)
+    return Pending(launched_s, work, [flat])
 
 
-def _arrive(frag: OuterFragment, pending: _Pending) -> None:
-    """Wait for ``pending`` (and its emulated floor); its buffer is then the float32 host
-    average."""
-    if pending.work is None:
+def _arrive(frag: OuterFragment, pending: Pending) -> None:
+    """Wait for ``pending`` (and its emulated floors); its ``average`` is then set."""
+    if pending.average is not None:
         return
+    device = frag.params[0].device
     try:
+        if frag.quantized is not None:
+            pending.average = frag.quantized.arrive(pending, frag.num_elements, device)
+            return
+        assert pending.work is not None
         pending.work.wait()
-        if frag.floor_s > 0:
-            device = pending.flat.device
-            ready = torch.tensor([pending.launched_s], dtype=torch.float64, device=device)
-            dist.all_reduce(ready, op=dist.ReduceOp.MAX, group=frag.group)
-            time.sleep(max(0.0, float(ready.item()) + frag.floor_s - time.monotonic()))
+        pending.work = None
+        hold_floor(frag.group, pending.launched_s, frag.floor_s, device)
     except RuntimeError as exc:
         raise _failure(frag, exc) from None
-    pending.flat = pending.flat.to("cpu", torch.float32)
-    pending.work = None
+    pending.average = pending.buffers[0].to("cpu", torch.float32)
+    pending.buffers = []
 
 
-def _apply(frag: OuterFragment, pending: _Pending) -> None:
+def _apply(frag: OuterFragment, pending: Pending) -> None:
     """G ← outer(G, average of ``pending``)."""
     _arrive(frag, pending)
-    for g, average in zip(frag.global_, _named(frag, pending.flat).values(), strict=True):
+    assert pending.average is not None
+    for g, average in zip(frag.global_, _named(frag, pending.average).values(), strict=True):
         g.grad = average
     frag.optimizer.step()
     frag.optimizer.zero_grad(set_to_none=True)
@@ -308,51 +347,60 @@ def _set_local(frag: OuterFragment, values: Sequence[Tensor]) -> None:
             param.copy_(value.to(param.device, param.dtype))
 
 
-def _point(frag: OuterFragment) -> None:
-    """One sync point of ``frag``.
+def _point(frag: OuterFragment, *, applies: bool, due: bool) -> None:
+    """One step of ``frag`` that applies a pending average, launches a sync, or both
+    (``OuterSyncSpec.overlap_steps``, ``delay_steps`` τ).
 
-    ``local_sgd``: island i's pseudo-gradient is ``Δ_i = G - L_i`` (L: the island's
-    parameters); their average weighted by samples, ``Σ_i (n_i / N) Δ_i`` (n_i:
-    ``island_samples``, N: the global batch), is one SUM all-reduce over the holder set: the
+    Launch (after step s): island i's pseudo-gradient ``Δ_i = G - L_i`` (L: the island's
+    parameters) starts on its way; the holder set gets ``Σ_i (n_i / N) Δ_i`` (n_i:
+    ``island_samples``, N: the global batch). A float wire sums in one SUM all-reduce: the
     lowest holder inside each island contributes ``(n_i / N) Δ_i``, the island's other
     holders zeros (a tied weight held twice in an island counts once), in the group's
-    ``wire_dtype`` (the sum comes back to float32). Then ``G.grad = average``, an outer
-    step, and L ← G. The inner optimizer's state stays each island's own.
+    ``wire_dtype``, back to float32 after; a quantized wire sums the decoded payloads
+    (``outer_exchange.py``). With τ >= 1, A ← L.
 
-    ``async``, at point k: if the average launched at point k - 1 is pending, G ← outer(G,
-    avg_{k-1}); ``Δ_k = S - L`` (S: the local values right after the previous merge;
-    initially S = G = L) is launched without waiting; L ← G - Δ_k (the island keeps its own
-    in-flight change on top of the new globals); S ← L. This is ``local_sgd`` with each
-    average applied one round late (staleness one round).
+    Apply (after step s + τ): wait; ``G.grad = average``, an outer step; L ← G - (A - L)
+    (the island keeps the change it made since the launch on top of the new globals). When
+    a launch falls on the same step (τ = H, ``async``), its pseudo-gradient is that change,
+    ``A - L`` (= G - L after the apply, exactly). With τ = 0 the apply follows the launch at
+    once and L ← G (DiLoCo). The inner optimizer's state stays each island's own.
     """
-    if not frag.is_async:
+    deltas: list[Tensor] | None = None
+    if applies:
+        assert frag.pending is not None
+        pending, frag.pending = frag.pending, None
+        change = [a - _host(p) for a, p in zip(frag.start, frag.params, strict=True)]
+        _apply(frag, pending)
+        _set_local(frag, [g - c for g, c in zip(frag.global_, change, strict=True)])
+        deltas = change if due else None
+    if not due:
+        return
+    if deltas is None:
         deltas = [g - _host(p) for g, p in zip(frag.global_, frag.params, strict=True)]
-        _apply(frag, _launch(frag, deltas))
+    launched = _launch(frag, deltas)
+    if frag.delay_steps == 0:
+        _apply(frag, launched)
         _set_local(frag, frag.global_)
         return
-    previous, frag.pending = frag.pending, None
-    if previous is not None:
-        _apply(frag, previous)
-    deltas = [s - _host(p) for s, p in zip(frag.start, frag.params, strict=True)]
-    frag.pending = _launch(frag, deltas)
-    if previous is not None:
-        _set_local(frag, [g - d for g, d in zip(frag.global_, deltas, strict=True)])
+    frag.pending = launched
     frag.start = [_host(p) for p in frag.params]
 
 
 def _close(frag: OuterFragment, progress: bool) -> None:
     """The end of a run: apply what is pending, sync what is left (``progress``: the
-    fragment changed since its last sync point) blocking, and L ← G, so that the run ends
-    with every island holding the same parameters."""
+    fragment changed since its last launch) blocking, and L ← G, so that the run ends with
+    every island holding the same parameters."""
+    deltas: list[Tensor] | None = None
+    if progress:
+        base = frag.start if frag.pending is not None else frag.global_
+        deltas = [b - _host(p) for b, p in zip(base, frag.params, strict=True)]
     if frag.pending is not None:
         pending, frag.pending = frag.pending, None
         _apply(frag, pending)
-    if progress:
-        base = frag.start if frag.is_async else frag.global_
-        deltas = [b - _host(p) for b, p in zip(base, frag.params, strict=True)]
+    if deltas is not None:
         _apply(frag, _launch(frag, deltas))
     _set_local(frag, frag.global_)
-    frag.start = [g.clone() for g in frag.global_] if frag.is_async else []
+    frag.start = [g.clone() for g in frag.global_] if frag.delay_steps else []
 
 
 def _failure(frag: OuterFragment, exc: RuntimeError) -> PeerFailureError:
@@ -376,8 +424,10 @@ def build_outer_sync(
     delay: LinkDelay,
     keep_resume_state: bool,
 ) -> OuterSync | None:
-    """Create the process group of every local group (on every rank, in
-    ``link_model.sync_order``: ``new_group`` is collective) and this rank's fragments.
+    """Create the process groups of every local group (on every rank, in
+    ``link_model.sync_order``: ``new_group`` is collective): the holder set's, and for a
+    quantized wire its islands' leads' and each island's holders' (:func:`_exchange_groups`);
+    then this rank's fragments.
 
     Must be called by every rank of the world, in the same program order, after
     ``grad_sync.build_buckets`` (which checks the stage's parameters against the plan).
@@ -399,49 +449,116 @@ def build_outer_sync(
         key=lambda g: sync_order(g.ranks),
     )
     timeout_s = plan.training.process_group_timeout_s
-    groups = {g.ranks: new_group(g.ranks, timeout_s, "outer-sync") for g in local}
+    where = island_of_rank(plan)
+    groups: dict[RankSet, dist.ProcessGroup | None] = {}
+    for spec in local:
+        groups[spec.ranks] = new_group(spec.ranks, timeout_s, "outer-sync")
+        if spec.wire_dtype.quantized:
+            for ranks in _exchange_groups(spec, where):
+                if ranks not in groups:
+                    groups[ranks] = new_group(ranks, timeout_s, "outer-sync")
     trainable = {n: p for n, p in named_params if p.requires_grad}
     fragments = [
         frag
         for spec in local
         if rank in spec.ranks
-        for frag in _fragments(plan, rank, spec, groups[spec.ranks], trainable, model_file, delay)
+        for frag in _fragments(plan, rank, spec, groups, trainable, model_file, delay)
     ]
     return OuterSync(fragments, keep_resume_state=keep_resume_state) if fragments else None
+
+
+def _island_holders(spec: OuterSyncSpec, where: Mapping[int, str]) -> dict[str, RankSet]:
+    """The holder set's ranks by island, in the order of their lowest ranks."""
+    found: dict[str, list[int]] = {}
+    for r in sorted(spec.ranks):
+        found.setdefault(where[r], []).append(r)
+    return {island: tuple(ranks) for island, ranks in found.items()}
+
+
+def _exchange_groups(spec: OuterSyncSpec, where: Mapping[int, str]) -> list[RankSet]:
+    """A quantized group's own process groups, in creation order: the islands' leads (the
+    lowest holder of each), then each island's holders where it has several."""
+    by_island = _island_holders(spec, where)
+    leads = tuple(ranks[0] for ranks in by_island.values())
+    return [leads, *(ranks for ranks in by_island.values() if len(ranks) > 1)]
 
 
 def _fragments(
     plan: Plan,
     rank: int,
     spec: OuterSyncSpec,
-    group: dist.ProcessGroup | None,
+    groups: Mapping[RankSet, dist.ProcessGroup | None],
     trainable: Mapping[str, nn.Parameter],
     model_file: ModelFile,
     delay: LinkDelay,
 ) -> list[OuterFragment]:
     """``rank``'s fragments of the local group ``spec`` (holders compute the same cut)."""
+    group = groups[spec.ranks]
     assert group is not None
     held = parameter_holders(plan, plan.ranks[rank].tp_rank)
     names = [n for n in parameter_order(plan) if held[n] == spec.ranks and n in trainable]
-    wire_bytes = {n: trainable[n].numel() * DTYPE_BYTES[spec.wire_dtype.value] for n in names}
+    wire = spec.wire_dtype
+    wire_bytes = {n: wire_payload_bytes(wire, trainable[n].numel()) for n in names}
     where = island_of_rank(plan)
     own = where[rank]
-    lowest = min(r for r in spec.ranks if where[r] == own)
-    weight = island_samples(plan)[own] / plan.global_batch_size if lowest == rank else 0.0
-    islands = tuple(dict.fromkeys(where[r] for r in spec.ranks))
+    island_weight = island_samples(plan)[own] / plan.global_batch_size
+    by_island = _island_holders(spec, where)
+    lowest = by_island[own][0]
+    weight = island_weight if lowest == rank else 0.0
+    islands = tuple(by_island)
     fragments = []
     for idx, frag_names in enumerate(outer_fragments(spec, names, wire_bytes)):
         params = [trainable[n] for n in frag_names]
         global_ = [_host(p) for p in params]
         floor_s = delay.all_reduce_floor_s(spec.ranks, sum(wire_bytes[n] for n in frag_names))
+        quantized = None
+        if wire.quantized:
+            num_elements = sum(g.numel() for g in global_)
+            quantized = _quantized(spec, rank, by_island, own, groups, delay, island_weight,
+                                   num_elements)  # fmt: skip
         fragments.append(
             OuterFragment(
                 spec, idx, group, frag_names, params, weight, islands, own, floor_s, global_,
                 _outer_optimizer(global_, model_file),
-                start=[g.clone() for g in global_] if spec.mode is SyncMode.ASYNC else [],
+                start=[g.clone() for g in global_] if spec.delay_steps else [],
+                quantized=quantized,
             )
         )  # fmt: skip
     return fragments
+
+
+def _quantized(
+    spec: OuterSyncSpec,
+    rank: int,
+    by_island: Mapping[str, RankSet],
+    own: str,
+    groups: Mapping[RankSet, dist.ProcessGroup | None],
+    delay: LinkDelay,
+    weight: float,
+    num_elements: int,
+) -> QuantizedExchange:
+    """``rank``'s exchange of one quantized fragment of ``num_elements`` elements: its
+    floors count the real bytes, the payloads all-gathered by the leads
+    (``outer_exchange.gather_floor_bytes``) and the float32 sum broadcast in the island."""
+    island = by_island[own]
+    leads = tuple(ranks[0] for ranks in by_island.values())
+    num_islands = len(leads)
+    payload = wire_payload_bytes(spec.wire_dtype, num_elements)
+    sum_bytes = num_elements * DTYPE_BYTES[PseudoGradientDtype.FLOAT32.value]
+    is_lead = rank == island[0]
+    return QuantizedExchange(
+        wire=spec.wire_dtype,
+        weight=weight,
+        lead_rank=island[0],
+        leads=groups[leads] if is_lead else None,
+        num_leads=num_islands,
+        island_group=groups[island] if len(island) > 1 else None,
+        gather_floor_s=delay.all_reduce_floor_s(leads, gather_floor_bytes(num_islands, payload)),
+        broadcast_floor_s=delay.all_reduce_floor_s(
+            island, broadcast_floor_bytes(len(island), sum_bytes)
+        ),
+        residual=torch.zeros(num_elements, dtype=torch.float32),
+    )
 
 
 def _outer_optimizer(global_: list[Tensor], model_file: ModelFile) -> torch.optim.SGD:
