@@ -93,7 +93,7 @@ before anything runs; the reference's own rate replaces it once measured)."""
 START_S = 20.0
 """A run's start-up and teardown (the launch script's check, torchrun, imports, rendezvous
 inside 0.6-core quotas), for the estimate."""
-SETUP_S = {"profile per node": 25.0, "links per rate": 90.0, "solve per mode": 5.0}
+SETUP_S = {"profile per node": 30.0, "links per rate": 110.0, "solve per mode": 5.0}
 """What the estimate adds for ``hplan profile``, ``hplan bandwidth`` and ``hplan solve``."""
 STARTED_S = time.monotonic()
 PORT = 29661
@@ -232,36 +232,58 @@ def sync_text(plan: Plan) -> str:
     return ", ".join(sorted(parts)) or SyncMode.ALL_REDUCE.value
 
 
-def estimate_s(
+@dataclass(frozen=True)
+class Pace:
+    """What an estimate assumes: the reference's step on fast links and a run's start-up
+    and teardown (seconds)."""
+
+    step_s: float
+    start_s: float
+
+
+def rate_estimate_s(
     args: argparse.Namespace,
-    num_local: int,
-    num_synchronous: int,
+    rate: float,
+    rows: tuple[int, int],
+    pace: Pace,
     *,
-    reference_samples_per_s: float,
-    start_s: float,
     gradient_bytes: int,
     num_nodes: int,
 ) -> float:
-    """Seconds the whole measurement takes, roughly: every run's steps at the reference's
-    rate plus ``start_s`` each; a synchronous run on the shaped links also a ring
-    all-reduce of ``gradient_bytes`` per step at the rate (2 (k - 1) / k of them leave each
-    of k nodes); plus ``SETUP_S``. ``num_local`` rows train to N x (1 + slack) samples,
-    ``num_synchronous`` rows (DDP included) a window."""
-    batch = args.global_batch
-    step_s = batch / reference_samples_per_s
+    """Seconds one rate's runs take, roughly: ``rows[0]`` local rows train
+    N x (1 + slack) samples at the reference's pace, ``rows[1]`` synchronous rows (DDP
+    included) a window whose every step also sends a ring all-reduce of ``gradient_bytes``
+    at the rate (2 (k - 1) / k of them leave each of k nodes); ``start_s`` each."""
+    num_local, num_synchronous = rows
+    ring_bytes = 2 * (num_nodes - 1) / num_nodes * gradient_bytes
+    comm_s = ring_bytes * 8 / (rate * 1e6)
     window = args.warmup + args.window_steps
-    seconds = len(args.seed_list) * (args.num_steps * step_s + start_s + window * step_s + start_s)
-    seconds += num_nodes * SETUP_S["profile per node"]
-    seconds += len(args.rates) * (
-        SETUP_S["links per rate"] + (num_local + 1) * SETUP_S["solve per mode"]
+    per_seed = num_local * (args.local_steps * pace.step_s + pace.start_s)
+    per_seed += num_synchronous * (window * (pace.step_s + comm_s) + pace.start_s)
+    return len(args.seed_list) * per_seed
+
+
+def estimate_s(
+    args: argparse.Namespace,
+    rows: tuple[int, int],
+    pace: Pace,
+    *,
+    gradient_bytes: int,
+    num_nodes: int,
+) -> float:
+    """Seconds the whole measurement takes, roughly: the profiles, the reference per seed
+    (and DDP's window on fast links once), and per rate the links, the solves
+    (``SETUP_S``) and the runs (:func:`rate_estimate_s`)."""
+    window = args.warmup + args.window_steps
+    seconds = num_nodes * SETUP_S["profile per node"]
+    setup_s = SETUP_S["links per rate"] + (rows[0] + 1) * SETUP_S["solve per mode"]
+    seconds += len(args.rates) * setup_s
+    seconds += len(args.seed_list) * (args.num_steps * pace.step_s + pace.start_s)
+    seconds += window * pace.step_s + pace.start_s
+    return seconds + sum(
+        rate_estimate_s(args, rate, rows, pace, gradient_bytes=gradient_bytes, num_nodes=num_nodes)
+        for rate in args.rates
     )
-    for rate in args.rates:
-        ring_bytes = 2 * (num_nodes - 1) / num_nodes * gradient_bytes
-        comm_s = ring_bytes * 8 / (rate * 1e6)
-        per_seed = num_local * (args.local_steps * step_s + start_s)
-        per_seed += num_synchronous * (window * (step_s + comm_s) + start_s)
-        seconds += len(args.seed_list) * per_seed
-    return seconds
 
 
 def say(text: str) -> None:
@@ -395,30 +417,30 @@ def measure_reference(args: argparse.Namespace, root: Path) -> tuple[Reference, 
             started = time.monotonic()
             trial = run_trial(cluster, reference.run, seed, args.num_steps, work, args)
             reference.run.trials[seed] = trial
-            if len(reference.run.trials) == 1:
-                _print_estimate(args, trial, time.monotonic() - started)
+            if len(reference.run.trials) > 1:
+                continue
+            args.pace = _pace(trial, time.monotonic() - started)
+            seconds = estimate_s(args, _row_counts(args.modes), args.pace, **_sizes(args))
+            say(
+                f"  the reference ran {trial.samples_per_s:.0f} samples/s after "
+                f"{args.pace.start_s:.0f} s of start-up: about {seconds / 60:.0f} min in all"
+            )
             say(f"  seed {seed}: {ddp.label}, {args.warmup + args.window_steps} steps")
             window = run_trial(cluster, ddp, seed, args.warmup + args.window_steps, work, args)
-            reference.ddp_samples_per_s[seed] = window.samples_per_s
+            reference.ddp_samples_per_s = window.samples_per_s
     return reference, profiles
 
 
-def _print_estimate(args: argparse.Namespace, trial: Trial, wall_s: float) -> None:
-    """The estimate again, from the reference's own rate and start-up."""
+def _pace(trial: Trial, wall_s: float) -> Pace:
+    """The pace a run of the reference showed: its steady step and the rest of its wall
+    time (start-up, teardown)."""
     train_s = trial.ends[-1] - trial.ends[0]
-    start_s = max(0.0, wall_s - train_s)
-    seconds = estimate_s(
-        args,
-        *_row_counts(args.modes),
-        reference_samples_per_s=trial.samples_per_s,
-        start_s=start_s,
-        gradient_bytes=args.gradient_bytes,
-        num_nodes=args.num_nodes,
-    )
-    say(
-        f"  the reference ran {trial.samples_per_s:.0f} samples/s, {start_s:.0f} s of start-up: "
-        f"the whole measurement takes about {seconds / 60:.0f} min"
-    )
+    step_s = MODEL.global_batch / trial.samples_per_s
+    return Pace(step_s, max(0.0, wall_s - train_s - step_s))
+
+
+def _sizes(args: argparse.Namespace) -> dict[str, int]:
+    return {"gradient_bytes": args.gradient_bytes, "num_nodes": args.num_nodes}
 
 
 def measure_rate(rate: float, args: argparse.Namespace, root: Path, profiles: Path) -> RateResult:
@@ -437,12 +459,16 @@ def measure_rate(rate: float, args: argparse.Namespace, root: Path, profiles: Pa
         links = measure_links(cluster, cluster_file, work, PORT + 2)
         solve = [*_solve_command(cluster_file, profiles, args), "--bandwidth", str(links)]
         runs = solve_modes(solve, work, args)
+        rows = (sum(r.local for r in runs), len(runs) - sum(r.local for r in runs))
         if any(m.sync == DDP for m in args.modes):
             baseline = next((r.plan for r in runs if r.label.startswith("hplan all_reduce")), None)
             splits = [plan_split(baseline, names) if baseline else None]
             splits.append(equal_split(MODEL.global_batch, len(names)))
             for sizes in dict.fromkeys(s for s in splits if s is not None):
                 runs.append(Run(f"DDP {':'.join(map(str, sizes))}", sizes=sizes))
+                rows = (rows[0], rows[1] + 1)
+        seconds = rate_estimate_s(args, rate, rows, args.pace, **_sizes(args))
+        say(f"  {rows[0]} local rows, {rows[1]} synchronous: about {seconds / 60:.0f} min")
         for i, seed in enumerate(args.seed_list):
             for run in runs[i % len(runs) :] + runs[: i % len(runs)]:
                 steps = args.local_steps if run.local else args.warmup + args.window_steps
@@ -532,19 +558,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     num_params, num_bytes = gradient_bytes(MODEL)
     args.gradient_bytes = num_bytes
     args.num_nodes = sum(LAYOUTS[args.layout])
-    seconds = estimate_s(
-        args,
-        *_row_counts(args.modes),
-        reference_samples_per_s=REFERENCE_SAMPLES_PER_S,
-        start_s=START_S,
-        gradient_bytes=num_bytes,
-        num_nodes=args.num_nodes,
-    )
+    args.pace = Pace(MODEL.global_batch / REFERENCE_SAMPLES_PER_S, START_S)
+    seconds = estimate_s(args, _row_counts(args.modes), args.pace, **_sizes(args))
     console.print(
         f"slow_links: {args.layout} at {', '.join(f'{r:g}' for r in args.rates)} Mbit/s, "
         f"rows {', '.join(m.label for m in args.modes)}, {len(args.seed_list)} seeds, "
         f"N = {args.num_steps} steps x {args.global_batch}: about {seconds / 60:.0f} min "
-        "besides profiling (estimated)"
+        "in all (estimated)"
     )
     root = args.keep or Path(tempfile.mkdtemp(prefix="hplan-slow-"))
     try:

@@ -86,10 +86,10 @@ class RateResult:
 @dataclass
 class Reference:
     """The synchronous reference (hplan's all-reduce plan on fast links) and DDP's
-    samples/s there (equal split), per seed."""
+    samples/s there (equal split, first seed)."""
 
     run: Run
-    ddp_samples_per_s: dict[int, float] = field(default_factory=dict)
+    ddp_samples_per_s: float | None = None
 
 
 def trial_figures(
@@ -188,6 +188,7 @@ COLUMNS = (
     "x DDP",
     "reached",
     "loss at N",
+    "reference",
     "penalty %",
     "loss over",
 )
@@ -208,6 +209,7 @@ def table_row(rate: float, row: dict[str, Any]) -> list[str]:
         _spread(_seed_values(row, "x_ddp"), "x"),
         f"{reached}/{len(seeds)}",
         _spread(_seed_values(row, "loss"), "", 4) if row["local"] else "= reference",
+        _spread(_seed_values(row, "target"), "", 4),
         _spread(_seed_values(row, "penalty", 100.0), "", 2) if row["local"] else "-",
         f"{'/'.join(map(str, windows))} {how}" if seeds else "-",
     ]
@@ -224,22 +226,21 @@ def reference_losses(reference: Reference, num_steps: int, loss_steps: int) -> l
 
 
 def ddp_share_lines(result: RateResult, reference: Reference) -> list[str]:
-    """DDP's communication share of its step per split: its step on the shaped links less
-    its step on fast links (the equal split), over the former."""
+    """DDP's communication share of its step per split (median over seeds): its step on
+    the shaped links less its step on fast links (the equal split), over the former; and
+    what that bounds a local row to, whose every sync were hidden."""
+    fast = reference.ddp_samples_per_s
     lines = []
     for run in (r for r in result.runs if r.plan_dir is None):
-        shares = []
-        for seed, trial in run.trials.items():
-            fast = reference.ddp_samples_per_s.get(seed)
-            if fast:
-                shares.append(1 - trial.samples_per_s / fast)
-        if not shares:
+        if not fast or not run.trials:
             continue
-        share = median_known(shares) or 0.0
+        shaped = median_known([t.samples_per_s for t in run.trials.values()]) or fast
+        share = 1 - shaped / fast
         bound = "communication-bound" if share >= 0.5 else "NOT communication-bound"
         lines.append(
             f"{run.label}: {share:.0%} of its step is communication at "
-            f"{result.rate_mbit_per_s:g} Mbit/s (against fast links): {bound}"
+            f"{result.rate_mbit_per_s:g} Mbit/s (against fast links): {bound}; a row whose "
+            f"every sync is hidden is at most {fast / shaped:.1f}x DDP"
         )
     return lines
 

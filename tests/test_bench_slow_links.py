@@ -141,11 +141,32 @@ def test_the_estimate_counts_local_rows_to_n_and_synchronous_rows_at_the_link() 
     args = slow_links.parse_args(
         ["--rates", "100", "--seeds", "1", "--samples", "480", "--loss-steps", "4"]
     )
-    seconds = slow_links.estimate_s(
-        args, 1, 1, reference_samples_per_s=48.0, start_s=0.0,
-        gradient_bytes=4_687_500, num_nodes=3,
-    )  # fmt: skip
+    pace = slow_links.Pace(step_s=1.0, start_s=0.0)
+    seconds = slow_links.estimate_s(args, (1, 1), pace, gradient_bytes=4_687_500, num_nodes=3)
     # reference 10 steps + 28 DDP steps on fast links of 1 s; 12 local steps; 28 steps of 1 s
     # + a ring all-reduce sending 2 x 2/3 of the gradients, 6.25 MB at 100 Mbit/s: 0.5 s;
     # 3 profiles, the links, 2 solves
-    assert seconds == pytest.approx(10 + 28 + 12 + 28 * 1.5 + 3 * 25 + 90 + 2 * 5)
+    assert seconds == pytest.approx(10 + 28 + 12 + 28 * 1.5 + 3 * 30 + 110 + 2 * 5)
+
+
+def test_ddp_share_and_the_bar_are_said_in_one_line_each() -> None:
+    ddp = slow_links_report.Run("DDP 16:16:16")
+    ddp.trials = {
+        0: slow_links_report.Trial([], [], 100.0),
+        1: slow_links_report.Trial([], [], 80.0),
+    }
+    reference = slow_links_report.Reference(slow_links_report.Run("reference"), 360.0)
+    result = slow_links_report.RateResult(100.0, [ddp])
+    (line,) = slow_links_report.ddp_share_lines(result, reference)
+    assert line == (
+        "DDP 16:16:16: 75% of its step is communication at 100 Mbit/s (against fast links): "
+        "communication-bound; a row whose every sync is hidden is at most 4.0x DDP"
+    )
+    row = {"run": "hplan streaming", "local": True, "seeds": {
+        0: {"x_ddp": 4.5, "penalty": 0.004}, 1: {"x_ddp": 3.9, "penalty": 0.002},
+        2: {"x_ddp": 4.2, "penalty": 0.009}}}  # fmt: skip
+    (line,) = slow_links_report.verdict_lines([row], 0.005)
+    assert line.startswith("hplan streaming: 4.20x DDP, penalty +0.40% against a spread of 0.50%")
+    assert "meets the bar" in line
+    (line,) = slow_links_report.verdict_lines([row], 0.003)
+    assert "misses the bar" in line
