@@ -318,14 +318,16 @@ def run_trial(
     """One run of ``steps`` steps under ``seed``: its losses, step ends and samples/s."""
     tag = f"{re.sub(r'[^A-Za-z0-9]+', '-', run.label)}-s{seed}"
     if run.plan_dir is not None:
-        records = run_launch_scripts(cluster, seeded(run.plan_dir, seed), MODEL, steps, work, tag)
+        records = run_launch_scripts(
+            cluster, seeded(run.plan_dir, seed), args.model, steps, work, tag
+        )
         run.breakdown = breakdown(records, args.warmup)
         ends, losses = rank0_ends(records), job_losses(records)
         # the end of step warmup - 1 opens the window
-        return Trial(losses, ends, throughput(ends, MODEL.global_batch, args.warmup - 1))
-    ddp = run_ddp(cluster, run.sizes, MODEL, steps, work, tag, port=PORT + 1, seed=seed)
+        return Trial(losses, ends, throughput(ends, args.model.global_batch, args.warmup - 1))
+    ddp = run_ddp(cluster, run.sizes, args.model, steps, work, tag, port=PORT + 1, seed=seed)
     ends = ddp.end_unix_time_s
-    return Trial(list(ddp.losses), ends, throughput(ends, MODEL.global_batch, args.warmup - 1))
+    return Trial(list(ddp.losses), ends, throughput(ends, args.model.global_batch, args.warmup - 1))
 
 
 def solve_flags(
@@ -345,7 +347,7 @@ def solve_modes(solve: Sequence[str], work: Path, args: argparse.Namespace) -> l
     line."""
     runs: list[Run] = []
     plans: list[Plan] = []
-    env = clean_env(MODEL.env)
+    env = clean_env(args.model.env)
     for mode in (m for m in args.modes if m.sync != DDP):
         plan_dir = work / f"plan-{mode.label.replace('/', '-')}"
         flags = solve_flags(mode, args.choices, args)
@@ -378,7 +380,14 @@ def _ranks_text(plan: Plan) -> str:
 
 
 def _solve_command(cluster_file: Path, profiles: Path, args: argparse.Namespace) -> list[str]:
-    solve = ["solve", str(MODEL.path), "-c", str(cluster_file), "-b", str(MODEL.global_batch)]
+    solve = [
+        "solve",
+        str(args.model.path),
+        "-c",
+        str(cluster_file),
+        "-b",
+        str(args.model.global_batch),
+    ]
     solve += ["--profile", str(profiles), "--master-port", str(PORT)]
     return [*solve, "--max-stages", str(args.max_stages)]
 
@@ -399,14 +408,14 @@ def measure_reference(args: argparse.Namespace, root: Path) -> tuple[Reference, 
         cluster_file.write_text(cluster_yaml(cluster, "slow-links-fast", FAST_MBIT_PER_S))
         say(f"[bold]reference[/]: every link {FAST_MBIT_PER_S:g} Mbit/s")
         say("  profiling each node")
-        profiles = profile_nodes(cluster, MODEL, root)
+        profiles = profile_nodes(cluster, args.model, root)
         plan_dir = work / "plan-all_reduce"
         flags = solve_flags(Mode("all_reduce"), args.choices, args)
         command = [*_solve_command(cluster_file, profiles, args), "-o", str(plan_dir), *flags]
-        hplan_cli(*command, env=clean_env(MODEL.env))
+        hplan_cli(*command, env=clean_env(args.model.env))
         plan = Plan.load(plan_dir / "plan.json")
         reference = Reference(Run("reference", plan_dir, plan, sync=sync_text(plan)))
-        ddp = Run("DDP", sizes=equal_split(MODEL.global_batch, len(cluster.nodes)))
+        ddp = Run("DDP", sizes=equal_split(args.model.global_batch, len(cluster.nodes)))
         for seed in args.seed_list:
             say(f"  seed {seed}: hplan all_reduce, {args.num_steps} steps")
             started = time.monotonic()
@@ -414,7 +423,7 @@ def measure_reference(args: argparse.Namespace, root: Path) -> tuple[Reference, 
             reference.run.trials[seed] = trial
             if len(reference.run.trials) > 1:
                 continue
-            args.pace = _pace(trial, time.monotonic() - started)
+            args.pace = _pace(trial, time.monotonic() - started, args.global_batch)
             seconds = estimate_s(args, _row_counts(args.modes), args.pace, **_sizes(args))
             say(
                 f"  the reference ran {trial.samples_per_s:.0f} samples/s after "
@@ -426,11 +435,11 @@ def measure_reference(args: argparse.Namespace, root: Path) -> tuple[Reference, 
     return reference, profiles
 
 
-def _pace(trial: Trial, wall_s: float) -> Pace:
+def _pace(trial: Trial, wall_s: float, global_batch: int) -> Pace:
     """The pace a run of the reference showed: its steady step and the rest of its wall
     time (start-up, teardown)."""
     train_s = trial.ends[-1] - trial.ends[0]
-    step_s = MODEL.global_batch / trial.samples_per_s
+    step_s = global_batch / trial.samples_per_s
     return Pace(step_s, max(0.0, wall_s - train_s - step_s))
 
 
@@ -458,7 +467,7 @@ def measure_rate(rate: float, args: argparse.Namespace, root: Path, profiles: Pa
         if any(m.sync == DDP for m in args.modes):
             baseline = next((r.plan for r in runs if r.label.startswith("hplan all_reduce")), None)
             splits = [plan_split(baseline, names) if baseline else None]
-            splits.append(equal_split(MODEL.global_batch, len(names)))
+            splits.append(equal_split(args.model.global_batch, len(names)))
             for sizes in dict.fromkeys(s for s in splits if s is not None):
                 runs.append(Run(f"DDP {':'.join(map(str, sizes))}", sizes=sizes))
                 rows = (rows[0], rows[1] + 1)
@@ -483,6 +492,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         f"{', '.join(WIRES)} (hplan solve --sync SYNC --wire WIRE)",
     )
     parser.add_argument("--samples", type=int, default=30_720, help="N, rounded up to whole steps")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=MODEL.global_batch,
+        help="samples per step (fewer: DDP more communication-bound, more steps to N)",
+    )
     parser.add_argument(
         "--slack", type=float, default=0.2, help="local rows train N x (1 + slack) samples"
     )
@@ -523,7 +538,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(f"--modes: {exc}")
     args.modes = list(dict.fromkeys(sorted(modes, key=lambda m: m.sync != "all_reduce")))
-    args.global_batch = MODEL.global_batch
+    args.model = dataclasses.replace(MODEL, global_batch=args.global_batch)
     args.num_steps = math.ceil(args.samples / args.global_batch)
     args.local_steps = math.ceil(args.num_steps * (1 + args.slack))
     args.seed_list = list(range(args.seed, args.seed + args.seeds))
@@ -532,6 +547,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--warmup must be at least 1 and --window-steps at least 2")
     if not 1 <= args.loss_steps <= args.num_steps:
         parser.error(f"--loss-steps must be 1 to the {args.num_steps} steps of --samples")
+    if args.global_batch < sum(LAYOUTS[args.layout]):
+        parser.error(f"--global-batch must be at least one sample per node of {args.layout}")
     if args.seeds < 1 or args.slack < 0:
         parser.error("--seeds must be at least 1 and --slack at least 0")
     return args
@@ -561,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     num_params, num_bytes = gradient_bytes(MODEL)
     args.gradient_bytes = num_bytes
     args.num_nodes = sum(LAYOUTS[args.layout])
-    args.pace = Pace(MODEL.global_batch / REFERENCE_SAMPLES_PER_S, START_S)
+    args.pace = Pace(args.global_batch / REFERENCE_SAMPLES_PER_S, START_S)
     seconds = estimate_s(args, _row_counts(args.modes), args.pace, **_sizes(args))
     console.print(
         f"slow_links: {args.layout} at {', '.join(f'{r:g}' for r in args.rates)} Mbit/s, "

@@ -35,8 +35,8 @@ def test_all_reduce_is_solved_first_and_every_mode_once() -> None:
 def test_smoke_is_one_seed_of_a_few_steps_at_100_mbit() -> None:
     args = slow_links.parse_args(["--smoke", "--modes", "ddp,local_sgd"])
     assert (args.num_steps, args.seed_list, args.rates) == (20, [0], [100.0])
-    args = slow_links.parse_args(["--smoke", "--rates", "20", "--layout", "2+1"])
-    assert (args.num_steps, args.rates, args.layout) == (20, [20.0], "2+1")
+    args = slow_links.parse_args(["--smoke", "--rates", "20", "--global-batch", "24"])
+    assert (args.num_steps, args.rates, args.model.global_batch) == (40, [20.0], 24)
 
 
 @pytest.mark.parametrize(
