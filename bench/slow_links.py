@@ -84,10 +84,12 @@ from hplan.runtime.capture.model_file import load_model_file
 from hplan.runtime.contract.holders import outer_groups
 from hplan.runtime.contract.plan import Plan, SyncMode
 
-MODEL = Model("GPT example", GPT, gpt_env(layers=4, width=128, heads=4, seq=32), 48)
+MODEL = Model("GPT example", GPT, gpt_env(layers=4, width=128, heads=4, seq=32), 24)
 """0.83 M parameters, 3.3 MB of float32 gradients a step: a ring all-reduce among three
-nodes sends 4.4 MB from each, 0.35 s at 100 Mbit/s, against about 0.05 s of compute for 16
-samples on 0.6 core; N = 30,720 samples are 640 steps."""
+nodes sends 4.4 MB from each, 0.35 s at 100 Mbit/s, against a DDP step of about 0.05 s on
+fast links for 8 samples per 0.6-core node; N = 30,720 samples are 1,280 steps. With 16
+samples per node DDP's step was only 69-80% communication at 100 Mbit/s (a row hiding every
+sync at most 3.2-5.0x DDP), with 8 samples 89% (8.7x)."""
 REFERENCE_SAMPLES_PER_S = 500.0
 """The reference's samples/s on fast links, three 0.6-core nodes (for the estimate printed
 before anything runs; the reference's own rate replaces it once measured)."""
@@ -108,7 +110,7 @@ DEFAULT_MODES = "ddp,all_reduce,local_sgd,streaming,streaming/int8,streaming/int
 LAYOUTS = {"1+1+1": (1, 1, 1), "1+1": (1, 1), "2+1": (2, 1)}
 SMOKE = {"samples": 960, "seeds": 1, "rates": "100", "window_steps": 6, "warmup": 2,
          "loss_steps": 4}  # fmt: skip
-"""``--smoke``'s defaults (options given still win): 20 steps, one seed, 100 Mbit/s."""
+"""``--smoke``'s defaults (options given still win): 40 steps, one seed, 100 Mbit/s."""
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,15 @@ def test_all_reduce_is_solved_first_and_every_mode_once() -> None:
     assert [m.label for m in args.modes] == ["all_reduce", "auto", "ddp", "streaming/int8"]
     assert args.rates == [100.0, 20.0]
     assert args.layout == "1+1+1"
-    # N = 30,720 samples: 640 steps of 48; local rows 20% more; seeds 0, 1, 2
-    assert (args.num_steps, args.local_steps, args.seed_list) == (640, 768, [0, 1, 2])
+    # N = 30,720 samples: 1,280 steps of 24; local rows 20% more; seeds 0, 1, 2
+    assert (args.num_steps, args.local_steps, args.seed_list) == (1280, 1536, [0, 1, 2])
 
 
 def test_smoke_is_one_seed_of_a_few_steps_at_100_mbit() -> None:
     args = slow_links.parse_args(["--smoke", "--modes", "ddp,local_sgd"])
-    assert (args.num_steps, args.seed_list, args.rates) == (20, [0], [100.0])
-    args = slow_links.parse_args(["--smoke", "--rates", "20", "--global-batch", "24"])
-    assert (args.num_steps, args.rates, args.model.global_batch) == (40, [20.0], 24)
+    assert (args.num_steps, args.seed_list, args.rates) == (40, [0], [100.0])
+    args = slow_links.parse_args(["--smoke", "--rates", "20", "--global-batch", "48"])
+    assert (args.num_steps, args.rates, args.model.global_batch) == (20, [20.0], 48)
 
 
 @pytest.mark.parametrize(
@@ -141,7 +141,18 @@ def test_a_run_that_never_reaches_the_target_counts_as_zero_x_ddp() -> None:
 
 def test_the_estimate_counts_local_rows_to_n_and_synchronous_rows_at_the_link() -> None:
     args = slow_links.parse_args(
-        ["--rates", "100", "--seeds", "1", "--samples", "480", "--loss-steps", "4"]
+        [
+            "--rates",
+            "100",
+            "--seeds",
+            "1",
+            "--samples",
+            "480",
+            "--loss-steps",
+            "4",
+            "--global-batch",
+            "48",
+        ]
     )
     pace = slow_links.Pace(step_s=1.0, start_s=0.0)
     seconds = slow_links.estimate_s(args, (1, 1), pace, gradient_bytes=4_687_500, num_nodes=3)
