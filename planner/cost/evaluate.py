@@ -4,7 +4,7 @@ One optimizer step in the steady state of step after step (:func:`evaluate`)::
 
     step_time = max over replicas of (optimizer time + pipeline_time)
               + gradient all-reduce time left after the pipelines (``allreduce_time_s``)
-              + amortised outer sync under local sync (``outer_sync_time_s``)
+              + outer sync exposed per inner step under local sync (``outer_sync_time_s``)
     pipeline_time = (num_microbatches - 1) * period + fill_time
 
 The all-reduce is where every replica meets, so a replica's own optimizer step counts with
@@ -36,6 +36,7 @@ from hplan.planner.cost.sync_cost import (
     OuterLink,
     device_outer_s,
     exposed_outer_s,
+    outer_codec_time_s,
     outer_transfer_time_s,
     split_by_island,
 )
@@ -114,8 +115,8 @@ class Evaluation:
     """stages[r][s] for replica r, stage s."""
     memory_ok: bool
     outer_sync_time_s: float = 0.0
-    """The outer sync of a layout with local sync, amortised per inner step (included in
-    ``step_time_s``; 0 without)."""
+    """What the outer syncs of a layout with local sync leave exposed per inner step
+    (:func:`outer_sync_time_s`; included in ``step_time_s``; 0 without, or when hidden)."""
     replica_starts_s: tuple[float, ...] = ()
     """Per replica, what precedes its pipeline in a step: its optimizer step (its slowest
     stage's), or under ZeRO the slowest one's plus the all-gather (module docstring)."""
@@ -515,18 +516,53 @@ def outer_ring_times_s(problem: PlanningProblem, layout: Layout) -> dict[tuple[i
     }
 
 
+def set_unit_bytes(
+    problem: PlanningProblem, layout: Layout
+) -> dict[tuple[int, ...], tuple[float, ...]]:
+    """Holder set (sorted devices of the stages holding a unit) -> the gradient bytes of each
+    unit it holds (tied parameters not counted apart)."""
+    held: dict[int, list[int]] = {}
+    for replica in layout.replicas:
+        for stage in replica.stages:
+            for u in range(stage.unit_start, stage.unit_stop):
+                held.setdefault(u, []).append(stage.device_idx)
+    grad = problem.grad_bytes_at(1)
+    out: dict[tuple[int, ...], list[float]] = {}
+    for u, devices in sorted(held.items()):
+        out.setdefault(tuple(sorted(devices)), []).append(float(grad[u]))
+    return {group: tuple(num_bytes) for group, num_bytes in out.items()}
+
+
+def largest_unit_share(units: tuple[float, ...]) -> float:
+    """The largest of a set's unit bytes ``units`` as a share of their sum (0 without)."""
+    total = sum(units)
+    return max(units) / total if total > 0 else 0.0
+
+
 def outer_costs_s(
     problem: PlanningProblem, layout: Layout, inner_step_s: float
 ) -> dict[tuple[int, ...], tuple[float, float]]:
     """Each spanning holder set -> (seconds exposed per inner step of ``inner_step_s``,
-    ``sync_cost.exposed_outer_s``; seconds its link carries per inner step, T / H)."""
+    ``sync_cost.exposed_outer_s``, its fragments no smaller than its largest unit; seconds
+    its link carries per inner step, T / H)."""
     sync = layout.sync
+    units = set_unit_bytes(problem, layout)
+    grads = outer_sync_groups(problem, layout)
     out = {}
     for group, transfer_s in outer_ring_times_s(problem, layout).items():
         assert sync is not None
         g = sync.of(group)
         exposed = exposed_outer_s(
-            g.mode, g.local_steps, g.num_fragments, g.overlap_steps, transfer_s, inner_step_s
+            g.mode,
+            g.local_steps,
+            g.num_fragments,
+            g.overlap_steps,
+            transfer_s,
+            inner_step_s,
+            largest_unit_share(units.get(group, ())),
+            outer_codec_time_s(
+                g.wire_dtype, grads[group], len(outer_link(problem, sync, group).island_links)
+            ),
         )
         out[group] = (exposed, transfer_s / g.local_steps)
     return out

@@ -36,19 +36,21 @@ __all__ = [
     "amortised_outer_s",
     "device_outer_s",
     "exposed_outer_s",
+    "fragment_shares",
+    "outer_codec_time_s",
     "outer_round_s",
     "outer_transfer_time_s",
     "pseudo_gradient_bytes",
     "split_by_island",
 ]
 
-CODEC_ENCODE_S_PER_ELEMENT: Final = 17e-9
-"""Host seconds to add the residual to, block-quantize and pack one element of a
-pseudo-gradient (``PseudoGradientDtype`` int8/int4 with error feedback): a torch
-implementation of the contract's algorithm on one CPU thread, int4 (the slower);
-the runtime's ``bench/codec_speed.py`` measures its own."""
-CODEC_DECODE_S_PER_ELEMENT: Final = 4e-9
-"""Host seconds to unpack, scale and add one element of one island's payload (as above)."""
+CODEC_ENCODE_S_PER_ELEMENT: Final = 25e-9
+"""Host seconds per element for one island's side of a quantized outer sync
+(``PseudoGradientDtype`` int8/int4): add the residual, block-quantize, pack, and the error
+feedback's decode; the runtime's own codec on one CPU thread (``bench/codec_speed.py``,
+int4, the slower). It runs on the training thread: exposed even when the sync overlaps."""
+CODEC_DECODE_S_PER_ELEMENT: Final = 6e-9
+"""Host seconds per element to unpack, scale and add one island's payload (as above)."""
 
 GRADIENT_WIRE_BYTES = DTYPE_BYTES["float32"]
 """Bytes per element of the gradient bytes the cost model counts (the runtime's wire dtype,
@@ -107,9 +109,17 @@ def outer_transfer_time_s(
         (gradient_bytes / bw + lat for members, bw, lat in link.island_links if members > 1),
         default=0.0,
     )
+    return gather_s + broadcast_s + outer_codec_time_s(wire, gradient_bytes, num_islands)
+
+
+def outer_codec_time_s(wire: PseudoGradientDtype, gradient_bytes: float, num_islands: int) -> float:
+    """Host seconds of the encode and the ``num_islands`` decodes of one quantized outer sync
+    of pseudo-gradients whose gradients are ``gradient_bytes`` (float32); 0 for the float
+    formats (:data:`CODEC_ENCODE_S_PER_ELEMENT`, :data:`CODEC_DECODE_S_PER_ELEMENT`)."""
+    if not wire.quantized:
+        return 0.0
     elements = gradient_bytes / GRADIENT_WIRE_BYTES
-    codec_s = elements * (CODEC_ENCODE_S_PER_ELEMENT + num_islands * CODEC_DECODE_S_PER_ELEMENT)
-    return gather_s + broadcast_s + codec_s
+    return elements * (CODEC_ENCODE_S_PER_ELEMENT + num_islands * CODEC_DECODE_S_PER_ELEMENT)
 
 
 def split_by_island(
@@ -170,25 +180,48 @@ def exposed_outer_s(
     overlap_steps: int,
     transfer_s: float,
     inner_step_s: float,
+    largest_share: float = 0.0,
+    codec_s: float = 0.0,
 ) -> float:
     """Seconds per inner step that one holder set's outer sync of ``transfer_s`` (T) leaves
     exposed, synced every H = ``local_steps`` inner steps of ``inner_step_s``:
 
     - ``all_reduce``: 0 (no outer sync);
     - ``local_sgd``, tau = ``overlap_steps`` = 0: T / H (the islands wait for it);
-    - ``local_sgd``, tau >= 1: ``F max(0, T / F - tau step) / H``: each of the F fragments
-      travels behind tau inner steps before it is applied (Streaming DiLoCo, Douillard et
-      al., 2025), what does not fit is waited for;
+    - ``local_sgd``, tau >= 1: ``sum over fragments f of max(0, T s_f - tau step) / H``,
+      the shares s_f of :func:`fragment_shares` (equal: ``F max(0, T / F - tau step) /
+      H``): each fragment travels behind tau inner steps before it is applied (Streaming
+      DiLoCo, Douillard et al., 2025), what does not fit is waited for;
     - ``async`` (applied H steps late): ``max(0, T - H step) / H``.
+
+    ``largest_share``: the set's largest indivisible piece (a parameter, or a unit where the
+    parameters are not known) as a share of its bytes; 0: fragments cut evenly.
+    ``codec_s``: the part of T spent encoding and decoding on the training thread
+    (:func:`outer_codec_time_s`): exposed, ``codec / H``, under every mode that overlaps.
     """
     if mode is SyncMode.ALL_REDUCE or transfer_s <= 0:
         return 0.0
-    if mode is SyncMode.ASYNC:
-        return max(0.0, transfer_s - local_steps * inner_step_s) / local_steps
-    if overlap_steps == 0:
+    if overlap_steps == 0 and mode is SyncMode.LOCAL_SGD:
         return transfer_s / local_steps
-    fragment_s = transfer_s / num_fragments
-    return num_fragments * max(0.0, fragment_s - overlap_steps * inner_step_s) / local_steps
+    wire_s = transfer_s - codec_s
+    if mode is SyncMode.ASYNC:
+        return (max(0.0, wire_s - local_steps * inner_step_s) + codec_s) / local_steps
+    hidden_s = overlap_steps * inner_step_s
+    shares = fragment_shares(num_fragments, largest_share)
+    left_s = sum(max(0.0, wire_s * share - hidden_s) for share in shares)
+    return (left_s + codec_s) / local_steps
+
+
+def fragment_shares(num_fragments: int, largest_share: float) -> tuple[float, ...]:
+    """The share of a set's bytes each of its ``num_fragments`` fragments carries: equal,
+    unless an indivisible piece of ``largest_share`` is larger than an equal share: its
+    fragment carries it, the others the rest evenly (``holders.outer_fragments`` cuts
+    between parameters)."""
+    count = max(1, num_fragments)
+    if count == 1 or largest_share <= 1 / count:
+        return (1 / count,) * count
+    largest = min(1.0, largest_share)
+    return (largest, *((1 - largest) / (count - 1),) * (count - 1))
 
 
 def device_outer_s(

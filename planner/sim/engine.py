@@ -461,7 +461,14 @@ def outer_per_rank_s(
             )
         )
         exposed_s = exposed_outer_s(
-            g.mode, g.local_steps, g.num_fragments, g.overlap_steps, transfer_s, inner_step_s
+            g.mode,
+            g.local_steps,
+            g.num_fragments,
+            g.overlap_steps,
+            transfer_s,
+            inner_step_s,
+            g.largest_share,
+            g.codec_s,
         )
         before = costs.get(g.ranks, (0.0, 0.0))
         costs[g.ranks] = (before[0] + exposed_s, before[1] + transfer_s / g.local_steps)

@@ -111,6 +111,12 @@ class SimOuterSync:
     transfer_s: float | None = None
     """Seconds T of one outer sync (``sync_cost.outer_transfer_time_s``); None: a ring
     all-reduce of ``num_bytes`` over the channel."""
+    codec_s: float = 0.0
+    """Of ``transfer_s``, the host's encode and decode (``sync_cost.outer_codec_time_s``):
+    exposed even when the sync overlaps."""
+    largest_share: float = 0.0
+    """The set's largest indivisible piece (a parameter, or a unit) as a share of its bytes:
+    its fragment is no smaller (``sync_cost.fragment_shares``); 0: fragments cut evenly."""
 
 
 @dataclass(frozen=True, slots=True)

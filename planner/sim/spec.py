@@ -25,8 +25,10 @@ import numpy as np
 
 from hplan.planner.cost.evaluate import (
     island_index,
+    largest_unit_share,
     outer_link,
     outer_sync_groups,
+    set_unit_bytes,
     slowest_link,
     step_sync_groups,
 )
@@ -36,6 +38,7 @@ from hplan.planner.cost.offload import stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
 from hplan.planner.cost.sync_cost import (
     OuterLink,
+    outer_codec_time_s,
     outer_transfer_time_s,
     pseudo_gradient_bytes,
     split_by_island,
@@ -56,6 +59,8 @@ from hplan.runtime.contract.holders import (
     holders,
     island_of_rank,
     outer_groups,
+    outer_island_holders,
+    parameter_holders,
     shared_bytes,
 )
 from hplan.runtime.contract.link_model import ring_all_reduce_time_s
@@ -246,6 +251,7 @@ def _plan_outer(plan: Plan, spec: OuterSyncSpec, gradient_bytes: float) -> SimOu
     over the plan's links (``sync_cost.outer_transfer_time_s``)."""
     wire_bytes = pseudo_gradient_bytes(gradient_bytes, spec.wire_dtype)
     group = _plan_group(plan, spec.ranks, wire_bytes)
+    link = _plan_outer_link(plan, spec)
     return SimOuterSync(
         ranks=group.ranks,
         num_bytes=wire_bytes,
@@ -255,19 +261,29 @@ def _plan_outer(plan: Plan, spec: OuterSyncSpec, gradient_bytes: float) -> SimOu
         local_steps=spec.local_steps,
         num_fragments=spec.num_fragments,
         overlap_steps=spec.overlap_steps,
-        transfer_s=outer_transfer_time_s(
-            spec.wire_dtype, gradient_bytes, _plan_outer_link(plan, spec.ranks)
-        ),
+        transfer_s=outer_transfer_time_s(spec.wire_dtype, gradient_bytes, link),
+        largest_share=_largest_parameter_share(plan, spec.ranks),
+        codec_s=outer_codec_time_s(spec.wire_dtype, gradient_bytes, len(link.island_links)),
     )
 
 
-def _plan_outer_link(plan: Plan, ranks: RankSet) -> OuterLink:
-    """The links of a spanning set of ``plan``: its ring's, its island leads' (lowest rank
-    of each island) and each island's (``Plan.ring_channel``)."""
-    island = island_of_rank(plan)
-    parts: dict[str, list[int]] = {}
-    for r in sorted(ranks):
-        parts.setdefault(island[r], []).append(r)
+def _largest_parameter_share(plan: Plan, ranks: RankSet) -> float:
+    """The largest parameter held by exactly ``ranks`` as a share of their bytes (what
+    ``holders.outer_fragments`` cannot cut); 0 when the plan records no parameter sizes."""
+    recorded = plan.memory.parameters if plan.memory is not None else ()
+    sizes = {p.name: p.num_elements * max(WIRE_BYTES_MIN, p.element_bytes) for p in recorded}
+    held = [
+        sizes.get(name, 0) for name, owners in parameter_holders(plan).items() if owners == ranks
+    ]
+    total = sum(held)
+    return max(held) / total if total > 0 else 0.0
+
+
+def _plan_outer_link(plan: Plan, spec: OuterSyncSpec) -> OuterLink:
+    """The links of a spanning set of ``plan``: its ring's, its island leads' and each
+    island's (``holders.outer_island_holders``, the runtime's exchange;
+    ``Plan.ring_channel``)."""
+    parts = list(outer_island_holders(plan, spec).values())
 
     def channel(members: Sequence[int]) -> tuple[float, float]:
         if len(members) < 2:
@@ -275,10 +291,10 @@ def _plan_outer_link(plan: Plan, ranks: RankSet) -> OuterLink:
         return plan.ring_channel([plan.ranks[r].device for r in members])
 
     return OuterLink(
-        len(ranks),
-        *channel(ranks),
-        *channel([part[0] for part in parts.values()]),
-        tuple((len(part), *channel(part)) for part in parts.values()),  # type: ignore[misc]
+        len(spec.ranks),
+        *channel(spec.ranks),
+        *channel([part[0] for part in parts]),
+        tuple((len(part), *channel(part)) for part in parts),  # type: ignore[misc]
     )
 
 
@@ -461,6 +477,7 @@ def _outer_sync(
     assert sync is not None
     key = tuple(sorted(devices))
     how = sync.of(key)
+    link = outer_link(problem, sync, key)
     wire_bytes = pseudo_gradient_bytes(gradient_bytes, how.wire_dtype)
     group = _sync_group(problem, devices, ranks, wire_bytes)
     return SimOuterSync(
@@ -472,9 +489,9 @@ def _outer_sync(
         local_steps=how.local_steps,
         num_fragments=how.num_fragments,
         overlap_steps=how.overlap_steps,
-        transfer_s=outer_transfer_time_s(
-            how.wire_dtype, gradient_bytes, outer_link(problem, sync, key)
-        ),
+        transfer_s=outer_transfer_time_s(how.wire_dtype, gradient_bytes, link),
+        largest_share=largest_unit_share(set_unit_bytes(problem, layout).get(key, ())),
+        codec_s=outer_codec_time_s(how.wire_dtype, gradient_bytes, len(link.island_links)),
     )
 
 

@@ -4,7 +4,8 @@ Each spanning holder set (``GroupSync`` in ``IslandSync.groups``) gets its own m
 wire format, fragments F and overlap tau, from its own link: T is one outer sync of its
 pseudo-gradients in a wire format (``sync_cost.outer_transfer_time_s``), the inner step the
 layout's step without outer syncs, of which a set gets a budget: an equal share with the
-other sets on its busiest device (sets that share a device share its link). ``hplan solve --sync``:
+other sets on its busiest device (sets that share a device share its link).
+``hplan solve --sync``:
 
 - ``all_reduce``: one island; every holder set sums its gradients every step.
 - ``local_sgd`` (blocking, tau = 0, one fragment): for each wire format in the order
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from hplan.planner.cost.evaluate import (
@@ -43,16 +44,23 @@ from hplan.planner.cost.evaluate import (
     evaluate,
     grad_sync_groups,
     island_index,
+    largest_unit_share,
     outer_costs_s,
     outer_link,
     outer_ring_times_s,
     outer_sync_groups,
+    set_unit_bytes,
     slowest_link,
 )
 from hplan.planner.cost.islands import island_names
 from hplan.planner.cost.layout import GroupSync, IslandSync, Layout
 from hplan.planner.cost.problem import PlanningProblem
-from hplan.planner.cost.sync_cost import exposed_outer_s, outer_transfer_time_s, split_by_island
+from hplan.planner.cost.sync_cost import (
+    exposed_outer_s,
+    outer_codec_time_s,
+    outer_transfer_time_s,
+    split_by_island,
+)
 from hplan.planner.solve.idle import smallest_stage_bytes
 from hplan.planner.solve.validate import layout_problems
 from hplan.planner.textfmt import count, format_seconds, percent
@@ -190,6 +198,22 @@ class SetCosts:
     """Units the set holds."""
     largest_share: float
     """Its largest unit's share of its bytes (a fragment is no smaller)."""
+    codec_s: dict[PseudoGradientDtype, float] = field(default_factory=dict)
+    """Of T, the host's encode and decode (exposed however the sync overlaps); 0 if absent."""
+
+    def exposed_s(self, group: GroupSync) -> float:
+        """Seconds ``group`` leaves exposed per step of the budget (``exposed_outer_s``)."""
+        wire = group.wire_dtype
+        return exposed_outer_s(
+            group.mode,
+            group.local_steps,
+            group.num_fragments,
+            group.overlap_steps,
+            self.transfer_s[wire],
+            self.budget_s,
+            self.largest_share,
+            self.codec_s.get(wire, 0.0),
+        )
 
 
 def blocking_choice(mode: SyncMode, costs: SetCosts, max_local_steps: int) -> GroupSync:
@@ -202,9 +226,18 @@ def blocking_choice(mode: SyncMode, costs: SetCosts, max_local_steps: int) -> Gr
     return GroupSync(mode=mode, local_steps=max_local_steps, wire_dtype=wire)
 
 
-def fragment_s(costs: SetCosts, wire: PseudoGradientDtype, num_fragments: int) -> float:
-    """Seconds the largest of ``num_fragments`` fragments takes in ``wire``."""
-    return costs.transfer_s[wire] * max(1 / num_fragments, costs.largest_share)
+def _overlapped(costs: SetCosts, wire: PseudoGradientDtype, steps: int, tau: int) -> GroupSync:
+    """H = ``steps`` overlapping ``tau`` steps in ``wire``, F the fewest fragments whose wire
+    time fits behind tau budgets (at most min(H, units held))."""
+    wire_s = costs.transfer_s[wire] - costs.codec_s.get(wire, 0.0)
+    wanted = math.ceil(wire_s / (tau * costs.budget_s) - _EPS) if tau else 1
+    return GroupSync(
+        mode=SyncMode.LOCAL_SGD,
+        local_steps=steps,
+        wire_dtype=wire,
+        num_fragments=max(1, min(wanted, steps, costs.max_fragments)),
+        overlap_steps=tau,
+    )
 
 
 def streaming_choice(
@@ -218,40 +251,24 @@ def streaming_choice(
     for wire, transfer_s in costs.transfer_s.items():
         first = max(1, math.ceil(transfer_s / (LINK_BUSY_SHARE * budget) - _EPS))
         for steps in range(max(first, 1 if blocking_ok else 2), max_local_steps + 1):
-            if blocking_ok and transfer_s / steps <= HIDDEN_SYNC_SHARE * budget * (1 + _EPS):
-                return GroupSync(mode=SyncMode.LOCAL_SGD, local_steps=steps, wire_dtype=wire)
-            most = min(steps, costs.max_fragments)
-            for tau in range(1, min(steps - 1, max_overlap_steps) + 1):
-                fragments = max(1, math.ceil(transfer_s / (tau * budget) - _EPS))
-                if fragments <= most and fragment_s(costs, wire, fragments) <= tau * budget * (
-                    1 + _EPS
-                ):
-                    return GroupSync(
-                        mode=SyncMode.LOCAL_SGD,
-                        local_steps=steps,
-                        wire_dtype=wire,
-                        num_fragments=fragments,
-                        overlap_steps=tau,
-                    )
+            lowest = 0 if blocking_ok else 1
+            for tau in range(lowest, min(steps - 1, max_overlap_steps) + 1):
+                group = _overlapped(costs, wire, steps, tau)
+                if costs.exposed_s(group) <= HIDDEN_SYNC_SHARE * budget * (1 + _EPS):
+                    return group
     return None
 
 
 def least_exposed(costs: SetCosts, max_local_steps: int, max_overlap_steps: int) -> GroupSync:
-    """Overlapped at H = ``max_local_steps`` when nothing hides: the format with the
-    smallest T, the most overlap and fragments allowed."""
-    wire = min(costs.transfer_s, key=lambda w: costs.transfer_s[w])
+    """When nothing hides: at H = ``max_local_steps`` with the most overlap allowed, the
+    format that exposes least (the less compressed on a tie)."""
     steps = max_local_steps
     tau = min(steps - 1, max_overlap_steps)
-    return GroupSync(
-        mode=SyncMode.LOCAL_SGD,
-        local_steps=steps,
-        wire_dtype=wire,
-        num_fragments=min(steps, costs.max_fragments) if tau else 1,
-        overlap_steps=tau,
-    )
+    candidates = [_overlapped(costs, wire, steps, tau) for wire in costs.transfer_s]
+    return min(candidates, key=costs.exposed_s)
 
 
-def choose_group(costs: SetCosts, rules: SyncRules, inner_step_s: float) -> GroupSync:
+def choose_group(costs: SetCosts, rules: SyncRules) -> GroupSync:
     """One spanning holder set's sync under ``rules`` (module docstring)."""
     h, tau_max = rules.max_local_steps, rules.max_overlap_steps
     if rules.request in (SyncRequest.LOCAL_SGD, SyncRequest.ASYNC):
@@ -262,21 +279,9 @@ def choose_group(costs: SetCosts, rules: SyncRules, inner_step_s: float) -> Grou
     if rules.request is SyncRequest.STREAMING:
         return hidden
     today = blocking_choice(SyncMode.LOCAL_SGD, costs, h)
-    if _exposed(hidden, costs, inner_step_s) < _exposed(today, costs, inner_step_s) - _EPS:
+    if costs.exposed_s(hidden) < costs.exposed_s(today) - _EPS:
         return hidden
     return today
-
-
-def _exposed(group: GroupSync, costs: SetCosts, inner_step_s: float) -> float:
-    transfer_s = costs.transfer_s[group.wire_dtype]
-    return exposed_outer_s(
-        group.mode,
-        group.local_steps,
-        group.num_fragments,
-        group.overlap_steps,
-        transfer_s,
-        inner_step_s,
-    )
 
 
 def choose_local_steps(problem: PlanningProblem, layout: Layout, rules: SyncRules) -> Layout:
@@ -294,7 +299,7 @@ def choose_local_steps(problem: PlanningProblem, layout: Layout, rules: SyncRule
         return trial
     links = {g: outer_link(problem, base, g) for g in spanning}
     weights = link_weights(tuple(spanning))
-    units = units_per_set(problem, trial)
+    units = set_unit_bytes(problem, trial)
     chosen = {}
     for group, num_bytes in spanning.items():
         held = units.get(group, ())
@@ -304,9 +309,13 @@ def choose_local_steps(problem: PlanningProblem, layout: Layout, rules: SyncRule
             },
             budget_s=inner_s * weights[group],
             max_fragments=max(1, len(held)),
-            largest_share=max(held, default=num_bytes) / num_bytes if num_bytes > 0 else 1.0,
+            largest_share=largest_unit_share(held),
+            codec_s={
+                w: outer_codec_time_s(w, num_bytes, len(links[group].island_links))
+                for w in rules.wire.formats
+            },
         )
-        chosen[group] = choose_group(costs, rules, inner_s)
+        chosen[group] = choose_group(costs, rules)
     main = max(spanning, key=lambda g: (spanning[g], g))
     default = chosen[main]
     island_sync = IslandSync(
@@ -329,23 +338,6 @@ def link_weights(groups: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], flo
         for d in group:
             per_device[d] = per_device.get(d, 0) + 1
     return {group: min(1 / per_device[d] for d in group) for group in groups}
-
-
-def units_per_set(
-    problem: PlanningProblem, layout: Layout
-) -> dict[tuple[int, ...], tuple[float, ...]]:
-    """Spanning holder set (sorted devices) -> the gradient bytes of each unit it holds
-    (units by their holders; tied parameters not apart)."""
-    holders: dict[int, list[int]] = {}
-    for replica in layout.replicas:
-        for stage in replica.stages:
-            for u in range(stage.unit_start, stage.unit_stop):
-                holders.setdefault(u, []).append(stage.device_idx)
-    grad = problem.grad_bytes_at(1)
-    out: dict[tuple[int, ...], list[float]] = {}
-    for u, devices in holders.items():
-        out.setdefault(tuple(sorted(devices)), []).append(float(grad[u]))
-    return {g: tuple(b) for g, b in out.items()}
 
 
 def sync_cost_share(evaluation: Evaluation) -> float:
@@ -433,6 +425,7 @@ def group_choices(
     _, spanning = split_by_island(grad_sync_groups(problem, layout), island_of)
     rings = outer_ring_times_s(problem, layout)
     costs = outer_costs_s(problem, layout, inner_s)
+    units = set_unit_bytes(problem, layout)
     synchronous = evaluate(problem, replace(layout, sync=None)).step_time_s - inner_s
     every_step = {g: _every_step_ring_s(problem, g, b) for g, b in spanning.items()}
     total_ring = sum(every_step.values())
@@ -446,7 +439,15 @@ def group_choices(
             f"{format_link_speed(slowest_link(problem, group)[0])} would add "
             f"{format_seconds(added)} to each {format_seconds(inner_s)} step"
         )
+        codec_s = outer_codec_time_s(
+            how.wire_dtype, spanning[group], len(outer_link(problem, sync, group).island_links)
+        )
+        largest_s = (rings[group] - codec_s) * max(
+            1 / how.num_fragments, largest_unit_share(units.get(group, ()))
+        )
         tail = _tail(how, rings[group], costs[group][0], inner_s, max_local_steps)
+        if how.overlap_steps and how.mode is SyncMode.LOCAL_SGD:
+            tail = _streaming_tail(how, rings[group], largest_s, codec_s, costs[group][0], inner_s)
         out.append(
             GroupChoice(
                 devices=group,
@@ -477,6 +478,26 @@ def _head(how: GroupSync) -> str:
     return head
 
 
+def _streaming_tail(
+    how: GroupSync,
+    transfer_s: float,
+    largest_s: float,
+    codec_s: float,
+    exposed_s: float,
+    inner_s: float,
+) -> str:
+    wire = "" if how.wire_dtype is PseudoGradientDtype.FLOAT32 else f" in {how.wire_dtype.value}"
+    codec = f" ({format_seconds(codec_s)} of it encoding on the host)" if codec_s > 0 else ""
+    tail = (
+        f"one outer sync{wire} takes {format_seconds(transfer_s)}{codec}, its largest "
+        f"fragment {format_seconds(largest_s)} behind {count(how.overlap_steps, 'step')} "
+        f"({format_seconds(how.overlap_steps * inner_s)})"
+    )
+    if exposed_s <= HIDDEN_SYNC_SHARE * inner_s * (1 + _EPS):
+        return tail + ": hidden"
+    return tail + f": {format_seconds(exposed_s)} of each step is exposed"
+
+
 def _tail(
     how: GroupSync, transfer_s: float, exposed_s: float, inner_s: float, max_local_steps: int
 ) -> str:
@@ -489,16 +510,6 @@ def _tail(
             f"{count(h, 'step')} ({format_seconds(span_s)})"
         )
         met = transfer_s <= LOCAL_SGD_SYNC_SHARE * span_s * (1 + _EPS)
-    elif how.overlap_steps:
-        piece_s = transfer_s / how.num_fragments
-        tail = (
-            f"one outer sync{wire} takes {format_seconds(transfer_s)}, a fragment "
-            f"{format_seconds(piece_s)} behind {count(how.overlap_steps, 'step')} "
-            f"({format_seconds(how.overlap_steps * inner_s)})"
-        )
-        met = exposed_s <= HIDDEN_SYNC_SHARE * inner_s * (1 + _EPS)
-        if met:
-            return tail + ": hidden"
     else:
         share = transfer_s / span_s if span_s > 0 else 0.0
         tail = (

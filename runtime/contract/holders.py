@@ -40,8 +40,10 @@ __all__ = [
     "island_ranks",
     "island_samples",
     "optimizer_shards",
+    "outer_exchange_groups",
     "outer_fragments",
     "outer_groups",
+    "outer_island_holders",
     "parameter_holders",
     "parameter_order",
     "running_stat_holders",
@@ -333,6 +335,26 @@ def outer_groups(plan: Plan) -> dict[RankSet, OuterSyncSpec]:
         for ranks in holder_sets(plan)
         if len({where[r] for r in ranks}) > 1
     }
+
+
+def outer_island_holders(plan: Plan, group: OuterSyncSpec) -> dict[str, RankSet]:
+    """Island name -> the holders of ``group`` inside it, islands in the order of their
+    lowest holders; the first of each is the island's *lead*, which sends its island's
+    quantized pseudo-gradient (``PseudoGradientDtype``)."""
+    where = island_of_rank(plan)
+    found: dict[str, list[int]] = {}
+    for rank in sorted(group.ranks):
+        found.setdefault(where[rank], []).append(rank)
+    return {island: tuple(ranks) for island, ranks in found.items()}
+
+
+def outer_exchange_groups(plan: Plan, group: OuterSyncSpec) -> tuple[RankSet, ...]:
+    """The rank sets of a quantized ``group``'s exchange, in the order every rank creates
+    their process groups: the islands' leads (who all-gather the payloads), then each
+    island's holders where it has several (its lead sends them the decoded sum)."""
+    by_island = outer_island_holders(plan, group)
+    leads = tuple(ranks[0] for ranks in by_island.values())
+    return (leads, *(ranks for ranks in by_island.values() if len(ranks) > 1))
 
 
 def step_holders(plan: Plan) -> dict[str, tuple[RankSet, ...]]:

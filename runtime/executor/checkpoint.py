@@ -147,11 +147,13 @@ class Checkpointer:
         (``outer_sync.py``) differ by island, so they are saved apart: ``model.<name>`` is
         G, the global value (after a run's closing sync, what every island ends with), in
         the parameter's dtype; ``outer.global.<name>``, ``outer.momentum.<name>`` and
-        ``outer.pending.<name>`` are G in float32, the outer momentum and an ``async``
-        group's pending average, as a resume needs them (at a run's end: before its closing
-        sync); ``island.<island>.model.<name>``, ``island.<island>.start.<name>`` and
-        ``island.<island>.optimizer.<name>.<key>`` are each island's own parameters, its S
-        and its inner optimizer state.
+        ``outer.pending.<name>`` are G in float32, the outer momentum and a pending
+        average (``async``, overlapped ``local_sgd``), as a resume needs them (at a run's
+        end: before its closing sync); ``island.<island>.model.<name>``,
+        ``island.<island>.start.<name>``, ``island.<island>.residual.<name>`` and
+        ``island.<island>.optimizer.<name>.<key>`` are each island's own parameters, its A
+        (the values at the pending launch), its residual (``int8``/``int4`` wires) and its
+        inner optimizer state.
 
         Raises:
             PeerFailureError: a peer failed while saving.

@@ -11,9 +11,10 @@ all-reduce in a float wire format, an all-gather of quantized payloads with erro
 in ``int8``/``int4``: ``outer_exchange.py``); ``OuterSyncSpec.delay_steps`` steps later the
 outer step updates G with the average, and every island continues from G plus what it did
 meanwhile. One rule covers blocking DiLoCo (delay 0), overlapped Streaming DiLoCo (1 .. H - 1)
-and ``async`` (H) (:func:`_point`). The outer collectives run after the optimizer step, on
-groups of their own, in one order every rank shares (:class:`OuterSync`); a failed or
-timed-out one raises ``PeerFailureError`` naming the islands, never a hang.
+and ``async`` (H): ``outer_fragment.py`` applies it to each fragment. The outer collectives
+run after the optimizer step, on groups of their own, in one order every rank shares
+(:class:`OuterSync`); a failed or timed-out one raises ``PeerFailureError`` naming the
+islands, never a hang.
 """
 
 from __future__ import annotations
@@ -21,25 +22,24 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from hplan.runtime.capture.model_file import ModelFile
-from hplan.runtime.contract.errors import ConfigError, PeerFailureError, error_reason
+from hplan.runtime.contract.errors import ConfigError
 from hplan.runtime.contract.holders import (
     RankSet,
-    applied_after,
     island_of_rank,
     island_samples,
+    outer_exchange_groups,
     outer_fragments,
     outer_groups,
+    outer_island_holders,
     parameter_holders,
     parameter_order,
     sync_summary,
-    syncs_after,
 )
 from hplan.runtime.contract.link_model import sync_order
 from hplan.runtime.contract.plan import (
@@ -56,62 +56,19 @@ from hplan.runtime.executor.outer_exchange import (
     QuantizedExchange,
     broadcast_floor_bytes,
     gather_floor_bytes,
-    hold_floor,
+)
+from hplan.runtime.executor.outer_fragment import (
+    OuterFragment,
+    arrive,
+    close_fragment,
+    host_copy,
+    named_views,
+    step_fragment,
 )
 from hplan.runtime.executor.seams import LinkDelay
 
 State = dict[str, dict[str, Tensor]]
 """Checkpoint entries by kind, then canonical name (``{"global": {name: G}}``)."""
-
-
-@dataclass
-class OuterFragment:
-    """One fragment of one local group, as one of its holders keeps it."""
-
-    spec: OuterSyncSpec
-    index: int
-    group: dist.ProcessGroup
-    names: tuple[str, ...]
-    params: list[nn.Parameter]
-    weight: float
-    """Float wire: ``n_i / N`` on the lowest holder inside its island, else 0 (a zero
-    contribution). Quantized wire: see :attr:`quantized`."""
-    islands: tuple[str, ...]
-    """The group's islands, in the order of their ranks; ``own_island`` is this rank's."""
-    own_island: str
-    floor_s: float
-    """Least seconds of its float all-reduce (``seams.LinkDelay``; 0: the real one alone)."""
-    global_: list[Tensor]
-    """G: the global values, host float32."""
-    optimizer: torch.optim.SGD
-    start: list[Tensor] = field(default_factory=list)
-    """A (a delay of 1 step or more, ``OuterSyncSpec.delay_steps``): the local values when
-    the pending average was launched (``async``: since the last launch), host float32."""
-    pending: Pending | None = None
-    quantized: QuantizedExchange | None = None
-    """The exchange of an ``int8`` or ``int4`` wire (None: a float wire)."""
-
-    @property
-    def delay_steps(self) -> int:
-        return self.spec.delay_steps
-
-    @property
-    def num_elements(self) -> int:
-        return sum(g.numel() for g in self.global_)
-
-    def due(self, step: int) -> bool:
-        """Whether a sync is launched after ``step``."""
-        return syncs_after(self.spec, self.index, step)
-
-    def applies(self, step: int) -> bool:
-        """Whether the pending average is applied after ``step``."""
-        return self.pending is not None and applied_after(self.spec, self.index, step)
-
-    def pending_at(self, steps_done: int) -> bool:
-        """Whether an average is pending after ``steps_done`` steps: one was launched in the
-        last ``delay_steps`` steps (a checkpoint is taken before the closing sync)."""
-        first = max(0, steps_done - self.delay_steps)
-        return any(self.due(s) for s in range(first, steps_done))
 
 
 class OuterSync:
@@ -149,8 +106,8 @@ class OuterSync:
 
     def after_step(self, step: int, *, last: bool) -> float:
         """Apply the averages due after ``step`` and launch the syncs due (and, when
-        ``last``, close every fragment, :func:`_close`, after keeping the state a resume
-        needs); return the seconds it took (0 when nothing was due).
+        ``last``, close every fragment, ``outer_fragment.close_fragment``, after keeping the
+        state a resume needs); return the seconds it took (0 when nothing was due).
 
         Raises:
             PeerFailureError: an outer collective failed or timed out.
@@ -160,7 +117,7 @@ class OuterSync:
             applies, due = frag.applies(step), frag.due(step)
             if applies or due:
                 with self._span(frag, "outer sync"):
-                    _point(frag, applies=applies, due=due)
+                    step_fragment(frag, applies=applies, due=due)
         if last:
             if self.keep_resume_state:
                 begin_s = time.monotonic()
@@ -169,7 +126,7 @@ class OuterSync:
                 self.spans.append(("outer sync state kept", begin_s, time.monotonic()))
             for frag in self.fragments:
                 with self._span(frag, "closing sync"):
-                    _close(frag, progress=not frag.due(step))
+                    close_fragment(frag, progress=not frag.due(step))
         return sum(end_s - begin_s for _, begin_s, end_s in self.spans)
 
     @contextlib.contextmanager
@@ -182,7 +139,7 @@ class OuterSync:
     def _arrive_all(self) -> None:
         for frag in self.fragments:
             if frag.pending is not None:
-                _arrive(frag, frag.pending)
+                arrive(frag, frag.pending)
 
     # ----------------------------------------------------------------- checkpoints
     def prepare_checkpoint(self) -> None:
@@ -212,7 +169,7 @@ class OuterSync:
                     state["momentum"][name] = buffer.clone()
             if frag.pending is not None:
                 assert frag.pending.average is not None, "prepare_checkpoint() first"
-                pending = _named(frag, frag.pending.average)
+                pending = named_views(frag, frag.pending.average)
                 state["pending"].update((n, t.clone()) for n, t in pending.items())
         return state
 
@@ -228,7 +185,7 @@ class OuterSync:
             if frag.delay_steps:  # blocking local SGD keeps no A
                 state["start"].update(zip(frag.names, (s.clone() for s in frag.start), strict=True))
             if frag.quantized is not None:
-                residual = _named(frag, frag.quantized.residual)
+                residual = named_views(frag, frag.quantized.residual)
                 state["residual"].update((n, t.clone()) for n, t in residual.items())
         return state
 
@@ -247,7 +204,7 @@ class OuterSync:
             if frag.delay_steps:
                 island["start"].update(zip(frag.names, frag.start, strict=True))
             if frag.quantized is not None:
-                island["residual"].update(_named(frag, frag.quantized.residual))
+                island["residual"].update(named_views(frag, frag.quantized.residual))
             if frag.pending_at(steps_done):
                 zeros = (torch.zeros_like(g) for g in frag.global_)
                 shared["pending"].update(zip(frag.names, zeros, strict=True))
@@ -267,7 +224,7 @@ class OuterSync:
         for frag in self.fragments:
             with torch.no_grad():
                 for g, param in zip(frag.global_, frag.params, strict=True):
-                    g.copy_(_host(param))
+                    g.copy_(host_copy(param))
                     buffer = frag.optimizer.state.get(g, {}).get("momentum_buffer")
                     if buffer is not None:
                         buffer.zero_()
@@ -277,141 +234,6 @@ class OuterSync:
                 if frag.quantized is not None:
                     frag.quantized.residual.zero_()
             frag.pending = None
-
-
-# --------------------------------------------------------------------------- one fragment
-def _host(param: nn.Parameter) -> Tensor:
-    return param.detach().to("cpu", torch.float32, copy=True)
-
-
-def _named(frag: OuterFragment, flat: Tensor) -> dict[str, Tensor]:
-    """A flat float32 buffer of the fragment as host tensors by name (views)."""
-    out, offset = {}, 0
-    for name, g in zip(frag.names, frag.global_, strict=True):
-        out[name] = flat[offset : offset + g.numel()].view_as(g)
-        offset += g.numel()
-    return out
-
-
-def _launch(frag: OuterFragment, deltas: Sequence[Tensor]) -> Pending:
-    """Start the exchange of this island's pseudo-gradients (host float32, by parameter):
-    a float wire's weighted SUM all-reduce over the holder set, or a quantized one
-    (``outer_exchange.QuantizedExchange``)."""
-    device = frag.params[0].device
-    flat = torch.cat([d.reshape(-1) for d in deltas])
-    try:
-        if frag.quantized is not None:
-            return frag.quantized.launch(flat, device)
-        wire = getattr(torch, frag.spec.wire_dtype.value)
-        flat = (flat * frag.weight if frag.weight else torch.zeros_like(flat)).to(device, wire)
-        launched_s = time.monotonic()
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=frag.group, async_op=True)
-    except RuntimeError as exc:
-        raise _failure(frag, exc) from None
-    assert work is not None
-    return Pending(launched_s, work, [flat])
-
-
-def _arrive(frag: OuterFragment, pending: Pending) -> None:
-    """Wait for ``pending`` (and its emulated floors); its ``average`` is then set."""
-    if pending.average is not None:
-        return
-    device = frag.params[0].device
-    try:
-        if frag.quantized is not None:
-            pending.average = frag.quantized.arrive(pending, frag.num_elements, device)
-            return
-        assert pending.work is not None
-        pending.work.wait()
-        pending.work = None
-        hold_floor(frag.group, pending.launched_s, frag.floor_s, device)
-    except RuntimeError as exc:
-        raise _failure(frag, exc) from None
-    pending.average = pending.buffers[0].to("cpu", torch.float32)
-    pending.buffers = []
-
-
-def _apply(frag: OuterFragment, pending: Pending) -> None:
-    """G ← outer(G, average of ``pending``)."""
-    _arrive(frag, pending)
-    assert pending.average is not None
-    for g, average in zip(frag.global_, _named(frag, pending.average).values(), strict=True):
-        g.grad = average
-    frag.optimizer.step()
-    frag.optimizer.zero_grad(set_to_none=True)
-
-
-def _set_local(frag: OuterFragment, values: Sequence[Tensor]) -> None:
-    with torch.no_grad():
-        for param, value in zip(frag.params, values, strict=True):
-            param.copy_(value.to(param.device, param.dtype))
-
-
-def _point(frag: OuterFragment, *, applies: bool, due: bool) -> None:
-    """One step of ``frag`` that applies a pending average, launches a sync, or both
-    (``OuterSyncSpec.overlap_steps``, ``delay_steps`` τ).
-
-    Launch (after step s): island i's pseudo-gradient ``Δ_i = G - L_i`` (L: the island's
-    parameters) starts on its way; the holder set gets ``Σ_i (n_i / N) Δ_i`` (n_i:
-    ``island_samples``, N: the global batch). A float wire sums in one SUM all-reduce: the
-    lowest holder inside each island contributes ``(n_i / N) Δ_i``, the island's other
-    holders zeros (a tied weight held twice in an island counts once), in the group's
-    ``wire_dtype``, back to float32 after; a quantized wire sums the decoded payloads
-    (``outer_exchange.py``). With τ >= 1, A ← L.
-
-    Apply (after step s + τ): wait; ``G.grad = average``, an outer step; L ← G - (A - L)
-    (the island keeps the change it made since the launch on top of the new globals). When
-    a launch falls on the same step (τ = H, ``async``), its pseudo-gradient is that change,
-    ``A - L`` (= G - L after the apply, exactly). With τ = 0 the apply follows the launch at
-    once and L ← G (DiLoCo). The inner optimizer's state stays each island's own.
-    """
-    deltas: list[Tensor] | None = None
-    if applies:
-        assert frag.pending is not None
-        pending, frag.pending = frag.pending, None
-        change = [a - _host(p) for a, p in zip(frag.start, frag.params, strict=True)]
-        _apply(frag, pending)
-        _set_local(frag, [g - c for g, c in zip(frag.global_, change, strict=True)])
-        deltas = change if due else None
-    if not due:
-        return
-    if deltas is None:
-        deltas = [g - _host(p) for g, p in zip(frag.global_, frag.params, strict=True)]
-    launched = _launch(frag, deltas)
-    if frag.delay_steps == 0:
-        _apply(frag, launched)
-        _set_local(frag, frag.global_)
-        return
-    frag.pending = launched
-    frag.start = [_host(p) for p in frag.params]
-
-
-def _close(frag: OuterFragment, progress: bool) -> None:
-    """The end of a run: apply what is pending, sync what is left (``progress``: the
-    fragment changed since its last launch) blocking, and L ← G, so that the run ends with
-    every island holding the same parameters."""
-    deltas: list[Tensor] | None = None
-    if progress:
-        base = frag.start if frag.pending is not None else frag.global_
-        deltas = [b - _host(p) for b, p in zip(base, frag.params, strict=True)]
-    if frag.pending is not None:
-        pending, frag.pending = frag.pending, None
-        _apply(frag, pending)
-    if deltas is not None:
-        _apply(frag, _launch(frag, deltas))
-    _set_local(frag, frag.global_)
-    frag.start = [g.clone() for g in frag.global_] if frag.delay_steps else []
-
-
-def _failure(frag: OuterFragment, exc: RuntimeError) -> PeerFailureError:
-    others = [i for i in frag.islands if i != frag.own_island]
-    who = f"island {others[0]}" if len(others) == 1 else f"islands {', '.join(others)}"
-    whose = "its" if len(others) == 1 else "their"
-    return PeerFailureError(
-        f"outer sync ({frag.spec.mode.value}) of ranks {list(frag.spec.ranks)} across islands "
-        f"{', '.join(frag.islands)} failed: {error_reason(exc)}; {who} probably fell behind "
-        f"or failed; check {whose} logs"
-    )
 
 
 # --------------------------------------------------------------------------- building
@@ -426,7 +248,8 @@ def build_outer_sync(
 ) -> OuterSync | None:
     """Create the process groups of every local group (on every rank, in
     ``link_model.sync_order``: ``new_group`` is collective): the holder set's, and for a
-    quantized wire its islands' leads' and each island's holders' (:func:`_exchange_groups`);
+    quantized wire its islands' leads' and each island's holders'
+    (``holders.outer_exchange_groups``);
     then this rank's fragments.
 
     Must be called by every rank of the world, in the same program order, after
@@ -449,12 +272,11 @@ def build_outer_sync(
         key=lambda g: sync_order(g.ranks),
     )
     timeout_s = plan.training.process_group_timeout_s
-    where = island_of_rank(plan)
     groups: dict[RankSet, dist.ProcessGroup | None] = {}
     for spec in local:
         groups[spec.ranks] = new_group(spec.ranks, timeout_s, "outer-sync")
         if spec.wire_dtype.quantized:
-            for ranks in _exchange_groups(spec, where):
+            for ranks in outer_exchange_groups(plan, spec):
                 if ranks not in groups:
                     groups[ranks] = new_group(ranks, timeout_s, "outer-sync")
     trainable = {n: p for n, p in named_params if p.requires_grad}
@@ -465,22 +287,6 @@ def build_outer_sync(
         for frag in _fragments(plan, rank, spec, groups, trainable, model_file, delay)
     ]
     return OuterSync(fragments, keep_resume_state=keep_resume_state) if fragments else None
-
-
-def _island_holders(spec: OuterSyncSpec, where: Mapping[int, str]) -> dict[str, RankSet]:
-    """The holder set's ranks by island, in the order of their lowest ranks."""
-    found: dict[str, list[int]] = {}
-    for r in sorted(spec.ranks):
-        found.setdefault(where[r], []).append(r)
-    return {island: tuple(ranks) for island, ranks in found.items()}
-
-
-def _exchange_groups(spec: OuterSyncSpec, where: Mapping[int, str]) -> list[RankSet]:
-    """A quantized group's own process groups, in creation order: the islands' leads (the
-    lowest holder of each), then each island's holders where it has several."""
-    by_island = _island_holders(spec, where)
-    leads = tuple(ranks[0] for ranks in by_island.values())
-    return [leads, *(ranks for ranks in by_island.values() if len(ranks) > 1)]
 
 
 def _fragments(
@@ -502,14 +308,14 @@ def _fragments(
     where = island_of_rank(plan)
     own = where[rank]
     island_weight = island_samples(plan)[own] / plan.global_batch_size
-    by_island = _island_holders(spec, where)
+    by_island = outer_island_holders(plan, spec)
     lowest = by_island[own][0]
     weight = island_weight if lowest == rank else 0.0
     islands = tuple(by_island)
     fragments = []
     for idx, frag_names in enumerate(outer_fragments(spec, names, wire_bytes)):
         params = [trainable[n] for n in frag_names]
-        global_ = [_host(p) for p in params]
+        global_ = [host_copy(p) for p in params]
         floor_s = delay.all_reduce_floor_s(spec.ranks, sum(wire_bytes[n] for n in frag_names))
         quantized = None
         if wire.quantized:

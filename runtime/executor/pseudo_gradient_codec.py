@@ -40,7 +40,10 @@ class Encoded:
 
 
 def _blocks(values: Tensor) -> Tensor:
-    """``(n,)`` -> ``(num_blocks, WIRE_BLOCK_ELEMENTS)``, the last block padded with zeros."""
+    """``(n,)`` -> ``(num_blocks, WIRE_BLOCK_ELEMENTS)``: a view when the blocks are whole,
+    else a copy whose last block is padded with zeros."""
+    if values.numel() % WIRE_BLOCK_ELEMENTS == 0:
+        return values.view(-1, WIRE_BLOCK_ELEMENTS)
     num_blocks = -(-values.numel() // WIRE_BLOCK_ELEMENTS)
     padded = values.new_zeros(num_blocks * WIRE_BLOCK_ELEMENTS)
     padded[: values.numel()] = values
@@ -71,10 +74,10 @@ def encode(values: Tensor, wire: PseudoGradientDtype) -> Encoded:
     num = values.numel()
     blocks = _blocks(values.reshape(-1).to(torch.float32))
     largest = wire.largest_integer
-    scales = blocks.abs().amax(dim=1) / largest
+    scales = blocks.abs().amax(dim=1).div_(largest)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    integers = torch.round(blocks / safe[:, None]).clamp_(-largest, largest)
-    integers = integers.to(torch.int8).reshape(-1)[:num]
+    rounded = (blocks / safe[:, None]).round_().clamp_(-largest, largest)
+    integers = rounded.to(torch.int8).reshape(-1)[:num]
     payload = torch.cat([scales.view(torch.uint8), _pack(integers, wire)])
     assert payload.numel() == wire_payload_bytes(wire, num)
     return Encoded(payload, _dequantize(integers, scales))
@@ -101,10 +104,8 @@ def decode(payload: Tensor, wire: PseudoGradientDtype, num_elements: int) -> Ten
 
 def _dequantize(integers: Tensor, scales: Tensor) -> Tensor:
     """``(n,)`` int8 integers times their block's scale, float32."""
-    num = integers.numel()
-    padded = torch.zeros(scales.numel() * WIRE_BLOCK_ELEMENTS, dtype=torch.float32)
-    padded[:num] = integers
-    return (padded.view(-1, WIRE_BLOCK_ELEMENTS) * scales[:, None]).reshape(-1)[:num]
+    wide = _blocks(integers.to(torch.float32))
+    return wide.mul_(scales[:, None]).reshape(-1)[: integers.numel()]
 
 
 def _pack(integers: Tensor, wire: PseudoGradientDtype) -> Tensor:
@@ -122,7 +123,6 @@ def _unpack(data: Tensor, wire: PseudoGradientDtype, num_elements: int) -> Tenso
     """The inverse of :func:`_pack`: ``(num_elements,)`` int8."""
     if wire is PseudoGradientDtype.INT8:
         return data.clone().view(torch.int8)
-    low = (data & 0x0F).to(torch.int8)
-    high = (data >> 4).to(torch.int8)
-    nibbles = torch.stack([low, high], dim=1).reshape(-1)[:num_elements]
-    return torch.where(nibbles > 7, nibbles - 16, nibbles)  # two's complement of 4 bits
+    low = (data << 4).view(torch.int8) >> 4  # arithmetic shifts: the sign extended
+    high = data.view(torch.int8) >> 4
+    return torch.stack([low, high], dim=1).reshape(-1)[:num_elements]

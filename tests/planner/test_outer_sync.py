@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,11 +19,13 @@ from hplan.planner.cost.sync_cost import (
     OuterLink,
     device_outer_s,
     exposed_outer_s,
+    fragment_shares,
     outer_transfer_time_s,
 )
 from hplan.planner.emit.plan_build import with_islands
 from hplan.planner.sim.engine import EventKind, simulate
 from hplan.planner.sim.spec import spec_from_layout
+from hplan.planner.solve.previous import layout_of_plan
 from hplan.planner.solve.sync_choice import (
     HIDDEN_SYNC_SHARE,
     LINK_BUSY_SHARE,
@@ -58,6 +61,18 @@ def test_exposed_time_per_step_blocking_overlapped_and_async() -> None:
     assert exposed_outer_s(local, 10, 5, 2, 10.0, 1.0) == 0.0  # 2 s fragments: hidden
     assert exposed_outer_s(SyncMode.ASYNC, 4, 1, 0, 5.0, 1.0) == pytest.approx(0.25)
     assert exposed_outer_s(SyncMode.ALL_REDUCE, 1, 1, 0, 5.0, 1.0) == 0.0
+    # the codec runs on the training thread: exposed however the wire time hides
+    assert exposed_outer_s(local, 10, 5, 2, 10.0, 1.0, codec_s=2.0) == pytest.approx(0.2)
+    assert exposed_outer_s(SyncMode.ASYNC, 4, 1, 0, 5.0, 2.0, codec_s=1.0) == pytest.approx(0.25)
+
+
+def test_a_fragment_is_no_smaller_than_the_sets_largest_piece() -> None:
+    assert fragment_shares(4, 0.1) == (0.25,) * 4
+    assert fragment_shares(4, 0.4) == pytest.approx((0.4, 0.2, 0.2, 0.2))
+    local = SyncMode.LOCAL_SGD
+    # 10 s in 4 fragments behind 3 steps of 1 s: 2.5 s each hide; a 4 s one leaves 1 s
+    assert exposed_outer_s(local, 10, 4, 3, 10.0, 1.0) == 0.0
+    assert exposed_outer_s(local, 10, 4, 3, 10.0, 1.0, 0.4) == pytest.approx(0.1)
 
 
 def test_sets_sharing_a_device_share_its_link() -> None:
@@ -104,7 +119,7 @@ def _costs(transfer_s: dict[PseudoGradientDtype, float], **kw: float) -> SetCost
 def test_streaming_takes_the_smallest_h_then_the_least_overlap_that_hides() -> None:
     costs = _costs({F32: 6.0, BF16: 3.0})
     rules = SyncRules(request=SyncRequest.STREAMING)
-    chosen = choose_group(costs, rules, 1.0)
+    chosen = choose_group(costs, rules)
     # the link at most half busy: H >= 6 / 0.5; one step hides fragments of <= 1 s: F = 6
     assert chosen == GroupSync(
         mode=SyncMode.LOCAL_SGD, local_steps=12, wire_dtype=F32, num_fragments=6, overlap_steps=1
@@ -112,33 +127,36 @@ def test_streaming_takes_the_smallest_h_then_the_least_overlap_that_hides() -> N
     assert 6.0 / chosen.local_steps <= LINK_BUSY_SHARE
     # a fragment is no smaller than the largest unit: float32's 40% of 6 s fits behind 3
     # steps at the least, bfloat16's 1.2 s behind 2
-    lumpy = choose_group(_costs({F32: 6.0, BF16: 3.0}, largest_share=0.4), rules, 1.0)
+    lumpy = choose_group(_costs({F32: 6.0, BF16: 3.0}, largest_share=0.4), rules)
     assert (lumpy.wire_dtype, lumpy.overlap_steps) == (F32, 3)
     bounded = choose_group(
         _costs({F32: 6.0, BF16: 3.0}, largest_share=0.4),
         replace(rules, max_overlap_steps=2),
-        1.0,
     )
-    assert (bounded.wire_dtype, bounded.overlap_steps, bounded.local_steps) == (BF16, 2, 6)
+    # tau <= 2: float32's 2.4 s fragment leaves 0.4 s, within 1% of a step from H = 40 on
+    assert (bounded.wire_dtype, bounded.overlap_steps, bounded.local_steps) == (F32, 2, 40)
+    tight = choose_group(
+        _costs({F32: 6.0, BF16: 3.0}, largest_share=0.4),
+        SyncRules(request=SyncRequest.STREAMING, max_local_steps=20, max_overlap_steps=2),
+    )
+    assert (tight.wire_dtype, tight.overlap_steps, tight.local_steps) == (BF16, 2, 6)
 
 
 def test_wire_forces_a_format_and_local_sgd_stays_blocking() -> None:
     costs = _costs({INT8: 2.0})
-    forced = choose_group(
-        costs, SyncRules(request=SyncRequest.STREAMING, wire=WireRequest.INT8), 1.0
-    )
+    forced = choose_group(costs, SyncRules(request=SyncRequest.STREAMING, wire=WireRequest.INT8))
     assert forced.wire_dtype is INT8 and forced.overlap_steps >= 1
     assert WireRequest.INT8.formats == (INT8,) and WireRequest.AUTO.formats[0] is F32
-    blocking = choose_group(_costs({F32: 2.0}), SyncRules(request=SyncRequest.LOCAL_SGD), 1.0)
+    blocking = choose_group(_costs({F32: 2.0}), SyncRules(request=SyncRequest.LOCAL_SGD))
     assert blocking == GroupSync(mode=SyncMode.LOCAL_SGD, local_steps=40)  # 2 s <= 5% of 40
 
 
 def test_auto_overlaps_only_where_it_exposes_less_than_the_blocking_choice() -> None:
     auto = SyncRules(request=SyncRequest.AUTO)
     # a tiny sync: blocking at H = 1 already costs 0.1%; overlap would gain nothing
-    assert choose_group(_costs({F32: 0.001}), auto, 1.0) == GroupSync(SyncMode.LOCAL_SGD)
+    assert choose_group(_costs({F32: 0.001}), auto) == GroupSync(SyncMode.LOCAL_SGD)
     # a big one: blocking exposes 5% of each step, overlapped none
-    big = choose_group(_costs({F32: 2.0}), auto, 1.0)
+    big = choose_group(_costs({F32: 2.0}), auto)
     assert big.overlap_steps >= 1 and big.mode is SyncMode.LOCAL_SGD
     assert (
         exposed_outer_s(big.mode, big.local_steps, big.num_fragments, big.overlap_steps, 2.0, 1.0)
@@ -246,3 +264,13 @@ def test_the_plan_holds_each_sets_overlap_and_wire_and_loads() -> None:
     assert (groups[first].num_fragments, groups[first].local_steps) == (2, 8)
     assert (groups[second].wire_dtype, groups[second].local_steps) == (BF16, 4)
     assert "local_sgd H=8 F=2 overlap=3 int4" in sync_summary(built)
+    # --previous reads each set's sync back (``solve.previous``)
+    stub = SimpleNamespace(
+        device_names=tuple(d.name for d in built.cluster.devices),
+        device_nodes=tuple(d.node for d in built.cluster.devices),
+        unit_names=tuple(u.name for u in built.units),
+        global_batch_size=built.global_batch_size,
+    )
+    again = layout_of_plan(built, stub, Path("plan.json")).sync  # type: ignore[arg-type]
+    assert again is not None
+    assert all(again.of(ranks) == sync.of(ranks) for ranks in spanning)

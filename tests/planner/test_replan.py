@@ -82,6 +82,8 @@ def test_replan_keeps_model_batch_and_seed_and_uses_only_the_devices_left(
         (["--with", "box-z"], "--with 'box-z': "),
         ([], "give at least one --without NODE|DEVICE or --with NODE|DEVICE"),
         (["--without", "box-a", "--without", "box-b"], "no device of"),
+        (["--without", "box-a", "--wire", "int9"], "'int9' is not one of"),
+        (["--without", "box-a", "--max-overlap-steps", "-1"], "--max-overlap-steps -1 must be"),
     ],
 )
 def test_bad_replan_names_are_one_line_errors(

@@ -16,7 +16,8 @@ from hplan.planner.cost.evaluate import evaluate, outer_ring_times_s
 from hplan.planner.cost.islands import candidate_partitions, island_names
 from hplan.planner.cost.layout import IslandSync
 from hplan.planner.cost.sync_cost import outer_round_s
-from hplan.planner.sim.spec import simulated_step_time_s
+from hplan.planner.sim.engine import EventKind, simulate
+from hplan.planner.sim.spec import simulated_step_time_s, spec_from_plan
 from hplan.planner.solve.local_plan import split_batch
 from hplan.planner.solve.search import SolveOptions
 from hplan.planner.solve.solver import SolveResult, solve
@@ -244,6 +245,9 @@ def test_the_home_lab_trains_both_boxes_under_auto(tmp_path, capsys, monkeypatch
     assert code == 0 and shown == text
     predicted = plan.report.predicted_step_time_s
     assert plan.report.simulated_step_time_s == pytest.approx(predicted, rel=0.05)
+    from_plan = simulate(spec_from_plan(plan))  # the plan's own outer syncs, hidden too
+    assert from_plan.step_time_s == pytest.approx(predicted, rel=0.05)
+    assert not any(e.kind is EventKind.OUTER_SYNC for e in from_plan.events)
     assert plan.report.efficiency == pytest.approx(
         plan.report.predicted_samples_per_s / plan.report.physical_bound_samples_per_s
     )
@@ -262,6 +266,9 @@ def test_the_home_lab_trains_both_boxes_under_auto(tmp_path, capsys, monkeypatch
     [
         (["--sync", "sometimes"], ["'sometimes' is not one of", "hplan solve --help"]),
         (["--max-local-steps", "0"], ["--max-local-steps 0 must be in 1..1000000"]),
+        (["--wire", "int3"], ["'int3' is not one of", "hplan solve --help"]),
+        (["--max-overlap-steps", "100"], ["--max-overlap-steps 100 must be in 0..99"]),
+        (["--sync", "streaming"], ["--sync streaming syncs islands of nodes", "has one node"]),
         (["-b", "1000000000000"], ["global batch size 1000000000000 is outside 1..1,073,741,824"]),
         (["--sync", "local_sgd"], ["--sync local_sgd syncs islands of nodes", "has one node"]),
         (

@@ -316,7 +316,8 @@ def test_fragments_sync_at_their_staggered_steps(tmp_path: Path) -> None:
 def test_a_bfloat16_wire_lands_within_its_round_off_of_float32(tmp_path: Path) -> None:
     path = _model(tmp_path)
     results = {}
-    for dtype in PseudoGradientDtype:
+    # the quantized formats are checked exactly against a reference (test_outer_exchange.py)
+    for dtype in (PseudoGradientDtype.FLOAT32, PseudoGradientDtype.BFLOAT16):
         plan = _two_single(path, mode=SyncMode.LOCAL_SGD, local_steps=2, wire_dtype=dtype)
         results[dtype] = _read(_train(plan, tmp_path / dtype.value, 4) / "step-4")["model"]
     torch.manual_seed(0)

@@ -10,6 +10,8 @@ after every step must be equal bit for bit.
 
 from __future__ import annotations
 
+import re
+import shutil
 import time
 import zlib
 from collections.abc import Sequence
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hplan.runtime.capture.model_file import ModelFile, load_model_file
+from hplan.runtime.contract.errors import PeerFailureError
 from hplan.runtime.contract.holders import (
     applied_after,
     island_of_rank,
@@ -37,7 +40,8 @@ from hplan.runtime.executor.pseudo_gradient_codec import encode
 from hplan.runtime.executor.seams import LinkDelay
 from tests.fixtures.processes import join_gloo
 from tests.fixtures.processes import run_ranks as run_processes
-from tests.runtime.test_local_sgd import _model, _pipeline_and_single
+from tests.runtime.test_local_sgd import _flat as _flat_tree
+from tests.runtime.test_local_sgd import _model, _pipeline_and_single, _read, _train, _two_single
 
 STEPS = 7
 INT8, INT4 = PseudoGradientDtype.INT8, PseudoGradientDtype.INT4
@@ -50,10 +54,15 @@ CASES: dict[str, dict[str, object]] = {
         mode=SyncMode.LOCAL_SGD, local_steps=4, num_fragments=2, overlap_steps=1
     ),
     "int4 async": dict(mode=SyncMode.ASYNC, local_steps=2, wire_dtype=INT4),
+    "int8 overlapped H=2 F=2": dict(
+        mode=SyncMode.LOCAL_SGD, local_steps=2, num_fragments=2, overlap_steps=1, wire_dtype=INT8
+    ),
 }
 """Over 7 steps: H=4 F=2 overlap 2 launches fragment 1 after steps 1, 5 (applied after 3,
 and at the close) and fragment 0 after step 3 (applied after 5); async applies and launches
-at once; every run ends between two points."""
+at once; H=2 F=2 overlap 1 launches fragment 1 after the last step (the close applies it
+alone) and fragment 0 after step 5 (applied after the last step, then the close syncs the
+rest)."""
 FLOOR_S = 0.25
 """The emulated time of each outer collective in the floored case."""
 
@@ -256,6 +265,7 @@ def exchanged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Plan
     return path, plans, ranks
 
 
+@pytest.mark.xdist_group("outer-exchange")  # one worker builds `exchanged`
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_island_after_every_step_equals_the_reference_bit_for_bit(
     exchanged: tuple[Path, list[Plan], list[dict]], case: str
@@ -277,6 +287,7 @@ def test_every_island_after_every_step_equals_the_reference_bit_for_bit(
                    for n in want[3]["box-a"])  # fmt: skip
 
 
+@pytest.mark.xdist_group("outer-exchange")
 def test_a_quantized_exchange_lasts_its_floors_counted_on_its_real_bytes(
     exchanged: tuple[Path, list[Plan], list[dict]],
 ) -> None:
@@ -289,3 +300,64 @@ def test_a_quantized_exchange_lasts_its_floors_counted_on_its_real_bytes(
     assert ((0, 1), 4 * tied) in asked
     for rank in (0, 1, 2):  # every rank waits at least a floor at the point
         assert ranks[rank][str(len(CASES))]["took_s"][0] >= FLOOR_S
+
+
+def test_an_overlapped_quantized_run_resumes_exactly_as_one_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    # H = 4, F = 2, overlap 2, int4: after 3 steps fragment 1's average (launched after
+    # step 1) is pending, with its A and every island's residuals; the resume applies it
+    # after step 3 and closes fragment 0's, launched then, at the end
+    plan = _pipeline_and_single(_model(tmp_path), **CASES["int4 overlapped F=2"])
+    whole = _read(_train(plan, tmp_path / "whole", 5) / "step-5")
+    first = _train(plan, tmp_path / "first", 3)
+    shutil.copytree(first, tmp_path / "pieces" / "ckpt")
+    saved = _read(first / "step-3")
+    assert saved["outer"]["pending"] and saved["island"]["box-a"]["start"]
+    residuals = saved["island"]["box-b"]["residual"].values()
+    assert any(r.abs().max() > 0 for r in residuals)  # what int4 lost after step 1, carried
+    resumed = _read(_train(plan, tmp_path / "pieces", 2, "--resume") / "step-5")
+    for key in ("model", "outer", "island"):
+        flat_whole, flat_resumed = _flat_tree(whole[key]), _flat_tree(resumed[key])
+        assert flat_whole.keys() == flat_resumed.keys()
+        for name, value in flat_whole.items():
+            assert torch.equal(flat_resumed[name], value), (key, name)
+
+
+def _island_leaves(rank: int, port: int, out_dir: str, model_path: str, plan_text: str) -> None:
+    """Both ranks build the outer sync; rank 1 (island box-b) then leaves the job, and rank
+    0 writes the error of its first outer sync."""
+    import os
+
+    try:
+        join_gloo(rank, port)
+        plan = Plan.from_json(plan_text)
+        model_file = load_model_file(model_path)
+        named = list(model_file.build_model().named_parameters())
+        outer = build_outer_sync(plan, rank, named, model_file, delay=LinkDelay(),
+                                 keep_resume_state=False)  # fmt: skip
+        assert outer is not None
+        if rank == 1:
+            os._exit(0)  # its sockets close: the all-gather fails at once, no timeout
+        try:
+            outer.after_step(0, last=True)
+        except PeerFailureError as exc:
+            (Path(out_dir) / "failure.txt").write_text(str(exc))
+        os._exit(0)
+    except Exception:
+        import traceback
+
+        (Path(out_dir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_an_island_gone_from_a_quantized_exchange_is_named_in_one_line(tmp_path: Path) -> None:
+    path = _model(tmp_path)
+    plan = _two_single(path, timeout_s=20.0, mode=SyncMode.LOCAL_SGD, wire_dtype=INT8)
+    assert run_processes(_island_leaves, 2, tmp_path, str(path), plan.to_json()) == [0, 0]
+    message = (tmp_path / "failure.txt").read_text()
+    assert re.fullmatch(
+        r"outer sync \(local_sgd\) of ranks \[0, 1\] across islands box-a, box-b failed: .*; "
+        r"island box-b probably fell behind or failed; check its logs",
+        message,
+    ), message

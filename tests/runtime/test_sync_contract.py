@@ -11,8 +11,10 @@ from hplan.runtime.contract.errors import PlanFileError
 from hplan.runtime.contract.holders import (
     island_of_rank,
     island_samples,
+    outer_exchange_groups,
     outer_fragments,
     outer_groups,
+    outer_island_holders,
     parameter_holders,
     step_holders,
     sync_summary,
@@ -123,3 +125,12 @@ def test_fragments_are_contiguous_and_of_about_equal_bytes() -> None:
     assert len(outer_fragments(replace(group, num_fragments=12), names[:2], sizes)) == 2
     big = dict(sizes, p0=100)
     assert outer_fragments(replace(group, num_fragments=2), names, big)[0] == ("p0",)
+
+
+def test_a_quantized_exchange_runs_among_the_island_leads_then_inside_each_island() -> None:
+    plan = mixed_plan()  # box-a: ranks 0, 1; box-b: ranks 2, 3, 4
+    groups = outer_groups(plan)
+    tied, pair = groups[(0, 1, 2, 4)], groups[(1, 3)]
+    assert outer_island_holders(plan, tied) == {"box-a": (0, 1), "box-b": (2, 4)}
+    assert outer_exchange_groups(plan, tied) == ((0, 2), (0, 1), (2, 4))
+    assert outer_exchange_groups(plan, pair) == ((1, 3),)  # one holder per island: no more
