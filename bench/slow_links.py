@@ -35,10 +35,11 @@ mean, the replicas weighted by their samples, as ``hplan metrics``), on each isl
 parameters for local modes.
 
     python bench/slow_links.py [--layout 1+1+1] [--rates 100,20] [--seeds 3]
-        [--modes ddp,all_reduce,local_sgd,streaming,streaming/int8,streaming/int4,auto]
+        [--modes ddp,all_reduce,local_sgd/bfloat16,streaming,streaming/int8,streaming/int4,auto]
         [--samples 30720] [--slack 0.2] [--smoke] [--json PATH] [--keep DIR]
 
-A mode is ``SYNC`` or ``SYNC/WIRE`` (``hplan solve --sync SYNC --wire WIRE``), or ``ddp``.
+A mode is ``SYNC`` or ``SYNC/WIRE`` (``hplan solve --sync SYNC --wire WIRE``; ``SYNC``
+alone leaves ``--wire`` to the planner), or ``ddp``.
 A mode this ``hplan solve`` has no option value for is skipped with one line. Needs root,
 iproute2 and cgroup v1's cpu controller; prints one line and exits 0 where they are missing.
 """
@@ -106,7 +107,10 @@ FAST_MBIT_PER_S = 10_000.0
 SYNCS = ("all_reduce", "auto", "local_sgd", "streaming", "async")
 WIRES = ("float32", "bfloat16", "int8", "int4")
 DDP = "ddp"
-DEFAULT_MODES = "ddp,all_reduce,local_sgd,streaming,streaming/int8,streaming/int4,auto"
+DEFAULT_MODES = "ddp,all_reduce,local_sgd/bfloat16,streaming,streaming/int8,streaming/int4,auto"
+"""``local_sgd/bfloat16`` is the blocking local SGD of before issue 38: its planner sent this
+model's pseudo-gradients in bfloat16 at 100 and 20 Mbit/s (float32 needed H > 100), where
+``--wire auto`` now picks int4."""
 LAYOUTS = {"1+1+1": (1, 1, 1), "1+1": (1, 1), "2+1": (2, 1)}
 SMOKE = {"samples": 960, "seeds": 1, "rates": "100", "window_steps": 6, "warmup": 2,
          "loss_steps": 4}  # fmt: skip
