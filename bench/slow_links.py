@@ -1,59 +1,62 @@
-"""hplan's cross-island sync modes against synchronous all-reduce and DDP on slow links.
+"""hplan's cross-island sync modes against synchronous training and torch DDP on slow links:
+the time each takes to reach the loss that synchronous training reaches after N samples,
+and its loss at N samples. Issues 12 and 38, measured from outside on real shaped links.
 
-Issue 12, measured from outside on real shaped links.
+Islands on this machine (``netns_cluster.py``), one network namespace per node, one ``cpu``
+device per node, each node's CPU capped by a cgroup-v1 quota. ``--layout 1+1+1`` (the
+default) and ``1+1``: one node per island (``a0``, ``b0``, ``c0``), every veth shaped by
+``tc tbf`` at the case's rate, so each direction between two islands crosses two tbfs of that
+rate in series (one link of that rate). ``--layout 2+1``: island a has two nodes shaped at
+10 Gbit/s and island b one node at the case's rate. hplan's real flow as a user runs it
+(``cluster_runs.py``): ``hplan profile --node`` in each namespace, ``hplan bandwidth``'s
+scripts per rate, ``hplan solve --sync S [--wire W]`` per mode, the generated launch scripts
+in each namespace; torch DDP (``ddp_reference.py``) with the same seed and data order.
 
-Two islands on this machine (``netns_cluster.py``), one network namespace per node, one
-``cpu`` device per node, each node's CPU capped by a cgroup-v1 quota. ``--layout 1+1`` (the
-default): one node per island (``a0``, ``b0``), both veths shaped by ``tc tbf`` at the case's
-rate, so each direction between the islands crosses two tbfs of that rate in series (one
-link of that rate). ``--layout 2+1``: island a has two nodes shaped at 10 Gbit/s and island
-b one node at the case's rate, so only the traffic between the islands is slow (and a0 and
-a1 share b0's rate, as nodes behind one slow uplink do). Per rate, hplan's real flow as a
-user runs it (``cluster_runs.py``): ``hplan profile --node`` in each namespace (once, the
-quotas do not change with the rate), ``hplan bandwidth``'s scripts, ``hplan solve --profile
---bandwidth --sync MODE`` for ``all_reduce`` and every mode of ``--modes`` (``auto``: the
-planner's choice), then the generated launch scripts in each namespace for ``--steps``
-optimizer steps, and torch DDP (``ddp_reference.py``) with the all_reduce plan's batch split
-and an equal one, for the same steps: the same samples, seed and data order (hplan's). The
-runs of a rate are interleaved (round 2 starts one further on) because the machine is noisy.
+Per seed (``--seeds``; the seed goes into each plan's ``training.seed``):
 
-Printed per rate: samples/s of each run (global batch over the spacing of rank 0's step ends
-after ``--warmup`` steps, ``end_unix_time_s``; with ``--steps`` and ``--warmup`` multiples of
-H the window is whole rounds of H steps); the ratios to hplan's all_reduce plan and to DDP with
-the plan's split (median and range over rounds); the mode and H each plan says
-(``holders.sync_summary``); the loss after N = steps x global batch samples and its ratio to
-all_reduce's. The loss is the job loss of the metrics (each step's global batch mean loss,
-the replicas' losses weighted by their samples, as ``hplan metrics`` computes it) averaged
-over ``--loss-steps`` steps: the last ones for synchronous runs; for a ``local_sgd`` plan of
-one fragment per group, the last round-starting steps (step s with s % H == 0, whose forward
-runs on the parameters the outer step just synced), so that it is the synced parameters'
-loss; otherwise (async, several fragments) the last steps on each island's own parameters.
-Every ratio compares the same steps, so the same batches.
+- the reference: hplan's all-reduce plan trains N samples on fast links (10 Gbit/s: a
+  synchronous run's losses do not depend on its links), once for every rate;
+- DDP (the all-reduce plan's batch split and an equal one) and each plan that syncs every
+  step: their steady samples/s over ``--window-steps`` steps on the shaped links; time to
+  target = N / samples/s (measured over K steps, extrapolated: their losses are the
+  reference's);
+- each plan with an outer sync (local modes): N x (1 + ``--slack``) samples on the shaped
+  links; time to target = the wall time until its loss first reaches the reference's at N
+  (``time_to_target.py``: losses averaged over ``--loss-steps`` steps rounded up to whole
+  rounds of the plan's H, the same steps for both).
 
-``--max-stages 1`` (the default) keeps the plans data parallel, the layout the sync modes are
-for; the planner may still leave an island idle when syncing with it costs more than it
-brings (at 100 Mbit/s its synchronous plan trains on one node: "x DDP" is then the figure
-against synchronous all-reduce across both islands).
+Printed per rate, medians (and ranges) over seeds: samples/s, time to target, DDP's time over
+it (the faster DDP split of the same seed), how many seeds reached the target, the loss at N
+and its penalty against the reference's at equal samples (the same batches); the relative
+spread of the reference's loss at N between two seeds; DDP's communication share of its step
+(its step on the shaped links against on fast links: the comparison says little unless DDP
+is communication-bound). The loss is the job loss of the metrics (each step's global batch
+mean, the replicas weighted by their samples, as ``hplan metrics``), on each island's own
+parameters for local modes.
 
-    python bench/slow_links.py [--rates 1000,100,20] [--modes auto,local_sgd,async]
-        [--steps 48] [--warmup 8] [--rounds 2] [--json PATH] [--keep DIR]
+    python bench/slow_links.py [--layout 1+1+1] [--rates 100,20] [--seeds 3]
+        [--modes ddp,all_reduce,local_sgd/bfloat16,streaming,streaming/int8,streaming/int4,auto]
+        [--samples 30720] [--slack 0.2] [--smoke] [--json PATH] [--keep DIR]
 
-Needs root, iproute2 and cgroup v1's cpu controller; prints one line and exits 0 where they
-are missing. A ``hplan solve`` without ``--sync`` (before the planner's sync modes) is said in
-one line and the run goes on with all_reduce (solved without ``--sync``) and DDP.
+A mode is ``SYNC`` or ``SYNC/WIRE`` (``hplan solve --sync SYNC --wire WIRE``; ``SYNC``
+alone leaves ``--wire`` to the planner), or ``ddp``.
+A mode this ``hplan solve`` has no option value for is skipped with one line. Needs root,
+iproute2 and cgroup v1's cpu controller; prints one line and exits 0 where they are missing.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
+import math
 import os
 import re
 import shutil
-import statistics
+import signal
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
@@ -63,33 +66,105 @@ from cluster_runs import (
     clean_env,
     cluster_yaml,
     equal_split,
+    hplan_cli,
     hplan_proc,
     job_losses,
     last_line,
     measure_links,
-    median_range,
     profile_nodes,
     rank0_ends,
     run_ddp,
     run_launch_scripts,
     throughput,
 )
-from common import GPT, console, gpt_env, table
+from common import GPT, console, gpt_env
 from netns_cluster import NamespaceCluster, NodeShape, available
+from slow_links_report import RateResult, Reference, Run, Trial, report
 
 from hplan.runtime.capture.model_file import load_model_file
-from hplan.runtime.contract.holders import outer_groups, sync_summary
+from hplan.runtime.contract.holders import outer_groups
 from hplan.runtime.contract.plan import Plan, SyncMode
 
-MODEL = Model("GPT example", GPT, gpt_env(layers=4, width=256, heads=4, seq=64), 32)
-"""3.24 M parameters, 12.97 MB of float32 gradients a step: 1.04 s each way at 100 Mbit/s
-against about 0.2 s of compute for 16 samples on 0.9 core."""
+MODEL = Model("GPT example", GPT, gpt_env(layers=4, width=128, heads=4, seq=32), 24)
+"""0.83 M parameters, 3.3 MB of float32 gradients a step: a ring all-reduce among three
+nodes sends 4.4 MB from each, 0.35 s at 100 Mbit/s, against a DDP step of about 0.05 s on
+fast links for 8 samples per 0.6-core node; N = 30,720 samples are 1,280 steps. With 16
+samples per node DDP's step was only 69-80% communication at 100 Mbit/s (a row hiding every
+sync at most 3.2-5.0x DDP), with 8 samples 89% (8.7x)."""
+REFERENCE_SAMPLES_PER_S = 500.0
+"""The reference's samples/s on fast links, three 0.6-core nodes (for the estimate printed
+before anything runs; the reference's own rate replaces it once measured)."""
+START_S = 20.0
+"""A run's start-up and teardown (the launch script's check, torchrun, imports, rendezvous
+inside 0.6-core quotas), for the estimate."""
+SETUP_S = {"profile per node": 30.0, "links per rate": 110.0, "solve per mode": 5.0}
+"""What the estimate adds for ``hplan profile``, ``hplan bandwidth`` and ``hplan solve``."""
+STARTED_S = time.monotonic()
 PORT = 29661
 """hplan's rendezvous port; DDP's is one above, hplan bandwidth's two above."""
 FAST_MBIT_PER_S = 10_000.0
-"""The links inside an island (``--layout 2+1``)."""
-MODES = ("all_reduce", "auto", "local_sgd", "async")
-LAYOUTS = {"1+1": (1, 1), "2+1": (2, 1)}
+"""The links inside an island (``--layout 2+1``) and the reference's."""
+SYNCS = ("all_reduce", "auto", "local_sgd", "streaming", "async")
+WIRES = ("float32", "bfloat16", "int8", "int4")
+DDP = "ddp"
+DEFAULT_MODES = "ddp,all_reduce,local_sgd/bfloat16,streaming,streaming/int8,streaming/int4,auto"
+"""``local_sgd/bfloat16`` is the blocking local SGD of before issue 38: its planner sent this
+model's pseudo-gradients in bfloat16 at 100 and 20 Mbit/s (float32 needed H > 100), where
+``--wire auto`` now picks int4."""
+LAYOUTS = {"1+1+1": (1, 1, 1), "1+1": (1, 1), "2+1": (2, 1)}
+SMOKE = {"samples": 960, "seeds": 1, "rates": "100", "window_steps": 6, "warmup": 2,
+         "loss_steps": 4}  # fmt: skip
+"""``--smoke``'s defaults (options given still win): 40 steps, one seed, 100 Mbit/s."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What one row runs: ``ddp``, or ``hplan solve --sync sync [--wire wire]``."""
+
+    sync: str
+    wire: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.sync if self.wire is None else f"{self.sync}/{self.wire}"
+
+
+def parse_mode(text: str) -> Mode:
+    """``streaming/int8`` -> ``Mode("streaming", "int8")``.
+
+    Raises:
+        ValueError: an unknown sync mode or wire format, naming the valid ones.
+    """
+    sync, _, wire = text.partition("/")
+    if sync != DDP and sync not in SYNCS:
+        raise ValueError(f"unknown mode {sync!r}; valid: {DDP}, {', '.join(SYNCS)}")
+    if wire and (sync == DDP or wire not in WIRES):
+        raise ValueError(f"{text!r}: the wire is one of {', '.join(WIRES)}, after a sync mode")
+    return Mode(sync, wire or None)
+
+
+def solve_choices(env: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """The values ``hplan solve --help`` lists for ``--sync`` and ``--wire`` (an option it
+    lacks is absent)."""
+    text = hplan_proc("solve", "--help", env=env).stdout
+    found = {}
+    for option in ("--sync", "--wire"):
+        match = re.search(rf"^\s*{option} \[([^\]]+)\]", text, re.M)
+        if match:
+            found[option] = tuple(match.group(1).split("|"))
+    return found
+
+
+def unsupported(mode: Mode, choices: Mapping[str, Sequence[str]]) -> str | None:
+    """Why this ``hplan solve`` cannot solve ``mode`` (None: it can). ``all_reduce`` is
+    solved without ``--sync`` where there is none."""
+    if mode.sync == DDP or (mode.sync == "all_reduce" and "--sync" not in choices):
+        return None
+    if mode.sync not in choices.get("--sync", ()):
+        return f"this `hplan solve` has no --sync {mode.sync}"
+    if mode.wire is not None and mode.wire not in choices.get("--wire", ()):
+        return f"this `hplan solve` has no --wire {mode.wire}"
+    return None
 
 
 def island_nodes(layout: str) -> tuple[tuple[str, ...], ...]:
@@ -133,14 +208,6 @@ def gradient_bytes(model: Model) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
-def solve_has_sync(env: dict[str, str]) -> bool:
-    """Whether this ``hplan solve`` takes ``--sync`` (the planner's sync modes)."""
-    return (
-        re.search(r"^\s*--sync\b(?!-)", hplan_proc("solve", "--help", env=env).stdout, re.M)
-        is not None
-    )
-
-
 def plan_split(plan: Plan, names: Sequence[str]) -> tuple[int, ...] | None:
     """Samples per node when every node runs one data-parallel replica (DDP's layout), in
     ``names`` order; None for any other layout (a pipeline, several ranks on a node)."""
@@ -150,104 +217,159 @@ def plan_split(plan: Plan, names: Sequence[str]) -> tuple[int, ...] | None:
     return tuple(by_node[name].num_samples for name in names)
 
 
-def synced_steps(plan: Plan, num_steps: int) -> list[int] | None:
-    """Steps whose forward runs on parameters that every island holds alike: every step of a
-    synchronous plan; with ``local_sgd`` of one H and one fragment per group, the steps
-    ``s % H == 0`` (the outer step ends step ``s - 1``); None otherwise (async, fragments)."""
-    local = [g for g in outer_groups(plan).values() if g.mode is not SyncMode.ALL_REDUCE]
-    if not local:
-        return list(range(num_steps))
-    horizons = {g.local_steps for g in local}
-    one_shot = all(g.mode is SyncMode.LOCAL_SGD and g.num_fragments == 1 for g in local)
-    if not one_shot or len(horizons) != 1:
-        return None
-    (h,) = horizons
-    return list(range(0, num_steps, h))
+def sync_text(plan: Plan) -> str:
+    """How the plan's cross-island groups sync, in a few words: ``local_sgd H=16 F=4
+    overlap 2 int8`` (the parts that differ from one blocking float32 fragment)."""
+    parts = set()
+    for g in outer_groups(plan).values():
+        if g.mode is SyncMode.ALL_REDUCE:
+            continue
+        words = [g.mode.value, f"H={g.local_steps}"]
+        words += [f"F={g.num_fragments}"] if g.num_fragments > 1 else []
+        words += [f"overlap {g.overlap_steps}"] if g.overlap_steps else []
+        wire = g.wire_dtype.value
+        words += [wire] if wire != "float32" else []
+        parts.add(" ".join(words))
+    return ", ".join(sorted(parts)) or SyncMode.ALL_REDUCE.value
 
 
-def loss_window(plan: Plan | None, num_steps: int, count: int) -> tuple[list[int], str]:
-    """The steps a run's final loss averages (module docstring), and how to say so."""
-    synced = list(range(num_steps)) if plan is None else synced_steps(plan, num_steps)
-    if synced is None:
-        return list(range(num_steps))[-count:], f"last {count} steps, islands' own parameters"
-    if len(synced) < num_steps:
-        return synced[-count:], f"{min(count, len(synced))} round starts, synced parameters"
-    return synced[-count:], f"last {count} steps"
+@dataclass(frozen=True)
+class Pace:
+    """What an estimate assumes: the reference's step on fast links and a run's start-up
+    and teardown (seconds)."""
+
+    step_s: float
+    start_s: float
 
 
-def mean_loss(losses: Sequence[float | None], steps: Sequence[int]) -> float:
-    """Mean of ``losses`` over ``steps`` (NaN where one is unknown)."""
-    values = [losses[s] for s in steps]
-    known = [v for v in values if v is not None]
-    return statistics.fmean(known) if len(known) == len(values) else float("nan")
+def rate_estimate_s(
+    args: argparse.Namespace,
+    rate: float,
+    rows: tuple[int, int],
+    pace: Pace,
+    *,
+    gradient_bytes: int,
+    num_nodes: int,
+) -> float:
+    """Seconds one rate's runs take, roughly: ``rows[0]`` local rows train
+    N x (1 + slack) samples at the reference's pace, ``rows[1]`` synchronous rows (DDP
+    included) a window whose every step also sends a ring all-reduce of ``gradient_bytes``
+    at the rate (2 (k - 1) / k of them leave each of k nodes); ``start_s`` each."""
+    num_local, num_synchronous = rows
+    ring_bytes = 2 * (num_nodes - 1) / num_nodes * gradient_bytes
+    comm_s = ring_bytes * 8 / (rate * 1e6)
+    window = args.warmup + args.window_steps
+    per_seed = num_local * (args.local_steps * pace.step_s + pace.start_s)
+    per_seed += num_synchronous * (window * (pace.step_s + comm_s) + pace.start_s)
+    return len(args.seed_list) * per_seed
 
 
-@dataclass
-class Run:
-    """One hplan plan or one DDP split, measured once per round."""
-
-    label: str
-    plan_dir: Path | None = None
-    """hplan: the plan's folder (its launch scripts); None: DDP."""
-    plan: Plan | None = None
-    sizes: tuple[int, ...] = ()
-    """DDP: samples per node."""
-    sync: str = SyncMode.ALL_REDUCE.value
-    window: list[int] = field(default_factory=list)
-    window_text: str = ""
-    samples_per_s: list[float] = field(default_factory=list)
-    losses: list[list[float | None]] = field(default_factory=list)
-    """Per round, the job loss of every step."""
-    breakdown: dict[int, dict[str, float]] = field(default_factory=dict)
-    """hplan: median ms per part of the step, per rank, last round."""
-    notes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class RateResult:
-    rate_mbit_per_s: float
-    runs: list[Run]
+def estimate_s(
+    args: argparse.Namespace,
+    rows: tuple[int, int],
+    pace: Pace,
+    *,
+    gradient_bytes: int,
+    num_nodes: int,
+) -> float:
+    """Seconds the whole measurement takes, roughly: the profiles, the reference per seed
+    (and DDP's window on fast links once), and per rate the links, the solves
+    (``SETUP_S``) and the runs (:func:`rate_estimate_s`)."""
+    window = args.warmup + args.window_steps
+    seconds = num_nodes * SETUP_S["profile per node"]
+    setup_s = SETUP_S["links per rate"] + (rows[0] + 1) * SETUP_S["solve per mode"]
+    seconds += len(args.rates) * setup_s
+    seconds += len(args.seed_list) * (args.num_steps * pace.step_s + pace.start_s)
+    seconds += window * pace.step_s + pace.start_s
+    return seconds + sum(
+        rate_estimate_s(args, rate, rows, pace, gradient_bytes=gradient_bytes, num_nodes=num_nodes)
+        for rate in args.rates
+    )
 
 
-def solve_modes(
-    modes: Sequence[str], solve: list[str], with_sync: bool, work: Path, args: argparse.Namespace
-) -> list[Run]:
-    """Solve once per mode (``all_reduce`` first); a mode whose plan is the same as an
-    earlier one's joins that run's label. A mode ``hplan solve`` refuses is one line."""
+def say(text: str) -> None:
+    """One progress line, after the minutes and seconds since the benchmark started."""
+    minutes, seconds = divmod(int(time.monotonic() - STARTED_S), 60)
+    console.print(f"{minutes:3d}:{seconds:02d} {text}")
+
+
+def _row_counts(modes: Sequence[Mode]) -> tuple[int, int]:
+    """Rows that train to N (every hplan mode but all_reduce) and rows that run a window
+    (DDP's two splits, all_reduce), for the estimate."""
+    synchronous = sum(2 if m.sync == DDP else 1 for m in modes if m.sync in (DDP, "all_reduce"))
+    return len(modes) - sum(m.sync in (DDP, "all_reduce") for m in modes), synchronous
+
+
+def seeded(plan_dir: Path, seed: int) -> Path:
+    """A copy of the plan's folder whose plan trains under ``seed`` (``training.seed``: the
+    model's initial values and the data order)."""
+    out = plan_dir.with_name(f"{plan_dir.name}-seed{seed}")
+    if out.exists():
+        return out
+    shutil.copytree(plan_dir, out)
+    plan = Plan.load(plan_dir / "plan.json")
+    training = dataclasses.replace(plan.training, seed=seed)
+    (out / "plan.json").write_text(dataclasses.replace(plan, training=training).to_json())
+    return out
+
+
+def run_trial(
+    cluster: NamespaceCluster,
+    run: Run,
+    seed: int,
+    steps: int,
+    work: Path,
+    args: argparse.Namespace,
+) -> Trial:
+    """One run of ``steps`` steps under ``seed``: its losses, step ends and samples/s."""
+    tag = f"{re.sub(r'[^A-Za-z0-9]+', '-', run.label)}-s{seed}"
+    if run.plan_dir is not None:
+        records = run_launch_scripts(
+            cluster, seeded(run.plan_dir, seed), args.model, steps, work, tag
+        )
+        run.breakdown = breakdown(records, args.warmup)
+        ends, losses = rank0_ends(records), job_losses(records)
+        # the end of step warmup - 1 opens the window
+        return Trial(losses, ends, throughput(ends, args.model.global_batch, args.warmup - 1))
+    ddp = run_ddp(cluster, run.sizes, args.model, steps, work, tag, port=PORT + 1, seed=seed)
+    ends = ddp.end_unix_time_s
+    return Trial(list(ddp.losses), ends, throughput(ends, args.model.global_batch, args.warmup - 1))
+
+
+def solve_flags(
+    mode: Mode, choices: Mapping[str, Sequence[str]], args: argparse.Namespace
+) -> list[str]:
+    """``hplan solve``'s options for ``mode``."""
+    flags = ["--sync", mode.sync] if "--sync" in choices else []
+    flags += ["--wire", mode.wire] if mode.wire is not None else []
+    if mode.sync != "all_reduce" and args.max_local_steps is not None:
+        flags += ["--max-local-steps", str(args.max_local_steps)]
+    return flags
+
+
+def solve_modes(solve: Sequence[str], work: Path, args: argparse.Namespace) -> list[Run]:
+    """Solve every hplan mode (``all_reduce`` first when asked); a mode whose plan is the
+    same as an earlier one's joins that row's label. A mode ``hplan solve`` refuses is one
+    line."""
     runs: list[Run] = []
     plans: list[Plan] = []
-    env = clean_env(MODEL.env)
-    for mode in modes:
-        plan_dir = work / f"plan-{mode}"
-        flags = ["--sync", mode] if with_sync else []
-        if with_sync and mode != "all_reduce" and args.max_local_steps is not None:
-            flags += ["--max-local-steps", str(args.max_local_steps)]
+    env = clean_env(args.model.env)
+    for mode in (m for m in args.modes if m.sync != DDP):
+        plan_dir = work / f"plan-{mode.label.replace('/', '-')}"
+        flags = solve_flags(mode, args.choices, args)
         proc = hplan_proc(*solve, "-o", str(plan_dir), *flags, env=env)
         if proc.returncode != 0:
-            console.print(
-                f"slow_links: hplan solve --sync {mode} failed, skipped: {last_line(proc)}"
-            )
+            say(f"  hplan solve {' '.join(flags)} failed, skipped: {last_line(proc)}")
             continue
         plan = Plan.load(plan_dir / "plan.json")
         same = [i for i, p in enumerate(plans) if _what_runs(p) == _what_runs(plan)]
         if same:
-            runs[same[0]].label += f" = {mode}"
+            runs[same[0]].label += f" = {mode.label}"
             continue
         plans.append(plan)
-        window, text = loss_window(plan, args.steps, args.loss_steps)
         notes = [c.reason for c in plan.report.sync_choices] + [_ranks_text(plan)]
         notes += [f"{d.device} idle: {d.reason}" for d in plan.report.idle_devices]
-        runs.append(
-            Run(
-                f"hplan {mode}",
-                plan_dir,
-                plan,
-                sync=sync_summary(plan),
-                window=window,
-                window_text=text,
-                notes=notes,
-            )
-        )
+        runs.append(Run(f"hplan {mode.label}", plan_dir, plan, sync=sync_text(plan), notes=notes))
     return runs
 
 
@@ -263,227 +385,185 @@ def _ranks_text(plan: Plan) -> str:
     )
 
 
-def _horizon_note(runs: Sequence[Run], args: argparse.Namespace) -> None:
-    """Say when --steps or --warmup is not whole rounds of a plan's H."""
-    for run in runs:
-        horizons = {g.local_steps for g in outer_groups(run.plan).values()} if run.plan else set()
-        for h in sorted(horizons - {1}):
-            if args.steps % h or args.warmup % h:
-                console.print(
-                    f"  note: {run.label}: H={h} does not divide --steps {args.steps} "
-                    f"and --warmup {args.warmup}; samples/s is not over whole rounds"
-                )
+def _solve_command(cluster_file: Path, profiles: Path, args: argparse.Namespace) -> list[str]:
+    solve = [
+        "solve",
+        str(args.model.path),
+        "-c",
+        str(cluster_file),
+        "-b",
+        str(args.model.global_batch),
+    ]
+    solve += ["--profile", str(profiles), "--master-port", str(PORT)]
+    return [*solve, "--max-stages", str(args.max_stages)]
 
 
-def measure_rate(
-    rate: float, args: argparse.Namespace, root: Path, profiles: Path | None
-) -> tuple[RateResult, Path]:
-    """Everything of one rate: links, plans, rounds. Returns the result and the profiles'
-    folder (profiled in the first rate's cluster, reused after)."""
+def _cluster(rate: float, args: argparse.Namespace) -> NamespaceCluster:
+    islands = island_nodes(args.layout)
+    cpu = args.cpu_cores or min(0.9, 1.8 / sum(map(len, islands)))
+    return NamespaceCluster(node_shapes(islands, rate, cpu), tag="hpsl", subnet=215)
+
+
+def measure_reference(args: argparse.Namespace, root: Path) -> tuple[Reference, Path]:
+    """Profile the nodes, then per seed: hplan's all-reduce plan for N samples and DDP's
+    window, on fast links. Returns the reference and the profiles' folder."""
+    work = root / "reference"
+    work.mkdir(parents=True, exist_ok=True)
+    with _cluster(FAST_MBIT_PER_S, args) as cluster:
+        cluster_file = work / "cluster.yaml"
+        cluster_file.write_text(cluster_yaml(cluster, "slow-links-fast", FAST_MBIT_PER_S))
+        say(f"[bold]reference[/]: every link {FAST_MBIT_PER_S:g} Mbit/s")
+        say("  profiling each node")
+        profiles = profile_nodes(cluster, args.model, root)
+        plan_dir = work / "plan-all_reduce"
+        flags = solve_flags(Mode("all_reduce"), args.choices, args)
+        command = [*_solve_command(cluster_file, profiles, args), "-o", str(plan_dir), *flags]
+        hplan_cli(*command, env=clean_env(args.model.env))
+        plan = Plan.load(plan_dir / "plan.json")
+        reference = Reference(Run("reference", plan_dir, plan, sync=sync_text(plan)))
+        ddp = Run("DDP", sizes=equal_split(args.model.global_batch, len(cluster.nodes)))
+        for seed in args.seed_list:
+            say(f"  seed {seed}: hplan all_reduce, {args.num_steps} steps")
+            started = time.monotonic()
+            trial = run_trial(cluster, reference.run, seed, args.num_steps, work, args)
+            reference.run.trials[seed] = trial
+            if len(reference.run.trials) > 1:
+                continue
+            args.pace = _pace(trial, time.monotonic() - started, args.global_batch)
+            seconds = estimate_s(args, _row_counts(args.modes), args.pace, **_sizes(args))
+            say(
+                f"  the reference ran {trial.samples_per_s:.0f} samples/s after "
+                f"{args.pace.start_s:.0f} s of start-up: about {seconds / 60:.0f} min in all"
+            )
+            say(f"  seed {seed}: {ddp.label}, {args.warmup + args.window_steps} steps")
+            window = run_trial(cluster, ddp, seed, args.warmup + args.window_steps, work, args)
+            reference.ddp_samples_per_s = window.samples_per_s
+    return reference, profiles
+
+
+def _pace(trial: Trial, wall_s: float, global_batch: int) -> Pace:
+    """The pace a run of the reference showed: its steady step and the rest of its wall
+    time (start-up, teardown)."""
+    train_s = trial.ends[-1] - trial.ends[0]
+    step_s = global_batch / trial.samples_per_s
+    return Pace(step_s, max(0.0, wall_s - train_s - step_s))
+
+
+def _sizes(args: argparse.Namespace) -> dict[str, int]:
+    return {"gradient_bytes": args.gradient_bytes, "num_nodes": args.num_nodes}
+
+
+def measure_rate(rate: float, args: argparse.Namespace, root: Path, profiles: Path) -> RateResult:
+    """One rate: the links, the plans, then per seed every row (rotated per seed: the
+    machine is noisy)."""
     work = root / f"rate-{rate:g}"
     work.mkdir(parents=True, exist_ok=True)
     islands = island_nodes(args.layout)
     names = [n for nodes in islands for n in nodes]
-    cpu = args.cpu_cores or min(0.9, 1.8 / len(names))
-    with NamespaceCluster(node_shapes(islands, rate, cpu), tag="hpsl", subnet=215) as cluster:
+    with _cluster(rate, args) as cluster:
         cluster_file = work / "cluster.yaml"
         text = cluster_yaml(cluster, "slow-links", rate, intra_island_pairs(islands))
         cluster_file.write_text(text)
-        console.print(
-            f"[bold]{rate:g} Mbit/s[/] between islands {' | '.join(map(' '.join, islands))}"
-        )
-        if profiles is None:
-            console.print(f"  profiling each node ({cpu:g} core)")
-            profiles = profile_nodes(cluster, MODEL, root)
-        console.print("  measuring the links (hplan bandwidth)")
+        say(f"[bold]{rate:g} Mbit/s[/] between islands {' | '.join(map(' '.join, islands))}")
+        say("  measuring the links (hplan bandwidth)")
         links = measure_links(cluster, cluster_file, work, PORT + 2)
-        solve = ["solve", str(MODEL.path), "-c", str(cluster_file), "-b", str(MODEL.global_batch)]
-        solve += ["--profile", str(profiles), "--bandwidth", str(links), "--master-port", str(PORT)]
-        solve += ["--max-stages", str(args.max_stages), "--seed", str(args.seed)]
-        runs = solve_modes(args.modes, solve, args.with_sync, work, args)
-        if not runs:
-            raise SystemExit("slow_links: no mode could be solved")
-        _horizon_note(runs, args)
-        baseline = runs[0].plan
-        assert baseline is not None
-        result = RateResult(rate, runs)
-        window, text = loss_window(None, args.steps, args.loss_steps)
-        splits = [plan_split(baseline, names), equal_split(MODEL.global_batch, len(names))]
-        for sizes in dict.fromkeys(s for s in splits if s is not None):
-            runs.append(
-                Run(
-                    f"DDP {':'.join(map(str, sizes))}", sizes=sizes, window=window, window_text=text
-                )
-            )
-        for r in range(args.rounds):
-            for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
-                console.print(f"  round {r + 1}: {run.label}")
-                _measure(cluster, run, args, work, f"{r}")
-    return result, profiles
-
-
-def _measure(
-    cluster: NamespaceCluster, run: Run, args: argparse.Namespace, work: Path, tag: str
-) -> None:
-    """One round of one run: its samples/s and its job loss per step."""
-    if run.plan_dir is not None:
-        records = run_launch_scripts(
-            cluster, run.plan_dir, MODEL, args.steps, work, f"{run.plan_dir.name}-r{tag}"
-        )
-        ends, losses = rank0_ends(records), job_losses(records)
-        run.breakdown = breakdown(records, args.warmup)
-    else:
-        name = f"{'-'.join(map(str, run.sizes))}-r{tag}"
-        ddp = run_ddp(
-            cluster, run.sizes, MODEL, args.steps, work, name, port=PORT + 1, seed=args.seed
-        )
-        ends, losses = ddp.end_unix_time_s, list(ddp.losses)
-    # the end of step warmup - 1 opens the window: whole rounds when H divides both
-    run.samples_per_s.append(throughput(ends, MODEL.global_batch, args.warmup - 1))
-    run.losses.append(losses)
-
-
-def _ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
-    return [a / b for a, b in zip(num, den, strict=True)]
-
-
-def rows(result: RateResult) -> list[dict[str, object]]:
-    """The table's and the JSON's figures of one rate, one dict per run."""
-    base = result.runs[0]
-    ddp = next((r for r in result.runs if r.plan_dir is None), None)
-    out = []
-    for run in result.runs:
-        loss = [mean_loss(lo, run.window) for lo in run.losses]
-        base_loss = [mean_loss(lo, run.window) for lo in base.losses]
-        out.append(
-            {
-                "run": run.label,
-                "sync": run.sync,
-                "samples_per_s": run.samples_per_s,
-                "vs_all_reduce": _ratios(run.samples_per_s, base.samples_per_s),
-                "vs_ddp": _ratios(run.samples_per_s, ddp.samples_per_s) if ddp else [],
-                "loss": loss,
-                "loss_vs_all_reduce": _ratios(loss, base_loss),
-                "loss_steps": run.window,
-                "loss_window": run.window_text,
-                "breakdown_ms": run.breakdown,
-                "notes": run.notes,
-            }
-        )
-    return out
-
-
-COLUMNS = (
-    "Mbit/s",
-    "run",
-    "sync",
-    "samples/s",
-    "x all_reduce",
-    "x DDP",
-    "loss",
-    "loss / all_reduce",
-    "loss over",
-)
-
-
-def _table_row(rate: float, row: dict) -> list[str]:
-    vs_ddp = median_range(row["vs_ddp"], "x") if row["vs_ddp"] else "-"
-    return [
-        f"{rate:g}",
-        row["run"],
-        row["sync"],
-        median_range(row["samples_per_s"], "", 1),
-        median_range(row["vs_all_reduce"], "x"),
-        vs_ddp,
-        median_range(row["loss"], "", 4),
-        median_range(row["loss_vs_all_reduce"], "", 4),
-        row["loss_window"],
-    ]
-
-
-def report(results: Sequence[RateResult], args: argparse.Namespace) -> None:
-    """The table, the plans' lines and the JSON line."""
-    samples = args.steps * MODEL.global_batch
-    title = (
-        f"Slow links: {MODEL.name}, N = {args.steps} steps x {MODEL.global_batch} = "
-        f"{samples} samples, seed {args.seed}, {args.rounds} rounds (median, range)"
-    )
-    out = table(title, list(COLUMNS))
-    for result in results:
-        for row in rows(result):
-            out.add_row(*_table_row(result.rate_mbit_per_s, row))
-    console.print(out)
-    num_params, num_bytes = gradient_bytes(MODEL)
-    console.print(
-        f"{MODEL.name} ({', '.join(f'{k}={v}' for k, v in MODEL.env.items())}): "
-        f"{num_params / 1e6:.2f} M parameters, {num_bytes / 1e6:.2f} MB of gradients "
-        "a synchronous step all-reduces"
-    )
-    for result in results:
-        console.print(f"[bold]{result.rate_mbit_per_s:g} Mbit/s[/]")
-        for run in result.runs:
-            for note in run.notes:
-                console.print(f"  {run.label}: {note}")
-    if args.json is None:
-        return
-    record = {
-        "benchmark": "slow_links",
-        "model": MODEL.name,
-        "model_env": MODEL.env,
-        "num_params": num_params,
-        "gradient_bytes": num_bytes,
-        "global_batch": MODEL.global_batch,
-        "steps": args.steps,
-        "samples": samples,
-        "seed": args.seed,
-        "warmup": args.warmup,
-        "rounds": args.rounds,
-        "layout": args.layout,
-        "max_stages": args.max_stages,
-        "sync_option": args.with_sync,
-        "rates": [{"rate_mbit_per_s": r.rate_mbit_per_s, "runs": rows(r)} for r in results],
-    }
-    args.json.write_text(json.dumps(record) + "\n")
+        solve = [*_solve_command(cluster_file, profiles, args), "--bandwidth", str(links)]
+        runs = solve_modes(solve, work, args)
+        rows = (sum(r.local for r in runs), len(runs) - sum(r.local for r in runs))
+        if any(m.sync == DDP for m in args.modes):
+            baseline = next((r.plan for r in runs if r.label.startswith("hplan all_reduce")), None)
+            splits = [plan_split(baseline, names) if baseline else None]
+            splits.append(equal_split(args.model.global_batch, len(names)))
+            for sizes in dict.fromkeys(s for s in splits if s is not None):
+                runs.append(Run(f"DDP {':'.join(map(str, sizes))}", sizes=sizes))
+                rows = (rows[0], rows[1] + 1)
+        seconds = rate_estimate_s(args, rate, rows, args.pace, **_sizes(args))
+        say(f"  {rows[0]} local rows, {rows[1]} synchronous: about {seconds / 60:.0f} min")
+        for i, seed in enumerate(args.seed_list):
+            for run in runs[i % len(runs) :] + runs[: i % len(runs)]:
+                steps = args.local_steps if run.local else args.warmup + args.window_steps
+                say(f"  seed {seed}: {run.label} ({run.sync}), {steps} steps")
+                run.trials[seed] = run_trial(cluster, run, seed, steps, work, args)
+    return RateResult(rate, runs)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="1000,100,20", help="Mbit/s between the islands")
+    parser.add_argument("--layout", choices=list(LAYOUTS), default="1+1+1", help="nodes per island")
+    parser.add_argument("--rates", default="100,20", help="Mbit/s between the islands")
     parser.add_argument(
         "--modes",
-        default="auto,local_sgd,async",
-        help=f"hplan solve --sync values, of {', '.join(MODES)} "
-        "(all_reduce, the reference, always runs)",
+        default=DEFAULT_MODES,
+        help=f"rows: {DDP} or SYNC[/WIRE], SYNC of {', '.join(SYNCS)}, WIRE of "
+        f"{', '.join(WIRES)} (hplan solve --sync SYNC --wire WIRE)",
     )
+    parser.add_argument("--samples", type=int, default=30_720, help="N, rounded up to whole steps")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=MODEL.global_batch,
+        help="samples per step (fewer: DDP more communication-bound, more steps to N)",
+    )
+    parser.add_argument(
+        "--slack", type=float, default=0.2, help="local rows train N x (1 + slack) samples"
+    )
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds")
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument(
+        "--loss-steps", type=int, default=16, help="steps a loss averages (whole rounds of H)"
+    )
+    parser.add_argument(
+        "--window-steps", type=int, default=24, help="steps a synchronous row's samples/s spans"
+    )
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of samples/s")
     parser.add_argument("--max-local-steps", type=int, help="hplan solve --max-local-steps")
     parser.add_argument(
         "--max-stages",
         type=int,
         default=1,
-        help="hplan solve --max-stages (1: data parallel across the islands, "
-        "what the sync modes are for)",
+        help="hplan solve --max-stages (1: data parallel across the islands)",
     )
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="1+1", help="nodes per island")
     parser.add_argument(
         "--cpu-cores", type=float, help="quota per node (default 1.8 / nodes, at most 0.9)"
     )
-    parser.add_argument("--steps", type=int, default=48)
-    parser.add_argument("--warmup", type=int, default=8, help="steps left out of samples/s")
-    parser.add_argument("--loss-steps", type=int, default=4, help="steps the final loss averages")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a quick check that every row runs; defaults "
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()),
+    )
     parser.add_argument("--json", type=Path, help="write the results as one JSON line here")
     parser.add_argument("--keep", type=Path, help="keep the work folder here")
     args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"--modes: unknown {', '.join(unknown)}; valid: {', '.join(MODES)}")
-    args.modes = ["all_reduce", *dict.fromkeys(m for m in modes if m != "all_reduce")]
-    if not 1 <= args.warmup < args.steps:
-        parser.error("--warmup must be at least 1 and below --steps")
+    try:
+        modes = [parse_mode(m) for m in args.modes.split(",") if m]
+    except ValueError as exc:
+        parser.error(f"--modes: {exc}")
+    args.modes = list(dict.fromkeys(sorted(modes, key=lambda m: m.sync != "all_reduce")))
+    args.model = dataclasses.replace(MODEL, global_batch=args.global_batch)
+    args.num_steps = math.ceil(args.samples / args.global_batch)
+    args.local_steps = math.ceil(args.num_steps * (1 + args.slack))
+    args.seed_list = list(range(args.seed, args.seed + args.seeds))
+    args.fast_mbit_per_s = FAST_MBIT_PER_S
+    if args.warmup < 1 or args.window_steps < 2:
+        parser.error("--warmup must be at least 1 and --window-steps at least 2")
+    if not 1 <= args.loss_steps <= args.num_steps:
+        parser.error(f"--loss-steps must be 1 to the {args.num_steps} steps of --samples")
+    if args.global_batch < sum(LAYOUTS[args.layout]):
+        parser.error(f"--global-batch must be at least one sample per node of {args.layout}")
+    if args.seeds < 1 or args.slack < 0:
+        parser.error("--seeds must be at least 1 and --slack at least 0")
     return args
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM ends the benchmark as an error does, so that the namespaces it made are
+    removed (a background process ignores SIGINT)."""
+    raise SystemExit(f"slow_links: stopped by signal {signum}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -492,25 +572,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     if missing:
         print(f"slow_links: skipped: {missing}")
         return
-    args.with_sync = solve_has_sync(clean_env({}))
-    if not args.with_sync:
-        dropped = [m for m in args.modes if m != "all_reduce"]
-        print(
-            "slow_links: this `hplan solve` has no --sync (the planner's sync modes are not "
-            "in it): solving without it, measuring all_reduce and DDP only"
-            + (f" ({', '.join(dropped)} left out)" if dropped else "")
-        )
-        args.modes = ["all_reduce"]
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    args.choices = solve_choices(clean_env({}))
+    args.skipped = []
+    for mode in list(args.modes):
+        why = unsupported(mode, args.choices)
+        if why is not None:
+            args.skipped.append(f"{mode.label}: {why}")
+            print(f"slow_links: {mode.label} skipped: {why}")
+            args.modes.remove(mode)
+    num_params, num_bytes = gradient_bytes(MODEL)
+    args.gradient_bytes = num_bytes
+    args.num_nodes = sum(LAYOUTS[args.layout])
+    args.pace = Pace(args.global_batch / REFERENCE_SAMPLES_PER_S, START_S)
+    seconds = estimate_s(args, _row_counts(args.modes), args.pace, **_sizes(args))
+    console.print(
+        f"slow_links: {args.layout} at {', '.join(f'{r:g}' for r in args.rates)} Mbit/s, "
+        f"rows {', '.join(m.label for m in args.modes)}, {len(args.seed_list)} seeds, "
+        f"N = {args.num_steps} steps x {args.global_batch}: about {seconds / 60:.0f} min "
+        "in all (estimated)"
+    )
     root = args.keep or Path(tempfile.mkdtemp(prefix="hplan-slow-"))
-    results, profiles = [], None
     try:
-        for rate in args.rates:
-            result, profiles = measure_rate(rate, args, root, profiles)
-            results.append(result)
+        reference, profiles = measure_reference(args, root)
+        results = [measure_rate(rate, args, root, profiles) for rate in args.rates]
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
-    report(results, args)
+    model = {
+        "name": MODEL.name,
+        "env": MODEL.env,
+        "num_params": num_params,
+        "gradient_bytes": num_bytes,
+    }
+    report(results, reference, args, model)
 
 
 if __name__ == "__main__":
