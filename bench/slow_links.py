@@ -532,6 +532,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a quick check that every row runs; defaults "
         + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()),
     )
+    parser.add_argument(
+        "--outer",
+        default="1,0",
+        help="the model file's OUTER_LR,OUTER_MOMENTUM (default 1,0: plain averaging; "
+        "0.7,0.9 is DiLoCo's, whose outer momentum costs loss at these H: "
+        "bench/outer_step_quality.py)",
+    )
     parser.add_argument("--json", type=Path, help="write the results as one JSON line here")
     parser.add_argument("--keep", type=Path, help="keep the work folder here")
     args = parser.parse_args(argv)
@@ -544,7 +551,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(f"--modes: {exc}")
     args.modes = list(dict.fromkeys(sorted(modes, key=lambda m: m.sync != "all_reduce")))
-    args.model = dataclasses.replace(MODEL, global_batch=args.global_batch)
+    outer_lr, _, outer_momentum = args.outer.partition(",")
+    outer = {"HPLAN_GPT_OUTER_LR": outer_lr, "HPLAN_GPT_OUTER_MOMENTUM": outer_momentum or "0"}
+    args.model = dataclasses.replace(
+        MODEL, env={**MODEL.env, **outer}, global_batch=args.global_batch
+    )
     args.num_steps = math.ceil(args.samples / args.global_batch)
     args.local_steps = math.ceil(args.num_steps * (1 + args.slack))
     args.seed_list = list(range(args.seed, args.seed + args.seeds))
@@ -601,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             shutil.rmtree(root, ignore_errors=True)
     model = {
         "name": MODEL.name,
-        "env": MODEL.env,
+        "env": args.model.env,
         "num_params": num_params,
         "gradient_bytes": num_bytes,
     }

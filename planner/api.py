@@ -162,8 +162,9 @@ class SolveRequest:
     """H at most under local sync (``--max-local-steps``)."""
     wire: WireRequest = WireRequest.AUTO
     """The pseudo-gradients' wire format, or ``auto`` per holder set (``--wire``)."""
-    max_overlap_steps: int = DEFAULT_MAX_OVERLAP_STEPS
-    """tau at most: inner steps an outer sync may travel behind (``--max-overlap-steps``)."""
+    max_overlap_steps: int | None = None
+    """tau at most: inner steps an outer sync may travel behind (``--max-overlap-steps``);
+    None: not given, ``DEFAULT_MAX_OVERLAP_STEPS`` (:attr:`overlap_bound`)."""
     recompute: Policy = Policy.AUTO
     """Which stages may recompute their activations."""
     zero: Policy = Policy.AUTO
@@ -189,6 +190,13 @@ class SolveRequest:
                 choices = ", ".join(m.value for m in kind)
                 option = "--" + name.replace("_", "-")
                 raise ConfigError(f"{option} {value!r} is not one of {choices}") from None
+
+    @property
+    def overlap_bound(self) -> int:
+        """tau at most (``--max-overlap-steps``, else its default)."""
+        if self.max_overlap_steps is None:
+            return DEFAULT_MAX_OVERLAP_STEPS
+        return self.max_overlap_steps
 
     def verify(self) -> None:
         """Check every option that can be checked without the model: ranges, micro-batch
@@ -216,7 +224,7 @@ class SolveRequest:
         if not 1 <= self.master_port <= 65534:
             raise ConfigError(f"--master-port {self.master_port} must be in 1..65534")
         _check_local_steps(self.max_local_steps)
-        _check_overlap_steps(self.max_overlap_steps, self.max_local_steps)
+        _check_sync_options(self.sync, self.wire, self.max_overlap_steps, self.max_local_steps)
         if self.tensor_parallel is Policy.ALWAYS and (
             Policy.ALWAYS in (self.zero, self.offload)
             or self.sync.local
@@ -283,12 +291,39 @@ def _check_local_steps(max_local_steps: int) -> None:
         )
 
 
-def _check_overlap_steps(max_overlap_steps: int, max_local_steps: int) -> None:
-    """``max_overlap_steps`` in 0..``max_local_steps - 1`` (a ConfigError otherwise)."""
+def _check_sync_options(
+    sync: SyncRequest, wire: WireRequest, max_overlap_steps: int | None, max_local_steps: int
+) -> None:
+    """Refuse ``--wire`` and ``--max-overlap-steps`` where ``--sync`` cannot use them, and a
+    bound outside 0..``max_local_steps - 1`` (``None``: not given).
+
+    Raises:
+        ConfigError: naming the options and the fix.
+    """
+    if wire is not WireRequest.AUTO and sync is SyncRequest.ALL_REDUCE:
+        raise ConfigError(
+            f"--wire {wire.value} is the format of pseudo-gradients across islands, and "
+            "--sync all_reduce sends none; drop --wire or choose --sync auto, local_sgd, "
+            "streaming or async"
+        )
+    if max_overlap_steps is None:
+        return
+    if sync not in (SyncRequest.AUTO, SyncRequest.STREAMING):
+        raise ConfigError(
+            f"--max-overlap-steps bounds the overlap of --sync streaming and auto; --sync "
+            f"{sync.value} does not overlap its outer sync (async: one round late); drop it "
+            "or choose --sync streaming"
+        )
     if not 0 <= max_overlap_steps < max(max_local_steps, 1):
         raise ConfigError(
             f"--max-overlap-steps {max_overlap_steps} must be in 0..{max_local_steps - 1} "
             "(inner steps an outer sync may travel behind, below --max-local-steps)"
+        )
+    if sync is SyncRequest.STREAMING and max_overlap_steps == 0:
+        raise ConfigError(
+            "--sync streaming overlaps its outer sync with at least one inner step; "
+            "--max-overlap-steps 0 would leave it blocking: give 1 or more, or use --sync "
+            "local_sgd"
         )
 
 
@@ -567,7 +602,7 @@ def _solve_options(request: SolveRequest) -> SolveOptions:
         sync=request.sync,
         max_local_steps=request.max_local_steps,
         wire=request.wire,
-        max_overlap_steps=request.max_overlap_steps,
+        max_overlap_steps=request.overlap_bound,
         zero=request.zero,
         offload=request.offload,
         tensor_parallel=request.tensor_parallel,

@@ -179,12 +179,13 @@ def replan_options(request: SolveRequest) -> tuple[str, ...]:
         "--sync", request.sync.value,
         "--max-local-steps", str(request.max_local_steps),
         "--wire", request.wire.value,
-        "--max-overlap-steps", str(request.max_overlap_steps),
         "--recompute", request.recompute.value,
         "--zero", request.zero.value,
         "--offload", request.offload.value,
         "--tensor-parallel", request.tensor_parallel.value,
     ]  # fmt: skip
+    if request.max_overlap_steps is not None:
+        options += ["--max-overlap-steps", str(request.max_overlap_steps)]
     if request.micro_batch_sizes:
         options += ["--micro-batch-sizes", ",".join(map(str, request.micro_batch_sizes))]
     return tuple(options)

@@ -7,6 +7,9 @@ file serves the demo, the tests and the benchmarks:
     HPLAN_GPT_LAYERS (4), HPLAN_GPT_WIDTH (64), HPLAN_GPT_HEADS (4), HPLAN_GPT_SEQ (64),
     HPLAN_GPT_VOCAB (256)
 
+and the outer optimizer of local SGD across islands: HPLAN_GPT_OUTER_LR (0.7) and
+HPLAN_GPT_OUTER_MOMENTUM (0.9), DiLoCo's; 1 and 0 are plain averaging.
+
 GPT-2 124M is LAYERS=12 WIDTH=768 HEADS=12 SEQ=1024 VOCAB=50257. The vocabulary is bytes
 (256 tokens) by default; dataset() trains on the text files shipped with hplan (the
 Markdown files at the top of the repository and the example model files, in windows that
@@ -25,6 +28,8 @@ from torch import nn
 
 VOCAB_SIZE = 256
 """The default vocabulary: bytes."""
+OUTER_LR = float(os.environ.get("HPLAN_GPT_OUTER_LR", "0.7"))
+OUTER_MOMENTUM = float(os.environ.get("HPLAN_GPT_OUTER_MOMENTUM", "0.9"))
 
 
 TP_PLAN = {

@@ -126,7 +126,7 @@ def replan(
     sync: SyncRequest,
     max_local_steps: int,
     wire: WireRequest,
-    max_overlap_steps: int,
+    max_overlap_steps: int | None,
     recompute: Policy,
     zero: Policy,
     offload: Policy,

@@ -110,10 +110,9 @@ wire_option = click.option(
 max_overlap_steps_option = click.option(
     "--max-overlap-steps",
     type=int,
-    default=DEFAULT_MAX_OVERLAP_STEPS,
-    show_default=True,
+    default=None,
     help="Most inner steps an overlapped outer sync may travel behind before it is applied "
-    "(its staleness; streaming and auto).",
+    f"(its staleness; --sync streaming and auto only)  [default: {DEFAULT_MAX_OVERLAP_STEPS}]",
 )
 
 
@@ -319,7 +318,7 @@ def solve_command(
     sync: SyncRequest,
     max_local_steps: int,
     wire: WireRequest,
-    max_overlap_steps: int,
+    max_overlap_steps: int | None,
     recompute: Policy,
     zero: Policy,
     offload: Policy,

@@ -521,13 +521,16 @@ def set_unit_bytes(
     problem: PlanningProblem, layout: Layout
 ) -> dict[tuple[int, ...], tuple[float, ...]]:
     """Holder set (sorted devices of the stages holding a unit) -> the gradient bytes of each
-    unit it holds (tied parameters not counted apart)."""
+    unit it holds, a tied parameter counted once, in its first unit (the runtime syncs it
+    once, as one piece of a fragment: ``holders.outer_fragments``)."""
     held: dict[int, list[int]] = {}
     for replica in layout.replicas:
         for stage in replica.stages:
             for u in range(stage.unit_start, stage.unit_stop):
                 held.setdefault(u, []).append(stage.device_idx)
-    grad = problem.grad_bytes_at(1)
+    grad = problem.grad_bytes_at(1).astype(float)
+    for tie in problem.tied_params:
+        grad[list(tie.units)[1:]] -= tie.num_bytes
     out: dict[tuple[int, ...], list[float]] = {}
     for u, devices in sorted(held.items()):
         out.setdefault(tuple(sorted(devices)), []).append(float(grad[u]))

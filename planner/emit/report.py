@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from hplan.planner.cost.evaluate import (
     candidate_index,
     evaluate,
     standalone_samples_per_s,
 )
-from hplan.planner.cost.layout import Layout, StageLayout
+from hplan.planner.cost.layout import GroupSync, Layout, StageLayout
 from hplan.planner.cost.microbatch import recomputed_forward_s, units_time_s
 from hplan.planner.cost.offload import device_offloads, stage_optimizer_time_s
 from hplan.planner.cost.problem import PlanningProblem
@@ -270,10 +271,22 @@ def sync_choice_reports(
             outer_sync_time_s=choice.outer_sync_time_s,
             exposed_time_per_step_s=choice.exposed_time_per_step_s,
             reason=choice.reason,
+            **_sync_fields(choice.sync),
         )
         for choice in group_choices(problem, layout, max_local_steps)
     )
     return tuple(sorted(reports, key=lambda r: r.ranks))
+
+
+def _sync_fields(how: GroupSync | None) -> dict[str, Any]:
+    """A choice's fragments, overlap and wire format (the defaults without one)."""
+    if how is None:
+        return {}
+    return {
+        "num_fragments": how.num_fragments,
+        "overlap_steps": how.overlap_steps,
+        "wire_dtype": how.wire_dtype,
+    }
 
 
 def idle_device_reports(

@@ -493,9 +493,12 @@ def _streaming_tail(
         f"fragment {format_seconds(largest_s)} behind {count(how.overlap_steps, 'step')} "
         f"({format_seconds(how.overlap_steps * inner_s)})"
     )
-    if exposed_s <= HIDDEN_SYNC_SHARE * inner_s * (1 + _EPS):
+    if exposed_s <= 0:
         return tail + ": hidden"
-    return tail + f": {format_seconds(exposed_s)} of each step is exposed"
+    exposed = f": {format_seconds(exposed_s)} of each step is exposed"
+    if exposed_s <= HIDDEN_SYNC_SHARE * inner_s * (1 + _EPS):
+        return tail + exposed + f" (under {percent(HIDDEN_SYNC_SHARE)}: counted as hidden)"
+    return tail + exposed
 
 
 def _tail(

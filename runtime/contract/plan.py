@@ -779,6 +779,10 @@ class SyncChoiceReport:
     """What the chosen mode adds to an average step."""
     reason: str
     """One line: why this mode and this H."""
+    num_fragments: Count = 1
+    overlap_steps: Index = 0
+    wire_dtype: PseudoGradientDtype = PseudoGradientDtype.FLOAT32
+    """The group's fragments, overlap and wire format (its ``OuterSyncSpec``'s)."""
 
 
 @record

@@ -11,8 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from hplan.planner.cost.evaluate import evaluate, outer_ring_times_s
+from hplan.planner.cost.evaluate import (
+    evaluate,
+    largest_unit_share,
+    outer_ring_times_s,
+    set_unit_bytes,
+)
 from hplan.planner.cost.layout import GroupSync, IslandSync, Layout, ReplicaLayout, StageLayout
+from hplan.planner.cost.problem import TiedParams
 from hplan.planner.cost.sync_cost import (
     CODEC_DECODE_S_PER_ELEMENT,
     CODEC_ENCODE_S_PER_ELEMENT,
@@ -189,6 +195,25 @@ def _pipeline_and_replica(fast: float, slow: float):  # type: ignore[no-untyped-
         sync=IslandSync(islands=(("a",), ("b",)), mode=SyncMode.LOCAL_SGD),
     )
     return problem, layout
+
+
+def test_a_tied_parameter_is_one_piece_of_its_set_counted_once() -> None:
+    """GPT-2's embedding, tied to its head: the runtime syncs it once, as one piece, so the
+    set's largest piece is its share of the bytes counted once (it was counted twice in the
+    total, and a fragment was costed smaller than the runtime's)."""
+    devices = [Dev("a", 1.0, 8 * GB), Dev("b", 1.0, 8 * GB)]
+    problem = make_problem(devices, unit_work=[0.01] * 3, global_batch_size=8, grad_bytes=1.0)
+    problem = replace(problem, tied_params=(TiedParams((0, 2), 2.0),))
+    grads = problem.grad_bytes_at(1).copy()
+    grads[[0, 2]] += 2.0  # each unit of a tie includes its bytes (TiedParams.num_bytes)
+    problem = replace(problem, grad_bytes=grads)
+    layout = Layout(
+        replicas=tuple(ReplicaLayout((StageLayout(d, 0, 3),), 4, 1, 4) for d in (0, 1)),
+        sync=IslandSync(islands=(("a",), ("b",)), mode=SyncMode.LOCAL_SGD),
+    )
+    (units,) = set_unit_bytes(problem, layout).values()
+    assert units == (3.0, 1.0, 1.0)
+    assert largest_unit_share(units) == pytest.approx(3 / 5)
 
 
 def test_two_sets_on_a_1_gbit_and_a_100_mbit_link_get_their_own_sync() -> None:

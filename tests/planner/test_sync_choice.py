@@ -257,6 +257,14 @@ def test_the_home_lab_trains_both_boxes_under_auto(tmp_path, capsys, monkeypatch
     assert all(
         c["mode"] == "local_sgd" and c["local_steps"] == sync.groups[0].local_steps for c in listed
     )
+    by_ranks = {g.ranks: g for g in sync.groups}
+    for c in listed:  # each set's fragments, overlap and wire, as its plan group has them
+        group = by_ranks[tuple(c["ranks"])]
+        assert (c["num_fragments"], c["overlap_steps"], c["wire_dtype"]) == (
+            group.num_fragments,
+            group.overlap_steps,
+            group.wire_dtype.value,
+        )
     assert any("sync auto chose local sync" in n for n in plan.report.notes)
     assert [c["reason"] for c in listed] == [c.reason for c in choices]
 
@@ -268,6 +276,20 @@ def test_the_home_lab_trains_both_boxes_under_auto(tmp_path, capsys, monkeypatch
         (["--max-local-steps", "0"], ["--max-local-steps 0 must be in 1..1000000"]),
         (["--wire", "int3"], ["'int3' is not one of", "hplan solve --help"]),
         (["--max-overlap-steps", "100"], ["--max-overlap-steps 100 must be in 0..99"]),
+        (
+            ["--wire", "int8", "--sync", "all_reduce"],
+            ["--wire int8 is the format of pseudo-gradients", "--sync all_reduce sends none"],
+        ),
+        (
+            ["--sync", "local_sgd", "--max-overlap-steps", "2"],
+            ["--max-overlap-steps bounds the overlap of --sync streaming and auto"],
+        ),
+        (
+            ["--sync", "streaming", "--max-overlap-steps", "0"],
+            ["--sync streaming overlaps its outer sync", "--sync local_sgd"],
+        ),
+        # the default bound (5) is no error where H may be at most 4
+        (["--sync", "async", "--max-local-steps", "4"], ["--sync async syncs islands of nodes"]),
         (["--sync", "streaming"], ["--sync streaming syncs islands of nodes", "has one node"]),
         (["-b", "1000000000000"], ["global batch size 1000000000000 is outside 1..1,073,741,824"]),
         (["--sync", "local_sgd"], ["--sync local_sgd syncs islands of nodes", "has one node"]),
