@@ -1,4 +1,4 @@
-"""Speed of the quantized pseudo-gradient codec (``runtime/executor/pseudo_gradient_codec.py``):
+"""Speed of the quantized pseudo-gradient codec (``runtime/executor/outer/pseudo_gradient_codec.py``):
 elements per second of one encode plus one decode of a large float32 tensor on the host, per
 quantized wire format, on one CPU thread (what a rank's outer sync spends per element on
 either side of the wire; the planner's cost model counts it).
@@ -15,7 +15,7 @@ import time
 import torch
 
 from hplan.runtime.contract.plan import PseudoGradientDtype
-from hplan.runtime.executor.pseudo_gradient_codec import decode, encode
+from hplan.runtime.executor.outer.pseudo_gradient_codec import decode, encode
 
 
 def seconds(

@@ -308,16 +308,16 @@ def _check_sync_options(
         )
     if max_overlap_steps is None:
         return
+    if not 0 <= max_overlap_steps < max(max_local_steps, 1):
+        raise ConfigError(
+            f"--max-overlap-steps {max_overlap_steps} must be in 0..{max_local_steps - 1} "
+            "(inner steps an outer sync may travel behind, below --max-local-steps)"
+        )
     if sync not in (SyncRequest.AUTO, SyncRequest.STREAMING):
         raise ConfigError(
             f"--max-overlap-steps bounds the overlap of --sync streaming and auto; --sync "
             f"{sync.value} does not overlap its outer sync (async: one round late); drop it "
             "or choose --sync streaming"
-        )
-    if not 0 <= max_overlap_steps < max(max_local_steps, 1):
-        raise ConfigError(
-            f"--max-overlap-steps {max_overlap_steps} must be in 0..{max_local_steps - 1} "
-            "(inner steps an outer sync may travel behind, below --max-local-steps)"
         )
     if sync is SyncRequest.STREAMING and max_overlap_steps == 0:
         raise ConfigError(

@@ -74,7 +74,7 @@ class ModelFile:
     """``OUTER_LR``: the learning rate of the outer optimizer of ``local_sgd`` and ``async``
     plans, ``torch.optim.SGD(lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=OUTER_MOMENTUM >
     0)`` over the global parameters, stepped on the islands' sample-weighted pseudo-gradients
-    (``executor/outer_sync.py``); 1 with momentum 0 is plain averaging."""
+    (``executor/outer/outer_sync.py``); 1 with momentum 0 is plain averaging."""
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
     """``OUTER_MOMENTUM``: the outer optimizer's Nesterov momentum (0: plain SGD)."""
     tp_plan: tuple[tuple[str, str], ...] | None = None

@@ -93,7 +93,7 @@ class StepMetrics:
     launch to the end of the schedule; outside the step's sum (0: none, or not recorded)."""
     outer_sync_time_s: float = 0.0
     """Waited for cross-island outer syncs (``local_sgd``, ``async``) after the optimizer
-    step (``executor/outer_sync.py``): exposed time, part of the step's sum; an ``async``
+    step (``executor/outer/outer_sync.py``): exposed time, part of the step's sum; an ``async``
     all-reduce running beside the steps counts only when a sync point waited for it (0:
     none, or not recorded)."""
     baseline_memory_bytes: int | None = None

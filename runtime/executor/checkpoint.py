@@ -42,7 +42,7 @@ from hplan.runtime.contract.errors import (
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.executor.memory.offload import OffloadedOptimizer
 from hplan.runtime.executor.memory.zero import ShardSync
-from hplan.runtime.executor.outer_sync import OuterSync
+from hplan.runtime.executor.outer.outer_sync import OuterSync
 
 if TYPE_CHECKING:
     # slow to import (DTensor, sympy): the scaler is built only for fp16 plans.

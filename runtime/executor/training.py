@@ -57,7 +57,7 @@ from hplan.runtime.executor.memory.zero import (
     gradient_holders,
     reduce_to_owners,
 )
-from hplan.runtime.executor.outer_sync import OuterSync, build_outer_sync
+from hplan.runtime.executor.outer.outer_sync import OuterSync, build_outer_sync
 from hplan.runtime.executor.pipeline import RankParts, StepRunner
 from hplan.runtime.executor.random_ops import DropoutOff
 from hplan.runtime.executor.rendezvous import barrier, join_elastic, rank_device, under_torchrun

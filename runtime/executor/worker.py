@@ -51,7 +51,7 @@ from hplan.runtime.executor.memory.tensor_parallel import (
     tp_rank_groups,
 )
 from hplan.runtime.executor.memory.zero import shard_optimizer
-from hplan.runtime.executor.outer_sync import check_verify
+from hplan.runtime.executor.outer.outer_sync import check_verify
 from hplan.runtime.executor.pipeline import RankParts, stage_label
 from hplan.runtime.executor.precision import configure_matmul_precision, loss_scaler
 from hplan.runtime.executor.rendezvous import (

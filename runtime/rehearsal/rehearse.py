@@ -50,7 +50,7 @@ from hplan.runtime.contract.metrics_file import (
 )
 from hplan.runtime.contract.plan import Plan
 from hplan.runtime.contract.timeline_file import check_trace_path, write_measured_trace
-from hplan.runtime.executor.outer_sync import check_verify
+from hplan.runtime.executor.outer.outer_sync import check_verify
 from hplan.runtime.executor.worker import check_graph_early, warn_if_model_changed
 from hplan.runtime.rehearsal.emulation import modelled_emulation, rank_speeds
 from hplan.runtime.rehearsal.launcher import ChildCommand, prepare_dir, run_children

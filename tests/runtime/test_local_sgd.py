@@ -340,7 +340,7 @@ FLOOR_S = 0.3
 
 def _floored_points(rank: int, port: int, out_dir: str, mode: str) -> None:
     from hplan.runtime.contract.plan import OuterSyncSpec
-    from hplan.runtime.executor.outer_sync import OuterFragment, OuterSync, _outer_optimizer
+    from hplan.runtime.executor.outer.outer_sync import OuterFragment, OuterSync, _outer_optimizer
 
     try:
         join_gloo(rank, port)

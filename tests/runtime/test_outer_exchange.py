@@ -35,8 +35,8 @@ from hplan.runtime.contract.holders import (
 )
 from hplan.runtime.contract.link_model import sync_order
 from hplan.runtime.contract.plan import Plan, PseudoGradientDtype, SyncMode, wire_payload_bytes
-from hplan.runtime.executor.outer_sync import build_outer_sync
-from hplan.runtime.executor.pseudo_gradient_codec import encode
+from hplan.runtime.executor.outer.outer_sync import build_outer_sync
+from hplan.runtime.executor.outer.pseudo_gradient_codec import encode
 from hplan.runtime.executor.seams import LinkDelay
 from tests.fixtures.processes import join_gloo
 from tests.fixtures.processes import run_ranks as run_processes

@@ -11,12 +11,12 @@ from hplan.runtime.contract.plan import (
     PseudoGradientDtype,
     wire_payload_bytes,
 )
-from hplan.runtime.executor.outer_exchange import (
+from hplan.runtime.executor.outer.outer_exchange import (
     QuantizedExchange,
     broadcast_floor_bytes,
     gather_floor_bytes,
 )
-from hplan.runtime.executor.pseudo_gradient_codec import decode, encode
+from hplan.runtime.executor.outer.pseudo_gradient_codec import decode, encode
 
 QUANTIZED = [w for w in PseudoGradientDtype if w.quantized]
 SIZES = [1, 2, 63, 64, 65, 129, 1000]

@@ -19,7 +19,11 @@ from torch import Tensor, nn
 from hplan.runtime.contract.errors import PeerFailureError, error_reason
 from hplan.runtime.contract.holders import applied_after, syncs_after
 from hplan.runtime.contract.plan import OuterSyncSpec
-from hplan.runtime.executor.outer_exchange import Pending, QuantizedExchange, hold_floor
+from hplan.runtime.executor.outer.outer_exchange import (
+    PendingExchange,
+    QuantizedExchange,
+    hold_floor,
+)
 
 __all__ = [
     "OuterFragment",
@@ -54,7 +58,7 @@ class OuterFragment:
     start: list[Tensor] = field(default_factory=list)
     """A (a delay of 1 step or more, ``OuterSyncSpec.delay_steps``): the local values when
     the pending average was launched (``async``: since the last launch), host float32."""
-    pending: Pending | None = None
+    pending: PendingExchange | None = None
     quantized: QuantizedExchange | None = None
     """The exchange of an ``int8`` or ``int4`` wire (None: a float wire)."""
 
@@ -94,7 +98,7 @@ def named_views(frag: OuterFragment, flat: Tensor) -> dict[str, Tensor]:
     return out
 
 
-def _launch(frag: OuterFragment, deltas: Sequence[Tensor]) -> Pending:
+def _launch(frag: OuterFragment, deltas: Sequence[Tensor]) -> PendingExchange:
     """Start the exchange of this island's pseudo-gradients (host float32, by parameter):
     a float wire's weighted SUM all-reduce over the holder set, or a quantized one
     (``outer_exchange.QuantizedExchange``)."""
@@ -110,10 +114,10 @@ def _launch(frag: OuterFragment, deltas: Sequence[Tensor]) -> Pending:
     except RuntimeError as exc:
         raise _failure(frag, exc) from None
     assert work is not None
-    return Pending(launched_s, work, [flat])
+    return PendingExchange(launched_s, work, [flat])
 
 
-def arrive(frag: OuterFragment, pending: Pending) -> None:
+def arrive(frag: OuterFragment, pending: PendingExchange) -> None:
     """Wait for ``pending`` (and its emulated floors); its ``average`` is then set."""
     if pending.average is not None:
         return
@@ -132,7 +136,7 @@ def arrive(frag: OuterFragment, pending: Pending) -> None:
     pending.buffers = []
 
 
-def _apply(frag: OuterFragment, pending: Pending) -> None:
+def _apply(frag: OuterFragment, pending: PendingExchange) -> None:
     """G ← outer(G, average of ``pending``)."""
     arrive(frag, pending)
     assert pending.average is not None

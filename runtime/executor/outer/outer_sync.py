@@ -51,13 +51,13 @@ from hplan.runtime.contract.plan import (
     wire_payload_bytes,
 )
 from hplan.runtime.executor.grad_sync import new_group
-from hplan.runtime.executor.outer_exchange import (
-    Pending,
+from hplan.runtime.executor.outer.outer_exchange import (
+    PendingExchange,
     QuantizedExchange,
     broadcast_floor_bytes,
     gather_floor_bytes,
 )
-from hplan.runtime.executor.outer_fragment import (
+from hplan.runtime.executor.outer.outer_fragment import (
     OuterFragment,
     arrive,
     close_fragment,
@@ -215,7 +215,7 @@ class OuterSync:
         for frag in self.fragments:
             if frag.pending_at(steps_done):
                 flat = torch.cat([shared["pending"][n].reshape(-1) for n in frag.names])
-                frag.pending = Pending(time.monotonic(), None, [], average=flat)
+                frag.pending = PendingExchange(time.monotonic(), None, [], average=flat)
 
     def restart(self) -> None:
         """Start the outer state again from the parameters (G = A = L, no momentum, no

@@ -7,7 +7,7 @@ through :class:`QuantizedExchange`: every holder of an island quantizes the same
 weighted pseudo-gradient plus its residual, ``pseudo_gradient_codec.py``), so that all keep
 the same residual; the island's lowest holder (its *lead*) all-gathers the payloads with the
 other islands' leads, decodes them and sums them in float32 in island order; at the apply
-point it broadcasts the sum to its island's other holders. A :class:`Pending` is one
+point it broadcasts the sum to its island's other holders. A :class:`PendingExchange` is one
 exchange's state between its launch and its arrival. In a rehearsal each collective lasts at
 least its floor (:func:`hold_floor`), counted from when its last member started it.
 """
@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hplan.runtime.contract.plan import PseudoGradientDtype
-from hplan.runtime.executor.pseudo_gradient_codec import decode, encode
+from hplan.runtime.executor.outer.pseudo_gradient_codec import decode, encode
 
 __all__ = [
-    "Pending",
+    "PendingExchange",
     "QuantizedExchange",
     "broadcast_floor_bytes",
     "gather_floor_bytes",
@@ -34,7 +34,7 @@ __all__ = [
 
 
 @dataclass
-class Pending:
+class PendingExchange:
     """An outer exchange launched and not yet applied."""
 
     launched_s: float
@@ -100,7 +100,7 @@ class QuantizedExchange:
     residual: Tensor
     """``(n,)`` host float32: what the rounding lost so far, added to the next value."""
 
-    def launch(self, deltas: Tensor, device: torch.device) -> Pending:
+    def launch(self, deltas: Tensor, device: torch.device) -> PendingExchange:
         """Quantize ``weight * deltas + residual`` (``deltas``: ``(n,)`` host float32, this
         island's pseudo-gradient), keep what the rounding lost as the residual and, on a
         lead, start the all-gather of the payloads (not waited for)."""
@@ -109,14 +109,14 @@ class QuantizedExchange:
         self.residual.copy_(value - encoded.decoded)
         launched_s = time.monotonic()
         if self.leads is None:
-            return Pending(launched_s, None, [])
+            return PendingExchange(launched_s, None, [])
         payload = encoded.payload.to(device)
         gathered = [torch.empty_like(payload) for _ in range(self.num_leads)]
         work = dist.all_gather(gathered, payload, group=self.leads, async_op=True)
         assert work is not None
-        return Pending(launched_s, work, gathered)
+        return PendingExchange(launched_s, work, gathered)
 
-    def arrive(self, pending: Pending, num_elements: int, device: torch.device) -> Tensor:
+    def arrive(self, pending: PendingExchange, num_elements: int, device: torch.device) -> Tensor:
         """Wait for ``pending``: a lead decodes the payloads and sums them in float32 in
         island order; the sum then goes to the island's other holders. Returns the
         ``(num_elements,)`` host float32 average.
